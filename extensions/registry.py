@@ -1,0 +1,185 @@
+"""Registry of transforms by name, descriptor parsing and the encode/decode chains."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from importlib import metadata as importlib_metadata
+from typing import IO, Any, TypeVar
+
+from extensions.base import ItemInfo, StreamTransformExtension
+from extensions.errors import CheckpointStorageError, UnknownTransformError
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "dcp_storage.transforms"
+T = TypeVar("T", bound=type)
+
+
+def parse_descriptor(descriptor: str) -> tuple[str, str]:
+    """Split ``"name/version[;config]"`` into ``(name, "version[;config]")``."""
+    name, _, version = descriptor.partition("/")
+    return name, version
+
+
+class ExtensionRegistry:
+    """Maps registry names to transform classes.
+
+    A new registry holds the built-ins (``stream.zstd``, encryption, byte-shuffle) plus
+    everything registered globally with :func:`register` or advertised by installed
+    packages under the ``dcp_storage.transforms`` entry-point group. Registering a
+    different class under a name that is taken raises ``ValueError``.
+    """
+
+    def __init__(self, transforms: Iterable[type] | None = None) -> None:
+        self._classes: dict[str, type] = dict(_default_classes())
+        for cls in transforms or ():
+            self.register(cls)
+
+    def register(self, cls: T) -> T:
+        name = cls.registry_name()  # type: ignore[attr-defined]
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"transform {cls.__qualname__} has an invalid registry_name {name!r}")
+        existing = self._classes.get(name)
+        if existing is not None and existing is not cls:
+            raise ValueError(
+                f"transform name {name!r} is already registered to "
+                f"{existing.__module__}.{existing.__qualname__}; pick a namespaced name "
+                "such as 'yourorg.codec'"
+            )
+        self._classes[name] = cls
+        return cls
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def get(self, name: str) -> type:
+        try:
+            return self._classes[name]
+        except KeyError:
+            raise UnknownTransformError(
+                f"unknown transform {name!r}; registered: {', '.join(self.names())}. "
+                "Register it with extensions.register(YourTransform) or pass "
+                "registry=ExtensionRegistry([YourTransform]) to the reader."
+            ) from None
+
+    def decoder(self, descriptor: str, item: ItemInfo | None = None) -> Any:
+        """Build the transform that decodes one descriptor of ``item``."""
+        name, version = parse_descriptor(descriptor)
+        cls = self.get(name)
+        info = item or ItemInfo()
+        try:
+            if issubclass(cls, StreamTransformExtension):
+                return cls.decoder_for(version, info)
+            return cls.from_descriptor(version)  # type: ignore[attr-defined]
+        except CheckpointStorageError:
+            raise
+        except (ValueError, KeyError) as exc:
+            raise UnknownTransformError(
+                f"{info.checkpoint}: item {info.item!r}: cannot decode descriptor "
+                f"{descriptor!r}: {exc}. A newer dcp-storage or the transform's plugin may be needed."
+            ) from exc
+
+    def from_descriptor_list(self, descriptors: Sequence[str]) -> list[Any]:
+        """torch-compatible: one transform per descriptor, in the given order."""
+        return [self.decoder(d) for d in descriptors]
+
+    def decoding_stream(
+        self, descriptors: Sequence[str], raw: IO[bytes], item: ItemInfo
+    ) -> IO[bytes]:
+        """Wrap ``raw`` (stored bytes) so reading it yields the original bytes.
+
+        ``descriptors`` are in the stored (application) order; decoding undoes them in
+        reverse, so the last transform applied is the first one removed.
+        """
+        stream = raw
+        for descriptor in reversed(descriptors):
+            transform = self.decoder(descriptor, item)
+            decode = getattr(transform, "decode", None)
+            stream = decode(stream, item) if decode else transform.transform_from(stream)
+        return stream
+
+
+def encoding_stream(
+    transforms: Sequence[Any], output: IO[bytes], item: ItemInfo
+) -> tuple[IO[bytes], list[str]]:
+    """Chain ``transforms`` (application order) in front of ``output``.
+
+    Returns the writer to write plain bytes into and the descriptors to record, in
+    application order. Closing the writer closes every stage, outermost first.
+    """
+    stream = output
+    descriptors: list[str] = []
+    for transform in reversed(transforms):
+        encode = getattr(transform, "encode", None)
+        stream = encode(stream, item) if encode else transform.transform_to(stream)
+    for transform in transforms:
+        describe = getattr(transform, "descriptor_for", None)
+        descriptors.append(describe(item) if describe else transform.get_descriptor())
+    return stream, descriptors
+
+
+_global: dict[str, type] = {}
+_lock = threading.Lock()
+_entry_points_loaded = False
+
+
+def register(cls: T) -> T:
+    """Register ``cls`` for every reader in this process; usable as a decorator."""
+    name = cls.registry_name()  # type: ignore[attr-defined]
+    with _lock:
+        existing = _global.get(name) or _builtin_classes().get(name)
+        if existing is not None and existing is not cls:
+            raise ValueError(
+                f"transform name {name!r} is already registered to "
+                f"{existing.__module__}.{existing.__qualname__}; pick a namespaced name "
+                "such as 'yourorg.codec'"
+            )
+        _global[name] = cls
+    return cls
+
+
+def _builtin_classes() -> dict[str, type]:
+    from extensions.zstd import ZStandard
+
+    classes: list[type] = [ZStandard]
+    try:
+        from extensions.encryption import AES256GCM
+
+        classes.append(AES256GCM)
+    except ImportError:  # the cryptography package is optional until used
+        pass
+    try:
+        from extensions.shuffle import ByteShuffle
+
+        classes.append(ByteShuffle)
+    except ImportError:
+        pass
+    return {c.registry_name(): c for c in classes}  # type: ignore[attr-defined]
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    with _lock:
+        if _entry_points_loaded:
+            return
+        _entry_points_loaded = True
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            cls = ep.load()
+        except Exception as exc:  # a broken plugin must not break loading others
+            log.warning("cannot load transform plugin %s: %s", ep.value, exc)
+            continue
+        try:
+            register(cls)
+        except ValueError as exc:
+            log.warning("transform plugin %s ignored: %s", ep.value, exc)
+
+
+def _default_classes() -> dict[str, type]:
+    _load_entry_points()
+    classes = _builtin_classes()
+    with _lock:
+        classes.update(_global)
+    return classes

@@ -1,0 +1,5 @@
+import sys
+
+from storage.cli import main
+
+sys.exit(main())

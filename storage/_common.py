@@ -1,0 +1,113 @@
+"""Small pieces shared by the writer and the reader."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import IO, Any
+
+import crc32c
+import torch
+
+from storage.base import FileSystemBase
+from storage.registry import filesystem_from_url
+
+
+def default_thread_count(fs: FileSystemBase) -> int:
+    return max(1, fs.io_concurrency)
+
+
+def check_thread_count(thread_count: object) -> int | None:
+    if thread_count is None:
+        return None
+    if not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1:
+        raise TypeError(f"thread_count must be an int >= 1, got {thread_count!r}")
+    return thread_count
+
+
+def resolve_location(
+    location: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None,
+    filesystem: FileSystemBase | None,
+) -> tuple[FileSystemBase, str]:
+    if filesystem is not None:
+        if not isinstance(filesystem, FileSystemBase):
+            raise TypeError(f"filesystem must be a storage.FileSystemBase, got {filesystem!r}")
+        return filesystem, filesystem.init_path(location)
+    return filesystem_from_url(location, storage_options)
+
+
+class Crc32cSink(io.RawIOBase):
+    """Forwards writes to ``out`` while counting them and computing their CRC32C.
+
+    ``close`` only flushes ``out``: transforms may close what they wrap (as torch's
+    ``NoCloseWriter``), and the data file stays open for the next item."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        super().__init__()
+        self._out = out
+        self.count = 0
+        self.crc = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._out.write(view)
+        self.crc = crc32c.crc32c(view, self.crc)
+        self.count += view.nbytes
+        return view.nbytes
+
+    def close(self) -> None:
+        if not self.closed:
+            self._out.flush()
+        super().close()
+
+
+class Crc32cReader(io.RawIOBase):
+    """Reads from ``base`` while computing the CRC32C and count of what went by."""
+
+    def __init__(self, base: IO[bytes]) -> None:
+        super().__init__()
+        self._base = base
+        self.count = 0
+        self.crc = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = self._base.readinto(view) or 0  # type: ignore[attr-defined]
+        if n:
+            self.crc = crc32c.crc32c(view[:n], self.crc)
+            self.count += n
+        return n
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def readinto_exact(stream: IO[bytes], view: memoryview) -> int:
+    """Fill ``view`` from ``stream``; returns how many bytes arrived (short at EOF)."""
+    got = 0
+    total = len(view)
+    readinto = getattr(stream, "readinto", None)
+    while got < total:
+        if readinto is not None:
+            n = readinto(view[got:])
+        else:
+            chunk = stream.read(total - got)
+            n = len(chunk)
+            view[got : got + n] = chunk
+        if not n:
+            break
+        got += n
+    return got

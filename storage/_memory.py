@@ -1,0 +1,107 @@
+"""In-memory backend: the reference behaviour for tests, with object-store semantics."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import posixpath
+import threading
+from collections.abc import Iterator
+from typing import IO
+
+from storage.base import FileSystemBase
+
+
+class MemoryFileSystem(FileSystemBase):
+    """Objects in a dict, keyed by ``/``-separated path; shared by copies of one instance.
+
+    Like an object store it has no real directories (``mkdir`` only records a marker so
+    ``exists`` and ``ls`` see empty prefixes) and no rename. Pickling keeps the
+    contents, so a pickled copy sees what was written before."""
+
+    def __init__(self, *, storage_options: dict[str, object] | None = None) -> None:
+        super().__init__()
+        self.objects: dict[str, bytes] = {}
+        self.dirs: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        text = os.fspath(path)
+        for prefix in ("dcpmem://", "/"):
+            if text.startswith(prefix):
+                text = text[len(prefix) :]
+        return text.rstrip("/")
+
+    def concat_path(self, path: str, suffix: str) -> str:
+        return posixpath.join(path, suffix) if path else suffix
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        if mode == "rb":
+            with self._lock:
+                if path not in self.objects:
+                    raise FileNotFoundError(path)
+                data = self.objects[path]
+            yield io.BytesIO(data)
+            return
+        if mode != "wb":
+            raise ValueError(f"unsupported mode {mode!r}: use 'rb' or 'wb'")
+        buffer = io.BytesIO()
+        yield buffer
+        with self._lock:
+            self.objects[path] = buffer.getvalue()
+
+    def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        with self._lock:
+            if exclusive and path in self.objects:
+                raise FileExistsError(path)
+            self.objects[path] = bytes(data)
+
+    def size(self, path: str) -> int:
+        with self._lock:
+            if path not in self.objects:
+                raise FileNotFoundError(path)
+            return len(self.objects[path])
+
+    def exists(self, path: str) -> bool:
+        with self._lock:
+            return path in self.objects or self._is_dir(path)
+
+    def _is_dir(self, path: str) -> bool:
+        prefix = path.rstrip("/") + "/" if path else ""
+        return path in self.dirs or any(k.startswith(prefix) for k in self.objects)
+
+    def rm_file(self, path: str) -> None:
+        with self._lock:
+            if self.objects.pop(path, None) is None:
+                raise FileNotFoundError(path)
+
+    def ls(self, path: str) -> list[str]:
+        prefix = path.rstrip("/") + "/" if path else ""
+        with self._lock:
+            names = {k[len(prefix) :].split("/", 1)[0] for k in self.objects if k.startswith(prefix)}
+            names |= {d[len(prefix) :].split("/", 1)[0] for d in self.dirs if d.startswith(prefix)}
+            if not names and not self._is_dir(path):
+                raise FileNotFoundError(path)
+        return sorted(n for n in names if n)
+
+    def mkdir(self, path: str) -> None:
+        with self._lock:
+            self.dirs.add(path.rstrip("/"))
+
+    def rm_dir(self, path: str) -> None:
+        with self._lock:
+            self.dirs.discard(path.rstrip("/"))
+
+    def url(self, path: str) -> str:
+        return f"dcpmem://{path}"

@@ -1,0 +1,106 @@
+"""One-call helpers: ``save``, ``load`` and ``async_save``.
+
+Unlike ``dcp.save``/``dcp.load``, which wrap every storage error in
+``CheckpointException`` (a ``BaseException`` carrying the real error as text), these
+raise the real error: ``FileNotFoundError``, ``IntegrityError``, ... with its message.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from extensions.base import Keys
+from extensions.registry import ExtensionRegistry
+from storage.reader import CheckpointReader
+from storage.writer import CheckpointWriter
+
+
+def unwrap_checkpoint_exception(exc: CheckpointException) -> BaseException:
+    """The first rank's real error inside a ``CheckpointException`` (or ``exc``)."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank in sorted(failures):
+        failure = failures[rank]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
+
+
+def save(
+    state_dict: dict[str, Any],
+    url: str | os.PathLike[str],
+    *,
+    transforms: Sequence[Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    **writer_options: Any,
+) -> None:
+    """Save ``state_dict`` to ``url`` (a path or URL) with :class:`CheckpointWriter`.
+
+    ``writer_options`` are the writer's keyword options (``overwrite``,
+    ``thread_count``, ...). Runs collectively when a process group is initialized."""
+    writer = CheckpointWriter(
+        url, transforms=transforms, storage_options=storage_options, **writer_options
+    )
+    try:
+        dcp.save(state_dict, storage_writer=writer)
+    except CheckpointException as exc:
+        raise unwrap_checkpoint_exception(exc) from None
+
+
+def load(
+    state_dict: dict[str, Any],
+    url: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    keys: Keys | None = None,
+    registry: ExtensionRegistry | None = None,
+    **reader_options: Any,
+) -> None:
+    """Load the checkpoint at ``url`` into ``state_dict`` in place."""
+    reader = CheckpointReader(
+        url, storage_options=storage_options, keys=keys, registry=registry, **reader_options
+    )
+    try:
+        dcp.load(state_dict, storage_reader=reader)
+    except CheckpointException as exc:
+        raise unwrap_checkpoint_exception(exc) from None
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    url: str | os.PathLike[str],
+    *,
+    transforms: Sequence[Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    **writer_options: Any,
+) -> Future[None]:
+    """Stage ``state_dict`` to CPU memory now and save it in the background.
+
+    Returns a ``concurrent.futures.Future`` that resolves to ``None`` once the
+    checkpoint is committed, or raises the real error. The caller may change its
+    tensors as soon as this returns."""
+    writer = CheckpointWriter(
+        url, transforms=transforms, storage_options=storage_options, **writer_options
+    )
+    inner = dcp.async_save(state_dict, storage_writer=writer)
+    upload = getattr(inner, "upload_completion", inner)
+    outer: Future[None] = Future()
+
+    def done(fut: Any) -> None:
+        try:
+            fut.result()
+        except CheckpointException as exc:
+            outer.set_exception(unwrap_checkpoint_exception(exc))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            outer.set_exception(exc)
+        else:
+            outer.set_result(None)
+
+    upload.add_done_callback(done)
+    return outer

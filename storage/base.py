@@ -1,0 +1,132 @@
+"""``FileSystemBase``: the contract every storage backend implements.
+
+Method names follow torch's ``torch.distributed.checkpoint.filesystem.FileSystemBase``
+(``create_stream``, ``concat_path``, ``rename``, ``init_path``, ``mkdir``,
+``validate_checkpoint_id``, ``exists``, ``rm_file``, ``ls``); the rest is what a
+checkpoint reader and a safe commit need. Paths are strings in the backend's own form
+(an absolute local path, ``bucket/key`` for object stores) as returned by
+:meth:`init_path` and :meth:`concat_path`.
+
+Semantics every backend guarantees (checked by ``storage.testing.FileSystemTests``):
+
+* Reading a missing path raises ``FileNotFoundError``; so do ``rm_file``, ``size``
+  and ``ls`` of a missing path.
+* Writing creates missing parent directories (where directories exist at all).
+* ``create_stream(path, "wb")`` makes the object visible whole or not at all on object
+  stores; on any backend, an exception inside the ``with`` block removes what was
+  written, so a failed write leaves nothing behind. ``sync=True`` makes the bytes
+  durable before the block exits (fsync on local disk; a completed upload elsewhere).
+* ``open_slice(path, offset, length)`` reads only ``[offset, offset + length)``: it
+  never returns a byte outside that range, and a read that runs past the end of the
+  object returns fewer bytes (the caller reports truncation).
+* ``write_atomic`` publishes small objects (metadata) atomically; with
+  ``exclusive=True`` it fails with ``FileExistsError`` if the path already exists,
+  using the store's conditional create where it has one.
+* ``rename`` exists only where it is atomic (``atomic_rename``); the commit protocol
+  never needs it.
+* A backend is picklable (process-based async save ships it to another process).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import IO, Any, ClassVar
+
+from storage.views import SliceView
+
+
+class FileSystemBase(abc.ABC):
+    """The storage backend contract; see the module docstring."""
+
+    #: ``rename`` is atomic and cheap on this backend.
+    atomic_rename: ClassVar[bool] = False
+    #: Concurrent requests that pay off on this backend (reads and uploads).
+    io_concurrency: int = max(2, min(8, os.cpu_count() or 2))
+
+    def __init__(self, *, storage_options: dict[str, Any] | None = None) -> None:
+        self.storage_options = dict(storage_options or {})
+
+    @abc.abstractmethod
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        """Normalise a user path or URL into this backend's path form."""
+
+    @abc.abstractmethod
+    def concat_path(self, path: str, suffix: str) -> str:
+        """Join ``suffix`` (a name, never absolute) under ``path``."""
+
+    @abc.abstractmethod
+    def create_stream(
+        self, path: str, mode: str, *, sync: bool = False
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """Open ``path`` for ``"rb"`` or ``"wb"`` (see the module docstring)."""
+
+    def open_slice(
+        self, path: str, offset: int, length: int
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """A readable, seekable view of ``[offset, offset + length)`` of ``path``.
+
+        Backends with ranged requests override this to fetch only that range."""
+        return self._slice_of_stream(path, offset, length)
+
+    @contextlib.contextmanager
+    def _slice_of_stream(self, path: str, offset: int, length: int) -> Iterator[IO[bytes]]:
+        with self.create_stream(path, "rb") as stream:
+            yield SliceView(stream, offset, length)
+
+    def read_bytes(self, path: str) -> bytes:
+        """The whole content of ``path``."""
+        with self.create_stream(path, "rb") as stream:
+            return stream.read()
+
+    def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Publish ``data`` at ``path`` whole or not at all, durably.
+
+        The default writes through ``create_stream`` (atomic on object stores); with
+        ``exclusive`` it checks ``exists`` first, which is only as good as the store's
+        consistency. Backends with a conditional create override this."""
+        if exclusive and self.exists(path):
+            raise FileExistsError(path)
+        with self.create_stream(path, "wb", sync=True) as stream:
+            stream.write(data)
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Size in bytes of the object at ``path``."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def rm_file(self, path: str) -> None:
+        """Delete one object; ``FileNotFoundError`` if it does not exist."""
+
+    @abc.abstractmethod
+    def ls(self, path: str) -> list[str]:
+        """Sorted names (not paths) directly under ``path``, directories included."""
+
+    def mkdir(self, path: str) -> None:
+        """Create ``path`` and its parents if the backend has directories."""
+
+    def rm_dir(self, path: str) -> None:
+        """Remove ``path`` if it is an empty directory; a no-op where there are none."""
+
+    def sync_dir(self, path: str) -> None:
+        """Make the names of files written under ``path`` durable (local fsync)."""
+
+    def rename(self, path: str, new_path: str) -> None:
+        """Atomic rename; only on backends with ``atomic_rename``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no atomic rename; the commit protocol does not need one"
+        )
+
+    def url(self, path: str) -> str:
+        """``path`` as the user would write it, for messages."""
+        return path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether this backend handles ``checkpoint_id`` (torch's auto-selection hook)."""
+        return False

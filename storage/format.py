@@ -1,0 +1,205 @@
+"""On-storage format: names, metadata (de)serialization, safe loading, item facts.
+
+The format is stock DCP's: data files hold items back to back (each a ``torch.save``
+archive for tensors, raw bytes for other objects, passed through the item's transform
+chain) and ``.metadata`` is a pickled ``torch.distributed.checkpoint.Metadata``. Our
+extra facts ride along where stock torch ignores them:
+
+* ``Metadata.dcp_storage`` = ``{"format": FORMAT_VERSION}``;
+* each ``_StorageInfo.dcp_storage`` = ``{"crc32c": int}`` (checksum of the stored
+  bytes) plus, for tensors, ``"data_offset"``: where the tensor's raw bytes start in
+  the decoded item, which lets a reader decode straight into the target tensor.
+
+Loading never executes code from the checkpoint: the metadata unpickler only builds
+torch's metadata classes and plain data, and every ``relative_path`` must name a file
+directly inside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from extensions.errors import UnsafeCheckpointError
+
+FORMAT_VERSION = 1
+METADATA_NAME = ".metadata"
+DATA_SUFFIX = ".distcp"
+EXTRA = "dcp_storage"  # attribute name on Metadata and _StorageInfo
+
+
+def metadata_name(rank: int | None = None) -> str:
+    """``.metadata``, or ``__{rank}.metadata`` for saves with ``use_collectives=False``."""
+    return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+def data_file_name(rank: int, number: int, save_id: str) -> str:
+    """``__{rank}_{n}-{save_id}.distcp``: unique per save, so an overwrite never
+    writes into a file that the committed metadata points at."""
+    return f"__{rank}_{number}-{save_id}{DATA_SUFFIX}"
+
+
+def item_label(index: MetadataIndex) -> str:
+    if index.offset is not None and any(index.offset):
+        return f"{index.fqn}@{list(index.offset)}"
+    return index.fqn
+
+
+def item_extra(info: Any) -> dict[str, Any]:
+    extra = getattr(info, EXTRA, None)
+    return extra if isinstance(extra, dict) else {}
+
+
+def new_storage_info(
+    relative_path: str,
+    offset: int,
+    length: int,
+    descriptors: list[str],
+    extra: dict[str, Any],
+) -> _StorageInfo:
+    # torch leaves transform_descriptors out when empty; so do we (older readers).
+    info = _StorageInfo(relative_path, offset, length, descriptors or None)
+    setattr(info, EXTRA, extra)
+    return info
+
+
+def dump_metadata(metadata: Metadata) -> bytes:
+    setattr(metadata, EXTRA, {"format": FORMAT_VERSION})
+    return pickle.dumps(metadata)
+
+
+# --- safe loading -------------------------------------------------------------------
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED: dict[str, set[str]] = {
+    _DCP_METADATA: {
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "complex"},
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file: IO[bytes], where: str) -> None:
+        super().__init__(file)
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self._where}: metadata refers to {module}.{name}, which is not a DCP metadata "
+            "class or plain data; refusing to load it (it could run code). Only load "
+            "checkpoints from sources you trust, and re-save this one with dcp-storage or stock DCP."
+        )
+
+
+def load_metadata(data: bytes, where: str) -> Metadata:
+    """Unpickle ``.metadata`` safely and check every path it names."""
+    try:
+        metadata = _RestrictedUnpickler(io.BytesIO(data), where).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:
+        raise UnsafeCheckpointError(
+            f"{where}: metadata is not a readable DCP metadata file ({exc}); "
+            "the checkpoint is damaged or was not written by DCP"
+        ) from exc
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(
+            f"{where}: metadata holds a {type(metadata).__name__}, not DCP Metadata"
+        )
+    for index, info in (metadata.storage_data or {}).items():
+        path = getattr(info, "relative_path", None)
+        check_relative_path(path, where, item_label(index) if isinstance(index, MetadataIndex) else str(index))
+    return metadata
+
+
+def check_relative_path(path: object, where: str, item: str) -> None:
+    """Refuse anything but a plain file name inside the checkpoint."""
+    ok = (
+        isinstance(path, str)
+        and path not in ("", ".", "..")
+        and "/" not in path
+        and "\\" not in path
+        and ":" not in path
+        and "\x00" not in path
+    )
+    if not ok:
+        raise UnsafeCheckpointError(
+            f"{where}: item {item!r} points at {path!r}, which is not a file inside the "
+            "checkpoint (absolute paths, '..', sub-directories and URLs are refused)"
+        )
+
+
+# --- locating the raw tensor bytes inside a torch.save archive ----------------------
+
+_LOCAL_HEADER = b"PK\x03\x04"
+
+
+class ArchiveTracker(io.RawIOBase):
+    """Passes ``torch.save`` output through to ``sink`` and notes where the tensor's
+    storage record starts, by reading the zip local headers as they go by (the big
+    storage write itself is never copied)."""
+
+    _SMALL = 1 << 16
+
+    def __init__(self, sink: IO[bytes]) -> None:
+        super().__init__()
+        self._sink = sink
+        self.position = 0
+        self._small: list[tuple[int, bytes]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        n = view.nbytes
+        if n < self._SMALL:
+            self._small.append((self.position, bytes(view)))
+        self._sink.write(view)
+        self.position += n
+        return n
+
+    def data_offset(self, nbytes: int) -> int | None:
+        """Offset of the single storage record of ``nbytes`` bytes, if it is there."""
+        # Join adjacent small writes into segments to read headers that span writes.
+        segments: list[tuple[int, bytearray]] = []
+        for pos, chunk in self._small:
+            if segments and segments[-1][0] + len(segments[-1][1]) == pos:
+                segments[-1][1].extend(chunk)
+            else:
+                segments.append((pos, bytearray(chunk)))
+        found: list[int] = []
+        for start, seg in segments:
+            at = seg.find(_LOCAL_HEADER)
+            while at != -1 and at + 30 <= len(seg):
+                name_len, extra_len = struct.unpack_from("<HH", seg, at + 26)
+                name = bytes(seg[at + 30 : at + 30 + name_len])
+                if name.endswith(b"/data/0"):
+                    found.append(start + at + 30 + name_len + extra_len)
+                elif name.split(b"/")[-2:-1] == [b"data"]:
+                    return None  # more than one storage: not a plain tensor
+                at = seg.find(_LOCAL_HEADER, at + 4)
+        if len(found) != 1 or found[0] + nbytes > self.position:
+            return None
+        return found[0]

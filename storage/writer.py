@@ -1,0 +1,309 @@
+"""``CheckpointWriter``: a DCP ``StorageWriter`` over any ``FileSystemBase``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import io
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _split_by_size_and_type
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from extensions.base import ItemInfo
+from extensions.errors import CheckpointExistsError
+from extensions.registry import encoding_stream
+from storage import format as fmt
+from storage._common import (
+    Crc32cSink,
+    check_thread_count,
+    default_thread_count,
+    resolve_location,
+)
+from storage.base import FileSystemBase
+
+log = logging.getLogger(__name__)
+
+DCP_VERSION = "1.0.0"
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankPlan:
+    rank: int
+
+
+class CheckpointWriter(StorageWriter):
+    """Write a DCP checkpoint to a local path or any supported URL.
+
+    ``transforms`` are applied in list order to every item (compress, then encrypt).
+    Options keep torch's ``FileSystemWriter`` names: ``thread_count`` (parallel files;
+    default from the backend's concurrency), ``single_file_per_rank``, ``sync_files``
+    (data durable before the metadata is published), ``per_thread_copy_ahead``
+    (accepted for compatibility; staging is done by DCP's stager), ``overwrite``
+    (``False`` raises :class:`CheckpointExistsError` if a committed checkpoint is there).
+
+    Commit protocol: data files get a per-save unique name; the metadata is published
+    last and atomically; files of the checkpoint it replaces are removed only after it
+    lands; a failed save removes the files it wrote.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        transforms: Sequence[Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int | None = None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        per_thread_copy_ahead: int = 10_000_000,
+        overwrite: bool = True,
+        filesystem: FileSystemBase | None = None,
+    ) -> None:
+        super().__init__()
+        self.transforms = _check_transforms(transforms)
+        self.storage_options = storage_options
+        self._explicit_fs = filesystem
+        self.fs, self.path = resolve_location(path, storage_options, filesystem)
+        self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
+        for name, value in (
+            ("single_file_per_rank", single_file_per_rank),
+            ("sync_files", sync_files),
+            ("overwrite", overwrite),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+        self.single_file_per_rank = single_file_per_rank
+        self.sync_files = sync_files
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.overwrite = overwrite
+        self.rank = 0
+        self.use_collectives = True
+        self.is_coordinator = True
+        self.save_id = uuid.uuid4().hex[:12]
+
+    # --- StorageWriter --------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.fs, self.path = resolve_location(
+                checkpoint_id, self.storage_options, self._explicit_fs
+            )
+        self.save_id = uuid.uuid4().hex[:12]
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        self.use_collectives = bool(kwargs.get("use_collectives", True))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        meta_path = self._metadata_path()
+        if not self.overwrite and self.fs.exists(meta_path):
+            raise CheckpointExistsError(
+                f"{self.fs.url(self.path)} already holds a committed checkpoint and "
+                "overwrite=False; pick a new location or pass overwrite=True"
+            )
+        self.fs.mkdir(self.path)
+        return dataclasses.replace(plan, storage_data=_RankPlan(self.rank))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [
+            dataclasses.replace(plan, storage_data=_RankPlan(rank))
+            if self.use_collectives
+            else plan
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rank = plan.storage_data.rank if isinstance(plan.storage_data, _RankPlan) else self.rank
+        if self.single_file_per_rank:
+            buckets = [b for b in _split_by_size_and_type(self.thread_count, plan.items) if b]
+        else:
+            buckets = [[item] for item in plan.items]
+        files = [(fmt.data_file_name(rank, n, self.save_id), b) for n, b in enumerate(buckets)]
+        written: list[str] = []
+        lock = threading.Lock()
+
+        def write_one(name: str, items: list[WriteItem]) -> list[WriteResult]:
+            path = self.fs.concat_path(self.path, name)
+            with lock:
+                written.append(path)
+            return self._write_file(path, name, items, planner)
+
+        results: list[WriteResult] = []
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, min(self.thread_count, len(files))),
+            thread_name_prefix="dcp-storage-write",
+        ) as pool:
+            futures = [pool.submit(write_one, name, items) for name, items in files]
+            errors = []
+            for fut in futures:
+                try:
+                    results.extend(fut.result())
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    errors.append(exc)
+        if errors:
+            self._remove_quietly(written)
+            raise errors[0]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        new_files = {wr.storage_data.relative_path for rs in results for wr in rs}
+        try:
+            metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+            metadata.storage_meta = self.storage_meta()
+            metadata.version = DCP_VERSION
+            payload = fmt.dump_metadata(metadata)
+            meta_path = self._metadata_path()
+            replaced = self._committed_files(meta_path)
+            if self.sync_files:
+                self.fs.sync_dir(self.path)
+            try:
+                self.fs.write_atomic(meta_path, payload, exclusive=not self.overwrite)
+            except FileExistsError as exc:
+                raise CheckpointExistsError(
+                    f"{self.fs.url(self.path)}: another save committed here first and "
+                    "overwrite=False; nothing of this save was kept"
+                ) from exc
+        except BaseException:
+            self._remove_quietly([self.fs.concat_path(self.path, f) for f in new_files])
+            raise
+        self._remove_quietly(
+            [self.fs.concat_path(self.path, f) for f in sorted(replaced - new_files)]
+        )
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.fs.url(self.path), save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.fs.url(self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # --- internals ------------------------------------------------------------------
+
+    def _metadata_path(self) -> str:
+        rank = None if self.use_collectives else self.rank
+        return self.fs.concat_path(self.path, fmt.metadata_name(rank))
+
+    def _committed_files(self, meta_path: str) -> set[str]:
+        """Data files of the checkpoint this save replaces (none if there is none)."""
+        try:
+            old = fmt.load_metadata(self.fs.read_bytes(meta_path), self.fs.url(meta_path))
+        except FileNotFoundError:
+            return set()
+        except Exception as exc:  # an unreadable old checkpoint is simply replaced
+            log.warning("cannot read the checkpoint being replaced (%s); its files stay", exc)
+            return set()
+        return {info.relative_path for info in (old.storage_data or {}).values()}
+
+    def _remove_quietly(self, paths: list[str]) -> None:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                try:
+                    self.fs.rm_file(path)
+                except FileNotFoundError:
+                    raise
+                except Exception as exc:
+                    log.warning("could not remove %s: %s", self.fs.url(path), exc)
+
+    def _write_file(
+        self, path: str, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        # Opaque bytes first, then tensors (largest first), as torch orders them.
+        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
+            i for i in items if i.type != WriteItemType.BYTE_IO
+        ]
+        results = []
+        with self.fs.create_stream(path, "wb", sync=self.sync_files) as stream:
+            offset = 0
+            for item in ordered:
+                result = self._write_item(stream, name, offset, item, planner)
+                offset += result.storage_data.length
+                results.append(result)
+        return results
+
+    def _write_item(
+        self, stream: Any, name: str, offset: int, item: WriteItem, planner: SavePlanner
+    ) -> WriteResult:
+        label = fmt.item_label(item.index)
+        data = planner.resolve_data(item)
+        tensor: torch.Tensor | None = None
+        if item.type != WriteItemType.BYTE_IO:
+            tensor = _plain_cpu_tensor(data)
+        info = ItemInfo(
+            checkpoint=self.fs.url(self.path),
+            item=label,
+            dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else None,
+            element_size=tensor.element_size() if tensor is not None else None,
+        )
+        sink = Crc32cSink(stream)
+        plain, descriptors = encoding_stream(self.transforms, sink, info)
+        extra: dict[str, Any] = {}
+        if tensor is None:
+            assert isinstance(data, io.BytesIO)
+            plain.write(data.getbuffer())
+        else:
+            tracker = fmt.ArchiveTracker(plain)
+            torch.save(tensor, tracker)
+            data_offset = tracker.data_offset(tensor.numel() * tensor.element_size())
+            if data_offset is not None:
+                extra["data_offset"] = data_offset
+        plain.close()
+        sink.close()
+        extra["crc32c"] = sink.crc
+        return WriteResult(
+            index=item.index,
+            size_in_bytes=sink.count,
+            storage_data=fmt.new_storage_info(name, offset, sink.count, descriptors, extra),
+        )
+
+
+def _plain_cpu_tensor(data: object) -> torch.Tensor:
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"planner resolved a tensor item to {type(data).__name__}")
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    # torch.save stores the whole storage and its strides: keep exactly the bytes of
+    # this tensor, in row-major order, so the stored record is the tensor itself.
+    if (
+        not tensor.is_contiguous()
+        or tensor.storage_offset() != 0
+        or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
+    ):
+        tensor = tensor.contiguous().clone() if tensor.is_contiguous() else tensor.contiguous()
+    return tensor
+
+
+def _check_transforms(transforms: Sequence[Any] | None) -> list[Any]:
+    if transforms is None:
+        return []
+    if isinstance(transforms, (str, bytes)) or not isinstance(transforms, Sequence):
+        raise TypeError(
+            "transforms must be a list of transform instances, e.g. [extensions.ZStandard()]"
+        )
+    for t in transforms:
+        if isinstance(t, type) or not all(
+            hasattr(t, a) for a in ("transform_to", "get_descriptor", "registry_name")
+        ):
+            raise TypeError(
+                f"{t!r} is not a stream transform instance; pass e.g. extensions.ZStandard(), "
+                "not the class"
+            )
+    return list(transforms)
