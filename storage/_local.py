@@ -85,6 +85,9 @@ class LocalFileSystem(FileSystemBase):
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
+    def modified(self, path: str) -> float | None:
+        return os.stat(path).st_mtime
+
     def rm_file(self, path: str) -> None:
         os.unlink(path)
 

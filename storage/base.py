@@ -99,6 +99,12 @@ class FileSystemBase(abc.ABC):
     @abc.abstractmethod
     def exists(self, path: str) -> bool: ...
 
+    def modified(self, path: str) -> float | None:
+        """Last-modified time of ``path`` in POSIX seconds, or ``None`` where the
+        backend cannot tell. The checkpoint manager only removes leftovers of
+        interrupted saves whose age it knows, so ``None`` keeps them."""
+        return None
+
     @abc.abstractmethod
     def rm_file(self, path: str) -> None:
         """Delete one object; ``FileNotFoundError`` if it does not exist."""
