@@ -7,33 +7,42 @@ import io
 import os
 import posixpath
 import threading
+import uuid
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, ClassVar
 
 from storage.base import FileSystemBase
 
 
 class MemoryFileSystem(FileSystemBase):
-    """Objects in a dict, keyed by ``/``-separated path; shared by copies of one instance.
+    """Objects in a dict keyed by ``/``-separated path.
 
     Like an object store it has no real directories (``mkdir`` only records a marker so
-    ``exists`` and ``ls`` see empty prefixes) and no rename. Pickling keeps the
-    contents, so a pickled copy sees what was written before."""
+    ``exists`` and ``ls`` see empty prefixes) and no rename. Instances with the same
+    ``name`` share one store in a process, and a pickled copy reattaches to it (another
+    process sees an empty store of that name)."""
 
-    def __init__(self, *, storage_options: dict[str, object] | None = None) -> None:
+    _stores: ClassVar[dict[str, tuple[dict[str, bytes], set[str], threading.Lock]]] = {}
+    _stores_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(
+        self, name: str | None = None, *, storage_options: dict[str, object] | None = None
+    ) -> None:
         super().__init__()
-        self.objects: dict[str, bytes] = {}
-        self.dirs: set[str] = set()
-        self._lock = threading.Lock()
+        self.name = name or uuid.uuid4().hex
+        self._attach()
+
+    def _attach(self) -> None:
+        with self._stores_lock:
+            store = self._stores.setdefault(self.name, ({}, set(), threading.Lock()))
+        self.objects, self.dirs, self._lock = store
 
     def __getstate__(self) -> dict[str, object]:
-        state = self.__dict__.copy()
-        del state["_lock"]
-        return state
+        return {"name": self.name, "storage_options": self.storage_options}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._attach()
 
     def init_path(self, path: str | os.PathLike[str]) -> str:
         text = os.fspath(path)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -21,8 +22,19 @@ from storage.reader import CheckpointReader
 from storage.writer import CheckpointWriter
 
 
-def unwrap_checkpoint_exception(exc: CheckpointException) -> BaseException:
-    """The first rank's real error inside a ``CheckpointException`` (or ``exc``)."""
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def unwrap_checkpoint_exception(
+    exc: CheckpointException, plugin: Any = None
+) -> BaseException:
+    """The real error inside a ``CheckpointException``: the one this process's
+    writer/reader raised if any (torch may have replaced it by an AssertionError that
+    only quotes it), else the first rank's."""
+    own = getattr(plugin, "last_error", None)
+    if isinstance(own, BaseException):
+        return own
     failures = getattr(exc, "failures", None) or {}
     for rank in sorted(failures):
         failure = failures[rank]
@@ -48,9 +60,9 @@ def save(
         url, transforms=transforms, storage_options=storage_options, **writer_options
     )
     try:
-        dcp.save(state_dict, storage_writer=writer)
+        dcp.save(state_dict, storage_writer=writer, no_dist=_no_dist())
     except CheckpointException as exc:
-        raise unwrap_checkpoint_exception(exc) from None
+        raise unwrap_checkpoint_exception(exc, writer) from None
 
 
 def load(
@@ -67,9 +79,9 @@ def load(
         url, storage_options=storage_options, keys=keys, registry=registry, **reader_options
     )
     try:
-        dcp.load(state_dict, storage_reader=reader)
+        dcp.load(state_dict, storage_reader=reader, no_dist=_no_dist())
     except CheckpointException as exc:
-        raise unwrap_checkpoint_exception(exc) from None
+        raise unwrap_checkpoint_exception(exc, reader) from None
 
 
 def async_save(
@@ -88,7 +100,7 @@ def async_save(
     writer = CheckpointWriter(
         url, transforms=transforms, storage_options=storage_options, **writer_options
     )
-    inner = dcp.async_save(state_dict, storage_writer=writer)
+    inner = dcp.async_save(state_dict, storage_writer=writer, no_dist=_no_dist())
     upload = getattr(inner, "upload_completion", inner)
     outer: Future[None] = Future()
 
@@ -96,7 +108,7 @@ def async_save(
         try:
             fut.result()
         except CheckpointException as exc:
-            outer.set_exception(unwrap_checkpoint_exception(exc))
+            outer.set_exception(unwrap_checkpoint_exception(exc, writer))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             outer.set_exception(exc)
         else:

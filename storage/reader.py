@@ -28,6 +28,7 @@ from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, I
 from extensions.registry import ExtensionRegistry
 from storage import format as fmt
 from storage._common import (
+    records_error,
     Crc32cReader,
     check_thread_count,
     default_thread_count,
@@ -90,11 +91,13 @@ class CheckpointReader(StorageReader):
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        self.last_error: BaseException | None = None
 
     # --- StorageReader --------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
+        self.last_error: BaseException | None = None
         if checkpoint_id:
             self.fs, self.path = resolve_location(
                 checkpoint_id, self.storage_options, self._explicit_fs
@@ -104,6 +107,7 @@ class CheckpointReader(StorageReader):
     def url(self) -> str:
         return self.fs.url(self.path)
 
+    @records_error
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank") if not kwargs.get("use_collectives", True) else None
         meta_path = self.fs.concat_path(self.path, fmt.metadata_name(rank))
@@ -114,6 +118,7 @@ class CheckpointReader(StorageReader):
         metadata = fmt.load_metadata(payload, self.url)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
+        self.last_error = None  # an earlier probe (global vs rank-local) may have failed
         return metadata
 
     def set_up_storage_reader(
@@ -135,6 +140,7 @@ class CheckpointReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    @records_error
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         runs = self._plan_runs(plan.items)
         lock = threading.Lock()

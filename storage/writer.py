@@ -25,6 +25,7 @@ from extensions.errors import CheckpointExistsError
 from extensions.registry import encoding_stream
 from storage import format as fmt
 from storage._common import (
+    records_error,
     Crc32cSink,
     check_thread_count,
     default_thread_count,
@@ -91,6 +92,7 @@ class CheckpointWriter(StorageWriter):
         self.use_collectives = True
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex[:12]
+        self.last_error: BaseException | None = None
 
     # --- StorageWriter --------------------------------------------------------------
 
@@ -100,12 +102,14 @@ class CheckpointWriter(StorageWriter):
                 checkpoint_id, self.storage_options, self._explicit_fs
             )
         self.save_id = uuid.uuid4().hex[:12]
+        self.last_error = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self.use_collectives = bool(kwargs.get("use_collectives", True))
 
+    @records_error
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         meta_path = self._metadata_path()
         if not self.overwrite and self.fs.exists(meta_path):
@@ -124,6 +128,7 @@ class CheckpointWriter(StorageWriter):
             for rank, plan in enumerate(plans)
         ]
 
+    @records_error
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _RankPlan) else self.rank
         if self.single_file_per_rank:
@@ -159,6 +164,7 @@ class CheckpointWriter(StorageWriter):
         future.set_result(results)
         return future
 
+    @records_error
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         new_files = {wr.storage_data.relative_path for rs in results for wr in rs}
         try:

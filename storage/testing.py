@@ -1,0 +1,199 @@
+"""``FileSystemTests``: the conformance suite every backend subclasses.
+
+A backend's test module subclasses :class:`FileSystemTests` and provides three
+fixtures - ``fs`` (the backend under test), ``root`` (a fresh, empty path in that
+backend's form for each test) - and the *bypass* hooks, which reach the same storage
+without going through the backend (plain ``open`` for local disk, boto3 for S3, the
+emulator's JSON API for GCS...), so every behaviour is checked against ground truth
+rather than against the backend itself::
+
+    class TestMyBackend(FileSystemTests):
+        @pytest.fixture
+        def fs(self): return MyFileSystem(...)
+        @pytest.fixture
+        def root(self, fs): return fs.init_path("my://bucket/" + uuid4().hex)
+        def bypass_write(self, fs, path, data): ...
+        def bypass_read(self, fs, path): ...
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import pytest
+
+from storage.base import FileSystemBase
+
+_SIZES = {"empty": 0, "small": 1, "block": 64 * 1024 + 3, "multi_mb": 5 * 1024 * 1024 + 17}
+
+
+def _payload(n: int) -> bytes:
+    # Distinct bytes at every offset, so an off-by-one in a slice read shows up.
+    return (bytes(range(251)) * (n // 251 + 1))[:n]
+
+
+class FileSystemTests:
+    """Conformance checks; see the module docstring for the fixtures to provide."""
+
+    # --- hooks a subclass provides ---------------------------------------------------
+
+    def bypass_write(self, fs: FileSystemBase, path: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def bypass_read(self, fs: FileSystemBase, path: str) -> bytes:
+        raise NotImplementedError
+
+    # --- writes, checked through the bypass ------------------------------------------
+
+    @pytest.mark.parametrize("size", list(_SIZES.values()), ids=list(_SIZES))
+    def test_write_then_bypass_read(self, fs: FileSystemBase, root: str, size: int) -> None:
+        path = fs.concat_path(root, "obj.bin")
+        data = _payload(size)
+        with fs.create_stream(path, "wb") as stream:
+            for start in range(0, size, 1 << 20):
+                stream.write(data[start : start + (1 << 20)])
+        assert self.bypass_read(fs, path) == data
+        assert fs.size(path) == size
+        assert fs.exists(path)
+
+    @pytest.mark.parametrize("size", list(_SIZES.values()), ids=list(_SIZES))
+    def test_bypass_write_then_read(self, fs: FileSystemBase, root: str, size: int) -> None:
+        path = fs.concat_path(root, "obj.bin")
+        data = _payload(size)
+        self.bypass_write(fs, path, data)
+        with fs.create_stream(path, "rb") as stream:
+            assert stream.read() == data
+        assert fs.read_bytes(path) == data
+
+    def test_parents_are_created(self, fs: FileSystemBase, root: str) -> None:
+        path = fs.concat_path(fs.concat_path(fs.concat_path(root, "a"), "b"), "c.bin")
+        with fs.create_stream(path, "wb") as stream:
+            stream.write(b"nested")
+        assert self.bypass_read(fs, path) == b"nested"
+        assert fs.ls(fs.concat_path(root, "a")) == ["b"]
+
+    def test_failed_write_leaves_nothing(self, fs: FileSystemBase, root: str) -> None:
+        path = fs.concat_path(root, "partial.bin")
+        with pytest.raises(RuntimeError, match="boom"):
+            with fs.create_stream(path, "wb") as stream:
+                stream.write(_payload(100_000))
+                raise RuntimeError("boom")
+        assert not fs.exists(path)
+
+    def test_overwrite_replaces(self, fs: FileSystemBase, root: str) -> None:
+        path = fs.concat_path(root, "obj.bin")
+        self.bypass_write(fs, path, b"old content that is longer")
+        with fs.create_stream(path, "wb") as stream:
+            stream.write(b"new")
+        assert self.bypass_read(fs, path) == b"new"
+
+    # --- missing paths ---------------------------------------------------------------
+
+    def test_missing_paths_raise_file_not_found(self, fs: FileSystemBase, root: str) -> None:
+        missing = fs.concat_path(root, "missing.bin")
+        assert not fs.exists(missing)
+        with pytest.raises(FileNotFoundError):
+            with fs.create_stream(missing, "rb") as stream:
+                stream.read()
+        with pytest.raises(FileNotFoundError):
+            fs.read_bytes(missing)
+        with pytest.raises(FileNotFoundError):
+            fs.size(missing)
+        with pytest.raises(FileNotFoundError):
+            fs.rm_file(missing)
+        with pytest.raises(FileNotFoundError):
+            fs.ls(fs.concat_path(root, "no-such-dir"))
+        with pytest.raises(FileNotFoundError):
+            with fs.open_slice(missing, 0, 10) as stream:
+                stream.read()
+
+    # --- listing and removal ---------------------------------------------------------
+
+    def test_ls_and_rm(self, fs: FileSystemBase, root: str) -> None:
+        for name in ("b.bin", "a.bin"):
+            self.bypass_write(fs, fs.concat_path(root, name), b"x")
+        self.bypass_write(fs, fs.concat_path(fs.concat_path(root, "sub"), "c.bin"), b"y")
+        assert fs.ls(root) == ["a.bin", "b.bin", "sub"]
+        fs.rm_file(fs.concat_path(root, "a.bin"))
+        assert fs.ls(root) == ["b.bin", "sub"]
+        assert not fs.exists(fs.concat_path(root, "a.bin"))
+
+    # --- slices ----------------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        "offset,length", [(0, 0), (0, 10), (1000, 4096), (70_000, 100), (5, 99_995)]
+    )
+    def test_slice_reads_exact_range(
+        self, fs: FileSystemBase, root: str, offset: int, length: int
+    ) -> None:
+        path = fs.concat_path(root, "obj.bin")
+        data = _payload(100_000)
+        self.bypass_write(fs, path, data)
+        with fs.open_slice(path, offset, length) as view:
+            got = view.read()
+        assert got == data[offset : offset + length]
+
+    def test_slice_seek_stays_inside(self, fs: FileSystemBase, root: str) -> None:
+        path = fs.concat_path(root, "obj.bin")
+        data = _payload(10_000)
+        self.bypass_write(fs, path, data)
+        with fs.open_slice(path, 1000, 500) as view:
+            if not view.seekable():
+                pytest.skip("forward-only slice stream")
+            assert view.seek(-10, os.SEEK_END) == 490
+            assert view.read() == data[1490:1500]
+            view.seek(0)
+            assert view.read(3) == data[1000:1003]
+            assert view.seek(5, os.SEEK_CUR) == 8
+            assert view.read(2) == data[1008:1010]
+            view.seek(10_000)
+            assert view.read() == b""
+
+    def test_slice_past_end_is_short(self, fs: FileSystemBase, root: str) -> None:
+        path = fs.concat_path(root, "obj.bin")
+        self.bypass_write(fs, path, _payload(1000))
+        with fs.open_slice(path, 900, 500) as view:
+            got = view.read()
+        assert got == _payload(1000)[900:]
+
+    # --- atomic publish --------------------------------------------------------------
+
+    def test_write_atomic_and_exclusive(self, fs: FileSystemBase, root: str) -> None:
+        path = fs.concat_path(root, ".metadata")
+        fs.write_atomic(path, b"first")
+        assert self.bypass_read(fs, path) == b"first"
+        fs.write_atomic(path, b"second")
+        assert self.bypass_read(fs, path) == b"second"
+        with pytest.raises(FileExistsError):
+            fs.write_atomic(path, b"third", exclusive=True)
+        assert self.bypass_read(fs, path) == b"second"
+        fresh = fs.concat_path(root, "fresh")
+        fs.write_atomic(fresh, b"ok", exclusive=True)
+        assert self.bypass_read(fs, fresh) == b"ok"
+
+    def test_rename_per_capability(self, fs: FileSystemBase, root: str) -> None:
+        src, dst = fs.concat_path(root, "src"), fs.concat_path(root, "dst")
+        self.bypass_write(fs, src, b"payload")
+        if not fs.atomic_rename:
+            with pytest.raises(NotImplementedError):
+                fs.rename(src, dst)
+            return
+        self.bypass_write(fs, dst, b"old")
+        fs.rename(src, dst)
+        assert self.bypass_read(fs, dst) == b"payload"
+        assert not fs.exists(src)
+
+    # --- pickling ----------------------------------------------------------------------
+
+    def test_pickle_round_trip(self, fs: FileSystemBase, root: str) -> None:
+        path = fs.concat_path(root, "obj.bin")
+        self.bypass_write(fs, path, b"pickled")
+        clone: Any = pickle.loads(pickle.dumps(fs))
+        assert type(clone) is type(fs)
+        assert clone.read_bytes(path) == b"pickled"
+        with clone.create_stream(fs.concat_path(root, "from-clone"), "wb") as stream:
+            stream.write(io.BytesIO(b"clone wrote").getvalue())
+        assert self.bypass_read(fs, fs.concat_path(root, "from-clone")) == b"clone wrote"

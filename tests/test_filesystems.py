@@ -1,0 +1,59 @@
+"""Conformance of the local and in-memory backends, against ground truth."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from storage import LocalFileSystem, MemoryFileSystem
+from storage.base import FileSystemBase
+from storage.testing import FileSystemTests
+
+
+class TestLocalFileSystem(FileSystemTests):
+    @pytest.fixture
+    def fs(self) -> FileSystemBase:
+        return LocalFileSystem()
+
+    @pytest.fixture
+    def root(self, fs: FileSystemBase, tmp_path: object) -> str:
+        return fs.init_path(os.path.join(str(tmp_path), "root"))
+
+    def bypass_write(self, fs: FileSystemBase, path: str, data: bytes) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def bypass_read(self, fs: FileSystemBase, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+
+class TestMemoryFileSystem(FileSystemTests):
+    @pytest.fixture
+    def fs(self) -> FileSystemBase:
+        return MemoryFileSystem()
+
+    @pytest.fixture
+    def root(self, fs: FileSystemBase) -> str:
+        return fs.init_path(f"dcpmem://{uuid.uuid4().hex}")
+
+    def bypass_write(self, fs: FileSystemBase, path: str, data: bytes) -> None:
+        assert isinstance(fs, MemoryFileSystem)
+        fs.objects[path] = bytes(data)
+
+    def bypass_read(self, fs: FileSystemBase, path: str) -> bytes:
+        assert isinstance(fs, MemoryFileSystem)
+        return fs.objects[path]
+
+
+def test_local_rejects_storage_options() -> None:
+    with pytest.raises(TypeError, match="storage_options"):
+        LocalFileSystem(storage_options={"key": "x"})
+
+
+def test_local_file_url(tmp_path: object) -> None:
+    fs = LocalFileSystem()
+    assert fs.init_path(f"file://{tmp_path}/x") == os.path.join(str(tmp_path), "x")
