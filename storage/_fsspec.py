@@ -1,0 +1,269 @@
+"""``FsspecFileSystem``: any fsspec URL (``memory://``, ``file://``, ``hdfs://``, ...).
+
+The base of the S3 and GCS backends, which override the paths where a generic fsspec
+filesystem cannot give the contract's guarantees (exact ranged streaming, parallel
+multipart uploads, conditional creates).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import posixpath
+from collections.abc import Iterator
+from typing import IO, Any, ClassVar
+
+import fsspec
+from fsspec.core import split_protocol
+from fsspec.spec import AbstractBufferedFile
+
+from storage.base import FileSystemBase
+
+log = logging.getLogger(__name__)
+
+# A slice is fetched in windows of this size: exact ranges, bounded memory.
+_WINDOW = 16 << 20
+
+
+class FsspecFileSystem(FileSystemBase):
+    """Checkpoints on any filesystem fsspec knows.
+
+    ``storage_options`` are the keyword arguments of the fsspec filesystem class for the
+    URL's protocol, passed unchanged (``fsspec.filesystem(protocol, **storage_options)``).
+    Paths are in fsspec's form for that protocol (the protocol stripped, as
+    ``_strip_protocol`` does); :meth:`url` puts it back for messages. The protocol comes
+    from the first URL given to :meth:`init_path`, or from ``protocol=``.
+
+    Writes go through the filesystem's own file objects; a failed write discards the
+    file (or deletes what became visible). Slices are read as exact ranged reads
+    (``cat_file(path, start, end)``) in windows of 16 MiB."""
+
+    #: Protocol a subclass is bound to (``"s3"``, ``"gs"``); ``None``: from the URL.
+    protocol: ClassVar[str | None] = None
+
+    def __init__(
+        self, *, storage_options: dict[str, Any] | None = None, protocol: str | None = None
+    ) -> None:
+        super().__init__(storage_options=storage_options)
+        self._protocol = protocol or type(self).protocol
+        self._fs: fsspec.AbstractFileSystem | None = None
+
+    # --- the fsspec client ---------------------------------------------------------
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The underlying fsspec filesystem, created on first use (and after unpickling)."""
+        if self._fs is None:
+            if self._protocol is None:
+                raise ValueError(
+                    f"{type(self).__name__} has no protocol yet: pass a URL such as "
+                    "'memory://bucket/ckpt' or protocol='memory'"
+                )
+            self._fs = self._make_client(self._protocol, self._client_options())
+        return self._fs
+
+    def _client_options(self) -> dict[str, Any]:
+        return dict(self.storage_options)
+
+    def _make_client(self, protocol: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+        return fsspec.filesystem(protocol, **options)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Clients hold sessions, event loops and locks: rebuild them on the other side.
+        state = dict(self.__dict__)
+        state["_fs"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # --- paths ---------------------------------------------------------------------
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        text = os.fspath(path)
+        protocol, _ = split_protocol(text)
+        if protocol is not None:
+            cls = fsspec.get_filesystem_class(protocol)
+            known = cls.protocol if isinstance(cls.protocol, (tuple, list)) else (cls.protocol,)
+            if self._protocol is None:
+                self._protocol = protocol
+            elif protocol != self._protocol and self._protocol not in known:
+                raise ValueError(
+                    f"{text!r} is not a {self._protocol}:// URL; {type(self).__name__} "
+                    f"here serves {self._protocol}://"
+                )
+        elif self._protocol is None:
+            raise ValueError(
+                f"{text!r} has no protocol; give a URL such as 'memory://ckpt' "
+                "(plain paths are local disk: use storage.LocalFileSystem)"
+            )
+        stripped: str = fsspec.get_filesystem_class(self._protocol)._strip_protocol(text)
+        return stripped.rstrip("/") or stripped
+
+    def concat_path(self, path: str, suffix: str) -> str:
+        if not path:
+            return suffix
+        return posixpath.join(path, suffix)
+
+    def url(self, path: str) -> str:
+        if self._protocol is None:
+            return path
+        return f"{self._protocol}://{path}"
+
+    # --- streams -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        if mode == "rb":
+            with self.fs.open(path, "rb") as stream:
+                yield stream
+            return
+        if mode != "wb":
+            raise ValueError(f"unsupported mode {mode!r}: use 'rb' or 'wb'")
+        parent = posixpath.dirname(path)
+        if parent:
+            self.mkdir(parent)
+        stream = self.fs.open(path, "wb")
+        try:
+            yield stream
+        except BaseException:
+            self._abandon(stream, path)
+            raise
+        stream.close()  # commits; sync=True needs nothing more: close completes the upload
+
+    def _abandon(self, stream: Any, path: str) -> None:
+        """Throw away a half-written file without publishing it."""
+        try:
+            if isinstance(stream, AbstractBufferedFile):
+                # close() would upload what is buffered; discard() cancels instead.
+                stream.discard()
+                stream.closed = True
+            else:
+                stream.close()
+            if self.fs.exists(path):
+                self.fs.rm_file(path)
+        except Exception as exc:  # the caller's error is the one to report
+            log.warning("could not discard the partial write of %s: %s", self.url(path), exc)
+
+    def open_slice(
+        self, path: str, offset: int, length: int
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        if offset < 0 or length < 0:
+            raise ValueError(f"invalid slice offset={offset} length={length}")
+        if length == 0:
+            self.size(path)  # a missing object still raises FileNotFoundError
+        reader = _WindowReader(self._fetch_range, path, offset, length)
+        if length:
+            reader.prefetch()
+        return contextlib.closing(reader)  # type: ignore[return-value]
+
+    def _fetch_range(self, path: str, start: int, end: int) -> bytes:
+        data: bytes = self.fs.cat_file(path, start=start, end=end)
+        return data
+
+    def read_bytes(self, path: str) -> bytes:
+        data: bytes = self.fs.cat_file(path)
+        return data
+
+    def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        parent = posixpath.dirname(path)
+        if parent:
+            self.mkdir(parent)
+        # fsspec's "create" mode is the store's conditional create where it has one.
+        self.fs.pipe_file(path, bytes(data), mode="create" if exclusive else "overwrite")
+
+    # --- metadata and namespace ----------------------------------------------------
+
+    def size(self, path: str) -> int:
+        info = self.fs.info(path)
+        if info.get("type") == "directory":
+            raise IsADirectoryError(f"{self.url(path)} is a directory")
+        return int(info["size"])
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(path))
+
+    def modified(self, path: str) -> float | None:
+        try:
+            return float(self.fs.modified(path).timestamp())
+        except (NotImplementedError, AttributeError, KeyError, TypeError):
+            return None
+
+    def rm_file(self, path: str) -> None:
+        info = self.fs.info(path)  # FileNotFoundError if missing, as the contract says
+        if info.get("type") == "directory":
+            raise IsADirectoryError(f"{self.url(path)} is a directory")
+        self.fs.rm_file(path)
+
+    def ls(self, path: str) -> list[str]:
+        entries = self.fs.ls(path, detail=False, refresh=True)
+        prefix = path.rstrip("/") + "/"
+        names = set()
+        for entry in entries:
+            entry = str(entry).rstrip("/")
+            if entry == path.rstrip("/"):
+                continue  # some filesystems list a file as itself
+            name = entry[len(prefix) :] if entry.startswith(prefix) else posixpath.basename(entry)
+            names.add(name.split("/", 1)[0])
+        return sorted(n for n in names if n)
+
+    def mkdir(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def rm_dir(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError, OSError, NotImplementedError):
+            if self.fs.isdir(path) and not self.fs.ls(path, detail=False):
+                self.fs.rmdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        protocol, _ = split_protocol(os.fspath(checkpoint_id))
+        if protocol is None:
+            return False
+        return cls.protocol is None or protocol == cls.protocol
+
+
+class _WindowReader(io.RawIOBase):
+    """Forward-only reader of ``[offset, offset + length)``, fetched in exact windows.
+
+    Short at the end of the object (the caller reports truncation)."""
+
+    def __init__(self, fetch: Any, path: str, offset: int, length: int) -> None:
+        super().__init__()
+        self._fetch = fetch
+        self._path = path
+        self._pos = offset
+        self._end = offset + length
+        self._buf = memoryview(b"")
+        self._short = False
+
+    def readable(self) -> bool:
+        return True
+
+    def prefetch(self) -> None:
+        if self._buf or self._short or self._pos >= self._end:
+            return
+        start, end = self._pos, min(self._end, self._pos + _WINDOW)
+        data = self._fetch(self._path, start, end)
+        self._pos += len(data)
+        self._short = len(data) < end - start
+        self._buf = memoryview(data)
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        self.prefetch()
+        n = min(len(view), len(self._buf))
+        view[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+    def readall(self) -> bytes:
+        parts = []
+        while True:
+            self.prefetch()
+            if not self._buf:
+                return b"".join(parts)
+            parts.append(bytes(self._buf))
+            self._buf = memoryview(b"")
