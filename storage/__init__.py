@@ -1,14 +1,16 @@
 """dcp-storage: pluggable storage backends for torch.distributed.checkpoint."""
 
-from storage.api import async_save, load, save
-from storage.base import FileSystemBase
-from storage.reader import CheckpointReader
-from storage.registry import filesystem_from_url, register_filesystem
 from storage._local import LocalFileSystem
 from storage._memory import MemoryFileSystem
+from storage.api import async_save, load, save
+from storage.base import FileSystemBase
+from storage.manager import CheckpointManager
+from storage.reader import CheckpointReader
+from storage.registry import filesystem_from_url, register_filesystem
 from storage.writer import CheckpointWriter
 
 __all__ = [
+    "CheckpointManager",
     "CheckpointReader",
     "CheckpointWriter",
     "FileSystemBase",

@@ -1,0 +1,414 @@
+"""``CheckpointManager``: numbered checkpoints under one root, with retention and cleanup.
+
+Layout: ``root/step-{N}`` for each saved step ``N`` (a non-negative integer, written
+without padding; steps sort as integers). A step exists once its ``.metadata`` does
+(the commit protocol of DESIGN.md section 5), so a crashed save is never listed.
+
+The manager only ever deletes what it recognises as its own: directories named exactly
+``step-<N>`` (``N`` in canonical decimal form: ``step-7``, not ``step-07``, ``step--1``,
+``step-3.14`` or ``step-300_extra``), and inside them only checkpoint files (metadata,
+``*.distcp`` data files and the temporary files of an interrupted metadata write).
+Anything else under the root or inside a step directory is left alone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import inspect
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from extensions.base import Keys
+from extensions.errors import CheckpointNotFoundError
+from extensions.registry import ExtensionRegistry
+from storage import api
+from storage import format as fmt
+from storage._common import resolve_location
+from storage.base import FileSystemBase
+from storage.writer import CheckpointWriter
+
+log = logging.getLogger(__name__)
+
+STEP_PREFIX = "step-"
+_STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)")
+_METADATA_NAME = re.compile(r"(__[0-9]+)?\.metadata")
+_METADATA_TMP = re.compile(r"(__[0-9]+)?\.metadata\.tmp-[0-9a-zA-Z]+")
+_WRITER_OPTIONS = frozenset(inspect.signature(CheckpointWriter.__init__).parameters) - {
+    "self",
+    "path",
+    "transforms",
+    "storage_options",
+    "filesystem",
+}
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a directory named ``step-<N>`` (canonical decimal), else ``None``."""
+    match = _STEP_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def is_metadata_name(name: str) -> bool:
+    """``.metadata`` or a rank-local ``__{rank}.metadata``."""
+    return _METADATA_NAME.fullmatch(name) is not None
+
+
+def is_checkpoint_file_name(name: str) -> bool:
+    """A file a checkpoint save writes: metadata, its temporaries, or a data file."""
+    return (
+        is_metadata_name(name)
+        or _METADATA_TMP.fullmatch(name) is not None
+        or (name.endswith(fmt.DATA_SUFFIX) and "/" not in name)
+    )
+
+
+def is_committed(fs: FileSystemBase, path: str) -> bool:
+    """Whether ``path`` holds a committed checkpoint (its ``.metadata`` exists)."""
+    return fs.exists(fs.concat_path(path, fmt.METADATA_NAME))
+
+
+def delete_checkpoint(fs: FileSystemBase, path: str) -> list[str]:
+    """Delete the checkpoint files at ``path``: metadata first (so it stops being a
+    checkpoint at once), then data files, then the directory if it is empty.
+
+    Returns the names left in place because they are not checkpoint files."""
+    names = fs.ls(path)
+    metadata = [n for n in names if is_metadata_name(n)]
+    others = [n for n in names if is_checkpoint_file_name(n) and n not in metadata]
+    for name in metadata + others:
+        try:
+            fs.rm_file(fs.concat_path(path, name))
+        except FileNotFoundError:
+            pass
+    kept = [n for n in names if not is_checkpoint_file_name(n)]
+    if kept:
+        log.warning("%s: left %s in place (not checkpoint files)", fs.url(path), kept)
+    else:
+        fs.rm_dir(path)
+    return kept
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One ``step-<N>`` directory: ``committed`` is whether its metadata exists;
+    ``size`` is the bytes of its files; ``modified`` the newest file time (``None``
+    where the backend cannot tell)."""
+
+    step: int
+    name: str
+    url: str
+    committed: bool
+    size: int
+    files: int
+    modified: float | None
+
+
+class CheckpointManager:
+    """Save, list, load and prune numbered checkpoints ``root/step-{N}``.
+
+    ``keep_last=N`` keeps the ``N`` newest committed steps; ``keep_every=K`` also keeps
+    every step divisible by ``K`` (it needs ``keep_last``; without ``keep_last`` nothing
+    is ever deleted). Retention runs after a save commits, never before, and never
+    deletes the step just saved. ``transforms`` and the writer options (``thread_count``,
+    ``overwrite``, ``sync_files``, ...) go to every :class:`CheckpointWriter`; ``keys`` and
+    ``registry`` to every reader. ``filesystem`` supplies a backend instance directly.
+
+    At most one save is in flight per manager: :meth:`save` first waits for the previous
+    asynchronous save to finish (its outcome is reported through its own future and
+    logged; it is not raised again by the next save). Under ``torch.distributed``,
+    saves and loads are collective and only rank 0 deletes anything.
+    """
+
+    def __init__(
+        self,
+        root_url: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        transforms: Sequence[Any] | None = None,
+        keys: Keys | None = None,
+        registry: ExtensionRegistry | None = None,
+        filesystem: FileSystemBase | None = None,
+        **writer_options: Any,
+    ) -> None:
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if keep_every is not None and keep_last is None:
+            raise ValueError(
+                "keep_every needs keep_last (without keep_last nothing is deleted); "
+                "pass e.g. keep_last=3, keep_every=1000"
+            )
+        unknown = sorted(set(writer_options) - _WRITER_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"unknown CheckpointManager option(s) {unknown}; writer options are "
+                f"{sorted(_WRITER_OPTIONS)}"
+            )
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.transforms = list(transforms or [])
+        self.keys = keys
+        self.registry = registry
+        self.writer_options = writer_options
+        self.fs, self.root = resolve_location(root_url, storage_options, filesystem)
+        self._lock = threading.Lock()
+        self._pending: concurrent.futures.Future[None] | None = None
+        self._saving: int | None = None
+
+    # --- locations ------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return self.fs.url(self.root)
+
+    def step_path(self, step: int) -> str:
+        """The backend path of ``root/step-{step}``."""
+        return self.fs.concat_path(self.root, f"{STEP_PREFIX}{_check_step(step)}")
+
+    def step_url(self, step: int) -> str:
+        return self.fs.url(self.step_path(step))
+
+    # --- listing --------------------------------------------------------------------
+
+    def _step_dirs(self) -> list[tuple[int, str]]:
+        try:
+            names = self.fs.ls(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found = [(s, n) for n in names if (s := parse_step(n)) is not None]
+        return sorted(found)
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return [
+            step
+            for step, name in self._step_dirs()
+            if is_committed(self.fs, self.fs.concat_path(self.root, name))
+        ]
+
+    def latest(self) -> int | None:
+        """The newest committed step, or ``None``."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def entries(self) -> list[StepInfo]:
+        """Every ``step-<N>`` directory, committed or not, with size and age."""
+        infos = []
+        for step, name in self._step_dirs():
+            path = self.fs.concat_path(self.root, name)
+            try:
+                names = self.fs.ls(path)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # a plain file named like a step: not ours
+            size, newest = 0, None
+            files = [n for n in names if is_checkpoint_file_name(n)]
+            for n in files:
+                file_path = self.fs.concat_path(path, n)
+                try:
+                    size += self.fs.size(file_path)
+                    mtime = self.fs.modified(file_path)
+                except FileNotFoundError:
+                    continue
+                if mtime is not None:
+                    newest = mtime if newest is None else max(newest, mtime)
+            committed = any(n == fmt.METADATA_NAME for n in names)
+            infos.append(
+                StepInfo(step, name, self.fs.url(path), committed, size, len(files), newest)
+            )
+        return infos
+
+    # --- save / load ----------------------------------------------------------------
+
+    def save(
+        self, step: int, state_dict: dict[str, Any], *, blocking: bool = True
+    ) -> concurrent.futures.Future[None] | None:
+        """Save ``state_dict`` as ``root/step-{step}``, then apply retention.
+
+        ``blocking=False`` stages the state to CPU memory and returns a
+        ``concurrent.futures.Future`` at once (the caller may change its tensors right
+        away); the future resolves after the checkpoint is committed and retention has
+        run, or raises the save's error. Either way, a previous asynchronous save of
+        this manager is waited for first."""
+        step = _check_step(step)
+        self.wait()
+        url = self.step_url(step)
+        options = dict(self.writer_options, filesystem=self.fs)
+        if blocking:
+            with self._lock:
+                self._saving = step
+            try:
+                api.save(state_dict, url, transforms=self.transforms, **options)
+            finally:
+                with self._lock:
+                    self._saving = None
+            self._retain_quietly(step)
+            return None
+        outer: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            self._saving = step
+            self._pending = outer
+        try:
+            inner = api.async_save(state_dict, url, transforms=self.transforms, **options)
+        except BaseException:
+            with self._lock:
+                self._saving, self._pending = None, None
+            raise
+
+        def finished(fut: concurrent.futures.Future[None]) -> None:
+            error = fut.exception()
+            with self._lock:
+                self._saving = None
+            if error is None:
+                self._retain_quietly(step)
+                outer.set_result(None)
+            else:
+                log.error("asynchronous save of %s failed: %s", url, error)
+                outer.set_exception(error)
+
+        inner.add_done_callback(finished)
+        return outer
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight, if any (its error is not raised)."""
+        with self._lock:
+            pending = self._pending
+        if pending is not None:
+            concurrent.futures.wait([pending])
+            with self._lock:
+                if self._pending is pending:
+                    self._pending = None
+
+    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
+        """Load ``step`` (default: the latest committed one) into ``state_dict`` in
+        place; returns the step loaded. Raises :class:`CheckpointNotFoundError` when
+        there is no such committed step."""
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint under {self.url} (looked for "
+                    f"{STEP_PREFIX}<N>/{fmt.METADATA_NAME}); save one first or check the root URL"
+                )
+        elif not is_committed(self.fs, self.step_path(step)):
+            raise CheckpointNotFoundError(
+                f"{self.step_url(step)} is not a committed checkpoint; committed steps "
+                f"under {self.url}: {self.steps() or 'none'}"
+            )
+        api.load(
+            state_dict,
+            self.step_url(step),
+            keys=self.keys,
+            registry=self.registry,
+            filesystem=self.fs,
+        )
+        return step
+
+    # --- deleting -------------------------------------------------------------------
+
+    def delete(self, step: int) -> None:
+        """Delete ``root/step-{step}`` (metadata first, then data, then the directory)."""
+        path = self.step_path(step)
+        try:
+            delete_checkpoint(self.fs, path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.fs.url(path)} does not exist") from None
+
+    def retained(self, steps: Sequence[int], protect: int | None = None) -> set[int]:
+        """Which of ``steps`` the retention policy keeps."""
+        if self.keep_last is None:
+            return set(steps)
+        ordered = sorted(steps)
+        keep = set(ordered[-self.keep_last :])
+        if self.keep_every is not None:
+            keep |= {s for s in ordered if s % self.keep_every == 0}
+        if protect is not None:
+            keep.add(protect)
+        return keep
+
+    def apply_retention(self, *, dry_run: bool = False, protect: int | None = None) -> list[int]:
+        """Delete committed steps the policy does not keep; returns them.
+
+        Uncommitted directories are :meth:`cleanup`'s business and are not touched."""
+        if self.keep_last is None or not _is_rank_zero():
+            return []
+        steps = self.steps()
+        with self._lock:
+            saving = self._saving
+        keep = self.retained(steps, protect) | ({saving} if saving is not None else set())
+        doomed = [s for s in steps if s not in keep]
+        if not dry_run:
+            for step in doomed:
+                self.delete(step)
+        return doomed
+
+    def _retain_quietly(self, step: int) -> None:
+        # The save is committed; a failure to prune must not turn it into a failure.
+        try:
+            removed = self.apply_retention(protect=step)
+        except Exception as exc:
+            log.warning("retention after saving %s failed: %s", self.step_url(step), exc)
+        else:
+            if removed:
+                log.info("retention removed steps %s under %s", removed, self.url)
+
+    def cleanup(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[int]:
+        """Remove leftovers of interrupted saves: ``step-<N>`` directories without
+        metadata whose files are all older than ``grace_seconds`` (choose more than
+        your longest save). Directories holding anything that is not a checkpoint file,
+        or whose age the backend cannot tell, are kept. Returns the steps removed."""
+        if not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
+            raise ValueError(f"grace_seconds must be a number >= 0, got {grace_seconds!r}")
+        if not _is_rank_zero():
+            return []
+        horizon = time.time() - grace_seconds
+        removed = []
+        for step, name in self._step_dirs():
+            with self._lock:
+                if step == self._saving:
+                    continue
+            path = self.fs.concat_path(self.root, name)
+            if self._is_stale_leftover(path, horizon):
+                if not dry_run:
+                    delete_checkpoint(self.fs, path)
+                removed.append(step)
+        return removed
+
+    def _is_stale_leftover(self, path: str, horizon: float) -> bool:
+        try:
+            names = self.fs.ls(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        if any(is_metadata_name(n) for n in names):
+            return False
+        if not all(is_checkpoint_file_name(n) for n in names):
+            log.info("%s: not cleaned up, it holds files that are not ours", self.fs.url(path))
+            return False
+        try:
+            times = [self.fs.modified(self.fs.concat_path(path, n)) for n in names] or [
+                self.fs.modified(path)
+            ]
+        except FileNotFoundError:
+            return False
+        return all(t is not None and t < horizon for t in times)
+
+
+def _check_step(step: object) -> int:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return step
+
+
+def _is_rank_zero() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
