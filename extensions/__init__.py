@@ -1,6 +1,7 @@
 """Stream transforms for dcp-storage checkpoints: the contract, the registry, built-ins."""
 
 from extensions.base import ItemInfo, StreamTransformExtension
+from extensions.encryption import AES256GCM, keys_from_environment, keys_from_file
 from extensions.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -12,9 +13,12 @@ from extensions.errors import (
     UnsafeCheckpointError,
 )
 from extensions.registry import ExtensionRegistry, register
+from extensions.shuffle import ByteShuffle
 from extensions.zstd import ZStandard
 
 __all__ = [
+    "AES256GCM",
+    "ByteShuffle",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CheckpointStorageError",
@@ -27,5 +31,7 @@ __all__ = [
     "UnknownTransformError",
     "UnsafeCheckpointError",
     "ZStandard",
+    "keys_from_environment",
+    "keys_from_file",
     "register",
 ]

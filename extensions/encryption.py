@@ -1,0 +1,463 @@
+"""AES-256-GCM encryption of stored items, and the key helpers readers and the CLI use.
+
+Stream format of one encrypted item (descriptor
+``dcp_storage.aes256gcm/1;key_id=<id>;chunk=<bytes>``)::
+
+    header   "DCPE" | version (1 byte) | salt (16) | nonce prefix (8) | key check (8)
+    chunk 0  ciphertext of `chunk` plaintext bytes | tag (16)
+    ...
+    final    ciphertext of 0..chunk-1 plaintext bytes | tag (16)
+
+Every item gets a fresh random salt, from which HKDF-SHA256 derives the item's own
+AES key and a key-check value, so nonces can never repeat across items under the same
+master key. Chunk ``i`` is sealed with nonce ``prefix || i`` and associated data that
+binds the item's identity, ``i`` and whether it is the final chunk; the final chunk is
+always shorter than a full one (empty when the plaintext fills the last chunk exactly),
+so reordering, dropping, duplicating, truncating or extending chunks, or moving chunks
+or whole items between items, fails authentication. Only two chunks are ever held in
+memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import io
+import json
+import os
+import re
+import secrets
+import struct
+from collections.abc import Mapping
+from typing import IO, Any, cast
+
+from extensions.base import ItemInfo, StreamTransformExtension
+from extensions.errors import IntegrityError, MissingDependencyError, MissingKeyError
+
+KEY_SIZE = 32
+TAG_SIZE = 16
+DEFAULT_CHUNK_SIZE = 4 << 20
+MIN_CHUNK_SIZE = 1 << 10
+MAX_CHUNK_SIZE = 1 << 30
+ENV_VAR = "DCP_STORAGE_KEYS"
+
+_MAGIC = b"DCPE"
+_FORMAT = 1
+_HEADER = struct.Struct(">4sB16s8s8s")
+_MAX_CHUNKS = 1 << 32  # the chunk counter is the last 4 bytes of the nonce
+_KEY_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,128}")
+
+
+def _aead(key: bytes) -> Any:
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError as exc:  # pragma: no cover - cryptography is a core dependency
+        raise MissingDependencyError(
+            "AES-256-GCM needs the 'cryptography' package: pip install cryptography"
+        ) from exc
+    return AESGCM(key)
+
+
+def _derive(key: bytes, salt: bytes) -> tuple[bytes, bytes]:
+    """The item key and the key-check value for ``salt`` under the master ``key``."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    okm = HKDF(
+        algorithm=hashes.SHA256(), length=KEY_SIZE + 8, salt=salt, info=b"dcp-storage aes256gcm v1"
+    ).derive(key)
+    return okm[:KEY_SIZE], okm[KEY_SIZE:]
+
+
+def _check_key(key: object) -> bytes:
+    if not isinstance(key, (bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"an AES-256 key must be bytes, got {type(key).__name__}; decode hex or base64 "
+            "first (bytes.fromhex(...)) or use extensions.keys_from_environment/keys_from_file"
+        )
+    key = bytes(key)
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"an AES-256 key must be {KEY_SIZE} bytes long, got {len(key)} bytes")
+    return key
+
+
+def _check_key_id(key_id: object) -> str:
+    if not isinstance(key_id, str) or not _KEY_ID.fullmatch(key_id):
+        raise ValueError(
+            f"key_id must be 1-128 characters from A-Z a-z 0-9 . _ : @ + -, got {key_id!r}"
+        )
+    return key_id
+
+
+def _check_chunk_size(chunk_size: object) -> int:
+    if (
+        not isinstance(chunk_size, int)
+        or isinstance(chunk_size, bool)
+        or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE
+    ):
+        raise ValueError(
+            f"chunk_size must be an int between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}, "
+            f"got {chunk_size!r}"
+        )
+    return chunk_size
+
+
+def _associated_prefix(item: ItemInfo) -> bytes:
+    return b"dcp_storage.aes256gcm/1\x00" + item.item.encode("utf-8") + b"\x00"
+
+
+class AES256GCM(StreamTransformExtension):
+    """Authenticated AES-256-GCM encryption, chunked (descriptor ``dcp_storage.aes256gcm/1``).
+
+    ``key`` is the 32-byte master key, ``key_id`` the name readers look it up by
+    (recorded in the descriptor; the key never is), ``chunk_size`` the plaintext bytes
+    per authenticated chunk. List it after compression: ``[ZStandard(), AES256GCM(...)]``.
+    Readers pass ``keys={key_id: key}`` (or a callable); a missing key raises
+    :class:`MissingKeyError`, a wrong key or any changed byte :class:`IntegrityError`.
+    """
+
+    def __init__(
+        self,
+        *,
+        key: bytes | None = None,
+        key_id: str = "default",
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        self._key = None if key is None else _check_key(key)
+        self.key_id = _check_key_id(key_id)
+        self.chunk_size = _check_chunk_size(chunk_size)
+
+    def __repr__(self) -> str:
+        return f"AES256GCM(key_id={self.key_id!r}, chunk_size={self.chunk_size})"
+
+    @staticmethod
+    def registry_name() -> str:
+        return "dcp_storage.aes256gcm"
+
+    @staticmethod
+    def from_descriptor(version: str) -> AES256GCM:
+        number, _, config = version.partition(";")
+        if number != "1":
+            raise ValueError(
+                f"unsupported dcp_storage.aes256gcm version {number!r} (this reader knows 1)"
+            )
+        fields: dict[str, str] = {}
+        for part in config.split(";") if config else ():
+            name, sep, value = part.partition("=")
+            if not sep or name not in ("key_id", "chunk") or name in fields:
+                raise ValueError(f"unexpected dcp_storage.aes256gcm setting {part!r}")
+            fields[name] = value
+        if "key_id" not in fields or not fields.get("chunk", "").isdigit():
+            raise ValueError("the descriptor must name key_id and chunk")
+        return AES256GCM(key_id=fields["key_id"], chunk_size=int(fields["chunk"]))
+
+    def get_descriptor(self) -> str:
+        return f"{self.registry_name()}/1;key_id={self.key_id};chunk={self.chunk_size}"
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        return self.encode(output, ItemInfo())
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        return self.decode(input, ItemInfo())
+
+    # --- item-aware hooks -------------------------------------------------------------
+
+    def encode(self, output: IO[bytes], item: ItemInfo) -> IO[bytes]:
+        if self._key is None:
+            raise MissingKeyError(
+                f"AES256GCM(key_id={self.key_id!r}) has no key; pass key=... to encrypt"
+            )
+        return cast(IO[bytes], _Encryptor(output, self._key, self.chunk_size, item))
+
+    @classmethod
+    def decoder_for(cls, version: str, item: ItemInfo) -> AES256GCM:
+        decoder = cls.from_descriptor(version)
+        decoder._key = _lookup_key(decoder.key_id, item)
+        return decoder
+
+    def decode(self, input: IO[bytes], item: ItemInfo) -> IO[bytes]:
+        key = self._key if self._key is not None else _lookup_key(self.key_id, item)
+        return cast(IO[bytes], _Decryptor(input, key, self.key_id, self.chunk_size, item))
+
+
+def _lookup_key(key_id: str, item: ItemInfo) -> bytes:
+    where = f"{item.checkpoint}: item {item.item!r}" if item.item else item.checkpoint or "item"
+    key: object = None
+    if item.keys is not None:
+        try:
+            key = item.keys(key_id)
+        except KeyError:
+            key = None
+    if key is None:
+        raise MissingKeyError(
+            f"{where} is encrypted with key_id {key_id!r}, but no key was given for it; pass "
+            f"keys={{{key_id!r}: <32-byte key>}} (or a callable) to the reader or "
+            f"storage.load, or set {ENV_VAR}={key_id}=<hex or base64 key>"
+        )
+    try:
+        return _check_key(key)
+    except (TypeError, ValueError) as exc:
+        raise MissingKeyError(
+            f"{where}: the key given for key_id {key_id!r} is unusable: {exc}"
+        ) from None
+
+
+class _Encryptor(io.RawIOBase):
+    def __init__(self, out: IO[bytes], key: bytes, chunk_size: int, item: ItemInfo) -> None:
+        super().__init__()
+        self._out = out
+        self._chunk = chunk_size
+        salt = secrets.token_bytes(16)
+        self._prefix = secrets.token_bytes(8)
+        item_key, check = _derive(key, salt)
+        self._aead = _aead(item_key)
+        self._ad = _associated_prefix(item)
+        self._index = 0
+        self._plain = bytearray(chunk_size)
+        self._fill = 0
+        self._sealed = bytearray(chunk_size + TAG_SIZE)
+        out.write(_HEADER.pack(_MAGIC, _FORMAT, salt, self._prefix, check))
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        pos = 0
+        while pos < total:
+            if self._fill == 0 and total - pos >= self._chunk:
+                # Seal straight from the caller's buffer: no copy for large writes.
+                self._seal(view[pos : pos + self._chunk], final=False)
+                pos += self._chunk
+                continue
+            n = min(self._chunk - self._fill, total - pos)
+            self._plain[self._fill : self._fill + n] = view[pos : pos + n]
+            self._fill += n
+            pos += n
+            if self._fill == self._chunk:
+                self._seal(memoryview(self._plain), final=False)
+                self._fill = 0
+        return total
+
+    def _seal(self, plain: memoryview, *, final: bool) -> None:
+        if self._index >= _MAX_CHUNKS:
+            raise ValueError("item too large for this chunk_size; use a larger chunk_size")
+        nonce = self._prefix + self._index.to_bytes(4, "big")
+        ad = self._ad + struct.pack(">QB", self._index, final)
+        out = memoryview(self._sealed)[: len(plain) + TAG_SIZE]
+        self._aead.encrypt_into(nonce, plain, ad, out)
+        self._out.write(out)
+        self._index += 1
+
+    def flush(self) -> None:
+        # A flush must not cut a chunk short: only the final chunk may be short.
+        if not self.closed:
+            self._out.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._seal(memoryview(self._plain)[: self._fill], final=True)
+        finally:
+            self._plain = bytearray()
+            super().close()  # flushes the output while it is still open
+        self._out.close()
+
+
+class _Decryptor(io.RawIOBase):
+    def __init__(
+        self, source: IO[bytes], key: bytes, key_id: str, chunk_size: int, item: ItemInfo
+    ) -> None:
+        super().__init__()
+        self._src = source
+        self._key: bytes | None = key
+        self._key_id = key_id
+        self._chunk = chunk_size
+        self._ad = _associated_prefix(item)
+        self._where = f"{item.checkpoint}: item {item.item!r}" if item.item else item.checkpoint
+        self._aead: Any = None
+        self._prefix = b""
+        self._index = 0
+        self._done = False
+        self._record = bytearray(chunk_size + TAG_SIZE)
+        self._plain = bytearray(chunk_size)
+        self._pos = 0
+        self._end = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def _fail(self, what: str) -> IntegrityError:
+        return IntegrityError(
+            f"{self._where or 'encrypted item'}: {what} (AES-256-GCM, key_id "
+            f"{self._key_id!r}); restore the file or re-save the checkpoint"
+        )
+
+    def _fill_from_source(self, view: memoryview) -> int:
+        got = 0
+        readinto = getattr(self._src, "readinto", None)
+        while got < len(view):
+            if readinto is not None:
+                n = readinto(view[got:]) or 0
+            else:
+                data = self._src.read(len(view) - got)
+                n = len(data)
+                view[got : got + n] = data
+            if not n:
+                break
+            got += n
+        return got
+
+    def _start(self) -> None:
+        header = bytearray(_HEADER.size)
+        if self._fill_from_source(memoryview(header)) != _HEADER.size:
+            raise self._fail("the encrypted item is truncated inside its header")
+        magic, version, salt, prefix, check = _HEADER.unpack(header)
+        if magic != _MAGIC or version != _FORMAT:
+            raise self._fail("the bytes are not an AES-256-GCM item of format 1")
+        assert self._key is not None
+        item_key, expected = _derive(self._key, salt)
+        self._key = None
+        if not hmac.compare_digest(check, expected):
+            raise self._fail(
+                "the key given for this key_id is not the key the item was encrypted with "
+                "(or the item header is damaged)"
+            )
+        self._aead = _aead(item_key)
+        self._prefix = prefix
+
+    def _open_next(self, dest: memoryview) -> int:
+        """Authenticate the next chunk into ``dest`` (or the internal buffer when
+        ``dest`` is too small); returns its plaintext length, -1 when it went to the
+        internal buffer."""
+        if self._aead is None:
+            self._start()
+        record = memoryview(self._record)
+        n = self._fill_from_source(record)
+        final = n < len(record)
+        if n < TAG_SIZE:
+            raise self._fail(
+                f"the item is truncated: chunk {self._index} is missing or cut short"
+                if n or self._index
+                else "the item is truncated: no chunk follows the header"
+            )
+        size = n - TAG_SIZE
+        internal = len(dest) < size
+        out = memoryview(self._plain)[:size] if internal else dest[:size]
+        nonce = self._prefix + self._index.to_bytes(4, "big")
+        ad = self._ad + struct.pack(">QB", self._index, final)
+        try:
+            self._aead.decrypt_into(nonce, record[:n], ad, out)
+        except Exception as exc:  # cryptography's InvalidTag
+            raise self._fail(
+                f"chunk {self._index} failed authentication: the stored bytes were changed, "
+                "truncated, reordered or belong to another item"
+            ) from exc
+        self._index += 1
+        if final:
+            self._done = True
+            if self._fill_from_source(memoryview(bytearray(1))):
+                raise self._fail("unexpected bytes after the final chunk")
+        if internal:
+            self._pos, self._end = 0, size
+            return -1
+        return size
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        while True:
+            if self._pos < self._end:
+                n = min(len(view), self._end - self._pos)
+                view[:n] = memoryview(self._plain)[self._pos : self._pos + n]
+                self._pos += n
+                return n
+            if self._done or not len(view):
+                return 0
+            n = self._open_next(view)
+            if n >= 0:
+                return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is not None and size >= 0:
+            return super().read(size) or b""
+        parts: list[bytes] = []
+        while True:
+            part = super().read(self._chunk) or b""
+            if not part:
+                return b"".join(parts)
+            parts.append(part)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+
+# --- keys for readers -----------------------------------------------------------------
+
+
+def _decode_key_text(text: str, key_id: str, where: str) -> bytes:
+    text = text.strip()
+    key: bytes | None = None
+    if len(text) == 2 * KEY_SIZE:
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            key = None
+    if key is None:
+        try:
+            key = base64.b64decode(text.replace("-", "+").replace("_", "/"), validate=True)
+        except (binascii.Error, ValueError):
+            key = None
+    if key is None or len(key) != KEY_SIZE:
+        raise ValueError(
+            f"{where}: the key for key_id {key_id!r} is not a {KEY_SIZE}-byte key written as "
+            f"{2 * KEY_SIZE} hex digits or base64"
+        )
+    return key
+
+
+def keys_from_environment(environ: Mapping[str, str] | None = None) -> dict[str, bytes]:
+    """Keys from ``DCP_STORAGE_KEYS="id1=KEY,id2=KEY"`` (each key 64 hex digits or base64).
+
+    Returns ``{}`` when the variable is unset or empty. Pass the result as
+    ``keys=`` to the reader or ``storage.load``.
+    """
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_VAR, "")
+    keys: dict[str, bytes] = {}
+    for entry in text.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        key_id, sep, value = entry.partition("=")
+        key_id = key_id.strip()
+        if not sep:
+            raise ValueError(f"{ENV_VAR}: entries must look like key_id=KEY, separated by commas")
+        _check_key_id(key_id)
+        keys[key_id] = _decode_key_text(value, key_id, ENV_VAR)
+    return keys
+
+
+def keys_from_file(path: str | os.PathLike[str]) -> dict[str, bytes]:
+    """Keys from a JSON file holding ``{"key_id": "64 hex digits or base64", ...}``.
+
+    Keep the file readable by its owner only (``chmod 600``).
+    """
+    where = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        # The decoder's message quotes no key material, only a position.
+        raise ValueError(f"{where}: not a JSON key file (line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a key file must hold a JSON object {{key_id: key}}")
+    keys: dict[str, bytes] = {}
+    for key_id, value in data.items():
+        _check_key_id(key_id)
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: the key for key_id {key_id!r} must be a string")
+        keys[key_id] = _decode_key_text(value, key_id, where)
+    return keys

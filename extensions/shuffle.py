@@ -1,0 +1,240 @@
+"""Dtype-aware byte shuffle: a filter that makes tensors compress better.
+
+Splitting each block of fixed-size elements into byte planes (all first bytes, then
+all second bytes, ...) puts the slowly varying bytes of numbers (sign and exponent)
+next to each other, which a compressor chained after it exploits. The element size
+comes from the item's dtype and is recorded in the descriptor
+(``dcp_storage.shuffle/1;es=2``); opaque bytes get ``es=1``, which is the identity.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import IO, Any, cast
+
+import numpy as np
+
+from extensions.base import ItemInfo, StreamTransformExtension
+
+#: Elements per shuffled block; part of format version 1 (a block is es * this bytes).
+BLOCK_ELEMENTS = 1 << 18
+MAX_ELEMENT_SIZE = 64
+
+
+def _check_element_size(element_size: object) -> int:
+    if (
+        not isinstance(element_size, int)
+        or isinstance(element_size, bool)
+        or not 1 <= element_size <= MAX_ELEMENT_SIZE
+    ):
+        raise ValueError(
+            f"element_size must be an int between 1 and {MAX_ELEMENT_SIZE}, got {element_size!r}"
+        )
+    return element_size
+
+
+def _shuffle(src: memoryview, dst: memoryview, es: int) -> None:
+    """Byte planes of ``src`` into ``dst``; a tail shorter than one element is copied."""
+    n = len(src) // es
+    whole = n * es
+    if n:
+        planes = np.frombuffer(dst, np.uint8, count=whole).reshape(es, n)
+        data = np.frombuffer(src, np.uint8, count=whole)
+        if es == 2:  # two vector ops beat a strided gather by ~3x
+            words = data.view("<u2")
+            np.bitwise_and(words, 0xFF, out=planes[0], casting="unsafe")
+            np.right_shift(words, 8, out=planes[1], casting="unsafe")
+        else:
+            elements = data.reshape(n, es)
+            for j in range(es):
+                planes[j] = elements[:, j]
+    dst[whole : len(src)] = src[whole:]
+
+
+def _unshuffle(src: memoryview, dst: memoryview, es: int) -> None:
+    n = len(src) // es
+    whole = n * es
+    if n:
+        planes = np.frombuffer(src, np.uint8, count=whole).reshape(es, n)
+        out = np.frombuffer(dst, np.uint8, count=whole)
+        if es == 2:
+            words = out.view("<u2")
+            words[...] = planes[1]
+            np.left_shift(words, 8, out=words)
+            np.bitwise_or(words, planes[0], out=words, casting="unsafe")
+        else:
+            elements = out.reshape(n, es)
+            for j in range(es):
+                elements[:, j] = planes[j]
+    dst[whole : len(src)] = src[whole:]
+
+
+class ByteShuffle(StreamTransformExtension):
+    """Byte-plane shuffle by element size (descriptor ``dcp_storage.shuffle/1;es=N``).
+
+    With ``element_size=None`` (the default) each item uses its own tensor's element
+    size and opaque items pass through unchanged; an explicit ``element_size`` applies
+    to every item. List it before compression: ``[ByteShuffle(), ZStandard()]``.
+    """
+
+    def __init__(self, *, element_size: int | None = None) -> None:
+        self.element_size = None if element_size is None else _check_element_size(element_size)
+
+    def __repr__(self) -> str:
+        return f"ByteShuffle(element_size={self.element_size})"
+
+    def _es(self, item: ItemInfo) -> int:
+        if self.element_size is not None:
+            return self.element_size
+        return _check_element_size(item.element_size) if item.element_size else 1
+
+    @staticmethod
+    def registry_name() -> str:
+        return "dcp_storage.shuffle"
+
+    @staticmethod
+    def from_descriptor(version: str) -> ByteShuffle:
+        number, _, config = version.partition(";")
+        if number != "1":
+            raise ValueError(
+                f"unsupported dcp_storage.shuffle version {number!r} (this reader knows 1)"
+            )
+        name, _, value = config.partition("=")
+        if name != "es" or not value.isdigit():
+            raise ValueError(f"expected ';es=<element size>' in the descriptor, got {config!r}")
+        return ByteShuffle(element_size=int(value))
+
+    def get_descriptor(self) -> str:
+        return f"{self.registry_name()}/1;es={self.element_size or 1}"
+
+    def descriptor_for(self, item: ItemInfo) -> str:
+        return f"{self.registry_name()}/1;es={self._es(item)}"
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        return cast(IO[bytes], _ShuffleWriter(output, self.element_size or 1))
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        return cast(IO[bytes], _UnshuffleReader(input, self.element_size or 1))
+
+    def encode(self, output: IO[bytes], item: ItemInfo) -> IO[bytes]:
+        return cast(IO[bytes], _ShuffleWriter(output, self._es(item)))
+
+
+class _ShuffleWriter(io.RawIOBase):
+    def __init__(self, out: IO[bytes], es: int) -> None:
+        super().__init__()
+        self._out = out
+        self._es = es
+        self._block = es * BLOCK_ELEMENTS if es > 1 else 0
+        self._staged = bytearray(self._block)
+        self._fill = 0
+        self._shuffled = bytearray(self._block)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        if not self._block:
+            self._out.write(view)
+            return total
+        pos = 0
+        while pos < total:
+            if self._fill == 0 and total - pos >= self._block:
+                self._emit(view[pos : pos + self._block])
+                pos += self._block
+                continue
+            n = min(self._block - self._fill, total - pos)
+            self._staged[self._fill : self._fill + n] = view[pos : pos + n]
+            self._fill += n
+            pos += n
+            if self._fill == self._block:
+                self._emit(memoryview(self._staged))
+                self._fill = 0
+        return total
+
+    def _emit(self, block: memoryview) -> None:
+        out = memoryview(self._shuffled)[: len(block)]
+        _shuffle(block, out, self._es)
+        self._out.write(out)
+
+    def flush(self) -> None:
+        if not self.closed:
+            self._out.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self._fill:
+                self._emit(memoryview(self._staged)[: self._fill])
+        finally:
+            super().close()  # flushes the output while it is still open
+        self._out.close()
+
+
+class _UnshuffleReader(io.RawIOBase):
+    def __init__(self, source: IO[bytes], es: int) -> None:
+        super().__init__()
+        self._src = source
+        self._es = es
+        self._block = es * BLOCK_ELEMENTS if es > 1 else 1 << 20
+        self._raw = bytearray(self._block if es > 1 else 0)
+        self._plain = bytearray(self._block if es > 1 else 0)
+        self._pos = 0
+        self._end = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def _read_source(self, view: memoryview) -> int:
+        readinto = getattr(self._src, "readinto", None)
+        got = 0
+        while got < len(view):
+            if readinto is not None:
+                n = readinto(view[got:]) or 0
+            else:
+                data = self._src.read(len(view) - got)
+                n = len(data)
+                view[got : got + n] = data
+            if not n:
+                break
+            got += n
+            if self._es == 1:
+                break  # identity: hand over what arrived
+        return got
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if self._es == 1:
+            return self._read_source(view)
+        if self._pos == self._end:
+            if not len(view):
+                return 0
+            n = self._read_source(memoryview(self._raw))
+            if not n:
+                return 0
+            source = memoryview(self._raw)[:n]
+            if len(view) >= n:
+                _unshuffle(source, view[:n], self._es)
+                return n
+            _unshuffle(source, memoryview(self._plain)[:n], self._es)
+            self._pos, self._end = 0, n
+        n = min(len(view), self._end - self._pos)
+        view[:n] = memoryview(self._plain)[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is not None and size >= 0:
+            return super().read(size) or b""
+        parts: list[bytes] = []
+        while True:
+            part = super().read(self._block) or b""
+            if not part:
+                return b"".join(parts)
+            parts.append(part)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
