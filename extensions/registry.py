@@ -78,7 +78,8 @@ class ExtensionRegistry:
         except (ValueError, KeyError) as exc:
             raise UnknownTransformError(
                 f"{info.checkpoint}: item {info.item!r}: cannot decode descriptor "
-                f"{descriptor!r}: {exc}. A newer dcp-storage or the transform's plugin may be needed."
+                f"{descriptor!r}: {exc}. A newer dcp-storage or the transform's plugin "
+                "may be needed."
             ) from exc
 
     def from_descriptor_list(self, descriptors: Sequence[str]) -> list[Any]:

@@ -14,7 +14,6 @@ import torch
 from storage.base import FileSystemBase
 from storage.registry import filesystem_from_url
 
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -113,7 +112,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray(0))
     flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def readinto_exact(stream: IO[bytes], view: memoryview) -> int:

@@ -6,7 +6,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import Iterator
-from typing import IO, ClassVar
+from typing import IO, ClassVar, cast
 
 from storage.base import FileSystemBase
 from storage.views import SliceView
@@ -41,23 +41,23 @@ class LocalFileSystem(FileSystemBase):
         if mode != "wb":
             raise ValueError(f"unsupported mode {mode!r}: use 'rb' or 'wb'")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        stream = open(path, "wb")  # noqa: SIM115 - closed below on every path
+        out = open(path, "wb")  # noqa: SIM115 - closed below on every path
         try:
-            yield stream
-            stream.flush()
+            yield out
+            out.flush()
             if sync:
-                os.fsync(stream.fileno())
+                os.fsync(out.fileno())
         except BaseException:
-            stream.close()
+            out.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             raise
-        stream.close()
+        out.close()
 
     @contextlib.contextmanager
     def open_slice(self, path: str, offset: int, length: int) -> Iterator[IO[bytes]]:
         with open(path, "rb", buffering=0) as stream:
-            yield SliceView(stream, offset, length)
+            yield cast(IO[bytes], SliceView(stream, offset, length))
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         directory = os.path.dirname(path) or "."

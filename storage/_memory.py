@@ -98,7 +98,9 @@ class MemoryFileSystem(FileSystemBase):
     def ls(self, path: str) -> list[str]:
         prefix = path.rstrip("/") + "/" if path else ""
         with self._lock:
-            names = {k[len(prefix) :].split("/", 1)[0] for k in self.objects if k.startswith(prefix)}
+            names = {
+                k[len(prefix) :].split("/", 1)[0] for k in self.objects if k.startswith(prefix)
+            }
             names |= {d[len(prefix) :].split("/", 1)[0] for d in self.dirs if d.startswith(prefix)}
             if not names and not self._is_dir(path):
                 raise FileNotFoundError(path)

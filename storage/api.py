@@ -26,9 +26,7 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def unwrap_checkpoint_exception(
-    exc: CheckpointException, plugin: Any = None
-) -> BaseException:
+def unwrap_checkpoint_exception(exc: CheckpointException, plugin: Any = None) -> BaseException:
     """The real error inside a ``CheckpointException``: the one this process's
     writer/reader raised if any (torch may have replaced it by an AssertionError that
     only quotes it), else the first rank's."""
@@ -101,7 +99,7 @@ def async_save(
         url, transforms=transforms, storage_options=storage_options, **writer_options
     )
     inner = dcp.async_save(state_dict, storage_writer=writer, no_dist=_no_dist())
-    upload = getattr(inner, "upload_completion", inner)
+    upload: Any = getattr(inner, "upload_completion", inner)
     outer: Future[None] = Future()
 
     def done(fut: Any) -> None:

@@ -33,7 +33,7 @@ import abc
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import IO, Any, ClassVar
+from typing import IO, Any, ClassVar, cast
 
 from storage.views import SliceView
 
@@ -74,7 +74,7 @@ class FileSystemBase(abc.ABC):
     @contextlib.contextmanager
     def _slice_of_stream(self, path: str, offset: int, length: int) -> Iterator[IO[bytes]]:
         with self.create_stream(path, "rb") as stream:
-            yield SliceView(stream, offset, length)
+            yield cast(IO[bytes], SliceView(stream, offset, length))
 
     def read_bytes(self, path: str) -> bytes:
         """The whole content of ``path``."""

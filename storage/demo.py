@@ -75,10 +75,7 @@ def run_demo(directory: str | None = None, *, steps: int = 3, keep: bool = False
     if not _equal(original, restored):
         raise AssertionError(f"demo: the state loaded from {path} differs from the one saved")
 
-    logical = sum(
-        t.numel() * t.element_size()
-        for t in _tensors(original)
-    )
+    logical = sum(t.numel() * t.element_size() for t in _tensors(original))
     stored = _tree_bytes(path)
     items = len(list(_tensors(original)))
     figures = {

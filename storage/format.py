@@ -108,7 +108,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(
             f"{self._where}: metadata refers to {module}.{name}, which is not a DCP metadata "
             "class or plain data; refusing to load it (it could run code). Only load "
-            "checkpoints from sources you trust, and re-save this one with dcp-storage or stock DCP."
+            "checkpoints from sources you trust, and re-save this one with dcp-storage or "
+            "stock DCP."
         )
 
 
@@ -129,7 +130,9 @@ def load_metadata(data: bytes, where: str) -> Metadata:
         )
     for index, info in (metadata.storage_data or {}).items():
         path = getattr(info, "relative_path", None)
-        check_relative_path(path, where, item_label(index) if isinstance(index, MetadataIndex) else str(index))
+        check_relative_path(
+            path, where, item_label(index) if isinstance(index, MetadataIndex) else str(index)
+        )
     return metadata
 
 

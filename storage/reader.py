@@ -28,11 +28,11 @@ from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, I
 from extensions.registry import ExtensionRegistry
 from storage import format as fmt
 from storage._common import (
-    records_error,
     Crc32cReader,
     check_thread_count,
     default_thread_count,
     readinto_exact,
+    records_error,
     resolve_location,
     tensor_bytes,
 )
@@ -97,7 +97,7 @@ class CheckpointReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
-        self.last_error: BaseException | None = None
+        self.last_error = None
         if checkpoint_id:
             self.fs, self.path = resolve_location(
                 checkpoint_id, self.storage_options, self._explicit_fs
@@ -235,7 +235,7 @@ class CheckpointReader(StorageReader):
         label = fmt.item_label(item.req.storage_index)
         where = f"{self.url}: item {label!r} in {os.path.basename(path)!r}"
         extra = fmt.item_extra(item.info)
-        raw = Crc32cReader(BoundedReader(stream, item.length))
+        raw = Crc32cReader(cast(IO[bytes], BoundedReader(stream, item.length)))
         descriptors = list(item.info.transform_descriptors or ())
         chunk = self._chunks.get(item.req.storage_index)
         info = ItemInfo(
@@ -246,7 +246,7 @@ class CheckpointReader(StorageReader):
             keys=resolve_key_lookup(self.keys),
         )
         try:
-            decoded = self._decoding_stream(descriptors, raw, info)
+            decoded = self._decoding_stream(descriptors, cast(IO[bytes], raw), info)
             if item.req.type == LoadItemType.BYTE_IO:
                 value: Any = io.BytesIO(decoded.read())
                 self._finish_item(raw, item, extra, where)
@@ -261,7 +261,9 @@ class CheckpointReader(StorageReader):
             # A decoder choking on damaged bytes: report it as the integrity failure it is.
             _drain(raw)
             if "crc32c" in extra and raw.crc != extra["crc32c"]:
-                raise IntegrityError(f"{where}: checksum mismatch; the stored bytes are damaged") from exc
+                raise IntegrityError(
+                    f"{where}: checksum mismatch; the stored bytes are damaged"
+                ) from exc
             if raw.count < item.length:
                 raise IntegrityError(f"{where}: data file is truncated") from exc
             raise IntegrityError(f"{where}: cannot decode: {exc}") from exc
@@ -321,7 +323,9 @@ class CheckpointReader(StorageReader):
         _drain(decoded)  # the archive's trailer, and the transforms' own trailers
         return dest, target
 
-    def _finish_item(self, raw: Crc32cReader, item: _Item, extra: dict[str, Any], where: str) -> None:
+    def _finish_item(
+        self, raw: Crc32cReader, item: _Item, extra: dict[str, Any], where: str
+    ) -> None:
         _drain(raw)
         if raw.count != item.length:
             raise IntegrityError(
@@ -336,11 +340,10 @@ class CheckpointReader(StorageReader):
             )
 
 
-def _drain(stream: IO[bytes]) -> None:
+def _drain(stream: Any) -> None:
     scratch = bytearray(1 << 16)
     readinto = getattr(stream, "readinto", None)
     while True:
         n = readinto(scratch) if readinto else len(stream.read(len(scratch)))
         if not n:
             return
-

@@ -65,7 +65,9 @@ def filesystem_from_url(
     any other protocol fsspec knows goes through :class:`storage.FsspecFileSystem`.
     ``storage_options`` go to the client library unchanged."""
     if not isinstance(url, (str, os.PathLike)):
-        raise TypeError(f"checkpoint location must be a path or URL string, got {type(url).__name__}")
+        raise TypeError(
+            f"checkpoint location must be a path or URL string, got {type(url).__name__}"
+        )
     if storage_options is not None and not isinstance(storage_options, dict):
         raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
     scheme = url_scheme(url)

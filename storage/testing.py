@@ -77,10 +77,9 @@ class FileSystemTests:
 
     def test_failed_write_leaves_nothing(self, fs: FileSystemBase, root: str) -> None:
         path = fs.concat_path(root, "partial.bin")
-        with pytest.raises(RuntimeError, match="boom"):
-            with fs.create_stream(path, "wb") as stream:
-                stream.write(_payload(100_000))
-                raise RuntimeError("boom")
+        with pytest.raises(RuntimeError, match="boom"), fs.create_stream(path, "wb") as stream:
+            stream.write(_payload(100_000))
+            raise RuntimeError("boom")
         assert not fs.exists(path)
 
     def test_overwrite_replaces(self, fs: FileSystemBase, root: str) -> None:
@@ -95,9 +94,8 @@ class FileSystemTests:
     def test_missing_paths_raise_file_not_found(self, fs: FileSystemBase, root: str) -> None:
         missing = fs.concat_path(root, "missing.bin")
         assert not fs.exists(missing)
-        with pytest.raises(FileNotFoundError):
-            with fs.create_stream(missing, "rb") as stream:
-                stream.read()
+        with pytest.raises(FileNotFoundError), fs.create_stream(missing, "rb") as stream:
+            stream.read()
         with pytest.raises(FileNotFoundError):
             fs.read_bytes(missing)
         with pytest.raises(FileNotFoundError):
@@ -106,9 +104,8 @@ class FileSystemTests:
             fs.rm_file(missing)
         with pytest.raises(FileNotFoundError):
             fs.ls(fs.concat_path(root, "no-such-dir"))
-        with pytest.raises(FileNotFoundError):
-            with fs.open_slice(missing, 0, 10) as stream:
-                stream.read()
+        with pytest.raises(FileNotFoundError), fs.open_slice(missing, 0, 10) as stream:
+            stream.read()
 
     # --- listing and removal ---------------------------------------------------------
 

@@ -11,7 +11,7 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import _split_by_size_and_type
@@ -25,10 +25,10 @@ from extensions.errors import CheckpointExistsError
 from extensions.registry import encoding_stream
 from storage import format as fmt
 from storage._common import (
-    records_error,
     Crc32cSink,
     check_thread_count,
     default_thread_count,
+    records_error,
     resolve_location,
 )
 from storage.base import FileSystemBase
@@ -259,14 +259,14 @@ class CheckpointWriter(StorageWriter):
             element_size=tensor.element_size() if tensor is not None else None,
         )
         sink = Crc32cSink(stream)
-        plain, descriptors = encoding_stream(self.transforms, sink, info)
+        plain, descriptors = encoding_stream(self.transforms, cast(IO[bytes], sink), info)
         extra: dict[str, Any] = {}
         if tensor is None:
             assert isinstance(data, io.BytesIO)
             plain.write(data.getbuffer())
         else:
             tracker = fmt.ArchiveTracker(plain)
-            torch.save(tensor, tracker)
+            torch.save(tensor, cast(IO[bytes], tracker))
             data_offset = tracker.data_offset(tensor.numel() * tensor.element_size())
             if data_offset is not None:
                 extra["data_offset"] = data_offset

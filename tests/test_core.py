@@ -272,8 +272,10 @@ def test_failed_overwrite_keeps_committed_checkpoint(tmp_path: Path, state_dict:
     path = tmp_path / "c"
     storage.save(state_dict, path, transforms=[ZStandard()])
     before = {n: (path / n).read_bytes() for n in _files(path)}
-    changed = {k: (v + 1 if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-               for k, v in state_dict.items()}
+    changed = {
+        k: (v + 1 if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+        for k, v in state_dict.items()
+    }
     writer = storage.CheckpointWriter(path, single_file_per_rank=False, thread_count=1)
     with pytest.raises(BaseException, match="injected failure"):
         dcp.save(changed, storage_writer=writer, planner=_FailingPlanner())

@@ -83,8 +83,12 @@ def test_two_rank_save_reload_on_two_and_one(tmp_path: Path, chain: str) -> None
 
     # One process, no process group: the full tensors are assembled from both shards.
     full = _full()
-    single = {"w": torch.zeros(8, 6), "emb": torch.zeros(10, 4, dtype=torch.bfloat16),
-              "bias": torch.zeros(6), "step": 0}
+    single = {
+        "w": torch.zeros(8, 6),
+        "emb": torch.zeros(10, 4, dtype=torch.bfloat16),
+        "bias": torch.zeros(6),
+        "step": 0,
+    }
     storage.load(single, path)
     for key in ("w", "emb", "bias"):
         assert torch.equal(single[key], full[key]), key

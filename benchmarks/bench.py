@@ -1,0 +1,267 @@
+"""Side-by-side benchmark: stock DCP vs dcp-storage in one process.
+
+    python benchmarks/bench.py                      # every case, ~1.08 GB state dict
+    python benchmarks/bench.py --cases local-none,local-zstd --repeat 3 --size-mb 1080
+
+Protocol: build the state dict once (seeded); for each case run stock then ours once as
+a warm-up, then alternate stock/ours (A B A B ...) ``--repeat`` times and report the
+median time, MB/s (logical bytes) and peak RSS above the level before the call, plus
+the ratio stock/ours for time (> 1 means we are faster). The page cache stays warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._extension import ZStandard as TorchZStandard
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import storage  # noqa: E402
+from extensions import ZStandard  # noqa: E402
+
+MB = 1e6
+
+
+def build_state_dict(total_mb: float, n_tensors: int = 40, seed: int = 0) -> dict[str, Any]:
+    """``n_tensors`` mixed-size tensors (mostly bf16, some fp32) plus plain values.
+
+    Values are weight-like: normal with a per-tensor scale, so zstd finds what it finds
+    on real bf16 weights (the exponent byte compresses, the mantissa does not)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = [1 + (i % 7) for i in range(n_tensors)]
+    scale = total_mb * MB / sum(weights)
+    state: dict[str, Any] = {}
+    for i, w in enumerate(weights):
+        dtype = torch.float32 if i % 5 == 4 else torch.bfloat16
+        numel = max(1, int(w * scale) // torch.finfo(dtype).bits * 8)
+        cols = 1024
+        rows = max(1, numel // cols)
+        t = torch.randn(rows, cols, generator=gen) * (0.02 * (1 + i % 3))
+        state[f"layer{i:02d}.weight"] = t.to(dtype)
+    state["step"] = 1000
+    state["config"] = {"lr": 3e-4, "name": "bench"}
+    return state
+
+
+def logical_bytes(state: dict[str, Any]) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        out[k] = torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+    return out
+
+
+class PeakRSS:
+    """Samples this process's RSS every 2 ms; ``peak`` is the max above the start."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def __enter__(self) -> PeakRSS:
+        self._base = self._rss()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss() - self._base)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss() - self._base)
+
+
+@dataclass
+class Sample:
+    seconds: float
+    rss: int
+
+
+def measure(fn: Callable[[], Any]) -> Sample:
+    gc.collect()
+    with PeakRSS() as rss:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+    return Sample(dt, rss.peak)
+
+
+@dataclass
+class Case:
+    name: str
+    stock: Callable[[], Any] | None
+    ours: Callable[[], Any]
+    setup: Callable[[], None] = lambda: None
+    logical: int = 0
+
+
+def run_case(case: Case, repeat: int) -> dict[str, Any]:
+    case.setup()
+    runs: dict[str, list[Sample]] = {"stock": [], "ours": []}
+    sides = [("stock", case.stock), ("ours", case.ours)]
+    for _side, fn in sides:  # warm-up
+        if fn is not None:
+            measure(fn)
+    for _ in range(repeat):
+        for side, fn in sides:
+            if fn is not None:
+                runs[side].append(measure(fn))
+    row: dict[str, Any] = {"case": case.name}
+    for side in ("stock", "ours"):
+        if runs[side]:
+            row[f"{side}_s"] = statistics.median(s.seconds for s in runs[side])
+            row[f"{side}_rss"] = max(s.rss for s in runs[side])
+    if "stock_s" in row:
+        row["speedup"] = row["stock_s"] / row["ours_s"]
+    row["logical"] = case.logical
+    return row
+
+
+def dd_throughput(directory: str, mb: int) -> float:
+    path = os.path.join(directory, "dd.bin")
+    t0 = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={mb // 4}", "conv=fdatasync"],
+        check=True,
+        capture_output=True,
+    )
+    dt = time.perf_counter() - t0
+    os.unlink(path)
+    return mb * 1024 * 1024 / MB / dt
+
+
+def stored_ratio(path: str, logical: int) -> float:
+    stored = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    return logical / stored
+
+
+def local_cases(state: dict[str, Any], work: str) -> list[Case]:
+    n = logical_bytes(state)
+    paths = {k: os.path.join(work, k) for k in ("stock", "ours", "stock-z", "ours-z")}
+    target = zeros_like(state)
+
+    def save_stock(p: str, ext: Any = None) -> Callable[[], None]:
+        return lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(p, _extensions=ext))
+
+    def save_ours(p: str, tr: Any = None) -> Callable[[], None]:
+        return lambda: storage.save(state, p, transforms=tr)
+
+    def load_stock(p: str) -> Callable[[], None]:
+        return lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(p))
+
+    def load_ours(p: str) -> Callable[[], None]:
+        return lambda: storage.load(target, p)
+
+    one_key = next(k for k in state if isinstance(state[k], torch.Tensor))
+    partial = {one_key: torch.zeros_like(state[one_key])}
+
+    def seed_all() -> None:
+        save_stock(paths["stock"])()
+        save_ours(paths["ours"])()
+        save_stock(paths["stock-z"], [TorchZStandard()])()
+        save_ours(paths["ours-z"], [ZStandard()])()
+
+    return [
+        Case("local save, none", save_stock(paths["stock"]), save_ours(paths["ours"]), logical=n),
+        Case(
+            "local load, none",
+            load_stock(paths["stock"]),
+            load_ours(paths["ours"]),
+            setup=seed_all,
+            logical=n,
+        ),
+        Case(
+            "local save, zstd",
+            save_stock(paths["stock-z"], [TorchZStandard()]),
+            save_ours(paths["ours-z"], [ZStandard()]),
+            logical=n,
+        ),
+        Case(
+            "local load, zstd", load_stock(paths["stock-z"]), load_ours(paths["ours-z"]), logical=n
+        ),
+        Case(
+            "local load 1 of 40, none",
+            lambda: dcp.load(partial, storage_reader=dcp.FileSystemReader(paths["stock"])),
+            lambda: storage.load(partial, paths["ours"]),
+            logical=partial[one_key].numel() * partial[one_key].element_size(),
+        ),
+    ]
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    header = (
+        f"{'case':<28} {'stock s':>8} {'ours s':>8} {'stock MB/s':>10} {'ours MB/s':>10} "
+        f"{'speedup':>8} {'stock +RSS MB':>13} {'ours +RSS MB':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        mbs = r["logical"] / MB
+        stock_s = r.get("stock_s")
+        print(
+            f"{r['case']:<28} {stock_s if stock_s is not None else float('nan'):>8.3f} "
+            f"{r['ours_s']:>8.3f} {mbs / stock_s if stock_s else float('nan'):>10.0f} "
+            f"{mbs / r['ours_s']:>10.0f} {r.get('speedup', float('nan')):>8.2f} "
+            f"{r.get('stock_rss', 0) / MB:>13.0f} {r['ours_rss'] / MB:>12.0f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=1080)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
+    parser.add_argument("--cases", default="local", help="comma list: local")
+    args = parser.parse_args()
+
+    work = tempfile.mkdtemp(prefix="dcp-bench-", dir=args.dir)
+    try:
+        state = build_state_dict(args.size_mb)
+        n = logical_bytes(state)
+        print(
+            f"state dict: {len(state) - 2} tensors, {n / MB:.0f} MB logical; "
+            f"torch {torch.__version__}; {os.cpu_count()} CPUs; work dir {work}"
+        )
+        print(f"dd if=/dev/zero bs=4M conv=fdatasync: {dd_throughput(work, 1024):.0f} MB/s")
+        rows = []
+        for case in local_cases(state, work):
+            rows.append(run_case(case, args.repeat))
+            print(f"  done: {case.name}", file=sys.stderr)
+        print_table(rows)
+        for name in ("stock-z", "ours-z"):
+            path = os.path.join(work, name)
+            if os.path.isdir(path):
+                print(f"zstd ratio {name}: {stored_ratio(path, n):.3f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
