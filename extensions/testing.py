@@ -82,7 +82,7 @@ def encode(
 
 
 def read_all(stream: IO[bytes], mode: str = "read") -> bytes:
-    """Drain ``stream`` with ``read()``, ``read(4093)`` or ``readinto`` of odd sizes."""
+    """Drain ``stream`` with ``read()``, ``read(4093)`` or ``readinto`` (where it has one)."""
     if mode == "read":
         return stream.read()
     parts = []
@@ -90,8 +90,13 @@ def read_all(stream: IO[bytes], mode: str = "read") -> bytes:
         while chunk := stream.read(4093):
             parts.append(chunk)
         return b"".join(parts)
+    readinto = getattr(stream, "readinto", None)
+    if readinto is None:  # the minimum contract is read(); readinto is optional
+        while chunk := stream.read(100_003):
+            parts.append(chunk)
+        return b"".join(parts)
     buffer = bytearray(100_003)
-    while n := stream.readinto(buffer):  # type: ignore[attr-defined]
+    while n := readinto(buffer):
         parts.append(bytes(buffer[:n]))
     return b"".join(parts)
 
