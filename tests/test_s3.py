@@ -347,10 +347,8 @@ def test_deleted_data_object(endpoint: str, s3: Any, state_dict: dict) -> None:
     storage.save(state_dict, url, storage_options=opts, thread_count=1)
     key, _ = _data_key(s3, url, "w")
     s3.delete_object(Bucket=BUCKET, Key=key)
-    with pytest.raises(
-        CheckpointNotFoundError,
-        match=rf"{url}: data file '__0_0-.*distcp' \(item '.*'\) is missing",
-    ):
+    missing = rf"{url}: data file '__0_0-.*distcp' \(item '.*'\) is missing"
+    with pytest.raises(CheckpointNotFoundError, match=missing):
         storage.load(zeros_like_tree(state_dict), url, storage_options=opts)
 
 
