@@ -329,10 +329,9 @@ class _Decryptor(io.RawIOBase):
         self._aead = _aead(item_key)
         self._prefix = prefix
 
-    def _open_next(self, dest: memoryview) -> int:
-        """Authenticate the next chunk into ``dest`` (or the internal buffer when
-        ``dest`` is too small); returns its plaintext length, -1 when it went to the
-        internal buffer."""
+    def _open_next(self, dest: memoryview | None) -> int:
+        """Authenticate the next chunk into ``dest`` when it fits there, else into the
+        internal buffer; returns the plaintext length, or -1 for the internal buffer."""
         if self._aead is None:
             self._start()
         record = memoryview(self._record)
@@ -345,8 +344,8 @@ class _Decryptor(io.RawIOBase):
                 else "the item is truncated: no chunk follows the header"
             )
         size = n - TAG_SIZE
-        internal = len(dest) < size
-        out = memoryview(self._plain)[:size] if internal else dest[:size]
+        internal = dest is None or len(dest) < size
+        out = memoryview(self._plain)[:size] if internal or dest is None else dest[:size]
         nonce = self._prefix + self._index.to_bytes(4, "big")
         ad = self._ad + struct.pack(">QB", self._index, final)
         try:
@@ -379,14 +378,19 @@ class _Decryptor(io.RawIOBase):
                 return n
 
     def read(self, size: int | None = -1) -> bytes:
-        if size is not None and size >= 0:
-            return super().read(size) or b""
-        parts: list[bytes] = []
-        while True:
-            part = super().read(self._chunk) or b""
-            if not part:
-                return b"".join(parts)
-            parts.append(part)
+        # Slices of the decrypted chunk, one copy each (RawIOBase.read would make two).
+        if size is None or size < 0:
+            parts: list[bytes] = []
+            while part := self.read(self._chunk):
+                parts.append(part)
+            return b"".join(parts)
+        while self._pos == self._end:
+            if self._done or not size:
+                return b""
+            self._open_next(None)
+        n = min(size, self._end - self._pos)
+        self._pos += n
+        return bytes(memoryview(self._plain)[self._pos - n : self._pos])
 
     def readall(self) -> bytes:
         return self.read(-1)

@@ -227,14 +227,22 @@ class _UnshuffleReader(io.RawIOBase):
         return n
 
     def read(self, size: int | None = -1) -> bytes:
-        if size is not None and size >= 0:
-            return super().read(size) or b""
-        parts: list[bytes] = []
-        while True:
-            part = super().read(self._block) or b""
-            if not part:
-                return b"".join(parts)
-            parts.append(part)
+        if size is None or size < 0:
+            parts: list[bytes] = []
+            while part := self.read(self._block):
+                parts.append(part)
+            return b"".join(parts)
+        if self._es == 1:
+            return self._src.read(size)
+        if self._pos == self._end:
+            n = self._read_source(memoryview(self._raw)) if size else 0
+            if not n:
+                return b""
+            _unshuffle(memoryview(self._raw)[:n], memoryview(self._plain)[:n], self._es)
+            self._pos, self._end = 0, n
+        n = min(size, self._end - self._pos)
+        self._pos += n
+        return bytes(memoryview(self._plain)[self._pos - n : self._pos])
 
     def readall(self) -> bytes:
         return self.read(-1)

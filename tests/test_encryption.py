@@ -407,3 +407,19 @@ def test_golden_checkpoints_keep_loading(name: str) -> None:
     assert_tree_equal(expected, loaded)
     with pytest.raises(MissingKeyError):
         load_into(GOLDEN / name, expected)
+
+
+def test_writer_with_aes_pickles_for_process_based_async_save(tmp_path: Path) -> None:
+    import pickle
+
+    aes = AES256GCM(key=KEY, key_id="k1", chunk_size=CHUNK)
+    writer = storage.CheckpointWriter(tmp_path, transforms=[ZStandard(), aes])
+    clone = pickle.loads(pickle.dumps(writer))
+    (copy,) = [t for t in clone.transforms if isinstance(t, AES256GCM)]
+    assert repr(copy) == repr(aes) and copy.get_descriptor() == aes.get_descriptor()
+    out = io.BytesIO()
+    item = ItemInfo(item="x", keys={"k1": KEY}.__getitem__)
+    writer_stream = copy.encode(FlushOnlyClose(out), item)  # type: ignore[arg-type]
+    writer_stream.write(b"payload")
+    writer_stream.close()
+    assert aes.decode(io.BytesIO(out.getvalue()), item).read() == b"payload"
