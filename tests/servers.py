@@ -188,6 +188,7 @@ class _State:
     seed: int
     faults: list[Fault] = field(default_factory=list)
     records: list[Record] = field(default_factory=list)
+    arrivals: list[tuple[str, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     rng: random.Random = field(default_factory=random.Random)
 
@@ -264,6 +265,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _proxy(self) -> None:
         body = self._body()
+        with self.server.state.lock:
+            self.server.state.arrivals.append((self.command, self.path))
         fault = self._pick_fault()
         kind = fault.kind if fault else None
         if fault is not None and kind == "delay":
@@ -350,11 +353,18 @@ class FaultProxy:
         with self._server.state.lock:
             self._server.state.faults.clear()
             self._server.state.records.clear()
+            self._server.state.arrivals.clear()
 
     @property
     def records(self) -> list[Record]:
         with self._server.state.lock:
             return list(self._server.state.records)
+
+    @property
+    def arrivals(self) -> list[tuple[str, str]]:
+        """(method, target) of every request, recorded as it arrives."""
+        with self._server.state.lock:
+            return list(self._server.state.arrivals)
 
     def get_bytes(self, pattern: str = "") -> int:
         """Body bytes of GET responses whose target matches ``pattern``."""

@@ -1,0 +1,121 @@
+"""Retries, timeouts and cleanup under injected faults (a proxy in front of moto)."""
+
+from __future__ import annotations
+
+import collections
+import re
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import storage
+from extensions import ZStandard
+from storage import S3FileSystem
+from tests.servers import (
+    FaultProxy,
+    boto3_client,
+    create_bucket,
+    list_keys,
+    moto_endpoint,
+    open_uploads,
+    s3_options,
+)
+
+BUCKET = "dcp-faults"
+ATTEMPTS = 3
+FAST = {"retries": {"mode": "standard", "total_max_attempts": ATTEMPTS}}
+
+
+@pytest.fixture
+def proxy() -> Iterator[FaultProxy]:
+    endpoint = moto_endpoint()
+    create_bucket(endpoint, BUCKET)
+    with FaultProxy(endpoint, seed=1234) as p:
+        yield p
+
+
+def _state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    state = {f"big{i}": torch.randn(3 << 19, generator=gen) for i in range(2)}  # 2 x 6 MiB
+    state.update({f"small{i:02d}": torch.randn(1000, generator=gen) for i in range(12)})
+    return state
+
+
+def _fs(proxy: FaultProxy, **config: Any) -> S3FileSystem:
+    opts = s3_options(proxy.url, config_kwargs={**FAST, **config})
+    # 5 MiB parts: each 6 MiB data file is a two-part multipart upload.
+    return S3FileSystem(storage_options=opts, part_size=5 << 20)
+
+
+def _round_trip(proxy: FaultProxy, fs: S3FileSystem, chain: str = "plain") -> None:
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}/ckpt"
+    state = _state()
+    transforms = [ZStandard()] if chain == "zstd" else []
+    writer = storage.CheckpointWriter(url, filesystem=fs, transforms=transforms, thread_count=4)
+    storage.api.dcp.save(state, storage_writer=writer)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    reader = storage.CheckpointReader(url, filesystem=fs)
+    storage.api.dcp.load(target, storage_reader=reader)
+    for k in state:
+        assert torch.equal(target[k], state[k]), k
+
+
+@pytest.mark.parametrize(
+    "kind,method,path",
+    [
+        ("503", "PUT", r"\.distcp\?.*partNumber"),  # SlowDown on a part upload
+        ("500", "PUT", r"\.distcp$"),  # InternalError on a single PUT
+        ("reset", "POST", r"uploadId="),  # reset while completing a multipart upload
+        ("503", "GET", r"\.distcp"),
+        ("reset", "GET", r"\.distcp"),
+        ("truncate", "GET", r"\.distcp"),  # body cut in half: resumed from there
+        ("truncate", "GET", r"\.metadata"),
+    ],
+)
+def test_each_transient_fault_is_retried(
+    proxy: FaultProxy, kind: str, method: str, path: str
+) -> None:
+    fault = proxy.add(kind, method=method, path=path, count=2)
+    _round_trip(proxy, _fs(proxy))
+    assert fault.hits == 2
+
+
+def test_read_timeout_is_enforced_and_retried(proxy: FaultProxy) -> None:
+    fault = proxy.add("delay", method="GET", path=r"\.distcp", count=1, delay=3.0)
+    _round_trip(proxy, _fs(proxy, read_timeout=1))
+    assert fault.hits == 1
+    gets = [t for m, t in proxy.arrivals if m == "GET" and ".distcp" in t]
+    # The delayed request was abandoned by the client and asked again.
+    assert len(set(gets)) < len(gets)
+
+
+@pytest.mark.parametrize("chain", ["plain", "zstd"])
+def test_random_transient_faults(proxy: FaultProxy, chain: str) -> None:
+    # ~8% of all requests fail in one of the ways S3 fails; the save and load still
+    # complete bit-exact (with the default 5 attempts).
+    for kind in ("503", "500", "reset"):
+        proxy.add(kind, probability=0.027)
+    proxy.add("truncate", method="GET", probability=0.03)
+    fs = S3FileSystem(storage_options=s3_options(proxy.url), part_size=5 << 20)
+    _round_trip(proxy, fs, chain)
+    assert any(r.fault for r in proxy.records)
+
+
+def test_permanent_fault_fails_bounded_and_leaves_nothing(proxy: FaultProxy) -> None:
+    prefix = f"{uuid.uuid4().hex}/ckpt"
+    url = f"s3://{BUCKET}/{prefix}"
+    proxy.add("503", method="PUT", path=r"\.distcp")  # every data upload, forever
+    fs = _fs(proxy)
+    with pytest.raises(OSError, match=rf"{url}/__0_\d+-\w+\.distcp: .*failed \(after up to 3"):
+        storage.save(_state(), url, filesystem=fs, thread_count=4)
+    s3 = boto3_client(moto_endpoint())
+    assert list_keys(s3, BUCKET, prefix) == []  # no data objects, no .metadata
+    assert open_uploads(s3, BUCKET, prefix) == []
+    # Bounded: each request was tried at most ATTEMPTS times (one retry layer, not two).
+    attempts = collections.Counter(
+        re.sub(r"\?x-id=\w+$", "", r.target) for r in proxy.records if r.fault
+    )
+    assert attempts and max(attempts.values()) <= ATTEMPTS
