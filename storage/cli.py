@@ -1,31 +1,350 @@
-"""The ``dcp-storage`` command (also ``python -m storage``)."""
+"""The ``dcp-storage`` command (also ``python -m storage``).
+
+Subcommands: ``demo``, ``ls ROOT``, ``inspect CKPT``, ``verify CKPT``, ``cp SRC DST``,
+``rm CKPT`` and ``gc ROOT``; see ``docs/operations.md``. Tables for people by default,
+``--json`` for programs; progress bars go to stderr when it is a terminal; errors are
+one line on stderr with exit code 1 (``verify`` also exits 1 when an item is bad).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
+from dataclasses import asdict
 
-from extensions.errors import CheckpointStorageError
+from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
+from storage._cli_support import (
+    TRANSFORM_SPECS,
+    emit,
+    human_age,
+    human_size,
+    keys_from_args,
+    location,
+    not_a_checkpoint_hint,
+    parse_transforms,
+    progress_bar,
+    table,
+)
+
+# --- commands -----------------------------------------------------------------------
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from storage.demo import format_figures, run_demo
 
     figures = run_demo(args.dir, steps=args.steps)
-    print(format_figures(figures))
+    emit(args, figures, format_figures(figures))
     return 0
 
 
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from storage.manager import CheckpointManager, directory_info, is_committed, parse_step
+
+    fs, root = location(args.root, args.storage_option)
+    if not fs.exists(root):
+        raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
+    mgr = CheckpointManager(fs.url(root), filesystem=fs)
+    infos = mgr.entries()
+    try:
+        others = [n for n in fs.ls(root) if parse_step(n) is None]
+    except NotADirectoryError:
+        others = []
+    for name in others:  # checkpoints not named step-<N>: listed, never managed
+        path = fs.concat_path(root, name)
+        if is_committed(fs, path):
+            infos.append(directory_info(fs, path, name))  # type: ignore[arg-type]
+    if not infos and is_committed(fs, root):
+        infos.append(directory_info(fs, root, "."))  # type: ignore[arg-type]
+    state = {True: "committed", False: "uncommitted"}
+    rows = [
+        [i.name, state[i.committed], str(i.files), human_size(i.size), human_age(i.modified)]
+        for i in infos
+    ]
+    text = table(["NAME", "STATE", "FILES", "SIZE", "AGE"], rows, right={2, 3, 4})
+    latest = mgr.latest()
+    if latest is not None:
+        text += f"\nlatest: step-{latest}"
+    data = {"root": mgr.url, "latest": latest, "checkpoints": [asdict(i) for i in infos]}
+    emit(args, data, text)
+    if not infos:
+        print(
+            f"dcp-storage: {mgr.url} holds no checkpoints (no step-<N> directories and no "
+            ".metadata)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from storage.tools import describe
+
+    fs, path = location(args.checkpoint, args.storage_option)
+    try:
+        summary = describe(fs, path)
+    except CheckpointNotFoundError as exc:
+        raise not_a_checkpoint_hint(fs, path, exc) from None
+
+    def ratio(value: float | None) -> str:
+        return f"{value:.2f}" if value is not None else "-"
+
+    rows = [
+        [
+            r.item,
+            "x".join(map(str, r.shape)) if r.shape is not None else "-",
+            r.dtype or "object",
+            human_size(r.logical),
+            human_size(r.stored),
+            ratio(r.ratio),
+            " | ".join(r.transforms) or "-",
+        ]
+        for r in summary.items
+    ]
+    rows.append(
+        [
+            "TOTAL",
+            f"{len(summary.items)} items",
+            f"{summary.files} files",
+            human_size(summary.logical),
+            human_size(summary.stored),
+            ratio(summary.ratio),
+            "",
+        ]
+    )
+    header = ["ITEM", "SHAPE", "DTYPE", "LOGICAL", "STORED", "RATIO", "TRANSFORMS"]
+    items = [dict(asdict(r), ratio=r.ratio) for r in summary.items]
+    total = {
+        "items": len(items),
+        "files": summary.files,
+        "logical": summary.logical,
+        "stored": summary.stored,
+        "ratio": summary.ratio,
+    }
+    data = {"checkpoint": summary.url, "items": items, "total": total}
+    emit(args, data, table(header, rows, right={3, 4, 5}))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from storage.tools import describe, verify
+
+    fs, path = location(args.checkpoint, args.storage_option)
+    try:
+        total = describe(fs, path).stored
+    except CheckpointNotFoundError as exc:
+        raise not_a_checkpoint_hint(fs, path, exc) from None
+    started = time.perf_counter()
+    with progress_bar(args, total, "verify") as progress:
+        report = verify(
+            fs, path, keys=keys_from_args(args), thread_count=args.threads, progress=progress
+        )
+    elapsed = time.perf_counter() - started
+    count = len(report.ok) + len(report.bad)
+    if report.bad:
+        lines = [f"BAD: {len(report.bad)} of {count} items failed in {report.url}:"]
+        lines += [f"  {item}: {reason}" for item, reason in sorted(report.bad.items())]
+    else:
+        lines = [
+            f"OK: {count} items verified in {report.url} "
+            f"({human_size(report.bytes_read)} in {elapsed:.1f} s)"
+        ]
+    if report.unchecksummed:
+        lines.append(
+            f"note: {len(report.unchecksummed)} items carry no checksum (written by "
+            "stock DCP); they were decoded but their bytes could not be checked"
+        )
+    data = dict(asdict(report), valid=not report.bad)
+    emit(args, data, "\n".join(lines))
+    return 1 if report.bad else 0
+
+
+def _cmd_cp(args: argparse.Namespace) -> int:
+    from storage.tools import copy_checkpoint, describe
+
+    src_fs, src = location(args.src, args.storage_option)
+    dst_fs, dst = location(args.dst, args.dst_storage_option or args.storage_option)
+    keys = keys_from_args(args)
+    chain = parse_transforms(args.transform, keys) if args.transform else None
+    try:
+        source = describe(src_fs, src)
+    except CheckpointNotFoundError as exc:
+        raise not_a_checkpoint_hint(src_fs, src, exc) from None
+    started = time.perf_counter()
+    with progress_bar(args, source.stored, "cp") as progress:
+        result = copy_checkpoint(
+            src_fs,
+            src,
+            dst_fs,
+            dst,
+            transforms=chain,
+            overwrite=args.overwrite,
+            keys=keys,
+            progress=progress,
+        )
+    elapsed = time.perf_counter() - started
+    chains = sorted({" | ".join(r.transforms) or "none" for r in result.items})
+    text = (
+        f"copied {source.url} -> {result.url}: {len(result.items)} items, "
+        f"{human_size(source.stored)} -> {human_size(result.stored)} stored "
+        f"(transforms: {', '.join(chains) or 'none'}) in {elapsed:.1f} s"
+    )
+    data = {
+        "source": source.url,
+        "destination": result.url,
+        "items": len(result.items),
+        "stored_before": source.stored,
+        "stored": result.stored,
+        "transforms": chains,
+    }
+    emit(args, data, text)
+    return 0
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    from storage.manager import delete_checkpoint
+    from storage.tools import read_metadata
+
+    fs, path = location(args.checkpoint, args.storage_option)
+    try:
+        read_metadata(fs, path)
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{exc}. Refusing to delete it; interrupted saves under a root are removed by "
+            "`dcp-storage gc ROOT`"
+        ) from None
+    kept = delete_checkpoint(fs, path)
+    text = f"removed {fs.url(path)}"
+    if kept:
+        text += f" (left {', '.join(kept)}: not checkpoint files)"
+    emit(args, {"removed": fs.url(path), "kept": kept}, text)
+    return 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from storage.manager import CheckpointManager
+
+    fs, root = location(args.root, args.storage_option)
+    if not fs.exists(root):
+        raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
+    mgr = CheckpointManager(
+        fs.url(root), keep_last=args.keep_last, keep_every=args.keep_every, filesystem=fs
+    )
+    pruned = mgr.apply_retention(dry_run=args.dry_run)
+    cleaned = mgr.cleanup(grace_seconds=args.grace, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    lines = [f"{verb} step-{s} (retention)" for s in pruned]
+    lines += [f"{verb} step-{s} (interrupted save)" for s in cleaned]
+    text = "\n".join(lines) or f"nothing to do under {mgr.url}"
+    text += (
+        f"\nkept: {', '.join(f'step-{s}' for s in mgr.steps()) or 'none'}"
+        if not args.dry_run
+        else ""
+    )
+    emit(
+        args,
+        {
+            "root": mgr.url,
+            "dry_run": args.dry_run,
+            "retention": pruned,
+            "interrupted": cleaned,
+            "steps": mgr.steps(),
+        },
+        text,
+    )
+    return 0
+
+
+# --- parser -------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    common.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="client option for remote URLs (repeatable), e.g. endpoint_url=...",
+    )
+    common.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="JSON file {key_id: key}; keys also come from DCP_STORAGE_KEYS",
+    )
+
     parser = argparse.ArgumentParser(
-        prog="dcp-storage", description="Inspect, verify and copy PyTorch DCP checkpoints."
+        prog="dcp-storage", description="Inspect, verify, copy and prune PyTorch DCP checkpoints."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="save and load a small model with zstd, print figures")
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common])
+
+    demo = add("demo", "save and load a small model with zstd, print figures")
     demo.add_argument("--dir", help="keep the checkpoint in this directory (default: a temp dir)")
     demo.add_argument("--steps", type=int, default=3, help="training steps before saving")
     demo.set_defaults(func=_cmd_demo)
+
+    ls = add("ls", "list the step-<N> checkpoints under ROOT, committed or not")
+    ls.add_argument("root", metavar="ROOT")
+    ls.set_defaults(func=_cmd_ls)
+
+    inspect = add("inspect", "show a checkpoint's items, sizes and transforms")
+    inspect.add_argument("checkpoint", metavar="CKPT")
+    inspect.set_defaults(func=_cmd_inspect)
+
+    verify = add("verify", "read every item: checksums, decoding, authentication (exit 1 if bad)")
+    verify.add_argument("checkpoint", metavar="CKPT")
+    verify.add_argument("--threads", type=int, default=None, help="items read in parallel")
+    verify.set_defaults(func=_cmd_verify)
+
+    cp = add("cp", "copy a checkpoint between any two locations, optionally transcoding")
+    cp.add_argument("src", metavar="SRC")
+    cp.add_argument("dst", metavar="DST")
+    cp.add_argument(
+        "--transform",
+        action="append",
+        metavar="SPEC",
+        help=f"re-encode with this chain, in order (repeatable): {TRANSFORM_SPECS}; "
+        "default: keep the stored bytes",
+    )
+    cp.add_argument(
+        "--overwrite", action="store_true", help="replace a committed checkpoint at DST"
+    )
+    cp.add_argument(
+        "--dst-storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="client options for DST when they differ from SRC's",
+    )
+    cp.set_defaults(func=_cmd_cp)
+
+    rm = add("rm", "delete a committed checkpoint (metadata first)")
+    rm.add_argument("checkpoint", metavar="CKPT")
+    rm.set_defaults(func=_cmd_rm)
+
+    gc = add("gc", "apply retention under ROOT and remove stale interrupted saves")
+    gc.add_argument("root", metavar="ROOT")
+    gc.add_argument("--keep-last", type=int, required=True, metavar="N")
+    gc.add_argument(
+        "--keep-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="also keep every step divisible by K",
+    )
+    gc.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="remove interrupted saves older than this (default: 3600)",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="say what would be removed")
+    gc.set_defaults(func=_cmd_gc)
     return parser
 
 
@@ -33,8 +352,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (CheckpointStorageError, OSError, ValueError, TypeError) as exc:
-        print(f"dcp-storage: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("dcp-storage: interrupted", file=sys.stderr)
+        return 130
+    except (CheckpointStorageError, OSError, ValueError, TypeError, KeyError, ImportError) as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointStorageError):
+            message = (
+                f"{exc.strerror or type(exc).__name__}: {exc.filename or message}"
+                if exc.filename
+                else message
+            )
+        print(f"dcp-storage: error: {message}", file=sys.stderr)
         return 1
 
 

@@ -98,17 +98,40 @@ def delete_checkpoint(fs: FileSystemBase, path: str) -> list[str]:
 
 @dataclass(frozen=True)
 class StepInfo:
-    """One ``step-<N>`` directory: ``committed`` is whether its metadata exists;
-    ``size`` is the bytes of its files; ``modified`` the newest file time (``None``
-    where the backend cannot tell)."""
+    """One checkpoint directory: ``step`` is ``None`` for names that are not
+    ``step-<N>``; ``committed`` is whether its metadata exists; ``size`` and ``files``
+    count its checkpoint files; ``modified`` is the newest file time (``None`` where the
+    backend cannot tell)."""
 
-    step: int
     name: str
+    step: int | None
     url: str
     committed: bool
-    size: int
     files: int
+    size: int
     modified: float | None
+
+
+def directory_info(
+    fs: FileSystemBase, path: str, name: str, step: int | None = None
+) -> StepInfo | None:
+    """Facts about the checkpoint directory at ``path`` (``None`` if it is not a directory)."""
+    try:
+        names = fs.ls(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # e.g. a plain file named like a step: not ours
+    size, newest, files = 0, None, [n for n in names if is_checkpoint_file_name(n)]
+    for n in files:
+        file_path = fs.concat_path(path, n)
+        try:
+            size += fs.size(file_path)
+            mtime = fs.modified(file_path)
+        except FileNotFoundError:
+            continue
+        if mtime is not None:
+            newest = mtime if newest is None else max(newest, mtime)
+    committed = fmt.METADATA_NAME in names
+    return StepInfo(name, step, fs.url(path), committed, len(files), size, newest)
 
 
 class CheckpointManager:
@@ -207,26 +230,9 @@ class CheckpointManager:
         """Every ``step-<N>`` directory, committed or not, with size and age."""
         infos = []
         for step, name in self._step_dirs():
-            path = self.fs.concat_path(self.root, name)
-            try:
-                names = self.fs.ls(path)
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # a plain file named like a step: not ours
-            size, newest = 0, None
-            files = [n for n in names if is_checkpoint_file_name(n)]
-            for n in files:
-                file_path = self.fs.concat_path(path, n)
-                try:
-                    size += self.fs.size(file_path)
-                    mtime = self.fs.modified(file_path)
-                except FileNotFoundError:
-                    continue
-                if mtime is not None:
-                    newest = mtime if newest is None else max(newest, mtime)
-            committed = any(n == fmt.METADATA_NAME for n in names)
-            infos.append(
-                StepInfo(step, name, self.fs.url(path), committed, size, len(files), newest)
-            )
+            info = directory_info(self.fs, self.fs.concat_path(self.root, name), name, step)
+            if info is not None:
+                infos.append(info)
         return infos
 
     # --- save / load ----------------------------------------------------------------

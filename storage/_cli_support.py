@@ -1,0 +1,161 @@
+"""Plumbing of the ``dcp-storage`` command: locations, keys, transform specs, progress
+bars and plain-text tables."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from extensions.errors import CheckpointNotFoundError
+from storage.base import FileSystemBase
+from storage.registry import filesystem_from_url, url_scheme
+
+TRANSFORM_SPECS = "zstd, zstd:LEVEL, shuffle, aes:KEY_ID, none"
+
+
+def option_value(text: str) -> Any:
+    try:
+        return json.loads(text)  # numbers, true/false, JSON objects for nested options
+    except ValueError:
+        return text
+
+
+def storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--storage-option takes KEY=VALUE, got {pair!r}")
+        options[key] = option_value(value)
+    return options
+
+
+def location(url: str, pairs: Sequence[str] | None) -> tuple[FileSystemBase, str]:
+    # Local paths take no client options, so one --storage-option serves `cp local s3://`.
+    options = storage_options(pairs)
+    remote = url_scheme(url) not in ("", "file")
+    return filesystem_from_url(url, options if options and remote else None)
+
+
+def keys_from_args(args: argparse.Namespace) -> dict[str, bytes]:
+    try:
+        from extensions.encryption import keys_from_environment, keys_from_file
+    except ImportError:  # pragma: no cover - encryption ships with the package
+        if args.key_file:
+            raise ValueError("--key-file needs extensions.encryption, which is missing") from None
+        return {}
+    keys = keys_from_environment()
+    if args.key_file:
+        keys.update(keys_from_file(args.key_file))
+    return keys
+
+
+def parse_transforms(specs: Sequence[str], keys: dict[str, bytes]) -> list[Any]:
+    from extensions.zstd import ZStandard
+
+    chain: list[Any] = []
+    for spec in specs:
+        name, _, value = spec.partition(":")
+        name = name.strip().lower()
+        if name == "none" and len(specs) == 1:
+            return []
+        if name == "zstd":
+            chain.append(ZStandard(level=int(value)) if value else ZStandard())
+        elif name == "shuffle" and not value:
+            from extensions.shuffle import ByteShuffle
+
+            chain.append(ByteShuffle())
+        elif name in ("aes", "aes256gcm") and value:
+            from extensions.encryption import AES256GCM
+
+            if value not in keys:
+                raise ValueError(
+                    f"--transform {spec}: no key for key id {value!r}; provide it with "
+                    "--key-file or the DCP_STORAGE_KEYS environment variable"
+                )
+            chain.append(AES256GCM(key=keys[value], key_id=value))
+        else:
+            raise ValueError(f"unknown --transform {spec!r}; use one of: {TRANSFORM_SPECS}")
+    return chain
+
+
+@contextlib.contextmanager
+def progress_bar(args: argparse.Namespace, total: int, desc: str) -> Iterator[Any]:
+    from tqdm import tqdm
+
+    enabled = not args.quiet and sys.stderr.isatty()
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=not enabled,
+        leave=False,
+    )
+    lock = threading.Lock()
+
+    def update(n: int) -> None:
+        with lock:
+            bar.update(n)
+
+    try:
+        yield update
+    finally:
+        bar.close()
+
+
+def human_size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def human_age(modified: float | None) -> str:
+    if modified is None:
+        return "-"
+    seconds = max(0.0, time.time() - modified)
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            f"{c:>{w}}" if i in right else f"{c:<{w}}"
+            for i, (c, w) in enumerate(zip(cells, widths))
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text)
+
+
+def not_a_checkpoint_hint(fs: FileSystemBase, path: str, exc: Exception) -> Exception:
+    from storage.manager import CheckpointManager
+
+    steps = CheckpointManager(fs.url(path), filesystem=fs).entries()
+    if steps:
+        names = ", ".join(s.name for s in steps[-3:])
+        return CheckpointNotFoundError(
+            f"{exc}; it holds step directories ({names}): run `dcp-storage ls {fs.url(path)}`"
+        )
+    return exc

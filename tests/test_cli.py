@@ -1,0 +1,311 @@
+"""The dcp-storage command: each subcommand through ``python -m storage`` as a user runs
+it (a handful of subprocesses, each pays the torch import), variations in-process."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import storage
+from extensions.zstd import ZStandard
+from storage.cli import main
+
+KEY = bytes(range(32))
+KEYS_ENV = f"k1={KEY.hex()}"
+
+
+def _state(step: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(64, 32, generator=gen), "ids": torch.arange(5000)},
+        "optim": {"lr": 0.1, "step": step},
+    }
+
+
+def _blank() -> dict[str, Any]:
+    return {
+        "model": {"w": torch.zeros(64, 32), "ids": torch.zeros(5000, dtype=torch.int64)},
+        "optim": {"lr": 0.0, "step": 0},
+    }
+
+
+def cli(*args: str, keys: bool = False) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, DCP_STORAGE_KEYS=KEYS_ENV if keys else "")
+    return subprocess.run(
+        [sys.executable, "-m", "storage", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """step-1 and step-2 committed (zstd), step-3 the leftover of a crashed save."""
+    run = tmp_path / "run"
+    mgr = storage.CheckpointManager(str(run), transforms=[ZStandard(level=1)])
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    (run / "step-3").mkdir()
+    (run / "step-3" / "__0_0-dead.distcp").write_bytes(b"partial")
+    return run
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if "Warning" not in line and line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("dcp-storage: error: "), stderr
+    return lines[0]
+
+
+# --- through a subprocess -------------------------------------------------------------
+
+
+def test_demo_still_works(tmp_path: Path) -> None:
+    proc = cli("demo", "--steps", "1", "--dir", str(tmp_path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout)
+    assert figures["equal"] is True and figures["ratio"] > 1.0
+
+
+def test_ls_lists_committed_and_interrupted_saves(root: Path) -> None:
+    proc = cli("ls", str(root))
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines()[1:-1]}
+    assert rows == {"step-1": "committed", "step-2": "committed", "step-3": "uncommitted"}
+    assert proc.stdout.splitlines()[-1] == "latest: step-2"
+    assert proc.stderr.strip() == ""  # no progress bar output when stderr is not a tty
+
+
+def test_inspect_shows_items(root: Path) -> None:
+    proc = cli("inspect", str(root / "step-2"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == [
+        "ITEM",
+        "SHAPE",
+        "DTYPE",
+        "LOGICAL",
+        "STORED",
+        "RATIO",
+        "TRANSFORMS",
+    ]
+    w = next(line.split() for line in lines if line.startswith("model.w "))
+    assert w[1:4] == ["64x32", "float32", "8.0"] and w[-1] == "stream.zstd/1"
+    assert lines[-1].startswith("TOTAL") and "4 items" in lines[-1]
+
+
+def test_verify_ok_then_bad(root: Path) -> None:
+    ckpt = root / "step-2"
+    proc = cli("verify", str(ckpt))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("OK: 4 items verified")
+    _flip_byte_of_item(ckpt, "model.w")
+    proc = cli("verify", str(ckpt), "--json")
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    assert report["valid"] is False and list(report["bad"]) == ["model.w"]
+    assert "checksum mismatch" in report["bad"]["model.w"]
+    assert sorted(report["ok"]) == ["model.ids", "optim.lr", "optim.step"]
+
+
+def test_cp_transcodes_to_zstd_and_aes(root: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "enc"
+    proc = cli(
+        "cp",
+        str(root / "step-2"),
+        str(dst),
+        "--transform",
+        "zstd:5",
+        "--transform",
+        "aes:k1",
+        keys=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "copied" in proc.stdout and "aes256gcm" in proc.stdout
+    out = _blank()
+    storage.load(out, str(dst), keys={"k1": KEY})
+    assert torch.equal(out["model"]["w"], _state(2)["model"]["w"])
+    assert out["optim"] == {"lr": 0.1, "step": 2}
+    with pytest.raises(Exception, match="k1"):
+        storage.load(_blank(), str(dst))  # really encrypted
+
+
+def test_rm_removes_a_checkpoint(root: Path) -> None:
+    proc = cli("rm", str(root / "step-1"))
+    assert proc.returncode == 0, proc.stderr
+    assert not (root / "step-1").exists()
+    assert storage.CheckpointManager(str(root)).steps() == [2]
+
+
+def test_gc_prunes_and_cleans(root: Path) -> None:
+    old = time.time() - 7200
+    os.utime(root / "step-3" / "__0_0-dead.distcp", (old, old))
+    (root / "notes").mkdir()
+    proc = cli("gc", str(root), "--keep-last", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "removed step-1 (retention)" in proc.stdout
+    assert "removed step-3 (interrupted save)" in proc.stdout
+    assert sorted(os.listdir(root)) == ["notes", "step-2"]
+
+
+def test_error_is_one_line(tmp_path: Path) -> None:
+    proc = cli("inspect", str(tmp_path / "missing"))
+    assert proc.returncode == 1
+    line = _one_error_line(proc.stderr)
+    assert str(tmp_path / "missing") in line and "does not exist" in line
+    assert proc.stdout == ""
+
+
+# --- in-process variations --------------------------------------------------------------
+
+
+def _flip_byte_of_item(ckpt: Path, fqn: str) -> None:
+    from storage import format as fmt
+
+    meta = fmt.load_metadata((ckpt / ".metadata").read_bytes(), str(ckpt))
+    info = next(v for k, v in meta.storage_data.items() if k.fqn == fqn)
+    path = ckpt / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_bad_input_says_so(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["ls", str(empty)]) == 1
+    assert "holds no checkpoints" in capsys.readouterr().err
+    for command in ("inspect", "verify"):
+        assert main([command, str(root / "step-3")]) == 1
+        err = capsys.readouterr().err
+        assert "step-3 is not a committed checkpoint" in err and err.count("\n") == 1
+    assert main(["inspect", str(root)]) == 1
+    assert "dcp-storage ls" in capsys.readouterr().err  # points at the right command
+    assert main(["rm", str(root / "step-3")]) == 1
+    assert "Refusing to delete" in capsys.readouterr().err
+    assert (root / "step-3" / "__0_0-dead.distcp").exists()
+    assert main(["cp", str(root / "step-1"), str(tmp_path / "x"), "--transform", "lz5"]) == 1
+    assert "unknown --transform 'lz5'" in capsys.readouterr().err
+    assert main(["cp", str(root / "step-1"), str(tmp_path / "x"), "--transform", "aes:nokey"]) == 1
+    assert "no key for key id 'nokey'" in capsys.readouterr().err
+
+
+def test_ls_json_and_non_step_checkpoints(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    storage.save(_state(9), str(root / "best"))
+    assert main(["ls", str(root), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["latest"] == 2
+    names = {c["name"]: c for c in data["checkpoints"]}
+    assert set(names) == {"step-1", "step-2", "step-3", "best"}
+    assert names["step-3"]["committed"] is False and names["best"]["step"] is None
+    assert names["step-2"]["size"] == sum(p.stat().st_size for p in (root / "step-2").iterdir())
+    assert main(["ls", str(root / "step-2")]) == 0  # a checkpoint itself lists as "."
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == [".", "committed"]
+
+
+def test_inspect_json(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(root / "step-1"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    items = {i["item"]: i for i in data["items"]}
+    assert items["model.w"]["shape"] == [64, 32] and items["model.w"]["logical"] == 64 * 32 * 4
+    assert items["model.ids"]["dtype"] == "int64"
+    assert items["optim.lr"]["dtype"] is None and items["optim.lr"]["logical"] is None
+    assert data["total"]["stored"] == sum(i["stored"] for i in data["items"])
+    assert data["total"]["ratio"] > 1.0
+
+
+def test_cp_refuses_committed_destination_and_keeps_bytes(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dst = tmp_path / "copy"
+    assert main(["cp", str(root / "step-1"), str(dst)]) == 0
+    capsys.readouterr()
+    meta_before = (dst / ".metadata").read_bytes()
+    assert main(["cp", str(root / "step-2"), str(dst)]) == 1
+    assert "already holds a committed checkpoint" in capsys.readouterr().err
+    assert (dst / ".metadata").read_bytes() == meta_before
+    old_files = {p.name for p in dst.iterdir()}
+    assert main(["cp", str(root / "step-2"), str(dst), "--overwrite", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["transforms"] == ["stream.zstd/1"]
+    # The replaced checkpoint's data files are gone, the new ones are there.
+    assert not ({p.name for p in dst.iterdir()} & (old_files - {".metadata"}))
+    out = _blank()
+    storage.load(out, str(dst))
+    assert torch.equal(out["model"]["w"], _state(2)["model"]["w"])
+    # Without --transform the stored bytes are copied as they are (same sizes).
+    src_sizes = sorted(p.stat().st_size for p in (root / "step-2").glob("*.distcp"))
+    assert sorted(p.stat().st_size for p in dst.glob("*.distcp")) == src_sizes
+
+
+def test_cp_to_memory_backend_and_back_plain(root: Path, tmp_path: Path) -> None:
+    from storage.tools import copy_checkpoint, describe
+
+    mem = storage.MemoryFileSystem()
+    src_fs = storage.LocalFileSystem()
+    copy_checkpoint(src_fs, str(root / "step-2"), mem, "bucket/ck", transforms=[])
+    assert {r.transforms == [] for r in describe(mem, "bucket/ck").items} == {True}
+    copy_checkpoint(mem, "bucket/ck", src_fs, str(tmp_path / "back"), transforms=[ZStandard()])
+    out = _blank()
+    storage.load(out, str(tmp_path / "back"))
+    assert torch.equal(out["model"]["ids"], torch.arange(5000))
+
+
+def test_key_file_and_gc_nothing_to_do(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    monkeypatch.delenv("DCP_STORAGE_KEYS", raising=False)
+    key_file = tmp_path / "keys.json"
+    key_file.write_text(json.dumps({"k1": KEY.hex()}))
+    enc = tmp_path / "enc"
+    args = ["cp", str(root / "step-1"), str(enc), "--transform", "aes:k1"]
+    assert main([*args, "--key-file", str(key_file)]) == 0
+    assert main(["verify", str(enc)]) == 1  # no key: the items cannot be authenticated
+    assert "no key was given" in capsys.readouterr().out
+    assert main(["verify", str(enc), "--key-file", str(key_file)]) == 0
+    capsys.readouterr()
+    before = sorted(os.listdir(root))
+    assert main(["gc", str(root), "--keep-last", "5"]) == 0  # step-3 is fresh: kept
+    assert "nothing to do" in capsys.readouterr().out
+    assert sorted(os.listdir(root)) == before
+
+
+def _stderr_on_a_tty(argv: list[str], monkeypatch: Any) -> bytes:
+    master, replica = pty.openpty()
+    # A real terminal has a size; tqdm draws nothing on a 0-column one.
+    fcntl.ioctl(replica, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    shown = b""
+    try:
+        with os.fdopen(replica, "w") as tty:
+            with monkeypatch.context() as patch:
+                patch.setattr(sys, "stderr", tty)
+                assert main(argv) == 0
+            tty.flush()
+            while select.select([master], [], [], 0.2)[0]:
+                chunk = os.read(master, 65536)
+                if not chunk:
+                    break
+                shown += chunk
+    finally:
+        os.close(master)
+    return shown
+
+
+def test_progress_bar_only_on_a_terminal(root: Path, monkeypatch: Any) -> None:
+    shown = _stderr_on_a_tty(["verify", str(root / "step-1")], monkeypatch)
+    assert b"verify:" in shown and b"%" in shown
+    assert _stderr_on_a_tty(["verify", str(root / "step-1"), "--quiet"], monkeypatch) == b""
