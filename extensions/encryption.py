@@ -20,33 +20,34 @@ memory.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hmac
 import io
-import json
-import os
-import re
 import secrets
 import struct
-from collections.abc import Mapping
 from typing import IO, Any, cast
 
 from extensions.base import ItemInfo, StreamTransformExtension
 from extensions.errors import IntegrityError, MissingDependencyError, MissingKeyError
+from extensions.keys import (
+    ENV_VAR,
+    KEY_SIZE,
+    check_key,
+    check_key_id,
+    keys_from_environment,
+    keys_from_file,
+)
 
-KEY_SIZE = 32
+__all__ = ["AES256GCM", "keys_from_environment", "keys_from_file"]
+
 TAG_SIZE = 16
 DEFAULT_CHUNK_SIZE = 4 << 20
 MIN_CHUNK_SIZE = 1 << 10
 MAX_CHUNK_SIZE = 1 << 30
-ENV_VAR = "DCP_STORAGE_KEYS"
 
 _MAGIC = b"DCPE"
 _FORMAT = 1
 _HEADER = struct.Struct(">4sB16s8s8s")
 _MAX_CHUNKS = 1 << 32  # the chunk counter is the last 4 bytes of the nonce
-_KEY_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,128}")
 
 
 def _aead(key: bytes) -> Any:
@@ -68,26 +69,6 @@ def _derive(key: bytes, salt: bytes) -> tuple[bytes, bytes]:
         algorithm=hashes.SHA256(), length=KEY_SIZE + 8, salt=salt, info=b"dcp-storage aes256gcm v1"
     ).derive(key)
     return okm[:KEY_SIZE], okm[KEY_SIZE:]
-
-
-def _check_key(key: object) -> bytes:
-    if not isinstance(key, (bytes, bytearray, memoryview)):
-        raise TypeError(
-            f"an AES-256 key must be bytes, got {type(key).__name__}; decode hex or base64 "
-            "first (bytes.fromhex(...)) or use extensions.keys_from_environment/keys_from_file"
-        )
-    key = bytes(key)
-    if len(key) != KEY_SIZE:
-        raise ValueError(f"an AES-256 key must be {KEY_SIZE} bytes long, got {len(key)} bytes")
-    return key
-
-
-def _check_key_id(key_id: object) -> str:
-    if not isinstance(key_id, str) or not _KEY_ID.fullmatch(key_id):
-        raise ValueError(
-            f"key_id must be 1-128 characters from A-Z a-z 0-9 . _ : @ + -, got {key_id!r}"
-        )
-    return key_id
 
 
 def _check_chunk_size(chunk_size: object) -> int:
@@ -124,8 +105,8 @@ class AES256GCM(StreamTransformExtension):
         key_id: str = "default",
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
-        self._key = None if key is None else _check_key(key)
-        self.key_id = _check_key_id(key_id)
+        self._key = None if key is None else check_key(key)
+        self.key_id = check_key_id(key_id)
         self.chunk_size = _check_chunk_size(chunk_size)
 
     def __repr__(self) -> str:
@@ -196,7 +177,7 @@ def _lookup_key(key_id: str, item: ItemInfo) -> bytes:
             f"storage.load, or set {ENV_VAR}={key_id}=<hex or base64 key>"
         )
     try:
-        return _check_key(key)
+        return check_key(key)
     except (TypeError, ValueError) as exc:
         raise MissingKeyError(
             f"{where}: the key given for key_id {key_id!r} is unusable: {exc}"
@@ -394,72 +375,3 @@ class _Decryptor(io.RawIOBase):
 
     def readall(self) -> bytes:
         return self.read(-1)
-
-
-# --- keys for readers -----------------------------------------------------------------
-
-
-def _decode_key_text(text: str, key_id: str, where: str) -> bytes:
-    text = text.strip()
-    key: bytes | None = None
-    if len(text) == 2 * KEY_SIZE:
-        try:
-            key = bytes.fromhex(text)
-        except ValueError:
-            key = None
-    if key is None:
-        try:
-            key = base64.b64decode(text.replace("-", "+").replace("_", "/"), validate=True)
-        except (binascii.Error, ValueError):
-            key = None
-    if key is None or len(key) != KEY_SIZE:
-        raise ValueError(
-            f"{where}: the key for key_id {key_id!r} is not a {KEY_SIZE}-byte key written as "
-            f"{2 * KEY_SIZE} hex digits or base64"
-        )
-    return key
-
-
-def keys_from_environment(environ: Mapping[str, str] | None = None) -> dict[str, bytes]:
-    """Keys from ``DCP_STORAGE_KEYS="id1=KEY,id2=KEY"`` (each key 64 hex digits or base64).
-
-    Returns ``{}`` when the variable is unset or empty. Pass the result as
-    ``keys=`` to the reader or ``storage.load``.
-    """
-    env = os.environ if environ is None else environ
-    text = env.get(ENV_VAR, "")
-    keys: dict[str, bytes] = {}
-    for entry in text.split(","):
-        entry = entry.strip()
-        if not entry:
-            continue
-        key_id, sep, value = entry.partition("=")
-        key_id = key_id.strip()
-        if not sep:
-            raise ValueError(f"{ENV_VAR}: entries must look like key_id=KEY, separated by commas")
-        _check_key_id(key_id)
-        keys[key_id] = _decode_key_text(value, key_id, ENV_VAR)
-    return keys
-
-
-def keys_from_file(path: str | os.PathLike[str]) -> dict[str, bytes]:
-    """Keys from a JSON file holding ``{"key_id": "64 hex digits or base64", ...}``.
-
-    Keep the file readable by its owner only (``chmod 600``).
-    """
-    where = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        # The decoder's message quotes no key material, only a position.
-        raise ValueError(f"{where}: not a JSON key file (line {exc.lineno})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: a key file must hold a JSON object {{key_id: key}}")
-    keys: dict[str, bytes] = {}
-    for key_id, value in data.items():
-        _check_key_id(key_id)
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: the key for key_id {key_id!r} must be a string")
-        keys[key_id] = _decode_key_text(value, key_id, where)
-    return keys

@@ -364,6 +364,20 @@ def test_keys_from_environment_rejects_bad_entries(value: str) -> None:
     assert value.partition("=")[2] not in str(info.value) or "=" not in value
 
 
+@pytest.mark.parametrize("entry", [f"{KEY.hex()}=k1", KEY.hex(), f"{KEY.hex()}=", "k1=" + "A" * 44])
+def test_key_source_errors_never_echo_key_material(tmp_path: Path, entry: str) -> None:
+    with pytest.raises(ValueError) as info:
+        keys_from_environment({"DCP_STORAGE_KEYS": f"ok={OTHER_KEY.hex()},{entry}"})
+    assert KEY.hex() not in str(info.value) and "A" * 16 not in str(info.value)
+    assert "entry 2" in str(info.value) or "'k1'" in str(info.value)
+    key_id, _, value = entry.partition("=")
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({key_id: value}))
+    with pytest.raises(ValueError) as info:
+        keys_from_file(path)
+    assert KEY.hex() not in str(info.value) and "A" * 16 not in str(info.value)
+
+
 def test_keys_from_file(tmp_path: Path) -> None:
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({"k1": KEY.hex(), "k2": base64.b64encode(OTHER_KEY).decode()}))

@@ -1,0 +1,115 @@
+"""Key material for AES256GCM: validation and the two documented key sources.
+
+Readers take ``keys=`` as a mapping ``{key_id: 32-byte key}`` or a callable. For the CLI
+and scripts, keys also come from the ``DCP_STORAGE_KEYS`` environment variable
+(``"id1=KEY,id2=KEY"``) or a JSON key file (``{"id1": "KEY"}``), each KEY written as 64
+hex digits or base64. No function here ever puts key material in a message.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import re
+from collections.abc import Mapping
+
+KEY_SIZE = 32
+ENV_VAR = "DCP_STORAGE_KEYS"
+_KEY_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,128}")
+
+
+def check_key(key: object) -> bytes:
+    if not isinstance(key, (bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"an AES-256 key must be bytes, got {type(key).__name__}; decode hex or base64 "
+            "first (bytes.fromhex(...)) or use extensions.keys_from_environment/keys_from_file"
+        )
+    key = bytes(key)
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"an AES-256 key must be {KEY_SIZE} bytes long, got {len(key)} bytes")
+    return key
+
+
+def check_key_id(key_id: object) -> str:
+    if not isinstance(key_id, str) or not _KEY_ID.fullmatch(key_id):
+        raise ValueError(
+            f"key_id must be 1-128 characters from A-Z a-z 0-9 . _ : @ + -, got {key_id!r}"
+        )
+    return key_id
+
+
+def _named(key_id: str, number: int) -> str:
+    """How a key source's entry is named in errors: never anything that could be a key
+    (an entry written ``KEY=key_id`` by mistake would otherwise echo the key)."""
+    if _KEY_ID.fullmatch(key_id) and len(key_id) <= 32:
+        return f"key_id {key_id!r}"
+    return f"entry {number}"
+
+
+def _decode_key_text(text: str, key_id: str, number: int, where: str) -> bytes:
+    if not _KEY_ID.fullmatch(key_id) or len(key_id) > 2 * KEY_SIZE - 1:
+        raise ValueError(
+            f"{where}: {_named(key_id, number)} does not start with a valid key_id (1-63 of "
+            "A-Z a-z 0-9 . _ : @ + -); entries look like key_id=KEY"
+        )
+    text = text.strip()
+    key: bytes | None = None
+    if len(text) == 2 * KEY_SIZE:
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            key = None
+    if key is None:
+        try:
+            key = base64.b64decode(text.replace("-", "+").replace("_", "/"), validate=True)
+        except (binascii.Error, ValueError):
+            key = None
+    if key is None or len(key) != KEY_SIZE:
+        raise ValueError(
+            f"{where}: the key of {_named(key_id, number)} is not a {KEY_SIZE}-byte key "
+            f"written as {2 * KEY_SIZE} hex digits or base64"
+        )
+    return key
+
+
+def keys_from_environment(environ: Mapping[str, str] | None = None) -> dict[str, bytes]:
+    """Keys from ``DCP_STORAGE_KEYS="id1=KEY,id2=KEY"`` (each key 64 hex digits or base64).
+
+    Returns ``{}`` when the variable is unset or empty. Pass the result as
+    ``keys=`` to the reader or ``storage.load``.
+    """
+    env = os.environ if environ is None else environ
+    keys: dict[str, bytes] = {}
+    entries = [e.strip() for e in env.get(ENV_VAR, "").split(",")]
+    for number, entry in enumerate((e for e in entries if e), start=1):
+        key_id, sep, value = entry.partition("=")
+        if not sep:
+            raise ValueError(
+                f"{ENV_VAR}: entry {number} is not key_id=KEY (entries are separated by commas)"
+            )
+        keys[key_id.strip()] = _decode_key_text(value, key_id.strip(), number, ENV_VAR)
+    return keys
+
+
+def keys_from_file(path: str | os.PathLike[str]) -> dict[str, bytes]:
+    """Keys from a JSON file holding ``{"key_id": "64 hex digits or base64", ...}``.
+
+    Keep the file readable by its owner only (``chmod 600``).
+    """
+    where = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        # The decoder's message quotes no key material, only a position.
+        raise ValueError(f"{where}: not a JSON key file (line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a key file must hold a JSON object {{key_id: key}}")
+    keys: dict[str, bytes] = {}
+    for number, (key_id, value) in enumerate(data.items(), start=1):
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: the key of {_named(key_id, number)} must be a string")
+        keys[key_id] = _decode_key_text(value, key_id, number, where)
+    return keys
