@@ -122,16 +122,42 @@ class FsspecFileSystem(FileSystemBase):
             return
         if mode != "wb":
             raise ValueError(f"unsupported mode {mode!r}: use 'rb' or 'wb'")
-        parent = posixpath.dirname(path)
-        if parent:
-            self.mkdir(parent)
-        stream = self.fs.open(path, "wb")
+        self._prepare_parent(path)
+        with self._errors(path, "opening for writing"):
+            stream = self._open_for_write(path)
         try:
             yield stream
         except BaseException:
             self._abandon(stream, path)
             raise
-        stream.close()  # commits; sync=True needs nothing more: close completes the upload
+        with self._errors(path, "writing"):
+            stream.close()  # commits; sync=True needs nothing more: close completes the upload
+
+    def _open_for_write(self, path: str) -> Any:
+        return self.fs.open(path, "wb")
+
+    def _prepare_parent(self, path: str) -> None:
+        parent = posixpath.dirname(path)
+        if parent:
+            self.mkdir(parent)
+
+    @contextlib.contextmanager
+    def _errors(self, path: str, action: str) -> Iterator[None]:
+        """Re-raise client errors as the built-in a caller expects, naming the URL."""
+        try:
+            yield
+        except (FileNotFoundError, FileExistsError, IsADirectoryError) as exc:
+            if self.url(path) in str(exc):
+                raise
+            raise type(exc)(f"{self.url(path)}: {action}: {_describe(exc)}") from exc
+        except PermissionError as exc:
+            raise PermissionError(self._denied(path, action, exc)) from exc
+
+    def _denied(self, path: str, action: str, exc: BaseException) -> str:
+        return (
+            f"{self.url(path)}: access denied while {action} ({_describe(exc)}); check the "
+            "credentials in storage_options"
+        )
 
     def _abandon(self, stream: Any, path: str) -> None:
         """Throw away a half-written file without publishing it."""
@@ -155,7 +181,7 @@ class FsspecFileSystem(FileSystemBase):
         if length == 0:
             self.size(path)  # a missing object still raises FileNotFoundError
         reader = _WindowReader(self._fetch_range, path, offset, length)
-        if length:
+        with self._errors(path, "reading"):
             reader.prefetch()
         return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
 
@@ -164,20 +190,29 @@ class FsspecFileSystem(FileSystemBase):
         return data
 
     def read_bytes(self, path: str) -> bytes:
-        data: bytes = self.fs.cat_file(path)
+        with self._errors(path, "reading"):
+            data: bytes = self.fs.cat_file(path)
         return data
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
-        parent = posixpath.dirname(path)
-        if parent:
-            self.mkdir(parent)
-        # fsspec's "create" mode is the store's conditional create where it has one.
-        self.fs.pipe_file(path, bytes(data), mode="create" if exclusive else "overwrite")
+        self._prepare_parent(path)
+        payload = bytes(data)
+        try:
+            with self._errors(path, "publishing"):
+                # fsspec's "create" mode is the store's conditional create where it has one.
+                self.fs.pipe_file(path, payload, mode="create" if exclusive else "overwrite")
+        except FileExistsError:
+            # A retried create whose first attempt landed is refused too: that one is ours.
+            with contextlib.suppress(OSError):
+                if self.read_bytes(path) == payload:
+                    return
+            raise
 
     # --- metadata and namespace ----------------------------------------------------
 
     def size(self, path: str) -> int:
-        info = self.fs.info(path)
+        with self._errors(path, "reading the size"):
+            info = self.fs.info(path)
         if info.get("type") == "directory":
             raise IsADirectoryError(f"{self.url(path)} is a directory")
         return int(info["size"])
@@ -192,13 +227,15 @@ class FsspecFileSystem(FileSystemBase):
             return None
 
     def rm_file(self, path: str) -> None:
-        info = self.fs.info(path)  # FileNotFoundError if missing, as the contract says
-        if info.get("type") == "directory":
-            raise IsADirectoryError(f"{self.url(path)} is a directory")
-        self.fs.rm_file(path)
+        with self._errors(path, "deleting"):
+            info = self.fs.info(path)  # FileNotFoundError if missing, as the contract says
+            if info.get("type") == "directory":
+                raise IsADirectoryError(f"{self.url(path)} is a directory")
+            self.fs.rm_file(path)
 
     def ls(self, path: str) -> list[str]:
-        entries = self.fs.ls(path, detail=False, refresh=True)
+        with self._errors(path, "listing"):
+            entries = self.fs.ls(path, detail=False, refresh=True)
         prefix = path.rstrip("/") + "/"
         names = set()
         for entry in entries:
@@ -223,6 +260,11 @@ class FsspecFileSystem(FileSystemBase):
         if protocol is None:
             return False
         return cls.protocol is None or protocol == cls.protocol
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class _WindowReader(io.RawIOBase):
