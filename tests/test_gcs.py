@@ -187,4 +187,3 @@ def test_transient_faults_are_retried(gcs_proxy: FaultProxy, state_dict: dict) -
     storage.load(target, url, storage_options=opts)
     assert_tree_equal(state_dict, target)
     assert uploads.hits == 1 and reads.hits == 1
-
