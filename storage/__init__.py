@@ -7,6 +7,7 @@ from storage.base import FileSystemBase
 from storage.manager import CheckpointManager
 from storage.reader import CheckpointReader
 from storage.registry import filesystem_from_url, register_filesystem
+from storage.transport import StorageTransport
 from storage.writer import CheckpointWriter
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "LocalFileSystem",
     "MemoryFileSystem",
     "S3FileSystem",
+    "StorageTransport",
     "async_save",
     "filesystem_from_url",
     "load",

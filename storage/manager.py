@@ -147,7 +147,8 @@ class CheckpointManager:
     At most one save is in flight per manager: :meth:`save` first waits for the previous
     asynchronous save to finish (its outcome is reported through its own future and
     logged; it is not raised again by the next save). Under ``torch.distributed``,
-    saves and loads are collective and only rank 0 deletes anything.
+    saves and loads are collective and only rank 0 deletes anything (``coordinator``
+    overrides that choice for managers that are not shared by the ranks).
     """
 
     def __init__(
@@ -161,6 +162,7 @@ class CheckpointManager:
         keys: Keys | None = None,
         registry: ExtensionRegistry | None = None,
         filesystem: FileSystemBase | None = None,
+        coordinator: bool | None = None,
         **writer_options: Any,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
@@ -185,6 +187,7 @@ class CheckpointManager:
         self.keys = keys
         self.registry = registry
         self.writer_options = writer_options
+        self.coordinator = coordinator
         self.fs, self.root = resolve_location(root_url, storage_options, filesystem)
         self._lock = threading.Lock()
         self._pending: concurrent.futures.Future[None] | None = None
@@ -347,7 +350,7 @@ class CheckpointManager:
         """Delete committed steps the policy does not keep; returns them.
 
         Uncommitted directories are :meth:`cleanup`'s business and are not touched."""
-        if self.keep_last is None or not _is_rank_zero():
+        if self.keep_last is None or not self._deletes():
             return []
         steps = self.steps()
         with self._lock:
@@ -376,7 +379,7 @@ class CheckpointManager:
         or whose age the backend cannot tell, are kept. Returns the steps removed."""
         if not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
             raise ValueError(f"grace_seconds must be a number >= 0, got {grace_seconds!r}")
-        if not _is_rank_zero():
+        if not self._deletes():
             return []
         horizon = time.time() - grace_seconds
         removed = []
@@ -390,6 +393,9 @@ class CheckpointManager:
                     delete_checkpoint(self.fs, path)
                 removed.append(step)
         return removed
+
+    def _deletes(self) -> bool:
+        return self.coordinator if self.coordinator is not None else _is_rank_zero()
 
     def _is_stale_leftover(self, path: str, horizon: float) -> bool:
         try:

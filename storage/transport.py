@@ -1,0 +1,224 @@
+"""``StorageTransport``: recover a replica's state through storage (disk or a bucket).
+
+It has the interface of torchft's ``CheckpointTransport`` (``metadata``,
+``send_checkpoint``, ``disallow_checkpoint``, ``recv_checkpoint``, ``shutdown``) without
+depending on torchft: a healthy replica writes its state with :class:`CheckpointWriter`
+to ``root/replica-{rank}/step-{step}``; a replica that fell behind polls for that
+checkpoint to be committed and reads it back, bit for bit, with
+:class:`CheckpointReader`. Every call is local to its process (no collectives), so it
+works under any process group.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from extensions.base import Keys
+from extensions.errors import UnsafeCheckpointError
+from extensions.registry import ExtensionRegistry
+from storage._common import resolve_location
+from storage.api import unwrap_checkpoint_exception
+from storage.base import FileSystemBase
+from storage.manager import CheckpointManager, is_committed
+from storage.reader import CheckpointReader
+from storage.writer import CheckpointWriter
+
+REPLICA_PREFIX = "replica-"
+
+
+class _PlainDataPlanner(_EmptyStateDictLoadPlanner):
+    """Rebuilds the whole state dict from the metadata; non-tensor values are
+    unpickled with ``weights_only=True`` (plain data only, never code)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self._where = where
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise UnsafeCheckpointError(
+                f"{self._where}: item {fqn!r} holds a Python object that is not plain data; "
+                f"refusing to unpickle it ({type(exc).__name__}). Keep non-tensor state to "
+                "numbers, strings, lists and dicts."
+            ) from exc
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _seconds(timeout: timedelta | float) -> float:
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if seconds < 0:
+        raise ValueError(f"timeout must not be negative, got {timeout!r}")
+    return seconds
+
+
+class StorageTransport:
+    """Checkpoint transport through a root URL shared by the replicas.
+
+    ``rank`` is this replica's rank; its checkpoints go to ``root/replica-{rank}``,
+    where the newest ``keep_last`` steps are kept. When a replica has several workers,
+    give each worker its own root (e.g. ``.../rank-{local_rank}``). ``transforms``,
+    ``keys``, ``registry``, ``storage_options`` and the writer options (``thread_count``,
+    ...) are as for :class:`CheckpointWriter` / :class:`CheckpointReader`.
+
+    ``send_checkpoint`` writes in a background thread and returns once the checkpoint is
+    committed, or raises ``TimeoutError`` after ``timeout`` while the write goes on;
+    ``disallow_checkpoint`` waits for that write, after which the caller may change the
+    state dict. ``recv_checkpoint`` polls until the sender's checkpoint is committed
+    (``TimeoutError`` after ``timeout``) and returns a new state dict.
+    """
+
+    def __init__(
+        self,
+        root_url: str | os.PathLike[str],
+        *,
+        rank: int,
+        keep_last: int = 1,
+        storage_options: dict[str, Any] | None = None,
+        transforms: Sequence[Any] | None = None,
+        keys: Keys | None = None,
+        registry: ExtensionRegistry | None = None,
+        filesystem: FileSystemBase | None = None,
+        poll_interval: float = 0.05,
+        **writer_options: Any,
+    ) -> None:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+        self.rank = rank
+        self.storage_options = storage_options
+        self.keys = keys
+        self.registry = registry
+        self.poll_interval = poll_interval
+        self._explicit_fs = filesystem
+        self.fs, self.root = resolve_location(root_url, storage_options, filesystem)
+        self._manager = CheckpointManager(
+            self.fs.url(self._replica_path(self.fs, self.root, rank)),
+            keep_last=keep_last,
+            transforms=transforms,
+            filesystem=self.fs,
+            coordinator=True,  # each replica prunes its own directory
+            **writer_options,
+        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"dcp-storage-send-{rank}"
+        )
+        self._lock = threading.Lock()
+        self._inflight: concurrent.futures.Future[None] | None = None
+        self._closed = False
+
+    @staticmethod
+    def _replica_path(fs: FileSystemBase, root: str, rank: int) -> str:
+        return fs.concat_path(root, f"{REPLICA_PREFIX}{rank}")
+
+    # --- CheckpointTransport --------------------------------------------------------
+
+    def metadata(self) -> str:
+        """The root URL; a receiving replica passes it to :meth:`recv_checkpoint`."""
+        return self.fs.url(self.root)
+
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
+    ) -> None:
+        """Write ``state_dict`` as ``root/replica-{rank}/step-{step}``.
+
+        Any replica may read it, so ``dst_ranks`` only documents who is waiting."""
+        seconds = _seconds(timeout)
+        self._check_open()
+        url = self._manager.step_url(step)
+        with self._lock:
+            future = self._executor.submit(self._write, step, state_dict)
+            self._inflight = future
+        try:
+            future.result(timeout=seconds)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"sending step {step} to replicas {list(dst_ranks)}: {url} was not committed "
+                f"within {seconds:g} s; the write goes on (disallow_checkpoint() waits for it)"
+            ) from None
+
+    def disallow_checkpoint(self) -> None:
+        """Wait for the write in flight; then the state dict is no longer read."""
+        with self._lock:
+            future = self._inflight
+        if future is not None:
+            concurrent.futures.wait([future])
+
+    def recv_checkpoint(
+        self, src_rank: int, metadata: str, step: int, timeout: timedelta
+    ) -> dict[str, Any]:
+        """Wait for replica ``src_rank``'s step ``step`` under the root ``metadata``
+        (what that replica's :meth:`metadata` returned) and load all of it."""
+        seconds = _seconds(timeout)
+        self._check_open()
+        fs, root = self._location(metadata)
+        path = fs.concat_path(self._replica_path(fs, root, src_rank), f"step-{step}")
+        url = fs.url(path)
+        deadline = time.monotonic() + seconds
+        delay = self.poll_interval
+        while not is_committed(fs, path):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"no checkpoint for step {step} from replica {src_rank} at {url} after "
+                    f"{seconds:g} s; the sender has not committed it (is it alive, and "
+                    "writing to the same root?)"
+                )
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 1.0)
+        reader = CheckpointReader(url, keys=self.keys, registry=self.registry, filesystem=fs)
+        state: dict[str, Any] = {}
+        try:
+            # dcp.load would fill a copy of ``state``; this fills ``state`` itself.
+            _load_state_dict(state, reader, planner=_PlainDataPlanner(url), no_dist=True)
+        except CheckpointException as exc:
+            raise unwrap_checkpoint_exception(exc, reader) from None
+        return state
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop accepting work; with ``wait``, finish the write in flight first."""
+        self._closed = True
+        self._executor.shutdown(wait=wait)
+
+    # --- internals ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the transport for {self.metadata()} is shut down")
+
+    def _location(self, metadata: str) -> tuple[FileSystemBase, str]:
+        if metadata == self.metadata():
+            return self.fs, self.root
+        return resolve_location(metadata, self.storage_options, self._explicit_fs)
+
+    def _write(self, step: int, state_dict: Any) -> None:
+        mgr = self._manager
+        writer = CheckpointWriter(
+            mgr.step_url(step),
+            transforms=mgr.transforms,
+            filesystem=self.fs,
+            **mgr.writer_options,
+        )
+        try:
+            dcp.save(state_dict, storage_writer=writer, no_dist=True)
+        except CheckpointException as exc:
+            raise unwrap_checkpoint_exception(exc, writer) from None
+        mgr._retain_quietly(step)

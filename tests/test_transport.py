@@ -1,0 +1,161 @@
+"""StorageTransport: a replica sends its state through storage, another receives it
+bit for bit (two spawned processes); timeouts, disallow and shutdown."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import storage
+from extensions.zstd import ZStandard
+
+STEP = 7
+
+
+def _replica_state(seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    special = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45, -3.5])
+    return {
+        "model": {
+            "w": torch.randn(64, 48, generator=gen),
+            "w_bf16": torch.randn(33, 7, generator=gen).to(torch.bfloat16),
+            "half": torch.cat([special, torch.randn(11, generator=gen)]).to(torch.float16),
+            "special": special,
+            "mask": torch.rand(100, generator=gen) > 0.5,
+            "ids": torch.randint(-(2**62), 2**62, (50,), generator=gen),
+            "int8": torch.randint(-128, 127, (9, 9), dtype=torch.int8, generator=gen),
+        },
+        "optim": {"lr": 0.25, "betas": [0.9, 0.95], "name": "adamw", "step": seed},
+    }
+
+
+def _bits_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        )
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(_bits_equal(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_bits_equal(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+# --- two processes --------------------------------------------------------------------
+
+
+def _sender(root: str, meta_q: Any, result_q: Any) -> None:
+    try:
+        transport = storage.StorageTransport(root, rank=0, transforms=[ZStandard(level=1)])
+        meta_q.put(transport.metadata())
+        state = _replica_state(STEP)
+        transport.send_checkpoint([1], STEP, state, timedelta(seconds=120))
+        transport.disallow_checkpoint()
+        state["model"]["w"].zero_()  # allowed now: the receiver must not see this
+        transport.shutdown()
+        result_q.put(("sender", "ok"))
+    except BaseException:
+        result_q.put(("sender", traceback.format_exc()))
+
+
+def _receiver(meta_q: Any, result_q: Any) -> None:
+    try:
+        transport = storage.StorageTransport(meta_q.get(timeout=120), rank=1)
+        metadata = meta_q.get(timeout=120)
+        got = transport.recv_checkpoint(0, metadata, STEP, timedelta(seconds=120))
+        ok = _bits_equal(_replica_state(STEP), got)
+        result_q.put(("receiver", "ok" if ok else f"state differs: {got!r}"))
+        transport.shutdown()
+    except BaseException:
+        result_q.put(("receiver", traceback.format_exc()))
+
+
+def test_two_processes_bit_exact(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    root = str(tmp_path / "ft")
+    to_receiver, from_sender, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    to_receiver.put(root)
+    receiver = ctx.Process(target=_receiver, args=(to_receiver, results))
+    receiver.start()  # polls before anything is written
+    sender = ctx.Process(target=_sender, args=(root, from_sender, results))
+    sender.start()
+    to_receiver.put(from_sender.get(timeout=120))
+    outcome = dict(results.get(timeout=240) for _ in range(2))
+    for proc in (sender, receiver):
+        proc.join(timeout=60)
+    assert outcome == {"sender": "ok", "receiver": "ok"}, outcome
+    assert (tmp_path / "ft" / "replica-0" / f"step-{STEP}" / ".metadata").exists()
+
+
+# --- in one process -------------------------------------------------------------------
+
+
+class _GatedMemory(storage.MemoryFileSystem):
+    """Data-file writes wait until ``gate`` is set: a save that cannot finish yet."""
+
+    gate = threading.Event()
+
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Any:
+        if mode == "wb":
+            assert self.gate.wait(timeout=60), "gate never opened"
+        return super().create_stream(path, mode, sync=sync)
+
+
+def test_send_timeout_then_disallow_waits(tmp_path: Path) -> None:
+    fs = _GatedMemory()
+    fs.gate.clear()
+    sender = storage.StorageTransport("dcpmem://b/ft", rank=0, filesystem=fs)
+    receiver = storage.StorageTransport("dcpmem://b/ft", rank=1, filesystem=fs)
+    state = _replica_state(3)
+    expected = _replica_state(3)
+    with pytest.raises(TimeoutError, match=r"replica-0/step-3 was not committed"):
+        sender.send_checkpoint([1], 3, state, timedelta(seconds=0.2))
+    threading.Timer(0.3, fs.gate.set).start()
+    sender.disallow_checkpoint()  # returns only once the write is done
+    assert fs.exists("b/ft/replica-0/step-3/.metadata")
+    state["model"]["w"].fill_(1.0)
+    got = receiver.recv_checkpoint(0, sender.metadata(), 3, timedelta(seconds=5))
+    assert _bits_equal(expected, got)
+
+
+def test_recv_times_out_naming_the_location(tmp_path: Path) -> None:
+    transport = storage.StorageTransport(str(tmp_path), rank=1, poll_interval=0.01)
+    with pytest.raises(TimeoutError, match=r"step 4 from replica 0 at .*replica-0/step-4"):
+        transport.recv_checkpoint(0, transport.metadata(), 4, timedelta(seconds=0.2))
+    # An interrupted save (no metadata) is not a checkpoint either.
+    (tmp_path / "replica-0" / "step-4").mkdir(parents=True)
+    (tmp_path / "replica-0" / "step-4" / "__0_0-x.distcp").write_bytes(b"partial")
+    with pytest.raises(TimeoutError):
+        transport.recv_checkpoint(0, transport.metadata(), 4, timedelta(seconds=0.1))
+
+
+def test_keeps_last_steps_and_shutdown(tmp_path: Path) -> None:
+    sender = storage.StorageTransport(str(tmp_path), rank=2, keep_last=2)
+    for step in (1, 2, 3):
+        sender.send_checkpoint([0], step, _replica_state(step), timedelta(seconds=60))
+    assert sorted(p.name for p in (tmp_path / "replica-2").iterdir()) == ["step-2", "step-3"]
+    got = sender.recv_checkpoint(2, sender.metadata(), 3, timedelta(seconds=5))
+    assert got["optim"] == {"lr": 0.25, "betas": [0.9, 0.95], "name": "adamw", "step": 3}
+    sender.shutdown(wait=True)
+    with pytest.raises(RuntimeError, match="shut down"):
+        sender.send_checkpoint([0], 4, _replica_state(4), timedelta(seconds=1))
+
+
+def test_refuses_objects_that_are_not_plain_data(tmp_path: Path) -> None:
+    transport = storage.StorageTransport(str(tmp_path), rank=0)
+    state = {"w": torch.ones(3), "when": timedelta(seconds=5)}  # pickles, but is not plain data
+    transport.send_checkpoint([1], 1, state, timedelta(seconds=60))
+    with pytest.raises(Exception, match="not plain data"):
+        transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
