@@ -309,3 +309,41 @@ def test_progress_bar_only_on_a_terminal(root: Path, monkeypatch: Any) -> None:
     shown = _stderr_on_a_tty(["verify", str(root / "step-1")], monkeypatch)
     assert b"verify:" in shown and b"%" in shown
     assert _stderr_on_a_tty(["verify", str(root / "step-1"), "--quiet"], monkeypatch) == b""
+
+
+def test_cp_local_to_s3_with_zstd_and_aes(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.servers import create_bucket, moto_endpoint
+
+    endpoint = moto_endpoint()
+    create_bucket(endpoint, "cli-bucket")
+    dst = f"s3://cli-bucket/ck-{os.getpid()}-{time.time_ns()}"
+    options = [
+        f"--storage-option=endpoint_url={endpoint}",
+        "--storage-option=key=testing",
+        "--storage-option=secret=testing",
+    ]
+    proc = cli(
+        "cp",
+        str(root / "step-2"),
+        dst,
+        "--transform",
+        "zstd",
+        "--transform",
+        "aes:k1",
+        *options,
+        keys=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert main(["ls", dst.rsplit("/", 1)[0], *options, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert {c["name"]: c["committed"] for c in listed}[dst.rsplit("/", 1)[1]] is True
+    assert main(["verify", dst, *options, "--json"]) == 1  # no key here
+    capsys.readouterr()
+    out = _blank()
+    storage.load(
+        out,
+        dst,
+        keys={"k1": KEY},
+        storage_options={"endpoint_url": endpoint, "key": "testing", "secret": "testing"},
+    )
+    assert torch.equal(out["model"]["w"], _state(2)["model"]["w"])

@@ -339,3 +339,29 @@ def test_dcp_process_executor_with_our_writer(tmp_path: Any) -> None:
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
     assert (tmp_path / "ckpt" / ".metadata").exists()
+
+
+def test_manager_on_s3() -> None:
+    from tests.servers import boto3_client, create_bucket, list_keys, moto_endpoint, s3_options
+
+    endpoint = moto_endpoint()
+    create_bucket(endpoint, "manager-bucket")
+    prefix = f"run-{uuid.uuid4().hex[:8]}"
+    mgr = CheckpointManager(
+        f"s3://manager-bucket/{prefix}", keep_last=2, storage_options=s3_options(endpoint)
+    )
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+    assert mgr.steps() == [2, 3]
+    client = boto3_client(endpoint)
+    client.put_object(Bucket="manager-bucket", Key=f"{prefix}/step-4/__0_0-x.distcp", Body=b"p")
+    client.put_object(Bucket="manager-bucket", Key=f"{prefix}/step-3.14/.metadata", Body=b"m")
+    assert mgr.steps() == [2, 3] and mgr.latest() == 3
+    assert mgr.cleanup(grace_seconds=3600) == []  # fresh: may be a save in progress
+    time.sleep(1.1)  # S3 times have one-second resolution
+    assert mgr.cleanup(grace_seconds=0) == [4]
+    out = _blank()
+    assert mgr.load(out) == 3 and torch.equal(out["w"], _state(3)["w"])
+    keys = list_keys(client, "manager-bucket", prefix)
+    assert not any("/step-1/" in k or "/step-4/" in k for k in keys)
+    assert f"{prefix}/step-3.14/.metadata" in keys
