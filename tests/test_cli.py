@@ -347,3 +347,65 @@ def test_cp_local_to_s3_with_zstd_and_aes(root: Path, capsys: pytest.CaptureFixt
         storage_options={"endpoint_url": endpoint, "key": "testing", "secret": "testing"},
     )
     assert torch.equal(out["model"]["w"], _state(2)["model"]["w"])
+
+
+def _sharded_full() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    return {"w": torch.randn(8, 6, generator=gen), "emb": torch.randn(10, 4, generator=gen)}
+
+
+def _save_sharded(rank: int, store: str, path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        full = _sharded_full()
+        state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+        storage.save(dict(state, step=3), path, transforms=[ZStandard()])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_checkpoint_inspect_verify_cp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch.multiprocessing as tmp
+
+    src = str(tmp_path / "sharded")
+    tmp.spawn(_save_sharded, args=(str(tmp_path / "store"), src), nprocs=2, join=True)
+    assert main(["inspect", src, "--json"]) == 0
+    items = {i["item"]: i for i in json.loads(capsys.readouterr().out)["items"]}
+    assert items["w@[4, 0]"]["shape"] == [4, 6] and items["w"]["shape"] == [4, 6]
+    assert items["emb@[5, 0]"]["logical"] == 5 * 4 * 4
+    dst = str(tmp_path / "copy")
+    assert main(["cp", src, dst, "--transform", "shuffle", "--transform", "zstd:3"]) == 0
+    assert main(["verify", dst, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    assert len(report["ok"]) == 5 and not report["unchecksummed"]
+    out: dict[str, Any] = {"w": torch.zeros(8, 6), "emb": torch.zeros(10, 4), "step": 0}
+    storage.load(out, dst)
+    full = _sharded_full()
+    assert torch.equal(out["w"], full["w"]) and torch.equal(out["emb"], full["emb"])
+    assert out["step"] == 3
+
+
+def test_stock_checkpoint_verify_and_cp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    golden = Path(__file__).parent / "golden" / "stock-zstd"
+    assert main(["verify", str(golden), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["valid"] and report["unchecksummed"] == sorted(report["ok"])
+    dst = tmp_path / "ours"
+    assert main(["cp", str(golden), str(dst), "--transform", "none"]) == 0
+    assert main(["verify", str(dst), "--json"]) == 0
+    capsys.readouterr()
+    expected = torch.load(golden.parent / "expected.pt", weights_only=True)
+    out = {
+        k: (v.clone().zero_() if isinstance(v, torch.Tensor) else v) for k, v in expected.items()
+    }
+    out["optim"] = {"step": torch.tensor(0.0), "lr": 0.0, "betas": [0.0, 0.0]}
+    storage.load(out, str(dst))
+    assert torch.equal(out["layer.weight"], expected["layer.weight"])
+    assert out["optim"]["betas"] == [0.9, 0.999]
