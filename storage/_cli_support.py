@@ -44,12 +44,8 @@ def location(url: str, pairs: Sequence[str] | None) -> tuple[FileSystemBase, str
 
 
 def keys_from_args(args: argparse.Namespace) -> dict[str, bytes]:
-    try:
-        from extensions.encryption import keys_from_environment, keys_from_file
-    except ImportError:  # pragma: no cover - encryption ships with the package
-        if args.key_file:
-            raise ValueError("--key-file needs extensions.encryption, which is missing") from None
-        return {}
+    from extensions import keys_from_environment, keys_from_file
+
     keys = keys_from_environment()
     if args.key_file:
         keys.update(keys_from_file(args.key_file))
@@ -68,11 +64,11 @@ def parse_transforms(specs: Sequence[str], keys: dict[str, bytes]) -> list[Any]:
         if name == "zstd":
             chain.append(ZStandard(level=int(value)) if value else ZStandard())
         elif name == "shuffle" and not value:
-            from extensions.shuffle import ByteShuffle
+            from extensions import ByteShuffle
 
             chain.append(ByteShuffle())
         elif name in ("aes", "aes256gcm") and value:
-            from extensions.encryption import AES256GCM
+            from extensions import AES256GCM
 
             if value not in keys:
                 raise ValueError(
