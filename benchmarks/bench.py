@@ -215,6 +215,67 @@ def local_cases(state: dict[str, Any], work: str) -> list[Case]:
     ]
 
 
+def extra_cases(state: dict[str, Any], work: str) -> list[Case]:
+    """zstd+AES and shuffle+zstd: no stock peer, ours against our zstd-only run."""
+    from extensions import AES256GCM, ByteShuffle
+
+    n = logical_bytes(state)
+    key = bytes(range(32))
+    target = zeros_like(state)
+    z, za, sz = (os.path.join(work, k) for k in ("x-z", "x-za", "x-sz"))
+    return [
+        Case(
+            "save zstd+AES (vs zstd)",
+            lambda: storage.save(state, z, transforms=[ZStandard()]),
+            lambda: storage.save(
+                state, za, transforms=[ZStandard(), AES256GCM(key=key, key_id="k")]
+            ),
+            logical=n,
+        ),
+        Case(
+            "load zstd+AES (vs zstd)",
+            lambda: storage.load(target, z),
+            lambda: storage.load(target, za, keys={"k": key}),
+            logical=n,
+        ),
+        Case(
+            "save shuffle+zstd (vs zstd)",
+            lambda: storage.save(state, z, transforms=[ZStandard()]),
+            lambda: storage.save(state, sz, transforms=[ByteShuffle(), ZStandard()]),
+            logical=n,
+        ),
+        Case(
+            "load shuffle+zstd (vs zstd)",
+            lambda: storage.load(target, z),
+            lambda: storage.load(target, sz),
+            logical=n,
+        ),
+    ]
+
+
+def small_cases(work: str, count: int = 4000) -> list[Case]:
+    """Optimizer-state-like: many small tensors; per-item overhead dominates."""
+    gen = torch.Generator().manual_seed(1)
+    state = {f"opt.{i}.exp_avg": torch.randn(256 + i % 512, generator=gen) for i in range(count)}
+    n = logical_bytes(state)
+    target = zeros_like(state)
+    a, b = os.path.join(work, "small-stock"), os.path.join(work, "small-ours")
+    return [
+        Case(
+            f"save {count} small tensors",
+            lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(a)),
+            lambda: storage.save(state, b),
+            logical=n,
+        ),
+        Case(
+            f"load {count} small tensors",
+            lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(a)),
+            lambda: storage.load(target, b),
+            logical=n,
+        ),
+    ]
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'case':<28} {'stock s':>8} {'ours s':>8} {'stock MB/s':>10} {'ours MB/s':>10} "
@@ -238,7 +299,9 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=1080)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
-    parser.add_argument("--cases", default="local", help="comma list: local")
+    parser.add_argument(
+        "--cases", default="local,transforms,small", help="comma list of: local, transforms, small"
+    )
     args = parser.parse_args()
 
     work = tempfile.mkdtemp(prefix="dcp-bench-", dir=args.dir)
@@ -250,12 +313,20 @@ def main() -> None:
             f"torch {torch.__version__}; {os.cpu_count()} CPUs; work dir {work}"
         )
         print(f"dd if=/dev/zero bs=4M conv=fdatasync: {dd_throughput(work, 1024):.0f} MB/s")
+        wanted = set(args.cases.split(","))
+        cases: list[Case] = []
+        if "local" in wanted:
+            cases += local_cases(state, work)
+        if "transforms" in wanted:
+            cases += extra_cases(state, work)
+        if "small" in wanted:
+            cases += small_cases(work)
         rows = []
-        for case in local_cases(state, work):
+        for case in cases:
             rows.append(run_case(case, args.repeat))
             print(f"  done: {case.name}", file=sys.stderr)
         print_table(rows)
-        for name in ("stock-z", "ours-z"):
+        for name in ("stock-z", "ours-z", "x-z", "x-sz"):
             path = os.path.join(work, name)
             if os.path.isdir(path):
                 print(f"zstd ratio {name}: {stored_ratio(path, n):.3f}")
