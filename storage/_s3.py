@@ -414,6 +414,52 @@ async def _fill(body: Any, view: memoryview, progress: list[int]) -> None:
         progress[0] += len(chunk)
 
 
+class _PartBody(io.RawIOBase):
+    """A part's bytes as a seekable stream. botocore turns a bytes body into a BytesIO
+    and aiohttp then copies that whole; a stream is sent in small reads instead, so
+    an in-flight part costs its buffer and nothing more (and retries seek back)."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data = data
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._data)}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        chunk = self._data[self._pos : self._pos + len(view)]
+        view[: len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+    def read(self, size: int | None = -1) -> bytes:
+        # aiohttp asks for everything that is left: short reads keep its copies small.
+        end = len(self._data) if size is None or size < 0 else self._pos + min(size, 1 << 18)
+        chunk = bytes(self._data[self._pos : end])
+        self._pos += len(chunk)
+        return chunk
+
+    def close(self) -> None:
+        pass  # aiohttp closes bodies it sent; a retry may need this one again
+
+    def release(self) -> None:
+        # Clients keep requests alive in reference cycles; the part's memory goes now.
+        self._data = memoryview(b"")
+
+
 class _MultipartWriter(io.RawIOBase):
     """Buffers one part, uploads full parts concurrently, completes or aborts."""
 
@@ -462,7 +508,7 @@ class _MultipartWriter(io.RawIOBase):
         number = len(self._parts) + 1
         if number > _MAX_PARTS:
             raise ValueError(f"{owner.url(self._path)}: more than {_MAX_PARTS} parts")
-        body = self._buf if self._fill == len(self._buf) else bytes(self._buf[: self._fill])
+        body = _PartBody(memoryview(self._buf)[: self._fill])
         slots = owner._upload_slots()
         slots.acquire()
         try:
@@ -477,7 +523,12 @@ class _MultipartWriter(io.RawIOBase):
         except BaseException:
             slots.release()
             raise
-        fut.add_done_callback(lambda _: slots.release())
+
+        def done(_: object) -> None:
+            body.release()
+            slots.release()
+
+        fut.add_done_callback(done)
         self._parts.append((number, fut))
         # Parts may grow (S3 allows it), so objects past 10,000 x part_size still fit.
         if number % 1000 == 0:

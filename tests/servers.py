@@ -180,6 +180,8 @@ class Record:
     status: int
     body_bytes: int
     fault: str | None = None
+    start: float = 0.0
+    end: float = 0.0
 
 
 @dataclass
@@ -233,8 +235,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _record(self, status: int, nbytes: int, fault: str | None = None) -> None:
         state = self.server.state
+        record = Record(
+            self.command, self.path, status, nbytes, fault, self._start, time.monotonic()
+        )
         with state.lock:
-            state.records.append(Record(self.command, self.path, status, nbytes, fault))
+            state.records.append(record)
 
     def _reset(self) -> None:
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -264,6 +269,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _proxy(self) -> None:
+        self._start = time.monotonic()
         body = self._body()
         with self.server.state.lock:
             self.server.state.arrivals.append((self.command, self.path))
@@ -371,6 +377,18 @@ class FaultProxy:
         return sum(
             r.body_bytes for r in self.records if r.method == "GET" and re.search(pattern, r.target)
         )
+
+    def max_concurrent(self, method: str, pattern: str) -> int:
+        """The most matching requests that were in flight at the same moment."""
+        events = []
+        for r in self.records:
+            if r.method == method and re.search(pattern, r.target):
+                events += [(r.start, 1), (r.end, -1)]
+        best = current = 0
+        for _, step in sorted(events, key=lambda e: (e[0], e[1])):
+            current += step
+            best = max(best, current)
+        return best
 
     def close(self) -> None:
         self._server.shutdown()

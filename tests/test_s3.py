@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import subprocess
 import sys
 import uuid
 from typing import IO, Any
@@ -31,6 +32,7 @@ from storage.base import FileSystemBase
 from storage.testing import FileSystemTests
 from tests.conftest import assert_tree_equal, zeros_like_tree
 from tests.servers import (
+    FaultProxy,
     boto3_client,
     create_bucket,
     list_keys,
@@ -182,6 +184,43 @@ def test_failed_multipart_write_aborts_upload(endpoint: str, s3: Any) -> None:
     prefix = path.partition("/")[2]
     assert open_uploads(s3, BUCKET, prefix) == []
     assert list_keys(s3, BUCKET, prefix) == []
+
+
+_UPLOAD_40_MIB = """
+import sys, tracemalloc
+from storage import S3FileSystem
+opts = {"endpoint_url": sys.argv[1], "key": "testing", "secret": "testing"}
+fs = S3FileSystem(storage_options=opts, part_size=5 << 20, max_concurrency=3)
+chunk = bytes(range(256)) * 4096
+fs.exists(sys.argv[2])  # the client and its service model are loaded before counting
+tracemalloc.start()
+with fs.create_stream(sys.argv[2], "wb") as stream:
+    for _ in range(40):
+        stream.write(chunk)
+print(tracemalloc.get_traced_memory()[1])
+"""
+
+
+def test_parts_upload_concurrently_in_bounded_memory(endpoint: str, s3: Any) -> None:
+    path = S3FileSystem().init_path(_url())
+    with FaultProxy(endpoint) as proxy:
+        # Slow part uploads, so that parts would pile up in memory if nothing bounded them.
+        proxy.add("delay", method="PUT", path=r"partNumber=", delay=0.3)
+        # A separate process: moto and the proxy live in this one and would be counted.
+        out = subprocess.run(
+            [sys.executable, "-c", _UPLOAD_40_MIB, proxy.url, path],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        assert proxy.max_concurrent("PUT", "partNumber=") == 3
+    peak = int(out.stdout.split()[-1])
+    bucket, _, key = path.partition("/")
+    assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == bytes(range(256)) * 4096 * 40
+    # part_size x (max_concurrency + the buffer being filled) = 20 MiB of a 40 MiB object.
+    print("peak client memory", peak)
+    assert peak < 26 << 20, peak
 
 
 def test_missing_s3fs_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
