@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import subprocess
 import sys
@@ -160,6 +161,23 @@ def test_save_load_helpers_multipart(endpoint: str, s3: Any, chain: str) -> None
     storage.load(target, url, storage_options=s3_options(endpoint))
     assert_tree_equal(state, target)
     assert open_uploads(s3, BUCKET, _key_prefix(url)) == []
+
+
+def test_sync_files_never_syncs_this_machine(
+    endpoint: str, state_dict: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stock DCP calls os.sync() for fsspec paths: a whole-machine flush for nothing.
+    def forbidden(*args: object) -> None:
+        raise AssertionError("os.sync/os.fsync called while saving to S3")
+
+    monkeypatch.setattr(os, "sync", forbidden)
+    monkeypatch.setattr(os, "fsync", forbidden)
+    url = _url()
+    storage.save(state_dict, url, storage_options=s3_options(endpoint), sync_files=True)
+    monkeypatch.undo()
+    target = zeros_like_tree(state_dict)
+    storage.load(target, url, storage_options=s3_options(endpoint))
+    assert_tree_equal(state_dict, target)
 
 
 def test_filesystem_from_url_and_pickle(endpoint: str) -> None:
