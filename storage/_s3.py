@@ -153,8 +153,18 @@ class S3FileSystem(FsspecFileSystem):
         bucket, _, key = path.partition("/")
         return bucket, key
 
-    def _submit(self, method: str, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(self.fs._call_s3(method, **kwargs), self.fs.loop)
+    def _submit(
+        self, method: str, tasks: list[asyncio.Task[Any]], **kwargs: Any
+    ) -> concurrent.futures.Future[Any]:
+        """Run a request on the client's event loop; its task is added to ``tasks``."""
+
+        async def tracked() -> Any:
+            task = asyncio.current_task()
+            if task is not None:
+                tasks.append(task)
+            return await self.fs._call_s3(method, **kwargs)
+
+        return asyncio.run_coroutine_threadsafe(tracked(), self.fs.loop)
 
     def _call(self, method: str, path: str, action: str, **kwargs: Any) -> Any:
         try:
@@ -414,6 +424,12 @@ async def _fill(body: Any, view: memoryview, progress: list[int]) -> None:
         progress[0] += len(chunk)
 
 
+async def _settle(tasks: list[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class _PartBody(io.RawIOBase):
     """A part's bytes as a seekable stream. botocore turns a bytes body into a BytesIO
     and aiohttp then copies that whole; a stream is sent in small reads instead, so
@@ -473,6 +489,7 @@ class _MultipartWriter(io.RawIOBase):
         self._fill = 0
         self._upload_id: str | None = None
         self._parts: list[tuple[int, concurrent.futures.Future[Any]]] = []
+        self._tasks: list[asyncio.Task[Any]] = []
         self._finished = False
 
     def writable(self) -> bool:
@@ -514,6 +531,7 @@ class _MultipartWriter(io.RawIOBase):
         try:
             fut = owner._submit(
                 "upload_part",
+                self._tasks,
                 Bucket=self._bucket,
                 Key=self._key,
                 UploadId=self._upload_id,
@@ -585,9 +603,12 @@ class _MultipartWriter(io.RawIOBase):
             return
         self._finished = True
         self._buf = bytearray()
+        # Parts not started never start; started ones are cancelled and awaited, so no
+        # part can land after the abort and leave the upload half alive.
         for _, fut in self._parts:
             fut.cancel()
-        concurrent.futures.wait([fut for _, fut in self._parts], timeout=60)
+        with contextlib.suppress(Exception):
+            fsspec.asyn.sync(self._owner.fs.loop, _settle, self._tasks)
         if self._upload_id is None:
             return
         try:
