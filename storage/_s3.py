@@ -13,9 +13,7 @@ import contextlib
 import io
 import logging
 import os
-import random
 import threading
-import time
 from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
@@ -23,8 +21,6 @@ from extensions.errors import CheckpointNotFoundError, MissingDependencyError
 from storage._fsspec import FsspecFileSystem
 
 try:
-    import aiohttp
-    import botocore.exceptions as botoexc
     import fsspec.asyn
     import s3fs
 except ImportError as _exc:  # pragma: no cover - exercised without the extra installed
@@ -33,6 +29,8 @@ except ImportError as _exc:  # pragma: no cover - exercised without the extra in
         "pip install 'dcp-storage[s3]'"
     ) from _exc
 
+from storage._s3_io import MultipartWriter, RangeReader, error_code  # noqa: E402
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PART_SIZE = 16 << 20
@@ -40,30 +38,6 @@ MIN_PART_SIZE = 5 << 20
 DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_CONNECT_TIMEOUT = 10
 DEFAULT_READ_TIMEOUT = 60
-_MAX_PARTS = 10_000
-
-# Errors of a response body that broke off: the read resumes from where it stopped.
-_BODY_ERRORS = (
-    aiohttp.ClientError,
-    asyncio.TimeoutError,
-    ConnectionError,
-    botoexc.HTTPClientError,
-    botoexc.IncompleteReadError,
-    botoexc.ResponseStreamingError,
-)
-
-
-def _error_code(exc: BaseException) -> str:
-    for err in (exc, exc.__cause__):
-        response = getattr(err, "response", None)
-        if isinstance(response, dict):
-            return str(response.get("Error", {}).get("Code", ""))
-    return ""
-
-
-def _backoff(attempt: int) -> float:
-    # Full jitter, as botocore's standard mode does for requests.
-    return random.random() * min(5.0, 0.2 * 2 ** (attempt - 1))
 
 
 class S3FileSystem(FsspecFileSystem):
@@ -175,7 +149,7 @@ class S3FileSystem(FsspecFileSystem):
     def _translate(self, exc: BaseException, path: str, action: str) -> BaseException:
         url = self.url(path)
         bucket = self._split(path)[0]
-        code = _error_code(exc)
+        code = error_code(exc)
         if code == "NoSuchBucket":
             return FileNotFoundError(
                 f"{url}: bucket {bucket!r} does not exist ({action}); create it or fix the URL"
@@ -198,14 +172,14 @@ class S3FileSystem(FsspecFileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
         if mode == "rb":
-            reader = _RangeReader(self, path, 0, None)
+            reader = RangeReader(self, path, 0, None)
             reader.start()
             with contextlib.closing(reader):
                 yield reader  # type: ignore[misc]
             return
         if mode != "wb":
             raise ValueError(f"unsupported mode {mode!r}: use 'rb' or 'wb'")
-        writer = _MultipartWriter(self, path)
+        writer = MultipartWriter(self, path)
         try:
             yield writer  # type: ignore[misc]
         except BaseException:
@@ -221,12 +195,12 @@ class S3FileSystem(FsspecFileSystem):
         if length == 0:
             self.size(path)  # a missing object still raises FileNotFoundError
             return contextlib.nullcontext(io.BytesIO())
-        reader = _RangeReader(self, path, offset, length)
+        reader = RangeReader(self, path, offset, length)
         reader.start()
         return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
 
     def read_bytes(self, path: str) -> bytes:
-        reader = _RangeReader(self, path, 0, None)
+        reader = RangeReader(self, path, 0, None)
         reader.start()
         with contextlib.closing(reader):
             return reader.readall()
@@ -240,7 +214,7 @@ class S3FileSystem(FsspecFileSystem):
                 "put_object", path, "publishing", Bucket=bucket, Key=key, Body=payload, **condition
             )
         except OSError as exc:
-            code = _error_code(exc.__cause__ or exc)
+            code = error_code(exc.__cause__ or exc)
             conflict = code in ("PreconditionFailed", "412", "ConditionalRequestConflict")
             if not exclusive or not (conflict or isinstance(exc, FileExistsError)):
                 raise
@@ -326,310 +300,3 @@ class S3FileSystem(FsspecFileSystem):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return os.fspath(checkpoint_id).startswith(("s3://", "s3a://"))
-
-
-class _RangeReader(io.RawIOBase):
-    """One streamed GET of ``[offset, offset + length)`` (``length=None``: to the end).
-
-    A body that breaks off is resumed with a ranged GET from the next byte, pinned to
-    the object's ETag; a range starting past the end reads as empty (short read)."""
-
-    def __init__(self, owner: S3FileSystem, path: str, offset: int, length: int | None) -> None:
-        super().__init__()
-        self._owner = owner
-        self._path = path
-        self._pos = offset
-        self._end = None if length is None else offset + length
-        self._body: Any = None
-        self._etag: str | None = None
-        self._eof = length == 0
-
-    def readable(self) -> bool:
-        return True
-
-    def start(self) -> None:
-        bucket, key = self._owner._split(self._path)
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
-        if self._end is not None:
-            kwargs["Range"] = f"bytes={self._pos}-{self._end - 1}"
-        elif self._pos:
-            kwargs["Range"] = f"bytes={self._pos}-"
-        if self._etag:
-            kwargs["IfMatch"] = self._etag
-        try:
-            resp = self._owner._call("get_object", self._path, "reading", **kwargs)
-        except OSError as exc:
-            if _error_code(exc.__cause__ or exc) in ("InvalidRange", "416"):
-                self._eof = True
-                return
-            raise
-        self._etag = resp.get("ETag")
-        self._body = resp["Body"]
-
-    def _drop_body(self) -> None:
-        body, self._body = self._body, None
-        if body is not None:
-            self._owner.fs.loop.call_soon_threadsafe(body.close)
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._end is not None:
-            view = view[: max(0, self._end - self._pos)]
-        failures = 0
-        while view and not self._eof:
-            if self._body is None:
-                self.start()
-                continue
-            progress = [0]
-            try:
-                fsspec.asyn.sync(self._owner.fs.loop, _fill, self._body, view, progress)
-            except _BODY_ERRORS as exc:
-                self._drop_body()
-                if not progress[0]:
-                    failures += 1
-                    if failures >= self._owner.max_attempts:
-                        raise OSError(
-                            f"{self._owner.url(self._path)}: reading from byte {self._pos} "
-                            f"failed {failures} times: {exc!r}"
-                        ) from exc
-                    time.sleep(_backoff(failures))
-                    continue
-            n = progress[0]
-            if n == 0:
-                self._eof = True
-            self._pos += n
-            return n
-        return 0
-
-    def readall(self) -> bytes:
-        chunks: list[bytes] = []
-        while True:
-            chunk = bytearray(8 << 20)
-            n = self.readinto(chunk)
-            if not n:
-                return b"".join(chunks)
-            chunks.append(bytes(memoryview(chunk)[:n]))
-
-    def close(self) -> None:
-        self._drop_body()
-        super().close()
-
-
-async def _fill(body: Any, view: memoryview, progress: list[int]) -> None:
-    while progress[0] < len(view):
-        chunk = await body.read(len(view) - progress[0])
-        if not chunk:
-            return
-        view[progress[0] : progress[0] + len(chunk)] = chunk
-        progress[0] += len(chunk)
-
-
-async def _settle(tasks: list[asyncio.Task[Any]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class _PartBody(io.RawIOBase):
-    """A part's bytes as a seekable stream. botocore turns a bytes body into a BytesIO
-    and aiohttp then copies that whole; a stream is sent in small reads instead, so
-    an in-flight part costs its buffer and nothing more (and retries seek back)."""
-
-    def __init__(self, data: memoryview) -> None:
-        super().__init__()
-        self._data = data
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._data)}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        chunk = self._data[self._pos : self._pos + len(view)]
-        view[: len(chunk)] = chunk
-        self._pos += len(chunk)
-        return len(chunk)
-
-    def read(self, size: int | None = -1) -> bytes:
-        # aiohttp asks for everything that is left: short reads keep its copies small.
-        end = len(self._data) if size is None or size < 0 else self._pos + min(size, 1 << 18)
-        chunk = bytes(self._data[self._pos : end])
-        self._pos += len(chunk)
-        return chunk
-
-    def close(self) -> None:
-        pass  # aiohttp closes bodies it sent; a retry may need this one again
-
-    def release(self) -> None:
-        # Clients keep requests alive in reference cycles; the part's memory goes now.
-        self._data = memoryview(b"")
-
-
-class _MultipartWriter(io.RawIOBase):
-    """Buffers one part, uploads full parts concurrently, completes or aborts."""
-
-    def __init__(self, owner: S3FileSystem, path: str) -> None:
-        super().__init__()
-        self._owner = owner
-        self._path = path
-        self._bucket, self._key = owner._split(path)
-        self._part_size = owner.part_size
-        self._buf = bytearray(self._part_size)
-        self._fill = 0
-        self._upload_id: str | None = None
-        self._parts: list[tuple[int, concurrent.futures.Future[Any]]] = []
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._finished = False
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        total = len(view)
-        while view:
-            take = min(len(view), self._part_size - self._fill)
-            self._buf[self._fill : self._fill + take] = view[:take]
-            self._fill += take
-            view = view[take:]
-            if self._fill == self._part_size:
-                self._ship_part()
-        return total
-
-    def _where(self) -> str:
-        return f"uploading part {len(self._parts) + 1}"
-
-    def _ship_part(self) -> None:
-        owner = self._owner
-        if self._upload_id is None:
-            resp = owner._call(
-                "create_multipart_upload",
-                self._path,
-                "starting a multipart upload",
-                Bucket=self._bucket,
-                Key=self._key,
-            )
-            self._upload_id = resp["UploadId"]
-        self._raise_failed()
-        number = len(self._parts) + 1
-        if number > _MAX_PARTS:
-            raise ValueError(f"{owner.url(self._path)}: more than {_MAX_PARTS} parts")
-        body = _PartBody(memoryview(self._buf)[: self._fill])
-        slots = owner._upload_slots()
-        slots.acquire()
-        try:
-            fut = owner._submit(
-                "upload_part",
-                self._tasks,
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=self._upload_id,
-                PartNumber=number,
-                Body=body,
-            )
-        except BaseException:
-            slots.release()
-            raise
-
-        def done(_: object) -> None:
-            body.release()
-            slots.release()
-
-        fut.add_done_callback(done)
-        self._parts.append((number, fut))
-        # Parts may grow (S3 allows it), so objects past 10,000 x part_size still fit.
-        if number % 1000 == 0:
-            self._part_size *= 2
-        self._buf = bytearray(self._part_size)
-        self._fill = 0
-
-    def _raise_failed(self) -> None:
-        for number, fut in self._parts:
-            if fut.done() and fut.exception() is not None:
-                exc = fut.exception()
-                assert exc is not None
-                raise self._owner._translate(exc, self._path, f"uploading part {number}") from exc
-
-    def finish(self) -> None:
-        owner = self._owner
-        try:
-            if self._upload_id is None:
-                owner._call(
-                    "put_object",
-                    self._path,
-                    "uploading",
-                    Bucket=self._bucket,
-                    Key=self._key,
-                    Body=bytes(self._buf[: self._fill]),
-                )
-            else:
-                if self._fill:
-                    self._ship_part()
-                parts = []
-                for number, fut in self._parts:
-                    try:
-                        resp = fut.result()
-                    except Exception as exc:
-                        raise owner._translate(exc, self._path, f"uploading part {number}") from exc
-                    parts.append({"PartNumber": number, "ETag": resp["ETag"]})
-                owner._call(
-                    "complete_multipart_upload",
-                    self._path,
-                    "completing the multipart upload",
-                    Bucket=self._bucket,
-                    Key=self._key,
-                    UploadId=self._upload_id,
-                    MultipartUpload={"Parts": parts},
-                )
-        except BaseException:
-            self.abort()
-            raise
-        self._finished = True
-        self._buf = bytearray()
-
-    def abort(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        self._buf = bytearray()
-        # Parts not started never start; started ones are cancelled and awaited, so no
-        # part can land after the abort and leave the upload half alive.
-        for _, fut in self._parts:
-            fut.cancel()
-        with contextlib.suppress(Exception):
-            fsspec.asyn.sync(self._owner.fs.loop, _settle, self._tasks)
-        if self._upload_id is None:
-            return
-        try:
-            self._owner._call(
-                "abort_multipart_upload",
-                self._path,
-                "aborting the multipart upload",
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=self._upload_id,
-            )
-        except Exception as exc:  # the caller's error is the one to report
-            log.warning(
-                "could not abort multipart upload %s of %s: %s (a bucket lifecycle "
-                "rule AbortIncompleteMultipartUpload cleans these up)",
-                self._upload_id,
-                self._owner.url(self._path),
-                exc,
-            )
-
-    def close(self) -> None:
-        # DCP transforms may close what they wrap; the upload ends in finish() or abort().
-        if not self.closed:
-            super().close()
