@@ -117,7 +117,9 @@ class FsspecFileSystem(FileSystemBase):
     @contextlib.contextmanager
     def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
         if mode == "rb":
-            with self.fs.open(path, "rb") as stream:
+            with self._errors(path, "opening for reading"):
+                stream = self.fs.open(path, "rb")
+            with stream:
                 yield stream
             return
         if mode != "wb":

@@ -180,8 +180,8 @@ class Record:
     status: int
     body_bytes: int
     fault: str | None = None
-    start: float = 0.0
-    end: float = 0.0
+    start: float = 0.0  # the request arrived
+    end: float = 0.0  # the proxy began to answer (before the client can see the answer)
 
 
 @dataclass
@@ -297,6 +297,7 @@ class _Handler(BaseHTTPRequestHandler):
             length = resp.getheader("Content-Length")
             payload = None if length is not None else resp.read()
             total = int(length) if length is not None else len(payload or b"")
+            self._answered = time.monotonic()
             self.send_response(resp.status)
             for k, v in resp.getheaders():
                 if k.lower() not in _HOP and k.lower() != "content-length":
