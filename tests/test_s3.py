@@ -261,13 +261,17 @@ def test_failed_save_keeps_committed_checkpoint(endpoint: str, s3: Any) -> None:
         k: s3.get_object(Bucket=BUCKET, Key=k)["Body"].read() for k in list_keys(s3, BUCKET, prefix)
     }
     changed = {k: v + 1 for k, v in state.items()}
-    fs = S3FileSystem(storage_options=opts, part_size=5 << 20)
-    writer = storage.CheckpointWriter(
-        url, filesystem=fs, transforms=[_FailAfter(6 << 20)], thread_count=2
-    )
-    with pytest.raises(CheckpointException):  # torch.save reports it as a zip-writer error
-        dcp.save(changed, storage_writer=writer)
-    assert writer.transforms[0].seen > 6 << 20
+    with FaultProxy(endpoint) as proxy:  # no faults: it only shows the requests made
+        fs = S3FileSystem(storage_options=s3_options(proxy.url), part_size=5 << 20)
+        # Two 8 MiB files in parallel; dies after 13 MiB, with a multipart upload open.
+        writer = storage.CheckpointWriter(
+            url, filesystem=fs, transforms=[_FailAfter(13 << 20)], thread_count=2
+        )
+        with pytest.raises(CheckpointException):  # torch.save reports a zip-writer error
+            dcp.save(changed, storage_writer=writer)
+        requests = [(m, t) for m, t in proxy.arrivals]
+    assert any(m == "POST" and t.endswith("?uploads") for m, t in requests)
+    assert any(m == "DELETE" and "uploadId=" in t for m, t in requests)
     after = {
         k: s3.get_object(Bucket=BUCKET, Key=k)["Body"].read() for k in list_keys(s3, BUCKET, prefix)
     }
