@@ -104,8 +104,11 @@ class Sample:
     rss: int
 
 
-def measure(fn: Callable[[], Any]) -> Sample:
+def measure(fn: Callable[[], Any], reset: Callable[[], None] | None = None) -> Sample:
+    if reset is not None:
+        reset()
     gc.collect()
+    os.sync()  # start every run with no dirty pages from the previous one
     with PeakRSS() as rss:
         t0 = time.perf_counter()
         fn()
@@ -120,6 +123,7 @@ class Case:
     ours: Callable[[], Any]
     setup: Callable[[], None] = lambda: None
     logical: int = 0
+    reset: Callable[[], None] | None = None  # before every run, untimed
 
 
 def run_case(case: Case, repeat: int) -> dict[str, Any]:
@@ -128,11 +132,11 @@ def run_case(case: Case, repeat: int) -> dict[str, Any]:
     sides = [("stock", case.stock), ("ours", case.ours)]
     for _side, fn in sides:  # warm-up
         if fn is not None:
-            measure(fn)
+            measure(fn, case.reset)
     for _ in range(repeat):
         for side, fn in sides:
             if fn is not None:
-                runs[side].append(measure(fn))
+                runs[side].append(measure(fn, case.reset))
     row: dict[str, Any] = {"case": case.name}
     for side in ("stock", "ours"):
         if runs[side]:
@@ -179,6 +183,14 @@ def local_cases(state: dict[str, Any], work: str) -> list[Case]:
     def load_ours(p: str) -> Callable[[], None]:
         return lambda: storage.load(target, p)
 
+    def fresh(*names: str) -> Callable[[], None]:
+        # Saves go to an empty directory, as a new training step would.
+        def reset() -> None:
+            for name in names:
+                shutil.rmtree(paths[name], ignore_errors=True)
+
+        return reset
+
     one_key = next(k for k in state if isinstance(state[k], torch.Tensor))
     partial = {one_key: torch.zeros_like(state[one_key])}
 
@@ -189,7 +201,13 @@ def local_cases(state: dict[str, Any], work: str) -> list[Case]:
         save_ours(paths["ours-z"], [ZStandard()])()
 
     return [
-        Case("local save, none", save_stock(paths["stock"]), save_ours(paths["ours"]), logical=n),
+        Case(
+            "local save, none",
+            save_stock(paths["stock"]),
+            save_ours(paths["ours"]),
+            logical=n,
+            reset=fresh("stock", "ours"),
+        ),
         Case(
             "local load, none",
             load_stock(paths["stock"]),
@@ -202,6 +220,7 @@ def local_cases(state: dict[str, Any], work: str) -> list[Case]:
             save_stock(paths["stock-z"], [TorchZStandard()]),
             save_ours(paths["ours-z"], [ZStandard()]),
             logical=n,
+            reset=fresh("stock-z", "ours-z"),
         ),
         Case(
             "local load, zstd", load_stock(paths["stock-z"]), load_ours(paths["ours-z"]), logical=n
@@ -213,6 +232,11 @@ def local_cases(state: dict[str, Any], work: str) -> list[Case]:
             logical=partial[one_key].numel() * partial[one_key].element_size(),
         ),
     ]
+
+
+def _rm(*paths: str) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def extra_cases(state: dict[str, Any], work: str) -> list[Case]:
@@ -231,6 +255,7 @@ def extra_cases(state: dict[str, Any], work: str) -> list[Case]:
                 state, za, transforms=[ZStandard(), AES256GCM(key=key, key_id="k")]
             ),
             logical=n,
+            reset=lambda: _rm(z, za),
         ),
         Case(
             "load zstd+AES (vs zstd)",
@@ -243,6 +268,7 @@ def extra_cases(state: dict[str, Any], work: str) -> list[Case]:
             lambda: storage.save(state, z, transforms=[ZStandard()]),
             lambda: storage.save(state, sz, transforms=[ByteShuffle(), ZStandard()]),
             logical=n,
+            reset=lambda: _rm(z, sz),
         ),
         Case(
             "load shuffle+zstd (vs zstd)",
@@ -266,6 +292,7 @@ def small_cases(work: str, count: int = 4000) -> list[Case]:
             lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(a)),
             lambda: storage.save(state, b),
             logical=n,
+            reset=lambda: _rm(a, b),
         ),
         Case(
             f"load {count} small tensors",

@@ -113,21 +113,3 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         return memoryview(bytearray(0))
     flat = tensor.reshape(-1).view(torch.uint8)
     return flat.numpy().data.cast("B")
-
-
-def readinto_exact(stream: IO[bytes], view: memoryview) -> int:
-    """Fill ``view`` from ``stream``; returns how many bytes arrived (short at EOF)."""
-    got = 0
-    total = len(view)
-    readinto = getattr(stream, "readinto", None)
-    while got < total:
-        if readinto is not None:
-            n = readinto(view[got:])
-        else:
-            chunk = stream.read(total - got)
-            n = len(chunk)
-            view[got : got + n] = chunk
-        if not n:
-            break
-        got += n
-    return got

@@ -160,40 +160,50 @@ _LOCAL_HEADER = b"PK\x03\x04"
 
 class ArchiveTracker(io.RawIOBase):
     """Passes ``torch.save`` output through to ``sink`` and notes where the tensor's
-    storage record starts, by reading the zip local headers as they go by (the big
-    storage write itself is never copied)."""
+    storage record starts, by reading the zip local headers as they go by.
 
-    _SMALL = 1 << 16
+    ``torch.save`` issues dozens of tiny writes per tensor (headers, descriptors) and
+    one large write of the storage: the tiny ones are kept (headers are parsed from
+    them) and forwarded in one piece, the large one is forwarded without a copy. Call
+    ``flush`` before closing ``sink``."""
 
-    def __init__(self, sink: IO[bytes]) -> None:
+    def __init__(self, sink: IO[bytes], *, keep_below: int = 1 << 16) -> None:
         super().__init__()
         self._sink = sink
+        self._keep_below = keep_below
         self.position = 0
-        self._small: list[tuple[int, bytes]] = []
+        self._segments: list[tuple[int, bytearray]] = []  # small writes, adjacent merged
+        self._unsent = 0  # bytes at the end of the last segment not yet forwarded
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         n = view.nbytes
-        if n < self._SMALL:
-            self._small.append((self.position, bytes(view)))
-        self._sink.write(view)
+        if n < self._keep_below:
+            last = self._segments[-1] if self._segments else None
+            if last is not None and last[0] + len(last[1]) == self.position:
+                last[1].extend(view)
+            else:
+                self._segments.append((self.position, bytearray(view)))
+            self._unsent += n
+        else:
+            self.flush()
+            self._sink.write(view)
         self.position += n
         return n
 
+    def flush(self) -> None:
+        if self._unsent:
+            segment = self._segments[-1][1]
+            self._sink.write(memoryview(segment)[len(segment) - self._unsent :])
+            self._unsent = 0
+
     def data_offset(self, nbytes: int) -> int | None:
         """Offset of the single storage record of ``nbytes`` bytes, if it is there."""
-        # Join adjacent small writes into segments to read headers that span writes.
-        segments: list[tuple[int, bytearray]] = []
-        for pos, chunk in self._small:
-            if segments and segments[-1][0] + len(segments[-1][1]) == pos:
-                segments[-1][1].extend(chunk)
-            else:
-                segments.append((pos, bytearray(chunk)))
         found: list[int] = []
-        for start, seg in segments:
+        for start, seg in self._segments:
             at = seg.find(_LOCAL_HEADER)
             while at != -1 and at + 30 <= len(seg):
                 name_len, extra_len = struct.unpack_from("<HH", seg, at + 26)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from extensions.base import ItemInfo, Keys, resolve_key_lookup
+from extensions.base import ItemInfo, Keys, readinto_exact, resolve_key_lookup
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError
 from extensions.registry import ExtensionRegistry
 from storage import format as fmt
@@ -31,7 +31,6 @@ from storage._common import (
     Crc32cReader,
     check_thread_count,
     default_thread_count,
-    readinto_exact,
     records_error,
     resolve_location,
     tensor_bytes,

@@ -371,3 +371,11 @@ def test_slice_view_cannot_escape() -> None:
     assert view.read(100) == b"6789"
     view.seek(50)
     assert view.read() == b""
+
+
+def test_torch_record_crc_setting_is_restored(tmp_path: Path, state_dict: dict) -> None:
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    storage.save(state_dict, tmp_path / "c")
+    assert config.save.compute_crc32 == before
