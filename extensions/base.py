@@ -112,3 +112,22 @@ def resolve_key_lookup(keys: Keys | None) -> KeyLookup | None:
         return mapping[key_id]
 
     return lookup
+
+
+def readinto_exact(stream: IO[bytes], view: memoryview) -> int:
+    """Fill ``view`` from ``stream`` (``readinto`` where it has one, else ``read``);
+    returns how many bytes arrived, fewer only at end of stream."""
+    got = 0
+    total = len(view)
+    readinto = getattr(stream, "readinto", None)
+    while got < total:
+        if readinto is not None:
+            n = readinto(view[got:])
+        else:
+            chunk = stream.read(total - got)
+            n = len(chunk)
+            view[got : got + n] = chunk
+        if not n:
+            break
+        got += n
+    return got

@@ -26,7 +26,7 @@ import secrets
 import struct
 from typing import IO, Any, cast
 
-from extensions.base import ItemInfo, StreamTransformExtension
+from extensions.base import ItemInfo, StreamTransformExtension, readinto_exact
 from extensions.errors import IntegrityError, MissingDependencyError, MissingKeyError
 from extensions.keys import (
     ENV_VAR,
@@ -277,24 +277,9 @@ class _Decryptor(io.RawIOBase):
             f"{self._key_id!r}); restore the file or re-save the checkpoint"
         )
 
-    def _fill_from_source(self, view: memoryview) -> int:
-        got = 0
-        readinto = getattr(self._src, "readinto", None)
-        while got < len(view):
-            if readinto is not None:
-                n = readinto(view[got:]) or 0
-            else:
-                data = self._src.read(len(view) - got)
-                n = len(data)
-                view[got : got + n] = data
-            if not n:
-                break
-            got += n
-        return got
-
     def _start(self) -> None:
         header = bytearray(_HEADER.size)
-        if self._fill_from_source(memoryview(header)) != _HEADER.size:
+        if readinto_exact(self._src, memoryview(header)) != _HEADER.size:
             raise self._fail("the encrypted item is truncated inside its header")
         magic, version, salt, prefix, check = _HEADER.unpack(header)
         if magic != _MAGIC or version != _FORMAT:
@@ -316,7 +301,7 @@ class _Decryptor(io.RawIOBase):
         if self._aead is None:
             self._start()
         record = memoryview(self._record)
-        n = self._fill_from_source(record)
+        n = readinto_exact(self._src, record)
         final = n < len(record)
         if n < TAG_SIZE:
             raise self._fail(
