@@ -106,7 +106,7 @@ class Sample:
 
 def measure(fn: Callable[[], Any], reset: Callable[[], None] | None = None) -> Sample:
     if reset is not None:
-        reset()
+        reset()  # untimed
     gc.collect()
     os.sync()  # start every run with no dirty pages from the previous one
     with PeakRSS() as rss:
@@ -123,20 +123,22 @@ class Case:
     ours: Callable[[], Any]
     setup: Callable[[], None] = lambda: None
     logical: int = 0
-    reset: Callable[[], None] | None = None  # before every run, untimed
+    # Before each run of a side, untimed: empties the directory that side saves into.
+    reset_stock: Callable[[], None] | None = None
+    reset_ours: Callable[[], None] | None = None
 
 
 def run_case(case: Case, repeat: int) -> dict[str, Any]:
     case.setup()
     runs: dict[str, list[Sample]] = {"stock": [], "ours": []}
-    sides = [("stock", case.stock), ("ours", case.ours)]
-    for _side, fn in sides:  # warm-up
+    sides = [("stock", case.stock, case.reset_stock), ("ours", case.ours, case.reset_ours)]
+    for _side, fn, reset in sides:  # warm-up
         if fn is not None:
-            measure(fn, case.reset)
+            measure(fn, reset)
     for _ in range(repeat):
-        for side, fn in sides:
+        for side, fn, reset in sides:
             if fn is not None:
-                runs[side].append(measure(fn, case.reset))
+                runs[side].append(measure(fn, reset))
     row: dict[str, Any] = {"case": case.name}
     for side in ("stock", "ours"):
         if runs[side]:
@@ -183,13 +185,9 @@ def local_cases(state: dict[str, Any], work: str) -> list[Case]:
     def load_ours(p: str) -> Callable[[], None]:
         return lambda: storage.load(target, p)
 
-    def fresh(*names: str) -> Callable[[], None]:
+    def fresh(name: str) -> Callable[[], None]:
         # Saves go to an empty directory, as a new training step would.
-        def reset() -> None:
-            for name in names:
-                shutil.rmtree(paths[name], ignore_errors=True)
-
-        return reset
+        return lambda: _rm(paths[name])
 
     one_key = next(k for k in state if isinstance(state[k], torch.Tensor))
     partial = {one_key: torch.zeros_like(state[one_key])}
@@ -206,7 +204,8 @@ def local_cases(state: dict[str, Any], work: str) -> list[Case]:
             save_stock(paths["stock"]),
             save_ours(paths["ours"]),
             logical=n,
-            reset=fresh("stock", "ours"),
+            reset_stock=fresh("stock"),
+            reset_ours=fresh("ours"),
         ),
         Case(
             "local load, none",
@@ -220,7 +219,8 @@ def local_cases(state: dict[str, Any], work: str) -> list[Case]:
             save_stock(paths["stock-z"], [TorchZStandard()]),
             save_ours(paths["ours-z"], [ZStandard()]),
             logical=n,
-            reset=fresh("stock-z", "ours-z"),
+            reset_stock=fresh("stock-z"),
+            reset_ours=fresh("ours-z"),
         ),
         Case(
             "local load, zstd", load_stock(paths["stock-z"]), load_ours(paths["ours-z"]), logical=n
@@ -255,7 +255,8 @@ def extra_cases(state: dict[str, Any], work: str) -> list[Case]:
                 state, za, transforms=[ZStandard(), AES256GCM(key=key, key_id="k")]
             ),
             logical=n,
-            reset=lambda: _rm(z, za),
+            reset_stock=lambda: _rm(z),
+            reset_ours=lambda: _rm(za),
         ),
         Case(
             "load zstd+AES (vs zstd)",
@@ -268,7 +269,8 @@ def extra_cases(state: dict[str, Any], work: str) -> list[Case]:
             lambda: storage.save(state, z, transforms=[ZStandard()]),
             lambda: storage.save(state, sz, transforms=[ByteShuffle(), ZStandard()]),
             logical=n,
-            reset=lambda: _rm(z, sz),
+            reset_stock=lambda: _rm(z),
+            reset_ours=lambda: _rm(sz),
         ),
         Case(
             "load shuffle+zstd (vs zstd)",
@@ -292,7 +294,8 @@ def small_cases(work: str, count: int = 4000) -> list[Case]:
             lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(a)),
             lambda: storage.save(state, b),
             logical=n,
-            reset=lambda: _rm(a, b),
+            reset_stock=lambda: _rm(a),
+            reset_ours=lambda: _rm(b),
         ),
         Case(
             f"load {count} small tensors",

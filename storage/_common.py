@@ -97,6 +97,14 @@ class Crc32cReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def readall(self) -> bytes:
+        # RawIOBase.readall would go 8 KiB at a time: a round trip each on object stores.
+        parts = []
+        chunk = bytearray(1 << 20)
+        while n := self.readinto(chunk):
+            parts.append(bytes(memoryview(chunk)[:n]))
+        return b"".join(parts)
+
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         n = self._base.readinto(view) or 0  # type: ignore[attr-defined]

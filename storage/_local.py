@@ -102,11 +102,13 @@ class LocalFileSystem(FileSystemBase):
             os.rmdir(path)
 
     def sync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        # The parent too: a checkpoint directory created by this save is itself a name.
+        for directory in (path, os.path.dirname(path.rstrip(os.sep)) or os.sep):
+            fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def rename(self, path: str, new_path: str) -> None:
         os.replace(path, new_path)

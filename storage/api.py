@@ -60,6 +60,7 @@ def save(
     try:
         dcp.save(state_dict, storage_writer=writer, no_dist=_no_dist())
     except CheckpointException as exc:
+        writer.abort()
         raise unwrap_checkpoint_exception(exc, writer) from None
 
 
@@ -106,6 +107,7 @@ def async_save(
         try:
             fut.result()
         except CheckpointException as exc:
+            writer.abort()
             outer.set_exception(unwrap_checkpoint_exception(exc, writer))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             outer.set_exception(exc)

@@ -66,7 +66,8 @@ class FileSystemBase(abc.ABC):
     def open_slice(
         self, path: str, offset: int, length: int
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
-        """A readable, seekable view of ``[offset, offset + length)`` of ``path``.
+        """A readable view of ``[offset, offset + length)`` of ``path`` (seekable
+        where the backend can; ranged-request backends stream forward only).
 
         Backends with ranged requests override this to fetch only that range."""
         return self._slice_of_stream(path, offset, length)

@@ -6,6 +6,7 @@ import concurrent.futures
 import io
 import math
 import os
+import pickle
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from extensions.base import ItemInfo, Keys, readinto_exact, resolve_key_lookup
-from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError
+from extensions.errors import (
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+    IntegrityError,
+    UnsafeCheckpointError,
+)
 from extensions.registry import ExtensionRegistry
 from storage import format as fmt
 from storage._common import (
@@ -108,7 +114,8 @@ class CheckpointReader(StorageReader):
 
     @records_error
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank") if not kwargs.get("use_collectives", True) else None
+        # torch asks for the global metadata, then (rank=N) for the rank-local one.
+        rank = kwargs.get("rank")
         meta_path = self.fs.concat_path(self.path, fmt.metadata_name(rank))
         try:
             payload = self.fs.read_bytes(meta_path)
@@ -143,15 +150,18 @@ class CheckpointReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         runs = self._plan_runs(plan.items)
         lock = threading.Lock()
+        registry = self.registry or ExtensionRegistry()
         workers = max(1, min(self.thread_count, len(runs)))
         if workers == 1:
             for path, run in runs:
-                self._read_run(path, run, planner, lock)
+                self._read_run(path, run, planner, lock, registry)
         else:
             with concurrent.futures.ThreadPoolExecutor(
                 workers, thread_name_prefix="dcp-storage-read"
             ) as pool:
-                futures = [pool.submit(self._read_run, p, r, planner, lock) for p, r in runs]
+                futures = [
+                    pool.submit(self._read_run, p, r, planner, lock, registry) for p, r in runs
+                ]
                 for fut in futures:
                     fut.result()
         done: Future[None] = Future()
@@ -211,14 +221,19 @@ class CheckpointReader(StorageReader):
         return runs
 
     def _read_run(
-        self, path: str, run: list[_Item], planner: LoadPlanner, lock: threading.Lock
+        self,
+        path: str,
+        run: list[_Item],
+        planner: LoadPlanner,
+        lock: threading.Lock,
+        registry: ExtensionRegistry,
     ) -> None:
         start = run[0].offset
         length = run[-1].offset + run[-1].length - start
         try:
             with self.fs.open_slice(path, start, length) as stream:
                 for item in run:
-                    self._read_item(stream, path, item, planner, lock)
+                    self._read_item(stream, path, item, planner, lock, registry)
         except FileNotFoundError as exc:
             if isinstance(exc, CheckpointStorageError):
                 raise
@@ -229,7 +244,13 @@ class CheckpointReader(StorageReader):
             ) from exc
 
     def _read_item(
-        self, stream: IO[bytes], path: str, item: _Item, planner: LoadPlanner, lock: threading.Lock
+        self,
+        stream: IO[bytes],
+        path: str,
+        item: _Item,
+        planner: LoadPlanner,
+        lock: threading.Lock,
+        registry: ExtensionRegistry,
     ) -> None:
         label = fmt.item_label(item.req.storage_index)
         where = f"{self.url}: item {label!r} in {os.path.basename(path)!r}"
@@ -244,18 +265,23 @@ class CheckpointReader(StorageReader):
             element_size=chunk[1].itemsize if chunk else None,
             keys=resolve_key_lookup(self.keys),
         )
+        target: torch.Tensor | None = None
+        if item.req.type != LoadItemType.BYTE_IO:
+            with lock:
+                target = planner.resolve_tensor(item.req).detach()
         try:
-            decoded = self._decoding_stream(descriptors, cast(IO[bytes], raw), info)
-            if item.req.type == LoadItemType.BYTE_IO:
-                value: Any = io.BytesIO(decoded.read())
-                self._finish_item(raw, item, extra, where)
-                with lock:
-                    planner.load_bytes(item.req, value)
-                return
-            tensor = self._decode_tensor(decoded, item, extra, chunk, planner, lock, where)
+            decoded = (
+                registry.decoding_stream(descriptors, cast(IO[bytes], raw), info)
+                if descriptors
+                else cast(IO[bytes], raw)
+            )
+            if target is None:
+                payload = decoded.read()
+            else:
+                decoded_tensor = self._decode_tensor(decoded, item, extra, chunk, target, where)
             self._finish_item(raw, item, extra, where)
-        except CheckpointStorageError:
-            raise
+        except (CheckpointStorageError, OSError):
+            raise  # already named, or the storage failed (not the bytes)
         except Exception as exc:
             # A decoder choking on damaged bytes: report it as the integrity failure it is.
             _drain(raw)
@@ -266,9 +292,15 @@ class CheckpointReader(StorageReader):
             if raw.count < item.length:
                 raise IntegrityError(f"{where}: data file is truncated") from exc
             raise IntegrityError(f"{where}: cannot decode: {exc}") from exc
-        target = tensor[1]
-        if tensor[0] is not target:
-            narrowed = narrow_tensor_by_index(tensor[0], item.req.storage_offsets, item.req.lengths)
+        if target is None:
+            _check_plain_data(payload, where)
+            with lock:
+                planner.load_bytes(item.req, io.BytesIO(payload))
+            return
+        if decoded_tensor is not target:
+            narrowed = narrow_tensor_by_index(
+                decoded_tensor, item.req.storage_offsets, item.req.lengths
+            )
             if narrowed.size() != target.size():
                 raise IntegrityError(
                     f"{where}: stored shape {tuple(narrowed.size())} does not match the "
@@ -278,32 +310,30 @@ class CheckpointReader(StorageReader):
         with lock:
             planner.commit_tensor(item.req, target)
 
-    def _decoding_stream(self, descriptors: list[str], raw: IO[bytes], info: ItemInfo) -> IO[bytes]:
-        if not descriptors:
-            return raw
-        registry = self.registry or ExtensionRegistry()
-        return registry.decoding_stream(descriptors, raw, info)
-
     def _decode_tensor(
         self,
         decoded: IO[bytes],
         item: _Item,
         extra: dict[str, Any],
         chunk: tuple[torch.Size, torch.dtype] | None,
-        planner: LoadPlanner,
-        lock: threading.Lock,
+        target: torch.Tensor,
         where: str,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (decoded tensor, target); they are the same object when the bytes
-        were decoded straight into the target."""
-        with lock:
-            target = planner.resolve_tensor(item.req).detach()
+    ) -> torch.Tensor:
+        """The stored chunk as a tensor: ``target`` itself when the bytes could be
+        decoded straight into it, else a new tensor to narrow and copy from."""
         data_offset = extra.get("data_offset")
-        if data_offset is None or chunk is None:
-            # Stock archive without our layout facts: let torch parse it.
+        sizes, dtype = chunk if chunk is not None else (None, None)
+        if (
+            data_offset is None
+            or sizes is None
+            or dtype is None
+            or extra.get("dtype", str(dtype).removeprefix("torch."))
+            != str(dtype).removeprefix("torch.")
+        ):
+            # A stock archive without our layout facts, or stored bytes of another dtype
+            # than the metadata says (a planner that cast): let torch parse it.
             loaded = torch.load(io.BytesIO(decoded.read()), map_location="cpu", weights_only=True)
-            return cast(torch.Tensor, loaded), target
-        sizes, dtype = chunk
+            return cast(torch.Tensor, loaded).to(dtype) if dtype is not None else loaded
         whole = list(item.req.lengths) == list(sizes) and not any(item.req.storage_offsets)
         direct = (
             whole
@@ -314,13 +344,12 @@ class CheckpointReader(StorageReader):
         )
         dest = target if direct else torch.empty(tuple(sizes), dtype=dtype)
         nbytes = math.prod(sizes) * dtype.itemsize
-        header = bytearray(int(data_offset))
-        if readinto_exact(decoded, memoryview(header)) != len(header):
+        if _skip(decoded, int(data_offset)) != data_offset:
             raise IntegrityError(f"{where}: item is truncated")
         if readinto_exact(decoded, tensor_bytes(dest)) != nbytes:
             raise IntegrityError(f"{where}: item is truncated")
         _drain(decoded)  # the archive's trailer, and the transforms' own trailers
-        return dest, target
+        return dest
 
     def _finish_item(
         self, raw: Crc32cReader, item: _Item, extra: dict[str, Any], where: str
@@ -337,6 +366,34 @@ class CheckpointReader(StorageReader):
                 f"{where}: checksum mismatch (crc32c {raw.crc:08x}, expected {expected:08x}); "
                 "the stored bytes are damaged: restore the file or re-save the checkpoint"
             )
+
+
+def _check_plain_data(payload: bytes, where: str) -> None:
+    """Refuse a non-tensor value whose pickle would run code or build arbitrary objects.
+
+    DCP's default planner unpickles these values with ``weights_only=False``; a payload
+    that loads under torch's ``weights_only`` unpickler holds only plain data (and what
+    the user allowed with ``torch.serialization.add_safe_globals``), so it is safe."""
+    try:
+        torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{where}: the stored value is not plain data ({str(exc).splitlines()[0]}); "
+            "refusing to unpickle it. If you trust this checkpoint, allow the class with "
+            "torch.serialization.add_safe_globals([...])"
+        ) from None
+
+
+def _skip(stream: Any, count: int) -> int:
+    """Read and drop ``count`` bytes without allocating them; returns how many went."""
+    scratch = memoryview(bytearray(min(count, 1 << 16) or 1))
+    done = 0
+    while done < count:
+        n = readinto_exact(stream, scratch[: min(len(scratch), count - done)])
+        if not n:
+            break
+        done += n
+    return done
 
 
 def _drain(stream: Any) -> None:

@@ -94,6 +94,8 @@ class CheckpointWriter(StorageWriter):
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex[:12]
         self.last_error: BaseException | None = None
+        self._written: list[str] = []  # data files this save wrote (for abort)
+        self._committed = False
 
     # --- StorageWriter --------------------------------------------------------------
 
@@ -106,6 +108,12 @@ class CheckpointWriter(StorageWriter):
         self.last_error = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # Called once per save (reset() only when a checkpoint_id is passed): a fresh
+        # save id keeps a reused writer from writing into the committed files.
+        self.save_id = uuid.uuid4().hex[:12]
+        self.last_error = None
+        self._written = []
+        self._committed = False
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self.use_collectives = bool(kwargs.get("use_collectives", True))
@@ -137,13 +145,12 @@ class CheckpointWriter(StorageWriter):
         else:
             buckets = [[item] for item in plan.items]
         files = [(fmt.data_file_name(rank, n, self.save_id), b) for n, b in enumerate(buckets)]
-        written: list[str] = []
         lock = threading.Lock()
 
         def write_one(name: str, items: list[WriteItem]) -> list[WriteResult]:
             path = self.fs.concat_path(self.path, name)
             with lock:
-                written.append(path)
+                self._written.append(path)
             return self._write_file(path, name, items, planner)
 
         results: list[WriteResult] = []
@@ -162,7 +169,7 @@ class CheckpointWriter(StorageWriter):
                 except BaseException as exc:  # noqa: BLE001 - re-raised below
                     errors.append(exc)
         if errors:
-            self._remove_quietly(written)
+            self.abort()
             raise errors[0]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -190,9 +197,18 @@ class CheckpointWriter(StorageWriter):
         except BaseException:
             self._remove_quietly([self.fs.concat_path(self.path, f) for f in new_files])
             raise
+        self._committed = True
         self._remove_quietly(
             [self.fs.concat_path(self.path, f) for f in sorted(replaced - new_files)]
         )
+
+    def abort(self) -> None:
+        """Remove the data files this rank wrote in the current save, unless it was
+        committed. DCP calls nothing on a rank when another rank's part failed; the
+        one-call helpers call this so such saves leave nothing behind."""
+        if not self._committed:
+            self._remove_quietly(list(self._written))
+            self._written.clear()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.fs.url(self.path), save_id=self.save_id)
@@ -284,6 +300,7 @@ class CheckpointWriter(StorageWriter):
             data_offset = tracker.data_offset(nbytes)
             if data_offset is not None:
                 extra["data_offset"] = data_offset
+                extra["dtype"] = str(tensor.dtype).removeprefix("torch.")
         plain.close()
         sink.close()
         extra["crc32c"] = sink.crc
