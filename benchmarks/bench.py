@@ -306,6 +306,55 @@ def small_cases(work: str, count: int = 4000) -> list[Case]:
     ]
 
 
+def _rank_save(rank: int, store: str, size_mb: float, work: str, repeat: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    full = build_state_dict(size_mb, seed=rank)
+    state = {f"rank{rank}.{k}": v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    times: dict[str, list[float]] = {"stock": [], "ours": []}
+    for i in range(repeat + 1):  # the first round is the warm-up
+        for side in ("stock", "ours"):
+            path = os.path.join(work, f"mr-{side}")
+            if rank == 0:
+                _rm(path)
+            os.sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            if side == "stock":
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+            else:
+                storage.save(state, path)
+            dist.barrier()
+            if i:
+                times[side].append(time.perf_counter() - t0)
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(f"{statistics.median(times['stock'])} {statistics.median(times['ours'])}")
+    dist.destroy_process_group()
+
+
+def multirank_row(size_mb: float, work: str, repeat: int) -> dict[str, Any]:
+    """Two gloo ranks on this machine, each saving half of ``size_mb`` to local disk."""
+    import torch.multiprocessing as mp
+
+    out = os.path.join(work, "mr-result")
+    args = (os.path.join(work, "mr-store"), size_mb / 2, work, repeat, out)
+    mp.spawn(_rank_save, args=args, nprocs=2, join=True)
+    with open(out) as f:
+        stock_s, ours_s = (float(x) for x in f.read().split())
+    logical = 2 * logical_bytes(build_state_dict(size_mb / 2))
+    return {
+        "case": "2-rank gloo save, none",
+        "stock_s": stock_s,
+        "ours_s": ours_s,
+        "speedup": stock_s / ours_s,
+        "logical": logical,
+        "stock_rss": 0,
+        "ours_rss": 0,
+    }
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'case':<28} {'stock s':>8} {'ours s':>8} {'stock MB/s':>10} {'ours MB/s':>10} "
@@ -330,7 +379,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     parser.add_argument(
-        "--cases", default="local,transforms,small", help="comma list of: local, transforms, small"
+        "--cases",
+        default="local,transforms,small,multirank",
+        help="comma list of: local, transforms, small, multirank (RSS not sampled there)",
     )
     args = parser.parse_args()
 
@@ -355,6 +406,8 @@ def main() -> None:
         for case in cases:
             rows.append(run_case(case, args.repeat))
             print(f"  done: {case.name}", file=sys.stderr)
+        if "multirank" in wanted:
+            rows.append(multirank_row(args.size_mb, work, args.repeat))
         print_table(rows)
         for name in ("stock-z", "ours-z", "x-z", "x-sz"):
             path = os.path.join(work, name)
