@@ -38,6 +38,7 @@ from storage.base import FileSystemBase
 from storage.manager import is_committed
 from storage.reader import CheckpointReader
 from storage.views import BoundedReader
+from storage.writer import publish_metadata, remove_quietly
 
 Progress = Callable[[int], None]
 _CHUNK = 1 << 20
@@ -337,28 +338,18 @@ def copy_checkpoint(
         new_meta = copy.copy(metadata)
         new_meta.storage_data = new_infos
         new_meta.storage_meta = StorageMeta(checkpoint_id=dst_url, save_id=save_id)
-        meta_path = dst_fs.concat_path(dst_path, fmt.METADATA_NAME)
-        replaced = _files_of(dst_fs, meta_path) if overwrite else set()
-        dst_fs.sync_dir(dst_path)
-        try:
-            dst_fs.write_atomic(meta_path, fmt.dump_metadata(new_meta), exclusive=not overwrite)
-        except FileExistsError as exc:
-            raise CheckpointExistsError(
-                f"{dst_url}: another save committed there first; nothing of this copy was kept"
-            ) from exc
+        publish_metadata(
+            dst_fs,
+            dst_path,
+            dst_fs.concat_path(dst_path, fmt.METADATA_NAME),
+            fmt.dump_metadata(new_meta),
+            new_files={name for _, name, _ in plan},
+            overwrite=overwrite,
+            sync=True,
+        )
     except BaseException:
-        for path in written:
-            try:
-                dst_fs.rm_file(path)
-            except OSError:
-                pass
+        remove_quietly(dst_fs, written)
         raise
-    new_names = {name for _, name, _ in plan}
-    for name in sorted(replaced - new_names):
-        try:
-            dst_fs.rm_file(dst_fs.concat_path(dst_path, name))
-        except OSError:
-            pass
     return describe(dst_fs, dst_path)
 
 
@@ -425,13 +416,3 @@ def _pump(source: Any, sink: Any) -> None:
             return
         if sink is not None:
             sink.write(data)
-
-
-def _files_of(fs: FileSystemBase, meta_path: str) -> set[str]:
-    try:
-        old = fmt.load_metadata(fs.read_bytes(meta_path), fs.url(meta_path))
-    except FileNotFoundError:
-        return set()
-    except CheckpointStorageError:
-        return set()
-    return {info.relative_path for info in (old.storage_data or {}).values()}

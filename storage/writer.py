@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import _split_by_size_and_type
+from torch.distributed.checkpoint.filesystem import _item_size, _split_by_size_and_type
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 DCP_VERSION = "1.0.0"
 SMALL_TENSOR = 1 << 20
+BYTES_PER_THREAD = 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +49,12 @@ class CheckpointWriter(StorageWriter):
     """Write a DCP checkpoint to a local path or any supported URL.
 
     ``transforms`` are applied in list order to every item (compress, then encrypt).
-    Options keep torch's ``FileSystemWriter`` names: ``thread_count`` (parallel files;
-    default from the backend's concurrency), ``single_file_per_rank``, ``sync_files``
-    (data durable before the metadata is published), ``per_thread_copy_ahead``
-    (accepted for compatibility; staging is done by DCP's stager), ``overwrite``
-    (``False`` raises :class:`CheckpointExistsError` if a committed checkpoint is there).
+    Options keep torch's ``FileSystemWriter`` names: ``thread_count`` (parallel files,
+    at most one per 32 MiB of tensor data; default from the backend's concurrency),
+    ``single_file_per_rank``, ``sync_files`` (data durable before the metadata is
+    published), ``per_thread_copy_ahead`` (accepted for compatibility; staging is done
+    by DCP's stager), ``overwrite`` (``False`` raises :class:`CheckpointExistsError` if
+    a committed checkpoint is there).
 
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
@@ -140,8 +142,12 @@ class CheckpointWriter(StorageWriter):
     @records_error
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _RankPlan) else self.rank
+        # Per-item work (pickling, torch.save's archive) holds the GIL: parallel files pay
+        # off only with enough bytes per thread to overlap I/O and compression.
+        total = sum(_item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
+        threads = max(1, min(self.thread_count, total // BYTES_PER_THREAD))
         if self.single_file_per_rank:
-            buckets = [b for b in _split_by_size_and_type(self.thread_count, plan.items) if b]
+            buckets = [b for b in _split_by_size_and_type(threads, plan.items) if b]
         else:
             buckets = [[item] for item in plan.items]
         files = [(fmt.data_file_name(rank, n, self.save_id), b) for n, b in enumerate(buckets)]
@@ -157,7 +163,7 @@ class CheckpointWriter(StorageWriter):
         with (
             _torch_record_crc_off(),
             concurrent.futures.ThreadPoolExecutor(
-                max_workers=max(1, min(self.thread_count, len(files))),
+                max_workers=max(1, min(threads, len(files))),
                 thread_name_prefix="dcp-storage-write",
             ) as pool,
         ):
@@ -182,32 +188,26 @@ class CheckpointWriter(StorageWriter):
             metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
             metadata.storage_meta = self.storage_meta()
             metadata.version = DCP_VERSION
-            payload = fmt.dump_metadata(metadata)
-            meta_path = self._metadata_path()
-            replaced = self._committed_files(meta_path)
-            if self.sync_files:
-                self.fs.sync_dir(self.path)
-            try:
-                self.fs.write_atomic(meta_path, payload, exclusive=not self.overwrite)
-            except FileExistsError as exc:
-                raise CheckpointExistsError(
-                    f"{self.fs.url(self.path)}: another save committed here first and "
-                    "overwrite=False; nothing of this save was kept"
-                ) from exc
+            publish_metadata(
+                self.fs,
+                self.path,
+                self._metadata_path(),
+                fmt.dump_metadata(metadata),
+                new_files=new_files,
+                overwrite=self.overwrite,
+                sync=self.sync_files,
+            )
         except BaseException:
-            self._remove_quietly([self.fs.concat_path(self.path, f) for f in new_files])
+            remove_quietly(self.fs, [self.fs.concat_path(self.path, f) for f in new_files])
             raise
         self._committed = True
-        self._remove_quietly(
-            [self.fs.concat_path(self.path, f) for f in sorted(replaced - new_files)]
-        )
 
     def abort(self) -> None:
         """Remove the data files this rank wrote in the current save, unless it was
         committed. DCP calls nothing on a rank when another rank's part failed; the
         one-call helpers call this so such saves leave nothing behind."""
         if not self._committed:
-            self._remove_quietly(list(self._written))
+            remove_quietly(self.fs, list(self._written))
             self._written.clear()
 
     def storage_meta(self) -> StorageMeta | None:
@@ -226,27 +226,6 @@ class CheckpointWriter(StorageWriter):
     def _metadata_path(self) -> str:
         rank = None if self.use_collectives else self.rank
         return self.fs.concat_path(self.path, fmt.metadata_name(rank))
-
-    def _committed_files(self, meta_path: str) -> set[str]:
-        """Data files of the checkpoint this save replaces (none if there is none)."""
-        try:
-            old = fmt.load_metadata(self.fs.read_bytes(meta_path), self.fs.url(meta_path))
-        except FileNotFoundError:
-            return set()
-        except Exception as exc:  # an unreadable old checkpoint is simply replaced
-            log.warning("cannot read the checkpoint being replaced (%s); its files stay", exc)
-            return set()
-        return {info.relative_path for info in (old.storage_data or {}).values()}
-
-    def _remove_quietly(self, paths: list[str]) -> None:
-        for path in paths:
-            with contextlib.suppress(FileNotFoundError):
-                try:
-                    self.fs.rm_file(path)
-                except FileNotFoundError:
-                    raise
-                except Exception as exc:
-                    log.warning("could not remove %s: %s", self.fs.url(path), exc)
 
     def _write_file(
         self, path: str, name: str, items: list[WriteItem], planner: SavePlanner
@@ -309,6 +288,55 @@ class CheckpointWriter(StorageWriter):
             size_in_bytes=sink.count,
             storage_data=fmt.new_storage_info(name, offset, sink.count, descriptors, extra),
         )
+
+
+def publish_metadata(
+    fs: FileSystemBase,
+    directory: str,
+    meta_path: str,
+    payload: bytes,
+    *,
+    new_files: set[str],
+    overwrite: bool,
+    sync: bool,
+) -> None:
+    """Commit a checkpoint whose data files are all written: make them durable, publish
+    the metadata atomically (a conditional create unless ``overwrite``), then remove the
+    files of the checkpoint it replaced that the new one does not use."""
+    replaced = committed_files(fs, meta_path)
+    if sync:
+        fs.sync_dir(directory)
+    try:
+        fs.write_atomic(meta_path, payload, exclusive=not overwrite)
+    except FileExistsError as exc:
+        raise CheckpointExistsError(
+            f"{fs.url(directory)}: another save committed here first and overwrite=False; "
+            "nothing of this save was kept"
+        ) from exc
+    remove_quietly(fs, [fs.concat_path(directory, f) for f in sorted(replaced - new_files)])
+
+
+def committed_files(fs: FileSystemBase, meta_path: str) -> set[str]:
+    """Data files named by the metadata at ``meta_path`` (none if absent or unreadable)."""
+    try:
+        old = fmt.load_metadata(fs.read_bytes(meta_path), fs.url(meta_path))
+    except FileNotFoundError:
+        return set()
+    except Exception as exc:  # an unreadable old checkpoint is simply replaced
+        log.warning("cannot read the checkpoint being replaced (%s); its files stay", exc)
+        return set()
+    return {info.relative_path for info in (old.storage_data or {}).values()}
+
+
+def remove_quietly(fs: FileSystemBase, paths: list[str]) -> None:
+    """Best-effort removal for cleanup paths: a failure is logged, never raised."""
+    for path in paths:
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            log.warning("could not remove %s: %s", fs.url(path), exc)
 
 
 _crc_lock = threading.Lock()

@@ -54,7 +54,10 @@ def _round_trip(proxy: FaultProxy, fs: S3FileSystem, chain: str = "plain") -> No
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}/ckpt"
     state = _state()
     transforms = [ZStandard()] if chain == "zstd" else []
-    writer = storage.CheckpointWriter(url, filesystem=fs, transforms=transforms, thread_count=4)
+    # A file per item: small ones go up in one PUT, big ones as multipart uploads.
+    writer = storage.CheckpointWriter(
+        url, filesystem=fs, transforms=transforms, thread_count=4, single_file_per_rank=False
+    )
     storage.api.dcp.save(state, storage_writer=writer)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     reader = storage.CheckpointReader(url, filesystem=fs)
