@@ -22,11 +22,13 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._extension import ZStandard as TorchZStandard
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import storage  # noqa: E402
+from extensions import ZStandard  # noqa: E402
 from tests.servers import (  # noqa: E402
     FaultProxy,
     boto3_client,
@@ -49,17 +51,19 @@ def _blank(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.empty_like(v) for k, v in state.items()}
 
 
-def _clients(endpoint: str) -> dict[str, tuple[Callable, Callable]]:
+def _clients(endpoint: str, zstd: bool = False) -> dict[str, tuple[Callable, Callable]]:
     opts = s3_options(endpoint)
+    ours_chain = [ZStandard()] if zstd else []
+    stock_chain = [TorchZStandard()] if zstd else None
 
     def ours_save(state: dict, url: str) -> None:
-        storage.save(state, url, storage_options=opts)
+        storage.save(state, url, storage_options=opts, transforms=ours_chain)
 
     def ours_load(state: dict, url: str) -> None:
         storage.load(state, url, storage_options=opts)
 
     def stock_save(state: dict, url: str) -> None:
-        dcp.save(state, storage_writer=FsspecWriter(url, **opts))
+        dcp.save(state, storage_writer=FsspecWriter(url, _extensions=stock_chain, **opts))
 
     def stock_load(state: dict, url: str) -> None:
         dcp.load(state, storage_reader=FsspecReader(url, **opts))
@@ -77,6 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--zstd", action="store_true", help="both clients compress with zstd")
     args = parser.parse_args()
 
     endpoint = moto_endpoint()
@@ -84,7 +89,7 @@ def main() -> None:
     s3 = boto3_client(endpoint)
     state = _state(args.size_mb)
     logical = sum(t.numel() * t.element_size() for t in state.values())
-    clients = _clients(endpoint)
+    clients = _clients(endpoint, args.zstd)
     small = _state(8)
     for save, load in clients.values():  # warm-up: clients, service models, threads
         url = f"s3://{BUCKET}/warm-{uuid.uuid4().hex}"
@@ -104,7 +109,7 @@ def main() -> None:
 
     ratios = {}
     with FaultProxy(endpoint) as proxy:
-        for name, (_, load) in _clients(proxy.url).items():
+        for name, (_, load) in _clients(proxy.url, args.zstd).items():
             prefix = urls[name].removeprefix(f"s3://{BUCKET}/") + "/"
             stored = sum(
                 s3.head_object(Bucket=BUCKET, Key=k)["ContentLength"]
@@ -117,7 +122,8 @@ def main() -> None:
 
     mb = logical / 1e6
     print(
-        f"state dict: {len(state)} tensors, {mb:.0f} MB; moto at {endpoint}; repeat={args.repeat}"
+        f"state dict: {len(state)} tensors, {mb:.0f} MB; moto at {endpoint}; "
+        f"repeat={args.repeat}; zstd={args.zstd}"
     )
     print(f"{'client':8} {'save s':>8} {'MB/s':>7} {'load s':>8} {'MB/s':>7} {'fetched':>8}")
     for name in clients:
