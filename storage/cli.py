@@ -40,7 +40,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from storage.manager import CheckpointManager, directory_info, is_committed, parse_step
+    from storage.layout import directory_info, is_committed, parse_step
+    from storage.manager import CheckpointManager
 
     fs, root = location(args.root, args.storage_option)
     if not fs.exists(root):
@@ -203,7 +204,7 @@ def _cmd_cp(args: argparse.Namespace) -> int:
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    from storage.manager import delete_checkpoint
+    from storage.layout import delete_checkpoint
     from storage.tools import read_metadata
 
     fs, path = location(args.checkpoint, args.storage_option)

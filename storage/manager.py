@@ -17,11 +17,9 @@ import concurrent.futures
 import inspect
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -33,14 +31,20 @@ from storage import api
 from storage import format as fmt
 from storage._common import resolve_location
 from storage.base import FileSystemBase
+from storage.layout import (
+    STEP_PREFIX,
+    StepInfo,
+    delete_checkpoint,
+    directory_info,
+    is_checkpoint_file_name,
+    is_committed,
+    is_metadata_name,
+    parse_step,
+)
 from storage.writer import CheckpointWriter
 
 log = logging.getLogger(__name__)
 
-STEP_PREFIX = "step-"
-_STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)")
-_METADATA_NAME = re.compile(r"(__[0-9]+)?\.metadata")
-_METADATA_TMP = re.compile(r"(__[0-9]+)?\.metadata\.tmp-[0-9a-zA-Z]+")
 _WRITER_OPTIONS = frozenset(inspect.signature(CheckpointWriter.__init__).parameters) - {
     "self",
     "path",
@@ -48,90 +52,6 @@ _WRITER_OPTIONS = frozenset(inspect.signature(CheckpointWriter.__init__).paramet
     "storage_options",
     "filesystem",
 }
-
-
-def parse_step(name: str) -> int | None:
-    """The step of a directory named ``step-<N>`` (canonical decimal), else ``None``."""
-    match = _STEP_NAME.fullmatch(name)
-    return int(match.group(1)) if match else None
-
-
-def is_metadata_name(name: str) -> bool:
-    """``.metadata`` or a rank-local ``__{rank}.metadata``."""
-    return _METADATA_NAME.fullmatch(name) is not None
-
-
-def is_checkpoint_file_name(name: str) -> bool:
-    """A file a checkpoint save writes: metadata, its temporaries, or a data file."""
-    return (
-        is_metadata_name(name)
-        or _METADATA_TMP.fullmatch(name) is not None
-        or (name.endswith(fmt.DATA_SUFFIX) and "/" not in name)
-    )
-
-
-def is_committed(fs: FileSystemBase, path: str) -> bool:
-    """Whether ``path`` holds a committed checkpoint (its ``.metadata`` exists)."""
-    return fs.exists(fs.concat_path(path, fmt.METADATA_NAME))
-
-
-def delete_checkpoint(fs: FileSystemBase, path: str) -> list[str]:
-    """Delete the checkpoint files at ``path``: metadata first (so it stops being a
-    checkpoint at once), then data files, then the directory if it is empty.
-
-    Returns the names left in place because they are not checkpoint files."""
-    names = fs.ls(path)
-    metadata = [n for n in names if is_metadata_name(n)]
-    others = [n for n in names if is_checkpoint_file_name(n) and n not in metadata]
-    for name in metadata + others:
-        try:
-            fs.rm_file(fs.concat_path(path, name))
-        except FileNotFoundError:
-            pass
-    kept = [n for n in names if not is_checkpoint_file_name(n)]
-    if kept:
-        log.warning("%s: left %s in place (not checkpoint files)", fs.url(path), kept)
-    else:
-        fs.rm_dir(path)
-    return kept
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One checkpoint directory: ``step`` is ``None`` for names that are not
-    ``step-<N>``; ``committed`` is whether its metadata exists; ``size`` and ``files``
-    count its checkpoint files; ``modified`` is the newest file time (``None`` where the
-    backend cannot tell)."""
-
-    name: str
-    step: int | None
-    url: str
-    committed: bool
-    files: int
-    size: int
-    modified: float | None
-
-
-def directory_info(
-    fs: FileSystemBase, path: str, name: str, step: int | None = None
-) -> StepInfo | None:
-    """Facts about the checkpoint directory at ``path`` (``None`` if it is not a directory)."""
-    try:
-        names = fs.ls(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None  # e.g. a plain file named like a step: not ours
-    size, newest, files = 0, None, [n for n in names if is_checkpoint_file_name(n)]
-    for n in files:
-        file_path = fs.concat_path(path, n)
-        try:
-            size += fs.size(file_path)
-            mtime = fs.modified(file_path)
-        except FileNotFoundError:
-            continue
-        if mtime is not None:
-            newest = mtime if newest is None else max(newest, mtime)
-    committed = fmt.METADATA_NAME in names
-    return StepInfo(name, step, fs.url(path), committed, len(files), size, newest)
 
 
 class CheckpointManager:

@@ -35,7 +35,7 @@ from extensions.registry import ExtensionRegistry, encoding_stream
 from storage import format as fmt
 from storage._common import Crc32cReader, Crc32cSink, default_thread_count
 from storage.base import FileSystemBase
-from storage.manager import is_committed
+from storage.layout import is_committed
 from storage.reader import CheckpointReader
 from storage.views import BoundedReader
 from storage.writer import publish_metadata, remove_quietly

@@ -33,7 +33,8 @@ from extensions.registry import ExtensionRegistry
 from storage._common import resolve_location
 from storage.api import unwrap_checkpoint_exception
 from storage.base import FileSystemBase
-from storage.manager import CheckpointManager, is_committed
+from storage.layout import is_committed
+from storage.manager import CheckpointManager
 from storage.reader import CheckpointReader
 from storage.writer import CheckpointWriter
 
