@@ -57,3 +57,17 @@ def test_local_rejects_storage_options() -> None:
 def test_local_file_url(tmp_path: object) -> None:
     fs = LocalFileSystem()
     assert fs.init_path(f"file://{tmp_path}/x") == os.path.join(str(tmp_path), "x")
+
+
+def test_import_loads_no_cloud_client() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, storage, extensions\n"
+        "loaded = [m for m in ('s3fs', 'gcsfs', 'fsspec', 'botocore') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "fs, path = storage.filesystem_from_url('/tmp/x')\n"
+        "assert type(fs).__name__ == 'LocalFileSystem'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
