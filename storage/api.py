@@ -7,8 +7,10 @@ raise the real error: ``FileNotFoundError``, ``IntegrityError``, ... with its me
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -24,6 +26,15 @@ from storage.writer import CheckpointWriter
 
 def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # torch warns on every call without a process group, even with no_dist=True;
+    # one process is a normal way to use the helpers.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def unwrap_checkpoint_exception(exc: CheckpointException, plugin: Any = None) -> BaseException:
@@ -58,7 +69,8 @@ def save(
         url, transforms=transforms, storage_options=storage_options, **writer_options
     )
     try:
-        dcp.save(state_dict, storage_writer=writer, no_dist=_no_dist())
+        with _quiet_single_process():
+            dcp.save(state_dict, storage_writer=writer, no_dist=_no_dist())
     except CheckpointException as exc:
         writer.abort()
         raise unwrap_checkpoint_exception(exc, writer) from None
@@ -78,7 +90,8 @@ def load(
         url, storage_options=storage_options, keys=keys, registry=registry, **reader_options
     )
     try:
-        dcp.load(state_dict, storage_reader=reader, no_dist=_no_dist())
+        with _quiet_single_process():
+            dcp.load(state_dict, storage_reader=reader, no_dist=_no_dist())
     except CheckpointException as exc:
         raise unwrap_checkpoint_exception(exc, reader) from None
 
@@ -99,7 +112,8 @@ def async_save(
     writer = CheckpointWriter(
         url, transforms=transforms, storage_options=storage_options, **writer_options
     )
-    inner = dcp.async_save(state_dict, storage_writer=writer, no_dist=_no_dist())
+    with _quiet_single_process():
+        inner = dcp.async_save(state_dict, storage_writer=writer, no_dist=_no_dist())
     upload: Any = getattr(inner, "upload_completion", inner)
     outer: Future[None] = Future()
 
