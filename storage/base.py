@@ -14,7 +14,10 @@ Semantics every backend guarantees (checked by ``storage.testing.FileSystemTests
 * Writing creates missing parent directories (where directories exist at all).
 * ``create_stream(path, "wb")`` makes the object visible whole or not at all on object
   stores; on any backend, an exception inside the ``with`` block removes what was
-  written, so a failed write leaves nothing behind. ``sync=True`` makes the bytes
+  written, so a failed write leaves nothing of it behind. Whether an object that was
+  already at that path survives a failed write is backend-specific (object stores keep
+  it; local disk has already truncated it): the commit protocol never writes over a
+  file that committed metadata points at. ``sync=True`` makes the bytes
   durable before the block exits (fsync on local disk; a completed upload elsewhere).
 * ``open_slice(path, offset, length)`` reads only ``[offset, offset + length)``: it
   never returns a byte outside that range, and a read that runs past the end of the
