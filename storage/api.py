@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from extensions.base import Keys
 from extensions.registry import ExtensionRegistry
@@ -102,18 +103,26 @@ def async_save(
     *,
     transforms: Sequence[Any] | None = None,
     storage_options: dict[str, Any] | None = None,
+    async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
     **writer_options: Any,
 ) -> Future[None]:
     """Stage ``state_dict`` to CPU memory now and save it in the background.
 
     Returns a ``concurrent.futures.Future`` that resolves to ``None`` once the
     checkpoint is committed, or raises the real error. The caller may change its
-    tensors as soon as this returns."""
+    tensors as soon as this returns. ``async_checkpointer_type`` picks DCP's executor:
+    a background thread (default) or a separate process (``PROCESS``, which needs an
+    initialized process group, as in torch)."""
     writer = CheckpointWriter(
         url, transforms=transforms, storage_options=storage_options, **writer_options
     )
     with _quiet_single_process():
-        inner = dcp.async_save(state_dict, storage_writer=writer, no_dist=_no_dist())
+        inner = dcp.async_save(
+            state_dict,
+            storage_writer=writer,
+            no_dist=_no_dist(),
+            async_checkpointer_type=async_checkpointer_type,
+        )
     upload: Any = getattr(inner, "upload_completion", inner)
     outer: Future[None] = Future()
 

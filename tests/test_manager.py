@@ -319,6 +319,13 @@ def main():
     storage.load(out, path)
     assert torch.equal(out["w"], torch.arange(4096, dtype=torch.float32)), "content"
     assert out["step"] == 5
+    # The same through the one-call helper.
+    state["w"] = torch.arange(4096, dtype=torch.float32)
+    storage.async_save(state, path + "-helper",
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(timeout=240)
+    out = {"w": torch.zeros(4096), "step": 0}
+    storage.load(out, path + "-helper")
+    assert torch.equal(out["w"], torch.arange(4096, dtype=torch.float32)), "helper content"
     print("OK", flush=True)
     dist.destroy_process_group()
     os._exit(0)  # the checkpoint daemon process is torn down with us
