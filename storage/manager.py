@@ -41,7 +41,7 @@ from storage.layout import (
     is_metadata_name,
     parse_step,
 )
-from storage.writer import CheckpointWriter
+from storage.writer import CheckpointWriter, committed_files, remove_quietly
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,10 @@ class CheckpointManager:
         """Remove leftovers of interrupted saves: ``step-<N>`` directories without
         metadata whose files are all older than ``grace_seconds`` (choose more than
         your longest save). Directories holding anything that is not a checkpoint file,
-        or whose age the backend cannot tell, are kept. Returns the steps removed."""
+        or whose age the backend cannot tell, are kept. Inside committed steps, data
+        files that the metadata does not name (a multi-rank save that failed on another
+        rank leaves them) are removed once older than the grace too. Returns the steps
+        removed whole."""
         if not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
             raise ValueError(f"grace_seconds must be a number >= 0, got {grace_seconds!r}")
         if not self._deletes():
@@ -312,7 +315,32 @@ class CheckpointManager:
                 if not dry_run:
                     delete_checkpoint(self.fs, path)
                 removed.append(step)
+            elif not dry_run:
+                self._remove_orphans(path, horizon)
         return removed
+
+    def _remove_orphans(self, path: str, horizon: float) -> None:
+        meta_path = self.fs.concat_path(path, fmt.METADATA_NAME)
+        try:
+            names = self.fs.ls(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if fmt.METADATA_NAME not in names:
+            return  # rank-local metadata only: which files are whose is not ours to guess
+        referenced = committed_files(self.fs, meta_path)
+        if not referenced:
+            return  # unreadable metadata: touch nothing
+        for name in names:
+            if not name.endswith(fmt.DATA_SUFFIX) or name in referenced:
+                continue
+            file_path = self.fs.concat_path(path, name)
+            try:
+                mtime = self.fs.modified(file_path)
+            except FileNotFoundError:
+                continue
+            if mtime is not None and mtime < horizon:
+                log.info("%s: removing %s, which its metadata does not name", path, name)
+                remove_quietly(self.fs, [file_path])
 
     def _deletes(self) -> bool:
         return self.coordinator if self.coordinator is not None else _is_rank_zero()

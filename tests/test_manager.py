@@ -231,6 +231,27 @@ def test_cleanup_removes_only_old_uncommitted_leftovers(tmp_path: Any) -> None:
     assert mgr.cleanup(grace_seconds=3600) == []
 
 
+def test_cleanup_removes_old_unreferenced_data_files_in_committed_steps(tmp_path: Any) -> None:
+    # What a 2-rank save that failed on the other rank leaves in a committed step.
+    root = tmp_path / "run"
+    mgr = CheckpointManager(str(root))
+    mgr.save(3, _state(3))
+    step = root / "step-3"
+    own = sorted(p.name for p in step.iterdir())
+    old, fresh = step / "__1_0-deadbeef0000.distcp", step / "__1_0-feedface0000.distcp"
+    old.write_bytes(b"orphan")
+    fresh.write_bytes(b"maybe a save in progress")
+    (step / "notes.txt").write_text("not ours")
+    long_ago = time.time() - 7200
+    for p in [old, step / "notes.txt", *(step / n for n in own)]:
+        os.utime(p, (long_ago, long_ago))
+    assert mgr.cleanup(grace_seconds=3600) == []  # the step itself stays
+    assert not old.exists() and fresh.exists() and (step / "notes.txt").exists()
+    assert sorted(p.name for p in step.iterdir() if p.name not in (fresh.name, "notes.txt")) == own
+    out = _blank()
+    assert mgr.load(out) == 3 and torch.equal(out["w"], _state(3)["w"])
+
+
 def test_cleanup_keeps_leftovers_of_unknown_age() -> None:
     # The memory backend cannot tell an object's age: nothing may be assumed stale.
     fs = storage.MemoryFileSystem()
