@@ -325,8 +325,10 @@ class CheckpointManager:
             names = self.fs.ls(path)
         except (FileNotFoundError, NotADirectoryError):
             return
-        if fmt.METADATA_NAME not in names:
-            return  # rank-local metadata only: which files are whose is not ours to guess
+        if fmt.METADATA_NAME not in names or any(
+            is_metadata_name(n) and n != fmt.METADATA_NAME for n in names
+        ):
+            return  # rank-local metadata: which files are whose is not ours to guess
         referenced = committed_files(self.fs, meta_path)
         if not referenced:
             return  # unreadable metadata: touch nothing

@@ -293,9 +293,9 @@ class CheckpointReader(StorageReader):
                 raise IntegrityError(f"{where}: data file is truncated") from exc
             raise IntegrityError(f"{where}: cannot decode: {exc}") from exc
         if target is None:
-            _check_plain_data(payload, where)
+            plain = _plain_data(payload, where)
             with lock:
-                planner.load_bytes(item.req, io.BytesIO(payload))
+                planner.load_bytes(item.req, plain)
             return
         if decoded_tensor is not target:
             narrowed = narrow_tensor_by_index(
@@ -329,11 +329,13 @@ class CheckpointReader(StorageReader):
             or dtype is None
             or extra.get("dtype", str(dtype).removeprefix("torch."))
             != str(dtype).removeprefix("torch.")
+            or extra.get("nbytes", math.prod(sizes) * dtype.itemsize)
+            != math.prod(sizes) * dtype.itemsize
         ):
             # A stock archive without our layout facts, or stored bytes of another dtype
-            # than the metadata says (a planner that cast): let torch parse it.
+            # or size than the metadata says (a planner that cast): let torch parse it.
             loaded = torch.load(io.BytesIO(decoded.read()), map_location="cpu", weights_only=True)
-            return cast(torch.Tensor, loaded).to(dtype) if dtype is not None else loaded
+            return cast(torch.Tensor, loaded)  # copy_ into the target casts if needed
         whole = list(item.req.lengths) == list(sizes) and not any(item.req.storage_offsets)
         direct = (
             whole
@@ -368,20 +370,28 @@ class CheckpointReader(StorageReader):
             )
 
 
-def _check_plain_data(payload: bytes, where: str) -> None:
-    """Refuse a non-tensor value whose pickle would run code or build arbitrary objects.
+def _plain_data(payload: bytes, where: str) -> io.BytesIO:
+    """A non-tensor value, rebuilt from plain data only, as a pickle for the planner.
 
-    DCP's default planner unpickles these values with ``weights_only=False``; a payload
-    that loads under torch's ``weights_only`` unpickler holds only plain data (and what
-    the user allowed with ``torch.serialization.add_safe_globals``), so it is safe."""
+    DCP's default planner unpickles these values with ``weights_only=False``. The value
+    is loaded here with torch's ``weights_only`` unpickler (plain data, plus what the
+    user allowed with ``torch.serialization.add_safe_globals``) and pickled again, so
+    the planner's unpickler only ever sees our own pickle of those objects - never the
+    checkpoint's bytes, whose opcodes might act differently under the two unpicklers."""
     try:
-        torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        value = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
             f"{where}: the stored value is not plain data ({str(exc).splitlines()[0]}); "
             "refusing to unpickle it. If you trust this checkpoint, allow the class with "
             "torch.serialization.add_safe_globals([...])"
         ) from None
+    except Exception as exc:
+        raise IntegrityError(f"{where}: the stored value cannot be read: {exc}") from exc
+    plain = io.BytesIO()
+    torch.save(value, plain)
+    plain.seek(0)
+    return plain
 
 
 def _skip(stream: Any, count: int) -> int:

@@ -38,7 +38,7 @@ from storage.base import FileSystemBase
 from storage.layout import is_committed
 from storage.reader import CheckpointReader
 from storage.views import BoundedReader
-from storage.writer import publish_metadata, remove_quietly
+from storage.writer import metadata_may_name, publish_metadata, remove_quietly
 
 Progress = Callable[[int], None]
 _CHUNK = 1 << 20
@@ -288,6 +288,7 @@ def copy_checkpoint(
         rank = int(match.group(1)) if match else 0
         plan.append((name, fmt.data_file_name(rank, number, save_id), items))
     dst_fs.mkdir(dst_path)
+    meta_path = dst_fs.concat_path(dst_path, fmt.METADATA_NAME)
     written: list[str] = []
     new_infos: dict[MetadataIndex, Any] = {}
     lock = threading.Lock()
@@ -341,14 +342,15 @@ def copy_checkpoint(
         publish_metadata(
             dst_fs,
             dst_path,
-            dst_fs.concat_path(dst_path, fmt.METADATA_NAME),
+            meta_path,
             fmt.dump_metadata(new_meta),
             new_files={name for _, name, _ in plan},
             overwrite=overwrite,
             sync=True,
         )
     except BaseException:
-        remove_quietly(dst_fs, written)
+        if not metadata_may_name(dst_fs, meta_path, save_id):
+            remove_quietly(dst_fs, written)
         raise
     return describe(dst_fs, dst_path)
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import io
 import logging
 import os
+import pickle
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import IO, Any, cast
 
 import torch
@@ -160,13 +160,10 @@ class CheckpointWriter(StorageWriter):
             return self._write_file(path, name, items, planner)
 
         results: list[WriteResult] = []
-        with (
-            _torch_record_crc_off(),
-            concurrent.futures.ThreadPoolExecutor(
-                max_workers=max(1, min(threads, len(files))),
-                thread_name_prefix="dcp-storage-write",
-            ) as pool,
-        ):
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, min(threads, len(files))),
+            thread_name_prefix="dcp-storage-write",
+        ) as pool:
             futures = [pool.submit(write_one, name, items) for name, items in files]
             errors = []
             for fut in futures:
@@ -198,7 +195,10 @@ class CheckpointWriter(StorageWriter):
                 sync=self.sync_files,
             )
         except BaseException:
-            remove_quietly(self.fs, [self.fs.concat_path(self.path, f) for f in new_files])
+            if metadata_may_name(self.fs, self._metadata_path(), self.save_id):
+                self._committed = True  # it landed (or may have): its files must stay
+            else:
+                remove_quietly(self.fs, [self.fs.concat_path(self.path, f) for f in new_files])
             raise
         self._committed = True
 
@@ -269,17 +269,18 @@ class CheckpointWriter(StorageWriter):
                 # torch.save makes ~40 tiny writes per tensor: let a BytesIO take them
                 # and hand the archive on in one piece.
                 archive = io.BytesIO()
-                torch.save(tensor, archive)
+                _save_archive(tensor, archive)
                 tracker = fmt.ArchiveTracker(plain, keep_below=archive.tell() + 1)
                 tracker.write(archive.getbuffer())
             else:
                 tracker = fmt.ArchiveTracker(plain)
-                torch.save(tensor, cast(IO[bytes], tracker))
+                _save_archive(tensor, cast(IO[bytes], tracker))
             tracker.flush()
             data_offset = tracker.data_offset(nbytes)
             if data_offset is not None:
                 extra["data_offset"] = data_offset
                 extra["dtype"] = str(tensor.dtype).removeprefix("torch.")
+                extra["nbytes"] = nbytes
         plain.close()
         sink.close()
         extra["crc32c"] = sink.crc
@@ -316,6 +317,21 @@ def publish_metadata(
     remove_quietly(fs, [fs.concat_path(directory, f) for f in sorted(replaced - new_files)])
 
 
+def metadata_may_name(fs: FileSystemBase, meta_path: str, save_id: str) -> bool:
+    """After a failed commit: could the metadata at ``meta_path`` be this save's?
+
+    A publish can land and still raise (a lost response, a failed directory fsync);
+    deleting the data files then would break the checkpoint it just published. Only a
+    missing file or another save's metadata proves it did not land."""
+    try:
+        meta = fmt.load_metadata(fs.read_bytes(meta_path), fs.url(meta_path))
+    except FileNotFoundError:
+        return False
+    except Exception:
+        return True
+    return getattr(meta.storage_meta, "save_id", None) == save_id
+
+
 def committed_files(fs: FileSystemBase, meta_path: str) -> set[str]:
     """Data files named by the metadata at ``meta_path`` (none if absent or unreadable)."""
     try:
@@ -339,36 +355,23 @@ def remove_quietly(fs: FileSystemBase, paths: list[str]) -> None:
             log.warning("could not remove %s: %s", fs.url(path), exc)
 
 
-_crc_lock = threading.Lock()
-_crc_users = 0
-_crc_saved: Any = None
+def _save_archive(tensor: torch.Tensor, out: IO[bytes]) -> None:
+    """``torch.save(tensor, out)`` without the zlib CRC-32 of each archive record.
 
-
-@contextlib.contextmanager
-def _torch_record_crc_off() -> Iterator[None]:
-    """Switch off torch.save's zlib CRC-32 of archive records while saves run.
-
-    It costs ~0.5 s of CPU per GB and duplicates our CRC-32C of the stored bytes;
-    torch.load does not need it. The setting is process-wide, so it is reference
-    counted across concurrent saves and restored when the last one ends."""
-    global _crc_users, _crc_saved
-    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
-    save_config = getattr(config, "save", None)
-    if save_config is None or not hasattr(save_config, "compute_crc32"):
-        yield  # older torch: nothing to switch
-        return
-    with _crc_lock:
-        if _crc_users == 0:
-            _crc_saved = save_config.compute_crc32
-            save_config.compute_crc32 = False
-        _crc_users += 1
+    That CRC costs ~0.5 s of CPU per GB and duplicates our CRC-32C of the stored bytes;
+    torch.load does not need it. torch only offers a process-wide switch, which would
+    change every other torch.save in the process while a save runs, so the archive
+    writer is built here with the CRC off for this call alone; on a torch whose private
+    API differs, this falls back to plain torch.save."""
+    serialization: Any = torch.serialization
     try:
-        yield
-    finally:
-        with _crc_lock:
-            _crc_users -= 1
-            if _crc_users == 0:
-                save_config.compute_crc32 = _crc_saved
+        writer = torch._C.PyTorchFileWriter(out, False, serialization._get_storage_alignment())
+        save_records = serialization._save
+    except (AttributeError, TypeError):
+        torch.save(tensor, out)
+        return
+    save_records(tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
 
 
 def _plain_cpu_tensor(data: object) -> torch.Tensor:

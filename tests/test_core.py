@@ -431,9 +431,39 @@ def test_slice_view_cannot_escape() -> None:
     assert view.read() == b""
 
 
-def test_torch_record_crc_setting_is_restored(tmp_path: Path, state_dict: dict) -> None:
+class _ConfigSpyPlanner(DefaultSavePlanner):
+    """Records torch's process-wide archive CRC setting while items are written."""
+
+    seen: list[bool] = []
+
+    def resolve_data(self, write_item: Any) -> Any:
+        from torch.utils.serialization import config
+
+        self.seen.append(config.save.compute_crc32)
+        return super().resolve_data(write_item)
+
+
+def test_saving_leaves_torchs_global_crc_setting_alone(tmp_path: Path, state_dict: dict) -> None:
     from torch.utils.serialization import config
 
-    before = config.save.compute_crc32
-    storage.save(state_dict, tmp_path / "c")
-    assert config.save.compute_crc32 == before
+    assert config.save.compute_crc32 is True
+    spy = _ConfigSpyPlanner()
+    dcp.save(state_dict, storage_writer=storage.CheckpointWriter(tmp_path / "c"), planner=spy)
+    assert spy.seen and all(spy.seen)  # other threads' torch.save keep their CRCs
+
+
+class _LostResponseFS(storage.MemoryFileSystem):
+    """Publishes the metadata, then fails as if the response had been lost."""
+
+    def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        super().write_atomic(path, data, exclusive=exclusive)
+        raise ConnectionResetError("response lost after the metadata landed")
+
+
+def test_commit_that_landed_but_raised_keeps_its_files(state_dict: dict) -> None:
+    fs = _LostResponseFS()
+    with pytest.raises(ConnectionResetError):
+        storage.save(state_dict, "run/c", filesystem=fs)
+    target = zeros_like_tree(state_dict)
+    storage.load(target, "run/c", filesystem=fs)  # the published checkpoint is whole
+    assert_tree_equal(state_dict, target)
