@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import logging
@@ -370,7 +371,14 @@ def _save_archive(tensor: torch.Tensor, out: IO[bytes]) -> None:
     except (AttributeError, TypeError):
         torch.save(tensor, out)
         return
-    save_records(tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    try:
+        save_records(tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # Finalize now, as torch.save does: an unfinalized writer finalizes in its C++
+        # destructor, and a write failing there (the stream is gone) aborts the process.
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
     writer.write_end_of_file()
 
 

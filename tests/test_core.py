@@ -467,3 +467,42 @@ def test_commit_that_landed_but_raised_keeps_its_files(state_dict: dict) -> None
     target = zeros_like_tree(state_dict)
     storage.load(target, "run/c", filesystem=fs)  # the published checkpoint is whole
     assert_tree_equal(state_dict, target)
+
+
+_BROKEN_STREAM = """
+import contextlib, gc, io, sys
+import torch, storage
+
+class Breaks(io.RawIOBase):
+    def __init__(self):
+        self.n = 0
+    def writable(self):
+        return True
+    def write(self, b):
+        self.n += memoryview(b).nbytes
+        if self.n > 3 << 20:
+            raise ConnectionResetError("upload broke")
+        return memoryview(b).nbytes
+
+class FS(storage.MemoryFileSystem):
+    @contextlib.contextmanager
+    def create_stream(self, path, mode, *, sync=False):
+        yield Breaks()
+
+try:
+    storage.save({"w": torch.randn(4 << 20)}, "x/c", filesystem=FS(), thread_count=1)
+except ConnectionResetError:
+    pass
+gc.collect()  # an unfinalized archive writer would abort the process here
+print("OK")
+"""
+
+
+def test_stream_failing_mid_tensor_raises_cleanly() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _BROKEN_STREAM], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
