@@ -102,6 +102,23 @@ class StreamTransformExtension(_TorchStreamTransform):  # type: ignore[misc,vali
         return self.transform_from(input)
 
 
+def descriptor_settings(name: str, version: str, allowed: set[str]) -> dict[str, str]:
+    """Parse ``"1;key=value;..."`` (everything after ``name/``) for a version-1 transform.
+
+    Raises ``ValueError`` (reported as an unknown transform version) for another
+    version, an unknown or repeated setting, or a setting without ``=``."""
+    number, _, config = version.partition(";")
+    if number != "1":
+        raise ValueError(f"unsupported {name} version {number!r} (this reader knows 1)")
+    settings: dict[str, str] = {}
+    for part in config.split(";") if config else ():
+        key, sep, value = part.partition("=")
+        if not sep or key not in allowed or key in settings:
+            raise ValueError(f"unexpected {name} setting {part!r}")
+        settings[key] = value
+    return settings
+
+
 def resolve_key_lookup(keys: Keys | None) -> KeyLookup | None:
     """Turn a mapping or a callable of key_id -> key into a callable (or None)."""
     if keys is None or callable(keys):

@@ -26,7 +26,12 @@ import secrets
 import struct
 from typing import IO, Any, cast
 
-from extensions.base import ItemInfo, StreamTransformExtension, readinto_exact
+from extensions.base import (
+    ItemInfo,
+    StreamTransformExtension,
+    descriptor_settings,
+    readinto_exact,
+)
 from extensions.errors import IntegrityError, MissingDependencyError, MissingKeyError
 from extensions.keys import (
     ENV_VAR,
@@ -118,17 +123,7 @@ class AES256GCM(StreamTransformExtension):
 
     @staticmethod
     def from_descriptor(version: str) -> AES256GCM:
-        number, _, config = version.partition(";")
-        if number != "1":
-            raise ValueError(
-                f"unsupported dcp_storage.aes256gcm version {number!r} (this reader knows 1)"
-            )
-        fields: dict[str, str] = {}
-        for part in config.split(";") if config else ():
-            name, sep, value = part.partition("=")
-            if not sep or name not in ("key_id", "chunk") or name in fields:
-                raise ValueError(f"unexpected dcp_storage.aes256gcm setting {part!r}")
-            fields[name] = value
+        fields = descriptor_settings(AES256GCM.registry_name(), version, {"key_id", "chunk"})
         if "key_id" not in fields or not fields.get("chunk", "").isdigit():
             raise ValueError("the descriptor must name key_id and chunk")
         return AES256GCM(key_id=fields["key_id"], chunk_size=int(fields["chunk"]))

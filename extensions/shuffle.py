@@ -14,7 +14,7 @@ from typing import IO, Any, cast
 
 import numpy as np
 
-from extensions.base import ItemInfo, StreamTransformExtension
+from extensions.base import ItemInfo, StreamTransformExtension, descriptor_settings
 
 #: Elements per shuffled block; part of format version 1 (a block is es * this bytes).
 BLOCK_ELEMENTS = 1 << 18
@@ -94,14 +94,9 @@ class ByteShuffle(StreamTransformExtension):
 
     @staticmethod
     def from_descriptor(version: str) -> ByteShuffle:
-        number, _, config = version.partition(";")
-        if number != "1":
-            raise ValueError(
-                f"unsupported dcp_storage.shuffle version {number!r} (this reader knows 1)"
-            )
-        name, _, value = config.partition("=")
-        if name != "es" or not value.isdigit():
-            raise ValueError(f"expected ';es=<element size>' in the descriptor, got {config!r}")
+        value = descriptor_settings(ByteShuffle.registry_name(), version, {"es"}).get("es", "")
+        if not value.isdigit():
+            raise ValueError(f"expected ';es=<element size>' in the descriptor, got {version!r}")
         return ByteShuffle(element_size=int(value))
 
     def get_descriptor(self) -> str:
