@@ -31,6 +31,7 @@ from storage import api
 from storage import format as fmt
 from storage._common import resolve_location
 from storage.base import FileSystemBase
+from storage.commit import committed_files, remove_quietly
 from storage.layout import (
     STEP_PREFIX,
     StepInfo,
@@ -41,7 +42,7 @@ from storage.layout import (
     is_metadata_name,
     parse_step,
 )
-from storage.writer import CheckpointWriter, committed_files, remove_quietly
+from storage.writer import CheckpointWriter
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from extensions.registry import ExtensionRegistry, encoding_stream
 from storage import format as fmt
 from storage._common import Crc32cReader, Crc32cSink, default_thread_count
 from storage.base import FileSystemBase
+from storage.commit import metadata_may_name, publish_metadata, remove_quietly
 from storage.layout import is_committed
 from storage.reader import CheckpointReader
 from storage.views import BoundedReader
-from storage.writer import metadata_may_name, publish_metadata, remove_quietly
 
 Progress = Callable[[int], None]
 _CHUNK = 1 << 20
