@@ -34,7 +34,6 @@ from storage._common import (
 from storage.base import FileSystemBase
 from storage.commit import metadata_may_name, publish_metadata, remove_quietly
 
-
 DCP_VERSION = "1.0.0"
 SMALL_TENSOR = 1 << 20
 BYTES_PER_THREAD = 32 << 20
