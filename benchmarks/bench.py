@@ -331,6 +331,7 @@ def _rank_save(rank: int, store: str, size_mb: float, work: str, repeat: int, ou
     if rank == 0:
         with open(out, "w") as f:
             f.write(f"{statistics.median(times['stock'])} {statistics.median(times['ours'])}")
+    dist.barrier()  # no rank tears gloo down while the other still uses it
     dist.destroy_process_group()
 
 

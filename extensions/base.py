@@ -36,12 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
-try:  # keep transforms interchangeable with torch's experimental registry
-    from torch.distributed.checkpoint._extension import (
-        StreamTransformExtension as _TorchStreamTransform,
-    )
-except ImportError:  # pragma: no cover - torch without the experimental API
-    _TorchStreamTransform = abc.ABC  # type: ignore[misc,assignment]
+from extensions._compat import TorchStreamTransform
 
 KeyLookup = Callable[[str], bytes]
 Keys = Mapping[str, bytes] | KeyLookup
@@ -63,7 +58,7 @@ class ItemInfo:
     keys: KeyLookup | None = None
 
 
-class StreamTransformExtension(_TorchStreamTransform):  # type: ignore[misc,valid-type]
+class StreamTransformExtension(TorchStreamTransform):  # type: ignore[misc,valid-type]
     """Base class of every transform; see the module docstring for the contract."""
 
     @staticmethod
@@ -129,22 +124,3 @@ def resolve_key_lookup(keys: Keys | None) -> KeyLookup | None:
         return mapping[key_id]
 
     return lookup
-
-
-def readinto_exact(stream: IO[bytes], view: memoryview) -> int:
-    """Fill ``view`` from ``stream`` (``readinto`` where it has one, else ``read``);
-    returns how many bytes arrived, fewer only at end of stream."""
-    got = 0
-    total = len(view)
-    readinto = getattr(stream, "readinto", None)
-    while got < total:
-        if readinto is not None:
-            n = readinto(view[got:])
-        else:
-            chunk = stream.read(total - got)
-            n = len(chunk)
-            view[got : got + n] = chunk
-        if not n:
-            break
-        got += n
-    return got

@@ -30,7 +30,6 @@ from extensions.base import (
     ItemInfo,
     StreamTransformExtension,
     descriptor_settings,
-    readinto_exact,
 )
 from extensions.errors import IntegrityError, MissingDependencyError, MissingKeyError
 from extensions.keys import (
@@ -41,6 +40,7 @@ from extensions.keys import (
     keys_from_environment,
     keys_from_file,
 )
+from extensions.streams import read_all, readinto_exact
 
 __all__ = ["AES256GCM", "keys_from_environment", "keys_from_file"]
 
@@ -341,10 +341,7 @@ class _Decryptor(io.RawIOBase):
     def read(self, size: int | None = -1) -> bytes:
         # Slices of the decrypted chunk, one copy each (RawIOBase.read would make two).
         if size is None or size < 0:
-            parts: list[bytes] = []
-            while part := self.read(self._chunk):
-                parts.append(part)
-            return b"".join(parts)
+            return read_all(self, chunk=self._chunk)
         while self._pos == self._end:
             if self._done or not size:
                 return b""

@@ -15,6 +15,7 @@ from typing import IO, Any, cast
 import numpy as np
 
 from extensions.base import ItemInfo, StreamTransformExtension, descriptor_settings
+from extensions.streams import read_all, readinto_exact
 
 #: Elements per shuffled block; part of format version 1 (a block is es * this bytes).
 BLOCK_ELEMENTS = 1 << 18
@@ -183,31 +184,14 @@ class _UnshuffleReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def _read_source(self, view: memoryview) -> int:
-        readinto = getattr(self._src, "readinto", None)
-        got = 0
-        while got < len(view):
-            if readinto is not None:
-                n = readinto(view[got:]) or 0
-            else:
-                data = self._src.read(len(view) - got)
-                n = len(data)
-                view[got : got + n] = data
-            if not n:
-                break
-            got += n
-            if self._es == 1:
-                break  # identity: hand over what arrived
-        return got
-
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         if self._es == 1:
-            return self._read_source(view)
+            return readinto_exact(self._src, view)
         if self._pos == self._end:
             if not len(view):
                 return 0
-            n = self._read_source(memoryview(self._raw))
+            n = readinto_exact(self._src, memoryview(self._raw))
             if not n:
                 return 0
             source = memoryview(self._raw)[:n]
@@ -223,14 +207,11 @@ class _UnshuffleReader(io.RawIOBase):
 
     def read(self, size: int | None = -1) -> bytes:
         if size is None or size < 0:
-            parts: list[bytes] = []
-            while part := self.read(self._block):
-                parts.append(part)
-            return b"".join(parts)
+            return read_all(self, chunk=self._block)
         if self._es == 1:
             return self._src.read(size)
         if self._pos == self._end:
-            n = self._read_source(memoryview(self._raw)) if size else 0
+            n = readinto_exact(self._src, memoryview(self._raw)) if size else 0
             if not n:
                 return b""
             _unshuffle(memoryview(self._raw)[:n], memoryview(self._plain)[:n], self._es)

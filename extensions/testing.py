@@ -171,7 +171,7 @@ class TransformTests:
     def test_decode_through_slice_with_junk(
         self, chain: list[Any], registry: ExtensionRegistry, item: ItemInfo
     ) -> None:
-        from storage.views import SliceView  # storage is imported by tests only
+        from extensions.streams import SliceView
 
         data = payload(200 * KIB + 5, seed=3)
         out = io.BytesIO()
@@ -185,7 +185,7 @@ class TransformTests:
     def test_wrapped_stream_never_closed(
         self, chain: list[Any], registry: ExtensionRegistry, item: ItemInfo
     ) -> None:
-        from storage.views import SliceView
+        from extensions.streams import SliceView
 
         underlying = io.BytesIO()
         first, second = payload(100 * KIB, seed=5), payload(1000, seed=6)

@@ -1,26 +1,49 @@
-"""dcp-storage: pluggable storage backends for torch.distributed.checkpoint."""
+"""dcp-storage: pluggable storage backends for torch.distributed.checkpoint.
 
-from storage._local import LocalFileSystem
-from storage._memory import MemoryFileSystem
-from storage.api import async_save, load, save
-from storage.base import FileSystemBase
-from storage.manager import CheckpointManager
-from storage.reader import CheckpointReader
-from storage.registry import filesystem_from_url, register_filesystem
-from storage.transport import StorageTransport
-from storage.writer import CheckpointWriter
+The package is layered (docs/architecture.md): ``storage.backends`` (where bytes live)
+<- ``storage.checkpoint`` (the DCP plug-in) <- ``storage.ops`` (manager, tools) <-
+``storage.cli``; ``extensions`` (transforms and the error types) sits below them all.
+This module only gathers the public names."""
+
+from extensions.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+    IntegrityError,
+    MissingDependencyError,
+    MissingKeyError,
+    UnknownTransformError,
+    UnsafeCheckpointError,
+)
+from storage.backends import (
+    FileSystemBase,
+    LocalFileSystem,
+    MemoryFileSystem,
+    filesystem_from_url,
+    register_filesystem,
+)
+from storage.checkpoint import CheckpointReader, CheckpointWriter, async_save, load, save
+from storage.ops import CheckpointManager, StorageTransport
 
 __all__ = [
+    "CheckpointExistsError",
     "CheckpointManager",
+    "CheckpointNotFoundError",
     "CheckpointReader",
+    "CheckpointStorageError",
     "CheckpointWriter",
     "FileSystemBase",
     "FsspecFileSystem",
     "GCSFileSystem",
+    "IntegrityError",
     "LocalFileSystem",
     "MemoryFileSystem",
+    "MissingDependencyError",
+    "MissingKeyError",
     "S3FileSystem",
     "StorageTransport",
+    "UnknownTransformError",
+    "UnsafeCheckpointError",
     "async_save",
     "filesystem_from_url",
     "load",
@@ -31,13 +54,8 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     # Cloud backends import their client libraries; load them only when asked for.
-    lazy = {
-        "FsspecFileSystem": "storage._fsspec",
-        "S3FileSystem": "storage._s3",
-        "GCSFileSystem": "storage._gcs",
-    }
-    if name in lazy:
-        from storage.registry import _resolve
+    if name in ("FsspecFileSystem", "S3FileSystem", "GCSFileSystem"):
+        import storage.backends
 
-        return _resolve(f"{lazy[name]}:{name}")
+        return getattr(storage.backends, name)
     raise AttributeError(f"module 'storage' has no attribute {name!r}")

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from storage.base import FileSystemBase
+from storage.backends.base import FileSystemBase
 
 _SIZES = {"empty": 0, "small": 1, "block": 64 * 1024 + 3, "multi_mb": 5 * 1024 * 1024 + 17}
 

@@ -22,6 +22,7 @@ import torch
 import storage
 from extensions.zstd import ZStandard
 from storage.cli import main
+from tests.distributed import gloo_group
 
 KEY = bytes(range(32))
 KEYS_ENV = f"k1={KEY.hex()}"
@@ -175,7 +176,7 @@ def test_error_is_one_line(tmp_path: Path) -> None:
 
 
 def _flip_byte_of_item(ckpt: Path, fqn: str) -> None:
-    from storage import format as fmt
+    from storage.checkpoint import format as fmt
 
     meta = fmt.load_metadata((ckpt / ".metadata").read_bytes(), str(ckpt))
     info = next(v for k, v in meta.storage_data.items() if k.fqn == fqn)
@@ -253,7 +254,7 @@ def test_cp_refuses_committed_destination_and_keeps_bytes(
 
 
 def test_cp_to_memory_backend_and_back_plain(root: Path, tmp_path: Path) -> None:
-    from storage.tools import copy_checkpoint, describe
+    from storage.ops.tools import copy_checkpoint, describe
 
     mem = storage.MemoryFileSystem()
     src_fs = storage.LocalFileSystem()
@@ -355,18 +356,14 @@ def _sharded_full() -> dict[str, torch.Tensor]:
 
 
 def _save_sharded(rank: int, store: str, path: str) -> None:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, 2, store):
         mesh = init_device_mesh("cpu", (2,))
         full = _sharded_full()
         state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
         storage.save(dict(state, step=3), path, transforms=[ZStandard()])
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sharded_checkpoint_inspect_verify_cp(

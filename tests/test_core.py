@@ -23,7 +23,7 @@ from extensions import (
     UnsafeCheckpointError,
     ZStandard,
 )
-from storage import format as fmt
+from storage.checkpoint import format as fmt
 from tests.conftest import assert_tree_equal, zeros_like_tree
 
 TRANSFORMS = {"none": [], "zstd": [ZStandard(level=3)]}
@@ -414,7 +414,7 @@ def test_golden_checkpoints_keep_loading() -> None:
 
 
 def test_slice_view_cannot_escape() -> None:
-    from storage.views import SliceView
+    from extensions.streams import SliceView
 
     def base() -> io.BytesIO:
         return io.BytesIO(b"A" * 10 + b"0123456789" + b"B" * 10)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import storage
 from extensions import ZStandard
@@ -58,10 +59,10 @@ def _round_trip(proxy: FaultProxy, fs: S3FileSystem, chain: str = "plain") -> No
     writer = storage.CheckpointWriter(
         url, filesystem=fs, transforms=transforms, thread_count=4, single_file_per_rank=False
     )
-    storage.api.dcp.save(state, storage_writer=writer)
+    dcp.save(state, storage_writer=writer)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     reader = storage.CheckpointReader(url, filesystem=fs)
-    storage.api.dcp.load(target, storage_reader=reader)
+    dcp.load(target, storage_reader=reader)
     for k in state:
         assert torch.equal(target[k], state[k]), k
 

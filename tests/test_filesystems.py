@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from storage import LocalFileSystem, MemoryFileSystem
-from storage.base import FileSystemBase
+from storage.backends.base import FileSystemBase
 from storage.testing import FileSystemTests
 
 

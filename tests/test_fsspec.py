@@ -14,7 +14,7 @@ from fsspec.implementations.memory import MemoryFileSystem as FsspecMemory
 import storage
 from extensions import ZStandard
 from storage import FsspecFileSystem
-from storage.base import FileSystemBase
+from storage.backends.base import FileSystemBase
 from storage.testing import FileSystemTests
 from tests.conftest import assert_tree_equal, zeros_like_tree
 

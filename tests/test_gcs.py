@@ -16,7 +16,7 @@ import storage
 from extensions import ZStandard
 from extensions.errors import CheckpointExistsError, CheckpointNotFoundError, IntegrityError
 from storage import GCSFileSystem
-from storage.base import FileSystemBase
+from storage.backends.base import FileSystemBase
 from storage.testing import FileSystemTests
 from tests.conftest import assert_tree_equal, zeros_like_tree
 from tests.servers import (

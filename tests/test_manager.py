@@ -17,8 +17,8 @@ import torch
 import storage
 from extensions.errors import CheckpointNotFoundError
 from extensions.zstd import ZStandard
-from storage.layout import delete_checkpoint, parse_step
-from storage.manager import CheckpointManager
+from storage.checkpoint.layout import delete_checkpoint, parse_step
+from storage.ops.manager import CheckpointManager
 
 
 def _state(step: int) -> dict[str, Any]:

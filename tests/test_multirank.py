@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import storage
 from extensions import ZStandard
+from tests.distributed import gloo_group
 
 WORLD = 2
 
@@ -27,13 +27,8 @@ def _full() -> dict[str, torch.Tensor]:
     }
 
 
-def _init(rank: int, store: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-
-
 def _save_worker(rank: int, store: str, path: str, chain: str) -> None:
-    _init(rank, store)
-    try:
+    with gloo_group(rank, WORLD, store):
         mesh = init_device_mesh("cpu", (WORLD,))
         full = _full()
         state = {
@@ -44,13 +39,10 @@ def _save_worker(rank: int, store: str, path: str, chain: str) -> None:
         }
         transforms = [ZStandard()] if chain == "zstd" else []
         storage.save(state, path, transforms=transforms)
-    finally:
-        dist.destroy_process_group()
 
 
 def _load_worker(rank: int, store: str, path: str) -> None:
-    _init(rank, store)
-    try:
+    with gloo_group(rank, WORLD, store):
         mesh = init_device_mesh("cpu", (WORLD,))
         full = _full()
         # Different layout than at save time (Shard(1) instead of Shard(0)): resharding.
@@ -67,8 +59,6 @@ def _load_worker(rank: int, store: str, path: str) -> None:
             assert torch.equal(local.full_tensor(), full[key]), key
         assert torch.equal(state["bias"], full["bias"])
         assert state["step"] == 5
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("chain", ["none", "zstd"])

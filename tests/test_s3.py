@@ -12,7 +12,6 @@ from typing import IO, Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -29,9 +28,10 @@ from extensions.errors import (
     MissingDependencyError,
 )
 from storage import S3FileSystem
-from storage.base import FileSystemBase
+from storage.backends.base import FileSystemBase
 from storage.testing import FileSystemTests
 from tests.conftest import assert_tree_equal, zeros_like_tree
+from tests.distributed import gloo_group
 from tests.servers import (
     FaultProxy,
     boto3_client,
@@ -243,7 +243,8 @@ def test_parts_upload_concurrently_in_bounded_memory(endpoint: str, s3: Any) -> 
 
 def test_missing_s3fs_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "s3fs", None)  # what an absent package looks like
-    monkeypatch.delitem(sys.modules, "storage._s3")
+    monkeypatch.delitem(sys.modules, "storage.backends.s3")
+    monkeypatch.delitem(sys.modules, "storage.backends.s3._filesystem")
     with pytest.raises(MissingDependencyError, match=r"pip install 'dcp-storage\[s3\]'"):
         storage.filesystem_from_url("s3://bucket/ckpt")
 
@@ -307,13 +308,10 @@ def test_exclusive_publish_uses_if_none_match(endpoint: str, s3: Any) -> None:
 
 
 def _rank_worker(rank: int, store: str, url: str, opts: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, 2, store):
         gen = torch.Generator().manual_seed(rank)
         state = {f"r{rank}": torch.randn(1000, generator=gen), "shared": torch.arange(10)}
         storage.save(state, url, storage_options=opts, transforms=[ZStandard()])
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_rank_gloo_save_loads_on_one(endpoint: str, tmp_path: Any) -> None:
@@ -430,7 +428,7 @@ def test_object_deleted_mid_load(endpoint: str, s3: Any) -> None:
     reader = storage.CheckpointReader(url, storage_options=opts, thread_count=1)
     # Coalescing would fetch everything in one GET; one item per request instead.
     with pytest.MonkeyPatch.context() as mpatch:
-        mpatch.setattr("storage.reader.COALESCE_LIMIT", 1)
+        mpatch.setattr("storage.checkpoint.reader.COALESCE_LIMIT", 1)
         with pytest.raises(CheckpointException, match="is missing"):
             dcp.load(target, storage_reader=reader, planner=DeleteAfterFirst())
 

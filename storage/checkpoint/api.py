@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from extensions.base import Keys
 from extensions.registry import ExtensionRegistry
-from storage.reader import CheckpointReader
-from storage.writer import CheckpointWriter
+from storage.checkpoint.reader import CheckpointReader
+from storage.checkpoint.writer import CheckpointWriter
 
 
 def _no_dist() -> bool:

@@ -17,7 +17,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -31,17 +31,17 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from extensions.base import ItemInfo, Keys, resolve_key_lookup
 from extensions.errors import CheckpointExistsError, CheckpointStorageError, IntegrityError
-from extensions.registry import ExtensionRegistry, encoding_stream
-from storage import format as fmt
-from storage._common import Crc32cReader, Crc32cSink, default_thread_count
-from storage.base import FileSystemBase
-from storage.commit import metadata_may_name, publish_metadata, remove_quietly
-from storage.layout import is_committed
-from storage.reader import CheckpointReader
-from storage.views import BoundedReader
+from extensions.registry import ExtensionRegistry
+from extensions.streams import pump, skip
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import format as fmt
+from storage.checkpoint._common import default_thread_count
+from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
+from storage.checkpoint.items import ItemEncoder, StoredItem
+from storage.checkpoint.layout import is_committed
+from storage.checkpoint.reader import CheckpointReader
 
 Progress = Callable[[int], None]
-_CHUNK = 1 << 20
 _RANK_OF_FILE = re.compile(r"__([0-9]+)_")
 
 
@@ -358,8 +358,7 @@ def copy_checkpoint(
 def _skip(source: IO[bytes], n: int, url: str, name: str) -> None:
     if n < 0:
         raise IntegrityError(f"{url}: items in {name!r} overlap; the metadata is damaged")
-    if n:
-        BoundedReader(source, n).skip_rest()
+    skip(source, n)
 
 
 def _copy_item(
@@ -370,51 +369,26 @@ def _copy_item(
     chain: list[Any] | None,
     registry: ExtensionRegistry | None,
 ) -> tuple[int, int, list[str]]:
-    """Stream one stored item into ``out``; returns (stored length, crc32c, descriptors)."""
-    length = int(info.length)
-    raw = Crc32cReader(cast(IO[bytes], BoundedReader(source, length)))
-    sink = Crc32cSink(out)
-    raw_io, sink_io = cast(IO[bytes], raw), cast(IO[bytes], sink)
-    where = f"{item.checkpoint}: item {item.item!r}"
-    old = list(info.transform_descriptors or ())
+    """Stream one stored item into ``out`` (as stored when ``chain`` is None, else
+    decoded and encoded with ``chain``); returns (stored length, crc32c, descriptors)."""
+    stored = StoredItem(
+        source,
+        int(info.length),
+        info.transform_descriptors or (),
+        fmt.item_extra(info).get("crc32c"),
+        f"{item.checkpoint}: item {item.item!r}",
+    )
     try:
         if chain is None:
-            _pump(raw, sink)
-            descriptors = old
+            encoder = ItemEncoder(out, [], item)
+            pump(stored.raw, encoder.plain)
         else:
-            registry = registry or ExtensionRegistry()
-            decoded = registry.decoding_stream(old, raw_io, item) if old else raw_io
-            plain, descriptors = encoding_stream(chain, sink_io, item)
-            _pump(decoded, plain)
-            plain.close()
-            _pump(raw, None)  # transform trailers the decoder did not need
-    except CheckpointStorageError:
-        raise
+            encoder = ItemEncoder(out, chain, item)
+            pump(stored.decoded(registry or ExtensionRegistry(), item), encoder.plain)
+        count, crc = encoder.close()
+        stored.finish()
+    except (CheckpointStorageError, OSError):
+        raise  # already named, or the storage failed (not the bytes)
     except Exception as exc:
-        raise IntegrityError(f"{where}: cannot decode the stored bytes: {exc}") from exc
-    sink.close()
-    if raw.count != length:
-        raise IntegrityError(f"{where}: data file is truncated ({raw.count} of {length} bytes)")
-    expected = fmt.item_extra(info).get("crc32c")
-    if expected is not None and raw.crc != expected:
-        raise IntegrityError(
-            f"{where}: checksum mismatch; the source is damaged, nothing was copied"
-        )
-    return sink.count, sink.crc, descriptors
-
-
-def _pump(source: Any, sink: Any) -> None:
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    readinto = getattr(source, "readinto", None)
-    while True:
-        if readinto is not None:
-            n = readinto(view)
-            data: Any = view[:n]
-        else:
-            data = source.read(_CHUNK)
-            n = len(data)
-        if not n:
-            return
-        if sink is not None:
-            sink.write(data)
+        raise stored.damaged(exc) from exc
+    return count, crc, stored.descriptors if chain is None else encoder.descriptors

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -24,7 +23,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from extensions.base import ItemInfo, Keys, readinto_exact, resolve_key_lookup
+from extensions._compat import narrow_tensor_by_index
+from extensions.base import ItemInfo, Keys, resolve_key_lookup
 from extensions.errors import (
     CheckpointNotFoundError,
     CheckpointStorageError,
@@ -32,17 +32,17 @@ from extensions.errors import (
     UnsafeCheckpointError,
 )
 from extensions.registry import ExtensionRegistry
-from storage import format as fmt
-from storage._common import (
-    Crc32cReader,
+from extensions.streams import drain, readinto_exact, skip
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import format as fmt
+from storage.checkpoint._common import (
     check_thread_count,
     default_thread_count,
     records_error,
     resolve_location,
     tensor_bytes,
 )
-from storage.base import FileSystemBase
-from storage.views import BoundedReader
+from storage.checkpoint.items import StoredItem
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20
@@ -255,8 +255,13 @@ class CheckpointReader(StorageReader):
         label = fmt.item_label(item.req.storage_index)
         where = f"{self.url}: item {label!r} in {os.path.basename(path)!r}"
         extra = fmt.item_extra(item.info)
-        raw = Crc32cReader(cast(IO[bytes], BoundedReader(stream, item.length)))
-        descriptors = list(item.info.transform_descriptors or ())
+        stored = StoredItem(
+            stream,
+            item.length,
+            item.info.transform_descriptors or (),
+            extra.get("crc32c"),
+            where,
+        )
         chunk = self._chunks.get(item.req.storage_index)
         info = ItemInfo(
             checkpoint=self.url,
@@ -270,28 +275,17 @@ class CheckpointReader(StorageReader):
             with lock:
                 target = planner.resolve_tensor(item.req).detach()
         try:
-            decoded = (
-                registry.decoding_stream(descriptors, cast(IO[bytes], raw), info)
-                if descriptors
-                else cast(IO[bytes], raw)
-            )
+            decoded = stored.decoded(registry, info)
             if target is None:
                 payload = decoded.read()
             else:
                 decoded_tensor = self._decode_tensor(decoded, item, extra, chunk, target, where)
-            self._finish_item(raw, item, extra, where)
+            stored.finish()
         except (CheckpointStorageError, OSError):
             raise  # already named, or the storage failed (not the bytes)
         except Exception as exc:
             # A decoder choking on damaged bytes: report it as the integrity failure it is.
-            _drain(raw)
-            if "crc32c" in extra and raw.crc != extra["crc32c"]:
-                raise IntegrityError(
-                    f"{where}: checksum mismatch; the stored bytes are damaged"
-                ) from exc
-            if raw.count < item.length:
-                raise IntegrityError(f"{where}: data file is truncated") from exc
-            raise IntegrityError(f"{where}: cannot decode: {exc}") from exc
+            raise stored.damaged(exc) from exc
         if target is None:
             plain = _plain_data(payload, where)
             with lock:
@@ -346,28 +340,12 @@ class CheckpointReader(StorageReader):
         )
         dest = target if direct else torch.empty(tuple(sizes), dtype=dtype)
         nbytes = math.prod(sizes) * dtype.itemsize
-        if _skip(decoded, int(data_offset)) != data_offset:
+        if skip(decoded, int(data_offset)) != data_offset:
             raise IntegrityError(f"{where}: item is truncated")
         if readinto_exact(decoded, tensor_bytes(dest)) != nbytes:
             raise IntegrityError(f"{where}: item is truncated")
-        _drain(decoded)  # the archive's trailer, and the transforms' own trailers
+        drain(decoded)  # the archive's trailer, and the transforms' own trailers
         return dest
-
-    def _finish_item(
-        self, raw: Crc32cReader, item: _Item, extra: dict[str, Any], where: str
-    ) -> None:
-        _drain(raw)
-        if raw.count != item.length:
-            raise IntegrityError(
-                f"{where}: data file is truncated ({raw.count} of {item.length} bytes); "
-                "restore the file or re-save the checkpoint"
-            )
-        expected = extra.get("crc32c")
-        if expected is not None and raw.crc != expected:
-            raise IntegrityError(
-                f"{where}: checksum mismatch (crc32c {raw.crc:08x}, expected {expected:08x}); "
-                "the stored bytes are damaged: restore the file or re-save the checkpoint"
-            )
 
 
 def _plain_data(payload: bytes, where: str) -> io.BytesIO:
@@ -392,24 +370,3 @@ def _plain_data(payload: bytes, where: str) -> io.BytesIO:
     torch.save(value, plain)
     plain.seek(0)
     return plain
-
-
-def _skip(stream: Any, count: int) -> int:
-    """Read and drop ``count`` bytes without allocating them; returns how many went."""
-    scratch = memoryview(bytearray(min(count, 1 << 16) or 1))
-    done = 0
-    while done < count:
-        n = readinto_exact(stream, scratch[: min(len(scratch), count - done)])
-        if not n:
-            break
-        done += n
-    return done
-
-
-def _drain(stream: Any) -> None:
-    scratch = bytearray(1 << 16)
-    readinto = getattr(stream, "readinto", None)
-    while True:
-        n = readinto(scratch) if readinto else len(stream.read(len(scratch)))
-        if not n:
-            return

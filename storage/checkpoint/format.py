@@ -23,9 +23,9 @@ import struct
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
+from extensions._compat import StorageInfo
 from extensions.errors import UnsafeCheckpointError
 
 FORMAT_VERSION = 1
@@ -62,9 +62,9 @@ def new_storage_info(
     length: int,
     descriptors: list[str],
     extra: dict[str, Any],
-) -> _StorageInfo:
+) -> StorageInfo:
     # torch leaves transform_descriptors out when empty; so do we (older readers).
-    info = _StorageInfo(relative_path, offset, length, descriptors or None)
+    info = StorageInfo(relative_path, offset, length, descriptors or None)
     setattr(info, EXTRA, extra)
     return info
 

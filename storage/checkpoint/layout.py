@@ -13,8 +13,8 @@ import logging
 import re
 from dataclasses import dataclass
 
-from storage import format as fmt
-from storage.base import FileSystemBase
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import format as fmt
 
 log = logging.getLogger(__name__)
 

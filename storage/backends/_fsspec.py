@@ -19,7 +19,7 @@ import fsspec
 from fsspec.core import split_protocol
 from fsspec.spec import AbstractBufferedFile
 
-from storage.base import FileSystemBase
+from storage.backends.base import FileSystemBase
 
 log = logging.getLogger(__name__)
 

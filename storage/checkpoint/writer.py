@@ -3,36 +3,33 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import io
 import os
-import pickle
 import threading
 import uuid
 from collections.abc import Sequence
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import _item_size, _split_by_size_and_type
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from extensions._compat import item_size, save_tensor_archive, split_by_size_and_type
 from extensions.base import ItemInfo
 from extensions.errors import CheckpointExistsError
-from extensions.registry import encoding_stream
-from storage import format as fmt
-from storage._common import (
-    Crc32cSink,
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import format as fmt
+from storage.checkpoint._common import (
     check_thread_count,
     default_thread_count,
     records_error,
     resolve_location,
 )
-from storage.base import FileSystemBase
-from storage.commit import metadata_may_name, publish_metadata, remove_quietly
+from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
+from storage.checkpoint.items import ItemEncoder
 
 DCP_VERSION = "1.0.0"
 SMALL_TENSOR = 1 << 20
@@ -143,10 +140,10 @@ class CheckpointWriter(StorageWriter):
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _RankPlan) else self.rank
         # Per-item work (pickling, torch.save's archive) holds the GIL: parallel files pay
         # off only with enough bytes per thread to overlap I/O and compression.
-        total = sum(_item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
+        total = sum(item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
         threads = max(1, min(self.thread_count, total // BYTES_PER_THREAD))
         if self.single_file_per_rank:
-            buckets = [b for b in _split_by_size_and_type(threads, plan.items) if b]
+            buckets = [b for b in split_by_size_and_type(threads, plan.items) if b]
         else:
             buckets = [[item] for item in plan.items]
         files = [(fmt.data_file_name(rank, n, self.save_id), b) for n, b in enumerate(buckets)]
@@ -256,8 +253,8 @@ class CheckpointWriter(StorageWriter):
             dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else None,
             element_size=tensor.element_size() if tensor is not None else None,
         )
-        sink = Crc32cSink(stream)
-        plain, descriptors = encoding_stream(self.transforms, cast(IO[bytes], sink), info)
+        encoder = ItemEncoder(stream, self.transforms, info)
+        plain = encoder.plain
         extra: dict[str, Any] = {}
         if tensor is None:
             assert isinstance(data, io.BytesIO)
@@ -268,52 +265,24 @@ class CheckpointWriter(StorageWriter):
                 # torch.save makes ~40 tiny writes per tensor: let a BytesIO take them
                 # and hand the archive on in one piece.
                 archive = io.BytesIO()
-                _save_archive(tensor, archive)
+                save_tensor_archive(tensor, archive)
                 tracker = fmt.ArchiveTracker(plain, keep_below=archive.tell() + 1)
                 tracker.write(archive.getbuffer())
             else:
                 tracker = fmt.ArchiveTracker(plain)
-                _save_archive(tensor, cast(IO[bytes], tracker))
+                save_tensor_archive(tensor, cast(IO[bytes], tracker))
             tracker.flush()
             data_offset = tracker.data_offset(nbytes)
             if data_offset is not None:
                 extra["data_offset"] = data_offset
                 extra["dtype"] = str(tensor.dtype).removeprefix("torch.")
                 extra["nbytes"] = nbytes
-        plain.close()
-        sink.close()
-        extra["crc32c"] = sink.crc
+        count, extra["crc32c"] = encoder.close()
         return WriteResult(
             index=item.index,
-            size_in_bytes=sink.count,
-            storage_data=fmt.new_storage_info(name, offset, sink.count, descriptors, extra),
+            size_in_bytes=count,
+            storage_data=fmt.new_storage_info(name, offset, count, encoder.descriptors, extra),
         )
-
-
-def _save_archive(tensor: torch.Tensor, out: IO[bytes]) -> None:
-    """``torch.save(tensor, out)`` without the zlib CRC-32 of each archive record.
-
-    That CRC costs ~0.5 s of CPU per GB and duplicates our CRC-32C of the stored bytes;
-    torch.load does not need it. torch only offers a process-wide switch, which would
-    change every other torch.save in the process while a save runs, so the archive
-    writer is built here with the CRC off for this call alone; on a torch whose private
-    API differs, this falls back to plain torch.save."""
-    serialization: Any = torch.serialization
-    try:
-        writer = torch._C.PyTorchFileWriter(out, False, serialization._get_storage_alignment())
-        save_records = serialization._save
-    except (AttributeError, TypeError):
-        torch.save(tensor, out)
-        return
-    try:
-        save_records(tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
-    except BaseException:
-        # Finalize now, as torch.save does: an unfinalized writer finalizes in its C++
-        # destructor, and a write failing there (the stream is gone) aborts the process.
-        with contextlib.suppress(Exception):
-            writer.write_end_of_file()
-        raise
-    writer.write_end_of_file()
 
 
 def _plain_cpu_tensor(data: object) -> torch.Tensor:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from extensions.errors import CheckpointNotFoundError, MissingDependencyError
-from storage._fsspec import FsspecFileSystem
+from storage.backends._fsspec import FsspecFileSystem
 
 # gcsfs otherwise probes every bucket for hierarchical namespaces over gRPC/TLS, which
 # hangs for a minute against emulators and private endpoints.

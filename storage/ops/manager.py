@@ -27,12 +27,12 @@ import torch.distributed as dist
 from extensions.base import Keys
 from extensions.errors import CheckpointNotFoundError
 from extensions.registry import ExtensionRegistry
-from storage import api
-from storage import format as fmt
-from storage._common import resolve_location
-from storage.base import FileSystemBase
-from storage.commit import committed_files, remove_quietly
-from storage.layout import (
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import api
+from storage.checkpoint import format as fmt
+from storage.checkpoint._common import resolve_location
+from storage.checkpoint.commit import committed_files, remove_quietly
+from storage.checkpoint.layout import (
     STEP_PREFIX,
     StepInfo,
     delete_checkpoint,
@@ -42,7 +42,7 @@ from storage.layout import (
     is_metadata_name,
     parse_step,
 )
-from storage.writer import CheckpointWriter
+from storage.checkpoint.writer import CheckpointWriter
 
 log = logging.getLogger(__name__)
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import functools
-import io
 import os
 from collections.abc import Callable
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
-import crc32c
 import torch
 
-from storage.base import FileSystemBase
-from storage.registry import filesystem_from_url
+from storage.backends.base import FileSystemBase
+from storage.backends.registry import filesystem_from_url
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -55,63 +53,6 @@ def resolve_location(
             raise TypeError(f"filesystem must be a storage.FileSystemBase, got {filesystem!r}")
         return filesystem, filesystem.init_path(location)
     return filesystem_from_url(location, storage_options)
-
-
-class Crc32cSink(io.RawIOBase):
-    """Forwards writes to ``out`` while counting them and computing their CRC32C.
-
-    ``close`` only flushes ``out``: transforms may close what they wrap (as torch's
-    ``NoCloseWriter``), and the data file stays open for the next item."""
-
-    def __init__(self, out: IO[bytes]) -> None:
-        super().__init__()
-        self._out = out
-        self.count = 0
-        self.crc = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        self._out.write(view)
-        self.crc = crc32c.crc32c(view, self.crc)
-        self.count += view.nbytes
-        return view.nbytes
-
-    def close(self) -> None:
-        if not self.closed:
-            self._out.flush()
-        super().close()
-
-
-class Crc32cReader(io.RawIOBase):
-    """Reads from ``base`` while computing the CRC32C and count of what went by."""
-
-    def __init__(self, base: IO[bytes]) -> None:
-        super().__init__()
-        self._base = base
-        self.count = 0
-        self.crc = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readall(self) -> bytes:
-        # RawIOBase.readall would go 8 KiB at a time: a round trip each on object stores.
-        parts = []
-        chunk = bytearray(1 << 20)
-        while n := self.readinto(chunk):
-            parts.append(bytes(memoryview(chunk)[:n]))
-        return b"".join(parts)
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = self._base.readinto(view) or 0  # type: ignore[attr-defined]
-        if n:
-            self.crc = crc32c.crc32c(view[:n], self.crc)
-            self.count += n
-        return n
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

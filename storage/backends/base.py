@@ -38,7 +38,7 @@ import os
 from collections.abc import Iterator
 from typing import IO, Any, ClassVar, cast
 
-from storage.views import SliceView
+from extensions.streams import SliceView
 
 
 class FileSystemBase(abc.ABC):

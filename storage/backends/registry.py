@@ -7,20 +7,24 @@ import os
 from typing import Any
 
 from extensions.errors import MissingDependencyError
-from storage.base import FileSystemBase
+from storage.backends.base import FileSystemBase
 
 # Values are classes or "module:Class" strings imported on first use.
 _BACKENDS: dict[str, type[FileSystemBase] | str] = {
-    "": "storage._local:LocalFileSystem",
-    "file": "storage._local:LocalFileSystem",
-    "dcpmem": "storage._memory:MemoryFileSystem",
-    "s3": "storage._s3:S3FileSystem",
-    "s3a": "storage._s3:S3FileSystem",
-    "gs": "storage._gcs:GCSFileSystem",
-    "gcs": "storage._gcs:GCSFileSystem",
+    "": "storage.backends._local:LocalFileSystem",
+    "file": "storage.backends._local:LocalFileSystem",
+    "dcpmem": "storage.backends._memory:MemoryFileSystem",
+    "s3": "storage.backends.s3:S3FileSystem",
+    "s3a": "storage.backends.s3:S3FileSystem",
+    "gs": "storage.backends._gcs:GCSFileSystem",
+    "gcs": "storage.backends._gcs:GCSFileSystem",
 }
-_FSSPEC_FALLBACK = "storage._fsspec:FsspecFileSystem"
-_EXTRAS = {"storage._s3": "s3", "storage._gcs": "gcs", "storage._fsspec": "fsspec"}
+_FSSPEC_FALLBACK = "storage.backends._fsspec:FsspecFileSystem"
+_EXTRAS = {
+    "storage.backends.s3": "s3",
+    "storage.backends._gcs": "gcs",
+    "storage.backends._fsspec": "fsspec",
+}
 
 
 def register_filesystem(scheme: str, cls: type[FileSystemBase]) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
 from extensions.errors import CheckpointNotFoundError, MissingDependencyError
-from storage._fsspec import FsspecFileSystem
+from storage.backends._fsspec import FsspecFileSystem
 
 try:
     import fsspec.asyn
@@ -29,7 +29,7 @@ except ImportError as _exc:  # pragma: no cover - exercised without the extra in
         "pip install 'dcp-storage[s3]'"
     ) from _exc
 
-from storage._s3_io import MultipartWriter, RangeReader, error_code  # noqa: E402
+from storage.backends.s3._io import MultipartWriter, RangeReader, error_code  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -21,27 +21,29 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from extensions._compat import (
+    EmptyStateDictLoadPlanner,
+    load_state_dict_without_collectives,
+    set_element,
+)
 from extensions.base import Keys
 from extensions.errors import UnsafeCheckpointError
 from extensions.registry import ExtensionRegistry
-from storage._common import resolve_location
-from storage.api import unwrap_checkpoint_exception
-from storage.base import FileSystemBase
-from storage.layout import is_committed
-from storage.manager import CheckpointManager
-from storage.reader import CheckpointReader
-from storage.writer import CheckpointWriter
+from storage.backends.base import FileSystemBase
+from storage.checkpoint._common import resolve_location
+from storage.checkpoint.api import unwrap_checkpoint_exception
+from storage.checkpoint.layout import is_committed
+from storage.checkpoint.reader import CheckpointReader
+from storage.checkpoint.writer import CheckpointWriter
+from storage.ops.manager import CheckpointManager
 
 REPLICA_PREFIX = "replica-"
 
 
-class _PlainDataPlanner(_EmptyStateDictLoadPlanner):
+class _PlainDataPlanner(EmptyStateDictLoadPlanner):
     """Rebuilds the whole state dict from the metadata; non-tensor values are
     unpickled with ``weights_only=True`` (plain data only, never code)."""
 
@@ -189,7 +191,9 @@ class StorageTransport:
         state: dict[str, Any] = {}
         try:
             # dcp.load would fill a copy of ``state``; this fills ``state`` itself.
-            _load_state_dict(state, reader, planner=_PlainDataPlanner(url), no_dist=True)
+            load_state_dict_without_collectives(
+                state, reader, planner=_PlainDataPlanner(url), no_dist=True
+            )
         except CheckpointException as exc:
             raise unwrap_checkpoint_exception(exc, reader) from None
         return state

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
-from storage._cli_support import (
+from storage.cli._support import (
     TRANSFORM_SPECS,
     emit,
     human_age,
@@ -32,7 +32,7 @@ from storage._cli_support import (
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from storage.demo import format_figures, run_demo
+    from storage.ops.demo import format_figures, run_demo
 
     figures = run_demo(args.dir, steps=args.steps)
     emit(args, figures, format_figures(figures))
@@ -40,8 +40,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from storage.layout import directory_info, is_committed, parse_step
-    from storage.manager import CheckpointManager
+    from storage.checkpoint.layout import directory_info, is_committed, parse_step
+    from storage.ops.manager import CheckpointManager
 
     fs, root = location(args.root, args.storage_option)
     if not fs.exists(root):
@@ -80,7 +80,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from storage.tools import describe
+    from storage.ops.tools import describe
 
     fs, path = location(args.checkpoint, args.storage_option)
     try:
@@ -129,7 +129,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from storage.tools import describe, verify
+    from storage.ops.tools import describe, verify
 
     fs, path = location(args.checkpoint, args.storage_option)
     try:
@@ -162,7 +162,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_cp(args: argparse.Namespace) -> int:
-    from storage.tools import copy_checkpoint, describe
+    from storage.ops.tools import copy_checkpoint, describe
 
     src_fs, src = location(args.src, args.storage_option)
     dst_fs, dst = location(args.dst, args.dst_storage_option or args.storage_option)
@@ -204,8 +204,8 @@ def _cmd_cp(args: argparse.Namespace) -> int:
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    from storage.layout import delete_checkpoint
-    from storage.tools import read_metadata
+    from storage.checkpoint.layout import delete_checkpoint
+    from storage.ops.tools import read_metadata
 
     fs, path = location(args.checkpoint, args.storage_option)
     try:
@@ -224,7 +224,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from storage.manager import CheckpointManager
+    from storage.ops.manager import CheckpointManager
 
     fs, root = location(args.root, args.storage_option)
     if not fs.exists(root):

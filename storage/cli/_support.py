@@ -13,8 +13,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from extensions.errors import CheckpointNotFoundError
-from storage.base import FileSystemBase
-from storage.registry import filesystem_from_url, url_scheme
+from storage.backends.base import FileSystemBase
+from storage.backends.registry import filesystem_from_url, url_scheme
 
 TRANSFORM_SPECS = "zstd, zstd:LEVEL, shuffle, aes:KEY_ID, none"
 
@@ -146,7 +146,7 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 
 def not_a_checkpoint_hint(fs: FileSystemBase, path: str, exc: Exception) -> Exception:
-    from storage.manager import CheckpointManager
+    from storage.ops.manager import CheckpointManager
 
     steps = CheckpointManager(fs.url(path), filesystem=fs).entries()
     if steps:

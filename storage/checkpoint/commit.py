@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 
 from extensions.errors import CheckpointExistsError
-from storage import format as fmt
-from storage.base import FileSystemBase
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import format as fmt
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, ClassVar
 
-from storage.base import FileSystemBase
+from storage.backends.base import FileSystemBase
 
 
 class MemoryFileSystem(FileSystemBase):

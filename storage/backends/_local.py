@@ -8,8 +8,8 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, ClassVar, cast
 
-from storage.base import FileSystemBase
-from storage.views import SliceView
+from extensions.streams import SliceView
+from storage.backends.base import FileSystemBase
 
 
 class LocalFileSystem(FileSystemBase):

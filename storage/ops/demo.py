@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-import storage
 from extensions.zstd import ZStandard
+from storage.checkpoint.api import load, save
 
 
 def _build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -62,14 +62,14 @@ def run_demo(directory: str | None = None, *, steps: int = 3, keep: bool = False
     original = _state(model, optim, steps)
 
     t0 = time.perf_counter()
-    storage.save(original, path, transforms=[ZStandard()])
+    save(original, path, transforms=[ZStandard()])
     save_s = time.perf_counter() - t0
 
     fresh_model, fresh_optim = _build(seed=1)
     _train(fresh_model, fresh_optim, 1)  # creates optimizer state to load into
     restored = _state(fresh_model, fresh_optim, 0)
     t0 = time.perf_counter()
-    storage.load(restored, path)
+    load(restored, path)
     load_s = time.perf_counter() - t0
     fresh_optim.load_state_dict(restored["optim"])
     if not _equal(original, restored):

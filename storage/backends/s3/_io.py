@@ -16,10 +16,12 @@ import aiohttp
 import botocore.exceptions as botoexc
 import fsspec.asyn
 
-if TYPE_CHECKING:
-    from storage._s3 import S3FileSystem
+from extensions.streams import read_all
 
-log = logging.getLogger("storage._s3")
+if TYPE_CHECKING:
+    from storage.backends.s3._filesystem import S3FileSystem
+
+log = logging.getLogger("storage.backends.s3._filesystem")
 
 _MAX_PARTS = 10_000
 
@@ -121,13 +123,7 @@ class RangeReader(io.RawIOBase):
         return 0
 
     def readall(self) -> bytes:
-        chunks: list[bytes] = []
-        while True:
-            chunk = bytearray(8 << 20)
-            n = self.readinto(chunk)
-            if not n:
-                return b"".join(chunks)
-            chunks.append(bytes(memoryview(chunk)[:n]))
+        return read_all(self, chunk=8 << 20)
 
     def close(self) -> None:
         self._drop_body()

@@ -1,0 +1,36 @@
+"""Where bytes live: the ``FileSystemBase`` contract, the URL registry and one module
+per backend (local disk, memory, any fsspec URL, S3 as a small package, GCS).
+
+This layer knows files and objects, never checkpoints: it imports nothing from
+``storage.checkpoint``, ``storage.ops`` or ``storage.cli``. Cloud backends import their
+client libraries, so they load lazily (through the registry or the names below)."""
+
+from storage.backends._local import LocalFileSystem
+from storage.backends._memory import MemoryFileSystem
+from storage.backends.base import FileSystemBase
+from storage.backends.registry import filesystem_from_url, register_filesystem
+
+__all__ = [
+    "FileSystemBase",
+    "FsspecFileSystem",
+    "GCSFileSystem",
+    "LocalFileSystem",
+    "MemoryFileSystem",
+    "S3FileSystem",
+    "filesystem_from_url",
+    "register_filesystem",
+]
+
+_LAZY = {
+    "FsspecFileSystem": "storage.backends._fsspec:FsspecFileSystem",
+    "S3FileSystem": "storage.backends.s3:S3FileSystem",
+    "GCSFileSystem": "storage.backends._gcs:GCSFileSystem",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from storage.backends.registry import _resolve
+
+        return _resolve(_LAZY[name])
+    raise AttributeError(f"module 'storage.backends' has no attribute {name!r}")

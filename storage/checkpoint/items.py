@@ -1,0 +1,140 @@
+"""One stored item on its way out and back in: the single place that wraps an item's
+bytes in its transform chain and its CRC-32C, used by the writer, the reader and the
+copy tool alike.
+
+:class:`ItemEncoder` takes plain bytes, runs them through the transforms and counts and
+checksums what reaches storage. :class:`StoredItem` reads exactly one item's stored
+bytes from a data stream (counting and checksumming them as they pass), offers them raw
+or decoded through the recorded chain, and checks length and checksum at the end, so a
+damaged item is reported as an :class:`IntegrityError` that names it.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import IO, Any, cast
+
+import crc32c
+
+from extensions.base import ItemInfo
+from extensions.errors import IntegrityError
+from extensions.registry import ExtensionRegistry, encoding_stream
+from extensions.streams import BoundedReader, drain, read_all
+
+
+class _Crc32cSink(io.RawIOBase):
+    """Forwards writes to ``out`` while counting them and computing their CRC32C.
+
+    ``close`` only flushes ``out``: transforms may close what they wrap (as torch's
+    ``NoCloseWriter``), and the data file stays open for the next item."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        super().__init__()
+        self._out = out
+        self.count = 0
+        self.crc = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._out.write(view)
+        self.crc = crc32c.crc32c(view, self.crc)
+        self.count += view.nbytes
+        return view.nbytes
+
+    def close(self) -> None:
+        if not self.closed:
+            self._out.flush()
+        super().close()
+
+
+class _Crc32cReader(io.RawIOBase):
+    """Reads from ``base`` while computing the CRC32C and count of what went by."""
+
+    def __init__(self, base: IO[bytes]) -> None:
+        super().__init__()
+        self._base = base
+        self.count = 0
+        self.crc = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readall(self) -> bytes:
+        return read_all(self)
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = self._base.readinto(view) or 0  # type: ignore[attr-defined]
+        if n:
+            self.crc = crc32c.crc32c(view[:n], self.crc)
+            self.count += n
+        return n
+
+
+class ItemEncoder:
+    """Write plain bytes of one item into ``plain``; :meth:`close` finishes the chain
+    and returns ``(stored length, crc32c)``. ``descriptors`` are the ones to record."""
+
+    def __init__(self, out: IO[bytes], transforms: Sequence[Any], info: ItemInfo) -> None:
+        self._sink = _Crc32cSink(out)
+        self.plain, self.descriptors = encoding_stream(
+            transforms, cast(IO[bytes], self._sink), info
+        )
+
+    def close(self) -> tuple[int, int]:
+        self.plain.close()
+        self._sink.close()
+        return self._sink.count, self._sink.crc
+
+
+class StoredItem:
+    """The next ``length`` stored bytes of ``stream``, recorded with ``descriptors`` and
+    (when the writer recorded one) ``expected_crc``; ``where`` names the item in errors."""
+
+    def __init__(
+        self,
+        stream: IO[bytes],
+        length: int,
+        descriptors: Sequence[str],
+        expected_crc: int | None,
+        where: str,
+    ) -> None:
+        self.raw = _Crc32cReader(cast(IO[bytes], BoundedReader(stream, length)))
+        self.length = length
+        self.descriptors = list(descriptors)
+        self.expected_crc = expected_crc
+        self.where = where
+
+    def decoded(self, registry: ExtensionRegistry, info: ItemInfo) -> IO[bytes]:
+        """The plain bytes, decoded through the recorded chain (last transform first)."""
+        raw = cast(IO[bytes], self.raw)
+        return registry.decoding_stream(self.descriptors, raw, info) if self.descriptors else raw
+
+    def finish(self) -> None:
+        """Read what the decoder left (transform trailers), then check the length and
+        the checksum of everything stored."""
+        drain(self.raw)
+        if self.raw.count != self.length:
+            raise IntegrityError(
+                f"{self.where}: data file is truncated ({self.raw.count} of {self.length} "
+                "bytes); restore the file or re-save the checkpoint"
+            )
+        if self.expected_crc is not None and self.raw.crc != self.expected_crc:
+            raise IntegrityError(
+                f"{self.where}: checksum mismatch (crc32c {self.raw.crc:08x}, expected "
+                f"{self.expected_crc:08x}); the stored bytes are damaged: restore the file "
+                "or re-save the checkpoint"
+            )
+
+    def damaged(self, exc: BaseException) -> IntegrityError:
+        """The integrity error behind a decoder choking on this item's bytes."""
+        drain(self.raw)
+        if self.expected_crc is not None and self.raw.crc != self.expected_crc:
+            return IntegrityError(f"{self.where}: checksum mismatch; the stored bytes are damaged")
+        if self.raw.count < self.length:
+            return IntegrityError(f"{self.where}: data file is truncated")
+        return IntegrityError(f"{self.where}: cannot decode: {exc}")
