@@ -20,9 +20,7 @@ def gloo_group(rank: int, world_size: int, store: str) -> Iterator[None]:
     and then aborts the process with 'terminate called without an active exception'.
     So nothing may follow the ``with`` block in the worker. A failing body raises as
     usual, and ``mp.spawn`` reports it."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         yield
         dist.barrier()
