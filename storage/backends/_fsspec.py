@@ -162,14 +162,19 @@ class FsspecFileSystem(FileSystemBase):
         )
 
     def _abandon(self, stream: Any, path: str) -> None:
-        """Throw away a half-written file without publishing it."""
+        """Throw away a half-written file without publishing it.
+
+        A buffered object-store upload (``AbstractBufferedFile``: S3, GCS, Azure, ...)
+        is cancelled and has touched nothing at ``path``, so an object already there
+        stays, as the contract says. Other streams wrote to ``path`` directly (local
+        files, ``memory://``): what they wrote is removed."""
         try:
             if isinstance(stream, AbstractBufferedFile):
                 # close() would upload what is buffered; discard() cancels instead.
                 stream.discard()
                 stream.closed = True
-            else:
-                stream.close()
+                return
+            stream.close()
             if self.fs.exists(path):
                 self.fs.rm_file(path)
         except Exception as exc:  # the caller's error is the one to report
@@ -234,6 +239,10 @@ class FsspecFileSystem(FileSystemBase):
             if info.get("type") == "directory":
                 raise IsADirectoryError(f"{self.url(path)} is a directory")
             self.fs.rm_file(path)
+
+    def is_link(self, path: str) -> bool:
+        islink = getattr(self.fs, "islink", None)  # fsspec's local filesystem has links
+        return bool(islink(path)) if callable(islink) else False
 
     def ls(self, path: str) -> list[str]:
         with self._errors(path, "listing"):

@@ -91,6 +91,9 @@ class LocalFileSystem(FileSystemBase):
     def rm_file(self, path: str) -> None:
         os.unlink(path)
 
+    def is_link(self, path: str) -> bool:
+        return os.path.islink(path)
+
     def ls(self, path: str) -> list[str]:
         return sorted(os.listdir(path))
 

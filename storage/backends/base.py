@@ -113,6 +113,11 @@ class FileSystemBase(abc.ABC):
     def rm_file(self, path: str) -> None:
         """Delete one object; ``FileNotFoundError`` if it does not exist."""
 
+    def is_link(self, path: str) -> bool:
+        """Whether ``path`` is a symbolic link (``False`` where the backend has none).
+        Deletion paths never delete through one."""
+        return False
+
     @abc.abstractmethod
     def ls(self, path: str) -> list[str]:
         """Sorted names (not paths) directly under ``path``, directories included."""

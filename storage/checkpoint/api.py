@@ -73,7 +73,7 @@ def save(
         with _quiet_single_process():
             dcp.save(state_dict, storage_writer=writer, no_dist=_no_dist())
     except CheckpointException as exc:
-        writer.abort()
+        writer.abort(exc)
         raise unwrap_checkpoint_exception(exc, writer) from None
 
 
@@ -130,7 +130,7 @@ def async_save(
         try:
             fut.result()
         except CheckpointException as exc:
-            writer.abort()
+            writer.abort(exc)
             outer.set_exception(unwrap_checkpoint_exception(exc, writer))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             outer.set_exception(exc)

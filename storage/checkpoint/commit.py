@@ -4,16 +4,24 @@ A checkpoint exists once its metadata does. Data files are written first under n
 unique to the save; :func:`publish_metadata` then makes them durable, publishes the
 metadata atomically and removes the files of the checkpoint it replaced. A failed save
 removes its own files only when :func:`metadata_may_name` proves its metadata did not
-land; everything else stays for the manager's cleanup.
+land; everything else stays for the manager's cleanup. On many ranks only the
+coordinator can tell: it marks its error (:func:`mark_may_have_landed`), DCP hands that
+error to every rank, and each rank follows it (:func:`commit_may_have_landed`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
-from extensions.errors import CheckpointExistsError
+from extensions.errors import CheckpointExistsError, CheckpointNotFoundError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
+from storage.checkpoint.layout import committed_files
+
+# Set on the coordinator's error when its metadata may have landed; it travels with the
+# error (pickled in DCP's CheckpointException) to the other ranks.
+_MAY_HAVE_LANDED = "dcp_storage_commit_may_have_landed"
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +36,24 @@ def publish_metadata(
     overwrite: bool,
     sync: bool,
 ) -> None:
-    """Commit a checkpoint whose data files are all written: make them durable, publish
-    the metadata atomically (a conditional create unless ``overwrite``), then remove the
-    files of the checkpoint it replaced that the new one does not use."""
+    """Commit a checkpoint whose data files are all written: make them durable, check
+    that they are all still there, publish the metadata atomically (a conditional create
+    unless ``overwrite``), then remove the files of the checkpoint it replaced that the
+    new one does not use.
+
+    The check makes a save fail, rather than report success for a checkpoint that does
+    not load, when something removed its files meanwhile (a ``gc`` whose grace is
+    shorter than the save); a removal between the check and the publish is not caught."""
     replaced = committed_files(fs, meta_path)
     if sync:
         fs.sync_dir(directory)
+    missing = sorted(new_files - set(fs.ls(directory)))
+    if missing:
+        raise CheckpointNotFoundError(
+            f"{fs.url(directory)}: {len(missing)} data file(s) of this save vanished before "
+            f"its metadata was published (first: {missing[0]!r}); something deleted them "
+            "meanwhile (a gc with too short a grace?). Nothing was committed"
+        )
     try:
         fs.write_atomic(meta_path, payload, exclusive=not overwrite)
     except FileExistsError as exc:
@@ -59,16 +79,25 @@ def metadata_may_name(fs: FileSystemBase, meta_path: str, save_id: str) -> bool:
     return getattr(meta.storage_meta, "save_id", None) == save_id
 
 
-def committed_files(fs: FileSystemBase, meta_path: str) -> set[str]:
-    """Data files named by the metadata at ``meta_path`` (none if absent or unreadable)."""
-    try:
-        old = fmt.load_metadata(fs.read_bytes(meta_path), fs.url(meta_path))
-    except FileNotFoundError:
-        return set()
-    except Exception as exc:  # an unreadable old checkpoint is simply replaced
-        log.warning("cannot read the checkpoint being replaced (%s); its files stay", exc)
-        return set()
-    return {info.relative_path for info in (old.storage_data or {}).values()}
+def mark_may_have_landed(error: BaseException) -> None:
+    """Record on ``error`` that the metadata may have landed, for every rank to see."""
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(error, _MAY_HAVE_LANDED, True)
+
+
+def commit_may_have_landed(error: BaseException | None) -> bool:
+    """Whether ``error`` (this rank's, or DCP's ``CheckpointException`` carrying the
+    coordinator's) says the commit may have landed: then no rank may delete its files."""
+    if error is None:
+        return False
+    if getattr(error, _MAY_HAVE_LANDED, False):
+        return True
+    failures = getattr(error, "failures", None) or {}
+    for failure in failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if getattr(inner, _MAY_HAVE_LANDED, False):
+            return True
+    return False
 
 
 def remove_quietly(fs: FileSystemBase, paths: list[str]) -> None:

@@ -5,14 +5,21 @@ A checkpoint is a directory (or prefix) holding ``.metadata`` (or rank-local
 The manager, the CLI and the recovery transport use these rules to list checkpoints
 and to delete only what they recognise: directories named exactly ``step-<N>`` (``N``
 in canonical decimal form) and, inside them, only checkpoint files.
+
+Deletion trusts neither the metadata nor the directory: a file is removed only if its
+name is a data file name (``__{rank}_{n}[-{save_id}].distcp``), whatever the metadata
+claims; a committed checkpoint loses only the data files its metadata names (never those
+of a save in flight); and nothing is deleted through a symbolic link.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from dataclasses import dataclass
 
+from extensions.errors import UnsafeCheckpointError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 
@@ -22,6 +29,8 @@ STEP_PREFIX = "step-"
 _STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)")
 _METADATA_NAME = re.compile(r"(__[0-9]+)?\.metadata")
 _METADATA_TMP = re.compile(r"(__[0-9]+)?\.metadata\.tmp-[0-9a-zA-Z]+")
+# Ours (``__0_3-<save_id>.distcp``) and stock DCP's (``__0_3.distcp``).
+_DATA_NAME = re.compile(r"__[0-9]+_[0-9]+(-[0-9a-zA-Z]+)?" + re.escape(fmt.DATA_SUFFIX))
 
 
 def parse_step(name: str) -> int | None:
@@ -35,12 +44,18 @@ def is_metadata_name(name: str) -> bool:
     return _METADATA_NAME.fullmatch(name) is not None
 
 
+def is_data_file_name(name: str) -> bool:
+    """``__{rank}_{n}.distcp`` (stock DCP) or ``__{rank}_{n}-{save_id}.distcp`` (ours):
+    the only names any deletion path removes as data files."""
+    return _DATA_NAME.fullmatch(name) is not None
+
+
 def is_checkpoint_file_name(name: str) -> bool:
     """A file a checkpoint save writes: metadata, its temporaries, or a data file."""
     return (
         is_metadata_name(name)
         or _METADATA_TMP.fullmatch(name) is not None
-        or (name.endswith(fmt.DATA_SUFFIX) and "/" not in name)
+        or is_data_file_name(name)
     )
 
 
@@ -49,25 +64,83 @@ def is_committed(fs: FileSystemBase, path: str) -> bool:
     return fs.exists(fs.concat_path(path, fmt.METADATA_NAME))
 
 
-def delete_checkpoint(fs: FileSystemBase, path: str) -> list[str]:
-    """Delete the checkpoint files at ``path``: metadata first (so it stops being a
-    checkpoint at once), then data files, then the directory if it is empty.
+def committed_files(fs: FileSystemBase, meta_path: str) -> set[str]:
+    """Data files named by the metadata at ``meta_path`` that may be deleted with it:
+    only names that are data file names, so a hostile or hand-edited metadata cannot
+    make a deletion path remove ``train.py`` (none if absent or unreadable)."""
+    try:
+        meta = fmt.load_metadata(fs.read_bytes(meta_path), fs.url(meta_path))
+    except FileNotFoundError:
+        return set()
+    except Exception as exc:  # an unreadable checkpoint's files stay for cleanup
+        log.warning("cannot read %s (%s); the files it names stay", fs.url(meta_path), exc)
+        return set()
+    named = {getattr(i, "relative_path", None) for i in (meta.storage_data or {}).values()}
+    ours = {n for n in named if isinstance(n, str) and is_data_file_name(n)}
+    if len(ours) < len(named):
+        log.warning(
+            "%s names files that are not data files; they are never deleted", fs.url(meta_path)
+        )
+    return ours
 
-    Returns the names left in place because they are not checkpoint files."""
+
+def refuse_link(fs: FileSystemBase, path: str) -> None:
+    """Raise :class:`UnsafeCheckpointError` if ``path`` is a symbolic link: a linked
+    checkpoint belongs to someone else (a shared pretrained one, say) and deleting
+    through the link would remove its files."""
+    if fs.is_link(path):
+        raise UnsafeCheckpointError(
+            f"{fs.url(path)} is a symbolic link to a checkpoint elsewhere; it is never "
+            "deleted through the link (remove the link itself if it is no longer wanted)"
+        )
+
+
+def delete_checkpoint(fs: FileSystemBase, path: str) -> list[str]:
+    """Delete the committed checkpoint at ``path``.
+
+    Each metadata file is read, then removed (so the directory stops being a checkpoint
+    at once), then the data files it named. Data files no metadata named (a save in
+    flight, leftovers of a failed one) stay for :func:`remove_leftovers` after a grace
+    period; so do files that are not checkpoint files, and the files of a metadata that
+    cannot be read. The directory goes once empty. Refuses symbolic links
+    (:func:`refuse_link`). Returns the names left in place."""
+    refuse_link(fs, path)
     names = fs.ls(path)
-    metadata = [n for n in names if is_metadata_name(n)]
-    others = [n for n in names if is_checkpoint_file_name(n) and n not in metadata]
-    for name in metadata + others:
-        try:
+    named: set[str] = set()
+    for name in (n for n in names if is_metadata_name(n)):
+        meta_path = fs.concat_path(path, name)
+        named |= committed_files(fs, meta_path)
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(meta_path)
+    for name in sorted(named):
+        with contextlib.suppress(FileNotFoundError):
             fs.rm_file(fs.concat_path(path, name))
-        except FileNotFoundError:
-            pass
-    kept = [n for n in names if not is_checkpoint_file_name(n)]
+    return _remove_dir_or_report(fs, path)
+
+
+def remove_leftovers(fs: FileSystemBase, path: str, names: list[str]) -> list[str]:
+    """Remove ``names``, the checkpoint files of an uncommitted directory that the
+    caller found stale, then the directory once empty. Refuses symbolic links. Returns
+    the names left in place."""
+    refuse_link(fs, path)
+    for name in names:
+        if is_checkpoint_file_name(name) and not is_metadata_name(name):
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(fs.concat_path(path, name))
+    return _remove_dir_or_report(fs, path)
+
+
+def _remove_dir_or_report(fs: FileSystemBase, path: str) -> list[str]:
+    try:
+        kept = fs.ls(path)
+    except FileNotFoundError:
+        return []
     if kept:
-        log.warning("%s: left %s in place (not checkpoint files)", fs.url(path), kept)
-    else:
+        log.warning("%s: left %s in place", fs.url(path), kept)
+        return kept
+    with contextlib.suppress(OSError):  # a save may start writing here meanwhile
         fs.rm_dir(path)
-    return kept
+    return []
 
 
 @dataclass(frozen=True)

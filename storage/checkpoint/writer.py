@@ -28,7 +28,13 @@ from storage.checkpoint._common import (
     records_error,
     resolve_location,
 )
-from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
+from storage.checkpoint.commit import (
+    commit_may_have_landed,
+    mark_may_have_landed,
+    metadata_may_name,
+    publish_metadata,
+    remove_quietly,
+)
 from storage.checkpoint.items import ItemEncoder
 
 DCP_VERSION = "1.0.0"
@@ -190,19 +196,23 @@ class CheckpointWriter(StorageWriter):
                 overwrite=self.overwrite,
                 sync=self.sync_files,
             )
-        except BaseException:
+        except BaseException as exc:
             if metadata_may_name(self.fs, self._metadata_path(), self.save_id):
                 self._committed = True  # it landed (or may have): its files must stay
+                mark_may_have_landed(exc)  # ... and every other rank's files too
             else:
                 remove_quietly(self.fs, [self.fs.concat_path(self.path, f) for f in new_files])
             raise
         self._committed = True
 
-    def abort(self) -> None:
+    def abort(self, error: BaseException | None = None) -> None:
         """Remove the data files this rank wrote in the current save, unless it was
-        committed. DCP calls nothing on a rank when another rank's part failed; the
-        one-call helpers call this so such saves leave nothing behind."""
-        if not self._committed:
+        committed or ``error`` (the save's error, e.g. DCP's ``CheckpointException``)
+        says the coordinator's commit may have landed: only the coordinator can tell,
+        and every rank follows its verdict. DCP calls nothing on a rank when another
+        rank's part failed; the one-call helpers call this so such saves leave nothing
+        behind."""
+        if not self._committed and not commit_may_have_landed(error):
             remove_quietly(self.fs, list(self._written))
             self._written.clear()
 

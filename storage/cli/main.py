@@ -218,7 +218,10 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     kept = delete_checkpoint(fs, path)
     text = f"removed {fs.url(path)}"
     if kept:
-        text += f" (left {', '.join(kept)}: not checkpoint files)"
+        text += (
+            f" (left {', '.join(kept)} in place: not files its metadata names; "
+            "`dcp-storage gc` removes leftovers of saves after the grace period)"
+        )
     emit(args, {"removed": fs.url(path), "kept": kept}, text)
     return 0
 
@@ -237,6 +240,8 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} step-{s} (retention)" for s in pruned]
     lines += [f"{verb} step-{s} (interrupted save)" for s in cleaned]
+    linked = mgr.linked_steps()
+    lines += [f"kept step-{s}: a symbolic link, never deleted through" for s in linked]
     text = "\n".join(lines) or f"nothing to do under {mgr.url}"
     text += (
         f"\nkept: {', '.join(f'step-{s}' for s in mgr.steps()) or 'none'}"
@@ -250,6 +255,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             "dry_run": args.dry_run,
             "retention": pruned,
             "interrupted": cleaned,
+            "linked": linked,
             "steps": mgr.steps(),
         },
         text,

@@ -7,8 +7,10 @@ without padding; steps sort as integers). A step exists once its ``.metadata`` d
 The manager only ever deletes what it recognises as its own: directories named exactly
 ``step-<N>`` (``N`` in canonical decimal form: ``step-7``, not ``step-07``, ``step--1``,
 ``step-3.14`` or ``step-300_extra``), and inside them only checkpoint files (metadata,
-``*.distcp`` data files and the temporary files of an interrupted metadata write).
-Anything else under the root or inside a step directory is left alone.
+``__{rank}_{n}[-{save_id}].distcp`` data files and the temporary files of an
+interrupted metadata write). Anything else under the root or inside a step directory is
+left alone, and so is a step that is a symbolic link (a checkpoint from elsewhere,
+linked in): it is listed and loaded like any step, but never deleted through.
 """
 
 from __future__ import annotations
@@ -31,16 +33,19 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import api
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
-from storage.checkpoint.commit import committed_files, remove_quietly
+from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     StepInfo,
+    committed_files,
     delete_checkpoint,
     directory_info,
     is_checkpoint_file_name,
     is_committed,
+    is_data_file_name,
     is_metadata_name,
     parse_step,
+    remove_leftovers,
 )
 from storage.checkpoint.writer import CheckpointWriter
 
@@ -150,6 +155,13 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def linked_steps(self) -> list[int]:
+        """Steps whose directory is a symbolic link: retention, :meth:`cleanup` and
+        :meth:`delete` never touch them."""
+        return [
+            s for s, n in self._step_dirs() if self.fs.is_link(self.fs.concat_path(self.root, n))
+        ]
+
     def entries(self) -> list[StepInfo]:
         """Every ``step-<N>`` directory, committed or not, with size and age."""
         infos = []
@@ -248,7 +260,10 @@ class CheckpointManager:
     # --- deleting -------------------------------------------------------------------
 
     def delete(self, step: int) -> None:
-        """Delete ``root/step-{step}`` (metadata first, then data, then the directory)."""
+        """Delete ``root/step-{step}``: its metadata first, then the data files that
+        metadata names, then the directory once empty (see
+        :func:`~storage.checkpoint.layout.delete_checkpoint`). Raises
+        :class:`UnsafeCheckpointError` for a step that is a symbolic link."""
         path = self.step_path(step)
         try:
             delete_checkpoint(self.fs, path)
@@ -270,13 +285,15 @@ class CheckpointManager:
     def apply_retention(self, *, dry_run: bool = False, protect: int | None = None) -> list[int]:
         """Delete committed steps the policy does not keep; returns them.
 
-        Uncommitted directories are :meth:`cleanup`'s business and are not touched."""
+        Uncommitted directories are :meth:`cleanup`'s business and are not touched;
+        steps that are symbolic links are kept (and logged)."""
         if self.keep_last is None or not self._deletes():
             return []
         steps = self.steps()
         with self._lock:
             saving = self._saving
         keep = self.retained(steps, protect) | ({saving} if saving is not None else set())
+        keep |= self._skip_linked(s for s in steps if s not in keep)
         doomed = [s for s in steps if s not in keep]
         if not dry_run:
             for step in doomed:
@@ -307,14 +324,17 @@ class CheckpointManager:
             return []
         horizon = time.time() - grace_seconds
         removed = []
-        for step, name in self._step_dirs():
+        dirs = self._step_dirs()
+        linked = self._skip_linked(s for s, _ in dirs)
+        for step, name in dirs:
             with self._lock:
-                if step == self._saving:
+                if step == self._saving or step in linked:
                     continue
             path = self.fs.concat_path(self.root, name)
-            if self._is_stale_leftover(path, horizon):
+            stale = self._stale_leftover(path, horizon)
+            if stale is not None:
                 if not dry_run:
-                    delete_checkpoint(self.fs, path)
+                    remove_leftovers(self.fs, path, stale)
                 removed.append(step)
             elif not dry_run:
                 self._remove_orphans(path, horizon)
@@ -334,7 +354,7 @@ class CheckpointManager:
         if not referenced:
             return  # unreadable metadata: touch nothing
         for name in names:
-            if not name.endswith(fmt.DATA_SUFFIX) or name in referenced:
+            if not is_data_file_name(name) or name in referenced:
                 continue
             file_path = self.fs.concat_path(path, name)
             try:
@@ -348,23 +368,39 @@ class CheckpointManager:
     def _deletes(self) -> bool:
         return self.coordinator if self.coordinator is not None else _is_rank_zero()
 
-    def _is_stale_leftover(self, path: str, horizon: float) -> bool:
+    def _skip_linked(self, steps: Any) -> set[int]:
+        """Those of ``steps`` that are symbolic links, each logged as kept."""
+        linked = set()
+        for step in steps:
+            path = self.fs.concat_path(self.root, f"{STEP_PREFIX}{step}")
+            if self.fs.is_link(path):
+                log.warning(
+                    "%s is a symbolic link to a checkpoint elsewhere: kept, never deleted "
+                    "through the link",
+                    self.fs.url(path),
+                )
+                linked.add(step)
+        return linked
+
+    def _stale_leftover(self, path: str, horizon: float) -> list[str] | None:
+        """The names in ``path`` if it is an uncommitted directory of checkpoint files
+        all older than ``horizon``, else ``None``."""
         try:
             names = self.fs.ls(path)
         except (FileNotFoundError, NotADirectoryError):
-            return False
+            return None
         if any(is_metadata_name(n) for n in names):
-            return False
+            return None
         if not all(is_checkpoint_file_name(n) for n in names):
             log.info("%s: not cleaned up, it holds files that are not ours", self.fs.url(path))
-            return False
+            return None
         try:
             times = [self.fs.modified(self.fs.concat_path(path, n)) for n in names] or [
                 self.fs.modified(path)
             ]
         except FileNotFoundError:
-            return False
-        return all(t is not None and t < horizon for t in times)
+            return None
+        return names if all(t is not None and t < horizon for t in times) else None
 
 
 def _check_step(step: object) -> int:

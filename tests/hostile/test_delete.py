@@ -1,0 +1,290 @@
+"""Deleting what is not ours: hostile metadata, linked steps, races and lost responses.
+
+Every test names, in a comment, what happened before the fix it guards.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import storage
+from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
+from storage import CheckpointManager, FsspecFileSystem, GCSFileSystem, LocalFileSystem
+from storage.checkpoint import format as fmt
+from storage.cli import main
+from tests.distributed import gloo_group
+
+
+def _state(value: float = 1.0) -> dict[str, Any]:
+    return {"w": torch.full((4,), value), "b": torch.arange(3.0) + value, "step": int(value)}
+
+
+def _assert_loads(path: Path | str, value: float) -> None:
+    out = {"w": torch.zeros(4), "b": torch.zeros(3), "step": 0}
+    storage.load(out, str(path))
+    assert torch.equal(out["w"], torch.full((4,), value)) and out["step"] == int(value)
+
+
+def _point_metadata_at(ckpt: Path, names: list[str]) -> None:
+    """Hand-edit ``.metadata`` so that its items name ``names`` as their data files."""
+    meta = fmt.load_metadata((ckpt / ".metadata").read_bytes(), str(ckpt))
+    infos = list(meta.storage_data.values())
+    for info, name in zip(infos, names, strict=False):
+        info.relative_path = name
+    (ckpt / ".metadata").write_bytes(fmt.dump_metadata(meta))
+
+
+# --- 1. only files named like our data files are ever deleted --------------------------
+
+# Names a hostile or hand-edited .metadata may list as relative_path. None of them is a
+# data file name (``__{rank}_{n}[-{save_id}].distcp``), so none may be deleted.
+_FOREIGN = ["train.py", "notes.distcp", "__0_0.distcp.bak"]
+
+
+def _overwrite_save(ckpt: Path) -> None:
+    storage.save(_state(2.0), str(ckpt))
+
+
+def _overwrite_manager(ckpt: Path) -> None:
+    CheckpointManager(ckpt.parent).save(int(ckpt.name.removeprefix("step-")), _state(2.0))
+
+
+def _overwrite_cp(ckpt: Path) -> None:
+    source = ckpt.parent / "fresh"
+    storage.save(_state(2.0), str(source))
+    assert main(["cp", str(source), str(ckpt), "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize(
+    "overwrite",
+    [_overwrite_save, _overwrite_manager, _overwrite_cp],
+    ids=["storage.save", "manager.save", "cp--overwrite"],
+)
+def test_overwrite_deletes_only_data_files(tmp_path: Path, overwrite: Callable[..., None]) -> None:
+    # Without the fix, replacing the checkpoint removed every file the old metadata
+    # named: train.py beside the data files was deleted by storage.save,
+    # CheckpointManager.save and `dcp-storage cp --overwrite` alike.
+    ckpt = tmp_path / "step-1"
+    storage.save(_state(1.0), str(ckpt))
+    for name in _FOREIGN:
+        (ckpt / name).write_text("precious")
+    _point_metadata_at(ckpt, _FOREIGN)
+    overwrite(ckpt)
+    for name in _FOREIGN:
+        assert (ckpt / name).read_text() == "precious", name
+    _assert_loads(ckpt, 2.0)
+
+
+def test_rm_and_retention_delete_only_data_files(tmp_path: Path) -> None:
+    # Without the fix, `rm`, retention and gc removed every *.distcp in a step
+    # directory (notes.distcp is a user's file that merely ends like a data file).
+    root = tmp_path / "root"
+    mgr = CheckpointManager(root, keep_last=1)
+    mgr.save(1, _state(1.0))
+    (root / "step-1" / "notes.distcp").write_text("precious")
+    mgr.save(2, _state(2.0))  # retention removes step-1
+    assert (root / "step-1" / "notes.distcp").read_text() == "precious"
+    assert mgr.steps() == [2]
+    (root / "step-2" / "notes.distcp").write_text("precious")
+    assert main(["rm", str(root / "step-2")]) == 0
+    assert (root / "step-2" / "notes.distcp").read_text() == "precious"
+    assert main(["gc", str(root), "--keep-last", "1", "--grace", "0"]) == 0
+    assert (root / "step-2" / "notes.distcp").read_text() == "precious"
+
+
+# --- 2. never delete through a symbolic link -------------------------------------------
+
+
+@pytest.fixture
+def linked_root(tmp_path: Path) -> tuple[Path, Path]:
+    """``root/step-0`` links to a shared pretrained checkpoint outside the root;
+    ``root/step-{1,2}`` are the run's own."""
+    pretrained = tmp_path / "shared" / "pretrained"
+    storage.save(_state(0.0), str(pretrained))
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "step-0").symlink_to(pretrained, target_is_directory=True)
+    mgr = CheckpointManager(root)
+    mgr.save(1, _state(1.0))
+    mgr.save(2, _state(2.0))
+    return root, pretrained
+
+
+def _pretrained_intact(pretrained: Path) -> None:
+    assert (pretrained / ".metadata").exists()
+    _assert_loads(pretrained, 0.0)
+
+
+def test_retention_never_deletes_through_a_linked_step(
+    linked_root: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Without the fix, retention deleted the pretrained checkpoint's files through the
+    # link, then failed on rmdir of the link half-way (steps 1 and 2 survived).
+    root, pretrained = linked_root
+    mgr = CheckpointManager(root, keep_last=1)
+    mgr.save(3, _state(3.0))
+    _pretrained_intact(pretrained)
+    assert (root / "step-0").is_symlink()
+    assert mgr.steps() == [0, 3]
+    assert "symbolic link" in caplog.text
+
+
+def test_delete_and_rm_refuse_a_linked_step(
+    linked_root: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without the fix, manager.delete(0) and `dcp-storage rm root/step-0` deleted the
+    # linked checkpoint's files.
+    root, pretrained = linked_root
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+        CheckpointManager(root).delete(0)
+    assert main(["rm", str(root / "step-0")]) == 1
+    assert "symbolic link" in capsys.readouterr().err
+    _pretrained_intact(pretrained)
+
+
+def test_gc_skips_linked_steps_and_says_so(
+    linked_root: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without the fix, gc deleted the pretrained checkpoint (retention) and, for a link
+    # to an uncommitted directory, its leftovers (cleanup), silently.
+    root, pretrained = linked_root
+    partial = root.parent / "shared" / "partial"
+    partial.mkdir()
+    (partial / "__0_0-abc.distcp").write_bytes(b"x")
+    old = 1_000_000_000  # 2001: older than any grace
+    os.utime(partial / "__0_0-abc.distcp", (old, old))
+    (root / "step-7").symlink_to(partial, target_is_directory=True)
+    capsys.readouterr()
+    assert main(["gc", str(root), "--keep-last", "1", "--grace", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "step-0" in out and "step-7" in out and "symbolic link" in out
+    _pretrained_intact(pretrained)
+    assert (partial / "__0_0-abc.distcp").exists()
+
+
+# --- 3. deletion racing an overwrite of the same step ----------------------------------
+
+
+class _BeforePublish(LocalFileSystem):
+    """Runs ``hook`` once when the commit begins (its first step makes the written
+    files durable): the moment a concurrent deleter hurts most, every data file of the
+    save written and the metadata not yet published."""
+
+    hook: Callable[[], None] | None = None
+
+    def sync_dir(self, path: str) -> None:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        super().sync_dir(path)
+
+
+def test_retention_racing_an_overwrite_keeps_the_new_files(tmp_path: Path) -> None:
+    # Without the fix, retention (here another process's gc: a second manager on the
+    # same root) listed the step, removed the old metadata and then every *.distcp in
+    # it, the in-flight save's new files included; the save then published metadata
+    # naming missing files and reported success.
+    root = tmp_path / "root"
+    CheckpointManager(root).save(1, _state(1.0))
+    CheckpointManager(root).save(2, _state(2.0))
+    fs = _BeforePublish()
+    fs.hook = lambda: CheckpointManager(root, keep_last=1).apply_retention()
+    CheckpointManager(root, filesystem=fs).save(1, _state(5.0))  # overwrite step 1
+    _assert_loads(root / "step-1", 5.0)
+
+
+def test_save_never_reports_success_for_missing_files(tmp_path: Path) -> None:
+    # Without the fix, a data file removed while the save ran (a gc whose grace is
+    # shorter than the save) went unnoticed: the save published metadata naming it and
+    # returned normally, and every load failed.
+    ckpt = tmp_path / "ckpt"
+    storage.save(_state(1.0), str(ckpt))
+    before = {p.name for p in ckpt.iterdir()}
+    fs = _BeforePublish()
+
+    def remove_a_new_file() -> None:
+        (new,) = {p.name for p in ckpt.iterdir()} - before
+        (ckpt / new).unlink()
+
+    fs.hook = remove_a_new_file
+    with pytest.raises(CheckpointNotFoundError, match="vanished"):
+        storage.save(_state(2.0), str(ckpt), filesystem=fs)
+    _assert_loads(ckpt, 1.0)  # the committed checkpoint is untouched
+
+
+# --- 4. every rank follows the coordinator's verdict -----------------------------------
+
+
+class _LostResponse(LocalFileSystem):
+    """The metadata publish lands, then the response is lost (raises)."""
+
+    def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        super().write_atomic(path, data, exclusive=exclusive)
+        raise OSError(f"{path}: connection reset after the request was sent")
+
+
+def _lost_response_worker(rank: int, store: str, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with gloo_group(rank, 2, store):
+        mesh = init_device_mesh("cpu", (2,))
+        state = {"w": distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])}
+        with pytest.raises(OSError, match="connection reset"):
+            storage.save(state, path, filesystem=_LostResponse())
+
+
+def test_ranks_keep_their_files_when_the_commit_may_have_landed(tmp_path: Path) -> None:
+    # Without the fix, rank 1 removed its data file in abort(): only rank 0 knew that
+    # the metadata had landed, so the published checkpoint named a missing file.
+    ckpt = tmp_path / "ckpt"
+    mp.spawn(_lost_response_worker, args=(str(tmp_path / "store"), str(ckpt)), nprocs=2, join=True)
+    assert len(list(ckpt.glob("__1_*.distcp"))) == 1
+    out = {"w": torch.zeros(8)}
+    storage.load(out, str(ckpt))
+    assert torch.equal(out["w"], torch.arange(8.0))
+
+
+# --- 5. a failed write on an object store keeps the object already there ---------------
+
+_BUCKET = "dcp-hostile-delete"
+
+
+@pytest.fixture(scope="module")
+def gcs_endpoint() -> str:
+    from tests.servers import fake_gcs_endpoint, gcs_create_bucket
+
+    url = fake_gcs_endpoint()
+    gcs_create_bucket(url, _BUCKET)
+    return url
+
+
+@pytest.mark.parametrize("backend", ["gcs", "fsspec-gs"])
+@pytest.mark.parametrize("size", [100, 600 << 10], ids=["one-request", "resumable"])
+def test_failed_write_keeps_the_object_already_there(
+    gcs_endpoint: str, backend: str, size: int
+) -> None:
+    # Without the fix, _abandon removed the object at the path after cancelling the
+    # upload: the old object, which the store had kept, was deleted.
+    from tests.servers import gcs_options
+
+    options = gcs_options(gcs_endpoint)
+    fs: FsspecFileSystem = (
+        GCSFileSystem(storage_options=options, part_size=256 << 10)
+        if backend == "gcs"
+        else FsspecFileSystem(storage_options=options, protocol="gs")
+    )
+    path = fs.init_path(f"gs://{_BUCKET}/{uuid.uuid4().hex}/obj.bin")
+    fs.write_atomic(path, b"old")
+    with pytest.raises(RuntimeError, match="boom"), fs.create_stream(path, "wb") as stream:
+        stream.write(b"n" * size)
+        raise RuntimeError("boom")
+    assert fs.read_bytes(path) == b"old"
