@@ -8,6 +8,7 @@ import math
 import os
 import pickle
 import threading
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any, cast
@@ -97,12 +98,15 @@ class CheckpointReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
         self.last_error: BaseException | None = None
+        # One id per load, handed to planners and loggers in metadata.storage_meta (stock).
+        self.load_id = str(uuid.uuid4())
 
     # --- StorageReader --------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         self.last_error = None
+        self.load_id = str(uuid.uuid4())
         if checkpoint_id:
             self.fs, self.path = resolve_location(
                 checkpoint_id, self.storage_options, self._explicit_fs
@@ -122,8 +126,9 @@ class CheckpointReader(StorageReader):
         except FileNotFoundError:
             raise CheckpointNotFoundError(self._missing_message(rank)) from None
         metadata = fmt.load_metadata(payload, self.url)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         self.last_error = None  # an earlier probe (global vs rank-local) may have failed
         return metadata
 
@@ -353,17 +358,22 @@ def _plain_data(payload: bytes, where: str) -> io.BytesIO:
 
     DCP's default planner unpickles these values with ``weights_only=False``. The value
     is loaded here with torch's ``weights_only`` unpickler (plain data, plus what the
-    user allowed with ``torch.serialization.add_safe_globals``) and pickled again, so
+    user allowed with ``torch.serialization.add_safe_globals``) or, for the
+    ``io.BytesIO`` values DCP stores as opaque blobs, with a loader that builds nothing
+    but a BytesIO (``format.load_bytes_io``), and pickled again, so
     the planner's unpickler only ever sees our own pickle of those objects - never the
     checkpoint's bytes, whose opcodes might act differently under the two unpicklers."""
+    value: object
     try:
         value = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            f"{where}: the stored value is not plain data ({str(exc).splitlines()[0]}); "
-            "refusing to unpickle it. If you trust this checkpoint, allow the class with "
-            "torch.serialization.add_safe_globals([...])"
-        ) from None
+        value = fmt.load_bytes_io(payload)  # DCP's own io.BytesIO values
+        if value is None:
+            raise UnsafeCheckpointError(
+                f"{where}: the stored value is not plain data ({str(exc).splitlines()[0]}); "
+                "refusing to unpickle it. If you trust this checkpoint, allow the class with "
+                "torch.serialization.add_safe_globals([...])"
+            ) from None
     except Exception as exc:
         raise IntegrityError(f"{where}: the stored value cannot be read: {exc}") from exc
     plain = io.BytesIO()

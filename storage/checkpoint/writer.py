@@ -121,8 +121,8 @@ class CheckpointWriter(StorageWriter):
         meta_path = self._metadata_path()
         if not self.overwrite and self.fs.exists(meta_path):
             raise CheckpointExistsError(
-                f"{self.fs.url(self.path)} already holds a committed checkpoint and "
-                "overwrite=False; pick a new location or pass overwrite=True"
+                f"Checkpoint already exists at {self.fs.url(self.path)} and overwrite=False; "
+                "pick a new location or pass overwrite=True"
             )
         self.fs.mkdir(self.path)
         return dataclasses.replace(plan, storage_data=_RankPlan(self.rank))

@@ -1,0 +1,186 @@
+"""Drop-in for stock DCP: the same scenarios with torch's writer/reader and with ours.
+
+The harness runs each scenario over every (writer, reader) pair of one location kind:
+local disk (stock ``FileSystemWriter``/``FileSystemReader``) and fsspec ``memory://``
+(stock ``FsspecWriter``/``FsspecReader``), each side either stock or ours, with the
+assertions unchanged. Tests for one compatibility fact (issue 11) follow it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+import storage
+
+# --- the harness ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Side:
+    name: str
+    writer: Callable[..., Any]
+    reader: Callable[..., Any]
+
+
+OURS = Side("ours", storage.CheckpointWriter, storage.CheckpointReader)
+STOCK = {
+    "local": Side("stock", FileSystemWriter, FileSystemReader),
+    "memory": Side("stock", FsspecWriter, FsspecReader),
+}
+PAIRS = [(w, r) for w in ("stock", "ours") for r in ("stock", "ours") if "ours" in (w, r)]
+
+
+@dataclass
+class Pair:
+    """One location and the writer and reader to use there."""
+
+    location: str
+    writer_side: Side
+    reader_side: Side
+
+    def writer(self, **kwargs: Any) -> Any:
+        return self.writer_side.writer(self.location, **kwargs)
+
+    def reader(self, **kwargs: Any) -> Any:
+        return self.reader_side.reader(self.location, **kwargs)
+
+
+def _location(kind: str, tmp_path: Any) -> str:
+    if kind == "local":
+        return os.path.join(str(tmp_path), "ckpt")
+    return f"memory://dropin-{uuid.uuid4().hex}/ckpt"
+
+
+@pytest.fixture(
+    params=[(kind, w, r) for kind in ("local", "memory") for w, r in PAIRS],
+    ids=lambda p: f"{p[0]}-{p[1]}_writes-{p[2]}_reads",
+)
+def pair(request: pytest.FixtureRequest, tmp_path: Any) -> Pair:
+    kind, w, r = request.param
+    sides = {"stock": STOCK[kind], "ours": OURS}
+    return Pair(_location(kind, tmp_path), sides[w], sides[r])
+
+
+def _ddp_like_state() -> dict[str, Any]:
+    """What DCP's e2e tests save: model and optimizer tensors plus a training state
+    whose losses travel as an opaque ``io.BytesIO`` blob."""
+    gen = torch.Generator().manual_seed(1)
+    losses = io.BytesIO()
+    torch.save([0.9, 0.5, 0.25], losses)
+    return {
+        "model": {"net.weight": torch.randn(16, 8, generator=gen), "net.bias": torch.zeros(16)},
+        "optim": {"state": {"step": torch.tensor(3.0)}, "param_groups": [{"lr": 0.1}]},
+        "train_state": {"step": 42, "losses": losses},
+    }
+
+
+def _blank(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+        "optim": {"state": {"step": torch.tensor(0.0)}, "param_groups": [{"lr": 0.0}]},
+        "train_state": {"step": 0, "losses": io.BytesIO()},
+    }
+
+
+# --- 1. BytesIO values ----------------------------------------------------------------
+
+
+def test_bytes_io_state_round_trips(pair: Pair) -> None:
+    state = _ddp_like_state()
+    dcp.save(state, storage_writer=pair.writer())
+    target = _blank(state)
+    dcp.load(target, storage_reader=pair.reader())
+    for k, v in state["model"].items():
+        assert torch.equal(target["model"][k], v)
+    assert target["optim"]["param_groups"][0]["lr"] == 0.1
+    assert target["train_state"]["step"] == 42
+    losses = target["train_state"]["losses"]
+    assert isinstance(losses, io.BytesIO)
+    assert losses.getvalue() == state["train_state"]["losses"].getvalue()
+    losses.seek(0)
+    assert torch.load(losses, weights_only=True) == [0.9, 0.5, 0.25]
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("echo pwned",))
+
+
+def test_bytes_io_loader_opens_no_other_door(tmp_path: Any) -> None:
+    """A pickle that is not exactly a BytesIO is still refused, even next to one."""
+    from storage.checkpoint.format import load_bytes_io
+
+    good = io.BytesIO()
+    torch.save(io.BytesIO(b"blob"), good)
+    loaded = load_bytes_io(good.getvalue())
+    assert loaded is not None and loaded.getvalue() == b"blob"
+    for hostile in (_Evil(), [io.BytesIO(b"x"), _Evil()], {"x": 1}, b"raw"):
+        archive = io.BytesIO()
+        torch.save(hostile, archive)
+        assert load_bytes_io(archive.getvalue()) is None
+    assert load_bytes_io(b"not a zip") is None
+
+    path = os.path.join(str(tmp_path), "evil")
+    dcp.save({"x": _Evil()}, storage_writer=FileSystemWriter(path))
+    with pytest.raises(storage.UnsafeCheckpointError, match="not plain data"):
+        storage.load({"x": None}, path)
+
+
+# --- 3. load_id -----------------------------------------------------------------------
+
+
+def test_reader_sets_a_load_id_per_load(tmp_path: Any) -> None:
+    path = os.path.join(str(tmp_path), "ckpt")
+    storage.save({"a": torch.ones(2)}, path)
+    reader = storage.CheckpointReader(path)
+    first = reader.read_metadata()
+    assert first.storage_meta is not None and first.storage_meta.load_id == reader.load_id
+    old = reader.load_id
+    reader.reset(path)
+    assert reader.load_id != old
+    assert reader.read_metadata().storage_meta.load_id == reader.load_id
+    # What a planner sees during dcp.load.
+    seen: list[str | None] = []
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def set_up_planner(
+            self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False
+        ) -> None:
+            seen.append(metadata.storage_meta.load_id)
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    dcp.load({"a": torch.zeros(2)}, storage_reader=reader, planner=Planner())
+    assert seen == [reader.load_id]
+
+
+# --- 4. overwrite=False ---------------------------------------------------------------
+
+
+def test_overwrite_false_matches_stock(tmp_path: Any) -> None:
+    path = os.path.join(str(tmp_path), "ckpt")
+    storage.save({"a": torch.ones(2)}, path)
+    with pytest.raises(RuntimeError, match="Checkpoint already exists"):
+        storage.save({"a": torch.ones(2)}, path, overwrite=False)
+    with pytest.raises(storage.CheckpointExistsError, match="overwrite=False"):
+        storage.save({"a": torch.ones(2)}, path, overwrite=False)
+    with pytest.raises(FileExistsError):
+        storage.save({"a": torch.ones(2)}, path, overwrite=False)
+    # dcp.save wraps every storage error (stock's RuntimeError too) in CheckpointException.
+    for writer in (
+        FileSystemWriter(path, overwrite=False),
+        storage.CheckpointWriter(path, overwrite=False),
+    ):
+        with pytest.raises(CheckpointException, match="Checkpoint already exists"):
+            dcp.save({"a": torch.ones(2)}, storage_writer=writer)
