@@ -184,3 +184,63 @@ def test_overwrite_false_matches_stock(tmp_path: Any) -> None:
     ):
         with pytest.raises(CheckpointException, match="Checkpoint already exists"):
             dcp.save({"a": torch.ones(2)}, storage_writer=writer)
+
+
+# --- 2. legacy ShardedTensor classes in the metadata ----------------------------------
+
+
+def _legacy_sharded_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """A checkpoint as older torch wrote it: stock saves, and every tensor's properties
+    are the legacy ``torch.distributed._shard.sharded_tensor.metadata.TensorProperties``
+    (which older releases' DCP metadata imported), pickled as stock pickles metadata."""
+    import pickle
+
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3, dtype=torch.bfloat16)}
+    dcp.save(state, storage_writer=FileSystemWriter(path))
+    meta_path = os.path.join(path, ".metadata")
+    with open(meta_path, "rb") as f:
+        metadata = pickle.load(f)
+    for md in metadata.state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            md.properties = TensorProperties(dtype=md.properties.dtype)
+    payload = pickle.dumps(metadata)
+    assert b"torch.distributed._shard.sharded_tensor.metadata" in payload
+    assert b"MEM_FORMAT_ENCODING" in payload
+    with open(meta_path, "wb") as f:
+        f.write(payload)
+    return state
+
+
+def test_legacy_sharded_tensor_metadata_loads(tmp_path: Any) -> None:
+    path = os.path.join(str(tmp_path), "legacy")
+    state = _legacy_sharded_checkpoint(path)
+    for reader in (FileSystemReader(path), storage.CheckpointReader(path)):
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(target, storage_reader=reader)
+        assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_overwriting_legacy_checkpoint_removes_its_files(tmp_path: Any) -> None:
+    path = os.path.join(str(tmp_path), "legacy")
+    _legacy_sharded_checkpoint(path)
+    old = {n for n in os.listdir(path) if n.endswith(".distcp")}
+    assert old
+    storage.save({"w": torch.ones(2)}, path)
+    assert not old & set(os.listdir(path))
+    out = {"w": torch.zeros(2)}
+    storage.load(out, path)
+    assert torch.equal(out["w"], torch.ones(2))
+
+
+def test_legacy_allowlist_is_exact(tmp_path: Any) -> None:
+    import pickle
+
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+
+    from storage.checkpoint.format import load_metadata
+
+    with pytest.raises(storage.UnsafeCheckpointError, match="ShardedTensorMetadata"):
+        load_metadata(pickle.dumps(ShardedTensorMetadata()), "ckpt")

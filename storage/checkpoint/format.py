@@ -90,6 +90,9 @@ _ALLOWED: dict[str, set[str]] = {
         "StorageMeta",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    # Older torch releases pickled the legacy ShardedTensor TensorProperties (and its enum)
+    # into TensorStorageMetadata; stock still reads those checkpoints, so we do too.
+    "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties", "MEM_FORMAT_ENCODING"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
