@@ -244,3 +244,93 @@ def test_legacy_allowlist_is_exact(tmp_path: Any) -> None:
 
     with pytest.raises(storage.UnsafeCheckpointError, match="ShardedTensorMetadata"):
         load_metadata(pickle.dumps(ShardedTensorMetadata()), "ckpt")
+
+
+# --- 7. torch's own extension registry ------------------------------------------------
+
+
+class _XorStream(io.RawIOBase):
+    """XOR every byte with a key byte, writing into or reading from ``inner``."""
+
+    def __init__(self, inner: Any, key: int, *, writing: bool) -> None:
+        super().__init__()
+        self._inner, self._key, self._writing = inner, key, writing
+
+    def writable(self) -> bool:
+        return self._writing
+
+    def readable(self) -> bool:
+        return not self._writing
+
+    def write(self, data: Any) -> int:
+        raw = bytes(memoryview(data).cast("B"))
+        self._inner.write(bytes(b ^ self._key for b in raw))
+        return len(raw)
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._inner.read(len(buffer))
+        buffer[: len(data)] = bytes(b ^ self._key for b in data)
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed and self._writing:
+            self._inner.close()
+        super().close()
+
+
+def _torch_xor_transform() -> type:
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    class TorchXor(StreamTransformExtension):
+        """A transform written for stock DCP only (torch's base class, not ours)."""
+
+        @staticmethod
+        def registry_name() -> str:
+            return "test.torch-xor"
+
+        @staticmethod
+        def from_descriptor(version: str) -> TorchXor:
+            if version != "1":
+                raise ValueError(f"unknown version {version}")
+            return TorchXor()
+
+        def get_descriptor(self) -> str:
+            return "test.torch-xor/1"
+
+        def transform_to(self, output: Any) -> Any:
+            return _XorStream(output, 0x5A, writing=True)
+
+        def transform_from(self, input: Any) -> Any:
+            return io.BufferedReader(_XorStream(input, 0x5A, writing=False))
+
+    return TorchXor
+
+
+def test_reader_accepts_torch_extension_registry(tmp_path: Any) -> None:
+    from torch.distributed.checkpoint._extension import ExtensionRegistry as TorchRegistry
+
+    xor = _torch_xor_transform()
+    torch_registry = TorchRegistry()
+    torch_registry.register(xor)
+    state = _ddp_like_state()
+    stock_path = os.path.join(str(tmp_path), "stock")
+    ours_path = os.path.join(str(tmp_path), "ours")
+    dcp.save(state, storage_writer=FileSystemWriter(stock_path, _extensions=[xor()]))
+    dcp.save(state, storage_writer=storage.CheckpointWriter(ours_path, transforms=[xor()]))
+    readers = [
+        storage.CheckpointReader(stock_path, registry=torch_registry),
+        storage.CheckpointReader(ours_path, registry=torch_registry),
+        FileSystemReader(ours_path, _extension_registry=torch_registry),
+    ]
+    for reader in readers:
+        target = _blank(state)
+        dcp.load(target, storage_reader=reader)
+        assert torch.equal(target["model"]["net.weight"], state["model"]["net.weight"])
+        assert target["train_state"]["losses"].getvalue() == (
+            state["train_state"]["losses"].getvalue()
+        )
+    # Without it, the name is unknown, and the error says so.
+    with pytest.raises(storage.UnknownTransformError, match="test.torch-xor"):
+        storage.load(_blank(state), stock_path)
+    with pytest.raises(TypeError, match="ExtensionRegistry"):
+        storage.CheckpointReader(stock_path, registry=object())  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from extensions._compat import narrow_tensor_by_index
+from extensions._compat import TorchExtensionRegistry, narrow_tensor_by_index
 from extensions.base import ItemInfo, Keys, resolve_key_lookup
 from extensions.errors import (
     CheckpointNotFoundError,
@@ -32,7 +32,7 @@ from extensions.errors import (
     IntegrityError,
     UnsafeCheckpointError,
 )
-from extensions.registry import ExtensionRegistry
+from extensions.registry import ExtensionRegistry, as_registry
 from extensions.streams import drain, readinto_exact, skip
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
@@ -68,7 +68,8 @@ class CheckpointReader(StorageReader):
 
     Every item is fetched as an exact byte range (adjacent items coalesced), its
     CRC32C verified, its transform chain rebuilt from the recorded descriptors with
-    ``registry`` (built-ins and registered transforms by default), and tensors decoded
+    ``registry`` (built-ins and registered transforms by default; torch's own
+    ``_extension.ExtensionRegistry`` is accepted too), and tensors decoded
     straight into the target tensor where layout allows. ``keys`` (a mapping
     key_id -> key, or a callable) serves encrypted items. Checkpoints written by stock
     DCP load too; they carry no checksums, so those items are not verified.
@@ -80,20 +81,19 @@ class CheckpointReader(StorageReader):
         *,
         storage_options: dict[str, Any] | None = None,
         keys: Keys | None = None,
-        registry: ExtensionRegistry | None = None,
+        registry: ExtensionRegistry | TorchExtensionRegistry | None = None,
         thread_count: int | None = None,
         filesystem: FileSystemBase | None = None,
     ) -> None:
         super().__init__()
-        if registry is not None and not isinstance(registry, ExtensionRegistry):
-            raise TypeError(f"registry must be an extensions.ExtensionRegistry, got {registry!r}")
         if keys is not None and not (callable(keys) or hasattr(keys, "__getitem__")):
             raise TypeError("keys must be a mapping key_id -> bytes or a callable key_id -> bytes")
         self.storage_options = storage_options
         self._explicit_fs = filesystem
         self.fs, self.path = resolve_location(path, storage_options, filesystem)
         self.keys = keys
-        self.registry = registry
+        # None: the default registry, built per load so later registrations count.
+        self.registry = None if registry is None else as_registry(registry)
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
