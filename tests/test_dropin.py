@@ -334,3 +334,62 @@ def test_reader_accepts_torch_extension_registry(tmp_path: Any) -> None:
         storage.load(_blank(state), stock_path)
     with pytest.raises(TypeError, match="ExtensionRegistry"):
         storage.CheckpointReader(stock_path, registry=object())  # type: ignore[arg-type]
+
+
+# --- 6. staging for dcp.async_save ----------------------------------------------------
+
+
+def test_async_save_reuses_cached_staging_buffers(tmp_path: Any) -> None:
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    state = _ddp_like_state()
+    writer = storage.CheckpointWriter(
+        os.path.join(str(tmp_path), "first"), cache_staged_state_dict=True
+    )
+    assert isinstance(writer, AsyncStager)
+    staged: list[dict[str, Any]] = []
+    stage = writer.stage
+
+    def spy(state_dict: Any) -> Any:
+        staged.append(stage(state_dict))
+        return staged[-1]
+
+    writer.stage = spy  # type: ignore[method-assign]
+    expected = []
+    for name in ("first", "second"):
+        path = os.path.join(str(tmp_path), name)
+        future = dcp.async_save(state, checkpoint_id=path, storage_writer=writer)
+        expected.append(state["model"]["net.weight"].clone())
+        # Training goes on: the save holds the values at call time.
+        state["model"]["net.weight"].add_(1)
+        state["train_state"]["step"] += 1
+        future.result()
+    first, second = (s["model"]["net.weight"] for s in staged)
+    assert first.data_ptr() == second.data_ptr()  # the same staging buffer, reused
+    for name, weight, step in zip(("first", "second"), expected, (42, 43), strict=True):
+        target = _blank(state)
+        storage.load(target, os.path.join(str(tmp_path), name))
+        assert torch.equal(target["model"]["net.weight"], weight)
+        assert target["train_state"]["step"] == step
+    # A process-based async save pickles the writer: the buffers stay behind.
+    import pickle
+
+    del writer.stage  # the spy is not picklable
+    assert pickle.loads(pickle.dumps(writer))._stager is None
+    writer.close()
+    assert writer._stager is None
+
+
+def test_serialization_format(tmp_path: Any) -> None:
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    path = os.path.join(str(tmp_path), "ckpt")
+    writer = storage.CheckpointWriter(path, serialization_format=SerializationFormat.TORCH_SAVE)
+    dcp.save({"a": torch.ones(2)}, storage_writer=writer)
+    target = {"a": torch.zeros(2)}
+    dcp.load(target, storage_reader=FileSystemReader(path))
+    assert torch.equal(target["a"], torch.ones(2))
+    with pytest.raises(ValueError, match="SAFETENSORS is not supported"):
+        storage.CheckpointWriter(path, serialization_format=SerializationFormat.SAFETENSORS)
+    with pytest.raises(TypeError, match="serialization_format"):
+        storage.CheckpointWriter(path, serialization_format="torch")  # type: ignore[arg-type]

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import SerializationFormat
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -41,7 +43,7 @@ class _RankPlan:
     rank: int
 
 
-class CheckpointWriter(StorageWriter):
+class CheckpointWriter(StorageWriter, AsyncStager):
     """Write a DCP checkpoint to a local path or any supported URL.
 
     ``transforms`` are applied in list order to every item (compress, then encrypt).
@@ -50,7 +52,11 @@ class CheckpointWriter(StorageWriter):
     ``single_file_per_rank``, ``sync_files`` (data durable before the metadata is
     published), ``per_thread_copy_ahead`` (accepted for compatibility; staging is done
     by DCP's stager), ``overwrite`` (``False`` raises :class:`CheckpointExistsError` if
-    a committed checkpoint is there).
+    a committed checkpoint is there), ``cache_staged_state_dict`` (``dcp.async_save``
+    stages through this writer, as through torch's ``FileSystemWriter``: with ``True``
+    the staging buffers are kept and reused by the next async save of the same tensors,
+    pinned where CUDA is available; wait for a save's future before the next one, as
+    with torch), ``serialization_format`` (only ``SerializationFormat.TORCH_SAVE``).
 
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
@@ -68,9 +74,12 @@ class CheckpointWriter(StorageWriter):
         sync_files: bool = True,
         per_thread_copy_ahead: int = 10_000_000,
         overwrite: bool = True,
+        cache_staged_state_dict: bool = False,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         filesystem: FileSystemBase | None = None,
     ) -> None:
         super().__init__()
+        _check_serialization_format(serialization_format)
         self.transforms = _check_transforms(transforms)
         self.storage_options = storage_options
         self._explicit_fs = filesystem
@@ -80,6 +89,7 @@ class CheckpointWriter(StorageWriter):
             ("single_file_per_rank", single_file_per_rank),
             ("sync_files", sync_files),
             ("overwrite", overwrite),
+            ("cache_staged_state_dict", cache_staged_state_dict),
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -87,6 +97,9 @@ class CheckpointWriter(StorageWriter):
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.overwrite = overwrite
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self.serialization_format = serialization_format
+        self._stager: DefaultStager | None = None  # kept between saves when caching
         self.rank = 0
         self.use_collectives = True
         self.is_coordinator = True
@@ -94,6 +107,38 @@ class CheckpointWriter(StorageWriter):
         self.last_error: BaseException | None = None
         self._written: list[str] = []  # data files this save wrote (for abort)
         self._committed = False
+
+    # --- AsyncStager ----------------------------------------------------------------
+
+    # Staging blocks until the copy is done: dcp.async_save has nothing to wait for.
+    _synchronize_after_execute: bool = False
+
+    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
+        """A CPU copy of ``state_dict`` that training may not change (``dcp.async_save``)."""
+        if self.cache_staged_state_dict:
+            if self._stager is None:
+                self._stager = DefaultStager(_staging_options(pin=torch.cuda.is_available()))
+            return cast(STATE_DICT_TYPE, self._stager.stage(state_dict))
+        stager = DefaultStager(_staging_options(pin=False))
+        try:
+            return cast(STATE_DICT_TYPE, stager.stage(state_dict))
+        finally:
+            stager.close()
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the copy is done."""
+
+    def close(self) -> None:
+        """Release the cached staging buffers (``cache_staged_state_dict``)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A process-based async save ships the writer, never its staging buffers.
+        state = self.__dict__.copy()
+        state["_stager"] = None
+        return state
 
     # --- StorageWriter --------------------------------------------------------------
 
@@ -300,6 +345,28 @@ def _plain_cpu_tensor(data: object) -> torch.Tensor:
     ):
         tensor = tensor.contiguous().clone() if tensor.is_contiguous() else tensor.contiguous()
     return tensor
+
+
+def _staging_options(*, pin: bool) -> StagingOptions:
+    # What dcp.async_save stages with by default, plus pinned buffers when caching on GPU.
+    return StagingOptions(
+        use_pinned_memory=pin,
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=False,
+    )
+
+
+def _check_serialization_format(value: object) -> None:
+    if value == SerializationFormat.TORCH_SAVE:
+        return
+    if value == getattr(SerializationFormat, "SAFETENSORS", None):
+        raise ValueError(
+            "serialization_format=SAFETENSORS is not supported: items are stored as torch.save "
+            "archives (SerializationFormat.TORCH_SAVE), which is what stock readers expect; "
+            "for safetensors files use torch's HuggingFaceStorageWriter"
+        )
+    raise TypeError(f"serialization_format must be a torch SerializationFormat, got {value!r}")
 
 
 def _check_transforms(transforms: Sequence[Any] | None) -> list[Any]:
