@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,7 +23,10 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+import extensions
 import storage
+from storage.backends.base import FileSystemBase
+from storage.testing import FileSystemTests
 
 # --- the harness ----------------------------------------------------------------------
 
@@ -393,3 +397,120 @@ def test_serialization_format(tmp_path: Any) -> None:
         storage.CheckpointWriter(path, serialization_format=SerializationFormat.SAFETENSORS)
     with pytest.raises(TypeError, match="serialization_format"):
         storage.CheckpointWriter(path, serialization_format="torch")  # type: ignore[arg-type]
+
+
+# --- 5. torch-style filesystems as backends; checkpoint_id ----------------------------
+
+
+def _torch_local_fs() -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    return storage.TorchFileSystem(FileSystem())
+
+
+def _torch_fsspec_fs() -> Any:
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    return storage.TorchFileSystem(FileSystem())
+
+
+class TestTorchLocalFileSystem(FileSystemTests):
+    """Our backend contract, met by torch's own local FileSystem through the adapter."""
+
+    @pytest.fixture
+    def fs(self) -> FileSystemBase:
+        return _torch_local_fs()
+
+    @pytest.fixture
+    def root(self, fs: FileSystemBase, tmp_path: Any) -> str:
+        return fs.init_path(os.path.join(str(tmp_path), "root"))
+
+    def bypass_write(self, fs: FileSystemBase, path: str, data: bytes) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def bypass_read(self, fs: FileSystemBase, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+
+class TestTorchFsspecFileSystem(FileSystemTests):
+    """The same, for torch's fsspec FileSystem over fsspec's memory://."""
+
+    @pytest.fixture
+    def fs(self) -> FileSystemBase:
+        return _torch_fsspec_fs()
+
+    @pytest.fixture
+    def root(self, fs: FileSystemBase) -> str:
+        return fs.init_path(f"memory://torchfs-{uuid.uuid4().hex}/root")
+
+    def bypass_write(self, fs: FileSystemBase, path: str, data: bytes) -> None:
+        fsspec.filesystem("memory").pipe_file(path, data)
+
+    def bypass_read(self, fs: FileSystemBase, path: str) -> bytes:
+        return bytes(fsspec.filesystem("memory").cat_file(path))
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_torch_filesystem_round_trip(kind: str, tmp_path: Any) -> None:
+    """Our writer and reader over torch's filesystems, with our transforms and
+    checksums; stock readers load the result."""
+    location = _location(kind, tmp_path)
+    fs = _torch_local_fs() if kind == "local" else _torch_fsspec_fs()
+    state = _ddp_like_state()
+    writer = storage.CheckpointWriter(
+        location, filesystem=fs, transforms=[extensions.ZStandard(level=1)]
+    )
+    dcp.save(state, storage_writer=writer)
+    dcp.save(state, storage_writer=writer)  # an overwrite removes the first save's files
+    names = fs.ls(fs.init_path(location))
+    assert ".metadata" in names and not [n for n in names if n.endswith(".tmp")]
+    assert len([n for n in names if n.endswith(".distcp")]) == 1
+    readers = [
+        storage.CheckpointReader(location, filesystem=fs),
+        STOCK[kind].reader(location),
+    ]
+    for reader in readers:
+        target = _blank(state)
+        dcp.load(target, storage_reader=reader)
+        assert torch.equal(target["model"]["net.weight"], state["model"]["net.weight"])
+        assert target["train_state"]["losses"].getvalue() == (
+            state["train_state"]["losses"].getvalue()
+        )
+    # The checksums are ours: a changed byte is caught.
+    data_file = fs.concat_path(
+        fs.init_path(location), [n for n in names if n.endswith(".distcp")][0]
+    )
+    blob = bytearray(fs.read_bytes(data_file))
+    blob[len(blob) // 2] ^= 0xFF
+    with fs.create_stream(data_file, "wb") as stream:
+        stream.write(bytes(blob))
+    with pytest.raises(storage.IntegrityError):
+        storage.load(_blank(state), location, filesystem=fs)
+
+
+def test_torch_filesystem_rejects_other_objects() -> None:
+    with pytest.raises(TypeError, match="rename"):
+        storage.TorchFileSystem(object())
+
+
+def test_checkpoint_id_is_reported_as_stock_does(tmp_path: Any) -> None:
+    from pathlib import Path
+
+    local = os.path.join(str(tmp_path), "ckpt")
+    url = f"memory://ids-{uuid.uuid4().hex}/ckpt"
+    for ours, stock in (
+        (storage.CheckpointWriter(local), FileSystemWriter(local)),
+        (storage.CheckpointReader(local), FileSystemReader(local)),
+        (storage.CheckpointWriter(url), FsspecWriter(url)),
+        (storage.CheckpointReader(url), FsspecReader(url)),
+        (storage.CheckpointWriter(Path(local)), FileSystemWriter(Path(local))),
+    ):
+        assert ours.checkpoint_id == stock.checkpoint_id
+        assert type(ours.checkpoint_id) is type(stock.checkpoint_id)
+    writer = storage.CheckpointWriter(local)
+    writer.reset(os.path.join(str(tmp_path), "other"))
+    assert writer.checkpoint_id == Path(tmp_path, "other")
+    assert writer.url == os.path.join(str(tmp_path), "other")

@@ -41,6 +41,7 @@ from storage.checkpoint._common import (
     default_thread_count,
     records_error,
     resolve_location,
+    stock_checkpoint_id,
     tensor_bytes,
 )
 from storage.checkpoint.items import StoredItem
@@ -91,6 +92,7 @@ class CheckpointReader(StorageReader):
         self.storage_options = storage_options
         self._explicit_fs = filesystem
         self.fs, self.path = resolve_location(path, storage_options, filesystem)
+        self._location = path  # as given: checkpoint_id reports it as stock does
         self.keys = keys
         # None: the default registry, built per load so later registrations count.
         self.registry = None if registry is None else as_registry(registry)
@@ -111,6 +113,7 @@ class CheckpointReader(StorageReader):
             self.fs, self.path = resolve_location(
                 checkpoint_id, self.storage_options, self._explicit_fs
             )
+            self._location = checkpoint_id
 
     @property
     def url(self) -> str:
@@ -174,8 +177,10 @@ class CheckpointReader(StorageReader):
         return done
 
     @property
-    def checkpoint_id(self) -> str:
-        return self.url
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        """The location as torch reports it: a ``pathlib.Path`` for a local path, the
+        URL string otherwise (``url`` is the normalized URL, ``path`` the backend's)."""
+        return stock_checkpoint_id(self._location)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

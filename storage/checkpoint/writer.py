@@ -29,6 +29,7 @@ from storage.checkpoint._common import (
     default_thread_count,
     records_error,
     resolve_location,
+    stock_checkpoint_id,
 )
 from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
 from storage.checkpoint.items import ItemEncoder
@@ -84,6 +85,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.storage_options = storage_options
         self._explicit_fs = filesystem
         self.fs, self.path = resolve_location(path, storage_options, filesystem)
+        self._location = path  # as given: checkpoint_id reports it as stock does
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
         for name, value in (
             ("single_file_per_rank", single_file_per_rank),
@@ -147,6 +149,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             self.fs, self.path = resolve_location(
                 checkpoint_id, self.storage_options, self._explicit_fs
             )
+            self._location = checkpoint_id
         self.save_id = uuid.uuid4().hex[:12]
         self.last_error = None
 
@@ -166,7 +169,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         meta_path = self._metadata_path()
         if not self.overwrite and self.fs.exists(meta_path):
             raise CheckpointExistsError(
-                f"Checkpoint already exists at {self.fs.url(self.path)} and overwrite=False; "
+                f"Checkpoint already exists at {self.url} and overwrite=False; "
                 "pick a new location or pass overwrite=True"
             )
         self.fs.mkdir(self.path)
@@ -252,10 +255,16 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             self._written.clear()
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.fs.url(self.path), save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
 
     @property
-    def checkpoint_id(self) -> str:
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        """The location as torch reports it: a ``pathlib.Path`` for a local path, the
+        URL string otherwise (``url`` is the normalized URL, ``path`` the backend's)."""
+        return stock_checkpoint_id(self._location)
+
+    @property
+    def url(self) -> str:
         return self.fs.url(self.path)
 
     @classmethod
@@ -293,7 +302,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         if item.type != WriteItemType.BYTE_IO:
             tensor = _plain_cpu_tensor(data)
         info = ItemInfo(
-            checkpoint=self.fs.url(self.path),
+            checkpoint=self.url,
             item=label,
             dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else None,
             element_size=tensor.element_size() if tensor is not None else None,
