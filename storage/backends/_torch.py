@@ -45,8 +45,8 @@ class TorchFileSystem(FileSystemBase):
       entries are not synced, and ``rm_dir`` does nothing;
     * writes create parent directories with ``mkdir``, and a failed write removes
       its object with ``rm_file``; ``size`` opens the object and seeks to its end;
-    * ``ls`` needs the wrapped filesystem's ``ls`` (torch's since 2.6); ``rm_file``
-      of a missing path raises whatever the wrapped filesystem raises;
+    * ``ls`` needs the wrapped filesystem's ``ls`` (not in torch's abstract contract);
+      ``rm_file`` of a missing path raises whatever the wrapped filesystem raises;
     * ``rename`` is not offered (``atomic_rename`` is ``False``): its atomicity is
       unknown.
     """
