@@ -27,6 +27,7 @@ import extensions
 import storage
 from storage.backends.base import FileSystemBase
 from storage.testing import FileSystemTests
+from tests.conftest import assert_tree_equal, zeros_like_tree
 
 # --- the harness ----------------------------------------------------------------------
 
@@ -514,3 +515,72 @@ def test_checkpoint_id_is_reported_as_stock_does(tmp_path: Any) -> None:
     writer.reset(os.path.join(str(tmp_path), "other"))
     assert writer.checkpoint_id == Path(tmp_path, "other")
     assert writer.url == os.path.join(str(tmp_path), "other")
+
+
+# --- scenarios ported from torch's own DCP tests (written here, not copied) -----------
+
+
+def test_mixed_state_round_trips(pair: Pair, state_dict: dict[str, Any]) -> None:
+    """test_file_system_checkpoint_cpu: dtypes, a strided view, an empty tensor, nesting."""
+    dcp.save(state_dict, storage_writer=pair.writer())
+    target = zeros_like_tree(state_dict)
+    assert isinstance(target, dict)
+    dcp.load(target, storage_reader=pair.reader())
+    assert_tree_equal(
+        {k: v for k, v in state_dict.items() if k != "view"},
+        {k: v for k, v in target.items() if k != "view"},
+    )
+    assert torch.equal(target["view"], state_dict["view"])
+
+
+def test_second_save_wins(pair: Pair) -> None:
+    """test_fsspec's overwrite: a save over a checkpoint replaces it."""
+    dcp.save({"a": torch.ones(4), "n": 1}, storage_writer=pair.writer())
+    dcp.save({"a": torch.full((4,), 2.0), "n": 2}, storage_writer=pair.writer())
+    target: dict[str, Any] = {"a": torch.zeros(4), "n": 0}
+    dcp.load(target, storage_reader=pair.reader())
+    assert torch.equal(target["a"], torch.full((4,), 2.0)) and target["n"] == 2
+
+
+def test_partial_load(pair: Pair) -> None:
+    """Loading a subset of the saved keys (a model without its optimizer)."""
+    state = _ddp_like_state()
+    dcp.save(state, storage_writer=pair.writer())
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    dcp.load(target, storage_reader=pair.reader())
+    assert torch.equal(target["model"]["net.weight"], state["model"]["net.weight"])
+
+
+def test_load_into_empty_state_dict(pair: Pair) -> None:
+    """format_utils: the whole checkpoint into an empty dict (_EmptyStateDictLoadPlanner)."""
+    from extensions._compat import EmptyStateDictLoadPlanner, load_state_dict_without_collectives
+
+    state = _ddp_like_state()
+    dcp.save(state, storage_writer=pair.writer())
+    target: dict[str, Any] = {}
+    # As format_utils does: dcp.load would fill a copy of the dict, not this one.
+    load_state_dict_without_collectives(
+        target, storage_reader=pair.reader(), planner=EmptyStateDictLoadPlanner(), no_dist=True
+    )
+    assert torch.equal(target["model"]["net.weight"], state["model"]["net.weight"])
+    assert target["train_state"]["losses"].getvalue() == (state["train_state"]["losses"].getvalue())
+
+
+def test_format_utils_convert_ours(tmp_path: Any) -> None:
+    """format_utils.dcp_to_torch_save reads our checkpoint (with stock's reader inside);
+    torch_save_to_dcp's checkpoint loads with ours."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    state = _ddp_like_state()
+    ours = os.path.join(str(tmp_path), "ours")
+    storage.save(state, ours)
+    converted = os.path.join(str(tmp_path), "model.pt")
+    dcp_to_torch_save(ours, converted)
+    loaded = torch.load(converted, weights_only=False)
+    assert torch.equal(loaded["model"]["net.weight"], state["model"]["net.weight"])
+    back = os.path.join(str(tmp_path), "back")
+    torch_save_to_dcp(converted, back)
+    target = _blank(state)
+    storage.load(target, back)
+    assert torch.equal(target["model"]["net.weight"], state["model"]["net.weight"])
+    assert target["train_state"]["step"] == 42
