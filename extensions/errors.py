@@ -19,8 +19,11 @@ class CheckpointNotFoundError(CheckpointStorageError, FileNotFoundError):
         return str(self.args[0]) if self.args else ""
 
 
-class CheckpointExistsError(CheckpointStorageError, FileExistsError):
-    """A committed checkpoint is already at the destination and overwriting was not allowed."""
+class CheckpointExistsError(CheckpointStorageError, FileExistsError, RuntimeError):
+    """A committed checkpoint is already at the destination and overwriting was not allowed.
+
+    Also a ``RuntimeError``, and its message starts with stock DCP's "Checkpoint already
+    exists": code written against torch's ``FileSystemWriter`` catches it unchanged."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""

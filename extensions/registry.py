@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from importlib import metadata as importlib_metadata
 from typing import IO, Any, TypeVar
 
+from extensions._compat import TorchExtensionRegistry
 from extensions.base import ItemInfo, StreamTransformExtension
 from extensions.errors import CheckpointStorageError, UnknownTransformError
 
@@ -30,10 +31,16 @@ class ExtensionRegistry:
     everything registered globally with :func:`register` or advertised by installed
     packages under the ``dcp_storage.transforms`` entry-point group. Registering a
     different class under a name that is taken raises ``ValueError``.
+
+    ``fallback`` is a torch ``ExtensionRegistry``
+    (``torch.distributed.checkpoint._extension``): descriptors whose name this registry
+    does not know are built through its ``from_descriptor_list``, so transforms
+    registered with torch's registry decode here too. Our own names win.
     """
 
-    def __init__(self, transforms: Iterable[type] | None = None) -> None:
+    def __init__(self, transforms: Iterable[type] | None = None, *, fallback: Any = None) -> None:
         self._classes: dict[str, type] = dict(_default_classes())
+        self._fallback = fallback
         for cls in transforms or ():
             self.register(cls)
 
@@ -67,9 +74,11 @@ class ExtensionRegistry:
     def decoder(self, descriptor: str, item: ItemInfo | None = None) -> Any:
         """Build the transform that decodes one descriptor of ``item``."""
         name, version = parse_descriptor(descriptor)
-        cls = self.get(name)
         info = item or ItemInfo()
         try:
+            if name not in self._classes and self._fallback is not None:
+                return self._fallback.from_descriptor_list([descriptor])[0]
+            cls = self.get(name)
             if issubclass(cls, StreamTransformExtension):
                 return cls.decoder_for(version, info)
             return cls.from_descriptor(version)  # type: ignore[attr-defined]
@@ -100,6 +109,21 @@ class ExtensionRegistry:
             decode = getattr(transform, "decode", None)
             stream = decode(stream, item) if decode else transform.transform_from(stream)
         return stream
+
+
+def as_registry(registry: Any) -> ExtensionRegistry:
+    """``registry`` as one of ours: ``None`` gives the default registry, and torch's own
+    ``ExtensionRegistry`` becomes the fallback of a default one."""
+    if registry is None:
+        return ExtensionRegistry()
+    if isinstance(registry, ExtensionRegistry):
+        return registry
+    if TorchExtensionRegistry is not None and isinstance(registry, TorchExtensionRegistry):
+        return ExtensionRegistry(fallback=registry)
+    raise TypeError(
+        "registry must be an extensions.ExtensionRegistry or torch's "
+        f"torch.distributed.checkpoint._extension.ExtensionRegistry, got {registry!r}"
+    )
 
 
 def encoding_stream(

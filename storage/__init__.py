@@ -19,6 +19,7 @@ from storage.backends import (
     FileSystemBase,
     LocalFileSystem,
     MemoryFileSystem,
+    TorchFileSystem,
     filesystem_from_url,
     register_filesystem,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "MissingKeyError",
     "S3FileSystem",
     "StorageTransport",
+    "TorchFileSystem",
     "UnknownTransformError",
     "UnsafeCheckpointError",
     "async_save",

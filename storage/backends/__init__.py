@@ -1,5 +1,6 @@
 """Where bytes live: the ``FileSystemBase`` contract, the URL registry and one module
-per backend (local disk, memory, any fsspec URL, S3 as a small package, GCS).
+per backend (local disk, memory, any fsspec URL, S3 as a small package, GCS, and an
+adapter for torch-style filesystems).
 
 This layer knows files and objects, never checkpoints: it imports nothing from
 ``storage.checkpoint``, ``storage.ops`` or ``storage.cli``. Cloud backends import their
@@ -7,6 +8,7 @@ client libraries, so they load lazily (through the registry or the names below).
 
 from storage.backends._local import LocalFileSystem
 from storage.backends._memory import MemoryFileSystem
+from storage.backends._torch import TorchFileSystem
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url, register_filesystem
 
@@ -17,6 +19,7 @@ __all__ = [
     "LocalFileSystem",
     "MemoryFileSystem",
     "S3FileSystem",
+    "TorchFileSystem",
     "filesystem_from_url",
     "register_filesystem",
 ]

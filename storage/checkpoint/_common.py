@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -53,6 +54,14 @@ def resolve_location(
             raise TypeError(f"filesystem must be a storage.FileSystemBase, got {filesystem!r}")
         return filesystem, filesystem.init_path(location)
     return filesystem_from_url(location, storage_options)
+
+
+def stock_checkpoint_id(location: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """``checkpoint_id`` as torch's writers and readers report it: a local path as a
+    ``pathlib.Path`` (``FileSystemWriter``), a URL unchanged (``FsspecWriter``)."""
+    if isinstance(location, os.PathLike) or "://" in location:
+        return location
+    return Path(location)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -58,8 +58,8 @@ def publish_metadata(
         fs.write_atomic(meta_path, payload, exclusive=not overwrite)
     except FileExistsError as exc:
         raise CheckpointExistsError(
-            f"{fs.url(directory)}: another save committed here first and overwrite=False; "
-            "nothing of this save was kept"
+            f"Checkpoint already exists at {fs.url(directory)}: another save committed "
+            "there first and overwrite=False; nothing of this save was kept"
         ) from exc
     remove_quietly(fs, [fs.concat_path(directory, f) for f in sorted(replaced - new_files)])
 

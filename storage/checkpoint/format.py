@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+import zipfile
 from typing import IO, Any
 
 import torch
@@ -89,6 +90,9 @@ _ALLOWED: dict[str, set[str]] = {
         "StorageMeta",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    # Older torch releases pickled the legacy ShardedTensor TensorProperties (and its enum)
+    # into TensorStorageMetadata; stock still reads those checkpoints, so we do too.
+    "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties", "MEM_FORMAT_ENCODING"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
@@ -151,6 +155,55 @@ def check_relative_path(path: object, where: str, item: str) -> None:
             f"{where}: item {item!r} points at {path!r}, which is not a file inside the "
             "checkpoint (absolute paths, '..', sub-directories and URLs are refused)"
         )
+
+
+# --- BytesIO values ------------------------------------------------------------------
+#
+# DCP's planner stores an io.BytesIO value (its idiom for opaque blobs) as
+# torch.save(the BytesIO): a pickle that builds BytesIO from its bytes, which torch's
+# weights_only loader refuses. This loader accepts exactly that and nothing more: no
+# global but BytesIO and the latin-1 bytes constructor pickle protocol 2 uses, no storage
+# records, and a result that must be a BytesIO.
+
+
+def _latin1_bytes(text: object, encoding: object = "latin1") -> bytes:
+    if not isinstance(text, str) or encoding != "latin1":
+        raise pickle.UnpicklingError("only latin-1 encoded bytes are allowed")
+    return text.encode("latin1")
+
+
+_BYTES_IO_GLOBALS: dict[tuple[str, str], Any] = {
+    ("_io", "BytesIO"): io.BytesIO,
+    ("io", "BytesIO"): io.BytesIO,
+    ("_codecs", "encode"): _latin1_bytes,
+}
+
+
+class _BytesIOUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _BYTES_IO_GLOBALS.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a BytesIO value")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a BytesIO value has no tensor storages")
+
+
+def load_bytes_io(archive: bytes) -> io.BytesIO | None:
+    """The ``io.BytesIO`` that ``archive`` (a ``torch.save`` archive) holds, or ``None``
+    if it holds anything else. Decompression is refused, so memory stays bounded by
+    the archive's size."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(archive)) as zf:
+            pickles = [i for i in zf.infolist() if i.filename.endswith("/data.pkl")]
+            if len(pickles) != 1 or pickles[0].compress_type != zipfile.ZIP_STORED:
+                return None
+            data = zf.read(pickles[0])
+        value = _BytesIOUnpickler(io.BytesIO(data)).load()
+    except Exception:  # not a zip, not a pickle, or a refused global: not a BytesIO value
+        return None
+    return value if type(value) is io.BytesIO else None
 
 
 # --- locating the raw tensor bytes inside a torch.save archive ----------------------

@@ -8,6 +8,7 @@ import math
 import os
 import pickle
 import threading
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any, cast
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from extensions._compat import narrow_tensor_by_index
+from extensions._compat import TorchExtensionRegistry, narrow_tensor_by_index
 from extensions.base import ItemInfo, Keys, resolve_key_lookup
 from extensions.errors import (
     CheckpointNotFoundError,
@@ -31,7 +32,7 @@ from extensions.errors import (
     IntegrityError,
     UnsafeCheckpointError,
 )
-from extensions.registry import ExtensionRegistry
+from extensions.registry import ExtensionRegistry, as_registry
 from extensions.streams import drain, readinto_exact, skip
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
@@ -40,6 +41,7 @@ from storage.checkpoint._common import (
     default_thread_count,
     records_error,
     resolve_location,
+    stock_checkpoint_id,
     tensor_bytes,
 )
 from storage.checkpoint.items import StoredItem
@@ -67,7 +69,8 @@ class CheckpointReader(StorageReader):
 
     Every item is fetched as an exact byte range (adjacent items coalesced), its
     CRC32C verified, its transform chain rebuilt from the recorded descriptors with
-    ``registry`` (built-ins and registered transforms by default), and tensors decoded
+    ``registry`` (built-ins and registered transforms by default; torch's own
+    ``_extension.ExtensionRegistry`` is accepted too), and tensors decoded
     straight into the target tensor where layout allows. ``keys`` (a mapping
     key_id -> key, or a callable) serves encrypted items. Checkpoints written by stock
     DCP load too; they carry no checksums, so those items are not verified.
@@ -79,34 +82,38 @@ class CheckpointReader(StorageReader):
         *,
         storage_options: dict[str, Any] | None = None,
         keys: Keys | None = None,
-        registry: ExtensionRegistry | None = None,
+        registry: ExtensionRegistry | TorchExtensionRegistry | None = None,
         thread_count: int | None = None,
         filesystem: FileSystemBase | None = None,
     ) -> None:
         super().__init__()
-        if registry is not None and not isinstance(registry, ExtensionRegistry):
-            raise TypeError(f"registry must be an extensions.ExtensionRegistry, got {registry!r}")
         if keys is not None and not (callable(keys) or hasattr(keys, "__getitem__")):
             raise TypeError("keys must be a mapping key_id -> bytes or a callable key_id -> bytes")
         self.storage_options = storage_options
         self._explicit_fs = filesystem
         self.fs, self.path = resolve_location(path, storage_options, filesystem)
+        self._location = path  # as given: checkpoint_id reports it as stock does
         self.keys = keys
-        self.registry = registry
+        # None: the default registry, built per load so later registrations count.
+        self.registry = None if registry is None else as_registry(registry)
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
         self.last_error: BaseException | None = None
+        # One id per load, handed to planners and loggers in metadata.storage_meta (stock).
+        self.load_id = str(uuid.uuid4())
 
     # --- StorageReader --------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         self.last_error = None
+        self.load_id = str(uuid.uuid4())
         if checkpoint_id:
             self.fs, self.path = resolve_location(
                 checkpoint_id, self.storage_options, self._explicit_fs
             )
+            self._location = checkpoint_id
 
     @property
     def url(self) -> str:
@@ -122,8 +129,9 @@ class CheckpointReader(StorageReader):
         except FileNotFoundError:
             raise CheckpointNotFoundError(self._missing_message(rank)) from None
         metadata = fmt.load_metadata(payload, self.url)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         self.last_error = None  # an earlier probe (global vs rank-local) may have failed
         return metadata
 
@@ -169,8 +177,10 @@ class CheckpointReader(StorageReader):
         return done
 
     @property
-    def checkpoint_id(self) -> str:
-        return self.url
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        """The location as torch reports it: a ``pathlib.Path`` for a local path, the
+        URL string otherwise (``url`` is the normalized URL, ``path`` the backend's)."""
+        return stock_checkpoint_id(self._location)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -353,17 +363,22 @@ def _plain_data(payload: bytes, where: str) -> io.BytesIO:
 
     DCP's default planner unpickles these values with ``weights_only=False``. The value
     is loaded here with torch's ``weights_only`` unpickler (plain data, plus what the
-    user allowed with ``torch.serialization.add_safe_globals``) and pickled again, so
+    user allowed with ``torch.serialization.add_safe_globals``) or, for the
+    ``io.BytesIO`` values DCP stores as opaque blobs, with a loader that builds nothing
+    but a BytesIO (``format.load_bytes_io``), and pickled again, so
     the planner's unpickler only ever sees our own pickle of those objects - never the
     checkpoint's bytes, whose opcodes might act differently under the two unpicklers."""
+    value: object
     try:
         value = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            f"{where}: the stored value is not plain data ({str(exc).splitlines()[0]}); "
-            "refusing to unpickle it. If you trust this checkpoint, allow the class with "
-            "torch.serialization.add_safe_globals([...])"
-        ) from None
+        value = fmt.load_bytes_io(payload)  # DCP's own io.BytesIO values
+        if value is None:
+            raise UnsafeCheckpointError(
+                f"{where}: the stored value is not plain data ({str(exc).splitlines()[0]}); "
+                "refusing to unpickle it. If you trust this checkpoint, allow the class with "
+                "torch.serialization.add_safe_globals([...])"
+            ) from None
     except Exception as exc:
         raise IntegrityError(f"{where}: the stored value cannot be read: {exc}") from exc
     plain = io.BytesIO()

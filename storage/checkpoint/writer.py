@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import SerializationFormat
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -27,6 +29,7 @@ from storage.checkpoint._common import (
     default_thread_count,
     records_error,
     resolve_location,
+    stock_checkpoint_id,
 )
 from storage.checkpoint.commit import (
     commit_may_have_landed,
@@ -47,7 +50,7 @@ class _RankPlan:
     rank: int
 
 
-class CheckpointWriter(StorageWriter):
+class CheckpointWriter(StorageWriter, AsyncStager):
     """Write a DCP checkpoint to a local path or any supported URL.
 
     ``transforms`` are applied in list order to every item (compress, then encrypt).
@@ -56,7 +59,11 @@ class CheckpointWriter(StorageWriter):
     ``single_file_per_rank``, ``sync_files`` (data durable before the metadata is
     published), ``per_thread_copy_ahead`` (accepted for compatibility; staging is done
     by DCP's stager), ``overwrite`` (``False`` raises :class:`CheckpointExistsError` if
-    a committed checkpoint is there).
+    a committed checkpoint is there), ``cache_staged_state_dict`` (``dcp.async_save``
+    stages through this writer, as through torch's ``FileSystemWriter``: with ``True``
+    the staging buffers are kept and reused by the next async save of the same tensors,
+    pinned where CUDA is available; wait for a save's future before the next one, as
+    with torch), ``serialization_format`` (only ``SerializationFormat.TORCH_SAVE``).
 
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
@@ -74,18 +81,23 @@ class CheckpointWriter(StorageWriter):
         sync_files: bool = True,
         per_thread_copy_ahead: int = 10_000_000,
         overwrite: bool = True,
+        cache_staged_state_dict: bool = False,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         filesystem: FileSystemBase | None = None,
     ) -> None:
         super().__init__()
+        _check_serialization_format(serialization_format)
         self.transforms = _check_transforms(transforms)
         self.storage_options = storage_options
         self._explicit_fs = filesystem
         self.fs, self.path = resolve_location(path, storage_options, filesystem)
+        self._location = path  # as given: checkpoint_id reports it as stock does
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
         for name, value in (
             ("single_file_per_rank", single_file_per_rank),
             ("sync_files", sync_files),
             ("overwrite", overwrite),
+            ("cache_staged_state_dict", cache_staged_state_dict),
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -93,6 +105,9 @@ class CheckpointWriter(StorageWriter):
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.overwrite = overwrite
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self.serialization_format = serialization_format
+        self._stager: DefaultStager | None = None  # kept between saves when caching
         self.rank = 0
         self.use_collectives = True
         self.is_coordinator = True
@@ -101,6 +116,38 @@ class CheckpointWriter(StorageWriter):
         self._written: list[str] = []  # data files this save wrote (for abort)
         self._committed = False
 
+    # --- AsyncStager ----------------------------------------------------------------
+
+    # Staging blocks until the copy is done: dcp.async_save has nothing to wait for.
+    _synchronize_after_execute: bool = False
+
+    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
+        """A CPU copy of ``state_dict`` that training may not change (``dcp.async_save``)."""
+        if self.cache_staged_state_dict:
+            if self._stager is None:
+                self._stager = DefaultStager(_staging_options(pin=torch.cuda.is_available()))
+            return cast(STATE_DICT_TYPE, self._stager.stage(state_dict))
+        stager = DefaultStager(_staging_options(pin=False))
+        try:
+            return cast(STATE_DICT_TYPE, stager.stage(state_dict))
+        finally:
+            stager.close()
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the copy is done."""
+
+    def close(self) -> None:
+        """Release the cached staging buffers (``cache_staged_state_dict``)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A process-based async save ships the writer, never its staging buffers.
+        state = self.__dict__.copy()
+        state["_stager"] = None
+        return state
+
     # --- StorageWriter --------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -108,6 +155,7 @@ class CheckpointWriter(StorageWriter):
             self.fs, self.path = resolve_location(
                 checkpoint_id, self.storage_options, self._explicit_fs
             )
+            self._location = checkpoint_id
         self.save_id = uuid.uuid4().hex[:12]
         self.last_error = None
 
@@ -127,8 +175,8 @@ class CheckpointWriter(StorageWriter):
         meta_path = self._metadata_path()
         if not self.overwrite and self.fs.exists(meta_path):
             raise CheckpointExistsError(
-                f"{self.fs.url(self.path)} already holds a committed checkpoint and "
-                "overwrite=False; pick a new location or pass overwrite=True"
+                f"Checkpoint already exists at {self.url} and overwrite=False; "
+                "pick a new location or pass overwrite=True"
             )
         self.fs.mkdir(self.path)
         return dataclasses.replace(plan, storage_data=_RankPlan(self.rank))
@@ -217,10 +265,16 @@ class CheckpointWriter(StorageWriter):
             self._written.clear()
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.fs.url(self.path), save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
 
     @property
-    def checkpoint_id(self) -> str:
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        """The location as torch reports it: a ``pathlib.Path`` for a local path, the
+        URL string otherwise (``url`` is the normalized URL, ``path`` the backend's)."""
+        return stock_checkpoint_id(self._location)
+
+    @property
+    def url(self) -> str:
         return self.fs.url(self.path)
 
     @classmethod
@@ -258,7 +312,7 @@ class CheckpointWriter(StorageWriter):
         if item.type != WriteItemType.BYTE_IO:
             tensor = _plain_cpu_tensor(data)
         info = ItemInfo(
-            checkpoint=self.fs.url(self.path),
+            checkpoint=self.url,
             item=label,
             dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else None,
             element_size=tensor.element_size() if tensor is not None else None,
@@ -310,6 +364,28 @@ def _plain_cpu_tensor(data: object) -> torch.Tensor:
     ):
         tensor = tensor.contiguous().clone() if tensor.is_contiguous() else tensor.contiguous()
     return tensor
+
+
+def _staging_options(*, pin: bool) -> StagingOptions:
+    # What dcp.async_save stages with by default, plus pinned buffers when caching on GPU.
+    return StagingOptions(
+        use_pinned_memory=pin,
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=False,
+    )
+
+
+def _check_serialization_format(value: object) -> None:
+    if value == SerializationFormat.TORCH_SAVE:
+        return
+    if value == getattr(SerializationFormat, "SAFETENSORS", None):
+        raise ValueError(
+            "serialization_format=SAFETENSORS is not supported: items are stored as torch.save "
+            "archives (SerializationFormat.TORCH_SAVE), which is what stock readers expect; "
+            "for safetensors files use torch's HuggingFaceStorageWriter"
+        )
+    raise TypeError(f"serialization_format must be a torch SerializationFormat, got {value!r}")
 
 
 def _check_transforms(transforms: Sequence[Any] | None) -> list[Any]:
