@@ -74,7 +74,8 @@ def save(
             dcp.save(state_dict, storage_writer=writer, no_dist=_no_dist())
     except CheckpointException as exc:
         writer.abort()
-        raise unwrap_checkpoint_exception(exc, writer) from None
+        real = unwrap_checkpoint_exception(exc, writer)
+        raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
 
 
 def load(
@@ -94,7 +95,8 @@ def load(
         with _quiet_single_process():
             dcp.load(state_dict, storage_reader=reader, no_dist=_no_dist())
     except CheckpointException as exc:
-        raise unwrap_checkpoint_exception(exc, reader) from None
+        real = unwrap_checkpoint_exception(exc, reader)
+        raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
 
 
 def async_save(

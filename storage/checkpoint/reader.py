@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from extensions._compat import narrow_tensor_by_index
-from extensions.base import ItemInfo, Keys, resolve_key_lookup
+from extensions.base import ItemInfo, KeyLookup, Keys, cached_key_lookup
+from extensions.encryption import prefetch_keys
 from extensions.errors import (
     CheckpointNotFoundError,
     CheckpointStorageError,
@@ -151,16 +152,23 @@ class CheckpointReader(StorageReader):
         runs = self._plan_runs(plan.items)
         lock = threading.Lock()
         registry = self.registry or ExtensionRegistry()
+        keys = cached_key_lookup(self.keys)
+        # Before any byte is fetched: a key that is missing or whose provider fails is
+        # reported as itself, not after downloading items as a decoding failure.
+        for _, run in runs:
+            for item in run:
+                prefetch_keys(item.info.transform_descriptors or (), self._item_info(item, keys))
         workers = max(1, min(self.thread_count, len(runs)))
         if workers == 1:
             for path, run in runs:
-                self._read_run(path, run, planner, lock, registry)
+                self._read_run(path, run, planner, lock, registry, keys)
         else:
             with concurrent.futures.ThreadPoolExecutor(
                 workers, thread_name_prefix="dcp-storage-read"
             ) as pool:
                 futures = [
-                    pool.submit(self._read_run, p, r, planner, lock, registry) for p, r in runs
+                    pool.submit(self._read_run, p, r, planner, lock, registry, keys)
+                    for p, r in runs
                 ]
                 for fut in futures:
                     fut.result()
@@ -227,13 +235,14 @@ class CheckpointReader(StorageReader):
         planner: LoadPlanner,
         lock: threading.Lock,
         registry: ExtensionRegistry,
+        keys: KeyLookup | None,
     ) -> None:
         start = run[0].offset
         length = run[-1].offset + run[-1].length - start
         try:
             with self.fs.open_slice(path, start, length) as stream:
                 for item in run:
-                    self._read_item(stream, path, item, planner, lock, registry)
+                    self._read_item(stream, path, item, planner, lock, registry, keys)
         except FileNotFoundError as exc:
             if isinstance(exc, CheckpointStorageError):
                 raise
@@ -251,6 +260,7 @@ class CheckpointReader(StorageReader):
         planner: LoadPlanner,
         lock: threading.Lock,
         registry: ExtensionRegistry,
+        keys: KeyLookup | None,
     ) -> None:
         label = fmt.item_label(item.req.storage_index)
         where = f"{self.url}: item {label!r} in {os.path.basename(path)!r}"
@@ -263,17 +273,12 @@ class CheckpointReader(StorageReader):
             where,
         )
         chunk = self._chunks.get(item.req.storage_index)
-        info = ItemInfo(
-            checkpoint=self.url,
-            item=label,
-            dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
-            element_size=chunk[1].itemsize if chunk else None,
-            keys=resolve_key_lookup(self.keys),
-        )
+        info = self._item_info(item, keys)
         target: torch.Tensor | None = None
         if item.req.type != LoadItemType.BYTE_IO:
             with lock:
                 target = planner.resolve_tensor(item.req).detach()
+            _check_shapes(item.req, target, chunk, where)
         try:
             decoded = stored.decoded(registry, info)
             if target is None:
@@ -296,13 +301,25 @@ class CheckpointReader(StorageReader):
                 decoded_tensor, item.req.storage_offsets, item.req.lengths
             )
             if narrowed.size() != target.size():
+                # The target fits the metadata (checked before reading): the stored
+                # bytes hold another shape than the metadata says.
                 raise IntegrityError(
-                    f"{where}: stored shape {tuple(narrowed.size())} does not match the "
-                    f"requested {tuple(target.size())}"
+                    f"{where}: the stored tensor (shape {tuple(decoded_tensor.size())}) does "
+                    "not match the shape the metadata records; the checkpoint is damaged"
                 )
             target.copy_(narrowed)
         with lock:
             planner.commit_tensor(item.req, target)
+
+    def _item_info(self, item: _Item, keys: KeyLookup | None) -> ItemInfo:
+        chunk = self._chunks.get(item.req.storage_index)
+        return ItemInfo(
+            checkpoint=self.url,
+            item=fmt.item_label(item.req.storage_index),
+            dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
+            element_size=chunk[1].itemsize if chunk else None,
+            keys=keys,
+        )
 
     def _decode_tensor(
         self,
@@ -346,6 +363,38 @@ class CheckpointReader(StorageReader):
             raise IntegrityError(f"{where}: item is truncated")
         drain(decoded)  # the archive's trailer, and the transforms' own trailers
         return dest
+
+
+def _check_shapes(
+    req: ReadItem,
+    target: torch.Tensor,
+    chunk: tuple[torch.Size, torch.dtype] | None,
+    where: str,
+) -> None:
+    """A target that does not fit the stored chunk is the caller's mismatch (a
+    ``ValueError``, as torch's planner reports it), found before any byte is read - not
+    damaged bytes."""
+    requested = tuple(req.lengths)
+    if tuple(target.size()) != requested:
+        raise ValueError(
+            f"{where}: size mismatch between the stored region {requested} and the "
+            f"requested target {tuple(target.size())}; load into a state dict shaped like "
+            "the checkpoint (dcp-storage inspect lists its shapes)"
+        )
+    if chunk is None:
+        return
+    stored = tuple(chunk[0])
+    offsets = tuple(req.storage_offsets)
+    if (
+        len(offsets) != len(stored)
+        or len(requested) != len(stored)
+        or any(o < 0 or o + n > s for o, n, s in zip(offsets, requested, stored))
+    ):
+        raise ValueError(
+            f"{where}: the requested region (offsets {offsets}, sizes {requested}) does "
+            f"not fit the stored chunk of shape {stored}; load into a state dict shaped "
+            "like the checkpoint (dcp-storage inspect lists its shapes)"
+        )
 
 
 def _plain_data(payload: bytes, where: str) -> io.BytesIO:

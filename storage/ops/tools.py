@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from extensions.base import ItemInfo, Keys, resolve_key_lookup
+from extensions.base import ItemInfo, Keys, cached_key_lookup
+from extensions.encryption import prefetch_keys
 from extensions.errors import CheckpointExistsError, CheckpointStorageError, IntegrityError
 from extensions.registry import ExtensionRegistry
 from extensions.streams import pump, skip
@@ -292,7 +293,7 @@ def copy_checkpoint(
     written: list[str] = []
     new_infos: dict[MetadataIndex, Any] = {}
     lock = threading.Lock()
-    key_lookup = resolve_key_lookup(keys)
+    key_lookup = cached_key_lookup(keys)
     chain = None if transforms is None else list(transforms)
 
     def copy_file(src_name: str, dst_name: str, items: list[tuple[MetadataIndex, Any]]) -> None:
@@ -303,23 +304,19 @@ def copy_checkpoint(
             written.append(dst_file)
         start = int(items[0][1].offset)
         end = max(int(i.offset) + int(i.length) for _, i in items)
+        infos = [_item_info(metadata, index, src_url, key_lookup) for index, _ in items]
+        if chain is not None:  # items are decoded: keys first, before any byte is fetched
+            for (_, info), item in zip(items, infos):
+                prefetch_keys(info.transform_descriptors or (), item)
         out_offset = 0
         with (
             src_fs.open_slice(src_file, start, end - start) as source,
             dst_fs.create_stream(dst_file, "wb", sync=True) as out,
         ):
             position = start
-            for index, info in items:
+            for (index, info), item in zip(items, infos):
                 _skip(source, int(info.offset) - position, src_url, src_name)
                 position = int(info.offset) + int(info.length)
-                facts = _chunk_facts(metadata, index)
-                item = ItemInfo(
-                    checkpoint=src_url,
-                    item=fmt.item_label(index),
-                    dtype=_dtype_name(facts[1]) if facts else None,
-                    element_size=facts[1].itemsize if facts else None,
-                    keys=key_lookup,
-                )
                 count, crc, descriptors = _copy_item(source, out, info, item, chain, registry)
                 extra = {k: v for k, v in fmt.item_extra(info).items() if k != "crc32c"}
                 extra["crc32c"] = crc
@@ -353,6 +350,17 @@ def copy_checkpoint(
             remove_quietly(dst_fs, written)
         raise
     return describe(dst_fs, dst_path)
+
+
+def _item_info(metadata: Metadata, index: MetadataIndex, url: str, keys: Any) -> ItemInfo:
+    facts = _chunk_facts(metadata, index)
+    return ItemInfo(
+        checkpoint=url,
+        item=fmt.item_label(index),
+        dtype=_dtype_name(facts[1]) if facts else None,
+        element_size=facts[1].itemsize if facts else None,
+        keys=keys,
+    )
 
 
 def _skip(source: IO[bytes], n: int, url: str, name: str) -> None:

@@ -7,14 +7,26 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import ReadItem
 
 import storage
-from extensions.errors import UnsafeCheckpointError
+from extensions.encryption import AES256GCM
+from extensions.errors import (
+    CheckpointStorageError,
+    IntegrityError,
+    MissingKeyError,
+    UnsafeCheckpointError,
+)
+from storage.backends._local import LocalFileSystem
 from storage.cli import main
+from storage.ops.tools import copy_checkpoint
 
 SECRET = torch.full((256,), 1234.5)
 
@@ -111,3 +123,108 @@ def test_a_linked_checkpoint_directory_still_loads(tmp_path: Path) -> None:
     target = {"w": torch.zeros(4)}
     storage.load(target, tmp_path / "link")
     assert torch.equal(target["w"], torch.arange(4.0))
+
+
+# --- item 12: errors reported as what they are, early -------------------------------
+
+KEY = bytes(range(32))
+
+
+class _CountingFileSystem(LocalFileSystem):
+    """Local disk that counts the data reads it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slices = 0
+
+    def open_slice(self, path: str, offset: int, length: int) -> Any:
+        self.slices += 1
+        return super().open_slice(path, offset, length)
+
+
+@pytest.fixture
+def encrypted(tmp_path: Path) -> Path:
+    ckpt = tmp_path / "enc"
+    state = {"w": torch.arange(64.0), "b": torch.ones(3), "meta": {"step": 3}}
+    storage.save(state, ckpt, transforms=[AES256GCM(key=KEY, key_id="k1")])
+    return ckpt
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("vault down"), ValueError("denied")])
+def test_a_failing_key_provider_raises_its_own_error_before_any_read(
+    encrypted: Path, raised: Exception
+) -> None:
+    # Before: RuntimeError came out as "IntegrityError: cannot decode" after the whole
+    # item was downloaded; ValueError as "UnknownTransformError ... a newer dcp-storage
+    # may be needed".
+    def provider(key_id: str) -> bytes:
+        raise raised
+
+    fs = _CountingFileSystem()
+    with pytest.raises(type(raised)) as info:
+        storage.load({"w": torch.zeros(64)}, encrypted, keys=provider, filesystem=fs)
+    assert info.value is raised
+    assert not isinstance(info.value, CheckpointStorageError)
+    note = " ".join(getattr(info.value, "__notes__", []))
+    assert "key provider" in note and "'k1'" in note and "item 'w'" in note
+    assert fs.slices == 0
+
+
+def test_a_provider_without_the_key_is_a_missing_key(encrypted: Path) -> None:
+    # Before: the provider's KeyError was swallowed; now it is the MissingKeyError's cause.
+    def provider(key_id: str) -> bytes:
+        raise KeyError(key_id)
+
+    fs = _CountingFileSystem()
+    with pytest.raises(MissingKeyError, match="key_id 'k1'") as info:
+        storage.load({"w": torch.zeros(64)}, encrypted, keys=provider, filesystem=fs)
+    assert isinstance(info.value.__cause__, KeyError)
+    assert fs.slices == 0
+
+
+def test_the_key_provider_is_asked_once_per_key_id(encrypted: Path) -> None:
+    # Before: it was asked once per item (a metered secret manager paid for each).
+    asked: list[str] = []
+
+    def provider(key_id: str) -> bytes:
+        asked.append(key_id)
+        return KEY
+
+    target = {"w": torch.zeros(64), "b": torch.zeros(3), "meta": {"step": 0}}
+    storage.load(target, encrypted, keys=provider)
+    assert asked == ["k1"] and torch.equal(target["w"], torch.arange(64.0))
+
+
+def test_cp_transcoding_reports_the_provider_error(encrypted: Path, tmp_path: Path) -> None:
+    # Before: copy_checkpoint reported it as "IntegrityError: cannot decode".
+    def provider(key_id: str) -> bytes:
+        raise RuntimeError("vault down")
+
+    fs = LocalFileSystem()
+    with pytest.raises(RuntimeError, match="vault down"):
+        copy_checkpoint(
+            fs, str(encrypted), fs, str(tmp_path / "plain"), transforms=[], keys=provider
+        )
+
+
+class _TargetsOfAnotherShape(DefaultLoadPlanner):
+    """A planner whose targets do not have the shape of what it asks to read."""
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return torch.zeros(2, 2)
+
+
+def test_a_target_of_another_shape_is_a_value_error_not_damage(tmp_path: Path) -> None:
+    # Before: IntegrityError ("stored shape ... does not match"), as if the bytes were bad.
+    storage.save({"w": torch.arange(16.0).reshape(4, 4)}, tmp_path / "ckpt")
+    reader = storage.CheckpointReader(tmp_path / "ckpt")
+    with pytest.raises(CheckpointException):  # DCP's wrapper; the reader keeps the real one
+        dcp.load(
+            {"w": torch.zeros(4, 4)},
+            storage_reader=reader,
+            planner=_TargetsOfAnotherShape(),
+            no_dist=True,
+        )
+    error = reader.last_error
+    assert isinstance(error, ValueError) and not isinstance(error, IntegrityError)
+    assert "item 'w'" in str(error) and "(4, 4)" in str(error) and "(2, 2)" in str(error)
