@@ -85,11 +85,20 @@ def load(
     storage_options: dict[str, Any] | None = None,
     keys: Keys | None = None,
     registry: ExtensionRegistry | None = None,
+    require_encryption: bool | None = None,
     **reader_options: Any,
 ) -> None:
-    """Load the checkpoint at ``url`` into ``state_dict`` in place."""
+    """Load the checkpoint at ``url`` into ``state_dict`` in place.
+
+    With ``keys``, every item must be encrypted unless ``require_encryption=False``
+    (see :class:`CheckpointReader`)."""
     reader = CheckpointReader(
-        url, storage_options=storage_options, keys=keys, registry=registry, **reader_options
+        url,
+        storage_options=storage_options,
+        keys=keys,
+        registry=registry,
+        require_encryption=require_encryption,
+        **reader_options,
     )
     try:
         with _quiet_single_process():

@@ -25,7 +25,6 @@ from torch.futures import Future
 
 from extensions._compat import narrow_tensor_by_index
 from extensions.base import ItemInfo, KeyLookup, Keys, cached_key_lookup
-from extensions.encryption import prefetch_keys
 from extensions.errors import (
     CheckpointNotFoundError,
     CheckpointStorageError,
@@ -43,7 +42,7 @@ from storage.checkpoint._common import (
     resolve_location,
     tensor_bytes,
 )
-from storage.checkpoint.items import StoredItem
+from storage.checkpoint.items import StoredItem, check_before_read, encryption_required
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20
@@ -72,6 +71,11 @@ class CheckpointReader(StorageReader):
     straight into the target tensor where layout allows. ``keys`` (a mapping
     key_id -> key, or a callable) serves encrypted items. Checkpoints written by stock
     DCP load too; they carry no checksums, so those items are not verified.
+
+    ``require_encryption`` (default: on when ``keys`` are given) refuses, before
+    anything is read, an item that is not AES-256-GCM encrypted, so nobody can swap an
+    encrypted item for a plain one in the (unauthenticated) metadata; see
+    docs/transforms.md for what it does not cover.
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class CheckpointReader(StorageReader):
         registry: ExtensionRegistry | None = None,
         thread_count: int | None = None,
         filesystem: FileSystemBase | None = None,
+        require_encryption: bool | None = None,
     ) -> None:
         super().__init__()
         if registry is not None and not isinstance(registry, ExtensionRegistry):
@@ -93,6 +98,7 @@ class CheckpointReader(StorageReader):
         self._explicit_fs = filesystem
         self.fs, self.path = resolve_location(path, storage_options, filesystem)
         self.keys = keys
+        self.require_encryption = encryption_required(require_encryption, keys)
         self.registry = registry
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
         self.storage_data: dict[MetadataIndex, Any] = {}
@@ -153,11 +159,15 @@ class CheckpointReader(StorageReader):
         lock = threading.Lock()
         registry = self.registry or ExtensionRegistry()
         keys = cached_key_lookup(self.keys)
-        # Before any byte is fetched: a key that is missing or whose provider fails is
-        # reported as itself, not after downloading items as a decoding failure.
+        # Before any byte is fetched: a plain item where encryption is required, a
+        # missing key or a failing key provider is reported as itself.
         for _, run in runs:
             for item in run:
-                prefetch_keys(item.info.transform_descriptors or (), self._item_info(item, keys))
+                descriptors = item.info.transform_descriptors or ()
+                info = self._item_info(item, keys)
+                check_before_read(
+                    descriptors, info, require_encryption=self.require_encryption, decode=True
+                )
         workers = max(1, min(self.thread_count, len(runs)))
         if workers == 1:
             for path, run in runs:
@@ -366,34 +376,24 @@ class CheckpointReader(StorageReader):
 
 
 def _check_shapes(
-    req: ReadItem,
-    target: torch.Tensor,
-    chunk: tuple[torch.Size, torch.dtype] | None,
-    where: str,
+    req: ReadItem, target: torch.Tensor, chunk: tuple[torch.Size, Any] | None, where: str
 ) -> None:
     """A target that does not fit the stored chunk is the caller's mismatch (a
-    ``ValueError``, as torch's planner reports it), found before any byte is read - not
-    damaged bytes."""
-    requested = tuple(req.lengths)
-    if tuple(target.size()) != requested:
-        raise ValueError(
-            f"{where}: size mismatch between the stored region {requested} and the "
-            f"requested target {tuple(target.size())}; load into a state dict shaped like "
-            "the checkpoint (dcp-storage inspect lists its shapes)"
+    ``ValueError``, as torch's planner says), found before any byte is read."""
+    requested, offsets = tuple(req.lengths), tuple(req.storage_offsets)
+    stored = tuple(chunk[0]) if chunk is not None else None
+    if tuple(target.size()) != requested or (
+        stored is not None
+        and not (
+            len(offsets) == len(requested) == len(stored)
+            and all(o >= 0 and o + n <= s for o, n, s in zip(offsets, requested, stored))
         )
-    if chunk is None:
-        return
-    stored = tuple(chunk[0])
-    offsets = tuple(req.storage_offsets)
-    if (
-        len(offsets) != len(stored)
-        or len(requested) != len(stored)
-        or any(o < 0 or o + n > s for o, n, s in zip(offsets, requested, stored))
     ):
         raise ValueError(
-            f"{where}: the requested region (offsets {offsets}, sizes {requested}) does "
-            f"not fit the stored chunk of shape {stored}; load into a state dict shaped "
-            "like the checkpoint (dcp-storage inspect lists its shapes)"
+            f"{where}: size mismatch: the target has shape {tuple(target.size())}, the "
+            f"stored chunk {stored if stored is not None else '(unknown)'} (region at "
+            f"{offsets} of sizes {requested}); load into a state dict shaped like the "
+            "checkpoint (dcp-storage inspect lists its shapes)"
         )
 
 

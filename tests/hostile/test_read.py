@@ -25,6 +25,7 @@ from extensions.errors import (
     UnsafeCheckpointError,
 )
 from storage.backends._local import LocalFileSystem
+from storage.checkpoint import format as fmt
 from storage.cli import main
 from storage.ops.tools import copy_checkpoint
 
@@ -228,3 +229,108 @@ def test_a_target_of_another_shape_is_a_value_error_not_damage(tmp_path: Path) -
     error = reader.last_error
     assert isinstance(error, ValueError) and not isinstance(error, IntegrityError)
     assert "item 'w'" in str(error) and "(4, 4)" in str(error) and "(2, 2)" in str(error)
+
+
+# --- item 7: encryption downgrade --------------------------------------------------
+
+FORGED = torch.full((64,), 666.0)
+
+
+def _swap_for_plain(ckpt: Path, fqn: str, tmp_path: Path) -> None:
+    """What an attacker with write access and no key can do: replace an encrypted
+    item's record (and bytes) with a plain one holding values of their choosing."""
+    plain = tmp_path / "forged"
+    storage.save({fqn: FORGED}, plain)
+    meta = fmt.load_metadata((ckpt / ".metadata").read_bytes(), str(ckpt))
+    forged = fmt.load_metadata((plain / ".metadata").read_bytes(), str(plain))
+    for index, info in forged.storage_data.items():
+        meta.storage_data[index] = info
+        (ckpt / info.relative_path).write_bytes((plain / info.relative_path).read_bytes())
+    (ckpt / ".metadata").write_bytes(fmt.dump_metadata(meta))
+
+
+@pytest.fixture
+def downgraded(encrypted: Path, tmp_path: Path) -> Path:
+    _swap_for_plain(encrypted, "w", tmp_path)
+    return encrypted
+
+
+def test_an_item_swapped_for_a_plain_one_is_refused_with_keys(downgraded: Path) -> None:
+    # Before: the load returned the forged values; having keys did not mean encrypted.
+    fs = _CountingFileSystem()
+    target = {"w": torch.zeros(64)}
+    with pytest.raises(UnsafeCheckpointError, match="item 'w' is not encrypted") as info:
+        storage.load(target, downgraded, keys={"k1": KEY}, filesystem=fs)
+    assert "require_encryption=False" in str(info.value)
+    assert fs.slices == 0 and not torch.equal(target["w"], FORGED)
+
+
+def test_require_encryption_false_accepts_plain_items(downgraded: Path) -> None:
+    # The documented opt-out: the caller takes plain items for what they say.
+    target = {"w": torch.zeros(64), "b": torch.zeros(3)}
+    storage.load(target, downgraded, keys={"k1": KEY}, require_encryption=False)
+    assert torch.equal(target["w"], FORGED) and torch.equal(target["b"], torch.ones(3))
+
+
+def test_no_keys_no_policy(tmp_path: Path) -> None:
+    # An empty key mapping (the CLI's when no key source is set) asks for nothing.
+    storage.save({"w": torch.ones(2)}, tmp_path / "plain")
+    target = {"w": torch.zeros(2)}
+    storage.load(target, tmp_path / "plain", keys={})
+    assert torch.equal(target["w"], torch.ones(2))
+
+
+def test_manager_load_refuses_a_downgraded_step(encrypted: Path, tmp_path: Path) -> None:
+    # Before: CheckpointManager.load returned the forged values too.
+    root = tmp_path / "run"
+    root.mkdir()
+    encrypted.rename(root / "step-1")
+    _swap_for_plain(root / "step-1", "w", tmp_path)
+    manager = storage.CheckpointManager(root, keys={"k1": KEY})
+    with pytest.raises(UnsafeCheckpointError, match="item 'w'"):
+        manager.load({"w": torch.zeros(64)})
+    relaxed = storage.CheckpointManager(root, keys={"k1": KEY}, require_encryption=False)
+    target = {"w": torch.zeros(64)}
+    relaxed.load(target)
+    assert torch.equal(target["w"], FORGED)
+
+
+def test_cli_verify_reports_a_downgraded_item(
+    downgraded: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: verify said OK for the forged item.
+    monkeypatch.setenv("DCP_STORAGE_KEYS", f"k1={KEY.hex()}")
+    assert main(["verify", "-q", str(downgraded)]) == 1
+    assert "'w' is not encrypted" in capsys.readouterr().out
+    assert main(["verify", "-q", "--no-require-encryption", str(downgraded)]) == 0
+
+
+def test_cli_cp_never_seals_a_forged_item(
+    downgraded: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Before: re-encrypting with --transform sealed the forged values under a fresh,
+    # valid encryption, so the copy passed every later check.
+    monkeypatch.setenv("DCP_STORAGE_KEYS", f"k1={KEY.hex()}")
+    dst = tmp_path / "dst"
+    assert main(["cp", "-q", "--transform", "aes:k1", str(downgraded), str(dst)]) == 1
+    assert "'w' is not encrypted" in capsys.readouterr().err
+    assert not (dst / ".metadata").exists()
+    args = ["cp", "-q", "--no-require-encryption", "--transform", "aes:k1"]
+    assert main([*args, str(downgraded), str(dst)]) == 0
+
+
+def test_a_swapped_key_id_fails_authentication(encrypted: Path) -> None:
+    # Not a downgrade: an item that claims another key id the reader also holds is
+    # decrypted with that key, whose key check fails (the claim in docs/transforms.md).
+    meta_path = encrypted / ".metadata"
+    meta = fmt.load_metadata(meta_path.read_bytes(), str(encrypted))
+    for info in meta.storage_data.values():
+        info.transform_descriptors = [
+            d.replace("key_id=k1", "key_id=k2") for d in info.transform_descriptors
+        ]
+    meta_path.write_bytes(fmt.dump_metadata(meta))
+    with pytest.raises(IntegrityError, match="not the key the item was encrypted with"):
+        storage.load({"w": torch.zeros(64)}, encrypted, keys={"k1": KEY, "k2": bytes(32)})
