@@ -32,6 +32,7 @@ by id, associated data bound to the item) override the optional hooks ``encode``
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
@@ -124,3 +125,26 @@ def resolve_key_lookup(keys: Keys | None) -> KeyLookup | None:
         return mapping[key_id]
 
     return lookup
+
+
+def cached_key_lookup(keys: Keys | None) -> KeyLookup | None:
+    """:func:`resolve_key_lookup` that asks the source at most once per key id: one load
+    needs the same key for every item, and a secret manager may be slow or metered.
+    What the source returns is kept (``None`` too); what it raises is not."""
+    lookup = resolve_key_lookup(keys)
+    if lookup is None:
+        return None
+    source = lookup
+    found: dict[str, bytes] = {}
+    lock = threading.Lock()
+
+    def cached(key_id: str) -> bytes:
+        with lock:
+            if key_id in found:
+                return found[key_id]
+        key = source(key_id)
+        with lock:
+            found[key_id] = key
+        return key
+
+    return cached

@@ -24,6 +24,7 @@ import hmac
 import io
 import secrets
 import struct
+from collections.abc import Sequence
 from typing import IO, Any, cast
 
 from extensions.base import (
@@ -40,9 +41,10 @@ from extensions.keys import (
     keys_from_environment,
     keys_from_file,
 )
+from extensions.registry import parse_descriptor
 from extensions.streams import read_all, readinto_exact
 
-__all__ = ["AES256GCM", "keys_from_environment", "keys_from_file"]
+__all__ = ["AES256GCM", "keys_from_environment", "keys_from_file", "prefetch_keys"]
 
 TAG_SIZE = 16
 DEFAULT_CHUNK_SIZE = 4 << 20
@@ -159,24 +161,48 @@ class AES256GCM(StreamTransformExtension):
 
 def _lookup_key(key_id: str, item: ItemInfo) -> bytes:
     where = f"{item.checkpoint}: item {item.item!r}" if item.item else item.checkpoint or "item"
+    missing = (
+        f"{where} is encrypted with key_id {key_id!r}, but no key was given for it; pass "
+        f"keys={{{key_id!r}: <32-byte key>}} (or a callable) to the reader or "
+        f"storage.load, or set {ENV_VAR}={key_id}=<hex or base64 key>"
+    )
     key: object = None
     if item.keys is not None:
         try:
             key = item.keys(key_id)
-        except KeyError:
-            key = None
+        except KeyError as exc:
+            raise MissingKeyError(missing) from exc
+        except Exception as exc:
+            # The user's key provider failed (a vault down, a denied request): that is
+            # the error to see, as itself, not a decoding failure of the item.
+            exc.add_note(f"dcp-storage: raised by the key provider for key_id {key_id!r} ({where})")
+            raise
     if key is None:
-        raise MissingKeyError(
-            f"{where} is encrypted with key_id {key_id!r}, but no key was given for it; pass "
-            f"keys={{{key_id!r}: <32-byte key>}} (or a callable) to the reader or "
-            f"storage.load, or set {ENV_VAR}={key_id}=<hex or base64 key>"
-        )
+        raise MissingKeyError(missing)
     try:
         return check_key(key)
     except (TypeError, ValueError) as exc:
         raise MissingKeyError(
             f"{where}: the key given for key_id {key_id!r} is unusable: {exc}"
         ) from None
+
+
+def prefetch_keys(descriptors: Sequence[str], item: ItemInfo) -> None:
+    """Look up now every key the AES-256-GCM stages of ``descriptors`` need for ``item``.
+
+    Readers call this before fetching an item's bytes, so a missing key raises
+    :class:`MissingKeyError` and a failing key provider raises its own exception, early
+    and as themselves (inside a decoding chain a provider's ``ValueError`` would read as
+    a bad descriptor). Descriptors that do not parse are left to decoding to report."""
+    for descriptor in descriptors:
+        name, version = parse_descriptor(descriptor)
+        if name != AES256GCM.registry_name():
+            continue
+        try:
+            key_id = AES256GCM.from_descriptor(version).key_id
+        except ValueError:
+            continue
+        _lookup_key(key_id, item)
 
 
 class _Encryptor(io.RawIOBase):

@@ -3,13 +3,92 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from typing import IO, ClassVar, cast
 
+from extensions.errors import UnsafeCheckpointError
 from extensions.streams import SliceView
 from storage.backends.base import FileSystemBase
+
+# Where the platform lacks a flag, opening without it is the best it offers.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_READ_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | _NONBLOCK
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+
+
+def _open_regular(path: str, buffering: int = -1) -> IO[bytes]:
+    """``path`` opened for reading, only if it is a regular file and not a symbolic link.
+
+    ``O_NOFOLLOW`` refuses a link in the last component (a checkpoint's files are plain
+    names, so that is every link inside the checkpoint; the directories above it may be
+    links). ``O_NONBLOCK`` keeps a FIFO from blocking the open; ``fstat`` on what was
+    opened then refuses FIFOs, devices, sockets and directories with no race."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        # Linux and macOS say ELOOP for a link under O_NOFOLLOW, FreeBSD EMLINK.
+        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+            raise UnsafeCheckpointError(
+                _refusal(
+                    path,
+                    f"a symbolic link to {_target(path)!r}",
+                    "If you trust its target, replace the link with a copy of the file: "
+                    f'cp --remove-destination "$(readlink -f {path})" {path}',
+                )
+            ) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafeCheckpointError(
+                _refusal(
+                    path,
+                    _kind(mode),
+                    "Put the checkpoint's own file back, or re-save the checkpoint.",
+                )
+            )
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+        return open(fd, "rb", buffering=buffering, closefd=True)  # noqa: SIM115
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _refusal(path: str, what: str, fix: str) -> str:
+    return (
+        f"refusing to read {path!r}: it is {what}, not a regular file inside the checkpoint "
+        f"{os.path.dirname(path)!r} (a checkpoint's files must be regular files; the "
+        f"checkpoint directory itself may be a link). {fix}"
+    )
+
+
+def _target(path: str) -> str:
+    try:
+        return os.readlink(path)[:200]
+    except OSError:
+        return "?"
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
 
 
 class LocalFileSystem(FileSystemBase):
@@ -35,7 +114,7 @@ class LocalFileSystem(FileSystemBase):
     @contextlib.contextmanager
     def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
         if mode == "rb":
-            with open(path, "rb") as stream:
+            with _open_regular(path) as stream:
                 yield stream
             return
         if mode != "wb":
@@ -56,7 +135,7 @@ class LocalFileSystem(FileSystemBase):
 
     @contextlib.contextmanager
     def open_slice(self, path: str, offset: int, length: int) -> Iterator[IO[bytes]]:
-        with open(path, "rb", buffering=0) as stream:
+        with _open_regular(path, buffering=0) as stream:
             yield cast(IO[bytes], SliceView(stream, offset, length))
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:

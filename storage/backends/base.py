@@ -19,6 +19,11 @@ Semantics every backend guarantees (checked by ``storage.testing.FileSystemTests
   it; local disk has already truncated it): the commit protocol never writes over a
   file that committed metadata points at. ``sync=True`` makes the bytes
   durable before the block exits (fsync on local disk; a completed upload elsewhere).
+* Reading (``create_stream(path, "rb")``, ``open_slice``, ``read_bytes``) opens only
+  regular files: where a backend has symbolic links and special files (local disk), a
+  link as the last path component, a FIFO, a device, a socket or a directory raises
+  ``UnsafeCheckpointError`` instead of being read (a checkpoint's files are plain names,
+  so this is every link inside it; directories above it may be links).
 * ``open_slice(path, offset, length)`` reads only ``[offset, offset + length)``: it
   never returns a byte outside that range, and a read that runs past the end of the
   object returns fewer bytes (the caller reports truncation).

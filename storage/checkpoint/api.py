@@ -74,7 +74,8 @@ def save(
             dcp.save(state_dict, storage_writer=writer, no_dist=_no_dist())
     except CheckpointException as exc:
         writer.abort(exc)
-        raise unwrap_checkpoint_exception(exc, writer) from None
+        real = unwrap_checkpoint_exception(exc, writer)
+        raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
 
 
 def load(
@@ -84,17 +85,27 @@ def load(
     storage_options: dict[str, Any] | None = None,
     keys: Keys | None = None,
     registry: ExtensionRegistry | None = None,
+    require_encryption: bool | None = None,
     **reader_options: Any,
 ) -> None:
-    """Load the checkpoint at ``url`` into ``state_dict`` in place."""
+    """Load the checkpoint at ``url`` into ``state_dict`` in place.
+
+    With ``keys``, every item must be encrypted unless ``require_encryption=False``
+    (see :class:`CheckpointReader`)."""
     reader = CheckpointReader(
-        url, storage_options=storage_options, keys=keys, registry=registry, **reader_options
+        url,
+        storage_options=storage_options,
+        keys=keys,
+        registry=registry,
+        require_encryption=require_encryption,
+        **reader_options,
     )
     try:
         with _quiet_single_process():
             dcp.load(state_dict, storage_reader=reader, no_dist=_no_dist())
     except CheckpointException as exc:
-        raise unwrap_checkpoint_exception(exc, reader) from None
+        real = unwrap_checkpoint_exception(exc, reader)
+        raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
 
 
 def async_save(

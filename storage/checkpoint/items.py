@@ -17,9 +17,10 @@ from typing import IO, Any, cast
 
 import crc32c
 
-from extensions.base import ItemInfo
-from extensions.errors import IntegrityError
-from extensions.registry import ExtensionRegistry, encoding_stream
+from extensions.base import ItemInfo, Keys
+from extensions.encryption import AES256GCM, prefetch_keys
+from extensions.errors import IntegrityError, UnsafeCheckpointError
+from extensions.registry import ExtensionRegistry, encoding_stream, parse_descriptor
 from extensions.streams import BoundedReader, drain, read_all
 
 
@@ -138,3 +139,41 @@ class StoredItem:
         if self.raw.count < self.length:
             return IntegrityError(f"{self.where}: data file is truncated")
         return IntegrityError(f"{self.where}: cannot decode: {exc}")
+
+
+def encryption_required(require_encryption: bool | None, keys: Keys | None) -> bool:
+    """The reader policy: ``None`` means "when keys are given" (a callable, or a mapping
+    that is not empty). Whoever holds keys expects encrypted items, and the metadata that
+    says how an item is stored is not authenticated: without this, an item swapped for a
+    plain one would load forged values with nothing to notice."""
+    if require_encryption is None:
+        return keys is not None and (callable(keys) or len(keys) > 0)
+    if not isinstance(require_encryption, bool):
+        raise TypeError(f"require_encryption must be a bool or None, got {require_encryption!r}")
+    return require_encryption
+
+
+def check_before_read(
+    descriptors: Sequence[str], item: ItemInfo, *, require_encryption: bool, decode: bool
+) -> None:
+    """Refuse what can be refused before an item's bytes are fetched, each as itself: a
+    plain item where encryption is required and, for an item to be decoded, a missing
+    key or a key provider that fails."""
+    if require_encryption and not is_encrypted(descriptors):
+        raise _not_encrypted(f"{item.checkpoint}: item {item.item!r}")
+    if decode:
+        prefetch_keys(descriptors, item)
+
+
+def is_encrypted(descriptors: Sequence[str]) -> bool:
+    """Whether a transform chain has an AES-256-GCM stage."""
+    return any(parse_descriptor(d)[0] == AES256GCM.registry_name() for d in descriptors)
+
+
+def _not_encrypted(where: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{where} is not encrypted (no {AES256GCM.registry_name()} transform), but keys were "
+        "given, so every item must be: its metadata may have been altered to swap in forged "
+        "plain values. If this checkpoint is meant to hold unencrypted items, pass "
+        "require_encryption=False (--no-require-encryption on the command line)"
+    )

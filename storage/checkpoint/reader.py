@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from extensions._compat import TorchExtensionRegistry, narrow_tensor_by_index
-from extensions.base import ItemInfo, Keys, resolve_key_lookup
+from extensions.base import ItemInfo, KeyLookup, Keys, cached_key_lookup
 from extensions.errors import (
     CheckpointNotFoundError,
     CheckpointStorageError,
@@ -44,7 +44,7 @@ from storage.checkpoint._common import (
     stock_checkpoint_id,
     tensor_bytes,
 )
-from storage.checkpoint.items import StoredItem
+from storage.checkpoint.items import StoredItem, check_before_read, encryption_required
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20
@@ -74,6 +74,11 @@ class CheckpointReader(StorageReader):
     straight into the target tensor where layout allows. ``keys`` (a mapping
     key_id -> key, or a callable) serves encrypted items. Checkpoints written by stock
     DCP load too; they carry no checksums, so those items are not verified.
+
+    ``require_encryption`` (default: on when ``keys`` are given) refuses, before
+    anything is read, an item that is not AES-256-GCM encrypted, so nobody can swap an
+    encrypted item for a plain one in the (unauthenticated) metadata; see
+    docs/transforms.md for what it does not cover.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class CheckpointReader(StorageReader):
         registry: ExtensionRegistry | TorchExtensionRegistry | None = None,
         thread_count: int | None = None,
         filesystem: FileSystemBase | None = None,
+        require_encryption: bool | None = None,
     ) -> None:
         super().__init__()
         if keys is not None and not (callable(keys) or hasattr(keys, "__getitem__")):
@@ -94,6 +100,7 @@ class CheckpointReader(StorageReader):
         self.fs, self.path = resolve_location(path, storage_options, filesystem)
         self._location = path  # as given: checkpoint_id reports it as stock does
         self.keys = keys
+        self.require_encryption = encryption_required(require_encryption, keys)
         # None: the default registry, built per load so later registrations count.
         self.registry = None if registry is None else as_registry(registry)
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
@@ -159,16 +166,27 @@ class CheckpointReader(StorageReader):
         runs = self._plan_runs(plan.items)
         lock = threading.Lock()
         registry = self.registry or ExtensionRegistry()
+        keys = cached_key_lookup(self.keys)
+        # Before any byte is fetched: a plain item where encryption is required, a
+        # missing key or a failing key provider is reported as itself.
+        for _, run in runs:
+            for item in run:
+                descriptors = item.info.transform_descriptors or ()
+                info = self._item_info(item, keys)
+                check_before_read(
+                    descriptors, info, require_encryption=self.require_encryption, decode=True
+                )
         workers = max(1, min(self.thread_count, len(runs)))
         if workers == 1:
             for path, run in runs:
-                self._read_run(path, run, planner, lock, registry)
+                self._read_run(path, run, planner, lock, registry, keys)
         else:
             with concurrent.futures.ThreadPoolExecutor(
                 workers, thread_name_prefix="dcp-storage-read"
             ) as pool:
                 futures = [
-                    pool.submit(self._read_run, p, r, planner, lock, registry) for p, r in runs
+                    pool.submit(self._read_run, p, r, planner, lock, registry, keys)
+                    for p, r in runs
                 ]
                 for fut in futures:
                     fut.result()
@@ -237,13 +255,14 @@ class CheckpointReader(StorageReader):
         planner: LoadPlanner,
         lock: threading.Lock,
         registry: ExtensionRegistry,
+        keys: KeyLookup | None,
     ) -> None:
         start = run[0].offset
         length = run[-1].offset + run[-1].length - start
         try:
             with self.fs.open_slice(path, start, length) as stream:
                 for item in run:
-                    self._read_item(stream, path, item, planner, lock, registry)
+                    self._read_item(stream, path, item, planner, lock, registry, keys)
         except FileNotFoundError as exc:
             if isinstance(exc, CheckpointStorageError):
                 raise
@@ -261,6 +280,7 @@ class CheckpointReader(StorageReader):
         planner: LoadPlanner,
         lock: threading.Lock,
         registry: ExtensionRegistry,
+        keys: KeyLookup | None,
     ) -> None:
         label = fmt.item_label(item.req.storage_index)
         where = f"{self.url}: item {label!r} in {os.path.basename(path)!r}"
@@ -273,17 +293,12 @@ class CheckpointReader(StorageReader):
             where,
         )
         chunk = self._chunks.get(item.req.storage_index)
-        info = ItemInfo(
-            checkpoint=self.url,
-            item=label,
-            dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
-            element_size=chunk[1].itemsize if chunk else None,
-            keys=resolve_key_lookup(self.keys),
-        )
+        info = self._item_info(item, keys)
         target: torch.Tensor | None = None
         if item.req.type != LoadItemType.BYTE_IO:
             with lock:
                 target = planner.resolve_tensor(item.req).detach()
+            _check_shapes(item.req, target, chunk, where)
         try:
             decoded = stored.decoded(registry, info)
             if target is None:
@@ -306,13 +321,25 @@ class CheckpointReader(StorageReader):
                 decoded_tensor, item.req.storage_offsets, item.req.lengths
             )
             if narrowed.size() != target.size():
+                # The target fits the metadata (checked before reading): the stored
+                # bytes hold another shape than the metadata says.
                 raise IntegrityError(
-                    f"{where}: stored shape {tuple(narrowed.size())} does not match the "
-                    f"requested {tuple(target.size())}"
+                    f"{where}: the stored tensor (shape {tuple(decoded_tensor.size())}) does "
+                    "not match the shape the metadata records; the checkpoint is damaged"
                 )
             target.copy_(narrowed)
         with lock:
             planner.commit_tensor(item.req, target)
+
+    def _item_info(self, item: _Item, keys: KeyLookup | None) -> ItemInfo:
+        chunk = self._chunks.get(item.req.storage_index)
+        return ItemInfo(
+            checkpoint=self.url,
+            item=fmt.item_label(item.req.storage_index),
+            dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
+            element_size=chunk[1].itemsize if chunk else None,
+            keys=keys,
+        )
 
     def _decode_tensor(
         self,
@@ -356,6 +383,28 @@ class CheckpointReader(StorageReader):
             raise IntegrityError(f"{where}: item is truncated")
         drain(decoded)  # the archive's trailer, and the transforms' own trailers
         return dest
+
+
+def _check_shapes(
+    req: ReadItem, target: torch.Tensor, chunk: tuple[torch.Size, Any] | None, where: str
+) -> None:
+    """A target that does not fit the stored chunk is the caller's mismatch (a
+    ``ValueError``, as torch's planner says), found before any byte is read."""
+    requested, offsets = tuple(req.lengths), tuple(req.storage_offsets)
+    stored = tuple(chunk[0]) if chunk is not None else None
+    if tuple(target.size()) != requested or (
+        stored is not None
+        and not (
+            len(offsets) == len(requested) == len(stored)
+            and all(o >= 0 and o + n <= s for o, n, s in zip(offsets, requested, stored))
+        )
+    ):
+        raise ValueError(
+            f"{where}: size mismatch: the target has shape {tuple(target.size())}, the "
+            f"stored chunk {stored if stored is not None else '(unknown)'} (region at "
+            f"{offsets} of sizes {requested}); load into a state dict shaped like the "
+            "checkpoint (dcp-storage inspect lists its shapes)"
+        )
 
 
 def _plain_data(payload: bytes, where: str) -> io.BytesIO:

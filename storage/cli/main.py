@@ -139,7 +139,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with progress_bar(args, total, "verify") as progress:
         report = verify(
-            fs, path, keys=keys_from_args(args), thread_count=args.threads, progress=progress
+            fs,
+            path,
+            keys=keys_from_args(args),
+            thread_count=args.threads,
+            progress=progress,
+            require_encryption=args.require_encryption,
         )
     elapsed = time.perf_counter() - started
     count = len(report.ok) + len(report.bad)
@@ -183,6 +188,7 @@ def _cmd_cp(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             keys=keys,
             progress=progress,
+            require_encryption=args.require_encryption,
         )
     elapsed = time.perf_counter() - started
     chains = sorted({" | ".join(r.transforms) or "none" for r in result.items})
@@ -306,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = add("verify", "read every item: checksums, decoding, authentication (exit 1 if bad)")
     verify.add_argument("checkpoint", metavar="CKPT")
     verify.add_argument("--threads", type=int, default=None, help="items read in parallel")
+    _add_require_encryption(verify, "when keys are given")
     verify.set_defaults(func=_cmd_verify)
 
     cp = add("cp", "copy a checkpoint between any two locations, optionally transcoding")
@@ -327,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="client options for DST when they differ from SRC's",
     )
+    _add_require_encryption(cp, "when --transform re-encodes a source holding encrypted items")
     cp.set_defaults(func=_cmd_cp)
 
     rm = add("rm", "delete a committed checkpoint (metadata first)")
@@ -353,6 +361,16 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="say what would be removed")
     gc.set_defaults(func=_cmd_gc)
     return parser
+
+
+def _add_require_encryption(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--require-encryption",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="refuse items that are not AES-256-GCM encrypted (default: on "
+        f"{default}); --no-require-encryption accepts plain items",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -67,8 +67,9 @@ class CheckpointManager:
     every step divisible by ``K`` (it needs ``keep_last``; without ``keep_last`` nothing
     is ever deleted). Retention runs after a save commits, never before, and never
     deletes the step just saved. ``transforms`` and the writer options (``thread_count``,
-    ``overwrite``, ``sync_files``, ...) go to every :class:`CheckpointWriter`; ``keys`` and
-    ``registry`` to every reader. ``filesystem`` supplies a backend instance directly.
+    ``overwrite``, ``sync_files``, ...) go to every :class:`CheckpointWriter`; ``keys``,
+    ``registry`` and ``require_encryption`` (default: on when ``keys`` are given; see
+    :class:`CheckpointReader`) to every reader. ``filesystem`` supplies a backend instance directly.
 
     At most one save is in flight per manager: :meth:`save` first waits for the previous
     asynchronous save to finish (its outcome is reported through its own future and
@@ -87,6 +88,7 @@ class CheckpointManager:
         transforms: Sequence[Any] | None = None,
         keys: Keys | None = None,
         registry: ExtensionRegistry | None = None,
+        require_encryption: bool | None = None,
         filesystem: FileSystemBase | None = None,
         coordinator: bool | None = None,
         **writer_options: Any,
@@ -111,6 +113,7 @@ class CheckpointManager:
         self.keep_every = keep_every
         self.transforms = list(transforms or [])
         self.keys = keys
+        self.require_encryption = require_encryption
         self.registry = registry
         self.writer_options = writer_options
         self.coordinator = coordinator
@@ -253,6 +256,7 @@ class CheckpointManager:
             self.step_url(step),
             keys=self.keys,
             registry=self.registry,
+            require_encryption=self.require_encryption,
             filesystem=self.fs,
         )
         return step

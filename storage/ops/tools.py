@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from extensions.base import ItemInfo, Keys, resolve_key_lookup
+from extensions.base import ItemInfo, Keys, cached_key_lookup
 from extensions.errors import CheckpointExistsError, CheckpointStorageError, IntegrityError
 from extensions.registry import ExtensionRegistry
 from extensions.streams import pump, skip
@@ -37,7 +37,13 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import default_thread_count
 from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
-from storage.checkpoint.items import ItemEncoder, StoredItem
+from storage.checkpoint.items import (
+    ItemEncoder,
+    StoredItem,
+    check_before_read,
+    encryption_required,
+    is_encrypted,
+)
 from storage.checkpoint.layout import is_committed
 from storage.checkpoint.reader import CheckpointReader
 
@@ -94,13 +100,14 @@ class VerifyReport:
 
 
 def read_metadata(
-    fs: FileSystemBase, path: str, *, keys: Keys | None = None, registry: Any = None
+    fs: FileSystemBase, path: str, **reader_options: Any
 ) -> tuple[CheckpointReader, Metadata]:
-    """A reader set up on the checkpoint at ``path`` and its metadata.
+    """A reader set up on the checkpoint at ``path`` (``reader_options`` go to
+    :class:`CheckpointReader`) and its metadata.
 
     Raises :class:`CheckpointNotFoundError` naming what is missing when ``path`` is not
     a committed checkpoint."""
-    reader = CheckpointReader(fs.url(path), keys=keys, registry=registry, filesystem=fs)
+    reader = CheckpointReader(fs.url(path), filesystem=fs, **reader_options)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
     return reader, metadata
@@ -200,11 +207,15 @@ def verify(
     registry: ExtensionRegistry | None = None,
     thread_count: int | None = None,
     progress: Progress | None = None,
+    require_encryption: bool | None = None,
 ) -> VerifyReport:
     """Read every item of the checkpoint at ``path``: check its CRC32C and decode its
-    transform chain (which authenticates encrypted items). Returns which items are
-    good and why the others are not; raises only if the metadata cannot be read."""
-    reader, metadata = read_metadata(fs, path, keys=keys, registry=registry)
+    transform chain (which authenticates encrypted items). With ``keys``, an item that
+    is not encrypted is bad unless ``require_encryption=False``. Returns which items
+    are good and why the others are not; raises only if the metadata cannot be read."""
+    reader, metadata = read_metadata(
+        fs, path, keys=keys, registry=registry, require_encryption=require_encryption
+    )
     report = VerifyReport(fs.url(path))
     storage_data = metadata.storage_data or {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -259,6 +270,7 @@ def copy_checkpoint(
     registry: ExtensionRegistry | None = None,
     thread_count: int | None = None,
     progress: Progress | None = None,
+    require_encryption: bool | None = None,
 ) -> Summary:
     """Copy the checkpoint at ``src_path`` to ``dst_path`` (any two backends).
 
@@ -268,9 +280,33 @@ def copy_checkpoint(
     again, streaming, so memory stays at a few buffers per file. The destination is
     committed like a save (data first, metadata last); an existing committed
     checkpoint there is refused unless ``overwrite``, and then replaced only once the
-    new metadata lands."""
+    new metadata lands.
+
+    ``require_encryption=True`` refuses, before anything is written, a source item that
+    is not encrypted. The default (``None``) does so when items are re-encoded with
+    ``keys`` from a source that holds encrypted items: re-encoding would otherwise seal
+    a forged plain item (what a downgrade leaves behind) under a fresh, valid
+    encryption. It stays off for a source with no encrypted item at all, since ``keys``
+    here also serve the new chain (encrypting a plain checkpoint is a normal copy), and
+    for a verbatim copy, which keeps plain items plain for the reader's policy."""
     _, metadata = read_metadata(src_fs, src_path, keys=keys, registry=registry)
     src_url, dst_url = src_fs.url(src_path), dst_fs.url(dst_path)
+    key_lookup = cached_key_lookup(keys)
+    items = (metadata.storage_data or {}).items()
+    required = (
+        encryption_required(require_encryption, keys)
+        if require_encryption is not None
+        else encryption_required(None, keys)
+        and transforms is not None
+        and any(is_encrypted(info.transform_descriptors or ()) for _, info in items)
+    )
+    for index, info in items:  # before anything is written
+        check_before_read(
+            info.transform_descriptors or (),
+            _item_info(metadata, index, src_url, key_lookup),
+            require_encryption=required,
+            decode=transforms is not None,
+        )
     if src_url.rstrip("/") == dst_url.rstrip("/"):
         raise ValueError(f"cannot copy {src_url} onto itself; choose another destination")
     if not overwrite and is_committed(dst_fs, dst_path):
@@ -292,7 +328,6 @@ def copy_checkpoint(
     written: list[str] = []
     new_infos: dict[MetadataIndex, Any] = {}
     lock = threading.Lock()
-    key_lookup = resolve_key_lookup(keys)
     chain = None if transforms is None else list(transforms)
 
     def copy_file(src_name: str, dst_name: str, items: list[tuple[MetadataIndex, Any]]) -> None:
@@ -303,23 +338,16 @@ def copy_checkpoint(
             written.append(dst_file)
         start = int(items[0][1].offset)
         end = max(int(i.offset) + int(i.length) for _, i in items)
+        infos = [_item_info(metadata, index, src_url, key_lookup) for index, _ in items]
         out_offset = 0
         with (
             src_fs.open_slice(src_file, start, end - start) as source,
             dst_fs.create_stream(dst_file, "wb", sync=True) as out,
         ):
             position = start
-            for index, info in items:
+            for (index, info), item in zip(items, infos):
                 _skip(source, int(info.offset) - position, src_url, src_name)
                 position = int(info.offset) + int(info.length)
-                facts = _chunk_facts(metadata, index)
-                item = ItemInfo(
-                    checkpoint=src_url,
-                    item=fmt.item_label(index),
-                    dtype=_dtype_name(facts[1]) if facts else None,
-                    element_size=facts[1].itemsize if facts else None,
-                    keys=key_lookup,
-                )
                 count, crc, descriptors = _copy_item(source, out, info, item, chain, registry)
                 extra = {k: v for k, v in fmt.item_extra(info).items() if k != "crc32c"}
                 extra["crc32c"] = crc
@@ -353,6 +381,17 @@ def copy_checkpoint(
             remove_quietly(dst_fs, written)
         raise
     return describe(dst_fs, dst_path)
+
+
+def _item_info(metadata: Metadata, index: MetadataIndex, url: str, keys: Any) -> ItemInfo:
+    facts = _chunk_facts(metadata, index)
+    return ItemInfo(
+        checkpoint=url,
+        item=fmt.item_label(index),
+        dtype=_dtype_name(facts[1]) if facts else None,
+        element_size=facts[1].itemsize if facts else None,
+        keys=keys,
+    )
 
 
 def _skip(source: IO[bytes], n: int, url: str, name: str) -> None:

@@ -195,7 +195,8 @@ class StorageTransport:
                 state, reader, planner=_PlainDataPlanner(url), no_dist=True
             )
         except CheckpointException as exc:
-            raise unwrap_checkpoint_exception(exc, reader) from None
+            real = unwrap_checkpoint_exception(exc, reader)
+            raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
         return state
 
     def shutdown(self, wait: bool = True) -> None:
@@ -225,5 +226,6 @@ class StorageTransport:
         try:
             dcp.save(state_dict, storage_writer=writer, no_dist=True)
         except CheckpointException as exc:
-            raise unwrap_checkpoint_exception(exc, writer) from None
+            real = unwrap_checkpoint_exception(exc, writer)
+            raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
         mgr._retain_quietly(step)
