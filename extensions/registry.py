@@ -9,7 +9,7 @@ from importlib import metadata as importlib_metadata
 from typing import IO, Any, TypeVar
 
 from extensions.base import ItemInfo, StreamTransformExtension
-from extensions.errors import CheckpointStorageError, UnknownTransformError
+from extensions.errors import CheckpointStorageError, UnknownTransformError, quote
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class ExtensionRegistry:
             return self._classes[name]
         except KeyError:
             raise UnknownTransformError(
-                f"unknown transform {name!r}; registered: {', '.join(self.names())}. "
+                f"unknown transform {quote(name)}; registered: {', '.join(self.names())}. "
                 "Register it with extensions.register(YourTransform) or pass "
                 "registry=ExtensionRegistry([YourTransform]) to the reader."
             ) from None
@@ -77,8 +77,8 @@ class ExtensionRegistry:
             raise
         except (ValueError, KeyError) as exc:
             raise UnknownTransformError(
-                f"{info.checkpoint}: item {info.item!r}: cannot decode descriptor "
-                f"{descriptor!r}: {exc}. A newer dcp-storage or the transform's plugin "
+                f"{info.checkpoint}: item {quote(info.item)}: cannot decode descriptor "
+                f"{quote(descriptor)}: {exc}. A newer dcp-storage or the transform's plugin "
                 "may be needed."
             ) from exc
 

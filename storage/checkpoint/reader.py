@@ -10,7 +10,7 @@ import pickle
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -30,9 +30,10 @@ from extensions.errors import (
     CheckpointStorageError,
     IntegrityError,
     UnsafeCheckpointError,
+    quote,
 )
 from extensions.registry import ExtensionRegistry
-from extensions.streams import drain, readinto_exact, skip
+from extensions.streams import drain, read_all, readinto_exact, skip
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import (
@@ -46,6 +47,14 @@ from storage.checkpoint.items import StoredItem
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20
+
+#: Default floor of the decoded size of a non-tensor item (``max_object_bytes``).
+MAX_OBJECT_BYTES = 16 << 20
+#: A non-tensor item may also decode to this many times its stored size.
+OBJECT_RATIO = 64
+#: What a tensor's ``torch.save`` archive may hold beyond its raw bytes (records,
+#: pickle, alignment, directory: ~1 KiB in practice).
+ARCHIVE_ALLOWANCE = 64 << 10
 
 
 @dataclass
@@ -71,6 +80,13 @@ class CheckpointReader(StorageReader):
     straight into the target tensor where layout allows. ``keys`` (a mapping
     key_id -> key, or a callable) serves encrypted items. Checkpoints written by stock
     DCP load too; they carry no checksums, so those items are not verified.
+
+    Decoding is bounded by the request and the stored sizes, never by what the
+    checkpoint merely claims: a tensor item decodes to at most its chunk's bytes (the
+    chunk must lie inside the tensor, whose size torch's planner matches against the
+    caller's) plus ``ARCHIVE_ALLOWANCE``; a non-tensor item to at most
+    ``max(max_object_bytes, 64 x its stored size)``. Past the bound the item is refused
+    with :class:`UnsafeCheckpointError` naming it.
     """
 
     def __init__(
@@ -82,8 +98,12 @@ class CheckpointReader(StorageReader):
         registry: ExtensionRegistry | None = None,
         thread_count: int | None = None,
         filesystem: FileSystemBase | None = None,
+        max_object_bytes: int = MAX_OBJECT_BYTES,
     ) -> None:
         super().__init__()
+        if not isinstance(max_object_bytes, int) or max_object_bytes < 0:
+            raise TypeError(f"max_object_bytes must be an int >= 0, got {max_object_bytes!r}")
+        self.max_object_bytes = max_object_bytes
         if registry is not None and not isinstance(registry, ExtensionRegistry):
             raise TypeError(f"registry must be an extensions.ExtensionRegistry, got {registry!r}")
         if keys is not None and not (callable(keys) or hasattr(keys, "__getitem__")):
@@ -197,7 +217,7 @@ class CheckpointReader(StorageReader):
             info = self.storage_data.get(req.storage_index)
             if info is None:
                 raise IntegrityError(
-                    f"{self.url}: item {fmt.item_label(req.storage_index)!r} is in the plan "
+                    f"{self.url}: item {quote(fmt.item_label(req.storage_index))} is in the plan "
                     "but not in the checkpoint's storage index; the metadata is damaged"
                 )
             per_file.setdefault(info.relative_path, []).append(_Item(req, info))
@@ -238,8 +258,8 @@ class CheckpointReader(StorageReader):
             if isinstance(exc, CheckpointStorageError):
                 raise
             raise CheckpointNotFoundError(
-                f"{self.url}: data file {os.path.basename(path)!r} (item "
-                f"{fmt.item_label(run[0].req.storage_index)!r}) is missing; the checkpoint "
+                f"{self.url}: data file {quote(os.path.basename(path))} (item "
+                f"{quote(fmt.item_label(run[0].req.storage_index))}) is missing; the checkpoint "
                 "is incomplete: restore the file or re-save the checkpoint"
             ) from exc
 
@@ -253,7 +273,7 @@ class CheckpointReader(StorageReader):
         registry: ExtensionRegistry,
     ) -> None:
         label = fmt.item_label(item.req.storage_index)
-        where = f"{self.url}: item {label!r} in {os.path.basename(path)!r}"
+        where = f"{self.url}: item {quote(label)} in {quote(os.path.basename(path))}"
         extra = fmt.item_extra(item.info)
         stored = StoredItem(
             stream,
@@ -277,7 +297,8 @@ class CheckpointReader(StorageReader):
         try:
             decoded = stored.decoded(registry, info)
             if target is None:
-                payload = decoded.read()
+                limit = max(self.max_object_bytes, OBJECT_RATIO * item.length)
+                payload = _read_bounded(decoded, limit, where, "pass a larger max_object_bytes=")
             else:
                 decoded_tensor = self._decode_tensor(decoded, item, extra, chunk, target, where)
             stored.finish()
@@ -315,12 +336,24 @@ class CheckpointReader(StorageReader):
     ) -> torch.Tensor:
         """The stored chunk as a tensor: ``target`` itself when the bytes could be
         decoded straight into it, else a new tensor to narrow and copy from."""
+        if chunk is None:
+            raise UnsafeCheckpointError(
+                f"{where}: a tensor item without a chunk in the metadata's state_dict_metadata; "
+                "the metadata is damaged or hostile"
+            )
+        sizes, dtype = chunk
+        offsets, lengths = list(item.req.storage_offsets), list(item.req.lengths)
+        if len(offsets) != len(sizes) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, sizes)
+        ):
+            raise UnsafeCheckpointError(
+                f"{where}: the request (offsets {offsets}, lengths {lengths}) does not lie "
+                f"inside the stored chunk of size {list(sizes)}; the metadata does not match "
+                "the state dict being loaded"
+            )
         data_offset = extra.get("data_offset")
-        sizes, dtype = chunk if chunk is not None else (None, None)
         if (
             data_offset is None
-            or sizes is None
-            or dtype is None
             or extra.get("dtype", str(dtype).removeprefix("torch."))
             != str(dtype).removeprefix("torch.")
             or extra.get("nbytes", math.prod(sizes) * dtype.itemsize)
@@ -328,8 +361,16 @@ class CheckpointReader(StorageReader):
         ):
             # A stock archive without our layout facts, or stored bytes of another dtype
             # or size than the metadata says (a planner that cast): let torch parse it.
-            loaded = torch.load(io.BytesIO(decoded.read()), map_location="cpu", weights_only=True)
-            return cast(torch.Tensor, loaded)  # copy_ into the target casts if needed
+            # A planner that cast may have stored up to 8 bytes per element (16: complex).
+            limit = math.prod(sizes) * max(8, dtype.itemsize) + ARCHIVE_ALLOWANCE
+            payload = _read_bounded(decoded, limit, where, "the metadata understates it")
+            loaded = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+            if not isinstance(loaded, torch.Tensor) or tuple(loaded.size()) != tuple(sizes):
+                raise IntegrityError(
+                    f"{where}: the stored tensor does not have the chunk size "
+                    f"{list(sizes)} that the metadata declares"
+                )
+            return loaded  # copy_ into the target casts if needed
         whole = list(item.req.lengths) == list(sizes) and not any(item.req.storage_offsets)
         direct = (
             whole
@@ -346,6 +387,16 @@ class CheckpointReader(StorageReader):
             raise IntegrityError(f"{where}: item is truncated")
         drain(decoded)  # the archive's trailer, and the transforms' own trailers
         return dest
+
+
+def _read_bounded(decoded: IO[bytes], limit: int, where: str, hint: str) -> bytes:
+    payload = read_all(decoded, limit=limit)
+    if len(payload) > limit:
+        raise UnsafeCheckpointError(
+            f"{where}: the item decodes to more than {limit} bytes, more than its stored "
+            f"size and the request allow (a decompression bomb?); refusing it ({hint})"
+        )
+    return payload
 
 
 def _plain_data(payload: bytes, where: str) -> io.BytesIO:
