@@ -145,16 +145,17 @@ def read_all(stream: Any, *, chunk: int = CHUNK, limit: int | None = None) -> by
     than ``limit`` without holding more of it."""
     parts: list[bytes] = []
     size = chunk if limit is None else max(1, min(chunk, limit + 1))
-    buffer = memoryview(bytearray(size))
     left = None if limit is None else limit + 1
+    buffer = bytearray()  # grows with the stream (see fill): small items stay small
     while left is None or left > 0:
-        n = readinto_exact(stream, buffer if left is None else buffer[: min(size, left)])
+        want = size if left is None else min(size, left)
+        n = fill(stream, buffer, want)
         if not n:
             break
-        parts.append(bytes(buffer[:n]))
+        parts.append(bytes(memoryview(buffer)[:n]))
         if left is not None:
             left -= n
-        if n < size:
+        if n < want:
             break
     return b"".join(parts)
 

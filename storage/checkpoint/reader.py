@@ -141,7 +141,14 @@ class CheckpointReader(StorageReader):
             payload = self.fs.read_bytes(meta_path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(self._missing_message(rank)) from None
-        metadata = fmt.load_metadata(payload, self.url)
+        try:
+            metadata = fmt.load_metadata(payload, self.fs.url(meta_path))
+        except CheckpointStorageError as exc:
+            # The rank-local file exists but is refused: that, not the missing global
+            # .metadata of the first probe, is what the caller must hear.
+            if isinstance(self.last_error, CheckpointNotFoundError):
+                self.last_error = exc
+            raise
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         self.last_error = None  # an earlier probe (global vs rank-local) may have failed
