@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from extensions._compat import TorchStreamTransform
+from extensions.errors import quote
 
 KeyLookup = Callable[[str], bytes]
 Keys = Mapping[str, bytes] | KeyLookup
@@ -105,12 +106,12 @@ def descriptor_settings(name: str, version: str, allowed: set[str]) -> dict[str,
     version, an unknown or repeated setting, or a setting without ``=``."""
     number, _, config = version.partition(";")
     if number != "1":
-        raise ValueError(f"unsupported {name} version {number!r} (this reader knows 1)")
+        raise ValueError(f"unsupported {name} version {quote(number)} (this reader knows 1)")
     settings: dict[str, str] = {}
     for part in config.split(";") if config else ():
         key, sep, value = part.partition("=")
         if not sep or key not in allowed or key in settings:
-            raise ValueError(f"unexpected {name} setting {part!r}")
+            raise ValueError(f"unexpected {name} setting {quote(part)}")
         settings[key] = value
     return settings
 

@@ -32,7 +32,13 @@ from extensions.base import (
     StreamTransformExtension,
     descriptor_settings,
 )
-from extensions.errors import IntegrityError, MissingDependencyError, MissingKeyError
+from extensions.errors import (
+    IntegrityError,
+    MissingDependencyError,
+    MissingKeyError,
+    printable,
+    quote,
+)
 from extensions.keys import (
     ENV_VAR,
     KEY_SIZE,
@@ -42,7 +48,7 @@ from extensions.keys import (
     keys_from_file,
 )
 from extensions.registry import parse_descriptor
-from extensions.streams import read_all, readinto_exact
+from extensions.streams import fill, read_all, readinto_exact
 
 __all__ = ["AES256GCM", "keys_from_environment", "keys_from_file", "prefetch_keys"]
 
@@ -160,11 +166,13 @@ class AES256GCM(StreamTransformExtension):
 
 
 def _lookup_key(key_id: str, item: ItemInfo) -> bytes:
-    where = f"{item.checkpoint}: item {item.item!r}" if item.item else item.checkpoint or "item"
+    where = (
+        f"{item.checkpoint}: item {quote(item.item)}" if item.item else item.checkpoint or "item"
+    )
     missing = (
-        f"{where} is encrypted with key_id {key_id!r}, but no key was given for it; pass "
-        f"keys={{{key_id!r}: <32-byte key>}} (or a callable) to the reader or "
-        f"storage.load, or set {ENV_VAR}={key_id}=<hex or base64 key>"
+        f"{where} is encrypted with key_id {quote(key_id)}, but no key was given for it; "
+        f"pass keys={{{quote(key_id)}: <32-byte key>}} (or a callable) to the reader or "
+        f"storage.load, or set {ENV_VAR}={printable(key_id, 64)}=<hex or base64 key>"
     )
     key: object = None
     if item.keys is not None:
@@ -216,9 +224,11 @@ class _Encryptor(io.RawIOBase):
         self._aead = _aead(item_key)
         self._ad = _associated_prefix(item)
         self._index = 0
-        self._plain = bytearray(chunk_size)
+        # Buffers grow to what the item needs (at most a chunk): thousands of small items
+        # must not each cost a full chunk of zeroed memory.
+        self._plain = bytearray()
         self._fill = 0
-        self._sealed = bytearray(chunk_size + TAG_SIZE)
+        self._sealed = bytearray()
         out.write(_HEADER.pack(_MAGIC, _FORMAT, salt, self._prefix, check))
 
     def writable(self) -> bool:
@@ -239,7 +249,7 @@ class _Encryptor(io.RawIOBase):
             self._fill += n
             pos += n
             if self._fill == self._chunk:
-                self._seal(memoryview(self._plain), final=False)
+                self._seal(memoryview(self._plain)[: self._fill], final=False)
                 self._fill = 0
         return total
 
@@ -248,6 +258,8 @@ class _Encryptor(io.RawIOBase):
             raise ValueError("item too large for this chunk_size; use a larger chunk_size")
         nonce = self._prefix + self._index.to_bytes(4, "big")
         ad = self._ad + struct.pack(">QB", self._index, final)
+        if len(self._sealed) < len(plain) + TAG_SIZE:
+            self._sealed = bytearray(len(plain) + TAG_SIZE)
         out = memoryview(self._sealed)[: len(plain) + TAG_SIZE]
         self._aead.encrypt_into(nonce, plain, ad, out)
         self._out.write(out)
@@ -279,13 +291,18 @@ class _Decryptor(io.RawIOBase):
         self._key_id = key_id
         self._chunk = chunk_size
         self._ad = _associated_prefix(item)
-        self._where = f"{item.checkpoint}: item {item.item!r}" if item.item else item.checkpoint
+        self._where = (
+            f"{item.checkpoint}: item {quote(item.item)}" if item.item else item.checkpoint
+        )
         self._aead: Any = None
         self._prefix = b""
         self._index = 0
         self._done = False
-        self._record = bytearray(chunk_size + TAG_SIZE)
-        self._plain = bytearray(chunk_size)
+        # Both grow with the bytes actually stored (see streams.fill): the chunk size is
+        # the checkpoint's claim, and a 1 KiB item claiming 256 MiB chunks must not cost
+        # 512 MiB before authentication fails.
+        self._record = bytearray()
+        self._plain = bytearray()
         self._pos = 0
         self._end = 0
 
@@ -321,9 +338,9 @@ class _Decryptor(io.RawIOBase):
         internal buffer; returns the plaintext length, or -1 for the internal buffer."""
         if self._aead is None:
             self._start()
+        n = fill(self._src, self._record, self._chunk + TAG_SIZE)
+        final = n < self._chunk + TAG_SIZE
         record = memoryview(self._record)
-        n = readinto_exact(self._src, record)
-        final = n < len(record)
         if n < TAG_SIZE:
             raise self._fail(
                 f"the item is truncated: chunk {self._index} is missing or cut short"
@@ -332,6 +349,8 @@ class _Decryptor(io.RawIOBase):
             )
         size = n - TAG_SIZE
         internal = dest is None or len(dest) < size
+        if internal and len(self._plain) < size:
+            self._plain = bytearray(size)
         out = memoryview(self._plain)[:size] if internal or dest is None else dest[:size]
         nonce = self._prefix + self._index.to_bytes(4, "big")
         ad = self._ad + struct.pack(">QB", self._index, final)
@@ -367,7 +386,7 @@ class _Decryptor(io.RawIOBase):
     def read(self, size: int | None = -1) -> bytes:
         # Slices of the decrypted chunk, one copy each (RawIOBase.read would make two).
         if size is None or size < 0:
-            return read_all(self, chunk=self._chunk)
+            return read_all(self)
         while self._pos == self._end:
             if self._done or not size:
                 return b""

@@ -7,6 +7,8 @@ Messages name the checkpoint, the item (when there is one) and what to do about 
 
 from __future__ import annotations
 
+from itertools import islice
+
 
 class CheckpointStorageError(Exception):
     """Root of every error raised by dcp-storage."""
@@ -53,3 +55,65 @@ class UnsafeCheckpointError(CheckpointStorageError, ValueError):
 
 class MissingDependencyError(CheckpointStorageError, ImportError):
     """An optional client library is not installed; the message names the extra."""
+
+
+# --- quoting untrusted values in messages ---------------------------------------------
+#
+# Item names, paths and descriptors come from the checkpoint, which may be hostile: a
+# value quoted in a message must cost little to format however it is built (shared
+# references make a 2 KB pickle an exponential tree) and must not carry terminal escape
+# sequences to whoever reads the message.
+
+_QUOTE_LIMIT = 160
+_QUOTE_ITEMS = 8
+_QUOTE_DEPTH = 3
+_PLAIN_ATOMS = (bool, float, complex, type(None))
+
+
+def quote(value: object, limit: int = _QUOTE_LIMIT) -> str:
+    """``repr`` of an untrusted ``value`` for a message: at most ``limit`` characters
+    (plus ``...``), control characters escaped, containers cut after a few elements
+    and levels, objects of other types shown by type name only."""
+    text = _quote(value, _QUOTE_DEPTH, limit)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _quote(value: object, depth: int, limit: int) -> str:
+    if isinstance(value, str):
+        return repr(value[:limit])  # repr escapes control and non-printable characters
+    if isinstance(value, (bytes, bytearray)):
+        return repr(bytes(value[:limit]))
+    if isinstance(value, int) and not isinstance(value, bool):
+        # Formatting a huge int is quadratic (and refused past 4300 digits).
+        return repr(value) if value.bit_length() <= 128 else f"<int of {value.bit_length()} bits>"
+    if isinstance(value, _PLAIN_ATOMS):
+        return repr(value)
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        if depth <= 0:
+            return f"<{type(value).__name__} of {len(value)}>"
+        items = list(islice(value.items() if isinstance(value, dict) else value, _QUOTE_ITEMS))
+        if isinstance(value, dict):
+            parts = [
+                f"{_quote(k, depth - 1, limit)}: {_quote(v, depth - 1, limit)}" for k, v in items
+            ]
+        else:
+            parts = [_quote(v, depth - 1, limit) for v in items]
+        more = ", ..." if len(value) > len(items) else ""
+        body = ", ".join(parts)[:limit] + more
+        if isinstance(value, dict):
+            return "{" + body + "}"
+        if isinstance(value, list):
+            return "[" + body + "]"
+        return f"{type(value).__name__}([{body}])" if type(value) is not tuple else f"({body})"
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def printable(text: str, limit: int | None = None) -> str:
+    """``text`` with control and other non-printable characters escaped (``\\x1b``),
+    cut to ``limit`` characters (plus ``...``) when one is given: safe to print to a
+    terminal when parts of it come from a checkpoint."""
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + "..."
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

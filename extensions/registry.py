@@ -10,7 +10,7 @@ from typing import IO, Any, TypeVar
 
 from extensions._compat import TorchExtensionRegistry
 from extensions.base import ItemInfo, StreamTransformExtension
-from extensions.errors import CheckpointStorageError, UnknownTransformError
+from extensions.errors import CheckpointStorageError, UnknownTransformError, quote
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class ExtensionRegistry:
             return self._classes[name]
         except KeyError:
             raise UnknownTransformError(
-                f"unknown transform {name!r}; registered: {', '.join(self.names())}. "
+                f"unknown transform {quote(name)}; registered: {', '.join(self.names())}. "
                 "Register it with extensions.register(YourTransform) or pass "
                 "registry=ExtensionRegistry([YourTransform]) to the reader."
             ) from None
@@ -86,8 +86,8 @@ class ExtensionRegistry:
             raise
         except (ValueError, KeyError) as exc:
             raise UnknownTransformError(
-                f"{info.checkpoint}: item {info.item!r}: cannot decode descriptor "
-                f"{descriptor!r}: {exc}. A newer dcp-storage or the transform's plugin "
+                f"{info.checkpoint}: item {quote(info.item)}: cannot decode descriptor "
+                f"{quote(descriptor)}: {exc}. A newer dcp-storage or the transform's plugin "
                 "may be needed."
             ) from exc
 

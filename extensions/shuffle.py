@@ -15,7 +15,8 @@ from typing import IO, Any, cast
 import numpy as np
 
 from extensions.base import ItemInfo, StreamTransformExtension, descriptor_settings
-from extensions.streams import read_all, readinto_exact
+from extensions.errors import quote
+from extensions.streams import fill, read_all, readinto_exact
 
 #: Elements per shuffled block; part of format version 1 (a block is es * this bytes).
 BLOCK_ELEMENTS = 1 << 18
@@ -97,7 +98,9 @@ class ByteShuffle(StreamTransformExtension):
     def from_descriptor(version: str) -> ByteShuffle:
         value = descriptor_settings(ByteShuffle.registry_name(), version, {"es"}).get("es", "")
         if not value.isdigit():
-            raise ValueError(f"expected ';es=<element size>' in the descriptor, got {version!r}")
+            raise ValueError(
+                f"expected ';es=<element size>' in the descriptor, got {quote(version)}"
+            )
         return ByteShuffle(element_size=int(value))
 
     def get_descriptor(self) -> str:
@@ -122,9 +125,10 @@ class _ShuffleWriter(io.RawIOBase):
         self._out = out
         self._es = es
         self._block = es * BLOCK_ELEMENTS if es > 1 else 0
-        self._staged = bytearray(self._block)
+        # Both grow to what the item needs (at most a block), not a block per item.
+        self._staged = bytearray()
         self._fill = 0
-        self._shuffled = bytearray(self._block)
+        self._shuffled = bytearray()
 
     def writable(self) -> bool:
         return True
@@ -146,11 +150,13 @@ class _ShuffleWriter(io.RawIOBase):
             self._fill += n
             pos += n
             if self._fill == self._block:
-                self._emit(memoryview(self._staged))
+                self._emit(memoryview(self._staged)[: self._fill])
                 self._fill = 0
         return total
 
     def _emit(self, block: memoryview) -> None:
+        if len(self._shuffled) < len(block):
+            self._shuffled = bytearray(len(block))
         out = memoryview(self._shuffled)[: len(block)]
         _shuffle(block, out, self._es)
         self._out.write(out)
@@ -176,8 +182,9 @@ class _UnshuffleReader(io.RawIOBase):
         self._src = source
         self._es = es
         self._block = es * BLOCK_ELEMENTS if es > 1 else 1 << 20
-        self._raw = bytearray(self._block if es > 1 else 0)
-        self._plain = bytearray(self._block if es > 1 else 0)
+        # Both grow with the bytes actually read (see streams.fill).
+        self._raw = bytearray()
+        self._plain = bytearray()
         self._pos = 0
         self._end = 0
 
@@ -191,14 +198,13 @@ class _UnshuffleReader(io.RawIOBase):
         if self._pos == self._end:
             if not len(view):
                 return 0
-            n = readinto_exact(self._src, memoryview(self._raw))
+            n = fill(self._src, self._raw, self._block)
             if not n:
                 return 0
-            source = memoryview(self._raw)[:n]
             if len(view) >= n:
-                _unshuffle(source, view[:n], self._es)
+                _unshuffle(memoryview(self._raw)[:n], view[:n], self._es)
                 return n
-            _unshuffle(source, memoryview(self._plain)[:n], self._es)
+            self._unshuffle_internal(n)
             self._pos, self._end = 0, n
         n = min(len(view), self._end - self._pos)
         view[:n] = memoryview(self._plain)[self._pos : self._pos + n]
@@ -207,18 +213,23 @@ class _UnshuffleReader(io.RawIOBase):
 
     def read(self, size: int | None = -1) -> bytes:
         if size is None or size < 0:
-            return read_all(self, chunk=self._block)
+            return read_all(self)
         if self._es == 1:
             return self._src.read(size)
         if self._pos == self._end:
-            n = readinto_exact(self._src, memoryview(self._raw)) if size else 0
+            n = fill(self._src, self._raw, self._block) if size else 0
             if not n:
                 return b""
-            _unshuffle(memoryview(self._raw)[:n], memoryview(self._plain)[:n], self._es)
-            self._pos, self._end = 0, n
+            self._unshuffle_internal(n)
         n = min(size, self._end - self._pos)
         self._pos += n
         return bytes(memoryview(self._plain)[self._pos - n : self._pos])
 
     def readall(self) -> bytes:
         return self.read(-1)
+
+    def _unshuffle_internal(self, n: int) -> None:
+        if len(self._plain) < n:
+            self._plain = bytearray(n)
+        _unshuffle(memoryview(self._raw)[:n], memoryview(self._plain)[:n], self._es)
+        self._pos, self._end = 0, n

@@ -1,9 +1,10 @@
 """Byte-stream primitives every layer shares: the read loops and the range views.
 
 The read loops live here once: :func:`readinto_exact` (fill a buffer, short only at end
-of stream), :func:`read_all`, :func:`skip`, :func:`drain` and :func:`pump` (copy a
-stream into a sink). Each takes any object with ``readinto`` or, failing that, ``read``
-(a user's transform may offer only ``read``).
+of stream), :func:`read_all`, :func:`skip`, :func:`drain`, :func:`pump` (copy a
+stream into a sink) and :func:`fill` (a block buffer that grows with the data). Each
+takes any object with ``readinto`` or, failing that, ``read`` (a user's transform may
+offer only ``read``).
 
 ``SliceView`` answers reads from ``[offset, offset + length)`` of a seekable stream and
 never outside it: ``seek`` is relative to the slice for all three ``whence`` values and
@@ -137,13 +138,40 @@ def drain(stream: Any) -> int:
     return pump(stream, None, chunk=1 << 16)
 
 
-def read_all(stream: Any, *, chunk: int = CHUNK) -> bytes:
+def read_all(stream: Any, *, chunk: int = CHUNK, limit: int | None = None) -> bytes:
     """The rest of ``stream`` as bytes, read ``chunk`` bytes at a time (``RawIOBase``'s
-    own ``readall`` goes 8 KiB at a time: a round trip each on object stores)."""
+    own ``readall`` goes 8 KiB at a time: a round trip each on object stores). With a
+    ``limit``, stops after ``limit + 1`` bytes, so a caller can tell a stream longer
+    than ``limit`` without holding more of it."""
     parts: list[bytes] = []
-    buffer = memoryview(bytearray(chunk))
-    while n := readinto_exact(stream, buffer):
-        parts.append(bytes(buffer[:n]))
-        if n < chunk:
+    size = chunk if limit is None else max(1, min(chunk, limit + 1))
+    left = None if limit is None else limit + 1
+    buffer = bytearray()  # grows with the stream (see fill): small items stay small
+    while left is None or left > 0:
+        want = size if left is None else min(size, left)
+        n = fill(stream, buffer, want)
+        if not n:
+            break
+        parts.append(bytes(memoryview(buffer)[:n]))
+        if left is not None:
+            left -= n
+        if n < want:
             break
     return b"".join(parts)
+
+
+def fill(stream: Any, buffer: bytearray, size: int, *, first: int = 1 << 16) -> int:
+    """Read up to ``size`` bytes of ``stream`` into the start of ``buffer``; returns how
+    many arrived (fewer only at end of stream). ``buffer`` grows, from ``first`` bytes
+    and doubling, only while the stream keeps delivering: a decoder's block buffer then
+    costs what the item holds, not the block size its descriptor claims."""
+    got = 0
+    while got < size:
+        if got == len(buffer):
+            buffer.extend(bytes(min(size, max(first, 2 * len(buffer))) - len(buffer)))
+        room = min(len(buffer), size)
+        n = readinto_exact(stream, memoryview(buffer)[got:room])
+        got += n
+        if got < room:
+            break
+    return got

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import IO, cast
 
 from extensions.base import ItemInfo, StreamTransformExtension
-from extensions.errors import MissingDependencyError
+from extensions.errors import MissingDependencyError, quote
 
 
 def _zstandard():  # type: ignore[no-untyped-def]
@@ -60,7 +60,9 @@ class ZStandard(StreamTransformExtension):
     @staticmethod
     def from_descriptor(version: str) -> ZStandard:
         if version.partition(".")[0] != "1":
-            raise ValueError(f"unsupported stream.zstd version {version!r} (this reader knows 1)")
+            raise ValueError(
+                f"unsupported stream.zstd version {quote(version)} (this reader knows 1)"
+            )
         return ZStandard()
 
     def get_descriptor(self) -> str:

@@ -19,20 +19,25 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 import struct
 import zipfile
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata
 
 from extensions._compat import StorageInfo
-from extensions.errors import UnsafeCheckpointError
+from extensions.errors import UnsafeCheckpointError, printable
+from storage.checkpoint.validate import (  # noqa: F401 - EXTRA, item_label: re-exported
+    EXTRA,
+    check_metadata,
+    item_label,
+)
 
 FORMAT_VERSION = 1
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
-EXTRA = "dcp_storage"  # attribute name on Metadata and _StorageInfo
 
 
 def metadata_name(rank: int | None = None) -> str:
@@ -44,12 +49,6 @@ def data_file_name(rank: int, number: int, save_id: str) -> str:
     """``__{rank}_{n}-{save_id}.distcp``: unique per save, so an overwrite never
     writes into a file that the committed metadata points at."""
     return f"__{rank}_{number}-{save_id}{DATA_SUFFIX}"
-
-
-def item_label(index: MetadataIndex) -> str:
-    if index.offset is not None and any(index.offset):
-        return f"{index.fqn}@{list(index.offset)}"
-    return index.fqn
 
 
 def item_extra(info: Any) -> dict[str, Any]:
@@ -110,7 +109,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         raise UnsafeCheckpointError(
-            f"{self._where}: metadata refers to {module}.{name}, which is not a DCP metadata "
+            f"{self._where}: metadata refers to {printable(f'{module}.{name}', 200)}, which is "
+            "not a DCP metadata "
             "class or plain data; refusing to load it (it could run code). Only load "
             "checkpoints from sources you trust, and re-save this one with dcp-storage or "
             "stock DCP."
@@ -118,43 +118,75 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def load_metadata(data: bytes, where: str) -> Metadata:
-    """Unpickle ``.metadata`` safely and check every path it names."""
+    """Unpickle ``.metadata`` safely and check it (``validate.check_metadata``)."""
     try:
+        _check_memo(data)
         metadata = _RestrictedUnpickler(io.BytesIO(data), where).load()
     except UnsafeCheckpointError:
         raise
     except Exception as exc:
         raise UnsafeCheckpointError(
-            f"{where}: metadata is not a readable DCP metadata file ({exc}); "
-            "the checkpoint is damaged or was not written by DCP"
+            f"{where}: metadata is not a readable DCP metadata file "
+            f"({printable(str(exc), 200)}); the checkpoint is damaged or was not written by DCP"
         ) from exc
-    if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpointError(
-            f"{where}: metadata holds a {type(metadata).__name__}, not DCP Metadata"
-        )
-    for index, info in (metadata.storage_data or {}).items():
-        path = getattr(info, "relative_path", None)
-        check_relative_path(
-            path, where, item_label(index) if isinstance(index, MetadataIndex) else str(index)
-        )
-    return metadata
+    return check_metadata(metadata, where, len(data))
 
 
-def check_relative_path(path: object, where: str, item: str) -> None:
-    """Refuse anything but a plain file name inside the checkpoint."""
-    ok = (
-        isinstance(path, str)
-        and path not in ("", ".", "..")
-        and "/" not in path
-        and "\\" not in path
-        and ":" not in path
-        and "\x00" not in path
-    )
-    if not ok:
-        raise UnsafeCheckpointError(
-            f"{where}: item {item!r} points at {path!r}, which is not a file inside the "
-            "checkpoint (absolute paths, '..', sub-directories and URLs are refused)"
-        )
+def _check_memo(data: bytes) -> None:
+    """Refuse a memo index beyond the opcodes seen so far before the C unpickler sees
+    it: that unpickler sizes (and zeroes) its memo table by the largest index, so
+    ``LONG_BINPUT 0x7fffffff`` in a 12-byte file would cost 32 GiB. Well-formed pickles
+    number memo entries densely (protocol 4+ never even states them). A scan of opcode
+    boundaries only, several times faster than ``pickletools.genops``."""
+    pos, end, count = 0, len(data), 0
+    while pos < end:
+        op = data[pos]
+        kind = _ARG_KIND[op]
+        pos += 1
+        if kind is None:
+            raise ValueError(f"invalid pickle opcode {op:#x} at byte {pos - 1}")
+        if op == _STOP:
+            return
+        if kind >= 0:
+            if op == _LONG_BINPUT and int.from_bytes(data[pos : pos + 4], "little") > count:
+                raise ValueError(f"memo index out of range at byte {pos - 1}")
+            pos += kind
+        elif kind in (_LINE, _TWO_LINES):
+            line_end = data.index(b"\n", pos)
+            if op == _PUT and int(data[pos:line_end]) > count:
+                raise ValueError(f"memo index out of range at byte {pos - 1}")
+            pos = line_end + 1
+            if kind == _TWO_LINES:
+                pos = data.index(b"\n", pos) + 1
+        else:
+            width = -kind
+            pos += width + int.from_bytes(data[pos : pos + width], "little")
+        count += 1
+
+
+def _arg_kinds() -> list[int | None]:
+    # Per opcode byte: a fixed argument width (>= 0), a length prefix of -k bytes
+    # (k = 1, 4, 8), _LINE / _TWO_LINES for text arguments, None for no opcode.
+    kinds: list[int | None] = [None] * 256
+    for op in pickletools.opcodes:
+        n = op.arg.n if op.arg is not None else 0
+        if op.arg is not None and op.arg.name == "stringnl_noescape_pair":
+            n = _TWO_LINES
+        elif n == pickletools.UP_TO_NEWLINE:
+            n = _LINE
+        elif n == pickletools.TAKEN_FROM_ARGUMENT1:
+            n = -1
+        elif n in (pickletools.TAKEN_FROM_ARGUMENT4, pickletools.TAKEN_FROM_ARGUMENT4U):
+            n = -4
+        elif n == pickletools.TAKEN_FROM_ARGUMENT8U:
+            n = -8
+        kinds[ord(op.code)] = n
+    return kinds
+
+
+_LINE, _TWO_LINES = -100, -101
+_ARG_KIND = _arg_kinds()
+_STOP, _PUT, _LONG_BINPUT = ord(pickle.STOP), ord(pickle.PUT), ord(pickle.LONG_BINPUT)
 
 
 # --- BytesIO values ------------------------------------------------------------------

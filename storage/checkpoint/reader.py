@@ -11,7 +11,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -31,9 +31,10 @@ from extensions.errors import (
     CheckpointStorageError,
     IntegrityError,
     UnsafeCheckpointError,
+    quote,
 )
 from extensions.registry import ExtensionRegistry, as_registry
-from extensions.streams import drain, readinto_exact, skip
+from extensions.streams import drain, read_all, readinto_exact, skip
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import (
@@ -48,6 +49,14 @@ from storage.checkpoint.items import StoredItem, check_before_read, encryption_r
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20
+
+#: Default floor of the decoded size of a non-tensor item (``max_object_bytes``).
+MAX_OBJECT_BYTES = 16 << 20
+#: A non-tensor item may also decode to this many times its stored size.
+OBJECT_RATIO = 64
+#: What a tensor's ``torch.save`` archive may hold beyond its raw bytes (records,
+#: pickle, alignment, directory: ~1 KiB in practice).
+ARCHIVE_ALLOWANCE = 64 << 10
 
 
 @dataclass
@@ -79,6 +88,13 @@ class CheckpointReader(StorageReader):
     anything is read, an item that is not AES-256-GCM encrypted, so nobody can swap an
     encrypted item for a plain one in the (unauthenticated) metadata; see
     docs/transforms.md for what it does not cover.
+
+    Decoding is bounded by the request and the stored sizes, never by what the
+    checkpoint merely claims: a tensor item decodes to at most its chunk's bytes (the
+    chunk must lie inside the tensor, whose size torch's planner matches against the
+    caller's) plus ``ARCHIVE_ALLOWANCE``; a non-tensor item to at most
+    ``max(max_object_bytes, 64 x its stored size)``. Past the bound the item is refused
+    with :class:`UnsafeCheckpointError` naming it.
     """
 
     def __init__(
@@ -91,8 +107,12 @@ class CheckpointReader(StorageReader):
         thread_count: int | None = None,
         filesystem: FileSystemBase | None = None,
         require_encryption: bool | None = None,
+        max_object_bytes: int = MAX_OBJECT_BYTES,
     ) -> None:
         super().__init__()
+        if not isinstance(max_object_bytes, int) or max_object_bytes < 0:
+            raise TypeError(f"max_object_bytes must be an int >= 0, got {max_object_bytes!r}")
+        self.max_object_bytes = max_object_bytes
         if keys is not None and not (callable(keys) or hasattr(keys, "__getitem__")):
             raise TypeError("keys must be a mapping key_id -> bytes or a callable key_id -> bytes")
         self.storage_options = storage_options
@@ -135,7 +155,14 @@ class CheckpointReader(StorageReader):
             payload = self.fs.read_bytes(meta_path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(self._missing_message(rank)) from None
-        metadata = fmt.load_metadata(payload, self.url)
+        try:
+            metadata = fmt.load_metadata(payload, self.fs.url(meta_path))
+        except CheckpointStorageError as exc:
+            # The rank-local file exists but is refused: that, not the missing global
+            # .metadata of the first probe, is what the caller must hear.
+            if isinstance(self.last_error, CheckpointNotFoundError):
+                self.last_error = exc
+            raise
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
@@ -225,7 +252,7 @@ class CheckpointReader(StorageReader):
             info = self.storage_data.get(req.storage_index)
             if info is None:
                 raise IntegrityError(
-                    f"{self.url}: item {fmt.item_label(req.storage_index)!r} is in the plan "
+                    f"{self.url}: item {quote(fmt.item_label(req.storage_index))} is in the plan "
                     "but not in the checkpoint's storage index; the metadata is damaged"
                 )
             per_file.setdefault(info.relative_path, []).append(_Item(req, info))
@@ -267,8 +294,8 @@ class CheckpointReader(StorageReader):
             if isinstance(exc, CheckpointStorageError):
                 raise
             raise CheckpointNotFoundError(
-                f"{self.url}: data file {os.path.basename(path)!r} (item "
-                f"{fmt.item_label(run[0].req.storage_index)!r}) is missing; the checkpoint "
+                f"{self.url}: data file {quote(os.path.basename(path))} (item "
+                f"{quote(fmt.item_label(run[0].req.storage_index))}) is missing; the checkpoint "
                 "is incomplete: restore the file or re-save the checkpoint"
             ) from exc
 
@@ -283,7 +310,7 @@ class CheckpointReader(StorageReader):
         keys: KeyLookup | None,
     ) -> None:
         label = fmt.item_label(item.req.storage_index)
-        where = f"{self.url}: item {label!r} in {os.path.basename(path)!r}"
+        where = f"{self.url}: item {quote(label)} in {quote(os.path.basename(path))}"
         extra = fmt.item_extra(item.info)
         stored = StoredItem(
             stream,
@@ -302,7 +329,8 @@ class CheckpointReader(StorageReader):
         try:
             decoded = stored.decoded(registry, info)
             if target is None:
-                payload = decoded.read()
+                limit = max(self.max_object_bytes, OBJECT_RATIO * item.length)
+                payload = _read_bounded(decoded, limit, where, "pass a larger max_object_bytes=")
             else:
                 decoded_tensor = self._decode_tensor(decoded, item, extra, chunk, target, where)
             stored.finish()
@@ -352,12 +380,24 @@ class CheckpointReader(StorageReader):
     ) -> torch.Tensor:
         """The stored chunk as a tensor: ``target`` itself when the bytes could be
         decoded straight into it, else a new tensor to narrow and copy from."""
+        if chunk is None:
+            raise UnsafeCheckpointError(
+                f"{where}: a tensor item without a chunk in the metadata's state_dict_metadata; "
+                "the metadata is damaged or hostile"
+            )
+        sizes, dtype = chunk
+        offsets, lengths = list(item.req.storage_offsets), list(item.req.lengths)
+        if len(offsets) != len(sizes) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, sizes)
+        ):
+            raise UnsafeCheckpointError(
+                f"{where}: the request (offsets {offsets}, lengths {lengths}) does not lie "
+                f"inside the stored chunk of size {list(sizes)}; the metadata does not match "
+                "the state dict being loaded"
+            )
         data_offset = extra.get("data_offset")
-        sizes, dtype = chunk if chunk is not None else (None, None)
         if (
             data_offset is None
-            or sizes is None
-            or dtype is None
             or extra.get("dtype", str(dtype).removeprefix("torch."))
             != str(dtype).removeprefix("torch.")
             or extra.get("nbytes", math.prod(sizes) * dtype.itemsize)
@@ -365,8 +405,16 @@ class CheckpointReader(StorageReader):
         ):
             # A stock archive without our layout facts, or stored bytes of another dtype
             # or size than the metadata says (a planner that cast): let torch parse it.
-            loaded = torch.load(io.BytesIO(decoded.read()), map_location="cpu", weights_only=True)
-            return cast(torch.Tensor, loaded)  # copy_ into the target casts if needed
+            # A planner that cast may have stored up to 8 bytes per element (16: complex).
+            limit = math.prod(sizes) * max(8, dtype.itemsize) + ARCHIVE_ALLOWANCE
+            payload = _read_bounded(decoded, limit, where, "the metadata understates it")
+            loaded = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+            if not isinstance(loaded, torch.Tensor) or tuple(loaded.size()) != tuple(sizes):
+                raise IntegrityError(
+                    f"{where}: the stored tensor does not have the chunk size "
+                    f"{list(sizes)} that the metadata declares"
+                )
+            return loaded  # copy_ into the target casts if needed
         whole = list(item.req.lengths) == list(sizes) and not any(item.req.storage_offsets)
         direct = (
             whole
@@ -405,6 +453,16 @@ def _check_shapes(
             f"{offsets} of sizes {requested}); load into a state dict shaped like the "
             "checkpoint (dcp-storage inspect lists its shapes)"
         )
+
+
+def _read_bounded(decoded: IO[bytes], limit: int, where: str, hint: str) -> bytes:
+    payload = read_all(decoded, limit=limit)
+    if len(payload) > limit:
+        raise UnsafeCheckpointError(
+            f"{where}: the item decodes to more than {limit} bytes, more than its stored "
+            f"size and the request allow (a decompression bomb?); refusing it ({hint})"
+        )
+    return payload
 
 
 def _plain_data(payload: bytes, where: str) -> io.BytesIO:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from extensions.errors import CheckpointNotFoundError
+from extensions.errors import CheckpointNotFoundError, printable
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url, url_scheme
 
@@ -129,6 +129,8 @@ def human_age(modified: float | None) -> str:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
+    # Cells quote the checkpoint (item names, descriptors): no escape sequences.
+    rows = [[printable(str(c)) for c in r] for r in rows]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: Sequence[str]) -> str:
@@ -142,7 +144,11 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int])
 
 
 def emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, indent=2) if args.json else text)
+    # JSON escapes control characters itself; text lines may quote the checkpoint.
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        print("\n".join(printable(line) for line in text.split("\n")))
 
 
 def not_a_checkpoint_hint(fs: FileSystemBase, path: str, exc: Exception) -> Exception:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
+from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, printable
 from storage.cli._support import (
     TRANSFORM_SPECS,
     emit,
@@ -388,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if exc.filename
                 else message
             )
-        print(f"dcp-storage: error: {message}", file=sys.stderr)
+        print(f"dcp-storage: error: {printable(message, 2000)}", file=sys.stderr)
         return 1
 
 

@@ -30,7 +30,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from extensions.base import ItemInfo, Keys, cached_key_lookup
-from extensions.errors import CheckpointExistsError, CheckpointStorageError, IntegrityError
+from extensions.errors import (
+    CheckpointExistsError,
+    CheckpointStorageError,
+    IntegrityError,
+    quote,
+)
 from extensions.registry import ExtensionRegistry
 from extensions.streams import pump, skip
 from storage.backends.base import FileSystemBase
@@ -396,7 +401,7 @@ def _item_info(metadata: Metadata, index: MetadataIndex, url: str, keys: Any) ->
 
 def _skip(source: IO[bytes], n: int, url: str, name: str) -> None:
     if n < 0:
-        raise IntegrityError(f"{url}: items in {name!r} overlap; the metadata is damaged")
+        raise IntegrityError(f"{url}: items in {quote(name)} overlap; the metadata is damaged")
     skip(source, n)
 
 
@@ -415,7 +420,7 @@ def _copy_item(
         int(info.length),
         info.transform_descriptors or (),
         fmt.item_extra(info).get("crc32c"),
-        f"{item.checkpoint}: item {item.item!r}",
+        f"{item.checkpoint}: item {quote(item.item)}",
     )
     try:
         if chain is None:

@@ -1,0 +1,241 @@
+"""What a well-formed ``.metadata`` is: the checks every reader relies on.
+
+:func:`check_metadata` runs once, right after the restricted unpickler
+(``format.load_metadata``) built the object and before anything uses it or quotes it in
+a message, so every reader - ``CheckpointReader``, ``describe``/``verify``/``copy``, the
+CLI, the commit steps - sees only metadata whose values have the types and ranges the
+code assumes. A hostile or damaged file is refused with :class:`UnsafeCheckpointError`
+naming the item, never with an ``OverflowError`` or ``AttributeError`` from deep inside.
+
+Two passes. The first walks the whole object graph counting every visit, so shared
+references cannot make the graph an exponential tree for later code (a ~2 KB pickle of
+lists that each hold the previous one twice is a tree of 2**24 nodes at 24 levels): the
+walk stops after a budget proportional to the file size, and at a nesting depth no DCP
+metadata has. The second checks the schema: names are strings, offsets, lengths and
+sizes non-negative ints below :data:`MAX_SIZE`, every chunk inside its tensor, every
+``relative_path`` a plain file name inside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from enum import Enum
+from pathlib import PurePath
+from typing import Any, NoReturn
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from extensions._compat import StorageInfo
+from extensions.errors import UnsafeCheckpointError, quote
+
+EXTRA = "dcp_storage"  # attribute name of our facts on Metadata and _StorageInfo
+
+#: Bound on every offset, length, dimension and byte count a metadata may state: no
+#: file or tensor is larger, and sums of two such values still fit in an int64.
+MAX_SIZE = 1 << 62
+#: Deepest nesting accepted (DCP metadata nests about 6 levels).
+MAX_DEPTH = 32
+#: Object-graph visits allowed per byte of metadata, plus a floor. Each node of a
+#: well-formed metadata costs at least one opcode byte, and its few shared objects
+#: (dtypes, a shared offsets tuple) a couple of visits each; measured: ~1 visit/byte.
+VISITS_PER_BYTE = 8
+MIN_VISITS = 1 << 16
+
+_LEAVES = (
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+    bool,
+    type(None),
+    torch.dtype,
+    torch.layout,
+    torch.memory_format,
+    Enum,
+    PurePath,
+)
+_MISSING = object()
+
+
+def item_label(index: MetadataIndex) -> str:
+    """The item's name in messages and in the associated data of encrypted items."""
+    if index.offset is not None and any(index.offset):
+        return f"{index.fqn}@{list(index.offset)}"
+    return index.fqn
+
+
+def check_relative_path(path: object, where: str, item: str) -> None:
+    """Refuse anything but a plain file name inside the checkpoint."""
+    ok = (
+        isinstance(path, str)
+        and path not in ("", ".", "..")
+        and "/" not in path
+        and "\\" not in path
+        and ":" not in path
+        and "\x00" not in path
+    )
+    if not ok:
+        raise UnsafeCheckpointError(
+            f"{where}: item {quote(item)} points at {quote(path)}, which is not a file inside "
+            "the checkpoint (absolute paths, '..', sub-directories and URLs are refused)"
+        )
+
+
+def check_metadata(metadata: object, where: str, size: int) -> Metadata:
+    """``metadata`` (unpickled from ``size`` bytes) if well-formed, else
+    :class:`UnsafeCheckpointError` naming the first bad item."""
+    _check_graph(metadata, where, VISITS_PER_BYTE * size + MIN_VISITS)
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(
+            f"{where}: metadata holds a {type(metadata).__name__}, not DCP Metadata"
+        )
+    state = _attr(metadata, "state_dict_metadata", where, "metadata")
+    if not isinstance(state, dict):
+        _bad(where, "metadata", "state_dict_metadata", state, "a dict")
+    for fqn, md in state.items():
+        if not isinstance(fqn, str):
+            _bad(where, "metadata", "a state_dict key", fqn, "a str")
+        _check_entry(md, where, fqn)
+    storage_data = getattr(metadata, "storage_data", None)
+    if storage_data is not None and not isinstance(storage_data, dict):
+        _bad(where, "metadata", "storage_data", storage_data, "a dict")
+    for index, info in (storage_data or {}).items():
+        _check_storage_info(index, info, where)
+    return metadata
+
+
+def _check_graph(root: object, where: str, budget: int) -> None:
+    stack: list[tuple[object, int]] = [(root, 0)]
+    visits = 0
+    while stack:
+        obj, depth = stack.pop()
+        visits += 1
+        if visits > budget:
+            raise UnsafeCheckpointError(
+                f"{where}: metadata is refused: its objects share references so that it "
+                f"unfolds into more than {budget} nodes (a well-formed metadata has about "
+                "one per byte); the file is damaged or hostile"
+            )
+        if depth > MAX_DEPTH:
+            raise UnsafeCheckpointError(
+                f"{where}: metadata is refused: it nests deeper than {MAX_DEPTH} levels; "
+                "the file is damaged or hostile"
+            )
+        if isinstance(obj, _LEAVES):
+            continue
+        if isinstance(obj, dict):
+            children: Any = [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = obj
+        else:
+            children = getattr(obj, "__dict__", {}).values()
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _attr(obj: object, name: str, where: str, item: str) -> Any:
+    value = getattr(obj, name, _MISSING)
+    if value is _MISSING:
+        raise UnsafeCheckpointError(
+            f"{where}: item {quote(item)}: its {type(obj).__name__} has no {name!r}; the "
+            "metadata is damaged or was not written by DCP"
+        )
+    return value
+
+
+def _bad(where: str, item: str, what: str, value: object, expected: str) -> NoReturn:
+    raise UnsafeCheckpointError(
+        f"{where}: item {quote(item)}: {what} is {quote(value)}, expected {expected}; the "
+        "metadata is damaged or hostile"
+    )
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SIZE
+
+
+def _sizes(value: object, where: str, item: str, what: str) -> Sequence[int]:
+    if not isinstance(value, (tuple, list)) or not all(_is_size(v) for v in value):
+        _bad(where, item, what, value, "a sequence of ints in [0, 2**62]")
+    return value  # type: ignore[return-value]
+
+
+def _check_entry(md: object, where: str, fqn: str) -> None:
+    if isinstance(md, BytesStorageMetadata):
+        return
+    if not isinstance(md, TensorStorageMetadata):
+        _bad(where, fqn, "its state_dict_metadata entry", md, "tensor or bytes metadata")
+    properties = _attr(md, "properties", where, fqn)
+    if not isinstance(properties, TensorProperties) or not isinstance(
+        _attr(properties, "dtype", where, fqn), torch.dtype
+    ):
+        _bad(where, fqn, "its tensor properties", properties, "TensorProperties with a dtype")
+    size = _sizes(_attr(md, "size", where, fqn), where, fqn, "its size")
+    if math.prod(size) * properties.dtype.itemsize > MAX_SIZE:
+        _bad(where, fqn, "its size", size, "a tensor of at most 2**62 bytes")
+    chunks = _attr(md, "chunks", where, fqn)
+    if not isinstance(chunks, list):
+        _bad(where, fqn, "its chunk list", chunks, "a list")
+    for chunk in chunks:
+        if not isinstance(chunk, ChunkStorageMetadata):
+            _bad(where, fqn, "a chunk", chunk, "ChunkStorageMetadata")
+        offsets = _sizes(_attr(chunk, "offsets", where, fqn), where, fqn, "a chunk's offsets")
+        sizes = _sizes(_attr(chunk, "sizes", where, fqn), where, fqn, "a chunk's sizes")
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(o + s > d for o, s, d in zip(offsets, sizes, size))
+        ):
+            # A chunk larger than its tensor would make a reader allocate what the
+            # checkpoint claims, not what the caller asked for.
+            raise UnsafeCheckpointError(
+                f"{where}: item {quote(fqn)}: chunk at {quote(list(offsets))} of size "
+                f"{quote(list(sizes))} does not lie inside the tensor of size "
+                f"{quote(list(size))}; the metadata is damaged or hostile"
+            )
+
+
+def _check_storage_info(index: object, info: object, where: str) -> None:
+    if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
+        _bad(where, "storage index", "a key", index, "a MetadataIndex with a str fqn")
+    offset = getattr(index, "offset", None)
+    if offset is not None:
+        _sizes(offset, where, index.fqn, "its index offset")
+    label = item_label(index)
+    if not isinstance(info, StorageInfo):
+        _bad(where, label, "its storage info", info, "a _StorageInfo")
+    check_relative_path(_attr(info, "relative_path", where, label), where, label)
+    start = _attr(info, "offset", where, label)
+    length = _attr(info, "length", where, label)
+    if not _is_size(start):
+        _bad(where, label, "its offset", start, "an int in [0, 2**62]")
+    if not _is_size(length) or start + length > MAX_SIZE:
+        _bad(where, label, "its length", length, "an int in [0, 2**62 - offset]")
+    descriptors = getattr(info, "transform_descriptors", None)
+    if descriptors is not None and (
+        not isinstance(descriptors, (list, tuple))
+        or not all(isinstance(d, str) for d in descriptors)
+    ):
+        _bad(where, label, "its transform descriptors", descriptors, "a list of str")
+    extra = getattr(info, EXTRA, None)
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        _bad(where, label, f"its {EXTRA} facts", extra, "a dict")
+    crc = extra.get("crc32c")
+    if crc is not None and not (_is_size(crc) and crc < 1 << 32):
+        _bad(where, label, "its crc32c", crc, "a 32-bit unsigned int")
+    for key in ("data_offset", "nbytes"):
+        if key in extra and not _is_size(extra[key]):
+            _bad(where, label, f"its {key}", extra[key], "an int in [0, 2**62]")
+    if "dtype" in extra and not isinstance(extra["dtype"], str):
+        _bad(where, label, "its dtype", extra["dtype"], "a str")

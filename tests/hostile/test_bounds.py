@@ -1,0 +1,344 @@
+"""Memory and time bounded by the caller and the stored sizes; malformed metadata.
+
+Each test plays a hostile checkpoint. Memory is measured with tracemalloc (every buffer
+at stake here - decoded bytes, block buffers, the unpickler's memo table - is allocated
+through Python's allocators), never with wall time.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import tracemalloc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zstandard
+
+import storage
+from extensions import AES256GCM, ByteShuffle, ZStandard
+from extensions.base import ItemInfo
+from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
+from extensions.registry import ExtensionRegistry
+from storage.checkpoint import format as fmt
+from storage.checkpoint.items import ItemEncoder, StoredItem
+from storage.cli.main import main
+
+MiB = 1 << 20
+KEY = bytes(range(32))
+
+
+@pytest.fixture
+def peak() -> Iterator[Callable[[], int]]:
+    """Peak bytes allocated through Python since the fixture started."""
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    yield lambda: tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+
+
+def _meta(ckpt: Path) -> Any:
+    return pickle.loads((ckpt / ".metadata").read_bytes())  # the test's own file: trusted
+
+
+def _write_meta(ckpt: Path, metadata: Any) -> None:
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _info(metadata: Any, fqn: str) -> Any:
+    return next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+
+
+def _zstd_bomb(size: int) -> bytes:
+    out = io.BytesIO()
+    writer = zstandard.ZstdCompressor(level=3).stream_writer(out, closefd=False)
+    zeros = bytes(MiB)
+    for _ in range(size // MiB):
+        writer.write(zeros)
+    writer.close()
+    return out.getvalue()
+
+
+def _plant(ckpt: Path, fqn: str, stored: bytes, **extra_changes: Any) -> None:
+    """Append ``stored`` to the item's data file and point the item at it."""
+    metadata = _meta(ckpt)
+    info = _info(metadata, fqn)
+    path = ckpt / info.relative_path
+    info.offset = path.stat().st_size
+    info.length = len(stored)
+    with path.open("ab") as f:
+        f.write(stored)
+    extra = getattr(info, fmt.EXTRA)
+    extra.pop("crc32c", None)
+    for key, value in extra_changes.items():
+        if value is None:
+            extra.pop(key, None)
+        else:
+            extra[key] = value
+    _write_meta(ckpt, metadata)
+
+
+# --- item 8: decoding bounded by the request and the stored size -------------------------
+
+
+def test_zstd_bomb_in_a_non_tensor_item_is_refused_within_the_bound(
+    tmp_path: Path, peak: Callable[[], int]
+) -> None:
+    # Without the bound the reader inflated all 256 MiB of the 8 KiB item (+520 MB
+    # with the copies) before torch.load even looked at it.
+    storage.save({"blob": b"small", "t": torch.ones(4)}, tmp_path, transforms=[ZStandard()])
+    bomb = _zstd_bomb(256 * MiB)
+    assert len(bomb) < 16 << 10
+    _plant(tmp_path, "blob", bomb)
+    peak()  # the bomb's construction is not the reader's cost
+    tracemalloc.reset_peak()
+    with pytest.raises(UnsafeCheckpointError, match="blob.*decodes to more than"):
+        storage.load({"blob": b"", "t": torch.zeros(4)}, tmp_path)
+    # max_object_bytes (16 MiB) of decoded bytes, held twice while they are joined.
+    assert peak() < 40 * MiB
+
+
+def test_zstd_bomb_in_a_tensor_item_without_layout_facts_is_refused(
+    tmp_path: Path, peak: Callable[[], int]
+) -> None:
+    # Without the bound a stock-style item (no data_offset) was read whole for
+    # torch.load: 256 MiB for a 16-element tensor.
+    storage.save({"t": torch.ones(16)}, tmp_path, transforms=[ZStandard()])
+    _plant(tmp_path, "t", _zstd_bomb(256 * MiB), data_offset=None, nbytes=None)
+    tracemalloc.reset_peak()
+    with pytest.raises(UnsafeCheckpointError, match="'t'.*decodes to more than"):
+        storage.load({"t": torch.zeros(16)}, tmp_path)
+    assert peak() < 4 * MiB  # 16 x 8 bytes + the 64 KiB archive allowance
+
+
+def test_chunk_declared_larger_than_its_tensor_is_refused(tmp_path: Path) -> None:
+    # Without the check a chunk claiming 64 Mi elements for a 16-element tensor made
+    # the reader allocate 256 MiB and then load successfully from the stored archive.
+    storage.save({"t": torch.arange(16.0)}, tmp_path)
+    metadata = _meta(tmp_path)
+    metadata.state_dict_metadata["t"].chunks[0].sizes = torch.Size([64 << 20])
+    _write_meta(tmp_path, metadata)
+    target = {"t": torch.zeros(16)}
+    with pytest.raises(UnsafeCheckpointError, match="'t'.*does not lie inside the tensor"):
+        storage.load(target, tmp_path)
+    assert not target["t"].any()
+
+
+def test_stored_tensor_of_another_size_than_its_chunk_is_refused(tmp_path: Path) -> None:
+    # Without the check torch.load's result was narrowed to whatever the request asked
+    # for: a stored 64-element tensor filled a 16-element chunk without complaint.
+    storage.save({"t": torch.zeros(16)}, tmp_path)
+    archive = io.BytesIO()
+    torch.save(torch.arange(64.0), archive)
+    _plant(tmp_path, "t", archive.getvalue(), data_offset=None, nbytes=None)
+    with pytest.raises(IntegrityError, match="does not have the chunk size"):
+        storage.load({"t": torch.zeros(16)}, tmp_path)
+
+
+def test_aes_chunk_claim_does_not_size_the_buffers(tmp_path: Path, peak: Callable[[], int]) -> None:
+    # Without the fix a 1 KiB item whose descriptor claims chunk=256 MiB allocated
+    # 2 x 256 MiB per reader thread before authentication failed.
+    chain = [AES256GCM(key=KEY, key_id="k", chunk_size=1024)]  # two chunks for ~1.3 KiB
+    storage.save({"t": torch.ones(16)}, tmp_path, transforms=chain)
+    metadata = _meta(tmp_path)
+    _info(metadata, "t").transform_descriptors = [
+        f"dcp_storage.aes256gcm/1;key_id=k;chunk={256 * MiB}"
+    ]
+    _write_meta(tmp_path, metadata)
+    tracemalloc.reset_peak()
+    with pytest.raises(IntegrityError, match="'t'.*failed authentication"):
+        storage.load({"t": torch.zeros(16)}, tmp_path, keys={"k": KEY})
+    assert peak() < 4 * MiB
+
+
+@pytest.mark.parametrize(
+    "chain",
+    [
+        [AES256GCM(key=KEY, key_id="k", chunk_size=4 * MiB)],
+        [ByteShuffle(element_size=16)],
+        [ByteShuffle(element_size=16), ZStandard(), AES256GCM(key=KEY, key_id="k")],
+    ],
+    ids=["aes", "shuffle", "shuffle+zstd+aes"],
+)
+def test_small_items_get_small_buffers(chain: list[Any], peak: Callable[[], int]) -> None:
+    # Without the fix each 4-byte item cost a full chunk (AES: 2 x 4 MiB) or block
+    # (shuffle, es=16: 2 x 4 MiB) of zeroed buffers to encode and again to decode.
+    info = ItemInfo(checkpoint="mem", item="x", keys=lambda _: KEY)
+    tracemalloc.reset_peak()
+    out = io.BytesIO()
+    encoder = ItemEncoder(out, chain, info)
+    encoder.plain.write(b"abcd")
+    length, crc = encoder.close()
+    stored = StoredItem(io.BytesIO(out.getvalue()), length, encoder.descriptors, crc, "x")
+    assert stored.decoded(ExtensionRegistry(), info).read() == b"abcd"
+    stored.finish()
+    assert peak() < 512 << 10
+
+
+# --- items 9 and 10: metadata refused while loading, named errors ------------------------
+
+
+def _shared_reference_bomb(levels: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(levels):
+        value = [value, value]
+    return value
+
+
+@pytest.mark.timeout(30)  # a safety net only: the assertions are on the error
+def test_shared_reference_metadata_is_refused(tmp_path: Path) -> None:
+    # Without the walk budget quoting relative_path in the error message expanded 2**24
+    # nodes (14 s, 384 MB at 24 levels; 26 levels, 4 times that).
+    storage.save({"t": torch.ones(4)}, tmp_path)
+    metadata = _meta(tmp_path)
+    _info(metadata, "t").relative_path = _shared_reference_bomb(26)
+    _write_meta(tmp_path, metadata)
+    assert len((tmp_path / ".metadata").read_bytes()) < 4096
+    with pytest.raises(UnsafeCheckpointError, match="share references"):
+        storage.load({"t": torch.zeros(4)}, tmp_path)
+
+
+def test_memo_index_bomb_is_refused_before_unpickling(peak: Callable[[], int]) -> None:
+    # Without the pre-scan the C unpickler sized its memo table by the index: these 12
+    # bytes allocated (and zeroed) 32 GiB.
+    bomb = b"\x80\x04N" + b"r" + struct.pack("<I", 0x7FFFFFFF) + b"."
+    with pytest.raises(UnsafeCheckpointError, match="memo index"):
+        fmt.load_metadata(bomb, "mem")
+    assert peak() < MiB
+
+
+def _malformed(case: str) -> Callable[[Any], None]:
+    def set_info(name: str, value: Any) -> Callable[[Any], None]:
+        return lambda m: setattr(_info(m, "t"), name, value)
+
+    def chunk(name: str, value: Any) -> Callable[[Any], None]:
+        return lambda m: setattr(m.state_dict_metadata["t"].chunks[0], name, value)
+
+    def nest(m: Any) -> None:
+        value: Any = "x"
+        for _ in range(200):
+            value = [value]
+        m.planner_data = value
+
+    def drop_path(m: Any) -> None:
+        del _info(m, "t").__dict__["relative_path"]
+
+    return {
+        "negative offset": set_info("offset", -1),
+        "huge offset": set_info("offset", 1 << 70),
+        "huge length": set_info("length", 1 << 70),
+        "str length": set_info("length", "12"),
+        "bool offset": set_info("offset", True),
+        "missing relative_path": drop_path,
+        "list relative_path": set_info("relative_path", ["__0_0.distcp"]),
+        "descriptor not a str": set_info("transform_descriptors", [3]),
+        "crc32c out of range": lambda m: getattr(_info(m, "t"), fmt.EXTRA).update(crc32c=-5),
+        "data_offset str": lambda m: getattr(_info(m, "t"), fmt.EXTRA).update(data_offset="0"),
+        "chunk sizes of str": chunk("sizes", ["4"]),
+        "chunk offsets negative": chunk("offsets", [-1]),
+        "chunk of another rank": chunk("sizes", torch.Size([4, 1])),
+        "chunks not a list": lambda m: setattr(m.state_dict_metadata["t"], "chunks", None),
+        "tensor size huge": lambda m: setattr(m.state_dict_metadata["t"], "size", [1 << 61] * 2),
+        "deep nesting": nest,
+    }[case]
+
+
+MALFORMED = [
+    "negative offset",
+    "huge offset",
+    "huge length",
+    "str length",
+    "bool offset",
+    "missing relative_path",
+    "list relative_path",
+    "descriptor not a str",
+    "crc32c out of range",
+    "data_offset str",
+    "chunk sizes of str",
+    "chunk offsets negative",
+    "chunk of another rank",
+    "chunks not a list",
+    "tensor size huge",
+    "deep nesting",
+]
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_metadata_value_raises_a_named_error(tmp_path: Path, case: str) -> None:
+    # Without validation these surfaced as OverflowError, TypeError or AttributeError
+    # from deep inside a reader (or loaded), never naming the item.
+    storage.save({"t": torch.ones(4)}, tmp_path)
+    metadata = _meta(tmp_path)
+    _malformed(case)(metadata)
+    _write_meta(tmp_path, metadata)
+    with pytest.raises(UnsafeCheckpointError) as info:
+        fmt.load_metadata((tmp_path / ".metadata").read_bytes(), str(tmp_path))
+    if case != "deep nesting":
+        assert "'t'" in str(info.value)
+    with pytest.raises(UnsafeCheckpointError):
+        storage.load({"t": torch.zeros(4)}, tmp_path)
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_cli_reports_malformed_metadata_in_one_line(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without validation `inspect` and `verify` died with an OverflowError traceback
+    # (human_size of a 2**70-byte length).
+    storage.save({"t": torch.ones(4)}, tmp_path)
+    metadata = _meta(tmp_path)
+    _info(metadata, "t").length = 1 << 70
+    _write_meta(tmp_path, metadata)
+    assert main([command, str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "'t'" in captured.err
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_cli_escapes_item_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Without escaping an item name carried terminal escape sequences to the user's
+    # terminal through `inspect` and `verify`.
+    evil = "w\x1b]0;owned\x07\x1b[2J"
+    storage.save({evil: torch.ones(4)}, tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "w\\x1b]0;owned\\x07" in out
+    metadata = _meta(tmp_path)
+    _info(metadata, evil).length -= 1  # make the item bad, so verify names it
+    _write_meta(tmp_path, metadata)
+    assert main(["verify", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "\x1b" not in captured.out + captured.err and "w\\x1b" in captured.out
+
+
+def test_quote_is_bounded_and_escaped() -> None:
+    # The helper every message uses for checkpoint values: bounded work and length.
+    assert len(quote(_shared_reference_bomb(1000))) < 200
+    assert quote("a\x1b[2Jb") == "'a\\x1b[2Jb'"
+    assert quote(1 << 100000) == "<int of 100001 bits>"
+    assert len(quote("x" * 10**6)) < 200
+
+
+# --- item 11: an unsafe rank-local metadata is reported as unsafe ------------------------
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (print, ("owned",))
+
+
+def test_unsafe_rank_local_metadata_is_reported_as_unsafe(tmp_path: Path) -> None:
+    # Without the fix the first probe's "has no .metadata" hid the real refusal of
+    # __0.metadata.
+    storage.save({"t": torch.ones(4)}, tmp_path)
+    metadata = _meta(tmp_path)
+    metadata.planner_data = _Evil()
+    (tmp_path / "__0.metadata").write_bytes(pickle.dumps(metadata))
+    (tmp_path / ".metadata").unlink()
+    with pytest.raises(UnsafeCheckpointError, match="__0.metadata.*builtins.print"):
+        storage.load({"t": torch.zeros(4)}, tmp_path)
