@@ -39,6 +39,13 @@ except ImportError:  # pragma: no cover - torch before 2.7
 # stored chunk that a read item asks for (stock readers use the same function).
 from torch.distributed._shard._utils import narrow_tensor_by_index  # noqa: E402
 
+# torch.distributed._shard.sharded_tensor.metadata.TensorProperties (since 1.13): the
+# ShardedTensor-era tensor properties that checkpoints saved by older releases pickle in
+# their .metadata; stock readers accept them, so the metadata checks do too.
+from torch.distributed._shard.sharded_tensor.metadata import (  # noqa: E402
+    TensorProperties as LegacyTensorProperties,
+)
+
 # set_element (checkpoint._traverse, since 2.1), _EmptyStateDictLoadPlanner
 # (default_planner, since 2.2) and _load_state_dict (state_dict_loader, since 2.0): a
 # load into an empty state dict without a process group (the recovery transport).
@@ -61,6 +68,7 @@ from torch.distributed.checkpoint.state_dict_loader import (  # noqa: E402
 
 __all__ = [
     "EmptyStateDictLoadPlanner",
+    "LegacyTensorProperties",
     "StorageInfo",
     "TorchExtensionRegistry",
     "TorchStreamTransform",

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from extensions._compat import StorageInfo
+from extensions._compat import LegacyTensorProperties, StorageInfo
 from extensions.errors import UnsafeCheckpointError, quote
 
 EXTRA = "dcp_storage"  # attribute name of our facts on Metadata and _StorageInfo
@@ -175,7 +175,7 @@ def _check_entry(md: object, where: str, fqn: str) -> None:
     if not isinstance(md, TensorStorageMetadata):
         _bad(where, fqn, "its state_dict_metadata entry", md, "tensor or bytes metadata")
     properties = _attr(md, "properties", where, fqn)
-    if not isinstance(properties, TensorProperties) or not isinstance(
+    if not isinstance(properties, (TensorProperties, LegacyTensorProperties)) or not isinstance(
         _attr(properties, "dtype", where, fqn), torch.dtype
     ):
         _bad(where, fqn, "its tensor properties", properties, "TensorProperties with a dtype")
