@@ -3,6 +3,7 @@ items 13-18). Each test says what would happen without the fix it guards."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 import threading
@@ -118,3 +119,38 @@ def test_registries_built_in_threads_all_see_the_installed_plugin(
     assert len(scans) == 1  # the scan runs once per process, not once per registry
     ExtensionRegistry()
     assert len(scans) == 1
+
+
+# --- 15: the star import works without the optional client libraries ------------------
+
+_WITHOUT_CLIENTS = """
+import sys
+for name in ("s3fs", "gcsfs", "fsspec"):
+    sys.modules[name] = None  # as if not installed: importing it raises ImportError
+from storage import *
+from storage.backends import *
+import storage
+assert "S3FileSystem" in dir(storage)
+extras = {"S3FileSystem": "s3", "GCSFileSystem": "gcs", "FsspecFileSystem": "fsspec"}
+for name, extra in extras.items():
+    try:
+        getattr(storage, name)
+    except storage.MissingDependencyError as exc:
+        assert f"dcp-storage[{extra}]" in str(exc), exc
+    else:
+        raise AssertionError(f"storage.{name} resolved without its client library")
+print("ok", CheckpointManager.__name__, LocalFileSystem.__name__)
+"""
+
+
+def test_star_import_without_cloud_clients() -> None:
+    # Without the fix __all__ listed the lazy cloud backends, so the star import
+    # resolved each one and died with MissingDependencyError (no s3fs) on import.
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_CLIENTS],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok", "CheckpointManager", "LocalFileSystem"]
