@@ -154,3 +154,85 @@ def test_star_import_without_cloud_clients() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["ok", "CheckpointManager", "LocalFileSystem"]
+
+
+# --- 18: shared state of a backend is created once, however many threads ask at once ---
+
+
+class _SecondComer:
+    """Holds the first caller until a second one arrives (the race made certain), or
+    for half a second when none can (the fix: the others wait for the first)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._lock = threading.Lock()
+        self._second = threading.Event()
+
+    def arrive(self) -> None:
+        with self._lock:
+            self.calls += 1
+            first = self.calls == 1
+        if first:
+            self._second.wait(0.5)
+        else:
+            self._second.set()
+
+
+def _together(n: int, fn: Any) -> list[Any]:
+    """Run ``fn`` in ``n`` threads released at once; returns their results."""
+    start = threading.Barrier(n)
+    results: list[Any] = [None] * n
+
+    def run(i: int) -> None:
+        start.wait()
+        results[i] = fn()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_fsspec_client_is_created_once_under_concurrent_first_use() -> None:
+    # Without the fix every thread that saw no client yet built its own (each with its
+    # own connection pool and retry settings), and the last one won.
+    from fsspec.implementations.memory import MemoryFileSystem as FsspecMemory
+
+    from storage.backends._fsspec import FsspecFileSystem
+
+    gate = _SecondComer()
+
+    class Gated(FsspecFileSystem):
+        def _make_client(self, protocol: str, options: dict[str, Any]) -> Any:
+            gate.arrive()
+            return FsspecMemory(skip_instance_cache=True)
+
+    fs = Gated(protocol="memory")
+    clients = _together(4, lambda: fs.fs)
+    assert gate.calls == 1
+    assert all(c is clients[0] for c in clients)
+
+
+def test_s3_upload_slots_are_one_semaphore_under_concurrent_first_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without the fix the first uploads to run at once each made a semaphore of their
+    # own, so together they could have max_concurrency parts in flight each.
+    from storage.backends.s3 import _filesystem as s3_module
+
+    fs = s3_module.S3FileSystem(max_concurrency=2)
+    gate = _SecondComer()
+
+    class GatedSemaphore(threading.BoundedSemaphore):
+        def __init__(self, value: int = 1) -> None:
+            gate.arrive()
+            super().__init__(value)
+
+    monkeypatch.setattr(
+        s3_module, "threading", types.SimpleNamespace(BoundedSemaphore=GatedSemaphore)
+    )
+    slots = _together(4, fs._upload_slots)
+    assert all(s is slots[0] for s in slots)
+    assert gate.calls == 0  # made with the filesystem, before any upload
