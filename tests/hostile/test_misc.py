@@ -236,3 +236,47 @@ def test_s3_upload_slots_are_one_semaphore_under_concurrent_first_use(
     slots = _together(4, fs._upload_slots)
     assert all(s is slots[0] for s in slots)
     assert gate.calls == 0  # made with the filesystem, before any upload
+
+
+# --- 14: dcpmem://NAME/... is one process-wide store per NAME -------------------------
+
+
+def test_memory_url_save_then_load_meet_in_one_named_store() -> None:
+    # Without the fix every resolution of a dcpmem:// URL made a new, empty store: the
+    # load found no checkpoint, and each save's bytes stayed in memory for good.
+    import torch
+
+    import storage
+    from storage import MemoryFileSystem
+
+    name = f"run-{uuid.uuid4().hex[:8]}"
+    url = f"dcpmem://{name}/ckpt"
+    storage.save({"w": torch.arange(4.0)}, url)
+    target = {"w": torch.zeros(4)}
+    storage.load(target, url)
+    assert torch.equal(target["w"], torch.arange(4.0))
+    fs, path = storage.filesystem_from_url(url)
+    assert fs.url(path) == url  # names round-trip
+    MemoryFileSystem.drop_store(name)
+    assert name not in MemoryFileSystem._stores
+    with pytest.raises(storage.CheckpointNotFoundError):
+        storage.load(target, url)
+    MemoryFileSystem.drop_store(name)  # the load's lookup made an empty one
+    with pytest.raises(ValueError, match="name the store"):
+        storage.filesystem_from_url("dcpmem:///ckpt")
+
+
+def test_unnamed_memory_store_is_freed_with_its_instance() -> None:
+    # Without the fix every MemoryFileSystem() stayed listed (and its bytes held) for
+    # the life of the process.
+    import gc
+
+    from storage import MemoryFileSystem
+
+    fs = MemoryFileSystem()
+    fs.write_atomic(fs.init_path("dcpmem://x/a"), b"payload")
+    name = fs.name
+    assert fs.url("x/a") == f"dcpmem://{name}/x/a"
+    del fs
+    gc.collect()
+    assert name not in MemoryFileSystem._stores
