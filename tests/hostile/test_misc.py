@@ -280,3 +280,105 @@ def test_unnamed_memory_store_is_freed_with_its_instance() -> None:
     del fs
     gc.collect()
     assert name not in MemoryFileSystem._stores
+
+
+# --- 17: checkpoints committed by rank-local metadata are checkpoints everywhere ------
+
+
+def _rank_local_checkpoint(path: Path) -> dict[int, dict[str, Any]]:
+    """A checkpoint as two ranks leave it with ``use_collectives=False``: each rank's
+    ``__{rank}.metadata`` and data files, no global ``.metadata``. Returns each rank's
+    state."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import storage
+
+    class RankWriter(storage.CheckpointWriter):
+        def __init__(self, rank: int, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.fixed_rank = rank
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            kwargs["rank"] = self.fixed_rank  # as torch passes it on that rank
+            super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    states = {}
+    for rank in (0, 1):
+        state = {"w": torch.arange(16.0) + 100 * rank, "meta": {"rank": rank}}
+        dcp.save(state, storage_writer=RankWriter(rank, path), no_dist=True, use_collectives=False)
+        states[rank] = state
+    names = sorted(p.name for p in path.iterdir())
+    assert "__0.metadata" in names and "__1.metadata" in names and ".metadata" not in names
+    return states
+
+
+def test_manager_lists_and_loads_rank_local_checkpoints(tmp_path: Path) -> None:
+    # Without the fix the manager looked for .metadata only: no steps, latest() None,
+    # and load() said there was no committed checkpoint.
+    import torch
+
+    from storage import CheckpointManager
+
+    states = _rank_local_checkpoint(tmp_path / "run" / "step-4")
+    mgr = CheckpointManager(tmp_path / "run")
+    assert mgr.steps() == [4] and mgr.latest() == 4
+    assert [e.committed for e in mgr.entries()] == [True]
+    target = {"w": torch.zeros(16), "meta": {"rank": -1}}
+    assert mgr.load(target) == 4
+    assert torch.equal(target["w"], states[0]["w"])  # this process is rank 0
+    assert mgr.load(target, step=4) == 4
+
+
+def _run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    from storage.cli import main
+
+    code = main(list(args))
+    return code, capsys.readouterr().out
+
+
+def test_cli_sees_every_rank_of_a_rank_local_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without the fix ls listed step-4 as uncommitted, and inspect, verify and cp
+    # refused it as "not a committed checkpoint: it has no .metadata".
+    import json
+
+    import torch
+
+    import storage
+
+    ckpt = tmp_path / "run" / "step-4"
+    states = _rank_local_checkpoint(ckpt)
+    code, out = _run_cli(capsys, "ls", "--json", str(tmp_path / "run"))
+    listing = json.loads(out)
+    assert code == 0 and listing["latest"] == 4
+    assert [c["committed"] for c in listing["checkpoints"]] == [True]
+
+    code, out = _run_cli(capsys, "inspect", "--json", str(ckpt))
+    items = {row["item"] for row in json.loads(out)["items"]}
+    assert code == 0 and {"rank 0: w", "rank 1: w"} <= items and len(items) == 4
+
+    code, out = _run_cli(capsys, "verify", "--json", str(ckpt))
+    report = json.loads(out)
+    assert code == 0 and report["valid"] and "rank 1: w" in report["ok"]
+
+    copy = tmp_path / "copy"
+    code, _ = _run_cli(capsys, "cp", str(ckpt), str(copy))
+    assert code == 0
+    names = sorted(p.name for p in copy.iterdir())
+    assert {"__0.metadata", "__1.metadata"} <= set(names) and ".metadata" not in names
+    assert sum(n.startswith("__1_") for n in names) >= 1  # rank 1's data came along
+    target = {"w": torch.zeros(16), "meta": {"rank": -1}}
+    storage.load(target, copy)
+    assert torch.equal(target["w"], states[0]["w"])
+    code, out = _run_cli(capsys, "verify", "--json", str(copy))
+    assert code == 0 and len(json.loads(out)["ok"]) == len(report["ok"])
+
+    # A flipped byte in rank 1's data is found and named by rank.
+    data = next(p for p in ckpt.iterdir() if p.name.startswith("__1_"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    code, out = _run_cli(capsys, "verify", "--json", str(ckpt))
+    assert code == 1 and any(k.startswith("rank 1: ") for k in json.loads(out)["bad"])
