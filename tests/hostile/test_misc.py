@@ -17,6 +17,7 @@ import pytest
 
 from extensions import ExtensionRegistry
 from extensions import registry as registry_module
+from storage.backends._local import LocalFileSystem
 
 # --- 13: entry-point plugins are loaded once, and every registry sees them ------------
 
@@ -382,3 +383,85 @@ def test_cli_sees_every_rank_of_a_rank_local_checkpoint(
     data.write_bytes(bytes(raw))
     code, out = _run_cli(capsys, "verify", "--json", str(ckpt))
     assert code == 1 and any(k.startswith("rank 1: ") for k in json.loads(out)["bad"])
+
+
+# --- 16: every rank loads the step rank 0 picked, after this manager's own save -------
+
+
+class _HidesStep2(LocalFileSystem):
+    """A listing that lags behind: step-2 is committed but not listed yet."""
+
+    def ls(self, path: str) -> list[str]:
+        return [n for n in super().ls(path) if n != "step-2"]
+
+
+def _load_latest_worker(rank: int, store: str, root: str) -> None:
+    import torch
+
+    from storage import CheckpointManager
+    from tests.distributed import gloo_group
+
+    with gloo_group(rank, 2, store):
+        mgr = CheckpointManager(root, filesystem=_HidesStep2() if rank == 1 else None)
+        target = {"w": torch.zeros(4)}
+        step = mgr.load(target)
+        assert step == 2, f"rank {rank} loaded step {step}"
+        assert torch.equal(target["w"], torch.full((4,), 2.0))
+
+
+def test_ranks_load_the_step_rank_zero_picked(tmp_path: Path) -> None:
+    # Without the fix each rank took its own latest(): rank 1, whose listing did not
+    # show step-2 yet, loaded step 1 while rank 0 loaded step 2.
+    import torch
+    import torch.multiprocessing as mp
+
+    from storage import CheckpointManager
+
+    mgr = CheckpointManager(tmp_path / "run")
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    mp.spawn(
+        _load_latest_worker,
+        args=(str(tmp_path / "store"), str(tmp_path / "run")),
+        nprocs=2,
+        join=True,
+    )
+
+
+def test_load_waits_for_the_managers_own_async_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without the fix load() listed the steps while this manager's own save of step 2
+    # was still in flight, and loaded step 1. The save's metadata write is held until
+    # the manager waits, so without the fix step 2 cannot be committed when load lists.
+    import torch
+
+    from storage import CheckpointManager
+
+    release = threading.Event()
+
+    class Gated(LocalFileSystem):
+        def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+            if "step-2" in path:
+                assert release.wait(60), "the gate was never opened"
+            super().write_atomic(path, data, exclusive=exclusive)
+
+    mgr = CheckpointManager(tmp_path / "run", filesystem=Gated())
+    mgr.save(1, {"w": torch.full((4,), 1.0)})
+    future = mgr.save(2, {"w": torch.full((4,), 2.0)}, blocking=False)
+    assert future is not None
+    real_wait = mgr.wait
+
+    def open_gate_then_wait() -> None:
+        release.set()
+        real_wait()
+
+    monkeypatch.setattr(mgr, "wait", open_gate_then_wait)
+    target = {"w": torch.zeros(4)}
+    try:
+        step = mgr.load(target)
+    finally:
+        release.set()
+        real_wait()
+    future.result()
+    assert step == 2 and torch.equal(target["w"], torch.full((4,), 2.0))
