@@ -26,6 +26,8 @@ from storage.backends import (
 from storage.checkpoint import CheckpointReader, CheckpointWriter, async_save, load, save
 from storage.ops import CheckpointManager, StorageTransport
 
+# FsspecFileSystem, S3FileSystem and GCSFileSystem resolve lazily (below) and stay out
+# of __all__, so `from storage import *` works without s3fs, gcsfs or fsspec.
 __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
@@ -34,14 +36,11 @@ __all__ = [
     "CheckpointStorageError",
     "CheckpointWriter",
     "FileSystemBase",
-    "FsspecFileSystem",
-    "GCSFileSystem",
     "IntegrityError",
     "LocalFileSystem",
     "MemoryFileSystem",
     "MissingDependencyError",
     "MissingKeyError",
-    "S3FileSystem",
     "StorageTransport",
     "TorchFileSystem",
     "UnknownTransformError",
@@ -54,10 +53,17 @@ __all__ = [
 ]
 
 
+_LAZY = ("FsspecFileSystem", "S3FileSystem", "GCSFileSystem")
+
+
 def __getattr__(name: str) -> object:
     # Cloud backends import their client libraries; load them only when asked for.
-    if name in ("FsspecFileSystem", "S3FileSystem", "GCSFileSystem"):
+    if name in _LAZY:
         import storage.backends
 
         return getattr(storage.backends, name)
     raise AttributeError(f"module 'storage' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -12,13 +12,12 @@ from storage.backends._torch import TorchFileSystem
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url, register_filesystem
 
+# The lazy names stay out of __all__: `from storage.backends import *` would import
+# every client library and fail where one is not installed.
 __all__ = [
     "FileSystemBase",
-    "FsspecFileSystem",
-    "GCSFileSystem",
     "LocalFileSystem",
     "MemoryFileSystem",
-    "S3FileSystem",
     "TorchFileSystem",
     "filesystem_from_url",
     "register_filesystem",
@@ -37,3 +36,7 @@ def __getattr__(name: str) -> object:
 
         return _resolve(_LAZY[name])
     raise AttributeError(f"module 'storage.backends' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -12,6 +12,7 @@ import io
 import logging
 import os
 import posixpath
+import threading
 from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
@@ -49,20 +50,26 @@ class FsspecFileSystem(FileSystemBase):
         super().__init__(storage_options=storage_options)
         self._protocol = protocol or type(self).protocol
         self._fs: fsspec.AbstractFileSystem | None = None
+        # The first callers may come from many reader/writer threads at once: one client.
+        self._fs_lock = threading.Lock()
 
     # --- the fsspec client ---------------------------------------------------------
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         """The underlying fsspec filesystem, created on first use (and after unpickling)."""
-        if self._fs is None:
-            if self._protocol is None:
-                raise ValueError(
-                    f"{type(self).__name__} has no protocol yet: pass a URL such as "
-                    "'memory://bucket/ckpt' or protocol='memory'"
-                )
-            self._fs = self._make_client(self._protocol, self._client_options())
-        return self._fs
+        client = self._fs
+        if client is None:
+            with self._fs_lock:
+                if self._fs is None:
+                    if self._protocol is None:
+                        raise ValueError(
+                            f"{type(self).__name__} has no protocol yet: pass a URL such as "
+                            "'memory://bucket/ckpt' or protocol='memory'"
+                        )
+                    self._fs = self._make_client(self._protocol, self._client_options())
+                client = self._fs
+        return client
 
     def _client_options(self) -> dict[str, Any]:
         return dict(self.storage_options)
@@ -74,10 +81,12 @@ class FsspecFileSystem(FileSystemBase):
         # Clients hold sessions, event loops and locks: rebuild them on the other side.
         state = dict(self.__dict__)
         state["_fs"] = None
+        del state["_fs_lock"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._fs_lock = threading.Lock()
 
     # --- paths ---------------------------------------------------------------------
 

@@ -8,8 +8,9 @@ import os
 import posixpath
 import threading
 import uuid
+import weakref
 from collections.abc import Iterator
-from typing import IO, ClassVar
+from typing import IO, Any, ClassVar
 
 from storage.backends.base import FileSystemBase
 
@@ -18,10 +19,18 @@ class MemoryFileSystem(FileSystemBase):
     """Objects in a dict keyed by ``/``-separated path.
 
     Like an object store it has no real directories (``mkdir`` only records a marker so
-    ``exists`` and ``ls`` see empty prefixes) and no rename. Instances with the same
-    ``name`` share one store in a process, and a pickled copy reattaches to it (another
-    process sees an empty store of that name)."""
+    ``exists`` and ``ls`` see empty prefixes) and no rename.
 
+    Stores are named and process-wide, as fsspec's ``memory://`` is process-global: the
+    URL ``dcpmem://NAME/path`` is ``path`` in the store ``NAME``, so a save and a later
+    load by URL meet in the same store, and instances with the same ``name`` (or a
+    pickled copy, in this process) share it. A named store lives until
+    :meth:`drop_store`; the store of an instance made without a name (``url()`` gives
+    its URL) lives as long as that instance. An instance serves paths in its own store:
+    given a ``dcpmem://`` URL naming another store, it keeps that name as the first
+    path component."""
+
+    SCHEME: ClassVar[str] = "dcpmem://"
     _stores: ClassVar[dict[str, tuple[dict[str, bytes], set[str], threading.Lock]]] = {}
     _stores_lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -31,6 +40,30 @@ class MemoryFileSystem(FileSystemBase):
         super().__init__()
         self.name = name or uuid.uuid4().hex
         self._attach()
+        if name is None:
+            # Nobody named it: unlist it with its instance (copies keep their reference).
+            weakref.finalize(self, self._stores.pop, self.name, None)
+
+    @classmethod
+    def from_url(
+        cls, url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+    ) -> MemoryFileSystem:
+        name = os.fspath(url)[len(cls.SCHEME) :].partition("/")[0]
+        if not name:
+            raise ValueError(f"{os.fspath(url)!r}: name the store, as in dcpmem://NAME/path")
+        return cls(name, storage_options=storage_options)
+
+    @classmethod
+    def drop_store(cls, name: str) -> None:
+        """Forget the store ``name`` and free its objects (instances still attached to
+        it see it empty); a later ``dcpmem://NAME/...`` starts a new, empty store."""
+        with cls._stores_lock:
+            store = cls._stores.pop(name, None)
+        if store is not None:
+            objects, dirs, lock = store
+            with lock:
+                objects.clear()
+                dirs.clear()
 
     def _attach(self) -> None:
         with self._stores_lock:
@@ -46,10 +79,10 @@ class MemoryFileSystem(FileSystemBase):
 
     def init_path(self, path: str | os.PathLike[str]) -> str:
         text = os.fspath(path)
-        for prefix in ("dcpmem://", "/"):
-            if text.startswith(prefix):
-                text = text[len(prefix) :]
-        return text.rstrip("/")
+        if text.startswith(self.SCHEME):
+            name, _, rest = text[len(self.SCHEME) :].partition("/")
+            text = rest if name == self.name else f"{name}/{rest}"
+        return text.removeprefix("/").rstrip("/")
 
     def concat_path(self, path: str, suffix: str) -> str:
         return posixpath.join(path, suffix) if path else suffix
@@ -115,4 +148,4 @@ class MemoryFileSystem(FileSystemBase):
             self.dirs.discard(path.rstrip("/"))
 
     def url(self, path: str) -> str:
-        return f"dcpmem://{path}"
+        return f"{self.SCHEME}{self.name}/{path}"

@@ -57,6 +57,15 @@ class FileSystemBase(abc.ABC):
     def __init__(self, *, storage_options: dict[str, Any] | None = None) -> None:
         self.storage_options = dict(storage_options or {})
 
+    @classmethod
+    def from_url(
+        cls, url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+    ) -> FileSystemBase:
+        """The instance that serves ``url``; ``storage.filesystem_from_url`` builds
+        backends with it. Backends whose instance depends on the URL itself (the named
+        in-memory stores of ``dcpmem://NAME/...``) override it."""
+        return cls(storage_options=storage_options)
+
     @abc.abstractmethod
     def init_path(self, path: str | os.PathLike[str]) -> str:
         """Normalise a user path or URL into this backend's path form."""

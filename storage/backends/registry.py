@@ -66,7 +66,8 @@ def filesystem_from_url(
     """The backend for ``url`` and the path in that backend's form.
 
     A plain path or ``file://`` is local disk; ``s3://`` S3; ``gs://``/``gcs://`` GCS;
-    any other protocol fsspec knows goes through :class:`storage.FsspecFileSystem`.
+    ``dcpmem://NAME/path`` the process-wide in-memory store ``NAME``; any other
+    protocol fsspec knows goes through :class:`storage.FsspecFileSystem`.
     ``storage_options`` go to the client library unchanged."""
     if not isinstance(url, (str, os.PathLike)):
         raise TypeError(
@@ -76,5 +77,5 @@ def filesystem_from_url(
         raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
     scheme = url_scheme(url)
     target = _BACKENDS.get(scheme, _FSSPEC_FALLBACK)
-    fs = _resolve(target)(storage_options=storage_options)
+    fs = _resolve(target).from_url(url, storage_options=storage_options)
     return fs, fs.init_path(url)

@@ -2,6 +2,8 @@
 
 A checkpoint is a directory (or prefix) holding ``.metadata`` (or rank-local
 ``__{rank}.metadata``) and ``*.distcp`` data files; it exists once its metadata does.
+:func:`metadata_names` is the one rule for which metadata files make it: every
+listing, reader tool and copy asks it.
 The manager, the CLI and the recovery transport use these rules to list checkpoints
 and to delete only what they recognise: directories named exactly ``step-<N>`` (``N``
 in canonical decimal form) and, inside them, only checkpoint files.
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 STEP_PREFIX = "step-"
 _STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)")
 _METADATA_NAME = re.compile(r"(__[0-9]+)?\.metadata")
+_RANK_METADATA = re.compile(r"__([0-9]+)\.metadata")
 _METADATA_TMP = re.compile(r"(__[0-9]+)?\.metadata\.tmp-[0-9a-zA-Z]+")
 # Ours (``__0_3-<save_id>.distcp``) and stock DCP's (``__0_3.distcp``).
 _DATA_NAME = re.compile(r"__[0-9]+_[0-9]+(-[0-9a-zA-Z]+)?" + re.escape(fmt.DATA_SUFFIX))
@@ -59,9 +62,36 @@ def is_checkpoint_file_name(name: str) -> bool:
     )
 
 
+def metadata_rank(name: str) -> int | None:
+    """The rank of a rank-local ``__{rank}.metadata``; ``None`` for ``.metadata``."""
+    match = _RANK_METADATA.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def committing_metadata(names: list[str]) -> list[str]:
+    """Of the file names in one directory, the metadata that commit it: ``.metadata``
+    when present (it wins, as in torch's load), else every rank-local
+    ``__{rank}.metadata`` (a save with ``use_collectives=False``) by rank."""
+    if fmt.METADATA_NAME in names:
+        return [fmt.METADATA_NAME]
+    ranked = sorted((rank, n) for n in names if (rank := metadata_rank(n)) is not None)
+    return [n for _, n in ranked]
+
+
+def metadata_names(fs: FileSystemBase, path: str) -> list[str]:
+    """The metadata files that commit the checkpoint at ``path`` (see
+    :func:`committing_metadata`); empty when it is not a committed checkpoint."""
+    if fs.exists(fs.concat_path(path, fmt.METADATA_NAME)):
+        return [fmt.METADATA_NAME]  # the common case costs one request, not a listing
+    try:
+        return committing_metadata(fs.ls(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def is_committed(fs: FileSystemBase, path: str) -> bool:
-    """Whether ``path`` holds a committed checkpoint (its ``.metadata`` exists)."""
-    return fs.exists(fs.concat_path(path, fmt.METADATA_NAME))
+    """Whether ``path`` holds a committed checkpoint (global or rank-local metadata)."""
+    return bool(metadata_names(fs, path))
 
 
 def committed_files(fs: FileSystemBase, meta_path: str) -> set[str]:
@@ -177,5 +207,5 @@ def directory_info(
             continue
         if mtime is not None:
             newest = mtime if newest is None else max(newest, mtime)
-    committed = fmt.METADATA_NAME in names
+    committed = bool(committing_metadata(names))
     return StepInfo(name, step, fs.url(path), committed, len(files), size, newest)

@@ -21,13 +21,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch.distributed as dist
 
 from extensions.base import Keys
-from extensions.errors import CheckpointNotFoundError
+from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import api
@@ -238,9 +238,15 @@ class CheckpointManager:
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
         """Load ``step`` (default: the latest committed one) into ``state_dict`` in
         place; returns the step loaded. Raises :class:`CheckpointNotFoundError` when
-        there is no such committed step."""
+        there is no such committed step.
+
+        This manager's own asynchronous save in flight is waited for first, so it can
+        be the one loaded. Under ``torch.distributed`` rank 0 picks the latest step and
+        every rank loads that one: listings seen by different ranks may disagree (an
+        eventually consistent store, a save landing in between)."""
+        self.wait()
         if step is None:
-            step = self.latest()
+            step = _decided_by_rank_zero(self.latest)
             if step is None:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint under {self.url} (looked for "
@@ -411,6 +417,26 @@ def _check_step(step: object) -> int:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     return step
+
+
+def _decided_by_rank_zero(decide: Callable[[], int | None]) -> int | None:
+    """``decide()`` on rank 0, broadcast to every rank (just ``decide()`` without a
+    process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return decide()
+    choice: list[Any] = [None, None]  # the decision, or why rank 0 could not make it
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            choice[0] = decide()
+        except Exception as exc:  # the other ranks must not wait for an answer forever
+            error, choice[1] = exc, f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(choice, src=0)
+    if error is not None:
+        raise error
+    if choice[1] is not None:
+        raise CheckpointStorageError(f"rank 0 could not pick the step to load: {choice[1]}")
+    return cast(int | None, choice[0])
 
 
 def _is_rank_zero() -> bool:

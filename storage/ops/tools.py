@@ -49,7 +49,7 @@ from storage.checkpoint.items import (
     encryption_required,
     is_encrypted,
 )
-from storage.checkpoint.layout import is_committed
+from storage.checkpoint.layout import metadata_names, metadata_rank
 from storage.checkpoint.reader import CheckpointReader
 
 Progress = Callable[[int], None]
@@ -104,18 +104,38 @@ class VerifyReport:
     bytes_read: int = 0
 
 
-def read_metadata(
-    fs: FileSystemBase, path: str, **reader_options: Any
-) -> tuple[CheckpointReader, Metadata]:
-    """A reader set up on the checkpoint at ``path`` (``reader_options`` go to
-    :class:`CheckpointReader`) and its metadata.
+@dataclass(frozen=True)
+class Part:
+    """One metadata of a checkpoint and a reader set up on it: the global
+    ``.metadata`` (``rank`` is ``None``) or one rank's ``__{rank}.metadata``."""
+
+    name: str
+    rank: int | None
+    reader: CheckpointReader
+    metadata: Metadata
+
+    def label(self, index: MetadataIndex) -> str:
+        """The item's name, with its rank where each rank has metadata of its own."""
+        label = fmt.item_label(index)
+        return label if self.rank is None else f"rank {self.rank}: {label}"
+
+
+def read_metadata(fs: FileSystemBase, path: str, **reader_options: Any) -> list[Part]:
+    """Every metadata that commits the checkpoint at ``path`` (layout's rule: the
+    global one, else each rank's), each with a reader set up on it (``reader_options``
+    go to :class:`CheckpointReader`).
 
     Raises :class:`CheckpointNotFoundError` naming what is missing when ``path`` is not
     a committed checkpoint."""
-    reader = CheckpointReader(fs.url(path), filesystem=fs, **reader_options)
-    metadata = reader.read_metadata()
-    reader.set_up_storage_reader(metadata, True)
-    return reader, metadata
+    names = metadata_names(fs, path) or [fmt.METADATA_NAME]  # the reader says what is missing
+    parts = []
+    for name in names:
+        reader = CheckpointReader(fs.url(path), filesystem=fs, **reader_options)
+        rank = metadata_rank(name)
+        metadata = reader.read_metadata(rank=rank)
+        reader.set_up_storage_reader(metadata, True)
+        parts.append(Part(name, rank, reader, metadata))
+    return parts
 
 
 def _chunk_facts(metadata: Metadata, index: MetadataIndex) -> tuple[torch.Size, torch.dtype] | None:
@@ -134,31 +154,32 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def describe(fs: FileSystemBase, path: str) -> Summary:
-    """Items of the checkpoint at ``path``, from its metadata alone."""
-    _, metadata = read_metadata(fs, path)
+    """Items of the checkpoint at ``path`` (every rank's), from its metadata alone."""
     rows = []
-    for index, info in (metadata.storage_data or {}).items():
-        facts = _chunk_facts(metadata, index)
-        descriptors = list(info.transform_descriptors or ())
-        if facts is not None:
-            sizes, dtype = facts
-            shape: tuple[int, ...] | None = tuple(sizes)
-            logical: int | None = math.prod(sizes) * dtype.itemsize
-            dtype_name: str | None = _dtype_name(dtype)
-        else:
-            shape, dtype_name = None, None
-            logical = int(info.length) if not descriptors else None
-        rows.append(
-            ItemRow(
-                fmt.item_label(index),
-                shape,
-                dtype_name,
-                logical,
-                int(info.length),
-                descriptors,
-                info.relative_path,
+    for part in read_metadata(fs, path):
+        metadata = part.metadata
+        for index, info in (metadata.storage_data or {}).items():
+            facts = _chunk_facts(metadata, index)
+            descriptors = list(info.transform_descriptors or ())
+            if facts is not None:
+                sizes, dtype = facts
+                shape: tuple[int, ...] | None = tuple(sizes)
+                logical: int | None = math.prod(sizes) * dtype.itemsize
+                dtype_name: str | None = _dtype_name(dtype)
+            else:
+                shape, dtype_name = None, None
+                logical = int(info.length) if not descriptors else None
+            rows.append(
+                ItemRow(
+                    part.label(index),
+                    shape,
+                    dtype_name,
+                    logical,
+                    int(info.length),
+                    descriptors,
+                    info.relative_path,
+                )
             )
-        )
     rows.sort(key=lambda r: r.item)
     files = len({r.file for r in rows})
     return Summary(fs.url(path), rows, files)
@@ -218,29 +239,30 @@ def verify(
     transform chain (which authenticates encrypted items). With ``keys``, an item that
     is not encrypted is bad unless ``require_encryption=False``. Returns which items
     are good and why the others are not; raises only if the metadata cannot be read."""
-    reader, metadata = read_metadata(
+    parts = read_metadata(
         fs, path, keys=keys, registry=registry, require_encryption=require_encryption
     )
     report = VerifyReport(fs.url(path))
-    storage_data = metadata.storage_data or {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        expected = (
-            [MetadataIndex(fqn, c.offsets) for c in md.chunks]
-            if isinstance(md, TensorStorageMetadata)
-            else [MetadataIndex(fqn)]
-            if isinstance(md, BytesStorageMetadata)
-            else []
-        )
-        for index in expected:
-            if index not in storage_data:
-                report.bad[fmt.item_label(index)] = "missing from the storage index"
-    planner = _ScratchPlanner(metadata)
+    for part in parts:
+        storage_data = part.metadata.storage_data or {}
+        for fqn, md in part.metadata.state_dict_metadata.items():
+            expected = (
+                [MetadataIndex(fqn, c.offsets) for c in md.chunks]
+                if isinstance(md, TensorStorageMetadata)
+                else [MetadataIndex(fqn)]
+                if isinstance(md, BytesStorageMetadata)
+                else []
+            )
+            for index in expected:
+                if index not in storage_data:
+                    report.bad[part.label(index)] = "missing from the storage index"
     lock = threading.Lock()
 
-    def check(index: MetadataIndex, info: Any) -> None:
-        label = fmt.item_label(index)
+    def check(part: Part, planner: _ScratchPlanner, index: MetadataIndex, info: Any) -> None:
+        label = part.label(index)
         try:
-            reader.read_data(LoadPlan([_read_item_for(metadata, index)]), planner).wait()
+            plan = LoadPlan([_read_item_for(part.metadata, index)])
+            part.reader.read_data(plan, planner).wait()
         except (CheckpointStorageError, OSError, ValueError, KeyError, RuntimeError) as exc:
             with lock:
                 report.bad[label] = str(exc) or type(exc).__name__
@@ -254,9 +276,15 @@ def verify(
         if progress is not None:
             progress(int(info.length))
 
+    planners = [_ScratchPlanner(part.metadata) for part in parts]
+    work = [
+        (part, planner, index, info)
+        for part, planner in zip(parts, planners)
+        for index, info in (part.metadata.storage_data or {}).items()
+    ]
     workers = max(1, thread_count or min(4, default_thread_count(fs)))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dcp-verify") as pool:
-        for fut in [pool.submit(check, i, s) for i, s in storage_data.items()]:
+        for fut in [pool.submit(check, *args) for args in work]:
             fut.result()
     report.ok.sort()
     report.unchecksummed.sort()
@@ -294,48 +322,64 @@ def copy_checkpoint(
     encryption. It stays off for a source with no encrypted item at all, since ``keys``
     here also serve the new chain (encrypting a plain checkpoint is a normal copy), and
     for a verbatim copy, which keeps plain items plain for the reader's policy."""
-    _, metadata = read_metadata(src_fs, src_path, keys=keys, registry=registry)
+    parts = read_metadata(src_fs, src_path, keys=keys, registry=registry)
     src_url, dst_url = src_fs.url(src_path), dst_fs.url(dst_path)
     key_lookup = cached_key_lookup(keys)
-    items = (metadata.storage_data or {}).items()
+    stored = [
+        (part, index, info)
+        for part in parts
+        for index, info in (part.metadata.storage_data or {}).items()
+    ]
     required = (
         encryption_required(require_encryption, keys)
         if require_encryption is not None
         else encryption_required(None, keys)
         and transforms is not None
-        and any(is_encrypted(info.transform_descriptors or ()) for _, info in items)
+        and any(is_encrypted(info.transform_descriptors or ()) for _, _, info in stored)
     )
-    for index, info in items:  # before anything is written
+    for part, index, info in stored:  # before anything is written
         check_before_read(
             info.transform_descriptors or (),
-            _item_info(metadata, index, src_url, key_lookup),
+            _item_info(part, index, src_url, key_lookup),
             require_encryption=required,
             decode=transforms is not None,
         )
     if src_url.rstrip("/") == dst_url.rstrip("/"):
         raise ValueError(f"cannot copy {src_url} onto itself; choose another destination")
-    if not overwrite and is_committed(dst_fs, dst_path):
+    existing = metadata_names(dst_fs, dst_path)
+    if existing and not overwrite:
         raise CheckpointExistsError(
             f"{dst_url} already holds a committed checkpoint; pass --overwrite "
             "(overwrite=True) to replace it"
         )
+    if existing and set(existing) != {part.name for part in parts}:
+        # Publishing ours would leave its metadata in place, still winning or lingering.
+        raise CheckpointExistsError(
+            f"{dst_url} holds a checkpoint committed by {', '.join(existing)}, which a copy "
+            f"committed by {', '.join(p.name for p in parts)} cannot replace; remove it "
+            "first (dcp-storage rm)"
+        )
     save_id = uuid.uuid4().hex[:12]
-    per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        per_file.setdefault(info.relative_path, []).append((index, info))
-    plan = []
-    for number, (name, items) in enumerate(sorted(per_file.items())):
-        match = _RANK_OF_FILE.match(name)
-        rank = int(match.group(1)) if match else 0
-        plan.append((name, fmt.data_file_name(rank, number, save_id), items))
+    # One destination file per source data file of each metadata, numbered across all.
+    plan: list[tuple[Part, str, str, list[tuple[MetadataIndex, Any]]]] = []
+    for part in parts:
+        per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
+        for index, info in (part.metadata.storage_data or {}).items():
+            per_file.setdefault(info.relative_path, []).append((index, info))
+        for name, items in sorted(per_file.items()):
+            match = _RANK_OF_FILE.match(name)
+            rank = part.rank if part.rank is not None else int(match.group(1)) if match else 0
+            plan.append((part, name, fmt.data_file_name(rank, len(plan), save_id), items))
     dst_fs.mkdir(dst_path)
-    meta_path = dst_fs.concat_path(dst_path, fmt.METADATA_NAME)
+    meta_paths = [dst_fs.concat_path(dst_path, part.name) for part in parts]
     written: list[str] = []
-    new_infos: dict[MetadataIndex, Any] = {}
+    new_infos: dict[str, dict[MetadataIndex, Any]] = {part.name: {} for part in parts}
     lock = threading.Lock()
     chain = None if transforms is None else list(transforms)
 
-    def copy_file(src_name: str, dst_name: str, items: list[tuple[MetadataIndex, Any]]) -> None:
+    def copy_file(
+        part: Part, src_name: str, dst_name: str, items: list[tuple[MetadataIndex, Any]]
+    ) -> None:
         items = sorted(items, key=lambda it: int(it[1].offset))
         src_file = src_fs.concat_path(src_path, src_name)
         dst_file = dst_fs.concat_path(dst_path, dst_name)
@@ -343,7 +387,7 @@ def copy_checkpoint(
             written.append(dst_file)
         start = int(items[0][1].offset)
         end = max(int(i.offset) + int(i.length) for _, i in items)
-        infos = [_item_info(metadata, index, src_url, key_lookup) for index, _ in items]
+        infos = [_item_info(part, index, src_url, key_lookup) for index, _ in items]
         out_offset = 0
         with (
             src_fs.open_slice(src_file, start, end - start) as source,
@@ -357,7 +401,7 @@ def copy_checkpoint(
                 extra = {k: v for k, v in fmt.item_extra(info).items() if k != "crc32c"}
                 extra["crc32c"] = crc
                 with lock:
-                    new_infos[index] = fmt.new_storage_info(
+                    new_infos[part.name][index] = fmt.new_storage_info(
                         dst_name, out_offset, count, descriptors, extra
                     )
                 out_offset += count
@@ -369,30 +413,32 @@ def copy_checkpoint(
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dcp-copy") as pool:
             for fut in [pool.submit(copy_file, *p) for p in plan]:
                 fut.result()
-        new_meta = copy.copy(metadata)
-        new_meta.storage_data = new_infos
-        new_meta.storage_meta = StorageMeta(checkpoint_id=dst_url, save_id=save_id)
-        publish_metadata(
-            dst_fs,
-            dst_path,
-            meta_path,
-            fmt.dump_metadata(new_meta),
-            new_files={name for _, name, _ in plan},
-            overwrite=overwrite,
-            sync=True,
-        )
+        new_files = {name for _, _, name, _ in plan}
+        for part, meta_path in zip(parts, meta_paths):
+            new_meta = copy.copy(part.metadata)
+            new_meta.storage_data = new_infos[part.name]
+            new_meta.storage_meta = StorageMeta(checkpoint_id=dst_url, save_id=save_id)
+            publish_metadata(
+                dst_fs,
+                dst_path,
+                meta_path,
+                fmt.dump_metadata(new_meta),
+                new_files=new_files,
+                overwrite=overwrite,
+                sync=True,
+            )
     except BaseException:
-        if not metadata_may_name(dst_fs, meta_path, save_id):
+        if not any(metadata_may_name(dst_fs, m, save_id) for m in meta_paths):
             remove_quietly(dst_fs, written)
         raise
     return describe(dst_fs, dst_path)
 
 
-def _item_info(metadata: Metadata, index: MetadataIndex, url: str, keys: Any) -> ItemInfo:
-    facts = _chunk_facts(metadata, index)
+def _item_info(part: Part, index: MetadataIndex, url: str, keys: Any) -> ItemInfo:
+    facts = _chunk_facts(part.metadata, index)
     return ItemInfo(
         checkpoint=url,
-        item=fmt.item_label(index),
+        item=part.label(index),
         dtype=_dtype_name(facts[1]) if facts else None,
         element_size=facts[1].itemsize if facts else None,
         keys=keys,

@@ -80,7 +80,9 @@ class S3FileSystem(FsspecFileSystem):
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if io_concurrency is not None:
             self.io_concurrency = int(io_concurrency)
-        self._slots: threading.BoundedSemaphore | None = None
+        # Made here, not on first use: two parts racing to create it would each get a
+        # semaphore of their own and together exceed max_concurrency.
+        self._slots = threading.BoundedSemaphore(self.max_concurrency)
 
     # --- client --------------------------------------------------------------------
 
@@ -115,12 +117,15 @@ class S3FileSystem(FsspecFileSystem):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_slots"] = None
+        del state["_slots"]
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._slots = threading.BoundedSemaphore(self.max_concurrency)
+
     def _upload_slots(self) -> threading.BoundedSemaphore:
-        if self._slots is None:
-            self._slots = threading.BoundedSemaphore(self.max_concurrency)
+        """Bounds the parts in flight across every upload of this filesystem."""
         return self._slots
 
     def _split(self, path: str) -> tuple[str, str]:
