@@ -29,8 +29,11 @@ class ExtensionRegistry:
 
     A new registry holds the built-ins (``stream.zstd``, encryption, byte-shuffle) plus
     everything registered globally with :func:`register` or advertised by installed
-    packages under the ``dcp_storage.transforms`` entry-point group. Registering a
-    different class under a name that is taken raises ``ValueError``.
+    packages under the ``dcp_storage.transforms`` entry-point group. The installed
+    packages are scanned only when a name is not otherwise known (or all names are
+    listed), once per process: loading a checkpoint of built-in transforms never pays
+    for the scan. Registering a different class under a name that is taken raises
+    ``ValueError``.
 
     ``fallback`` is a torch ``ExtensionRegistry``
     (``torch.distributed.checkpoint._extension``): descriptors whose name this registry
@@ -39,7 +42,8 @@ class ExtensionRegistry:
     """
 
     def __init__(self, transforms: Iterable[type] | None = None, *, fallback: Any = None) -> None:
-        self._classes: dict[str, type] = dict(_default_classes())
+        self._classes: dict[str, type] = dict(_known_classes())
+        self._complete = False
         self._fallback = fallback
         for cls in transforms or ():
             self.register(cls)
@@ -58,10 +62,20 @@ class ExtensionRegistry:
         self._classes[name] = cls
         return cls
 
+    def _add_plugins(self) -> None:
+        if not self._complete:
+            _load_entry_points()
+            for name, cls in _known_classes().items():
+                self._classes.setdefault(name, cls)  # what this registry holds wins
+            self._complete = True
+
     def names(self) -> list[str]:
+        self._add_plugins()
         return sorted(self._classes)
 
     def get(self, name: str) -> type:
+        if name not in self._classes:
+            self._add_plugins()
         try:
             return self._classes[name]
         except KeyError:
@@ -76,6 +90,8 @@ class ExtensionRegistry:
         name, version = parse_descriptor(descriptor)
         info = item or ItemInfo()
         try:
+            if name not in self._classes:
+                self._add_plugins()
             if name not in self._classes and self._fallback is not None:
                 return self._fallback.from_descriptor_list([descriptor])[0]
             cls = self.get(name)
@@ -215,8 +231,8 @@ def _load_entry_points() -> None:
             _entry_points_scanning = False
 
 
-def _default_classes() -> dict[str, type]:
-    _load_entry_points()
+def _known_classes() -> dict[str, type]:
+    """Built-ins and what was registered (plugins too, once scanned)."""
     classes = _builtin_classes()
     with _lock:
         classes.update(_global)
