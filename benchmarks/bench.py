@@ -7,6 +7,8 @@ Protocol: build the state dict once (seeded); for each case run stock then ours 
 a warm-up, then alternate stock/ours (A B A B ...) ``--repeat`` times and report the
 median time, MB/s (logical bytes) and peak RSS above the level before the call, plus
 the ratio stock/ours for time (> 1 means we are faster). The page cache stays warm.
+This is the long-lived-process protocol; benchmarks/restart.py runs every save and
+load in a fresh process (a restarted job) with the physical limit beside it.
 """
 
 from __future__ import annotations

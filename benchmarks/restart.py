@@ -1,0 +1,215 @@
+"""Restart protocol: every save and every load in a fresh process, stock DCP vs ours.
+
+    python benchmarks/restart.py                     # 512 MB, none and zstd, 3 repeats
+    python benchmarks/restart.py --size-mb 256 --repeat 5 --cases none
+
+What a restarted job pays: each timed call runs in a new Python process (imports, thread
+pools, first-touch allocations included in the process but not in the timed call's
+setup: the state dict is built, and for loads an initialised target is allocated and
+touched, before the clock starts). Before every timed call the parent runs an untimed
+``sync``. Per case:
+
+- ``save``: into a new step directory;
+- ``load``: the checkpoint that side just saved, into zero-initialised tensors;
+- ``save-over``: over the checkpoint that side saved before (what a job that reuses one
+  path does);
+- ``limit``: the physical ceiling beside them - plain ``write`` + ``fsync`` of the same
+  bytes into new files, and plain ``readinto`` of ours' data files into pre-touched
+  buffers, with the same number of threads our writer/reader use.
+
+A warm-up round first, then the sides alternate (stock, ours, ...) ``--repeat`` times;
+the table shows medians and ratios stock/ours (> 1: we are faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+MB = 1e6
+
+
+# --- child: one timed call ---------------------------------------------------------------
+
+
+def _child(op: str, side: str, case: str, path: str, size_mb: float, threads: int) -> None:
+    import torch.distributed.checkpoint as dcp
+    from bench import build_state_dict, logical_bytes, zeros_like
+
+    state = build_state_dict(size_mb)
+    if op.startswith("load"):
+        state = zeros_like(state)  # an initialised model: allocated and touched
+    nbytes = logical_bytes(state)
+    cpu0, t0 = os.times(), time.perf_counter()
+    if op == "limit-write":
+        _limit_write(state, path, threads)
+    elif op == "limit-read":
+        _limit_read(path, threads)
+    elif side == "stock":
+        if op.startswith("save"):
+            from torch.distributed.checkpoint._extension import ZStandard as TorchZStandard
+
+            extra = {"_extensions": [TorchZStandard()]} if case == "zstd" else {}
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, **extra), no_dist=True)
+        else:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    else:
+        import storage
+        from extensions import ZStandard
+
+        if op.startswith("save"):
+            storage.save(state, path, transforms=[ZStandard()] if case == "zstd" else [])
+        else:
+            storage.load(state, path)
+    wall = time.perf_counter() - t0
+    cpu1 = os.times()
+    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    print(json.dumps({"s": wall, "cpu": cpu, "bytes": nbytes}))
+
+
+def _limit_write(state: dict[str, Any], directory: str, threads: int) -> None:
+    import torch
+
+    os.makedirs(directory, exist_ok=True)
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    groups = [tensors[i::threads] for i in range(threads)]
+
+    def write(n: int, group: list[Any]) -> None:
+        with open(os.path.join(directory, f"raw{n}"), "wb") as f:
+            for t in group:
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(write, range(threads), groups))
+    fd = os.open(directory, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _limit_read(directory: str, threads: int) -> None:
+    files = [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".distcp")]
+    sizes = [os.path.getsize(f) for f in files]
+    buffers = [bytearray(s) for s in sizes]  # allocated and touched before reading
+    for b in buffers:
+        b[::4096] = b"\1" * len(b[::4096])
+
+    def read(args: tuple[str, bytearray]) -> None:
+        path, buffer = args
+        view, got = memoryview(buffer), 0
+        with open(path, "rb", buffering=0) as f:
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, zip(files, buffers)))
+
+
+# --- parent ------------------------------------------------------------------------------
+
+
+def _run(op: str, side: str, case: str, path: str, size_mb: float, threads: int) -> dict:
+    subprocess.run(["sync"], check=True)
+    args = [sys.executable, __file__, "--child", op, side, case, path, str(size_mb), str(threads)]
+    out = subprocess.run(args, check=True, capture_output=True, text=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _case(case: str, work: str, size_mb: float, repeat: int, threads: int) -> list[dict]:
+    times: dict[tuple[str, str], list[dict]] = {}
+    for round_ in range(repeat + 1):  # round 0 is the warm-up
+        for side in ("stock", "ours"):
+            base = os.path.join(work, f"{case}-{side}")
+            new = f"{base}-{round_}"
+            results = {
+                "save": _run("save", side, case, new, size_mb, threads),
+                "load": _run("load", side, case, new, size_mb, threads),
+                "save-over": _run("save-over", side, case, new, size_mb, threads),
+            }
+            if round_:
+                for op, r in results.items():
+                    times.setdefault((side, op), []).append(r)
+            shutil.rmtree(new, ignore_errors=True)
+        limit_dir = os.path.join(work, f"{case}-limit-{round_}")
+        ours_dir = os.path.join(work, f"{case}-ours-limitsrc")
+        _run("save", "ours", "none", ours_dir, size_mb, threads)
+        lw = _run("limit-write", "-", case, limit_dir, size_mb, threads)
+        lr = _run("limit-read", "-", case, ours_dir, size_mb, threads)
+        if round_:
+            times.setdefault(("limit", "save"), []).append(lw)
+            times.setdefault(("limit", "load"), []).append(lr)
+        shutil.rmtree(limit_dir, ignore_errors=True)
+        shutil.rmtree(ours_dir, ignore_errors=True)
+    rows = []
+    for op in ("save", "load", "save-over"):
+        stock = statistics.median(r["s"] for r in times[("stock", op)])
+        ours = statistics.median(r["s"] for r in times[("ours", op)])
+        nbytes = times[("ours", op)][0]["bytes"]
+        limit = times.get(("limit", op.removesuffix("-over")))
+        rows.append(
+            {
+                "case": case,
+                "op": op,
+                "stock_s": stock,
+                "ours_s": ours,
+                "ratio": stock / ours,
+                "ours_MBps": nbytes / MB / ours,
+                "ours_cpu_s_per_GB": statistics.median(r["cpu"] for r in times[("ours", op)])
+                / (nbytes / 1e9),
+                "limit_s": statistics.median(r["s"] for r in limit) if limit else None,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=512)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--cases", default="none,zstd")
+    # The limit rows use as many threads as LocalFileSystem.io_concurrency gives ours.
+    parser.add_argument("--threads", type=int, default=max(2, min(8, os.cpu_count() or 2)))
+    parser.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        op, side, case, path, size, threads = args.child
+        _child(op, side, case, path, float(size), int(threads))
+        return
+    work = tempfile.mkdtemp(prefix="dcp-restart-", dir=args.dir)
+    try:
+        rows = []
+        for case in args.cases.split(","):
+            rows += _case(case, work, args.size_mb, args.repeat, args.threads)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    head = "| case | op | stock s | ours s | stock/ours | ours MB/s | ours CPU s/GB | limit s |"
+    print(head)
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        limit = f"{r['limit_s']:.2f}" if r["limit_s"] is not None else "-"
+        print(
+            f"| {r['case']} | {r['op']} | {r['stock_s']:.2f} | {r['ours_s']:.2f} | "
+            f"{r['ratio']:.2f}x | {r['ours_MBps']:.0f} | {r['ours_cpu_s_per_GB']:.2f} | {limit} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
