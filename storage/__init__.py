@@ -7,6 +7,7 @@ This module only gathers the public names."""
 
 from extensions.errors import (
     CheckpointExistsError,
+    CheckpointInUseError,
     CheckpointNotFoundError,
     CheckpointStorageError,
     IntegrityError,
@@ -28,6 +29,7 @@ from storage.ops import CheckpointManager, StorageTransport
 
 __all__ = [
     "CheckpointExistsError",
+    "CheckpointInUseError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointReader",

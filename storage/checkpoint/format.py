@@ -33,6 +33,7 @@ FORMAT_VERSION = 1
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 EXTRA = "dcp_storage"  # attribute name on Metadata and _StorageInfo
+REF = "ref"  # item extra: the sibling checkpoint holding a referenced item's bytes
 
 
 def metadata_name(rank: int | None = None) -> str:
@@ -70,8 +71,9 @@ def new_storage_info(
     return info
 
 
-def dump_metadata(metadata: Metadata) -> bytes:
-    setattr(metadata, EXTRA, {"format": FORMAT_VERSION})
+def dump_metadata(metadata: Metadata, **extra: Any) -> bytes:
+    """Pickle ``metadata`` with our facts (``format``, plus ``extra``) attached."""
+    setattr(metadata, EXTRA, {"format": FORMAT_VERSION, **extra})
     return pickle.dumps(metadata)
 
 
@@ -134,9 +136,10 @@ def load_metadata(data: bytes, where: str) -> Metadata:
         )
     for index, info in (metadata.storage_data or {}).items():
         path = getattr(info, "relative_path", None)
-        check_relative_path(
-            path, where, item_label(index) if isinstance(index, MetadataIndex) else str(index)
-        )
+        label = item_label(index) if isinstance(index, MetadataIndex) else str(index)
+        check_relative_path(path, where, label)
+        if REF in item_extra(info):
+            check_reference(item_extra(info)[REF], where, label)
     return metadata
 
 
@@ -154,6 +157,22 @@ def check_relative_path(path: object, where: str, item: str) -> None:
         raise UnsafeCheckpointError(
             f"{where}: item {item!r} points at {path!r}, which is not a file inside the "
             "checkpoint (absolute paths, '..', sub-directories and URLs are refused)"
+        )
+
+
+def check_reference(name: object, where: str, item: str) -> None:
+    """Refuse a base reference (incremental checkpoints) that is anything but the plain
+    name of a sibling checkpoint: the bytes of a referenced item are read from
+    ``<parent>/<name>/<relative_path>``, so no other directory, bucket or URL is reachable."""
+    if not (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\:\x00")
+    ):
+        raise UnsafeCheckpointError(
+            f"{where}: item {item!r} references base checkpoint {name!r}, which is not the "
+            "name of a checkpoint beside this one (absolute paths, '..', sub-directories, "
+            "URLs and other buckets are refused)"
         )
 
 
