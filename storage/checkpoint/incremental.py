@@ -226,6 +226,15 @@ def chain_of(metadata: Any) -> int:
     return chain if isinstance(chain, int) and chain >= 0 else 0
 
 
+def chain_length(fs: FileSystemBase, path: str) -> int:
+    """:func:`chain_of` the committed checkpoint at ``path`` (0 if unreadable)."""
+    try:
+        meta_path = fs.concat_path(path, fmt.METADATA_NAME)
+        return chain_of(fmt.load_metadata(fs.read_bytes(meta_path), fs.url(path)))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+
+
 def check_referenced_files(fs: FileSystemBase, path: str, infos: Iterable[Any]) -> None:
     """Just before a save's metadata is published: every base it references is still
     committed and still holds the referenced files, so a reference is recorded only to

@@ -37,6 +37,7 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import default_thread_count
 from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
+from storage.checkpoint.incremental import CONTENT, check_bases, item_path
 from storage.checkpoint.items import (
     ItemEncoder,
     StoredItem,
@@ -54,7 +55,8 @@ _RANK_OF_FILE = re.compile(r"__([0-9]+)_")
 @dataclass(frozen=True)
 class ItemRow:
     """One stored item. ``logical`` is the tensor's bytes (``None`` for an encoded
-    non-tensor item, whose plain size is only known by decoding it)."""
+    non-tensor item, whose plain size is only known by decoding it); ``ref`` names the
+    base checkpoint beside this one whose ``file`` holds the bytes (incremental saves)."""
 
     item: str
     shape: tuple[int, ...] | None
@@ -63,6 +65,7 @@ class ItemRow:
     stored: int
     transforms: list[str]
     file: str
+    ref: str | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -78,6 +81,11 @@ class Summary:
     @property
     def stored(self) -> int:
         return sum(r.stored for r in self.items)
+
+    @property
+    def referenced(self) -> int:
+        """Stored bytes held by base checkpoints (incremental saves), not by this one."""
+        return sum(r.stored for r in self.items if r.ref is not None)
 
     @property
     def logical(self) -> int:
@@ -152,10 +160,11 @@ def describe(fs: FileSystemBase, path: str) -> Summary:
                 int(info.length),
                 descriptors,
                 info.relative_path,
+                fmt.item_extra(info).get(fmt.REF),
             )
         )
     rows.sort(key=lambda r: r.item)
-    files = len({r.file for r in rows})
+    files = len({(r.ref, r.file) for r in rows})
     return Summary(fs.url(path), rows, files)
 
 
@@ -315,14 +324,18 @@ def copy_checkpoint(
             "(overwrite=True) to replace it"
         )
     save_id = uuid.uuid4().hex[:12]
+    # Keyed by where the bytes are: referenced items (incremental saves) are read from
+    # their base, so the copy holds every byte it needs.
+    check_bases(src_fs, src_path, ((fmt.item_label(i), s) for i, s in items))
     per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        per_file.setdefault(info.relative_path, []).append((index, info))
+    for index, info in items:
+        per_file.setdefault(item_path(src_fs, src_path, info), []).append((index, info))
     plan = []
-    for number, (name, items) in enumerate(sorted(per_file.items())):
+    for number, (src_file, items_of) in enumerate(sorted(per_file.items())):
+        name = items_of[0][1].relative_path
         match = _RANK_OF_FILE.match(name)
         rank = int(match.group(1)) if match else 0
-        plan.append((name, fmt.data_file_name(rank, number, save_id), items))
+        plan.append((src_file, fmt.data_file_name(rank, number, save_id), items_of))
     dst_fs.mkdir(dst_path)
     meta_path = dst_fs.concat_path(dst_path, fmt.METADATA_NAME)
     written: list[str] = []
@@ -330,9 +343,9 @@ def copy_checkpoint(
     lock = threading.Lock()
     chain = None if transforms is None else list(transforms)
 
-    def copy_file(src_name: str, dst_name: str, items: list[tuple[MetadataIndex, Any]]) -> None:
+    def copy_file(src_file: str, dst_name: str, items: list[tuple[MetadataIndex, Any]]) -> None:
         items = sorted(items, key=lambda it: int(it[1].offset))
-        src_file = src_fs.concat_path(src_path, src_name)
+        src_name = items[0][1].relative_path
         dst_file = dst_fs.concat_path(dst_path, dst_name)
         with lock:
             written.append(dst_file)
@@ -349,7 +362,8 @@ def copy_checkpoint(
                 _skip(source, int(info.offset) - position, src_url, src_name)
                 position = int(info.offset) + int(info.length)
                 count, crc, descriptors = _copy_item(source, out, info, item, chain, registry)
-                extra = {k: v for k, v in fmt.item_extra(info).items() if k != "crc32c"}
+                dropped = ("crc32c", fmt.REF) if chain is None else ("crc32c", fmt.REF, CONTENT)
+                extra = {k: v for k, v in fmt.item_extra(info).items() if k not in dropped}
                 extra["crc32c"] = crc
                 with lock:
                     new_infos[index] = fmt.new_storage_info(
