@@ -100,7 +100,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             human_size(r.stored),
             ratio(r.ratio),
             " | ".join(r.transforms) or "-",
-            r.ref or "-",
         ]
         for r in summary.items
     ]
@@ -113,10 +112,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             human_size(summary.stored),
             ratio(summary.ratio),
             "",
-            f"{human_size(summary.referenced)} in bases" if summary.referenced else "",
         ]
     )
-    header = ["ITEM", "SHAPE", "DTYPE", "LOGICAL", "STORED", "RATIO", "TRANSFORMS", "FROM"]
+    header = ["ITEM", "SHAPE", "DTYPE", "LOGICAL", "STORED", "RATIO", "TRANSFORMS"]
+    if summary.referenced:  # incremental: which base holds each referenced item's bytes
+        header.append("FROM")
+        for row, r in zip(rows, summary.items):
+            row.append(r.ref or "-")
+        rows[-1].append(f"{human_size(summary.referenced)} in bases")
     items = [dict(asdict(r), ratio=r.ratio) for r in summary.items]
     total = {
         "items": len(items),
@@ -256,7 +259,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     policy = mgr.retained(mgr.steps())
     bases = {b: users for b, users in mgr.referenced_by().items() if b not in policy}
     lines += [
-        f"kept step-{b}: {', '.join(f'step-{u}' for u in users)} reference its bytes"
+        f"kept step-{b}: referenced by {', '.join(f'step-{u}' for u in users)}"
         for b, users in sorted(bases.items())
     ]
     text = "\n".join(lines) or f"nothing to do under {mgr.url}"
