@@ -301,3 +301,16 @@ def test_bytes_items_are_referenced_too(tmp_path: Path) -> None:
     out = {"w": torch.zeros(4), "cfg": {"name": "", "dims": [0, 0, 0]}}
     storage.load(out, tmp_path / "step-2")
     assert_tree_equal(out, state)
+
+
+def test_async_incremental_save(tmp_path: Path) -> None:
+    mgr = storage.CheckpointManager(tmp_path, keep_last=1, incremental=True)
+    mgr.save(1, _state(1))
+    future = mgr.save(2, _state(2), blocking=False)
+    assert future is not None
+    future.result()
+    assert {k for k, v in _refs(tmp_path / "step-2").items() if v} == set(FROZEN)
+    assert mgr.steps() == [1, 2]
+    out = _blank()
+    mgr.load(out)
+    assert_tree_equal(out, _state(2))
