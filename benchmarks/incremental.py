@@ -52,9 +52,7 @@ def lora_state(size_mb: int, step: int) -> dict[str, Any]:
 
 
 def changed_bytes(state: dict[str, Any]) -> int:
-    return sum(
-        v.numel() * v.element_size() for k, v in state.items() if not k.startswith("base.")
-    )
+    return sum(v.numel() * v.element_size() for k, v in state.items() if not k.startswith("base."))
 
 
 def blank(state: dict[str, Any]) -> dict[str, Any]:
@@ -120,9 +118,11 @@ def main() -> None:
         finally:
             shutil.rmtree(tmp)
     full_s = statistics.median(run["full_s"] for run in runs)
-    print(f"where: {'moto S3' if args.s3 else 'local disk'}; base {args.size_mb} MiB bf16; "
-          f"{args.repeat} runs, medians; steps kept after retention+gc: {runs[-1]['steps']}, "
-          "all bit-exact")
+    print(
+        f"where: {'moto S3' if args.s3 else 'local disk'}; base {args.size_mb} MiB bf16; "
+        f"{args.repeat} runs, medians; steps kept after retention+gc: {runs[-1]['steps']}, "
+        "all bit-exact"
+    )
     print(f"full save (incremental=False): {full_s:.3f} s")
     print("| step | save s | vs full save | written MB | changed+metadata MB | ratio |")
     print("|---|---|---|---|---|---|")
