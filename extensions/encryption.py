@@ -154,6 +154,16 @@ class AES256GCM(StreamTransformExtension):
             )
         return cast(IO[bytes], _Encryptor(output, self._key, self.chunk_size, item))
 
+    def fingerprint_key(self) -> bytes:
+        """A key for keyed content fingerprints (incremental saves), derived from the
+        master key with HKDF under its own label: never the master key, never an item key.
+        Someone without the master key cannot compute or compare such fingerprints."""
+        if self._key is None:
+            raise MissingKeyError(
+                f"AES256GCM(key_id={self.key_id!r}) has no key; pass key=... to encrypt"
+            )
+        return _derive(self._key, b"dcp-storage content fingerprint v1")[0]
+
     @classmethod
     def decoder_for(cls, version: str, item: ItemInfo) -> AES256GCM:
         decoder = cls.from_descriptor(version)

@@ -53,6 +53,11 @@ class UnsafeCheckpointError(CheckpointStorageError, ValueError):
     """Metadata would execute code or reach outside the checkpoint; it is refused."""
 
 
+class CheckpointInUseError(UnsafeCheckpointError):
+    """Deleting or overwriting a checkpoint would break others that reference its bytes
+    (incremental checkpoints); it is refused. The message names them and the fix."""
+
+
 class MissingDependencyError(CheckpointStorageError, ImportError):
     """An optional client library is not installed; the message names the extra."""
 

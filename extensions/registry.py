@@ -151,14 +151,20 @@ def encoding_stream(
     application order. Closing the writer closes every stage, outermost first.
     """
     stream = output
-    descriptors: list[str] = []
     for transform in reversed(transforms):
         encode = getattr(transform, "encode", None)
         stream = encode(stream, item) if encode else transform.transform_to(stream)
+    return stream, chain_descriptors(transforms, item)
+
+
+def chain_descriptors(transforms: Sequence[Any], item: ItemInfo) -> list[str]:
+    """The descriptors ``transforms`` record for ``item``, in application order, without
+    encoding anything (an incremental save compares them with a base item's)."""
+    descriptors: list[str] = []
     for transform in transforms:
         describe = getattr(transform, "descriptor_for", None)
         descriptors.append(describe(item) if describe else transform.get_descriptor())
-    return stream, descriptors
+    return descriptors
 
 
 _global: dict[str, type] = {}

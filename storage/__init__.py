@@ -7,6 +7,7 @@ This module only gathers the public names."""
 
 from extensions.errors import (
     CheckpointExistsError,
+    CheckpointInUseError,
     CheckpointNotFoundError,
     CheckpointStorageError,
     IntegrityError,
@@ -30,6 +31,7 @@ from storage.ops import CheckpointManager, StorageTransport
 # of __all__, so `from storage import *` works without s3fs, gcsfs or fsspec.
 __all__ = [
     "CheckpointExistsError",
+    "CheckpointInUseError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointReader",

@@ -17,6 +17,7 @@ import logging
 from extensions.errors import CheckpointExistsError, CheckpointNotFoundError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
+from storage.checkpoint.incremental import refuse_if_referenced
 from storage.checkpoint.layout import committed_files
 
 # Set on the coordinator's error when its metadata may have landed; it travels with the
@@ -45,6 +46,8 @@ def publish_metadata(
     not load, when something removed its files meanwhile (a ``gc`` whose grace is
     shorter than the save); a removal between the check and the publish is not caught."""
     replaced = committed_files(fs, meta_path)
+    if replaced:  # its files go once we land: none may be another checkpoint's base
+        refuse_if_referenced(fs, directory, "overwrite")
     if sync:
         fs.sync_dir(directory)
     missing = sorted(new_files - set(fs.ls(directory)))

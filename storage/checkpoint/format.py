@@ -29,8 +29,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from extensions._compat import StorageInfo
 from extensions.errors import UnsafeCheckpointError, printable
-from storage.checkpoint.validate import (  # noqa: F401 - EXTRA, item_label: re-exported
+from storage.checkpoint.validate import (  # noqa: F401 - EXTRA, REF, item_label: re-exported
     EXTRA,
+    REF,
     check_metadata,
     item_label,
 )
@@ -69,8 +70,9 @@ def new_storage_info(
     return info
 
 
-def dump_metadata(metadata: Metadata) -> bytes:
-    setattr(metadata, EXTRA, {"format": FORMAT_VERSION})
+def dump_metadata(metadata: Metadata, **extra: Any) -> bytes:
+    """Pickle ``metadata`` with our facts (``format``, plus ``extra``) attached."""
+    setattr(metadata, EXTRA, {"format": FORMAT_VERSION, **extra})
     return pickle.dumps(metadata)
 
 

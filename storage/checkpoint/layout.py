@@ -105,7 +105,12 @@ def committed_files(fs: FileSystemBase, meta_path: str) -> set[str]:
     except Exception as exc:  # an unreadable checkpoint's files stay for cleanup
         log.warning("cannot read %s (%s); the files it names stay", fs.url(meta_path), exc)
         return set()
-    named = {getattr(i, "relative_path", None) for i in (meta.storage_data or {}).values()}
+    # Items referenced from a base checkpoint (incremental saves) live in the base's files.
+    named = {
+        getattr(i, "relative_path", None)
+        for i in (meta.storage_data or {}).values()
+        if fmt.REF not in fmt.item_extra(i)
+    }
     ours = {n for n in named if isinstance(n, str) and is_data_file_name(n)}
     if len(ours) < len(named):
         log.warning(

@@ -37,6 +37,7 @@ from extensions.registry import ExtensionRegistry, as_registry
 from extensions.streams import drain, read_all, readinto_exact, skip
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
+from storage.checkpoint import incremental
 from storage.checkpoint._common import (
     check_thread_count,
     default_thread_count,
@@ -255,10 +256,16 @@ class CheckpointReader(StorageReader):
                     f"{self.url}: item {quote(fmt.item_label(req.storage_index))} is in the plan "
                     "but not in the checkpoint's storage index; the metadata is damaged"
                 )
-            per_file.setdefault(info.relative_path, []).append(_Item(req, info))
+            # Keyed by where the bytes are: a referenced item's are in its base's file.
+            path = incremental.item_path(self.fs, self.path, info)
+            per_file.setdefault(path, []).append(_Item(req, info))
+        incremental.check_bases(
+            self.fs,
+            self.path,
+            ((fmt.item_label(i.req.storage_index), i.info) for r in per_file.values() for i in r),
+        )
         runs: list[tuple[str, list[_Item]]] = []
-        for name, items in per_file.items():
-            path = self.fs.concat_path(self.path, name)
+        for path, items in per_file.items():
             items.sort(key=lambda i: i.offset)
             current: list[_Item] = []
             for item in items:

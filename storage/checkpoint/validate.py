@@ -38,6 +38,7 @@ from extensions._compat import LegacyTensorProperties, StorageInfo
 from extensions.errors import UnsafeCheckpointError, quote
 
 EXTRA = "dcp_storage"  # attribute name of our facts on Metadata and _StorageInfo
+REF = "ref"  # item extra: the sibling checkpoint holding a referenced item's bytes
 
 #: Bound on every offset, length, dimension and byte count a metadata may state: no
 #: file or tensor is larger, and sums of two such values still fit in an int64.
@@ -88,6 +89,22 @@ def check_relative_path(path: object, where: str, item: str) -> None:
         raise UnsafeCheckpointError(
             f"{where}: item {quote(item)} points at {quote(path)}, which is not a file inside "
             "the checkpoint (absolute paths, '..', sub-directories and URLs are refused)"
+        )
+
+
+def check_reference(name: object, where: str, item: str) -> None:
+    """Refuse a base reference (incremental checkpoints) that is anything but the plain
+    name of a sibling checkpoint: the bytes of a referenced item are read from
+    ``<parent>/<name>/<relative_path>``, so no other directory, bucket or URL is reachable."""
+    if not (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\:\x00")
+    ):
+        raise UnsafeCheckpointError(
+            f"{where}: item {quote(item)} references base checkpoint {quote(name)}, which is "
+            "not the name of a checkpoint beside this one (absolute paths, '..', "
+            "sub-directories, URLs and other buckets are refused)"
         )
 
 
@@ -239,3 +256,5 @@ def _check_storage_info(index: object, info: object, where: str) -> None:
             _bad(where, label, f"its {key}", extra[key], "an int in [0, 2**62]")
     if "dtype" in extra and not isinstance(extra["dtype"], str):
         _bad(where, label, "its dtype", extra["dtype"], "a str")
+    if REF in extra:
+        check_reference(extra[REF], where, label)

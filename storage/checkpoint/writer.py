@@ -22,8 +22,10 @@ from torch.futures import Future
 from extensions._compat import item_size, save_tensor_archive, split_by_size_and_type
 from extensions.base import ItemInfo
 from extensions.errors import CheckpointExistsError
+from extensions.registry import chain_descriptors
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
+from storage.checkpoint import incremental
 from storage.checkpoint._common import (
     check_thread_count,
     default_thread_count,
@@ -65,6 +67,13 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     pinned where CUDA is available; wait for a save's future before the next one, as
     with torch), ``serialization_format`` (only ``SerializationFormat.TORCH_SAVE``).
 
+    Incremental saves (docs/format.md): ``fingerprint=True`` records a content
+    fingerprint per item, so the checkpoint can serve as a base; ``base`` (the path or URL
+    of a committed checkpoint beside this one, same parent directory or prefix; implies
+    ``fingerprint``) stores every item whose content and transform chain equal the
+    base's as a reference to the base's bytes instead of writing it again. Loading such
+    a checkpoint needs its bases (``dcp-storage cp`` makes a self-contained copy).
+
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
     lands; a failed save removes the files it wrote.
@@ -84,6 +93,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         cache_staged_state_dict: bool = False,
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         filesystem: FileSystemBase | None = None,
+        base: str | os.PathLike[str] | None = None,
+        fingerprint: bool = False,
     ) -> None:
         super().__init__()
         _check_serialization_format(serialization_format)
@@ -98,6 +109,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             ("sync_files", sync_files),
             ("overwrite", overwrite),
             ("cache_staged_state_dict", cache_staged_state_dict),
+            ("fingerprint", fingerprint),
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -107,6 +119,12 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.overwrite = overwrite
         self.cache_staged_state_dict = cache_staged_state_dict
         self.serialization_format = serialization_format
+        if base is not None and not isinstance(base, (str, os.PathLike)):
+            raise TypeError(f"base must be a path or URL, got {base!r}")
+        self.base = base
+        self.fingerprint = fingerprint or base is not None
+        self._base: incremental.Base | None = None
+        self._fingerprints: dict[Any, incremental.Fingerprint] = {}
         self._stager: DefaultStager | None = None  # kept between saves when caching
         self.rank = 0
         self.use_collectives = True
@@ -166,6 +184,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.last_error = None
         self._written = []
         self._committed = False
+        self._base = None
+        self._fingerprints = {}
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self.use_collectives = bool(kwargs.get("use_collectives", True))
@@ -178,6 +198,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 f"Checkpoint already exists at {self.url} and overwrite=False; "
                 "pick a new location or pass overwrite=True"
             )
+        if self.base is not None:
+            self._base = incremental.open_base(self.fs, self.path, os.fspath(self.base))
         self.fs.mkdir(self.path)
         return dataclasses.replace(plan, storage_data=_RankPlan(self.rank))
 
@@ -192,14 +214,23 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     @records_error
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _RankPlan) else self.rank
+        items, referenced = list(plan.items), []
+        if self.fingerprint:
+            items = []
+            for item in plan.items:
+                found = self._fingerprint(item, planner)
+                if found is None:
+                    items.append(item)
+                else:
+                    referenced.append(found)
         # Per-item work (pickling, torch.save's archive) holds the GIL: parallel files pay
         # off only with enough bytes per thread to overlap I/O and compression.
-        total = sum(item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
+        total = sum(item_size(i) for i in items if i.type != WriteItemType.BYTE_IO)
         threads = max(1, min(self.thread_count, total // BYTES_PER_THREAD))
         if self.single_file_per_rank:
-            buckets = [b for b in split_by_size_and_type(threads, plan.items) if b]
+            buckets = [b for b in split_by_size_and_type(threads, items) if b]
         else:
-            buckets = [[item] for item in plan.items]
+            buckets = [[item] for item in items]
         files = [(fmt.data_file_name(rank, n, self.save_id), b) for n, b in enumerate(buckets)]
         lock = threading.Lock()
 
@@ -209,7 +240,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 self._written.append(path)
             return self._write_file(path, name, items, planner)
 
-        results: list[WriteResult] = []
+        results: list[WriteResult] = list(referenced)
         with concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(threads, len(files))),
             thread_name_prefix="dcp-storage-write",
@@ -230,16 +261,22 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     @records_error
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        new_files = {wr.storage_data.relative_path for rs in results for wr in rs}
+        infos = {wr.index: wr.storage_data for rs in results for wr in rs}
+        refs = [i for i in infos.values() if fmt.REF in fmt.item_extra(i)]
+        new_files = {i.relative_path for i in infos.values() if fmt.REF not in fmt.item_extra(i)}
+        extra = {}
+        if self.fingerprint:  # incremental saves since the last full one
+            extra[incremental.CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
         try:
-            metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+            metadata.storage_data = infos
             metadata.storage_meta = self.storage_meta()
             metadata.version = DCP_VERSION
+            incremental.check_referenced_files(self.fs, self.path, refs)
             publish_metadata(
                 self.fs,
                 self.path,
                 self._metadata_path(),
-                fmt.dump_metadata(metadata),
+                fmt.dump_metadata(metadata, **extra),
                 new_files=new_files,
                 overwrite=self.overwrite,
                 sync=self.sync_files,
@@ -303,23 +340,42 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 results.append(result)
         return results
 
+    def _item_info(self, item: WriteItem, tensor: torch.Tensor | None) -> ItemInfo:
+        return ItemInfo(
+            checkpoint=self.url,
+            item=fmt.item_label(item.index),
+            dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else None,
+            element_size=tensor.element_size() if tensor is not None else None,
+        )
+
+    def _fingerprint(self, item: WriteItem, planner: SavePlanner) -> WriteResult | None:
+        """Fingerprint ``item``; the reference to the base's bytes when they hold the
+        same content under the same chain (nothing to write), else ``None``."""
+        data = planner.resolve_data(item)
+        tensor = None if item.type == WriteItemType.BYTE_IO else _plain_cpu_tensor(data)
+        plain = tensor if tensor is not None else cast(io.BytesIO, data).getbuffer()
+        content = incremental.fingerprint(plain, self.transforms)
+        self._fingerprints[item.index] = content
+        if self._base is None:
+            return None
+        descriptors = chain_descriptors(self.transforms, self._item_info(item, tensor))
+        own = os.path.basename(self.path.rstrip("/"))
+        info = self._base.reference(item.index, descriptors, content, own)
+        return None if info is None else WriteResult(item.index, 0, info)
+
     def _write_item(
         self, stream: Any, name: str, offset: int, item: WriteItem, planner: SavePlanner
     ) -> WriteResult:
-        label = fmt.item_label(item.index)
         data = planner.resolve_data(item)
         tensor: torch.Tensor | None = None
         if item.type != WriteItemType.BYTE_IO:
             tensor = _plain_cpu_tensor(data)
-        info = ItemInfo(
-            checkpoint=self.url,
-            item=label,
-            dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else None,
-            element_size=tensor.element_size() if tensor is not None else None,
-        )
-        encoder = ItemEncoder(stream, self.transforms, info)
+        encoder = ItemEncoder(stream, self.transforms, self._item_info(item, tensor))
         plain = encoder.plain
         extra: dict[str, Any] = {}
+        content = self._fingerprints.get(item.index)
+        if content is not None:
+            extra[incremental.CONTENT] = content.record()
         if tensor is None:
             assert isinstance(data, io.BytesIO)
             plain.write(data.getbuffer())

@@ -115,6 +115,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ]
     )
     header = ["ITEM", "SHAPE", "DTYPE", "LOGICAL", "STORED", "RATIO", "TRANSFORMS"]
+    if summary.referenced:  # incremental: which base holds each referenced item's bytes
+        header.append("FROM")
+        for row, r in zip(rows, summary.items):
+            row.append(r.ref or "-")
+        rows[-1].append(f"{human_size(summary.referenced)} in bases")
     items = [dict(asdict(r), ratio=r.ratio) for r in summary.items]
     total = {
         "items": len(items),
@@ -122,6 +127,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         "logical": summary.logical,
         "stored": summary.stored,
         "ratio": summary.ratio,
+        "referenced": summary.referenced,
     }
     data = {"checkpoint": summary.url, "items": items, "total": total}
     emit(args, data, table(header, rows, right={3, 4, 5}))
@@ -210,6 +216,7 @@ def _cmd_cp(args: argparse.Namespace) -> int:
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
+    from storage.checkpoint.incremental import refuse_if_referenced
     from storage.checkpoint.layout import delete_checkpoint
     from storage.ops.tools import read_metadata
 
@@ -221,6 +228,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
             f"{exc}. Refusing to delete it; interrupted saves under a root are removed by "
             "`dcp-storage gc ROOT`"
         ) from None
+    refuse_if_referenced(fs, path)
     kept = delete_checkpoint(fs, path)
     text = f"removed {fs.url(path)}"
     if kept:
@@ -248,6 +256,12 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     lines += [f"{verb} step-{s} (interrupted save)" for s in cleaned]
     linked = mgr.linked_steps()
     lines += [f"kept step-{s}: a symbolic link, never deleted through" for s in linked]
+    policy = mgr.retained(mgr.steps())
+    bases = {b: users for b, users in mgr.referenced_by().items() if b not in policy}
+    lines += [
+        f"kept step-{b}: referenced by {', '.join(f'step-{u}' for u in users)}"
+        for b, users in sorted(bases.items())
+    ]
     text = "\n".join(lines) or f"nothing to do under {mgr.url}"
     text += (
         f"\nkept: {', '.join(f'step-{s}' for s in mgr.steps()) or 'none'}"
@@ -262,6 +276,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             "retention": pruned,
             "interrupted": cleaned,
             "linked": linked,
+            "referenced": {str(b): users for b, users in sorted(bases.items())},
             "steps": mgr.steps(),
         },
         text,

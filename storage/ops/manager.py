@@ -27,10 +27,14 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from extensions.base import Keys
-from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
+from extensions.errors import (
+    CheckpointInUseError,
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+)
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import api
+from storage.checkpoint import api, incremental
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.commit import remove_quietly
@@ -57,6 +61,8 @@ _WRITER_OPTIONS = frozenset(inspect.signature(CheckpointWriter.__init__).paramet
     "transforms",
     "storage_options",
     "filesystem",
+    "base",  # chosen per save: incremental=True
+    "fingerprint",
 }
 
 
@@ -70,6 +76,11 @@ class CheckpointManager:
     ``overwrite``, ``sync_files``, ...) go to every :class:`CheckpointWriter`; ``keys``,
     ``registry`` and ``require_encryption`` (default: on when ``keys`` are given; see
     :class:`CheckpointReader`) to every reader. ``filesystem`` supplies a backend instance directly.
+
+    ``incremental=True`` saves each step against the newest committed step below it: items
+    unchanged since then are referenced, not written again (docs/operations.md,
+    "Incremental checkpoints"); ``full_every=K`` makes every K-th save a full one. Retention,
+    :meth:`delete` and :meth:`cleanup` never remove a step that a kept step references.
 
     At most one save is in flight per manager: :meth:`save` first waits for the previous
     asynchronous save to finish (its outcome is reported through its own future and
@@ -91,9 +102,19 @@ class CheckpointManager:
         require_encryption: bool | None = None,
         filesystem: FileSystemBase | None = None,
         coordinator: bool | None = None,
+        incremental: bool = False,
+        full_every: int | None = None,
         **writer_options: Any,
     ) -> None:
-        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+        if not isinstance(incremental, bool):
+            raise TypeError(f"incremental must be a bool, got {incremental!r}")
+        if full_every is not None and not incremental:
+            raise ValueError("full_every needs incremental=True")
+        for name, value in (
+            ("keep_last", keep_last),
+            ("keep_every", keep_every),
+            ("full_every", full_every),
+        ):
             if value is not None and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
@@ -117,10 +138,13 @@ class CheckpointManager:
         self.registry = registry
         self.writer_options = writer_options
         self.coordinator = coordinator
+        self.incremental = incremental
+        self.full_every = full_every
         self.fs, self.root = resolve_location(root_url, storage_options, filesystem)
         self._lock = threading.Lock()
         self._pending: concurrent.futures.Future[None] | None = None
         self._saving: int | None = None
+        self._saving_base: int | None = None
 
     # --- locations ------------------------------------------------------------------
 
@@ -190,31 +214,36 @@ class CheckpointManager:
         self.wait()
         url = self.step_url(step)
         options = dict(self.writer_options, filesystem=self.fs)
+        base = self._incremental_base(step)
+        if self.incremental:
+            options["fingerprint"] = True
+        if base is not None:
+            options["base"] = self.step_url(base)
         if blocking:
             with self._lock:
-                self._saving = step
+                self._saving, self._saving_base = step, base
             try:
                 api.save(state_dict, url, transforms=self.transforms, **options)
             finally:
                 with self._lock:
-                    self._saving = None
+                    self._saving, self._saving_base = None, None
             self._retain_quietly(step)
             return None
         outer: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
-            self._saving = step
+            self._saving, self._saving_base = step, base
             self._pending = outer
         try:
             inner = api.async_save(state_dict, url, transforms=self.transforms, **options)
         except BaseException:
             with self._lock:
-                self._saving, self._pending = None, None
+                self._saving, self._saving_base, self._pending = None, None, None
             raise
 
         def finished(fut: concurrent.futures.Future[None]) -> None:
             error = fut.exception()
             with self._lock:
-                self._saving = None
+                self._saving, self._saving_base = None, None
             if error is None:
                 self._retain_quietly(step)
                 outer.set_result(None)
@@ -224,6 +253,19 @@ class CheckpointManager:
 
         inner.add_done_callback(finished)
         return outer
+
+    def _incremental_base(self, step: int) -> int | None:
+        """The step an incremental save of ``step`` references: the newest committed
+        step below it, unless ``full_every`` says this save is a full one."""
+        if not self.incremental:
+            return None
+        below = [s for s in self.steps() if s < step]
+        if not below:
+            return None
+        chain = incremental.chain_length(self.fs, self.step_path(below[-1]))
+        if self.full_every is not None and chain + 1 >= self.full_every:
+            return None
+        return below[-1]
 
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any (its error is not raised)."""
@@ -276,6 +318,7 @@ class CheckpointManager:
         :class:`UnsafeCheckpointError` for a step that is a symbolic link."""
         path = self.step_path(step)
         try:
+            incremental.refuse_if_referenced(self.fs, path)
             delete_checkpoint(self.fs, path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.fs.url(path)} does not exist") from None
@@ -301,14 +344,48 @@ class CheckpointManager:
             return []
         steps = self.steps()
         with self._lock:
-            saving = self._saving
-        keep = self.retained(steps, protect) | ({saving} if saving is not None else set())
+            in_flight = {s for s in (self._saving, self._saving_base) if s is not None}
+        keep = self.retained(steps, protect) | in_flight
         keep |= self._skip_linked(s for s in steps if s not in keep)
+        if any(s not in keep for s in steps):
+            keep |= self._bases_of(keep)
         doomed = [s for s in steps if s not in keep]
         if not dry_run:
-            for step in doomed:
-                self.delete(step)
+            for step in reversed(doomed):  # references point to older steps: users first
+                try:
+                    self.delete(step)
+                except CheckpointInUseError as exc:  # referenced from outside the policy
+                    log.warning("kept %s: %s", self.step_url(step), exc)
+                    doomed.remove(step)
         return doomed
+
+    def referenced_by(self) -> dict[int, list[int]]:
+        """For each step whose bytes committed steps reference (incremental saves):
+        those steps, ascending."""
+        users: dict[int, list[int]] = {}
+        for step in self.steps():
+            for name in incremental.references(self.fs, self.step_path(step)):
+                base = parse_step(name)
+                if base is not None:
+                    users.setdefault(base, []).append(step)
+        return users
+
+    def _bases_of(self, keep: set[int]) -> set[int]:
+        """The steps that the steps in ``keep`` reference, directly or through each
+        other: retention keeps them, and says so."""
+        found: set[int] = set()
+        frontier = sorted(keep)
+        while frontier:
+            step = frontier.pop()
+            for name in incremental.references(self.fs, self.step_path(step)):
+                base = parse_step(name)
+                if base is not None and base not in keep and base not in found:
+                    log.info(
+                        "kept %s: %s references its bytes", self.step_url(base), f"step-{step}"
+                    )
+                    found.add(base)
+                    frontier.append(base)
+        return found
 
     def _retain_quietly(self, step: int) -> None:
         # The save is committed; a failure to prune must not turn it into a failure.

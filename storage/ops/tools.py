@@ -42,6 +42,7 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import default_thread_count
 from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
+from storage.checkpoint.incremental import CONTENT, check_bases, item_path
 from storage.checkpoint.items import (
     ItemEncoder,
     StoredItem,
@@ -59,7 +60,8 @@ _RANK_OF_FILE = re.compile(r"__([0-9]+)_")
 @dataclass(frozen=True)
 class ItemRow:
     """One stored item. ``logical`` is the tensor's bytes (``None`` for an encoded
-    non-tensor item, whose plain size is only known by decoding it)."""
+    non-tensor item, whose plain size is only known by decoding it); ``ref`` names the
+    base checkpoint beside this one whose ``file`` holds the bytes (incremental saves)."""
 
     item: str
     shape: tuple[int, ...] | None
@@ -68,6 +70,7 @@ class ItemRow:
     stored: int
     transforms: list[str]
     file: str
+    ref: str | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -83,6 +86,11 @@ class Summary:
     @property
     def stored(self) -> int:
         return sum(r.stored for r in self.items)
+
+    @property
+    def referenced(self) -> int:
+        """Stored bytes held by base checkpoints (incremental saves), not by this one."""
+        return sum(r.stored for r in self.items if r.ref is not None)
 
     @property
     def logical(self) -> int:
@@ -178,10 +186,11 @@ def describe(fs: FileSystemBase, path: str) -> Summary:
                     int(info.length),
                     descriptors,
                     info.relative_path,
+                    fmt.item_extra(info).get(fmt.REF),
                 )
             )
     rows.sort(key=lambda r: r.item)
-    files = len({r.file for r in rows})
+    files = len({(r.ref, r.file) for r in rows})
     return Summary(fs.url(path), rows, files)
 
 
@@ -360,16 +369,20 @@ def copy_checkpoint(
             "first (dcp-storage rm)"
         )
     save_id = uuid.uuid4().hex[:12]
-    # One destination file per source data file of each metadata, numbered across all.
+    # One destination file per source data file of each metadata, numbered across all,
+    # keyed by where the bytes are: referenced items (incremental saves) are read from
+    # their base, so the copy holds every byte it needs.
     plan: list[tuple[Part, str, str, list[tuple[MetadataIndex, Any]]]] = []
     for part in parts:
+        infos = list((part.metadata.storage_data or {}).items())
+        check_bases(src_fs, src_path, ((part.label(i), info) for i, info in infos))
         per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
-        for index, info in (part.metadata.storage_data or {}).items():
-            per_file.setdefault(info.relative_path, []).append((index, info))
-        for name, items in sorted(per_file.items()):
-            match = _RANK_OF_FILE.match(name)
+        for index, info in infos:
+            per_file.setdefault(item_path(src_fs, src_path, info), []).append((index, info))
+        for src_file, items_of in sorted(per_file.items()):
+            match = _RANK_OF_FILE.match(items_of[0][1].relative_path)
             rank = part.rank if part.rank is not None else int(match.group(1)) if match else 0
-            plan.append((part, name, fmt.data_file_name(rank, len(plan), save_id), items))
+            plan.append((part, src_file, fmt.data_file_name(rank, len(plan), save_id), items_of))
     dst_fs.mkdir(dst_path)
     meta_paths = [dst_fs.concat_path(dst_path, part.name) for part in parts]
     written: list[str] = []
@@ -378,10 +391,10 @@ def copy_checkpoint(
     chain = None if transforms is None else list(transforms)
 
     def copy_file(
-        part: Part, src_name: str, dst_name: str, items: list[tuple[MetadataIndex, Any]]
+        part: Part, src_file: str, dst_name: str, items: list[tuple[MetadataIndex, Any]]
     ) -> None:
         items = sorted(items, key=lambda it: int(it[1].offset))
-        src_file = src_fs.concat_path(src_path, src_name)
+        src_name = items[0][1].relative_path
         dst_file = dst_fs.concat_path(dst_path, dst_name)
         with lock:
             written.append(dst_file)
@@ -398,7 +411,8 @@ def copy_checkpoint(
                 _skip(source, int(info.offset) - position, src_url, src_name)
                 position = int(info.offset) + int(info.length)
                 count, crc, descriptors = _copy_item(source, out, info, item, chain, registry)
-                extra = {k: v for k, v in fmt.item_extra(info).items() if k != "crc32c"}
+                dropped = ("crc32c", fmt.REF) if chain is None else ("crc32c", fmt.REF, CONTENT)
+                extra = {k: v for k, v in fmt.item_extra(info).items() if k not in dropped}
                 extra["crc32c"] = crc
                 with lock:
                     new_infos[part.name][index] = fmt.new_storage_info(

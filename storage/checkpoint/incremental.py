@@ -1,0 +1,306 @@
+"""Incremental checkpoints: items whose content equals a base checkpoint's are
+referenced, not written again.
+
+A save that fingerprints (``CheckpointWriter(fingerprint=True)``, implied by ``base=``)
+records in each item's extras a content fingerprint of its plain bytes (``"content"``).
+A save with a ``base`` (a committed checkpoint beside it, under the same parent
+directory or prefix) compares each item with the base's item of the same index: when the
+transform descriptors are the same and the fingerprints match, nothing is written and
+the item's ``_StorageInfo`` copies the base's (file, offset, length, descriptors,
+extras) with ``"ref": NAME`` added, ``NAME`` being the sibling checkpoint whose data
+file holds the bytes. References are flattened (a base item that is itself a reference
+is copied with its own ``ref``), so a reference always names the checkpoint that holds
+the bytes and the longest chain is one hop.
+
+Fingerprints are xxHash3-128 (about 20 GB/s; BLAKE2b-128 when the ``xxhash`` package is
+missing, ~1 GB/s) of the tensor's dtype, shape and raw bytes, or of a non-tensor item's
+bytes. When the chain has a transform offering ``fingerprint_key()`` (AES-256-GCM), the
+record is keyed and salted instead: ``HMAC-SHA256(key, salt || digest)``, so without
+the key nobody can compare two fingerprints or test a guess of the content.
+
+Readers resolve ``ref`` to ``<parent>/<NAME>/<relative_path>``; ``NAME`` must be a plain
+name (checked when the metadata is loaded) and the base must be committed, else
+:class:`CheckpointNotFoundError` names the item, the base and the fix. Deleting or
+overwriting a checkpoint that a sibling references is refused
+(:class:`CheckpointInUseError`). See docs/format.md and docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from extensions.errors import CheckpointInUseError, CheckpointNotFoundError
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import format as fmt
+from storage.checkpoint._common import tensor_bytes
+from storage.checkpoint.layout import is_committed
+
+log = logging.getLogger(__name__)
+
+REF = fmt.REF
+CONTENT = "content"  # item extra: the fingerprint of the item's plain content
+CHAIN = "chain"  # metadata extra: incremental saves since the last full one (0: full)
+
+
+# --- fingerprints -------------------------------------------------------------------
+
+
+def _hasher() -> tuple[str, Any]:
+    try:
+        import xxhash
+    except ImportError:  # pragma: no cover - xxhash is a dependency; stay correct without
+        return "blake2b128", hashlib.blake2b(digest_size=16)
+    return "xxh3_128", xxhash.xxh3_128()
+
+
+class Fingerprint:
+    """The fingerprint of one item's plain content. :meth:`record` is what goes into
+    the item's extras; :meth:`matches` compares with a recorded one (a keyed record can
+    only be compared by whoever holds the key)."""
+
+    def __init__(self, header: bytes, data: memoryview | bytes, key: bytes | None) -> None:
+        self.algorithm, hasher = _hasher()
+        hasher.update(b"dcp-storage content v1\x00" + header + b"\x00")
+        hasher.update(data)
+        self.digest: bytes = hasher.digest()
+        self._key = key
+
+    def record(self) -> str:
+        if self._key is None:
+            return f"{self.algorithm}:{self.digest.hex()}"
+        salt = secrets.token_bytes(16)
+        return f"keyed-{self.algorithm}:{salt.hex()}:{self._tag(salt).hex()}"
+
+    def matches(self, recorded: object) -> bool:
+        if not isinstance(recorded, str):
+            return False
+        fields = recorded.split(":")
+        if self._key is None:
+            return fields == [self.algorithm, self.digest.hex()]
+        if len(fields) != 3 or fields[0] != f"keyed-{self.algorithm}":
+            return False
+        try:
+            salt, tag = bytes.fromhex(fields[1]), bytes.fromhex(fields[2])
+        except ValueError:
+            return False
+        return hmac.compare_digest(self._tag(salt), tag)
+
+    def _tag(self, salt: bytes) -> bytes:
+        assert self._key is not None
+        return hmac.new(self._key, salt + self.digest, "sha256").digest()[:16]
+
+
+def fingerprint(data: torch.Tensor | memoryview, transforms: Sequence[Any]) -> Fingerprint:
+    """Fingerprint a contiguous CPU tensor (dtype, shape and bytes) or a non-tensor
+    item's bytes, keyed when a transform of the chain offers ``fingerprint_key()``."""
+    key = None
+    for transform in transforms:
+        get_key = getattr(transform, "fingerprint_key", None)
+        if callable(get_key):
+            key = get_key()
+            break
+    if isinstance(data, torch.Tensor):
+        header = f"tensor;{data.dtype};{list(data.shape)}".encode()
+        return Fingerprint(header, tensor_bytes(data), key)
+    return Fingerprint(b"bytes", data, key)
+
+
+# --- where a checkpoint's siblings are ------------------------------------------------
+
+
+def split_location(fs: FileSystemBase, path: str) -> tuple[str, str] | None:
+    """``(parent, name)`` of the checkpoint at ``path``, or ``None`` if it has no parent
+    under which siblings could live (a bucket's root)."""
+    trimmed = path.rstrip("/")
+    parent, sep, name = trimmed.rpartition("/")
+    if not sep or not parent or not name or fs.concat_path(parent, name) != trimmed:
+        return None
+    return parent, name
+
+
+def sibling_path(fs: FileSystemBase, path: str, name: str) -> str:
+    """The path of the checkpoint ``name`` beside the one at ``path``."""
+    location = split_location(fs, path)
+    if location is None:
+        raise CheckpointNotFoundError(
+            f"{fs.url(path)} references checkpoint {name!r} beside it, but it has no parent "
+            "directory or prefix to hold one; copy it with `dcp-storage cp` from where it was "
+            "written"
+        )
+    return fs.concat_path(location[0], name)
+
+
+def item_path(fs: FileSystemBase, path: str, info: Any) -> str:
+    """Where the stored bytes of ``info`` (an item of the checkpoint at ``path``) are."""
+    ref = fmt.item_extra(info).get(REF)
+    directory = path if ref is None else sibling_path(fs, path, ref)
+    return fs.concat_path(directory, info.relative_path)
+
+
+def check_bases(fs: FileSystemBase, path: str, items: Iterable[tuple[str, Any]]) -> None:
+    """Before reading ``items`` (``(label, _StorageInfo)`` pairs) of the checkpoint at
+    ``path``: every base they reference must be a committed checkpoint, else
+    :class:`CheckpointNotFoundError` names the item, the base and the fix."""
+    seen: set[str] = set()
+    for label, info in items:
+        ref = fmt.item_extra(info).get(REF)
+        if ref is None or ref in seen:
+            continue
+        base = sibling_path(fs, path, ref)
+        if not is_committed(fs, base):
+            state = "not committed" if fs.exists(base) else "missing"
+            raise CheckpointNotFoundError(
+                f"{fs.url(path)}: item {label!r} is stored in base checkpoint {fs.url(base)} "
+                f"({ref!r}), which is {state}; an incremental checkpoint needs its bases: "
+                "restore the base, or load a self-contained copy made with `dcp-storage cp` "
+                "while the base existed"
+            )
+        seen.add(ref)
+
+
+# --- the base of a save ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Base:
+    """A committed checkpoint a save may reference: its name beside the new one, its
+    items as its metadata records them, and its chain length."""
+
+    name: str
+    url: str
+    items: dict[MetadataIndex, Any]
+    chain: int
+
+    def reference(
+        self, index: MetadataIndex, descriptors: list[str], content: Fingerprint, own: str
+    ) -> Any | None:
+        """The ``_StorageInfo`` referencing the base's bytes of ``index`` when they hold
+        the same content under the same transform chain, else ``None``."""
+        info = self.items.get(index)
+        if info is None or list(info.transform_descriptors or []) != descriptors:
+            return None
+        extra = fmt.item_extra(info)
+        ref = extra.get(REF, self.name)
+        if ref == own or "crc32c" not in extra or not content.matches(extra.get(CONTENT)):
+            return None
+        return fmt.new_storage_info(
+            info.relative_path, info.offset, info.length, descriptors, dict(extra, ref=ref)
+        )
+
+
+def open_base(fs: FileSystemBase, path: str, base: str) -> Base:
+    """Read the base ``base`` (a path or URL) of a save to ``path``. It must be a
+    committed checkpoint beside ``path`` (same parent directory or prefix)."""
+    base_path = fs.init_path(base)
+    here, there = split_location(fs, path), split_location(fs, base_path)
+    if here is None or there is None or here[0] != there[0] or here[1] == there[1]:
+        raise ValueError(
+            f"base {fs.url(base_path)} must be another checkpoint beside {fs.url(path)} (in "
+            "the same directory or prefix, as the manager's step-<N> are): references are "
+            "stored as sibling names, never as paths"
+        )
+    meta_path = fs.concat_path(base_path, fmt.METADATA_NAME)
+    try:
+        metadata = fmt.load_metadata(fs.read_bytes(meta_path), fs.url(base_path))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"base {fs.url(base_path)} of the save to {fs.url(path)} is not a committed "
+            "checkpoint (no .metadata); save a full checkpoint (no base) or name a committed one"
+        ) from None
+    return Base(there[1], fs.url(base_path), dict(metadata.storage_data or {}), chain_of(metadata))
+
+
+def chain_of(metadata: Any) -> int:
+    """Incremental saves since the last full one (0 for a full or foreign checkpoint)."""
+    extra = getattr(metadata, fmt.EXTRA, None)
+    chain = extra.get(CHAIN, 0) if isinstance(extra, dict) else 0
+    return chain if isinstance(chain, int) and chain >= 0 else 0
+
+
+def chain_length(fs: FileSystemBase, path: str) -> int:
+    """:func:`chain_of` the committed checkpoint at ``path`` (0 if unreadable)."""
+    try:
+        meta_path = fs.concat_path(path, fmt.METADATA_NAME)
+        return chain_of(fmt.load_metadata(fs.read_bytes(meta_path), fs.url(path)))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+
+
+def check_referenced_files(fs: FileSystemBase, path: str, infos: Iterable[Any]) -> None:
+    """Just before a save's metadata is published: every base it references is still
+    committed and still holds the referenced files, so a reference is recorded only to
+    bytes that exist (a base removed meanwhile fails the save, nothing is published)."""
+    wanted: dict[str, set[str]] = {}
+    for info in infos:
+        ref = fmt.item_extra(info).get(REF)
+        if ref is not None:
+            wanted.setdefault(ref, set()).add(info.relative_path)
+    for ref, names in sorted(wanted.items()):
+        base = sibling_path(fs, path, ref)
+        try:
+            present = set(fs.ls(base))
+        except (FileNotFoundError, NotADirectoryError):
+            present = set()
+        missing = sorted(names - present) + (
+            [] if fmt.METADATA_NAME in present else [fmt.METADATA_NAME]
+        )
+        if missing:
+            raise CheckpointNotFoundError(
+                f"{fs.url(path)}: base checkpoint {fs.url(base)} lost {missing[0]!r} during "
+                "the save (deleted or overwritten meanwhile); nothing was committed: save "
+                "again (a full save if the base is gone)"
+            )
+
+
+# --- who references whom ----------------------------------------------------------------
+
+
+def references(fs: FileSystemBase, path: str) -> set[str]:
+    """Names of the sibling checkpoints whose bytes the committed checkpoint at ``path``
+    references (empty if it has no readable ``.metadata``)."""
+    meta_path = fs.concat_path(path, fmt.METADATA_NAME)
+    try:
+        metadata = fmt.load_metadata(fs.read_bytes(meta_path), fs.url(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return set()  # not a committed checkpoint (or not a directory at all)
+    except Exception as exc:  # unreadable: it cannot be loaded, so it needs nothing
+        log.warning("cannot read %s (%s); its references are not known", fs.url(path), exc)
+        return set()
+    refs = {fmt.item_extra(i).get(REF) for i in (metadata.storage_data or {}).values()}
+    return {r for r in refs if isinstance(r, str)}
+
+
+def referencing(fs: FileSystemBase, path: str) -> list[str]:
+    """Names of the committed checkpoints beside ``path`` that reference its bytes."""
+    location = split_location(fs, path)
+    if location is None:
+        return []
+    parent, name = location
+    try:
+        siblings = fs.ls(parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(
+        s for s in siblings if s != name and name in references(fs, fs.concat_path(parent, s))
+    )
+
+
+def refuse_if_referenced(fs: FileSystemBase, path: str, action: str = "delete") -> None:
+    """Raise :class:`CheckpointInUseError` if committed checkpoints beside ``path``
+    reference its bytes: removing them would break those checkpoints."""
+    users = referencing(fs, path)
+    if users:
+        raise CheckpointInUseError(
+            f"refusing to {action} {fs.url(path)}: incremental checkpoint(s) "
+            f"{', '.join(users)} beside it reference its bytes. Delete those first, or make "
+            "them self-contained with `dcp-storage cp` (a copy holds every byte it needs)"
+        )
