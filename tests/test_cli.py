@@ -254,7 +254,8 @@ def test_cp_refuses_committed_destination_and_keeps_bytes(
 
 
 def test_cp_to_memory_backend_and_back_plain(root: Path, tmp_path: Path) -> None:
-    from storage.ops.tools import copy_checkpoint, describe
+    from storage.ops.copy import copy_checkpoint
+    from storage.ops.tools import describe
 
     mem = storage.MemoryFileSystem()
     src_fs = storage.LocalFileSystem()

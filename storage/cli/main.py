@@ -173,7 +173,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_cp(args: argparse.Namespace) -> int:
-    from storage.ops.tools import copy_checkpoint, describe
+    from storage.ops.copy import copy_checkpoint
+    from storage.ops.tools import describe
 
     src_fs, src = location(args.src, args.storage_option)
     dst_fs, dst = location(args.dst, args.dst_storage_option or args.storage_option)

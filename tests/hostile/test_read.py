@@ -27,7 +27,7 @@ from extensions.errors import (
 from storage.backends._local import LocalFileSystem
 from storage.checkpoint import format as fmt
 from storage.cli import main
-from storage.ops.tools import copy_checkpoint
+from storage.ops.copy import copy_checkpoint
 
 SECRET = torch.full((256,), 1234.5)
 

@@ -1,0 +1,243 @@
+"""Copy (or transcode) a checkpoint between any two locations, item by item.
+
+Each item streams from the source to the destination through the same item code the
+writer and the reader use (``storage.checkpoint.items``), decoded and re-encoded on the
+fly when the transform chain changes, so memory stays at a few buffers per file. The
+destination is committed like a save: data first, metadata last.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import re
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import IO, Any
+
+from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
+
+from extensions.base import ItemInfo, Keys, cached_key_lookup
+from extensions.errors import (
+    CheckpointExistsError,
+    CheckpointStorageError,
+    IntegrityError,
+    quote,
+)
+from extensions.registry import ExtensionRegistry
+from extensions.streams import pump, skip
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import format as fmt
+from storage.checkpoint._common import default_thread_count
+from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
+from storage.checkpoint.incremental import CONTENT, check_bases, item_path
+from storage.checkpoint.items import (
+    ItemEncoder,
+    StoredItem,
+    check_before_read,
+    encryption_required,
+    is_encrypted,
+)
+from storage.checkpoint.layout import metadata_names
+from storage.ops.tools import Part, Progress, Summary, chunk_facts, describe, read_metadata
+
+_RANK_OF_FILE = re.compile(r"__([0-9]+)_")
+
+
+def copy_checkpoint(
+    src_fs: FileSystemBase,
+    src_path: str,
+    dst_fs: FileSystemBase,
+    dst_path: str,
+    *,
+    transforms: Sequence[Any] | None = None,
+    overwrite: bool = False,
+    keys: Keys | None = None,
+    registry: ExtensionRegistry | None = None,
+    thread_count: int | None = None,
+    progress: Progress | None = None,
+    require_encryption: bool | None = None,
+) -> Summary:
+    """Copy the checkpoint at ``src_path`` to ``dst_path`` (any two backends).
+
+    ``transforms=None`` keeps every item's stored bytes as they are (no keys needed;
+    checksums are verified on the way). A list re-encodes every item with that chain
+    (``[]`` stores items plain): each is decoded with ``keys``/``registry`` and encoded
+    again, streaming, so memory stays at a few buffers per file. The destination is
+    committed like a save (data first, metadata last); an existing committed
+    checkpoint there is refused unless ``overwrite``, and then replaced only once the
+    new metadata lands.
+
+    ``require_encryption=True`` refuses, before anything is written, a source item that
+    is not encrypted. The default (``None``) does so when items are re-encoded with
+    ``keys`` from a source that holds encrypted items: re-encoding would otherwise seal
+    a forged plain item (what a downgrade leaves behind) under a fresh, valid
+    encryption. It stays off for a source with no encrypted item at all, since ``keys``
+    here also serve the new chain (encrypting a plain checkpoint is a normal copy), and
+    for a verbatim copy, which keeps plain items plain for the reader's policy."""
+    parts = read_metadata(src_fs, src_path, keys=keys, registry=registry)
+    src_url, dst_url = src_fs.url(src_path), dst_fs.url(dst_path)
+    key_lookup = cached_key_lookup(keys)
+    stored = [
+        (part, index, info)
+        for part in parts
+        for index, info in (part.metadata.storage_data or {}).items()
+    ]
+    required = (
+        encryption_required(require_encryption, keys)
+        if require_encryption is not None
+        else encryption_required(None, keys)
+        and transforms is not None
+        and any(is_encrypted(info.transform_descriptors or ()) for _, _, info in stored)
+    )
+    for part, index, info in stored:  # before anything is written
+        check_before_read(
+            info.transform_descriptors or (),
+            _item_info(part, index, src_url, key_lookup),
+            require_encryption=required,
+            decode=transforms is not None,
+        )
+    if src_url.rstrip("/") == dst_url.rstrip("/"):
+        raise ValueError(f"cannot copy {src_url} onto itself; choose another destination")
+    existing = metadata_names(dst_fs, dst_path)
+    if existing and not overwrite:
+        raise CheckpointExistsError(
+            f"{dst_url} already holds a committed checkpoint; pass --overwrite "
+            "(overwrite=True) to replace it"
+        )
+    if existing and set(existing) != {part.name for part in parts}:
+        # Publishing ours would leave its metadata in place, still winning or lingering.
+        raise CheckpointExistsError(
+            f"{dst_url} holds a checkpoint committed by {', '.join(existing)}, which a copy "
+            f"committed by {', '.join(p.name for p in parts)} cannot replace; remove it "
+            "first (dcp-storage rm)"
+        )
+    save_id = uuid.uuid4().hex[:12]
+    # One destination file per source data file of each metadata, numbered across all,
+    # keyed by where the bytes are: referenced items (incremental saves) are read from
+    # their base, so the copy holds every byte it needs.
+    plan: list[tuple[Part, str, str, list[tuple[MetadataIndex, Any]]]] = []
+    for part in parts:
+        infos = list((part.metadata.storage_data or {}).items())
+        check_bases(src_fs, src_path, ((part.label(i), info) for i, info in infos))
+        per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
+        for index, info in infos:
+            per_file.setdefault(item_path(src_fs, src_path, info), []).append((index, info))
+        for src_file, items_of in sorted(per_file.items()):
+            match = _RANK_OF_FILE.match(items_of[0][1].relative_path)
+            rank = part.rank if part.rank is not None else int(match.group(1)) if match else 0
+            plan.append((part, src_file, fmt.data_file_name(rank, len(plan), save_id), items_of))
+    dst_fs.mkdir(dst_path)
+    meta_paths = [dst_fs.concat_path(dst_path, part.name) for part in parts]
+    written: list[str] = []
+    new_infos: dict[str, dict[MetadataIndex, Any]] = {part.name: {} for part in parts}
+    lock = threading.Lock()
+    chain = None if transforms is None else list(transforms)
+
+    def copy_file(
+        part: Part, src_file: str, dst_name: str, items: list[tuple[MetadataIndex, Any]]
+    ) -> None:
+        items = sorted(items, key=lambda it: int(it[1].offset))
+        src_name = items[0][1].relative_path
+        dst_file = dst_fs.concat_path(dst_path, dst_name)
+        with lock:
+            written.append(dst_file)
+        start = int(items[0][1].offset)
+        end = max(int(i.offset) + int(i.length) for _, i in items)
+        infos = [_item_info(part, index, src_url, key_lookup) for index, _ in items]
+        out_offset = 0
+        with (
+            src_fs.open_slice(src_file, start, end - start) as source,
+            dst_fs.create_stream(dst_file, "wb", sync=True) as out,
+        ):
+            position = start
+            for (index, info), item in zip(items, infos):
+                _skip(source, int(info.offset) - position, src_url, src_name)
+                position = int(info.offset) + int(info.length)
+                count, crc, descriptors = _copy_item(source, out, info, item, chain, registry)
+                dropped = ("crc32c", fmt.REF) if chain is None else ("crc32c", fmt.REF, CONTENT)
+                extra = {k: v for k, v in fmt.item_extra(info).items() if k not in dropped}
+                extra["crc32c"] = crc
+                with lock:
+                    new_infos[part.name][index] = fmt.new_storage_info(
+                        dst_name, out_offset, count, descriptors, extra
+                    )
+                out_offset += count
+                if progress is not None:
+                    progress(int(info.length))
+
+    try:
+        workers = max(1, min(thread_count or default_thread_count(dst_fs), len(plan) or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dcp-copy") as pool:
+            for fut in [pool.submit(copy_file, *p) for p in plan]:
+                fut.result()
+        new_files = {name for _, _, name, _ in plan}
+        for part, meta_path in zip(parts, meta_paths):
+            new_meta = copy.copy(part.metadata)
+            new_meta.storage_data = new_infos[part.name]
+            new_meta.storage_meta = StorageMeta(checkpoint_id=dst_url, save_id=save_id)
+            publish_metadata(
+                dst_fs,
+                dst_path,
+                meta_path,
+                fmt.dump_metadata(new_meta),
+                new_files=new_files,
+                overwrite=overwrite,
+                sync=True,
+            )
+    except BaseException:
+        if not any(metadata_may_name(dst_fs, m, save_id) for m in meta_paths):
+            remove_quietly(dst_fs, written)
+        raise
+    return describe(dst_fs, dst_path)
+
+
+def _item_info(part: Part, index: MetadataIndex, url: str, keys: Any) -> ItemInfo:
+    facts = chunk_facts(part.metadata, index)
+    return ItemInfo(
+        checkpoint=url,
+        item=part.label(index),
+        dtype=str(facts[1]).removeprefix("torch.") if facts else None,
+        element_size=facts[1].itemsize if facts else None,
+        keys=keys,
+    )
+
+
+def _skip(source: IO[bytes], n: int, url: str, name: str) -> None:
+    if n < 0:
+        raise IntegrityError(f"{url}: items in {quote(name)} overlap; the metadata is damaged")
+    skip(source, n)
+
+
+def _copy_item(
+    source: IO[bytes],
+    out: IO[bytes],
+    info: Any,
+    item: ItemInfo,
+    chain: list[Any] | None,
+    registry: ExtensionRegistry | None,
+) -> tuple[int, int, list[str]]:
+    """Stream one stored item into ``out`` (as stored when ``chain`` is None, else
+    decoded and encoded with ``chain``); returns (stored length, crc32c, descriptors)."""
+    stored = StoredItem(
+        source,
+        int(info.length),
+        info.transform_descriptors or (),
+        fmt.item_extra(info).get("crc32c"),
+        f"{item.checkpoint}: item {quote(item.item)}",
+    )
+    try:
+        if chain is None:
+            encoder = ItemEncoder(out, [], item)
+            pump(stored.raw, encoder.plain)
+        else:
+            encoder = ItemEncoder(out, chain, item)
+            pump(stored.decoded(registry or ExtensionRegistry(), item), encoder.plain)
+        count, crc = encoder.close()
+        stored.finish()
+    except (CheckpointStorageError, OSError):
+        raise  # already named, or the storage failed (not the bytes)
+    except Exception as exc:
+        raise stored.damaged(exc) from exc
+    return count, crc, stored.descriptors if chain is None else encoder.descriptors
