@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import functools
 import io
 import os
 import threading
@@ -38,6 +38,7 @@ from storage.checkpoint.commit import (
     publish_metadata,
     remove_quietly,
 )
+from storage.checkpoint.deadline import check_timeout, note, run_tasks
 from storage.checkpoint.items import ItemEncoder
 
 DCP_VERSION = "1.0.0"
@@ -65,6 +66,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     pinned where CUDA is available; wait for a save's future before the next one, as
     with torch), ``serialization_format`` (only ``SerializationFormat.TORCH_SAVE``).
 
+    ``timeout`` (seconds) bounds this rank's data writes in a save: past it the save
+    fails on every rank with :class:`DeadlineExceededError` naming the rank, the item
+    and the URL (an upload that never completes is abandoned, not waited for).
+
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
     lands; a failed save removes the files it wrote.
@@ -84,8 +89,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         cache_staged_state_dict: bool = False,
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         filesystem: FileSystemBase | None = None,
+        timeout: float | None = None,
     ) -> None:
         super().__init__()
+        self.timeout = check_timeout(timeout)
         _check_serialization_format(serialization_format)
         self.transforms = _check_transforms(transforms)
         self.storage_options = storage_options
@@ -173,7 +180,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     @records_error
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         meta_path = self._metadata_path()
-        if not self.overwrite and self.fs.exists(meta_path):
+        # With collectives the coordinator alone asks (its error reaches every rank):
+        # one request per save, not one per rank.
+        asks = self.is_coordinator or not self.use_collectives
+        if not self.overwrite and asks and self.fs.exists(meta_path):
             raise CheckpointExistsError(
                 f"Checkpoint already exists at {self.url} and overwrite=False; "
                 "pick a new location or pass overwrite=True"
@@ -209,21 +219,15 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 self._written.append(path)
             return self._write_file(path, name, items, planner)
 
-        results: list[WriteResult] = []
-        with concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, min(threads, len(files))),
-            thread_name_prefix="dcp-storage-write",
-        ) as pool:
-            futures = [pool.submit(write_one, name, items) for name, items in files]
-            errors = []
-            for fut in futures:
-                try:
-                    results.extend(fut.result())
-                except BaseException as exc:  # noqa: BLE001 - re-raised below
-                    errors.append(exc)
-        if errors:
+        tasks = [functools.partial(write_one, name, items) for name, items in files]
+        try:
+            per_file = run_tasks(
+                tasks, workers=threads, timeout=self.timeout, action="saving", location=self.url
+            )
+        except BaseException:
             self.abort()
-            raise errors[0]
+            raise
+        results = [result for rs in per_file for result in rs]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -295,6 +299,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             i for i in items if i.type != WriteItemType.BYTE_IO
         ]
         results = []
+        if ordered:
+            note(fmt.item_label(ordered[0].index), self.fs.url(path))
         with self.fs.create_stream(path, "wb", sync=self.sync_files) as stream:
             offset = 0
             for item in ordered:
@@ -307,6 +313,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self, stream: Any, name: str, offset: int, item: WriteItem, planner: SavePlanner
     ) -> WriteResult:
         label = fmt.item_label(item.index)
+        note(label, self.fs.url(self.fs.concat_path(self.path, name)))
         data = planner.resolve_data(item)
         tensor: torch.Tensor | None = None
         if item.type != WriteItemType.BYTE_IO:

@@ -1,0 +1,202 @@
+"""Eight gloo ranks on CPU: save, load, resharded load and read-once load on local disk
+and on S3 (moto), and saves and loads in which one rank fails or stalls.
+
+Each test is one ``mp.spawn`` of 8 small processes (KBs of state): the 8-rank set is
+marked ``ranks8``. Bytes and requests are counted per rank by our own backend
+(tests/scale_fs.py) on local disk and by the proxy in front of moto on S3."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import storage
+from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError
+from tests.distributed import gloo_group
+from tests.scale_fs import ProbeFileSystem, load_counts
+from tests.servers import FaultProxy, create_bucket, moto_endpoint, s3_options
+
+WORLD = 8
+BUCKET = "dcp-scale"
+pytestmark = pytest.mark.ranks8
+
+
+def _full() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Replicated tensors (4 x 64 KiB) and one tensor to shard (24 KiB)."""
+    gen = torch.Generator().manual_seed(0)
+    replicated = {f"rep{i}": torch.randn(64, 256, generator=gen) for i in range(4)}
+    return replicated, torch.randn(64, 96, generator=gen)
+
+
+def _location(path: str, endpoint: str | None) -> dict[str, Any]:
+    if endpoint is None:
+        return {"filesystem": ProbeFileSystem()}
+    return {"storage_options": s3_options(endpoint)}
+
+
+def _round_trip_worker(rank: int, store: str, path: str, out: str, endpoint: str | None) -> None:
+    with gloo_group(rank, WORLD, store):
+        mesh = init_device_mesh("cpu", (WORLD,))
+        replicated, full = _full()
+        where = _location(path, endpoint)
+        fs = where.get("filesystem")
+        state = {**replicated, "sharded": distribute_tensor(full, mesh, [Shard(0)]), "step": 7}
+        storage.save(state, path, overwrite=False, **where)
+        if fs is not None:
+            fs.dump(os.path.join(out, f"save-{rank}.json"))
+        for read_once in (False, True):
+            if fs is not None:
+                fs.reset()
+            target = {k: torch.zeros_like(v) for k, v in replicated.items()}
+            storage.load(target, path, read_once=read_once, **where)
+            assert all(torch.equal(target[k], v) for k, v in replicated.items())
+            if fs is not None:
+                fs.dump(os.path.join(out, f"load-{read_once}-{rank}.json"))
+            if endpoint is not None:  # the parent reads the proxy's count between loads
+                torch.distributed.barrier()
+                if rank == 0:
+                    Path(out, f"loaded-{read_once}").touch()
+                    _wait_for(Path(out, f"counted-{read_once}"))
+                torch.distributed.barrier()
+        # Resharded: saved in row blocks, loaded in column blocks; every rank needs
+        # every stored block.
+        resharded: dict[str, Any] = {
+            "sharded": distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)]),
+            "step": 0,
+        }
+        storage.load(resharded, path, read_once=True, **where)
+        assert isinstance(resharded["sharded"], DTensor)
+        assert torch.equal(resharded["sharded"].full_tensor(), full)
+        assert resharded["step"] == 7
+
+
+def _wait_for(path: Path, procs: list[Any] | None = None) -> None:
+    while not path.exists():
+        if procs is not None and any(p.exitcode not in (None, 0) for p in procs):
+            raise AssertionError("a rank failed; see its output above")
+        time.sleep(0.1)
+
+
+def _needed_bytes(path: str, **where: Any) -> int:
+    """Stored bytes of the replicated items (what each load's plans need)."""
+    reader = storage.CheckpointReader(path, **where)
+    md = reader.read_metadata()
+    return sum(i.length for idx, i in md.storage_data.items() if idx.fqn.startswith("rep"))
+
+
+def test_local_save_load_resharded_read_once(tmp_path: Path) -> None:
+    path, out = str(tmp_path / "ckpt"), str(tmp_path)
+    mp.spawn(
+        _round_trip_worker,
+        args=(str(tmp_path / "store"), path, out, None),
+        nprocs=WORLD,
+        join=True,
+    )
+    needed = _needed_bytes(path)
+    stock = sum(c["data_bytes"] for c in load_counts(out, "load-False", WORLD))
+    once = load_counts(out, "load-True", WORLD)
+    assert stock / needed >= WORLD - 0.01  # every rank reads every replicated byte
+    assert sum(c["data_bytes"] for c in once) / needed <= 1.05
+    # The fetches are spread: no rank reads more than twice its fair share.
+    assert max(c["data_bytes"] for c in once) <= 2 * needed / WORLD
+    # One overwrite check per save (the coordinator's), not one per rank.
+    saves = load_counts(out, "save", WORLD)
+    assert [c["requests"].get("exists", 0) for c in saves[1:]] == [0] * (WORLD - 1)
+    assert saves[0]["requests"].get("exists", 0) >= 1
+
+
+@pytest.fixture(scope="module")
+def proxy() -> Any:
+    endpoint = moto_endpoint()
+    create_bucket(endpoint, BUCKET)
+    with FaultProxy(endpoint) as p:
+        yield p
+
+
+def test_s3_save_load_resharded_read_once(tmp_path: Path, proxy: FaultProxy) -> None:
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}/ckpt"
+    out = str(tmp_path)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_round_trip_worker, args=(r, str(tmp_path / "store"), url, out, proxy.url)
+        )
+        for r in range(WORLD)
+    ]
+    # Saving fetches no data file: the proxy's count is the first load's.
+    proxy.clear()
+    for p in procs:
+        p.start()
+    per_load: dict[bool, int] = {}
+    for read_once in (False, True):
+        _wait_for(Path(out, f"loaded-{read_once}"), procs)
+        per_load[read_once] = proxy.get_bytes(r"\.distcp")
+        proxy.clear()
+        Path(out, f"counted-{read_once}").touch()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    needed = _needed_bytes(url, storage_options=s3_options(proxy.url))
+    assert per_load[True] / needed <= 1.05
+    assert per_load[False] / needed >= WORLD - 0.01
+
+
+def _small() -> dict[str, torch.Tensor]:
+    """16 replicated items: DCP's dedup gives every one of 8 ranks two to write."""
+    gen = torch.Generator().manual_seed(1)
+    return {f"t{i:02d}": torch.randn(32, 64, generator=gen) for i in range(16)}
+
+
+def _failure_worker(rank: int, store: str, path: str, mode: str) -> None:
+    with gloo_group(rank, WORLD, store):
+        state = _small()
+        good = os.path.join(path, "good")
+        storage.save(state, good, filesystem=ProbeFileSystem())
+        if mode == "fail":
+            saving, loading = ProbeFileSystem(fail=(3, "write")), ProbeFileSystem(fail=(5, "read"))
+            options: dict[str, Any] = {}
+            expected: type[Exception] = CheckpointRankError
+        else:
+            saving, loading = (
+                ProbeFileSystem(stall=(3, "write")),
+                ProbeFileSystem(stall=(5, "read")),
+            )
+            options, expected = {"timeout": 3.0}, DeadlineExceededError
+        try:
+            with pytest.raises(expected) as info:
+                storage.save(state, os.path.join(path, "bad"), filesystem=saving, **options)
+            message = str(info.value)
+            assert "rank 3: saving item 't" in message, message
+            assert f"{path}/bad/__3_" in message and ".distcp" in message, message
+            if mode == "stall":
+                assert "within the 3 s deadline" in message, message
+            target = {k: torch.zeros_like(v) for k, v in state.items()}
+            # A failing rank without read-once, a stalled one with it: every rank hears.
+            with pytest.raises(expected) as info:
+                storage.load(target, good, filesystem=loading, read_once=mode == "stall", **options)
+            message = str(info.value)
+            assert "rank 5: loading item 't" in message, message
+            assert f"{good}/__" in message and ".distcp" in message, message
+        finally:
+            saving.release.set()
+            loading.release.set()
+
+
+@pytest.mark.parametrize("mode", ["fail", "stall"])
+def test_failing_or_stalled_rank_fails_every_rank_naming_it(tmp_path: Path, mode: str) -> None:
+    mp.spawn(
+        _failure_worker,
+        args=(str(tmp_path / "store"), str(tmp_path), mode),
+        nprocs=WORLD,
+        join=True,
+    )
+    assert not os.path.exists(tmp_path / "bad" / ".metadata")
