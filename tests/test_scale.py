@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -23,7 +25,14 @@ import storage
 from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError
 from tests.distributed import gloo_group
 from tests.scale_fs import ProbeFileSystem, load_counts
-from tests.servers import FaultProxy, create_bucket, moto_endpoint, s3_options
+from tests.servers import (
+    FaultProxy,
+    boto3_client,
+    create_bucket,
+    list_keys,
+    moto_endpoint,
+    s3_options,
+)
 
 WORLD = 8
 BUCKET = "dcp-scale"
@@ -50,7 +59,9 @@ def _round_trip_worker(rank: int, store: str, path: str, out: str, endpoint: str
         where = _location(path, endpoint)
         fs = where.get("filesystem")
         state = {**replicated, "sharded": distribute_tensor(full, mesh, [Shard(0)]), "step": 7}
-        storage.save(state, path, overwrite=False, **where)
+        # On S3, data files go under 4 key prefixes (rank % 4).
+        prefixes = 0 if endpoint is None else 4
+        storage.save(state, path, overwrite=False, key_prefixes=prefixes, **where)
         if fs is not None:
             fs.dump(os.path.join(out, f"save-{rank}.json"))
         for read_once in (False, True):
@@ -148,6 +159,15 @@ def test_s3_save_load_resharded_read_once(tmp_path: Path, proxy: FaultProxy) -> 
     needed = _needed_bytes(url, storage_options=s3_options(proxy.url))
     assert per_load[True] / needed <= 1.05
     assert per_load[False] / needed >= WORLD - 0.01
+    # Eight ranks' files under four prefixes, two each; stock DCP reads them.
+    keys = list_keys(boto3_client(proxy.url), BUCKET, url.removeprefix(f"s3://{BUCKET}/"))
+    data = [k.rsplit("/", 2)[-2] for k in keys if k.endswith(".distcp")]
+    assert sorted(set(data)) == ["00", "01", "02", "03"], keys
+    replicated, _ = _full()
+    stock = {k: torch.zeros_like(v) for k, v in replicated.items()}
+    reader = FsspecReader(url, **s3_options(proxy.url))
+    dcp.load(stock, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(stock[k], v) for k, v in replicated.items())
 
 
 def _small() -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ from extensions.errors import CheckpointExistsError, CheckpointNotFoundError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint.layout import committed_files
+from storage.checkpoint.prefixes import expand, split
 
 # Set on the coordinator's error when its metadata may have landed; it travels with the
 # error (pickled in DCP's CheckpointException) to the other ranks.
@@ -47,7 +48,8 @@ def publish_metadata(
     replaced = committed_files(fs, meta_path)
     if sync:
         fs.sync_dir(directory)
-    missing = sorted(new_files - set(fs.ls(directory)))
+    used = {split(f)[0] for f in new_files} - {None}
+    missing = sorted(new_files - set(expand(fs, directory, only=used)))  # type: ignore[arg-type]
     if missing:
         raise CheckpointNotFoundError(
             f"{fs.url(directory)}: {len(missing)} data file(s) of this save vanished before "

@@ -50,6 +50,7 @@ from storage.checkpoint._common import (
 )
 from storage.checkpoint.deadline import check_timeout, note, run_tasks
 from storage.checkpoint.items import StoredItem, check_before_read, encryption_required
+from storage.checkpoint.prefixes import refuse_linked_prefix
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20
@@ -291,6 +292,7 @@ class CheckpointReader(StorageReader):
             per_file.setdefault(info.relative_path, []).append(_Item(req, info))
         runs: list[tuple[str, list[_Item]]] = []
         for name, items in per_file.items():
+            refuse_linked_prefix(self.fs, self.path, name)
             path = self.fs.concat_path(self.path, name)
             items.sort(key=lambda i: i.offset)
             current: list[_Item] = []

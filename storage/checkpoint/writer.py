@@ -40,6 +40,7 @@ from storage.checkpoint.commit import (
 )
 from storage.checkpoint.deadline import check_timeout, note, run_tasks
 from storage.checkpoint.items import ItemEncoder
+from storage.checkpoint.prefixes import check_key_prefixes, place
 
 DCP_VERSION = "1.0.0"
 SMALL_TENSOR = 1 << 20
@@ -70,6 +71,11 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     fails on every rank with :class:`DeadlineExceededError` naming the rank, the item
     and the URL (an upload that never completes is abandoned, not waited for).
 
+    ``key_prefixes=N`` (N > 1) puts each rank's data files one directory down, under
+    one of N short hex key prefixes (``rank % N``), so an object store spreads the
+    requests of a large save over N partitions (storage/checkpoint/prefixes.py,
+    docs/scale.md); stock readers load such checkpoints too.
+
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
     lands; a failed save removes the files it wrote.
@@ -90,9 +96,11 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         filesystem: FileSystemBase | None = None,
         timeout: float | None = None,
+        key_prefixes: int = 0,
     ) -> None:
         super().__init__()
         self.timeout = check_timeout(timeout)
+        self.key_prefixes = check_key_prefixes(key_prefixes)
         _check_serialization_format(serialization_format)
         self.transforms = _check_transforms(transforms)
         self.storage_options = storage_options
@@ -210,7 +218,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             buckets = [b for b in split_by_size_and_type(threads, plan.items) if b]
         else:
             buckets = [[item] for item in plan.items]
-        files = [(fmt.data_file_name(rank, n, self.save_id), b) for n, b in enumerate(buckets)]
+        files = [
+            (place(fmt.data_file_name(rank, n, self.save_id), rank, self.key_prefixes), b)
+            for n, b in enumerate(buckets)
+        ]
         lock = threading.Lock()
 
         def write_one(name: str, items: list[WriteItem]) -> list[WriteResult]:
