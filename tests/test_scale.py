@@ -119,6 +119,8 @@ def test_local_save_load_resharded_read_once(tmp_path: Path) -> None:
     assert sum(c["data_bytes"] for c in once) / needed <= 1.05
     # The fetches are spread: no rank reads more than twice its fair share.
     assert max(c["data_bytes"] for c in once) <= 2 * needed / WORLD
+    # One metadata read per load (the coordinator's), not one per rank.
+    assert [c["requests"].get("read_bytes", 0) for c in once] == [1] + [0] * (WORLD - 1)
     # One overwrite check per save (the coordinator's), not one per rank.
     saves = load_counts(out, "save", WORLD)
     assert [c["requests"].get("exists", 0) for c in saves[1:]] == [0] * (WORLD - 1)

@@ -51,6 +51,7 @@ from storage.checkpoint._common import (
 from storage.checkpoint.deadline import check_timeout, note, run_tasks
 from storage.checkpoint.items import StoredItem, check_before_read, encryption_required
 from storage.checkpoint.prefixes import refuse_linked_prefix
+from storage.checkpoint.shared import on_coordinator
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20
@@ -108,6 +109,9 @@ class CheckpointReader(StorageReader):
     local disk, see docs/scale.md). ``timeout`` (seconds) bounds this rank's storage
     work in a load: past it the load fails on every rank with
     :class:`DeadlineExceededError` naming the rank, the item and the URL.
+    ``share_metadata``: the global ``.metadata`` is read by the group's rank 0 alone and
+    broadcast (one request per load, not one per rank); a collective, so only for
+    reads every rank makes together (``storage.load`` turns it on under a process group).
     """
 
     def __init__(
@@ -124,8 +128,12 @@ class CheckpointReader(StorageReader):
         read_once: bool | None = None,
         timeout: float | None = None,
         process_group: Any = None,
+        share_metadata: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(share_metadata, bool):
+            raise TypeError(f"share_metadata must be a bool, got {share_metadata!r}")
+        self.share_metadata = share_metadata
         if read_once is not None and not isinstance(read_once, bool):
             raise TypeError(f"read_once must be a bool or None, got {read_once!r}")
         self.timeout = check_timeout(timeout)
@@ -180,10 +188,16 @@ class CheckpointReader(StorageReader):
         # torch asks for the global metadata, then (rank=N) for the rank-local one.
         rank = kwargs.get("rank")
         meta_path = self.fs.concat_path(self.path, fmt.metadata_name(rank))
-        try:
-            payload = self.fs.read_bytes(meta_path)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(self._missing_message(rank)) from None
+
+        def fetch() -> bytes:
+            try:
+                return self.fs.read_bytes(meta_path)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(self._missing_message(rank)) from None
+
+        # The global metadata is the same for every rank; a rank-local one is not.
+        shared = self.share_metadata and rank is None
+        payload = on_coordinator(fetch, self.process_group) if shared else fetch()
         try:
             metadata = fmt.load_metadata(payload, self.fs.url(meta_path))
         except CheckpointStorageError as exc:
