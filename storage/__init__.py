@@ -24,15 +24,18 @@ from storage.backends import (
     register_filesystem,
 )
 from storage.checkpoint import CheckpointReader, CheckpointWriter, async_save, load, save
+from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError
 from storage.ops import CheckpointManager, StorageTransport
 
 __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointRankError",
     "CheckpointReader",
     "CheckpointStorageError",
     "CheckpointWriter",
+    "DeadlineExceededError",
     "FileSystemBase",
     "FsspecFileSystem",
     "GCSFileSystem",

@@ -1,16 +1,19 @@
 """Eight gloo ranks on CPU: save, load, resharded load and read-once load on local disk
 and on S3 (moto), and saves and loads in which one rank fails or stalls.
 
-Each test is one ``mp.spawn`` of 8 small processes (KBs of state): the 8-rank set is
-marked ``ranks8``. Bytes and requests are counted per rank by our own backend
-(tests/scale_fs.py) on local disk and by the proxy in front of moto on S3."""
+Each 8-rank test is one ``mp.spawn`` of 8 small processes (KBs of state), marked
+``ranks8``; the single-process tests at the end check the pieces. Bytes and requests
+are counted per rank by our own backend (tests/scale_fs.py) on local disk and by the
+proxy in front of moto on S3."""
 
 from __future__ import annotations
 
 import os
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,10 +21,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import storage
+from storage.checkpoint import read_once as sharing
 from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError
 from tests.distributed import gloo_group
 from tests.scale_fs import ProbeFileSystem, load_counts
@@ -36,7 +42,7 @@ from tests.servers import (
 
 WORLD = 8
 BUCKET = "dcp-scale"
-pytestmark = pytest.mark.ranks8
+ranks8 = pytest.mark.ranks8
 
 
 def _full() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -104,6 +110,7 @@ def _needed_bytes(path: str, **where: Any) -> int:
     return sum(i.length for idx, i in md.storage_data.items() if idx.fqn.startswith("rep"))
 
 
+@ranks8
 def test_local_save_load_resharded_read_once(tmp_path: Path) -> None:
     path, out = str(tmp_path / "ckpt"), str(tmp_path)
     mp.spawn(
@@ -135,6 +142,7 @@ def proxy() -> Any:
         yield p
 
 
+@ranks8
 def test_s3_save_load_resharded_read_once(tmp_path: Path, proxy: FaultProxy) -> None:
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}/ckpt"
     out = str(tmp_path)
@@ -213,6 +221,7 @@ def _failure_worker(rank: int, store: str, path: str, mode: str) -> None:
             loading.release.set()
 
 
+@ranks8
 @pytest.mark.parametrize("mode", ["fail", "stall"])
 def test_failing_or_stalled_rank_fails_every_rank_naming_it(tmp_path: Path, mode: str) -> None:
     mp.spawn(
@@ -222,3 +231,48 @@ def test_failing_or_stalled_rank_fails_every_rank_naming_it(tmp_path: Path, mode
         join=True,
     )
     assert not os.path.exists(tmp_path / "bad" / ".metadata")
+
+
+# --- single process -------------------------------------------------------------------
+
+
+def test_assign_gives_each_shared_item_one_owner_balanced_by_bytes() -> None:
+    stored = {
+        MetadataIndex(f"t{i}", torch.Size([0])): SimpleNamespace(length=100) for i in range(16)
+    }
+    chunks = {idx: (torch.Size([25]), torch.float32) for idx in stored}
+
+    def req(idx: MetadataIndex) -> ReadItem:
+        return ReadItem(LoadItemType.TENSOR, idx, idx.offset, idx, idx.offset, torch.Size([25]))
+
+    shared = [req(idx) for idx in stored]
+    solo = MetadataIndex("solo", torch.Size([0]))
+    stored[solo] = SimpleNamespace(length=300)
+    chunks[solo] = (torch.Size([75]), torch.float32)
+    plans = [LoadPlan(list(shared) + ([req(solo)] if r == 0 else [])) for r in range(WORLD)]
+    out = sharing.assign(plans, stored, chunks)
+    owners = Counter(
+        s.owner for p in out for s in p.storage_data.shares if s.owner == p.storage_data.rank
+    )
+    # Rank 0 reads "solo" (300 bytes) itself, so it owns fewer of the shared items.
+    assert owners[0] == 0 and all(owners[r] in (2, 3) for r in range(1, WORLD))
+    assert sum(owners.values()) == 16
+    assert all(len(p.storage_data.shares) == 16 for p in out)
+    assert sharing.assign([LoadPlan([req(solo)])], stored, chunks)[0].storage_data is None
+
+
+def test_stalled_save_and_load_time_out_naming_the_item(tmp_path: Path) -> None:
+    fs = ProbeFileSystem(stall=(0, "write"))
+    try:
+        with pytest.raises(DeadlineExceededError, match="this process: saving item 't0") as info:
+            storage.save(_small(), str(tmp_path / "a"), filesystem=fs, timeout=1)
+        assert "within the 1 s deadline" in str(info.value) and ".distcp" in str(info.value)
+        assert not (tmp_path / "a" / ".metadata").exists()
+        storage.save(_small(), str(tmp_path / "b"))
+        fs.stall = (0, "read")
+        with pytest.raises(DeadlineExceededError, match="this process: loading item 't"):
+            storage.load(_small(), str(tmp_path / "b"), filesystem=fs, timeout=1)
+    finally:
+        fs.release.set()
+    with pytest.raises(TypeError, match="timeout"):
+        storage.CheckpointReader(str(tmp_path), timeout=0)

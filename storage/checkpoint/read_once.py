@@ -76,6 +76,13 @@ class SharePlan:
     shares: tuple[Share, ...]
 
 
+def can_send_cpu_tensors(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` (the default group if ``None``) has a CPU backend (gloo)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return "gloo" in str(dist.get_backend(group))
+
+
 def assign(
     plans: list[LoadPlan], stored: Mapping[MetadataIndex, Any], chunks: Chunks
 ) -> list[LoadPlan]:

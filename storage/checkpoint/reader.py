@@ -178,9 +178,11 @@ class CheckpointReader(StorageReader):
     @property
     def read_once(self) -> bool:
         """Whether items several ranks need are fetched once and shared; by default on
-        for every backend but local disk (where page-cache reads beat the exchange)."""
+        for every backend but local disk (where page-cache reads beat the exchange),
+        when the process group can send CPU tensors (gloo, or a gloo+NCCL group)."""
         if self._read_once is None:
-            return not isinstance(self.fs, (LocalFileSystem, MemoryFileSystem))
+            local = isinstance(self.fs, (LocalFileSystem, MemoryFileSystem))
+            return not local and read_once.can_send_cpu_tensors(self.process_group)
         return self._read_once
 
     @records_error
