@@ -276,3 +276,29 @@ def test_stalled_save_and_load_time_out_naming_the_item(tmp_path: Path) -> None:
         fs.release.set()
     with pytest.raises(TypeError, match="timeout"):
         storage.CheckpointReader(str(tmp_path), timeout=0)
+
+
+def _s3_stall_worker(rank: int, store: str, url: str, endpoint: str) -> None:
+    with gloo_group(rank, WORLD, store):
+        with pytest.raises(DeadlineExceededError) as info:
+            storage.save(_small(), url, storage_options=s3_options(endpoint), timeout=5.0)
+        message = str(info.value)
+        assert "rank 3: saving item 't" in message, message
+        assert f"{url}/__3_0-" in message and "within the 5 s deadline" in message, message
+
+
+@ranks8
+def test_s3_stalled_upload_fails_every_rank_naming_it(tmp_path: Path, proxy: FaultProxy) -> None:
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}/ckpt"
+    proxy.clear()
+    # Rank 3's data upload gets no answer for a minute: an upload that never completes.
+    proxy.add("delay", path=r"/__3_0-[0-9a-z]+\.distcp", delay=60.0)
+    try:
+        mp.spawn(
+            _s3_stall_worker,
+            args=(str(tmp_path / "store"), url, proxy.url),
+            nprocs=WORLD,
+            join=True,
+        )
+    finally:
+        proxy.clear()

@@ -38,7 +38,7 @@ from storage.checkpoint.commit import (
     publish_metadata,
     remove_quietly,
 )
-from storage.checkpoint.deadline import check_timeout, note, run_tasks
+from storage.checkpoint.deadline import DeadlineExceededError, check_timeout, note, run_tasks
 from storage.checkpoint.items import ItemEncoder
 from storage.checkpoint.prefixes import check_key_prefixes, place
 
@@ -235,6 +235,14 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             per_file = run_tasks(
                 tasks, workers=threads, timeout=self.timeout, action="saving", location=self.url
             )
+        except DeadlineExceededError:
+            # Storage is stalled, and removing what this save wrote could stall too: the
+            # cleanup runs in the background, the error goes to every rank now.
+            paths, self._written = self._written, []
+            threading.Thread(
+                target=remove_quietly, args=(self.fs, paths), daemon=True, name="dcp-storage-abort"
+            ).start()
+            raise
         except BaseException:
             self.abort()
             raise
@@ -276,8 +284,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         rank's part failed; the one-call helpers call this so such saves leave nothing
         behind."""
         if not self._committed and not commit_may_have_landed(error):
-            remove_quietly(self.fs, list(self._written))
-            self._written.clear()
+            paths, self._written = self._written, []
+            remove_quietly(self.fs, paths)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
