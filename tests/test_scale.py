@@ -216,6 +216,12 @@ def _failure_worker(rank: int, store: str, path: str, mode: str) -> None:
             message = str(info.value)
             assert "rank 5: loading item 't" in message, message
             assert f"{good}/__" in message and ".distcp" in message, message
+            if mode == "fail":
+                # The coordinator finds the metadata missing; every rank hears why.
+                missing = ProbeFileSystem()
+                with pytest.raises(storage.CheckpointNotFoundError, match="not a committed"):
+                    storage.load(target, path, filesystem=missing)
+                assert missing.requests["read_bytes"] == (2 if rank == 0 else 1)
         finally:
             saving.release.set()
             loading.release.set()
