@@ -25,6 +25,7 @@ from storage.backends import (
     register_filesystem,
 )
 from storage.checkpoint import CheckpointReader, CheckpointWriter, async_save, load, save
+from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError
 from storage.ops import CheckpointManager, StorageTransport
 
 # FsspecFileSystem, S3FileSystem and GCSFileSystem resolve lazily (below) and stay out
@@ -34,9 +35,11 @@ __all__ = [
     "CheckpointInUseError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointRankError",
     "CheckpointReader",
     "CheckpointStorageError",
     "CheckpointWriter",
+    "DeadlineExceededError",
     "FileSystemBase",
     "IntegrityError",
     "LocalFileSystem",

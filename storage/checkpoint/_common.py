@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.checkpoint.planner import ReadItem
 
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url
@@ -62,6 +63,28 @@ def stock_checkpoint_id(location: str | os.PathLike[str]) -> str | os.PathLike[s
     if isinstance(location, os.PathLike) or "://" in location:
         return location
     return Path(location)
+
+
+def check_shapes(
+    req: ReadItem, target: torch.Tensor, chunk: tuple[torch.Size, Any] | None, where: str
+) -> None:
+    """A target that does not fit the stored chunk is the caller's mismatch (a
+    ``ValueError``, as torch's planner says), found before any byte is read."""
+    requested, offsets = tuple(req.lengths), tuple(req.storage_offsets)
+    stored = tuple(chunk[0]) if chunk is not None else None
+    if tuple(target.size()) != requested or (
+        stored is not None
+        and not (
+            len(offsets) == len(requested) == len(stored)
+            and all(o >= 0 and o + n <= s for o, n, s in zip(offsets, requested, stored))
+        )
+    ):
+        raise ValueError(
+            f"{where}: size mismatch: the target has shape {tuple(target.size())}, the "
+            f"stored chunk {stored if stored is not None else '(unknown)'} (region at "
+            f"{offsets} of sizes {requested}); load into a state dict shaped like the "
+            "checkpoint (dcp-storage inspect lists its shapes)"
+        )
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -92,6 +92,8 @@ def load(
 
     With ``keys``, every item must be encrypted unless ``require_encryption=False``
     (see :class:`CheckpointReader`)."""
+    # Every rank reads the metadata here together: the coordinator reads it for all.
+    reader_options.setdefault("share_metadata", not _no_dist())
     reader = CheckpointReader(
         url,
         storage_options=storage_options,

@@ -19,6 +19,7 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint.incremental import refuse_if_referenced
 from storage.checkpoint.layout import committed_files
+from storage.checkpoint.prefixes import expand, split
 
 # Set on the coordinator's error when its metadata may have landed; it travels with the
 # error (pickled in DCP's CheckpointException) to the other ranks.
@@ -50,7 +51,8 @@ def publish_metadata(
         refuse_if_referenced(fs, directory, "overwrite")
     if sync:
         fs.sync_dir(directory)
-    missing = sorted(new_files - set(fs.ls(directory)))
+    used = {split(f)[0] for f in new_files} - {None}
+    missing = sorted(new_files - set(expand(fs, directory, only=used)))  # type: ignore[arg-type]
     if missing:
         raise CheckpointNotFoundError(
             f"{fs.url(directory)}: {len(missing)} data file(s) of this save vanished before "

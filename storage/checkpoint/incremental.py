@@ -139,11 +139,16 @@ def sibling_path(fs: FileSystemBase, path: str, name: str) -> str:
     return fs.concat_path(location[0], name)
 
 
+def item_directory(fs: FileSystemBase, path: str, info: Any) -> str:
+    """The checkpoint whose files hold the stored bytes of ``info`` (an item of the
+    checkpoint at ``path``): ``path`` itself, or the base it references."""
+    ref = fmt.item_extra(info).get(REF)
+    return path if ref is None else sibling_path(fs, path, ref)
+
+
 def item_path(fs: FileSystemBase, path: str, info: Any) -> str:
     """Where the stored bytes of ``info`` (an item of the checkpoint at ``path``) are."""
-    ref = fmt.item_extra(info).get(REF)
-    directory = path if ref is None else sibling_path(fs, path, ref)
-    return fs.concat_path(directory, info.relative_path)
+    return fs.concat_path(item_directory(fs, path, info), info.relative_path)
 
 
 def check_bases(fs: FileSystemBase, path: str, items: Iterable[tuple[str, Any]]) -> None:

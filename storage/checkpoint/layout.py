@@ -9,7 +9,8 @@ and to delete only what they recognise: directories named exactly ``step-<N>`` (
 in canonical decimal form) and, inside them, only checkpoint files.
 
 Deletion trusts neither the metadata nor the directory: a file is removed only if its
-name is a data file name (``__{rank}_{n}[-{save_id}].distcp``), whatever the metadata
+name is a data file name (``[<key prefix>/]__{rank}_{n}[-{save_id}].distcp``; listings
+see into key prefix directories through ``prefixes.expand``), whatever the metadata
 claims; a committed checkpoint loses only the data files its metadata names (never those
 of a save in flight); and nothing is deleted through a symbolic link.
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from extensions.errors import UnsafeCheckpointError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
+from storage.checkpoint.prefixes import PREFIX, expand, remove_empty_prefixes
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,10 @@ _METADATA_NAME = re.compile(r"(__[0-9]+)?\.metadata")
 _RANK_METADATA = re.compile(r"__([0-9]+)\.metadata")
 _METADATA_TMP = re.compile(r"(__[0-9]+)?\.metadata\.tmp-[0-9a-zA-Z]+")
 # Ours (``__0_3-<save_id>.distcp``) and stock DCP's (``__0_3.distcp``).
-_DATA_NAME = re.compile(r"__[0-9]+_[0-9]+(-[0-9a-zA-Z]+)?" + re.escape(fmt.DATA_SUFFIX))
+# Either may sit under one key prefix directory (``0a/__10_0-<save_id>.distcp``).
+_DATA_NAME = re.compile(
+    r"(" + PREFIX.pattern + r"/)?__[0-9]+_[0-9]+(-[0-9a-zA-Z]+)?" + re.escape(fmt.DATA_SUFFIX)
+)
 
 
 def parse_step(name: str) -> int | None:
@@ -48,8 +53,9 @@ def is_metadata_name(name: str) -> bool:
 
 
 def is_data_file_name(name: str) -> bool:
-    """``__{rank}_{n}.distcp`` (stock DCP) or ``__{rank}_{n}-{save_id}.distcp`` (ours):
-    the only names any deletion path removes as data files."""
+    """``__{rank}_{n}.distcp`` (stock DCP) or ``__{rank}_{n}-{save_id}.distcp`` (ours),
+    either alone or under one key prefix (``0a/...``, ``prefixes.PREFIX``): the only
+    names any deletion path removes as data files."""
     return _DATA_NAME.fullmatch(name) is not None
 
 
@@ -167,7 +173,8 @@ def remove_leftovers(fs: FileSystemBase, path: str, names: list[str]) -> list[st
 
 def _remove_dir_or_report(fs: FileSystemBase, path: str) -> list[str]:
     try:
-        kept = fs.ls(path)
+        remove_empty_prefixes(fs, path)
+        kept = expand(fs, path)
     except FileNotFoundError:
         return []
     if kept:
@@ -199,7 +206,7 @@ def directory_info(
 ) -> StepInfo | None:
     """Facts about the checkpoint directory at ``path`` (``None`` if it is not a directory)."""
     try:
-        names = fs.ls(path)
+        names = expand(fs, path)
     except (FileNotFoundError, NotADirectoryError):
         return None  # e.g. a plain file named like a step: not ours
     size, newest, files = 0, None, [n for n in names if is_checkpoint_file_name(n)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import io
 import math
 import os
@@ -35,10 +35,12 @@ from extensions.errors import (
 )
 from extensions.registry import ExtensionRegistry, as_registry
 from extensions.streams import drain, read_all, readinto_exact, skip
+from storage.backends import LocalFileSystem, MemoryFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
-from storage.checkpoint import incremental
+from storage.checkpoint import incremental, read_once
 from storage.checkpoint._common import (
+    check_shapes,
     check_thread_count,
     default_thread_count,
     records_error,
@@ -46,7 +48,10 @@ from storage.checkpoint._common import (
     stock_checkpoint_id,
     tensor_bytes,
 )
+from storage.checkpoint.deadline import check_timeout, note, run_tasks
 from storage.checkpoint.items import StoredItem, check_before_read, encryption_required
+from storage.checkpoint.prefixes import refuse_linked_prefix
+from storage.checkpoint.shared import on_coordinator
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20
@@ -96,6 +101,17 @@ class CheckpointReader(StorageReader):
     caller's) plus ``ARCHIVE_ALLOWANCE``; a non-tensor item to at most
     ``max(max_object_bytes, 64 x its stored size)``. Past the bound the item is refused
     with :class:`UnsafeCheckpointError` naming it.
+
+    ``read_once`` (multi-rank loads): a stored item that several ranks need is fetched
+    and decoded by one of them and sent to the others over ``process_group`` (default:
+    the default group; pass the group given to ``dcp.load``), so each byte is fetched
+    once per job (storage/checkpoint/read_once.py; default: on for every backend but
+    local disk, see docs/scale.md). ``timeout`` (seconds) bounds this rank's storage
+    work in a load: past it the load fails on every rank with
+    :class:`DeadlineExceededError` naming the rank, the item and the URL.
+    ``share_metadata``: the global ``.metadata`` is read by the group's rank 0 alone and
+    broadcast (one request per load, not one per rank); a collective, so only for
+    reads every rank makes together (``storage.load`` turns it on under a process group).
     """
 
     def __init__(
@@ -109,8 +125,19 @@ class CheckpointReader(StorageReader):
         filesystem: FileSystemBase | None = None,
         require_encryption: bool | None = None,
         max_object_bytes: int = MAX_OBJECT_BYTES,
+        read_once: bool | None = None,
+        timeout: float | None = None,
+        process_group: Any = None,
+        share_metadata: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(share_metadata, bool):
+            raise TypeError(f"share_metadata must be a bool, got {share_metadata!r}")
+        self.share_metadata = share_metadata
+        if read_once is not None and not isinstance(read_once, bool):
+            raise TypeError(f"read_once must be a bool or None, got {read_once!r}")
+        self.timeout = check_timeout(timeout)
+        self.process_group = process_group
         if not isinstance(max_object_bytes, int) or max_object_bytes < 0:
             raise TypeError(f"max_object_bytes must be an int >= 0, got {max_object_bytes!r}")
         self.max_object_bytes = max_object_bytes
@@ -125,6 +152,7 @@ class CheckpointReader(StorageReader):
         # None: the default registry, built per load so later registrations count.
         self.registry = None if registry is None else as_registry(registry)
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
+        self._read_once = read_once
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
         self.last_error: BaseException | None = None
@@ -147,15 +175,31 @@ class CheckpointReader(StorageReader):
     def url(self) -> str:
         return self.fs.url(self.path)
 
+    @property
+    def read_once(self) -> bool:
+        """Whether items several ranks need are fetched once and shared; by default on
+        for every backend but local disk (where page-cache reads beat the exchange),
+        when the process group can send CPU tensors (gloo, or a gloo+NCCL group)."""
+        if self._read_once is None:
+            local = isinstance(self.fs, (LocalFileSystem, MemoryFileSystem))
+            return not local and read_once.can_send_cpu_tensors(self.process_group)
+        return self._read_once
+
     @records_error
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # torch asks for the global metadata, then (rank=N) for the rank-local one.
         rank = kwargs.get("rank")
         meta_path = self.fs.concat_path(self.path, fmt.metadata_name(rank))
-        try:
-            payload = self.fs.read_bytes(meta_path)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(self._missing_message(rank)) from None
+
+        def fetch() -> bytes:
+            try:
+                return self.fs.read_bytes(meta_path)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(self._missing_message(rank)) from None
+
+        # The global metadata is the same for every rank; a rank-local one is not.
+        shared = self.share_metadata and rank is None
+        payload = on_coordinator(fetch, self.process_group) if shared else fetch()
         try:
             metadata = fmt.load_metadata(payload, self.fs.url(meta_path))
         except CheckpointStorageError as exc:
@@ -187,11 +231,25 @@ class CheckpointReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        if self.read_once and len(plans) > 1:
+            return read_once.assign(plans, self.storage_data, self._chunks)
         return plans
 
     @records_error
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        runs = self._plan_runs(plan.items)
+        if isinstance(plan.storage_data, read_once.SharePlan):
+            read_once.read_shared(self, plan, planner)
+        else:
+            self._read_items(plan.items, planner, timeout=self.timeout)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_items(
+        self, reqs: Sequence[ReadItem], planner: LoadPlanner, *, timeout: float | None
+    ) -> None:
+        """Fetch, verify and decode ``reqs`` into ``planner``, within ``timeout``."""
+        runs = self._plan_runs(reqs)
         lock = threading.Lock()
         registry = self.registry or ExtensionRegistry()
         keys = cached_key_lookup(self.keys)
@@ -204,23 +262,14 @@ class CheckpointReader(StorageReader):
                 check_before_read(
                     descriptors, info, require_encryption=self.require_encryption, decode=True
                 )
-        workers = max(1, min(self.thread_count, len(runs)))
-        if workers == 1:
-            for path, run in runs:
-                self._read_run(path, run, planner, lock, registry, keys)
-        else:
-            with concurrent.futures.ThreadPoolExecutor(
-                workers, thread_name_prefix="dcp-storage-read"
-            ) as pool:
-                futures = [
-                    pool.submit(self._read_run, p, r, planner, lock, registry, keys)
-                    for p, r in runs
-                ]
-                for fut in futures:
-                    fut.result()
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
+        if not runs:
+            return
+        tasks = [
+            functools.partial(self._read_run, p, r, planner, lock, registry, keys) for p, r in runs
+        ]
+        run_tasks(
+            tasks, workers=self.thread_count, timeout=timeout, action="loading", location=self.url
+        )
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
@@ -258,6 +307,9 @@ class CheckpointReader(StorageReader):
                 )
             # Keyed by where the bytes are: a referenced item's are in its base's file.
             path = incremental.item_path(self.fs, self.path, info)
+            if path not in per_file:
+                directory = incremental.item_directory(self.fs, self.path, info)
+                refuse_linked_prefix(self.fs, directory, info.relative_path)
             per_file.setdefault(path, []).append(_Item(req, info))
         incremental.check_bases(
             self.fs,
@@ -293,6 +345,7 @@ class CheckpointReader(StorageReader):
     ) -> None:
         start = run[0].offset
         length = run[-1].offset + run[-1].length - start
+        note(fmt.item_label(run[0].req.storage_index), self.fs.url(path))
         try:
             with self.fs.open_slice(path, start, length) as stream:
                 for item in run:
@@ -317,6 +370,7 @@ class CheckpointReader(StorageReader):
         keys: KeyLookup | None,
     ) -> None:
         label = fmt.item_label(item.req.storage_index)
+        note(label, self.fs.url(path))
         where = f"{self.url}: item {quote(label)} in {quote(os.path.basename(path))}"
         extra = fmt.item_extra(item.info)
         stored = StoredItem(
@@ -332,7 +386,7 @@ class CheckpointReader(StorageReader):
         if item.req.type != LoadItemType.BYTE_IO:
             with lock:
                 target = planner.resolve_tensor(item.req).detach()
-            _check_shapes(item.req, target, chunk, where)
+            check_shapes(item.req, target, chunk, where)
         try:
             decoded = stored.decoded(registry, info)
             if target is None:
@@ -438,28 +492,6 @@ class CheckpointReader(StorageReader):
             raise IntegrityError(f"{where}: item is truncated")
         drain(decoded)  # the archive's trailer, and the transforms' own trailers
         return dest
-
-
-def _check_shapes(
-    req: ReadItem, target: torch.Tensor, chunk: tuple[torch.Size, Any] | None, where: str
-) -> None:
-    """A target that does not fit the stored chunk is the caller's mismatch (a
-    ``ValueError``, as torch's planner says), found before any byte is read."""
-    requested, offsets = tuple(req.lengths), tuple(req.storage_offsets)
-    stored = tuple(chunk[0]) if chunk is not None else None
-    if tuple(target.size()) != requested or (
-        stored is not None
-        and not (
-            len(offsets) == len(requested) == len(stored)
-            and all(o >= 0 and o + n <= s for o, n, s in zip(offsets, requested, stored))
-        )
-    ):
-        raise ValueError(
-            f"{where}: size mismatch: the target has shape {tuple(target.size())}, the "
-            f"stored chunk {stored if stored is not None else '(unknown)'} (region at "
-            f"{offsets} of sizes {requested}); load into a state dict shaped like the "
-            "checkpoint (dcp-storage inspect lists its shapes)"
-        )
 
 
 def _read_bounded(decoded: IO[bytes], limit: int, where: str, hint: str) -> bytes:

@@ -13,7 +13,8 @@ lists that each hold the previous one twice is a tree of 2**24 nodes at 24 level
 walk stops after a budget proportional to the file size, and at a nesting depth no DCP
 metadata has. The second checks the schema: names are strings, offsets, lengths and
 sizes non-negative ints below :data:`MAX_SIZE`, every chunk inside its tensor, every
-``relative_path`` a plain file name inside the checkpoint.
+``relative_path`` a file inside the checkpoint (a plain name, or one hex key prefix
+and a plain name).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from extensions._compat import LegacyTensorProperties, StorageInfo
 from extensions.errors import UnsafeCheckpointError, quote
+from storage.checkpoint.prefixes import is_prefix, split
 
 EXTRA = "dcp_storage"  # attribute name of our facts on Metadata and _StorageInfo
 REF = "ref"  # item extra: the sibling checkpoint holding a referenced item's bytes
@@ -76,19 +78,24 @@ def item_label(index: MetadataIndex) -> str:
 
 
 def check_relative_path(path: object, where: str, item: str) -> None:
-    """Refuse anything but a plain file name inside the checkpoint."""
+    """Refuse anything but a file inside the checkpoint: a plain file name, or one
+    prefix directory of the fixed form ``prefixes.PREFIX`` (1-8 lowercase hex digits)
+    and a plain file name (``CheckpointWriter(key_prefixes=N)``)."""
+    prefix, name = split(path) if isinstance(path, str) else (None, path)
     ok = (
-        isinstance(path, str)
-        and path not in ("", ".", "..")
-        and "/" not in path
-        and "\\" not in path
-        and ":" not in path
-        and "\x00" not in path
+        isinstance(name, str)
+        and (prefix is None or is_prefix(prefix))
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and ":" not in name
+        and "\x00" not in name
     )
     if not ok:
         raise UnsafeCheckpointError(
             f"{where}: item {quote(item)} points at {quote(path)}, which is not a file inside "
-            "the checkpoint (absolute paths, '..', sub-directories and URLs are refused)"
+            "the checkpoint (absolute paths, '..', sub-directories other than one hex key "
+            "prefix, and URLs are refused)"
         )
 
 

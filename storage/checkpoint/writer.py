@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import functools
 import io
 import os
 import threading
@@ -40,7 +40,9 @@ from storage.checkpoint.commit import (
     publish_metadata,
     remove_quietly,
 )
+from storage.checkpoint.deadline import DeadlineExceededError, check_timeout, note, run_tasks
 from storage.checkpoint.items import ItemEncoder
+from storage.checkpoint.prefixes import check_key_prefixes, place
 
 DCP_VERSION = "1.0.0"
 SMALL_TENSOR = 1 << 20
@@ -74,6 +76,15 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     base's as a reference to the base's bytes instead of writing it again. Loading such
     a checkpoint needs its bases (``dcp-storage cp`` makes a self-contained copy).
 
+    ``timeout`` (seconds) bounds this rank's data writes in a save: past it the save
+    fails on every rank with :class:`DeadlineExceededError` naming the rank, the item
+    and the URL (an upload that never completes is abandoned, not waited for).
+
+    ``key_prefixes=N`` (N > 1) puts each rank's data files one directory down, under
+    one of N short hex key prefixes (``rank % N``), so an object store spreads the
+    requests of a large save over N partitions (storage/checkpoint/prefixes.py,
+    docs/scale.md); stock readers load such checkpoints too.
+
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
     lands; a failed save removes the files it wrote.
@@ -95,8 +106,12 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         filesystem: FileSystemBase | None = None,
         base: str | os.PathLike[str] | None = None,
         fingerprint: bool = False,
+        timeout: float | None = None,
+        key_prefixes: int = 0,
     ) -> None:
         super().__init__()
+        self.timeout = check_timeout(timeout)
+        self.key_prefixes = check_key_prefixes(key_prefixes)
         _check_serialization_format(serialization_format)
         self.transforms = _check_transforms(transforms)
         self.storage_options = storage_options
@@ -193,7 +208,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     @records_error
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         meta_path = self._metadata_path()
-        if not self.overwrite and self.fs.exists(meta_path):
+        # With collectives the coordinator alone asks (its error reaches every rank):
+        # one request per save, not one per rank.
+        asks = self.is_coordinator or not self.use_collectives
+        if not self.overwrite and asks and self.fs.exists(meta_path):
             raise CheckpointExistsError(
                 f"Checkpoint already exists at {self.url} and overwrite=False; "
                 "pick a new location or pass overwrite=True"
@@ -231,7 +249,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             buckets = [b for b in split_by_size_and_type(threads, items) if b]
         else:
             buckets = [[item] for item in items]
-        files = [(fmt.data_file_name(rank, n, self.save_id), b) for n, b in enumerate(buckets)]
+        files = [
+            (place(fmt.data_file_name(rank, n, self.save_id), rank, self.key_prefixes), b)
+            for n, b in enumerate(buckets)
+        ]
         lock = threading.Lock()
 
         def write_one(name: str, items: list[WriteItem]) -> list[WriteResult]:
@@ -240,21 +261,23 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 self._written.append(path)
             return self._write_file(path, name, items, planner)
 
-        results: list[WriteResult] = list(referenced)
-        with concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, min(threads, len(files))),
-            thread_name_prefix="dcp-storage-write",
-        ) as pool:
-            futures = [pool.submit(write_one, name, items) for name, items in files]
-            errors = []
-            for fut in futures:
-                try:
-                    results.extend(fut.result())
-                except BaseException as exc:  # noqa: BLE001 - re-raised below
-                    errors.append(exc)
-        if errors:
+        tasks = [functools.partial(write_one, name, items) for name, items in files]
+        try:
+            per_file = run_tasks(
+                tasks, workers=threads, timeout=self.timeout, action="saving", location=self.url
+            )
+        except DeadlineExceededError:
+            # Storage is stalled, and removing what this save wrote could stall too: the
+            # cleanup runs in the background, the error goes to every rank now.
+            paths, self._written = self._written, []
+            threading.Thread(
+                target=remove_quietly, args=(self.fs, paths), daemon=True, name="dcp-storage-abort"
+            ).start()
+            raise
+        except BaseException:
             self.abort()
-            raise errors[0]
+            raise
+        results = list(referenced) + [result for rs in per_file for result in rs]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -298,8 +321,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         rank's part failed; the one-call helpers call this so such saves leave nothing
         behind."""
         if not self._committed and not commit_may_have_landed(error):
-            remove_quietly(self.fs, list(self._written))
-            self._written.clear()
+            paths, self._written = self._written, []
+            remove_quietly(self.fs, paths)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
@@ -332,6 +355,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             i for i in items if i.type != WriteItemType.BYTE_IO
         ]
         results = []
+        if ordered:
+            note(fmt.item_label(ordered[0].index), self.fs.url(path))
         with self.fs.create_stream(path, "wb", sync=self.sync_files) as stream:
             offset = 0
             for item in ordered:
@@ -366,6 +391,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     def _write_item(
         self, stream: Any, name: str, offset: int, item: WriteItem, planner: SavePlanner
     ) -> WriteResult:
+        label = fmt.item_label(item.index)
+        note(label, self.fs.url(self.fs.concat_path(self.path, name)))
         data = planner.resolve_data(item)
         tensor: torch.Tensor | None = None
         if item.type != WriteItemType.BYTE_IO:

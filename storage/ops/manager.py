@@ -51,6 +51,7 @@ from storage.checkpoint.layout import (
     parse_step,
     remove_leftovers,
 )
+from storage.checkpoint.prefixes import expand
 from storage.checkpoint.writer import CheckpointWriter
 
 log = logging.getLogger(__name__)
@@ -430,7 +431,7 @@ class CheckpointManager:
     def _remove_orphans(self, path: str, horizon: float) -> None:
         meta_path = self.fs.concat_path(path, fmt.METADATA_NAME)
         try:
-            names = self.fs.ls(path)
+            names = expand(self.fs, path)
         except (FileNotFoundError, NotADirectoryError):
             return
         if fmt.METADATA_NAME not in names or any(
@@ -473,7 +474,7 @@ class CheckpointManager:
         """The names in ``path`` if it is an uncommitted directory of checkpoint files
         all older than ``horizon``, else ``None``."""
         try:
-            names = self.fs.ls(path)
+            names = expand(self.fs, path)
         except (FileNotFoundError, NotADirectoryError):
             return None
         if any(is_metadata_name(n) for n in names):

@@ -1,0 +1,206 @@
+"""Bounded work with attribution: what a rank did, for how long, and which item failed.
+
+A save or load on many ranks fails as a whole only once every rank has come out of its
+``write_data`` / ``read_data``: DCP's collectives wait for the slowest rank. So each
+rank bounds its own storage work by a deadline (``timeout=`` on the writer and the
+reader), and an error that leaves a rank names the rank, the item and the URL, so the
+other ranks, which only see it through DCP's gather, can say who failed and where.
+
+:func:`run_tasks` runs the storage work of one call on daemon threads and waits for it
+at most until the deadline. A task that blocks forever (an upload that never completes)
+cannot be cancelled in Python: it is abandoned on its daemon thread, which never keeps
+the process from exiting, and the call raises :class:`DeadlineExceededError` naming what
+each unfinished task was doing (:func:`note` records it as the task goes).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from extensions.errors import CheckpointStorageError, quote
+
+T = TypeVar("T")
+
+_local = threading.local()
+
+
+class CheckpointRankError(CheckpointStorageError):
+    """One rank's part of a multi-rank save or load failed.
+
+    The message names the rank, the item and the URL; ``rank``, ``item`` and ``url``
+    hold them, and ``__cause__`` is the rank's own error (as raised on that rank)."""
+
+    rank: int | None = None
+    item: str | None = None
+    url: str | None = None
+
+
+class DeadlineExceededError(CheckpointRankError, TimeoutError):
+    """A rank's storage work did not finish within its ``timeout``; it was abandoned."""
+
+
+def distributed_rank() -> int | None:
+    """This process's global rank when it is one of several, else ``None``."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank()
+    return None
+
+
+E = TypeVar("E", bound=CheckpointRankError)
+
+
+def rank_error(cls: type[E], message: str, *, rank: int | None, item: str, url: str) -> E:
+    """``cls(message)`` carrying its facts (they travel with the pickled error)."""
+    error = cls(message)
+    error.rank, error.item, error.url = rank, item, url
+    return error
+
+
+def check_timeout(timeout: object) -> float | None:
+    """``timeout`` (seconds, or ``None`` for no deadline) if valid."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise TypeError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+    return float(timeout)
+
+
+def note(item: str, url: str) -> None:
+    """Record that the calling task now works on ``item`` at ``url`` (used in the
+    deadline's message and to attribute its errors); a no-op outside :func:`run_tasks`."""
+    board = getattr(_local, "board", None)
+    if board is not None:
+        board[threading.get_ident()] = (item, url)
+
+
+def current() -> tuple[str, str] | None:
+    """What the calling task noted last, if anything."""
+    board = getattr(_local, "board", None)
+    return None if board is None else board.get(threading.get_ident())
+
+
+def run_tasks(
+    tasks: Sequence[Callable[[], T]],
+    *,
+    workers: int,
+    timeout: float | None,
+    action: str,
+    location: str,
+) -> list[T]:
+    """Run ``tasks`` on up to ``workers`` threads and return their results in order.
+
+    The first error stops handing out tasks; once the running ones are done it is
+    raised (as :class:`CheckpointRankError` naming the rank, the item the task noted
+    and its URL, when this process is one of several ranks). Past ``timeout`` seconds
+    the call raises :class:`DeadlineExceededError` naming each unfinished task's item
+    and leaves those tasks behind on their daemon threads. ``action`` (``"saving"``,
+    ``"loading"``) and ``location`` (the checkpoint URL) word the messages."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    rank = distributed_rank()
+    board: dict[int, tuple[str, str]] = {}
+    results: list[T | None] = [None] * len(tasks)
+    errors: list[tuple[BaseException, tuple[str, str] | None]] = []
+    abandoned = [False]
+    pending = list(range(len(tasks)))[::-1]
+    running = [0]
+    cond = threading.Condition()
+
+    def worker() -> None:
+        _local.board = board
+        while True:
+            with cond:
+                if errors or abandoned[0] or not pending:
+                    return
+                index = pending.pop()
+                running[0] += 1
+            try:
+                results[index] = tasks[index]()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                with cond:
+                    errors.append((exc, board.get(threading.get_ident())))
+            finally:
+                with cond:
+                    running[0] -= 1
+                    cond.notify_all()
+
+    threads = [
+        threading.Thread(target=worker, name=f"dcp-storage-{action}", daemon=True)
+        for _ in range(max(1, min(workers, len(tasks))))
+    ]
+    for thread in threads:
+        thread.start()
+    with cond:
+        while running[0] or (pending and not errors):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                abandoned[0] = True
+                if errors:
+                    break
+                stuck = sorted(board[t.ident] for t in threads if t.is_alive() and t.ident in board)
+                raise _deadline_error(rank, action, location, timeout, stuck)
+            cond.wait(left)
+    if errors:
+        raise attribute(errors[0][0], rank, action, location, errors[0][1])
+    return results  # type: ignore[return-value]
+
+
+def attribute(
+    exc: BaseException,
+    rank: int | None,
+    action: str,
+    location: str,
+    doing: tuple[str, str] | None,
+) -> BaseException:
+    """``exc`` as every rank should hear it: unchanged on a single process (or if it
+    already names its rank), else an error whose message names the rank, the item and
+    the URL, caused by ``exc``. One of our own errors keeps its type (an
+    :class:`IntegrityError` stays one, so ``except IntegrityError`` works on every rank);
+    anything else becomes a :class:`CheckpointRankError`."""
+    if (
+        rank is None
+        or not isinstance(exc, Exception)
+        or isinstance(exc, CheckpointRankError)
+        or getattr(exc, "rank", None) is not None
+    ):
+        return exc
+    item, url = doing or ("?", location)
+    message = (
+        f"rank {rank}: {action} item {quote(item)} at {url} failed: {type(exc).__name__}: {exc}"
+    )
+    error: Exception
+    if isinstance(exc, CheckpointStorageError):
+        try:
+            error = type(exc)(message)  # our errors take one message
+        except Exception:
+            error = CheckpointRankError(message)
+    else:
+        error = CheckpointRankError(message)
+    error.rank, error.item, error.url = rank, item, url  # type: ignore[attr-defined]
+    error.__cause__ = exc
+    return error
+
+
+def _deadline_error(
+    rank: int | None,
+    action: str,
+    location: str,
+    timeout: float | None,
+    stuck: list[tuple[str, str]],
+) -> DeadlineExceededError:
+    who = f"rank {rank}" if rank is not None else "this process"
+    item, url = stuck[0] if stuck else ("?", location)
+    more = f" (and {len(stuck) - 1} more)" if len(stuck) > 1 else ""
+    return rank_error(
+        DeadlineExceededError,
+        f"{who}: {action} item {quote(item)} at {url}{more} did not finish within the "
+        f"{timeout:g} s deadline (timeout=); the storage request is stalled, so the "
+        f"{'save' if action == 'saving' else 'load'} of {location} is abandoned on every rank",
+        rank=rank,
+        item=item,
+        url=url,
+    )

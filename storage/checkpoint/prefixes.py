@@ -1,0 +1,93 @@
+"""Data files under several key prefixes (``CheckpointWriter(key_prefixes=N)``).
+
+An object store serves a bounded request rate per key-prefix partition (S3: about
+3,500 PUT and 5,500 GET per second); a 1,000-rank save that puts every data file
+under one checkpoint prefix asks one partition for all of them. With ``key_prefixes``
+each rank's data files go one directory level down, under a short hexadecimal prefix
+(``<checkpoint>/0a/__10_0-<save_id>.distcp``), ``rank % N``, so the files and their
+requests are spread evenly over N prefixes the store can split into partitions
+(docs/scale.md has the figures and the limits).
+
+The prefix is part of the item's ``relative_path`` in the metadata, so stock readers
+(``FileSystemReader``, ``FsspecReader``: they join ``relative_path`` onto the
+checkpoint path) load such a checkpoint too. The one form allowed besides a plain file
+name is :data:`PREFIX` (1 to 8 lowercase hex digits), then ``/``, then a plain name:
+``validate.check_relative_path`` accepts exactly that, and every deletion path
+recognises data files by name with or without it (``layout``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+from extensions.errors import UnsafeCheckpointError, quote
+from storage.backends.base import FileSystemBase
+
+#: The one sub-directory form a ``relative_path`` may have.
+PREFIX = re.compile(r"[0-9a-f]{1,8}")
+#: Most prefixes a writer spreads over (4096: three hex digits).
+MAX_PREFIXES = 4096
+
+
+def check_key_prefixes(value: object) -> int:
+    """``key_prefixes`` (0 or 1: no prefix directories) if valid."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_PREFIXES:
+        raise TypeError(f"key_prefixes must be an int in [0, {MAX_PREFIXES}], got {value!r}")
+    return value
+
+
+def place(name: str, rank: int, key_prefixes: int) -> str:
+    """The ``relative_path`` of data file ``name`` written by ``rank``."""
+    if key_prefixes <= 1:
+        return name
+    width = max(2, len(f"{key_prefixes - 1:x}"))
+    return f"{rank % key_prefixes:0{width}x}/{name}"
+
+
+def split(relative_path: str) -> tuple[str | None, str]:
+    """``(prefix, name)`` of a ``relative_path`` (``prefix`` is ``None`` for a plain
+    name); it does not validate (``validate.check_relative_path`` does)."""
+    prefix, sep, name = relative_path.rpartition("/")
+    return (prefix, name) if sep else (None, relative_path)
+
+
+def is_prefix(name: str) -> bool:
+    return PREFIX.fullmatch(name) is not None
+
+
+def expand(fs: FileSystemBase, path: str, only: set[str] | None = None) -> list[str]:
+    """The names under ``path``, with each prefix directory (those in ``only``, if
+    given) replaced by its entries as ``prefix/name``: every checkpoint file, prefixed
+    or not, in one list. Costs one listing per prefix directory."""
+    names = []
+    for name in fs.ls(path):
+        if is_prefix(name) and (only is None or name in only):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                names += [f"{name}/{n}" for n in fs.ls(fs.concat_path(path, name))]
+                continue
+        names.append(name)
+    return sorted(names)
+
+
+def remove_empty_prefixes(fs: FileSystemBase, path: str) -> None:
+    """Remove the prefix directories under ``path`` that are empty (local disk keeps
+    empty directories; object stores have none)."""
+    for name in fs.ls(path):
+        if not is_prefix(name):
+            continue
+        sub = fs.concat_path(path, name)
+        with contextlib.suppress(OSError):
+            if not fs.is_link(sub) and not fs.ls(sub):
+                fs.rm_dir(sub)
+
+
+def refuse_linked_prefix(fs: FileSystemBase, path: str, relative_path: str) -> None:
+    """Refuse a prefix directory that is a symbolic link: the file would lie outside
+    the checkpoint (the backends refuse a link only as the last path component)."""
+    prefix, _ = split(relative_path)
+    if prefix is not None and fs.is_link(fs.concat_path(path, prefix)):
+        raise UnsafeCheckpointError(
+            f"{fs.url(path)}: {quote(relative_path)} lies under {quote(prefix)}, a symbolic "
+            "link; a checkpoint's prefix directories must be its own directories"
+        )
