@@ -17,7 +17,7 @@ rank, rather than leaving the others waiting for bytes that never come), exchang
 then hand each received chunk to the planner, narrowed to what each request asked for.
 
 Tensor items travel decoded, as their chunk's bytes in the metadata's dtype; non-tensor
-items travel as the owner's re-pickled plain value (``reader._plain_data``) after their
+items travel as the owner's re-pickled plain value (``decode.plain_value``) after their
 length. The owner is a rank of the same job, so what it sends is trusted as much as the
 rank itself.
 """

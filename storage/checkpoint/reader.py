@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import functools
-import io
-import math
 import os
-import pickle
 import threading
 import uuid
 from collections.abc import Sequence
@@ -30,11 +27,9 @@ from extensions.errors import (
     CheckpointNotFoundError,
     CheckpointStorageError,
     IntegrityError,
-    UnsafeCheckpointError,
     quote,
 )
 from extensions.registry import ExtensionRegistry, as_registry
-from extensions.streams import drain, read_all, readinto_exact, skip
 from storage.backends import LocalFileSystem, MemoryFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
@@ -46,23 +41,21 @@ from storage.checkpoint._common import (
     records_error,
     resolve_location,
     stock_checkpoint_id,
-    tensor_bytes,
 )
 from storage.checkpoint.deadline import check_timeout, note, run_tasks
+from storage.checkpoint.decode import (
+    MAX_OBJECT_BYTES,
+    OBJECT_RATIO,
+    decode_tensor,
+    plain_value,
+    read_bounded,
+)
 from storage.checkpoint.items import StoredItem, check_before_read, encryption_required
 from storage.checkpoint.prefixes import refuse_linked_prefix
 from storage.checkpoint.shared import on_coordinator
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20
-
-#: Default floor of the decoded size of a non-tensor item (``max_object_bytes``).
-MAX_OBJECT_BYTES = 16 << 20
-#: A non-tensor item may also decode to this many times its stored size.
-OBJECT_RATIO = 64
-#: What a tensor's ``torch.save`` archive may hold beyond its raw bytes (records,
-#: pickle, alignment, directory: ~1 KiB in practice).
-ARCHIVE_ALLOWANCE = 64 << 10
 
 
 @dataclass
@@ -391,9 +384,9 @@ class CheckpointReader(StorageReader):
             decoded = stored.decoded(registry, info)
             if target is None:
                 limit = max(self.max_object_bytes, OBJECT_RATIO * item.length)
-                payload = _read_bounded(decoded, limit, where, "pass a larger max_object_bytes=")
+                payload = read_bounded(decoded, limit, where, "pass a larger max_object_bytes=")
             else:
-                decoded_tensor = self._decode_tensor(decoded, item, extra, chunk, target, where)
+                decoded_tensor = decode_tensor(decoded, item.req, extra, chunk, target, where)
             stored.finish()
         except (CheckpointStorageError, OSError):
             raise  # already named, or the storage failed (not the bytes)
@@ -401,7 +394,7 @@ class CheckpointReader(StorageReader):
             # A decoder choking on damaged bytes: report it as the integrity failure it is.
             raise stored.damaged(exc) from exc
         if target is None:
-            plain = _plain_data(payload, where)
+            plain = plain_value(payload, where)
             with lock:
                 planner.load_bytes(item.req, plain)
             return
@@ -429,105 +422,3 @@ class CheckpointReader(StorageReader):
             element_size=chunk[1].itemsize if chunk else None,
             keys=keys,
         )
-
-    def _decode_tensor(
-        self,
-        decoded: IO[bytes],
-        item: _Item,
-        extra: dict[str, Any],
-        chunk: tuple[torch.Size, torch.dtype] | None,
-        target: torch.Tensor,
-        where: str,
-    ) -> torch.Tensor:
-        """The stored chunk as a tensor: ``target`` itself when the bytes could be
-        decoded straight into it, else a new tensor to narrow and copy from."""
-        if chunk is None:
-            raise UnsafeCheckpointError(
-                f"{where}: a tensor item without a chunk in the metadata's state_dict_metadata; "
-                "the metadata is damaged or hostile"
-            )
-        sizes, dtype = chunk
-        offsets, lengths = list(item.req.storage_offsets), list(item.req.lengths)
-        if len(offsets) != len(sizes) or any(
-            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, sizes)
-        ):
-            raise UnsafeCheckpointError(
-                f"{where}: the request (offsets {offsets}, lengths {lengths}) does not lie "
-                f"inside the stored chunk of size {list(sizes)}; the metadata does not match "
-                "the state dict being loaded"
-            )
-        data_offset = extra.get("data_offset")
-        if (
-            data_offset is None
-            or extra.get("dtype", str(dtype).removeprefix("torch."))
-            != str(dtype).removeprefix("torch.")
-            or extra.get("nbytes", math.prod(sizes) * dtype.itemsize)
-            != math.prod(sizes) * dtype.itemsize
-        ):
-            # A stock archive without our layout facts, or stored bytes of another dtype
-            # or size than the metadata says (a planner that cast): let torch parse it.
-            # A planner that cast may have stored up to 8 bytes per element (16: complex).
-            limit = math.prod(sizes) * max(8, dtype.itemsize) + ARCHIVE_ALLOWANCE
-            payload = _read_bounded(decoded, limit, where, "the metadata understates it")
-            loaded = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-            if not isinstance(loaded, torch.Tensor) or tuple(loaded.size()) != tuple(sizes):
-                raise IntegrityError(
-                    f"{where}: the stored tensor does not have the chunk size "
-                    f"{list(sizes)} that the metadata declares"
-                )
-            return loaded  # copy_ into the target casts if needed
-        whole = list(item.req.lengths) == list(sizes) and not any(item.req.storage_offsets)
-        direct = (
-            whole
-            and target.device.type == "cpu"
-            and target.dtype == dtype
-            and target.is_contiguous()
-            and tuple(target.size()) == tuple(sizes)
-        )
-        dest = target if direct else torch.empty(tuple(sizes), dtype=dtype)
-        nbytes = math.prod(sizes) * dtype.itemsize
-        if skip(decoded, int(data_offset)) != data_offset:
-            raise IntegrityError(f"{where}: item is truncated")
-        if readinto_exact(decoded, tensor_bytes(dest)) != nbytes:
-            raise IntegrityError(f"{where}: item is truncated")
-        drain(decoded)  # the archive's trailer, and the transforms' own trailers
-        return dest
-
-
-def _read_bounded(decoded: IO[bytes], limit: int, where: str, hint: str) -> bytes:
-    payload = read_all(decoded, limit=limit)
-    if len(payload) > limit:
-        raise UnsafeCheckpointError(
-            f"{where}: the item decodes to more than {limit} bytes, more than its stored "
-            f"size and the request allow (a decompression bomb?); refusing it ({hint})"
-        )
-    return payload
-
-
-def _plain_data(payload: bytes, where: str) -> io.BytesIO:
-    """A non-tensor value, rebuilt from plain data only, as a pickle for the planner.
-
-    DCP's default planner unpickles these values with ``weights_only=False``. The value
-    is loaded here with torch's ``weights_only`` unpickler (plain data, plus what the
-    user allowed with ``torch.serialization.add_safe_globals``) or, for the
-    ``io.BytesIO`` values DCP stores as opaque blobs, with a loader that builds nothing
-    but a BytesIO (``format.load_bytes_io``), and pickled again, so
-    the planner's unpickler only ever sees our own pickle of those objects - never the
-    checkpoint's bytes, whose opcodes might act differently under the two unpicklers."""
-    value: object
-    try:
-        value = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        value = fmt.load_bytes_io(payload)  # DCP's own io.BytesIO values
-        if value is None:
-            raise UnsafeCheckpointError(
-                f"{where}: the stored value is not plain data ({str(exc).splitlines()[0]}); "
-                "refusing to unpickle it. If you trust this checkpoint, allow the class with "
-                "torch.serialization.add_safe_globals([...])"
-            ) from None
-    except Exception as exc:
-        raise IntegrityError(f"{where}: the stored value cannot be read: {exc}") from exc
-    plain = io.BytesIO()
-    torch.save(value, plain)
-    plain.seek(0)
-    return plain

@@ -1,0 +1,129 @@
+"""Decoding one item into what the planner gets, bounded by the request and the stored
+size: a tensor straight into its target where the layout allows (else through
+``torch.load`` of a bounded archive), a non-tensor value rebuilt from plain data only.
+The reader and read-once sharing both decode through here."""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint.planner import ReadItem
+
+from extensions.errors import IntegrityError, UnsafeCheckpointError
+from extensions.streams import drain, read_all, readinto_exact, skip
+from storage.checkpoint import format as fmt
+from storage.checkpoint._common import tensor_bytes
+
+#: Default floor of the decoded size of a non-tensor item (``max_object_bytes``).
+MAX_OBJECT_BYTES = 16 << 20
+#: A non-tensor item may also decode to this many times its stored size.
+OBJECT_RATIO = 64
+#: What a tensor's ``torch.save`` archive may hold beyond its raw bytes (records,
+#: pickle, alignment, directory: ~1 KiB in practice).
+ARCHIVE_ALLOWANCE = 64 << 10
+
+
+def decode_tensor(
+    decoded: IO[bytes],
+    req: ReadItem,
+    extra: dict[str, Any],
+    chunk: tuple[torch.Size, torch.dtype] | None,
+    target: torch.Tensor,
+    where: str,
+) -> torch.Tensor:
+    """The stored chunk as a tensor: ``target`` itself when the bytes could be
+    decoded straight into it, else a new tensor to narrow and copy from."""
+    if chunk is None:
+        raise UnsafeCheckpointError(
+            f"{where}: a tensor item without a chunk in the metadata's state_dict_metadata; "
+            "the metadata is damaged or hostile"
+        )
+    sizes, dtype = chunk
+    offsets, lengths = list(req.storage_offsets), list(req.lengths)
+    if len(offsets) != len(sizes) or any(
+        o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, sizes)
+    ):
+        raise UnsafeCheckpointError(
+            f"{where}: the request (offsets {offsets}, lengths {lengths}) does not lie "
+            f"inside the stored chunk of size {list(sizes)}; the metadata does not match "
+            "the state dict being loaded"
+        )
+    data_offset = extra.get("data_offset")
+    if (
+        data_offset is None
+        or extra.get("dtype", str(dtype).removeprefix("torch."))
+        != str(dtype).removeprefix("torch.")
+        or extra.get("nbytes", math.prod(sizes) * dtype.itemsize)
+        != math.prod(sizes) * dtype.itemsize
+    ):
+        # A stock archive without our layout facts, or stored bytes of another dtype
+        # or size than the metadata says (a planner that cast): let torch parse it.
+        # A planner that cast may have stored up to 8 bytes per element (16: complex).
+        limit = math.prod(sizes) * max(8, dtype.itemsize) + ARCHIVE_ALLOWANCE
+        payload = read_bounded(decoded, limit, where, "the metadata understates it")
+        loaded = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        if not isinstance(loaded, torch.Tensor) or tuple(loaded.size()) != tuple(sizes):
+            raise IntegrityError(
+                f"{where}: the stored tensor does not have the chunk size "
+                f"{list(sizes)} that the metadata declares"
+            )
+        return loaded  # copy_ into the target casts if needed
+    whole = list(req.lengths) == list(sizes) and not any(req.storage_offsets)
+    direct = (
+        whole
+        and target.device.type == "cpu"
+        and target.dtype == dtype
+        and target.is_contiguous()
+        and tuple(target.size()) == tuple(sizes)
+    )
+    dest = target if direct else torch.empty(tuple(sizes), dtype=dtype)
+    nbytes = math.prod(sizes) * dtype.itemsize
+    if skip(decoded, int(data_offset)) != data_offset:
+        raise IntegrityError(f"{where}: item is truncated")
+    if readinto_exact(decoded, tensor_bytes(dest)) != nbytes:
+        raise IntegrityError(f"{where}: item is truncated")
+    drain(decoded)  # the archive's trailer, and the transforms' own trailers
+    return dest
+
+
+def read_bounded(decoded: IO[bytes], limit: int, where: str, hint: str) -> bytes:
+    payload = read_all(decoded, limit=limit)
+    if len(payload) > limit:
+        raise UnsafeCheckpointError(
+            f"{where}: the item decodes to more than {limit} bytes, more than its stored "
+            f"size and the request allow (a decompression bomb?); refusing it ({hint})"
+        )
+    return payload
+
+
+def plain_value(payload: bytes, where: str) -> io.BytesIO:
+    """A non-tensor value, rebuilt from plain data only, as a pickle for the planner.
+
+    DCP's default planner unpickles these values with ``weights_only=False``. The value
+    is loaded here with torch's ``weights_only`` unpickler (plain data, plus what the
+    user allowed with ``torch.serialization.add_safe_globals``) or, for the
+    ``io.BytesIO`` values DCP stores as opaque blobs, with a loader that builds nothing
+    but a BytesIO (``format.load_bytes_io``), and pickled again, so
+    the planner's unpickler only ever sees our own pickle of those objects - never the
+    checkpoint's bytes, whose opcodes might act differently under the two unpicklers."""
+    value: object
+    try:
+        value = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        value = fmt.load_bytes_io(payload)  # DCP's own io.BytesIO values
+        if value is None:
+            raise UnsafeCheckpointError(
+                f"{where}: the stored value is not plain data ({str(exc).splitlines()[0]}); "
+                "refusing to unpickle it. If you trust this checkpoint, allow the class with "
+                "torch.serialization.add_safe_globals([...])"
+            ) from None
+    except Exception as exc:
+        raise IntegrityError(f"{where}: the stored value cannot be read: {exc}") from exc
+    plain = io.BytesIO()
+    torch.save(value, plain)
+    plain.seek(0)
+    return plain
