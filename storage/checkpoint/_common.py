@@ -1,15 +1,17 @@
-"""Small pieces shared by the writer and the reader."""
+"""Small pieces shared by the writer and the reader: option checks, locations, errors."""
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.staging import StagingOptions
 
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url
@@ -94,3 +96,43 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         return memoryview(bytearray(0))
     flat = tensor.reshape(-1).view(torch.uint8)
     return flat.numpy().data.cast("B")
+
+
+def staging_options(*, pin: bool) -> StagingOptions:
+    # What dcp.async_save stages with by default, plus pinned buffers when caching on GPU.
+    return StagingOptions(
+        use_pinned_memory=pin,
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=False,
+    )
+
+
+def check_serialization_format(value: object) -> None:
+    if value == SerializationFormat.TORCH_SAVE:
+        return
+    if value == getattr(SerializationFormat, "SAFETENSORS", None):
+        raise ValueError(
+            "serialization_format=SAFETENSORS is not supported: items are stored as torch.save "
+            "archives (SerializationFormat.TORCH_SAVE), which is what stock readers expect; "
+            "for safetensors files use torch's HuggingFaceStorageWriter"
+        )
+    raise TypeError(f"serialization_format must be a torch SerializationFormat, got {value!r}")
+
+
+def check_transforms(transforms: Sequence[Any] | None) -> list[Any]:
+    if transforms is None:
+        return []
+    if isinstance(transforms, (str, bytes)) or not isinstance(transforms, Sequence):
+        raise TypeError(
+            "transforms must be a list of transform instances, e.g. [extensions.ZStandard()]"
+        )
+    for t in transforms:
+        if isinstance(t, type) or not all(
+            hasattr(t, a) for a in ("transform_to", "get_descriptor", "registry_name")
+        ):
+            raise TypeError(
+                f"{t!r} is not a stream transform instance; pass e.g. extensions.ZStandard(), "
+                "not the class"
+            )
+    return list(transforms)

@@ -9,17 +9,17 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import IO, Any, cast
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from extensions._compat import item_size, save_tensor_archive, split_by_size_and_type
+from extensions._compat import item_size, split_by_size_and_type
 from extensions.base import ItemInfo
 from extensions.errors import CheckpointExistsError
 from extensions.registry import chain_descriptors
@@ -27,10 +27,13 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint import incremental
 from storage.checkpoint._common import (
+    check_serialization_format,
     check_thread_count,
+    check_transforms,
     default_thread_count,
     records_error,
     resolve_location,
+    staging_options,
     stock_checkpoint_id,
 )
 from storage.checkpoint.commit import (
@@ -41,11 +44,10 @@ from storage.checkpoint.commit import (
     remove_quietly,
 )
 from storage.checkpoint.deadline import DeadlineExceededError, check_timeout, note, run_tasks
-from storage.checkpoint.items import ItemEncoder
+from storage.checkpoint.encode import encode_item, plain_cpu_tensor
 from storage.checkpoint.prefixes import check_key_prefixes, place
 
 DCP_VERSION = "1.0.0"
-SMALL_TENSOR = 1 << 20
 BYTES_PER_THREAD = 32 << 20
 
 
@@ -112,8 +114,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         super().__init__()
         self.timeout = check_timeout(timeout)
         self.key_prefixes = check_key_prefixes(key_prefixes)
-        _check_serialization_format(serialization_format)
-        self.transforms = _check_transforms(transforms)
+        check_serialization_format(serialization_format)
+        self.transforms = check_transforms(transforms)
         self.storage_options = storage_options
         self._explicit_fs = filesystem
         self.fs, self.path = resolve_location(path, storage_options, filesystem)
@@ -158,9 +160,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         """A CPU copy of ``state_dict`` that training may not change (``dcp.async_save``)."""
         if self.cache_staged_state_dict:
             if self._stager is None:
-                self._stager = DefaultStager(_staging_options(pin=torch.cuda.is_available()))
+                self._stager = DefaultStager(staging_options(pin=torch.cuda.is_available()))
             return cast(STATE_DICT_TYPE, self._stager.stage(state_dict))
-        stager = DefaultStager(_staging_options(pin=False))
+        stager = DefaultStager(staging_options(pin=False))
         try:
             return cast(STATE_DICT_TYPE, stager.stage(state_dict))
         finally:
@@ -377,7 +379,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         """Fingerprint ``item``; the reference to the base's bytes when they hold the
         same content under the same chain (nothing to write), else ``None``."""
         data = planner.resolve_data(item)
-        tensor = None if item.type == WriteItemType.BYTE_IO else _plain_cpu_tensor(data)
+        tensor = None if item.type == WriteItemType.BYTE_IO else plain_cpu_tensor(data)
         plain = tensor if tensor is not None else cast(io.BytesIO, data).getbuffer()
         content = incremental.fingerprint(plain, self.transforms)
         self._fingerprints[item.index] = content
@@ -396,94 +398,15 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         data = planner.resolve_data(item)
         tensor: torch.Tensor | None = None
         if item.type != WriteItemType.BYTE_IO:
-            tensor = _plain_cpu_tensor(data)
-        encoder = ItemEncoder(stream, self.transforms, self._item_info(item, tensor))
-        plain = encoder.plain
+            tensor = plain_cpu_tensor(data)
         extra: dict[str, Any] = {}
         content = self._fingerprints.get(item.index)
         if content is not None:
             extra[incremental.CONTENT] = content.record()
-        if tensor is None:
-            assert isinstance(data, io.BytesIO)
-            plain.write(data.getbuffer())
-        else:
-            nbytes = tensor.numel() * tensor.element_size()
-            if nbytes < SMALL_TENSOR:
-                # torch.save makes ~40 tiny writes per tensor: let a BytesIO take them
-                # and hand the archive on in one piece.
-                archive = io.BytesIO()
-                save_tensor_archive(tensor, archive)
-                tracker = fmt.ArchiveTracker(plain, keep_below=archive.tell() + 1)
-                tracker.write(archive.getbuffer())
-            else:
-                tracker = fmt.ArchiveTracker(plain)
-                save_tensor_archive(tensor, cast(IO[bytes], tracker))
-            tracker.flush()
-            data_offset = tracker.data_offset(nbytes)
-            if data_offset is not None:
-                extra["data_offset"] = data_offset
-                extra["dtype"] = str(tensor.dtype).removeprefix("torch.")
-                extra["nbytes"] = nbytes
-        count, extra["crc32c"] = encoder.close()
+        info = self._item_info(item, tensor)
+        count, descriptors = encode_item(stream, self.transforms, info, data, tensor, extra)
         return WriteResult(
             index=item.index,
             size_in_bytes=count,
-            storage_data=fmt.new_storage_info(name, offset, count, encoder.descriptors, extra),
+            storage_data=fmt.new_storage_info(name, offset, count, descriptors, extra),
         )
-
-
-def _plain_cpu_tensor(data: object) -> torch.Tensor:
-    if not isinstance(data, torch.Tensor):
-        raise TypeError(f"planner resolved a tensor item to {type(data).__name__}")
-    tensor = data.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    # torch.save stores the whole storage and its strides: keep exactly the bytes of
-    # this tensor, in row-major order, so the stored record is the tensor itself.
-    if (
-        not tensor.is_contiguous()
-        or tensor.storage_offset() != 0
-        or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
-    ):
-        tensor = tensor.contiguous().clone() if tensor.is_contiguous() else tensor.contiguous()
-    return tensor
-
-
-def _staging_options(*, pin: bool) -> StagingOptions:
-    # What dcp.async_save stages with by default, plus pinned buffers when caching on GPU.
-    return StagingOptions(
-        use_pinned_memory=pin,
-        use_shared_memory=False,
-        use_async_staging=False,
-        use_non_blocking_copy=False,
-    )
-
-
-def _check_serialization_format(value: object) -> None:
-    if value == SerializationFormat.TORCH_SAVE:
-        return
-    if value == getattr(SerializationFormat, "SAFETENSORS", None):
-        raise ValueError(
-            "serialization_format=SAFETENSORS is not supported: items are stored as torch.save "
-            "archives (SerializationFormat.TORCH_SAVE), which is what stock readers expect; "
-            "for safetensors files use torch's HuggingFaceStorageWriter"
-        )
-    raise TypeError(f"serialization_format must be a torch SerializationFormat, got {value!r}")
-
-
-def _check_transforms(transforms: Sequence[Any] | None) -> list[Any]:
-    if transforms is None:
-        return []
-    if isinstance(transforms, (str, bytes)) or not isinstance(transforms, Sequence):
-        raise TypeError(
-            "transforms must be a list of transform instances, e.g. [extensions.ZStandard()]"
-        )
-    for t in transforms:
-        if isinstance(t, type) or not all(
-            hasattr(t, a) for a in ("transform_to", "get_descriptor", "registry_name")
-        ):
-            raise TypeError(
-                f"{t!r} is not a stream transform instance; pass e.g. extensions.ZStandard(), "
-                "not the class"
-            )
-    return list(transforms)
