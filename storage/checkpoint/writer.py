@@ -232,14 +232,11 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         new_files = {wr.storage_data.relative_path for rs in results for wr in rs}
         try:
-            metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-            metadata.storage_meta = self.storage_meta()
-            metadata.version = DCP_VERSION
             publish_metadata(
                 self.fs,
                 self.path,
                 self._metadata_path(),
-                fmt.dump_metadata(metadata),
+                self.metadata_payload(metadata, results),
                 new_files=new_files,
                 overwrite=self.overwrite,
                 sync=self.sync_files,
@@ -252,6 +249,14 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 remove_quietly(self.fs, [self.fs.concat_path(self.path, f) for f in new_files])
             raise
         self._committed = True
+
+    def metadata_payload(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
+        """The serialized metadata :meth:`finish` publishes: ``metadata`` completed with
+        the storage index of ``results`` and this save's id."""
+        metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = DCP_VERSION
+        return fmt.dump_metadata(metadata)
 
     def abort(self, error: BaseException | None = None) -> None:
         """Remove the data files this rank wrote in the current save, unless it was

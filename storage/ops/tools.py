@@ -15,7 +15,7 @@ import math
 import re
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -314,19 +314,65 @@ def copy_checkpoint(
             f"{dst_url} already holds a committed checkpoint; pass --overwrite "
             "(overwrite=True) to replace it"
         )
+    copied = copy_data_files(
+        src_fs,
+        src_path,
+        dst_fs,
+        dst_path,
+        metadata,
+        transforms=transforms,
+        keys=keys,
+        registry=registry,
+        thread_count=thread_count,
+        progress=progress,
+    )
+    publish_copy(dst_fs, dst_path, metadata, [copied], overwrite=overwrite)
+    return describe(dst_fs, dst_path)
+
+
+@dataclass
+class CopiedFiles:
+    """Data files :func:`copy_data_files` wrote, not yet named by any metadata: their
+    names, backend paths and the new storage index of their items."""
+
+    save_id: str
+    names: set[str]
+    written: list[str]
+    infos: dict[MetadataIndex, Any]
+
+
+def copy_data_files(
+    src_fs: FileSystemBase,
+    src_path: str,
+    dst_fs: FileSystemBase,
+    dst_path: str,
+    metadata: Metadata,
+    *,
+    ranks: Collection[int] | None = None,
+    transforms: Sequence[Any] | None = None,
+    keys: Keys | None = None,
+    registry: ExtensionRegistry | None = None,
+    thread_count: int | None = None,
+    progress: Progress | None = None,
+) -> CopiedFiles:
+    """The data phase of :func:`copy_checkpoint`: copy the items of the checkpoint at
+    ``src_path`` (described by ``metadata``) into new data files under ``dst_path``,
+    verifying checksums on the way; nothing is committed. ``ranks`` limits the copy to
+    the data files those ranks wrote (``__{rank}_*``), so each rank of a job can copy
+    its own files from a node-local tier. On failure, removes what it wrote and raises."""
+    src_url = src_fs.url(src_path)
+    key_lookup = cached_key_lookup(keys)
     save_id = uuid.uuid4().hex[:12]
     per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
     for index, info in (metadata.storage_data or {}).items():
         per_file.setdefault(info.relative_path, []).append((index, info))
     plan = []
     for number, (name, items) in enumerate(sorted(per_file.items())):
-        match = _RANK_OF_FILE.match(name)
-        rank = int(match.group(1)) if match else 0
-        plan.append((name, fmt.data_file_name(rank, number, save_id), items))
+        rank = file_rank(name)
+        if ranks is None or rank in ranks:
+            plan.append((name, fmt.data_file_name(rank, number, save_id), items))
     dst_fs.mkdir(dst_path)
-    meta_path = dst_fs.concat_path(dst_path, fmt.METADATA_NAME)
-    written: list[str] = []
-    new_infos: dict[MetadataIndex, Any] = {}
+    copied = CopiedFiles(save_id, {name for _, name, _ in plan}, [], {})
     lock = threading.Lock()
     chain = None if transforms is None else list(transforms)
 
@@ -335,7 +381,7 @@ def copy_checkpoint(
         src_file = src_fs.concat_path(src_path, src_name)
         dst_file = dst_fs.concat_path(dst_path, dst_name)
         with lock:
-            written.append(dst_file)
+            copied.written.append(dst_file)
         start = int(items[0][1].offset)
         end = max(int(i.offset) + int(i.length) for _, i in items)
         infos = [_item_info(metadata, index, src_url, key_lookup) for index, _ in items]
@@ -352,7 +398,7 @@ def copy_checkpoint(
                 extra = {k: v for k, v in fmt.item_extra(info).items() if k != "crc32c"}
                 extra["crc32c"] = crc
                 with lock:
-                    new_infos[index] = fmt.new_storage_info(
+                    copied.infos[index] = fmt.new_storage_info(
                         dst_name, out_offset, count, descriptors, extra
                     )
                 out_offset += count
@@ -364,23 +410,48 @@ def copy_checkpoint(
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dcp-copy") as pool:
             for fut in [pool.submit(copy_file, *p) for p in plan]:
                 fut.result()
-        new_meta = copy.copy(metadata)
-        new_meta.storage_data = new_infos
-        new_meta.storage_meta = StorageMeta(checkpoint_id=dst_url, save_id=save_id)
+    except BaseException:
+        remove_quietly(dst_fs, copied.written)
+        raise
+    return copied
+
+
+def publish_copy(
+    dst_fs: FileSystemBase,
+    dst_path: str,
+    metadata: Metadata,
+    copies: Sequence[CopiedFiles],
+    *,
+    overwrite: bool,
+) -> None:
+    """The commit phase of :func:`copy_checkpoint`: publish ``metadata`` over the data
+    files of ``copies`` (every rank's part of one copy) under ``dst_path``. On failure,
+    removes those files unless the metadata may have landed, and raises."""
+    meta_path = dst_fs.concat_path(dst_path, fmt.METADATA_NAME)
+    save_id = copies[0].save_id if copies else uuid.uuid4().hex[:12]
+    new_meta = copy.copy(metadata)
+    new_meta.storage_data = {i: info for c in copies for i, info in c.infos.items()}
+    new_meta.storage_meta = StorageMeta(checkpoint_id=dst_fs.url(dst_path), save_id=save_id)
+    try:
         publish_metadata(
             dst_fs,
             dst_path,
             meta_path,
             fmt.dump_metadata(new_meta),
-            new_files={name for _, name, _ in plan},
+            new_files={n for c in copies for n in c.names},
             overwrite=overwrite,
             sync=True,
         )
     except BaseException:
         if not metadata_may_name(dst_fs, meta_path, save_id):
-            remove_quietly(dst_fs, written)
+            remove_quietly(dst_fs, [p for c in copies for p in c.written])
         raise
-    return describe(dst_fs, dst_path)
+
+
+def file_rank(name: str) -> int:
+    """The rank that wrote the data file ``name`` (``__{rank}_{n}...``; 0 if unnamed)."""
+    match = _RANK_OF_FILE.match(name)
+    return int(match.group(1)) if match else 0
 
 
 def _item_info(metadata: Metadata, index: MetadataIndex, url: str, keys: Any) -> ItemInfo:
