@@ -53,3 +53,8 @@ class UnsafeCheckpointError(CheckpointStorageError, ValueError):
 
 class MissingDependencyError(CheckpointStorageError, ImportError):
     """An optional client library is not installed; the message names the extra."""
+
+
+class TierFullError(CheckpointStorageError, OSError):
+    """A checkpoint tier ran out of space (``ENOSPC``) while saving; nothing that was
+    already committed there was deleted to make room."""
