@@ -143,8 +143,8 @@ class LocalTier:
     # --- save -----------------------------------------------------------------------
 
     def save(self, step: int, state_dict: dict[str, Any]) -> None:
-        """Commit ``step`` in the local tier (every node), queue its drain, prune the
-        local tier, then raise the error of an earlier drain that failed before this
+        """Commit ``step`` in the local tier (every node), queue its drain (which prunes
+        the local tier first), then raise the error of an earlier drain that failed before this
         save committed, if any (the step just saved is committed locally all the same,
         and its drain retries the failed steps)."""
         self._make_room(step)
@@ -189,8 +189,7 @@ class LocalTier:
         with self._lock:
             self._pending.add(step)
             earlier, self._error = self._error, None  # before this step's drain can fail
-        self._schedule()
-        self._retain_local()
+        self._schedule()  # which prunes the local tier first, off the save's path
         if earlier is not None:
             raise earlier
 
@@ -301,6 +300,7 @@ class LocalTier:
 
     def _drain_pass(self) -> None:
         g = self.group
+        self._retain_local()
         try:
             while True:
                 with self._lock:
