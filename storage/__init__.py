@@ -12,6 +12,7 @@ from extensions.errors import (
     IntegrityError,
     MissingDependencyError,
     MissingKeyError,
+    TierFullError,
     UnknownTransformError,
     UnsafeCheckpointError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "S3FileSystem",
     "StorageTransport",
     "TorchFileSystem",
+    "TierFullError",
     "UnknownTransformError",
     "UnsafeCheckpointError",
     "async_save",
