@@ -9,6 +9,7 @@ from extensions.errors import (
     IntegrityError,
     MissingDependencyError,
     MissingKeyError,
+    TierFullError,
     UnknownTransformError,
     UnsafeCheckpointError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "MissingDependencyError",
     "MissingKeyError",
     "StreamTransformExtension",
+    "TierFullError",
     "UnknownTransformError",
     "UnsafeCheckpointError",
     "ZStandard",

@@ -62,6 +62,11 @@ class MissingDependencyError(CheckpointStorageError, ImportError):
     """An optional client library is not installed; the message names the extra."""
 
 
+class TierFullError(CheckpointStorageError, OSError):
+    """A checkpoint tier ran out of space (``ENOSPC``) while saving; nothing that was
+    already committed there was deleted to make room."""
+
+
 # --- quoting untrusted values in messages ---------------------------------------------
 #
 # Item names, paths and descriptors come from the checkpoint, which may be hostile: a

@@ -13,6 +13,7 @@ from extensions.errors import (
     IntegrityError,
     MissingDependencyError,
     MissingKeyError,
+    TierFullError,
     UnknownTransformError,
     UnsafeCheckpointError,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "MissingKeyError",
     "StorageTransport",
     "TorchFileSystem",
+    "TierFullError",
     "UnknownTransformError",
     "UnsafeCheckpointError",
     "async_save",

@@ -69,6 +69,12 @@ def save(
     writer = CheckpointWriter(
         url, transforms=transforms, storage_options=storage_options, **writer_options
     )
+    save_with(writer, state_dict)
+
+
+def save_with(writer: CheckpointWriter, state_dict: dict[str, Any]) -> None:
+    """``dcp.save`` through ``writer`` (collective under a process group), raising the
+    real error and removing what this rank wrote when the save fails."""
     try:
         with _quiet_single_process():
             dcp.save(state_dict, storage_writer=writer, no_dist=_no_dist())

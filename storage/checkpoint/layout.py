@@ -190,7 +190,8 @@ class StepInfo:
     """One checkpoint directory: ``step`` is ``None`` for names that are not
     ``step-<N>``; ``committed`` is whether its metadata exists; ``size`` and ``files``
     count its checkpoint files; ``modified`` is the newest file time (``None`` where the
-    backend cannot tell)."""
+    backend cannot tell); ``tiers`` names the tiers of a tiered manager that hold a
+    committed copy (``"local"``, ``"durable"``)."""
 
     name: str
     step: int | None
@@ -199,6 +200,7 @@ class StepInfo:
     files: int
     size: int
     modified: float | None
+    tiers: tuple[str, ...] = ()
 
 
 def directory_info(

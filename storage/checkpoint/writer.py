@@ -289,19 +289,14 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         infos = {wr.index: wr.storage_data for rs in results for wr in rs}
         refs = [i for i in infos.values() if fmt.REF in fmt.item_extra(i)]
         new_files = {i.relative_path for i in infos.values() if fmt.REF not in fmt.item_extra(i)}
-        extra = {}
-        if self.fingerprint:  # incremental saves since the last full one
-            extra[incremental.CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
         try:
-            metadata.storage_data = infos
-            metadata.storage_meta = self.storage_meta()
-            metadata.version = DCP_VERSION
+            payload = self.metadata_payload(metadata, results)
             incremental.check_referenced_files(self.fs, self.path, refs)
             publish_metadata(
                 self.fs,
                 self.path,
                 self._metadata_path(),
-                fmt.dump_metadata(metadata, **extra),
+                payload,
                 new_files=new_files,
                 overwrite=self.overwrite,
                 sync=self.sync_files,
@@ -314,6 +309,19 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 remove_quietly(self.fs, [self.fs.concat_path(self.path, f) for f in new_files])
             raise
         self._committed = True
+
+    def metadata_payload(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
+        """The serialized metadata :meth:`finish` publishes: ``metadata`` completed with
+        the storage index of ``results``, this save's id and, for incremental saves, the
+        length of the chain since the last full save."""
+        metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = DCP_VERSION
+        extra = {}
+        if self.fingerprint:  # incremental saves since the last full one
+            refs = any(fmt.REF in fmt.item_extra(i) for i in metadata.storage_data.values())
+            extra[incremental.CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
+        return fmt.dump_metadata(metadata, **extra)
 
     def abort(self, error: BaseException | None = None) -> None:
         """Remove the data files this rank wrote in the current save, unless it was

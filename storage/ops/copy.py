@@ -13,7 +13,8 @@ import copy
 import re
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import IO, Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
@@ -114,45 +115,104 @@ def copy_checkpoint(
             "first (dcp-storage rm)"
         )
     save_id = uuid.uuid4().hex[:12]
-    # One destination file per source data file of each metadata, numbered across all,
-    # keyed by where the bytes are: referenced items (incremental saves) are read from
-    # their base, so the copy holds every byte it needs.
-    plan: list[tuple[Part, str, str, list[tuple[MetadataIndex, Any]]]] = []
-    for part in parts:
-        infos = list((part.metadata.storage_data or {}).items())
-        check_bases(src_fs, src_path, ((part.label(i), info) for i, info in infos))
-        per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
-        for index, info in infos:
-            per_file.setdefault(item_path(src_fs, src_path, info), []).append((index, info))
-        for src_file, items_of in sorted(per_file.items()):
-            match = _RANK_OF_FILE.match(items_of[0][1].relative_path)
-            rank = part.rank if part.rank is not None else int(match.group(1)) if match else 0
-            plan.append((part, src_file, fmt.data_file_name(rank, len(plan), save_id), items_of))
+    copies: list[CopiedFiles] = []
+    try:
+        for part in parts:
+            first = sum(len(c.names) for c in copies)
+            copies.append(
+                copy_data_files(
+                    src_fs,
+                    src_path,
+                    dst_fs,
+                    dst_path,
+                    part,
+                    transforms=transforms,
+                    keys=keys,
+                    registry=registry,
+                    thread_count=thread_count,
+                    progress=progress,
+                    save_id=save_id,
+                    first=first,
+                )
+            )
+        for part, copied in zip(parts, copies):
+            publish_copy(dst_fs, dst_path, part, [copied], overwrite=overwrite)
+    except BaseException:
+        meta_paths = [dst_fs.concat_path(dst_path, part.name) for part in parts]
+        if not any(metadata_may_name(dst_fs, m, save_id) for m in meta_paths):
+            remove_quietly(dst_fs, [p for c in copies for p in c.written])
+        raise
+    return describe(dst_fs, dst_path)
+
+
+@dataclass
+class CopiedFiles:
+    """Data files :func:`copy_data_files` wrote, not yet named by any metadata: their
+    names, backend paths and the new storage index of their items."""
+
+    save_id: str
+    names: set[str]
+    written: list[str]
+    infos: dict[MetadataIndex, Any]
+
+
+def copy_data_files(
+    src_fs: FileSystemBase,
+    src_path: str,
+    dst_fs: FileSystemBase,
+    dst_path: str,
+    part: Part,
+    *,
+    ranks: Collection[int] | None = None,
+    transforms: Sequence[Any] | None = None,
+    keys: Keys | None = None,
+    registry: ExtensionRegistry | None = None,
+    thread_count: int | None = None,
+    progress: Progress | None = None,
+    save_id: str | None = None,
+    first: int = 0,
+) -> CopiedFiles:
+    """The data phase of :func:`copy_checkpoint`: copy the items that ``part`` (one
+    metadata of the checkpoint at ``src_path``) names into new data files under
+    ``dst_path``, verifying checksums on the way; nothing is committed. Referenced items
+    (incremental saves) are read from their base, so the copy holds every byte it
+    needs. ``ranks`` limits the copy to the data files those ranks wrote
+    (``__{rank}_*``), so each rank of a job can copy its own files from a node-local
+    tier; new files are numbered from ``first``. On failure, removes what it wrote."""
+    src_url = src_fs.url(src_path)
+    key_lookup = cached_key_lookup(keys)
+    copied = CopiedFiles(save_id or uuid.uuid4().hex[:12], set(), [], {})
+    infos = list((part.metadata.storage_data or {}).items())
+    check_bases(src_fs, src_path, ((part.label(i), info) for i, info in infos))
+    per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
+    for index, info in infos:
+        per_file.setdefault(item_path(src_fs, src_path, info), []).append((index, info))
+    plan: list[tuple[str, str, list[tuple[MetadataIndex, Any]]]] = []
+    for number, (src_file, items_of) in enumerate(sorted(per_file.items()), start=first):
+        rank = part.rank if part.rank is not None else file_rank(items_of[0][1].relative_path)
+        if ranks is None or rank in ranks:
+            plan.append((src_file, fmt.data_file_name(rank, number, copied.save_id), items_of))
+    copied.names = {name for _, name, _ in plan}
     dst_fs.mkdir(dst_path)
-    meta_paths = [dst_fs.concat_path(dst_path, part.name) for part in parts]
-    written: list[str] = []
-    new_infos: dict[str, dict[MetadataIndex, Any]] = {part.name: {} for part in parts}
     lock = threading.Lock()
     chain = None if transforms is None else list(transforms)
 
-    def copy_file(
-        part: Part, src_file: str, dst_name: str, items: list[tuple[MetadataIndex, Any]]
-    ) -> None:
+    def copy_file(src_file: str, dst_name: str, items: list[tuple[MetadataIndex, Any]]) -> None:
         items = sorted(items, key=lambda it: int(it[1].offset))
         src_name = items[0][1].relative_path
         dst_file = dst_fs.concat_path(dst_path, dst_name)
         with lock:
-            written.append(dst_file)
+            copied.written.append(dst_file)
         start = int(items[0][1].offset)
         end = max(int(i.offset) + int(i.length) for _, i in items)
-        infos = [_item_info(part, index, src_url, key_lookup) for index, _ in items]
+        item_infos = [_item_info(part, index, src_url, key_lookup) for index, _ in items]
         out_offset = 0
         with (
             src_fs.open_slice(src_file, start, end - start) as source,
             dst_fs.create_stream(dst_file, "wb", sync=True) as out,
         ):
             position = start
-            for (index, info), item in zip(items, infos):
+            for (index, info), item in zip(items, item_infos):
                 _skip(source, int(info.offset) - position, src_url, src_name)
                 position = int(info.offset) + int(info.length)
                 count, crc, descriptors = _copy_item(source, out, info, item, chain, registry)
@@ -160,7 +220,7 @@ def copy_checkpoint(
                 extra = {k: v for k, v in fmt.item_extra(info).items() if k not in dropped}
                 extra["crc32c"] = crc
                 with lock:
-                    new_infos[part.name][index] = fmt.new_storage_info(
+                    copied.infos[index] = fmt.new_storage_info(
                         dst_name, out_offset, count, descriptors, extra
                     )
                 out_offset += count
@@ -172,25 +232,48 @@ def copy_checkpoint(
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dcp-copy") as pool:
             for fut in [pool.submit(copy_file, *p) for p in plan]:
                 fut.result()
-        new_files = {name for _, _, name, _ in plan}
-        for part, meta_path in zip(parts, meta_paths):
-            new_meta = copy.copy(part.metadata)
-            new_meta.storage_data = new_infos[part.name]
-            new_meta.storage_meta = StorageMeta(checkpoint_id=dst_url, save_id=save_id)
-            publish_metadata(
-                dst_fs,
-                dst_path,
-                meta_path,
-                fmt.dump_metadata(new_meta),
-                new_files=new_files,
-                overwrite=overwrite,
-                sync=True,
-            )
     except BaseException:
-        if not any(metadata_may_name(dst_fs, m, save_id) for m in meta_paths):
-            remove_quietly(dst_fs, written)
+        remove_quietly(dst_fs, copied.written)
         raise
-    return describe(dst_fs, dst_path)
+    return copied
+
+
+def publish_copy(
+    dst_fs: FileSystemBase,
+    dst_path: str,
+    part: Part,
+    copies: Sequence[CopiedFiles],
+    *,
+    overwrite: bool,
+) -> None:
+    """The commit phase of :func:`copy_checkpoint`: publish ``part``'s metadata over the
+    data files of ``copies`` (every rank's share of one copy) under ``dst_path``. On
+    failure, removes those files unless the metadata may have landed, and raises."""
+    meta_path = dst_fs.concat_path(dst_path, part.name)
+    save_id = copies[0].save_id if copies else uuid.uuid4().hex[:12]
+    new_meta = copy.copy(part.metadata)
+    new_meta.storage_data = {i: info for c in copies for i, info in c.infos.items()}
+    new_meta.storage_meta = StorageMeta(checkpoint_id=dst_fs.url(dst_path), save_id=save_id)
+    try:
+        publish_metadata(
+            dst_fs,
+            dst_path,
+            meta_path,
+            fmt.dump_metadata(new_meta),
+            new_files={n for c in copies for n in c.names},
+            overwrite=overwrite,
+            sync=True,
+        )
+    except BaseException:
+        if not metadata_may_name(dst_fs, meta_path, save_id):
+            remove_quietly(dst_fs, [p for c in copies for p in c.written])
+        raise
+
+
+def file_rank(name: str) -> int:
+    """The rank that wrote the data file ``name`` (``__{rank}_{n}...``; 0 if unnamed)."""
+    match = _RANK_OF_FILE.match(name)
+    return int(match.group(1)) if match else 0
 
 
 def _item_info(part: Part, index: MetadataIndex, url: str, keys: Any) -> ItemInfo:

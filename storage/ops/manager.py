@@ -22,7 +22,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
 
@@ -53,6 +54,9 @@ from storage.checkpoint.layout import (
 )
 from storage.checkpoint.prefixes import expand
 from storage.checkpoint.writer import CheckpointWriter
+
+if TYPE_CHECKING:
+    from storage.ops.tiers import LocalTier
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,19 @@ class CheckpointManager:
     logged; it is not raised again by the next save). Under ``torch.distributed``,
     saves and loads are collective and only rank 0 deletes anything (``coordinator``
     overrides that choice for managers that are not shared by the ranks).
+
+    Tiers: with ``local`` (a path or URL; ``local_storage_options`` /
+    ``local_filesystem`` as for the root), :meth:`save` commits each step to that fast
+    local tier and returns; a background drain copies it byte for byte to the root,
+    the durable tier. ``keep_local=N`` keeps at most ``N`` committed local steps
+    besides the one being written, deleting local copies only once durable;
+    ``replicate`` (``True``: the same position on the next node, or a callable
+    ``rank -> peer rank``) also writes each rank's files to a peer's local tier before
+    the save returns. :meth:`load` prefers the local copy, falls back to the durable
+    one, and returns a :class:`~storage.ops.tiers.LoadedStep` naming the tier used;
+    :meth:`wait` waits for the drains and raises a failed drain's error, as does the
+    next :meth:`save`. Constructing a tiered manager is collective under a process
+    group. See :mod:`storage.ops.tiers` and docs/operations.md.
     """
 
     def __init__(
@@ -105,6 +122,11 @@ class CheckpointManager:
         coordinator: bool | None = None,
         incremental: bool = False,
         full_every: int | None = None,
+        local: str | os.PathLike[str] | None = None,
+        keep_local: int | None = None,
+        replicate: bool | Callable[[int], int] = False,
+        local_storage_options: dict[str, Any] | None = None,
+        local_filesystem: FileSystemBase | None = None,
         **writer_options: Any,
     ) -> None:
         if not isinstance(incremental, bool):
@@ -146,6 +168,20 @@ class CheckpointManager:
         self._pending: concurrent.futures.Future[None] | None = None
         self._saving: int | None = None
         self._saving_base: int | None = None
+        self.tiers: LocalTier | None = None
+        if local is not None:
+            from storage.ops.tiers import LocalTier  # it builds on this module
+
+            self.tiers = LocalTier(
+                self,
+                local,
+                keep_local=keep_local,
+                replicate=replicate,
+                storage_options=local_storage_options,
+                filesystem=local_filesystem,
+            )
+        elif keep_local is not None or replicate:
+            raise ValueError("keep_local and replicate need a local tier (local=PATH_OR_URL)")
 
     # --- locations ------------------------------------------------------------------
 
@@ -171,7 +207,13 @@ class CheckpointManager:
         return sorted(found)
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps, ascending (in any tier: :meth:`durable_steps` for the root's)."""
+        if self.tiers is not None:
+            return list(self.tiers.tiers_by_step())
+        return self.durable_steps()
+
+    def durable_steps(self) -> list[int]:
+        """Steps committed under the root, ascending."""
         return [
             step
             for step, name in self._step_dirs()
@@ -191,13 +233,14 @@ class CheckpointManager:
         ]
 
     def entries(self) -> list[StepInfo]:
-        """Every ``step-<N>`` directory, committed or not, with size and age."""
+        """Every ``step-<N>`` directory, committed or not, with size, age and the tiers
+        holding a committed copy (a tiered manager adds the steps only its local tier holds)."""
         infos = []
         for step, name in self._step_dirs():
             info = directory_info(self.fs, self.fs.concat_path(self.root, name), name, step)
             if info is not None:
-                infos.append(info)
-        return infos
+                infos.append(replace(info, tiers=("durable",) if info.committed else ()))
+        return infos if self.tiers is None else self.tiers.merge_entries(infos)
 
     # --- save / load ----------------------------------------------------------------
 
@@ -210,8 +253,14 @@ class CheckpointManager:
         ``concurrent.futures.Future`` at once (the caller may change its tensors right
         away); the future resolves after the checkpoint is committed and retention has
         run, or raises the save's error. Either way, a previous asynchronous save of
-        this manager is waited for first."""
+        this manager is waited for first. A tiered save commits to the local tier and
+        returns (``blocking=False`` is not supported there)."""
         step = _check_step(step)
+        if self.tiers is not None:
+            if not blocking:
+                raise ValueError("a tiered save is blocking on the local tier; drop blocking=False")
+            self.tiers.save(step, state_dict)
+            return None
         self.wait()
         url = self.step_url(step)
         options = dict(self.writer_options, filesystem=self.fs)
@@ -269,7 +318,10 @@ class CheckpointManager:
         return below[-1]
 
     def wait(self) -> None:
-        """Wait for the asynchronous save in flight, if any (its error is not raised)."""
+        """Wait for the asynchronous save in flight, if any (its error is not raised);
+        on a tiered manager, wait for the drains and raise a failed drain's error."""
+        if self.tiers is not None:
+            self.tiers.wait()
         with self._lock:
             pending = self._pending
         if pending is not None:
@@ -286,7 +338,11 @@ class CheckpointManager:
         This manager's own asynchronous save in flight is waited for first, so it can
         be the one loaded. Under ``torch.distributed`` rank 0 picks the latest step and
         every rank loads that one: listings seen by different ranks may disagree (an
-        eventually consistent store, a save landing in between)."""
+        eventually consistent store, a save landing in between). A tiered manager
+        restores from the nearest tier that holds a committed copy (``.tier`` of the
+        returned step says which)."""
+        if self.tiers is not None:
+            return self.tiers.load(state_dict, step)
         self.wait()
         if step is None:
             step = _decided_by_rank_zero(self.latest)
@@ -343,7 +399,7 @@ class CheckpointManager:
         steps that are symbolic links are kept (and logged)."""
         if self.keep_last is None or not self._deletes():
             return []
-        steps = self.steps()
+        steps = self.durable_steps()
         with self._lock:
             in_flight = {s for s in (self._saving, self._saving_base) if s is not None}
         keep = self.retained(steps, protect) | in_flight

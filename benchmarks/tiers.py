@@ -1,0 +1,156 @@
+"""Tiered checkpoints: blocking time of a save, time to durable, restore per tier.
+
+    python benchmarks/tiers.py                      # 1 GB state dict, 3 repeats
+    python benchmarks/tiers.py --size-mb 256 --repeat 5
+
+The durable tier is S3 on a SeaweedFS server started here (``weed mini``, on disk,
+loopback); the local tier and the plain save go to the same local disk. Protocol: the
+state dict is built once (seeded); one warm-up round, then ``--repeat`` rounds, each:
+a plain local save (``storage.save``) and a tiered save with no drain in flight (its
+blocking time, then ``wait()``: time from the save's start to durable), in alternating
+order, each after ``os.sync()`` so neither pays the other's write-back; a tiered save
+issued while the previous step's drain still runs (blocking time under a drain); then
+a restore from the local tier and one from the bucket (``storage.load`` of the durable
+copy), alternating. Medians are reported; the page cache stays warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import storage  # noqa: E402
+from benchmarks.bench import build_state_dict  # noqa: E402
+
+MB = 1e6
+BUCKET = "tiers"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_seaweed(directory: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``weed mini`` on free ports; returns the process and the S3 endpoint."""
+    weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
+    ports = {name: _free_port() for name in ("s3", "master", "volume", "filer")}
+    cmd = [weed, "mini", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+    cmd += [f"-bucket={BUCKET}", "-admin.ui=false", "-webdav=false"]
+    cmd += [f"-{name}.port={port}" for name, port in ports.items()]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{ports['s3']}"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"{endpoint}/{BUCKET}", timeout=1)
+            return proc, endpoint
+        except urllib.error.HTTPError:
+            return proc, endpoint  # it answers (an S3 error body is fine)
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("SeaweedFS did not start")
+
+
+def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return time.perf_counter() - start, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=float, default=1024)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="dcp-tiers-")
+    proc, endpoint = start_seaweed(os.path.join(work, "weed"))
+    try:
+        options = {"endpoint_url": endpoint, "key": "any", "secret": "any"}
+        state = build_state_dict(args.size_mb)
+        logical = (
+            sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+            / MB
+        )
+        root = f"s3://{BUCKET}/run"
+        mgr = storage.CheckpointManager(
+            root, storage_options=options, local=os.path.join(work, "local"), keep_local=2
+        )
+        rows: dict[str, list[float]] = {}
+        step = 0
+        for round_ in range(args.repeat + 1):
+            plain = os.path.join(work, "plain")
+            shutil.rmtree(plain, ignore_errors=True)
+            step += 1
+            # Alternate which save goes first; flush the page cache's dirty data before
+            # each, so neither pays for the other's write-back.
+            for first in ("plain", "tiered") if round_ % 2 else ("tiered", "plain"):
+                os.sync()
+                if first == "plain":
+                    t_plain, _ = _timed(storage.save, state, plain)
+                else:
+                    start = time.perf_counter()
+                    mgr.save(step, state)
+                    t_block = time.perf_counter() - start
+                    mgr.wait()
+                    t_durable = time.perf_counter() - start
+            os.sync()
+            step += 1
+            mgr.save(step, state)  # its drain runs while the next save blocks
+            step += 1
+            t_block_busy, _ = _timed(mgr.save, step, state)
+            mgr.wait()
+            target = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            t_local, loaded = _timed(mgr.load, target, step)
+            assert loaded.tier == "local"
+            url = mgr.step_url(step)
+            t_bucket, _ = _timed(storage.load, target, url, storage_options=options)
+            if round_ == 0:
+                continue  # warm-up
+            for name, value in (
+                ("plain local save", t_plain),
+                ("tiered save, blocking", t_block),
+                ("tiered save, blocking, drain in flight", t_block_busy),
+                ("save to durable", t_durable),
+                ("restore from local tier", t_local),
+                ("restore from bucket", t_bucket),
+            ):
+                rows.setdefault(name, []).append(value)
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        print(f"state dict: {len(state)} tensors, {logical:.0f} MB; SeaweedFS at {endpoint}")
+        print(f"medians of {args.repeat} rounds (after one warm-up)")
+        for name, value in med.items():
+            print(f"  {name:<42} {value:7.2f} s  {logical / value:8.0f} MB/s")
+        plain_s = med["plain local save"]
+        print(
+            f"  tiered/plain blocking: {med['tiered save, blocking'] / plain_s:.2f}x idle, "
+            f"{med['tiered save, blocking, drain in flight'] / plain_s:.2f}x drain in flight"
+        )
+        print(
+            "  restore bucket/local: "
+            f"{med['restore from bucket'] / med['restore from local tier']:.1f}x"
+        )
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

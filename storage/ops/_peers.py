@@ -1,0 +1,154 @@
+"""Process-group plumbing for tiered checkpoints: which ranks share a node-local tier,
+which peer holds a rank's replica, collectives on a group of their own, and moving
+checkpoint files between node-local tiers over the process group.
+
+Without a process group everything here degrades to one rank on one node.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from storage.backends.base import FileSystemBase
+
+_CHUNK = 16 << 20  # bytes per send: bounds the memory a transfer holds
+
+
+@dataclass
+class Group:
+    """This rank's place in the job. ``nodes`` lists the ranks of each node (ranks
+    that see the same local tier), lowest rank first; ``peer[r]`` is the rank whose
+    local tier holds rank ``r``'s replica (``None``: not replicated)."""
+
+    rank: int = 0
+    world: int = 1
+    nodes: list[list[int]] = field(default_factory=lambda: [[0]])
+    peer: dict[int, int | None] = field(default_factory=dict)
+    pg: Any = None  # a gloo group of our own, so background collectives never race the job's
+
+    @property
+    def node(self) -> list[int]:
+        return next(n for n in self.nodes if self.rank in n)
+
+    @property
+    def leader(self) -> bool:
+        """The lowest rank of this node: it publishes and deletes in the local tier."""
+        return self.node[0] == self.rank
+
+    def node_of(self, rank: int) -> list[int]:
+        return next(n for n in self.nodes if rank in n)
+
+    def all_gather(self, obj: Any, *, background: bool = False) -> list[Any]:
+        """Every rank's ``obj``; ``background`` collectives (drains) run on our own
+        group, the others on the job's default group, from the caller's thread."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.pg if background else None)
+        return out
+
+    def broadcast(self, obj: Any, *, background: bool = False) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.pg if background else None)
+        return box[0]
+
+
+def make_group(local_url: str, replicate: bool | Callable[[int], int], *, own_pg: bool) -> Group:
+    """Describe the job (collective under a process group). Ranks on one host that
+    name the same local tier form a node. ``replicate=True`` picks the rank with the
+    same position on the next node; a callable maps a rank to its peer."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return Group(peer={0: None})
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, (socket.gethostname(), local_url))
+    by_key: dict[Any, list[int]] = {}
+    for r, key in enumerate(seen):
+        by_key.setdefault(key, []).append(r)
+    nodes = sorted(by_key.values())
+    peer: dict[int, int | None] = {}
+    for r in range(world):
+        if callable(replicate):
+            peer[r] = int(replicate(r))
+        elif replicate and len(nodes) > 1:
+            index = next(i for i, n in enumerate(nodes) if r in n)
+            position = nodes[index].index(r)
+            after = nodes[(index + 1) % len(nodes)]
+            peer[r] = after[min(position, len(after) - 1)]
+        else:
+            peer[r] = None
+    pg = dist.new_group(backend="gloo") if own_pg else None
+    return Group(rank, world, nodes, peer, pg)
+
+
+Move = tuple[int, int, Sequence[str]]  # (from rank, to rank, file names)
+
+
+def transfer(
+    group: Group, moves: Sequence[Move], fs: FileSystemBase, directory: str, *, sync: bool
+) -> int:
+    """Copy files between node-local tiers: for each ``(src, dst, names)``, rank
+    ``src`` sends each named file of ``directory`` in its tier and rank ``dst`` writes
+    it under the same name in its own. Every rank walks the same list in order and
+    takes part only in its moves, so no cycle of waits can form. Collective on the
+    default group; returns the bytes this rank sent."""
+    sent = 0
+    for src, dst, names in moves:
+        if group.rank not in (src, dst) or src == dst:
+            continue
+        for name in names:
+            path = fs.concat_path(directory, name)
+            if group.rank == src:
+                sent += _send_file(fs, path, dst)
+            else:
+                _recv_file(fs, path, src, sync=sync)
+    return sent
+
+
+def _send_file(fs: FileSystemBase, path: str, dst: int) -> int:
+    size = fs.size(path)
+    dist.send(torch.tensor([size], dtype=torch.int64), dst)
+    with fs.create_stream(path, "rb") as stream:
+        left = size
+        while left:
+            data = stream.read(min(_CHUNK, left))
+            if not data:
+                raise EOFError(f"{fs.url(path)} ended {left} bytes early while sending it")
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+            left -= len(data)
+    return size
+
+
+def _recv_file(fs: FileSystemBase, path: str, src: int, *, sync: bool) -> None:
+    header = torch.zeros(1, dtype=torch.int64)
+    dist.recv(header, src)
+    left = int(header.item())
+    with fs.create_stream(path, "wb", sync=sync) as out:
+        while left:
+            chunk = torch.empty(min(_CHUNK, left), dtype=torch.uint8)
+            dist.recv(chunk, src)
+            out.write(chunk.numpy().data)
+            left -= chunk.numel()
+
+
+def gather_errors(
+    group: Group, error: BaseException | None, what: str, *, background: bool = False
+) -> None:
+    """Raise on every rank if ``error`` was raised on any: this rank's own error, or a
+    ``RuntimeError`` naming the first failing rank's."""
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    texts = group.all_gather(text, background=background)
+    if error is not None:
+        raise error
+    failed = [(r, t) for r, t in enumerate(texts) if t is not None]
+    if failed:
+        raise RuntimeError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")

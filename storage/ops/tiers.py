@@ -1,0 +1,517 @@
+"""Tiered checkpoints: a fast local tier in front of a manager's durable root.
+
+``CheckpointManager(root, local=PATH_OR_URL, keep_local=N)`` saves each step to
+``local/step-{N}`` (tmpfs, NVMe, any backend) and returns; a background drain then
+copies it to ``root/step-{N}`` byte for byte (items keep their stored bytes: encrypted
+stays encrypted) with the commit protocol: data files first, metadata last, so the
+durable copy exists only once it is whole. A step is committed in a tier once that
+tier's ``.metadata`` exists.
+
+Local tiers are per node: the ranks on one host that name the same local location
+share it. A save writes each rank's data files to its node's tier; once every rank's
+files (and, with ``replicate``, the replicas it receives from its peers) are there,
+the lowest rank of each node publishes the metadata there, and only then does the save
+return. A drain copies each rank's own data files from its node, and rank 0 publishes
+the durable metadata after every rank's files are in the bucket. Drains run one at a
+time, in a thread of their own, with collectives on a process group of their own.
+
+Guarantees and limits are documented in docs/operations.md ("Tiered checkpoints").
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import errno
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import WriteResult
+
+from extensions.errors import CheckpointNotFoundError, TierFullError
+from storage.checkpoint import api
+from storage.checkpoint import format as fmt
+from storage.checkpoint._common import resolve_location
+from storage.checkpoint.commit import publish_metadata, remove_quietly
+from storage.checkpoint.layout import StepInfo, committed_files, is_committed
+from storage.checkpoint.writer import CheckpointWriter
+from storage.ops._peers import Group, Move, gather_errors, make_group, transfer
+from storage.ops.copy import copy_data_files, file_rank, publish_copy
+from storage.ops.manager import CheckpointManager
+from storage.ops.tools import read_metadata
+
+log = logging.getLogger(__name__)
+
+LOCAL, DURABLE = "local", "durable"
+
+
+class LoadedStep(int):
+    """The step a tiered :meth:`CheckpointManager.load` restored (an ``int``), with
+    ``tier``: ``"local"`` or ``"durable"``, the copy it was read from."""
+
+    tier: str
+
+    def __new__(cls, step: int, tier: str) -> LoadedStep:
+        obj = super().__new__(cls, step)
+        obj.tier = tier
+        return obj
+
+
+class _TierWriter(CheckpointWriter):
+    """Writes a save's data files and keeps its metadata instead of publishing it: the
+    coordinator's node-local tier does not hold the other nodes' files, so each node
+    publishes its own copy once its files are there."""
+
+    payload: bytes | None = None
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.payload = self.metadata_payload(metadata, results)
+
+
+class LocalTier:
+    """The local tier of a :class:`CheckpointManager` (see the module docstring)."""
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        local: str | os.PathLike[str],
+        *,
+        keep_local: int | None,
+        replicate: bool | Callable[[int], int],
+        storage_options: dict[str, Any] | None,
+        filesystem: Any,
+    ) -> None:
+        if keep_local is not None and (
+            not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 1
+        ):
+            raise ValueError(f"keep_local must be an int >= 1 or None, got {keep_local!r}")
+        self.manager = manager
+        self.keep_local = keep_local
+        fs, root = resolve_location(local, storage_options, filesystem)
+        self.group: Group = make_group(fs.url(root), replicate, own_pg=True)
+        self.local = CheckpointManager(
+            root,
+            filesystem=fs,
+            coordinator=self.group.leader,
+            transforms=manager.transforms,
+            keys=manager.keys,
+            registry=manager.registry,
+            require_encryption=manager.require_encryption,
+            **manager.writer_options,
+        )
+        if self.local.url.rstrip("/") == manager.url.rstrip("/"):
+            raise ValueError(f"the local tier and the root are both {manager.url}")
+        self.replicated_bytes = 0  # bytes this rank sent to its peer
+        self._lock = threading.Lock()
+        self._retain_lock = threading.Lock()
+        self._pending: set[int] = set()  # saved by this manager, not drained yet
+        self._error: BaseException | None = None
+        self._last_error: str | None = None  # kept after it is surfaced, for messages
+        self._drains = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-drain")
+        self._last: concurrent.futures.Future[None] | None = None
+        self._schedule()  # after a restart: drain what is local but not durable
+
+    # --- listing --------------------------------------------------------------------
+
+    def durable(self, step: int) -> bool:
+        return is_committed(self.manager.fs, self.manager.step_path(step))
+
+    def tiers_by_step(self) -> dict[int, tuple[str, ...]]:
+        """Committed steps (this node's local tier and the root) and the tiers holding each."""
+        local, durable = set(self.local.steps()), set(self.manager.durable_steps())
+        return {
+            s: tuple(t for t, held in ((LOCAL, s in local), (DURABLE, s in durable)) if held)
+            for s in sorted(local | durable)
+        }
+
+    def merge_entries(self, durable: list[StepInfo]) -> list[StepInfo]:
+        """``durable`` (the root's entries) with the local-only steps added and each
+        entry's ``tiers`` filled in; a step in both tiers is listed with the root's facts."""
+        local = {i.step: i for i in self.local.entries() if i.committed}
+        merged = {i.step: i for i in durable}
+        for step, info in local.items():
+            held = merged.get(step)
+            if held is not None and held.committed:
+                merged[step] = _with_tiers(held, (LOCAL, DURABLE))
+            else:
+                merged[step] = _with_tiers(info, (LOCAL,))
+        return [merged[s] for s in sorted(merged, key=lambda s: -1 if s is None else s)]
+
+    # --- save -----------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: dict[str, Any]) -> None:
+        """Commit ``step`` in the local tier (every node), queue its drain (which prunes
+        the local tier first), then raise the error of an earlier drain that failed before this
+        save committed, if any (the step just saved is committed locally all the same,
+        and its drain retries the failed steps)."""
+        self._make_room(step)
+        path = self.local.step_path(step)
+        options = self.manager.writer_options
+        writer = _TierWriter(
+            self.local.fs.url(path),
+            transforms=self.manager.transforms,
+            filesystem=self.local.fs,
+            **options,
+        )
+        g = self.group
+        with self.local._lock:
+            self.local._saving = step  # the local tier's cleanup keeps its hands off
+        try:
+            try:
+                api.save_with(writer, state_dict)
+            except OSError as exc:
+                full = _full_or(exc, self.local.url)
+                if full is exc:
+                    raise
+                raise full from exc
+            payload = g.broadcast(writer.payload)
+            error: BaseException | None = None
+            try:
+                self._replicate(path, payload)
+            except Exception as exc:
+                error = exc
+            gather_errors(g, error, "replicating to the peer's local tier")
+            if g.leader:
+                try:
+                    self._publish_local(path, payload)
+                except Exception as exc:
+                    error = _full_or(exc, self.local.url)
+            gather_errors(g, error, f"committing step {step} in the local tier")
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            with self.local._lock:
+                self.local._saving = None
+        with self._lock:
+            self._pending.add(step)
+            earlier, self._error = self._error, None  # before this step's drain can fail
+        self._schedule()  # which prunes the local tier first, off the save's path
+        if earlier is not None:
+            raise earlier
+
+    def _publish_local(self, path: str, payload: bytes | None) -> None:
+        assert payload is not None
+        meta = fmt.load_metadata(payload, self.local.fs.url(path))
+        g = self.group
+        here = set(g.node) | {r for r in range(g.world) if g.peer.get(r) in g.node}
+        named = {i.relative_path for i in (meta.storage_data or {}).values()}
+        publish_metadata(
+            self.local.fs,
+            path,
+            self.local.fs.concat_path(path, fmt.METADATA_NAME),
+            payload,
+            new_files={n for n in named if file_rank(n) in here},
+            overwrite=bool(self.manager.writer_options.get("overwrite", True)),
+            sync=bool(self.manager.writer_options.get("sync_files", True)),
+        )
+
+    def _replicate(self, path: str, payload: bytes | None) -> None:
+        g = self.group
+        if not any(p is not None for p in g.peer.values()):
+            return
+        assert payload is not None
+        meta = fmt.load_metadata(payload, self.local.fs.url(path))
+        names = sorted({i.relative_path for i in (meta.storage_data or {}).values()})
+        moves: list[Move] = []
+        for rank, peer in sorted(g.peer.items()):
+            if peer is not None and g.node_of(peer) != g.node_of(rank):
+                moves.append((rank, peer, [n for n in names if file_rank(n) == rank]))
+        sync = bool(self.manager.writer_options.get("sync_files", True))
+        self.replicated_bytes += transfer(g, moves, self.local.fs, path, sync=sync)
+
+    # --- retention --------------------------------------------------------------------
+
+    def _make_room(self, step: int) -> None:
+        """Keep at most ``keep_local`` committed steps besides the one being written: the
+        oldest go once durable; while the drain is behind, wait for it (the one case
+        where a save waits for a drain) and raise its error if it failed, or
+        :class:`TierFullError` if the tier is still at its bound."""
+        if self.keep_local is None:
+            return
+        self._retain_local(exclude=step)
+        if len([s for s in self.local.steps() if s != step]) <= self.keep_local:
+            return
+        log.warning(
+            "local tier %s holds more than keep_local=%d steps not yet durable; "
+            "waiting for the drain before saving step %d",
+            self.local.url,
+            self.keep_local,
+            step,
+        )
+        self.wait()
+        self._retain_local(exclude=step)
+        held = [s for s in self.local.steps() if s != step]
+        if len(held) > self.keep_local:
+            raise TierFullError(
+                f"the local tier {self.local.url} holds steps {held}, more than "
+                f"keep_local={self.keep_local}, and they are not durable yet (last drain "
+                f"error: {self._last_error or 'none'}); nothing was deleted. Fix the root "
+                f"{self.manager.url} and save again, or delete_local() what you can lose"
+            )
+
+    def _retain_local(self, exclude: int | None = None) -> None:
+        """Delete the oldest local steps beyond ``keep_local``, only those that are durable
+        and not waiting for a drain (node leaders only; never raises)."""
+        if self.keep_local is None or not self.group.leader:
+            return
+        with self._retain_lock:
+            try:
+                steps = [s for s in self.local.steps() if s != exclude]
+                with self._lock:
+                    pending = set(self._pending)
+                for s in steps[: max(0, len(steps) - self.keep_local)]:
+                    if s in pending or not self.durable(s):
+                        log.info("local step %d is not durable yet: kept", s)
+                        continue
+                    self.local.delete(s)
+            except Exception as exc:
+                log.warning("local retention under %s failed: %s", self.local.url, exc)
+
+    def delete_local(self, step: int) -> None:
+        """Delete the local copy of ``step`` now, durable or not (the user's call)."""
+        with self._lock:
+            self._pending.discard(step)
+        self.local.delete(step)
+
+    # --- drain ------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Wait until every queued drain has finished; raise the error of one that failed."""
+        with self._lock:
+            last = self._last
+        if last is not None:
+            concurrent.futures.wait([last])
+        self._surface()
+
+    def _surface(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _schedule(self) -> None:
+        # One pass per save (and one at start) on every rank: their collectives pair up.
+        with self._lock:
+            self._last = self._drains.submit(self._drain_pass)
+
+    def _drain_pass(self) -> None:
+        g = self.group
+        self._retain_local()
+        try:
+            while True:
+                with self._lock:
+                    mine = set(self._pending)
+                mine |= {s for s in self.local.steps() if not self.durable(s)}
+                views = g.all_gather(sorted(mine), background=True)
+                common = sorted(set.intersection(*(set(v) for v in views)))
+                if not common:
+                    return
+                self._drain_step(common[0])
+                self._last_error = None
+                with self._lock:
+                    self._pending.discard(common[0])
+                self.manager._retain_quietly(common[0])
+                self._retain_local()
+        except Exception as exc:
+            log.error(
+                "draining %s to %s failed (it stays local): %s",
+                self.local.url,
+                self.manager.url,
+                exc,
+            )
+            with self._lock:
+                self._error, self._last_error = exc, _text(exc)
+
+    def _drain_step(self, step: int) -> None:
+        """Copy ``step`` from the local tier to the root; collective, raises on every
+        rank if it failed on any, and commits nothing then."""
+        g, fs = self.group, self.manager.fs
+        src, dst = self.local.step_path(step), self.manager.step_path(step)
+        copied, error, part = None, None, None
+        try:
+            parts = read_metadata(self.local.fs, src)
+            if len(parts) != 1:  # the manager saves with collectives: one .metadata
+                raise CheckpointNotFoundError(
+                    f"{self.local.step_url(step)} is committed by rank-local metadata "
+                    f"({', '.join(p.name for p in parts)}); only a checkpoint with one "
+                    ".metadata drains"
+                )
+            part = parts[0]
+            copied = copy_data_files(
+                self.local.fs,
+                src,
+                fs,
+                dst,
+                part,
+                ranks=None if g.world == 1 else {g.rank},
+                thread_count=self.manager.writer_options.get("thread_count"),
+            )
+        except Exception as exc:
+            error = exc
+        gathered = g.all_gather((copied, _text(error)), background=True)
+        outcome = next((t for _, t in gathered if t is not None), None)
+        if g.rank == 0:
+            copies = [c for c, _ in gathered if c is not None]
+            if outcome is not None:
+                remove_quietly(fs, [p for c in copies for p in c.written])
+            else:
+                assert part is not None
+                try:
+                    overwrite = bool(self.manager.writer_options.get("overwrite", True))
+                    publish_copy(fs, dst, part, copies, overwrite=overwrite)
+                except Exception as exc:
+                    error, outcome = exc, _text(exc)
+        outcome = g.broadcast(outcome, background=True)
+        if error is not None:
+            raise error
+        if outcome is not None:
+            raise RuntimeError(f"draining step {step} to {self.manager.url} failed: {outcome}")
+        log.info("step %d is durable at %s", step, self.manager.step_url(step))
+
+    # --- load -------------------------------------------------------------------------
+
+    def load(self, state_dict: dict[str, Any], step: int | None = None) -> LoadedStep:
+        """Load ``step`` (default: the newest committed in any tier) from the local tier,
+        restoring a lost node's files from its peers first; on any error, from the
+        root. Collective under a process group: rank 0 decides from every rank's report."""
+        g = self.group
+        report = self._report()
+        durable = self.manager.durable_steps() if g.rank == 0 else []
+        reports = g.all_gather(report)
+        plan = _plan(g, reports, durable, step) if g.rank == 0 else None
+        plan = g.broadcast(plan)
+        if isinstance(plan, str):
+            raise CheckpointNotFoundError(plan)
+        try:
+            return self._load_planned(state_dict, *plan)
+        finally:
+            self._schedule()  # collective like the load: a node restored from a peer drains
+
+    def _load_planned(
+        self,
+        state_dict: dict[str, Any],
+        chosen: int,
+        tier: str,
+        moves: list[Move],
+        is_durable: bool,
+    ) -> LoadedStep:
+        g = self.group
+        if tier == LOCAL:
+            try:
+                error: BaseException | None = None
+                try:
+                    transfer(g, moves, self.local.fs, self.local.step_path(chosen), sync=True)
+                except Exception as exc:
+                    error = exc
+                gather_errors(g, error, f"restoring step {chosen} from the peers")
+                self._load_from(self.local, state_dict, chosen)
+                log.info("loaded step %d from the local tier %s", chosen, self.local.url)
+                return LoadedStep(chosen, LOCAL)
+            except Exception as exc:
+                if not is_durable:
+                    raise
+                log.warning(
+                    "loading step %d from the local tier %s failed (%s: %s); "
+                    "loading the durable copy from %s",
+                    chosen,
+                    self.local.url,
+                    type(exc).__name__,
+                    exc,
+                    self.manager.url,
+                )
+        self._load_from(self.manager, state_dict, chosen)
+        log.info("loaded step %d from the durable tier %s", chosen, self.manager.url)
+        return LoadedStep(chosen, DURABLE)
+
+    def _load_from(self, where: CheckpointManager, state_dict: dict[str, Any], step: int) -> None:
+        m = self.manager
+        api.load(
+            state_dict,
+            where.step_url(step),
+            keys=m.keys,
+            registry=m.registry,
+            require_encryption=m.require_encryption,
+            filesystem=where.fs,
+        )
+
+    def _report(self) -> dict[int, tuple[list[str], list[str]]]:
+        """Per locally committed step: the data files its metadata names, and the files
+        this node holds."""
+        out = {}
+        fs = self.local.fs
+        for s in self.local.steps():
+            path = self.local.step_path(s)
+            try:
+                named = committed_files(fs, fs.concat_path(path, fmt.METADATA_NAME))
+                out[s] = (sorted(named), sorted(fs.ls(path)))
+            except FileNotFoundError:
+                continue
+        return out
+
+
+def _plan(
+    g: Group,
+    reports: list[dict[int, tuple[list[str], list[str]]]],
+    durable: list[int],
+    step: int | None,
+) -> tuple[int, str, list[Move], bool] | str:
+    """Rank 0's choice: the newest step that every rank can read from its node's tier
+    (fetching missing files from a node that holds them), else from the root."""
+    local_steps = set().union(*(set(r) for r in reports))
+    candidates = [step] if step is not None else sorted(local_steps | set(durable), reverse=True)
+    for s in candidates:
+        moves = _local_moves(g, reports, s)
+        if moves is not None:
+            return (s, LOCAL, moves, s in durable)
+        if s in durable:
+            return (s, DURABLE, [], True)
+    where = "no committed step" if step is None else f"step {step} is not committed"
+    return f"{where} in the local tier or under the root {sorted(durable) or ''}".strip()
+
+
+def _local_moves(
+    g: Group, reports: list[dict[int, tuple[list[str], list[str]]]], step: int
+) -> list[Move] | None:
+    named = next((set(r[step][0]) for r in reports if step in r), None)
+    if named is None:
+        return None
+    have = [set(r[step][1]) if step in r else set() for r in reports]
+    data: list[Move] = []
+    meta: list[Move] = []
+    for rank in range(g.world):
+        need = {n for n in named if file_rank(n) == rank} - have[rank]
+        if need:
+            src = next((q for q in range(g.world) if need <= have[q]), None)
+            if src is None:
+                return None
+            data.append((src, rank, sorted(need)))
+        if g.node_of(rank)[0] == rank and step not in reports[rank]:
+            src = next(q for q in range(g.world) if step in reports[q])
+            meta.append((src, rank, [fmt.METADATA_NAME]))
+    return data + meta  # metadata last: a node's copy counts once its files are there
+
+
+def _with_tiers(info: StepInfo, tiers: tuple[str, ...]) -> StepInfo:
+    return dataclasses.replace(info, tiers=tiers)
+
+
+def _text(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _full_or(exc: BaseException, url: str) -> BaseException:
+    if (
+        isinstance(exc, OSError)
+        and exc.errno == errno.ENOSPC
+        and not isinstance(exc, TierFullError)
+    ):
+        return TierFullError(
+            f"the local tier {url} is full (ENOSPC: {exc}); nothing committed there was "
+            "deleted. Free space, lower keep_local or point local= at a larger device"
+        )
+    return exc

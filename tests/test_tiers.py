@@ -1,0 +1,268 @@
+"""Tiered checkpoints: local tier, background drain to the root, retention per tier,
+fallback on load, restart, failures, and peer replication across simulated nodes."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from extensions import AES256GCM
+from extensions.errors import TierFullError
+from storage import S3FileSystem
+from storage.backends._local import LocalFileSystem
+from storage.checkpoint.layout import is_committed
+from storage.ops.manager import CheckpointManager
+from storage.ops.tools import describe
+from tests.distributed import gloo_group
+from tests.servers import (
+    FaultProxy,
+    boto3_client,
+    create_bucket,
+    list_keys,
+    moto_endpoint,
+    open_uploads,
+    s3_options,
+)
+
+BUCKET = "dcp-tiers"
+
+
+def _state(step: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 32, generator=gen), "meta": {"step": step}}
+
+
+def _blank() -> dict[str, Any]:
+    return {"w": torch.zeros(64, 32), "meta": {"step": -1}}
+
+
+def _tiered(tmp_path: Path, **options: Any) -> CheckpointManager:
+    return CheckpointManager(tmp_path / "durable", local=tmp_path / "local", **options)
+
+
+def _first_data_file(directory: Path) -> Path:
+    return next(p for p in sorted(directory.iterdir()) if p.suffix == ".distcp")
+
+
+def test_save_commits_locally_then_drains_byte_for_byte(tmp_path: Path) -> None:
+    key = os.urandom(32)
+    mgr = _tiered(tmp_path, transforms=[AES256GCM(key=key, key_id="k")], keys={"k": key})
+    mgr.save(1, _state(1))
+    assert is_committed(mgr.tiers.local.fs, str(tmp_path / "local" / "step-1"))  # type: ignore[union-attr]
+    mgr.wait()
+    assert mgr.durable_steps() == [1]
+    local, durable = (
+        describe(LocalFileSystem(), str(tmp_path / t / "step-1")) for t in ("local", "durable")
+    )
+    assert [(r.item, r.stored, r.transforms) for r in local.items] == [
+        (r.item, r.stored, r.transforms) for r in durable.items
+    ]
+    assert all(any("aes" in t for t in r.transforms) for r in durable.items)  # still encrypted
+    local_bytes = _first_data_file(tmp_path / "local" / "step-1").read_bytes()
+    assert local_bytes == _first_data_file(tmp_path / "durable" / "step-1").read_bytes()
+    target = _blank()
+    step = mgr.load(target)
+    assert (step, step.tier) == (1, "local")  # type: ignore[attr-defined]
+    assert torch.equal(target["w"], _state(1)["w"])
+
+
+def test_retention_per_tier_and_listing(tmp_path: Path) -> None:
+    mgr = _tiered(tmp_path, keep_local=2, keep_last=3)
+    for step in range(1, 6):
+        mgr.save(step, _state(step))
+        mgr.wait()
+    assert mgr.tiers.local.steps() == [4, 5]  # type: ignore[union-attr]
+    assert mgr.durable_steps() == [3, 4, 5]
+    assert mgr.steps() == [3, 4, 5] and mgr.latest() == 5
+    assert {e.step: e.tiers for e in mgr.entries()} == {
+        3: ("durable",),
+        4: ("local", "durable"),
+        5: ("local", "durable"),
+    }
+
+
+def test_local_copies_stay_until_durable(tmp_path: Path) -> None:
+    # The root cannot be written (a plain file stands where its directory should be):
+    # every drain fails, so nothing may leave the local tier.
+    (tmp_path / "durable").write_text("not a directory")
+    mgr = _tiered(tmp_path, keep_local=1)
+    mgr.save(1, _state(1))
+    with pytest.raises(OSError):
+        mgr.wait()
+    mgr.save(2, _state(2))  # the error was surfaced already; this save's drain fails too
+    with pytest.raises(OSError):
+        mgr.wait()
+    with pytest.raises(TierFullError, match=r"holds steps \[1, 2\], more than keep_local=1"):
+        mgr.save(3, _state(3))
+    assert mgr.tiers.local.steps() == [1, 2]  # type: ignore[union-attr]
+    assert {e.step: e.tiers for e in mgr.entries()} == {1: ("local",), 2: ("local",)}
+
+
+def test_corrupted_local_copy_falls_back_to_durable(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    mgr = _tiered(tmp_path)
+    mgr.save(3, _state(3))
+    mgr.wait()
+    data = _first_data_file(tmp_path / "local" / "step-3")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    target = _blank()
+    with caplog.at_level(logging.WARNING, logger="storage.ops.tiers"):
+        step = mgr.load(target)
+    assert (step, step.tier) == (3, "durable")  # type: ignore[attr-defined]
+    assert torch.equal(target["w"], _state(3)["w"])
+    assert "loading the durable copy" in caplog.text and "IntegrityError" in caplog.text
+
+
+def test_restart_drains_what_is_only_local(tmp_path: Path) -> None:
+    (tmp_path / "durable").write_text("down")
+    crashed = _tiered(tmp_path)
+    crashed.save(7, _state(7))
+    with pytest.raises(OSError):
+        crashed.wait()
+    (tmp_path / "durable").unlink()  # the bucket is back; the job restarts
+    restarted = _tiered(tmp_path)
+    restarted.wait()
+    assert restarted.durable_steps() == [7]
+    assert restarted.load(_blank()) == 7
+
+
+class _FullDisk(LocalFileSystem):
+    """Our local backend, out of space once ``full`` is set."""
+
+    full = False
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        if mode == "wb" and self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        with super().create_stream(path, mode, sync=sync) as stream:
+            yield stream
+
+
+def test_full_local_tier_is_a_named_error_and_deletes_nothing(tmp_path: Path) -> None:
+    disk = _FullDisk()
+    mgr = _tiered(tmp_path, keep_local=1, local_filesystem=disk)
+    mgr.save(1, _state(1))
+    mgr.wait()
+    disk.full = True
+    with pytest.raises(TierFullError, match="local tier .* is full"):
+        mgr.save(2, _state(2))
+    assert mgr.tiers.local.steps() == [1] and mgr.durable_steps() == [1]  # type: ignore[union-attr]
+    assert not (tmp_path / "local" / "step-2").exists() or not any(
+        (tmp_path / "local" / "step-2").iterdir()
+    )
+
+
+@pytest.fixture
+def proxy() -> Iterator[FaultProxy]:
+    endpoint = moto_endpoint()
+    create_bucket(endpoint, BUCKET)
+    with FaultProxy(endpoint, seed=7) as p:
+        yield p
+
+
+def test_drain_failure_stays_local_surfaces_and_retries(tmp_path: Path, proxy: FaultProxy) -> None:
+    prefix = f"{uuid.uuid4().hex}/run"
+    opts = s3_options(proxy.url, config_kwargs={"retries": {"total_max_attempts": 2}})
+    bucket = S3FileSystem(storage_options=opts, part_size=5 << 20)
+    big = {"w": torch.randn(3 << 19), "meta": {"step": 1}}  # 6 MiB: a multipart upload
+    mgr = CheckpointManager(f"s3://{BUCKET}/{prefix}", filesystem=bucket, local=tmp_path / "l")
+    proxy.add("503", method="PUT")  # a 503 storm on every upload
+    mgr.save(1, big)  # returns: the local commit does not wait for the bucket
+    with pytest.raises(OSError):
+        mgr.wait()
+    assert mgr.tiers.local.steps() == [1] and mgr.durable_steps() == []  # type: ignore[union-attr]
+    s3 = boto3_client(moto_endpoint())
+    assert list_keys(s3, BUCKET, prefix) == [] and open_uploads(s3, BUCKET, prefix) == []
+    proxy.clear()
+    mgr.save(2, _state(2))
+    mgr.wait()  # the retry drained step 1 as well
+    assert mgr.durable_steps() == [1, 2]
+    assert open_uploads(s3, BUCKET, prefix) == []
+
+
+# --- four ranks, two simulated nodes ---------------------------------------------------
+
+WORLD = 4
+
+
+class _LosesRank3(LocalFileSystem):
+    """A node-local tier whose reads of rank 3's data files fail once ``broken`` exists."""
+
+    def __init__(self, flag: str) -> None:
+        super().__init__()
+        self.flag = flag
+
+    def open_slice(self, path: str, offset: int, length: int) -> Any:
+        if os.path.exists(self.flag) and os.path.basename(path).startswith("__3_"):
+            raise FileNotFoundError(path)
+        return super().open_slice(path, offset, length)
+
+
+def _tier_worker(rank: int, store: str, base: str) -> None:
+    with gloo_group(rank, WORLD, store):
+        node = f"{base}/node{rank // 2}"
+        flag = f"{base}/broken"
+        mgr = CheckpointManager(
+            f"{base}/durable",
+            local=node,
+            replicate=True,
+            local_filesystem=_LosesRank3(flag),
+        )
+        state = {f"rank{rank}": torch.full((1000,), float(rank))}
+        mgr.save(1, state)
+        mgr.wait()
+        own = sum(
+            os.path.getsize(f"{node}/step-1/{n}")
+            for n in os.listdir(f"{node}/step-1")
+            if n.startswith(f"__{rank}_")
+        )
+        assert mgr.tiers is not None and mgr.tiers.replicated_bytes == own  # 1.00x per replica
+        if rank == 0:
+            names = os.listdir(f"{base}/durable/step-1")
+            assert ".metadata" in names and {n[:4] for n in names if n.endswith(".distcp")} == {
+                f"__{r}_" for r in range(WORLD)
+            }
+            open(flag, "w").close()
+        dist.barrier()
+        # Rank 3 cannot read its files: no rank's files may be committed in the bucket.
+        mgr.save(2, state)
+        with pytest.raises(Exception, match="rank 3|__3_"):
+            mgr.wait()
+        dist.barrier()
+        if rank == 0:
+            assert not os.path.exists(f"{base}/durable/step-2/.metadata")
+            leftovers = (
+                os.listdir(f"{base}/durable/step-2")
+                if os.path.isdir(f"{base}/durable/step-2")
+                else []
+            )
+            assert [n for n in leftovers if n.endswith(".distcp")] == []
+            os.remove(flag)
+            shutil.rmtree(f"{base}/node1")  # node 1 is lost before step 2 is durable
+        dist.barrier()
+        target = {f"rank{rank}": torch.zeros(1000)}
+        step = mgr.load(target)
+        assert (step, step.tier) == (2, "local")  # type: ignore[attr-defined]
+        assert torch.equal(target[f"rank{rank}"], state[f"rank{rank}"])
+        mgr.wait()  # with node 1 restored from its peer, the retry drains step 2
+        assert mgr.durable_steps() == [1, 2]
+
+
+def test_four_ranks_two_nodes_replicate_drain_and_restore(tmp_path: Path) -> None:
+    mp.spawn(_tier_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
