@@ -94,17 +94,18 @@ def run_tasks(
 ) -> list[T]:
     """Run ``tasks`` on up to ``workers`` threads and return their results in order.
 
-    The first error stops handing out tasks; once the running ones are done it is
-    raised (as :class:`CheckpointRankError` naming the rank, the item the task noted
-    and its URL, when this process is one of several ranks). Past ``timeout`` seconds
-    the call raises :class:`DeadlineExceededError` naming each unfinished task's item
-    and leaves those tasks behind on their daemon threads. ``action`` (``"saving"``,
-    ``"loading"``) and ``location`` (the checkpoint URL) word the messages."""
+    The first error stops handing out tasks; once the running ones are done, the error
+    of the earliest failed task in ``tasks`` order is raised (attributed to this rank,
+    the item the task noted and its URL when this process is one of several ranks).
+    Past ``timeout`` seconds the call raises :class:`DeadlineExceededError` naming
+    each unfinished task's item and leaves those tasks behind on their daemon threads.
+    ``action`` (``"saving"``, ``"loading"``) and ``location`` (the checkpoint URL) word
+    the messages."""
     deadline = None if timeout is None else time.monotonic() + timeout
     rank = distributed_rank()
     board: dict[int, tuple[str, str]] = {}
     results: list[T | None] = [None] * len(tasks)
-    errors: list[tuple[BaseException, tuple[str, str] | None]] = []
+    errors: list[tuple[int, BaseException, tuple[str, str] | None]] = []
     abandoned = [False]
     pending = list(range(len(tasks)))[::-1]
     running = [0]
@@ -122,7 +123,7 @@ def run_tasks(
                 results[index] = tasks[index]()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 with cond:
-                    errors.append((exc, board.get(threading.get_ident())))
+                    errors.append((index, exc, board.get(threading.get_ident())))
             finally:
                 with cond:
                     running[0] -= 1
@@ -145,7 +146,10 @@ def run_tasks(
                 raise _deadline_error(rank, action, location, timeout, stuck)
             cond.wait(left)
     if errors:
-        raise attribute(errors[0][0], rank, action, location, errors[0][1])
+        # The first task in order that failed, not the first to fail in time: the same
+        # damage reports the same item every run.
+        _, exc, doing = min(errors, key=lambda e: e[0])
+        raise attribute(exc, rank, action, location, doing)
     return results  # type: ignore[return-value]
 
 
