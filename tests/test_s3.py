@@ -1,4 +1,7 @@
-"""S3FileSystem against moto's S3 server: conformance, DCP round trips, commit protocol."""
+"""S3FileSystem against moto's S3 server: conformance, DCP round trips, commit protocol.
+
+The conformance suite, the round trips and the commit-protocol checks run against
+SeaweedFS too (a real object store, ``weed mini``), marked ``BOTH_SERVERS``."""
 
 from __future__ import annotations
 
@@ -34,20 +37,27 @@ from tests.conftest import assert_tree_equal, zeros_like_tree
 from tests.distributed import gloo_group
 from tests.servers import (
     FaultProxy,
+    ServerUnavailable,
     boto3_client,
     create_bucket,
     list_keys,
-    moto_endpoint,
     open_uploads,
+    s3_endpoint,
     s3_options,
 )
 
 BUCKET = "dcp-tests"
 
+# Tests marked so run on moto and on SeaweedFS; the others on moto alone.
+BOTH_SERVERS = pytest.mark.parametrize("endpoint", ["moto", "seaweedfs"], indirect=True)
+
 
 @pytest.fixture(scope="module")
-def endpoint() -> str:
-    url = moto_endpoint()
+def endpoint(request: pytest.FixtureRequest) -> str:
+    try:
+        url = s3_endpoint(getattr(request, "param", "moto"))
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
     create_bucket(url, BUCKET)
     return url
 
@@ -57,6 +67,7 @@ def s3(endpoint: str) -> Any:
     return boto3_client(endpoint)
 
 
+@BOTH_SERVERS
 class TestS3FileSystem(FileSystemTests):
     @pytest.fixture
     def fs(self, endpoint: str) -> FileSystemBase:
@@ -137,6 +148,7 @@ def _big_state() -> dict[str, torch.Tensor]:
 # --- round trips ---------------------------------------------------------------------
 
 
+@BOTH_SERVERS
 @pytest.mark.parametrize("chain", ["plain", "zstd"])
 def test_dcp_round_trip(endpoint: str, state_dict: dict, chain: str) -> None:
     url = _url()
@@ -193,6 +205,7 @@ def test_filesystem_from_url_and_pickle(endpoint: str) -> None:
     assert not S3FileSystem.validate_checkpoint_id("/tmp/x")
 
 
+@BOTH_SERVERS
 def test_failed_multipart_write_aborts_upload(endpoint: str, s3: Any) -> None:
     fs = S3FileSystem(storage_options=s3_options(endpoint), part_size=5 << 20)
     path = fs.init_path(_url())
@@ -252,6 +265,7 @@ def test_missing_s3fs_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- commit protocol -----------------------------------------------------------------
 
 
+@BOTH_SERVERS
 def test_failed_save_keeps_committed_checkpoint(endpoint: str, s3: Any) -> None:
     url = _url()
     opts = s3_options(endpoint)
@@ -283,6 +297,7 @@ def test_failed_save_keeps_committed_checkpoint(endpoint: str, s3: Any) -> None:
     assert_tree_equal(state, target)
 
 
+@BOTH_SERVERS
 def test_overwrite_false(endpoint: str, s3: Any, state_dict: dict) -> None:
     url = _url()
     opts = s3_options(endpoint)
@@ -293,6 +308,7 @@ def test_overwrite_false(endpoint: str, s3: Any, state_dict: dict) -> None:
     assert list_keys(s3, BUCKET, _key_prefix(url)) == before
 
 
+@BOTH_SERVERS
 def test_exclusive_publish_uses_if_none_match(endpoint: str, s3: Any) -> None:
     # Published behind the backend's back between its check and its PUT: only a
     # conditional create on the server can refuse the second writer.
