@@ -1,4 +1,6 @@
-"""The S3 data path: streamed ranged GETs with resume, concurrent multipart uploads."""
+"""The S3 data path: streamed ranged GETs with resume, concurrent multipart uploads.
+
+Everything here talks to S3 through :class:`S3Client`'s public methods."""
 
 from __future__ import annotations
 
@@ -10,16 +12,13 @@ import logging
 import os
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import botocore.exceptions as botoexc
-import fsspec.asyn
 
 from extensions.streams import read_all
-
-if TYPE_CHECKING:
-    from storage.backends.s3._filesystem import S3FileSystem
+from storage.backends.s3._client import S3Client, error_code, recycle, split_path, take_buffer
 
 log = logging.getLogger("storage.backends.s3._filesystem")
 
@@ -36,14 +35,6 @@ _BODY_ERRORS = (
 )
 
 
-def error_code(exc: BaseException) -> str:
-    for err in (exc, exc.__cause__):
-        response = getattr(err, "response", None)
-        if isinstance(response, dict):
-            return str(response.get("Error", {}).get("Code", ""))
-    return ""
-
-
 def _backoff(attempt: int) -> float:
     # Full jitter, as botocore's standard mode does for requests.
     return random.random() * min(5.0, 0.2 * 2 ** (attempt - 1))
@@ -55,9 +46,9 @@ class RangeReader(io.RawIOBase):
     A body that breaks off is resumed with a ranged GET from the next byte, pinned to
     the object's ETag; a range starting past the end reads as empty (short read)."""
 
-    def __init__(self, owner: S3FileSystem, path: str, offset: int, length: int | None) -> None:
+    def __init__(self, client: S3Client, path: str, offset: int, length: int | None) -> None:
         super().__init__()
-        self._owner = owner
+        self._client = client
         self._path = path
         self._pos = offset
         self._end = None if length is None else offset + length
@@ -69,7 +60,7 @@ class RangeReader(io.RawIOBase):
         return True
 
     def start(self) -> None:
-        bucket, key = self._owner._split(self._path)
+        bucket, key = split_path(self._path)
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
         if self._end is not None:
             kwargs["Range"] = f"bytes={self._pos}-{self._end - 1}"
@@ -78,7 +69,7 @@ class RangeReader(io.RawIOBase):
         if self._etag:
             kwargs["IfMatch"] = self._etag
         try:
-            resp = self._owner._call("get_object", self._path, "reading", **kwargs)
+            resp = self._client.call("get_object", self._path, "reading", **kwargs)
         except OSError as exc:
             if error_code(exc.__cause__ or exc) in ("InvalidRange", "416"):
                 self._eof = True
@@ -90,7 +81,7 @@ class RangeReader(io.RawIOBase):
     def _drop_body(self) -> None:
         body, self._body = self._body, None
         if body is not None:
-            self._owner.fs.loop.call_soon_threadsafe(body.close)
+            self._client.close_soon(body)
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
@@ -103,14 +94,14 @@ class RangeReader(io.RawIOBase):
                 continue
             progress = [0]
             try:
-                fsspec.asyn.sync(self._owner.fs.loop, _fill, self._body, view, progress)
+                self._client.run(_fill, self._body, view, progress)
             except _BODY_ERRORS as exc:
                 self._drop_body()
                 if not progress[0]:
                     failures += 1
-                    if failures >= self._owner.max_attempts:
+                    if failures >= self._client.max_attempts:
                         raise OSError(
-                            f"{self._owner.url(self._path)}: reading from byte {self._pos} "
+                            f"{self._client.url(self._path)}: reading from byte {self._pos} "
                             f"failed {failures} times: {exc!r}"
                         ) from exc
                     time.sleep(_backoff(failures))
@@ -192,18 +183,23 @@ class _PartBody(io.RawIOBase):
 
 
 class MultipartWriter(io.RawIOBase):
-    """Buffers one part, uploads full parts concurrently, completes or aborts."""
+    """Buffers one part, uploads full parts concurrently, completes or aborts.
 
-    def __init__(self, owner: S3FileSystem, path: str) -> None:
+    Part buffers come from the process's pool and go back to it once their upload is
+    done, so saves reuse memory that is already mapped instead of faulting in fresh
+    pages for every part. With ``client.checksum`` every part carries its CRC32C, which the store
+    checks; the payload itself is not hashed for the signature (see ``S3FileSystem``)."""
+
+    def __init__(self, client: S3Client, path: str) -> None:
         super().__init__()
-        self._owner = owner
+        self._client = client
         self._path = path
-        self._bucket, self._key = owner._split(path)
-        self._part_size = owner.part_size
-        self._buf = bytearray(self._part_size)
+        self._bucket, self._key = split_path(path)
+        self._part_size = client.part_size
+        self._buf = take_buffer(self._part_size)
         self._fill = 0
         self._upload_id: str | None = None
-        self._parts: list[tuple[int, concurrent.futures.Future[Any]]] = []
+        self._parts: list[tuple[int, concurrent.futures.Future[Any], dict[str, str]]] = []
         self._tasks: list[asyncio.Task[Any]] = []
         self._finished = False
 
@@ -226,25 +222,27 @@ class MultipartWriter(io.RawIOBase):
         return f"uploading part {len(self._parts) + 1}"
 
     def _ship_part(self) -> None:
-        owner = self._owner
+        client = self._client
         if self._upload_id is None:
-            resp = owner._call(
+            resp = client.call(
                 "create_multipart_upload",
                 self._path,
                 "starting a multipart upload",
                 Bucket=self._bucket,
                 Key=self._key,
+                **({"ChecksumAlgorithm": "CRC32C"} if client.checksum else {}),
             )
             self._upload_id = resp["UploadId"]
         self._raise_failed()
         number = len(self._parts) + 1
         if number > _MAX_PARTS:
-            raise ValueError(f"{owner.url(self._path)}: more than {_MAX_PARTS} parts")
-        body = _PartBody(memoryview(self._buf)[: self._fill])
-        slots = owner._upload_slots()
-        slots.acquire()
+            raise ValueError(f"{client.url(self._path)}: more than {_MAX_PARTS} parts")
+        buffer, data = self._buf, memoryview(self._buf)[: self._fill]
+        checksum = client.checksum_args(data)
+        body = _PartBody(data)
+        client.slots.acquire()
         try:
-            fut = owner._submit(
+            fut = client.submit(
                 "upload_part",
                 self._tasks,
                 Bucket=self._bucket,
@@ -252,53 +250,57 @@ class MultipartWriter(io.RawIOBase):
                 UploadId=self._upload_id,
                 PartNumber=number,
                 Body=body,
+                **checksum,
             )
         except BaseException:
-            slots.release()
+            client.slots.release()
             raise
 
         def done(_: object) -> None:
             body.release()
-            slots.release()
+            client.slots.release()
+            recycle(buffer)
 
         fut.add_done_callback(done)
-        self._parts.append((number, fut))
+        self._parts.append((number, fut, checksum))
         # Parts may grow (S3 allows it), so objects past 10,000 x part_size still fit.
         if number % 1000 == 0:
             self._part_size *= 2
-        self._buf = bytearray(self._part_size)
+        self._buf = take_buffer(self._part_size)
         self._fill = 0
 
     def _raise_failed(self) -> None:
-        for number, fut in self._parts:
+        for number, fut, _ in self._parts:
             if fut.done() and fut.exception() is not None:
                 exc = fut.exception()
                 assert exc is not None
-                raise self._owner._translate(exc, self._path, f"uploading part {number}") from exc
+                raise self._client.translate(exc, self._path, f"uploading part {number}") from exc
 
     def finish(self) -> None:
-        owner = self._owner
+        client = self._client
         try:
             if self._upload_id is None:
-                owner._call(
+                body = bytes(memoryview(self._buf)[: self._fill])
+                client.call(
                     "put_object",
                     self._path,
                     "uploading",
                     Bucket=self._bucket,
                     Key=self._key,
-                    Body=bytes(self._buf[: self._fill]),
+                    Body=body,
+                    **client.checksum_args(body),
                 )
             else:
                 if self._fill:
                     self._ship_part()
                 parts = []
-                for number, fut in self._parts:
+                for number, fut, checksum in self._parts:
                     try:
                         resp = fut.result()
                     except Exception as exc:
-                        raise owner._translate(exc, self._path, f"uploading part {number}") from exc
-                    parts.append({"PartNumber": number, "ETag": resp["ETag"]})
-                owner._call(
+                        raise client.translate(exc, self._path, f"uploading part {number}") from exc
+                    parts.append({"PartNumber": number, "ETag": resp["ETag"], **checksum})
+                client.call(
                     "complete_multipart_upload",
                     self._path,
                     "completing the multipart upload",
@@ -310,24 +312,27 @@ class MultipartWriter(io.RawIOBase):
         except BaseException:
             self.abort()
             raise
+        self._done()
+
+    def _done(self) -> None:
         self._finished = True
+        recycle(self._buf)
         self._buf = bytearray()
 
     def abort(self) -> None:
         if self._finished:
             return
-        self._finished = True
-        self._buf = bytearray()
+        self._done()
         # Parts not started never start; started ones are cancelled and awaited, so no
         # part can land after the abort and leave the upload half alive.
-        for _, fut in self._parts:
+        for _, fut, _ in self._parts:
             fut.cancel()
         with contextlib.suppress(Exception):
-            fsspec.asyn.sync(self._owner.fs.loop, _settle, self._tasks)
+            self._client.run(_settle, self._tasks)
         if self._upload_id is None:
             return
         try:
-            self._owner._call(
+            self._client.call(
                 "abort_multipart_upload",
                 self._path,
                 "aborting the multipart upload",
@@ -340,7 +345,7 @@ class MultipartWriter(io.RawIOBase):
                 "could not abort multipart upload %s of %s: %s (a bucket lifecycle "
                 "rule AbortIncompleteMultipartUpload cleans these up)",
                 self._upload_id,
-                self._owner.url(self._path),
+                self._client.url(self._path),
                 exc,
             )
 
