@@ -304,7 +304,8 @@ class Fault:
     """Answer matching requests with ``kind`` instead of (or on top of) the server's.
 
     ``kind``: ``"503"`` (S3 SlowDown), ``"500"`` (S3 InternalError), ``"gcs503"`` (a
-    GCS JSON error), ``"reset"`` (connection reset, no response), ``"truncate"`` (the
+    GCS JSON error), ``"reset"`` (connection reset, no response), ``"corrupt"`` (one
+    bit of the request body flipped on its way to the server), ``"truncate"`` (the
     response body cut at half, then the connection dropped), ``"delay"`` (``delay``
     seconds, then forwarded). ``count`` limits how many requests it hits (None: all)."""
 
@@ -428,6 +429,9 @@ class _Handler(BaseHTTPRequestHandler):
         kind = fault.kind if fault else None
         if fault is not None and kind == "delay":
             time.sleep(fault.delay)
+        if kind == "corrupt" and body:
+            middle = len(body) // 2
+            body = body[:middle] + bytes([body[middle] ^ 0x01]) + body[middle + 1 :]
         if kind in ("503", "500", "gcs503"):
             assert kind is not None
             self._answer_error(kind)

@@ -254,6 +254,32 @@ def test_parts_upload_concurrently_in_bounded_memory(endpoint: str, s3: Any) -> 
     assert peak < 26 << 20, peak
 
 
+_BAD_DIGEST = r"uploading part 2 failed.*(BadDigest|did not match what we received)"
+
+
+@pytest.mark.parametrize("endpoint", ["seaweedfs"], indirect=True)  # moto checks no CRC32C
+def test_corrupted_part_is_refused_by_the_store(endpoint: str, s3: Any) -> None:
+    # Payloads are not SHA-256-signed: the CRC32C each upload carries is what lets
+    # the store refuse a body changed on the wire.
+    path = S3FileSystem().init_path(_url())
+    with FaultProxy(endpoint) as proxy:
+        proxy.add("corrupt", method="PUT", path=r"partNumber=2", count=1)
+        fs = S3FileSystem(storage_options=s3_options(proxy.url), part_size=5 << 20)
+        with pytest.raises(OSError, match=_BAD_DIGEST), fs.create_stream(path, "wb") as stream:
+            stream.write(b"x" * (12 << 20))
+    prefix = path.partition("/")[2]
+    assert list_keys(s3, BUCKET, prefix) == []
+    assert open_uploads(s3, BUCKET, prefix) == []
+
+
+def test_filesystems_with_the_same_options_share_a_client(endpoint: str) -> None:
+    a = S3FileSystem(storage_options=s3_options(endpoint))
+    b = S3FileSystem(storage_options=s3_options(endpoint), part_size=8 << 20)
+    c = S3FileSystem(storage_options=s3_options(endpoint, config_kwargs={"read_timeout": 5}))
+    assert a.fs is b.fs and a.fs is not c.fs
+    assert a.client is not b.client  # upload slots stay per filesystem
+
+
 def test_missing_s3fs_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "s3fs", None)  # what an absent package looks like
     monkeypatch.delitem(sys.modules, "storage.backends.s3")

@@ -11,6 +11,7 @@ import io
 import logging
 import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -23,6 +24,10 @@ from storage.backends.s3._client import S3Client, error_code, recycle, split_pat
 log = logging.getLogger("storage.backends.s3._filesystem")
 
 _MAX_PARTS = 10_000
+# aiohttp reads a stream body one chunk per thread-pool round trip: chunks this big
+# keep those few (128 per GiB) while an in-flight part still costs its buffer plus
+# about two chunks.
+_SEND_CHUNK = 2 << 20
 
 # Errors of a response body that broke off: the read resumes from where it stopped.
 _BODY_ERRORS = (
@@ -35,35 +40,71 @@ _BODY_ERRORS = (
 )
 
 
+# Ranged GETs of large reads in flight at once, across the process.
+PARALLEL_GETS = 8
+_GETTERS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_GETTERS_LOCK = threading.Lock()
+
+
+def _getters() -> concurrent.futures.ThreadPoolExecutor:
+    with _GETTERS_LOCK:  # one pool per process: a forked child makes its own
+        pool = _GETTERS.get(os.getpid())
+        if pool is None:
+            pool = concurrent.futures.ThreadPoolExecutor(
+                PARALLEL_GETS, thread_name_prefix="dcp-storage-s3-get"
+            )
+            _GETTERS[os.getpid()] = pool
+        return pool
+
+
 def _backoff(attempt: int) -> float:
     # Full jitter, as botocore's standard mode does for requests.
     return random.random() * min(5.0, 0.2 * 2 ** (attempt - 1))
 
 
 class RangeReader(io.RawIOBase):
-    """One streamed GET of ``[offset, offset + length)`` (``length=None``: to the end).
+    """Ranged GETs of ``[offset, offset + length)`` (``length=None``: one GET to the end).
 
-    A body that breaks off is resumed with a ranged GET from the next byte, pinned to
-    the object's ETag; a range starting past the end reads as empty (short read)."""
+    A bounded range is fetched in windows of ``client.part_size`` bytes, one streamed
+    GET each; a read that starts at a window boundary and asks for two windows or more
+    (a large tensor) is fetched with several ranged GETs in parallel (``PARALLEL_GETS``
+    in the process at a time), straight into the caller's buffer. Every byte of the
+    range is fetched once. A body that breaks off is resumed with a ranged GET from
+    the next byte, pinned to the object's ETag; a range starting past the end reads as
+    empty (short read)."""
 
-    def __init__(self, client: S3Client, path: str, offset: int, length: int | None) -> None:
+    def __init__(
+        self,
+        client: S3Client,
+        path: str,
+        offset: int,
+        length: int | None,
+        *,
+        etag: str | None = None,
+        window: int | None = None,
+    ) -> None:
         super().__init__()
         self._client = client
         self._path = path
         self._pos = offset
         self._end = None if length is None else offset + length
+        self._window = window or client.part_size
+        self._stop = offset  # end of the current window's GET
         self._body: Any = None
-        self._etag: str | None = None
+        self._etag = etag
         self._eof = length == 0
 
     def readable(self) -> bool:
         return True
 
     def start(self) -> None:
+        """Open the GET of the next window (or resume the current one)."""
+        if self._end is not None and self._pos >= self._stop:
+            self._stop = min(self._end, self._pos + self._window)
         bucket, key = split_path(self._path)
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
         if self._end is not None:
-            kwargs["Range"] = f"bytes={self._pos}-{self._end - 1}"
+            kwargs["Range"] = f"bytes={self._pos}-{self._stop - 1}"
         elif self._pos:
             kwargs["Range"] = f"bytes={self._pos}-"
         if self._etag:
@@ -87,6 +128,11 @@ class RangeReader(io.RawIOBase):
         view = memoryview(buffer).cast("B")
         if self._end is not None:
             view = view[: max(0, self._end - self._pos)]
+            if self._body is not None and self._pos >= self._stop:
+                self._drop_body()  # its window is consumed
+            at_boundary = self._body is None and self._pos >= self._stop and not self._eof
+            if at_boundary and len(view) >= 2 * self._window:
+                return self._read_parallel(view)
         failures = 0
         while view and not self._eof:
             if self._body is None:
@@ -112,6 +158,36 @@ class RangeReader(io.RawIOBase):
             self._pos += n
             return n
         return 0
+
+    def _read_parallel(self, view: memoryview) -> int:
+        pieces = [
+            (self._pos + start, view[start : start + self._window])
+            for start in range(0, len(view), self._window)
+        ]
+        futures = [_getters().submit(self._read_piece, at, piece) for at, piece in pieces]
+        counts = [fut.result() for fut in futures]
+        done = 0
+        for count, (_, piece) in zip(counts, pieces):
+            done += count
+            if count < len(piece):  # the object is shorter than the range
+                self._eof = True
+                break
+        self._pos += done
+        self._stop = self._pos
+        return done
+
+    def _read_piece(self, offset: int, piece: memoryview) -> int:
+        reader = RangeReader(
+            self._client, self._path, offset, len(piece), etag=self._etag, window=len(piece)
+        )
+        with contextlib.closing(reader):
+            got = 0
+            while got < len(piece):
+                n = reader.readinto(piece[got:])
+                if not n:
+                    break
+                got += n
+            return got
 
     def readall(self) -> bytes:
         return read_all(self, chunk=8 << 20)
@@ -168,8 +244,8 @@ class _PartBody(io.RawIOBase):
         return len(chunk)
 
     def read(self, size: int | None = -1) -> bytes:
-        # aiohttp asks for everything that is left: short reads keep its copies small.
-        end = len(self._data) if size is None or size < 0 else self._pos + min(size, 1 << 18)
+        # aiohttp asks for everything that is left: bounded reads keep its copies small.
+        end = len(self._data) if size is None or size < 0 else self._pos + min(size, _SEND_CHUNK)
         chunk = bytes(self._data[self._pos : end])
         self._pos += len(chunk)
         return chunk
