@@ -15,8 +15,8 @@ state dict of 2048x2048 tensors (bf16, every fifth fp32) built once. Each client
 and loads a small state dict once as a warm-up, then the clients take turns (the order
 rotates every round) ``--repeat`` times; every save goes to a fresh prefix. Saves run in
 this long-lived process (a training job that checkpoints; clients warm). Every load
-runs in a fresh process (a restarted job: imports, target allocation and the check
-untimed; client construction, metadata read and data timed), and is checked bit-exact.
+runs in a fresh process (a restarted job: module imports, target allocation and the
+check untimed; client construction, metadata read and data timed), checked bit-exact.
 Client CPU is user+sys of the process doing the timed call (``os.times``), per GB of
 logical bytes; the server's own CPU is not in it, but it shares the same two cores.
 """
@@ -74,6 +74,7 @@ def logical_bytes(state: dict[str, torch.Tensor]) -> int:
 
 def _ours(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
     import storage
+    import storage.backends.s3  # noqa: F401 - imported untimed, as the peers' modules are
     from extensions import ZStandard
 
     opts = s3_options(endpoint)
@@ -90,6 +91,7 @@ def _ours(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
 
 
 def _stock(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
+    import s3fs  # noqa: F401 - imported untimed, as the other clients' modules are
     from torch.distributed.checkpoint._extension import ZStandard
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 

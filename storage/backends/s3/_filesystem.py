@@ -36,7 +36,7 @@ from storage.backends.s3._io import MultipartWriter, RangeReader  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PART_SIZE = 16 << 20
+DEFAULT_PART_SIZE = 8 << 20
 MIN_PART_SIZE = 5 << 20
 DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_CONNECT_TIMEOUT = 10
@@ -55,7 +55,7 @@ class S3FileSystem(FsspecFileSystem):
     5 x 5. A response body that breaks off mid-stream is resumed with a ranged GET
     from the last byte received (the same number of attempts without progress).
 
-    Writes buffer ``part_size`` bytes (default 16 MiB, or s3fs's ``default_block_size``)
+    Writes buffer ``part_size`` bytes (default 8 MiB, or s3fs's ``default_block_size``)
     and upload parts concurrently: at most ``max_concurrency`` parts (default 16, or
     s3fs's ``max_concurrency``) are in flight across all streams of this filesystem, so
     client memory peaks near ``part_size x (max_concurrency + open streams)``. Objects
