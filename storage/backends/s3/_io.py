@@ -13,6 +13,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -24,10 +25,9 @@ from storage.backends.s3._client import S3Client, error_code, recycle, split_pat
 log = logging.getLogger("storage.backends.s3._filesystem")
 
 _MAX_PARTS = 10_000
-# aiohttp reads a stream body one chunk per thread-pool round trip: chunks this big
-# keep those few (128 per GiB) while an in-flight part still costs its buffer plus
-# about two chunks.
-_SEND_CHUNK = 2 << 20
+# A part is handed to the socket in slices of this size (no copies; at most one slice
+# is copied into asyncio's buffer when the socket is full).
+_SEND_CHUNK = 1 << 20
 
 # Errors of a response body that broke off: the read resumes from where it stopped.
 _BODY_ERRORS = (
@@ -212,21 +212,20 @@ async def _settle(tasks: list[asyncio.Task[Any]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class _PartBody(io.RawIOBase):
-    """A part's bytes as a seekable stream. botocore turns a bytes body into a BytesIO
-    and aiohttp then copies that whole; a stream is sent in small reads instead, so
-    an in-flight part costs its buffer and nothing more (and retries seek back)."""
+class _PartBody:
+    """A part's bytes as a body botocore can measure and rewind and aiohttp sends
+    without copies: not an ``io.IOBase``, so aiohttp takes it as an async iterable and
+    writes memoryview slices of the part straight to the socket (a file-like body costs
+    a thread-pool round trip and a bytes copy per 256 KiB; a bytes body a copy of the
+    whole part). An in-flight part costs its buffer and nothing more; a retry seeks
+    back to 0 and iterates again."""
 
     def __init__(self, data: memoryview) -> None:
-        super().__init__()
         self._data = data
         self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
+    def __len__(self) -> int:
+        return len(self._data) - self._pos
 
     def tell(self) -> int:
         return self._pos
@@ -236,22 +235,20 @@ class _PartBody(io.RawIOBase):
         self._pos = max(0, base + pos)
         return self._pos
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        chunk = self._data[self._pos : self._pos + len(view)]
-        view[: len(chunk)] = chunk
-        self._pos += len(chunk)
-        return len(chunk)
-
     def read(self, size: int | None = -1) -> bytes:
-        # aiohttp asks for everything that is left: bounded reads keep its copies small.
-        end = len(self._data) if size is None or size < 0 else self._pos + min(size, _SEND_CHUNK)
+        end = len(self._data) if size is None or size < 0 else self._pos + size
         chunk = bytes(self._data[self._pos : end])
         self._pos += len(chunk)
         return chunk
 
+    async def __aiter__(self) -> AsyncIterator[memoryview]:
+        while self._pos < len(self._data):
+            chunk = self._data[self._pos : self._pos + _SEND_CHUNK]
+            self._pos += len(chunk)
+            yield chunk
+
     def close(self) -> None:
-        pass  # aiohttp closes bodies it sent; a retry may need this one again
+        pass  # a retry may need this body again
 
     def release(self) -> None:
         # Clients keep requests alive in reference cycles; the part's memory goes now.
