@@ -1,10 +1,11 @@
 """``S3Client``: where every S3 request of the backend is made.
 
 It wraps s3fs's aiobotocore client (requests run on s3fs's event loop), turns botocore
-errors into the contract's built-in errors, and owns the shared limits of one
-filesystem object (the upload slots: parts in flight across all its streams), and the
-process-wide pool of part buffers. The filesystem (``_filesystem``) and the data path (``_io``)
-both go through its public methods; neither reaches into the other.
+errors into the contract's built-in errors and holds the upload slots of one
+filesystem object (parts in flight across all its streams); the module also keeps the
+process-wide pool of part buffers. The filesystem (``_filesystem``) and the data path
+(``_io``) both go through its public functions and methods; neither reaches into the
+other.
 """
 
 from __future__ import annotations
@@ -61,10 +62,16 @@ def take_buffer(size: int) -> bytearray:
 
 
 def recycle(buffer: bytearray) -> None:
-    """Give a buffer back; it is kept if the pool has room, else freed."""
+    """Give a buffer back; it is kept if the pool has room (buffers of other sizes make
+    room first), else freed."""
     with _POOL_LOCK:
-        if sum(map(len, _POOL)) + len(buffer) <= RETAINED_PART_BYTES:
-            _POOL.append(buffer)
+        other = [b for b in _POOL if len(b) != len(buffer)]
+        same = [b for b in _POOL if len(b) == len(buffer)]
+        while other and sum(map(len, other + same)) + len(buffer) > RETAINED_PART_BYTES:
+            other.pop(0)
+        if sum(map(len, other + same)) + len(buffer) <= RETAINED_PART_BYTES:
+            same.append(buffer)
+        _POOL[:] = other + same
 
 
 def release_part_buffers() -> None:
