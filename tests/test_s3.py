@@ -1,4 +1,7 @@
-"""S3FileSystem against moto's S3 server: conformance, DCP round trips, commit protocol."""
+"""S3FileSystem against moto's S3 server: conformance, DCP round trips, commit protocol.
+
+The conformance suite, the round trips and the commit-protocol checks run against
+SeaweedFS too (a real object store, ``weed mini``), marked ``BOTH_SERVERS``."""
 
 from __future__ import annotations
 
@@ -34,20 +37,27 @@ from tests.conftest import assert_tree_equal, zeros_like_tree
 from tests.distributed import gloo_group
 from tests.servers import (
     FaultProxy,
+    ServerUnavailable,
     boto3_client,
     create_bucket,
     list_keys,
-    moto_endpoint,
     open_uploads,
+    s3_endpoint,
     s3_options,
 )
 
 BUCKET = "dcp-tests"
 
+# Tests marked so run on moto and on SeaweedFS; the others on moto alone.
+BOTH_SERVERS = pytest.mark.parametrize("endpoint", ["moto", "seaweedfs"], indirect=True)
+
 
 @pytest.fixture(scope="module")
-def endpoint() -> str:
-    url = moto_endpoint()
+def endpoint(request: pytest.FixtureRequest) -> str:
+    try:
+        url = s3_endpoint(getattr(request, "param", "moto"))
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
     create_bucket(url, BUCKET)
     return url
 
@@ -57,6 +67,7 @@ def s3(endpoint: str) -> Any:
     return boto3_client(endpoint)
 
 
+@BOTH_SERVERS
 class TestS3FileSystem(FileSystemTests):
     @pytest.fixture
     def fs(self, endpoint: str) -> FileSystemBase:
@@ -137,6 +148,7 @@ def _big_state() -> dict[str, torch.Tensor]:
 # --- round trips ---------------------------------------------------------------------
 
 
+@BOTH_SERVERS
 @pytest.mark.parametrize("chain", ["plain", "zstd"])
 def test_dcp_round_trip(endpoint: str, state_dict: dict, chain: str) -> None:
     url = _url()
@@ -193,6 +205,7 @@ def test_filesystem_from_url_and_pickle(endpoint: str) -> None:
     assert not S3FileSystem.validate_checkpoint_id("/tmp/x")
 
 
+@BOTH_SERVERS
 def test_failed_multipart_write_aborts_upload(endpoint: str, s3: Any) -> None:
     fs = S3FileSystem(storage_options=s3_options(endpoint), part_size=5 << 20)
     path = fs.init_path(_url())
@@ -241,6 +254,48 @@ def test_parts_upload_concurrently_in_bounded_memory(endpoint: str, s3: Any) -> 
     assert peak < 26 << 20, peak
 
 
+_BAD_DIGEST = r"uploading part 2 failed.*(BadDigest|did not match what we received)"
+
+
+@pytest.mark.parametrize("endpoint", ["seaweedfs"], indirect=True)  # moto checks no CRC32C
+def test_corrupted_part_is_refused_by_the_store(endpoint: str, s3: Any) -> None:
+    # Payloads are not SHA-256-signed: the CRC32C each upload carries is what lets
+    # the store refuse a body changed on the wire.
+    path = S3FileSystem().init_path(_url())
+    with FaultProxy(endpoint) as proxy:
+        proxy.add("corrupt", method="PUT", path=r"partNumber=2", count=1)
+        fs = S3FileSystem(storage_options=s3_options(proxy.url), part_size=5 << 20)
+        with pytest.raises(OSError, match=_BAD_DIGEST), fs.create_stream(path, "wb") as stream:
+            stream.write(b"x" * (12 << 20))
+    prefix = path.partition("/")[2]
+    assert list_keys(s3, BUCKET, prefix) == []
+    assert open_uploads(s3, BUCKET, prefix) == []
+
+
+def test_filesystems_with_the_same_options_share_a_client(endpoint: str) -> None:
+    a = S3FileSystem(storage_options=s3_options(endpoint))
+    b = S3FileSystem(storage_options=s3_options(endpoint), part_size=8 << 20)
+    c = S3FileSystem(storage_options=s3_options(endpoint, config_kwargs={"read_timeout": 5}))
+    assert a.fs is b.fs and a.fs is not c.fs
+    assert a.client is not b.client  # upload slots stay per filesystem
+
+
+def test_part_buffer_pool_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from storage.backends.s3 import _client
+
+    monkeypatch.setattr(_client, "RETAINED_PART_BYTES", 20)
+    monkeypatch.setattr(_client, "_POOL", [])
+    for _ in range(5):
+        _client.recycle(bytearray(5))
+    assert [len(b) for b in _client._POOL] == [5, 5, 5, 5]  # the fifth did not fit
+    _client.recycle(bytearray(8))  # buffers of another size make room
+    assert sorted(len(b) for b in _client._POOL) == [5, 5, 8]
+    kept = _client._POOL[-1]
+    assert _client.take_buffer(8) is kept and len(_client.take_buffer(8)) == 8
+    _client.release_part_buffers()
+    assert _client._POOL == []
+
+
 def test_missing_s3fs_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "s3fs", None)  # what an absent package looks like
     monkeypatch.delitem(sys.modules, "storage.backends.s3")
@@ -252,6 +307,7 @@ def test_missing_s3fs_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- commit protocol -----------------------------------------------------------------
 
 
+@BOTH_SERVERS
 def test_failed_save_keeps_committed_checkpoint(endpoint: str, s3: Any) -> None:
     url = _url()
     opts = s3_options(endpoint)
@@ -283,6 +339,7 @@ def test_failed_save_keeps_committed_checkpoint(endpoint: str, s3: Any) -> None:
     assert_tree_equal(state, target)
 
 
+@BOTH_SERVERS
 def test_overwrite_false(endpoint: str, s3: Any, state_dict: dict) -> None:
     url = _url()
     opts = s3_options(endpoint)
@@ -293,6 +350,7 @@ def test_overwrite_false(endpoint: str, s3: Any, state_dict: dict) -> None:
     assert list_keys(s3, BUCKET, _key_prefix(url)) == before
 
 
+@BOTH_SERVERS
 def test_exclusive_publish_uses_if_none_match(endpoint: str, s3: Any) -> None:
     # Published behind the backend's back between its check and its PUT: only a
     # conditional create on the server can refuse the second writer.

@@ -219,24 +219,23 @@ def test_fsspec_client_is_created_once_under_concurrent_first_use() -> None:
 def test_s3_upload_slots_are_one_semaphore_under_concurrent_first_use(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Without the fix the first uploads to run at once each made a semaphore of their
-    # own, so together they could have max_concurrency parts in flight each.
+    # Without the fix the first uploads to run at once each built a client, with upload
+    # slots of its own, so together they could have max_concurrency parts in flight each.
     from storage.backends.s3 import _filesystem as s3_module
 
     fs = s3_module.S3FileSystem(max_concurrency=2)
     gate = _SecondComer()
+    real = s3_module.S3Client
 
-    class GatedSemaphore(threading.BoundedSemaphore):
-        def __init__(self, value: int = 1) -> None:
-            gate.arrive()
-            super().__init__(value)
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        gate.arrive()
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(
-        s3_module, "threading", types.SimpleNamespace(BoundedSemaphore=GatedSemaphore)
-    )
-    slots = _together(4, fs._upload_slots)
-    assert all(s is slots[0] for s in slots)
-    assert gate.calls == 0  # made with the filesystem, before any upload
+    monkeypatch.setattr(s3_module, "S3Client", gated)
+    clients = _together(4, lambda: fs.client)
+    assert gate.calls == 1
+    assert all(c is clients[0] for c in clients)
+    assert all(c.slots is clients[0].slots for c in clients)
 
 
 # --- 14: dcpmem://NAME/... is one process-wide store per NAME -------------------------

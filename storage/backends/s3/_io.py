@@ -1,4 +1,6 @@
-"""The S3 data path: streamed ranged GETs with resume, concurrent multipart uploads."""
+"""The S3 data path: streamed ranged GETs with resume, concurrent multipart uploads.
+
+Everything here talks to S3 through :class:`S3Client`'s public methods."""
 
 from __future__ import annotations
 
@@ -9,21 +11,23 @@ import io
 import logging
 import os
 import random
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import botocore.exceptions as botoexc
-import fsspec.asyn
 
 from extensions.streams import read_all
-
-if TYPE_CHECKING:
-    from storage.backends.s3._filesystem import S3FileSystem
+from storage.backends.s3._client import S3Client, error_code, recycle, split_path, take_buffer
 
 log = logging.getLogger("storage.backends.s3._filesystem")
 
 _MAX_PARTS = 10_000
+# A part is handed to the socket in slices of this size (no copies; at most one slice
+# is copied into asyncio's buffer when the socket is full).
+_SEND_CHUNK = 1 << 20
 
 # Errors of a response body that broke off: the read resumes from where it stopped.
 _BODY_ERRORS = (
@@ -36,12 +40,21 @@ _BODY_ERRORS = (
 )
 
 
-def error_code(exc: BaseException) -> str:
-    for err in (exc, exc.__cause__):
-        response = getattr(err, "response", None)
-        if isinstance(response, dict):
-            return str(response.get("Error", {}).get("Code", ""))
-    return ""
+# Ranged GETs of large reads in flight at once, across the process.
+PARALLEL_GETS = 8
+_GETTERS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_GETTERS_LOCK = threading.Lock()
+
+
+def _getters() -> concurrent.futures.ThreadPoolExecutor:
+    with _GETTERS_LOCK:  # one pool per process: a forked child makes its own
+        pool = _GETTERS.get(os.getpid())
+        if pool is None:
+            pool = concurrent.futures.ThreadPoolExecutor(
+                PARALLEL_GETS, thread_name_prefix="dcp-storage-s3-get"
+            )
+            _GETTERS[os.getpid()] = pool
+        return pool
 
 
 def _backoff(attempt: int) -> float:
@@ -50,35 +63,54 @@ def _backoff(attempt: int) -> float:
 
 
 class RangeReader(io.RawIOBase):
-    """One streamed GET of ``[offset, offset + length)`` (``length=None``: to the end).
+    """Ranged GETs of ``[offset, offset + length)`` (``length=None``: one GET to the end).
 
-    A body that breaks off is resumed with a ranged GET from the next byte, pinned to
-    the object's ETag; a range starting past the end reads as empty (short read)."""
+    A bounded range is fetched in windows of ``client.part_size`` bytes, one streamed
+    GET each; a read that starts at a window boundary and asks for two windows or more
+    (a large tensor) is fetched with several ranged GETs in parallel (``PARALLEL_GETS``
+    in the process at a time), straight into the caller's buffer. Every byte of the
+    range is fetched once. A body that breaks off is resumed with a ranged GET from
+    the next byte, pinned to the object's ETag; a range starting past the end reads as
+    empty (short read)."""
 
-    def __init__(self, owner: S3FileSystem, path: str, offset: int, length: int | None) -> None:
+    def __init__(
+        self,
+        client: S3Client,
+        path: str,
+        offset: int,
+        length: int | None,
+        *,
+        etag: str | None = None,
+        window: int | None = None,
+    ) -> None:
         super().__init__()
-        self._owner = owner
+        self._client = client
         self._path = path
         self._pos = offset
         self._end = None if length is None else offset + length
+        self._window = window or client.part_size
+        self._stop = offset  # end of the current window's GET
         self._body: Any = None
-        self._etag: str | None = None
+        self._etag = etag
         self._eof = length == 0
 
     def readable(self) -> bool:
         return True
 
     def start(self) -> None:
-        bucket, key = self._owner._split(self._path)
+        """Open the GET of the next window (or resume the current one)."""
+        if self._end is not None and self._pos >= self._stop:
+            self._stop = min(self._end, self._pos + self._window)
+        bucket, key = split_path(self._path)
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
         if self._end is not None:
-            kwargs["Range"] = f"bytes={self._pos}-{self._end - 1}"
+            kwargs["Range"] = f"bytes={self._pos}-{self._stop - 1}"
         elif self._pos:
             kwargs["Range"] = f"bytes={self._pos}-"
         if self._etag:
             kwargs["IfMatch"] = self._etag
         try:
-            resp = self._owner._call("get_object", self._path, "reading", **kwargs)
+            resp = self._client.call("get_object", self._path, "reading", **kwargs)
         except OSError as exc:
             if error_code(exc.__cause__ or exc) in ("InvalidRange", "416"):
                 self._eof = True
@@ -90,12 +122,17 @@ class RangeReader(io.RawIOBase):
     def _drop_body(self) -> None:
         body, self._body = self._body, None
         if body is not None:
-            self._owner.fs.loop.call_soon_threadsafe(body.close)
+            self._client.close_soon(body)
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         if self._end is not None:
             view = view[: max(0, self._end - self._pos)]
+            if self._body is not None and self._pos >= self._stop:
+                self._drop_body()  # its window is consumed
+            at_boundary = self._body is None and self._pos >= self._stop and not self._eof
+            if at_boundary and len(view) >= 2 * self._window:
+                return self._read_parallel(view)
         failures = 0
         while view and not self._eof:
             if self._body is None:
@@ -103,14 +140,14 @@ class RangeReader(io.RawIOBase):
                 continue
             progress = [0]
             try:
-                fsspec.asyn.sync(self._owner.fs.loop, _fill, self._body, view, progress)
+                self._client.run(_fill, self._body, view, progress)
             except _BODY_ERRORS as exc:
                 self._drop_body()
                 if not progress[0]:
                     failures += 1
-                    if failures >= self._owner.max_attempts:
+                    if failures >= self._client.max_attempts:
                         raise OSError(
-                            f"{self._owner.url(self._path)}: reading from byte {self._pos} "
+                            f"{self._client.url(self._path)}: reading from byte {self._pos} "
                             f"failed {failures} times: {exc!r}"
                         ) from exc
                     time.sleep(_backoff(failures))
@@ -121,6 +158,36 @@ class RangeReader(io.RawIOBase):
             self._pos += n
             return n
         return 0
+
+    def _read_parallel(self, view: memoryview) -> int:
+        pieces = [
+            (self._pos + start, view[start : start + self._window])
+            for start in range(0, len(view), self._window)
+        ]
+        futures = [_getters().submit(self._read_piece, at, piece) for at, piece in pieces]
+        counts = [fut.result() for fut in futures]
+        done = 0
+        for count, (_, piece) in zip(counts, pieces):
+            done += count
+            if count < len(piece):  # the object is shorter than the range
+                self._eof = True
+                break
+        self._pos += done
+        self._stop = self._pos
+        return done
+
+    def _read_piece(self, offset: int, piece: memoryview) -> int:
+        reader = RangeReader(
+            self._client, self._path, offset, len(piece), etag=self._etag, window=len(piece)
+        )
+        with contextlib.closing(reader):
+            got = 0
+            while got < len(piece):
+                n = reader.readinto(piece[got:])
+                if not n:
+                    break
+                got += n
+            return got
 
     def readall(self) -> bytes:
         return read_all(self, chunk=8 << 20)
@@ -145,21 +212,20 @@ async def _settle(tasks: list[asyncio.Task[Any]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class _PartBody(io.RawIOBase):
-    """A part's bytes as a seekable stream. botocore turns a bytes body into a BytesIO
-    and aiohttp then copies that whole; a stream is sent in small reads instead, so
-    an in-flight part costs its buffer and nothing more (and retries seek back)."""
+class _PartBody:
+    """A part's bytes as a body botocore can measure and rewind and aiohttp sends
+    without copies: not an ``io.IOBase``, so aiohttp takes it as an async iterable and
+    writes memoryview slices of the part straight to the socket (a file-like body costs
+    a thread-pool round trip and a bytes copy per 256 KiB; a bytes body a copy of the
+    whole part). An in-flight part costs its buffer and nothing more; a retry seeks
+    back to 0 and iterates again."""
 
     def __init__(self, data: memoryview) -> None:
-        super().__init__()
         self._data = data
         self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
+    def __len__(self) -> int:
+        return len(self._data) - self._pos
 
     def tell(self) -> int:
         return self._pos
@@ -169,22 +235,20 @@ class _PartBody(io.RawIOBase):
         self._pos = max(0, base + pos)
         return self._pos
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        chunk = self._data[self._pos : self._pos + len(view)]
-        view[: len(chunk)] = chunk
-        self._pos += len(chunk)
-        return len(chunk)
-
     def read(self, size: int | None = -1) -> bytes:
-        # aiohttp asks for everything that is left: short reads keep its copies small.
-        end = len(self._data) if size is None or size < 0 else self._pos + min(size, 1 << 18)
+        end = len(self._data) if size is None or size < 0 else self._pos + size
         chunk = bytes(self._data[self._pos : end])
         self._pos += len(chunk)
         return chunk
 
+    async def __aiter__(self) -> AsyncIterator[memoryview]:
+        while self._pos < len(self._data):
+            chunk = self._data[self._pos : self._pos + _SEND_CHUNK]
+            self._pos += len(chunk)
+            yield chunk
+
     def close(self) -> None:
-        pass  # aiohttp closes bodies it sent; a retry may need this one again
+        pass  # a retry may need this body again
 
     def release(self) -> None:
         # Clients keep requests alive in reference cycles; the part's memory goes now.
@@ -192,18 +256,23 @@ class _PartBody(io.RawIOBase):
 
 
 class MultipartWriter(io.RawIOBase):
-    """Buffers one part, uploads full parts concurrently, completes or aborts."""
+    """Buffers one part, uploads full parts concurrently, completes or aborts.
 
-    def __init__(self, owner: S3FileSystem, path: str) -> None:
+    Part buffers come from the process's pool and go back to it once their upload is
+    done, so saves reuse memory that is already mapped instead of faulting in fresh
+    pages for every part. With ``client.checksum`` every part carries its CRC32C, which the store
+    checks; the payload itself is not hashed for the signature (see ``S3FileSystem``)."""
+
+    def __init__(self, client: S3Client, path: str) -> None:
         super().__init__()
-        self._owner = owner
+        self._client = client
         self._path = path
-        self._bucket, self._key = owner._split(path)
-        self._part_size = owner.part_size
-        self._buf = bytearray(self._part_size)
+        self._bucket, self._key = split_path(path)
+        self._part_size = client.part_size
+        self._buf = take_buffer(self._part_size)
         self._fill = 0
         self._upload_id: str | None = None
-        self._parts: list[tuple[int, concurrent.futures.Future[Any]]] = []
+        self._parts: list[tuple[int, concurrent.futures.Future[Any], dict[str, str]]] = []
         self._tasks: list[asyncio.Task[Any]] = []
         self._finished = False
 
@@ -226,25 +295,27 @@ class MultipartWriter(io.RawIOBase):
         return f"uploading part {len(self._parts) + 1}"
 
     def _ship_part(self) -> None:
-        owner = self._owner
+        client = self._client
         if self._upload_id is None:
-            resp = owner._call(
+            resp = client.call(
                 "create_multipart_upload",
                 self._path,
                 "starting a multipart upload",
                 Bucket=self._bucket,
                 Key=self._key,
+                **({"ChecksumAlgorithm": "CRC32C"} if client.checksum else {}),
             )
             self._upload_id = resp["UploadId"]
         self._raise_failed()
         number = len(self._parts) + 1
         if number > _MAX_PARTS:
-            raise ValueError(f"{owner.url(self._path)}: more than {_MAX_PARTS} parts")
-        body = _PartBody(memoryview(self._buf)[: self._fill])
-        slots = owner._upload_slots()
-        slots.acquire()
+            raise ValueError(f"{client.url(self._path)}: more than {_MAX_PARTS} parts")
+        buffer, data = self._buf, memoryview(self._buf)[: self._fill]
+        checksum = client.checksum_args(data)
+        body = _PartBody(data)
+        client.slots.acquire()
         try:
-            fut = owner._submit(
+            fut = client.submit(
                 "upload_part",
                 self._tasks,
                 Bucket=self._bucket,
@@ -252,53 +323,57 @@ class MultipartWriter(io.RawIOBase):
                 UploadId=self._upload_id,
                 PartNumber=number,
                 Body=body,
+                **checksum,
             )
         except BaseException:
-            slots.release()
+            client.slots.release()
             raise
 
         def done(_: object) -> None:
             body.release()
-            slots.release()
+            client.slots.release()
+            recycle(buffer)
 
         fut.add_done_callback(done)
-        self._parts.append((number, fut))
+        self._parts.append((number, fut, checksum))
         # Parts may grow (S3 allows it), so objects past 10,000 x part_size still fit.
         if number % 1000 == 0:
             self._part_size *= 2
-        self._buf = bytearray(self._part_size)
+        self._buf = take_buffer(self._part_size)
         self._fill = 0
 
     def _raise_failed(self) -> None:
-        for number, fut in self._parts:
+        for number, fut, _ in self._parts:
             if fut.done() and fut.exception() is not None:
                 exc = fut.exception()
                 assert exc is not None
-                raise self._owner._translate(exc, self._path, f"uploading part {number}") from exc
+                raise self._client.translate(exc, self._path, f"uploading part {number}") from exc
 
     def finish(self) -> None:
-        owner = self._owner
+        client = self._client
         try:
             if self._upload_id is None:
-                owner._call(
+                body = bytes(memoryview(self._buf)[: self._fill])
+                client.call(
                     "put_object",
                     self._path,
                     "uploading",
                     Bucket=self._bucket,
                     Key=self._key,
-                    Body=bytes(self._buf[: self._fill]),
+                    Body=body,
+                    **client.checksum_args(body),
                 )
             else:
                 if self._fill:
                     self._ship_part()
                 parts = []
-                for number, fut in self._parts:
+                for number, fut, checksum in self._parts:
                     try:
                         resp = fut.result()
                     except Exception as exc:
-                        raise owner._translate(exc, self._path, f"uploading part {number}") from exc
-                    parts.append({"PartNumber": number, "ETag": resp["ETag"]})
-                owner._call(
+                        raise client.translate(exc, self._path, f"uploading part {number}") from exc
+                    parts.append({"PartNumber": number, "ETag": resp["ETag"], **checksum})
+                client.call(
                     "complete_multipart_upload",
                     self._path,
                     "completing the multipart upload",
@@ -310,24 +385,27 @@ class MultipartWriter(io.RawIOBase):
         except BaseException:
             self.abort()
             raise
+        self._done()
+
+    def _done(self) -> None:
         self._finished = True
+        recycle(self._buf)
         self._buf = bytearray()
 
     def abort(self) -> None:
         if self._finished:
             return
-        self._finished = True
-        self._buf = bytearray()
+        self._done()
         # Parts not started never start; started ones are cancelled and awaited, so no
         # part can land after the abort and leave the upload half alive.
-        for _, fut in self._parts:
+        for _, fut, _ in self._parts:
             fut.cancel()
         with contextlib.suppress(Exception):
-            fsspec.asyn.sync(self._owner.fs.loop, _settle, self._tasks)
+            self._client.run(_settle, self._tasks)
         if self._upload_id is None:
             return
         try:
-            self._owner._call(
+            self._client.call(
                 "abort_multipart_upload",
                 self._path,
                 "aborting the multipart upload",
@@ -340,7 +418,7 @@ class MultipartWriter(io.RawIOBase):
                 "could not abort multipart upload %s of %s: %s (a bucket lifecycle "
                 "rule AbortIncompleteMultipartUpload cleans these up)",
                 self._upload_id,
-                self._owner.url(self._path),
+                self._client.url(self._path),
                 exc,
             )
 

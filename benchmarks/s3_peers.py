@@ -1,0 +1,317 @@
+"""dcp-storage against its S3 peers on one SeaweedFS server, with a raw ceiling row.
+
+    python benchmarks/s3_peers.py                         # 268 MB, warm-up + median of 3
+    python benchmarks/s3_peers.py --size-mb 128 --repeat 3 --zstd
+
+Rows: ours (``storage.CheckpointWriter`` / ``CheckpointReader`` through ``dcp.save`` /
+``dcp.load``), stock ``FsspecWriter`` / ``FsspecReader`` (``thread_count=8``),
+s3torchconnector's ``S3StorageWriter`` / ``S3StorageReader`` (``thread_count=8``, its
+CRT client pointed at the server with ``endpoint=`` and ``force_path_style=True``),
+with ``--zstd`` also ours with ``extensions.ZStandard()``; and a raw ceiling: 8 objects
+x 32 MiB PUT then GET in 8 threads with boto3, no DCP.
+
+Protocol: one ``weed mini`` on free ports (``tests.servers.SeaweedFS``), one seeded
+state dict of 2048x2048 tensors (bf16, every fifth fp32) built once. Each client saves
+and loads a small state dict once as a warm-up, then the clients take turns (the order
+rotates every round) ``--repeat`` times; every save goes to a fresh prefix. Saves run in
+this long-lived process (a training job that checkpoints; clients warm). Every load
+runs in a fresh process (a restarted job: module imports, target allocation and the
+check untimed; client construction, metadata read and data timed), checked bit-exact.
+Client CPU is user+sys of the process doing the timed call (``os.times``), per GB of
+logical bytes; the server's own CPU is not in it, but it shares the same two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.servers import KEY, SECRET, SeaweedFS, boto3_client, s3_options  # noqa: E402
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+BUCKET = "bench"
+REGION = "us-east-1"
+MB = 1e6
+SaveFn = Callable[[dict[str, Any], str], None]
+LoadFn = Callable[[dict[str, Any], str], None]
+
+
+def build_state(size_mb: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    total = 0
+    while total < size_mb * MB:
+        i = len(state)
+        dtype = torch.float32 if i % 5 == 4 else torch.bfloat16
+        tensor = (torch.randn(2048, 2048, generator=gen) * 0.02).to(dtype)
+        state[f"layer{i:03d}.weight"] = tensor
+        total += tensor.numel() * tensor.element_size()
+    return state
+
+
+def logical_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+# --- clients -------------------------------------------------------------------------
+
+
+def _ours(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
+    import storage
+    import storage.backends.s3  # noqa: F401 - imported untimed, as the peers' modules are
+    from extensions import ZStandard
+
+    opts = s3_options(endpoint)
+    chain = [ZStandard()] if zstd else []
+
+    def save(state: dict[str, Any], url: str) -> None:
+        writer = storage.CheckpointWriter(url, transforms=chain, storage_options=opts)
+        dcp.save(state, storage_writer=writer)
+
+    def load(state: dict[str, Any], url: str) -> None:
+        dcp.load(state, storage_reader=storage.CheckpointReader(url, storage_options=opts))
+
+    return save, load
+
+
+def _stock(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
+    import s3fs  # noqa: F401 - imported untimed, as the other clients' modules are
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    opts = s3_options(endpoint)
+    chain = [ZStandard()] if zstd else None
+
+    def save(state: dict[str, Any], url: str) -> None:
+        writer = FsspecWriter(url, thread_count=8, _extensions=chain, **opts)
+        dcp.save(state, storage_writer=writer)
+
+    def load(state: dict[str, Any], url: str) -> None:
+        dcp.load(state, storage_reader=FsspecReader(url, **opts))
+
+    return save, load
+
+
+def _s3torchconnector(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
+    import s3torchconnector.dcp.s3_file_system as s3tc_fs
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+    from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    # Its DCP filesystem builds S3Client(region, ...) without an endpoint.
+    if not isinstance(s3tc_fs.S3Client, functools.partial):
+        s3tc_fs.S3Client = functools.partial(S3Client, endpoint=endpoint)
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", KEY)
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", SECRET)
+    config = S3ClientConfig(force_path_style=True)
+    chain = [ZStandard()] if zstd else None
+
+    def save(state: dict[str, Any], url: str) -> None:
+        writer = S3StorageWriter(
+            REGION, url, s3client_config=config, thread_count=8, _extensions=chain
+        )
+        dcp.save(state, storage_writer=writer)
+
+    def load(state: dict[str, Any], url: str) -> None:
+        dcp.load(state, storage_reader=S3StorageReader(REGION, url, s3client_config=config))
+
+    return save, load
+
+
+CLIENTS: dict[str, Callable[[str, bool], tuple[SaveFn, LoadFn]]] = {
+    "ours": _ours,
+    "stock fsspec": _stock,
+    "s3torchconnector": _s3torchconnector,
+}
+ZSTD_ROWS = {"ours+zstd": "ours"}
+
+
+def _make(name: str, endpoint: str) -> tuple[SaveFn, LoadFn]:
+    return CLIENTS[ZSTD_ROWS.get(name, name)](endpoint, name in ZSTD_ROWS)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(wall seconds, client CPU seconds) of ``fn()`` in this process."""
+    before, start = os.times(), time.perf_counter()
+    fn()
+    wall, after = time.perf_counter() - start, os.times()
+    return wall, (after.user - before.user) + (after.system - before.system)
+
+
+# --- a load in a fresh process -------------------------------------------------------
+
+
+def child_load(name: str, endpoint: str, url: str, size_mb: float) -> None:
+    expected = build_state(size_mb)
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}  # allocated and touched
+    _, load = _make(name, endpoint)
+    wall, cpu = timed(lambda: load(target, url))
+    ok = all(torch.equal(target[k], expected[k]) for k in expected)
+    print(json.dumps({"wall": wall, "cpu": cpu, "ok": ok}))
+
+
+def load_in_fresh_process(
+    name: str, endpoint: str, url: str, size_mb: float
+) -> tuple[float, float]:
+    here = os.path.abspath(__file__)
+    cmd = [sys.executable, here, "--child-load", name, endpoint, url, "--size-mb", str(size_mb)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"{name} load failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if not result["ok"]:
+        raise AssertionError(f"{name}: loaded tensors differ from the saved ones")
+    return float(result["wall"]), float(result["cpu"])
+
+
+# --- the raw ceiling -----------------------------------------------------------------
+
+
+def raw_ceiling(endpoint: str, objects: int = 8, size: int = 32 << 20) -> dict[str, float]:
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=REGION,
+        aws_access_key_id=KEY,
+        aws_secret_access_key=SECRET,
+        config=Config(max_pool_connections=objects * 2),
+    )
+    payload = os.urandom(size)
+    prefix = f"raw-{uuid.uuid4().hex}"
+    keys = [f"{prefix}/{i}" for i in range(objects)]
+    with concurrent.futures.ThreadPoolExecutor(objects) as pool:
+
+        def put_all() -> None:
+            list(pool.map(lambda k: client.put_object(Bucket=BUCKET, Key=k, Body=payload), keys))
+
+        def get_all() -> None:
+            bodies = pool.map(
+                lambda k: client.get_object(Bucket=BUCKET, Key=k)["Body"].read(), keys
+            )
+            assert all(len(b) == size for b in bodies)
+
+        put = timed(put_all)
+        get = timed(get_all)
+    _delete_prefix(endpoint, prefix)
+    total = objects * size
+    return {"save": put[0], "save_cpu": put[1], "load": get[0], "load_cpu": get[1], "bytes": total}
+
+
+def _delete_prefix(endpoint: str, prefix: str) -> None:
+    s3 = boto3_client(endpoint)
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    for page in pages:
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            s3.delete_objects(Bucket=BUCKET, Delete={"Objects": keys})
+
+
+# --- driver --------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, endpoint: str) -> None:
+    names = list(CLIENTS) + (list(ZSTD_ROWS) if args.zstd else [])
+    state = build_state(args.size_mb)
+    logical = logical_bytes(state)
+    clients = {name: _make(name, endpoint) for name in names}
+    small = build_state(20)
+    for name, (save, _) in clients.items():  # warm-up: clients, models, pools, server
+        url = f"s3://{BUCKET}/warm-{uuid.uuid4().hex}"
+        save(small, url)
+        load_in_fresh_process(name, endpoint, url, 20)
+    raw_ceiling(endpoint)  # its warm-up
+
+    samples: dict[str, dict[str, list[float]]] = {n: {} for n in names + ["raw ceiling"]}
+
+    def add(name: str, **values: float) -> None:
+        for key, value in values.items():
+            samples[name].setdefault(key, []).append(value)
+
+    for round_ in range(args.repeat):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in order:
+            prefix = f"{name.replace(' ', '-')}-{uuid.uuid4().hex}"
+            url = f"s3://{BUCKET}/{prefix}"
+            save_s, save_cpu = timed(lambda: clients[name][0](state, url))  # noqa: B023
+            load_s, load_cpu = load_in_fresh_process(name, endpoint, url, args.size_mb)
+            add(name, save=save_s, save_cpu=save_cpu, load=load_s, load_cpu=load_cpu)
+            _delete_prefix(endpoint, prefix)
+        raw = raw_ceiling(endpoint)
+        scale = logical / raw.pop("bytes")  # report the ceiling per the same bytes
+        add("raw ceiling", **{k: v * scale for k, v in raw.items()})
+    report(samples, logical, args)
+
+
+def report(
+    samples: dict[str, dict[str, list[float]]], logical: int, args: argparse.Namespace
+) -> None:
+    med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
+    gb, mb = logical / 1e9, logical / MB
+    peer, ceiling = med["s3torchconnector"], med["raw ceiling"]
+    print(
+        f"\nSeaweedFS, {mb:.0f} MB state dict, median of {args.repeat} after a warm-up; "
+        "saves in this process, loads in a fresh one; CPU = client user+sys per GB"
+    )
+    print(
+        "| client | save s | MB/s | CPU s/GB | load s | MB/s | CPU s/GB | "
+        "save vs s3tc (time, CPU) | load vs s3tc (time, CPU) | save, load % of ceiling |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, m in med.items():
+        print(
+            f"| {name} | {m['save']:.2f} | {mb / m['save']:.0f} | {m['save_cpu'] / gb:.2f} "
+            f"| {m['load']:.2f} | {mb / m['load']:.0f} | {m['load_cpu'] / gb:.2f} "
+            f"| {peer['save'] / m['save']:.2f}x, {m['save_cpu'] / peer['save_cpu']:.2f}x "
+            f"| {peer['load'] / m['load']:.2f}x, {m['load_cpu'] / peer['load_cpu']:.2f}x "
+            f"| {100 * ceiling['save'] / m['save']:.0f}%, "
+            f"{100 * ceiling['load'] / m['load']:.0f}% |"
+        )
+    print(
+        "\nvs s3tc: time = s3torchconnector's time / this row's (> 1: faster); CPU = this "
+        "row's CPU per GB / s3torchconnector's (< 1: cheaper). Ceiling: raw boto3, 8 x 32 "
+        "MiB in 8 threads, no DCP, scaled to the same bytes."
+    )
+    print("raw samples:", json.dumps(samples))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=268)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--zstd", action="store_true", help="add a row: ours with zstd")
+    parser.add_argument("--endpoint", help="use this S3 endpoint instead of starting SeaweedFS")
+    parser.add_argument("--child-load", nargs=3, metavar=("CLIENT", "ENDPOINT", "URL"))
+    args = parser.parse_args()
+    if args.child_load:
+        child_load(*args.child_load, args.size_mb)
+        return
+    if args.endpoint:
+        run(args, args.endpoint)
+        return
+    with SeaweedFS(bucket=BUCKET) as server:
+        print(f"SeaweedFS {server.url} (data in {server.dir})", flush=True)
+        run(args, server.url)
+
+
+if __name__ == "__main__":
+    main()
