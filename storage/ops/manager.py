@@ -20,7 +20,6 @@ import inspect
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
@@ -29,7 +28,6 @@ import torch.distributed as dist
 
 from extensions.base import Keys
 from extensions.errors import (
-    CheckpointInUseError,
     CheckpointNotFoundError,
     CheckpointStorageError,
 )
@@ -38,22 +36,15 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import api, incremental
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
-from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     StepInfo,
-    committed_files,
-    delete_checkpoint,
     directory_info,
-    is_checkpoint_file_name,
     is_committed,
-    is_data_file_name,
-    is_metadata_name,
     parse_step,
-    remove_leftovers,
 )
-from storage.checkpoint.prefixes import expand
 from storage.checkpoint.writer import CheckpointWriter
+from storage.ops.retention import Retention
 
 if TYPE_CHECKING:
     from storage.ops.tiers import LocalTier
@@ -165,6 +156,7 @@ class CheckpointManager:
         self.full_every = full_every
         self.fs, self.root = resolve_location(root_url, storage_options, filesystem)
         self._lock = threading.Lock()
+        self.retention = Retention(self)
         self._pending: concurrent.futures.Future[None] | None = None
         self._saving: int | None = None
         self._saving_base: int | None = None
@@ -366,83 +358,36 @@ class CheckpointManager:
         )
         return step
 
-    # --- deleting -------------------------------------------------------------------
+    # --- deleting (storage/ops/retention.py) -----------------------------------------
 
     def delete(self, step: int) -> None:
         """Delete ``root/step-{step}``: its metadata first, then the data files that
-        metadata names, then the directory once empty (see
-        :func:`~storage.checkpoint.layout.delete_checkpoint`). Raises
-        :class:`UnsafeCheckpointError` for a step that is a symbolic link."""
-        path = self.step_path(step)
-        try:
-            incremental.refuse_if_referenced(self.fs, path)
-            delete_checkpoint(self.fs, path)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.fs.url(path)} does not exist") from None
+        metadata names, then the directory once empty. Raises
+        :class:`UnsafeCheckpointError` for a step that is a symbolic link and
+        :class:`CheckpointInUseError` for one that a committed step references."""
+        self.retention.delete(step)
 
     def retained(self, steps: Sequence[int], protect: int | None = None) -> set[int]:
         """Which of ``steps`` the retention policy keeps."""
-        if self.keep_last is None:
-            return set(steps)
-        ordered = sorted(steps)
-        keep = set(ordered[-self.keep_last :])
-        if self.keep_every is not None:
-            keep |= {s for s in ordered if s % self.keep_every == 0}
-        if protect is not None:
-            keep.add(protect)
-        return keep
+        return self.retention.retained(steps, protect)
 
     def apply_retention(self, *, dry_run: bool = False, protect: int | None = None) -> list[int]:
-        """Delete committed steps the policy does not keep; returns them.
-
-        Uncommitted directories are :meth:`cleanup`'s business and are not touched;
-        steps that are symbolic links are kept (and logged)."""
-        if self.keep_last is None or not self._deletes():
-            return []
-        steps = self.durable_steps()
-        with self._lock:
-            in_flight = {s for s in (self._saving, self._saving_base) if s is not None}
-        keep = self.retained(steps, protect) | in_flight
-        keep |= self._skip_linked(s for s in steps if s not in keep)
-        if any(s not in keep for s in steps):
-            keep |= self._bases_of(keep)
-        doomed = [s for s in steps if s not in keep]
-        if not dry_run:
-            for step in reversed(doomed):  # references point to older steps: users first
-                try:
-                    self.delete(step)
-                except CheckpointInUseError as exc:  # referenced from outside the policy
-                    log.warning("kept %s: %s", self.step_url(step), exc)
-                    doomed.remove(step)
-        return doomed
+        """Delete committed steps the policy does not keep; returns them. Uncommitted
+        directories are :meth:`cleanup`'s business; linked and referenced steps are kept
+        (and logged)."""
+        return self.retention.apply(dry_run=dry_run, protect=protect)
 
     def referenced_by(self) -> dict[int, list[int]]:
         """For each step whose bytes committed steps reference (incremental saves):
         those steps, ascending."""
-        users: dict[int, list[int]] = {}
-        for step in self.steps():
-            for name in incremental.references(self.fs, self.step_path(step)):
-                base = parse_step(name)
-                if base is not None:
-                    users.setdefault(base, []).append(step)
-        return users
+        return self.retention.referenced_by()
 
-    def _bases_of(self, keep: set[int]) -> set[int]:
-        """The steps that the steps in ``keep`` reference, directly or through each
-        other: retention keeps them, and says so."""
-        found: set[int] = set()
-        frontier = sorted(keep)
-        while frontier:
-            step = frontier.pop()
-            for name in incremental.references(self.fs, self.step_path(step)):
-                base = parse_step(name)
-                if base is not None and base not in keep and base not in found:
-                    log.info(
-                        "kept %s: %s references its bytes", self.step_url(base), f"step-{step}"
-                    )
-                    found.add(base)
-                    frontier.append(base)
-        return found
+    def cleanup(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[int]:
+        """Remove leftovers of interrupted saves older than ``grace_seconds`` (choose more
+        than your longest save): uncommitted ``step-<N>`` directories of checkpoint files,
+        and data files that a committed step's metadata does not name. Returns the steps
+        removed whole."""
+        return self.retention.cleanup(grace_seconds, dry_run=dry_run)
 
     def _retain_quietly(self, step: int) -> None:
         # The save is committed; a failure to prune must not turn it into a failure.
@@ -454,97 +399,10 @@ class CheckpointManager:
             if removed:
                 log.info("retention removed steps %s under %s", removed, self.url)
 
-    def cleanup(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[int]:
-        """Remove leftovers of interrupted saves: ``step-<N>`` directories without
-        metadata whose files are all older than ``grace_seconds`` (choose more than
-        your longest save). Directories holding anything that is not a checkpoint file,
-        or whose age the backend cannot tell, are kept. Inside committed steps, data
-        files that the metadata does not name (a multi-rank save that failed on another
-        rank leaves them) are removed once older than the grace too. Returns the steps
-        removed whole."""
-        if not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
-            raise ValueError(f"grace_seconds must be a number >= 0, got {grace_seconds!r}")
-        if not self._deletes():
-            return []
-        horizon = time.time() - grace_seconds
-        removed = []
-        dirs = self._step_dirs()
-        linked = self._skip_linked(s for s, _ in dirs)
-        for step, name in dirs:
-            with self._lock:
-                if step == self._saving or step in linked:
-                    continue
-            path = self.fs.concat_path(self.root, name)
-            stale = self._stale_leftover(path, horizon)
-            if stale is not None:
-                if not dry_run:
-                    remove_leftovers(self.fs, path, stale)
-                removed.append(step)
-            elif not dry_run:
-                self._remove_orphans(path, horizon)
-        return removed
-
-    def _remove_orphans(self, path: str, horizon: float) -> None:
-        meta_path = self.fs.concat_path(path, fmt.METADATA_NAME)
-        try:
-            names = expand(self.fs, path)
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        if fmt.METADATA_NAME not in names or any(
-            is_metadata_name(n) and n != fmt.METADATA_NAME for n in names
-        ):
-            return  # rank-local metadata: which files are whose is not ours to guess
-        referenced = committed_files(self.fs, meta_path)
-        if not referenced:
-            return  # unreadable metadata: touch nothing
-        for name in names:
-            if not is_data_file_name(name) or name in referenced:
-                continue
-            file_path = self.fs.concat_path(path, name)
-            try:
-                mtime = self.fs.modified(file_path)
-            except FileNotFoundError:
-                continue
-            if mtime is not None and mtime < horizon:
-                log.info("%s: removing %s, which its metadata does not name", path, name)
-                remove_quietly(self.fs, [file_path])
-
-    def _deletes(self) -> bool:
+    def may_delete(self) -> bool:
+        """Whether this process deletes: rank 0 under a process group, unless
+        ``coordinator`` says otherwise."""
         return self.coordinator if self.coordinator is not None else _is_rank_zero()
-
-    def _skip_linked(self, steps: Any) -> set[int]:
-        """Those of ``steps`` that are symbolic links, each logged as kept."""
-        linked = set()
-        for step in steps:
-            path = self.fs.concat_path(self.root, f"{STEP_PREFIX}{step}")
-            if self.fs.is_link(path):
-                log.warning(
-                    "%s is a symbolic link to a checkpoint elsewhere: kept, never deleted "
-                    "through the link",
-                    self.fs.url(path),
-                )
-                linked.add(step)
-        return linked
-
-    def _stale_leftover(self, path: str, horizon: float) -> list[str] | None:
-        """The names in ``path`` if it is an uncommitted directory of checkpoint files
-        all older than ``horizon``, else ``None``."""
-        try:
-            names = expand(self.fs, path)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        if any(is_metadata_name(n) for n in names):
-            return None
-        if not all(is_checkpoint_file_name(n) for n in names):
-            log.info("%s: not cleaned up, it holds files that are not ours", self.fs.url(path))
-            return None
-        try:
-            times = [self.fs.modified(self.fs.concat_path(path, n)) for n in names] or [
-                self.fs.modified(path)
-            ]
-        except FileNotFoundError:
-            return None
-        return names if all(t is not None and t < horizon for t in times) else None
 
 
 def _check_step(step: object) -> int:
