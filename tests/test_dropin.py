@@ -28,6 +28,7 @@ import storage
 from storage.backends.base import FileSystemBase
 from storage.testing import FileSystemTests
 from tests.conftest import assert_tree_equal, zeros_like_tree
+from tests.local_disk import LocalDiskFixtures
 
 # --- the harness ----------------------------------------------------------------------
 
@@ -415,25 +416,12 @@ def _torch_fsspec_fs() -> Any:
     return storage.TorchFileSystem(FileSystem())
 
 
-class TestTorchLocalFileSystem(FileSystemTests):
+class TestTorchLocalFileSystem(LocalDiskFixtures, FileSystemTests):
     """Our backend contract, met by torch's own local FileSystem through the adapter."""
 
     @pytest.fixture
     def fs(self) -> FileSystemBase:
         return _torch_local_fs()
-
-    @pytest.fixture
-    def root(self, fs: FileSystemBase, tmp_path: Any) -> str:
-        return fs.init_path(os.path.join(str(tmp_path), "root"))
-
-    def bypass_write(self, fs: FileSystemBase, path: str, data: bytes) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-
-    def bypass_read(self, fs: FileSystemBase, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
 
 
 class TestTorchFsspecFileSystem(FileSystemTests):

@@ -10,25 +10,13 @@ import pytest
 from storage import LocalFileSystem, MemoryFileSystem
 from storage.backends.base import FileSystemBase
 from storage.testing import FileSystemTests
+from tests.local_disk import LocalDiskFixtures
 
 
-class TestLocalFileSystem(FileSystemTests):
+class TestLocalFileSystem(LocalDiskFixtures, FileSystemTests):
     @pytest.fixture
     def fs(self) -> FileSystemBase:
         return LocalFileSystem()
-
-    @pytest.fixture
-    def root(self, fs: FileSystemBase, tmp_path: object) -> str:
-        return fs.init_path(os.path.join(str(tmp_path), "root"))
-
-    def bypass_write(self, fs: FileSystemBase, path: str, data: bytes) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-
-    def bypass_read(self, fs: FileSystemBase, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
 
 
 class TestMemoryFileSystem(FileSystemTests):

@@ -1,0 +1,27 @@
+"""Fixtures for conformance tests of backends that keep their files on local disk (the
+suite's ground truth is read and written with plain ``open``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from storage.backends.base import FileSystemBase
+
+
+class LocalDiskFixtures:
+    """Mixed into a ``FileSystemTests`` subclass whose ``fs`` stores plain files."""
+
+    @pytest.fixture
+    def root(self, fs: FileSystemBase, tmp_path: object) -> str:
+        return fs.init_path(os.path.join(str(tmp_path), "root"))
+
+    def bypass_write(self, fs: FileSystemBase, path: str, data: bytes) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def bypass_read(self, fs: FileSystemBase, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
