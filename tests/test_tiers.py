@@ -93,6 +93,28 @@ def test_retention_per_tier_and_listing(tmp_path: Path) -> None:
     }
 
 
+def test_cli_ls_shows_the_tiers_holding_each_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from storage.cli import main
+
+    # Step 1 is durable and still local, step 2 only local (not drained yet): what a
+    # crash between a tiered save and its drain leaves. ls must say where each step is.
+    for tier, steps in (("durable", (1,)), ("local", (1, 2))):
+        for step in steps:
+            mgr = CheckpointManager(tmp_path / tier)
+            mgr.save(step, _state(step))
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    assert main(["ls", root, "--local", local, "--json"]) == 0
+    rows = {c["name"]: c["tiers"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows == {"step-1": ["local", "durable"], "step-2": ["local"]}
+    assert main(["ls", root, "--local", local]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-1] == "TIERS" and lines[2].split()[-1] == "local"
+
+
 def test_local_copies_stay_until_durable(tmp_path: Path) -> None:
     # The root cannot be written (a plain file stands where its directory should be):
     # every drain fails, so nothing may leave the local tier.

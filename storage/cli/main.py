@@ -48,6 +48,12 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
     mgr = CheckpointManager(fs.url(root), filesystem=fs)
     infos = mgr.entries()
+    if args.local:  # a tiered manager's local tier: which tiers hold each step
+        from storage.ops.tiers import merge_entries
+
+        local_fs, local_root = location(args.local, args.local_storage_option)
+        local = CheckpointManager(local_fs.url(local_root), filesystem=local_fs)
+        infos = merge_entries(local.entries(), infos)
     try:
         others = [n for n in fs.ls(root) if parse_step(n) is None]
     except NotADirectoryError:
@@ -61,9 +67,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     state = {True: "committed", False: "uncommitted"}
     rows = [
         [i.name, state[i.committed], str(i.files), human_size(i.size), human_age(i.modified)]
+        + ([",".join(i.tiers) or "-"] if args.local else [])
         for i in infos
     ]
-    text = table(["NAME", "STATE", "FILES", "SIZE", "AGE"], rows, right={2, 3, 4})
+    head = ["NAME", "STATE", "FILES", "SIZE", "AGE"] + (["TIERS"] if args.local else [])
+    text = table(head, rows, right={2, 3, 4})
     latest = mgr.latest()
     if latest is not None:
         text += f"\nlatest: step-{latest}"
@@ -319,6 +327,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = add("ls", "list the step-<N> checkpoints under ROOT, committed or not")
     ls.add_argument("root", metavar="ROOT")
+    ls.add_argument(
+        "--local",
+        metavar="PATH_OR_URL",
+        help="a tiered manager's local tier: also list its steps and which tiers hold each",
+    )
+    ls.add_argument(
+        "--local-storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="client option for the local tier (repeatable)",
+    )
     ls.set_defaults(func=_cmd_ls)
 
     inspect = add("inspect", "show a checkpoint's items, sizes and transforms")

@@ -129,17 +129,8 @@ class LocalTier:
         }
 
     def merge_entries(self, durable: list[StepInfo]) -> list[StepInfo]:
-        """``durable`` (the root's entries) with the local-only steps added and each
-        entry's ``tiers`` filled in; a step in both tiers is listed with the root's facts."""
-        local = {i.step: i for i in self.local.entries() if i.committed}
-        merged = {i.step: i for i in durable}
-        for step, info in local.items():
-            held = merged.get(step)
-            if held is not None and held.committed:
-                merged[step] = _with_tiers(held, (LOCAL, DURABLE))
-            else:
-                merged[step] = _with_tiers(info, (LOCAL,))
-        return [merged[s] for s in sorted(merged, key=lambda s: -1 if s is None else s)]
+        """``durable`` (the root's entries) merged with this node's local tier."""
+        return merge_entries(self.local.entries(), durable)
 
     # --- save -----------------------------------------------------------------------
 
@@ -494,6 +485,22 @@ def _local_moves(
             src = next(q for q in range(g.world) if step in reports[q])
             meta.append((src, rank, [fmt.METADATA_NAME]))
     return data + meta  # metadata last: a node's copy counts once its files are there
+
+
+def merge_entries(local: list[StepInfo], durable: list[StepInfo]) -> list[StepInfo]:
+    """``durable`` (a root's entries) with the steps only ``local`` (a local tier's
+    entries) holds committed added, and each entry's ``tiers`` filled in; a step in both
+    tiers is listed with the root's facts."""
+    merged = {i.step: i for i in durable}
+    for info in local:
+        if not info.committed:
+            continue
+        held = merged.get(info.step)
+        if held is not None and held.committed:
+            merged[info.step] = _with_tiers(held, (LOCAL, DURABLE))
+        else:
+            merged[info.step] = _with_tiers(info, (LOCAL,))
+    return [merged[s] for s in sorted(merged, key=lambda s: -1 if s is None else s)]
 
 
 def _with_tiers(info: StepInfo, tiers: tuple[str, ...]) -> StepInfo:
