@@ -42,9 +42,12 @@ def _state() -> dict[str, torch.Tensor]:
     return state
 
 
-def _fs(proxy: FaultProxy, attempts: int | None = None) -> GCSFileSystem:
-    # 1 MiB chunks: every 3 MiB item is a resumable upload of several chunks.
-    fs = GCSFileSystem(storage_options=gcs_options(proxy.url), part_size=MiB)
+def _fs(proxy: FaultProxy, attempts: int | None = None, single: int = MiB) -> GCSFileSystem:
+    # 1 MiB chunks, no single request past one: every 3 MiB item is a resumable upload
+    # of several chunks.
+    fs = GCSFileSystem(
+        storage_options=gcs_options(proxy.url), part_size=MiB, single_request_size=single
+    )
     if attempts is not None:
         fs.fs.retries = attempts  # this proxy's own client: gcsfs's attempts, lowered
     return fs
@@ -150,6 +153,40 @@ def test_upload_buffers_are_reused(proxy: FaultProxy) -> None:
         kept.append(list(_gcs_io.BUFFERS._idle))
     assert len(kept[0]) == 1 and all(k == kept[0] and k[0] is kept[0][0] for k in kept)
     assert fs.read_bytes(f"{root}/c") == b"x" * (2 * MiB + 5)
+
+
+def test_objects_up_to_the_limit_go_up_in_one_request(proxy: FaultProxy) -> None:
+    fs = _fs(proxy, single=4 * MiB)
+    root = fs.init_path(f"gs://{BUCKET}/{uuid.uuid4().hex}")
+    data = bytes(range(256)) * (3 * MiB // 256) + b"tail"  # 3 MiB and a bit: 4 buffers
+    for name in ("one", "two"):
+        with fs.create_stream(f"{root}/{name}", "wb") as stream:
+            for start in range(0, len(data), 100_000):
+                stream.write(data[start : start + 100_000])
+    assert fs.read_bytes(f"{root}/one") == fs.read_bytes(f"{root}/two") == data
+    uploads = [(m, t) for m, t in proxy.arrivals if "/upload/" in t]
+    assert len(uploads) == 2 and all("uploadType=media" in t for _, t in uploads)
+    assert _gcs_io.HELD._used == 0  # the held buffers went back
+
+
+def test_held_budget_bounds_single_requests(
+    proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No room to hold buffers: a 3 MiB object goes up as a resumable upload instead.
+    monkeypatch.setattr(_gcs_io, "HELD", _gcs_io._Budget(MiB))
+    fs = _fs(proxy, single=64 * MiB)
+    root = fs.init_path(f"gs://{BUCKET}/{uuid.uuid4().hex}")
+    with fs.create_stream(f"{root}/obj", "wb") as stream:
+        stream.write(b"y" * (3 * MiB + 1))
+    assert fs.read_bytes(f"{root}/obj") == b"y" * (3 * MiB + 1)
+    puts = [t for m, t in proxy.arrivals if m == "PUT"]
+    assert len(puts) == 4  # three full chunks (the held one among them), then the last byte
+    assert _gcs_io.HELD._used == 0
+    with pytest.raises(RuntimeError, match="boom"), fs.create_stream(f"{root}/x", "wb") as s:
+        s.write(b"z" * (MiB + 1))  # one buffer held
+        assert _gcs_io.HELD._used == MiB
+        raise RuntimeError("boom")
+    assert _gcs_io.HELD._used == 0 and not fs.exists(f"{root}/x")
 
 
 def test_buffer_pool_keeps_what_fits() -> None:

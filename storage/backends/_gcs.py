@@ -31,6 +31,7 @@ except ImportError as _exc:  # pragma: no cover - exercised without the extra in
     ) from _exc
 
 DEFAULT_PART_SIZE = 16 << 20
+DEFAULT_SINGLE_REQUEST_SIZE = 64 << 20
 DEFAULT_CONNECT_TIMEOUT = 10
 DEFAULT_READ_TIMEOUT = 60
 _CHUNK_UNIT = 256 << 10  # resumable upload chunks are multiples of 256 KiB
@@ -55,12 +56,16 @@ class GCSFileSystem(FsspecFileSystem):
     stacks on top of it. Filesystem objects of one process with equal options share
     one gcsfs client (its connections and access token).
 
-    Writes buffer ``part_size`` bytes (default 16 MiB, a multiple of 256 KiB) in a
-    buffer kept for reuse across saves: objects that fit go up in one request
-    (``uploadType=media``), larger ones as a resumable upload in ``part_size`` chunks
+    Writes fill ``part_size`` buffers (default 16 MiB, a multiple of 256 KiB) kept for
+    reuse across saves. Objects up to ``single_request_size`` (default 64 MiB) go up in
+    one request (``uploadType=media``): one round trip, no session to cancel; their
+    full buffers are held until the object ends, within a process-wide budget of 256
+    MiB (``storage.backends._gcs_io.HELD``), past which they go up as resumable
+    uploads. Larger objects go up as resumable uploads in ``part_size`` chunks
     (sequential within a file, as the protocol requires; files upload in parallel).
-    Bodies go to the socket as slices of that buffer, never copied whole. A failed
-    write cancels its resumable session. ``write_atomic(..., exclusive=True)`` uses
+    Memory: one buffer per file being written plus at most the held budget. Bodies go
+    to the socket as slices of the buffers, never copied whole. A failed write cancels
+    its resumable session. ``write_atomic(..., exclusive=True)`` uses
     ``ifGenerationMatch=0``.
 
     A slice is read with one ranged GET whose body is copied from the socket's chunks
@@ -75,6 +80,7 @@ class GCSFileSystem(FsspecFileSystem):
         *,
         storage_options: dict[str, Any] | None = None,
         part_size: int | None = None,
+        single_request_size: int = DEFAULT_SINGLE_REQUEST_SIZE,
         io_concurrency: int | None = None,
     ) -> None:
         super().__init__(storage_options=storage_options)
@@ -82,6 +88,7 @@ class GCSFileSystem(FsspecFileSystem):
         if size < _CHUNK_UNIT or size % _CHUNK_UNIT:
             raise ValueError(f"part_size must be a multiple of 256 KiB, got {part_size}")
         self.part_size = size
+        self.single_request_size = int(single_request_size)
         if io_concurrency is not None:
             self.io_concurrency = int(io_concurrency)
 
@@ -122,7 +129,13 @@ class GCSFileSystem(FsspecFileSystem):
             with super().create_stream(path, mode, sync=sync) as stream:
                 yield stream
             return
-        upload = Upload(self.fs, path, self.part_size, functools.partial(self._errors, path))
+        upload = Upload(
+            self.fs,
+            path,
+            functools.partial(self._errors, path),
+            part_size=self.part_size,
+            single_request_size=self.single_request_size,
+        )
         try:
             yield upload  # type: ignore[misc]
         except BaseException:

@@ -11,6 +11,7 @@ import contextlib
 import io
 import logging
 import random
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -41,15 +42,42 @@ Errors = Callable[[str], contextlib.AbstractContextManager[None]]
 
 
 class _Body:
-    """A bytes-like body as an async iterable of memoryview slices; every iteration
-    starts again from the first byte, so a retried request sends it whole again."""
+    """Byte buffers as one body: an async iterable of memoryview slices. Every
+    iteration starts again from the first byte, so a retried request sends it whole."""
 
-    def __init__(self, data: memoryview) -> None:
-        self.data = data
+    def __init__(self, *parts: memoryview) -> None:
+        self.parts = parts
+        self.size = sum(len(p) for p in parts)
 
     async def __aiter__(self) -> AsyncIterator[memoryview]:
-        for start in range(0, len(self.data), _SEND_SLICE):
-            yield self.data[start : start + _SEND_SLICE]
+        for part in self.parts:
+            for start in range(0, len(part), _SEND_SLICE):
+                yield part[start : start + _SEND_SLICE]
+
+
+class _Budget:
+    """Bytes that uploads may hold beyond their one buffer, across the process."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self._used + n > self.limit:
+                return False
+            self._used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+
+
+#: Full buffers that uploads of the process may hold, waiting to go up as one request
+#: (see ``Upload``), at most this many bytes together.
+HELD = _Budget(256 << 20)
 
 
 T = TypeVar("T")
@@ -107,21 +135,34 @@ def _split(path: str) -> tuple[str, str]:
 
 
 class Upload(io.RawIOBase):
-    """Writes one object: buffered ``part_size`` bytes at a time in a buffer from
-    ``BUFFERS``. An object that fits in one buffer goes up in one request
-    (``uploadType=media``); a larger one as a resumable upload whose chunks are the
-    full buffers, sent in order (the protocol allows no other), the last one finalizing
-    it. Nothing is visible at ``path`` before :meth:`finish` returns; :meth:`abort`
-    cancels the resumable session."""
+    """Writes one object, ``part_size`` bytes at a time into buffers from ``BUFFERS``.
 
-    def __init__(self, gcs: gcsfs.GCSFileSystem, path: str, part_size: int, errors: Errors) -> None:
+    An object up to ``single_request_size`` goes up in one request
+    (``uploadType=media``): its full buffers are held until it ends, as long as the
+    process-wide ``HELD`` budget has room. A larger object (or one that finds no room)
+    goes up as a resumable upload whose chunks are the buffers, sent in order (the
+    protocol allows no other), the last one finalizing it. So memory stays within one
+    buffer per open upload plus ``HELD.limit``. Nothing is visible at ``path`` before
+    :meth:`finish` returns; :meth:`abort` cancels the resumable session."""
+
+    def __init__(
+        self,
+        gcs: gcsfs.GCSFileSystem,
+        path: str,
+        errors: Errors,
+        *,
+        part_size: int,
+        single_request_size: int,
+    ) -> None:
         super().__init__()
         self._gcs = gcs
         self._path = path
-        self._part_size = part_size
         self._errors = errors
+        self._part_size = part_size
+        self._single = single_request_size
         self._buf = BUFFERS.take(part_size)
         self._fill = 0
+        self._held: list[bytearray] = []
         self._sent = 0
         self._location: str | None = None
         self._done = False
@@ -138,18 +179,24 @@ class Upload(io.RawIOBase):
             self._fill += take
             view = view[take:]
             if self._fill == self._part_size:
+                if self._location is None and self._hold():
+                    continue
                 with self._errors("uploading"):
-                    fsspec.asyn.sync(self._gcs.loop, self._send_chunk, final=False)
+                    for buffer in [*self._held, self._buf]:
+                        fsspec.asyn.sync(self._gcs.loop, self._send_chunk, memoryview(buffer))
+                        self._drop_held()
+                self._fill = 0
         return total
 
     def finish(self) -> None:
-        """Publish the object (the last chunk, or the only request)."""
+        """Publish the object (the only request, or the last chunk)."""
+        data = memoryview(self._buf)[: self._fill]
         try:
             with self._errors("uploading"):
                 if self._location is None:
-                    fsspec.asyn.sync(self._gcs.loop, self._upload_whole)
+                    fsspec.asyn.sync(self._gcs.loop, self._upload_whole, data)
                 else:
-                    fsspec.asyn.sync(self._gcs.loop, self._send_chunk, final=True)
+                    fsspec.asyn.sync(self._gcs.loop, self._send_chunk, data, final=True)
         except BaseException:
             self.abort()
             raise
@@ -178,25 +225,43 @@ class Upload(io.RawIOBase):
         if not self.closed:
             super().close()
 
+    def _hold(self) -> bool:
+        """Keep the full buffer for a single request, if the object may still fit."""
+        if (len(self._held) + 2) * self._part_size > self._single:
+            return False
+        if not HELD.take(self._part_size):
+            return False
+        self._held.append(self._buf)
+        self._buf = BUFFERS.take(self._part_size)
+        self._fill = 0
+        return True
+
+    def _drop_held(self) -> None:
+        if self._held:
+            BUFFERS.give(self._held.pop(0))
+            HELD.give(self._part_size)
+
     def _release(self) -> None:
         self._done = True
+        while self._held:
+            self._drop_held()
         buffer, self._buf = self._buf, bytearray()
         if buffer:
             BUFFERS.give(buffer)
 
-    async def _upload_whole(self) -> None:
+    async def _upload_whole(self, data: memoryview) -> None:
         bucket, key = _split(self._path)
-        data = memoryview(self._buf)[: self._fill]
+        body = _Body(*(memoryview(b) for b in self._held), data)
         await _request(
             self._gcs,
             "POST",
             f"{self._gcs._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o",
             params={"uploadType": "media", "name": key},
-            headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(data))},
-            data=_Body(data),
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(body.size)},
+            data=body,
         )
 
-    async def _send_chunk(self, *, final: bool) -> None:
+    async def _send_chunk(self, data: memoryview, *, final: bool = False) -> None:
         gcs = self._gcs
         if self._location is None:
             bucket, key = _split(self._path)
@@ -209,17 +274,18 @@ class Upload(io.RawIOBase):
                 headers={"X-Upload-Content-Type": "application/octet-stream"},
             )
             self._location = str(headers["Location"])
-        data = memoryview(self._buf)[: self._fill]
-        start = self._sent
+        start, size = self._sent, len(data)
         while True:
             total = str(start + len(data)) if final else "*"
             first_last = f"{start}-{start + len(data) - 1}" if data else "*"
-            span = f"bytes {first_last}/{total}"
             headers, _ = await _request(
                 gcs,
                 "PUT",
                 self._location,
-                headers={"Content-Range": span, "Content-Length": str(len(data))},
+                headers={
+                    "Content-Range": f"bytes {first_last}/{total}",
+                    "Content-Length": str(len(data)),
+                },
                 data=_Body(data),
             )
             # 308 with the range the server has persisted; the rest goes again.
@@ -230,8 +296,7 @@ class Upload(io.RawIOBase):
             if end >= start + len(data):
                 break
             data, start = data[end - start :], end
-        self._sent += self._fill
-        self._fill = 0
+        self._sent += size
 
 
 class RangeReader(io.RawIOBase):
