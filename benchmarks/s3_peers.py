@@ -168,9 +168,11 @@ def child_load(name: str, endpoint: str, url: str, size_mb: float) -> None:
 
 
 def load_in_fresh_process(
-    name: str, endpoint: str, url: str, size_mb: float
+    name: str, endpoint: str, url: str, size_mb: float, script: str = __file__
 ) -> tuple[float, float]:
-    here = os.path.abspath(__file__)
+    """Run ``script --child-load NAME ENDPOINT URL --size-mb N`` (a benchmark whose
+    ``--child-load`` calls its own client's load) and return its (wall, CPU) seconds."""
+    here = os.path.abspath(script)
     cmd = [sys.executable, here, "--child-load", name, endpoint, url, "--size-mb", str(size_mb)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode:

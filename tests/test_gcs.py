@@ -50,8 +50,11 @@ def _prefix(url: str) -> str:
 class TestGCSFileSystem(FileSystemTests):
     @pytest.fixture
     def fs(self, endpoint: str) -> FileSystemBase:
-        # 1 MiB chunks: the 5 MiB case goes up as a resumable upload of several chunks.
-        return GCSFileSystem(storage_options=gcs_options(endpoint), part_size=1 << 20)
+        # 1 MiB chunks, no single request past one: the 5 MiB case goes up as a
+        # resumable upload of several chunks.
+        return GCSFileSystem(
+            storage_options=gcs_options(endpoint), part_size=1 << 20, single_request_size=1 << 20
+        )
 
     @pytest.fixture
     def root(self, fs: FileSystemBase) -> str:
@@ -96,7 +99,9 @@ def test_dcp_round_trip(endpoint: str, state_dict: dict, chain: str) -> None:
 
 def test_resumable_upload_round_trip(endpoint: str) -> None:
     url = _url()
-    fs = GCSFileSystem(storage_options=gcs_options(endpoint), part_size=1 << 20)
+    fs = GCSFileSystem(
+        storage_options=gcs_options(endpoint), part_size=1 << 20, single_request_size=1 << 20
+    )
     state = {"big": torch.randn(1 << 20), "small": torch.arange(5)}  # 4 MiB: 4+ chunks
     storage.save(state, url, filesystem=fs, transforms=[ZStandard()])
     target = {"big": torch.zeros(1 << 20), "small": torch.zeros(5, dtype=torch.int64)}
@@ -105,7 +110,9 @@ def test_resumable_upload_round_trip(endpoint: str) -> None:
 
 
 def test_failed_resumable_write_leaves_nothing(endpoint: str) -> None:
-    fs = GCSFileSystem(storage_options=gcs_options(endpoint), part_size=1 << 20)
+    fs = GCSFileSystem(
+        storage_options=gcs_options(endpoint), part_size=1 << 20, single_request_size=1 << 20
+    )
     path = fs.init_path(_url()) + "/obj"
     with pytest.raises(RuntimeError, match="boom"), fs.create_stream(path, "wb") as stream:
         stream.write(b"x" * (3 << 20))  # a resumable session is open by now

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import os
+import threading
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 from extensions.errors import CheckpointNotFoundError, MissingDependencyError
 from storage.backends._fsspec import FsspecFileSystem
@@ -16,8 +19,11 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 try:
     import aiohttp
+    import fsspec.utils
     import gcsfs
     from gcsfs.retry import HttpError
+
+    from storage.backends._gcs_io import RangeReader, Upload
 except ImportError as _exc:  # pragma: no cover - exercised without the extra installed
     raise MissingDependencyError(
         f"gs:// URLs need gcsfs ({_exc.name or _exc}); install it with: "
@@ -25,9 +31,16 @@ except ImportError as _exc:  # pragma: no cover - exercised without the extra in
     ) from _exc
 
 DEFAULT_PART_SIZE = 16 << 20
+DEFAULT_SINGLE_REQUEST_SIZE = 64 << 20
 DEFAULT_CONNECT_TIMEOUT = 10
 DEFAULT_READ_TIMEOUT = 60
 _CHUNK_UNIT = 256 << 10  # resumable upload chunks are multiples of 256 KiB
+
+# gcsfs clients shared by the filesystem objects of one process that have the same
+# options: each save and load would otherwise open new connections (TLS handshakes)
+# and fetch a new access token.
+_SHARED: dict[tuple[int, str], gcsfs.GCSFileSystem] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 class GCSFileSystem(FsspecFileSystem):
@@ -40,13 +53,24 @@ class GCSFileSystem(FsspecFileSystem):
 
     Retries are gcsfs's single layer: 6 attempts with exponential backoff and jitter
     (sleeps of about 1, 2, 4, 8, 16 s) on 5xx, 408, 429 and connection errors; nothing
-    stacks on top of it.
+    stacks on top of it. Filesystem objects of one process with equal options share
+    one gcsfs client (its connections and access token).
 
-    Writes buffer ``part_size`` bytes (default 16 MiB, a multiple of 256 KiB): objects
-    that fit go up in one request, larger ones as a resumable upload in ``part_size``
-    chunks (sequential within a file, as the protocol requires; files upload in
-    parallel). A failed write cancels its resumable session. ``write_atomic(...,
-    exclusive=True)`` uses ``ifGenerationMatch=0``."""
+    Writes fill ``part_size`` buffers (default 16 MiB, a multiple of 256 KiB) kept for
+    reuse across saves. Objects up to ``single_request_size`` (default 64 MiB) go up in
+    one request (``uploadType=media``): one round trip, no session to cancel; their
+    full buffers are held until the object ends, within a process-wide budget of 256
+    MiB (``storage.backends._gcs_io.HELD``), past which they go up as resumable
+    uploads. Larger objects go up as resumable uploads in ``part_size`` chunks
+    (sequential within a file, as the protocol requires; files upload in parallel).
+    Memory: one buffer per file being written plus at most the held budget. Bodies go
+    to the socket as slices of the buffers, never copied whole. A failed write cancels
+    its resumable session. ``write_atomic(..., exclusive=True)`` uses
+    ``ifGenerationMatch=0``.
+
+    A slice is read with one ranged GET whose body is copied from the socket's chunks
+    straight into the caller's buffer (the target tensor); a body that breaks off is
+    resumed from the next byte, pinned to the object's generation."""
 
     protocol: ClassVar[str | None] = "gs"
     io_concurrency: int = 16
@@ -56,6 +80,7 @@ class GCSFileSystem(FsspecFileSystem):
         *,
         storage_options: dict[str, Any] | None = None,
         part_size: int | None = None,
+        single_request_size: int = DEFAULT_SINGLE_REQUEST_SIZE,
         io_concurrency: int | None = None,
     ) -> None:
         super().__init__(storage_options=storage_options)
@@ -63,6 +88,7 @@ class GCSFileSystem(FsspecFileSystem):
         if size < _CHUNK_UNIT or size % _CHUNK_UNIT:
             raise ValueError(f"part_size must be a multiple of 256 KiB, got {part_size}")
         self.part_size = size
+        self.single_request_size = int(single_request_size)
         if io_concurrency is not None:
             self.io_concurrency = int(io_concurrency)
 
@@ -79,7 +105,12 @@ class GCSFileSystem(FsspecFileSystem):
         return opts
 
     def _make_client(self, protocol: str, options: dict[str, Any]) -> Any:
-        return gcsfs.GCSFileSystem(**options)
+        key = (os.getpid(), fsspec.utils.tokenize(sorted(options.items(), key=lambda kv: kv[0])))
+        with _SHARED_LOCK:
+            client = _SHARED.get(key)
+            if client is None:
+                client = _SHARED[key] = gcsfs.GCSFileSystem(**options)
+            return client
 
     def url(self, path: str) -> str:
         return f"gs://{path}"
@@ -92,8 +123,40 @@ class GCSFileSystem(FsspecFileSystem):
 
     # --- overrides -----------------------------------------------------------------
 
-    def _open_for_write(self, path: str) -> Any:
-        return self.fs.open(path, "wb", block_size=self.part_size)
+    @contextlib.contextmanager
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        if mode != "wb":
+            with super().create_stream(path, mode, sync=sync) as stream:
+                yield stream
+            return
+        upload = Upload(
+            self.fs,
+            path,
+            functools.partial(self._errors, path),
+            part_size=self.part_size,
+            single_request_size=self.single_request_size,
+        )
+        try:
+            yield upload  # type: ignore[misc]
+        except BaseException:
+            upload.abort()
+            raise
+        upload.finish()  # sync=True needs nothing more: the object is complete
+
+    def open_slice(
+        self, path: str, offset: int, length: int
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        if offset < 0 or length < 0:
+            raise ValueError(f"invalid slice offset={offset} length={length}")
+        if length == 0:
+            self.size(path)  # a missing object still raises FileNotFoundError
+        reader = RangeReader(self.fs, path, offset, length, functools.partial(self._errors, path))
+        try:
+            reader.open()
+        except BaseException:
+            reader.close()
+            raise
+        return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
 
     def _prepare_parent(self, path: str) -> None:
         pass  # no directories in GCS
@@ -107,6 +170,10 @@ class GCSFileSystem(FsspecFileSystem):
             if exc.code in (401, 403):
                 raise PermissionError(self._denied(path, action, exc)) from exc
             raise OSError(f"{self.url(path)}: {action} failed after retries: {exc}") from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, OSError):
+                raise
+            raise OSError(f"{self.url(path)}: {action} failed: {exc!r}") from exc
         except OSError as exc:
             if str(exc).startswith("Forbidden"):
                 raise PermissionError(self._denied(path, action, exc)) from exc
@@ -118,14 +185,6 @@ class GCSFileSystem(FsspecFileSystem):
             "(token in storage_options: a service-account JSON, 'google_default', 'cloud', "
             "or GOOGLE_APPLICATION_CREDENTIALS) and the bucket's IAM policy"
         )
-
-    def _fetch_range(self, path: str, start: int, end: int) -> bytes:
-        try:
-            return super()._fetch_range(path, start, end)
-        except HttpError as exc:
-            if exc.code == 416:  # the range starts past the end: a short read
-                return b""
-            raise
 
     def exists(self, path: str) -> bool:
         bucket, _, key = path.partition("/")
