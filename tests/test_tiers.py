@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from extensions import AES256GCM
 from extensions.errors import TierFullError
 from storage import S3FileSystem
 from storage.backends._local import LocalFileSystem
+from storage.checkpoint.api import load as storage_load
 from storage.checkpoint.layout import is_committed
 from storage.ops.manager import CheckpointManager
 from storage.ops.tools import describe
@@ -190,6 +192,103 @@ def test_full_local_tier_is_a_named_error_and_deletes_nothing(tmp_path: Path) ->
     )
 
 
+# --- asynchronous saves ------------------------------------------------------------------
+
+
+class _GatedDisk(LocalFileSystem):
+    """Our local backend, whose data file writes wait until ``gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        if mode == "wb" and path.endswith(".distcp"):
+            assert self.gate.wait(30), "the test never opened the gate"
+        with super().create_stream(path, mode, sync=sync) as stream:
+            yield stream
+
+
+def test_async_save_stages_commits_locally_then_drains(tmp_path: Path) -> None:
+    disk = _GatedDisk()
+    mgr = _tiered(tmp_path, local_filesystem=disk)
+    state = _state(1)
+    expected = state["w"].clone()
+    disk.gate.clear()
+    future = mgr.save(1, state, blocking=False)
+    assert future is not None and not future.done()  # staged; the write waits for the gate
+    state["w"].zero_()  # training goes on: the staged copy is what gets saved
+    assert mgr.tiers is not None and mgr.tiers.local.steps() == []
+    disk.gate.set()
+    future.result(timeout=30)
+    assert mgr.tiers.local.steps() == [1]
+    mgr.wait()
+    assert mgr.durable_steps() == [1]
+    for tier in ("local", "durable"):
+        target = _blank()
+        storage_load(target, tmp_path / tier / "step-1")
+        assert torch.equal(target["w"], expected)
+
+
+def test_async_save_waits_for_the_previous_local_commit(tmp_path: Path) -> None:
+    disk = _GatedDisk()
+    mgr = _tiered(tmp_path, local_filesystem=disk, keep_local=1)
+    disk.gate.clear()
+    first = mgr.save(1, _state(1), blocking=False)
+    second: list[Any] = []
+    thread = threading.Thread(target=lambda: second.append(mgr.save(2, _state(2), blocking=False)))
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive() and not second  # at most one save in flight
+    disk.gate.set()
+    thread.join(30)
+    assert first is not None and first.done() and first.exception() is None
+    second[0].result(timeout=30)
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2]
+    assert mgr.tiers is not None and mgr.tiers.local.steps() == [2]
+
+
+def _drained(mgr: CheckpointManager) -> None:
+    # The last queued drain pass has run; unlike wait(), raises nothing, so its error is
+    # left for the next save to surface.
+    assert mgr.tiers is not None
+    mgr.tiers.finish_commit()
+    mgr.tiers._wait_drains()
+
+
+def test_async_save_errors_and_recovery(tmp_path: Path) -> None:
+    # A failed local commit goes to that save's future; a failed drain is raised by the
+    # next save before it stages anything; a tier over keep_local retries the drain,
+    # then names the problem; once the bucket is back, the next save drains everything.
+    (tmp_path / "durable").write_text("the bucket is down")
+    disk = _FullDisk()
+    mgr = _tiered(tmp_path, keep_local=1, local_filesystem=disk)
+    assert mgr.tiers is not None
+    disk.full = True
+    failed = mgr.save(1, _state(1), blocking=False)
+    assert failed is not None
+    with pytest.raises(TierFullError, match="local tier .* is full"):
+        failed.result(timeout=30)
+    disk.full = False
+    for step in (1, 2):
+        mgr.save(step, _state(step), blocking=False).result(timeout=30)  # type: ignore[union-attr]
+        _drained(mgr)
+        with pytest.raises(OSError):
+            mgr.save(step + 1, _state(step + 1), blocking=False)  # before anything is staged
+        assert mgr.tiers.local.steps() == list(range(1, step + 1))
+    with pytest.raises(TierFullError, match=r"holds steps \[1, 2\], more than keep_local=1"):
+        mgr.save(3, _state(3), blocking=False)
+    assert mgr.tiers.local.steps() == [1, 2]
+    (tmp_path / "durable").unlink()  # the bucket is back
+    mgr.save(3, _state(3), blocking=False).result(timeout=30)  # type: ignore[union-attr]
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2, 3]
+    assert mgr.tiers.local.steps() == [3]
+
+
 @pytest.fixture
 def proxy() -> Iterator[FaultProxy]:
     endpoint = moto_endpoint()
@@ -288,3 +387,31 @@ def _tier_worker(rank: int, store: str, base: str) -> None:
 
 def test_four_ranks_two_nodes_replicate_drain_and_restore(tmp_path: Path) -> None:
     mp.spawn(_tier_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+
+
+def _async_worker(rank: int, store: str, base: str) -> None:
+    with gloo_group(rank, 2, store):
+        node = f"{base}/node{rank}"
+        mgr = CheckpointManager(f"{base}/durable", local=node, replicate=True)
+        state = {f"rank{rank}": torch.full((1 << 16,), float(rank))}
+        future = mgr.save(1, state, blocking=False)
+        assert future is not None
+        state[f"rank{rank}"].fill_(-1.0)  # the staged copy is saved, not this
+        total = torch.zeros(1)
+        for _ in range(20):  # the job's own collectives, while the commit runs behind
+            total += 1
+            dist.all_reduce(total)
+        future.result(timeout=60)
+        mgr.save(2, {f"rank{rank}": torch.full((1 << 16,), 2.0 + rank)}, blocking=False)
+        mgr.wait()  # the commit of step 2, then the drains
+        assert mgr.durable_steps() == [1, 2]
+        peer = f"{base}/node{1 - rank}/step-1"
+        assert any(n.startswith(f"__{rank}_") for n in os.listdir(peer))  # the replica
+        target = {f"rank{rank}": torch.zeros(1 << 16)}
+        step = mgr.load(target, 1)
+        assert (step, step.tier) == (1, "local")  # type: ignore[attr-defined]
+        assert torch.equal(target[f"rank{rank}"], torch.full((1 << 16,), float(rank)))
+
+
+def test_two_ranks_async_saves_replicate_and_drain(tmp_path: Path) -> None:
+    mp.spawn(_async_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)

@@ -245,14 +245,12 @@ class CheckpointManager:
         ``concurrent.futures.Future`` at once (the caller may change its tensors right
         away); the future resolves after the checkpoint is committed and retention has
         run, or raises the save's error. Either way, a previous asynchronous save of
-        this manager is waited for first. A tiered save commits to the local tier and
-        returns (``blocking=False`` is not supported there)."""
+        this manager is waited for first. A tiered save commits to the local tier (the
+        future resolves then) and drains to the root in the background (see
+        :meth:`storage.ops.tiers.LocalTier.save`)."""
         step = _check_step(step)
         if self.tiers is not None:
-            if not blocking:
-                raise ValueError("a tiered save is blocking on the local tier; drop blocking=False")
-            self.tiers.save(step, state_dict)
-            return None
+            return self.tiers.save(step, state_dict, blocking=blocking)
         self.wait()
         url = self.step_url(step)
         options = dict(self.writer_options, filesystem=self.fs)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
 from extensions.errors import CheckpointNotFoundError, TierFullError
@@ -113,6 +114,8 @@ class LocalTier:
         self._last_error: str | None = None  # kept after it is surfaced, for messages
         self._drains = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-drain")
         self._last: concurrent.futures.Future[None] | None = None
+        self._saves = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-tier-save")
+        self._committing: concurrent.futures.Future[None] | None = None
         self._schedule()  # after a restart: drain what is local but not durable
 
     # --- listing --------------------------------------------------------------------
@@ -134,56 +137,119 @@ class LocalTier:
 
     # --- save -----------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: dict[str, Any]) -> None:
-        """Commit ``step`` in the local tier (every node), queue its drain (which prunes
-        the local tier first), then raise the error of an earlier drain that failed before this
-        save committed, if any (the step just saved is committed locally all the same,
-        and its drain retries the failed steps)."""
+    def save(
+        self, step: int, state_dict: dict[str, Any], *, blocking: bool = True
+    ) -> concurrent.futures.Future[None] | None:
+        """Commit ``step`` in the local tier (every node) and queue its drain (which
+        prunes the local tier first).
+
+        Blocking: returns once committed, then raises the error of an earlier drain that
+        failed before this save committed, if any (the step just saved is committed
+        locally all the same, and its drain retries the failed steps).
+
+        ``blocking=False``: raises such an error before anything is staged (nothing is
+        saved then; save again), else stages ``state_dict`` to CPU memory and returns a
+        future that resolves once the step is committed locally (or raises the
+        commit's error); the write, replication and local commit run in a thread of
+        their own, with their collectives on a process group of their own.
+
+        Either way, the previous save's local commit is waited for first (at most one
+        save in flight)."""
+        self.finish_commit()
+        if not blocking:
+            self._surface()
         self._make_room(step)
-        path = self.local.step_path(step)
-        options = self.manager.writer_options
         writer = _TierWriter(
-            self.local.fs.url(path),
+            self.local.fs.url(self.local.step_path(step)),
             transforms=self.manager.transforms,
             filesystem=self.local.fs,
-            **options,
+            **self.manager.writer_options,
         )
-        g = self.group
+        self._begin(step)
+        if blocking:
+            self._commit(step, writer, state_dict, None)
+            with self._lock:
+                earlier, self._error = self._error, None  # before this step's drain can fail
+            if earlier is not None:
+                raise earlier
+            return None
+        try:
+            staged = writer.stage(_plain(state_dict))
+            inner = self._saves.submit(self._commit, step, writer, staged, self.group.save_pg)
+        except BaseException:
+            self._end()
+            raise
+        outer: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def finished(fut: concurrent.futures.Future[None]) -> None:
+            error = fut.exception()
+            if error is None:
+                outer.set_result(None)
+            else:
+                log.error(
+                    "asynchronous save of step %d to %s failed: %s", step, self.local.url, error
+                )
+                outer.set_exception(error)
+
+        with self._lock:
+            self._committing = inner
+        inner.add_done_callback(finished)
+        return outer
+
+    def finish_commit(self) -> None:
+        """Wait for the local commit of an asynchronous save in flight, if any (its
+        error goes to that save's future, not to the caller)."""
+        with self._lock:
+            committing = self._committing
+        if committing is not None:
+            concurrent.futures.wait([committing])
+            with self._lock:
+                if self._committing is committing:
+                    self._committing = None
+
+    def _begin(self, step: int) -> None:
         with self.local._lock:
             self.local._saving = step  # the local tier's cleanup keeps its hands off
+
+    def _end(self) -> None:
+        with self.local._lock:
+            self.local._saving = None
+
+    def _commit(self, step: int, writer: _TierWriter, state_dict: dict[str, Any], pg: Any) -> None:
+        """Write, replicate and commit ``step`` in the local tier (collective on ``pg``),
+        then queue its drain."""
+        g = self.group
+        path = self.local.step_path(step)
         try:
             try:
-                api.save_with(writer, state_dict)
+                api.save_with(writer, state_dict, process_group=pg)
             except OSError as exc:
                 full = _full_or(exc, self.local.url)
                 if full is exc:
                     raise
                 raise full from exc
-            payload = g.broadcast(writer.payload)
+            payload = g.broadcast(writer.payload, pg=pg)
             error: BaseException | None = None
             try:
-                self._replicate(path, payload)
+                self._replicate(path, payload, pg)
             except Exception as exc:
                 error = exc
-            gather_errors(g, error, "replicating to the peer's local tier")
+            gather_errors(g, error, "replicating to the peer's local tier", pg=pg)
             if g.leader:
                 try:
                     self._publish_local(path, payload)
                 except Exception as exc:
                     error = _full_or(exc, self.local.url)
-            gather_errors(g, error, f"committing step {step} in the local tier")
+            gather_errors(g, error, f"committing step {step} in the local tier", pg=pg)
         except BaseException:
             writer.abort()
             raise
         finally:
-            with self.local._lock:
-                self.local._saving = None
+            writer.close()
+            self._end()
         with self._lock:
             self._pending.add(step)
-            earlier, self._error = self._error, None  # before this step's drain can fail
         self._schedule()  # which prunes the local tier first, off the save's path
-        if earlier is not None:
-            raise earlier
 
     def _publish_local(self, path: str, payload: bytes | None) -> None:
         assert payload is not None
@@ -201,7 +267,7 @@ class LocalTier:
             sync=bool(self.manager.writer_options.get("sync_files", True)),
         )
 
-    def _replicate(self, path: str, payload: bytes | None) -> None:
+    def _replicate(self, path: str, payload: bytes | None, pg: Any) -> None:
         g = self.group
         if not any(p is not None for p in g.peer.values()):
             return
@@ -213,37 +279,49 @@ class LocalTier:
             if peer is not None and g.node_of(peer) != g.node_of(rank):
                 moves.append((rank, peer, [n for n in names if file_rank(n) == rank]))
         sync = bool(self.manager.writer_options.get("sync_files", True))
-        self.replicated_bytes += transfer(g, moves, self.local.fs, path, sync=sync)
+        self.replicated_bytes += transfer(g, moves, self.local.fs, path, sync=sync, pg=pg)
 
     # --- retention --------------------------------------------------------------------
 
     def _make_room(self, step: int) -> None:
         """Keep at most ``keep_local`` committed steps besides the one being written: the
-        oldest go once durable; while the drain is behind, wait for it (the one case
-        where a save waits for a drain) and raise its error if it failed, or
-        :class:`TierFullError` if the tier is still at its bound."""
+        oldest go once durable. While some node's tier is over that bound (its drain is
+        behind or failing), queue a drain pass and wait for it (the one case where a
+        save waits for a drain), then raise :class:`TierFullError` if the tier is still
+        over. Collective: every rank takes the same path."""
         if self.keep_local is None:
             return
         self._retain_local(exclude=step)
-        if len([s for s in self.local.steps() if s != step]) <= self.keep_local:
+        if self._fullest(step) is None:
             return
         log.warning(
             "local tier %s holds more than keep_local=%d steps not yet durable; "
-            "waiting for the drain before saving step %d",
+            "draining before saving step %d",
             self.local.url,
             self.keep_local,
             step,
         )
-        self.wait()
+        self._schedule()
+        self._wait_drains()
         self._retain_local(exclude=step)
-        held = [s for s in self.local.steps() if s != step]
-        if len(held) > self.keep_local:
-            raise TierFullError(
-                f"the local tier {self.local.url} holds steps {held}, more than "
-                f"keep_local={self.keep_local}, and they are not durable yet (last drain "
-                f"error: {self._last_error or 'none'}); nothing was deleted. Fix the root "
-                f"{self.manager.url} and save again, or delete_local() what you can lose"
-            )
+        held = self._fullest(step)
+        if held is None:
+            return
+        with self._lock:
+            failed, self._error = self._error, None  # reported here, as the cause
+        raise TierFullError(
+            f"the local tier {self.local.url} holds steps {held}, more than "
+            f"keep_local={self.keep_local}, and they are not durable yet (last drain "
+            f"error: {self._last_error or 'none'}); nothing was deleted. Fix the root "
+            f"{self.manager.url} and save again, or delete_local() what you can lose"
+        ) from failed
+
+    def _fullest(self, step: int) -> list[int] | None:
+        """The committed local steps besides ``step`` of the fullest node's tier, if it
+        holds more than ``keep_local`` (collective; node leaders report, after pruning)."""
+        mine = [s for s in self.local.steps() if s != step] if self.group.leader else []
+        fullest = max(self.group.all_gather(mine), key=len)
+        return fullest if self.keep_local is not None and len(fullest) > self.keep_local else None
 
     def _retain_local(self, exclude: int | None = None) -> None:
         """Delete the oldest local steps beyond ``keep_local``, only those that are durable
@@ -272,12 +350,17 @@ class LocalTier:
     # --- drain ------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Wait until every queued drain has finished; raise the error of one that failed."""
+        """Wait for the local commit of an asynchronous save in flight, then until every
+        queued drain has finished; raise the error of a drain that failed."""
+        self.finish_commit()
+        self._wait_drains()
+        self._surface()
+
+    def _wait_drains(self) -> None:
         with self._lock:
             last = self._last
         if last is not None:
             concurrent.futures.wait([last])
-        self._surface()
 
     def _surface(self) -> None:
         with self._lock:
@@ -298,7 +381,7 @@ class LocalTier:
                 with self._lock:
                     mine = set(self._pending)
                 mine |= {s for s in self.local.steps() if not self.durable(s)}
-                views = g.all_gather(sorted(mine), background=True)
+                views = g.all_gather(sorted(mine), pg=g.drain_pg)
                 common = sorted(set.intersection(*(set(v) for v in views)))
                 if not common:
                     return
@@ -344,7 +427,7 @@ class LocalTier:
             )
         except Exception as exc:
             error = exc
-        gathered = g.all_gather((copied, _text(error)), background=True)
+        gathered = g.all_gather((copied, _text(error)), pg=g.drain_pg)
         outcome = next((t for _, t in gathered if t is not None), None)
         if g.rank == 0:
             copies = [c for c, _ in gathered if c is not None]
@@ -357,7 +440,7 @@ class LocalTier:
                     publish_copy(fs, dst, part, copies, overwrite=overwrite)
                 except Exception as exc:
                     error, outcome = exc, _text(exc)
-        outcome = g.broadcast(outcome, background=True)
+        outcome = g.broadcast(outcome, pg=g.drain_pg)
         if error is not None:
             raise error
         if outcome is not None:
@@ -370,6 +453,7 @@ class LocalTier:
         """Load ``step`` (default: the newest committed in any tier) from the local tier,
         restoring a lost node's files from its peers first; on any error, from the
         root. Collective under a process group: rank 0 decides from every rank's report."""
+        self.finish_commit()
         g = self.group
         report = self._report()
         durable = self.manager.durable_steps() if g.rank == 0 else []
@@ -505,6 +589,12 @@ def merge_entries(local: list[StepInfo], durable: list[StepInfo]) -> list[StepIn
 
 def _with_tiers(info: StepInfo, tiers: tuple[str, ...]) -> StepInfo:
     return dataclasses.replace(info, tiers=tiers)
+
+
+def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with its ``Stateful`` values replaced by their state dicts, as
+    ``dcp.async_save`` does before staging."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 def _text(error: BaseException | None) -> str | None:
