@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import logging
 import os
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -249,6 +251,74 @@ def test_async_save_waits_for_the_previous_local_commit(tmp_path: Path) -> None:
     mgr.wait()
     assert mgr.durable_steps() == [1, 2]
     assert mgr.tiers is not None and mgr.tiers.local.steps() == [2]
+
+
+class _CountingDisk(_GatedDisk):
+    """A gated local tier that counts the bytes read through ``open_slice`` (the drain)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = 0
+        self._count_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def open_slice(self, path: str, offset: int, length: int) -> Iterator[IO[bytes]]:
+        with super().open_slice(path, offset, length) as stream:
+            disk = self
+
+            class Counted(io.RawIOBase):
+                def readable(self) -> bool:
+                    return True
+
+                def readinto(self, buffer: Any) -> int:
+                    n = stream.readinto(buffer) or 0  # type: ignore[attr-defined]
+                    with disk._count_lock:
+                        disk.read += n
+                    return n
+
+            yield Counted()  # type: ignore[misc]
+
+
+class _SlowDisk(LocalFileSystem):
+    """A durable tier whose data file writes take 20 ms per call (a slow bucket)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        with super().create_stream(path, mode, sync=sync) as stream:
+            if mode == "wb" and path.endswith(".distcp"):
+                write = stream.write
+
+                def slow(data: Any) -> int:
+                    time.sleep(0.02)
+                    return write(data)
+
+                stream.write = slow  # type: ignore[method-assign]
+            yield stream
+
+
+def test_the_drain_pauses_while_a_save_writes_locally(tmp_path: Path) -> None:
+    local = _CountingDisk()
+    mgr = CheckpointManager(
+        tmp_path / "durable",
+        filesystem=_SlowDisk(),
+        local=tmp_path / "local",
+        local_filesystem=local,
+    )
+    big = {"w": torch.randn(4 << 20), "meta": {"step": 1}}  # 16 MiB: 16 slow writes or more
+    mgr.save(1, big)  # its drain starts now, and takes a while
+    local.gate.clear()
+    future = mgr.save(2, _state(2), blocking=False)  # writing: blocked at the gate
+    assert future is not None
+    before = local.read
+    time.sleep(0.5)
+    # At most the read in progress when the save began (1 MiB per copy thread) lands.
+    assert local.read - before <= 8 << 20
+    assert not is_committed(mgr.fs, mgr.step_path(1))  # the drain is paused, not done
+    local.gate.set()
+    future.result(timeout=30)
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2]
+    assert local.read >= 16 << 20
 
 
 def _drained(mgr: CheckpointManager) -> None:

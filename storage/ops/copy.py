@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import io
 import re
 import threading
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 
@@ -171,6 +172,7 @@ def copy_data_files(
     progress: Progress | None = None,
     save_id: str | None = None,
     first: int = 0,
+    pace: Callable[[], object] | None = None,
 ) -> CopiedFiles:
     """The data phase of :func:`copy_checkpoint`: copy the items that ``part`` (one
     metadata of the checkpoint at ``src_path``) names into new data files under
@@ -178,7 +180,10 @@ def copy_data_files(
     (incremental saves) are read from their base, so the copy holds every byte it
     needs. ``ranks`` limits the copy to the data files those ranks wrote
     (``__{rank}_*``), so each rank of a job can copy its own files from a node-local
-    tier; new files are numbered from ``first``. On failure, removes what it wrote."""
+    tier; new files are numbered from ``first``. ``pace``, when given, is called before
+    each read of the source (at most ``streams.CHUNK`` bytes apart) and may block: a
+    background copy pauses there while something more urgent runs. On failure, removes
+    what it wrote."""
     src_url = src_fs.url(src_path)
     key_lookup = cached_key_lookup(keys)
     copied = CopiedFiles(save_id or uuid.uuid4().hex[:12], set(), [], {})
@@ -208,9 +213,10 @@ def copy_data_files(
         item_infos = [_item_info(part, index, src_url, key_lookup) for index, _ in items]
         out_offset = 0
         with (
-            src_fs.open_slice(src_file, start, end - start) as source,
+            src_fs.open_slice(src_file, start, end - start) as opened,
             dst_fs.create_stream(dst_file, "wb", sync=True) as out,
         ):
+            source = opened if pace is None else cast(IO[bytes], _Paced(opened, pace))
             position = start
             for (index, info), item in zip(items, item_infos):
                 _skip(source, int(info.offset) - position, src_url, src_name)
@@ -268,6 +274,22 @@ def publish_copy(
         if not metadata_may_name(dst_fs, meta_path, save_id):
             remove_quietly(dst_fs, [p for c in copies for p in c.written])
         raise
+
+
+class _Paced(io.RawIOBase):
+    """``base``, calling ``pace()`` before each read."""
+
+    def __init__(self, base: IO[bytes], pace: Callable[[], object]) -> None:
+        super().__init__()
+        self._base = base
+        self._pace = pace
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._pace()
+        return self._base.readinto(buffer) or 0  # type: ignore[attr-defined]
 
 
 def file_rank(name: str) -> int:

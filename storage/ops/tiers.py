@@ -115,6 +115,10 @@ class LocalTier:
         self._drains = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-drain")
         self._last: concurrent.futures.Future[None] | None = None
         self._saves = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-tier-save")
+        # Cleared while a save writes to the local tier: the drain's copy waits on it, so
+        # the foreground save gets the disk and the cores (docs/benchmarks.md).
+        self._idle = threading.Event()
+        self._idle.set()
         self._committing: concurrent.futures.Future[None] | None = None
         self._schedule()  # after a restart: drain what is local but not durable
 
@@ -210,10 +214,12 @@ class LocalTier:
     def _begin(self, step: int) -> None:
         with self.local._lock:
             self.local._saving = step  # the local tier's cleanup keeps its hands off
+        self._idle.clear()  # after _make_room, which may wait for the drain
 
     def _end(self) -> None:
         with self.local._lock:
             self.local._saving = None
+        self._idle.set()
 
     def _commit(self, step: int, writer: _TierWriter, state_dict: dict[str, Any], pg: Any) -> None:
         """Write, replicate and commit ``step`` in the local tier (collective on ``pg``),
@@ -424,6 +430,7 @@ class LocalTier:
                 part,
                 ranks=None if g.world == 1 else {g.rank},
                 thread_count=self.manager.writer_options.get("thread_count"),
+                pace=self._idle.wait,
             )
         except Exception as exc:
             error = exc
