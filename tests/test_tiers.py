@@ -25,6 +25,7 @@ from extensions import AES256GCM
 from extensions.errors import TierFullError
 from storage import S3FileSystem
 from storage.backends._local import LocalFileSystem
+from storage.checkpoint import incremental
 from storage.checkpoint.api import load as storage_load
 from storage.checkpoint.layout import is_committed
 from storage.ops.manager import CheckpointManager
@@ -485,3 +486,129 @@ def _async_worker(rank: int, store: str, base: str) -> None:
 
 def test_two_ranks_async_saves_replicate_and_drain(tmp_path: Path) -> None:
     mp.spawn(_async_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+
+
+# --- incremental saves in both tiers ------------------------------------------------------
+
+FROZEN = torch.arange(4096, dtype=torch.float32)  # the same at every step: referenced
+
+
+def _incr_state(step: int) -> dict[str, Any]:
+    return {"frozen": FROZEN.clone(), **_state(step)}
+
+
+def _incr_blank() -> dict[str, Any]:
+    return {"frozen": torch.zeros(4096), **_blank()}
+
+
+def _refs(root: Path, step: int) -> set[str]:
+    return incremental.references(LocalFileSystem(), str(root / f"step-{step}"))
+
+
+def _own_bytes(root: Path, step: int) -> int:
+    return sum(p.stat().st_size for p in (root / f"step-{step}").glob("*.distcp"))
+
+
+def test_incremental_tiered_references_in_both_tiers_and_retention_keeps_bases(
+    tmp_path: Path,
+) -> None:
+    mgr = _tiered(tmp_path, incremental=True, keep_local=2, keep_last=2)
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    for step in range(1, 5):
+        mgr.save(step, _incr_state(step))
+        mgr.wait()
+    # Step 1 is the full save every later one references (the frozen tensor): each tier
+    # keeps it beside the steps its retention keeps, and the drain kept the references.
+    assert mgr.tiers is not None and mgr.tiers.local.steps() == [1, 3, 4]
+    assert mgr.durable_steps() == [1, 3, 4]
+    for root in (local, durable):
+        assert _refs(root, 4) == {"step-1"} and _refs(root, 1) == set()
+        assert _own_bytes(root, 4) < _own_bytes(root, 1)
+    for root in (local, durable):  # each tier's copy loads alone (plain storage.load)
+        target = _incr_blank()
+        storage_load(target, root / "step-4")
+        assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(4)["w"])
+    mgr.save(5, _incr_state(5))  # the base does not count against keep_local
+    mgr.wait()
+    assert mgr.tiers.local.steps() == [1, 4, 5] and mgr.durable_steps() == [1, 4, 5]
+    target = _incr_blank()
+    step = mgr.load(target)
+    assert (step, step.tier) == (5, "local")  # type: ignore[attr-defined]
+    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(5)["w"])
+    # The local base is damaged: the load falls back to the durable copy, whose own base
+    # is intact.
+    data = _first_data_file(local / "step-1")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    target = _incr_blank()
+    step = mgr.load(target)
+    assert (step, step.tier) == (5, "durable")  # type: ignore[attr-defined]
+    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(5)["w"])
+
+
+def test_incremental_tiered_drains_bases_first_and_copies_what_the_root_lacks(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "durable").write_text("the bucket is down")
+    mgr = _tiered(tmp_path, incremental=True, full_every=2)
+    for step in (1, 2, 3, 4):
+        with contextlib.suppress(OSError):  # an earlier drain's error; committed locally
+            mgr.save(step, _incr_state(step))
+    with pytest.raises(OSError):
+        mgr.wait()
+    assert mgr.tiers is not None and mgr.tiers.local.steps() == [1, 2, 3, 4]
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    # full_every=2: every other save is a full one.
+    assert [_refs(local, s) for s in (1, 2, 3, 4)] == [set(), {"step-1"}, set(), {"step-3"}]
+    (tmp_path / "durable").unlink()  # back: the backlog drains oldest first, bases first
+    mgr.save(5, _incr_state(5))
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2, 3, 4, 5]
+    assert [_refs(durable, s) for s in (1, 2, 3, 4, 5)] == [
+        set(),
+        {"step-1"},
+        set(),
+        {"step-3"},
+        set(),
+    ]
+    # The root's step-3 is replaced behind the manager's back (other bytes): the next
+    # drain of step 4 cannot reference it, so its durable copy takes the bytes.
+    mgr.delete(5)
+    mgr.delete(4)
+    CheckpointManager(durable).save(3, {"frozen": FROZEN + 1, **_state(3)})
+    mgr.save(6, _incr_state(6))  # its drain pass drains step 4 again, then step 6
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2, 3, 4, 5, 6]  # 5 is still local: drained again
+    assert _refs(local, 4) == {"step-3"} and _refs(durable, 4) == set()
+    target = _incr_blank()
+    storage_load(target, durable / "step-4")
+    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(4)["w"])
+
+
+def _incremental_worker(rank: int, store: str, base: str) -> None:
+    with gloo_group(rank, 2, store):
+        node = f"{base}/node{rank}"
+        mgr = CheckpointManager(f"{base}/durable", local=node, replicate=True, incremental=True)
+        frozen = torch.full((1 << 14,), 7.0 + rank)
+        for step in (1, 2):
+            mgr.save(step, {f"frozen{rank}": frozen, f"w{rank}": torch.full((64,), float(step))})
+        mgr.wait()
+        for root in (f"{base}/node0", f"{base}/node1", f"{base}/durable"):
+            assert incremental.references(LocalFileSystem(), f"{root}/step-2") == {"step-1"}
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(f"{base}/node1")  # node 1 is lost: steps 1 and 2 come from node 0
+        dist.barrier()
+        target = {f"frozen{rank}": torch.zeros(1 << 14), f"w{rank}": torch.zeros(64)}
+        step = mgr.load(target)
+        assert (step, step.tier) == (2, "local")  # type: ignore[attr-defined]
+        assert torch.equal(target[f"frozen{rank}"], frozen)
+        assert torch.equal(target[f"w{rank}"], torch.full((64,), 2.0))
+        assert sorted(os.listdir(f"{base}/node1")) == ["step-1", "step-2"]
+
+
+def test_two_nodes_incremental_replicas_restore_the_base_first(tmp_path: Path) -> None:
+    mp.spawn(
+        _incremental_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True
+    )

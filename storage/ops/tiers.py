@@ -33,12 +33,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
-from extensions.errors import CheckpointNotFoundError, TierFullError
-from storage.checkpoint import api
+from extensions.errors import CheckpointInUseError, CheckpointNotFoundError, TierFullError
+from storage.checkpoint import api, incremental
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.commit import publish_metadata, remove_quietly
-from storage.checkpoint.layout import StepInfo, committed_files, is_committed
+from storage.checkpoint.layout import StepInfo, committed_files, is_committed, parse_step
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops._peers import Group, Move, gather_errors, make_group, transfer
 from storage.ops.copy import copy_data_files, file_rank, publish_copy
@@ -163,13 +163,21 @@ class LocalTier:
         if not blocking:
             self._surface()
         self._make_room(step)
-        writer = _TierWriter(
-            self.local.fs.url(self.local.step_path(step)),
-            transforms=self.manager.transforms,
-            filesystem=self.local.fs,
-            **self.manager.writer_options,
-        )
-        self._begin(step)
+        with self._retain_lock:  # the base chosen is protected before retention can run
+            base = self._base_for(step)
+            self._begin(step, base)
+        try:
+            writer = _TierWriter(
+                self.local.fs.url(self.local.step_path(step)),
+                transforms=self.manager.transforms,
+                filesystem=self.local.fs,
+                fingerprint=self.manager.incremental,
+                base=None if base is None else self.local.step_url(base),
+                **self.manager.writer_options,
+            )
+        except BaseException:
+            self._end()
+            raise
         if blocking:
             self._commit(step, writer, state_dict, None)
             with self._lock:
@@ -211,14 +219,30 @@ class LocalTier:
                 if self._committing is committing:
                     self._committing = None
 
-    def _begin(self, step: int) -> None:
-        with self.local._lock:
-            self.local._saving = step  # the local tier's cleanup keeps its hands off
+    def _base_for(self, step: int) -> int | None:
+        """The base of an incremental save of ``step``: the newest step below it that is
+        committed in every node's local tier (a reference is resolved in the tier that
+        holds the referencing step), unless ``full_every`` asks for a full save.
+        Collective."""
+        if not self.manager.incremental:
+            return None
+        views = self.group.all_gather([s for s in self.local.steps() if s < step])
+        common = set.intersection(*(set(v) for v in views))
+        if not common:
+            return None
+        base = max(common)
+        chain = incremental.chain_length(self.local.fs, self.local.step_path(base))
+        full_every = self.manager.full_every
+        return None if full_every is not None and chain + 1 >= full_every else base
+
+    def _begin(self, step: int, base: int | None) -> None:
+        with self.local._lock:  # the local tier's retention and cleanup keep their hands off
+            self.local._saving, self.local._saving_base = step, base
         self._idle.clear()  # after _make_room, which may wait for the drain
 
     def _end(self) -> None:
         with self.local._lock:
-            self.local._saving = None
+            self.local._saving, self.local._saving_base = None, None
         self._idle.set()
 
     def _commit(self, step: int, writer: _TierWriter, state_dict: dict[str, Any], pg: Any) -> None:
@@ -262,7 +286,9 @@ class LocalTier:
         meta = fmt.load_metadata(payload, self.local.fs.url(path))
         g = self.group
         here = set(g.node) | {r for r in range(g.world) if g.peer.get(r) in g.node}
-        named = {i.relative_path for i in (meta.storage_data or {}).values()}
+        infos = list((meta.storage_data or {}).values())
+        incremental.check_referenced_files(self.local.fs, path, infos)
+        named = {i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)}
         publish_metadata(
             self.local.fs,
             path,
@@ -279,7 +305,8 @@ class LocalTier:
             return
         assert payload is not None
         meta = fmt.load_metadata(payload, self.local.fs.url(path))
-        names = sorted({i.relative_path for i in (meta.storage_data or {}).values()})
+        infos = (meta.storage_data or {}).values()  # a referenced item's file is the base's
+        names = sorted({i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)})
         moves: list[Move] = []
         for rank, peer in sorted(g.peer.items()):
             if peer is not None and g.node_of(peer) != g.node_of(rank):
@@ -324,26 +351,54 @@ class LocalTier:
 
     def _fullest(self, step: int) -> list[int] | None:
         """The committed local steps besides ``step`` of the fullest node's tier, if it
-        holds more than ``keep_local`` (collective; node leaders report, after pruning)."""
-        mine = [s for s in self.local.steps() if s != step] if self.group.leader else []
+        holds more than ``keep_local`` (collective; node leaders report, after pruning).
+        A durable step kept only because a step there references it does not count."""
+        mine = self._restorable(exclude=step) if self.group.leader else []
         fullest = max(self.group.all_gather(mine), key=len)
         return fullest if self.keep_local is not None and len(fullest) > self.keep_local else None
 
+    def _restorable(self, exclude: int) -> list[int]:
+        steps = [s for s in self.local.steps() if s != exclude]
+        based = {b for s in steps for b in self._refs(s)}
+        return [s for s in steps if s not in based or not self.durable(s)]
+
+    def _refs(self, step: int) -> set[int]:
+        """The local steps whose bytes local ``step`` references (incremental saves)."""
+        names = incremental.references(self.local.fs, self.local.step_path(step))
+        return {b for b in map(parse_step, names) if b is not None}
+
     def _retain_local(self, exclude: int | None = None) -> None:
-        """Delete the oldest local steps beyond ``keep_local``, only those that are durable
-        and not waiting for a drain (node leaders only; never raises)."""
+        """Delete the oldest local steps beyond ``keep_local``, only those that are
+        durable, not waiting for a drain, not the base of the save in flight and not
+        referenced by a step kept here (node leaders only; never raises)."""
         if self.keep_local is None or not self.group.leader:
             return
         with self._retain_lock:
             try:
-                steps = [s for s in self.local.steps() if s != exclude]
+                steps = self.local.steps()
+                with self.local._lock:
+                    writing = {self.local._saving, exclude}
+                    held = (self.local._saving, self.local._saving_base, exclude)
+                busy = {s for s in held if s is not None}
                 with self._lock:
                     pending = set(self._pending)
-                for s in steps[: max(0, len(steps) - self.keep_local)]:
-                    if s in pending or not self.durable(s):
+                ordered = [s for s in steps if s not in writing]
+                keep = set(ordered[-self.keep_local :]) | busy | pending
+                for s in ordered:
+                    if s not in keep and not self.durable(s):
                         log.info("local step %d is not durable yet: kept", s)
-                        continue
-                    self.local.delete(s)
+                        keep.add(s)
+                frontier = sorted(keep)
+                while frontier:  # bases of bases: references are one hop, but be sure
+                    for b in self._refs(frontier.pop()):
+                        if b not in keep:
+                            keep.add(b)
+                            frontier.append(b)
+                for s in reversed([s for s in steps if s not in keep]):  # users first
+                    try:
+                        self.local.delete(s)
+                    except CheckpointInUseError as exc:
+                        log.info("local step %d kept: %s", s, exc)
             except Exception as exc:
                 log.warning("local retention under %s failed: %s", self.local.url, exc)
 
@@ -431,6 +486,7 @@ class LocalTier:
                 ranks=None if g.world == 1 else {g.rank},
                 thread_count=self.manager.writer_options.get("thread_count"),
                 pace=self._idle.wait,
+                keep_references=True,
             )
         except Exception as exc:
             error = exc
@@ -479,7 +535,7 @@ class LocalTier:
         state_dict: dict[str, Any],
         chosen: int,
         tier: str,
-        moves: list[Move],
+        moves: list[tuple[int, list[Move]]],
         is_durable: bool,
     ) -> LoadedStep:
         g = self.group
@@ -487,7 +543,9 @@ class LocalTier:
             try:
                 error: BaseException | None = None
                 try:
-                    transfer(g, moves, self.local.fs, self.local.step_path(chosen), sync=True)
+                    for s, step_moves in moves:  # bases first
+                        path = self.local.step_path(s)
+                        transfer(g, step_moves, self.local.fs, path, sync=True)
                 except Exception as exc:
                     error = exc
                 gather_errors(g, error, f"restoring step {chosen} from the peers")
@@ -521,27 +579,28 @@ class LocalTier:
             filesystem=where.fs,
         )
 
-    def _report(self) -> dict[int, tuple[list[str], list[str]]]:
-        """Per locally committed step: the data files its metadata names, and the files
-        this node holds."""
+    def _report(self) -> Report:
+        """Per locally committed step: the data files its metadata names, the files
+        this node holds, and the steps whose bytes it references."""
         out = {}
         fs = self.local.fs
         for s in self.local.steps():
             path = self.local.step_path(s)
             try:
                 named = committed_files(fs, fs.concat_path(path, fmt.METADATA_NAME))
-                out[s] = (sorted(named), sorted(fs.ls(path)))
+                out[s] = (sorted(named), sorted(fs.ls(path)), sorted(self._refs(s)))
             except FileNotFoundError:
                 continue
         return out
 
 
+# Per rank: per committed local step, (data files named, files held, bases referenced).
+Report = dict[int, tuple[list[str], list[str], list[int]]]
+
+
 def _plan(
-    g: Group,
-    reports: list[dict[int, tuple[list[str], list[str]]]],
-    durable: list[int],
-    step: int | None,
-) -> tuple[int, str, list[Move], bool] | str:
+    g: Group, reports: list[Report], durable: list[int], step: int | None
+) -> tuple[int, str, list[tuple[int, list[Move]]], bool] | str:
     """Rank 0's choice: the newest step that every rank can read from its node's tier
     (fetching missing files from a node that holds them), else from the root."""
     local_steps = set().union(*(set(r) for r in reports))
@@ -556,12 +615,30 @@ def _plan(
     return f"{where} in the local tier or under the root {sorted(durable) or ''}".strip()
 
 
-def _local_moves(
-    g: Group, reports: list[dict[int, tuple[list[str], list[str]]]], step: int
-) -> list[Move] | None:
-    named = next((set(r[step][0]) for r in reports if step in r), None)
-    if named is None:
-        return None
+def _local_moves(g: Group, reports: list[Report], step: int) -> list[tuple[int, list[Move]]] | None:
+    """The moves, step by step (bases first), that make ``step`` and every step it
+    references readable from each node's tier; ``None`` if some file is on no node."""
+    needed: set[int] = set()
+    todo = [step]
+    while todo:
+        s = todo.pop()
+        facts = next((r[s] for r in reports if s in r), None)
+        if facts is None:
+            return None
+        needed.add(s)
+        todo.extend(b for b in facts[2] if b not in needed)
+    out = []
+    for s in sorted(needed):  # a base is older than the steps that reference it
+        moves = _step_moves(g, reports, s)
+        if moves is None:
+            return None
+        if moves:
+            out.append((s, moves))
+    return out
+
+
+def _step_moves(g: Group, reports: list[Report], step: int) -> list[Move] | None:
+    named = next(set(r[step][0]) for r in reports if step in r)
     have = [set(r[step][1]) if step in r else set() for r in reports]
     data: list[Move] = []
     meta: list[Move] = []
