@@ -92,7 +92,7 @@ class CheckpointManager:
     ``replicate`` (``True``: the same position on the next node, or a callable
     ``rank -> peer rank``) also writes each rank's files to a peer's local tier before
     the save returns. :meth:`load` prefers the local copy, falls back to the durable
-    one, and returns a :class:`~storage.ops.tiers.LoadedStep` naming the tier used;
+    one, and returns a :class:`~storage.ops.restore.LoadedStep` naming the tier used;
     :meth:`wait` waits for the drains and raises a failed drain's error, as does the
     next :meth:`save`. Constructing a tiered manager is collective under a process
     group. See :mod:`storage.ops.tiers` and docs/operations.md.

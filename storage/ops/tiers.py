@@ -1,27 +1,24 @@
 """Tiered checkpoints: a fast local tier in front of a manager's durable root.
 
 ``CheckpointManager(root, local=PATH_OR_URL, keep_local=N)`` saves each step to
-``local/step-{N}`` (tmpfs, NVMe, any backend) and returns; a background drain then
-copies it to ``root/step-{N}`` byte for byte (items keep their stored bytes: encrypted
-stays encrypted) with the commit protocol: data files first, metadata last, so the
-durable copy exists only once it is whole. A step is committed in a tier once that
-tier's ``.metadata`` exists.
+``local/step-{N}`` (tmpfs, NVMe, any backend) and returns (or, with ``blocking=False``,
+stages and commits locally in the background); a background drain then copies it to
+``root/step-{N}`` byte for byte with the commit protocol (:mod:`storage.ops.drain`). A
+step is committed in a tier once that tier's ``.metadata`` exists.
 
 Local tiers are per node: the ranks on one host that name the same local location
 share it. A save writes each rank's data files to its node's tier; once every rank's
 files (and, with ``replicate``, the replicas it receives from its peers) are there,
 the lowest rank of each node publishes the metadata there, and only then does the save
-return. A drain copies each rank's own data files from its node, and rank 0 publishes
-the durable metadata after every rank's files are in the bucket. Drains run one at a
-time, in a thread of their own, with collectives on a process group of their own.
-
-Guarantees and limits are documented in docs/operations.md ("Tiered checkpoints").
+count as committed. Drains run one at a time, in a thread of their own, with
+collectives on a process group of their own; loads are planned and run in
+:mod:`storage.ops.restore`. Guarantees and limits: docs/operations.md ("Tiered
+checkpoints").
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import errno
 import logging
 import os
@@ -33,33 +30,21 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
-from extensions.errors import CheckpointInUseError, CheckpointNotFoundError, TierFullError
+from extensions.errors import CheckpointInUseError, TierFullError
 from storage.checkpoint import api, incremental
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
-from storage.checkpoint.commit import publish_metadata, remove_quietly
-from storage.checkpoint.layout import StepInfo, committed_files, is_committed, parse_step
+from storage.checkpoint.commit import publish_metadata
+from storage.checkpoint.layout import StepInfo, is_committed, parse_step
 from storage.checkpoint.writer import CheckpointWriter
+from storage.ops import restore
 from storage.ops._peers import Group, Move, gather_errors, make_group, transfer
-from storage.ops.copy import copy_data_files, file_rank, publish_copy
+from storage.ops.copy import file_rank
+from storage.ops.drain import drain_step
 from storage.ops.manager import CheckpointManager
-from storage.ops.tools import read_metadata
+from storage.ops.restore import DURABLE, LOCAL, LoadedStep
 
 log = logging.getLogger(__name__)
-
-LOCAL, DURABLE = "local", "durable"
-
-
-class LoadedStep(int):
-    """The step a tiered :meth:`CheckpointManager.load` restored (an ``int``), with
-    ``tier``: ``"local"`` or ``"durable"``, the copy it was read from."""
-
-    tier: str
-
-    def __new__(cls, step: int, tier: str) -> LoadedStep:
-        obj = super().__new__(cls, step)
-        obj.tier = tier
-        return obj
 
 
 class _TierWriter(CheckpointWriter):
@@ -137,7 +122,7 @@ class LocalTier:
 
     def merge_entries(self, durable: list[StepInfo]) -> list[StepInfo]:
         """``durable`` (the root's entries) merged with this node's local tier."""
-        return merge_entries(self.local.entries(), durable)
+        return restore.merge_entries(self.local.entries(), durable)
 
     # --- save -----------------------------------------------------------------------
 
@@ -234,6 +219,11 @@ class LocalTier:
         chain = incremental.chain_length(self.local.fs, self.local.step_path(base))
         full_every = self.manager.full_every
         return None if full_every is not None and chain + 1 >= full_every else base
+
+    def pause(self) -> None:
+        """Block while a save of this manager writes to the local tier (the drain's
+        copy calls this between reads, so the save gets the disk and the cores)."""
+        self._idle.wait()
 
     def _begin(self, step: int, base: int | None) -> None:
         with self.local._lock:  # the local tier's retention and cleanup keep their hands off
@@ -359,10 +349,10 @@ class LocalTier:
 
     def _restorable(self, exclude: int) -> list[int]:
         steps = [s for s in self.local.steps() if s != exclude]
-        based = {b for s in steps for b in self._refs(s)}
+        based = {b for s in steps for b in self.references(s)}
         return [s for s in steps if s not in based or not self.durable(s)]
 
-    def _refs(self, step: int) -> set[int]:
+    def references(self, step: int) -> set[int]:
         """The local steps whose bytes local ``step`` references (incremental saves)."""
         names = incremental.references(self.local.fs, self.local.step_path(step))
         return {b for b in map(parse_step, names) if b is not None}
@@ -390,7 +380,7 @@ class LocalTier:
                         keep.add(s)
                 frontier = sorted(keep)
                 while frontier:  # bases of bases: references are one hop, but be sure
-                    for b in self._refs(frontier.pop()):
+                    for b in self.references(frontier.pop()):
                         if b not in keep:
                             keep.add(b)
                             frontier.append(b)
@@ -446,7 +436,7 @@ class LocalTier:
                 common = sorted(set.intersection(*(set(v) for v in views)))
                 if not common:
                     return
-                self._drain_step(common[0])
+                drain_step(self, common[0])
                 self._last_error = None
                 with self._lock:
                     self._pending.discard(common[0])
@@ -462,217 +452,12 @@ class LocalTier:
             with self._lock:
                 self._error, self._last_error = exc, _text(exc)
 
-    def _drain_step(self, step: int) -> None:
-        """Copy ``step`` from the local tier to the root; collective, raises on every
-        rank if it failed on any, and commits nothing then."""
-        g, fs = self.group, self.manager.fs
-        src, dst = self.local.step_path(step), self.manager.step_path(step)
-        copied, error, part = None, None, None
-        try:
-            parts = read_metadata(self.local.fs, src)
-            if len(parts) != 1:  # the manager saves with collectives: one .metadata
-                raise CheckpointNotFoundError(
-                    f"{self.local.step_url(step)} is committed by rank-local metadata "
-                    f"({', '.join(p.name for p in parts)}); only a checkpoint with one "
-                    ".metadata drains"
-                )
-            part = parts[0]
-            copied = copy_data_files(
-                self.local.fs,
-                src,
-                fs,
-                dst,
-                part,
-                ranks=None if g.world == 1 else {g.rank},
-                thread_count=self.manager.writer_options.get("thread_count"),
-                pace=self._idle.wait,
-                keep_references=True,
-            )
-        except Exception as exc:
-            error = exc
-        gathered = g.all_gather((copied, _text(error)), pg=g.drain_pg)
-        outcome = next((t for _, t in gathered if t is not None), None)
-        if g.rank == 0:
-            copies = [c for c, _ in gathered if c is not None]
-            if outcome is not None:
-                remove_quietly(fs, [p for c in copies for p in c.written])
-            else:
-                assert part is not None
-                try:
-                    overwrite = bool(self.manager.writer_options.get("overwrite", True))
-                    publish_copy(fs, dst, part, copies, overwrite=overwrite)
-                except Exception as exc:
-                    error, outcome = exc, _text(exc)
-        outcome = g.broadcast(outcome, pg=g.drain_pg)
-        if error is not None:
-            raise error
-        if outcome is not None:
-            raise RuntimeError(f"draining step {step} to {self.manager.url} failed: {outcome}")
-        log.info("step %d is durable at %s", step, self.manager.step_url(step))
-
-    # --- load -------------------------------------------------------------------------
+    # --- load (storage/ops/restore.py) -------------------------------------------------
 
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> LoadedStep:
-        """Load ``step`` (default: the newest committed in any tier) from the local tier,
-        restoring a lost node's files from its peers first; on any error, from the
-        root. Collective under a process group: rank 0 decides from every rank's report."""
-        self.finish_commit()
-        g = self.group
-        report = self._report()
-        durable = self.manager.durable_steps() if g.rank == 0 else []
-        reports = g.all_gather(report)
-        plan = _plan(g, reports, durable, step) if g.rank == 0 else None
-        plan = g.broadcast(plan)
-        if isinstance(plan, str):
-            raise CheckpointNotFoundError(plan)
-        try:
-            return self._load_planned(state_dict, *plan)
-        finally:
-            self._schedule()  # collective like the load: a node restored from a peer drains
-
-    def _load_planned(
-        self,
-        state_dict: dict[str, Any],
-        chosen: int,
-        tier: str,
-        moves: list[tuple[int, list[Move]]],
-        is_durable: bool,
-    ) -> LoadedStep:
-        g = self.group
-        if tier == LOCAL:
-            try:
-                error: BaseException | None = None
-                try:
-                    for s, step_moves in moves:  # bases first
-                        path = self.local.step_path(s)
-                        transfer(g, step_moves, self.local.fs, path, sync=True)
-                except Exception as exc:
-                    error = exc
-                gather_errors(g, error, f"restoring step {chosen} from the peers")
-                self._load_from(self.local, state_dict, chosen)
-                log.info("loaded step %d from the local tier %s", chosen, self.local.url)
-                return LoadedStep(chosen, LOCAL)
-            except Exception as exc:
-                if not is_durable:
-                    raise
-                log.warning(
-                    "loading step %d from the local tier %s failed (%s: %s); "
-                    "loading the durable copy from %s",
-                    chosen,
-                    self.local.url,
-                    type(exc).__name__,
-                    exc,
-                    self.manager.url,
-                )
-        self._load_from(self.manager, state_dict, chosen)
-        log.info("loaded step %d from the durable tier %s", chosen, self.manager.url)
-        return LoadedStep(chosen, DURABLE)
-
-    def _load_from(self, where: CheckpointManager, state_dict: dict[str, Any], step: int) -> None:
-        m = self.manager
-        api.load(
-            state_dict,
-            where.step_url(step),
-            keys=m.keys,
-            registry=m.registry,
-            require_encryption=m.require_encryption,
-            filesystem=where.fs,
-        )
-
-    def _report(self) -> Report:
-        """Per locally committed step: the data files its metadata names, the files
-        this node holds, and the steps whose bytes it references."""
-        out = {}
-        fs = self.local.fs
-        for s in self.local.steps():
-            path = self.local.step_path(s)
-            try:
-                named = committed_files(fs, fs.concat_path(path, fmt.METADATA_NAME))
-                out[s] = (sorted(named), sorted(fs.ls(path)), sorted(self._refs(s)))
-            except FileNotFoundError:
-                continue
-        return out
-
-
-# Per rank: per committed local step, (data files named, files held, bases referenced).
-Report = dict[int, tuple[list[str], list[str], list[int]]]
-
-
-def _plan(
-    g: Group, reports: list[Report], durable: list[int], step: int | None
-) -> tuple[int, str, list[tuple[int, list[Move]]], bool] | str:
-    """Rank 0's choice: the newest step that every rank can read from its node's tier
-    (fetching missing files from a node that holds them), else from the root."""
-    local_steps = set().union(*(set(r) for r in reports))
-    candidates = [step] if step is not None else sorted(local_steps | set(durable), reverse=True)
-    for s in candidates:
-        moves = _local_moves(g, reports, s)
-        if moves is not None:
-            return (s, LOCAL, moves, s in durable)
-        if s in durable:
-            return (s, DURABLE, [], True)
-    where = "no committed step" if step is None else f"step {step} is not committed"
-    return f"{where} in the local tier or under the root {sorted(durable) or ''}".strip()
-
-
-def _local_moves(g: Group, reports: list[Report], step: int) -> list[tuple[int, list[Move]]] | None:
-    """The moves, step by step (bases first), that make ``step`` and every step it
-    references readable from each node's tier; ``None`` if some file is on no node."""
-    needed: set[int] = set()
-    todo = [step]
-    while todo:
-        s = todo.pop()
-        facts = next((r[s] for r in reports if s in r), None)
-        if facts is None:
-            return None
-        needed.add(s)
-        todo.extend(b for b in facts[2] if b not in needed)
-    out = []
-    for s in sorted(needed):  # a base is older than the steps that reference it
-        moves = _step_moves(g, reports, s)
-        if moves is None:
-            return None
-        if moves:
-            out.append((s, moves))
-    return out
-
-
-def _step_moves(g: Group, reports: list[Report], step: int) -> list[Move] | None:
-    named = next(set(r[step][0]) for r in reports if step in r)
-    have = [set(r[step][1]) if step in r else set() for r in reports]
-    data: list[Move] = []
-    meta: list[Move] = []
-    for rank in range(g.world):
-        need = {n for n in named if file_rank(n) == rank} - have[rank]
-        if need:
-            src = next((q for q in range(g.world) if need <= have[q]), None)
-            if src is None:
-                return None
-            data.append((src, rank, sorted(need)))
-        if g.node_of(rank)[0] == rank and step not in reports[rank]:
-            src = next(q for q in range(g.world) if step in reports[q])
-            meta.append((src, rank, [fmt.METADATA_NAME]))
-    return data + meta  # metadata last: a node's copy counts once its files are there
-
-
-def merge_entries(local: list[StepInfo], durable: list[StepInfo]) -> list[StepInfo]:
-    """``durable`` (a root's entries) with the steps only ``local`` (a local tier's
-    entries) holds committed added, and each entry's ``tiers`` filled in; a step in both
-    tiers is listed with the root's facts."""
-    merged = {i.step: i for i in durable}
-    for info in local:
-        if not info.committed:
-            continue
-        held = merged.get(info.step)
-        if held is not None and held.committed:
-            merged[info.step] = _with_tiers(held, (LOCAL, DURABLE))
-        else:
-            merged[info.step] = _with_tiers(info, (LOCAL,))
-    return [merged[s] for s in sorted(merged, key=lambda s: -1 if s is None else s)]
-
-
-def _with_tiers(info: StepInfo, tiers: tuple[str, ...]) -> StepInfo:
-    return dataclasses.replace(info, tiers=tiers)
+        """Load ``step`` (default: the newest committed in any tier) from the nearest
+        tier that holds it; see :func:`storage.ops.restore.load`."""
+        return restore.load(self, state_dict, step)
 
 
 def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
