@@ -86,9 +86,11 @@ class CheckpointManager:
 
     Tiers: with ``local`` (a path or URL; ``local_storage_options`` /
     ``local_filesystem`` as for the root), :meth:`save` commits each step to that fast
-    local tier and returns; a background drain copies it byte for byte to the root,
-    the durable tier. ``keep_local=N`` keeps at most ``N`` committed local steps
-    besides the one being written, deleting local copies only once durable;
+    local tier and returns (``blocking=False``: once staged; the local commit runs in
+    the background); a background drain copies it byte for byte to the root, the
+    durable tier (incremental saves stay incremental in both tiers). ``keep_local=N``
+    keeps at most ``N`` committed local steps besides the one being written (and the
+    bases they reference), deleting local copies only once durable;
     ``replicate`` (``True``: the same position on the next node, or a callable
     ``rank -> peer rank``) also writes each rank's files to a peer's local tier before
     the save returns. :meth:`load` prefers the local copy, falls back to the durable
