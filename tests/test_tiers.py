@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import logging
 import os
 import shutil
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,8 @@ from extensions import AES256GCM
 from extensions.errors import TierFullError
 from storage import S3FileSystem
 from storage.backends._local import LocalFileSystem
+from storage.checkpoint import incremental
+from storage.checkpoint.api import load as storage_load
 from storage.checkpoint.layout import is_committed
 from storage.ops.manager import CheckpointManager
 from storage.ops.tools import describe
@@ -190,6 +195,171 @@ def test_full_local_tier_is_a_named_error_and_deletes_nothing(tmp_path: Path) ->
     )
 
 
+# --- asynchronous saves ------------------------------------------------------------------
+
+
+class _GatedDisk(LocalFileSystem):
+    """Our local backend, whose data file writes wait until ``gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        if mode == "wb" and path.endswith(".distcp"):
+            assert self.gate.wait(30), "the test never opened the gate"
+        with super().create_stream(path, mode, sync=sync) as stream:
+            yield stream
+
+
+def test_async_save_stages_commits_locally_then_drains(tmp_path: Path) -> None:
+    disk = _GatedDisk()
+    mgr = _tiered(tmp_path, local_filesystem=disk)
+    state = _state(1)
+    expected = state["w"].clone()
+    disk.gate.clear()
+    future = mgr.save(1, state, blocking=False)
+    assert future is not None and not future.done()  # staged; the write waits for the gate
+    state["w"].zero_()  # training goes on: the staged copy is what gets saved
+    assert mgr.tiers is not None and mgr.tiers.local.steps() == []
+    disk.gate.set()
+    future.result(timeout=30)
+    assert mgr.tiers.local.steps() == [1]
+    mgr.wait()
+    assert mgr.durable_steps() == [1]
+    for tier in ("local", "durable"):
+        target = _blank()
+        storage_load(target, tmp_path / tier / "step-1")
+        assert torch.equal(target["w"], expected)
+
+
+def test_async_save_waits_for_the_previous_local_commit(tmp_path: Path) -> None:
+    disk = _GatedDisk()
+    mgr = _tiered(tmp_path, local_filesystem=disk, keep_local=1)
+    disk.gate.clear()
+    first = mgr.save(1, _state(1), blocking=False)
+    second: list[Any] = []
+    thread = threading.Thread(target=lambda: second.append(mgr.save(2, _state(2), blocking=False)))
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive() and not second  # at most one save in flight
+    disk.gate.set()
+    thread.join(30)
+    assert first is not None and first.done() and first.exception() is None
+    second[0].result(timeout=30)
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2]
+    assert mgr.tiers is not None and mgr.tiers.local.steps() == [2]
+
+
+class _CountingDisk(_GatedDisk):
+    """A gated local tier that counts the bytes read through ``open_slice`` (the drain)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = 0
+        self._count_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def open_slice(self, path: str, offset: int, length: int) -> Iterator[IO[bytes]]:
+        with super().open_slice(path, offset, length) as stream:
+            disk = self
+
+            class Counted(io.RawIOBase):
+                def readable(self) -> bool:
+                    return True
+
+                def readinto(self, buffer: Any) -> int:
+                    n = stream.readinto(buffer) or 0  # type: ignore[attr-defined]
+                    with disk._count_lock:
+                        disk.read += n
+                    return n
+
+            yield Counted()  # type: ignore[misc]
+
+
+class _SlowDisk(LocalFileSystem):
+    """A durable tier whose data file writes take 20 ms per call (a slow bucket)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        with super().create_stream(path, mode, sync=sync) as stream:
+            if mode == "wb" and path.endswith(".distcp"):
+                write = stream.write
+
+                def slow(data: Any) -> int:
+                    time.sleep(0.02)
+                    return write(data)
+
+                stream.write = slow  # type: ignore[method-assign]
+            yield stream
+
+
+def test_the_drain_pauses_while_a_save_writes_locally(tmp_path: Path) -> None:
+    local = _CountingDisk()
+    mgr = CheckpointManager(
+        tmp_path / "durable",
+        filesystem=_SlowDisk(),
+        local=tmp_path / "local",
+        local_filesystem=local,
+    )
+    big = {"w": torch.randn(4 << 20), "meta": {"step": 1}}  # 16 MiB: 16 slow writes or more
+    mgr.save(1, big)  # its drain starts now, and takes a while
+    local.gate.clear()
+    future = mgr.save(2, _state(2), blocking=False)  # writing: blocked at the gate
+    assert future is not None
+    before = local.read
+    time.sleep(0.5)
+    # At most the read in progress when the save began (1 MiB per copy thread) lands.
+    assert local.read - before <= 8 << 20
+    assert not is_committed(mgr.fs, mgr.step_path(1))  # the drain is paused, not done
+    local.gate.set()
+    future.result(timeout=30)
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2]
+    assert local.read >= 16 << 20
+
+
+def _drained(mgr: CheckpointManager) -> None:
+    # The last queued drain pass has run; unlike wait(), raises nothing, so its error is
+    # left for the next save to surface.
+    assert mgr.tiers is not None
+    mgr.tiers.finish_commit()
+    mgr.tiers._wait_drains()
+
+
+def test_async_save_errors_and_recovery(tmp_path: Path) -> None:
+    # A failed local commit goes to that save's future; a failed drain is raised by the
+    # next save before it stages anything; a tier over keep_local retries the drain,
+    # then names the problem; once the bucket is back, the next save drains everything.
+    (tmp_path / "durable").write_text("the bucket is down")
+    disk = _FullDisk()
+    mgr = _tiered(tmp_path, keep_local=1, local_filesystem=disk)
+    assert mgr.tiers is not None
+    disk.full = True
+    failed = mgr.save(1, _state(1), blocking=False)
+    assert failed is not None
+    with pytest.raises(TierFullError, match="local tier .* is full"):
+        failed.result(timeout=30)
+    disk.full = False
+    for step in (1, 2):
+        mgr.save(step, _state(step), blocking=False).result(timeout=30)  # type: ignore[union-attr]
+        _drained(mgr)
+        with pytest.raises(OSError):
+            mgr.save(step + 1, _state(step + 1), blocking=False)  # before anything is staged
+        assert mgr.tiers.local.steps() == list(range(1, step + 1))
+    with pytest.raises(TierFullError, match=r"holds steps \[1, 2\], more than keep_local=1"):
+        mgr.save(3, _state(3), blocking=False)
+    assert mgr.tiers.local.steps() == [1, 2]
+    (tmp_path / "durable").unlink()  # the bucket is back
+    mgr.save(3, _state(3), blocking=False).result(timeout=30)  # type: ignore[union-attr]
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2, 3]
+    assert mgr.tiers.local.steps() == [3]
+
+
 @pytest.fixture
 def proxy() -> Iterator[FaultProxy]:
     endpoint = moto_endpoint()
@@ -288,3 +458,157 @@ def _tier_worker(rank: int, store: str, base: str) -> None:
 
 def test_four_ranks_two_nodes_replicate_drain_and_restore(tmp_path: Path) -> None:
     mp.spawn(_tier_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+
+
+def _async_worker(rank: int, store: str, base: str) -> None:
+    with gloo_group(rank, 2, store):
+        node = f"{base}/node{rank}"
+        mgr = CheckpointManager(f"{base}/durable", local=node, replicate=True)
+        state = {f"rank{rank}": torch.full((1 << 16,), float(rank))}
+        future = mgr.save(1, state, blocking=False)
+        assert future is not None
+        state[f"rank{rank}"].fill_(-1.0)  # the staged copy is saved, not this
+        total = torch.zeros(1)
+        for _ in range(20):  # the job's own collectives, while the commit runs behind
+            total += 1
+            dist.all_reduce(total)
+        future.result(timeout=60)
+        mgr.save(2, {f"rank{rank}": torch.full((1 << 16,), 2.0 + rank)}, blocking=False)
+        mgr.wait()  # the commit of step 2, then the drains
+        assert mgr.durable_steps() == [1, 2]
+        peer = f"{base}/node{1 - rank}/step-1"
+        assert any(n.startswith(f"__{rank}_") for n in os.listdir(peer))  # the replica
+        target = {f"rank{rank}": torch.zeros(1 << 16)}
+        step = mgr.load(target, 1)
+        assert (step, step.tier) == (1, "local")  # type: ignore[attr-defined]
+        assert torch.equal(target[f"rank{rank}"], torch.full((1 << 16,), float(rank)))
+
+
+def test_two_ranks_async_saves_replicate_and_drain(tmp_path: Path) -> None:
+    mp.spawn(_async_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+
+
+# --- incremental saves in both tiers ------------------------------------------------------
+
+FROZEN = torch.arange(4096, dtype=torch.float32)  # the same at every step: referenced
+
+
+def _incr_state(step: int) -> dict[str, Any]:
+    return {"frozen": FROZEN.clone(), **_state(step)}
+
+
+def _incr_blank() -> dict[str, Any]:
+    return {"frozen": torch.zeros(4096), **_blank()}
+
+
+def _refs(root: Path, step: int) -> set[str]:
+    return incremental.references(LocalFileSystem(), str(root / f"step-{step}"))
+
+
+def _own_bytes(root: Path, step: int) -> int:
+    return sum(p.stat().st_size for p in (root / f"step-{step}").glob("*.distcp"))
+
+
+def test_incremental_tiered_references_in_both_tiers_and_retention_keeps_bases(
+    tmp_path: Path,
+) -> None:
+    mgr = _tiered(tmp_path, incremental=True, keep_local=2, keep_last=2)
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    for step in range(1, 5):
+        mgr.save(step, _incr_state(step))
+        mgr.wait()
+    # Step 1 is the full save every later one references (the frozen tensor): each tier
+    # keeps it beside the steps its retention keeps, and the drain kept the references.
+    assert mgr.tiers is not None and mgr.tiers.local.steps() == [1, 3, 4]
+    assert mgr.durable_steps() == [1, 3, 4]
+    for root in (local, durable):
+        assert _refs(root, 4) == {"step-1"} and _refs(root, 1) == set()
+        assert _own_bytes(root, 4) < _own_bytes(root, 1)
+    for root in (local, durable):  # each tier's copy loads alone (plain storage.load)
+        target = _incr_blank()
+        storage_load(target, root / "step-4")
+        assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(4)["w"])
+    mgr.save(5, _incr_state(5))  # the base does not count against keep_local
+    mgr.wait()
+    assert mgr.tiers.local.steps() == [1, 4, 5] and mgr.durable_steps() == [1, 4, 5]
+    target = _incr_blank()
+    step = mgr.load(target)
+    assert (step, step.tier) == (5, "local")  # type: ignore[attr-defined]
+    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(5)["w"])
+    # The local base is damaged: the load falls back to the durable copy, whose own base
+    # is intact.
+    data = _first_data_file(local / "step-1")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    target = _incr_blank()
+    step = mgr.load(target)
+    assert (step, step.tier) == (5, "durable")  # type: ignore[attr-defined]
+    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(5)["w"])
+
+
+def test_incremental_tiered_drains_bases_first_and_copies_what_the_root_lacks(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "durable").write_text("the bucket is down")
+    mgr = _tiered(tmp_path, incremental=True, full_every=2)
+    for step in (1, 2, 3, 4):
+        with contextlib.suppress(OSError):  # an earlier drain's error; committed locally
+            mgr.save(step, _incr_state(step))
+    with pytest.raises(OSError):
+        mgr.wait()
+    assert mgr.tiers is not None and mgr.tiers.local.steps() == [1, 2, 3, 4]
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    # full_every=2: every other save is a full one.
+    assert [_refs(local, s) for s in (1, 2, 3, 4)] == [set(), {"step-1"}, set(), {"step-3"}]
+    (tmp_path / "durable").unlink()  # back: the backlog drains oldest first, bases first
+    mgr.save(5, _incr_state(5))
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2, 3, 4, 5]
+    assert [_refs(durable, s) for s in (1, 2, 3, 4, 5)] == [
+        set(),
+        {"step-1"},
+        set(),
+        {"step-3"},
+        set(),
+    ]
+    # The root's step-3 is replaced behind the manager's back (other bytes): the next
+    # drain of step 4 cannot reference it, so its durable copy takes the bytes.
+    mgr.delete(5)
+    mgr.delete(4)
+    CheckpointManager(durable).save(3, {"frozen": FROZEN + 1, **_state(3)})
+    mgr.save(6, _incr_state(6))  # its drain pass drains step 4 again, then step 6
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2, 3, 4, 5, 6]  # 5 is still local: drained again
+    assert _refs(local, 4) == {"step-3"} and _refs(durable, 4) == set()
+    target = _incr_blank()
+    storage_load(target, durable / "step-4")
+    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(4)["w"])
+
+
+def _incremental_worker(rank: int, store: str, base: str) -> None:
+    with gloo_group(rank, 2, store):
+        node = f"{base}/node{rank}"
+        mgr = CheckpointManager(f"{base}/durable", local=node, replicate=True, incremental=True)
+        frozen = torch.full((1 << 14,), 7.0 + rank)
+        for step in (1, 2):
+            mgr.save(step, {f"frozen{rank}": frozen, f"w{rank}": torch.full((64,), float(step))})
+        mgr.wait()
+        for root in (f"{base}/node0", f"{base}/node1", f"{base}/durable"):
+            assert incremental.references(LocalFileSystem(), f"{root}/step-2") == {"step-1"}
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(f"{base}/node1")  # node 1 is lost: steps 1 and 2 come from node 0
+        dist.barrier()
+        target = {f"frozen{rank}": torch.zeros(1 << 14), f"w{rank}": torch.zeros(64)}
+        step = mgr.load(target)
+        assert (step, step.tier) == (2, "local")  # type: ignore[attr-defined]
+        assert torch.equal(target[f"frozen{rank}"], frozen)
+        assert torch.equal(target[f"w{rank}"], torch.full((64,), 2.0))
+        assert sorted(os.listdir(f"{base}/node1")) == ["step-1", "step-2"]
+
+
+def test_two_nodes_incremental_replicas_restore_the_base_first(tmp_path: Path) -> None:
+    mp.spawn(
+        _incremental_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True
+    )

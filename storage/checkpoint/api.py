@@ -72,12 +72,20 @@ def save(
     save_with(writer, state_dict)
 
 
-def save_with(writer: CheckpointWriter, state_dict: dict[str, Any]) -> None:
-    """``dcp.save`` through ``writer`` (collective under a process group), raising the
-    real error and removing what this rank wrote when the save fails."""
+def save_with(
+    writer: CheckpointWriter, state_dict: dict[str, Any], *, process_group: Any = None
+) -> None:
+    """``dcp.save`` through ``writer`` (collective under a process group: the default
+    one, or ``process_group``), raising the real error and removing what this rank wrote
+    when the save fails."""
     try:
         with _quiet_single_process():
-            dcp.save(state_dict, storage_writer=writer, no_dist=_no_dist())
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                no_dist=_no_dist(),
+                process_group=process_group,
+            )
     except CheckpointException as exc:
         writer.abort(exc)
         real = unwrap_checkpoint_exception(exc, writer)

@@ -49,7 +49,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     mgr = CheckpointManager(fs.url(root), filesystem=fs)
     infos = mgr.entries()
     if args.local:  # a tiered manager's local tier: which tiers hold each step
-        from storage.ops.tiers import merge_entries
+        from storage.ops.restore import merge_entries
 
         local_fs, local_root = location(args.local, args.local_storage_option)
         local = CheckpointManager(local_fs.url(local_root), filesystem=local_fs)

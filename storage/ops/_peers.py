@@ -30,7 +30,11 @@ class Group:
     world: int = 1
     nodes: list[list[int]] = field(default_factory=lambda: [[0]])
     peer: dict[int, int | None] = field(default_factory=dict)
-    pg: Any = None  # a gloo group of our own, so background collectives never race the job's
+    # Gloo groups of our own, so background collectives never race the job's (on the
+    # default group) or each other: ``drain_pg`` for drains, ``save_pg`` for the
+    # background half of asynchronous saves.
+    drain_pg: Any = None
+    save_pg: Any = None
 
     @property
     def node(self) -> list[int]:
@@ -44,21 +48,21 @@ class Group:
     def node_of(self, rank: int) -> list[int]:
         return next(n for n in self.nodes if rank in n)
 
-    def all_gather(self, obj: Any, *, background: bool = False) -> list[Any]:
-        """Every rank's ``obj``; ``background`` collectives (drains) run on our own
-        group, the others on the job's default group, from the caller's thread."""
+    def all_gather(self, obj: Any, *, pg: Any = None) -> list[Any]:
+        """Every rank's ``obj``, over ``pg`` (default: the job's default group, from the
+        caller's thread; background threads pass one of ours)."""
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.pg if background else None)
+        dist.all_gather_object(out, obj, group=pg)
         return out
 
-    def broadcast(self, obj: Any, *, background: bool = False) -> Any:
-        """Rank 0's ``obj`` on every rank."""
+    def broadcast(self, obj: Any, *, pg: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank, over ``pg``."""
         if self.world == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.pg if background else None)
+        dist.broadcast_object_list(box, src=0, group=pg)
         return box[0]
 
 
@@ -86,21 +90,28 @@ def make_group(local_url: str, replicate: bool | Callable[[int], int], *, own_pg
             peer[r] = after[min(position, len(after) - 1)]
         else:
             peer[r] = None
-    pg = dist.new_group(backend="gloo") if own_pg else None
-    return Group(rank, world, nodes, peer, pg)
+    drain_pg = dist.new_group(backend="gloo") if own_pg else None
+    save_pg = dist.new_group(backend="gloo") if own_pg else None
+    return Group(rank, world, nodes, peer, drain_pg, save_pg)
 
 
 Move = tuple[int, int, Sequence[str]]  # (from rank, to rank, file names)
 
 
 def transfer(
-    group: Group, moves: Sequence[Move], fs: FileSystemBase, directory: str, *, sync: bool
+    group: Group,
+    moves: Sequence[Move],
+    fs: FileSystemBase,
+    directory: str,
+    *,
+    sync: bool,
+    pg: Any = None,
 ) -> int:
     """Copy files between node-local tiers: for each ``(src, dst, names)``, rank
     ``src`` sends each named file of ``directory`` in its tier and rank ``dst`` writes
     it under the same name in its own. Every rank walks the same list in order and
-    takes part only in its moves, so no cycle of waits can form. Collective on the
-    default group; returns the bytes this rank sent."""
+    takes part only in its moves, so no cycle of waits can form. Collective on ``pg``
+    (default: the default group); returns the bytes this rank sent."""
     sent = 0
     for src, dst, names in moves:
         if group.rank not in (src, dst) or src == dst:
@@ -108,45 +119,43 @@ def transfer(
         for name in names:
             path = fs.concat_path(directory, name)
             if group.rank == src:
-                sent += _send_file(fs, path, dst)
+                sent += _send_file(fs, path, dst, pg)
             else:
-                _recv_file(fs, path, src, sync=sync)
+                _recv_file(fs, path, src, pg, sync=sync)
     return sent
 
 
-def _send_file(fs: FileSystemBase, path: str, dst: int) -> int:
+def _send_file(fs: FileSystemBase, path: str, dst: int, pg: Any) -> int:
     size = fs.size(path)
-    dist.send(torch.tensor([size], dtype=torch.int64), dst)
+    dist.send(torch.tensor([size], dtype=torch.int64), dst, group=pg)
     with fs.create_stream(path, "rb") as stream:
         left = size
         while left:
             data = stream.read(min(_CHUNK, left))
             if not data:
                 raise EOFError(f"{fs.url(path)} ended {left} bytes early while sending it")
-            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=pg)
             left -= len(data)
     return size
 
 
-def _recv_file(fs: FileSystemBase, path: str, src: int, *, sync: bool) -> None:
+def _recv_file(fs: FileSystemBase, path: str, src: int, pg: Any, *, sync: bool) -> None:
     header = torch.zeros(1, dtype=torch.int64)
-    dist.recv(header, src)
+    dist.recv(header, src, group=pg)
     left = int(header.item())
     with fs.create_stream(path, "wb", sync=sync) as out:
         while left:
             chunk = torch.empty(min(_CHUNK, left), dtype=torch.uint8)
-            dist.recv(chunk, src)
+            dist.recv(chunk, src, group=pg)
             out.write(chunk.numpy().data)
             left -= chunk.numel()
 
 
-def gather_errors(
-    group: Group, error: BaseException | None, what: str, *, background: bool = False
-) -> None:
+def gather_errors(group: Group, error: BaseException | None, what: str, *, pg: Any = None) -> None:
     """Raise on every rank if ``error`` was raised on any: this rank's own error, or a
     ``RuntimeError`` naming the first failing rank's."""
     text = None if error is None else f"{type(error).__name__}: {error}"
-    texts = group.all_gather(text, background=background)
+    texts = group.all_gather(text, pg=pg)
     if error is not None:
         raise error
     failed = [(r, t) for r, t in enumerate(texts) if t is not None]

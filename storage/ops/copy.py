@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import io
 import re
 import threading
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 
 from extensions.base import ItemInfo, Keys, cached_key_lookup
 from extensions.errors import (
     CheckpointExistsError,
+    CheckpointNotFoundError,
     CheckpointStorageError,
     IntegrityError,
     quote,
@@ -32,7 +34,13 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import default_thread_count
 from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
-from storage.checkpoint.incremental import CONTENT, check_bases, item_path
+from storage.checkpoint.incremental import (
+    CONTENT,
+    check_bases,
+    check_referenced_files,
+    item_path,
+    sibling_path,
+)
 from storage.checkpoint.items import (
     ItemEncoder,
     StoredItem,
@@ -171,25 +179,41 @@ def copy_data_files(
     progress: Progress | None = None,
     save_id: str | None = None,
     first: int = 0,
+    pace: Callable[[], object] | None = None,
+    keep_references: bool = False,
 ) -> CopiedFiles:
     """The data phase of :func:`copy_checkpoint`: copy the items that ``part`` (one
     metadata of the checkpoint at ``src_path``) names into new data files under
     ``dst_path``, verifying checksums on the way; nothing is committed. Referenced items
     (incremental saves) are read from their base, so the copy holds every byte it
-    needs. ``ranks`` limits the copy to the data files those ranks wrote
+    needs, unless ``keep_references``: then an item that references a base is
+    recorded as a reference to the base of the same name beside ``dst_path`` when that
+    one is committed and holds the same stored bytes there (same index, transform
+    chain, length and checksum), and only copied otherwise, so a copy of an
+    incremental checkpoint made after its bases' copies stays incremental. ``ranks``
+    limits the copy to the data files those ranks wrote
     (``__{rank}_*``), so each rank of a job can copy its own files from a node-local
-    tier; new files are numbered from ``first``. On failure, removes what it wrote."""
+    tier; new files are numbered from ``first``. ``pace``, when given, is called before
+    each read of the source (at most ``streams.CHUNK`` bytes apart) and may block: a
+    background copy pauses there while something more urgent runs. On failure, removes
+    what it wrote."""
     src_url = src_fs.url(src_path)
     key_lookup = cached_key_lookup(keys)
     copied = CopiedFiles(save_id or uuid.uuid4().hex[:12], set(), [], {})
     infos = list((part.metadata.storage_data or {}).items())
+    if keep_references:
+        kept = _kept_references(dst_fs, dst_path, infos)
+        for index, info in infos:
+            if index in kept and (ranks is None or _owner(part, info) in ranks):
+                copied.infos[index] = kept[index]
+        infos = [(index, info) for index, info in infos if index not in kept]
     check_bases(src_fs, src_path, ((part.label(i), info) for i, info in infos))
     per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
     for index, info in infos:
         per_file.setdefault(item_path(src_fs, src_path, info), []).append((index, info))
     plan: list[tuple[str, str, list[tuple[MetadataIndex, Any]]]] = []
     for number, (src_file, items_of) in enumerate(sorted(per_file.items()), start=first):
-        rank = part.rank if part.rank is not None else file_rank(items_of[0][1].relative_path)
+        rank = _owner(part, items_of[0][1])
         if ranks is None or rank in ranks:
             plan.append((src_file, fmt.data_file_name(rank, number, copied.save_id), items_of))
     copied.names = {name for _, name, _ in plan}
@@ -208,9 +232,10 @@ def copy_data_files(
         item_infos = [_item_info(part, index, src_url, key_lookup) for index, _ in items]
         out_offset = 0
         with (
-            src_fs.open_slice(src_file, start, end - start) as source,
+            src_fs.open_slice(src_file, start, end - start) as opened,
             dst_fs.create_stream(dst_file, "wb", sync=True) as out,
         ):
+            source = opened if pace is None else cast(IO[bytes], _Paced(opened, pace))
             position = start
             for (index, info), item in zip(items, item_infos):
                 _skip(source, int(info.offset) - position, src_url, src_name)
@@ -238,6 +263,57 @@ def copy_data_files(
     return copied
 
 
+def _owner(part: Part, info: Any) -> int:
+    return part.rank if part.rank is not None else file_rank(info.relative_path)
+
+
+def _kept_references(
+    dst_fs: FileSystemBase, dst_path: str, infos: Sequence[tuple[MetadataIndex, Any]]
+) -> dict[MetadataIndex, Any]:
+    """For the items of ``infos`` that reference a base: the storage info referencing
+    the destination's sibling of that name, where it is committed and holds the same
+    stored bytes (see :func:`copy_data_files`)."""
+    bases: dict[str, dict[MetadataIndex, Any]] = {}
+    kept: dict[MetadataIndex, Any] = {}
+    for index, info in infos:
+        extra = fmt.item_extra(info)
+        ref = extra.get(fmt.REF)
+        if ref is None or extra.get("crc32c") is None:
+            continue
+        if ref not in bases:
+            bases[ref] = _committed_items(dst_fs, dst_path, ref)
+        theirs = bases[ref].get(index)
+        if theirs is None:
+            continue
+        their_extra = fmt.item_extra(theirs)
+        descriptors = list(info.transform_descriptors or [])
+        if (
+            list(theirs.transform_descriptors or []) != descriptors
+            or int(theirs.length) != int(info.length)
+            or their_extra.get("crc32c") != extra["crc32c"]
+        ):
+            continue
+        kept[index] = fmt.new_storage_info(
+            theirs.relative_path,
+            theirs.offset,
+            theirs.length,
+            descriptors,
+            dict(their_extra, ref=their_extra.get(fmt.REF, ref)),
+        )
+    return kept
+
+
+def _committed_items(fs: FileSystemBase, path: str, name: str) -> dict[MetadataIndex, Any]:
+    """The storage index of the committed checkpoint ``name`` beside ``path`` (empty
+    when there is none)."""
+    try:
+        base = sibling_path(fs, path, name)
+        payload = fs.read_bytes(fs.concat_path(base, fmt.METADATA_NAME))
+        return dict(fmt.load_metadata(payload, fs.url(base)).storage_data or {})
+    except (FileNotFoundError, NotADirectoryError, CheckpointNotFoundError):
+        return {}
+
+
 def publish_copy(
     dst_fs: FileSystemBase,
     dst_path: str,
@@ -255,6 +331,7 @@ def publish_copy(
     new_meta.storage_data = {i: info for c in copies for i, info in c.infos.items()}
     new_meta.storage_meta = StorageMeta(checkpoint_id=dst_fs.url(dst_path), save_id=save_id)
     try:
+        check_referenced_files(dst_fs, dst_path, new_meta.storage_data.values())
         publish_metadata(
             dst_fs,
             dst_path,
@@ -268,6 +345,22 @@ def publish_copy(
         if not metadata_may_name(dst_fs, meta_path, save_id):
             remove_quietly(dst_fs, [p for c in copies for p in c.written])
         raise
+
+
+class _Paced(io.RawIOBase):
+    """``base``, calling ``pace()`` before each read."""
+
+    def __init__(self, base: IO[bytes], pace: Callable[[], object]) -> None:
+        super().__init__()
+        self._base = base
+        self._pace = pace
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._pace()
+        return self._base.readinto(buffer) or 0  # type: ignore[attr-defined]
 
 
 def file_rank(name: str) -> int:

@@ -86,13 +86,15 @@ class CheckpointManager:
 
     Tiers: with ``local`` (a path or URL; ``local_storage_options`` /
     ``local_filesystem`` as for the root), :meth:`save` commits each step to that fast
-    local tier and returns; a background drain copies it byte for byte to the root,
-    the durable tier. ``keep_local=N`` keeps at most ``N`` committed local steps
-    besides the one being written, deleting local copies only once durable;
+    local tier and returns (``blocking=False``: once staged; the local commit runs in
+    the background); a background drain copies it byte for byte to the root, the
+    durable tier (incremental saves stay incremental in both tiers). ``keep_local=N``
+    keeps at most ``N`` committed local steps besides the one being written (and the
+    bases they reference), deleting local copies only once durable;
     ``replicate`` (``True``: the same position on the next node, or a callable
     ``rank -> peer rank``) also writes each rank's files to a peer's local tier before
     the save returns. :meth:`load` prefers the local copy, falls back to the durable
-    one, and returns a :class:`~storage.ops.tiers.LoadedStep` naming the tier used;
+    one, and returns a :class:`~storage.ops.restore.LoadedStep` naming the tier used;
     :meth:`wait` waits for the drains and raises a failed drain's error, as does the
     next :meth:`save`. Constructing a tiered manager is collective under a process
     group. See :mod:`storage.ops.tiers` and docs/operations.md.
@@ -245,14 +247,12 @@ class CheckpointManager:
         ``concurrent.futures.Future`` at once (the caller may change its tensors right
         away); the future resolves after the checkpoint is committed and retention has
         run, or raises the save's error. Either way, a previous asynchronous save of
-        this manager is waited for first. A tiered save commits to the local tier and
-        returns (``blocking=False`` is not supported there)."""
+        this manager is waited for first. A tiered save commits to the local tier (the
+        future resolves then) and drains to the root in the background (see
+        :meth:`storage.ops.tiers.LocalTier.save`)."""
         step = _check_step(step)
         if self.tiers is not None:
-            if not blocking:
-                raise ValueError("a tiered save is blocking on the local tier; drop blocking=False")
-            self.tiers.save(step, state_dict)
-            return None
+            return self.tiers.save(step, state_dict, blocking=blocking)
         self.wait()
         url = self.step_url(step)
         options = dict(self.writer_options, filesystem=self.fs)

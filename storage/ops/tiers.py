@@ -1,27 +1,24 @@
 """Tiered checkpoints: a fast local tier in front of a manager's durable root.
 
 ``CheckpointManager(root, local=PATH_OR_URL, keep_local=N)`` saves each step to
-``local/step-{N}`` (tmpfs, NVMe, any backend) and returns; a background drain then
-copies it to ``root/step-{N}`` byte for byte (items keep their stored bytes: encrypted
-stays encrypted) with the commit protocol: data files first, metadata last, so the
-durable copy exists only once it is whole. A step is committed in a tier once that
-tier's ``.metadata`` exists.
+``local/step-{N}`` (tmpfs, NVMe, any backend) and returns (or, with ``blocking=False``,
+stages and commits locally in the background); a background drain then copies it to
+``root/step-{N}`` byte for byte with the commit protocol (:mod:`storage.ops.drain`). A
+step is committed in a tier once that tier's ``.metadata`` exists.
 
 Local tiers are per node: the ranks on one host that name the same local location
 share it. A save writes each rank's data files to its node's tier; once every rank's
 files (and, with ``replicate``, the replicas it receives from its peers) are there,
 the lowest rank of each node publishes the metadata there, and only then does the save
-return. A drain copies each rank's own data files from its node, and rank 0 publishes
-the durable metadata after every rank's files are in the bucket. Drains run one at a
-time, in a thread of their own, with collectives on a process group of their own.
-
-Guarantees and limits are documented in docs/operations.md ("Tiered checkpoints").
+count as committed. Drains run one at a time, in a thread of their own, with
+collectives on a process group of their own; loads are planned and run in
+:mod:`storage.ops.restore`. Guarantees and limits: docs/operations.md ("Tiered
+checkpoints").
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import errno
 import logging
 import os
@@ -30,35 +27,24 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
-from extensions.errors import CheckpointNotFoundError, TierFullError
-from storage.checkpoint import api
+from extensions.errors import CheckpointInUseError, TierFullError
+from storage.checkpoint import api, incremental
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
-from storage.checkpoint.commit import publish_metadata, remove_quietly
-from storage.checkpoint.layout import StepInfo, committed_files, is_committed
+from storage.checkpoint.commit import publish_metadata
+from storage.checkpoint.layout import StepInfo, is_committed, parse_step
 from storage.checkpoint.writer import CheckpointWriter
+from storage.ops import restore
 from storage.ops._peers import Group, Move, gather_errors, make_group, transfer
-from storage.ops.copy import copy_data_files, file_rank, publish_copy
+from storage.ops.copy import file_rank
+from storage.ops.drain import drain_step
 from storage.ops.manager import CheckpointManager
-from storage.ops.tools import read_metadata
+from storage.ops.restore import DURABLE, LOCAL, LoadedStep
 
 log = logging.getLogger(__name__)
-
-LOCAL, DURABLE = "local", "durable"
-
-
-class LoadedStep(int):
-    """The step a tiered :meth:`CheckpointManager.load` restored (an ``int``), with
-    ``tier``: ``"local"`` or ``"durable"``, the copy it was read from."""
-
-    tier: str
-
-    def __new__(cls, step: int, tier: str) -> LoadedStep:
-        obj = super().__new__(cls, step)
-        obj.tier = tier
-        return obj
 
 
 class _TierWriter(CheckpointWriter):
@@ -113,6 +99,12 @@ class LocalTier:
         self._last_error: str | None = None  # kept after it is surfaced, for messages
         self._drains = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-drain")
         self._last: concurrent.futures.Future[None] | None = None
+        self._saves = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-tier-save")
+        # Cleared while a save writes to the local tier: the drain's copy waits on it, so
+        # the foreground save gets the disk and the cores (docs/benchmarks.md).
+        self._idle = threading.Event()
+        self._idle.set()
+        self._committing: concurrent.futures.Future[None] | None = None
         self._schedule()  # after a restart: drain what is local but not durable
 
     # --- listing --------------------------------------------------------------------
@@ -130,67 +122,163 @@ class LocalTier:
 
     def merge_entries(self, durable: list[StepInfo]) -> list[StepInfo]:
         """``durable`` (the root's entries) merged with this node's local tier."""
-        return merge_entries(self.local.entries(), durable)
+        return restore.merge_entries(self.local.entries(), durable)
 
     # --- save -----------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: dict[str, Any]) -> None:
-        """Commit ``step`` in the local tier (every node), queue its drain (which prunes
-        the local tier first), then raise the error of an earlier drain that failed before this
-        save committed, if any (the step just saved is committed locally all the same,
-        and its drain retries the failed steps)."""
+    def save(
+        self, step: int, state_dict: dict[str, Any], *, blocking: bool = True
+    ) -> concurrent.futures.Future[None] | None:
+        """Commit ``step`` in the local tier (every node) and queue its drain (which
+        prunes the local tier first).
+
+        Blocking: returns once committed, then raises the error of an earlier drain that
+        failed before this save committed, if any (the step just saved is committed
+        locally all the same, and its drain retries the failed steps).
+
+        ``blocking=False``: raises such an error before anything is staged (nothing is
+        saved then; save again), else stages ``state_dict`` to CPU memory and returns a
+        future that resolves once the step is committed locally (or raises the
+        commit's error); the write, replication and local commit run in a thread of
+        their own, with their collectives on a process group of their own.
+
+        Either way, the previous save's local commit is waited for first (at most one
+        save in flight)."""
+        self.finish_commit()
+        if not blocking:
+            self._surface()
         self._make_room(step)
-        path = self.local.step_path(step)
-        options = self.manager.writer_options
-        writer = _TierWriter(
-            self.local.fs.url(path),
-            transforms=self.manager.transforms,
-            filesystem=self.local.fs,
-            **options,
-        )
-        g = self.group
+        with self._retain_lock:  # the base chosen is protected before retention can run
+            base = self._base_for(step)
+            self._begin(step, base)
+        try:
+            writer = _TierWriter(
+                self.local.fs.url(self.local.step_path(step)),
+                transforms=self.manager.transforms,
+                filesystem=self.local.fs,
+                fingerprint=self.manager.incremental,
+                base=None if base is None else self.local.step_url(base),
+                **self.manager.writer_options,
+            )
+        except BaseException:
+            self._end()
+            raise
+        if blocking:
+            self._commit(step, writer, state_dict, None)
+            with self._lock:
+                earlier, self._error = self._error, None  # before this step's drain can fail
+            if earlier is not None:
+                raise earlier
+            return None
+        try:
+            staged = writer.stage(_plain(state_dict))
+            inner = self._saves.submit(self._commit, step, writer, staged, self.group.save_pg)
+        except BaseException:
+            self._end()
+            raise
+        outer: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def finished(fut: concurrent.futures.Future[None]) -> None:
+            error = fut.exception()
+            if error is None:
+                outer.set_result(None)
+            else:
+                log.error(
+                    "asynchronous save of step %d to %s failed: %s", step, self.local.url, error
+                )
+                outer.set_exception(error)
+
+        with self._lock:
+            self._committing = inner
+        inner.add_done_callback(finished)
+        return outer
+
+    def finish_commit(self) -> None:
+        """Wait for the local commit of an asynchronous save in flight, if any (its
+        error goes to that save's future, not to the caller)."""
+        with self._lock:
+            committing = self._committing
+        if committing is not None:
+            concurrent.futures.wait([committing])
+            with self._lock:
+                if self._committing is committing:
+                    self._committing = None
+
+    def _base_for(self, step: int) -> int | None:
+        """The base of an incremental save of ``step``: the newest step below it that is
+        committed in every node's local tier (a reference is resolved in the tier that
+        holds the referencing step), unless ``full_every`` asks for a full save.
+        Collective."""
+        if not self.manager.incremental:
+            return None
+        views = self.group.all_gather([s for s in self.local.steps() if s < step])
+        common = set.intersection(*(set(v) for v in views))
+        if not common:
+            return None
+        base = max(common)
+        chain = incremental.chain_length(self.local.fs, self.local.step_path(base))
+        full_every = self.manager.full_every
+        return None if full_every is not None and chain + 1 >= full_every else base
+
+    def pause(self) -> None:
+        """Block while a save of this manager writes to the local tier (the drain's
+        copy calls this between reads, so the save gets the disk and the cores)."""
+        self._idle.wait()
+
+    def _begin(self, step: int, base: int | None) -> None:
+        with self.local._lock:  # the local tier's retention and cleanup keep their hands off
+            self.local._saving, self.local._saving_base = step, base
+        self._idle.clear()  # after _make_room, which may wait for the drain
+
+    def _end(self) -> None:
         with self.local._lock:
-            self.local._saving = step  # the local tier's cleanup keeps its hands off
+            self.local._saving, self.local._saving_base = None, None
+        self._idle.set()
+
+    def _commit(self, step: int, writer: _TierWriter, state_dict: dict[str, Any], pg: Any) -> None:
+        """Write, replicate and commit ``step`` in the local tier (collective on ``pg``),
+        then queue its drain."""
+        g = self.group
+        path = self.local.step_path(step)
         try:
             try:
-                api.save_with(writer, state_dict)
+                api.save_with(writer, state_dict, process_group=pg)
             except OSError as exc:
                 full = _full_or(exc, self.local.url)
                 if full is exc:
                     raise
                 raise full from exc
-            payload = g.broadcast(writer.payload)
+            payload = g.broadcast(writer.payload, pg=pg)
             error: BaseException | None = None
             try:
-                self._replicate(path, payload)
+                self._replicate(path, payload, pg)
             except Exception as exc:
                 error = exc
-            gather_errors(g, error, "replicating to the peer's local tier")
+            gather_errors(g, error, "replicating to the peer's local tier", pg=pg)
             if g.leader:
                 try:
                     self._publish_local(path, payload)
                 except Exception as exc:
                     error = _full_or(exc, self.local.url)
-            gather_errors(g, error, f"committing step {step} in the local tier")
+            gather_errors(g, error, f"committing step {step} in the local tier", pg=pg)
         except BaseException:
             writer.abort()
             raise
         finally:
-            with self.local._lock:
-                self.local._saving = None
+            writer.close()
+            self._end()
         with self._lock:
             self._pending.add(step)
-            earlier, self._error = self._error, None  # before this step's drain can fail
         self._schedule()  # which prunes the local tier first, off the save's path
-        if earlier is not None:
-            raise earlier
 
     def _publish_local(self, path: str, payload: bytes | None) -> None:
         assert payload is not None
         meta = fmt.load_metadata(payload, self.local.fs.url(path))
         g = self.group
         here = set(g.node) | {r for r in range(g.world) if g.peer.get(r) in g.node}
-        named = {i.relative_path for i in (meta.storage_data or {}).values()}
+        infos = list((meta.storage_data or {}).values())
+        incremental.check_referenced_files(self.local.fs, path, infos)
+        named = {i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)}
         publish_metadata(
             self.local.fs,
             path,
@@ -201,65 +289,106 @@ class LocalTier:
             sync=bool(self.manager.writer_options.get("sync_files", True)),
         )
 
-    def _replicate(self, path: str, payload: bytes | None) -> None:
+    def _replicate(self, path: str, payload: bytes | None, pg: Any) -> None:
         g = self.group
         if not any(p is not None for p in g.peer.values()):
             return
         assert payload is not None
         meta = fmt.load_metadata(payload, self.local.fs.url(path))
-        names = sorted({i.relative_path for i in (meta.storage_data or {}).values()})
+        infos = (meta.storage_data or {}).values()  # a referenced item's file is the base's
+        names = sorted({i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)})
         moves: list[Move] = []
         for rank, peer in sorted(g.peer.items()):
             if peer is not None and g.node_of(peer) != g.node_of(rank):
                 moves.append((rank, peer, [n for n in names if file_rank(n) == rank]))
         sync = bool(self.manager.writer_options.get("sync_files", True))
-        self.replicated_bytes += transfer(g, moves, self.local.fs, path, sync=sync)
+        self.replicated_bytes += transfer(g, moves, self.local.fs, path, sync=sync, pg=pg)
 
     # --- retention --------------------------------------------------------------------
 
     def _make_room(self, step: int) -> None:
         """Keep at most ``keep_local`` committed steps besides the one being written: the
-        oldest go once durable; while the drain is behind, wait for it (the one case
-        where a save waits for a drain) and raise its error if it failed, or
-        :class:`TierFullError` if the tier is still at its bound."""
+        oldest go once durable. While some node's tier is over that bound (its drain is
+        behind or failing), queue a drain pass and wait for it (the one case where a
+        save waits for a drain), then raise :class:`TierFullError` if the tier is still
+        over. Collective: every rank takes the same path."""
         if self.keep_local is None:
             return
         self._retain_local(exclude=step)
-        if len([s for s in self.local.steps() if s != step]) <= self.keep_local:
+        if self._fullest(step) is None:
             return
         log.warning(
             "local tier %s holds more than keep_local=%d steps not yet durable; "
-            "waiting for the drain before saving step %d",
+            "draining before saving step %d",
             self.local.url,
             self.keep_local,
             step,
         )
-        self.wait()
+        self._schedule()
+        self._wait_drains()
         self._retain_local(exclude=step)
-        held = [s for s in self.local.steps() if s != step]
-        if len(held) > self.keep_local:
-            raise TierFullError(
-                f"the local tier {self.local.url} holds steps {held}, more than "
-                f"keep_local={self.keep_local}, and they are not durable yet (last drain "
-                f"error: {self._last_error or 'none'}); nothing was deleted. Fix the root "
-                f"{self.manager.url} and save again, or delete_local() what you can lose"
-            )
+        held = self._fullest(step)
+        if held is None:
+            return
+        with self._lock:
+            failed, self._error = self._error, None  # reported here, as the cause
+        raise TierFullError(
+            f"the local tier {self.local.url} holds steps {held}, more than "
+            f"keep_local={self.keep_local}, and they are not durable yet (last drain "
+            f"error: {self._last_error or 'none'}); nothing was deleted. Fix the root "
+            f"{self.manager.url} and save again, or delete_local() what you can lose"
+        ) from failed
+
+    def _fullest(self, step: int) -> list[int] | None:
+        """The committed local steps besides ``step`` of the fullest node's tier, if it
+        holds more than ``keep_local`` (collective; node leaders report, after pruning).
+        A durable step kept only because a step there references it does not count."""
+        mine = self._restorable(exclude=step) if self.group.leader else []
+        fullest = max(self.group.all_gather(mine), key=len)
+        return fullest if self.keep_local is not None and len(fullest) > self.keep_local else None
+
+    def _restorable(self, exclude: int) -> list[int]:
+        steps = [s for s in self.local.steps() if s != exclude]
+        based = {b for s in steps for b in self.references(s)}
+        return [s for s in steps if s not in based or not self.durable(s)]
+
+    def references(self, step: int) -> set[int]:
+        """The local steps whose bytes local ``step`` references (incremental saves)."""
+        names = incremental.references(self.local.fs, self.local.step_path(step))
+        return {b for b in map(parse_step, names) if b is not None}
 
     def _retain_local(self, exclude: int | None = None) -> None:
-        """Delete the oldest local steps beyond ``keep_local``, only those that are durable
-        and not waiting for a drain (node leaders only; never raises)."""
+        """Delete the oldest local steps beyond ``keep_local``, only those that are
+        durable, not waiting for a drain, not the base of the save in flight and not
+        referenced by a step kept here (node leaders only; never raises)."""
         if self.keep_local is None or not self.group.leader:
             return
         with self._retain_lock:
             try:
-                steps = [s for s in self.local.steps() if s != exclude]
+                steps = self.local.steps()
+                with self.local._lock:
+                    writing = {self.local._saving, exclude}
+                    held = (self.local._saving, self.local._saving_base, exclude)
+                busy = {s for s in held if s is not None}
                 with self._lock:
                     pending = set(self._pending)
-                for s in steps[: max(0, len(steps) - self.keep_local)]:
-                    if s in pending or not self.durable(s):
+                ordered = [s for s in steps if s not in writing]
+                keep = set(ordered[-self.keep_local :]) | busy | pending
+                for s in ordered:
+                    if s not in keep and not self.durable(s):
                         log.info("local step %d is not durable yet: kept", s)
-                        continue
-                    self.local.delete(s)
+                        keep.add(s)
+                frontier = sorted(keep)
+                while frontier:  # bases of bases: references are one hop, but be sure
+                    for b in self.references(frontier.pop()):
+                        if b not in keep:
+                            keep.add(b)
+                            frontier.append(b)
+                for s in reversed([s for s in steps if s not in keep]):  # users first
+                    try:
+                        self.local.delete(s)
+                    except CheckpointInUseError as exc:
+                        log.info("local step %d kept: %s", s, exc)
             except Exception as exc:
                 log.warning("local retention under %s failed: %s", self.local.url, exc)
 
@@ -272,12 +401,17 @@ class LocalTier:
     # --- drain ------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Wait until every queued drain has finished; raise the error of one that failed."""
+        """Wait for the local commit of an asynchronous save in flight, then until every
+        queued drain has finished; raise the error of a drain that failed."""
+        self.finish_commit()
+        self._wait_drains()
+        self._surface()
+
+    def _wait_drains(self) -> None:
         with self._lock:
             last = self._last
         if last is not None:
             concurrent.futures.wait([last])
-        self._surface()
 
     def _surface(self) -> None:
         with self._lock:
@@ -298,11 +432,11 @@ class LocalTier:
                 with self._lock:
                     mine = set(self._pending)
                 mine |= {s for s in self.local.steps() if not self.durable(s)}
-                views = g.all_gather(sorted(mine), background=True)
+                views = g.all_gather(sorted(mine), pg=g.drain_pg)
                 common = sorted(set.intersection(*(set(v) for v in views)))
                 if not common:
                     return
-                self._drain_step(common[0])
+                drain_step(self, common[0])
                 self._last_error = None
                 with self._lock:
                     self._pending.discard(common[0])
@@ -318,193 +452,18 @@ class LocalTier:
             with self._lock:
                 self._error, self._last_error = exc, _text(exc)
 
-    def _drain_step(self, step: int) -> None:
-        """Copy ``step`` from the local tier to the root; collective, raises on every
-        rank if it failed on any, and commits nothing then."""
-        g, fs = self.group, self.manager.fs
-        src, dst = self.local.step_path(step), self.manager.step_path(step)
-        copied, error, part = None, None, None
-        try:
-            parts = read_metadata(self.local.fs, src)
-            if len(parts) != 1:  # the manager saves with collectives: one .metadata
-                raise CheckpointNotFoundError(
-                    f"{self.local.step_url(step)} is committed by rank-local metadata "
-                    f"({', '.join(p.name for p in parts)}); only a checkpoint with one "
-                    ".metadata drains"
-                )
-            part = parts[0]
-            copied = copy_data_files(
-                self.local.fs,
-                src,
-                fs,
-                dst,
-                part,
-                ranks=None if g.world == 1 else {g.rank},
-                thread_count=self.manager.writer_options.get("thread_count"),
-            )
-        except Exception as exc:
-            error = exc
-        gathered = g.all_gather((copied, _text(error)), background=True)
-        outcome = next((t for _, t in gathered if t is not None), None)
-        if g.rank == 0:
-            copies = [c for c, _ in gathered if c is not None]
-            if outcome is not None:
-                remove_quietly(fs, [p for c in copies for p in c.written])
-            else:
-                assert part is not None
-                try:
-                    overwrite = bool(self.manager.writer_options.get("overwrite", True))
-                    publish_copy(fs, dst, part, copies, overwrite=overwrite)
-                except Exception as exc:
-                    error, outcome = exc, _text(exc)
-        outcome = g.broadcast(outcome, background=True)
-        if error is not None:
-            raise error
-        if outcome is not None:
-            raise RuntimeError(f"draining step {step} to {self.manager.url} failed: {outcome}")
-        log.info("step %d is durable at %s", step, self.manager.step_url(step))
-
-    # --- load -------------------------------------------------------------------------
+    # --- load (storage/ops/restore.py) -------------------------------------------------
 
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> LoadedStep:
-        """Load ``step`` (default: the newest committed in any tier) from the local tier,
-        restoring a lost node's files from its peers first; on any error, from the
-        root. Collective under a process group: rank 0 decides from every rank's report."""
-        g = self.group
-        report = self._report()
-        durable = self.manager.durable_steps() if g.rank == 0 else []
-        reports = g.all_gather(report)
-        plan = _plan(g, reports, durable, step) if g.rank == 0 else None
-        plan = g.broadcast(plan)
-        if isinstance(plan, str):
-            raise CheckpointNotFoundError(plan)
-        try:
-            return self._load_planned(state_dict, *plan)
-        finally:
-            self._schedule()  # collective like the load: a node restored from a peer drains
-
-    def _load_planned(
-        self,
-        state_dict: dict[str, Any],
-        chosen: int,
-        tier: str,
-        moves: list[Move],
-        is_durable: bool,
-    ) -> LoadedStep:
-        g = self.group
-        if tier == LOCAL:
-            try:
-                error: BaseException | None = None
-                try:
-                    transfer(g, moves, self.local.fs, self.local.step_path(chosen), sync=True)
-                except Exception as exc:
-                    error = exc
-                gather_errors(g, error, f"restoring step {chosen} from the peers")
-                self._load_from(self.local, state_dict, chosen)
-                log.info("loaded step %d from the local tier %s", chosen, self.local.url)
-                return LoadedStep(chosen, LOCAL)
-            except Exception as exc:
-                if not is_durable:
-                    raise
-                log.warning(
-                    "loading step %d from the local tier %s failed (%s: %s); "
-                    "loading the durable copy from %s",
-                    chosen,
-                    self.local.url,
-                    type(exc).__name__,
-                    exc,
-                    self.manager.url,
-                )
-        self._load_from(self.manager, state_dict, chosen)
-        log.info("loaded step %d from the durable tier %s", chosen, self.manager.url)
-        return LoadedStep(chosen, DURABLE)
-
-    def _load_from(self, where: CheckpointManager, state_dict: dict[str, Any], step: int) -> None:
-        m = self.manager
-        api.load(
-            state_dict,
-            where.step_url(step),
-            keys=m.keys,
-            registry=m.registry,
-            require_encryption=m.require_encryption,
-            filesystem=where.fs,
-        )
-
-    def _report(self) -> dict[int, tuple[list[str], list[str]]]:
-        """Per locally committed step: the data files its metadata names, and the files
-        this node holds."""
-        out = {}
-        fs = self.local.fs
-        for s in self.local.steps():
-            path = self.local.step_path(s)
-            try:
-                named = committed_files(fs, fs.concat_path(path, fmt.METADATA_NAME))
-                out[s] = (sorted(named), sorted(fs.ls(path)))
-            except FileNotFoundError:
-                continue
-        return out
+        """Load ``step`` (default: the newest committed in any tier) from the nearest
+        tier that holds it; see :func:`storage.ops.restore.load`."""
+        return restore.load(self, state_dict, step)
 
 
-def _plan(
-    g: Group,
-    reports: list[dict[int, tuple[list[str], list[str]]]],
-    durable: list[int],
-    step: int | None,
-) -> tuple[int, str, list[Move], bool] | str:
-    """Rank 0's choice: the newest step that every rank can read from its node's tier
-    (fetching missing files from a node that holds them), else from the root."""
-    local_steps = set().union(*(set(r) for r in reports))
-    candidates = [step] if step is not None else sorted(local_steps | set(durable), reverse=True)
-    for s in candidates:
-        moves = _local_moves(g, reports, s)
-        if moves is not None:
-            return (s, LOCAL, moves, s in durable)
-        if s in durable:
-            return (s, DURABLE, [], True)
-    where = "no committed step" if step is None else f"step {step} is not committed"
-    return f"{where} in the local tier or under the root {sorted(durable) or ''}".strip()
-
-
-def _local_moves(
-    g: Group, reports: list[dict[int, tuple[list[str], list[str]]]], step: int
-) -> list[Move] | None:
-    named = next((set(r[step][0]) for r in reports if step in r), None)
-    if named is None:
-        return None
-    have = [set(r[step][1]) if step in r else set() for r in reports]
-    data: list[Move] = []
-    meta: list[Move] = []
-    for rank in range(g.world):
-        need = {n for n in named if file_rank(n) == rank} - have[rank]
-        if need:
-            src = next((q for q in range(g.world) if need <= have[q]), None)
-            if src is None:
-                return None
-            data.append((src, rank, sorted(need)))
-        if g.node_of(rank)[0] == rank and step not in reports[rank]:
-            src = next(q for q in range(g.world) if step in reports[q])
-            meta.append((src, rank, [fmt.METADATA_NAME]))
-    return data + meta  # metadata last: a node's copy counts once its files are there
-
-
-def merge_entries(local: list[StepInfo], durable: list[StepInfo]) -> list[StepInfo]:
-    """``durable`` (a root's entries) with the steps only ``local`` (a local tier's
-    entries) holds committed added, and each entry's ``tiers`` filled in; a step in both
-    tiers is listed with the root's facts."""
-    merged = {i.step: i for i in durable}
-    for info in local:
-        if not info.committed:
-            continue
-        held = merged.get(info.step)
-        if held is not None and held.committed:
-            merged[info.step] = _with_tiers(held, (LOCAL, DURABLE))
-        else:
-            merged[info.step] = _with_tiers(info, (LOCAL,))
-    return [merged[s] for s in sorted(merged, key=lambda s: -1 if s is None else s)]
-
-
-def _with_tiers(info: StepInfo, tiers: tuple[str, ...]) -> StepInfo:
-    return dataclasses.replace(info, tiers=tiers)
+def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with its ``Stateful`` values replaced by their state dicts, as
+    ``dcp.async_save`` does before staging."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 def _text(error: BaseException | None) -> str | None:
