@@ -105,8 +105,10 @@ def error_code(exc: BaseException) -> str:
 
 
 def crc32c_header(data: Any) -> str:
-    """The ``x-amz-checksum-crc32c`` value of ``data`` (base64 of the big-endian CRC)."""
-    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+    """The ``x-amz-checksum-crc32c`` value of ``data`` or of a CRC32C already computed
+    (base64 of the big-endian CRC)."""
+    crc = data if isinstance(data, int) else crc32c.crc32c(data)
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
 class S3Client:
@@ -169,8 +171,11 @@ class S3Client:
 
         return asyncio.run_coroutine_threadsafe(tracked(), self.s3.loop)
 
-    def checksum_args(self, data: Any) -> dict[str, str]:
-        return {"ChecksumCRC32C": crc32c_header(data)} if self.checksum else {}
+    def checksum_args(self, data: Any, crc: int | None = None) -> dict[str, str]:
+        """The checksum argument of an upload of ``data`` (``crc``: its CRC32C, if known)."""
+        if not self.checksum:
+            return {}
+        return {"ChecksumCRC32C": crc32c_header(data if crc is None else crc)}
 
     # --- data requests ---------------------------------------------------------------
 
@@ -220,18 +225,25 @@ class S3Client:
             self.s3.loop.call_soon_threadsafe(body.close)
 
     def upload_part(
-        self, group: PartGroup, path: str, upload_id: str, number: int, data: memoryview
+        self,
+        group: PartGroup,
+        path: str,
+        upload_id: str,
+        number: int,
+        data: memoryview,
+        crc: int | None = None,
     ) -> tuple[concurrent.futures.Future[str], dict[str, str]]:
-        """Start uploading part ``number``; a future of its ETag, and the checksum
-        arguments that completing the upload must repeat. ``data`` must stay unchanged
-        until the future is done; :meth:`settle` stops the parts of ``group``."""
+        """Start uploading part ``number`` (``crc``: the CRC32C of ``data``, if known); a
+        future of its ETag, and the checksum arguments that completing the upload must
+        repeat. ``data`` must stay unchanged until the future is done; :meth:`settle`
+        stops the parts of ``group``."""
         bucket, key = split_path(path)
-        checksum = self.checksum_args(data)
+        checksum = self.checksum_args(data, crc)
         direct = self.direct(bucket)
         if direct is not None:
-            crc = checksum.get("ChecksumCRC32C")
+            header = checksum.get("ChecksumCRC32C")
             future = self._upload_pool().submit(
-                direct.upload_part, bucket, key, upload_id, number, data, crc, group
+                direct.upload_part, bucket, key, upload_id, number, data, header, group
             )
             return future, checksum
         body = _PartBody(data)

@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import botocore.exceptions as botoexc
+import crc32c
 
 from extensions.streams import read_all
 from storage.backends.s3._client import (
@@ -32,6 +33,7 @@ from storage.backends.s3._client import (
 log = logging.getLogger("storage.backends.s3._filesystem")
 
 _MAX_PARTS = 10_000
+_BLOCK = 256 << 10
 
 # Errors of a response body that broke off: the read resumes from where it stopped.
 _BODY_ERRORS = (
@@ -217,6 +219,7 @@ class MultipartWriter(io.RawIOBase):
         self._part_size = client.part_size
         self._buf = take_buffer(self._part_size)
         self._fill = 0
+        self._crc = 0  # of the part's bytes so far
         self._upload_id: str | None = None
         self._parts: list[tuple[int, concurrent.futures.Future[str], dict[str, str]]] = []
         self._group = PartGroup()
@@ -229,9 +232,13 @@ class MultipartWriter(io.RawIOBase):
         view = memoryview(data).cast("B")
         total = len(view)
         while view:
-            take = min(len(view), self._part_size - self._fill)
-            self._buf[self._fill : self._fill + take] = view[:take]
-            self._fill += take
+            # A block at a time, so the part's CRC32C reads what was just copied (cache).
+            take = min(len(view), self._part_size - self._fill, _BLOCK)
+            end = self._fill + take
+            self._buf[self._fill : end] = view[:take]
+            if self._client.checksum:
+                self._crc = crc32c.crc32c(memoryview(self._buf)[self._fill : end], self._crc)
+            self._fill = end
             view = view[take:]
             if self._fill == self._part_size:
                 self._ship_part()
@@ -260,7 +267,7 @@ class MultipartWriter(io.RawIOBase):
         client.slots.acquire()
         try:
             fut, checksum = client.upload_part(
-                self._group, self._path, self._upload_id, number, data
+                self._group, self._path, self._upload_id, number, data, self._crc
             )
         except BaseException:
             client.slots.release()
@@ -277,6 +284,7 @@ class MultipartWriter(io.RawIOBase):
             self._part_size *= 2
         self._buf = take_buffer(self._part_size)
         self._fill = 0
+        self._crc = 0
 
     def _raise_failed(self) -> None:
         for number, fut, _ in self._parts:
