@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -493,17 +494,20 @@ class _ProxyServer(ThreadingHTTPServer):
 
 
 class FaultProxy:
-    """A reverse proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``)."""
+    """A reverse proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``);
+    with ``tls`` (a server-side ``ssl.SSLContext``) it answers HTTPS."""
 
-    def __init__(self, upstream: str, *, seed: int = 0) -> None:
+    def __init__(self, upstream: str, *, seed: int = 0, tls: ssl.SSLContext | None = None) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         self._server = _ProxyServer(("127.0.0.1", 0), _Handler)
+        if tls is not None:
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
         self._server.state = _State(upstream=(parsed.hostname or "", parsed.port or 80), seed=seed)
         self._server.state.rng.seed(seed)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
         host, port = self._server.server_address[:2]
-        self.url = f"http://{host}:{port}"
+        self.url = f"{'https' if tls else 'http'}://{host}:{port}"
 
     def add(self, kind: str, **options: Any) -> Fault:
         fault = Fault(kind, **options)

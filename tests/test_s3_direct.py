@@ -209,3 +209,65 @@ def test_abort_interrupts_parts_in_flight(endpoint: str, direct: bool) -> None:
     prefix = path.partition("/")[2]
     assert open_uploads(s3, BUCKET, prefix) == []
     assert list_keys(s3, BUCKET, prefix) == []
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1: (certificate file, key file)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    folder = tmp_path_factory.mktemp("tls")
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(cert_file), str(key_file)
+
+
+def test_https_uses_the_clients_tls_settings(
+    endpoint: str, certificate: tuple[str, str], sent: collections.Counter[str]
+) -> None:
+    import ssl
+
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(*certificate)
+    with FaultProxy(endpoint, tls=tls) as proxy:
+        trusted = s3_options(proxy.url, client_kwargs={"verify": certificate[0]})
+        fs = S3FileSystem(storage_options=trusted, part_size=5 << 20)
+        url = _round_trip(fs)
+        assert sent["PUT"] == 3 and sent["GET"] >= 2
+        # The default trust store does not know this certificate: refused, not sent.
+        fail_fast = {"retries": {"mode": "standard", "total_max_attempts": 1}}
+        untrusted = S3FileSystem(storage_options=s3_options(proxy.url, config_kwargs=fail_fast))
+        assert untrusted.client.direct(BUCKET) is not None
+        with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            untrusted.read_bytes(url.removeprefix("s3://") + "/.metadata")
