@@ -8,11 +8,11 @@ ranged reads (docs/benchmarks.md). Everything else - creating, completing and ab
 uploads, small PUTs, HEAD, listing, deleting - stays on s3fs.
 
 Nothing here decides where or how to send a request on its own: the object URL, the
-signing region and whether to sign at all come from one presigned URL per bucket that
-the s3fs client makes (its endpoint rules, addressing style and configuration), the
-credentials from that client's signer (refreshed as it refreshes them), TLS settings
-from its HTTP session, timeouts and attempts from its configuration, and errors are
-turned into s3fs's exceptions. A configuration this module does not reproduce exactly
+signing region and whether to sign at all come from one request per bucket that the
+s3fs client prepares and signs but never sends (its endpoint rules, addressing style
+and configuration), the credentials from that client's signer (refreshed as it
+refreshes them), TLS settings from its HTTP session, timeouts and attempts from its
+configuration, and errors are turned into s3fs's exceptions. A configuration this module does not reproduce exactly
 (a proxy, adaptive retries, signed payloads, another signature scheme, per-request
 arguments such as SSE-C keys or ``RequestPayer``) gets no :class:`DirectPath`, and
 its requests go through s3fs.
