@@ -12,10 +12,10 @@ signing region and whether to sign at all come from one request per bucket that 
 s3fs client prepares and signs but never sends (its endpoint rules, addressing style
 and configuration), the credentials from that client's signer (refreshed as it
 refreshes them), TLS settings from its HTTP session, timeouts and attempts from its
-configuration, and errors are turned into s3fs's exceptions. A configuration this module does not reproduce exactly
-(a proxy, adaptive retries, signed payloads, another signature scheme, per-request
-arguments such as SSE-C keys or ``RequestPayer``) gets no :class:`DirectPath`, and
-its requests go through s3fs.
+configuration, and errors are turned into s3fs's exceptions. A configuration this
+module does not reproduce exactly (a proxy, adaptive retries, signed payloads, another
+signature scheme, per-request arguments such as SSE-C keys or ``RequestPayer``) gets
+no :class:`DirectPath`, and its requests go through s3fs.
 """
 
 from __future__ import annotations
