@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -485,7 +486,8 @@ class _Handler(BaseHTTPRequestHandler):
                     # A GCS resumable session URL names the server: its chunks must
                     # come through here too.
                     own_host, own_port = self.server.server_address[:2]
-                    v = v.replace(f"http://{host}:{port}", f"http://{own_host!s}:{own_port}")
+                    scheme = "https" if isinstance(self.server.socket, ssl.SSLSocket) else "http"
+                    v = v.replace(f"http://{host}:{port}", f"{scheme}://{own_host!s}:{own_port}")
                 if k.lower() not in _HOP and k.lower() != "content-length":
                     self.send_header(k, v)
             self.send_header("Content-Length", str(total))
@@ -527,20 +529,23 @@ class _ProxyServer(ThreadingHTTPServer):
 
 
 class FaultProxy:
-    """A reverse proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``).
+    """A reverse proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``);
+    with ``tls`` (a server-side ``ssl.SSLContext``) it answers HTTPS.
 
     ``Location`` headers that name the upstream are rewritten to name the proxy, so the
     chunks of a GCS resumable upload (sent to the session URL) pass through it too."""
 
-    def __init__(self, upstream: str, *, seed: int = 0) -> None:
+    def __init__(self, upstream: str, *, seed: int = 0, tls: ssl.SSLContext | None = None) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         self._server = _ProxyServer(("127.0.0.1", 0), _Handler)
+        if tls is not None:
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
         self._server.state = _State(upstream=(parsed.hostname or "", parsed.port or 80), seed=seed)
         self._server.state.rng.seed(seed)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
         host, port = self._server.server_address[:2]
-        self.url = f"http://{host}:{port}"
+        self.url = f"{'https' if tls else 'http'}://{host}:{port}"
 
     def add(self, kind: str, **options: Any) -> Fault:
         fault = Fault(kind, **options)

@@ -45,10 +45,14 @@ def _state() -> dict[str, torch.Tensor]:
     return state
 
 
-def _fs(proxy: FaultProxy, **config: Any) -> S3FileSystem:
+def _fs(proxy: FaultProxy, direct: bool = True, **config: Any) -> S3FileSystem:
     opts = s3_options(proxy.url, config_kwargs={**FAST, **config})
     # 5 MiB parts: each 6 MiB data file is a two-part multipart upload.
-    return S3FileSystem(storage_options=opts, part_size=5 << 20)
+    return S3FileSystem(storage_options=opts, part_size=5 << 20, direct=direct)
+
+
+# Data requests go out through the direct path by default, or through s3fs.
+PATHS = pytest.mark.parametrize("direct", [True, False], ids=["direct", "s3fs"])
 
 
 def _round_trip(proxy: FaultProxy, fs: S3FileSystem, chain: str = "plain") -> None:
@@ -79,17 +83,19 @@ def _round_trip(proxy: FaultProxy, fs: S3FileSystem, chain: str = "plain") -> No
         ("truncate", "GET", r"\.metadata"),
     ],
 )
+@PATHS
 def test_each_transient_fault_is_retried(
-    proxy: FaultProxy, kind: str, method: str, path: str
+    proxy: FaultProxy, kind: str, method: str, path: str, direct: bool
 ) -> None:
     fault = proxy.add(kind, method=method, path=path, count=2)
-    _round_trip(proxy, _fs(proxy))
+    _round_trip(proxy, _fs(proxy, direct))
     assert fault.hits == 2
 
 
-def test_read_timeout_is_enforced_and_retried(proxy: FaultProxy) -> None:
+@PATHS
+def test_read_timeout_is_enforced_and_retried(proxy: FaultProxy, direct: bool) -> None:
     fault = proxy.add("delay", method="GET", path=r"\.distcp", count=1, delay=3.0)
-    _round_trip(proxy, _fs(proxy, read_timeout=1))
+    _round_trip(proxy, _fs(proxy, direct, read_timeout=1))
     assert fault.hits == 1
     gets = [t for m, t in proxy.arrivals if m == "GET" and ".distcp" in t]
     # The delayed request was abandoned by the client and asked again.
@@ -108,11 +114,12 @@ def test_random_transient_faults(proxy: FaultProxy, chain: str) -> None:
     assert any(r.fault for r in proxy.records)
 
 
-def test_permanent_fault_fails_bounded_and_leaves_nothing(proxy: FaultProxy) -> None:
+@PATHS
+def test_permanent_fault_fails_bounded_and_leaves_nothing(proxy: FaultProxy, direct: bool) -> None:
     prefix = f"{uuid.uuid4().hex}/ckpt"
     url = f"s3://{BUCKET}/{prefix}"
     proxy.add("503", method="PUT", path=r"\.distcp")  # every data upload, forever
-    fs = _fs(proxy)
+    fs = _fs(proxy, direct)
     with pytest.raises(OSError, match=rf"{url}/__0_\d+-\w+\.distcp: .*failed \(after up to 3"):
         storage.save(_state(), url, filesystem=fs, thread_count=4)
     s3 = boto3_client(moto_endpoint())

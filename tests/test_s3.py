@@ -258,13 +258,15 @@ _BAD_DIGEST = r"uploading part 2 failed.*(BadDigest|did not match what we receiv
 
 
 @pytest.mark.parametrize("endpoint", ["seaweedfs"], indirect=True)  # moto checks no CRC32C
-def test_corrupted_part_is_refused_by_the_store(endpoint: str, s3: Any) -> None:
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "s3fs"])
+def test_corrupted_part_is_refused_by_the_store(endpoint: str, s3: Any, direct: bool) -> None:
     # Payloads are not SHA-256-signed: the CRC32C each upload carries is what lets
     # the store refuse a body changed on the wire.
     path = S3FileSystem().init_path(_url())
     with FaultProxy(endpoint) as proxy:
         proxy.add("corrupt", method="PUT", path=r"partNumber=2", count=1)
-        fs = S3FileSystem(storage_options=s3_options(proxy.url), part_size=5 << 20)
+        opts = s3_options(proxy.url)
+        fs = S3FileSystem(storage_options=opts, part_size=5 << 20, direct=direct)
         with pytest.raises(OSError, match=_BAD_DIGEST), fs.create_stream(path, "wb") as stream:
             stream.write(b"x" * (12 << 20))
     prefix = path.partition("/")[2]

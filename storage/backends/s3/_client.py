@@ -1,11 +1,12 @@
 """``S3Client``: where every S3 request of the backend is made.
 
-It wraps s3fs's aiobotocore client (requests run on s3fs's event loop), turns botocore
-errors into the contract's built-in errors and holds the upload slots of one
-filesystem object (parts in flight across all its streams); the module also keeps the
-process-wide pool of part buffers. The filesystem (``_filesystem``) and the data path
-(``_io``) both go through its public functions and methods; neither reaches into the
-other.
+It wraps s3fs's aiobotocore client (requests run on s3fs's event loop) and, for the
+bodies of data requests (part uploads, ranged GETs), the direct path of ``_http`` where
+the client's configuration allows it; it turns errors into the contract's built-in
+errors and holds the upload slots of one filesystem object (parts in flight across all
+its streams); the module also keeps the process-wide pool of part buffers. The
+filesystem (``_filesystem``) and the data path (``_io``) both go through its public
+functions and methods; neither reaches into the other.
 """
 
 from __future__ import annotations
@@ -13,15 +14,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import crc32c
 import fsspec.asyn
 import fsspec.utils
 import s3fs
+
+from storage.backends.s3._http import BodyBroken as BodyBroken  # for the data path
+from storage.backends.s3._http import DirectBody, DirectPath, PartGroup, direct_path
+
+# A part is handed to aiohttp in slices of this size (no copies; at most one slice is
+# copied into asyncio's buffer when the socket is full).
+_SEND_CHUNK = 1 << 20
 
 # Private s3fs instances (their retry loop is switched off), shared by the filesystem
 # objects of one process that have the same options: a client costs ~0.1 s of CPU to
@@ -96,8 +105,10 @@ def error_code(exc: BaseException) -> str:
 
 
 def crc32c_header(data: Any) -> str:
-    """The ``x-amz-checksum-crc32c`` value of ``data`` (base64 of the big-endian CRC)."""
-    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+    """The ``x-amz-checksum-crc32c`` value of ``data`` or of a CRC32C already computed
+    (base64 of the big-endian CRC)."""
+    crc = data if isinstance(data, int) else crc32c.crc32c(data)
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
 class S3Client:
@@ -105,7 +116,8 @@ class S3Client:
 
     ``translate`` needs the filesystem's error vocabulary (URLs, attempts, what to
     check), so the filesystem hands it over as ``translate``; ``checksum`` sends a
-    CRC32C of every uploaded body, which the store verifies (S3, SeaweedFS)."""
+    CRC32C of every uploaded body, which the store verifies (S3, SeaweedFS); ``direct``
+    lets part uploads and ranged GETs take the direct path where it applies."""
 
     def __init__(
         self,
@@ -117,6 +129,7 @@ class S3Client:
         part_size: int,
         max_concurrency: int,
         checksum: bool,
+        direct: bool = True,
     ) -> None:
         self.s3 = s3
         self.translate = translate
@@ -125,6 +138,12 @@ class S3Client:
         self.part_size = part_size
         self.checksum = checksum
         self.slots = threading.BoundedSemaphore(max_concurrency)
+        self._max_concurrency = max_concurrency
+        self._use_direct = direct
+        self._direct: DirectPath | None = None
+        self._direct_known = False
+        self._uploads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     # --- requests ------------------------------------------------------------------
 
@@ -152,9 +171,174 @@ class S3Client:
 
         return asyncio.run_coroutine_threadsafe(tracked(), self.s3.loop)
 
-    def close_soon(self, body: Any) -> None:
-        """Close a response body from any thread (bodies belong to the loop)."""
-        self.s3.loop.call_soon_threadsafe(body.close)
+    def checksum_args(self, data: Any, crc: int | None = None) -> dict[str, str]:
+        """The checksum argument of an upload of ``data`` (``crc``: its CRC32C, if known)."""
+        if not self.checksum:
+            return {}
+        return {"ChecksumCRC32C": crc32c_header(data if crc is None else crc)}
 
-    def checksum_args(self, data: Any) -> dict[str, str]:
-        return {"ChecksumCRC32C": crc32c_header(data)} if self.checksum else {}
+    # --- data requests ---------------------------------------------------------------
+
+    def direct(self, bucket: str) -> DirectPath | None:
+        """The direct path for requests to ``bucket``, or ``None`` (then s3fs)."""
+        if not self._direct_known:
+            with self._lock:
+                if not self._direct_known and self._use_direct:
+                    self._direct = direct_path(self.s3, self.run, self.max_attempts)
+                self._direct_known = True
+        direct = self._direct
+        return direct if direct is not None and direct.serves(bucket) else None
+
+    def get_object(self, path: str, action: str, **kwargs: Any) -> dict[str, Any]:
+        """A streamed GET (``Range``, ``IfMatch`` as botocore names them): the response
+        with ``ETag`` and ``Body``; read the body with :meth:`fill`, close it with
+        :meth:`close_body`."""
+        bucket, key = split_path(path)
+        direct = self.direct(bucket)
+        if direct is None:
+            result: dict[str, Any] = self.call(
+                "get_object", path, action, Bucket=bucket, Key=key, **kwargs
+            )
+            return result
+        try:
+            return direct.get_object(bucket, key, kwargs.get("Range"), kwargs.get("IfMatch"))
+        except Exception as exc:
+            raise self.translate(exc, path, action) from exc
+
+    def fill(self, body: Any, view: memoryview, progress: list[int]) -> None:
+        """Read ``body`` into ``view`` until it is full or the body ends, counting in
+        ``progress[0]`` (so a caller knows what arrived before an error)."""
+        if isinstance(body, DirectBody):
+            while progress[0] < len(view):
+                n = body.readinto(view[progress[0] :])
+                if not n:
+                    return
+                progress[0] += n
+            return
+        self.run(_fill, body, view, progress)
+
+    def close_body(self, body: Any) -> None:
+        """Close a response body from any thread."""
+        if isinstance(body, DirectBody):
+            body.close()
+        else:  # aiohttp bodies belong to the loop
+            self.s3.loop.call_soon_threadsafe(body.close)
+
+    def upload_part(
+        self,
+        group: PartGroup,
+        path: str,
+        upload_id: str,
+        number: int,
+        data: memoryview,
+        crc: int | None = None,
+    ) -> tuple[concurrent.futures.Future[str], dict[str, str]]:
+        """Start uploading part ``number`` (``crc``: the CRC32C of ``data``, if known); a
+        future of its ETag, and the checksum arguments that completing the upload must
+        repeat. ``data`` must stay unchanged until the future is done; :meth:`settle`
+        stops the parts of ``group``."""
+        bucket, key = split_path(path)
+        checksum = self.checksum_args(data, crc)
+        direct = self.direct(bucket)
+        if direct is not None:
+            header = checksum.get("ChecksumCRC32C")
+            future = self._upload_pool().submit(
+                direct.upload_part, bucket, key, upload_id, number, data, header, group
+            )
+            return future, checksum
+        body = _PartBody(data)
+
+        async def tracked() -> str:
+            task = asyncio.current_task()
+            if task is not None:
+                group.tasks.append(task)
+            resp = await self.s3._call_s3(
+                "upload_part",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=body,
+                **checksum,
+            )
+            return str(resp["ETag"])
+
+        future = asyncio.run_coroutine_threadsafe(tracked(), self.s3.loop)
+        future.add_done_callback(lambda _: body.release())
+        return future, checksum
+
+    def settle(self, group: PartGroup, futures: list[concurrent.futures.Future[str]]) -> None:
+        """Stop the parts of ``group``: those not started never start, started ones are
+        interrupted, and all are waited for, so none lands after this returns."""
+        for future in futures:
+            future.cancel()
+        group.halt()
+        with contextlib.suppress(Exception):
+            self.run(_settle, group.tasks)
+        concurrent.futures.wait(futures)
+
+    def _upload_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._uploads is None:
+                self._uploads = concurrent.futures.ThreadPoolExecutor(
+                    self._max_concurrency, thread_name_prefix="dcp-storage-s3-put"
+                )
+            return self._uploads
+
+
+async def _fill(body: Any, view: memoryview, progress: list[int]) -> None:
+    while progress[0] < len(view):
+        chunk = await body.read(len(view) - progress[0])
+        if not chunk:
+            return
+        view[progress[0] : progress[0] + len(chunk)] = chunk
+        progress[0] += len(chunk)
+
+
+async def _settle(tasks: list[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _PartBody:
+    """A part's bytes as a body botocore can measure and rewind and aiohttp sends
+    without copies: not an ``io.IOBase``, so aiohttp takes it as an async iterable and
+    writes memoryview slices of the part straight to the socket (a file-like body costs
+    a thread-pool round trip and a bytes copy per 256 KiB; a bytes body a copy of the
+    whole part). An in-flight part costs its buffer and nothing more; a retry seeks
+    back to 0 and iterates again."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data = data
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return len(self._data) - self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._data)}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._data) if size is None or size < 0 else self._pos + size
+        chunk = bytes(self._data[self._pos : end])
+        self._pos += len(chunk)
+        return chunk
+
+    async def __aiter__(self) -> AsyncIterator[memoryview]:
+        while self._pos < len(self._data):
+            chunk = self._data[self._pos : self._pos + _SEND_CHUNK]
+            self._pos += len(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        pass  # a retry may need this body again
+
+    def release(self) -> None:
+        # Clients keep requests alive in reference cycles; the part's memory goes now.
+        self._data = memoryview(b"")

@@ -71,6 +71,13 @@ class S3FileSystem(FsspecFileSystem):
     this); reads are verified by the items' own CRC32C. ``checksum=False`` is for
     stores that reject checksum headers; then nothing checks a body in transit.
 
+    Data requests (part uploads, ranged GETs) go out over pooled HTTP connections from
+    worker threads, signed with the s3fs client's credentials for the URL its endpoint
+    rules give, with the same timeouts, attempts and errors; about half the client CPU
+    of the aiobotocore stack. Configurations only botocore handles (a proxy, adaptive
+    retries, signed payloads, SSE-C keys, requester pays, another signature scheme)
+    send them through s3fs, as does ``direct=False``.
+
     Filesystem objects of one process with the same ``storage_options`` share one
     s3fs client (building one costs about 0.1 s of CPU).
     """
@@ -86,6 +93,7 @@ class S3FileSystem(FsspecFileSystem):
         max_concurrency: int | None = None,
         io_concurrency: int | None = None,
         checksum: bool = True,
+        direct: bool = True,
     ) -> None:
         super().__init__(storage_options=storage_options)
         opts = self.storage_options
@@ -98,6 +106,7 @@ class S3FileSystem(FsspecFileSystem):
         if io_concurrency is not None:
             self.io_concurrency = int(io_concurrency)
         self.checksum = checksum
+        self.direct = direct
         self._client: S3Client | None = None
         # The client holds the upload slots: two first uploads racing to build it would
         # each get slots of their own and together exceed max_concurrency.
@@ -145,6 +154,7 @@ class S3FileSystem(FsspecFileSystem):
                     part_size=self.part_size,
                     max_concurrency=self.max_concurrency,
                     checksum=self.checksum,
+                    direct=self.direct,
                 )
             return self._client
 

@@ -13,24 +13,31 @@ import os
 import random
 import threading
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import botocore.exceptions as botoexc
+import crc32c
 
 from extensions.streams import read_all
-from storage.backends.s3._client import S3Client, error_code, recycle, split_path, take_buffer
+from storage.backends.s3._client import (
+    BodyBroken,
+    PartGroup,
+    S3Client,
+    error_code,
+    recycle,
+    split_path,
+    take_buffer,
+)
 
 log = logging.getLogger("storage.backends.s3._filesystem")
 
 _MAX_PARTS = 10_000
-# A part is handed to the socket in slices of this size (no copies; at most one slice
-# is copied into asyncio's buffer when the socket is full).
-_SEND_CHUNK = 1 << 20
+_BLOCK = 256 << 10
 
 # Errors of a response body that broke off: the read resumes from where it stopped.
 _BODY_ERRORS = (
+    BodyBroken,
     aiohttp.ClientError,
     asyncio.TimeoutError,
     ConnectionError,
@@ -101,8 +108,7 @@ class RangeReader(io.RawIOBase):
         """Open the GET of the next window (or resume the current one)."""
         if self._end is not None and self._pos >= self._stop:
             self._stop = min(self._end, self._pos + self._window)
-        bucket, key = split_path(self._path)
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        kwargs: dict[str, Any] = {}
         if self._end is not None:
             kwargs["Range"] = f"bytes={self._pos}-{self._stop - 1}"
         elif self._pos:
@@ -110,7 +116,7 @@ class RangeReader(io.RawIOBase):
         if self._etag:
             kwargs["IfMatch"] = self._etag
         try:
-            resp = self._client.call("get_object", self._path, "reading", **kwargs)
+            resp = self._client.get_object(self._path, "reading", **kwargs)
         except OSError as exc:
             if error_code(exc.__cause__ or exc) in ("InvalidRange", "416"):
                 self._eof = True
@@ -122,7 +128,7 @@ class RangeReader(io.RawIOBase):
     def _drop_body(self) -> None:
         body, self._body = self._body, None
         if body is not None:
-            self._client.close_soon(body)
+            self._client.close_body(body)
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
@@ -140,7 +146,7 @@ class RangeReader(io.RawIOBase):
                 continue
             progress = [0]
             try:
-                self._client.run(_fill, self._body, view, progress)
+                self._client.fill(self._body, view, progress)
             except _BODY_ERRORS as exc:
                 self._drop_body()
                 if not progress[0]:
@@ -197,64 +203,6 @@ class RangeReader(io.RawIOBase):
         super().close()
 
 
-async def _fill(body: Any, view: memoryview, progress: list[int]) -> None:
-    while progress[0] < len(view):
-        chunk = await body.read(len(view) - progress[0])
-        if not chunk:
-            return
-        view[progress[0] : progress[0] + len(chunk)] = chunk
-        progress[0] += len(chunk)
-
-
-async def _settle(tasks: list[asyncio.Task[Any]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class _PartBody:
-    """A part's bytes as a body botocore can measure and rewind and aiohttp sends
-    without copies: not an ``io.IOBase``, so aiohttp takes it as an async iterable and
-    writes memoryview slices of the part straight to the socket (a file-like body costs
-    a thread-pool round trip and a bytes copy per 256 KiB; a bytes body a copy of the
-    whole part). An in-flight part costs its buffer and nothing more; a retry seeks
-    back to 0 and iterates again."""
-
-    def __init__(self, data: memoryview) -> None:
-        self._data = data
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return len(self._data) - self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._data)}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = len(self._data) if size is None or size < 0 else self._pos + size
-        chunk = bytes(self._data[self._pos : end])
-        self._pos += len(chunk)
-        return chunk
-
-    async def __aiter__(self) -> AsyncIterator[memoryview]:
-        while self._pos < len(self._data):
-            chunk = self._data[self._pos : self._pos + _SEND_CHUNK]
-            self._pos += len(chunk)
-            yield chunk
-
-    def close(self) -> None:
-        pass  # a retry may need this body again
-
-    def release(self) -> None:
-        # Clients keep requests alive in reference cycles; the part's memory goes now.
-        self._data = memoryview(b"")
-
-
 class MultipartWriter(io.RawIOBase):
     """Buffers one part, uploads full parts concurrently, completes or aborts.
 
@@ -271,9 +219,10 @@ class MultipartWriter(io.RawIOBase):
         self._part_size = client.part_size
         self._buf = take_buffer(self._part_size)
         self._fill = 0
+        self._crc = 0  # of the part's bytes so far
         self._upload_id: str | None = None
-        self._parts: list[tuple[int, concurrent.futures.Future[Any], dict[str, str]]] = []
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._parts: list[tuple[int, concurrent.futures.Future[str], dict[str, str]]] = []
+        self._group = PartGroup()
         self._finished = False
 
     def writable(self) -> bool:
@@ -283,9 +232,13 @@ class MultipartWriter(io.RawIOBase):
         view = memoryview(data).cast("B")
         total = len(view)
         while view:
-            take = min(len(view), self._part_size - self._fill)
-            self._buf[self._fill : self._fill + take] = view[:take]
-            self._fill += take
+            # A block at a time, so the part's CRC32C reads what was just copied (cache).
+            take = min(len(view), self._part_size - self._fill, _BLOCK)
+            end = self._fill + take
+            self._buf[self._fill : end] = view[:take]
+            if self._client.checksum:
+                self._crc = crc32c.crc32c(memoryview(self._buf)[self._fill : end], self._crc)
+            self._fill = end
             view = view[take:]
             if self._fill == self._part_size:
                 self._ship_part()
@@ -311,26 +264,16 @@ class MultipartWriter(io.RawIOBase):
         if number > _MAX_PARTS:
             raise ValueError(f"{client.url(self._path)}: more than {_MAX_PARTS} parts")
         buffer, data = self._buf, memoryview(self._buf)[: self._fill]
-        checksum = client.checksum_args(data)
-        body = _PartBody(data)
         client.slots.acquire()
         try:
-            fut = client.submit(
-                "upload_part",
-                self._tasks,
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=self._upload_id,
-                PartNumber=number,
-                Body=body,
-                **checksum,
+            fut, checksum = client.upload_part(
+                self._group, self._path, self._upload_id, number, data, self._crc
             )
         except BaseException:
             client.slots.release()
             raise
 
         def done(_: object) -> None:
-            body.release()
             client.slots.release()
             recycle(buffer)
 
@@ -341,6 +284,7 @@ class MultipartWriter(io.RawIOBase):
             self._part_size *= 2
         self._buf = take_buffer(self._part_size)
         self._fill = 0
+        self._crc = 0
 
     def _raise_failed(self) -> None:
         for number, fut, _ in self._parts:
@@ -369,10 +313,10 @@ class MultipartWriter(io.RawIOBase):
                 parts = []
                 for number, fut, checksum in self._parts:
                     try:
-                        resp = fut.result()
+                        etag = fut.result()
                     except Exception as exc:
                         raise client.translate(exc, self._path, f"uploading part {number}") from exc
-                    parts.append({"PartNumber": number, "ETag": resp["ETag"], **checksum})
+                    parts.append({"PartNumber": number, "ETag": etag, **checksum})
                 client.call(
                     "complete_multipart_upload",
                     self._path,
@@ -396,12 +340,9 @@ class MultipartWriter(io.RawIOBase):
         if self._finished:
             return
         self._done()
-        # Parts not started never start; started ones are cancelled and awaited, so no
-        # part can land after the abort and leave the upload half alive.
-        for _, fut, _ in self._parts:
-            fut.cancel()
-        with contextlib.suppress(Exception):
-            self._client.run(_settle, self._tasks)
+        # Parts not started never start; started ones are interrupted and awaited, so
+        # no part can land after the abort and leave the upload half alive.
+        self._client.settle(self._group, [fut for _, fut, _ in self._parts])
         if self._upload_id is None:
             return
         try:
