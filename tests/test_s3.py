@@ -282,22 +282,6 @@ def test_filesystems_with_the_same_options_share_a_client(endpoint: str) -> None
     assert a.client is not b.client  # upload slots stay per filesystem
 
 
-def test_part_buffer_pool_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from storage.backends.s3 import _client
-
-    monkeypatch.setattr(_client, "RETAINED_PART_BYTES", 20)
-    monkeypatch.setattr(_client, "_POOL", [])
-    for _ in range(5):
-        _client.recycle(bytearray(5))
-    assert [len(b) for b in _client._POOL] == [5, 5, 5, 5]  # the fifth did not fit
-    _client.recycle(bytearray(8))  # buffers of another size make room
-    assert sorted(len(b) for b in _client._POOL) == [5, 5, 8]
-    kept = _client._POOL[-1]
-    assert _client.take_buffer(8) is kept and len(_client.take_buffer(8)) == 8
-    _client.release_part_buffers()
-    assert _client._POOL == []
-
-
 def test_missing_s3fs_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "s3fs", None)  # what an absent package looks like
     monkeypatch.delitem(sys.modules, "storage.backends.s3")

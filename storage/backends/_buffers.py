@@ -2,8 +2,8 @@
 
 Fresh anonymous memory costs a page fault per page the first time it is written (~0.8 s
 of CPU per GiB measured on a small VM, more than sending the bytes); a long-lived job
-that checkpoints again and again faults its buffers in once. (The S3 backend keeps its
-own pool in ``storage.backends.s3._client``.)
+that checkpoints again and again faults its buffers in once. The S3 and GCS backends
+each keep one pool for the whole process.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import fsspec.asyn
 import fsspec.utils
 import s3fs
 
+from storage.backends._buffers import BufferPool
 from storage.backends.s3._http import BodyBroken as BodyBroken  # for the data path
 from storage.backends.s3._http import DirectBody, DirectPath, PartGroup, direct_path
 
@@ -52,41 +53,10 @@ def shared_s3fs(options: dict[str, Any]) -> s3fs.S3FileSystem:
         return client
 
 
-# Idle part buffers kept for reuse by every filesystem of the process, up to this many
-# bytes. Fresh memory costs page faults (~0.8 s of CPU per GiB on a small VM, more than
-# the upload itself); kept buffers make a long-lived job's saves fault only once, as
-# the CRT client's buffer pool does.
-RETAINED_PART_BYTES = 256 << 20
-_POOL: list[bytearray] = []
-_POOL_LOCK = threading.Lock()
-
-
-def take_buffer(size: int) -> bytearray:
-    """A buffer of ``size`` bytes, contents undefined: a kept one when one fits."""
-    with _POOL_LOCK:
-        for i, buffer in enumerate(_POOL):
-            if len(buffer) == size:
-                return _POOL.pop(i)
-    return bytearray(size)
-
-
-def recycle(buffer: bytearray) -> None:
-    """Give a buffer back; it is kept if the pool has room (buffers of other sizes make
-    room first), else freed."""
-    with _POOL_LOCK:
-        other = [b for b in _POOL if len(b) != len(buffer)]
-        same = [b for b in _POOL if len(b) == len(buffer)]
-        while other and sum(map(len, other + same)) + len(buffer) > RETAINED_PART_BYTES:
-            other.pop(0)
-        if sum(map(len, other + same)) + len(buffer) <= RETAINED_PART_BYTES:
-            same.append(buffer)
-        _POOL[:] = other + same
-
-
-def release_part_buffers() -> None:
-    """Free every kept part buffer (for jobs that want the memory back)."""
-    with _POOL_LOCK:
-        _POOL.clear()
+#: Part buffers kept for reuse by every S3 filesystem of the process (see
+#: ``BufferPool``: kept buffers make a long-lived job's saves fault their memory in
+#: once, as the CRT client's buffer pool does).
+PART_BUFFERS = BufferPool(256 << 20)
 
 
 def split_path(path: str) -> tuple[str, str]:

@@ -21,13 +21,12 @@ import crc32c
 
 from extensions.streams import read_all
 from storage.backends.s3._client import (
+    PART_BUFFERS,
     BodyBroken,
     PartGroup,
     S3Client,
     error_code,
-    recycle,
     split_path,
-    take_buffer,
 )
 
 log = logging.getLogger("storage.backends.s3._filesystem")
@@ -217,7 +216,7 @@ class MultipartWriter(io.RawIOBase):
         self._path = path
         self._bucket, self._key = split_path(path)
         self._part_size = client.part_size
-        self._buf = take_buffer(self._part_size)
+        self._buf = PART_BUFFERS.take(self._part_size)
         self._fill = 0
         self._crc = 0  # of the part's bytes so far
         self._upload_id: str | None = None
@@ -275,14 +274,14 @@ class MultipartWriter(io.RawIOBase):
 
         def done(_: object) -> None:
             client.slots.release()
-            recycle(buffer)
+            PART_BUFFERS.give(buffer)
 
         fut.add_done_callback(done)
         self._parts.append((number, fut, checksum))
         # Parts may grow (S3 allows it), so objects past 10,000 x part_size still fit.
         if number % 1000 == 0:
             self._part_size *= 2
-        self._buf = take_buffer(self._part_size)
+        self._buf = PART_BUFFERS.take(self._part_size)
         self._fill = 0
         self._crc = 0
 
@@ -333,7 +332,7 @@ class MultipartWriter(io.RawIOBase):
 
     def _done(self) -> None:
         self._finished = True
-        recycle(self._buf)
+        PART_BUFFERS.give(self._buf)
         self._buf = bytearray()
 
     def abort(self) -> None:
