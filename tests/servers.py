@@ -207,6 +207,19 @@ def s3_endpoint(kind: str) -> str:
     return {"moto": moto_endpoint, "seaweedfs": seaweedfs_endpoint}[kind]()
 
 
+def endpoint_with_bucket(request: Any, bucket: str) -> str:
+    """For a module fixture: the S3 server named by ``request.param`` (moto when
+    unparametrized) with ``bucket`` created; the test is skipped without that server."""
+    import pytest
+
+    try:
+        url = s3_endpoint(getattr(request, "param", "moto"))
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    create_bucket(url, bucket)
+    return url
+
+
 def s3_options(endpoint: str, **extra: Any) -> dict[str, Any]:
     return {"endpoint_url": endpoint, "key": KEY, "secret": SECRET, **extra}
 

@@ -37,12 +37,10 @@ from tests.conftest import assert_tree_equal, zeros_like_tree
 from tests.distributed import gloo_group
 from tests.servers import (
     FaultProxy,
-    ServerUnavailable,
     boto3_client,
-    create_bucket,
+    endpoint_with_bucket,
     list_keys,
     open_uploads,
-    s3_endpoint,
     s3_options,
 )
 
@@ -54,12 +52,7 @@ BOTH_SERVERS = pytest.mark.parametrize("endpoint", ["moto", "seaweedfs"], indire
 
 @pytest.fixture(scope="module")
 def endpoint(request: pytest.FixtureRequest) -> str:
-    try:
-        url = s3_endpoint(getattr(request, "param", "moto"))
-    except ServerUnavailable as exc:
-        pytest.skip(str(exc))
-    create_bucket(url, BUCKET)
-    return url
+    return endpoint_with_bucket(request, BUCKET)
 
 
 @pytest.fixture(scope="module")

@@ -192,10 +192,8 @@ class FsspecFileSystem(FileSystemBase):
     def open_slice(
         self, path: str, offset: int, length: int
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
-        if offset < 0 or length < 0:
-            raise ValueError(f"invalid slice offset={offset} length={length}")
-        if length == 0:
-            self.size(path)  # a missing object still raises FileNotFoundError
+        if self._empty_slice(path, offset, length):
+            return contextlib.nullcontext(io.BytesIO())
         reader = _WindowReader(self._fetch_range, path, offset, length)
         with self._errors(path, "reading"):
             reader.prefetch()

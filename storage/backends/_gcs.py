@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import io
 import os
 import threading
 from collections.abc import Iterator
@@ -146,10 +147,8 @@ class GCSFileSystem(FsspecFileSystem):
     def open_slice(
         self, path: str, offset: int, length: int
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
-        if offset < 0 or length < 0:
-            raise ValueError(f"invalid slice offset={offset} length={length}")
-        if length == 0:
-            self.size(path)  # a missing object still raises FileNotFoundError
+        if self._empty_slice(path, offset, length):
+            return contextlib.nullcontext(io.BytesIO())
         reader = RangeReader(self.fs, path, offset, length, functools.partial(self._errors, path))
         try:
             reader.open()

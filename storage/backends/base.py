@@ -53,6 +53,10 @@ class FileSystemBase(abc.ABC):
     atomic_rename: ClassVar[bool] = False
     #: Concurrent requests that pay off on this backend (reads and uploads).
     io_concurrency: int = max(2, min(8, os.cpu_count() or 2))
+    #: Largest read the checkpoint layer issues at a time while it checksums what it
+    #: reads, so the checksum runs over bytes still in the CPU cache; None: one read per
+    #: destination (ranged-request backends split big reads into parallel requests).
+    read_block: ClassVar[int | None] = None
 
     def __init__(self, *, storage_options: dict[str, Any] | None = None) -> None:
         self.storage_options = dict(storage_options or {})
@@ -88,6 +92,17 @@ class FileSystemBase(abc.ABC):
 
         Backends with ranged requests override this to fetch only that range."""
         return self._slice_of_stream(path, offset, length)
+
+    def _empty_slice(self, path: str, offset: int, length: int) -> bool:
+        """For backends that fetch ranges: refuse a negative bound, and for an empty
+        slice check that ``path`` exists (a missing object raises FileNotFoundError);
+        True when there is nothing to fetch."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"invalid slice offset={offset} length={length}")
+        if length == 0:
+            self.size(path)
+            return True
+        return False
 
     @contextlib.contextmanager
     def _slice_of_stream(self, path: str, offset: int, length: int) -> Iterator[IO[bytes]]:

@@ -60,11 +60,14 @@ class _Crc32cSink(io.RawIOBase):
 
 
 class _Crc32cReader(io.RawIOBase):
-    """Reads from ``base`` while computing the CRC32C and count of what went by."""
+    """Reads from ``base`` while computing the CRC32C and count of what went by, at
+    most ``block`` bytes per read of ``base`` when given (the checksum then reads
+    cached bytes)."""
 
-    def __init__(self, base: IO[bytes]) -> None:
+    def __init__(self, base: IO[bytes], block: int | None = None) -> None:
         super().__init__()
         self._base = base
+        self._block = block
         self.count = 0
         self.crc = 0
 
@@ -76,11 +79,19 @@ class _Crc32cReader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        n = self._base.readinto(view) or 0  # type: ignore[attr-defined]
-        if n:
-            self.crc = crc32c.crc32c(view[:n], self.crc)
-            self.count += n
-        return n
+        step = self._block or len(view)
+        total = 0
+        while total < len(view):
+            piece = view[total : total + step]
+            n = self._base.readinto(piece) or 0  # type: ignore[attr-defined]
+            if not n:
+                break
+            self.crc = crc32c.crc32c(piece[:n], self.crc)
+            total += n
+            if n < len(piece):
+                break  # a short read: hand back what came
+        self.count += total
+        return total
 
 
 class ItemEncoder:
@@ -110,8 +121,10 @@ class StoredItem:
         descriptors: Sequence[str],
         expected_crc: int | None,
         where: str,
+        *,
+        block: int | None = None,
     ) -> None:
-        self.raw = _Crc32cReader(cast(IO[bytes], BoundedReader(stream, length)))
+        self.raw = _Crc32cReader(cast(IO[bytes], BoundedReader(stream, length)), block)
         self.length = length
         self.descriptors = list(descriptors)
         self.expected_crc = expected_crc

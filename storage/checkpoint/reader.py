@@ -372,6 +372,7 @@ class CheckpointReader(StorageReader):
             item.info.transform_descriptors or (),
             extra.get("crc32c"),
             where,
+            block=self.fs.read_block,
         )
         chunk = self._chunks.get(item.req.storage_index)
         info = self._item_info(item, keys)

@@ -222,10 +222,7 @@ class S3FileSystem(FsspecFileSystem):
     def open_slice(
         self, path: str, offset: int, length: int
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
-        if offset < 0 or length < 0:
-            raise ValueError(f"invalid slice offset={offset} length={length}")
-        if length == 0:
-            self.size(path)  # a missing object still raises FileNotFoundError
+        if self._empty_slice(path, offset, length):
             return contextlib.nullcontext(io.BytesIO())
         reader = RangeReader(self.client, path, offset, length)
         reader.start()
