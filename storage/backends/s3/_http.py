@@ -9,8 +9,8 @@ uploads, small PUTs, HEAD, listing, deleting - stays on s3fs.
 
 Nothing here decides where or how to send a request on its own: the object URL, the
 signing region and whether to sign at all come from one request per bucket that the
-s3fs client prepares and signs but never sends (its endpoint rules, addressing style
-and configuration), the credentials from that client's signer (refreshed as it
+s3fs client prepares and signs but never sends (``_endpoint``: its endpoint rules,
+addressing style and configuration), the credentials from that client's signer (refreshed as it
 refreshes them), TLS settings from its HTTP session, timeouts and attempts from its
 configuration, and errors are turned into s3fs's exceptions. A configuration this
 module does not reproduce exactly (a proxy, adaptive retries, signed payloads, another
@@ -21,20 +21,15 @@ no :class:`DirectPath`, and its requests go through s3fs.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import http.client
 import inspect
 import logging
-import os
 import random
 import re
 import socket
 import threading
 import time
-import urllib.parse
-import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import botocore.exceptions
@@ -44,9 +39,17 @@ from botocore.awsrequest import AWSRequest
 from s3fs.errors import translate_boto_error
 from urllib3.util.wait import wait_for_read
 
+from storage.backends.s3._endpoint import (
+    Bucket,
+    Runner,
+    check_client,
+    host_header,
+    quote,
+    resolve,
+)
+
 log = logging.getLogger(__name__)
 
-Runner = Callable[..., Any]
 
 # What botocore's standard retry mode retries besides connection errors and timeouts.
 _TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
@@ -70,33 +73,12 @@ _RETRIED_CODES = frozenset(
         "TransactionInProgressException",
     }
 )
-# A request of these headers only is plain SigV4 (or unsigned) with nothing added by the
-# client's configuration: anything else (S3 Express session tokens, headers a user's
-# event handler adds, ...) is left to s3fs.
-_PROBE_HEADERS = frozenset(
-    {
-        "authorization",
-        "amz-sdk-invocation-id",
-        "amz-sdk-request",
-        "host",
-        "user-agent",
-        "x-amz-content-sha256",
-        "x-amz-date",
-        "x-amz-security-token",
-    }
-)
-_PROBE_KEY = "dcp-storage-probe"
-_SIGV4_SCOPE = re.compile(r"AWS4-HMAC-SHA256 Credential=[^/]*/\d{8}/([^/,]+)/([^/,]+)/")
 # Frozen credentials are asked for again after this long; refreshable ones refresh
 # minutes before they expire, so a copy this old is still valid.
 CREDENTIALS_TTL = 60.0
 _MAX_IDLE = 64
 _ERROR_BODY_LIMIT = 1 << 16
 _USER_AGENT = "dcp-storage"
-
-
-class _Unsupported(Exception):
-    """The client's configuration asks for something only botocore does."""
 
 
 class BodyBroken(ConnectionError):
@@ -137,18 +119,6 @@ def _shut(conn: http.client.HTTPConnection) -> None:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    scheme: str
-    host: str  # the Host header, as botocore signs it
-    hostname: str
-    port: int
-    prefix: str  # the URL path before the key
-    region: str | None  # None: requests go unsigned (anonymous access)
-    service: str
-    client: Any  # the aiobotocore client whose signer holds the credentials
 
 
 class DirectBody:
@@ -210,7 +180,7 @@ class DirectPath:
         self._ssl_contexts = ssl_contexts
         self._ssl_context: Any = None  # built on first use (reading CA bundles costs ~20 ms)
         self._lock = threading.Lock()
-        self._buckets: dict[str, _Bucket | None] = {}
+        self._buckets: dict[str, Bucket | None] = {}
         self._frozen: dict[int, tuple[Any, float]] = {}
         self._idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
 
@@ -221,56 +191,14 @@ class DirectPath:
         with self._lock:
             if bucket in self._buckets:
                 return self._buckets[bucket] is not None
-        found: _Bucket | None = None
+        found: Bucket | None = None
         try:
-            found = self._resolve(bucket)
+            found = resolve(self._s3, self._run, bucket, self._ssl)
         except Exception as exc:  # s3fs raises it (or its own) on the request, if real
             log.debug("s3://%s: requests go through s3fs: %s", bucket, exc)
         with self._lock:
             self._buckets[bucket] = found
         return found is not None
-
-    def _resolve(self, bucket: str) -> _Bucket:
-        client = self._run(self._s3.get_s3, bucket)
-        for method in (client.upload_part, client.get_object):
-            args = self._s3._get_s3_method_kwargs(method, Bucket=bucket, Key=_PROBE_KEY)
-            if set(args) - {"Bucket", "Key"}:
-                raise _Unsupported(f"{sorted(args)} on every {method.__name__}")
-        request = self._run(_prepared_request, client, bucket)
-        parts = urllib.parse.urlsplit(request.url)
-        suffix = "/" + _quote(_PROBE_KEY, "/~")
-        if parts.scheme not in ("http", "https") or parts.hostname is None:
-            raise _Unsupported(f"an endpoint of another kind ({request.url})")
-        if parts.query or not parts.path.endswith(suffix):
-            raise _Unsupported(f"object URLs of another form ({request.url})")
-        if client._endpoint.http_session._proxy_config.proxy_url_for(request.url):
-            raise _Unsupported("a proxy")
-        if parts.scheme == "https" and self._ssl() is None:
-            raise _Unsupported("TLS settings that cannot be read")
-        headers = {k.lower(): _text(v) for k, v in request.headers.items()}
-        extra = set(headers) - _PROBE_HEADERS
-        if extra:
-            raise _Unsupported(f"headers of its own ({sorted(extra)})")
-        region, service = None, "s3"
-        authorization = headers.get("authorization")
-        if authorization is not None:
-            scope = _SIGV4_SCOPE.match(authorization)
-            if scope is None or client._request_signer._credentials is None:
-                raise _Unsupported(f"another signature ({authorization.split(' ')[0]})")
-            if headers.get("x-amz-content-sha256") != "UNSIGNED-PAYLOAD":
-                raise _Unsupported("signed payloads")
-            region, service = scope.group(1), scope.group(2)
-        port = parts.port or {"http": 80, "https": 443}[parts.scheme]
-        return _Bucket(
-            scheme=parts.scheme,
-            host=_host_header(parts.hostname, port, parts.scheme),
-            hostname=parts.hostname,
-            port=port,
-            prefix=parts.path[: -len(suffix) + 1],
-            region=region,
-            service=service,
-            client=client,
-        )
 
     def _ssl(self) -> Any:
         with self._lock:
@@ -278,7 +206,7 @@ class DirectPath:
                 self._ssl_context, _ = self._ssl_contexts()
             return self._ssl_context
 
-    def _credentials(self, target: _Bucket) -> Any:
+    def _credentials(self, target: Bucket) -> Any:
         now = time.monotonic()
         with self._lock:
             cached = self._frozen.get(id(target.client))
@@ -292,7 +220,7 @@ class DirectPath:
 
     # --- connections --------------------------------------------------------------
 
-    def _connection(self, target: _Bucket) -> http.client.HTTPConnection:
+    def _connection(self, target: Bucket) -> http.client.HTTPConnection:
         key = (target.scheme, target.host, target.port)
         while True:
             with self._lock:
@@ -328,7 +256,7 @@ class DirectPath:
             conn.close()
             return
         scheme = "https" if isinstance(conn, http.client.HTTPSConnection) else "http"
-        key = (scheme, _host_header(conn.host, conn.port, scheme), conn.port)
+        key = (scheme, host_header(conn.host, conn.port, scheme), conn.port)
         with self._lock:
             idle = self._idle.setdefault(key, [])
             if len(idle) < _MAX_IDLE:
@@ -349,7 +277,7 @@ class DirectPath:
         group: PartGroup,
     ) -> str:
         """Upload one part; its ETag."""
-        query = f"partNumber={number}&uploadId={_quote(upload_id, '')}"
+        query = f"partNumber={number}&uploadId={quote(upload_id, '')}"
         headers = {"x-amz-checksum-crc32c": checksum} if checksum else {}
         response, conn = self._send(
             "PUT", bucket, key, query, headers, body, "UploadPart", (200,), group
@@ -390,7 +318,7 @@ class DirectPath:
     ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
         target = self._buckets[bucket]
         assert target is not None
-        path = target.prefix + _quote(key, "/~") + (f"?{query}" if query else "")
+        path = target.prefix + quote(key, "/~") + (f"?{query}" if query else "")
         attempt = 0
         while True:
             attempt += 1
@@ -420,7 +348,7 @@ class DirectPath:
                 time.sleep(delay)
 
     def _sign(
-        self, target: _Bucket, method: str, path: str, headers: Mapping[str, str]
+        self, target: Bucket, method: str, path: str, headers: Mapping[str, str]
     ) -> dict[str, str]:
         signed = {"host": target.host, "User-Agent": _USER_AGENT, **headers}
         if target.region is None:
@@ -436,7 +364,7 @@ class DirectPath:
 
     def _exchange(
         self,
-        target: _Bucket,
+        target: Bucket,
         method: str,
         path: str,
         headers: dict[str, str],
@@ -491,61 +419,18 @@ class DirectPath:
         return botocore.exceptions.ClientError(parsed, operation)  # type: ignore[arg-type]
 
 
-class _Probed(Exception):
-    def __init__(self, request: Any) -> None:
-        super().__init__("probe")
-        self.request = request
-
-
-async def _prepared_request(client: Any, bucket: str) -> Any:
-    """The request the client would send for a HEAD of a probe key in ``bucket``:
-    endpoint rules applied, headers added, signed - stopped just before it is sent."""
-    marker = f"{_PROBE_KEY}-{uuid.uuid4().hex}"
-
-    def stop(request: Any, **_: Any) -> None:
-        if marker in request.url:
-            raise _Probed(request)
-
-    event = "before-send.s3.HeadObject"
-    client.meta.events.register_first(event, stop, unique_id=marker)
-    try:
-        await client.head_object(Bucket=bucket, Key=f"{_PROBE_KEY}/{marker}")
-        raise _Unsupported("event handlers that send requests themselves")
-    except _Probed as probed:
-        request = probed.request
-    finally:
-        client.meta.events.unregister(event, unique_id=marker)
-    # The probe key's last segment is the marker: keep the URL up to the probe key.
-    request.url = request.url[: request.url.rindex("/")]
-    return request
-
-
 async def _freeze(credentials: Any) -> Any:
     frozen = credentials.get_frozen_credentials()
     return await frozen if inspect.isawaitable(frozen) else frozen
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode("latin-1") if isinstance(value, bytes) else str(value)
 
 
 def _halted(group: PartGroup | None) -> bool:
     return group is not None and group.halted.is_set()
 
 
-def _quote(text: str, safe: str) -> str:
-    return urllib.parse.quote(text, safe=safe)
-
-
 def _xml_field(text: str, name: str) -> str:
     found = re.search(rf"<{name}>(.*?)</{name}>", text, re.S)
     return found.group(1).strip() if found else ""
-
-
-def _host_header(hostname: str, port: int, scheme: str) -> str:
-    # As botocore derives it from a URL: brackets around IPv6, no default port.
-    host = f"[{hostname}]" if ":" in hostname else hostname
-    return host if port == {"http": 80, "https": 443}[scheme] else f"{host}:{port}"
 
 
 # One DirectPath per s3fs client (and so per process and set of options).
@@ -569,18 +454,7 @@ def _build(s3: s3fs.S3FileSystem, run: Runner, max_attempts: int) -> DirectPath 
     try:
         client = run(s3.set_session)
         config = client.meta.config
-        retries = dict(config.retries or {})
-        mode = retries.get("mode") or os.environ.get("AWS_RETRY_MODE", "")
-        if mode == "adaptive":
-            raise _Unsupported("adaptive retries (client-side rate limiting)")
-        if (config.s3 or {}).get("payload_signing_enabled") is not False:
-            raise _Unsupported("signed payloads")
-        if config.proxies:
-            raise _Unsupported("a proxy")
-        # The TLS settings aiobotocore would use (verify, CA bundle, client certificate);
-        # an aiobotocore without this method leaves HTTPS endpoints to s3fs.
-        build = getattr(client._endpoint.http_session, "_build_ssl_contexts", None)
-        ssl_contexts = None if build is None else functools.partial(build, None)
+        ssl_contexts = check_client(client)
         return DirectPath(
             s3, run=run, config=config, max_attempts=max_attempts, ssl_contexts=ssl_contexts
         )
