@@ -28,7 +28,6 @@ import http.client
 import json
 import logging
 import os
-import statistics
 import sys
 import urllib.parse
 import urllib.request
@@ -43,14 +42,15 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.s3_peers import (  # noqa: E402
-    MB,
     LoadFn,
+    Samples,
     SaveFn,
     build_state,
     load_in_fresh_process,
-    logical_bytes,
+    side_by_side,
     timed,
 )
+from benchmarks.s3_peers import report as table  # noqa: E402
 from tests.servers import (  # noqa: E402
     gcs_create_bucket,
     gcs_list,
@@ -173,69 +173,21 @@ def server_rss_mb(pid: int) -> tuple[float, float]:
 # --- driver --------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace, endpoint: str) -> tuple[dict[str, dict[str, list[float]]], int]:
-    names = list(CLIENTS)
-    state = build_state(args.size_mb)
-    logical = logical_bytes(state)
-    clients = {name: CLIENTS[name](endpoint) for name in names}
-    small = build_state(20)
+def run(args: argparse.Namespace, endpoint: str) -> tuple[Samples, int]:
     here = os.path.abspath(__file__)
-    for name, (save, _) in clients.items():  # warm-up: clients, pools, server
-        prefix = f"warm-{uuid.uuid4().hex}"
-        save(small, f"gs://{BUCKET}/{prefix}")
-        load_in_fresh_process(name, endpoint, f"gs://{BUCKET}/{prefix}", 20, script=here)
-        delete_prefix(endpoint, prefix)
-    raw_ceiling(endpoint)  # its warm-up
-
-    samples: dict[str, dict[str, list[float]]] = {n: {} for n in names + ["raw ceiling"]}
-
-    def add(name: str, **values: float) -> None:
-        for key, value in values.items():
-            samples[name].setdefault(key, []).append(value)
-
-    for round_ in range(args.repeat):
-        order = names[round_ % len(names) :] + names[: round_ % len(names)]
-        for name in order:
-            prefix = f"{name.replace(' ', '-')}-{uuid.uuid4().hex}"
-            url = f"gs://{BUCKET}/{prefix}"
-            save_s, save_cpu = timed(lambda: clients[name][0](state, url))  # noqa: B023
-            load_s, load_cpu = load_in_fresh_process(name, endpoint, url, args.size_mb, here)
-            add(name, save=save_s, save_cpu=save_cpu, load=load_s, load_cpu=load_cpu)
-            delete_prefix(endpoint, prefix)
-        raw = raw_ceiling(endpoint)
-        scale = logical / raw.pop("bytes")  # the ceiling per the same bytes
-        add("raw ceiling", **{k: v * scale for k, v in raw.items()})
-    return samples, logical
-
-
-def report(samples: dict[str, dict[str, list[float]]], logical: int, repeat: int) -> None:
-    med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
-    gb, mb = logical / 1e9, logical / MB
-    stock, ceiling = med["stock fsspec"], med["raw ceiling"]
-    print(
-        f"\nfake-gcs-server, {mb:.0f} MB state dict, median of {repeat} after a warm-up; "
-        "saves in this process, loads in a fresh one; CPU = client user+sys per GB"
+    return side_by_side(
+        {name: make(endpoint) for name, make in CLIENTS.items()},
+        args.size_mb,
+        args.repeat,
+        url=lambda prefix: f"gs://{BUCKET}/{prefix}",
+        load=lambda name, url, mb: load_in_fresh_process(name, endpoint, url, mb, script=here),
+        delete=lambda prefix: delete_prefix(endpoint, prefix),
+        ceiling=lambda: raw_ceiling(endpoint),
     )
-    print(
-        "| client | save s | MB/s | CPU s/GB | load s | MB/s | CPU s/GB | "
-        "save vs stock (time, CPU) | load vs stock (time, CPU) | % of ceiling (save, load) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, m in med.items():
-        print(
-            f"| {name} | {m['save']:.2f} | {mb / m['save']:.0f} | {m['save_cpu'] / gb:.2f} "
-            f"| {m['load']:.2f} | {mb / m['load']:.0f} | {m['load_cpu'] / gb:.2f} "
-            f"| {stock['save'] / m['save']:.2f}x, {m['save_cpu'] / stock['save_cpu']:.2f}x "
-            f"| {stock['load'] / m['load']:.2f}x, {m['load_cpu'] / stock['load_cpu']:.2f}x "
-            f"| {100 * ceiling['save'] / m['save']:.0f}%, "
-            f"{100 * ceiling['load'] / m['load']:.0f}% |"
-        )
-    print(
-        "\nvs stock: time = stock's time / this row's (> 1: faster); CPU = this row's CPU "
-        "per GB / stock's (< 1: cheaper). Ceiling: plain http.client, 8 x 32 MiB in 8 "
-        "threads, no DCP, scaled to the same bytes."
-    )
-    print("raw samples:", json.dumps(samples))
+
+
+def report(samples: Samples, logical: int, repeat: int) -> None:
+    table(samples, logical, repeat, store="fake-gcs-server", baseline="stock fsspec", short="stock")
 
 
 def main() -> None:

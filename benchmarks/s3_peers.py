@@ -238,52 +238,71 @@ def _delete_prefix(endpoint: str, prefix: str) -> None:
 # --- driver --------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace, endpoint: str) -> None:
-    names = list(CLIENTS) + (list(ZSTD_ROWS) if args.zstd else [])
-    state = build_state(args.size_mb)
+Samples = dict[str, dict[str, list[float]]]
+
+
+def side_by_side(
+    clients: dict[str, tuple[SaveFn, LoadFn]],
+    size_mb: float,
+    repeat: int,
+    *,
+    url: Callable[[str], str],
+    load: Callable[[str, str, float], tuple[float, float]],
+    delete: Callable[[str], None],
+    ceiling: Callable[[], dict[str, float]],
+) -> tuple[Samples, int]:
+    """The protocol every store comparison here shares: each client saves and loads a
+    small state dict (warm-up), then in ``repeat`` rounds, the order rotating, saves the
+    state dict to a fresh prefix in this process and loads it with ``load`` (a fresh
+    process), then the prefix is deleted; the raw ``ceiling`` is measured after every
+    round and scaled to the same bytes. ``url`` maps a prefix to a URL; the samples are
+    seconds and CPU seconds, with the logical byte count."""
+    names = list(clients)
+    state = build_state(size_mb)
     logical = logical_bytes(state)
-    clients = {name: _make(name, endpoint) for name in names}
     small = build_state(20)
     for name, (save, _) in clients.items():  # warm-up: clients, models, pools, server
-        url = f"s3://{BUCKET}/warm-{uuid.uuid4().hex}"
-        save(small, url)
-        load_in_fresh_process(name, endpoint, url, 20)
-    raw_ceiling(endpoint)  # its warm-up
+        prefix = f"warm-{uuid.uuid4().hex}"
+        save(small, url(prefix))
+        load(name, url(prefix), 20)
+        delete(prefix)
+    ceiling()  # its warm-up
 
-    samples: dict[str, dict[str, list[float]]] = {n: {} for n in names + ["raw ceiling"]}
+    samples: Samples = {n: {} for n in names + ["raw ceiling"]}
 
     def add(name: str, **values: float) -> None:
         for key, value in values.items():
             samples[name].setdefault(key, []).append(value)
 
-    for round_ in range(args.repeat):
+    for round_ in range(repeat):
         order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for name in order:
             prefix = f"{name.replace(' ', '-')}-{uuid.uuid4().hex}"
-            url = f"s3://{BUCKET}/{prefix}"
-            save_s, save_cpu = timed(lambda: clients[name][0](state, url))  # noqa: B023
-            load_s, load_cpu = load_in_fresh_process(name, endpoint, url, args.size_mb)
+            save_s, save_cpu = timed(lambda: clients[name][0](state, url(prefix)))  # noqa: B023
+            load_s, load_cpu = load(name, url(prefix), size_mb)
             add(name, save=save_s, save_cpu=save_cpu, load=load_s, load_cpu=load_cpu)
-            _delete_prefix(endpoint, prefix)
-        raw = raw_ceiling(endpoint)
-        scale = logical / raw.pop("bytes")  # report the ceiling per the same bytes
+            delete(prefix)
+        raw = ceiling()
+        scale = logical / raw.pop("bytes")  # the ceiling per the same bytes
         add("raw ceiling", **{k: v * scale for k, v in raw.items()})
-    report(samples, logical, args)
+    return samples, logical
 
 
 def report(
-    samples: dict[str, dict[str, list[float]]], logical: int, args: argparse.Namespace
+    samples: Samples, logical: int, repeat: int, *, store: str, baseline: str, short: str
 ) -> None:
+    """The table: each row's times and CPU per GB, against the ``baseline`` row (named
+    ``short`` in the headers) and against the raw ceiling."""
     med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
     gb, mb = logical / 1e9, logical / MB
-    peer, ceiling = med["s3torchconnector"], med["raw ceiling"]
+    peer, ceiling = med[baseline], med["raw ceiling"]
     print(
-        f"\nSeaweedFS, {mb:.0f} MB state dict, median of {args.repeat} after a warm-up; "
+        f"\n{store}, {mb:.0f} MB state dict, median of {repeat} after a warm-up; "
         "saves in this process, loads in a fresh one; CPU = client user+sys per GB"
     )
     print(
         "| client | save s | MB/s | CPU s/GB | load s | MB/s | CPU s/GB | "
-        "save vs s3tc (time, CPU) | load vs s3tc (time, CPU) | save, load % of ceiling |"
+        f"save vs {short} (time, CPU) | load vs {short} (time, CPU) | % of ceiling (save, load) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, m in med.items():
@@ -296,11 +315,27 @@ def report(
             f"{100 * ceiling['load'] / m['load']:.0f}% |"
         )
     print(
-        "\nvs s3tc: time = s3torchconnector's time / this row's (> 1: faster); CPU = this "
-        "row's CPU per GB / s3torchconnector's (< 1: cheaper). Ceiling: raw boto3, 8 x 32 "
+        f"\nvs {short}: time = {baseline}'s time / this row's (> 1: faster); CPU = this "
+        f"row's CPU per GB / {baseline}'s (< 1: cheaper); the ceiling: raw requests, 8 x 32 "
         "MiB in 8 threads, no DCP, scaled to the same bytes."
     )
     print("raw samples:", json.dumps(samples))
+
+
+def run(args: argparse.Namespace, endpoint: str) -> None:
+    names = list(CLIENTS) + (list(ZSTD_ROWS) if args.zstd else [])
+    samples, logical = side_by_side(
+        {name: _make(name, endpoint) for name in names},
+        args.size_mb,
+        args.repeat,
+        url=lambda prefix: f"s3://{BUCKET}/{prefix}",
+        load=lambda name, url, mb: load_in_fresh_process(name, endpoint, url, mb),
+        delete=lambda prefix: _delete_prefix(endpoint, prefix),
+        ceiling=lambda: raw_ceiling(endpoint),
+    )
+    report(
+        samples, logical, args.repeat, store="SeaweedFS", baseline="s3torchconnector", short="s3tc"
+    )
 
 
 def main() -> None:
