@@ -17,7 +17,8 @@ import torch
 import storage
 from extensions.errors import CheckpointNotFoundError
 from extensions.zstd import ZStandard
-from storage.checkpoint.layout import delete_checkpoint, parse_step
+from storage.checkpoint.deletion import delete_checkpoint
+from storage.checkpoint.layout import parse_step
 from storage.ops.manager import CheckpointManager
 
 

@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 
 import storage
 from extensions.errors import UnsafeCheckpointError
-from storage.checkpoint.layout import delete_checkpoint, is_data_file_name
+from storage.checkpoint.deletion import delete_checkpoint
+from storage.checkpoint.layout import is_data_file_name
 from storage.checkpoint.prefixes import place
 from storage.checkpoint.validate import check_relative_path
 from storage.cli import main as cli_main

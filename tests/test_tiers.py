@@ -25,7 +25,7 @@ from extensions import AES256GCM
 from extensions.errors import TierFullError
 from storage import S3FileSystem
 from storage.backends._local import LocalFileSystem
-from storage.checkpoint import incremental
+from storage.checkpoint.committed import open_committed
 from storage.checkpoint.api import load as storage_load
 from storage.checkpoint.layout import is_committed
 from storage.ops.manager import CheckpointManager
@@ -502,7 +502,7 @@ def _incr_blank() -> dict[str, Any]:
 
 
 def _refs(root: Path, step: int) -> set[str]:
-    return incremental.references(LocalFileSystem(), str(root / f"step-{step}"))
+    return set(open_committed(LocalFileSystem(), str(root / f"step-{step}")).references())
 
 
 def _own_bytes(root: Path, step: int) -> int:
@@ -595,7 +595,7 @@ def _incremental_worker(rank: int, store: str, base: str) -> None:
             mgr.save(step, {f"frozen{rank}": frozen, f"w{rank}": torch.full((64,), float(step))})
         mgr.wait()
         for root in (f"{base}/node0", f"{base}/node1", f"{base}/durable"):
-            assert incremental.references(LocalFileSystem(), f"{root}/step-2") == {"step-1"}
+            assert open_committed(LocalFileSystem(), f"{root}/step-2").references() == {"step-1"}
         dist.barrier()
         if rank == 0:
             shutil.rmtree(f"{base}/node1")  # node 1 is lost: steps 1 and 2 come from node 0

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from extensions.errors import CheckpointNotFoundError
 from storage.checkpoint import api
 from storage.checkpoint import format as fmt
-from storage.checkpoint.layout import StepInfo, committed_files
+from storage.checkpoint.committed import open_committed
+from storage.checkpoint.layout import StepInfo
 from storage.ops._peers import Group, Move, gather_errors, transfer
 from storage.ops.copy import file_rank
 from storage.ops.manager import CheckpointManager
@@ -124,7 +125,7 @@ def report(tier: LocalTier) -> Report:
     for s in tier.local.steps():
         path = tier.local.step_path(s)
         try:
-            named = committed_files(fs, fs.concat_path(path, fmt.METADATA_NAME))
+            named = open_committed(fs, path).data_files()
             out[s] = (sorted(named), sorted(fs.ls(path)), sorted(tier.references(s)))
         except FileNotFoundError:
             continue

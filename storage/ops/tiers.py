@@ -35,6 +35,7 @@ from storage.checkpoint import api, incremental
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.commit import publish_metadata
+from storage.checkpoint.committed import open_committed
 from storage.checkpoint.layout import StepInfo, is_committed, parse_step
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops import restore
@@ -216,7 +217,7 @@ class LocalTier:
         if not common:
             return None
         base = max(common)
-        chain = incremental.chain_length(self.local.fs, self.local.step_path(base))
+        chain = open_committed(self.local.fs, self.local.step_path(base)).chain
         full_every = self.manager.full_every
         return None if full_every is not None and chain + 1 >= full_every else base
 
@@ -353,9 +354,12 @@ class LocalTier:
         return [s for s in steps if s not in based or not self.durable(s)]
 
     def references(self, step: int) -> set[int]:
-        """The local steps whose bytes local ``step`` references (incremental saves)."""
-        names = incremental.references(self.local.fs, self.local.step_path(step))
-        return {b for b in map(parse_step, names) if b is not None}
+        """The local steps whose bytes local ``step`` references (incremental saves);
+        every other local step when its metadata cannot be read (it might)."""
+        checkpoint = open_committed(self.local.fs, self.local.step_path(step))
+        if not checkpoint.readable:
+            return {s for s in self.local.steps() if s != step}
+        return {b for b in map(parse_step, checkpoint.references()) if b is not None}
 
     def _retain_local(self, exclude: int | None = None) -> None:
         """Delete the oldest local steps beyond ``keep_local``, only those that are
