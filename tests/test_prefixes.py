@@ -21,6 +21,7 @@ from storage.checkpoint.prefixes import place
 from storage.checkpoint.validate import check_relative_path
 from storage.cli import main as cli_main
 from storage.ops.manager import CheckpointManager
+from storage.ops.tools import describe
 
 
 def _state() -> dict[str, Any]:
@@ -131,3 +132,19 @@ def test_cli_rm_removes_prefixed_checkpoint(tmp_path: Path) -> None:
     storage.save(_state(), str(path), key_prefixes=16)
     assert cli_main(["rm", str(path)]) == 0
     assert not path.exists()
+
+
+def test_incremental_manager_with_key_prefixes(tmp_path: Path) -> None:
+    # Issue 19, item 7. Before: the second save always failed ("base ... lost
+    # '00/__0_0-....distcp' during the save"): the pre-publish check listed the base
+    # without looking into its prefix directories.
+    manager = CheckpointManager(str(tmp_path / "run"), incremental=True, key_prefixes=4)
+    manager.save(1, _state())
+    changed = _state() | {"t0": torch.ones(256, 64)}
+    manager.save(2, changed)
+    refs = {r.item: r.ref for r in describe(storage.LocalFileSystem(), manager.step_path(2)).items}
+    assert refs["t1"] == "step-1" and refs["t0"] is None
+    assert any(f.startswith("00/") for f in _files(tmp_path / "run" / "step-2"))
+    out = _blank()
+    assert manager.load(out, 2) == 2
+    assert all(torch.equal(out[k], v) for k, v in changed.items() if k != "step")

@@ -25,8 +25,8 @@ from extensions import AES256GCM
 from extensions.errors import TierFullError
 from storage import S3FileSystem
 from storage.backends._local import LocalFileSystem
-from storage.checkpoint.committed import open_committed
 from storage.checkpoint.api import load as storage_load
+from storage.checkpoint.committed import open_committed
 from storage.checkpoint.layout import is_committed
 from storage.ops.manager import CheckpointManager
 from storage.ops.tools import describe
