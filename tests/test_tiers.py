@@ -168,6 +168,23 @@ def test_restart_drains_what_is_only_local(tmp_path: Path) -> None:
     assert restarted.load(_blank()) == 7
 
 
+def test_incremental_tier_never_bases_on_a_linked_local_step(tmp_path: Path) -> None:
+    # A base is recorded by the name of the step that holds its bytes, and one that
+    # resolves outside its directory is refused (issue 19, item 4): a linked local step
+    # (a shared checkpoint linked in) must not be picked as a base, or every save fails.
+    shared = tmp_path / "shared" / "pretrained"
+    CheckpointManager(shared.parent).save(0, _state(0))
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "step-0").symlink_to(shared.parent / "step-0")
+    mgr = _tiered(tmp_path, incremental=True)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(1))
+    mgr.wait()
+    assert _refs(tmp_path / "local", 1) == set()
+    assert _refs(tmp_path / "local", 2) == {"step-1"}
+    assert mgr.load(_blank()) == 2
+
+
 class _FullDisk(LocalFileSystem):
     """Our local backend, out of space once ``full`` is set."""
 

@@ -208,11 +208,15 @@ class LocalTier:
     def _base_for(self, step: int) -> int | None:
         """The base of an incremental save of ``step``: the newest step below it that is
         committed in every node's local tier (a reference is resolved in the tier that
-        holds the referencing step), unless ``full_every`` asks for a full save.
-        Collective."""
+        holds the referencing step) and not a symbolic link there (a reference names the
+        step that holds the bytes, never a link to it), unless ``full_every`` asks for a
+        full save. Collective."""
         if not self.manager.incremental:
             return None
-        views = self.group.all_gather([s for s in self.local.steps() if s < step])
+        linked = set(self.local.linked_steps())
+        views = self.group.all_gather(
+            [s for s in self.local.steps() if s < step and s not in linked]
+        )
         common = set.intersection(*(set(v) for v in views))
         if not common:
             return None

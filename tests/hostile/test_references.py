@@ -9,6 +9,7 @@ the fix.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,24 @@ def test_a_base_linking_outside_the_directory_is_refused(aliased: Path) -> None:
     with pytest.raises(ValueError, match="outside"):
         storage.save(_state(6), str(root / "step-6"), base=str(root / "pretrained"))
     assert not (root / "step-6" / ".metadata").exists()
+
+
+def test_manager_never_bases_on_a_linked_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A shared checkpoint linked in as step-0 resolves outside the root, so it can be no
+    # base (it used to be recorded by the link's name): the next save is a full one
+    # rather than a save refused for its base.
+    caplog.set_level(logging.INFO, logger="storage.ops.manager")
+    root = tmp_path / "root"
+    storage.save(_state(0), str(tmp_path / "shared" / "pretrained"), fingerprint=True)
+    root.mkdir()
+    (root / "step-0").symlink_to(tmp_path / "shared" / "pretrained")
+    mgr = CheckpointManager(root, incremental=True)
+    mgr.save(1, _state(1))
+    assert _refs(root / "step-1") == {None}
+    assert "step 0 is no base (it is a symbolic link)" in caplog.text
+    _assert_loads(root / "step-1", 1)
 
 
 # --- 5. a step whose metadata cannot be read fails closed -----------------------------------
