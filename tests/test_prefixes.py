@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 import storage
 from extensions.errors import UnsafeCheckpointError
+from storage.checkpoint import format as fmt
 from storage.checkpoint.deletion import delete_checkpoint
 from storage.checkpoint.layout import is_data_file_name
 from storage.checkpoint.prefixes import place
@@ -47,6 +48,14 @@ def test_place_spreads_ranks_over_hex_prefixes() -> None:
     assert place("__300_0.distcp", 300, 4096) == "12c/__300_0.distcp"
     with pytest.raises(TypeError, match="key_prefixes"):
         storage.CheckpointWriter("x", key_prefixes=-1)
+
+
+def test_file_rank_reads_past_the_prefix() -> None:
+    # Before, the rank of a prefixed data file was read from its prefix and came out
+    # as 0: every rank's prefixed files looked like rank 0's to the tier code and to a
+    # per-rank copy.
+    assert fmt.file_rank(place(fmt.data_file_name(10, 0, "abc"), 10, 16)) == 10
+    assert fmt.file_rank("__3_1.distcp") == 3 and fmt.file_rank("other.bin") == 0
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import io
-import re
 import threading
 import uuid
 from collections.abc import Callable, Collection, Sequence
@@ -53,8 +52,6 @@ from storage.checkpoint.items import (
 from storage.checkpoint.layout import metadata_names
 from storage.checkpoint.prefixes import refuse_linked_prefix
 from storage.ops.tools import Part, Progress, Summary, chunk_facts, describe, read_metadata
-
-_RANK_OF_FILE = re.compile(r"__([0-9]+)_")
 
 
 def copy_checkpoint(
@@ -271,7 +268,7 @@ def copy_data_files(
 
 
 def _owner(part: Part, info: Any) -> int:
-    return part.rank if part.rank is not None else file_rank(info.relative_path)
+    return part.rank if part.rank is not None else fmt.file_rank(info.relative_path)
 
 
 def _kept_references(
@@ -368,12 +365,6 @@ class _Paced(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         self._pace()
         return self._base.readinto(buffer) or 0  # type: ignore[attr-defined]
-
-
-def file_rank(name: str) -> int:
-    """The rank that wrote the data file ``name`` (``__{rank}_{n}...``; 0 if unnamed)."""
-    match = _RANK_OF_FILE.match(name)
-    return int(match.group(1)) if match else 0
 
 
 def _item_info(part: Part, index: MetadataIndex, url: str, keys: Any) -> ItemInfo:

@@ -22,7 +22,6 @@ from storage.checkpoint import format as fmt
 from storage.checkpoint.committed import open_committed
 from storage.checkpoint.layout import StepInfo
 from storage.ops._peers import Group, Move, gather_errors, transfer
-from storage.ops.copy import file_rank
 from storage.ops.manager import CheckpointManager
 
 if TYPE_CHECKING:
@@ -181,7 +180,7 @@ def _step_moves(g: Group, reports: list[Report], step: int) -> list[Move] | None
     data: list[Move] = []
     meta: list[Move] = []
     for rank in range(g.world):
-        need = {n for n in named if file_rank(n) == rank} - have[rank]
+        need = {n for n in named if fmt.file_rank(n) == rank} - have[rank]
         if need:
             src = next((q for q in range(g.world) if need <= have[q]), None)
             if src is None:

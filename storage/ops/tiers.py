@@ -40,7 +40,6 @@ from storage.checkpoint.layout import StepInfo, is_committed, parse_step
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops import restore
 from storage.ops._peers import Group, Move, gather_errors, make_group, transfer
-from storage.ops.copy import file_rank
 from storage.ops.drain import drain_step
 from storage.ops.manager import CheckpointManager
 from storage.ops.restore import DURABLE, LOCAL, LoadedStep
@@ -289,7 +288,7 @@ class LocalTier:
             path,
             self.local.fs.concat_path(path, fmt.METADATA_NAME),
             payload,
-            new_files={n for n in named if file_rank(n) in here},
+            new_files={n for n in named if fmt.file_rank(n) in here},
             overwrite=bool(self.manager.writer_options.get("overwrite", True)),
             sync=bool(self.manager.writer_options.get("sync_files", True)),
         )
@@ -305,7 +304,7 @@ class LocalTier:
         moves: list[Move] = []
         for rank, peer in sorted(g.peer.items()):
             if peer is not None and g.node_of(peer) != g.node_of(rank):
-                moves.append((rank, peer, [n for n in names if file_rank(n) == rank]))
+                moves.append((rank, peer, [n for n in names if fmt.file_rank(n) == rank]))
         sync = bool(self.manager.writer_options.get("sync_files", True))
         self.replicated_bytes += transfer(g, moves, self.local.fs, path, sync=sync, pg=pg)
 
