@@ -2,8 +2,9 @@
 
 A checkpoint is a directory (or prefix) holding ``.metadata`` (or rank-local
 ``__{rank}.metadata``) and ``*.distcp`` data files; it exists once its metadata does.
-:func:`metadata_names` is the one rule for which metadata files make it: every
-listing, reader tool and copy asks it.
+:func:`committing_metadata` is the one rule for which metadata files make it: every
+listing (:func:`metadata_names`, :func:`is_committed`) and the read model of a committed
+checkpoint (``committed``, which reader tools, copies and deletions use) ask it.
 The manager, the CLI and the recovery transport use these rules to list checkpoints
 and to delete only what they recognise (``deletion``): directories named exactly
 ``step-<N>`` (``N`` in canonical decimal form) and, inside them, only checkpoint files
