@@ -296,13 +296,12 @@ def test_gc_reads_each_step_once_per_pass(backend: tuple[str, storage.FileSystem
     steps = 40
     for step in range(steps):
         mgr.save(step, {"frozen": frozen, **_state(step)})
-    fs: _CountsMetadataReads
-    fs = (
-        _CountingLocal()
-        if isinstance(plain, storage.LocalFileSystem)
-        else _CountingMemory(plain.name)
-    )  # type: ignore[attr-defined]
-    gc = CheckpointManager(root, filesystem=fs, keep_last=1)  # type: ignore[arg-type]
+    fs: _CountingLocal | _CountingMemory = (
+        _CountingMemory(plain.name)
+        if isinstance(plain, storage.MemoryFileSystem)
+        else _CountingLocal()
+    )
+    gc = CheckpointManager(root, filesystem=fs, keep_last=1)
     # What `dcp-storage gc ROOT --keep-last 1` runs.
     assert gc.apply_retention() == list(range(1, steps - 1))
     assert gc.cleanup(grace_seconds=0) == []
