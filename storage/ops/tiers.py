@@ -357,12 +357,11 @@ class LocalTier:
         return [s for s in steps if s not in based or not self.durable(s)]
 
     def references(self, step: int) -> set[int]:
-        """The local steps whose bytes local ``step`` references (incremental saves);
-        every other local step when its metadata cannot be read (it might)."""
-        checkpoint = open_committed(self.local.fs, self.local.step_path(step))
-        if not checkpoint.readable:
-            return {s for s in self.local.steps() if s != step}
-        return {b for b in map(parse_step, checkpoint.references()) if b is not None}
+        """The local steps whose bytes local ``step`` references (incremental saves), as
+        far as its metadata can be read (deleting a local step is refused while one
+        beside it cannot be read: ``committed.Siblings``)."""
+        names = open_committed(self.local.fs, self.local.step_path(step)).references()
+        return {b for b in map(parse_step, names) if b is not None}
 
     def _retain_local(self, exclude: int | None = None) -> None:
         """Delete the oldest local steps beyond ``keep_local``, only those that are
