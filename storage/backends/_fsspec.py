@@ -251,6 +251,10 @@ class FsspecFileSystem(FileSystemBase):
         islink = getattr(self.fs, "islink", None)  # fsspec's local filesystem has links
         return bool(islink(path)) if callable(islink) else False
 
+    def realpath(self, path: str) -> str:
+        # fsspec's local filesystem (the one with links) takes plain absolute paths.
+        return os.path.realpath(path) if callable(getattr(self.fs, "islink", None)) else path
+
     def ls(self, path: str) -> list[str]:
         with self._errors(path, "listing"):
             entries = self.fs.ls(path, detail=False, refresh=True)

@@ -176,6 +176,9 @@ class LocalFileSystem(FileSystemBase):
     def is_link(self, path: str) -> bool:
         return os.path.islink(path)
 
+    def realpath(self, path: str) -> str:
+        return os.path.realpath(path)
+
     def ls(self, path: str) -> list[str]:
         return sorted(os.listdir(path))
 

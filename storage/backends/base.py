@@ -147,6 +147,11 @@ class FileSystemBase(abc.ABC):
         Deletion paths never delete through one."""
         return False
 
+    def realpath(self, path: str) -> str:
+        """``path`` with its symbolic links resolved (``path`` itself where the backend
+        has none): the name under which its files are really stored."""
+        return path
+
     @abc.abstractmethod
     def ls(self, path: str) -> list[str]:
         """Sorted names (not paths) directly under ``path``, directories included."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+import re
 import struct
 import zipfile
 from typing import IO, Any
@@ -36,6 +37,8 @@ from storage.checkpoint.validate import (  # noqa: F401 - EXTRA, REF, item_label
     item_label,
 )
 
+_RANK_OF_FILE = re.compile(r"__([0-9]+)_")
+
 FORMAT_VERSION = 1
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -50,6 +53,13 @@ def data_file_name(rank: int, number: int, save_id: str) -> str:
     """``__{rank}_{n}-{save_id}.distcp``: unique per save, so an overwrite never
     writes into a file that the committed metadata points at."""
     return f"__{rank}_{number}-{save_id}{DATA_SUFFIX}"
+
+
+def file_rank(relative_path: str) -> int:
+    """The rank that wrote the data file ``relative_path`` (``[<key prefix>/]__{rank}_{n}
+    ...``, see :func:`data_file_name`; 0 for a name of another form)."""
+    match = _RANK_OF_FILE.match(relative_path.rpartition("/")[2])
+    return int(match.group(1)) if match else 0
 
 
 def item_extra(info: Any) -> dict[str, Any]:

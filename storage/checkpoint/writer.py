@@ -43,9 +43,10 @@ from storage.checkpoint.commit import (
     publish_metadata,
     remove_quietly,
 )
+from storage.checkpoint.committed import CHAIN
 from storage.checkpoint.deadline import DeadlineExceededError, check_timeout, note, run_tasks
 from storage.checkpoint.encode import encode_item, plain_cpu_tensor
-from storage.checkpoint.prefixes import check_key_prefixes, place
+from storage.checkpoint.prefixes import check_key_prefixes, place, refuse_linked_prefix
 
 DCP_VERSION = "1.0.0"
 BYTES_PER_THREAD = 32 << 20
@@ -258,6 +259,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         lock = threading.Lock()
 
         def write_one(name: str, items: list[WriteItem]) -> list[WriteResult]:
+            refuse_linked_prefix(self.fs, self.path, name)  # never write through a link
             path = self.fs.concat_path(self.path, name)
             with lock:
                 self._written.append(path)
@@ -320,7 +322,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         extra = {}
         if self.fingerprint:  # incremental saves since the last full one
             refs = any(fmt.REF in fmt.item_extra(i) for i in metadata.storage_data.values())
-            extra[incremental.CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
+            extra[CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
         return fmt.dump_metadata(metadata, **extra)
 
     def abort(self, error: BaseException | None = None) -> None:
@@ -394,8 +396,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         if self._base is None:
             return None
         descriptors = chain_descriptors(self.transforms, self._item_info(item, tensor))
-        own = os.path.basename(self.path.rstrip("/"))
-        info = self._base.reference(item.index, descriptors, content, own)
+        info = self._base.reference(item.index, descriptors, content)
         return None if info is None else WriteResult(item.index, 0, info)
 
     def _write_item(

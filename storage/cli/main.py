@@ -225,20 +225,20 @@ def _cmd_cp(args: argparse.Namespace) -> int:
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    from storage.checkpoint.incremental import refuse_if_referenced
-    from storage.checkpoint.layout import delete_checkpoint
-    from storage.ops.tools import read_metadata
+    from storage.checkpoint.committed import open_committed, refuse_if_referenced
+    from storage.checkpoint.deletion import delete_checkpoint
 
     fs, path = location(args.checkpoint, args.storage_option)
+    checkpoint = open_committed(fs, path)
     try:
-        read_metadata(fs, path)
+        checkpoint.require()
     except CheckpointNotFoundError as exc:
         raise CheckpointNotFoundError(
             f"{exc}. Refusing to delete it; interrupted saves under a root are removed by "
             "`dcp-storage gc ROOT`"
         ) from None
     refuse_if_referenced(fs, path)
-    kept = delete_checkpoint(fs, path)
+    kept = delete_checkpoint(fs, path, checkpoint)
     text = f"removed {fs.url(path)}"
     if kept:
         text += (

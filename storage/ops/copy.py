@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import io
-import re
 import threading
 import uuid
 from collections.abc import Callable, Collection, Sequence
@@ -34,10 +33,12 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import default_thread_count
 from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
+from storage.checkpoint.committed import open_committed
 from storage.checkpoint.incremental import (
     CONTENT,
     check_bases,
     check_referenced_files,
+    item_directory,
     item_path,
     sibling_path,
 )
@@ -49,9 +50,8 @@ from storage.checkpoint.items import (
     is_encrypted,
 )
 from storage.checkpoint.layout import metadata_names
+from storage.checkpoint.prefixes import refuse_linked_prefix
 from storage.ops.tools import Part, Progress, Summary, chunk_facts, describe, read_metadata
-
-_RANK_OF_FILE = re.compile(r"__([0-9]+)_")
 
 
 def copy_checkpoint(
@@ -210,7 +210,11 @@ def copy_data_files(
     check_bases(src_fs, src_path, ((part.label(i), info) for i, info in infos))
     per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
     for index, info in infos:
-        per_file.setdefault(item_path(src_fs, src_path, info), []).append((index, info))
+        src_file = item_path(src_fs, src_path, info)
+        if src_file not in per_file:  # never read through a linked prefix directory
+            directory = item_directory(src_fs, src_path, info)
+            refuse_linked_prefix(src_fs, directory, info.relative_path)
+        per_file.setdefault(src_file, []).append((index, info))
     plan: list[tuple[str, str, list[tuple[MetadataIndex, Any]]]] = []
     for number, (src_file, items_of) in enumerate(sorted(per_file.items()), start=first):
         rank = _owner(part, items_of[0][1])
@@ -264,7 +268,7 @@ def copy_data_files(
 
 
 def _owner(part: Part, info: Any) -> int:
-    return part.rank if part.rank is not None else file_rank(info.relative_path)
+    return part.rank if part.rank is not None else fmt.file_rank(info.relative_path)
 
 
 def _kept_references(
@@ -305,13 +309,13 @@ def _kept_references(
 
 def _committed_items(fs: FileSystemBase, path: str, name: str) -> dict[MetadataIndex, Any]:
     """The storage index of the committed checkpoint ``name`` beside ``path`` (empty
-    when there is none)."""
+    when there is none, or it cannot be read: its items are then copied, not kept as
+    references)."""
     try:
         base = sibling_path(fs, path, name)
-        payload = fs.read_bytes(fs.concat_path(base, fmt.METADATA_NAME))
-        return dict(fmt.load_metadata(payload, fs.url(base)).storage_data or {})
-    except (FileNotFoundError, NotADirectoryError, CheckpointNotFoundError):
+    except CheckpointNotFoundError:
         return {}
+    return open_committed(fs, base).items()
 
 
 def publish_copy(
@@ -361,12 +365,6 @@ class _Paced(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         self._pace()
         return self._base.readinto(buffer) or 0  # type: ignore[attr-defined]
-
-
-def file_rank(name: str) -> int:
-    """The rank that wrote the data file ``name`` (``__{rank}_{n}...``; 0 if unnamed)."""
-    match = _RANK_OF_FILE.match(name)
-    return int(match.group(1)) if match else 0
 
 
 def _item_info(part: Part, index: MetadataIndex, url: str, keys: Any) -> ItemInfo:

@@ -33,9 +33,10 @@ from extensions.errors import (
 )
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import api, incremental
+from storage.checkpoint import api
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
+from storage.checkpoint.committed import open_committed
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     StepInfo,
@@ -298,14 +299,29 @@ class CheckpointManager:
 
     def _incremental_base(self, step: int) -> int | None:
         """The step an incremental save of ``step`` references: the newest committed
-        step below it, unless ``full_every`` says this save is a full one."""
+        step below it, unless ``full_every`` says this save is a full one, or that step
+        cannot serve as a base (committed only by rank-local metadata, unreadable, or a
+        symbolic link): then the save is a full one, and says why."""
         if not self.incremental:
             return None
         below = [s for s in self.steps() if s < step]
         if not below:
             return None
-        chain = incremental.chain_length(self.fs, self.step_path(below[-1]))
-        if self.full_every is not None and chain + 1 >= self.full_every:
+        path = self.step_path(below[-1])
+        checkpoint = open_committed(self.fs, path)
+        why = (
+            "it is a symbolic link"
+            if self.fs.is_link(path)
+            else "its metadata cannot be read"
+            if not checkpoint.readable
+            else "it is committed only by rank-local metadata"
+            if checkpoint.global_metadata is None
+            else None
+        )
+        if why is not None:
+            log.info("step %d is saved in full: step %d is no base (%s)", step, below[-1], why)
+            return None
+        if self.full_every is not None and checkpoint.chain + 1 >= self.full_every:
             return None
         return below[-1]
 

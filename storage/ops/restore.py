@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from extensions.errors import CheckpointNotFoundError
 from storage.checkpoint import api
 from storage.checkpoint import format as fmt
-from storage.checkpoint.layout import StepInfo, committed_files
+from storage.checkpoint.committed import open_committed
+from storage.checkpoint.layout import StepInfo
 from storage.ops._peers import Group, Move, gather_errors, transfer
-from storage.ops.copy import file_rank
 from storage.ops.manager import CheckpointManager
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def report(tier: LocalTier) -> Report:
     for s in tier.local.steps():
         path = tier.local.step_path(s)
         try:
-            named = committed_files(fs, fs.concat_path(path, fmt.METADATA_NAME))
+            named = open_committed(fs, path).data_files()
             out[s] = (sorted(named), sorted(fs.ls(path)), sorted(tier.references(s)))
         except FileNotFoundError:
             continue
@@ -180,7 +180,7 @@ def _step_moves(g: Group, reports: list[Report], step: int) -> list[Move] | None
     data: list[Move] = []
     meta: list[Move] = []
     for rank in range(g.world):
-        need = {n for n in named if file_rank(n) == rank} - have[rank]
+        need = {n for n in named if fmt.file_rank(n) == rank} - have[rank]
         if need:
             src = next((q for q in range(g.world) if need <= have[q]), None)
             if src is None:

@@ -35,11 +35,11 @@ from storage.checkpoint import api, incremental
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.commit import publish_metadata
+from storage.checkpoint.committed import open_committed
 from storage.checkpoint.layout import StepInfo, is_committed, parse_step
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops import restore
 from storage.ops._peers import Group, Move, gather_errors, make_group, transfer
-from storage.ops.copy import file_rank
 from storage.ops.drain import drain_step
 from storage.ops.manager import CheckpointManager
 from storage.ops.restore import DURABLE, LOCAL, LoadedStep
@@ -207,16 +207,20 @@ class LocalTier:
     def _base_for(self, step: int) -> int | None:
         """The base of an incremental save of ``step``: the newest step below it that is
         committed in every node's local tier (a reference is resolved in the tier that
-        holds the referencing step), unless ``full_every`` asks for a full save.
-        Collective."""
+        holds the referencing step) and not a symbolic link there (a reference names the
+        step that holds the bytes, never a link to it), unless ``full_every`` asks for a
+        full save. Collective."""
         if not self.manager.incremental:
             return None
-        views = self.group.all_gather([s for s in self.local.steps() if s < step])
+        linked = set(self.local.linked_steps())
+        views = self.group.all_gather(
+            [s for s in self.local.steps() if s < step and s not in linked]
+        )
         common = set.intersection(*(set(v) for v in views))
         if not common:
             return None
         base = max(common)
-        chain = incremental.chain_length(self.local.fs, self.local.step_path(base))
+        chain = open_committed(self.local.fs, self.local.step_path(base)).chain
         full_every = self.manager.full_every
         return None if full_every is not None and chain + 1 >= full_every else base
 
@@ -284,7 +288,7 @@ class LocalTier:
             path,
             self.local.fs.concat_path(path, fmt.METADATA_NAME),
             payload,
-            new_files={n for n in named if file_rank(n) in here},
+            new_files={n for n in named if fmt.file_rank(n) in here},
             overwrite=bool(self.manager.writer_options.get("overwrite", True)),
             sync=bool(self.manager.writer_options.get("sync_files", True)),
         )
@@ -300,7 +304,7 @@ class LocalTier:
         moves: list[Move] = []
         for rank, peer in sorted(g.peer.items()):
             if peer is not None and g.node_of(peer) != g.node_of(rank):
-                moves.append((rank, peer, [n for n in names if file_rank(n) == rank]))
+                moves.append((rank, peer, [n for n in names if fmt.file_rank(n) == rank]))
         sync = bool(self.manager.writer_options.get("sync_files", True))
         self.replicated_bytes += transfer(g, moves, self.local.fs, path, sync=sync, pg=pg)
 
@@ -353,8 +357,10 @@ class LocalTier:
         return [s for s in steps if s not in based or not self.durable(s)]
 
     def references(self, step: int) -> set[int]:
-        """The local steps whose bytes local ``step`` references (incremental saves)."""
-        names = incremental.references(self.local.fs, self.local.step_path(step))
+        """The local steps whose bytes local ``step`` references (incremental saves), as
+        far as its metadata can be read (deleting a local step is refused while one
+        beside it cannot be read: ``committed.Siblings``)."""
+        names = open_committed(self.local.fs, self.local.step_path(step)).references()
         return {b for b in map(parse_step, names) if b is not None}
 
     def _retain_local(self, exclude: int | None = None) -> None:
