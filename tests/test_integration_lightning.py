@@ -14,6 +14,7 @@ import io
 import os
 import pickle
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -56,6 +57,16 @@ def bucket_env(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     return {"endpoint_url": endpoint, "key": KEY, "secret": SECRET}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and on a busy machine the threads'
+    waits cost ~20x (a 6-step run: 7 s with 2 threads, 0.35 s with one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @dataclasses.dataclass
@@ -235,6 +246,7 @@ def _sharded_worker(rank: int, store: str, root: str, options: dict[str, Any], o
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT="1",  # the group below exists already
     )
+    torch.set_num_threads(1)
     with gloo_group(rank, WORLD, store):
         plugin = StorageCheckpointIO(storage_options=options)
 
