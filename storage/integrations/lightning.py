@@ -4,11 +4,11 @@ local paths).
 * :class:`StorageCheckpointIO`, a ``CheckpointIO`` plugin, for the strategies that save
   one checkpoint from global rank 0 (single device, DDP):
   ``Trainer(plugins=[StorageCheckpointIO(storage_options=...)])``.
-* :class:`StorageModelParallelStrategy`, Lightning's ``ModelParallelStrategy`` (FSDP2,
-  tensor parallel) whose sharded saves and loads go through our writer and reader: the
-  stock strategy bypasses ``CheckpointIO`` and lets ``dcp.save`` pick a local
-  ``FileSystemWriter``. It takes its settings from a ``StorageCheckpointIO`` among the
-  Trainer's plugins.
+* :class:`StorageModelParallelStrategy` and :class:`StorageFSDPStrategy`, Lightning's
+  ``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` (FSDP1) whose
+  sharded saves and loads go through our writer and reader: the stock strategies
+  bypass ``CheckpointIO`` and let ``dcp.save`` pick a local ``FileSystemWriter``. They
+  take their settings from a ``StorageCheckpointIO`` among the Trainer's plugins.
 
 A checkpoint path names a DCP checkpoint directory (or key prefix), committed like
 every save here: data first, metadata last, one CRC-32C per item, the plugin's
@@ -30,13 +30,14 @@ from extensions.registry import ExtensionRegistry
 from storage.checkpoint import api
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.layout import delete_checkpoint, is_committed
+from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
 from storage.integrations import _tree
 from storage.integrations._solo import empty_targets, load_alone, reader_alone, save_alone
 
 try:
     from lightning.pytorch.plugins.io import CheckpointIO
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise MissingDependencyError(
         f"storage.integrations.lightning needs PyTorch Lightning ({exc.name or exc}); "
@@ -160,7 +161,8 @@ class StorageCheckpointIO(CheckpointIO):
 
 
 class StorageModelParallelStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` whose distributed checkpoints use dcp-storage.
+    """``ModelParallelStrategy`` (FSDP2, tensor parallel) whose distributed checkpoints
+    use dcp-storage.
 
     Every rank writes its shards of the model and optimizer states with
     :class:`CheckpointWriter` and one metadata commits them all (Lightning's stock
@@ -177,28 +179,18 @@ class StorageModelParallelStrategy(ModelParallelStrategy):
         super().__init__(*args, **kwargs)
         if not self._save_distributed_checkpoint:
             raise ValueError(
-                f"{type(self).__name__} saves sharded checkpoints only; drop "
-                "save_distributed_checkpoint=False (a consolidated file of a sharded model "
-                "is what `dcp-storage cp` or torch's dcp_to_torch_save can make afterwards)"
+                _SHARDED_ONLY.format(type(self).__name__, "save_distributed_checkpoint")
             )
 
     @property
     def storage_io(self) -> StorageCheckpointIO:
         """The plugin whose settings this strategy's checkpoints use."""
-        io = self.checkpoint_io
-        return io if isinstance(io, StorageCheckpointIO) else StorageCheckpointIO()
+        return _storage_io(self)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        _refuse_call_options(storage_options, type(self).__name__)
-        url = self.broadcast(_location(filepath))  # rank 0's path for every rank
-        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
-        for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            state[f"optimizer_{idx}"] = optim_state
-        if self.global_rank == 0:
-            state.update(_tree.pack(checkpoint, PREFIX))
-        api.save_with(self.storage_io.writer(url), state)
+        _save_sharded(self, "state_dict", checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         from torch.distributed.checkpoint.state_dict import (
@@ -209,29 +201,126 @@ class StorageModelParallelStrategy(ModelParallelStrategy):
         )
 
         url = self.broadcast(_location(checkpoint_path))
-        io = self.storage_io
+        options = self.storage_io.reader_options(url)
         module = self.model
         assert module is not None and self.lightning_module is not None
         model_state = {"state_dict": get_model_state_dict(module)}
-        api.load(model_state, url, **io.reader_options(url))
+        api.load(model_state, url, **options)
         module.load_state_dict(
             model_state["state_dict"], strict=self.lightning_module.strict_loading
         )
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optim_state = {key: get_optimizer_state_dict(module, optimizer)}
-            api.load(optim_state, url, **io.reader_options(url))
+            api.load(optim_state, url, **options)
             set_optimizer_state_dict(
                 module,
                 optimizer,
                 optim_state_dict=optim_state[key],
                 options=StateDictOptions(cpu_offload=True),
             )
-        return io.load_tree(url, weights_only=weights_only)
+        return self.storage_io.load_tree(url, weights_only=weights_only)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             self.storage_io.remove_checkpoint(filepath)
+
+
+class StorageFSDPStrategy(FSDPStrategy):
+    """``FSDPStrategy`` (FSDP1) whose sharded checkpoints use dcp-storage, as
+    :class:`StorageModelParallelStrategy` does for FSDP2: shards through
+    :class:`CheckpointWriter` / :class:`CheckpointReader`, the rest of the checkpoint in
+    the same commit, settings from the Trainer's ``StorageCheckpointIO``. Only
+    ``state_dict_type="sharded"`` is supported."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._state_dict_type != "sharded":
+            raise ValueError(_SHARDED_ONLY.format(type(self).__name__, 'state_dict_type="sharded"'))
+
+    @property
+    def storage_io(self) -> StorageCheckpointIO:
+        """The plugin whose settings this strategy's checkpoints use."""
+        return _storage_io(self)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        _save_sharded(self, "model", checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        from lightning.pytorch.trainer.states import TrainerFn
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import (
+            ShardedOptimStateDictConfig,
+            ShardedStateDictConfig,
+            StateDictType,
+        )
+
+        url = self.broadcast(_location(checkpoint_path))
+        options = self.storage_io.reader_options(url)
+        module = self.model
+        assert module is not None and self.lightning_module is not None
+        with FSDP.state_dict_type(
+            module,
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload_to_cpu=True),
+            ShardedOptimStateDictConfig(offload_to_cpu=True),
+        ):
+            model_state = {"model": module.state_dict()}
+            api.load(model_state, url, **options)
+            module.load_state_dict(
+                model_state["model"], strict=self.lightning_module.strict_loading
+            )
+            fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+            for idx, optimizer in enumerate(self.optimizers if fitting else []):
+                key = f"optimizer_{idx}"
+                optim_state = load_sharded_optimizer_state_dict(
+                    model_state_dict=model_state["model"],
+                    optimizer_key=key,
+                    storage_reader=CheckpointReader(url, **options),
+                )
+                optimizer.load_state_dict(
+                    FSDP.optim_state_dict_to_load(
+                        model=module, optim=optimizer, optim_state_dict=optim_state[key]
+                    )
+                )
+        return self.storage_io.load_tree(url, weights_only=weights_only)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.storage_io.remove_checkpoint(filepath)
+
+
+_SHARDED_ONLY = (
+    "{} saves sharded checkpoints only; keep {} (a consolidated file of a sharded model is "
+    "what torch's dcp_to_torch_save can make from the checkpoint afterwards)"
+)
+
+
+def _storage_io(strategy: Any) -> StorageCheckpointIO:
+    io = strategy.checkpoint_io
+    return io if isinstance(io, StorageCheckpointIO) else StorageCheckpointIO()
+
+
+def _save_sharded(
+    strategy: Any,
+    model_key: str,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    storage_options: Any,
+) -> None:
+    """A sharded Lightning checkpoint in one collective commit: ``model_key`` and
+    ``optimizer_<i>`` (as Lightning names them) from every rank, the rest from rank 0."""
+    _refuse_call_options(storage_options, type(strategy).__name__)
+    url = strategy.broadcast(_location(filepath))  # rank 0's path for every rank
+    state: dict[str, Any] = {model_key: checkpoint.pop("state_dict")}
+    for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        state[f"optimizer_{idx}"] = optim_state
+    if strategy.global_rank == 0:
+        state.update(_tree.pack(checkpoint, PREFIX))
+    api.save_with(_storage_io(strategy).writer(url), state)
 
 
 def _location(path: Any) -> str:
@@ -252,4 +341,9 @@ def _refuse_call_options(storage_options: Any, owner: str) -> None:
         )
 
 
-__all__ = ["PREFIX", "StorageCheckpointIO", "StorageModelParallelStrategy"]
+__all__ = [
+    "PREFIX",
+    "StorageCheckpointIO",
+    "StorageFSDPStrategy",
+    "StorageModelParallelStrategy",
+]
