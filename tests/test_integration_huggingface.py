@@ -143,15 +143,21 @@ def test_accelerator_save_state_drains_and_load_state_resumes_bit_exact(
     root = f"s3://{BUCKET}/{uuid.uuid4().hex}"
     batches = _Tokens().ids.split(4)
     accelerator, model, optimizer, scheduler = _accelerate_run(0)
-    ckpts = AcceleratorCheckpoints(root, storage_options=s3_options(endpoint), blocking=True)
+    ckpts = AcceleratorCheckpoints(root, storage_options=s3_options(endpoint))  # background
     _steps(accelerator, model, optimizer, scheduler, batches[:3])
     folder = ckpts.save_state(accelerator, tmp_path / "local" / "s", step=3)
+    first = _digests(Path(folder))
     _steps(accelerator, model, optimizer, scheduler, batches[3:])
+    # The same folder again: save_state waits for step 3's upload before Accelerate
+    # rewrites its files (the upload reads them through memory maps).
+    ckpts.save_state(accelerator, tmp_path / "local" / "s", step=6)
+    ckpts.wait()
     shutil.rmtree(folder)
+    assert ckpts.checkpoints.steps() == [3, 6]
 
     accelerator2, model2, optimizer2, scheduler2 = _accelerate_run(1)
-    assert ckpts.load_state(accelerator2, tmp_path / "restored") == 3
-    assert sorted(p.name for p in (tmp_path / "restored").iterdir()) == ["checkpoint_3"]
+    assert ckpts.load_state(accelerator2, tmp_path / "restored", step=3) == 3
+    assert _digests(tmp_path / "restored" / "checkpoint_3") == first
     _steps(accelerator2, model2, optimizer2, scheduler2, batches[3:])
     assert_tree_equal(model2.state_dict(), model.state_dict())
     assert_tree_equal(optimizer2.state_dict()["state"], optimizer.state_dict()["state"])

@@ -52,7 +52,9 @@ class FolderCheckpoints:
 
     :meth:`save` maps the folder's files at once (the folder may be deleted as soon as
     it returns: the mappings keep the bytes) and uploads them in a background thread,
-    one folder at a time; ``blocking=True`` uploads before returning. :meth:`wait`
+    one folder at a time; ``blocking=True`` uploads before returning. Its files must
+    not be rewritten in place (truncated) until the upload is done (:meth:`wait`): a
+    mapping cannot read past a file's new end. :meth:`wait`
     waits for the upload in flight and raises its error, as does the next :meth:`save`.
     ``keep_last``/``keep_every``, ``storage_options``, ``transforms``, ``keys``,
     ``registry``, ``require_encryption``, ``filesystem`` and writer options

@@ -89,6 +89,8 @@ class AcceleratorCheckpoints:
         ``step-{step}`` (default: Accelerate's save iteration). Returns the folder."""
         if step is None:
             step = accelerator.save_iteration
+        if accelerator.is_main_process:
+            self.checkpoints.wait()  # the upload in flight may be reading this very folder
         folder = os.fspath(accelerator.save_state(output_dir, **save_state_options))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
