@@ -6,7 +6,9 @@ run resumes from the bucket and must end bit-exact where the uninterrupted run e
 from __future__ import annotations
 
 import hashlib
+import importlib
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ from accelerate import Accelerator  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from extensions import ZStandard  # noqa: E402
+from extensions.errors import MissingDependencyError  # noqa: E402
 from storage.integrations.huggingface import (  # noqa: E402
     AcceleratorCheckpoints,
     StorageTrainerCallback,
@@ -116,6 +119,13 @@ def test_trainer_drains_to_the_bucket_and_resumes_bit_exact(endpoint: str, tmp_p
         again.optimizer.state_dict()["state"], straight.optimizer.state_dict()["state"]
     )
     assert callback.restore(tmp_path / "latest").endswith("checkpoint-6")  # the newest
+
+
+def test_without_transformers_the_import_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "storage.integrations.huggingface")
+    with pytest.raises(MissingDependencyError, match=r"pip install 'dcp-storage\[huggingface\]'"):
+        importlib.import_module("storage.integrations.huggingface")
 
 
 def _accelerate_run(seed: int) -> tuple[Accelerator, Any, Any, Any]:

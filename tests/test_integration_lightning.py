@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib
 import io
 import os
 import pickle
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +29,11 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from extensions import ZStandard  # noqa: E402
-from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError  # noqa: E402
+from extensions.errors import (  # noqa: E402
+    CheckpointNotFoundError,
+    MissingDependencyError,
+    UnsafeCheckpointError,
+)
 from storage import filesystem_from_url  # noqa: E402
 from storage.checkpoint.layout import is_committed  # noqa: E402
 from storage.integrations import _tree  # noqa: E402
@@ -198,6 +204,13 @@ def test_the_rest_is_unpickled_with_the_weights_only_lightning_asks_for(tmp_path
     with pytest.raises(pickle.UnpicklingError, match="weights_only"):
         plugin.load_checkpoint(tmp_path / "c", weights_only=True)
     assert plugin.load_checkpoint(tmp_path / "c", weights_only=False)["hparams"] == Hparams(lr=0.5)
+
+
+def test_without_lightning_the_import_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "lightning.pytorch.plugins.io", None)
+    monkeypatch.delitem(sys.modules, "storage.integrations.lightning")
+    with pytest.raises(MissingDependencyError, match=r"pip install 'dcp-storage\[lightning\]'"):
+        importlib.import_module("storage.integrations.lightning")
 
 
 def test_a_tree_that_misplaces_a_tensor_is_refused() -> None:
