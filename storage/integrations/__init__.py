@@ -1,0 +1,1 @@
+"""Framework integrations: checkpoint to a bucket from the frameworks users train with."""
