@@ -130,3 +130,16 @@ def test_cli_rm_removes_prefixed_checkpoint(tmp_path: Path) -> None:
     storage.save(_state(), str(path), key_prefixes=16)
     assert cli_main(["rm", str(path)]) == 0
     assert not path.exists()
+
+
+def test_cli_cp_keeps_the_key_prefixes(tmp_path: Path) -> None:
+    # Before: a copy (and the tier drain, which copies the same way) wrote every data
+    # file flat under the destination, losing the prefixes where they matter: the bucket.
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    storage.save(_state(), str(src), key_prefixes=16)
+    assert cli_main(["cp", str(src), str(dst)]) == 0
+    data = [f for f in _files(dst) if f.endswith(".distcp")]
+    assert data and all(f.startswith("00/") for f in data)
+    copied = _blank()
+    storage.load(copied, str(dst))
+    assert all(torch.equal(copied[k], v) for k, v in _state().items() if k != "step")
