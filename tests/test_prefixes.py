@@ -157,3 +157,16 @@ def test_incremental_manager_with_key_prefixes(tmp_path: Path) -> None:
     out = _blank()
     assert manager.load(out, 2) == 2
     assert all(torch.equal(out[k], v) for k, v in changed.items() if k != "step")
+
+
+def test_cli_cp_keeps_the_key_prefixes(tmp_path: Path) -> None:
+    # Before: a copy (and the tier drain, which copies the same way) wrote every data
+    # file flat under the destination, losing the prefixes where they matter: the bucket.
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    storage.save(_state(), str(src), key_prefixes=16)
+    assert cli_main(["cp", str(src), str(dst)]) == 0
+    data = [f for f in _files(dst) if f.endswith(".distcp")]
+    assert data and all(f.startswith("00/") for f in data)
+    copied = _blank()
+    storage.load(copied, str(dst))
+    assert all(torch.equal(copied[k], v) for k, v in _state().items() if k != "step")

@@ -5,7 +5,8 @@ archive for tensors, raw bytes for other objects, passed through the item's tran
 chain) and ``.metadata`` is a pickled ``torch.distributed.checkpoint.Metadata``. Our
 extra facts ride along where stock torch ignores them:
 
-* ``Metadata.dcp_storage`` = ``{"format": FORMAT_VERSION}``;
+* ``Metadata.dcp_storage`` = ``{"format": FORMAT_VERSION}``, plus ``"origin"`` on a
+  copy (``storage.ops.copy``, the tier drain): the save id of the save it copies;
 * each ``_StorageInfo.dcp_storage`` = ``{"crc32c": int}`` (checksum of the stored
   bytes) plus, for tensors, ``"data_offset"``: where the tensor's raw bytes start in
   the decoded item, which lets a reader decode straight into the target tensor.
@@ -84,6 +85,22 @@ def dump_metadata(metadata: Metadata, **extra: Any) -> bytes:
     """Pickle ``metadata`` with our facts (``format``, plus ``extra``) attached."""
     setattr(metadata, EXTRA, {"format": FORMAT_VERSION, **extra})
     return pickle.dumps(metadata)
+
+
+ORIGIN = "origin"  # Metadata extra: the save id of the save a copy was made from
+
+
+def save_of(metadata: Metadata) -> str | None:
+    """The id of the save that produced ``metadata``'s checkpoint: a copy's
+    ``origin``, else its own ``storage_meta.save_id`` (``None`` when it has neither,
+    as stock DCP's checkpoints may). Two checkpoints with the same id hold the same
+    state, whatever their data files are called."""
+    extra = getattr(metadata, EXTRA, None)
+    origin = extra.get(ORIGIN) if isinstance(extra, dict) else None
+    if isinstance(origin, str):
+        return origin
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    return save_id if isinstance(save_id, str) else None
 
 
 # --- safe loading -------------------------------------------------------------------

@@ -50,7 +50,7 @@ from storage.checkpoint.items import (
     is_encrypted,
 )
 from storage.checkpoint.layout import metadata_names
-from storage.checkpoint.prefixes import refuse_linked_prefix
+from storage.checkpoint.prefixes import refuse_linked_prefix, split
 from storage.ops.tools import Part, Progress, Summary, chunk_facts, describe, read_metadata
 
 
@@ -184,7 +184,8 @@ def copy_data_files(
 ) -> CopiedFiles:
     """The data phase of :func:`copy_checkpoint`: copy the items that ``part`` (one
     metadata of the checkpoint at ``src_path``) names into new data files under
-    ``dst_path``, verifying checksums on the way; nothing is committed. Referenced items
+    ``dst_path`` (under the key prefix directory each source file had), verifying
+    checksums on the way; nothing is committed. Referenced items
     (incremental saves) are read from their base, so the copy holds every byte it
     needs, unless ``keep_references``: then an item that references a base is
     recorded as a reference to the base of the same name beside ``dst_path`` when that
@@ -219,7 +220,9 @@ def copy_data_files(
     for number, (src_file, items_of) in enumerate(sorted(per_file.items()), start=first):
         rank = _owner(part, items_of[0][1])
         if ranks is None or rank in ranks:
-            plan.append((src_file, fmt.data_file_name(rank, number, copied.save_id), items_of))
+            name = fmt.data_file_name(rank, number, copied.save_id)
+            prefix, _ = split(items_of[0][1].relative_path)  # key prefixes stay as saved
+            plan.append((src_file, name if prefix is None else f"{prefix}/{name}", items_of))
     copied.names = {name for _, name, _ in plan}
     dst_fs.mkdir(dst_path)
     lock = threading.Lock()
@@ -334,13 +337,14 @@ def publish_copy(
     new_meta = copy.copy(part.metadata)
     new_meta.storage_data = {i: info for c in copies for i, info in c.infos.items()}
     new_meta.storage_meta = StorageMeta(checkpoint_id=dst_fs.url(dst_path), save_id=save_id)
+    origin = fmt.save_of(part.metadata)  # the copy holds the same save's state
     try:
         check_referenced_files(dst_fs, dst_path, new_meta.storage_data.values())
         publish_metadata(
             dst_fs,
             dst_path,
             meta_path,
-            fmt.dump_metadata(new_meta),
+            fmt.dump_metadata(new_meta, **({} if origin is None else {fmt.ORIGIN: origin})),
             new_files={n for c in copies for n in c.names},
             overwrite=overwrite,
             sync=True,

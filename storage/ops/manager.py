@@ -94,8 +94,10 @@ class CheckpointManager:
     bases they reference), deleting local copies only once durable;
     ``replicate`` (``True``: the same position on the next node, or a callable
     ``rank -> peer rank``) also writes each rank's files to a peer's local tier before
-    the save returns. :meth:`load` prefers the local copy, falls back to the durable
-    one, and returns a :class:`~storage.ops.restore.LoadedStep` naming the tier used;
+    the save returns. :meth:`load` prefers the local copy when it is the same save as
+    the durable one, falls back to the durable one, loads the newest local step when
+    the root cannot be listed, and returns a :class:`~storage.ops.restore.LoadedStep`
+    naming the tier used (and why, where it is not the obvious one);
     :meth:`wait` waits for the drains and raises a failed drain's error, as does the
     next :meth:`save`. Constructing a tiered manager is collective under a process
     group. See :mod:`storage.ops.tiers` and docs/operations.md.

@@ -112,6 +112,17 @@ class LocalTier:
     def durable(self, step: int) -> bool:
         return is_committed(self.manager.fs, self.manager.step_path(step))
 
+    def linked(self) -> set[int]:
+        """Local steps whose directory is a symbolic link: someone else's checkpoints,
+        listed and loaded like any step, but never drained, deleted or counted against
+        ``keep_local`` (their owner keeps them)."""
+        return set(self.local.linked_steps())
+
+    def pending(self) -> set[int]:
+        """Steps this manager saved whose drain has not landed yet."""
+        with self._lock:
+            return set(self._pending)
+
     def tiers_by_step(self) -> dict[int, tuple[str, ...]]:
         """Committed steps (this node's local tier and the root) and the tiers holding each."""
         local, durable = set(self.local.steps()), set(self.manager.durable_steps())
@@ -212,7 +223,7 @@ class LocalTier:
         full save. Collective."""
         if not self.manager.incremental:
             return None
-        linked = set(self.local.linked_steps())
+        linked = self.linked()
         views = self.group.all_gather(
             [s for s in self.local.steps() if s < step and s not in linked]
         )
@@ -336,12 +347,24 @@ class LocalTier:
             return
         with self._lock:
             failed, self._error = self._error, None  # reported here, as the cause
+        kept = [s for s in held if self._durable_quietly(s)]
+        waiting = [s for s in held if s not in kept]
+        why = " and ".join(
+            ([f"steps {waiting} are not durable yet"] if waiting else [])
+            + ([f"steps {kept} are durable but could not be deleted (see the log)"] if kept else [])
+        )
         raise TierFullError(
             f"the local tier {self.local.url} holds steps {held}, more than "
-            f"keep_local={self.keep_local}, and they are not durable yet (last drain "
-            f"error: {self._last_error or 'none'}); nothing was deleted. Fix the root "
+            f"keep_local={self.keep_local}: {why} (last drain error: "
+            f"{self._last_error or 'none'}); nothing was deleted. Fix the root "
             f"{self.manager.url} and save again, or delete_local() what you can lose"
         ) from failed
+
+    def _durable_quietly(self, step: int) -> bool:
+        try:
+            return self.durable(step)
+        except Exception:  # the root cannot say: not durable as far as we know
+            return False
 
     def _fullest(self, step: int) -> list[int] | None:
         """The committed local steps besides ``step`` of the fullest node's tier, if it
@@ -352,9 +375,10 @@ class LocalTier:
         return fullest if self.keep_local is not None and len(fullest) > self.keep_local else None
 
     def _restorable(self, exclude: int) -> list[int]:
-        steps = [s for s in self.local.steps() if s != exclude]
+        linked = self.linked()
+        steps = [s for s in self.local.steps() if s != exclude and s not in linked]
         based = {b for s in steps for b in self.references(s)}
-        return [s for s in steps if s not in based or not self.durable(s)]
+        return [s for s in steps if s not in based or not self._durable_quietly(s)]
 
     def references(self, step: int) -> set[int]:
         """The local steps whose bytes local ``step`` references (incremental saves), as
@@ -365,8 +389,10 @@ class LocalTier:
 
     def _retain_local(self, exclude: int | None = None) -> None:
         """Delete the oldest local steps beyond ``keep_local``, only those that are
-        durable, not waiting for a drain, not the base of the save in flight and not
-        referenced by a step kept here (node leaders only; never raises)."""
+        durable, not waiting for a drain, not the base of the save in flight, not
+        referenced by a step kept here and not linked (:meth:`linked`: they are not
+        counted either). Node leaders only; never raises: a step that cannot be deleted
+        is logged and kept."""
         if self.keep_local is None or not self.group.leader:
             return
         with self._retain_lock:
@@ -378,7 +404,8 @@ class LocalTier:
                 busy = {s for s in held if s is not None}
                 with self._lock:
                     pending = set(self._pending)
-                ordered = [s for s in steps if s not in writing]
+                skip = writing | self.linked()
+                ordered = [s for s in steps if s not in skip]
                 keep = set(ordered[-self.keep_local :]) | busy | pending
                 for s in ordered:
                     if s not in keep and not self.durable(s):
@@ -390,11 +417,13 @@ class LocalTier:
                         if b not in keep:
                             keep.add(b)
                             frontier.append(b)
-                for s in reversed([s for s in steps if s not in keep]):  # users first
+                for s in reversed([s for s in ordered if s not in keep]):  # users first
                     try:
                         self.local.delete(s)
                     except CheckpointInUseError as exc:
                         log.info("local step %d kept: %s", s, exc)
+                    except Exception as exc:  # the next one may still go
+                        log.warning("local step %d could not be deleted: %s", s, exc)
             except Exception as exc:
                 log.warning("local retention under %s failed: %s", self.local.url, exc)
 
@@ -437,7 +466,8 @@ class LocalTier:
             while True:
                 with self._lock:
                     mine = set(self._pending)
-                mine |= {s for s in self.local.steps() if not self.durable(s)}
+                linked = self.linked()
+                mine |= {s for s in self.local.steps() if s not in linked and not self.durable(s)}
                 views = g.all_gather(sorted(mine), pg=g.drain_pg)
                 common = sorted(set.intersection(*(set(v) for v in views)))
                 if not common:
