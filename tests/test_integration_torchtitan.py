@@ -111,14 +111,10 @@ class _TrainState:
         self.step = int(state["step"])
 
 
-def _components(model: torch.nn.Module, url: str, options: dict[str, Any], async_mode: str) -> Any:
-    """torchtitan's optimizer and scheduler containers and our checkpoint manager, built
-    from their configs as the Trainer builds them."""
+def _containers(model: torch.nn.Module) -> Any:
+    """torchtitan's optimizer and LR scheduler containers, built from their configs."""
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
-
-    import extensions
-    from storage.integrations.torchtitan import CheckpointManager
 
     group = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
     optimizers = OptimizersContainer(
@@ -128,6 +124,15 @@ def _components(model: torch.nn.Module, url: str, options: dict[str, Any], async
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
         optimizers=optimizers, training_steps=8
     )
+    return optimizers, schedulers
+
+
+def _components(model: torch.nn.Module, url: str, options: dict[str, Any], async_mode: str) -> Any:
+    """The containers and our checkpoint manager, built as the Trainer builds them."""
+    import extensions
+    from storage.integrations.torchtitan import CheckpointManager
+
+    optimizers, schedulers = _containers(model)
     train_state = _TrainState()
     checkpointer = CheckpointManager.Config(
         enable=True,

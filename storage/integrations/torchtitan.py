@@ -99,11 +99,11 @@ class CheckpointManager(_titan_dcp.CheckpointManager):
             transforms=self._transforms,
             keys=self._keys,
         )
-        if self.purge_thread is not None:
+        if self.purge_thread is not None:  # type: ignore[has-type]
             # torchtitan's thread deletes with fsspec's rmtree and no client options;
             # this one applies the step manager's retention instead.
             self.purge_queue.put(None)
-            self.purge_thread.join()
+            self.purge_thread.join()  # type: ignore[has-type]
             self.purge_thread = threading.Thread(
                 target=purge_thread, args=(self.purge_queue, self._retain), daemon=True
             )

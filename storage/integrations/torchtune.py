@@ -27,7 +27,7 @@ The final model is written by the recipe's own checkpointer, as before.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -114,14 +114,15 @@ class CheckpointClient(_checkpoint_client.CheckpointClient):
     ``storage_options``, ``keep_last``, ``transforms`` as ``_component_`` entries)."""
 
     def _get_dcp_checkpointer(self) -> DistributedCheckpointer:
-        if not self._dcp_checkpointer:
+        if not self._dcp_checkpointer:  # type: ignore[has-type]
             section = self._cfg.get("dcp_storage") or DictConfig({})
             url = section.get("url") or self._get_checkpointer()._output_dir
             options = section.get("storage_options")
+            storage_options = cast(dict[str, Any], OmegaConf.to_container(options or {}))
             self._dcp_checkpointer = DistributedCheckpointer(
                 checkpoint_dir=url,
                 output_dir=url,
-                storage_options=OmegaConf.to_container(options) if options else None,
+                storage_options=storage_options,
                 transforms=[_tt_config.instantiate(t) for t in section.get("transforms") or []],
                 keep_last=section.get("keep_last"),
             )
