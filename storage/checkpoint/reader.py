@@ -42,7 +42,7 @@ from storage.checkpoint._common import (
     resolve_location,
     stock_checkpoint_id,
 )
-from storage.checkpoint.deadline import check_timeout, note, run_tasks
+from storage.checkpoint.deadline import cancellable, check_timeout, note, run_tasks
 from storage.checkpoint.decode import (
     MAX_OBJECT_BYTES,
     OBJECT_RATIO,
@@ -340,7 +340,8 @@ class CheckpointReader(StorageReader):
         length = run[-1].offset + run[-1].length - start
         note(fmt.item_label(run[0].req.storage_index), self.fs.url(path))
         try:
-            with self.fs.open_slice(path, start, length) as stream:
+            with self.fs.open_slice(path, start, length) as opened:
+                stream = cancellable(opened)
                 for item in run:
                     self._read_item(stream, path, item, planner, lock, registry, keys)
         except FileNotFoundError as exc:
