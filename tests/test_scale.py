@@ -459,3 +459,48 @@ def test_s3_deadlines_cancel_their_requests(proxy: FaultProxy, path: str) -> Non
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.split("\n")[:2]
     assert lines == ["read deadline []", "write deadline []"], done.stdout
+
+
+def test_cancel_reaches_children_hooks_waits_and_coroutines() -> None:
+    """storage.backends.cancel: one cancel stops a task's streams (children), calls
+    their hooks, ends slot waits, backoffs and coroutines on an event loop, and every
+    later request raises at once."""
+    import asyncio
+
+    from storage.backends.cancel import Cancel, StreamCancelled
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    task = Cancel()
+    stream = Cancel(task)
+    hooked: list[str] = []
+    outcomes: list[str] = []
+
+    def blocked(name: str, wait: Any) -> threading.Thread:
+        def body() -> None:
+            try:
+                wait()
+            except StreamCancelled:
+                outcomes.append(name)
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        return thread
+
+    slots = threading.Semaphore(0)
+    waiting = [
+        blocked("slot", lambda: stream.acquire(slots)),
+        blocked("backoff", lambda: stream.wait(600)),
+        blocked("coroutine", lambda: stream.run(loop, asyncio.sleep, 600)),
+    ]
+    with stream.hook(lambda: hooked.append("hook")):
+        time.sleep(0.2)  # let them block
+        task.cancel()
+        for thread in waiting:
+            thread.join(10)
+    assert sorted(outcomes) == ["backoff", "coroutine", "slot"] and hooked == ["hook"]
+    with pytest.raises(StreamCancelled):
+        Cancel(task).check()  # a stream opened after the cancel
+    loop.call_soon_threadsafe(loop.stop)
+    runner.join(10)
