@@ -1,8 +1,10 @@
 """Eight gloo ranks on CPU: save, load, resharded load and read-once load on local disk
-and on S3 (moto), and saves and loads in which one rank fails or stalls.
+and on S3 (moto), and saves and loads in which one rank fails or stalls; past a
+deadline, no worker thread is left in the stalled request and the process exits
+normally.
 
-Each 8-rank test is one ``mp.spawn`` of 8 small processes (KBs of state), marked
-``ranks8``; the single-process tests at the end check the pieces. Bytes and requests
+Each 8-rank test is one ``mp.spawn`` of 8 small processes (KBs to MBs of state), marked
+``ranks8``; the single-process tests check the pieces. Bytes and requests
 are counted per rank by our own backend (tests/scale_fs.py) on local disk and by the
 proxy in front of moto on S3."""
 
