@@ -11,7 +11,9 @@ import torch.distributed as dist
 
 
 @contextlib.contextmanager
-def gloo_group(rank: int, world_size: int, store: str) -> Iterator[None]:
+def gloo_group(
+    rank: int, world_size: int, store: str, *, exit_process: bool = True
+) -> Iterator[None]:
     """Run the body of a spawned worker in a gloo process group, then end the process.
 
     On success every rank meets at a barrier, destroys the group and exits at once
@@ -19,7 +21,9 @@ def gloo_group(rank: int, world_size: int, store: str) -> Iterator[None]:
     (a DeviceMesh, DTensors) destroy gloo's threads in no particular order, which now
     and then aborts the process with 'terminate called without an active exception'.
     So nothing may follow the ``with`` block in the worker. A failing body raises as
-    usual, and ``mp.spawn`` reports it."""
+    usual, and ``mp.spawn`` reports it. ``exit_process=False`` returns instead, so the
+    interpreter's own exit runs (for tests of what happens then; the body must hold
+    no DeviceMesh or DTensor)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         yield
@@ -28,6 +32,8 @@ def gloo_group(rank: int, world_size: int, store: str) -> Iterator[None]:
         dist.destroy_process_group()
         raise
     dist.destroy_process_group()
+    if not exit_process:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

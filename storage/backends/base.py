@@ -33,6 +33,13 @@ Semantics every backend guarantees (checked by ``storage.testing.FileSystemTests
 * ``rename`` exists only where it is atomic (``atomic_rename``); the commit protocol
   never needs it.
 * A backend is picklable (process-based async save ships it to another process).
+* Requests can be interrupted from another thread: a save or load past its deadline
+  cancels the ``storage.backends.cancel.Cancel`` installed for the threads doing its
+  storage work, and a backend whose requests (stream calls included) hang on
+  ``cancel.current()`` stops them at once, raising ``StreamCancelled``; a failed write
+  then cleans up without waiting on the stalled store. A backend that does not is
+  stopped by the checkpoint layer at its next stream call (``S3FileSystem`` and
+  ``GCSFileSystem`` do; local disk, other fsspec URLs and ``TorchFileSystem`` do not).
 """
 
 from __future__ import annotations

@@ -37,13 +37,15 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from extensions.errors import CheckpointNotFoundError
+from extensions.errors import CheckpointNotFoundError, quote
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import tensor_bytes
 from storage.checkpoint.committed import chain_of, open_committed, read_metadata_file
 from storage.checkpoint.layout import is_committed, split_location
 from storage.checkpoint.prefixes import expand, split
+from storage.checkpoint.validate import MAX_NAME, is_plain_name
+
 
 REF = fmt.REF
 CONTENT = "content"  # item extra: the fingerprint of the item's plain content
@@ -120,11 +122,23 @@ def sibling_path(fs: FileSystemBase, path: str, name: str) -> str:
     location = split_location(fs, path)
     if location is None:
         raise CheckpointNotFoundError(
-            f"{fs.url(path)} references checkpoint {name!r} beside it, but it has no parent "
+            f"{fs.url(path)} references checkpoint {quote(name)} beside it, but it has no parent "
             "directory or prefix to hold one; copy it with `dcp-storage cp` from where it was "
             "written"
         )
     return fs.concat_path(location[0], name)
+
+
+def check_base_name(fs: FileSystemBase, base_path: str) -> None:
+    """Refuse a base whose name could not be read back as a reference: every checkpoint
+    that references the base records its name, which loads check (``validate``)."""
+    name = base_path.rstrip("/").rpartition("/")[2]
+    if not is_plain_name(name):
+        raise ValueError(
+            f"base {quote(fs.url(base_path))}: its name is recorded in every checkpoint "
+            f"that references it, so it must be a plain name of at most {MAX_NAME} "
+            "printable characters; rename the base, or save without one"
+        )
 
 
 def item_directory(fs: FileSystemBase, path: str, info: Any) -> str:
@@ -152,8 +166,8 @@ def check_bases(fs: FileSystemBase, path: str, items: Iterable[tuple[str, Any]])
         if not is_committed(fs, base):
             state = "not committed" if fs.exists(base) else "missing"
             raise CheckpointNotFoundError(
-                f"{fs.url(path)}: item {label!r} is stored in base checkpoint {fs.url(base)} "
-                f"({ref!r}), which is {state}; an incremental checkpoint needs its bases: "
+                f"{fs.url(path)}: item {quote(label)} is stored in base checkpoint {fs.url(base)} "
+                f"({quote(ref)}), which is {state}; an incremental checkpoint needs its bases: "
                 "restore the base, or load a self-contained copy made with `dcp-storage cp` "
                 "while the base existed"
             )
@@ -201,6 +215,7 @@ def open_base(fs: FileSystemBase, path: str, base: str) -> Base:
     is recorded as ``step-5``, the name whose files hold the bytes); a base or a
     destination that resolves outside the parent directory is refused."""
     base_path = fs.init_path(base)
+    check_base_name(fs, base_path)
     here, there = split_location(fs, path), split_location(fs, base_path)
     if here is None or there is None or here[0] != there[0]:
         raise ValueError(
@@ -268,7 +283,7 @@ def check_referenced_files(fs: FileSystemBase, path: str, infos: Iterable[Any]) 
         )
         if missing:
             raise CheckpointNotFoundError(
-                f"{fs.url(path)}: base checkpoint {fs.url(base)} lost {missing[0]!r} during "
+                f"{fs.url(path)}: base checkpoint {fs.url(base)} lost {quote(missing[0])} during "
                 "the save (deleted or overwritten meanwhile); nothing was committed: save "
                 "again (a full save if the base is gone)"
             )

@@ -42,7 +42,7 @@ from storage.checkpoint._common import (
     resolve_location,
     stock_checkpoint_id,
 )
-from storage.checkpoint.deadline import check_timeout, note, run_tasks
+from storage.checkpoint.deadline import cancellable, check_timeout, note, run_tasks
 from storage.checkpoint.decode import (
     MAX_OBJECT_BYTES,
     OBJECT_RATIO,
@@ -51,6 +51,7 @@ from storage.checkpoint.decode import (
     read_bounded,
 )
 from storage.checkpoint.items import StoredItem, check_before_read, encryption_required
+from storage.checkpoint.layout import metadata_rank
 from storage.checkpoint.prefixes import refuse_linked_prefix
 from storage.checkpoint.shared import on_coordinator
 
@@ -70,6 +71,15 @@ class _Item:
     @property
     def length(self) -> int:
         return int(self.info.length)
+
+
+@dataclass(frozen=True)
+class _Absent:
+    """What one listing says of a location without ``.metadata``: whether it exists,
+    and the rank-local metadata files it holds (``None``: the listing failed)."""
+
+    exists: bool
+    rank_files: frozenset[str] | None
 
 
 class CheckpointReader(StorageReader):
@@ -149,6 +159,8 @@ class CheckpointReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
         self.last_error: BaseException | None = None
+        # What this load's probe of .metadata listed, when the file was missing.
+        self._absent: _Absent | None = None
         # One id per load, handed to planners and loggers in metadata.storage_meta (stock).
         self.load_id = str(uuid.uuid4())
 
@@ -157,6 +169,7 @@ class CheckpointReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         self.last_error = None
+        self._absent = None
         self.load_id = str(uuid.uuid4())
         if checkpoint_id:
             self.fs, self.path = resolve_location(
@@ -183,16 +196,30 @@ class CheckpointReader(StorageReader):
         # torch asks for the global metadata, then (rank=N) for the rank-local one.
         rank = kwargs.get("rank")
         meta_path = self.fs.concat_path(self.path, fmt.metadata_name(rank))
+        if rank is None:
+            self._absent = None
+        absent = self._absent  # the global probe of this load found no .metadata
+        if absent is not None and (
+            not absent.exists
+            or (absent.rank_files is not None and fmt.metadata_name(rank) not in absent.rank_files)
+        ):
+            # Its listing already said there is no such file: nothing to ask storage.
+            raise CheckpointNotFoundError(self._missing_message(rank, absent))
 
-        def fetch() -> bytes:
+        def fetch() -> bytes | _Absent:
             try:
                 return self.fs.read_bytes(meta_path)
             except FileNotFoundError:
-                raise CheckpointNotFoundError(self._missing_message(rank)) from None
+                return absent or self._look()
 
-        # The global metadata is the same for every rank; a rank-local one is not.
+        # The global metadata is the same for every rank, and so is the listing that
+        # says why it is missing; a rank-local metadata is not.
         shared = self.share_metadata and rank is None
-        payload = on_coordinator(fetch, self.process_group) if shared else fetch()
+        found = on_coordinator(fetch, self.process_group) if shared else fetch()
+        if isinstance(found, _Absent):
+            self._absent = found
+            raise CheckpointNotFoundError(self._missing_message(rank, found))
+        payload = found
         try:
             metadata = fmt.load_metadata(payload, self.fs.url(meta_path))
         except CheckpointStorageError as exc:
@@ -276,17 +303,24 @@ class CheckpointReader(StorageReader):
 
     # --- internals ------------------------------------------------------------------
 
-    def _missing_message(self, rank: int | None) -> str:
-        name = fmt.metadata_name(rank)
+    def _look(self) -> _Absent:
+        """One listing of the location, for a load that found no metadata there."""
         try:
-            self.fs.ls(self.path)
+            names = self.fs.ls(self.path)
         except (FileNotFoundError, NotADirectoryError):
-            return f"no checkpoint at {self.url}: the location does not exist"
+            return _Absent(exists=False, rank_files=frozenset())
         except Exception:  # listing may be forbidden; the metadata is what matters
-            pass
+            return _Absent(exists=True, rank_files=None)
+        ranks = frozenset(n for n in names if metadata_rank(n) is not None)
+        return _Absent(exists=True, rank_files=ranks)
+
+    def _missing_message(self, rank: int | None, absent: _Absent) -> str:
+        if not absent.exists:
+            return f"no checkpoint at {self.url}: the location does not exist"
         return (
-            f"{self.url} is not a committed checkpoint: it has no {name} (an interrupted "
-            "save, or not a checkpoint directory); point at a checkpoint directory"
+            f"{self.url} is not a committed checkpoint: it has no {fmt.metadata_name(rank)} "
+            "(an interrupted save, or not a checkpoint directory); point at a checkpoint "
+            "directory"
         )
 
     def _plan_runs(self, reqs: Sequence[ReadItem]) -> list[tuple[str, list[_Item]]]:
@@ -340,7 +374,8 @@ class CheckpointReader(StorageReader):
         length = run[-1].offset + run[-1].length - start
         note(fmt.item_label(run[0].req.storage_index), self.fs.url(path))
         try:
-            with self.fs.open_slice(path, start, length) as stream:
+            with self.fs.open_slice(path, start, length) as opened:
+                stream = cancellable(opened)
                 for item in run:
                     self._read_item(stream, path, item, planner, lock, registry, keys)
         except FileNotFoundError as exc:

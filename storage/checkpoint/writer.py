@@ -44,7 +44,13 @@ from storage.checkpoint.commit import (
     remove_quietly,
 )
 from storage.checkpoint.committed import CHAIN
-from storage.checkpoint.deadline import DeadlineExceededError, check_timeout, note, run_tasks
+from storage.checkpoint.deadline import (
+    DeadlineExceededError,
+    cancellable,
+    check_timeout,
+    note,
+    run_tasks,
+)
 from storage.checkpoint.encode import encode_item, plain_cpu_tensor
 from storage.checkpoint.prefixes import check_key_prefixes, place, refuse_linked_prefix
 
@@ -81,7 +87,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     ``timeout`` (seconds) bounds this rank's data writes in a save: past it the save
     fails on every rank with :class:`DeadlineExceededError` naming the rank, the item
-    and the URL (an upload that never completes is abandoned, not waited for).
+    and the URL (an upload that never completes is cancelled, not waited for).
 
     ``key_prefixes=N`` (N > 1) puts each rank's data files one directory down, under
     one of N short hex key prefixes (``rank % N``), so an object store spreads the
@@ -369,7 +375,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         results = []
         if ordered:
             note(fmt.item_label(ordered[0].index), self.fs.url(path))
-        with self.fs.create_stream(path, "wb", sync=self.sync_files) as stream:
+        with self.fs.create_stream(path, "wb", sync=self.sync_files) as opened:
+            stream = cancellable(opened)
             offset = 0
             for item in ordered:
                 result = self._write_item(stream, name, offset, item, planner)

@@ -20,7 +20,6 @@ no :class:`DirectPath`, and its requests go through s3fs.
 
 from __future__ import annotations
 
-import concurrent.futures
 import http.client
 import inspect
 import logging
@@ -39,6 +38,7 @@ from botocore.awsrequest import AWSRequest
 from s3fs.errors import translate_boto_error
 from urllib3.util.wait import wait_for_read
 
+from storage.backends.cancel import Cancel
 from storage.backends.s3._endpoint import (
     Bucket,
     Runner,
@@ -85,54 +85,23 @@ class BodyBroken(ConnectionError):
     """A response body broke off: reset, timed out or shorter than announced."""
 
 
-class PartGroup:
-    """The part uploads of one multipart upload, so that an abort can stop them: no new
-    attempt starts once :meth:`halt` is called, and connections in use are shut down."""
-
-    def __init__(self) -> None:
-        self.tasks: list[Any] = []  # asyncio tasks of parts sent through s3fs
-        self.halted = threading.Event()
-        self._lock = threading.Lock()
-        self._connections: set[http.client.HTTPConnection] = set()
-
-    def track(self, conn: http.client.HTTPConnection, busy: bool) -> None:
-        with self._lock:
-            if busy:
-                self._connections.add(conn)
-            else:
-                self._connections.discard(conn)
-        if busy and self.halted.is_set():
-            _shut(conn)
-
-    def halt(self) -> None:
-        self.halted.set()
-        with self._lock:
-            busy = list(self._connections)
-        for conn in busy:
-            _shut(conn)
-
-
-def _shut(conn: http.client.HTTPConnection) -> None:
-    sock = conn.sock
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
 class DirectBody:
-    """The body of a ranged GET, read straight into the caller's buffers."""
+    """The body of a ranged GET, read straight into the caller's buffers; cancelling
+    ``cancel`` shuts its connection down, so a read blocked on it returns."""
 
     def __init__(
         self,
         response: http.client.HTTPResponse,
         conn: http.client.HTTPConnection,
         owner: DirectPath,
+        cancel: Cancel | None = None,
     ) -> None:
         self._response = response
         self._conn: http.client.HTTPConnection | None = conn
         self._owner = owner
+        self._cancel = cancel
+        if cancel is not None:
+            cancel.track(conn, True)
 
     def readinto(self, view: memoryview) -> int:
         response = self._response
@@ -150,6 +119,8 @@ class DirectBody:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        if self._cancel is not None:
+            self._cancel.track(conn, False)
         if self._response.length:
             conn.close()  # unread bytes would be the next response
         else:
@@ -274,7 +245,7 @@ class DirectPath:
         number: int,
         body: memoryview,
         checksum: str | None,
-        group: PartGroup,
+        group: Cancel,
     ) -> str:
         """Upload one part; its ETag."""
         query = f"partNumber={number}&uploadId={quote(upload_id, '')}"
@@ -290,19 +261,26 @@ class DirectPath:
         return etag
 
     def get_object(
-        self, bucket: str, key: str, byte_range: str | None, if_match: str | None
+        self,
+        bucket: str,
+        key: str,
+        byte_range: str | None,
+        if_match: str | None,
+        cancel: Cancel | None = None,
     ) -> dict[str, Any]:
         """A GET of ``key`` (``byte_range``: a ``Range`` header value), pinned to
-        ``if_match``; ``{"ETag": ..., "Body": DirectBody}`` as botocore answers."""
+        ``if_match``; ``{"ETag": ..., "Body": DirectBody}`` as botocore answers.
+        ``cancel`` interrupts the request and the reading of its body."""
         headers = {}
         if byte_range is not None:
             headers["Range"] = byte_range
         if if_match is not None:
             headers["If-Match"] = if_match
         response, conn = self._send(
-            "GET", bucket, key, "", headers, None, "GetObject", (200, 206), None
+            "GET", bucket, key, "", headers, None, "GetObject", (200, 206), cancel
         )
-        return {"ETag": response.getheader("ETag"), "Body": DirectBody(response, conn, self)}
+        body = DirectBody(response, conn, self, cancel)
+        return {"ETag": response.getheader("ETag"), "Body": body}
 
     def _send(
         self,
@@ -314,7 +292,7 @@ class DirectPath:
         body: memoryview | None,
         operation: str,
         ok: tuple[int, ...],
-        group: PartGroup | None,
+        group: Cancel | None,
     ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
         target = self._buckets[bucket]
         assert target is not None
@@ -322,8 +300,8 @@ class DirectPath:
         attempt = 0
         while True:
             attempt += 1
-            if group is not None and group.halted.is_set():
-                raise concurrent.futures.CancelledError()
+            if group is not None:
+                group.check()
             try:
                 signed = self._sign(target, method, path, headers)
                 response, conn = self._exchange(target, method, path, signed, body, group)
@@ -343,7 +321,7 @@ class DirectPath:
             # Full jitter, as botocore's standard mode waits: at most 1, 2, 4, ... 20 s.
             delay = random.random() * min(20.0, 2.0 ** (attempt - 1))
             if group is not None:
-                group.halted.wait(delay)
+                group.wait(delay)
             else:
                 time.sleep(delay)
 
@@ -369,7 +347,7 @@ class DirectPath:
         path: str,
         headers: dict[str, str],
         body: memoryview | None,
-        group: PartGroup | None,
+        group: Cancel | None,
     ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
         conn = self._connection(target)
         if group is not None:
@@ -424,8 +402,8 @@ async def _freeze(credentials: Any) -> Any:
     return await frozen if inspect.isawaitable(frozen) else frozen
 
 
-def _halted(group: PartGroup | None) -> bool:
-    return group is not None and group.halted.is_set()
+def _halted(group: Cancel | None) -> bool:
+    return group is not None and group.cancelled.is_set()
 
 
 def _xml_field(text: str, name: str) -> str:
