@@ -46,7 +46,6 @@ from storage.checkpoint.layout import is_committed, split_location
 from storage.checkpoint.prefixes import expand, split
 from storage.checkpoint.validate import MAX_NAME, is_plain_name
 
-
 REF = fmt.REF
 CONTENT = "content"  # item extra: the fingerprint of the item's plain content
 
