@@ -126,10 +126,12 @@ class GCSFileSystem(FsspecFileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
-        if mode != "wb":
-            with super().create_stream(path, mode, sync=sync) as stream:
-                yield stream
+        if mode == "rb":  # one streamed GET of the whole object, resumed where it breaks
+            with self._open_range(path) as reader:
+                yield reader
             return
+        if mode != "wb":
+            raise ValueError(f"unsupported mode {mode!r}: use 'rb' or 'wb'")
         upload = Upload(
             self.fs,
             path,
@@ -149,6 +151,11 @@ class GCSFileSystem(FsspecFileSystem):
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
         if self._empty_slice(path, offset, length):
             return contextlib.nullcontext(io.BytesIO())
+        return self._open_range(path, offset, length)
+
+    def _open_range(
+        self, path: str, offset: int = 0, length: int | None = None
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
         reader = RangeReader(self.fs, path, offset, length, functools.partial(self._errors, path))
         try:
             reader.open()

@@ -293,7 +293,8 @@ class DirectPath:
         self, bucket: str, key: str, byte_range: str | None, if_match: str | None
     ) -> dict[str, Any]:
         """A GET of ``key`` (``byte_range``: a ``Range`` header value), pinned to
-        ``if_match``; ``{"ETag": ..., "Body": DirectBody}`` as botocore answers."""
+        ``if_match``; ``ETag``, ``ContentRange``, ``Body`` (a :class:`DirectBody`) and
+        the status in ``ResponseMetadata``, as botocore answers."""
         headers = {}
         if byte_range is not None:
             headers["Range"] = byte_range
@@ -302,7 +303,12 @@ class DirectPath:
         response, conn = self._send(
             "GET", bucket, key, "", headers, None, "GetObject", (200, 206), None
         )
-        return {"ETag": response.getheader("ETag"), "Body": DirectBody(response, conn, self)}
+        return {
+            "ETag": response.getheader("ETag"),
+            "ContentRange": response.getheader("Content-Range"),
+            "ResponseMetadata": {"HTTPStatusCode": response.status},
+            "Body": DirectBody(response, conn, self),
+        }
 
     def _send(
         self,
