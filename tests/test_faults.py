@@ -16,6 +16,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 import storage
 from extensions import ZStandard
 from storage import S3FileSystem
+from storage.checkpoint.deadline import DeadlineExceededError
 from tests.servers import (
     FaultProxy,
     boto3_client,
@@ -186,3 +187,43 @@ def test_a_ranged_get_answered_with_other_bytes_is_refused(kind: str, backend: s
         target = {"a": torch.zeros(256)}
         storage.load(target, url, filesystem=fs)
         assert torch.equal(target["a"], state["a"])
+
+
+# --- every request inside timeout= (issue 19, item 13) -----------------------------------
+
+STALLS = {
+    # (what stalls, fault, method, target): before, each blocked past the deadline.
+    "load: reading .metadata (2 B/s)": ("load", "trickle", "GET", r"/\.metadata"),
+    "load: checking the base": ("load-incremental", "delay", "HEAD", r"/base/\.metadata"),
+    "save: is a checkpoint there?": ("save-exclusive", "delay", "HEAD", r"/ckpt/\.metadata"),
+    "save: reading the base (2 B/s)": ("save-incremental", "trickle", "GET", r"/base/\.metadata"),
+    "save: listing before the commit (2 B/s)": ("save", "trickle", "GET", r"list-type=2"),
+    "save: publishing .metadata": ("save", "delay", "PUT", r"/ckpt/\.metadata"),
+}
+
+
+@pytest.mark.parametrize("case", list(STALLS), ids=list(STALLS))
+def test_timeout_covers_every_request_of_a_save_or_load(proxy: FaultProxy, case: str) -> None:
+    what, kind, method, target = STALLS[case]
+    root = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    server = S3FileSystem(storage_options=s3_options(moto_endpoint()))
+    state = {"w": torch.randn(1000)}
+    storage.save(state, f"{root}/base", filesystem=server, fingerprint=True)
+    if what.startswith("load"):
+        if what == "load-incremental":
+            storage.save(state, f"{root}/ckpt", filesystem=server, base=f"{root}/base")
+        else:
+            storage.save(state, f"{root}/ckpt", filesystem=server)
+    # The default socket timeouts (60 s between bytes) never fire on a trickle.
+    fs = S3FileSystem(storage_options=s3_options(proxy.url))
+    proxy.add(kind, method=method, path=target, delay=60.0)
+    with pytest.raises(DeadlineExceededError, match=r"within the 2 s deadline") as info:
+        if what.startswith("load"):
+            storage.load({"w": torch.zeros(1000)}, f"{root}/ckpt", filesystem=fs, timeout=2)
+        else:
+            base = {"base": f"{root}/base"} if what == "save-incremental" else {}
+            overwrite = what != "save-exclusive"
+            storage.save(
+                state, f"{root}/ckpt", filesystem=fs, timeout=2, overwrite=overwrite, **base
+            )
+    assert info.value.url is not None and info.value.url.startswith(f"{root}/")
