@@ -333,8 +333,8 @@ def gcs_list(endpoint: str, bucket: str, prefix: str) -> list[str]:
 class Fault:
     """Answer matching requests with ``kind`` instead of (or on top of) the server's.
 
-    ``kind``: ``"503"`` (S3 SlowDown), ``"500"`` (S3 InternalError), ``"gcs503"`` (a
-    GCS JSON error), ``"reset"`` (connection reset, no response), ``"corrupt"`` (one
+    ``kind``: ``"503"`` (S3 SlowDown), ``"500"`` (S3 InternalError), ``"gcs503"`` and
+    ``"gcs404"`` (GCS JSON errors), ``"reset"`` (connection reset, no response), ``"corrupt"`` (one
     bit of the request body flipped on its way to the server), ``"truncate"`` (the
     response body cut at half, then the connection reset: the client may lose bytes it
     was sent), ``"cut"`` (the body cut at half, then the connection closed cleanly: the
@@ -447,10 +447,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.close()
 
     def _answer_error(self, kind: str) -> None:
-        if kind == "gcs503":
-            status = 503
+        if kind in ("gcs503", "gcs404"):
+            status = int(kind[-3:])
+            message = "Backend Error" if status == 503 else "Not Found"
             body = json.dumps(
-                {"error": {"code": 503, "message": "Backend Error", "errors": []}}
+                {"error": {"code": status, "message": message, "errors": []}}
             ).encode()
             ctype = "application/json"
         else:
@@ -480,7 +481,7 @@ class _Handler(BaseHTTPRequestHandler):
         if kind == "corrupt" and body:
             middle = len(body) // 2
             body = body[:middle] + bytes([body[middle] ^ 0x01]) + body[middle + 1 :]
-        if kind in ("503", "500", "gcs503"):
+        if kind in ("503", "500", "gcs503", "gcs404"):
             assert kind is not None
             self._answer_error(kind)
             self._record(int(kind[-3:]), 0, kind)

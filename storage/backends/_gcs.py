@@ -172,14 +172,16 @@ class GCSFileSystem(FsspecFileSystem):
         try:
             with super()._errors(path, action):
                 yield
-        except HttpError as exc:
+        except HttpError as exc:  # already scrubbed by the base class
             if exc.code in (401, 403):
                 raise PermissionError(self._denied(path, action, exc)) from exc
-            raise OSError(f"{self.url(path)}: {action} failed after retries: {exc}") from exc
+            message = f"{self.url(path)}: {action} failed after retries: {self._describe(exc)}"
+            raise OSError(message) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if isinstance(exc, OSError):
                 raise
-            raise OSError(f"{self.url(path)}: {action} failed: {exc!r}") from exc
+            text = self.redactor.redact(repr(exc))
+            raise OSError(f"{self.url(path)}: {action} failed: {text}") from exc
         except OSError as exc:
             if str(exc).startswith("Forbidden"):
                 raise PermissionError(self._denied(path, action, exc)) from exc
@@ -187,7 +189,8 @@ class GCSFileSystem(FsspecFileSystem):
 
     def _denied(self, path: str, action: str, exc: BaseException) -> str:
         return (
-            f"{self.url(path)}: access denied while {action} ({exc}); check the credentials "
+            f"{self.url(path)}: access denied while {action} ({self._describe(exc)}); check "
+            "the credentials "
             "(token in storage_options: a service-account JSON, 'google_default', 'cloud', "
             "or GOOGLE_APPLICATION_CREDENTIALS) and the bucket's IAM policy"
         )

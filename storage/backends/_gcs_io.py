@@ -23,6 +23,7 @@ from gcsfs.retry import is_retriable, validate_response
 
 from storage.backends._buffers import BufferPool
 from storage.backends._ranges import RangeMismatchError, check_range
+from storage.backends._secrets import BY_FORM
 
 log = logging.getLogger("storage.backends._gcs")
 
@@ -218,7 +219,7 @@ class Upload(io.RawIOBase):
                 "could not cancel the resumable upload of gs://%s: %s (GCS drops "
                 "sessions unused for a week)",
                 self._path,
-                exc,
+                BY_FORM.redact(str(exc)),  # the session URL is a credential (upload_id=)
             )
 
     def close(self) -> None:

@@ -85,7 +85,8 @@ class S3Client:
     """Requests, error translation and upload slots for one filesystem.
 
     ``translate`` needs the filesystem's error vocabulary (URLs, attempts, what to
-    check), so the filesystem hands it over as ``translate``; ``checksum`` sends a
+    check) and removes credentials from what it quotes, so the filesystem hands it over
+    as ``translate`` (raise its result ``from`` its ``__cause__``); ``checksum`` sends a
     CRC32C of every uploaded body, which the store verifies (S3, SeaweedFS); ``direct``
     lets part uploads and ranged GETs take the direct path where it applies."""
 
@@ -126,7 +127,8 @@ class S3Client:
         try:
             return self.run(self.s3._call_s3, method, **kwargs)
         except Exception as exc:
-            raise self.translate(exc, path, action) from exc
+            error = self.translate(exc, path, action)
+            raise error from error.__cause__
 
     def submit(
         self, method: str, tasks: list[asyncio.Task[Any]], **kwargs: Any
@@ -173,7 +175,8 @@ class S3Client:
         try:
             return direct.get_object(bucket, key, kwargs.get("Range"), kwargs.get("IfMatch"))
         except Exception as exc:
-            raise self.translate(exc, path, action) from exc
+            error = self.translate(exc, path, action)
+            raise error from error.__cause__
 
     def fill(self, body: Any, view: memoryview, progress: list[int]) -> None:
         """Read ``body`` into ``view`` until it is full or the body ends, counting in

@@ -299,7 +299,8 @@ class MultipartWriter(io.RawIOBase):
             if fut.done() and fut.exception() is not None:
                 exc = fut.exception()
                 assert exc is not None
-                raise self._client.translate(exc, self._path, f"uploading part {number}") from exc
+                error = self._client.translate(exc, self._path, f"uploading part {number}")
+                raise error from error.__cause__
 
     def finish(self) -> None:
         client = self._client
@@ -323,7 +324,8 @@ class MultipartWriter(io.RawIOBase):
                     try:
                         etag = fut.result()
                     except Exception as exc:
-                        raise client.translate(exc, self._path, f"uploading part {number}") from exc
+                        error = client.translate(exc, self._path, f"uploading part {number}")
+                        raise error from error.__cause__
                     parts.append({"PartNumber": number, "ETag": etag, **checksum})
                 client.call(
                     "complete_multipart_upload",
