@@ -33,6 +33,9 @@ Semantics every backend guarantees (checked by ``storage.testing.FileSystemTests
 * ``rename`` exists only where it is atomic (``atomic_rename``); the commit protocol
   never needs it.
 * A backend is picklable (process-based async save ships it to another process).
+* ``pending_uploads(path)`` lists uploads begun under ``path`` and never completed
+  or aborted (S3 multipart uploads: their parts are billed and no listing of objects
+  shows them); backends without such uploads list none. ``abort_upload`` frees one.
 """
 
 from __future__ import annotations
@@ -41,9 +44,19 @@ import abc
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import IO, Any, ClassVar, cast
 
 from extensions.streams import SliceView
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """An upload begun and never completed or aborted (an interrupted save's)."""
+
+    path: str  #: the object it would have created, in the backend's path form
+    upload_id: str
+    started: float | None  #: POSIX seconds, ``None`` where the store does not say
 
 
 class FileSystemBase(abc.ABC):
@@ -165,6 +178,18 @@ class FileSystemBase(abc.ABC):
         raise NotImplementedError(
             f"{type(self).__name__} has no atomic rename; the commit protocol does not need one"
         )
+
+    def pending_uploads(self, path: str) -> list[PendingUpload]:
+        """Uploads begun under ``path`` (a directory or key prefix, at any depth) and
+        never completed or aborted, oldest first. None on backends whose writes leave
+        nothing invisible behind (local disk, memory; a GCS resumable session that is
+        never finished expires by itself within a week and is not billed)."""
+        return []
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        """Abort ``upload`` (from :meth:`pending_uploads`), freeing what it holds; one
+        that is gone meanwhile (completed or aborted) is not an error."""
+        raise NotImplementedError(f"{type(self).__name__} has no pending uploads")
 
     def url(self, path: str) -> str:
         """``path`` as the user would write it, for messages."""

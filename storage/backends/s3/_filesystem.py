@@ -18,6 +18,7 @@ from typing import IO, Any, ClassVar
 
 from extensions.errors import CheckpointNotFoundError, MissingDependencyError
 from storage.backends._fsspec import FsspecFileSystem
+from storage.backends.base import PendingUpload
 
 try:
     import s3fs  # noqa: F401 - named here so a missing extra is reported as one
@@ -347,6 +348,50 @@ class S3FileSystem(FsspecFileSystem):
 
     def rm_dir(self, path: str) -> None:
         pass
+
+    def pending_uploads(self, path: str) -> list[PendingUpload]:
+        bucket, key = split_path(path)
+        prefix = key.rstrip("/") + "/" if key else ""
+        found: list[PendingUpload] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = self._call(
+                "list_multipart_uploads",
+                path,
+                "listing incomplete multipart uploads",
+                Bucket=bucket,
+                Prefix=prefix,
+                **markers,
+            )
+            for upload in page.get("Uploads", []):
+                stamp = upload.get("Initiated")
+                started = float(stamp.timestamp()) if stamp is not None else None
+                found.append(
+                    PendingUpload(f"{bucket}/{upload['Key']}", upload["UploadId"], started)
+                )
+            if not page.get("IsTruncated"):
+                break
+            markers = {
+                "KeyMarker": page["NextKeyMarker"],
+                "UploadIdMarker": page["NextUploadIdMarker"],
+            }
+        return sorted(found, key=lambda u: (u.started is None, u.started or 0.0, u.path))
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        bucket, key = split_path(upload.path)
+        try:
+            self._call(
+                "abort_multipart_upload",
+                upload.path,
+                "aborting an incomplete multipart upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload.upload_id,
+            )
+        except OSError as exc:
+            gone = isinstance(exc, FileNotFoundError) or error_code(exc) == "NoSuchUpload"
+            if not gone:  # else completed or aborted meanwhile
+                raise
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
