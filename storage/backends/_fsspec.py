@@ -297,6 +297,11 @@ class FsspecFileSystem(FileSystemBase):
                 raise IsADirectoryError(f"{self.url(path)} is a directory")
             self.fs.rm_file(path)
 
+    def rename(self, path: str, new_path: str) -> None:
+        with self._errors(path, f"renaming to {self.url(new_path)}"):
+            self.size(path)  # FileNotFoundError (or IsADirectoryError) before anything
+            self.fs.mv(path, new_path)  # the client's copy (server-side where it can)
+
     def is_link(self, path: str) -> bool:
         islink = getattr(self.fs, "islink", None)  # fsspec's local filesystem has links
         return bool(islink(path)) if callable(islink) else False
