@@ -282,7 +282,8 @@ class FsspecFileSystem(FileSystemBase):
         return int(info["size"])
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(path))
+        with self._errors(path, "checking existence"):
+            return bool(self.fs.exists(path))
 
     def modified(self, path: str) -> float | None:
         try:
@@ -320,7 +321,8 @@ class FsspecFileSystem(FileSystemBase):
         return sorted(n for n in names if n)
 
     def mkdir(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
+        with self._errors(path, "creating the directory"):
+            self.fs.makedirs(path, exist_ok=True)
 
     def rm_dir(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError, OSError, NotImplementedError):

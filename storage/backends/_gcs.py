@@ -202,7 +202,7 @@ class GCSFileSystem(FsspecFileSystem):
         return super().exists(path) or bool(self._has_prefix(path))
 
     def _has_prefix(self, path: str) -> bool:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError), self._errors(path, "listing"):
             return bool(self.fs.ls(path, detail=False, refresh=True))
         return False
 
