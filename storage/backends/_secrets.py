@@ -13,8 +13,8 @@ its chain (``__cause__``, ``__context__``, whose text a traceback prints) throug
 * the credential-bearing parts of any text, by their form: ``Authorization`` values,
   SigV4 ``Credential=`` and ``Signature=``, the ``X-Amz-Security-Token``,
   ``X-Amz-Credential`` and ``X-Amz-Signature`` headers and query parameters,
-  ``access_token=``, ``upload_id=``, ``Bearer`` tokens, and the value
-  ``http.client`` quotes when it refuses a header;
+  ``access_token=``, ``upload_id=``, ``Bearer`` tokens, a URL's password, and the
+  value ``http.client`` quotes when it refuses a header;
 * every secret the backend knows (its ``storage_options`` credentials and the ones its
   client resolved) of at least :data:`MIN_SECRET` characters, wherever it appears, as
   written, stripped, escaped or URL-quoted.
@@ -44,6 +44,8 @@ _FORMS = [
         re.IGNORECASE,
     ),
     re.compile(r"(Bearer\s+)([^\s'\",;]+)", re.IGNORECASE),
+    # The password of a URL's user information (https://user:password@host/).
+    re.compile(r"(://[^/\s:@]+:)([^/\s@]+)(?=@)"),
 ]
 
 

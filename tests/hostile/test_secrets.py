@@ -165,9 +165,10 @@ def test_redaction_by_form_and_by_value() -> None:
         f"Credential={ACCESS_KEY}/20250101/us-east-1/s3/aws4_request, SignedHeaders=host, "
         f"Signature={'ab' * 32} | https://x/upload?upload_id=ADPycdt&name=k | "
         f"tokeninfo?access_token={GCS_TOKEN}%0A | {{'Authorization': 'Bearer {GCS_TOKEN}'}} "
-        f"| X-Amz-Security-Token: {TOKEN} | {json.dumps({'private_key': 'PEMDATA'})} | short"
+        f"| X-Amz-Security-Token: {TOKEN} | {json.dumps({'private_key': 'PEMDATA'})} "
+        "| https://user:hunter2@proxy:3128/ | short"
     )
     cleaned = redactor.redact(text)
-    for secret in (TOKEN, ACCESS_KEY, "ab" * 32, "ADPycdt", GCS_TOKEN, "PEMDATA"):
+    for secret in (TOKEN, ACCESS_KEY, "ab" * 32, "ADPycdt", GCS_TOKEN, "PEMDATA", "hunter2"):
         assert secret not in cleaned, cleaned
     assert cleaned.endswith("short")  # a value under 8 characters is removed by form only
