@@ -23,6 +23,8 @@ import gcsfs
 from gcsfs.retry import is_retriable, validate_response
 
 from storage.backends._buffers import BufferPool
+from storage.backends._ranges import RangeMismatchError, check_range
+from storage.backends._secrets import BY_FORM
 from storage.backends.cancel import Cancel, current
 
 log = logging.getLogger("storage.backends._gcs")
@@ -235,7 +237,7 @@ class Upload(io.RawIOBase):
             "could not cancel the resumable upload of gs://%s: %s (GCS drops "
             "sessions unused for a week)",
             self._path,
-            exc,
+            BY_FORM.redact(str(exc)),  # the session URL is a credential (upload_id=)
         )
 
     def close(self) -> None:
@@ -318,8 +320,9 @@ class Upload(io.RawIOBase):
 
 
 class RangeReader(io.RawIOBase):
-    """``[offset, offset + length)`` of an object through one streamed ranged GET,
-    copied from the socket's chunks straight into the caller's buffer.
+    """``[offset, offset + length)`` of an object (``length=None``: to its end) through
+    one streamed ranged GET, copied from the socket's chunks straight into the caller's
+    buffer; the answer must be the range asked for (``_ranges.check_range``).
 
     Opening the GET is retried as gcsfs retries requests; a body that breaks off is
     resumed with a ranged GET from the next byte, pinned to the object's generation (a
@@ -328,14 +331,19 @@ class RangeReader(io.RawIOBase):
     the calling thread's ``Cancel`` interrupts its requests."""
 
     def __init__(
-        self, gcs: gcsfs.GCSFileSystem, path: str, offset: int, length: int, errors: Errors
+        self,
+        gcs: gcsfs.GCSFileSystem,
+        path: str,
+        offset: int,
+        length: int | None,
+        errors: Errors,
     ) -> None:
         super().__init__()
         self._gcs = gcs
         self._path = path
         self._errors = errors
         self._pos = offset
-        self._end = offset + length
+        self._end = None if length is None else offset + length
         self._resp: aiohttp.ClientResponse | None = None
         self._generation: str | None = None
         self._left = memoryview(b"")  # received beyond what the caller took
@@ -353,7 +361,8 @@ class RangeReader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        view = view[: max(0, self._end - self._pos + len(self._left))]
+        if self._end is not None:
+            view = view[: max(0, self._end - self._pos + len(self._left))]
         if not view:
             return 0
         if self._left:
@@ -381,7 +390,10 @@ class RangeReader(io.RawIOBase):
         gcs = self._gcs
         await gcs._set_session()
         url = gcs.url(self._path, generation=self._generation)
-        headers = gcs._get_headers({"Range": f"bytes={self._pos}-{self._end - 1}"})
+        last = None if self._end is None else self._end - 1
+        ranged = last is not None or self._pos > 0
+        asked = {"Range": f"bytes={self._pos}-{'' if last is None else last}"} if ranged else {}
+        headers = gcs._get_headers(asked)
         resp = await gcs.session.get(
             url, params=gcs._get_params({}), headers=headers, timeout=gcs.requests_timeout
         )
@@ -393,9 +405,18 @@ class RangeReader(io.RawIOBase):
             contents = await resp.read()
             resp.release()
             validate_response(resp.status, contents, self._path)
-        if resp.status != 206 and self._pos:
-            resp.close()
-            raise OSError(f"gs://{self._path}: the server ignored the range of a GET")
+        if ranged:
+            try:
+                check_range(
+                    resp.status,
+                    resp.headers.get("Content-Range"),
+                    self._pos,
+                    last,
+                    f"gs://{self._path}",
+                )
+            except RangeMismatchError:
+                resp.close()
+                raise
         self._generation = resp.headers.get("X-Goog-Generation", self._generation)
         self._resp = resp
 
@@ -424,13 +445,15 @@ class RangeReader(io.RawIOBase):
                 self._eof = True
                 break
             failures = 0
-            data = memoryview(chunk)[: self._end - self._pos]  # never past the range
+            data = memoryview(chunk)
+            if self._end is not None:
+                data = data[: self._end - self._pos]  # never past the range
             n = min(len(data), len(view) - got)
             view[got : got + n] = data[:n]
             got += n
             self._pos += len(data)
             self._left = data[n:]
-            if self._pos >= self._end:
+            if self._end is not None and self._pos >= self._end:
                 self._resp.release()
                 self._resp = None
                 self._eof = True

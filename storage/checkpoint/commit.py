@@ -57,8 +57,11 @@ def publish_metadata(
         refuse_if_referenced(fs, directory, "overwrite")
     if sync:
         fs.sync_dir(directory)
+    # An incremental save in which nothing changed wrote no data file: there is nothing
+    # to check, and an object store has nothing to list under a prefix holding no object.
     used = {split(f)[0] for f in new_files} - {None}
-    missing = sorted(new_files - set(expand(fs, directory, only=used)))  # type: ignore[arg-type]
+    present = set(expand(fs, directory, only=used)) if new_files else set()  # type: ignore[arg-type]
+    missing = sorted(new_files - present)
     if missing:
         raise CheckpointNotFoundError(
             f"{fs.url(directory)}: {len(missing)} data file(s) of this save vanished before "

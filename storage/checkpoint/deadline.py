@@ -16,6 +16,7 @@ connections shut down, coroutines cancelled, waits ended), every stream a task o
 through :func:`cancellable` refuses further calls, the workers are joined for at most
 :data:`CANCEL_GRACE` seconds, and then the call raises :class:`DeadlineExceededError`
 naming what each unfinished task was doing (:func:`note` records it as the task goes).
+:class:`Budget` spreads one ``timeout`` over every storage step of a save or load.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def run_tasks(
     timeout: float | None,
     action: str,
     location: str,
+    stated_timeout: float | None = None,
 ) -> list[T]:
     """Run ``tasks`` on up to ``workers`` threads and return their results in order.
 
@@ -145,7 +147,9 @@ def run_tasks(
     most :data:`CANCEL_GRACE` seconds), then the call raises
     :class:`DeadlineExceededError` naming each unfinished task's item (or the error of
     a task that had failed before). ``action`` (``"saving"``, ``"loading"``) and
-    ``location`` (the checkpoint URL) word the messages."""
+    ``location`` (the checkpoint URL) word the messages; ``stated_timeout`` is the
+    ``timeout=`` they name (default ``timeout``: a :class:`Budget` runs steps with what
+    is left of it)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     rank = distributed_rank()
     board: dict[int, tuple[str, str]] = {}
@@ -195,7 +199,8 @@ def run_tasks(
     if late is not None:
         _stop(cancel, threads, action, location)
         if not failed:
-            raise _deadline_error(rank, action, location, timeout, late)
+            stated = timeout if stated_timeout is None else stated_timeout
+            raise _deadline_error(rank, action, location, stated, late)
     if failed:
         # The first task in order that failed, not the first to fail in time: the same
         # damage reports the same item every run.
@@ -277,3 +282,67 @@ def _deadline_error(
         item=item,
         url=url,
     )
+
+
+class Budget:
+    """One save's or load's ``timeout`` on this rank, spent by its storage steps.
+
+    Every step that touches storage (reading the metadata; checking what is at the
+    location and reading a base; writing or reading the data; publishing the metadata)
+    runs through :meth:`run` or :meth:`call` within what the earlier steps left, so the
+    storage work of one save or load on this rank takes at most ``timeout`` seconds in
+    all, whatever request stalls. Time between the steps (planning, DCP's collectives,
+    waiting for other ranks) is not counted: a rank fails for its own stalled request,
+    never for another rank's. ``None``: no deadline (steps run inline)."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self.spent = 0.0
+
+    def restart(self) -> None:
+        """A new save or load begins: the whole ``timeout`` is left."""
+        self.spent = 0.0
+
+    def left(self) -> float | None:
+        return None if self.timeout is None else max(0.0, self.timeout - self.spent)
+
+    def run(
+        self, tasks: Sequence[Callable[[], T]], *, workers: int, action: str, location: str
+    ) -> list[T]:
+        """:func:`run_tasks` within what is left."""
+        return self._run(tasks, workers, action, location, [])
+
+    def _run(
+        self,
+        tasks: Sequence[Callable[[], T]],
+        workers: int,
+        action: str,
+        location: str,
+        doing: list[tuple[str, str]],
+    ) -> list[T]:
+        left = self.left()
+        if left == 0.0:  # spent by earlier steps: this one does not start
+            raise _deadline_error(distributed_rank(), action, location, self.timeout, doing)
+        began = time.monotonic()
+        try:
+            return run_tasks(
+                tasks,
+                workers=workers,
+                timeout=left,
+                action=action,
+                location=location,
+                stated_timeout=self.timeout,
+            )
+        finally:
+            self.spent += time.monotonic() - began
+
+    def call(self, task: Callable[[], T], *, action: str, location: str, item: str, url: str) -> T:
+        """``task()`` as one step that works on ``item`` at ``url`` (for the messages)."""
+        if self.timeout is None:
+            return task()
+
+        def noted() -> T:
+            note(item, url)
+            return task()
+
+        return self._run([noted], 1, action, location, [(item, url)])[0]

@@ -42,7 +42,7 @@ from storage.checkpoint._common import (
     resolve_location,
     stock_checkpoint_id,
 )
-from storage.checkpoint.deadline import cancellable, check_timeout, note, run_tasks
+from storage.checkpoint.deadline import Budget, cancellable, check_timeout, note
 from storage.checkpoint.decode import (
     MAX_OBJECT_BYTES,
     OBJECT_RATIO,
@@ -110,7 +110,8 @@ class CheckpointReader(StorageReader):
     the default group; pass the group given to ``dcp.load``), so each byte is fetched
     once per job (storage/checkpoint/read_once.py; default: on for every backend but
     local disk, see docs/scale.md). ``timeout`` (seconds) bounds this rank's storage
-    work in a load: past it the load fails on every rank with
+    work in a load, every request of it (the metadata, its bases, the data;
+    ``deadline.Budget``): past it the load fails on every rank with
     :class:`DeadlineExceededError` naming the rank, the item and the URL.
     ``share_metadata``: the global ``.metadata`` is read by the group's rank 0 alone and
     broadcast (one request per load, not one per rank); a collective, so only for
@@ -140,6 +141,7 @@ class CheckpointReader(StorageReader):
         if read_once is not None and not isinstance(read_once, bool):
             raise TypeError(f"read_once must be a bool or None, got {read_once!r}")
         self.timeout = check_timeout(timeout)
+        self.budget = Budget(self.timeout)
         self.process_group = process_group
         if not isinstance(max_object_bytes, int) or max_object_bytes < 0:
             raise TypeError(f"max_object_bytes must be an int >= 0, got {max_object_bytes!r}")
@@ -195,6 +197,8 @@ class CheckpointReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # torch asks for the global metadata, then (rank=N) for the rank-local one.
         rank = kwargs.get("rank")
+        if rank is None:
+            self.budget.restart()  # a load begins with the global metadata
         meta_path = self.fs.concat_path(self.path, fmt.metadata_name(rank))
         if rank is None:
             self._absent = None
@@ -206,11 +210,15 @@ class CheckpointReader(StorageReader):
             # Its listing already said there is no such file: nothing to ask storage.
             raise CheckpointNotFoundError(self._missing_message(rank, absent))
 
-        def fetch() -> bytes | _Absent:
+        def read() -> bytes | _Absent:
             try:
                 return self.fs.read_bytes(meta_path)
             except FileNotFoundError:
                 return absent or self._look()
+
+        def fetch() -> bytes | _Absent:
+            name, url = fmt.metadata_name(rank), self.fs.url(meta_path)
+            return self.budget.call(read, action="loading", location=self.url, item=name, url=url)
 
         # The global metadata is the same for every rank, and so is the listing that
         # says why it is missing; a rank-local metadata is not.
@@ -260,16 +268,23 @@ class CheckpointReader(StorageReader):
         if isinstance(plan.storage_data, read_once.SharePlan):
             read_once.read_shared(self, plan, planner)
         else:
-            self._read_items(plan.items, planner, timeout=self.timeout)
+            self._read_items(plan.items, planner, self.budget)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_items(
-        self, reqs: Sequence[ReadItem], planner: LoadPlanner, *, timeout: float | None
-    ) -> None:
-        """Fetch, verify and decode ``reqs`` into ``planner``, within ``timeout``."""
-        runs = self._plan_runs(reqs)
+    def _read_items(self, reqs: Sequence[ReadItem], planner: LoadPlanner, budget: Budget) -> None:
+        """Fetch, verify and decode ``reqs`` into ``planner``, within ``budget``."""
+        if not reqs:
+            return
+        first = fmt.item_label(reqs[0].storage_index)
+        runs = budget.call(
+            functools.partial(self._plan_runs, reqs),  # checks the bases: requests
+            action="loading",
+            location=self.url,
+            item=first,
+            url=self.url,
+        )
         lock = threading.Lock()
         registry = self.registry or ExtensionRegistry()
         keys = cached_key_lookup(self.keys)
@@ -287,9 +302,7 @@ class CheckpointReader(StorageReader):
         tasks = [
             functools.partial(self._read_run, p, r, planner, lock, registry, keys) for p, r in runs
         ]
-        run_tasks(
-            tasks, workers=self.thread_count, timeout=timeout, action="loading", location=self.url
-        )
+        budget.run(tasks, workers=self.thread_count, action="loading", location=self.url)
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:

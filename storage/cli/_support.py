@@ -28,10 +28,14 @@ def option_value(text: str) -> Any:
 
 def storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     options: dict[str, Any] = {}
-    for pair in pairs or ():
+    for number, pair in enumerate(pairs or (), start=1):
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--storage-option takes KEY=VALUE, got {pair!r}")
+            # Not echoed: a malformed pair may be a bare secret.
+            raise ValueError(
+                f"--storage-option takes KEY=VALUE; the {number}. one has no "
+                f"{'=' if not sep else 'KEY'}"
+            )
         options[key] = option_value(value)
     return options
 

@@ -44,7 +44,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     from storage.ops.manager import CheckpointManager
 
     fs, root = location(args.root, args.storage_option)
-    if not fs.exists(root):
+    # A save killed before any object landed leaves nothing but its open upload.
+    if not fs.exists(root) and not fs.pending_uploads(root):
         raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
     mgr = CheckpointManager(fs.url(root), filesystem=fs)
     infos = mgr.entries()
@@ -253,16 +254,30 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     from storage.ops.manager import CheckpointManager
 
     fs, root = location(args.root, args.storage_option)
-    if not fs.exists(root):
+    # A save killed before any object landed leaves nothing but its open upload.
+    if not fs.exists(root) and not fs.pending_uploads(root):
         raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
     mgr = CheckpointManager(
         fs.url(root), keep_last=args.keep_last, keep_every=args.keep_every, filesystem=fs
     )
     pruned = mgr.apply_retention(dry_run=args.dry_run)
     cleaned = mgr.cleanup(grace_seconds=args.grace, dry_run=args.dry_run)
+    abort = args.abort_uploads and not args.dry_run
+    uploads = mgr.stale_uploads(args.grace, abort=abort)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} step-{s} (retention)" for s in pruned]
     lines += [f"{verb} step-{s} (interrupted save)" for s in cleaned]
+    if abort:
+        fate = "aborted"
+    elif args.abort_uploads:
+        fate = "would abort"
+    else:
+        fate = "left open (--abort-uploads aborts it)"
+    for upload in uploads:
+        age = time.time() - (upload.started or 0.0)
+        lines.append(
+            f"incomplete multipart upload of {fs.url(upload.path)}, begun {age:.0f} s ago: {fate}"
+        )
     linked = mgr.linked_steps()
     lines += [f"kept step-{s}: a symbolic link, never deleted through" for s in linked]
     policy = mgr.retained(mgr.steps())
@@ -286,6 +301,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             "interrupted": cleaned,
             "linked": linked,
             "referenced": {str(b): users for b, users in sorted(bases.items())},
+            "uploads": [
+                {"url": fs.url(u.path), "started": u.started, "aborted": abort} for u in uploads
+            ],
             "steps": mgr.steps(),
         },
         text,
@@ -395,6 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove interrupted saves older than this (default: 3600)",
     )
     gc.add_argument("--dry-run", action="store_true", help="say what would be removed")
+    gc.add_argument(
+        "--abort-uploads",
+        action="store_true",
+        help="abort the multipart uploads that interrupted saves left open under ROOT "
+        "(older than --grace; listed either way)",
+    )
     gc.set_defaults(func=_cmd_gc)
     return parser
 

@@ -32,7 +32,7 @@ from extensions.errors import (
     CheckpointStorageError,
 )
 from extensions.registry import ExtensionRegistry
-from storage.backends.base import FileSystemBase
+from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import api
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
@@ -46,6 +46,7 @@ from storage.checkpoint.layout import (
 )
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops.retention import Retention
+from storage.ops.uploads import stale_uploads
 
 if TYPE_CHECKING:
     from storage.ops.tiers import LocalTier
@@ -406,6 +407,15 @@ class CheckpointManager:
         and data files that a committed step's metadata does not name. Returns the steps
         removed whole."""
         return self.retention.cleanup(grace_seconds, dry_run=dry_run)
+
+    def stale_uploads(
+        self, grace_seconds: float = 3600.0, *, abort: bool = False
+    ) -> list[PendingUpload]:
+        """Uploads of checkpoint files under the root that interrupted saves left open
+        (S3 multipart uploads: billed, and invisible to listings) and that began more
+        than ``grace_seconds`` ago; with ``abort`` (only where this process deletes,
+        see :meth:`may_delete`), they are aborted. See :mod:`storage.ops.uploads`."""
+        return stale_uploads(self.fs, self.root, grace_seconds, abort=abort and self.may_delete())
 
     def _retain_quietly(self, step: int) -> None:
         # The save is committed; a failure to prune must not turn it into a failure.

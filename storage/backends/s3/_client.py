@@ -86,7 +86,8 @@ class S3Client:
     """Requests, error translation and upload slots for one filesystem.
 
     ``translate`` needs the filesystem's error vocabulary (URLs, attempts, what to
-    check), so the filesystem hands it over as ``translate``; ``checksum`` sends a
+    check) and removes credentials from what it quotes, so the filesystem hands it over
+    as ``translate`` (raise its result ``from`` its ``__cause__``); ``checksum`` sends a
     CRC32C of every uploaded body, which the store verifies (S3, SeaweedFS); ``direct``
     lets part uploads and ranged GETs take the direct path where it applies."""
 
@@ -133,7 +134,8 @@ class S3Client:
         except StreamCancelled:
             raise
         except Exception as exc:
-            raise self.translate(exc, path, action) from exc
+            error = self.translate(exc, path, action)
+            raise error from error.__cause__
 
     def send(self, method: str, on_error: Callable[[BaseException], None], **kwargs: Any) -> None:
         """Start one request and do not wait for it; ``on_error`` hears of a failure."""
@@ -184,7 +186,8 @@ class S3Client:
         except StreamCancelled:
             raise
         except Exception as exc:
-            raise self.translate(exc, path, action) from exc
+            error = self.translate(exc, path, action)
+            raise error from error.__cause__
 
     def fill(
         self, body: Any, view: memoryview, progress: list[int], cancel: Cancel | None = None

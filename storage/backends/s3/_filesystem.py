@@ -18,6 +18,7 @@ from typing import IO, Any, ClassVar
 
 from extensions.errors import CheckpointNotFoundError, MissingDependencyError
 from storage.backends._fsspec import FsspecFileSystem
+from storage.backends.base import PendingUpload
 
 try:
     import s3fs  # noqa: F401 - named here so a missing extra is reported as one
@@ -178,10 +179,25 @@ class S3FileSystem(FsspecFileSystem):
     def _call(self, method: str, path: str, action: str, **kwargs: Any) -> Any:
         return self.client.call(method, path, action, **kwargs)
 
+    def _secrets(self) -> list[str]:
+        # Beside storage_options: what botocore's chain reads from the environment.
+        names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+        return super()._secrets() + [os.environ[n] for n in names if os.environ.get(n)]
+
     def _translate(self, exc: BaseException, path: str, action: str) -> BaseException:
+        """``exc`` (a client error of ``action`` on ``path``) as the contract's error,
+        naming the URL; its ``__cause__`` is ``exc`` with every credential removed, or
+        none where that cannot be done (raise it ``from`` its ``__cause__``)."""
+        cause = self.redactor.scrub(exc)
+        error = self._translated(exc, path, action)
+        error.__cause__, error.__suppress_context__ = cause, True
+        return error
+
+    def _translated(self, exc: BaseException, path: str, action: str) -> BaseException:
         url = self.url(path)
         bucket = split_path(path)[0]
         code = error_code(exc)
+        text = self.redactor.redact(str(exc))
         if code == "NoSuchBucket":
             return FileNotFoundError(
                 f"{url}: bucket {bucket!r} does not exist ({action}); create it or fix the URL"
@@ -190,14 +206,14 @@ class S3FileSystem(FsspecFileSystem):
             return FileNotFoundError(f"{url}: no such object ({action})")
         if isinstance(exc, PermissionError) or code in ("AccessDenied", "403"):
             return PermissionError(
-                f"{url}: access denied while {action} ({exc}); check the credentials "
+                f"{url}: access denied while {action} ({text}); check the credentials "
                 "(key/secret/token in storage_options, or AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY / AWS_PROFILE) and the bucket policy"
             )
         if isinstance(exc, FileExistsError):
             return FileExistsError(f"{url} already exists ({action})")
         attempts = self.max_attempts
-        return OSError(f"{url}: {action} failed (after up to {attempts} attempts): {exc}")
+        return OSError(f"{url}: {action} failed (after up to {attempts} attempts): {text}")
 
     # --- streams -------------------------------------------------------------------
 
@@ -332,6 +348,50 @@ class S3FileSystem(FsspecFileSystem):
 
     def rm_dir(self, path: str) -> None:
         pass
+
+    def pending_uploads(self, path: str) -> list[PendingUpload]:
+        bucket, key = split_path(path)
+        prefix = key.rstrip("/") + "/" if key else ""
+        found: list[PendingUpload] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = self._call(
+                "list_multipart_uploads",
+                path,
+                "listing incomplete multipart uploads",
+                Bucket=bucket,
+                Prefix=prefix,
+                **markers,
+            )
+            for upload in page.get("Uploads", []):
+                stamp = upload.get("Initiated")
+                started = float(stamp.timestamp()) if stamp is not None else None
+                found.append(
+                    PendingUpload(f"{bucket}/{upload['Key']}", upload["UploadId"], started)
+                )
+            if not page.get("IsTruncated"):
+                break
+            markers = {
+                "KeyMarker": page["NextKeyMarker"],
+                "UploadIdMarker": page["NextUploadIdMarker"],
+            }
+        return sorted(found, key=lambda u: (u.started is None, u.started or 0.0, u.path))
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        bucket, key = split_path(upload.path)
+        try:
+            self._call(
+                "abort_multipart_upload",
+                upload.path,
+                "aborting an incomplete multipart upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload.upload_id,
+            )
+        except OSError as exc:
+            gone = isinstance(exc, FileNotFoundError) or error_code(exc) == "NoSuchUpload"
+            if not gone:  # else completed or aborted meanwhile
+                raise
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -38,6 +38,7 @@ from botocore.awsrequest import AWSRequest
 from s3fs.errors import translate_boto_error
 from urllib3.util.wait import wait_for_read
 
+from storage.backends._secrets import BY_FORM
 from storage.backends.cancel import Cancel
 from storage.backends.s3._endpoint import (
     Bucket,
@@ -79,6 +80,7 @@ CREDENTIALS_TTL = 60.0
 _MAX_IDLE = 64
 _ERROR_BODY_LIMIT = 1 << 16
 _USER_AGENT = "dcp-storage"
+_UNSAFE = re.compile(r"[\r\n\x00]")
 
 
 class BodyBroken(ConnectionError):
@@ -166,7 +168,7 @@ class DirectPath:
         try:
             found = resolve(self._s3, self._run, bucket, self._ssl)
         except Exception as exc:  # s3fs raises it (or its own) on the request, if real
-            log.debug("s3://%s: requests go through s3fs: %s", bucket, exc)
+            log.debug("s3://%s: requests go through s3fs: %s", bucket, BY_FORM.redact(str(exc)))
         with self._lock:
             self._buckets[bucket] = found
         return found is not None
@@ -269,8 +271,9 @@ class DirectPath:
         cancel: Cancel | None = None,
     ) -> dict[str, Any]:
         """A GET of ``key`` (``byte_range``: a ``Range`` header value), pinned to
-        ``if_match``; ``{"ETag": ..., "Body": DirectBody}`` as botocore answers.
-        ``cancel`` interrupts the request and the reading of its body."""
+        ``if_match``; ``ETag``, ``ContentRange``, ``Body`` (a :class:`DirectBody`) and
+        the status in ``ResponseMetadata``, as botocore answers. ``cancel`` interrupts
+        the request and the reading of its body."""
         headers = {}
         if byte_range is not None:
             headers["Range"] = byte_range
@@ -279,8 +282,12 @@ class DirectPath:
         response, conn = self._send(
             "GET", bucket, key, "", headers, None, "GetObject", (200, 206), cancel
         )
-        body = DirectBody(response, conn, self, cancel)
-        return {"ETag": response.getheader("ETag"), "Body": body}
+        return {
+            "ETag": response.getheader("ETag"),
+            "ContentRange": response.getheader("Content-Range"),
+            "ResponseMetadata": {"HTTPStatusCode": response.status},
+            "Body": DirectBody(response, conn, self, cancel),
+        }
 
     def _send(
         self,
@@ -308,7 +315,7 @@ class DirectPath:
             except (OSError, http.client.HTTPException) as exc:
                 if attempt >= self.max_attempts or _halted(group):
                     raise
-                log.debug("%s %s: %r, attempt %d", method, path, exc, attempt)
+                log.debug("%s %s: %s, attempt %d", method, path, BY_FORM.redact(repr(exc)), attempt)
             else:
                 if response.status in ok:
                     return response, conn
@@ -338,7 +345,16 @@ class DirectPath:
         request.context["client_config"] = self._config
         auth = S3SigV4Auth(self._credentials(target), target.service, target.region)
         auth.add_auth(request)
-        return dict(request.headers.items())
+        signed = dict(request.headers.items())
+        for name, value in signed.items():
+            # http.client would refuse it quoting the value: a signature, a token.
+            if _UNSAFE.search(value):
+                raise ValueError(
+                    f"a credential holds a line break or control character: it reaches the "
+                    f"{name} header of every request (a key or token read from a file with its "
+                    "trailing newline?); fix the credentials"
+                )
+        return signed
 
     def _exchange(
         self,
@@ -437,5 +453,5 @@ def _build(s3: s3fs.S3FileSystem, run: Runner, max_attempts: int) -> DirectPath 
             s3, run=run, config=config, max_attempts=max_attempts, ssl_contexts=ssl_contexts
         )
     except Exception as exc:
-        log.debug("requests go through s3fs: %s", exc)
+        log.debug("requests go through s3fs: %s", BY_FORM.redact(str(exc)))
         return None

@@ -19,6 +19,7 @@ import botocore.exceptions as botoexc
 import crc32c
 
 from extensions.streams import read_all
+from storage.backends._ranges import RangeMismatchError, check_range
 from storage.backends.cancel import Cancel, current
 from storage.backends.s3._client import (
     PART_BUFFERS,
@@ -110,10 +111,9 @@ class RangeReader(io.RawIOBase):
         if self._end is not None and self._pos >= self._stop:
             self._stop = min(self._end, self._pos + self._window)
         kwargs: dict[str, Any] = {}
-        if self._end is not None:
-            kwargs["Range"] = f"bytes={self._pos}-{self._stop - 1}"
-        elif self._pos:
-            kwargs["Range"] = f"bytes={self._pos}-"
+        last = None if self._end is None else self._stop - 1
+        if self._end is not None or self._pos:
+            kwargs["Range"] = f"bytes={self._pos}-{'' if last is None else last}"
         if self._etag:
             kwargs["IfMatch"] = self._etag
         try:
@@ -123,8 +123,17 @@ class RangeReader(io.RawIOBase):
                 self._eof = True
                 return
             raise
-        self._etag = resp.get("ETag")
         self._body = resp["Body"]
+        if "Range" in kwargs:
+            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 206))
+            try:
+                check_range(
+                    status, resp.get("ContentRange"), self._pos, last, self._client.url(self._path)
+                )
+            except RangeMismatchError:
+                self._drop_body()
+                raise
+        self._etag = resp.get("ETag")
 
     def _drop_body(self) -> None:
         body, self._body = self._body, None
@@ -302,7 +311,8 @@ class MultipartWriter(io.RawIOBase):
             if fut.done() and fut.exception() is not None:
                 exc = fut.exception()
                 assert exc is not None
-                raise self._client.translate(exc, self._path, f"uploading part {number}") from exc
+                error = self._client.translate(exc, self._path, f"uploading part {number}")
+                raise error from error.__cause__
 
     def finish(self) -> None:
         client = self._client
@@ -327,7 +337,8 @@ class MultipartWriter(io.RawIOBase):
                     try:
                         etag = fut.result()
                     except Exception as exc:
-                        raise client.translate(exc, self._path, f"uploading part {number}") from exc
+                        error = client.translate(exc, self._path, f"uploading part {number}")
+                        raise error from error.__cause__
                     parts.append({"PartNumber": number, "ETag": etag, **checksum})
                 client.call(
                     "complete_multipart_upload",
