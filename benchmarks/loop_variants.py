@@ -40,6 +40,10 @@ class Context:
     rank: int
     world: int
     state: State  # the job's state dict (model and optimizer), as save() gets it
+    # A gloo group for checkpoint collectives that run beside training: a background
+    # save's collectives on the default group would interleave with DDP's all-reduces
+    # (gloo aborts on the mismatch), so torch's docs give async_save a group of its own.
+    group: Any = None
     thread_count: int = 8  # for the peers' writers (ours keeps its own default)
 
     def step_url(self, step: int) -> str:
@@ -145,7 +149,12 @@ class StockAsync(_Async):
         self.wait_previous()
         url = self.ctx.step_url(step)
         writer = self.writer(url, thread_count=self.ctx.thread_count, **self.ctx.storage_options)
-        fut = dcp.async_save(state(), storage_writer=writer, async_checkpointer_type=self.kind)
+        fut = dcp.async_save(
+            state(),
+            storage_writer=writer,
+            async_checkpointer_type=self.kind,
+            process_group=self.ctx.group,
+        )
         self.pending.append(getattr(fut, "upload_completion", fut))
 
 
@@ -174,7 +183,9 @@ class S3ConnectorAsync(_Async):
             s3client_config=self.config,
             thread_count=self.ctx.thread_count,
         )
-        self.pending.append(dcp.async_save(state(), storage_writer=writer))
+        self.pending.append(
+            dcp.async_save(state(), storage_writer=writer, process_group=self.ctx.group)
+        )
 
 
 class Ours:

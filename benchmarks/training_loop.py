@@ -118,7 +118,8 @@ def child(args: argparse.Namespace) -> None:
 
     for _ in range(WARMUP_STEPS):  # AdamW allocates its moments on the first step
         train_step()
-    ctx = Context(args.child_endpoint, args.child_root, args.child_local, rank, world, state)
+    group = dist.new_group(backend="gloo")
+    ctx = Context(args.child_endpoint, args.child_root, args.child_local, rank, world, state, group)
     variant = VARIANTS[args.child](ctx)
     steps, stalls, starts = [], {}, {}
     dist.barrier()

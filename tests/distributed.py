@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 from collections.abc import Iterator
@@ -11,7 +12,9 @@ import torch.distributed as dist
 
 
 @contextlib.contextmanager
-def gloo_group(rank: int, world_size: int, store: str) -> Iterator[None]:
+def gloo_group(
+    rank: int, world_size: int, store: str, timeout: datetime.timedelta | None = None
+) -> Iterator[None]:
     """Run the body of a spawned worker in a gloo process group, then end the process.
 
     On success every rank meets at a barrier, destroys the group and exits at once
@@ -19,8 +22,11 @@ def gloo_group(rank: int, world_size: int, store: str) -> Iterator[None]:
     (a DeviceMesh, DTensors) destroy gloo's threads in no particular order, which now
     and then aborts the process with 'terminate called without an active exception'.
     So nothing may follow the ``with`` block in the worker. A failing body raises as
-    usual, and ``mp.spawn`` reports it."""
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    usual, and ``mp.spawn`` reports it. ``timeout`` bounds every collective (torch's
+    default is 30 minutes): a test whose failure is a hang then fails instead."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timeout
+    )
     try:
         yield
         dist.barrier()
