@@ -6,14 +6,15 @@
     python benchmarks/training_loop.py --interval 10 --variants "ours async" "stock async"
 
 A deterministic CPU training loop (a small transformer language model with AdamW, seeded
-weights and batches; the state dict, model and optimizer, is ~260 MB) runs ``--steps``
-steps and checkpoints every ``--interval`` steps (at steps N, 2N, ... below the last) to
-SeaweedFS (``weed mini`` on this machine), once per variant of
-``benchmarks/loop_variants.py``, each in fresh processes (``--ranks`` gloo ranks with DDP,
-the global batch split between them, torch threads = cores / ranks). With ``--capped`` the
-job reaches the bucket through :class:`tests.capped_proxy.CappedProxy` (``--rate`` bytes per
-second for both directions together, ``--latency`` per request): the regime of a bucket that
-many ranks share.
+weights and batches; the state dict, model and optimizer, is 277 MB) runs ``--steps`` steps
+and checkpoints every ``--interval`` steps (at steps N, 2N, ... below the last) to SeaweedFS
+(``weed mini`` on this machine), once per variant of ``benchmarks/loop_variants.py``, each
+in fresh processes: ``--ranks`` gloo ranks with DDP, the global batch split between them,
+``--threads`` torch threads per rank (1 by default: one rank leaves a core to the server
+and to the checkpoint's background work, as a GPU job's Python thread leaves the host's
+other cores; two ranks take both). With ``--capped`` the job reaches the bucket through
+:class:`tests.capped_proxy.CappedProxy` (``--rate`` bytes per second for both directions
+together, ``--latency`` per request): the regime of a bucket that many ranks share.
 
 Per variant and interval: the training wall time of the whole run against the same loop
 without checkpoints (slowdown %), the stall per checkpoint (time the training thread spends
@@ -26,7 +27,8 @@ seconds and as a share of one core. The "floor" row copies the state's tensors i
 buffers allocated once and does nothing else (issue 20 item 3). Before the runs, a raw
 ceiling: 8 objects x 16 MiB PUT then GET with boto3 in 8 threads through the same endpoint,
 with the proxy's own CPU. ``--rounds R`` repeats every variant R times, the order rotating,
-and reports medians.
+and reports medians. ``--profile DIR`` runs rank 0 under ``py-spy record --gil`` (the
+stacks of whichever thread holds the GIL, 100 samples a second; raw folded stacks).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,9 +62,9 @@ from tests.servers import SeaweedFS, boto3_client  # noqa: E402
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 BUCKET = "bench"
 WARMUP_STEPS = 3
-# (vocabulary, width, layers, global batch, sequence): ~21.7M parameters, ~260 MB of
-# state dict with AdamW's two moments; a step takes ~0.3 s on one rank of this machine.
-SIZES = {"full": (8192, 512, 6, 8, 64), "quick": (1024, 128, 2, 4, 32)}
+# (vocabulary, width, layers, global batch, sequence): 23.1M parameters, 277 MB of state
+# dict with AdamW's two moments; a step takes ~0.5 s on one thread of this machine.
+SIZES = {"full": (4096, 512, 6, 4, 64), "quick": (1024, 128, 2, 4, 32)}
 
 
 # --- the job ---------------------------------------------------------------------------
@@ -91,7 +94,7 @@ def child(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     vocab, width, layers, batch, seq = SIZES[args.size]
     torch.manual_seed(0)
@@ -220,14 +223,21 @@ class Bench:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         env["WORLD_SIZE"] = str(self.args.ranks)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--size", self.args.size]
+        cmd += ["--threads", str(self.args.threads)]
         cmd += ["--interval", str(interval), "--steps", str(steps)]
         cmd += ["--child-endpoint", self.endpoint, "--child-root", f"s3://{BUCKET}/{prefix}"]
         cmd += ["--child-local", local]
         procs = []
         for rank in range(self.args.ranks):
+            profile = []
+            if self.args.profile and rank == 0:  # which thread holds the GIL, 100 times a second
+                out = os.path.join(self.args.profile, f"{prefix.split('/')[-1]}.txt")
+                spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+                profile = [spy, "record", "--gil", "--threads", "--subprocesses"]
+                profile += ["--format", "raw", "--rate", "100", "--output", out, "--"]
             procs.append(
                 subprocess.Popen(
-                    cmd,
+                    profile + cmd,
                     env=dict(env, RANK=str(rank)),
                     stdout=subprocess.PIPE,
                     stderr=open(os.path.join(self.work, f"{rank}.err"), "w"),  # noqa: SIM115
@@ -344,7 +354,7 @@ def ceiling(bench: Bench) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--interval", type=int, nargs="+", default=[10, 50])
-    parser.add_argument("--steps", type=int, help="steps per run (default: max(60, 2 x interval))")
+    parser.add_argument("--steps", type=int, help="steps per run (default: max(40, 2 x interval))")
     parser.add_argument("--ranks", type=int, choices=(1, 2), default=1)
     parser.add_argument("--capped", action="store_true", help="reach the bucket through the proxy")
     parser.add_argument("--rate", type=float, default=100e6, help="proxy cap, bytes/s in all")
@@ -353,6 +363,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="small model, 15 steps, every 5")
     parser.add_argument("--size", choices=list(SIZES), default="full")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--profile", metavar="DIR", help="py-spy record --gil rank 0 into DIR")
     for hidden in ("--child", "--child-endpoint", "--child-root", "--child-local"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -366,11 +378,11 @@ def main() -> None:
         proxy = (
             CappedProxy(server.url, rate=args.rate, latency=args.latency) if args.capped else None
         )
+        bench = Bench(args, server, proxy)
         try:
-            bench = Bench(args, server, proxy)
             ceiling(bench)
             for interval in args.interval:
-                steps = args.steps or max(60, 2 * interval)
+                steps = args.steps or max(40, 2 * interval)
                 samples: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
                 for round_ in range(args.rounds):
                     shift = round_ % len(names)
@@ -381,6 +393,7 @@ def main() -> None:
         finally:
             if proxy is not None:
                 proxy.close()
+            shutil.rmtree(bench.work, ignore_errors=True)
 
 
 if __name__ == "__main__":
