@@ -21,9 +21,10 @@ without checkpoints (slowdown %), the stall per checkpoint (time the training th
 in the variant's ``save``, state dict building included: median and max, the max over
 ranks), the step time (median, p99), the time from the start of a save until its
 ``.metadata`` object exists in the bucket (durable: watched by this process with HEAD
-requests to the server every 50 ms, the proxy bypassed), and the server's CPU (user + sys
-of ``weed``, from /proc) from the first step until the last checkpoint is durable, as
-seconds and as a share of one core. The "floor" row copies the state's tensors into staging
+requests to the server every 50 ms, the proxy bypassed), and from the first step until
+the last checkpoint is durable the CPU (user + sys, from /proc) of the job (every rank's
+process and its children: torch's checkpoint process) and of the server (``weed``, also as
+a share of one core). The "floor" row copies the state's tensors into staging
 buffers allocated once and does nothing else (issue 20 item 3). Before the runs, a raw
 ceiling: 8 objects x 16 MiB PUT then GET with boto3 in 8 threads through the same endpoint,
 with the proxy's own CPU. ``--rounds R`` repeats every variant R times, the order rotating,
@@ -191,6 +192,21 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live descendants (torch's checkpoint process)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += process_cpu(current)
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    todo += [int(child) for child in f.read().split()]
+        except OSError:
+            continue  # it ended meanwhile
+    return total
+
+
 # --- one variant's run -------------------------------------------------------------------
 
 
@@ -253,10 +269,12 @@ class Bench:
             event, _, rest = line.strip().partition(" ")
             if event == "@start":
                 cpu.update(weed=process_cpu(weed), proxy=self.proxy_cpu(), at=time.monotonic())
+                cpu["job"] = sum(tree_cpu(p.pid) for p in procs)
             elif event == "@save":
                 watcher.expect(int(rest.split()[0]))
             elif event == "@finished":
                 watcher.poll()  # every checkpoint is committed once finish() returned
+                cpu["job"] = sum(tree_cpu(p.pid) for p in procs) - cpu["job"]
                 cpu["weed"] = process_cpu(weed) - cpu["weed"]
                 cpu["proxy"] = self.proxy_cpu() - cpu["proxy"]
                 cpu["at"] = time.monotonic() - cpu["at"]
@@ -290,6 +308,7 @@ def summarize(
         "durable": durable,
         "step_p50": statistics.median(steps),
         "step_p99": statistics.quantiles(steps, n=100, method="inclusive")[98],
+        "job_cpu": cpu["job"],
         "server_cpu": cpu["weed"],
         "proxy_cpu": cpu["proxy"],
         "window": cpu["at"],
@@ -313,9 +332,9 @@ def report(samples: dict[str, list[dict[str, Any]]], interval: int, steps: int, 
     proxy = " proxy CPU s |" if capped else ""
     print(
         "| variant | slowdown % | stall median ms | stall max ms | step p50 ms | step p99 ms "
-        f"| durable median s | durable max s | server CPU s (share of a core) |{proxy}"
+        f"| durable median s | durable max s | job CPU s | server CPU s (share of a core) |{proxy}"
     )
-    print("|---" * (9 + capped) + "|")
+    print("|---" * (10 + capped) + "|")
     for name, runs in samples.items():
         slow = statistics.median(100 * (r["wall"] / b["wall"] - 1) for r, b in zip(runs, base))
         stalls = [s for r in runs for s in r["stalls"]]
@@ -331,6 +350,7 @@ def report(samples: dict[str, list[dict[str, Any]]], interval: int, steps: int, 
             f"{1000 * statistics.median(r['step_p99'] for r in runs):.0f}",
             f"{statistics.median(durable):.2f}" if durable else "-",
             f"{max(durable):.2f}" if durable else "-",
+            f"{statistics.median(r['job_cpu'] for r in runs):.1f}",
             f"{cpu:.1f} ({100 * share:.0f}%)",
         ]
         if capped:
