@@ -103,6 +103,11 @@ class StagingFloor:
         pass
 
 
+def _upload(response: Any) -> Future[Any]:
+    """The future of the upload: ``dcp.async_save`` returns it, or a response holding it."""
+    return getattr(response, "upload_completion", response)  # type: ignore[no-any-return]
+
+
 class _Async:
     """Waits for the previous checkpoint before starting the next (one in flight, as
     torch's docs and our manager do); the wait is part of the stall."""
@@ -155,7 +160,7 @@ class StockAsync(_Async):
             async_checkpointer_type=self.kind,
             process_group=self.ctx.group,
         )
-        self.pending.append(getattr(fut, "upload_completion", fut))
+        self.pending.append(_upload(fut))
 
 
 class S3ConnectorAsync(_Async):
@@ -169,7 +174,7 @@ class S3ConnectorAsync(_Async):
         from s3torchconnector.dcp import S3StorageWriter
 
         # Its DCP filesystem builds S3Client(region, ...) without an endpoint.
-        s3tc_fs.S3Client = functools.partial(S3Client, endpoint=ctx.endpoint)  # type: ignore[misc]
+        s3tc_fs.S3Client = functools.partial(S3Client, endpoint=ctx.endpoint)  # type: ignore[misc,assignment]
         os.environ.setdefault("AWS_ACCESS_KEY_ID", KEY)
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", SECRET)
         self.ctx, self.writer = ctx, S3StorageWriter
@@ -183,9 +188,8 @@ class S3ConnectorAsync(_Async):
             s3client_config=self.config,
             thread_count=self.ctx.thread_count,
         )
-        self.pending.append(
-            dcp.async_save(state(), storage_writer=writer, process_group=self.ctx.group)
-        )
+        fut = dcp.async_save(state(), storage_writer=writer, process_group=self.ctx.group)
+        self.pending.append(_upload(fut))
 
 
 class Ours:
@@ -196,7 +200,7 @@ class Ours:
     def __init__(self, ctx: Context, *, blocking: bool, tiered: bool = False) -> None:
         import storage
 
-        local = {"local": ctx.local_dir, "keep_local": 2} if tiered else {}
+        local: dict[str, Any] = {"local": ctx.local_dir, "keep_local": 2} if tiered else {}
         self.manager = storage.CheckpointManager(
             ctx.root, storage_options=ctx.storage_options, **local
         )

@@ -221,7 +221,9 @@ def _free_port() -> int:
 class Bench:
     """The server, the optional proxy and the options every run shares."""
 
-    def __init__(self, args: argparse.Namespace, server: SeaweedFS, proxy: CappedProxy | None):
+    def __init__(
+        self, args: argparse.Namespace, server: SeaweedFS, proxy: CappedProxy | None
+    ) -> None:
         self.args, self.server, self.proxy = args, server, proxy
         self.endpoint = proxy.url if proxy is not None else server.url
         self.run_id = uuid.uuid4().hex[:8]
@@ -318,7 +320,9 @@ def summarize(
 # --- the table ---------------------------------------------------------------------------
 
 
-def report(samples: dict[str, list[dict[str, Any]]], interval: int, steps: int, capped: bool):
+def report(
+    samples: dict[str, list[dict[str, Any]]], interval: int, steps: int, capped: bool
+) -> None:
     """The table for one interval: medians over the rounds (stalls and durable times over
     every checkpoint of every round); slowdown against the same round's baseline."""
     base = samples["none"]
