@@ -166,6 +166,7 @@ class CheckpointManager:
         self._pending: concurrent.futures.Future[None] | None = None
         self._saving: int | None = None
         self._saving_base: int | None = None
+        self._async_group: Any = None
         self.tiers: LocalTier | None = None
         if local is not None:
             from storage.ops.tiers import LocalTier  # it builds on this module
@@ -280,7 +281,13 @@ class CheckpointManager:
             self._saving, self._saving_base = step, base
             self._pending = outer
         try:
-            inner = api.async_save(state_dict, url, transforms=self.transforms, **options)
+            inner = api.async_save(
+                state_dict,
+                url,
+                transforms=self.transforms,
+                process_group=self._background_group(),
+                **options,
+            )
         except BaseException:
             with self._lock:
                 self._saving, self._saving_base, self._pending = None, None, None
@@ -299,6 +306,18 @@ class CheckpointManager:
 
         inner.add_done_callback(finished)
         return outer
+
+    def _background_group(self) -> Any:
+        """Under a process group, a gloo group of this manager's own for the collectives
+        of its asynchronous saves: they run in a background thread while the job's run
+        on the default group (a DDP all-reduce), and gloo aborts when collectives from
+        two threads interleave on one group. Made at the first asynchronous save, which
+        every rank makes together."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
 
     def _incremental_base(self, step: int) -> int | None:
         """The step an incremental save of ``step`` references: the newest committed
