@@ -52,7 +52,9 @@ _ESCAPE = {2: 15, 4: 3}
 _UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SAMPLE_STEP = 32
 #: Planes estimated above this many bits per byte are stored raw.
-_RAW_BITS = 7.9
+_RAW_BITS = 7.97
+#: PACK only where the window holds all but this fraction of the sample.
+_MAX_ESCAPED = 0.05
 
 
 class CorruptBlock(ValueError):
@@ -157,15 +159,18 @@ def _zstd_plane(plane: np.ndarray, compressor: Any) -> tuple[bytes, list[Any]]:
 
 def _choose(counts: np.ndarray) -> tuple[int, int] | None:
     """From a sample's histogram: ``(base, k)`` for PACK, ``(0, 0)`` for ZSTD, ``None``
-    for RAW, by the estimated bits per byte (order-0 entropy; PACK wins near-ties: it
-    codes fewer symbols, and pairs capture what neighbours share)."""
+    for RAW, by the estimated bits per byte: order-0 entropy, plus the Miller-Madow
+    correction (a sample of a noisy plane misses values, which would make it look
+    compressible). PACK wins near-ties: it codes fewer symbols, and pairs capture what
+    neighbours share."""
     c = counts.astype(np.float64)
     total = c.sum()
     clogc = c * np.log2(np.maximum(c, 1.0))
     entropy = np.log2(total) - clogc.sum() / total
+    entropy += (np.count_nonzero(counts) - 1) / (2 * np.log(2) * total)
     if entropy >= _RAW_BITS:
         return None
-    best: tuple[float, tuple[int, int] | None] = (entropy * 1.02, (0, 0))
+    best: tuple[float, tuple[int, int] | None] = (entropy, (0, 0))
     cum = np.concatenate(([0.0], np.cumsum(c)))
     cum_clogc = np.concatenate(([0.0], np.cumsum(clogc)))
     for k, escape in _ESCAPE.items():
@@ -175,7 +180,7 @@ def _choose(counts: np.ndarray) -> tuple[int, int] | None:
         bits = np.log2(total) - (kept + missed * np.log2(np.maximum(missed, 1.0))) / total
         bits += 8 * missed / total
         base = int(np.argmin(bits))
-        if bits[base] <= best[0] + 0.02:
+        if bits[base] <= best[0] + 0.05 and missed[base] <= total * _MAX_ESCAPED:
             best = (float(bits[base]), (base, k))
     return best[1]
 
