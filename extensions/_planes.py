@@ -34,6 +34,7 @@ and bit; PACK base and ``k``. ``length``: payload bytes (PACK: of the zstd frame
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 from typing import Any
@@ -50,9 +51,9 @@ RAW, CONST, BIT, ZSTD, PACK = range(5)
 #: Escape value (``A - 1``) of a PACK plane by codes per byte.
 _ESCAPE = {2: 15, 4: 3}
 _UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-_SAMPLE_STEP = 32
+_SAMPLE_STEP = 61  # prime: no step with the power-of-two shapes of kernels
 #: Planes estimated above this many bits per byte are stored raw.
-_RAW_BITS = 7.97
+_RAW_BITS = 7.92
 #: PACK only where the window holds all but this fraction of the sample.
 _MAX_ESCAPED = 0.05
 
@@ -142,12 +143,23 @@ def _encode_plane(plane: np.ndarray, floating: bool) -> tuple[bytes, list[Any]]:
             return PLANE.pack(BIT, zeros, bit, 0, len(packed), 0), [packed]
     if counts is None:
         return _zstd_plane(plane, _codecs.general)
-    choice = _choose(counts)
+    coded = _coded(plane, _choose(counts))
+    if coded is None:  # the sample misled: choose again from every byte
+        coded = _coded(plane, _choose(np.bincount(plane, minlength=256)), retry=False)
+    assert coded is not None
+    return coded
+
+
+def _coded(
+    plane: np.ndarray, choice: tuple[int, int] | None, retry: bool = True
+) -> tuple[bytes, list[Any]] | None:
+    """``plane`` coded as ``choice`` says; ``None`` when a PACK escapes more bytes than
+    the sample promised (a structure in step with the sampling) and ``retry`` is set."""
     if choice is None:
-        return PLANE.pack(RAW, 0, 0, 0, n, 0), [plane]
+        return PLANE.pack(RAW, 0, 0, 0, len(plane), 0), [plane]
     if choice == (0, 0):
         return _zstd_plane(plane, _codecs.fast)
-    return _pack_plane(plane, *choice)
+    return _pack_plane(plane, *choice, limit=len(plane) * _MAX_ESCAPED if retry else len(plane))
 
 
 def _zstd_plane(plane: np.ndarray, compressor: Any) -> tuple[bytes, list[Any]]:
@@ -157,41 +169,49 @@ def _zstd_plane(plane: np.ndarray, compressor: Any) -> tuple[bytes, list[Any]]:
     return PLANE.pack(ZSTD, 0, 0, 0, len(frame), 0), [frame]
 
 
+def _bits(counts: np.ndarray, total: int, missed: int = 0) -> float:
+    """Order-0 entropy, in bits per byte, of a sample of ``total`` bytes whose values
+    were seen ``counts`` times, plus ``missed`` bytes merged into one more value."""
+    seen = counts[counts > 0]
+    clogc = float(seen @ np.log2(seen)) + (missed * math.log2(missed) if missed else 0.0)
+    return math.log2(total) - clogc / total
+
+
 def _choose(counts: np.ndarray) -> tuple[int, int] | None:
     """From a sample's histogram: ``(base, k)`` for PACK, ``(0, 0)`` for ZSTD, ``None``
     for RAW, by the estimated bits per byte: order-0 entropy, plus the Miller-Madow
     correction (a sample of a noisy plane misses values, which would make it look
-    compressible). PACK wins near-ties: it codes fewer symbols, and pairs capture what
-    neighbours share."""
-    c = counts.astype(np.float64)
-    total = c.sum()
-    clogc = c * np.log2(np.maximum(c, 1.0))
-    entropy = np.log2(total) - clogc.sum() / total
-    entropy += (np.count_nonzero(counts) - 1) / (2 * np.log(2) * total)
+    compressible). PACK packs the window of values that holds most of the sample, and
+    wins near-ties: it codes fewer symbols, and pairs capture what neighbours share."""
+    total = int(counts.sum())
+    entropy = _bits(counts, total) + (np.count_nonzero(counts) - 1) / (2 * math.log(2) * total)
     if entropy >= _RAW_BITS:
         return None
     best: tuple[float, tuple[int, int] | None] = (entropy, (0, 0))
-    cum = np.concatenate(([0.0], np.cumsum(c)))
-    cum_clogc = np.concatenate(([0.0], np.cumsum(clogc)))
+    cumulative = np.concatenate(([0], np.cumsum(counts)))
     for k, escape in _ESCAPE.items():
-        # Bits per byte with the window [base, base + escape) kept and the rest escaped.
-        missed = total - (cum[escape:] - cum[:-escape])
-        kept = cum_clogc[escape:] - cum_clogc[:-escape]
-        bits = np.log2(total) - (kept + missed * np.log2(np.maximum(missed, 1.0))) / total
-        bits += 8 * missed / total
-        base = int(np.argmin(bits))
-        if bits[base] <= best[0] + 0.05 and missed[base] <= total * _MAX_ESCAPED:
-            best = (float(bits[base]), (base, k))
+        base = int(np.argmax(cumulative[escape:] - cumulative[:-escape]))
+        missed = total - int(cumulative[base + escape] - cumulative[base])
+        if missed > total * _MAX_ESCAPED:
+            continue
+        # Escaped bytes cost their escape code and themselves, raw.
+        bits = _bits(counts[base : base + escape], total, missed) + 8 * missed / total
+        if bits <= best[0] + 0.05:
+            best = (bits, (base, k))
     return best[1]
 
 
-def _pack_plane(plane: np.ndarray, base: int, k: int) -> tuple[bytes, list[Any]]:
+def _pack_plane(
+    plane: np.ndarray, base: int, k: int, limit: float
+) -> tuple[bytes, list[Any]] | None:
     n = len(plane)
     escape = _ESCAPE[k]
     offsets = np.zeros(-(-n // k) * k, np.uint8)
     np.subtract(plane, np.uint8(base), out=offsets[:n])
     where = np.flatnonzero(offsets > escape - 1)
     nesc = len(where)
+    if nesc > limit:
+        return None
     escapes = plane[where] if nesc else None
     offsets[where] = escape
     if k == 2:
@@ -249,7 +269,7 @@ def decode_block(
         target = np.frombuffer(out, np.uint8, count=n)
         target[...] = planes[0]
     elif es in _UINT:
-        _join(planes, np.frombuffer(out, _UINT[es], count=n), es, bool(flags & SIGN_MOVED))
+        _join(planes, np.frombuffer(out, _UINT[es], count=n), bool(flags & SIGN_MOVED))
     else:
         elements = np.frombuffer(out, np.uint8, count=whole).reshape(n, es)
         for j, plane in enumerate(planes):
@@ -312,28 +332,31 @@ def _unpack(frame: memoryview, escapes: memoryview, n: int, base: int, k: int) -
     return plane
 
 
-def _join(planes: list[Any], words: np.ndarray, es: int, moved: bool) -> None:
+def _join(planes: list[Any], words: np.ndarray, moved: bool) -> None:
+    """Assemble ``words`` from their byte planes, by halves: bytes into 16-bit halves,
+    those into 32-bit ones and so on (fewer whole-array passes than byte by byte)."""
+    es = len(planes)
     kind = words.dtype.type
-    if not moved:
-        words[...] = planes[es - 1]
-        for j in range(es - 2, -1, -1):
-            words <<= kind(8)
-            words |= planes[j]
+    if es == 2 and moved:
+        # The low plane is [sign, 7 bits]: widened as a signed byte, the sign extends
+        # over the bits the exponent takes, and one mask keeps the sign and the 7 bits.
+        words.view(np.int16)[...] = planes[0].view(np.int8)
+        words &= kind(0x807F)
+        exponent = np.empty_like(words)
+        exponent[...] = planes[1]
+        exponent <<= kind(7)
+        words |= exponent
         return
-    # The second plane is [sign, 7 bits]: widened as a signed byte, the sign extends
-    # over the bits the exponent takes, and one mask keeps the sign and the 7 bits.
-    bits = 8 * es
-    words.view(words.dtype.str.replace("u", "i"))[...] = planes[es - 2].view(np.int8)
-    if bits > 16:
-        words <<= kind(bits - 16)
-    words &= kind(0x807F << (bits - 16))
-    part = np.empty_like(words)
-    part[...] = planes[es - 1]
-    part <<= kind(bits - 9)
-    words |= part
-    for j in range(es - 3, 0, -1):
-        part[...] = planes[j]
-        part <<= kind(8 * j)
-        words |= part
-    if es > 2:
+    if es == 2:
+        words[...] = planes[1]
+        words <<= kind(8)
         words |= planes[0]
+        return
+    half = es // 2
+    low = np.empty(len(words), _UINT[half])
+    high = np.empty(len(words), _UINT[half])
+    _join(planes[:half], low, False)
+    _join(planes[half:], high, moved)
+    words[...] = high
+    words <<= kind(8 * half)
+    words |= low
