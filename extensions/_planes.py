@@ -122,7 +122,7 @@ def _split(words: np.ndarray, es: int, moved: bool) -> list[np.ndarray]:
             (words >> (bits - 16)).astype(np.uint8),
             (words >> (bits - 8)).astype(np.uint8),
         ]
-    second = (words >> (bits - 16)) & _UINT[es](0x807F)
+    second = (words >> (bits - 16) if bits > 16 else words) & _UINT[es](0x807F)
     second |= second >> 8  # the sign lands on bit 7, above the 7 bits that follow it
     top = (words >> (bits - 9)).astype(np.uint8)  # the exponent (its top 8 bits)
     return planes + [second.astype(np.uint8), top]
@@ -312,8 +312,8 @@ def _unpack(frame: memoryview, escapes: memoryview, n: int, base: int, k: int) -
     codes = np.frombuffer(_unzstd(frame, -(-n // k)), np.uint8)
     if k == 2:
         wide = codes.astype(np.uint16)
-        wide |= wide << 4
-        wide &= 0x0F0F
+        wide |= wide * np.uint16(16)  # numpy's 16-bit shifts are slower than multiplies
+        wide &= np.uint16(0x0F0F)
     else:
         wide = codes.astype(np.uint32)
         wide |= wide << 12
@@ -344,12 +344,12 @@ def _join(planes: list[Any], words: np.ndarray, moved: bool) -> None:
         words &= kind(0x807F)
         exponent = np.empty_like(words)
         exponent[...] = planes[1]
-        exponent <<= kind(7)
+        exponent *= kind(1 << 7)  # numpy's 16-bit shifts are slower than multiplies
         words |= exponent
         return
     if es == 2:
         words[...] = planes[1]
-        words <<= kind(8)
+        words *= kind(1 << 8)
         words |= planes[0]
         return
     half = es // 2
