@@ -282,6 +282,8 @@ def _plane(mode: int, a: int, b: int, piece: memoryview, n: int) -> Any:
             raise CorruptBlock(f"raw plane of {len(piece)} bytes, expected {n}")
         return np.frombuffer(piece, np.uint8)
     if mode == CONST:
+        if len(piece):
+            raise CorruptBlock(f"a constant plane with {len(piece)} stored bytes")
         return np.uint8(a)
     if mode == BIT:
         if b > 7 or len(piece) != -(-n // 8):

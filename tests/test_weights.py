@@ -299,6 +299,12 @@ def test_damaged_streams_raise_a_clear_error() -> None:
     bad_mode = bytearray(stored)
     bad_mode[planes.HEAD.size] = 9
     assert "unknown plane mode" in _damaged(bytes(bad_mode), item)
+    bad_flags = bytearray(stored)
+    bad_flags[5] = 6
+    assert "unknown block flags" in _damaged(bytes(bad_flags), item)
+    raw_to_const = bytearray(stored)
+    raw_to_const[planes.HEAD.size] = planes.CONST  # the raw plane's bytes still follow
+    assert "constant plane with" in _damaged(bytes(raw_to_const), item)
     total = bytearray(stored)
     total[-8:] = (len(raw_bytes(tensor)) + 2).to_bytes(8, "little")
     assert "end record counts" in _damaged(bytes(total), item)
