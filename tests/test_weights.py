@@ -140,6 +140,7 @@ def every_dtype(n: int) -> dict[str, torch.Tensor]:
     out["uint8"] = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
     out["bool"] = torch.rand(n, generator=gen) > 0.5
     out["complex64"] = torch.randn(n, generator=gen, dtype=torch.complex64)
+    out["complex128"] = torch.randn(n, generator=gen, dtype=torch.complex128)  # 16-byte planes
     return out
 
 
