@@ -50,7 +50,9 @@ SIGN_MOVED = 1
 RAW, CONST, BIT, ZSTD, PACK = range(5)
 #: Escape value (``A - 1``) of a PACK plane by codes per byte.
 _ESCAPE = {2: 15, 4: 3}
-_UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: Words by element size; little-endian, like the format (numpy handles either host).
+_UINT = {size: np.dtype(f"<u{size}") for size in (2, 4, 8)}
+_U16 = _UINT[2]
 _SAMPLE_STEP = 61  # prime: no step with the power-of-two shapes of kernels
 #: Planes estimated above this many bits per byte are stored raw.
 _RAW_BITS = 7.92
@@ -94,7 +96,7 @@ def encode_block(data: memoryview, es: int, floating: bool) -> list[Any]:
     elif es in _UINT:
         words = np.frombuffer(data, _UINT[es], count=n)
         if floating and n:
-            sign = _UINT[es](1 << (8 * es - 1))
+            sign = words.dtype.type(1 << (8 * es - 1))
             moved = bool(words.max() >= sign) and bool(words.min() < sign)
         planes = _split(words, es, moved)
     else:  # an element size without a numpy word: plain strided planes
@@ -122,7 +124,7 @@ def _split(words: np.ndarray, es: int, moved: bool) -> list[np.ndarray]:
             (words >> (bits - 16)).astype(np.uint8),
             (words >> (bits - 8)).astype(np.uint8),
         ]
-    second = (words >> (bits - 16) if bits > 16 else words) & _UINT[es](0x807F)
+    second = (words >> (bits - 16) if bits > 16 else words) & words.dtype.type(0x807F)
     second |= second >> 8  # the sign lands on bit 7, above the 7 bits that follow it
     top = (words >> (bits - 9)).astype(np.uint8)  # the exponent (its top 8 bits)
     return planes + [second.astype(np.uint8), top]
@@ -215,11 +217,11 @@ def _pack_plane(
     escapes = plane[where] if nesc else None
     offsets[where] = escape
     if k == 2:
-        pairs = offsets.view(np.uint16)
+        pairs = offsets.view(_U16)
         codes = np.empty(len(pairs), np.uint8)
         np.bitwise_or(pairs, pairs >> 4, out=codes, casting="unsafe")
     else:
-        quads = offsets.view(np.uint32)
+        quads = offsets.view(_UINT[4])
         halves = (quads | (quads >> 6)) & np.uint32(0x000F000F)
         codes = np.empty(len(quads), np.uint8)
         np.bitwise_or(halves, halves >> 12, out=codes, casting="unsafe")
@@ -313,11 +315,11 @@ def _unpack(frame: memoryview, escapes: memoryview, n: int, base: int, k: int) -
         raise CorruptBlock(f"packed plane with {k} codes per byte")
     codes = np.frombuffer(_unzstd(frame, -(-n // k)), np.uint8)
     if k == 2:
-        wide = codes.astype(np.uint16)
+        wide = codes.astype(_U16)
         wide |= wide * np.uint16(16)  # numpy's 16-bit shifts are slower than multiplies
         wide &= np.uint16(0x0F0F)
     else:
-        wide = codes.astype(np.uint32)
+        wide = codes.astype(_UINT[4])
         wide |= wide << 12
         wide &= 0x000F000F
         wide |= wide << 6
@@ -342,7 +344,7 @@ def _join(planes: list[Any], words: np.ndarray, moved: bool) -> None:
     if es == 2 and moved:
         # The low plane is [sign, 7 bits]: widened as a signed byte, the sign extends
         # over the bits the exponent takes, and one mask keeps the sign and the 7 bits.
-        words.view(np.int16)[...] = planes[0].view(np.int8)
+        words.view("<i2")[...] = planes[0].view(np.int8)
         words &= kind(0x807F)
         exponent = np.empty_like(words)
         exponent[...] = planes[1]
