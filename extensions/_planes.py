@@ -119,12 +119,10 @@ def _split(words: np.ndarray, es: int, moved: bool) -> list[np.ndarray]:
     # Whole-word shifts only: x86 has no 8-bit vector shifts, numpy's uint8 ones crawl.
     planes = [(words >> (8 * j) if j else words).astype(np.uint8) for j in range(es - 2)]
     bits = 8 * es
+    pair = words >> (bits - 16) if bits > 16 else words  # the top two bytes, low in a word
     if not moved:
-        return planes + [
-            (words >> (bits - 16)).astype(np.uint8),
-            (words >> (bits - 8)).astype(np.uint8),
-        ]
-    second = (words >> (bits - 16) if bits > 16 else words) & words.dtype.type(0x807F)
+        return planes + [pair.astype(np.uint8), (words >> (bits - 8)).astype(np.uint8)]
+    second = pair & words.dtype.type(0x807F)
     second |= second >> 8  # the sign lands on bit 7, above the 7 bits that follow it
     top = (words >> (bits - 9)).astype(np.uint8)  # the exponent (its top 8 bits)
     return planes + [second.astype(np.uint8), top]
