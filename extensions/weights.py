@@ -36,7 +36,7 @@ from extensions.streams import fill, read_all, readinto_exact
 END = struct.Struct("<BQ")
 END_TAG = 0
 MAX_ELEMENT_SIZE = 16
-#: Dtypes whose planes get the float treatment (sign rotation, exponent packing).
+#: Dtypes whose planes get the float treatment (sign moved, packing by sampled histogram).
 FLOAT_DTYPES = frozenset(
     {"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
 )
