@@ -204,9 +204,10 @@ def _builtin_classes() -> dict[str, type]:
         pass
     try:
         from extensions.shuffle import ByteShuffle
+        from extensions.weights import WeightCodec
 
-        classes.append(ByteShuffle)
-    except ImportError:
+        classes += [ByteShuffle, WeightCodec]
+    except ImportError:  # numpy is a core dependency; kept optional like the others
         pass
     return {c.registry_name(): c for c in classes}  # type: ignore[attr-defined]
 

@@ -16,7 +16,7 @@ from extensions.errors import CheckpointNotFoundError, printable
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url, url_scheme
 
-TRANSFORM_SPECS = "zstd, zstd:LEVEL, shuffle, aes:KEY_ID, none"
+TRANSFORM_SPECS = "weights, zstd, zstd:LEVEL, shuffle, aes:KEY_ID, none"
 
 
 def option_value(text: str) -> Any:
@@ -71,6 +71,10 @@ def parse_transforms(specs: Sequence[str], keys: dict[str, bytes]) -> list[Any]:
             from extensions import ByteShuffle
 
             chain.append(ByteShuffle())
+        elif name == "weights" and not value:
+            from extensions import WeightCodec
+
+            chain.append(WeightCodec())
         elif name in ("aes", "aes256gcm") and value:
             from extensions import AES256GCM
 
