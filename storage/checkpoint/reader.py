@@ -172,10 +172,11 @@ class CheckpointReader(StorageReader):
     def read_once(self) -> bool:
         """Whether items several ranks need are fetched once and shared; by default on
         for every backend but local disk (where page-cache reads beat the exchange),
-        when the process group can send CPU tensors (gloo, or a gloo+NCCL group)."""
+        when the exchange has a group to send CPU tensors over (a gloo or gloo+NCCL
+        group, or the default group, for which one is made: read_once.exchange_group)."""
         if self._read_once is None:
             local = isinstance(self.fs, (LocalFileSystem, MemoryFileSystem))
-            return not local and read_once.can_send_cpu_tensors(self.process_group)
+            return not local and read_once.can_share(self.process_group)
         return self._read_once
 
     @records_error
@@ -225,6 +226,7 @@ class CheckpointReader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.read_once and len(plans) > 1:
+            read_once.check_can_share(self.process_group, self.url)
             return read_once.assign(plans, self.storage_data, self._chunks)
         return plans
 
