@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import storage
 from storage.checkpoint import read_once as sharing
+from storage.checkpoint import share_groups
 from tests.scale_fs import ProbeFileSystem
 
 WORLD = 4
@@ -75,12 +76,12 @@ def _worker(rank: int, store: str, path: str) -> None:
         target, fetched = _load(path, dcp_group, read_once=True)
         assert all(torch.equal(target[k], v) for k, v in state.items())
         assert fetched == stored  # each stored byte fetched by one rank
-        made = sharing.exchange_group(None)
+        made = share_groups.exchange_group(None)
         assert dist.get_backend(made) == "gloo"
         assert dist.get_process_group_ranks(made) == list(range(WORLD))
         target, fetched = _load(path, dcp_group, read_once=True)
         assert all(torch.equal(target[k], v) for k, v in state.items()) and fetched == stored
-        assert sharing.exchange_group(None) is made  # made once, not per load
+        assert share_groups.exchange_group(None) is made  # made once, not per load
 
         # A rank that fails in the pipeline is named on every rank.
         with pytest.raises(CheckpointException, match="rank 2: loading item 't"):

@@ -19,11 +19,9 @@ exchanged), so on a bandwidth-bound store the exchange hides behind the fetch. A
 a rank wants whole, whose target is a plain CPU tensor, is decoded, sent and received
 in the target itself; others travel through a buffer.
 
-The exchange needs a group that sends CPU tensors. The reader's process group serves
-when it has a gloo backend (``gloo``, or ``cpu:gloo,cuda:nccl``); when it is the
-default group without one (an NCCL-only job), :func:`exchange_group` creates a gloo
-group over all ranks once per process (a collective every rank reaches together in
-``read_data``) and caches it; any other group needs a gloo group passed by hand.
+The exchange needs a group that sends CPU tensors: storage/checkpoint/share_groups.py
+picks it (the reader's process group when it has gloo, else, for the default group of
+an NCCL-only job, a gloo group made once).
 
 Tensor items travel decoded, as their chunk's bytes in the metadata's dtype; non-tensor
 items travel as the owner's re-pickled plain value (``decode.plain_value``) after their
@@ -49,10 +47,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from extensions._compat import narrow_tensor_by_index
-from extensions.errors import CheckpointStorageError, quote
+from extensions.errors import quote
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import check_shapes
 from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError, rank_error
+from storage.checkpoint.share_groups import exchange_group
 
 if TYPE_CHECKING:
     from storage.checkpoint.reader import CheckpointReader
@@ -67,9 +66,6 @@ MIN_BATCH_BYTES = 16 << 20
 AHEAD = 2
 
 Chunks = Mapping[MetadataIndex, tuple[torch.Size, torch.dtype]]
-
-#: The gloo group made for an NCCL-only default group: (that default group, the gloo one).
-_EXCHANGE: dict[str, tuple[Any, Any]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,54 +89,6 @@ class SharePlan:
     rank: int
     batches: int
     shares: tuple[Share, ...]
-
-
-def can_share(group: dist.ProcessGroup | None) -> bool:
-    """Whether read-once can exchange for ``group`` (the default group if ``None``): it
-    has a gloo backend, or it is the default group and gloo is available, so
-    :func:`exchange_group` can make one."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return _has_gloo(group) or (_is_default(group) and dist.is_gloo_available())
-
-
-def check_can_share(group: dist.ProcessGroup | None, url: str) -> None:
-    """Raise, naming the fix, when ``read_once=True`` cannot exchange over ``group``."""
-    if not can_share(group):
-        backend = dist.get_backend(group) if dist.is_initialized() else "none"
-        raise CheckpointStorageError(
-            f"{url}: read_once=True needs a process group that can send CPU tensors, but the "
-            f"reader's group uses {backend!r} and is not the default group, for which "
-            "dcp-storage would make a gloo group itself; pass a gloo group over the same "
-            "ranks as process_group= (torch.distributed.new_group(ranks, backend='gloo')) "
-            "or read_once=False"
-        )
-
-
-def exchange_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group read-once sends over for the reader's ``group``: ``group`` itself when
-    it has a gloo backend, else (the default group of an NCCL-only job) a gloo group
-    over all ranks, created on first use and cached per default group. The creation is
-    a collective of the whole job: only :func:`read_shared`, which every rank reaches
-    together, calls this."""
-    if _has_gloo(group):
-        return group
-    if not _is_default(group):
-        raise CheckpointStorageError(f"no gloo group for {group!r}")  # check_can_share
-    default = dist.group.WORLD
-    made = _EXCHANGE.get("default")
-    if made is None or made[0] is not default:  # a new default group since
-        gloo = dist.new_group(backend="gloo", group_desc="dcp_storage_read_once")
-        _EXCHANGE["default"] = made = (default, gloo)
-    return made[1]  # type: ignore[no-any-return]
-
-
-def _has_gloo(group: dist.ProcessGroup | None) -> bool:
-    return "gloo" in str(dist.get_backend(group))
-
-
-def _is_default(group: dist.ProcessGroup | None) -> bool:
-    return group is None or group is dist.group.WORLD
 
 
 def batch_limit(total: int) -> int:

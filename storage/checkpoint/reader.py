@@ -33,7 +33,7 @@ from extensions.registry import ExtensionRegistry, as_registry
 from storage.backends import LocalFileSystem, MemoryFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
-from storage.checkpoint import incremental, read_once
+from storage.checkpoint import incremental, read_once, share_groups
 from storage.checkpoint._common import (
     check_shapes,
     check_thread_count,
@@ -176,7 +176,7 @@ class CheckpointReader(StorageReader):
         group, or the default group, for which one is made: read_once.exchange_group)."""
         if self._read_once is None:
             local = isinstance(self.fs, (LocalFileSystem, MemoryFileSystem))
-            return not local and read_once.can_share(self.process_group)
+            return not local and share_groups.can_share(self.process_group)
         return self._read_once
 
     @records_error
@@ -226,7 +226,7 @@ class CheckpointReader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.read_once and len(plans) > 1:
-            read_once.check_can_share(self.process_group, self.url)
+            share_groups.check_can_share(self.process_group, self.url)
             return read_once.assign(plans, self.storage_data, self._chunks)
         return plans
 
