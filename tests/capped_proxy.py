@@ -158,12 +158,15 @@ class CappedProxy:
                         time.sleep(self.latency)
                 if self.bucket is not None:
                     self.bucket.take(n)
-                dst.sendall(view[:n])
+                # Counted before they go on: once a client holds the bytes, the count
+                # has them (counted after sendall, a caller reading the counters right
+                # after its request could miss the last chunk).
                 with self._lock:
                     if up:
                         self.bytes_up += n
                     else:
                         self.bytes_down += n
+                dst.sendall(view[:n])
                 if not up:
                     link.answered = True
         except OSError:
