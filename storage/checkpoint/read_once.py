@@ -232,7 +232,6 @@ class _Batch:
         me: int,
     ) -> None:
         self.planner = planner
-        self.chunks = chunks
         self.buffers: dict[MetadataIndex, torch.Tensor] = {}
         self.targets: dict[MetadataIndex, tuple[ReadItem, torch.Tensor]] = {}
         self.requests: list[ReadItem] = []
@@ -316,10 +315,15 @@ class _Prefetcher:
                 )
                 if self._stopped:
                     return
-            result = self._fetch(batch)
+            try:
+                result = self._fetch(batch)
+            except BaseException as exc:  # noqa: BLE001 - reported by take() like any failure
+                result = None, exc
             with self._cond:
                 self._ready[batch] = result
                 self._cond.notify_all()
+            if result[1] is not None:
+                return  # the load fails at this batch: fetch nothing more
 
     def take(self, batch: int) -> tuple[_Batch | None, BaseException | None]:
         with self._cond:
