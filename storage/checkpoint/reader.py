@@ -99,9 +99,12 @@ class CheckpointReader(StorageReader):
     and decoded by one of them and sent to the others over ``process_group`` (default:
     the default group; pass the group given to ``dcp.load``), so each byte is fetched
     once per job (storage/checkpoint/read_once.py; default: on for every backend but
-    local disk, see docs/scale.md). ``timeout`` (seconds) bounds this rank's storage
-    work in a load: past it the load fails on every rank with
-    :class:`DeadlineExceededError` naming the rank, the item and the URL.
+    local disk, see docs/scale.md). The exchange sends CPU tensors: over that group if
+    it has gloo; for an NCCL-only default group, over a gloo group made once for it;
+    any other group needs a gloo group passed here (storage/checkpoint/share_groups.py).
+    ``timeout`` (seconds) bounds this rank's storage work in a load: past it the load
+    fails on every rank with :class:`DeadlineExceededError` naming the rank, the item
+    and the URL.
     ``share_metadata``: the global ``.metadata`` is read by the group's rank 0 alone and
     broadcast (one request per load, not one per rank); a collective, so only for
     reads every rank makes together (``storage.load`` turns it on under a process group).
@@ -173,7 +176,7 @@ class CheckpointReader(StorageReader):
         """Whether items several ranks need are fetched once and shared; by default on
         for every backend but local disk (where page-cache reads beat the exchange),
         when the exchange has a group to send CPU tensors over (a gloo or gloo+NCCL
-        group, or the default group, for which one is made: read_once.exchange_group)."""
+        group, or the default group, for which one is made: share_groups.py)."""
         if self._read_once is None:
             local = isinstance(self.fs, (LocalFileSystem, MemoryFileSystem))
             return not local and share_groups.can_share(self.process_group)
