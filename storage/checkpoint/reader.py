@@ -33,7 +33,7 @@ from extensions.registry import ExtensionRegistry, as_registry
 from storage.backends import LocalFileSystem, MemoryFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
-from storage.checkpoint import incremental, read_once
+from storage.checkpoint import incremental, read_once, share_groups
 from storage.checkpoint._common import (
     check_shapes,
     check_thread_count,
@@ -109,10 +109,13 @@ class CheckpointReader(StorageReader):
     and decoded by one of them and sent to the others over ``process_group`` (default:
     the default group; pass the group given to ``dcp.load``), so each byte is fetched
     once per job (storage/checkpoint/read_once.py; default: on for every backend but
-    local disk, see docs/scale.md). ``timeout`` (seconds) bounds this rank's storage
-    work in a load, every request of it (the metadata, its bases, the data;
-    ``deadline.Budget``): past it the load fails on every rank with
-    :class:`DeadlineExceededError` naming the rank, the item and the URL.
+    local disk, see docs/scale.md). The exchange sends CPU tensors: over that group if
+    it has gloo; for an NCCL-only default group, over a gloo group made once for it;
+    any other group needs a gloo group passed here (storage/checkpoint/share_groups.py).
+    ``timeout`` (seconds) bounds this rank's storage work in a load, every request of
+    it (the metadata, its bases, the data; ``deadline.Budget``): past it the load fails
+    on every rank with :class:`DeadlineExceededError` naming the rank, the item and the
+    URL.
     ``share_metadata``: the global ``.metadata`` is read by the group's rank 0 alone and
     broadcast (one request per load, not one per rank); a collective, so only for
     reads every rank makes together (``storage.load`` turns it on under a process group).
@@ -187,10 +190,11 @@ class CheckpointReader(StorageReader):
     def read_once(self) -> bool:
         """Whether items several ranks need are fetched once and shared; by default on
         for every backend but local disk (where page-cache reads beat the exchange),
-        when the process group can send CPU tensors (gloo, or a gloo+NCCL group)."""
+        when the exchange has a group to send CPU tensors over (a gloo or gloo+NCCL
+        group, or the default group, for which one is made: share_groups.py)."""
         if self._read_once is None:
             local = isinstance(self.fs, (LocalFileSystem, MemoryFileSystem))
-            return not local and read_once.can_send_cpu_tensors(self.process_group)
+            return not local and share_groups.can_share(self.process_group)
         return self._read_once
 
     @records_error
@@ -260,6 +264,7 @@ class CheckpointReader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.read_once and len(plans) > 1:
+            share_groups.check_can_share(self.process_group, self.url)
             return read_once.assign(plans, self.storage_data, self._chunks)
         return plans
 
