@@ -212,6 +212,17 @@ def test_a_save_while_the_previous_is_in_flight_waits_for_its_buffers(
     assert_tree_equal(state, loaded(tmp_path / "2", state))
 
 
+def test_a_lease_releases_once(worker: persist.Worker) -> None:
+    """A released lease collected later must not free the buffers a later save holds."""
+    _, first = worker.stage(big_state())
+    first.release()
+    _, second = worker.stage(big_state())
+    del first  # collected: before the fix its __del__ freed the second save's buffers
+    assert not worker._free.is_set()
+    second.release()
+    assert worker._free.is_set()
+
+
 # --- failures -----------------------------------------------------------------------------
 
 
@@ -282,15 +293,23 @@ def test_an_error_in_the_worker_keeps_its_type_and_message_and_no_key(
     storage.async_save(state, tmp_path / "c", persist="process").result()  # same worker
 
 
-def test_a_transform_that_does_not_pickle_is_refused_with_the_fix(
-    tmp_path: Path, worker: persist.Worker
-) -> None:
-    class Local(Refuses):  # defined in a function: no import path for the worker
-        pass
+class _Local(Gate):
+    pass
 
-    fut = storage.async_save(big_state(), tmp_path / "a", transforms=[Local()], persist="process")
+
+def test_what_does_not_pickle_is_refused_by_name_and_written_here_by_default(
+    tmp_path: Path, worker: persist.Worker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A transform (or filesystem) the worker cannot receive: persist="process" fails
+    with the fix; the default writes that save in this process, as before the worker."""
+    local = type("Local", (_Local,), {})  # made at run time: no import path for the worker
+    fut = storage.async_save(big_state(), tmp_path / "a", transforms=[local()], persist="process")
     with pytest.raises(TypeError, match="persist='thread'"):
         fut.result()
+    state = big_state()
+    storage.async_save(state, tmp_path / "b", transforms=[local()]).result()
+    assert_tree_equal(state, loaded(tmp_path / "b", state))
+    assert "runs in the training process instead" in caplog.text
 
 
 def test_options_are_checked(tmp_path: Path) -> None:
@@ -303,8 +322,8 @@ def test_options_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="lives in this process"):
         storage.CheckpointWriter("dcpmem://worker-test/a", persist="process")
     # The default writes in this process where the worker could not reach the storage.
-    assert storage.CheckpointWriter("dcpmem://worker-test/a").persist == "thread"
-    assert storage.CheckpointWriter(tmp_path).persist == persist.DEFAULT_MODE
+    assert storage.CheckpointWriter("dcpmem://worker-test/a").persist_mode.name == "thread"
+    assert storage.CheckpointWriter(tmp_path).persist_mode.name == persist.DEFAULT_MODE
 
 
 def test_max_bandwidth_caps_the_workers_writes(tmp_path: Path, worker: persist.Worker) -> None:

@@ -124,7 +124,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         max_bandwidth: int | None = None,
     ) -> None:
         super().__init__()
-        self.persist, self.max_bandwidth = _persist.check_mode(persist, max_bandwidth)
+        self.persist_mode = _persist.check_mode(persist, max_bandwidth)
         self._lease: _persist.Lease | None = None  # the worker's staging buffers, held
         self.timeout = check_timeout(timeout)
         self.key_prefixes = check_key_prefixes(key_prefixes)
@@ -134,13 +134,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._explicit_fs = filesystem
         self.fs, self.path = resolve_location(path, storage_options, filesystem)
         self._location = path  # as given: checkpoint_id reports it as stock does
-        if self.persist == "process" and not _persist.reachable(self.fs):
-            if persist is not None:
-                raise ValueError(
-                    f"persist='process' cannot write to {self.url}: that storage lives in "
-                    "this process; use persist='thread'"
-                )
-            self.persist = "thread"
+        self.persist_mode = _persist.for_filesystems(self.persist_mode, self.fs)
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
         for name, value in (
             ("single_file_per_rank", single_file_per_rank),
@@ -183,7 +177,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         With ``persist="process"`` the copy goes into the persist worker's shared staging
         buffers (reused by every save of the same tensors; a save waits until the
         previous one's worker has read them) and the save's writes run in the worker."""
-        if self.persist == "process":
+        if self.persist_mode.name == "process":
             staged, self._lease = _persist.worker().stage(state_dict)
             return cast(STATE_DICT_TYPE, staged)
         if self.cache_staged_state_dict:
@@ -223,6 +217,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 checkpoint_id, self.storage_options, self._explicit_fs
             )
             self._location = checkpoint_id
+            self.persist_mode = _persist.for_filesystems(self.persist_mode, self.fs)
         self.save_id = uuid.uuid4().hex[:12]
         self.last_error = None
 

@@ -24,6 +24,7 @@ segment, a log line or an error message.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import os
@@ -60,10 +61,23 @@ NICE = 10
 PAUSE = Pause()
 
 
-def check_mode(persist: object, max_bandwidth: object) -> tuple[str, int | None]:
-    """``(mode, max_bandwidth)`` validated; ``persist=None`` is the default mode, which
-    falls back to threads where a worker cannot run (no ``os.posix_fallocate``, torch
-    before 2.8)."""
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """Where background work runs: ``name`` ``"thread"`` or ``"process"``, the worker's
+    write cap, and whether the mode was asked for by name. The default gives way to
+    threads for work the worker cannot take (storage of this process, an object that
+    does not pickle), logging why once; a mode asked for by name fails instead."""
+
+    name: str
+    max_bandwidth: int | None = None
+    explicit: bool = False
+
+
+def check_mode(persist: object, max_bandwidth: object) -> Mode:
+    """The mode ``persist`` and ``max_bandwidth`` ask for, validated. ``persist=None``
+    is the default, which is threads where a worker cannot run (no
+    ``os.posix_fallocate``, torch before 2.8)."""
+    explicit = persist is not None
     available = hasattr(os, "posix_fallocate") and StateDictStager is not None
     if persist is None:
         persist = DEFAULT_MODE if available else "thread"
@@ -83,7 +97,21 @@ def check_mode(persist: object, max_bandwidth: object) -> tuple[str, int | None]
             raise ValueError(f"max_bandwidth must be bytes/s > 0 or None, got {max_bandwidth!r}")
         if persist != "process":
             raise ValueError("max_bandwidth caps the persist worker: it needs persist='process'")
-    return str(persist), max_bandwidth
+    return Mode(str(persist), max_bandwidth, explicit)
+
+
+def for_filesystems(mode: Mode, *filesystems: FileSystemBase) -> Mode:
+    """``mode`` for work on ``filesystems``: threads when one of them lives in this
+    process (refused if ``"process"`` was asked for by name)."""
+    if mode.name != "process" or all(reachable(fs) for fs in filesystems):
+        return mode
+    if mode.explicit:
+        where = ", ".join(fs.url("") for fs in filesystems if not reachable(fs))
+        raise ValueError(
+            f"persist='process' cannot write to {where}: that storage lives in this "
+            "process; use persist='thread'"
+        )
+    return Mode("thread")
 
 
 def reachable(fs: FileSystemBase) -> bool:
@@ -92,18 +120,23 @@ def reachable(fs: FileSystemBase) -> bool:
     return not fs.url("").startswith(("dcpmem://", "memory://"))
 
 
+class NotSendable(TypeError):
+    """A call's function or arguments do not pickle, so the worker cannot run it."""
+
+
 class Lease:
     """The staging buffers, held by one save until the worker has read them (or the
     save is given up: an unreleased lease is released when it is collected)."""
 
     def __init__(self, free: threading.Event) -> None:
-        self._free = free
+        self._free: threading.Event | None = free
 
     def release(self) -> None:
-        self._free.set()
+        free, self._free = self._free, None  # once: the next save may hold the event
+        if free is not None:
+            free.set()
 
-    def __del__(self) -> None:
-        self._free.set()
+    __del__ = release
 
 
 class Worker:
@@ -245,7 +278,7 @@ class Worker:
             try:
                 data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:
-                raise TypeError(
+                raise NotSendable(
                     f"cannot send {getattr(fn, '__qualname__', fn)} to the persist worker: "
                     f"{type(exc).__name__}: {exc}. Transforms and filesystems must pickle "
                     "(defined at module level, importable); or save with persist='thread'"
@@ -318,25 +351,35 @@ def worker() -> Worker:
         return _worker
 
 
-def mode_for(options: dict[str, Any], *filesystems: FileSystemBase) -> tuple[str, int | None]:
-    """The persist mode and cap that writer ``options`` (a manager's) ask for, for work
-    on ``filesystems``: the default falls back to threads when one of them lives in this
-    process (an explicit ``"process"`` was refused when the writer options were checked)."""
-    mode, cap = check_mode(options.get("persist"), options.get("max_bandwidth"))
-    if mode == "process" and not all(reachable(fs) for fs in filesystems):
-        return "thread", None
-    return mode, cap
+def mode_for(options: dict[str, Any], *filesystems: FileSystemBase) -> Mode:
+    """The mode writer ``options`` (a manager's) ask for, for work on ``filesystems``."""
+    mode = check_mode(options.get("persist"), options.get("max_bandwidth"))
+    return for_filesystems(mode, *filesystems)
 
 
-def run(mode: tuple[str, int | None], fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)``, here or, with ``mode`` ``("process", cap)``, in the
-    worker (writes capped at ``cap``, a ``pace`` argument replaced by the worker's
-    pause); raises what it raised."""
-    if mode[0] != "process":
-        return fn(*args, **kwargs)
-    if "pace" in kwargs:
-        kwargs["pace"] = PAUSE
-    return worker().call(fn, *args, max_bandwidth=mode[1], **kwargs).result()
+def run(mode: Mode, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``: in the worker when ``mode`` says so (writes capped, a
+    ``pace`` argument replaced by the worker's pause), else here; raises what it raised."""
+    if mode.name == "process":
+        there = dict(kwargs, pace=PAUSE) if "pace" in kwargs else kwargs
+        try:
+            future = worker().call(fn, *args, max_bandwidth=mode.max_bandwidth, **there)
+        except NotSendable as exc:
+            if mode.explicit:
+                raise
+            _fall_back(exc)
+        else:
+            return future.result()
+    return fn(*args, **kwargs)
+
+
+def _fall_back(exc: NotSendable) -> None:
+    if str(exc) not in _fell_back:  # once per cause: a save every few steps would flood
+        _fell_back.add(str(exc))
+        log.warning("%s; this work runs in the training process instead", exc)
+
+
+_fell_back: set[str] = set()
 
 
 # --- a save's data writes ---------------------------------------------------------------
@@ -359,20 +402,28 @@ def item_ref(pool: StagingPool | None, item: WriteItem, data: object) -> tuple[A
 def write_staged(
     writer: Any, files: list[Any], threads: int, planner: Any, lease: Lease
 ) -> list[Any]:
-    """Run ``writer``'s data writes in the worker (the staged state is in its buffers);
-    releases ``lease`` once the worker is done with them."""
+    """Run ``writer``'s data writes in the worker (the staged state is in its buffers;
+    with the default mode, here when the writer does not pickle); releases ``lease``
+    once the worker is done with them."""
     from storage.checkpoint.persist._child import write_files
 
     w = worker()
+    mode: Mode = writer.persist_mode
     try:
         refs = {
             item.index: item_ref(w.pool, item, planner.resolve_data(item))
             for _, items in files
             for item in items
         }
-        future = w.call(
-            write_files, writer, files, threads, refs, max_bandwidth=writer.max_bandwidth
-        )
+        try:
+            future = w.call(
+                write_files, writer, files, threads, refs, max_bandwidth=mode.max_bandwidth
+            )
+        except NotSendable as exc:
+            if mode.explicit:
+                raise
+            _fall_back(exc)
+            return list(writer.write_files(files, threads, planner))
         try:
             per_file, written = future.result()
         except WorkerDiedError:
