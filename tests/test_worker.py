@@ -15,6 +15,9 @@ from typing import IO, Any
 
 import pytest
 import torch
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import extensions
 import storage
@@ -23,6 +26,7 @@ from extensions.errors import CheckpointStorageError, WorkerDiedError
 from storage.checkpoint import persist
 from storage.checkpoint.persist import _shm
 from tests.conftest import assert_tree_equal, zeros_like_tree
+from tests.distributed import gloo_group
 
 KEY = bytes(range(7, 39))
 ROOT = Path(__file__).resolve().parents[1]
@@ -335,6 +339,33 @@ def test_max_bandwidth_caps_the_workers_writes(tmp_path: Path, worker: persist.W
     assert time.monotonic() - start >= 0.4  # 1 MiB at 2 MiB/s, less the bucket's 50 ms
 
 
+# --- two ranks ----------------------------------------------------------------------------
+
+
+def _two_rank_saver(rank: int, store: str, path: str) -> None:
+    with gloo_group(rank, 2, store):
+        mesh = init_device_mesh("cpu", (2,))
+        full = torch.arange(512 * 256, dtype=torch.float32).reshape(512, 256)
+        state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": 3}
+        storage.async_save(state, path, persist="process").result()
+        assert persist.worker().pid not in (None, os.getpid())
+        out = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]), "step": 0}
+        storage.load(out, path)
+        assert torch.equal(out["w"].full_tensor(), full) and out["step"] == 3
+        # Rank 1's transform fails in its worker: every rank hears it, naming rank 1.
+        chain = [Refuses()] if rank == 1 else []
+        fut = storage.async_save(state, path + "-bad", transforms=chain, persist="process")
+        with pytest.raises(Exception, match="rank 1.*refuses every item"):
+            fut.result()
+        persist.worker().close()  # gloo_group ends the process with os._exit: no atexit
+
+
+def test_two_ranks_save_through_their_own_workers(tmp_path: Path) -> None:
+    """DTensor shards staged in each rank's shared memory and written by each rank's
+    worker, DCP's collectives in the training processes; a worker's error names its rank."""
+    mp.spawn(_two_rank_saver, args=(str(tmp_path / "store"), str(tmp_path / "ckpt")), nprocs=2)
+
+
 # --- tiers: the drain runs in the worker --------------------------------------------------
 
 
@@ -365,6 +396,47 @@ def test_tiered_drain_runs_in_the_worker_and_survives_its_death(
     mgr.save(2, state)
     mgr.wait()
     assert mgr.durable_steps() == [1, 2]
+
+
+def paced_marks(path: str, pace: Any) -> int:
+    """Run in the worker: mark ``path`` once past the first ``pace()``."""
+    pace()
+    Path(path).touch()
+    return 1
+
+
+def test_a_save_in_the_foreground_pauses_paced_work_in_the_worker(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    mark = tmp_path / "passed"
+    worker.foreground(True)
+    try:
+        fut = worker.call(paced_marks, str(mark), pace=persist.PAUSE)
+        time.sleep(0.5)
+        assert not fut.done() and not mark.exists()  # held at its pace
+    finally:
+        worker.foreground(False)
+    assert fut.result(timeout=60) == 1 and mark.exists()
+
+
+def test_a_tiered_save_holds_the_foreground_until_its_local_commit(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    mgr = storage.CheckpointManager(
+        tmp_path / "root", local=tmp_path / "local", transforms=[Gate(str(gate))]
+    )
+    mgr.wait()
+    fut = mgr.save(1, big_state(), blocking=False)
+    assert fut is not None
+    wait_for(gate / "started")
+    assert worker._foreground == 1  # the drain's copies in the worker wait meanwhile
+    (gate / "open").touch()
+    fut.result(timeout=60)
+    assert worker._foreground == 0
+    mgr.wait()
+    assert mgr.durable_steps() == [1]
 
 
 # --- shared memory is removed -------------------------------------------------------------

@@ -150,6 +150,7 @@ class Worker:
         self._pending: dict[int, concurrent.futures.Future[Any]] = {}
         self._ids = itertools.count()
         self._unreported: WorkerDiedError | None = None
+        self._foreground = 0  # saves in the foreground: the worker's pace pauses
         self._free = threading.Event()
         self._free.set()
         self.pool: StagingPool | None = None
@@ -178,7 +179,7 @@ class Worker:
         finally:
             theirs.close()  # the worker's end lives only in the worker: its death is EOF here
         conn = Connection(ours.detach())
-        conn.send_bytes(pickle.dumps(("init", list(sys.path), NICE)))
+        conn.send_bytes(pickle.dumps(("init", list(sys.path), NICE, self._foreground > 0)))
         self._proc, self._conn = proc, conn
         threading.Thread(
             target=self._read, args=(proc, conn), name="dcp-persist-reader", daemon=True
@@ -290,6 +291,21 @@ class Worker:
         except OSError:
             pass  # the reader sees the worker gone and fails the future
         return future
+
+    def foreground(self, busy: bool) -> None:
+        """Count a save in (``True``) or out of the foreground: while one is, calls
+        that pace themselves with :data:`PAUSE` wait (a tiered manager's drain while
+        its save writes the local tier). Starts no worker."""
+        with self._lock:
+            self._foreground += 1 if busy else -1
+            conn = self._conn
+            message = pickle.dumps(("foreground", self._foreground > 0))
+        if conn is not None:
+            try:
+                with self._send_lock:
+                    conn.send_bytes(message)
+            except OSError:
+                pass  # a dead worker: the reader reports it
 
     def stage(self, state_dict: Any) -> tuple[Any, Lease]:
         """Copy ``state_dict`` into the staging buffers, once the previous save that

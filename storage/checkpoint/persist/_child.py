@@ -7,8 +7,9 @@ torch, and every write it makes to storage goes through one token bucket when a
 bandwidth cap is set. It exits when the training process closes the socket or dies.
 
 Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
-``("init", sys_path, nice)``, ``("call", id, fn, args, kwargs, options)``,
-``("close",)``; replies ``("ok", id, result)`` and ``("error", id, payload)``.
+``("init", sys_path, nice, foreground)``, ``("call", id, fn, args, kwargs, options)``,
+``("foreground", busy)``, ``("close",)``; replies ``("ok", id, result)`` and
+``("error", id, payload)``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from storage.checkpoint.persist._shm import map_segment
 
 
 class Pause:
-    """Stands for the worker's pause as a ``pace`` argument: it blocks while a save's
-    writes run in this worker, so they get the disk and the cores first."""
+    """Stands for the worker's pause as a ``pace`` argument: it blocks while the
+    training process says a save is in the foreground (a tiered manager's save writing
+    its local tier), so that save gets the disk and the cores first."""
 
 
 def rebuild(ref: tuple[Any, ...]) -> object:
@@ -77,11 +79,7 @@ def write_files(
     """A save's data writes, run here: the writer's own code with the staged data;
     returns the results and the data files written."""
     limit_writes(writer.fs)
-    _begin_write()
-    try:
-        per_file = writer.write_files(files, threads, _Resolved(refs))
-    finally:
-        _end_write()
+    per_file = writer.write_files(files, threads, _Resolved(refs))
     return per_file, list(writer._written)
 
 
@@ -89,8 +87,8 @@ def write_files(
 
 _maps: dict[str, mmap.mmap] = {}
 _maps_lock = threading.Lock()
-_writes = 0
-_writes_idle = threading.Condition()
+_foreground = False
+_foreground_changed = threading.Condition()
 
 
 def _mapping(name: str) -> mmap.mmap:
@@ -107,22 +105,16 @@ def _keep_mapped(live: list[str]) -> None:
             del _maps[name]  # unmapped once no tensor of a running call uses it
 
 
-def _begin_write() -> None:
-    global _writes
-    with _writes_idle:
-        _writes += 1
-
-
-def _end_write() -> None:
-    global _writes
-    with _writes_idle:
-        _writes -= 1
-        _writes_idle.notify_all()
+def _set_foreground(busy: bool) -> None:
+    global _foreground
+    with _foreground_changed:
+        _foreground = busy
+        _foreground_changed.notify_all()
 
 
 def _pause() -> None:
-    with _writes_idle:
-        _writes_idle.wait_for(lambda: _writes == 0)
+    with _foreground_changed:
+        _foreground_changed.wait_for(lambda: not _foreground)
 
 
 class _Bucket:
@@ -204,6 +196,9 @@ class _Server:
                 continue
             if message[0] == "close":
                 return
+            if message[0] == "foreground":
+                _set_foreground(message[1])
+                continue
             _, call_id, fn, args, kwargs, options = message
             self._calls.submit(self._run, call_id, fn, args, kwargs, options)
 
@@ -244,8 +239,9 @@ def _error_payload(exc: BaseException) -> tuple[bytes | None, str, str, str]:
 
 def main(fd: int) -> None:
     conn = Connection(fd)
-    tag, sys_path, nice = pickle.loads(conn.recv_bytes())
+    tag, sys_path, nice, foreground = pickle.loads(conn.recv_bytes())
     assert tag == "init"
+    _set_foreground(foreground)
     sys.path[:] = sys_path  # the training process's imports (user transforms) resolve here
     if nice:
         os.nice(nice)  # before any thread starts: threads inherit it
