@@ -10,7 +10,7 @@ from typing import IO, Any, TypeVar
 
 from extensions._compat import TorchExtensionRegistry
 from extensions.base import ItemInfo, StreamTransformExtension
-from extensions.errors import CheckpointStorageError, UnknownTransformError, quote
+from extensions.errors import CheckpointStorageError, UnknownTransformError, printable, quote
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +103,8 @@ class ExtensionRegistry:
         except (ValueError, KeyError) as exc:
             raise UnknownTransformError(
                 f"{info.checkpoint}: item {quote(info.item)}: cannot decode descriptor "
-                f"{quote(descriptor)}: {exc}. A newer dcp-storage or the transform's plugin "
-                "may be needed."
+                f"{quote(descriptor)}: {printable(str(exc), 200)}. A newer dcp-storage or the "
+                "transform's plugin may be needed."
             ) from exc
 
     def from_descriptor_list(self, descriptors: Sequence[str]) -> list[Any]:
@@ -204,9 +204,10 @@ def _builtin_classes() -> dict[str, type]:
         pass
     try:
         from extensions.shuffle import ByteShuffle
+        from extensions.weights import WeightCodec
 
-        classes.append(ByteShuffle)
-    except ImportError:
+        classes += [ByteShuffle, WeightCodec]
+    except ImportError:  # numpy is a core dependency; kept optional like the others
         pass
     return {c.registry_name(): c for c in classes}  # type: ignore[attr-defined]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+import pathlib
 import pickle
 from typing import Any
 
@@ -171,17 +172,48 @@ class FileSystemTests:
         fs.write_atomic(fresh, b"ok", exclusive=True)
         assert self.bypass_read(fs, fresh) == b"ok"
 
-    def test_rename_per_capability(self, fs: FileSystemBase, root: str) -> None:
+    def test_rename_moves_one_object(self, fs: FileSystemBase, root: str) -> None:
         src, dst = fs.concat_path(root, "src"), fs.concat_path(root, "dst")
         self.bypass_write(fs, src, b"payload")
-        if not fs.atomic_rename:
-            with pytest.raises(NotImplementedError):
-                fs.rename(src, dst)
-            return
         self.bypass_write(fs, dst, b"old")
         fs.rename(src, dst)
         assert self.bypass_read(fs, dst) == b"payload"
         assert not fs.exists(src)
+        with pytest.raises(FileNotFoundError):
+            fs.rename(src, fs.concat_path(root, "elsewhere"))
+
+    # --- paths as callers of torch's filesystems give them ------------------------------
+
+    def test_urls_are_taken_wherever_a_path_is(self, fs: FileSystemBase, root: str) -> None:
+        """``writer.fs.rm_file("s3://bucket/key")``, ``fs.exists(Path(...))``: every
+        method that takes a path takes the backend's URL (or an ``os.PathLike`` where
+        the backend has no scheme), and never doubles the scheme."""
+
+        def given(path: str) -> Any:  # what the methods' hints do not show, on purpose
+            url = fs.url(path)
+            return url if "://" in url else pathlib.Path(url)
+
+        path = fs.concat_path(root, "obj.bin")
+        with fs.create_stream(given(path), "wb") as stream:
+            stream.write(b"payload")
+        assert self.bypass_read(fs, path) == b"payload"
+        assert fs.concat_path(given(root), "obj.bin") == path
+        assert fs.url(given(path)) == fs.url(path)
+        assert fs.exists(given(path)) and fs.size(given(path)) == 7
+        assert fs.read_bytes(given(path)) == b"payload"
+        with fs.open_slice(given(path), 1, 3) as view:
+            assert view.read() == b"ayl"
+        assert fs.ls(given(root)) == ["obj.bin"]
+        moved = fs.concat_path(root, "moved.bin")
+        fs.rename(given(path), given(moved))
+        assert self.bypass_read(fs, moved) == b"payload"
+        fs.write_atomic(given(path), b"again")
+        fs.rm_file(given(moved))
+        assert not fs.exists(moved)
+        with pytest.raises(FileNotFoundError) as info:
+            fs.rm_file(given(moved))
+        scheme = fs.url(moved).partition("://")[0]
+        assert f"{scheme}://{scheme}://" not in str(info.value)
 
     # --- pickling ----------------------------------------------------------------------
 

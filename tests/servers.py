@@ -9,6 +9,8 @@
   the body bytes of GET responses and answers with faults (503 SlowDown, 500, a GCS
   JSON error, a connection reset, a truncated body, a delay) for requests matched by
   method and path regex, a count and a probability drawn from a seeded RNG.
+* :class:`tests.capped_proxy.CappedProxy` (a module of its own) is a TCP relay that caps
+  bandwidth and adds latency per request: a bucket shared by many ranks.
 """
 
 from __future__ import annotations
@@ -333,13 +335,18 @@ def gcs_list(endpoint: str, bucket: str, prefix: str) -> list[str]:
 class Fault:
     """Answer matching requests with ``kind`` instead of (or on top of) the server's.
 
-    ``kind``: ``"503"`` (S3 SlowDown), ``"500"`` (S3 InternalError), ``"gcs503"`` (a
-    GCS JSON error), ``"reset"`` (connection reset, no response), ``"corrupt"`` (one
+    ``kind``: ``"503"`` (S3 SlowDown), ``"500"`` (S3 InternalError), ``"gcs503"`` and
+    ``"gcs404"`` (GCS JSON errors), ``"reset"`` (connection reset, no response), ``"corrupt"`` (one
     bit of the request body flipped on its way to the server), ``"truncate"`` (the
     response body cut at half, then the connection reset: the client may lose bytes it
     was sent), ``"cut"`` (the body cut at half, then the connection closed cleanly: the
-    client gets every byte sent), ``"delay"`` (``delay`` seconds, then forwarded).
-    ``count`` limits how many requests it hits (None: all)."""
+    client gets every byte sent), ``"delay"`` (``delay`` seconds, then forwarded),
+    ``"trickle"`` (headers at once, then the body at ``rate`` bytes per second: every
+    socket read succeeds, so only a deadline stops the client), ``"whole"`` (a ranged
+    GET forwarded without its ``Range``: ``200`` and the whole object), ``"shift"`` (a
+    ranged GET forwarded as the range of the same length from byte 0: a ``206`` whose
+    ``Content-Range`` names other bytes than those asked for). ``count`` limits how many
+    requests it hits (None: all)."""
 
     kind: str
     method: str | None = None
@@ -347,6 +354,7 @@ class Fault:
     count: int | None = None
     probability: float = 1.0
     delay: float = 0.0
+    rate: float = 2.0
     hits: int = 0
 
     def matches(self, method: str, target: str) -> bool:
@@ -378,6 +386,7 @@ class _State:
     arrivals: list[tuple[str, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     rng: random.Random = field(default_factory=random.Random)
+    closed: threading.Event = field(default_factory=threading.Event)
 
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "expect"}
@@ -440,10 +449,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.close()
 
     def _answer_error(self, kind: str) -> None:
-        if kind == "gcs503":
-            status = 503
+        if kind in ("gcs503", "gcs404"):
+            status = int(kind[-3:])
+            message = "Backend Error" if status == 503 else "Not Found"
             body = json.dumps(
-                {"error": {"code": 503, "message": "Backend Error", "errors": []}}
+                {"error": {"code": status, "message": message, "errors": []}}
             ).encode()
             ctype = "application/json"
         else:
@@ -467,12 +477,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.state.arrivals.append((self.command, self.path))
         fault = self._pick_fault()
         kind = fault.kind if fault else None
-        if fault is not None and kind == "delay":
-            time.sleep(fault.delay)
+        if fault is not None and kind == "delay" and self.server.state.closed.wait(fault.delay):
+            self._reset()  # the proxy closed meanwhile: the request never reaches the server
+            return
         if kind == "corrupt" and body:
             middle = len(body) // 2
             body = body[:middle] + bytes([body[middle] ^ 0x01]) + body[middle + 1 :]
-        if kind in ("503", "500", "gcs503"):
+        if kind in ("503", "500", "gcs503", "gcs404"):
             assert kind is not None
             self._answer_error(kind)
             self._record(int(kind[-3:]), 0, kind)
@@ -482,6 +493,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reset()
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+        if kind in ("whole", "shift"):
+            headers = _rewrite_range(headers, kind)
         if body or self.command in ("PUT", "POST"):
             headers["Content-Length"] = str(len(body))
         host, port = self.server.state.upstream
@@ -510,7 +523,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             limit = total // 2 if kind in ("truncate", "cut") else total
             sent = 0
-            if payload is not None:
+            if kind == "trickle":
+                assert fault is not None
+                sent = self._trickle(payload if payload is not None else resp.read(), fault.rate)
+            elif payload is not None:
                 self.wfile.write(payload[:limit])
                 sent = min(limit, len(payload))
             else:
@@ -530,7 +546,36 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             upstream.close()
 
+    def _trickle(self, payload: bytes, rate: float) -> int:
+        """Send ``payload`` a byte at a time, ``rate`` bytes per second, until it is all
+        sent, the client hangs up or the proxy closes."""
+        sent = 0
+        closed = self.server.state.closed
+        while sent < len(payload) and not closed.wait(1.0 / rate):
+            try:
+                self.wfile.write(payload[sent : sent + 1])
+                self.wfile.flush()
+            except OSError:
+                break
+            sent += 1
+        self.close_connection = True
+        return sent
+
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _proxy
+
+
+def _rewrite_range(headers: dict[str, str], kind: str) -> dict[str, str]:
+    """``headers`` without their ``Range`` (``"whole"``) or with it moved to byte 0
+    (``"shift"``)."""
+    name = next((k for k in headers if k.lower() == "range"), None)
+    if name is None:
+        return headers
+    value = headers.pop(name)
+    if kind == "shift":
+        first, _, last = value.removeprefix("bytes=").partition("-")
+        length = int(last) - int(first) if last else 0
+        headers[name] = f"bytes=0-{length}" if last else "bytes=0-"
+    return headers
 
 
 class _ProxyServer(ThreadingHTTPServer):
@@ -602,6 +647,7 @@ class FaultProxy:
         return best
 
     def close(self) -> None:
+        self._server.state.closed.set()
         self._server.shutdown()
         self._server.server_close()
 

@@ -146,6 +146,17 @@ def test_cp_transcodes_to_zstd_and_aes(root: Path, tmp_path: Path) -> None:
         storage.load(_blank(), str(dst))  # really encrypted
 
 
+def test_cp_transcodes_to_the_weight_codec(root: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "weights"
+    proc = cli("cp", str(root / "step-2"), str(dst), "--transform", "weights")
+    assert proc.returncode == 0, proc.stderr
+    assert "dcp_storage.weights" in proc.stdout
+    out = _blank()
+    storage.load(out, str(dst))
+    assert torch.equal(out["model"]["w"], _state(2)["model"]["w"])
+    assert out["optim"] == {"lr": 0.1, "step": 2}
+
+
 def test_rm_removes_a_checkpoint(root: Path) -> None:
     proc = cli("rm", str(root / "step-1"))
     assert proc.returncode == 0, proc.stderr
@@ -407,3 +418,76 @@ def test_stock_checkpoint_verify_and_cp(tmp_path: Path, capsys: pytest.CaptureFi
     storage.load(out, str(dst))
     assert torch.equal(out["layer.weight"], expected["layer.weight"])
     assert out["optim"]["betas"] == [0.9, 0.999]
+
+
+# --- gc and the uploads of killed saves (issue 19, item 16) ----------------------------
+
+_KILLED_SAVE = """
+import sys, torch, storage
+options = {"endpoint_url": sys.argv[2], "key": "testing", "secret": "testing"}
+fs = storage.S3FileSystem(storage_options=options, part_size=5 << 20)
+storage.save({"w": torch.randn(3 << 20)}, sys.argv[1], filesystem=fs)  # 12 MiB: 3 parts
+"""
+
+
+@pytest.mark.parametrize("server", ["moto", "seaweedfs"])
+def test_gc_finds_and_aborts_the_uploads_of_a_killed_save(
+    server: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, a save killed mid-upload left its multipart upload open (its parts billed,
+    invisible to every listing) and nothing reported it."""
+    import uuid
+
+    from tests.servers import (
+        FaultProxy,
+        ServerUnavailable,
+        boto3_client,
+        create_bucket,
+        open_uploads,
+        s3_endpoint,
+    )
+
+    try:
+        endpoint = s3_endpoint(server)
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    create_bucket(endpoint, "cli-uploads")
+    prefix = f"{uuid.uuid4().hex}/run"
+    root = f"s3://cli-uploads/{prefix}"
+    s3 = boto3_client(endpoint)
+    with FaultProxy(endpoint) as proxy:
+        proxy.add("delay", method="POST", path=r"uploadId=", delay=300.0)  # never completes
+        save = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, f"{root}/step-1", proxy.url])
+        try:
+            deadline = time.monotonic() + 120
+            while not any(m == "POST" and "uploadId=" in t for m, t in proxy.arrivals):
+                assert save.poll() is None and time.monotonic() < deadline, "the save never began"
+                time.sleep(0.2)
+        finally:
+            save.kill()  # mid-save: every part is up, the upload is never completed
+            save.wait()
+    assert len(open_uploads(s3, "cli-uploads", prefix)) == 1
+    # Not a checkpoint file: not gc's to report or abort.
+    s3.create_multipart_upload(Bucket="cli-uploads", Key=f"{prefix}/notes.bin")
+    options = [
+        f"--storage-option=endpoint_url={endpoint}",
+        "--storage-option=key=testing",
+        "--storage-option=secret=testing",
+    ]
+    gc = ["gc", root, "--keep-last", "1", *options, "--json"]
+    if server == "seaweedfs":  # moto dates every upload 2010-11-10: all look stale
+        assert main([*gc, "--abort-uploads"]) == 0  # the default grace: too young
+        assert json.loads(capsys.readouterr().out)["uploads"] == []
+    assert main([*gc, "--grace", "0"]) == 0
+    listed = json.loads(capsys.readouterr().out)["uploads"]
+    assert [u["url"] for u in listed] == [f"{root}/step-1/" + _only_data_file(s3, prefix)]
+    assert listed[0]["aborted"] is False and open_uploads(s3, "cli-uploads", prefix)
+    assert main([*gc, "--grace", "0", "--abort-uploads"]) == 0
+    assert json.loads(capsys.readouterr().out)["uploads"][0]["aborted"] is True
+    assert open_uploads(s3, "cli-uploads", prefix) == [f"{prefix}/notes.bin"]
+
+
+def _only_data_file(s3: Any, prefix: str) -> str:
+    listing = s3.list_multipart_uploads(Bucket="cli-uploads", Prefix=prefix)
+    (key,) = [u["Key"] for u in listing["Uploads"] if u["Key"].endswith(".distcp")]
+    return str(key).rsplit("/", 1)[1]

@@ -11,14 +11,19 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 import storage
 from extensions import ZStandard
 from storage import S3FileSystem
+from storage.checkpoint.deadline import DeadlineExceededError
 from tests.servers import (
     FaultProxy,
     boto3_client,
     create_bucket,
+    fake_gcs_endpoint,
+    gcs_create_bucket,
+    gcs_options,
     list_keys,
     moto_endpoint,
     open_uploads,
@@ -130,3 +135,95 @@ def test_permanent_fault_fails_bounded_and_leaves_nothing(proxy: FaultProxy, dir
         re.sub(r"\?x-id=\w+$", "", r.target) for r in proxy.records if r.fault
     )
     assert attempts and max(attempts.values()) <= ATTEMPTS
+
+
+# --- ranged answers that are not the range asked for (issue 19, item 12) ---------------
+
+
+def _stock_checkpoint(backend: str, url: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """Items a and b (same shape, other values) in one data file written by stock DCP
+    (no checksums), straight to the server; the filesystem that reads through the proxy."""
+    state = {"a": torch.full((256,), 1.0), "b": torch.full((256,), 2.0)}
+    if backend == "gcs":
+        server = fake_gcs_endpoint()
+        gcs_create_bucket(server, BUCKET)
+        dcp.save(state, storage_writer=FsspecWriter(url, **gcs_options(server)))
+    else:
+        server = moto_endpoint()
+        dcp.save(state, storage_writer=FsspecWriter(url, **s3_options(server)))
+    return state, server
+
+
+@pytest.mark.parametrize("kind", ["whole", "shift"])
+@pytest.mark.parametrize("backend", ["direct", "s3fs", "fsspec", "gcs"])
+def test_a_ranged_get_answered_with_other_bytes_is_refused(kind: str, backend: str) -> None:
+    """Before, the S3 direct path read a ``200`` (the whole object) to b's ranged GET as
+    b's bytes, and every path read a ``206`` for another range as asked: a stock
+    checkpoint loaded item a's values into b without a word."""
+    scheme = "gs" if backend == "gcs" else "s3"
+    url = f"{scheme}://{BUCKET}/{uuid.uuid4().hex}/ckpt"
+    state, server = _stock_checkpoint(backend, url)
+    with FaultProxy(server) as proxy:
+        fs: Any
+        if backend == "gcs":
+            fs = storage.GCSFileSystem(storage_options=gcs_options(proxy.url))
+        elif backend == "fsspec":
+            fs = storage.FsspecFileSystem(storage_options=s3_options(proxy.url), protocol="s3")
+        else:
+            fs = _fs(proxy, direct=backend == "direct")
+        target = {"b": torch.zeros(256)}  # b alone: its GET starts past byte 0
+        storage.load(target, url, filesystem=fs)
+        assert torch.equal(target["b"], state["b"])
+        proxy.add(kind, method="GET", path=r"\.distcp")
+        if backend == "fsspec" and kind == "shift":
+            # fsspec hands back the body alone: the same number of other bytes cannot be
+            # told apart there (docs/backends.md); the S3 and GCS backends check headers.
+            return
+        with pytest.raises(OSError, match="ignored the range|not the bytes asked for"):
+            storage.load(target, url, filesystem=fs)
+        # A range from byte 0 answered with the whole object is the range asked for.
+        proxy.clear()
+        proxy.add("whole", method="GET", path=r"\.distcp")
+        target = {"a": torch.zeros(256)}
+        storage.load(target, url, filesystem=fs)
+        assert torch.equal(target["a"], state["a"])
+
+
+# --- every request inside timeout= (issue 19, item 13) -----------------------------------
+
+STALLS = {
+    # (what stalls, fault, method, target): before, each blocked past the deadline.
+    "load: reading .metadata (2 B/s)": ("load", "trickle", "GET", r"/\.metadata"),
+    "load: checking the base": ("load-incremental", "delay", "HEAD", r"/base/\.metadata"),
+    "save: is a checkpoint there?": ("save-exclusive", "delay", "HEAD", r"/ckpt/\.metadata"),
+    "save: reading the base (2 B/s)": ("save-incremental", "trickle", "GET", r"/base/\.metadata"),
+    "save: listing before the commit (2 B/s)": ("save", "trickle", "GET", r"list-type=2"),
+    "save: publishing .metadata": ("save", "delay", "PUT", r"/ckpt/\.metadata"),
+}
+
+
+@pytest.mark.parametrize("case", list(STALLS), ids=list(STALLS))
+def test_timeout_covers_every_request_of_a_save_or_load(proxy: FaultProxy, case: str) -> None:
+    what, kind, method, target = STALLS[case]
+    root = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    server = S3FileSystem(storage_options=s3_options(moto_endpoint()))
+    state = {"w": torch.randn(1000)}
+    storage.save(state, f"{root}/base", filesystem=server, fingerprint=True)
+    if what.startswith("load"):
+        if what == "load-incremental":
+            storage.save(state, f"{root}/ckpt", filesystem=server, base=f"{root}/base")
+        else:
+            storage.save(state, f"{root}/ckpt", filesystem=server)
+    # The default socket timeouts (60 s between bytes) never fire on a trickle.
+    fs = S3FileSystem(storage_options=s3_options(proxy.url))
+    proxy.add(kind, method=method, path=target, delay=60.0)
+    with pytest.raises(DeadlineExceededError, match=r"within the 2 s deadline") as info:
+        if what.startswith("load"):
+            storage.load({"w": torch.zeros(1000)}, f"{root}/ckpt", filesystem=fs, timeout=2)
+        else:
+            base = {"base": f"{root}/base"} if what == "save-incremental" else {}
+            overwrite = what != "save-exclusive"
+            storage.save(
+                state, f"{root}/ckpt", filesystem=fs, timeout=2, overwrite=overwrite, **base
+            )
+    assert info.value.url is not None and info.value.url.startswith(f"{root}/")

@@ -3,6 +3,7 @@ retried and cancelled, ranged GETs resumed from the next byte, bytes on the wire
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -213,3 +214,28 @@ def test_buffer_pool_keeps_what_fits() -> None:
     assert pool.take(8) is eight and len(pool.take(8)) == 8
     pool.clear()
     assert pool._idle == []
+
+
+def test_deadlines_cancel_stalled_uploads_and_reads(proxy: FaultProxy) -> None:
+    """Before: a chunk upload or ranged GET that got no answer kept its worker thread
+    (for the upload, inside torch's archive writer) in the request past the deadline,
+    where it woke up when the process exited, and crashed it. Now both requests are
+    cancelled and the workers joined before the deadline error is raised."""
+    fs = _fs(proxy)
+    url = f"gs://{BUCKET}/{uuid.uuid4().hex}"
+    storage.save(_state(), url + "/good", filesystem=fs)
+    proxy.add("delay", method="PUT", path=r"/upload/", delay=600.0)
+    proxy.add("delay", method="GET", path=r"\.distcp", delay=600.0)
+    with pytest.raises(storage.DeadlineExceededError, match="saving item 'big"):
+        storage.save(_state(), url + "/bad", filesystem=fs, timeout=2)
+    assert _workers() == []
+    with pytest.raises(storage.DeadlineExceededError, match="loading item"):
+        storage.load(_state(), url + "/good", filesystem=fs, timeout=2)
+    assert _workers() == []
+    proxy.clear()
+    assert not [k for k in gcs_list(proxy.url, BUCKET, _prefix(url) + "/bad") if "metadata" in k]
+
+
+def _workers() -> list[str]:
+    names = ("dcp-storage-saving", "dcp-storage-loading")
+    return [t.name for t in threading.enumerate() if t.name.startswith(names)]

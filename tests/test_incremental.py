@@ -115,6 +115,27 @@ def test_manager_round_trip_chain_and_full_every(tmp_path: Path) -> None:
         assert_tree_equal(out, _state(step))
 
 
+def test_manager_never_bases_on_a_rank_local_step(tmp_path: Path, caplog: Any) -> None:
+    # Issue 19, item 9. Before: the newest step, committed only by __0.metadata, was
+    # picked as the base and every later save failed ("not a committed checkpoint (no
+    # .metadata)"), though the docs say rank-local steps are never bases.
+    caplog.set_level(logging.INFO, logger="storage.ops.manager")
+    mgr = storage.CheckpointManager(tmp_path, incremental=True)
+    mgr.save(1, _state(1))
+    writer = storage.CheckpointWriter(tmp_path / "step-2", fingerprint=True)
+    dcp.save(_state(2), storage_writer=writer, no_dist=True, use_collectives=False)
+    assert mgr.steps() == [1, 2]
+    mgr.save(3, _state(3))  # a full save: step-2 is no base
+    mgr.save(4, _state(4))
+    assert set(_refs(tmp_path / "step-3").values()) == {None}
+    assert "step 2 is no base (it is committed only by rank-local metadata)" in caplog.text
+    assert _refs(tmp_path / "step-4")["base.w"] == "step-3"
+    for step in (3, 4):
+        out = _blank()
+        assert mgr.load(out, step) == step
+        assert_tree_equal(out, _state(step))
+
+
 def test_retention_keeps_referenced_bases(tmp_path: Path, caplog: Any) -> None:
     caplog.set_level(logging.INFO, logger="storage.ops.manager")
     mgr = storage.CheckpointManager(tmp_path, keep_last=1, incremental=True)

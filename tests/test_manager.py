@@ -17,7 +17,8 @@ import torch
 import storage
 from extensions.errors import CheckpointNotFoundError
 from extensions.zstd import ZStandard
-from storage.checkpoint.layout import delete_checkpoint, parse_step
+from storage.checkpoint.deletion import delete_checkpoint
+from storage.checkpoint.layout import is_metadata_name, parse_step
 from storage.ops.manager import CheckpointManager
 
 
@@ -262,6 +263,51 @@ def test_cleanup_keeps_leftovers_of_unknown_age() -> None:
         assert fs.exists(fs.concat_path(mgr.step_path(5), "__0_0-a.distcp"))
     else:  # a memory backend that records times ages like any other
         assert mgr.cleanup(grace_seconds=3600) == []
+
+
+class _CountsMetadataReads:
+    """Mixed into a backend: counts the reads of metadata files (``create_stream`` in
+    ``"rb"``, which ``read_bytes`` goes through on local disk and in memory)."""
+
+    reads = 0
+
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Any:
+        if mode == "rb" and is_metadata_name(path.rpartition("/")[2]):
+            self.reads += 1
+        return super().create_stream(path, mode, sync=sync)  # type: ignore[misc]
+
+
+class _CountingLocal(_CountsMetadataReads, storage.LocalFileSystem):
+    pass
+
+
+class _CountingMemory(_CountsMetadataReads, storage.MemoryFileSystem):
+    pass
+
+
+def test_gc_reads_each_step_once_per_pass(backend: tuple[str, storage.FileSystemBase]) -> None:
+    # Issue 19, item 6. Before: `gc --keep-last 1` over 40 incremental steps loaded
+    # metadata 823 times (each deletion re-read every sibling: quadratic in the steps).
+    # Now each pass (retention, cleanup, the referenced-by report) reads each step at
+    # most once: 44 reads here.
+    root, plain = backend
+    mgr = CheckpointManager(root, filesystem=plain, incremental=True)
+    frozen = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    steps = 40
+    for step in range(steps):
+        mgr.save(step, {"frozen": frozen, **_state(step)})
+    fs: _CountingLocal | _CountingMemory = (
+        _CountingMemory(plain.name)
+        if isinstance(plain, storage.MemoryFileSystem)
+        else _CountingLocal()
+    )
+    gc = CheckpointManager(root, filesystem=fs, keep_last=1)
+    # What `dcp-storage gc ROOT --keep-last 1` runs.
+    assert gc.apply_retention() == list(range(1, steps - 1))
+    assert gc.cleanup(grace_seconds=0) == []
+    assert gc.referenced_by() == {0: [steps - 1]}
+    assert gc.steps() == [0, steps - 1]
+    assert fs.reads <= 2 * steps, fs.reads
 
 
 def test_async_save_stages_and_prunes(backend: tuple[str, storage.FileSystemBase]) -> None:

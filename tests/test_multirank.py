@@ -1,12 +1,15 @@
-"""Two ranks with gloo on CPU: each saves its shard; load back resharded on 2 ranks and on 1."""
+"""Two ranks with gloo on CPU: each saves its shard; load back resharded on 2 ranks and on 1;
+what a load of a missing checkpoint asks of storage."""
 
 from __future__ import annotations
 
+import datetime
 import os
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -14,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import storage
 from extensions import ZStandard
 from tests.distributed import gloo_group
+from tests.scale_fs import ProbeFileSystem
 
 WORLD = 2
 
@@ -83,3 +87,67 @@ def test_two_rank_save_reload_on_two_and_one(tmp_path: Path, chain: str) -> None
     for key in ("w", "emb", "bias"):
         assert torch.equal(single[key], full[key]), key
     assert single["step"] == 5
+
+
+def _missing_worker(rank: int, store: str, root: str) -> None:
+    with gloo_group(rank, WORLD, store):
+        target = {"w": torch.zeros(4)}
+        for name, message in (("nope", "no checkpoint at"), ("empty", "not a committed")):
+            fs = ProbeFileSystem()
+            with pytest.raises(storage.CheckpointNotFoundError, match=message):
+                storage.load(target, os.path.join(root, name), filesystem=fs)
+            # The coordinator reads .metadata and lists the location once; the other
+            # rank asks storage nothing, not even for its rank-local metadata.
+            mine = {k: fs.requests[k] for k in ("read_bytes", "ls")}
+            assert mine == ({"read_bytes": 1, "ls": 1} if rank == 0 else {"read_bytes": 0, "ls": 0})
+        # A checkpoint committed by rank-local metadata still loads: the listing names
+        # each rank's file, which that rank alone reads.
+        writer = storage.CheckpointWriter(os.path.join(root, "local"))
+        dcp.save({"w": torch.full((4,), float(rank))}, storage_writer=writer, use_collectives=False)
+        torch.distributed.barrier()
+        fs = ProbeFileSystem()
+        storage.load(target, os.path.join(root, "local"), filesystem=fs)
+        assert torch.equal(target["w"], torch.full((4,), float(rank)))
+        mine = {k: fs.requests[k] for k in ("read_bytes", "ls")}
+        assert mine == ({"read_bytes": 2, "ls": 1} if rank == 0 else {"read_bytes": 1, "ls": 0})
+
+
+def test_missing_checkpoint_is_listed_once(tmp_path: Path) -> None:
+    """Before: loading a checkpoint that does not exist listed the location on every
+    rank (twice on the coordinator): the rank-local metadata fallback read and listed
+    again on each rank. Now the coordinator's one listing answers every rank."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("not a checkpoint")
+    mp.spawn(_missing_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD)
+    fs = ProbeFileSystem()  # one process: one read, one listing
+    with pytest.raises(storage.CheckpointNotFoundError, match="no checkpoint at"):
+        storage.load({"w": torch.zeros(4)}, str(tmp_path / "nope"), filesystem=fs)
+    assert (fs.requests["read_bytes"], fs.requests["ls"]) == (1, 1)
+
+
+def _async_beside_the_job_worker(rank: int, store: str, root: str) -> None:
+    import torch.distributed as dist
+
+    # Without a group of its own the ranks hang in mismatched collectives: the timeout
+    # turns that into an error.
+    with gloo_group(rank, WORLD, store, timeout=datetime.timedelta(seconds=60)):
+        manager = storage.CheckpointManager(root)
+        state = {f"rank{rank}": torch.full((1 << 16,), float(rank))}
+        for step in (1, 2):
+            future = manager.save(step, state, blocking=False)
+            assert future is not None
+            for _ in range(50):  # the job goes on: DDP-like all-reduces on the default group
+                dist.all_reduce(torch.ones(1 << 14))
+            future.result()
+
+
+def test_manager_async_saves_beside_the_jobs_collectives(tmp_path: Path) -> None:
+    """A manager's asynchronous save runs its collectives on a group of its own. Before,
+    they ran on the default group in a background thread while the job's all-reduces ran
+    on it too: gloo aborted a rank ('Received data size doesn't match expected size')."""
+    root = str(tmp_path / "run")
+    store = str(tmp_path / "store")
+    mp.spawn(_async_beside_the_job_worker, args=(store, root), nprocs=WORLD, join=True)
+    loaded = {"rank0": torch.zeros(1 << 16), "rank1": torch.zeros(1 << 16)}
+    assert storage.CheckpointManager(root).load(loaded) == 2
+    assert torch.equal(loaded["rank1"], torch.ones(1 << 16)) and not loaded["rank0"].any()

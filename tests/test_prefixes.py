@@ -15,11 +15,14 @@ import torch.distributed.checkpoint as dcp
 
 import storage
 from extensions.errors import UnsafeCheckpointError
-from storage.checkpoint.layout import delete_checkpoint, is_data_file_name
+from storage.checkpoint import format as fmt
+from storage.checkpoint.deletion import delete_checkpoint
+from storage.checkpoint.layout import is_data_file_name
 from storage.checkpoint.prefixes import place
 from storage.checkpoint.validate import check_relative_path
 from storage.cli import main as cli_main
 from storage.ops.manager import CheckpointManager
+from storage.ops.tools import describe
 
 
 def _state() -> dict[str, Any]:
@@ -45,6 +48,14 @@ def test_place_spreads_ranks_over_hex_prefixes() -> None:
     assert place("__300_0.distcp", 300, 4096) == "12c/__300_0.distcp"
     with pytest.raises(TypeError, match="key_prefixes"):
         storage.CheckpointWriter("x", key_prefixes=-1)
+
+
+def test_file_rank_reads_past_the_prefix() -> None:
+    # Before, the rank of a prefixed data file was read from its prefix and came out
+    # as 0: every rank's prefixed files looked like rank 0's to the tier code and to a
+    # per-rank copy.
+    assert fmt.file_rank(place(fmt.data_file_name(10, 0, "abc"), 10, 16)) == 10
+    assert fmt.file_rank("__3_1.distcp") == 3 and fmt.file_rank("other.bin") == 0
 
 
 @pytest.mark.parametrize(
@@ -130,3 +141,32 @@ def test_cli_rm_removes_prefixed_checkpoint(tmp_path: Path) -> None:
     storage.save(_state(), str(path), key_prefixes=16)
     assert cli_main(["rm", str(path)]) == 0
     assert not path.exists()
+
+
+def test_incremental_manager_with_key_prefixes(tmp_path: Path) -> None:
+    # Issue 19, item 7. Before: the second save always failed ("base ... lost
+    # '00/__0_0-....distcp' during the save"): the pre-publish check listed the base
+    # without looking into its prefix directories.
+    manager = CheckpointManager(str(tmp_path / "run"), incremental=True, key_prefixes=4)
+    manager.save(1, _state())
+    changed = _state() | {"t0": torch.ones(256, 64)}
+    manager.save(2, changed)
+    refs = {r.item: r.ref for r in describe(storage.LocalFileSystem(), manager.step_path(2)).items}
+    assert refs["t1"] == "step-1" and refs["t0"] is None
+    assert any(f.startswith("00/") for f in _files(tmp_path / "run" / "step-2"))
+    out = _blank()
+    assert manager.load(out, 2) == 2
+    assert all(torch.equal(out[k], v) for k, v in changed.items() if k != "step")
+
+
+def test_cli_cp_keeps_the_key_prefixes(tmp_path: Path) -> None:
+    # Before: a copy (and the tier drain, which copies the same way) wrote every data
+    # file flat under the destination, losing the prefixes where they matter: the bucket.
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    storage.save(_state(), str(src), key_prefixes=16)
+    assert cli_main(["cp", str(src), str(dst)]) == 0
+    data = [f for f in _files(dst) if f.endswith(".distcp")]
+    assert data and all(f.startswith("00/") for f in data)
+    copied = _blank()
+    storage.load(copied, str(dst))
+    assert all(torch.equal(copied[k], v) for k, v in _state().items() if k != "step")

@@ -1,14 +1,19 @@
 """Eight gloo ranks on CPU: save, load, resharded load and read-once load on local disk
-and on S3 (moto), and saves and loads in which one rank fails or stalls.
+and on S3 (moto), and saves and loads in which one rank fails or stalls; past a
+deadline, no worker thread is left in the stalled request and the process exits
+normally.
 
-Each 8-rank test is one ``mp.spawn`` of 8 small processes (KBs of state), marked
-``ranks8``; the single-process tests at the end check the pieces. Bytes and requests
+Each 8-rank test is one ``mp.spawn`` of 8 small processes (KBs to MBs of state), marked
+``ranks8``; the single-process tests check the pieces. Bytes and requests
 are counted per rank by our own backend (tests/scale_fs.py) on local disk and by the
 proxy in front of moto on S3."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -221,7 +226,9 @@ def _failure_worker(rank: int, store: str, path: str, mode: str) -> None:
                 missing = ProbeFileSystem()
                 with pytest.raises(storage.CheckpointNotFoundError, match="not a committed"):
                     storage.load(target, path, filesystem=missing)
-                assert missing.requests["read_bytes"] == (2 if rank == 0 else 1)
+                # One read and one listing, the coordinator's, for all ranks.
+                asked = (missing.requests["read_bytes"], missing.requests["ls"])
+                assert asked == ((1, 1) if rank == 0 else (0, 0)), asked
         finally:
             saving.release.set()
             loading.release.set()
@@ -285,12 +292,14 @@ def test_stalled_save_and_load_time_out_naming_the_item(tmp_path: Path) -> None:
 
 
 def _s3_stall_worker(rank: int, store: str, url: str, endpoint: str) -> None:
-    with gloo_group(rank, WORLD, store):
+    with gloo_group(rank, WORLD, store, exit_process=False):
         with pytest.raises(DeadlineExceededError) as info:
             storage.save(_small(), url, storage_options=s3_options(endpoint), timeout=5.0)
         message = str(info.value)
         assert "rank 3: saving item 't" in message, message
         assert f"{url}/__3_0-" in message and "within the 5 s deadline" in message, message
+    # Each rank then exits through the interpreter's own shutdown, which rank 3 used to
+    # die in (SIGSEGV), its upload thread left in the stalled request.
 
 
 @ranks8
@@ -308,3 +317,194 @@ def test_s3_stalled_upload_fails_every_rank_naming_it(tmp_path: Path, proxy: Fau
         )
     finally:
         proxy.clear()
+
+
+# --- a deadline, then the process exits ---------------------------------------------
+
+
+def _workers_left() -> list[str]:
+    """run_tasks's worker threads still alive in this process."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(_WORKERS)]
+
+
+_WORKERS = ("dcp-storage-saving", "dcp-storage-loading")
+
+
+@pytest.mark.parametrize("interruptible", [True, False])
+def test_deadline_cancels_the_stalled_request_and_joins_its_thread(
+    tmp_path: Path, interruptible: bool
+) -> None:
+    """Before: past the deadline the worker thread was left in the stalled request,
+    here inside torch's C++ archive writer (a 4 MiB tensor is written straight to the
+    data stream). Now the request is cancelled, or, where the backend cannot interrupt
+    it (a request that ends after 2 s), the next write is refused; the thread is
+    joined before the error is raised."""
+    state = {"w": torch.randn(1 << 20)}
+    storage.save(state, str(tmp_path / "good"))
+    for kind in ("write", "read"):
+        fs = ProbeFileSystem(
+            stall=(0, kind),
+            interruptible=interruptible,
+            stall_seconds=None if interruptible else 2.0,
+        )
+        try:
+            with pytest.raises(DeadlineExceededError):
+                if kind == "write":
+                    storage.save(state, str(tmp_path / "bad"), filesystem=fs, timeout=1)
+                else:
+                    storage.load(state, str(tmp_path / "good"), filesystem=fs, timeout=1)
+            assert _workers_left() == []
+        finally:
+            fs.release.set()
+    assert not (tmp_path / "bad" / ".metadata").exists()
+
+
+# A process whose save stalls past its deadline, in a request that ends 2 s later
+# (while the interpreter shuts down) and that the backend cannot interrupt.
+_EXIT_AFTER_DEADLINE = """
+import sys
+import torch
+import storage
+from tests.scale_fs import ProbeFileSystem
+
+fs = ProbeFileSystem(stall=(0, "write"), interruptible=False, stall_seconds=2.0)
+try:
+    storage.save({"w": torch.randn(1 << 20)}, sys.argv[1], filesystem=fs, timeout=1)
+except storage.DeadlineExceededError:
+    print("deadline", flush=True)
+"""
+
+
+def _run_script(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    root = str(Path(__file__).resolve().parent.parent)
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+
+
+def test_process_exits_cleanly_after_a_deadline(tmp_path: Path) -> None:
+    """Before: the worker thread, parked in the stalled write inside torch's C++
+    archive writer, woke up while the interpreter shut down: SIGABRT ('terminate
+    called without an active exception') or SIGSEGV."""
+    done = _run_script(_EXIT_AFTER_DEADLINE, str(tmp_path / "ck"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "terminate called" not in done.stderr
+    assert done.stdout.strip() == "deadline", done.stdout
+
+
+def _exit_worker(rank: int, store: str, path: str) -> None:
+    fs = ProbeFileSystem(stall=(3, "write"))
+    state = {f"t{i:02d}": torch.full((1 << 18,), float(i)) for i in range(16)}  # 1 MiB each
+    with gloo_group(rank, WORLD, store, exit_process=False):
+        with pytest.raises(DeadlineExceededError, match="rank 3: saving item"):
+            storage.save(state, path, filesystem=fs, timeout=3.0)
+        assert _workers_left() == []
+    fs.release.set()
+    # Returning runs the interpreter's own exit (mp.spawn reports a rank killed by a signal).
+
+
+@ranks8
+def test_every_rank_exits_cleanly_after_a_stalled_upload(tmp_path: Path) -> None:
+    """Before: rank 3's upload thread stayed in the stalled write, inside torch's
+    archive writer, when its process exited."""
+    mp.spawn(
+        _exit_worker, args=(str(tmp_path / "store"), str(tmp_path / "ck")), nprocs=WORLD, join=True
+    )
+
+
+_S3_EXIT_AFTER_DEADLINE = """
+import sys
+import threading
+import torch
+import storage
+from storage.backends.s3 import S3FileSystem
+from tests.servers import s3_options
+
+url, endpoint, direct = sys.argv[1], sys.argv[2], sys.argv[3] == "direct"
+# One upload slot: the stalled first part keeps the writer waiting for a slot inside
+# torch's archive writer.
+fs = S3FileSystem(storage_options=s3_options(endpoint), max_concurrency=1, direct=direct)
+state = {"w": torch.zeros(6 << 20)}  # 24 MiB: 3 parts
+for kind in ("read", "write"):
+    try:
+        if kind == "read":
+            storage.load(state, url + "/good", filesystem=fs, timeout=2)
+        else:
+            storage.save(state, url + "/bad", filesystem=fs, timeout=2)
+    except storage.DeadlineExceededError:
+        workers = ("dcp-storage-saving", "dcp-storage-loading")
+        left = [t.name for t in threading.enumerate() if t.name.startswith(workers)]
+        print(kind, "deadline", left, flush=True)
+"""
+
+
+@pytest.mark.parametrize("path", ["direct", "s3fs"])
+def test_s3_deadlines_cancel_their_requests(proxy: FaultProxy, path: str) -> None:
+    """Before: the part upload and the ranged GET stalled by the proxy stayed in flight
+    on pool threads that the interpreter waits for at exit (here for ten minutes), and
+    the writer's thread, parked inside torch's archive writer for an upload slot,
+    woke up during the shutdown (SIGABRT in about one run of three). Now the deadline
+    cancels both requests (connections shut down, coroutines cancelled) and the
+    process exits at once."""
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    storage.save({"w": torch.randn(6 << 20)}, url + "/good", storage_options=s3_options(proxy.url))
+    proxy.clear()
+    proxy.add("delay", method="GET", path=r"\.distcp", delay=600.0)
+    proxy.add("delay", method="PUT", path=r"partNumber=1(&|$)", delay=600.0)
+    try:
+        done = _run_script(_S3_EXIT_AFTER_DEADLINE, url, proxy.url, path)
+    finally:
+        proxy.clear()
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")[:2]
+    assert lines == ["read deadline []", "write deadline []"], done.stdout
+
+
+def test_cancel_reaches_children_hooks_waits_and_coroutines() -> None:
+    """storage.backends.cancel: one cancel stops a task's streams (children), calls
+    their hooks, ends slot waits, backoffs and coroutines on an event loop, and every
+    later request raises at once."""
+    import asyncio
+
+    from storage.backends.cancel import Cancel, StreamCancelled
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    task = Cancel()
+    stream = Cancel(task)
+    hooked: list[str] = []
+    outcomes: list[str] = []
+
+    def blocked(name: str, wait: Any) -> threading.Thread:
+        def body() -> None:
+            try:
+                wait()
+            except StreamCancelled:
+                outcomes.append(name)
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        return thread
+
+    slots = threading.Semaphore(0)
+    waiting = [
+        blocked("slot", lambda: stream.acquire(slots)),
+        blocked("backoff", lambda: stream.wait(600)),
+        blocked("coroutine", lambda: stream.run(loop, asyncio.sleep, 600)),
+    ]
+    with stream.hook(lambda: hooked.append("hook")):
+        time.sleep(0.2)  # let them block
+        task.cancel()
+        for thread in waiting:
+            thread.join(10)
+    assert sorted(outcomes) == ["backoff", "coroutine", "slot"] and hooked == ["hook"]
+    with pytest.raises(StreamCancelled):
+        Cancel(task).check()  # a stream opened after the cancel
+    loop.call_soon_threadsafe(loop.stop)
+    runner.join(10)

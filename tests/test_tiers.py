@@ -25,8 +25,8 @@ from extensions import AES256GCM
 from extensions.errors import TierFullError
 from storage import S3FileSystem
 from storage.backends._local import LocalFileSystem
-from storage.checkpoint import incremental
 from storage.checkpoint.api import load as storage_load
+from storage.checkpoint.committed import open_committed
 from storage.checkpoint.layout import is_committed
 from storage.ops.manager import CheckpointManager
 from storage.ops.tools import describe
@@ -166,6 +166,23 @@ def test_restart_drains_what_is_only_local(tmp_path: Path) -> None:
     restarted.wait()
     assert restarted.durable_steps() == [7]
     assert restarted.load(_blank()) == 7
+
+
+def test_incremental_tier_never_bases_on_a_linked_local_step(tmp_path: Path) -> None:
+    # A base is recorded by the name of the step that holds its bytes, and one that
+    # resolves outside its directory is refused (issue 19, item 4): a linked local step
+    # (a shared checkpoint linked in) must not be picked as a base, or every save fails.
+    shared = tmp_path / "shared" / "pretrained"
+    CheckpointManager(shared.parent).save(0, _state(0))
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "step-0").symlink_to(shared.parent / "step-0")
+    mgr = _tiered(tmp_path, incremental=True)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(1))
+    mgr.wait()
+    assert _refs(tmp_path / "local", 1) == set()
+    assert _refs(tmp_path / "local", 2) == {"step-1"}
+    assert mgr.load(_blank()) == 2
 
 
 class _FullDisk(LocalFileSystem):
@@ -502,7 +519,7 @@ def _incr_blank() -> dict[str, Any]:
 
 
 def _refs(root: Path, step: int) -> set[str]:
-    return incremental.references(LocalFileSystem(), str(root / f"step-{step}"))
+    return set(open_committed(LocalFileSystem(), str(root / f"step-{step}")).references())
 
 
 def _own_bytes(root: Path, step: int) -> int:
@@ -595,7 +612,7 @@ def _incremental_worker(rank: int, store: str, base: str) -> None:
             mgr.save(step, {f"frozen{rank}": frozen, f"w{rank}": torch.full((64,), float(step))})
         mgr.wait()
         for root in (f"{base}/node0", f"{base}/node1", f"{base}/durable"):
-            assert incremental.references(LocalFileSystem(), f"{root}/step-2") == {"step-1"}
+            assert open_committed(LocalFileSystem(), f"{root}/step-2").references() == {"step-1"}
         dist.barrier()
         if rank == 0:
             shutil.rmtree(f"{base}/node1")  # node 1 is lost: steps 1 and 2 come from node 0

@@ -20,6 +20,8 @@ import fsspec
 from fsspec.core import split_protocol
 from fsspec.spec import AbstractBufferedFile
 
+from storage.backends._ranges import RangeMismatchError
+from storage.backends._secrets import Redactor, secret_values
 from storage.backends.base import FileSystemBase
 
 log = logging.getLogger(__name__)
@@ -67,9 +69,28 @@ class FsspecFileSystem(FileSystemBase):
                             f"{type(self).__name__} has no protocol yet: pass a URL such as "
                             "'memory://bucket/ckpt' or protocol='memory'"
                         )
-                    self._fs = self._make_client(self._protocol, self._client_options())
+                    try:
+                        self._fs = self._make_client(self._protocol, self._client_options())
+                    except Exception as exc:
+                        if self.redactor.scrub(exc) is not None:
+                            raise
+                        text = self.redactor.redact(f"{type(exc).__name__}: {exc}")
+                        raise OSError(f"{self._protocol}:// client: {text}") from None
                 client = self._fs
         return client
+
+    @property
+    def redactor(self) -> Redactor:
+        """Removes this backend's credentials from messages (``_secrets``); every client
+        error passes through it on its way out (:meth:`_errors`)."""
+        redactor = self.__dict__.get("_redactor")
+        if redactor is None:
+            redactor = self.__dict__["_redactor"] = Redactor(self._secrets())
+        return redactor
+
+    def _secrets(self) -> list[str]:
+        """The credentials this backend knows (those named in ``storage_options``)."""
+        return list(secret_values(self.storage_options))
 
     def _client_options(self) -> dict[str, Any]:
         return dict(self.storage_options)
@@ -81,6 +102,7 @@ class FsspecFileSystem(FileSystemBase):
         # Clients hold sessions, event loops and locks: rebuild them on the other side.
         state = dict(self.__dict__)
         state["_fs"] = None
+        state.pop("_redactor", None)
         del state["_fs_lock"]
         return state
 
@@ -154,20 +176,33 @@ class FsspecFileSystem(FileSystemBase):
 
     @contextlib.contextmanager
     def _errors(self, path: str, action: str) -> Iterator[None]:
-        """Re-raise client errors as the built-in a caller expects, naming the URL."""
+        """Re-raise client errors as the built-in a caller expects, naming the URL, with
+        every credential removed from them (:attr:`redactor`)."""
         try:
             yield
         except (FileNotFoundError, FileExistsError, IsADirectoryError) as exc:
-            if self.url(path) in str(exc):
+            cause = self.redactor.scrub(exc)
+            if cause is not None and self.url(path) in str(exc):
                 raise
-            raise type(exc)(f"{self.url(path)}: {action}: {_describe(exc)}") from exc
+            message = f"{self.url(path)}: {action}: {self._describe(exc)}"
+            raise type(exc)(message) from cause
         except PermissionError as exc:
-            raise PermissionError(self._denied(path, action, exc)) from exc
+            raise PermissionError(self._denied(path, action, exc)) from self.redactor.scrub(exc)
+        except Exception as exc:  # the subclasses' translations come next
+            if self.redactor.scrub(exc) is not None:
+                raise
+            message = f"{self.url(path)}: {action} failed: {self._describe(exc)}"
+            raise OSError(message) from None
+
+    def _describe(self, exc: BaseException) -> str:
+        """The first line of ``exc``'s message, credentials removed."""
+        text = self.redactor.redact(str(exc)).strip()
+        return text.splitlines()[0] if text else type(exc).__name__
 
     def _denied(self, path: str, action: str, exc: BaseException) -> str:
         return (
-            f"{self.url(path)}: access denied while {action} ({_describe(exc)}); check the "
-            "credentials in storage_options"
+            f"{self.url(path)}: access denied while {action} ({self._describe(exc)}); check "
+            "the credentials in storage_options"
         )
 
     def _abandon(self, stream: Any, path: str) -> None:
@@ -187,7 +222,11 @@ class FsspecFileSystem(FileSystemBase):
             if self.fs.exists(path):
                 self.fs.rm_file(path)
         except Exception as exc:  # the caller's error is the one to report
-            log.warning("could not discard the partial write of %s: %s", self.url(path), exc)
+            log.warning(
+                "could not discard the partial write of %s: %s",
+                self.url(path),
+                self.redactor.redact(str(exc)),
+            )
 
     def open_slice(
         self, path: str, offset: int, length: int
@@ -201,6 +240,17 @@ class FsspecFileSystem(FileSystemBase):
 
     def _fetch_range(self, path: str, start: int, end: int) -> bytes:
         data: bytes = self.fs.cat_file(path, start=start, end=end)
+        # fsspec hands back the body alone: a server that ignored the range (the whole
+        # object) shows as more bytes than asked for, which are the range only from byte
+        # 0; the S3 and GCS backends check the status and Content-Range of every answer.
+        if len(data) > end - start:
+            if start == 0:
+                return data[:end]
+            raise RangeMismatchError(
+                f"{self.url(path)}: asked for bytes {start}-{end - 1} and got {len(data)} "
+                "bytes: the server ignored the range (sent the whole object?); reading them "
+                "would load other bytes. The store must support range requests"
+            )
         return data
 
     def read_bytes(self, path: str) -> bytes:
@@ -232,7 +282,8 @@ class FsspecFileSystem(FileSystemBase):
         return int(info["size"])
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(path))
+        with self._errors(path, "checking existence"):
+            return bool(self.fs.exists(path))
 
     def modified(self, path: str) -> float | None:
         try:
@@ -247,9 +298,18 @@ class FsspecFileSystem(FileSystemBase):
                 raise IsADirectoryError(f"{self.url(path)} is a directory")
             self.fs.rm_file(path)
 
+    def rename(self, path: str, new_path: str) -> None:
+        with self._errors(path, f"renaming to {self.url(new_path)}"):
+            self.size(path)  # FileNotFoundError (or IsADirectoryError) before anything
+            self.fs.mv(path, new_path)  # the client's copy (server-side where it can)
+
     def is_link(self, path: str) -> bool:
         islink = getattr(self.fs, "islink", None)  # fsspec's local filesystem has links
         return bool(islink(path)) if callable(islink) else False
+
+    def realpath(self, path: str) -> str:
+        # fsspec's local filesystem (the one with links) takes plain absolute paths.
+        return os.path.realpath(path) if callable(getattr(self.fs, "islink", None)) else path
 
     def ls(self, path: str) -> list[str]:
         with self._errors(path, "listing"):
@@ -265,7 +325,8 @@ class FsspecFileSystem(FileSystemBase):
         return sorted(n for n in names if n)
 
     def mkdir(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
+        with self._errors(path, "creating the directory"):
+            self.fs.makedirs(path, exist_ok=True)
 
     def rm_dir(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError, OSError, NotImplementedError):
@@ -278,11 +339,6 @@ class FsspecFileSystem(FileSystemBase):
         if protocol is None:
             return False
         return cls.protocol is None or protocol == cls.protocol
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class _WindowReader(io.RawIOBase):

@@ -126,10 +126,12 @@ class GCSFileSystem(FsspecFileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
-        if mode != "wb":
-            with super().create_stream(path, mode, sync=sync) as stream:
-                yield stream
+        if mode == "rb":  # one streamed GET of the whole object, resumed where it breaks
+            with self._open_range(path) as reader:
+                yield reader
             return
+        if mode != "wb":
+            raise ValueError(f"unsupported mode {mode!r}: use 'rb' or 'wb'")
         upload = Upload(
             self.fs,
             path,
@@ -149,6 +151,11 @@ class GCSFileSystem(FsspecFileSystem):
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
         if self._empty_slice(path, offset, length):
             return contextlib.nullcontext(io.BytesIO())
+        return self._open_range(path, offset, length)
+
+    def _open_range(
+        self, path: str, offset: int = 0, length: int | None = None
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
         reader = RangeReader(self.fs, path, offset, length, functools.partial(self._errors, path))
         try:
             reader.open()
@@ -165,14 +172,16 @@ class GCSFileSystem(FsspecFileSystem):
         try:
             with super()._errors(path, action):
                 yield
-        except HttpError as exc:
+        except HttpError as exc:  # already scrubbed by the base class
             if exc.code in (401, 403):
                 raise PermissionError(self._denied(path, action, exc)) from exc
-            raise OSError(f"{self.url(path)}: {action} failed after retries: {exc}") from exc
+            message = f"{self.url(path)}: {action} failed after retries: {self._describe(exc)}"
+            raise OSError(message) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if isinstance(exc, OSError):
                 raise
-            raise OSError(f"{self.url(path)}: {action} failed: {exc!r}") from exc
+            text = self.redactor.redact(repr(exc))
+            raise OSError(f"{self.url(path)}: {action} failed: {text}") from exc
         except OSError as exc:
             if str(exc).startswith("Forbidden"):
                 raise PermissionError(self._denied(path, action, exc)) from exc
@@ -180,7 +189,8 @@ class GCSFileSystem(FsspecFileSystem):
 
     def _denied(self, path: str, action: str, exc: BaseException) -> str:
         return (
-            f"{self.url(path)}: access denied while {action} ({exc}); check the credentials "
+            f"{self.url(path)}: access denied while {action} ({self._describe(exc)}); check "
+            "the credentials "
             "(token in storage_options: a service-account JSON, 'google_default', 'cloud', "
             "or GOOGLE_APPLICATION_CREDENTIALS) and the bucket's IAM policy"
         )
@@ -192,7 +202,7 @@ class GCSFileSystem(FsspecFileSystem):
         return super().exists(path) or bool(self._has_prefix(path))
 
     def _has_prefix(self, path: str) -> bool:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError), self._errors(path, "listing"):
             return bool(self.fs.ls(path, detail=False, refresh=True))
         return False
 

@@ -7,6 +7,7 @@ body whole and follows the 308 of a resumable chunk as a redirect."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import io
 import logging
@@ -22,6 +23,9 @@ import gcsfs
 from gcsfs.retry import is_retriable, validate_response
 
 from storage.backends._buffers import BufferPool
+from storage.backends._ranges import RangeMismatchError, check_range
+from storage.backends._secrets import BY_FORM
+from storage.backends.cancel import Cancel, current
 
 log = logging.getLogger("storage.backends._gcs")
 
@@ -143,7 +147,9 @@ class Upload(io.RawIOBase):
     goes up as a resumable upload whose chunks are the buffers, sent in order (the
     protocol allows no other), the last one finalizing it. So memory stays within one
     buffer per open upload plus ``HELD.limit``. Nothing is visible at ``path`` before
-    :meth:`finish` returns; :meth:`abort` cancels the resumable session."""
+    :meth:`finish` returns; :meth:`abort` cancels the resumable session. Cancelling the
+    calling thread's ``Cancel`` interrupts the upload's requests; the session is then
+    cancelled without waiting for the stalled store."""
 
     def __init__(
         self,
@@ -166,6 +172,7 @@ class Upload(io.RawIOBase):
         self._sent = 0
         self._location: str | None = None
         self._done = False
+        self._cancel = Cancel(current())
 
     def writable(self) -> bool:
         return True
@@ -183,7 +190,7 @@ class Upload(io.RawIOBase):
                     continue
                 with self._errors("uploading"):
                     for buffer in [*self._held, self._buf]:
-                        fsspec.asyn.sync(self._gcs.loop, self._send_chunk, memoryview(buffer))
+                        self._cancel.run(self._gcs.loop, self._send_chunk, memoryview(buffer))
                         self._drop_held()
                 self._fill = 0
         return total
@@ -194,9 +201,9 @@ class Upload(io.RawIOBase):
         try:
             with self._errors("uploading"):
                 if self._location is None:
-                    fsspec.asyn.sync(self._gcs.loop, self._upload_whole, data)
+                    self._cancel.run(self._gcs.loop, self._upload_whole, data)
                 else:
-                    fsspec.asyn.sync(self._gcs.loop, self._send_chunk, data, final=True)
+                    self._cancel.run(self._gcs.loop, self._send_chunk, data, final=True)
         except BaseException:
             self.abort()
             raise
@@ -210,15 +217,28 @@ class Upload(io.RawIOBase):
         location, self._location = self._location, None
         if location is None:
             return
+        if self._cancel.cancelled.is_set():
+            # Past a deadline the store is stalled: nothing may wait on it now.
+            def done(future: concurrent.futures.Future[Any]) -> None:
+                exc = None if future.cancelled() else future.exception()
+                if exc is not None:
+                    self._abort_failed(exc)
+
+            request = _request(self._gcs, "DELETE", location)
+            asyncio.run_coroutine_threadsafe(request, self._gcs.loop).add_done_callback(done)
+            return
         try:
             fsspec.asyn.sync(self._gcs.loop, _request, self._gcs, "DELETE", location)
         except Exception as exc:  # the caller's error is the one to report
-            log.warning(
-                "could not cancel the resumable upload of gs://%s: %s (GCS drops "
-                "sessions unused for a week)",
-                self._path,
-                exc,
-            )
+            self._abort_failed(exc)
+
+    def _abort_failed(self, exc: BaseException) -> None:
+        log.warning(
+            "could not cancel the resumable upload of gs://%s: %s (GCS drops "
+            "sessions unused for a week)",
+            self._path,
+            BY_FORM.redact(str(exc)),  # the session URL is a credential (upload_id=)
+        )
 
     def close(self) -> None:
         # DCP transforms may close what they wrap; the upload ends in finish() or abort().
@@ -300,27 +320,35 @@ class Upload(io.RawIOBase):
 
 
 class RangeReader(io.RawIOBase):
-    """``[offset, offset + length)`` of an object through one streamed ranged GET,
-    copied from the socket's chunks straight into the caller's buffer.
+    """``[offset, offset + length)`` of an object (``length=None``: to its end) through
+    one streamed ranged GET, copied from the socket's chunks straight into the caller's
+    buffer; the answer must be the range asked for (``_ranges.check_range``).
 
     Opening the GET is retried as gcsfs retries requests; a body that breaks off is
     resumed with a ranged GET from the next byte, pinned to the object's generation (a
     replaced object is never stitched together), up to ``_BODY_RETRIES`` breaks in a
-    row. A range that starts past the end reads as empty (a short read)."""
+    row. A range that starts past the end reads as empty (a short read). Cancelling
+    the calling thread's ``Cancel`` interrupts its requests."""
 
     def __init__(
-        self, gcs: gcsfs.GCSFileSystem, path: str, offset: int, length: int, errors: Errors
+        self,
+        gcs: gcsfs.GCSFileSystem,
+        path: str,
+        offset: int,
+        length: int | None,
+        errors: Errors,
     ) -> None:
         super().__init__()
         self._gcs = gcs
         self._path = path
         self._errors = errors
         self._pos = offset
-        self._end = offset + length
+        self._end = None if length is None else offset + length
         self._resp: aiohttp.ClientResponse | None = None
         self._generation: str | None = None
         self._left = memoryview(b"")  # received beyond what the caller took
         self._eof = length == 0
+        self._cancel = Cancel(current())
 
     def readable(self) -> bool:
         return True
@@ -329,11 +357,12 @@ class RangeReader(io.RawIOBase):
         """Send the GET now (errors such as a missing object surface here)."""
         if not self._eof and self._resp is None:
             with self._errors("reading"):
-                fsspec.asyn.sync(self._gcs.loop, self._open)
+                self._cancel.run(self._gcs.loop, self._open)
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        view = view[: max(0, self._end - self._pos + len(self._left))]
+        if self._end is not None:
+            view = view[: max(0, self._end - self._pos + len(self._left))]
         if not view:
             return 0
         if self._left:
@@ -344,7 +373,7 @@ class RangeReader(io.RawIOBase):
         if self._eof:
             return 0
         with self._errors("reading"):
-            got: int = fsspec.asyn.sync(self._gcs.loop, self._fill, view)
+            got: int = self._cancel.run(self._gcs.loop, self._fill, view)
         return got
 
     def close(self) -> None:
@@ -361,7 +390,10 @@ class RangeReader(io.RawIOBase):
         gcs = self._gcs
         await gcs._set_session()
         url = gcs.url(self._path, generation=self._generation)
-        headers = gcs._get_headers({"Range": f"bytes={self._pos}-{self._end - 1}"})
+        last = None if self._end is None else self._end - 1
+        ranged = last is not None or self._pos > 0
+        asked = {"Range": f"bytes={self._pos}-{'' if last is None else last}"} if ranged else {}
+        headers = gcs._get_headers(asked)
         resp = await gcs.session.get(
             url, params=gcs._get_params({}), headers=headers, timeout=gcs.requests_timeout
         )
@@ -373,9 +405,18 @@ class RangeReader(io.RawIOBase):
             contents = await resp.read()
             resp.release()
             validate_response(resp.status, contents, self._path)
-        if resp.status != 206 and self._pos:
-            resp.close()
-            raise OSError(f"gs://{self._path}: the server ignored the range of a GET")
+        if ranged:
+            try:
+                check_range(
+                    resp.status,
+                    resp.headers.get("Content-Range"),
+                    self._pos,
+                    last,
+                    f"gs://{self._path}",
+                )
+            except RangeMismatchError:
+                resp.close()
+                raise
         self._generation = resp.headers.get("X-Goog-Generation", self._generation)
         self._resp = resp
 
@@ -404,13 +445,15 @@ class RangeReader(io.RawIOBase):
                 self._eof = True
                 break
             failures = 0
-            data = memoryview(chunk)[: self._end - self._pos]  # never past the range
+            data = memoryview(chunk)
+            if self._end is not None:
+                data = data[: self._end - self._pos]  # never past the range
             n = min(len(data), len(view) - got)
             view[got : got + n] = data[:n]
             got += n
             self._pos += len(data)
             self._left = data[n:]
-            if self._pos >= self._end:
+            if self._end is not None and self._pos >= self._end:
                 self._resp.release()
                 self._resp = None
                 self._eof = True

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, ClassVar, cast
 
-from extensions.errors import UnsafeCheckpointError
+from extensions.errors import UnsafeCheckpointError, quote
 from extensions.streams import SliceView
 from storage.backends.base import FileSystemBase
 
@@ -40,7 +40,7 @@ def _open_regular(path: str, buffering: int = -1) -> IO[bytes]:
             raise UnsafeCheckpointError(
                 _refusal(
                     path,
-                    f"a symbolic link to {_target(path)!r}",
+                    f"a symbolic link to {quote(_target(path))}",
                     "If you trust its target, replace the link with a copy of the file: "
                     f'cp --remove-destination "$(readlink -f {path})" {path}',
                 )
@@ -175,6 +175,9 @@ class LocalFileSystem(FileSystemBase):
 
     def is_link(self, path: str) -> bool:
         return os.path.islink(path)
+
+    def realpath(self, path: str) -> str:
+        return os.path.realpath(path)
 
     def ls(self, path: str) -> list[str]:
         return sorted(os.listdir(path))

@@ -47,8 +47,8 @@ class TorchFileSystem(FileSystemBase):
       its object with ``rm_file``; ``size`` opens the object and seeks to its end;
     * ``ls`` needs the wrapped filesystem's ``ls`` (not in torch's abstract contract);
       ``rm_file`` of a missing path raises whatever the wrapped filesystem raises;
-    * ``rename`` is not offered (``atomic_rename`` is ``False``): its atomicity is
-      unknown.
+    * ``rename`` is the wrapped filesystem's, its atomicity unknown (``atomic_rename``
+      is ``False``).
     """
 
     def __init__(self, torch_fs: Any, *, storage_options: dict[str, Any] | None = None) -> None:
@@ -63,6 +63,12 @@ class TorchFileSystem(FileSystemBase):
 
     def init_path(self, path: str | os.PathLike[str]) -> str:
         return os.fspath(self.torch_fs.init_path(path))
+
+    def own_path(self, path: str | os.PathLike[str]) -> str:
+        return os.fspath(path)  # the wrapped filesystem's own forms, URLs included
+
+    def rename(self, path: str, new_path: str) -> None:
+        self.torch_fs.rename(path, new_path)
 
     def concat_path(self, path: str, suffix: str) -> str:
         return os.fspath(self.torch_fs.concat_path(path, suffix))

@@ -5,7 +5,10 @@ Method names follow torch's ``torch.distributed.checkpoint.filesystem.FileSystem
 ``validate_checkpoint_id``, ``exists``, ``rm_file``, ``ls``); the rest is what a
 checkpoint reader and a safe commit need. Paths are strings in the backend's own form
 (an absolute local path, ``bucket/key`` for object stores) as returned by
-:meth:`init_path` and :meth:`concat_path`.
+:meth:`init_path` and :meth:`concat_path`; every method that takes a path also takes
+it as a URL of the backend (``s3://bucket/key``, ``file:///tmp/x``) or an
+``os.PathLike``, as callers of torch's filesystems pass them: the base class turns it
+into the backend's form (:meth:`own_path`) before any backend code sees it.
 
 Semantics every backend guarantees (checked by ``storage.testing.FileSystemTests``):
 
@@ -30,24 +33,52 @@ Semantics every backend guarantees (checked by ``storage.testing.FileSystemTests
 * ``write_atomic`` publishes small objects (metadata) atomically; with
   ``exclusive=True`` it fails with ``FileExistsError`` if the path already exists,
   using the store's conditional create where it has one.
-* ``rename`` exists only where it is atomic (``atomic_rename``); the commit protocol
-  never needs it.
+* ``rename(path, new_path)`` moves one object, replacing what is at ``new_path``:
+  atomically where ``atomic_rename`` says so (local disk), elsewhere as fsspec does,
+  a copy then a delete (object stores: another reader may see both, or neither if the
+  delete fails after the copy). The commit protocol never uses it; user code does.
 * A backend is picklable (process-based async save ships it to another process).
+* Requests can be interrupted from another thread: a save or load past its deadline
+  cancels the ``storage.backends.cancel.Cancel`` installed for the threads doing its
+  storage work, and a backend whose requests (stream calls included) hang on
+  ``cancel.current()`` stops them at once, raising ``StreamCancelled``; a failed write
+  then cleans up without waiting on the stalled store. A backend that does not is
+  stopped by the checkpoint layer at its next stream call (``S3FileSystem`` and
+  ``GCSFileSystem`` do; local disk, other fsspec URLs and ``TorchFileSystem`` do not).
+* ``pending_uploads(path)`` lists uploads begun under ``path`` and never completed
+  or aborted (S3 multipart uploads: their parts are billed and no listing of objects
+  shows them); backends without such uploads list none. ``abort_upload`` frees one.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import IO, Any, ClassVar, cast
 
 from extensions.streams import SliceView
 
 
+@dataclass(frozen=True)
+class PendingUpload:
+    """An upload begun and never completed or aborted (an interrupted save's)."""
+
+    path: str  #: the object it would have created, in the backend's path form
+    upload_id: str
+    started: float | None  #: POSIX seconds, ``None`` where the store does not say
+
+
 class FileSystemBase(abc.ABC):
     """The storage backend contract; see the module docstring."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _own_paths(cls)
 
     #: ``rename`` is atomic and cheap on this backend.
     atomic_rename: ClassVar[bool] = False
@@ -147,6 +178,11 @@ class FileSystemBase(abc.ABC):
         Deletion paths never delete through one."""
         return False
 
+    def realpath(self, path: str) -> str:
+        """``path`` with its symbolic links resolved (``path`` itself where the backend
+        has none): the name under which its files are really stored."""
+        return path
+
     @abc.abstractmethod
     def ls(self, path: str) -> list[str]:
         """Sorted names (not paths) directly under ``path``, directories included."""
@@ -161,10 +197,30 @@ class FileSystemBase(abc.ABC):
         """Make the names of files written under ``path`` durable (local fsync)."""
 
     def rename(self, path: str, new_path: str) -> None:
-        """Atomic rename; only on backends with ``atomic_rename``."""
-        raise NotImplementedError(
-            f"{type(self).__name__} has no atomic rename; the commit protocol does not need one"
-        )
+        """Move ``path`` to ``new_path`` (see the module docstring); this default
+        streams a copy, then deletes ``path``. ``FileNotFoundError`` if it is missing."""
+        with self.create_stream(path, "rb") as source, self.create_stream(new_path, "wb") as out:
+            while chunk := source.read(8 << 20):
+                out.write(chunk)
+        self.rm_file(path)
+
+    def own_path(self, path: str | os.PathLike[str]) -> str:
+        """``path`` in this backend's form: a URL (``scheme://...``) through
+        :meth:`init_path`, anything else unchanged."""
+        text = os.fspath(path)
+        return self.init_path(text) if _URL.match(text) else text
+
+    def pending_uploads(self, path: str) -> list[PendingUpload]:
+        """Uploads begun under ``path`` (a directory or key prefix, at any depth) and
+        never completed or aborted, oldest first. None on backends whose writes leave
+        nothing invisible behind (local disk, memory; a GCS resumable session that is
+        never finished expires by itself within a week and is not billed)."""
+        return []
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        """Abort ``upload`` (from :meth:`pending_uploads`), freeing what it holds; one
+        that is gone meanwhile (completed or aborted) is not an error."""
+        raise NotImplementedError(f"{type(self).__name__} has no pending uploads")
 
     def url(self, path: str) -> str:
         """``path`` as the user would write it, for messages."""
@@ -174,3 +230,54 @@ class FileSystemBase(abc.ABC):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether this backend handles ``checkpoint_id`` (torch's auto-selection hook)."""
         return False
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+# The methods that take paths, and how many of their leading arguments are paths.
+_PATH_ARGUMENTS = {
+    "concat_path": 1,
+    "create_stream": 1,
+    "open_slice": 1,
+    "read_bytes": 1,
+    "write_atomic": 1,
+    "size": 1,
+    "exists": 1,
+    "modified": 1,
+    "rm_file": 1,
+    "is_link": 1,
+    "ls": 1,
+    "mkdir": 1,
+    "rm_dir": 1,
+    "sync_dir": 1,
+    "rename": 2,
+    "url": 1,
+    "pending_uploads": 1,
+}
+_KEYWORDS = ("path", "new_path")
+
+
+def _own_paths(cls: type) -> None:
+    """Wrap the path-taking methods ``cls`` defines so their paths go through
+    ``own_path`` first (abstract ones are left to their implementations)."""
+    for name, count in _PATH_ARGUMENTS.items():
+        method = cls.__dict__.get(name)
+        if method is None or getattr(method, "__isabstractmethod__", False):
+            continue
+        if not getattr(method, "_owns_paths", False):
+            setattr(cls, name, _owning_paths(method, count))
+
+
+def _owning_paths(method: Callable[..., Any], count: int) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(self: FileSystemBase, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(self.own_path(a) if i < count else a for i, a in enumerate(args))
+        for key in _KEYWORDS:
+            if key in kwargs:
+                kwargs[key] = self.own_path(kwargs[key])
+        return method(self, *args, **kwargs)
+
+    wrapper._owns_paths = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+_own_paths(FileSystemBase)

@@ -16,9 +16,8 @@ import logging
 
 from extensions.errors import CheckpointExistsError, CheckpointNotFoundError
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
-from storage.checkpoint.incremental import refuse_if_referenced
-from storage.checkpoint.layout import committed_files
+from storage.checkpoint.committed import own_files, read_metadata_file, refuse_if_referenced
+from storage.checkpoint.deletion import remove_data_files
 from storage.checkpoint.prefixes import expand, split
 
 # Set on the coordinator's error when its metadata may have landed; it travels with the
@@ -45,14 +44,24 @@ def publish_metadata(
 
     The check makes a save fail, rather than report success for a checkpoint that does
     not load, when something removed its files meanwhile (a ``gc`` whose grace is
-    shorter than the save); a removal between the check and the publish is not caught."""
-    replaced = committed_files(fs, meta_path)
-    if replaced:  # its files go once we land: none may be another checkpoint's base
+    shorter than the save); a removal between the check and the publish is not caught.
+    A replaced metadata that cannot be read keeps its files (for ``gc``), and the
+    overwrite is refused while a checkpoint beside this one might reference them."""
+    try:
+        old = read_metadata_file(fs, meta_path)
+        replaced, known = (own_files(old, fs.url(meta_path)) if old else frozenset()), True
+    except Exception as exc:
+        log.warning("cannot read %s (%s); the files it names stay", fs.url(meta_path), exc)
+        replaced, known = frozenset(), False
+    if replaced or not known:  # its files go once we land: none may be another's base
         refuse_if_referenced(fs, directory, "overwrite")
     if sync:
         fs.sync_dir(directory)
+    # An incremental save in which nothing changed wrote no data file: there is nothing
+    # to check, and an object store has nothing to list under a prefix holding no object.
     used = {split(f)[0] for f in new_files} - {None}
-    missing = sorted(new_files - set(expand(fs, directory, only=used)))  # type: ignore[arg-type]
+    present = set(expand(fs, directory, only=used)) if new_files else set()  # type: ignore[arg-type]
+    missing = sorted(new_files - present)
     if missing:
         raise CheckpointNotFoundError(
             f"{fs.url(directory)}: {len(missing)} data file(s) of this save vanished before "
@@ -66,7 +75,7 @@ def publish_metadata(
             f"Checkpoint already exists at {fs.url(directory)}: another save committed "
             "there first and overwrite=False; nothing of this save was kept"
         ) from exc
-    remove_quietly(fs, [fs.concat_path(directory, f) for f in sorted(replaced - new_files)])
+    remove_data_files(fs, directory, replaced - new_files)
 
 
 def metadata_may_name(fs: FileSystemBase, meta_path: str, save_id: str) -> bool:
@@ -76,12 +85,10 @@ def metadata_may_name(fs: FileSystemBase, meta_path: str, save_id: str) -> bool:
     deleting the data files then would break the checkpoint it just published. Only a
     missing file or another save's metadata proves it did not land."""
     try:
-        meta = fmt.load_metadata(fs.read_bytes(meta_path), fs.url(meta_path))
-    except FileNotFoundError:
-        return False
+        meta = read_metadata_file(fs, meta_path)
     except Exception:
         return True
-    return getattr(meta.storage_meta, "save_id", None) == save_id
+    return meta is not None and getattr(meta.storage_meta, "save_id", None) == save_id
 
 
 def mark_may_have_landed(error: BaseException) -> None:

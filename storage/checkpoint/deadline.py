@@ -6,25 +6,39 @@ rank bounds its own storage work by a deadline (``timeout=`` on the writer and t
 reader), and an error that leaves a rank names the rank, the item and the URL, so the
 other ranks, which only see it through DCP's gather, can say who failed and where.
 
-:func:`run_tasks` runs the storage work of one call on daemon threads and waits for it
-at most until the deadline. A task that blocks forever (an upload that never completes)
-cannot be cancelled in Python: it is abandoned on its daemon thread, which never keeps
-the process from exiting, and the call raises :class:`DeadlineExceededError` naming what
-each unfinished task was doing (:func:`note` records it as the task goes).
+:func:`run_tasks` runs the storage work of one call on worker threads and waits for it
+at most until the deadline. Past it, no worker may stay behind in a stalled request: a
+thread parked inside native code (torch's archive writer calls the data stream's
+``write`` from C++) that wakes up while the interpreter exits kills the process by
+SIGABRT or SIGSEGV. So each worker runs with a :class:`~storage.backends.cancel.Cancel`
+installed; past the deadline it is cancelled (the backends interrupt their requests:
+connections shut down, coroutines cancelled, waits ended), every stream a task opened
+through :func:`cancellable` refuses further calls, the workers are joined for at most
+:data:`CANCEL_GRACE` seconds, and then the call raises :class:`DeadlineExceededError`
+naming what each unfinished task was doing (:func:`note` records it as the task goes).
+:class:`Budget` spreads one ``timeout`` over every storage step of a save or load.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import IO, Any, TypeVar, cast
 
 import torch.distributed as dist
 
 from extensions.errors import CheckpointStorageError, quote
+from storage.backends import cancel as cancelling
+from storage.backends.cancel import Cancel
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+#: Seconds a call past its deadline waits for its cancelled workers to come back.
+CANCEL_GRACE = 5.0
 
 _local = threading.local()
 
@@ -84,6 +98,37 @@ def current() -> tuple[str, str] | None:
     return None if board is None else board.get(threading.get_ident())
 
 
+def cancellable(stream: IO[bytes]) -> IO[bytes]:
+    """``stream``, just opened by the calling task, as the task must use it: once its
+    run is cancelled, every ``write``, ``read`` and ``readinto`` raises
+    ``StreamCancelled`` before reaching the stream. So a task stops at its next call
+    even where the backend cannot interrupt a request (torch's archive writer gets the
+    error and unwinds). Outside :func:`run_tasks`: ``stream`` itself."""
+    cancel = cancelling.current()
+    return stream if cancel is None else cast(IO[bytes], _Guarded(stream, cancel))
+
+
+class _Guarded:
+    def __init__(self, stream: IO[bytes], cancel: Cancel) -> None:
+        self._stream = stream
+        self._cancel = cancel
+
+    def write(self, data: Any) -> int:
+        self._cancel.check()
+        return self._stream.write(data)
+
+    def read(self, size: int = -1) -> bytes:
+        self._cancel.check()
+        return self._stream.read(size)
+
+    def readinto(self, buffer: Any) -> int:
+        self._cancel.check()
+        return self._stream.readinto(buffer)  # type: ignore[attr-defined, no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def run_tasks(
     tasks: Sequence[Callable[[], T]],
     *,
@@ -91,16 +136,20 @@ def run_tasks(
     timeout: float | None,
     action: str,
     location: str,
+    stated_timeout: float | None = None,
 ) -> list[T]:
     """Run ``tasks`` on up to ``workers`` threads and return their results in order.
 
     The first error stops handing out tasks; once the running ones are done, the error
     of the earliest failed task in ``tasks`` order is raised (attributed to this rank,
     the item the task noted and its URL when this process is one of several ranks).
-    Past ``timeout`` seconds the call raises :class:`DeadlineExceededError` naming
-    each unfinished task's item and leaves those tasks behind on their daemon threads.
-    ``action`` (``"saving"``, ``"loading"``) and ``location`` (the checkpoint URL) word
-    the messages."""
+    Past ``timeout`` seconds the tasks are cancelled and their threads joined (for at
+    most :data:`CANCEL_GRACE` seconds), then the call raises
+    :class:`DeadlineExceededError` naming each unfinished task's item (or the error of
+    a task that had failed before). ``action`` (``"saving"``, ``"loading"``) and
+    ``location`` (the checkpoint URL) word the messages; ``stated_timeout`` is the
+    ``timeout=`` they name (default ``timeout``: a :class:`Budget` runs steps with what
+    is left of it)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     rank = distributed_rank()
     board: dict[int, tuple[str, str]] = {}
@@ -110,24 +159,26 @@ def run_tasks(
     pending = list(range(len(tasks)))[::-1]
     running = [0]
     cond = threading.Condition()
+    cancel = Cancel()
 
     def worker() -> None:
         _local.board = board
-        while True:
-            with cond:
-                if errors or abandoned[0] or not pending:
-                    return
-                index = pending.pop()
-                running[0] += 1
-            try:
-                results[index] = tasks[index]()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        with cancelling.installed(cancel):
+            while True:
                 with cond:
-                    errors.append((index, exc, board.get(threading.get_ident())))
-            finally:
-                with cond:
-                    running[0] -= 1
-                    cond.notify_all()
+                    if errors or abandoned[0] or not pending:
+                        return
+                    index = pending.pop()
+                    running[0] += 1
+                try:
+                    results[index] = tasks[index]()
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    with cond:
+                        errors.append((index, exc, board.get(threading.get_ident())))
+                finally:
+                    with cond:
+                        running[0] -= 1
+                        cond.notify_all()
 
     threads = [
         threading.Thread(target=worker, name=f"dcp-storage-{action}", daemon=True)
@@ -135,22 +186,45 @@ def run_tasks(
     ]
     for thread in threads:
         thread.start()
+    late: list[tuple[str, str]] | None = None  # past the deadline: what was unfinished
     with cond:
         while running[0] or (pending and not errors):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 abandoned[0] = True
-                if errors:
-                    break
-                stuck = sorted(board[t.ident] for t in threads if t.is_alive() and t.ident in board)
-                raise _deadline_error(rank, action, location, timeout, stuck)
+                late = sorted(board[t.ident] for t in threads if t.is_alive() and t.ident in board)
+                break
             cond.wait(left)
-    if errors:
+        failed = list(errors)  # before the cancel below makes the late tasks fail too
+    if late is not None:
+        _stop(cancel, threads, action, location)
+        if not failed:
+            stated = timeout if stated_timeout is None else stated_timeout
+            raise _deadline_error(rank, action, location, stated, late)
+    if failed:
         # The first task in order that failed, not the first to fail in time: the same
         # damage reports the same item every run.
-        _, exc, doing = min(errors, key=lambda e: e[0])
+        _, exc, doing = min(failed, key=lambda e: e[0])
         raise attribute(exc, rank, action, location, doing)
     return results  # type: ignore[return-value]
+
+
+def _stop(cancel: Cancel, threads: list[threading.Thread], action: str, location: str) -> None:
+    """Cancel the tasks' requests and wait for their threads (at most ``CANCEL_GRACE``)."""
+    cancel.cancel()
+    end = time.monotonic() + CANCEL_GRACE
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
+    left = sum(thread.is_alive() for thread in threads)
+    if left:
+        log.warning(
+            "%s %s: %d worker thread(s) still in a storage request %g s after it was "
+            "cancelled (the backend cannot interrupt it); they are left behind",
+            action,
+            location,
+            left,
+            CANCEL_GRACE,
+        )
 
 
 def attribute(
@@ -208,3 +282,67 @@ def _deadline_error(
         item=item,
         url=url,
     )
+
+
+class Budget:
+    """One save's or load's ``timeout`` on this rank, spent by its storage steps.
+
+    Every step that touches storage (reading the metadata; checking what is at the
+    location and reading a base; writing or reading the data; publishing the metadata)
+    runs through :meth:`run` or :meth:`call` within what the earlier steps left, so the
+    storage work of one save or load on this rank takes at most ``timeout`` seconds in
+    all, whatever request stalls. Time between the steps (planning, DCP's collectives,
+    waiting for other ranks) is not counted: a rank fails for its own stalled request,
+    never for another rank's. ``None``: no deadline (steps run inline)."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self.spent = 0.0
+
+    def restart(self) -> None:
+        """A new save or load begins: the whole ``timeout`` is left."""
+        self.spent = 0.0
+
+    def left(self) -> float | None:
+        return None if self.timeout is None else max(0.0, self.timeout - self.spent)
+
+    def run(
+        self, tasks: Sequence[Callable[[], T]], *, workers: int, action: str, location: str
+    ) -> list[T]:
+        """:func:`run_tasks` within what is left."""
+        return self._run(tasks, workers, action, location, [])
+
+    def _run(
+        self,
+        tasks: Sequence[Callable[[], T]],
+        workers: int,
+        action: str,
+        location: str,
+        doing: list[tuple[str, str]],
+    ) -> list[T]:
+        left = self.left()
+        if left == 0.0:  # spent by earlier steps: this one does not start
+            raise _deadline_error(distributed_rank(), action, location, self.timeout, doing)
+        began = time.monotonic()
+        try:
+            return run_tasks(
+                tasks,
+                workers=workers,
+                timeout=left,
+                action=action,
+                location=location,
+                stated_timeout=self.timeout,
+            )
+        finally:
+            self.spent += time.monotonic() - began
+
+    def call(self, task: Callable[[], T], *, action: str, location: str, item: str, url: str) -> T:
+        """``task()`` as one step that works on ``item`` at ``url`` (for the messages)."""
+        if self.timeout is None:
+            return task()
+
+        def noted() -> T:
+            note(item, url)
+            return task()
+
+        return self._run([noted], 1, action, location, [(item, url)])[0]

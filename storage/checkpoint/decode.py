@@ -13,7 +13,7 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
-from extensions.errors import IntegrityError, UnsafeCheckpointError
+from extensions.errors import IntegrityError, UnsafeCheckpointError, printable
 from extensions.streams import drain, read_all, readinto_exact, skip
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import tensor_bytes
@@ -117,12 +117,15 @@ def plain_value(payload: bytes, where: str) -> io.BytesIO:
         value = fmt.load_bytes_io(payload)  # DCP's own io.BytesIO values
         if value is None:
             raise UnsafeCheckpointError(
-                f"{where}: the stored value is not plain data ({str(exc).splitlines()[0]}); "
+                f"{where}: the stored value is not plain data "
+                f"({printable(str(exc).splitlines()[0], 200)}); "
                 "refusing to unpickle it. If you trust this checkpoint, allow the class with "
                 "torch.serialization.add_safe_globals([...])"
             ) from None
     except Exception as exc:
-        raise IntegrityError(f"{where}: the stored value cannot be read: {exc}") from exc
+        raise IntegrityError(
+            f"{where}: the stored value cannot be read: {printable(str(exc), 200)}"
+        ) from exc
     plain = io.BytesIO()
     torch.save(value, plain)
     plain.seek(0)

@@ -5,7 +5,8 @@ archive for tensors, raw bytes for other objects, passed through the item's tran
 chain) and ``.metadata`` is a pickled ``torch.distributed.checkpoint.Metadata``. Our
 extra facts ride along where stock torch ignores them:
 
-* ``Metadata.dcp_storage`` = ``{"format": FORMAT_VERSION}``;
+* ``Metadata.dcp_storage`` = ``{"format": FORMAT_VERSION}``, plus ``"origin"`` on a
+  copy (``storage.ops.copy``, the tier drain): the save id of the save it copies;
 * each ``_StorageInfo.dcp_storage`` = ``{"crc32c": int}`` (checksum of the stored
   bytes) plus, for tensors, ``"data_offset"``: where the tensor's raw bytes start in
   the decoded item, which lets a reader decode straight into the target tensor.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+import re
 import struct
 import zipfile
 from typing import IO, Any
@@ -36,6 +38,8 @@ from storage.checkpoint.validate import (  # noqa: F401 - EXTRA, REF, item_label
     item_label,
 )
 
+_RANK_OF_FILE = re.compile(r"__([0-9]+)_")
+
 FORMAT_VERSION = 1
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -50,6 +54,13 @@ def data_file_name(rank: int, number: int, save_id: str) -> str:
     """``__{rank}_{n}-{save_id}.distcp``: unique per save, so an overwrite never
     writes into a file that the committed metadata points at."""
     return f"__{rank}_{number}-{save_id}{DATA_SUFFIX}"
+
+
+def file_rank(relative_path: str) -> int:
+    """The rank that wrote the data file ``relative_path`` (``[<key prefix>/]__{rank}_{n}
+    ...``, see :func:`data_file_name`; 0 for a name of another form)."""
+    match = _RANK_OF_FILE.match(relative_path.rpartition("/")[2])
+    return int(match.group(1)) if match else 0
 
 
 def item_extra(info: Any) -> dict[str, Any]:
@@ -74,6 +85,22 @@ def dump_metadata(metadata: Metadata, **extra: Any) -> bytes:
     """Pickle ``metadata`` with our facts (``format``, plus ``extra``) attached."""
     setattr(metadata, EXTRA, {"format": FORMAT_VERSION, **extra})
     return pickle.dumps(metadata)
+
+
+ORIGIN = "origin"  # Metadata extra: the save id of the save a copy was made from
+
+
+def save_of(metadata: Metadata) -> str | None:
+    """The id of the save that produced ``metadata``'s checkpoint: a copy's
+    ``origin``, else its own ``storage_meta.save_id`` (``None`` when it has neither,
+    as stock DCP's checkpoints may). Two checkpoints with the same id hold the same
+    state, whatever their data files are called."""
+    extra = getattr(metadata, EXTRA, None)
+    origin = extra.get(ORIGIN) if isinstance(extra, dict) else None
+    if isinstance(origin, str):
+        return origin
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    return save_id if isinstance(save_id, str) else None
 
 
 # --- safe loading -------------------------------------------------------------------

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -38,17 +37,17 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from extensions.errors import CheckpointInUseError, CheckpointNotFoundError
+from extensions.errors import CheckpointNotFoundError, quote
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import tensor_bytes
-from storage.checkpoint.layout import is_committed
-
-log = logging.getLogger(__name__)
+from storage.checkpoint.committed import chain_of, open_committed, read_metadata_file
+from storage.checkpoint.layout import is_committed, split_location
+from storage.checkpoint.prefixes import expand, split
+from storage.checkpoint.validate import MAX_NAME, is_plain_name
 
 REF = fmt.REF
 CONTENT = "content"  # item extra: the fingerprint of the item's plain content
-CHAIN = "chain"  # metadata extra: incremental saves since the last full one (0: full)
 
 
 # --- fingerprints -------------------------------------------------------------------
@@ -117,26 +116,28 @@ def fingerprint(data: torch.Tensor | memoryview, transforms: Sequence[Any]) -> F
 # --- where a checkpoint's siblings are ------------------------------------------------
 
 
-def split_location(fs: FileSystemBase, path: str) -> tuple[str, str] | None:
-    """``(parent, name)`` of the checkpoint at ``path``, or ``None`` if it has no parent
-    under which siblings could live (a bucket's root)."""
-    trimmed = path.rstrip("/")
-    parent, sep, name = trimmed.rpartition("/")
-    if not sep or not parent or not name or fs.concat_path(parent, name) != trimmed:
-        return None
-    return parent, name
-
-
 def sibling_path(fs: FileSystemBase, path: str, name: str) -> str:
     """The path of the checkpoint ``name`` beside the one at ``path``."""
     location = split_location(fs, path)
     if location is None:
         raise CheckpointNotFoundError(
-            f"{fs.url(path)} references checkpoint {name!r} beside it, but it has no parent "
+            f"{fs.url(path)} references checkpoint {quote(name)} beside it, but it has no parent "
             "directory or prefix to hold one; copy it with `dcp-storage cp` from where it was "
             "written"
         )
     return fs.concat_path(location[0], name)
+
+
+def check_base_name(fs: FileSystemBase, base_path: str) -> None:
+    """Refuse a base whose name could not be read back as a reference: every checkpoint
+    that references the base records its name, which loads check (``validate``)."""
+    name = base_path.rstrip("/").rpartition("/")[2]
+    if not is_plain_name(name):
+        raise ValueError(
+            f"base {quote(fs.url(base_path))}: its name is recorded in every checkpoint "
+            f"that references it, so it must be a plain name of at most {MAX_NAME} "
+            "printable characters; rename the base, or save without one"
+        )
 
 
 def item_directory(fs: FileSystemBase, path: str, info: Any) -> str:
@@ -164,8 +165,8 @@ def check_bases(fs: FileSystemBase, path: str, items: Iterable[tuple[str, Any]])
         if not is_committed(fs, base):
             state = "not committed" if fs.exists(base) else "missing"
             raise CheckpointNotFoundError(
-                f"{fs.url(path)}: item {label!r} is stored in base checkpoint {fs.url(base)} "
-                f"({ref!r}), which is {state}; an incremental checkpoint needs its bases: "
+                f"{fs.url(path)}: item {quote(label)} is stored in base checkpoint {fs.url(base)} "
+                f"({quote(ref)}), which is {state}; an incremental checkpoint needs its bases: "
                 "restore the base, or load a self-contained copy made with `dcp-storage cp` "
                 "while the base existed"
             )
@@ -177,16 +178,19 @@ def check_bases(fs: FileSystemBase, path: str, items: Iterable[tuple[str, Any]])
 
 @dataclass(frozen=True)
 class Base:
-    """A committed checkpoint a save may reference: its name beside the new one, its
-    items as its metadata records them, and its chain length."""
+    """A committed checkpoint a save may reference: its canonical name beside the new
+    one, its items as its ``.metadata`` records them, its chain length, and the
+    canonical name of the checkpoint being written (``own``), which no reference may
+    name (its files go when the save replaces them)."""
 
     name: str
     url: str
     items: dict[MetadataIndex, Any]
     chain: int
+    own: str
 
     def reference(
-        self, index: MetadataIndex, descriptors: list[str], content: Fingerprint, own: str
+        self, index: MetadataIndex, descriptors: list[str], content: Fingerprint
     ) -> Any | None:
         """The ``_StorageInfo`` referencing the base's bytes of ``index`` when they hold
         the same content under the same transform chain, else ``None``."""
@@ -195,7 +199,7 @@ class Base:
             return None
         extra = fmt.item_extra(info)
         ref = extra.get(REF, self.name)
-        if ref == own or "crc32c" not in extra or not content.matches(extra.get(CONTENT)):
+        if ref == self.own or "crc32c" not in extra or not content.matches(extra.get(CONTENT)):
             return None
         return fmt.new_storage_info(
             info.relative_path, info.offset, info.length, descriptors, dict(extra, ref=ref)
@@ -204,40 +208,57 @@ class Base:
 
 def open_base(fs: FileSystemBase, path: str, base: str) -> Base:
     """Read the base ``base`` (a path or URL) of a save to ``path``. It must be a
-    committed checkpoint beside ``path`` (same parent directory or prefix)."""
+    committed checkpoint beside ``path`` (same parent directory or prefix) with a
+    ``.metadata`` (rank-local metadata never makes a base), and not the checkpoint being
+    written. Links are resolved where the backend has them (``root/latest -> step-5``
+    is recorded as ``step-5``, the name whose files hold the bytes); a base or a
+    destination that resolves outside the parent directory is refused."""
     base_path = fs.init_path(base)
+    check_base_name(fs, base_path)
     here, there = split_location(fs, path), split_location(fs, base_path)
-    if here is None or there is None or here[0] != there[0] or here[1] == there[1]:
+    if here is None or there is None or here[0] != there[0]:
         raise ValueError(
             f"base {fs.url(base_path)} must be another checkpoint beside {fs.url(path)} (in "
             "the same directory or prefix, as the manager's step-<N> are): references are "
             "stored as sibling names, never as paths"
         )
-    meta_path = fs.concat_path(base_path, fmt.METADATA_NAME)
-    try:
-        metadata = fmt.load_metadata(fs.read_bytes(meta_path), fs.url(base_path))
-    except FileNotFoundError:
+    parent = fs.realpath(here[0])
+    own, name = _canonical_name(fs, path, parent), _canonical_name(fs, base_path, parent)
+    if name == own:
+        alias = "" if there[1] == here[1] else f" ({there[1]} resolves to {name})"
+        raise ValueError(
+            f"base {fs.url(base_path)} is the checkpoint being written, {fs.url(path)}"
+            f"{alias}: a save cannot reference the files it replaces; name the previous "
+            "checkpoint as its base, or save without one"
+        )
+    metadata = read_metadata_file(fs, fs.concat_path(base_path, fmt.METADATA_NAME))
+    if metadata is None:
+        rank_local = open_committed(fs, base_path).committing
+        state = (
+            f"committed only by rank-local metadata ({', '.join(rank_local)}, a save with "
+            "use_collectives=False), which never serves as a base"
+            if rank_local
+            else "not a committed checkpoint (no .metadata)"
+        )
         raise CheckpointNotFoundError(
-            f"base {fs.url(base_path)} of the save to {fs.url(path)} is not a committed "
-            "checkpoint (no .metadata); save a full checkpoint (no base) or name a committed one"
-        ) from None
-    return Base(there[1], fs.url(base_path), dict(metadata.storage_data or {}), chain_of(metadata))
+            f"base {fs.url(base_path)} of the save to {fs.url(path)} is {state}; save a "
+            "full checkpoint (no base) or name a committed one"
+        )
+    return Base(name, fs.url(base_path), dict(metadata.storage_data or {}), chain_of(metadata), own)
 
 
-def chain_of(metadata: Any) -> int:
-    """Incremental saves since the last full one (0 for a full or foreign checkpoint)."""
-    extra = getattr(metadata, fmt.EXTRA, None)
-    chain = extra.get(CHAIN, 0) if isinstance(extra, dict) else 0
-    return chain if isinstance(chain, int) and chain >= 0 else 0
-
-
-def chain_length(fs: FileSystemBase, path: str) -> int:
-    """:func:`chain_of` the committed checkpoint at ``path`` (0 if unreadable)."""
-    try:
-        meta_path = fs.concat_path(path, fmt.METADATA_NAME)
-        return chain_of(fmt.load_metadata(fs.read_bytes(meta_path), fs.url(path)))
-    except (FileNotFoundError, NotADirectoryError):
-        return 0
+def _canonical_name(fs: FileSystemBase, path: str, parent: str) -> str:
+    """The name of ``path`` under ``parent`` (a canonical path) once links are resolved;
+    ``ValueError`` when it resolves elsewhere."""
+    real = fs.realpath(path)
+    location = split_location(fs, real)
+    if location is None or location[0] != parent:
+        raise ValueError(
+            f"{fs.url(path)} is a symbolic link to {fs.url(real)}, outside {fs.url(parent)}: "
+            "an incremental save and its base must be checkpoints in the same directory "
+            "(references are sibling names); save without a base, or use the real path"
+        )
+    return location[1]
 
 
 def check_referenced_files(fs: FileSystemBase, path: str, infos: Iterable[Any]) -> None:
@@ -251,8 +272,9 @@ def check_referenced_files(fs: FileSystemBase, path: str, infos: Iterable[Any]) 
             wanted.setdefault(ref, set()).add(info.relative_path)
     for ref, names in sorted(wanted.items()):
         base = sibling_path(fs, path, ref)
+        used = {p for p, _ in map(split, names) if p is not None}
         try:
-            present = set(fs.ls(base))
+            present = set(expand(fs, base, only=used))  # files under key prefixes too
         except (FileNotFoundError, NotADirectoryError):
             present = set()
         missing = sorted(names - present) + (
@@ -260,52 +282,7 @@ def check_referenced_files(fs: FileSystemBase, path: str, infos: Iterable[Any]) 
         )
         if missing:
             raise CheckpointNotFoundError(
-                f"{fs.url(path)}: base checkpoint {fs.url(base)} lost {missing[0]!r} during "
+                f"{fs.url(path)}: base checkpoint {fs.url(base)} lost {quote(missing[0])} during "
                 "the save (deleted or overwritten meanwhile); nothing was committed: save "
                 "again (a full save if the base is gone)"
             )
-
-
-# --- who references whom ----------------------------------------------------------------
-
-
-def references(fs: FileSystemBase, path: str) -> set[str]:
-    """Names of the sibling checkpoints whose bytes the committed checkpoint at ``path``
-    references (empty if it has no readable ``.metadata``)."""
-    meta_path = fs.concat_path(path, fmt.METADATA_NAME)
-    try:
-        metadata = fmt.load_metadata(fs.read_bytes(meta_path), fs.url(path))
-    except (FileNotFoundError, NotADirectoryError):
-        return set()  # not a committed checkpoint (or not a directory at all)
-    except Exception as exc:  # unreadable: it cannot be loaded, so it needs nothing
-        log.warning("cannot read %s (%s); its references are not known", fs.url(path), exc)
-        return set()
-    refs = {fmt.item_extra(i).get(REF) for i in (metadata.storage_data or {}).values()}
-    return {r for r in refs if isinstance(r, str)}
-
-
-def referencing(fs: FileSystemBase, path: str) -> list[str]:
-    """Names of the committed checkpoints beside ``path`` that reference its bytes."""
-    location = split_location(fs, path)
-    if location is None:
-        return []
-    parent, name = location
-    try:
-        siblings = fs.ls(parent)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(
-        s for s in siblings if s != name and name in references(fs, fs.concat_path(parent, s))
-    )
-
-
-def refuse_if_referenced(fs: FileSystemBase, path: str, action: str = "delete") -> None:
-    """Raise :class:`CheckpointInUseError` if committed checkpoints beside ``path``
-    reference its bytes: removing them would break those checkpoints."""
-    users = referencing(fs, path)
-    if users:
-        raise CheckpointInUseError(
-            f"refusing to {action} {fs.url(path)}: incremental checkpoint(s) "
-            f"{', '.join(users)} beside it reference its bytes. Delete those first, or make "
-            "them self-contained with `dcp-storage cp` (a copy holds every byte it needs)"
-        )

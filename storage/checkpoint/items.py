@@ -19,7 +19,7 @@ import crc32c
 
 from extensions.base import ItemInfo, Keys
 from extensions.encryption import AES256GCM, prefetch_keys
-from extensions.errors import IntegrityError, UnsafeCheckpointError
+from extensions.errors import IntegrityError, UnsafeCheckpointError, printable, quote
 from extensions.registry import ExtensionRegistry, encoding_stream, parse_descriptor
 from extensions.streams import BoundedReader, drain, read_all
 
@@ -158,7 +158,7 @@ class StoredItem:
             return IntegrityError(f"{self.where}: checksum mismatch; the stored bytes are damaged")
         if self.raw.count < self.length:
             return IntegrityError(f"{self.where}: data file is truncated")
-        return IntegrityError(f"{self.where}: cannot decode: {exc}")
+        return IntegrityError(f"{self.where}: cannot decode: {printable(str(exc), 200)}")
 
 
 def encryption_required(require_encryption: bool | None, keys: Keys | None) -> bool:
@@ -180,7 +180,7 @@ def check_before_read(
     plain item where encryption is required and, for an item to be decoded, a missing
     key or a key provider that fails."""
     if require_encryption and not is_encrypted(descriptors):
-        raise _not_encrypted(f"{item.checkpoint}: item {item.item!r}")
+        raise _not_encrypted(f"{item.checkpoint}: item {quote(item.item)}")
     if decode:
         prefetch_keys(descriptors, item)
 

@@ -2,32 +2,24 @@
 
 A checkpoint is a directory (or prefix) holding ``.metadata`` (or rank-local
 ``__{rank}.metadata``) and ``*.distcp`` data files; it exists once its metadata does.
-:func:`metadata_names` is the one rule for which metadata files make it: every
-listing, reader tool and copy asks it.
+:func:`committing_metadata` is the one rule for which metadata files make it: every
+listing (:func:`metadata_names`, :func:`is_committed`) and the read model of a committed
+checkpoint (``committed``, which reader tools, copies and deletions use) ask it.
 The manager, the CLI and the recovery transport use these rules to list checkpoints
-and to delete only what they recognise: directories named exactly ``step-<N>`` (``N``
-in canonical decimal form) and, inside them, only checkpoint files.
-
-Deletion trusts neither the metadata nor the directory: a file is removed only if its
-name is a data file name (``[<key prefix>/]__{rank}_{n}[-{save_id}].distcp``; listings
-see into key prefix directories through ``prefixes.expand``), whatever the metadata
-claims; a committed checkpoint loses only the data files its metadata names (never those
-of a save in flight); and nothing is deleted through a symbolic link.
+and to delete only what they recognise (``deletion``): directories named exactly
+``step-<N>`` (``N`` in canonical decimal form) and, inside them, only checkpoint files
+(:func:`is_data_file_name`: ``[<key prefix>/]__{rank}_{n}[-{save_id}].distcp``; listings
+see into key prefix directories through ``prefixes.expand``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
 from dataclasses import dataclass
 
-from extensions.errors import UnsafeCheckpointError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
-from storage.checkpoint.prefixes import PREFIX, expand, remove_empty_prefixes
-
-log = logging.getLogger(__name__)
+from storage.checkpoint.prefixes import PREFIX, expand
 
 STEP_PREFIX = "step-"
 _STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)")
@@ -100,89 +92,14 @@ def is_committed(fs: FileSystemBase, path: str) -> bool:
     return bool(metadata_names(fs, path))
 
 
-def committed_files(fs: FileSystemBase, meta_path: str) -> set[str]:
-    """Data files named by the metadata at ``meta_path`` that may be deleted with it:
-    only names that are data file names, so a hostile or hand-edited metadata cannot
-    make a deletion path remove ``train.py`` (none if absent or unreadable)."""
-    try:
-        meta = fmt.load_metadata(fs.read_bytes(meta_path), fs.url(meta_path))
-    except FileNotFoundError:
-        return set()
-    except Exception as exc:  # an unreadable checkpoint's files stay for cleanup
-        log.warning("cannot read %s (%s); the files it names stay", fs.url(meta_path), exc)
-        return set()
-    # Items referenced from a base checkpoint (incremental saves) live in the base's files.
-    named = {
-        getattr(i, "relative_path", None)
-        for i in (meta.storage_data or {}).values()
-        if fmt.REF not in fmt.item_extra(i)
-    }
-    ours = {n for n in named if isinstance(n, str) and is_data_file_name(n)}
-    if len(ours) < len(named):
-        log.warning(
-            "%s names files that are not data files; they are never deleted", fs.url(meta_path)
-        )
-    return ours
-
-
-def refuse_link(fs: FileSystemBase, path: str) -> None:
-    """Raise :class:`UnsafeCheckpointError` if ``path`` is a symbolic link: a linked
-    checkpoint belongs to someone else (a shared pretrained one, say) and deleting
-    through the link would remove its files."""
-    if fs.is_link(path):
-        raise UnsafeCheckpointError(
-            f"{fs.url(path)} is a symbolic link to a checkpoint elsewhere; it is never "
-            "deleted through the link (remove the link itself if it is no longer wanted)"
-        )
-
-
-def delete_checkpoint(fs: FileSystemBase, path: str) -> list[str]:
-    """Delete the committed checkpoint at ``path``.
-
-    Each metadata file is read, then removed (so the directory stops being a checkpoint
-    at once), then the data files it named. Data files no metadata named (a save in
-    flight, leftovers of a failed one) stay for :func:`remove_leftovers` after a grace
-    period; so do files that are not checkpoint files, and the files of a metadata that
-    cannot be read. The directory goes once empty. Refuses symbolic links
-    (:func:`refuse_link`). Returns the names left in place."""
-    refuse_link(fs, path)
-    names = fs.ls(path)
-    named: set[str] = set()
-    for name in (n for n in names if is_metadata_name(n)):
-        meta_path = fs.concat_path(path, name)
-        named |= committed_files(fs, meta_path)
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(meta_path)
-    for name in sorted(named):
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(fs.concat_path(path, name))
-    return _remove_dir_or_report(fs, path)
-
-
-def remove_leftovers(fs: FileSystemBase, path: str, names: list[str]) -> list[str]:
-    """Remove ``names``, the checkpoint files of an uncommitted directory that the
-    caller found stale, then the directory once empty. Refuses symbolic links. Returns
-    the names left in place."""
-    refuse_link(fs, path)
-    for name in names:
-        if is_checkpoint_file_name(name) and not is_metadata_name(name):
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm_file(fs.concat_path(path, name))
-    return _remove_dir_or_report(fs, path)
-
-
-def _remove_dir_or_report(fs: FileSystemBase, path: str) -> list[str]:
-    try:
-        remove_empty_prefixes(fs, path)
-        kept = expand(fs, path)
-    except FileNotFoundError:
-        return []
-    if kept:
-        log.warning("%s: left %s in place", fs.url(path), kept)
-        return kept
-    with contextlib.suppress(OSError):  # a save may start writing here meanwhile
-        fs.rm_dir(path)
-    return []
+def split_location(fs: FileSystemBase, path: str) -> tuple[str, str] | None:
+    """``(parent, name)`` of the checkpoint at ``path``, or ``None`` if it has no parent
+    under which siblings could live (a bucket's root)."""
+    trimmed = path.rstrip("/")
+    parent, sep, name = trimmed.rpartition("/")
+    if not sep or not parent or not name or fs.concat_path(parent, name) != trimmed:
+        return None
+    return parent, name
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,12 @@ checkpoint path) load such a checkpoint too. The one form allowed besides a plai
 name is :data:`PREFIX` (1 to 8 lowercase hex digits), then ``/``, then a plain name:
 ``validate.check_relative_path`` accepts exactly that, and every deletion path
 recognises data files by name with or without it (``layout``).
+
+A prefix directory is a checkpoint's own directory, never a symbolic link: no path under
+a checkpoint is followed through a link, on any read, write, copy, drain or delete path.
+:func:`is_linked` is the one check they all make (the backends refuse a link as the last
+component of a path they read; removing a link removes only the link). It is made just
+before the path is used: a link swapped in between is not caught.
 """
 
 from __future__ import annotations
@@ -56,13 +62,41 @@ def is_prefix(name: str) -> bool:
     return PREFIX.fullmatch(name) is not None
 
 
+def is_linked(fs: FileSystemBase, path: str, prefix: str) -> bool:
+    """Whether the prefix directory ``prefix`` of the checkpoint at ``path`` is a
+    symbolic link (never, on backends without links)."""
+    return fs.is_link(fs.concat_path(path, prefix))
+
+
+def linked_prefix(fs: FileSystemBase, path: str, relative_path: str) -> str | None:
+    """The prefix directory of ``relative_path`` (a file of the checkpoint at ``path``)
+    if it is a symbolic link, else ``None``."""
+    prefix, _ = split(relative_path)
+    return prefix if prefix is not None and is_linked(fs, path, prefix) else None
+
+
+def refuse_linked_prefix(fs: FileSystemBase, path: str, relative_path: str) -> None:
+    """Raise :class:`UnsafeCheckpointError` if ``relative_path`` lies under a prefix
+    directory that is a symbolic link: the file would lie outside the checkpoint."""
+    prefix = linked_prefix(fs, path, relative_path)
+    if prefix is not None:
+        raise UnsafeCheckpointError(
+            f"{fs.url(path)}: {quote(relative_path)} lies under {quote(prefix)}, a symbolic "
+            "link; a checkpoint's prefix directories must be its own directories, and "
+            "nothing is read, written or deleted through a link (replace the link with a "
+            "directory holding copies of the files, or remove it)"
+        )
+
+
 def expand(fs: FileSystemBase, path: str, only: set[str] | None = None) -> list[str]:
     """The names under ``path``, with each prefix directory (those in ``only``, if
     given) replaced by its entries as ``prefix/name``: every checkpoint file, prefixed
-    or not, in one list. Costs one listing per prefix directory."""
+    or not, in one list. A prefix directory that is a symbolic link stays one name, never
+    listed through (so no caller deletes or reads through it). Costs one listing per
+    prefix directory."""
     names = []
     for name in fs.ls(path):
-        if is_prefix(name) and (only is None or name in only):
+        if is_prefix(name) and (only is None or name in only) and not is_linked(fs, path, name):
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 names += [f"{name}/{n}" for n in fs.ls(fs.concat_path(path, name))]
                 continue
@@ -72,22 +106,11 @@ def expand(fs: FileSystemBase, path: str, only: set[str] | None = None) -> list[
 
 def remove_empty_prefixes(fs: FileSystemBase, path: str) -> None:
     """Remove the prefix directories under ``path`` that are empty (local disk keeps
-    empty directories; object stores have none)."""
+    empty directories; object stores have none); a linked one stays."""
     for name in fs.ls(path):
-        if not is_prefix(name):
+        if not is_prefix(name) or is_linked(fs, path, name):
             continue
-        sub = fs.concat_path(path, name)
         with contextlib.suppress(OSError):
-            if not fs.is_link(sub) and not fs.ls(sub):
+            sub = fs.concat_path(path, name)
+            if not fs.ls(sub):
                 fs.rm_dir(sub)
-
-
-def refuse_linked_prefix(fs: FileSystemBase, path: str, relative_path: str) -> None:
-    """Refuse a prefix directory that is a symbolic link: the file would lie outside
-    the checkpoint (the backends refuse a link only as the last path component)."""
-    prefix, _ = split(relative_path)
-    if prefix is not None and fs.is_link(fs.concat_path(path, prefix)):
-        raise UnsafeCheckpointError(
-            f"{fs.url(path)}: {quote(relative_path)} lies under {quote(prefix)}, a symbolic "
-            "link; a checkpoint's prefix directories must be its own directories"
-        )

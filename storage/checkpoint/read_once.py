@@ -42,7 +42,12 @@ from extensions._compat import narrow_tensor_by_index
 from extensions.errors import quote
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import check_shapes
-from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError, rank_error
+from storage.checkpoint.deadline import (
+    Budget,
+    CheckpointRankError,
+    DeadlineExceededError,
+    rank_error,
+)
 
 if TYPE_CHECKING:
     from storage.checkpoint.reader import CheckpointReader
@@ -135,7 +140,8 @@ def read_shared(reader: CheckpointReader, plan: LoadPlan, planner: LoadPlanner) 
     share_plan: SharePlan = plan.storage_data
     me = share_plan.rank
     group = reader.process_group
-    deadline = None if reader.timeout is None else time.monotonic() + reader.timeout
+    left = reader.budget.left()
+    deadline = None if left is None else time.monotonic() + left
     shared = {s.index for s in share_plan.shares}
     wanted: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
     direct: list[ReadItem] = []
@@ -150,7 +156,7 @@ def read_shared(reader: CheckpointReader, plan: LoadPlan, planner: LoadPlanner) 
             reader._read_items(
                 (direct if batch == 0 else []) + list(sink.requests),
                 sink,  # type: ignore[arg-type]
-                timeout=_left(deadline),
+                Budget(_left(deadline)),
             )
         except Exception as exc:  # every rank must hear of it before the exchange
             error = exc

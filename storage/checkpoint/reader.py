@@ -42,7 +42,7 @@ from storage.checkpoint._common import (
     resolve_location,
     stock_checkpoint_id,
 )
-from storage.checkpoint.deadline import check_timeout, note, run_tasks
+from storage.checkpoint.deadline import Budget, cancellable, check_timeout, note
 from storage.checkpoint.decode import (
     MAX_OBJECT_BYTES,
     OBJECT_RATIO,
@@ -51,6 +51,7 @@ from storage.checkpoint.decode import (
     read_bounded,
 )
 from storage.checkpoint.items import StoredItem, check_before_read, encryption_required
+from storage.checkpoint.layout import metadata_rank
 from storage.checkpoint.prefixes import refuse_linked_prefix
 from storage.checkpoint.shared import on_coordinator
 
@@ -70,6 +71,15 @@ class _Item:
     @property
     def length(self) -> int:
         return int(self.info.length)
+
+
+@dataclass(frozen=True)
+class _Absent:
+    """What one listing says of a location without ``.metadata``: whether it exists,
+    and the rank-local metadata files it holds (``None``: the listing failed)."""
+
+    exists: bool
+    rank_files: frozenset[str] | None
 
 
 class CheckpointReader(StorageReader):
@@ -100,7 +110,8 @@ class CheckpointReader(StorageReader):
     the default group; pass the group given to ``dcp.load``), so each byte is fetched
     once per job (storage/checkpoint/read_once.py; default: on for every backend but
     local disk, see docs/scale.md). ``timeout`` (seconds) bounds this rank's storage
-    work in a load: past it the load fails on every rank with
+    work in a load, every request of it (the metadata, its bases, the data;
+    ``deadline.Budget``): past it the load fails on every rank with
     :class:`DeadlineExceededError` naming the rank, the item and the URL.
     ``share_metadata``: the global ``.metadata`` is read by the group's rank 0 alone and
     broadcast (one request per load, not one per rank); a collective, so only for
@@ -130,6 +141,7 @@ class CheckpointReader(StorageReader):
         if read_once is not None and not isinstance(read_once, bool):
             raise TypeError(f"read_once must be a bool or None, got {read_once!r}")
         self.timeout = check_timeout(timeout)
+        self.budget = Budget(self.timeout)
         self.process_group = process_group
         if not isinstance(max_object_bytes, int) or max_object_bytes < 0:
             raise TypeError(f"max_object_bytes must be an int >= 0, got {max_object_bytes!r}")
@@ -149,6 +161,8 @@ class CheckpointReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
         self.last_error: BaseException | None = None
+        # What this load's probe of .metadata listed, when the file was missing.
+        self._absent: _Absent | None = None
         # One id per load, handed to planners and loggers in metadata.storage_meta (stock).
         self.load_id = str(uuid.uuid4())
 
@@ -157,6 +171,7 @@ class CheckpointReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         self.last_error = None
+        self._absent = None
         self.load_id = str(uuid.uuid4())
         if checkpoint_id:
             self.fs, self.path = resolve_location(
@@ -182,17 +197,37 @@ class CheckpointReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # torch asks for the global metadata, then (rank=N) for the rank-local one.
         rank = kwargs.get("rank")
+        if rank is None:
+            self.budget.restart()  # a load begins with the global metadata
         meta_path = self.fs.concat_path(self.path, fmt.metadata_name(rank))
+        if rank is None:
+            self._absent = None
+        absent = self._absent  # the global probe of this load found no .metadata
+        if absent is not None and (
+            not absent.exists
+            or (absent.rank_files is not None and fmt.metadata_name(rank) not in absent.rank_files)
+        ):
+            # Its listing already said there is no such file: nothing to ask storage.
+            raise CheckpointNotFoundError(self._missing_message(rank, absent))
 
-        def fetch() -> bytes:
+        def read() -> bytes | _Absent:
             try:
                 return self.fs.read_bytes(meta_path)
             except FileNotFoundError:
-                raise CheckpointNotFoundError(self._missing_message(rank)) from None
+                return absent or self._look()
 
-        # The global metadata is the same for every rank; a rank-local one is not.
+        def fetch() -> bytes | _Absent:
+            name, url = fmt.metadata_name(rank), self.fs.url(meta_path)
+            return self.budget.call(read, action="loading", location=self.url, item=name, url=url)
+
+        # The global metadata is the same for every rank, and so is the listing that
+        # says why it is missing; a rank-local metadata is not.
         shared = self.share_metadata and rank is None
-        payload = on_coordinator(fetch, self.process_group) if shared else fetch()
+        found = on_coordinator(fetch, self.process_group) if shared else fetch()
+        if isinstance(found, _Absent):
+            self._absent = found
+            raise CheckpointNotFoundError(self._missing_message(rank, found))
+        payload = found
         try:
             metadata = fmt.load_metadata(payload, self.fs.url(meta_path))
         except CheckpointStorageError as exc:
@@ -233,16 +268,23 @@ class CheckpointReader(StorageReader):
         if isinstance(plan.storage_data, read_once.SharePlan):
             read_once.read_shared(self, plan, planner)
         else:
-            self._read_items(plan.items, planner, timeout=self.timeout)
+            self._read_items(plan.items, planner, self.budget)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_items(
-        self, reqs: Sequence[ReadItem], planner: LoadPlanner, *, timeout: float | None
-    ) -> None:
-        """Fetch, verify and decode ``reqs`` into ``planner``, within ``timeout``."""
-        runs = self._plan_runs(reqs)
+    def _read_items(self, reqs: Sequence[ReadItem], planner: LoadPlanner, budget: Budget) -> None:
+        """Fetch, verify and decode ``reqs`` into ``planner``, within ``budget``."""
+        if not reqs:
+            return
+        first = fmt.item_label(reqs[0].storage_index)
+        runs = budget.call(
+            functools.partial(self._plan_runs, reqs),  # checks the bases: requests
+            action="loading",
+            location=self.url,
+            item=first,
+            url=self.url,
+        )
         lock = threading.Lock()
         registry = self.registry or ExtensionRegistry()
         keys = cached_key_lookup(self.keys)
@@ -260,9 +302,7 @@ class CheckpointReader(StorageReader):
         tasks = [
             functools.partial(self._read_run, p, r, planner, lock, registry, keys) for p, r in runs
         ]
-        run_tasks(
-            tasks, workers=self.thread_count, timeout=timeout, action="loading", location=self.url
-        )
+        budget.run(tasks, workers=self.thread_count, action="loading", location=self.url)
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
@@ -276,17 +316,24 @@ class CheckpointReader(StorageReader):
 
     # --- internals ------------------------------------------------------------------
 
-    def _missing_message(self, rank: int | None) -> str:
-        name = fmt.metadata_name(rank)
+    def _look(self) -> _Absent:
+        """One listing of the location, for a load that found no metadata there."""
         try:
-            self.fs.ls(self.path)
+            names = self.fs.ls(self.path)
         except (FileNotFoundError, NotADirectoryError):
-            return f"no checkpoint at {self.url}: the location does not exist"
+            return _Absent(exists=False, rank_files=frozenset())
         except Exception:  # listing may be forbidden; the metadata is what matters
-            pass
+            return _Absent(exists=True, rank_files=None)
+        ranks = frozenset(n for n in names if metadata_rank(n) is not None)
+        return _Absent(exists=True, rank_files=ranks)
+
+    def _missing_message(self, rank: int | None, absent: _Absent) -> str:
+        if not absent.exists:
+            return f"no checkpoint at {self.url}: the location does not exist"
         return (
-            f"{self.url} is not a committed checkpoint: it has no {name} (an interrupted "
-            "save, or not a checkpoint directory); point at a checkpoint directory"
+            f"{self.url} is not a committed checkpoint: it has no {fmt.metadata_name(rank)} "
+            "(an interrupted save, or not a checkpoint directory); point at a checkpoint "
+            "directory"
         )
 
     def _plan_runs(self, reqs: Sequence[ReadItem]) -> list[tuple[str, list[_Item]]]:
@@ -340,7 +387,8 @@ class CheckpointReader(StorageReader):
         length = run[-1].offset + run[-1].length - start
         note(fmt.item_label(run[0].req.storage_index), self.fs.url(path))
         try:
-            with self.fs.open_slice(path, start, length) as stream:
+            with self.fs.open_slice(path, start, length) as opened:
+                stream = cancellable(opened)
                 for item in run:
                     self._read_item(stream, path, item, planner, lock, registry, keys)
         except FileNotFoundError as exc:

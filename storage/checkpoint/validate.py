@@ -14,7 +14,10 @@ walk stops after a budget proportional to the file size, and at a nesting depth 
 metadata has. The second checks the schema: names are strings, offsets, lengths and
 sizes non-negative ints below :data:`MAX_SIZE`, every chunk inside its tensor, every
 ``relative_path`` a file inside the checkpoint (a plain name, or one hex key prefix
-and a plain name).
+and a plain name) and every base reference the plain name of a sibling checkpoint.
+Such names are also bounded (:data:`MAX_NAME` printable characters, a file name's
+limit), so a path built from them never fails with a raw ``ENAMETOOLONG`` and never
+carries terminal escape sequences into a message.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ REF = "ref"  # item extra: the sibling checkpoint holding a referenced item's by
 #: Bound on every offset, length, dimension and byte count a metadata may state: no
 #: file or tensor is larger, and sums of two such values still fit in an int64.
 MAX_SIZE = 1 << 62
+#: Longest file or checkpoint name a metadata may state (a path component's limit on
+#: common filesystems; stock DCP's names are a few dozen characters).
+MAX_NAME = 255
 #: Deepest nesting accepted (DCP metadata nests about 6 levels).
 MAX_DEPTH = 32
 #: Object-graph visits allowed per byte of metadata, plus a floor. Each node of a
@@ -77,25 +83,29 @@ def item_label(index: MetadataIndex) -> str:
     return index.fqn
 
 
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` is one plain path component: not empty, ``.`` or ``..``, no
+    separator, drive or URL colon, at most :data:`MAX_NAME` characters, all printable."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and len(name) <= MAX_NAME
+        and name.isprintable()
+        and not any(c in name for c in "/\\:")
+    )
+
+
 def check_relative_path(path: object, where: str, item: str) -> None:
     """Refuse anything but a file inside the checkpoint: a plain file name, or one
     prefix directory of the fixed form ``prefixes.PREFIX`` (1-8 lowercase hex digits)
     and a plain file name (``CheckpointWriter(key_prefixes=N)``)."""
     prefix, name = split(path) if isinstance(path, str) else (None, path)
-    ok = (
-        isinstance(name, str)
-        and (prefix is None or is_prefix(prefix))
-        and name not in ("", ".", "..")
-        and "/" not in name
-        and "\\" not in name
-        and ":" not in name
-        and "\x00" not in name
-    )
-    if not ok:
+    if not (is_plain_name(name) and (prefix is None or is_prefix(prefix))):
         raise UnsafeCheckpointError(
             f"{where}: item {quote(item)} points at {quote(path)}, which is not a file inside "
             "the checkpoint (absolute paths, '..', sub-directories other than one hex key "
-            "prefix, and URLs are refused)"
+            f"prefix, URLs, names over {MAX_NAME} characters and unprintable characters are "
+            "refused)"
         )
 
 
@@ -103,15 +113,12 @@ def check_reference(name: object, where: str, item: str) -> None:
     """Refuse a base reference (incremental checkpoints) that is anything but the plain
     name of a sibling checkpoint: the bytes of a referenced item are read from
     ``<parent>/<name>/<relative_path>``, so no other directory, bucket or URL is reachable."""
-    if not (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and not any(c in name for c in "/\\:\x00")
-    ):
+    if not is_plain_name(name):
         raise UnsafeCheckpointError(
             f"{where}: item {quote(item)} references base checkpoint {quote(name)}, which is "
             "not the name of a checkpoint beside this one (absolute paths, '..', "
-            "sub-directories, URLs and other buckets are refused)"
+            f"sub-directories, URLs, other buckets, names over {MAX_NAME} characters and "
+            "unprintable characters are refused)"
         )
 
 

@@ -44,9 +44,16 @@ from storage.checkpoint.commit import (
     publish_metadata,
     remove_quietly,
 )
-from storage.checkpoint.deadline import DeadlineExceededError, check_timeout, note, run_tasks
+from storage.checkpoint.committed import CHAIN
+from storage.checkpoint.deadline import (
+    Budget,
+    DeadlineExceededError,
+    cancellable,
+    check_timeout,
+    note,
+)
 from storage.checkpoint.encode import encode_item, plain_cpu_tensor
-from storage.checkpoint.prefixes import check_key_prefixes, place
+from storage.checkpoint.prefixes import check_key_prefixes, place, refuse_linked_prefix
 
 DCP_VERSION = "1.0.0"
 BYTES_PER_THREAD = 32 << 20
@@ -79,9 +86,12 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     base's as a reference to the base's bytes instead of writing it again. Loading such
     a checkpoint needs its bases (``dcp-storage cp`` makes a self-contained copy).
 
-    ``timeout`` (seconds) bounds this rank's data writes in a save: past it the save
+    ``timeout`` (seconds) bounds this rank's storage work in a save, every request of
+    it (checking for a checkpoint there, reading the base, the data writes, publishing
+    the metadata and the listings around it; ``deadline.Budget``): past it the save
     fails on every rank with :class:`DeadlineExceededError` naming the rank, the item
-    and the URL (an upload that never completes is abandoned, not waited for).
+    and the URL (a request that never completes is cancelled, not waited for; one that
+    publishes the metadata may still land, so the save's files are kept).
 
     ``key_prefixes=N`` (N > 1) puts each rank's data files one directory down, under
     one of N short hex key prefixes (``rank % N``), so an object store spreads the
@@ -127,6 +137,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.persist_mode = _persist.check_mode(persist, max_bandwidth)
         self._lease: _persist.Lease | None = None  # the worker's staging buffers, held
         self.timeout = check_timeout(timeout)
+        self.budget = Budget(self.timeout)
         self.key_prefixes = check_key_prefixes(key_prefixes)
         check_serialization_format(serialization_format)
         self.transforms = check_transforms(transforms)
@@ -230,6 +241,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._committed = False
         self._base = None
         self._fingerprints = {}
+        self.budget.restart()
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self.use_collectives = bool(kwargs.get("use_collectives", True))
@@ -240,14 +252,24 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         # With collectives the coordinator alone asks (its error reaches every rank):
         # one request per save, not one per rank.
         asks = self.is_coordinator or not self.use_collectives
-        if not self.overwrite and asks and self.fs.exists(meta_path):
-            raise CheckpointExistsError(
-                f"Checkpoint already exists at {self.url} and overwrite=False; "
-                "pick a new location or pass overwrite=True"
-            )
-        if self.base is not None:
-            self._base = incremental.open_base(self.fs, self.path, os.fspath(self.base))
-        self.fs.mkdir(self.path)
+
+        def prepare() -> None:
+            if not self.overwrite and asks and self.fs.exists(meta_path):
+                raise CheckpointExistsError(
+                    f"Checkpoint already exists at {self.url} and overwrite=False; "
+                    "pick a new location or pass overwrite=True"
+                )
+            if self.base is not None:
+                self._base = incremental.open_base(self.fs, self.path, os.fspath(self.base))
+            self.fs.mkdir(self.path)
+
+        self.budget.call(
+            prepare,
+            action="saving",
+            location=self.url,
+            item=fmt.METADATA_NAME,
+            url=self.fs.url(meta_path),
+        )
         return dataclasses.replace(plan, storage_data=_RankPlan(self.rank))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -305,6 +327,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         lock = threading.Lock()
 
         def write_one(name: str, items: list[WriteItem]) -> list[WriteResult]:
+            refuse_linked_prefix(self.fs, self.path, name)  # never write through a link
             path = self.fs.concat_path(self.path, name)
             with lock:
                 self._written.append(path)
@@ -312,19 +335,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
         tasks = [functools.partial(write_one, name, items) for name, items in files]
         try:
-            per_file = run_tasks(
-                tasks, workers=threads, timeout=self.timeout, action="saving", location=self.url
-            )
-        except DeadlineExceededError:
-            # Storage is stalled, and removing what this save wrote could stall too: the
-            # cleanup runs in the background, the error goes to every rank now.
-            paths, self._written = self._written, []
-            threading.Thread(
-                target=remove_quietly, args=(self.fs, paths), daemon=True, name="dcp-storage-abort"
-            ).start()
-            raise
+            per_file = self.budget.run(tasks, workers=threads, action="saving", location=self.url)
         except BaseException:
-            self.abort()
+            self.abort()  # past the deadline, in the background: the error goes out now
             raise
         return per_file
 
@@ -333,24 +346,43 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         infos = {wr.index: wr.storage_data for rs in results for wr in rs}
         refs = [i for i in infos.values() if fmt.REF in fmt.item_extra(i)]
         new_files = {i.relative_path for i in infos.values() if fmt.REF not in fmt.item_extra(i)}
+        meta_path = self._metadata_path()
+        landed = False
+
+        def commit() -> None:
+            nonlocal landed
+            try:
+                payload = self.metadata_payload(metadata, results)
+                incremental.check_referenced_files(self.fs, self.path, refs)
+                publish_metadata(
+                    self.fs,
+                    self.path,
+                    meta_path,
+                    payload,
+                    new_files=new_files,
+                    overwrite=self.overwrite,
+                    sync=self.sync_files,
+                )
+            except BaseException:
+                landed = metadata_may_name(self.fs, meta_path, self.save_id)
+                if not landed:
+                    remove_quietly(self.fs, [self.fs.concat_path(self.path, f) for f in new_files])
+                raise
+
         try:
-            payload = self.metadata_payload(metadata, results)
-            incremental.check_referenced_files(self.fs, self.path, refs)
-            publish_metadata(
-                self.fs,
-                self.path,
-                self._metadata_path(),
-                payload,
-                new_files=new_files,
-                overwrite=self.overwrite,
-                sync=self.sync_files,
+            self.budget.call(
+                commit,
+                action="saving",
+                location=self.url,
+                item=fmt.metadata_name(None if self.use_collectives else self.rank),
+                url=self.fs.url(meta_path),
             )
         except BaseException as exc:
-            if metadata_may_name(self.fs, self._metadata_path(), self.save_id):
-                self._committed = True  # it landed (or may have): its files must stay
-                mark_may_have_landed(exc)  # ... and every other rank's files too
-            else:
-                remove_quietly(self.fs, [self.fs.concat_path(self.path, f) for f in new_files])
+            # Landed, may have (the answer was lost), or still may (a publish past the
+            # deadline goes on): its files must stay, and every other rank's files too.
+            if landed or isinstance(exc, DeadlineExceededError):
+                self._committed = True
+                mark_may_have_landed(exc)
             raise
         self._committed = True
 
@@ -364,7 +396,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         extra = {}
         if self.fingerprint:  # incremental saves since the last full one
             refs = any(fmt.REF in fmt.item_extra(i) for i in metadata.storage_data.values())
-            extra[incremental.CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
+            extra[CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
         return fmt.dump_metadata(metadata, **extra)
 
     def abort(self, error: BaseException | None = None) -> None:
@@ -375,9 +407,19 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         rank's part failed; the one-call helpers call this so such saves leave nothing
         behind."""
         self._release()
-        if not self._committed and not commit_may_have_landed(error):
-            paths, self._written = self._written, []
+        if self._committed or commit_may_have_landed(error):
+            return
+        paths, self._written = self._written, []
+        if self.budget.timeout is None:
             remove_quietly(self.fs, paths)
+            return
+        # Storage may be stalled: the removal waits for what is left of the timeout,
+        # then goes on in the background.
+        cleanup = threading.Thread(
+            target=remove_quietly, args=(self.fs, paths), daemon=True, name="dcp-storage-abort"
+        )
+        cleanup.start()
+        cleanup.join(self.budget.left())
 
     def _release(self) -> None:
         lease, self._lease = self._lease, None
@@ -417,7 +459,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         results = []
         if ordered:
             note(fmt.item_label(ordered[0].index), self.fs.url(path))
-        with self.fs.create_stream(path, "wb", sync=self.sync_files) as stream:
+        with self.fs.create_stream(path, "wb", sync=self.sync_files) as opened:
+            stream = cancellable(opened)
             offset = 0
             for item in ordered:
                 result = self._write_item(stream, name, offset, item, planner)
@@ -444,8 +487,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         if self._base is None:
             return None
         descriptors = chain_descriptors(self.transforms, self._item_info(item, tensor))
-        own = os.path.basename(self.path.rstrip("/"))
-        info = self._base.reference(item.index, descriptors, content, own)
+        info = self._base.reference(item.index, descriptors, content)
         return None if info is None else WriteResult(item.index, 0, info)
 
     def _write_item(

@@ -16,7 +16,7 @@ from extensions.errors import CheckpointNotFoundError, printable
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url, url_scheme
 
-TRANSFORM_SPECS = "zstd, zstd:LEVEL, shuffle, aes:KEY_ID, none"
+TRANSFORM_SPECS = "weights, zstd, zstd:LEVEL, shuffle, aes:KEY_ID, none"
 
 
 def option_value(text: str) -> Any:
@@ -28,10 +28,14 @@ def option_value(text: str) -> Any:
 
 def storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     options: dict[str, Any] = {}
-    for pair in pairs or ():
+    for number, pair in enumerate(pairs or (), start=1):
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--storage-option takes KEY=VALUE, got {pair!r}")
+            # Not echoed: a malformed pair may be a bare secret.
+            raise ValueError(
+                f"--storage-option takes KEY=VALUE; the {number}. one has no "
+                f"{'=' if not sep else 'KEY'}"
+            )
         options[key] = option_value(value)
     return options
 
@@ -67,6 +71,10 @@ def parse_transforms(specs: Sequence[str], keys: dict[str, bytes]) -> list[Any]:
             from extensions import ByteShuffle
 
             chain.append(ByteShuffle())
+        elif name == "weights" and not value:
+            from extensions import WeightCodec
+
+            chain.append(WeightCodec())
         elif name in ("aes", "aes256gcm") and value:
             from extensions import AES256GCM
 

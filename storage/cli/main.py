@@ -9,6 +9,7 @@ one line on stderr with exit code 1 (``verify`` also exits 1 when an item is bad
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ from storage.cli._support import (
 def _cmd_demo(args: argparse.Namespace) -> int:
     from storage.ops.demo import format_figures, run_demo
 
-    figures = run_demo(args.dir, steps=args.steps)
+    figures = run_demo(os.path.abspath(args.dir), steps=args.steps)
     emit(args, figures, format_figures(figures))
     return 0
 
@@ -44,7 +45,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     from storage.ops.manager import CheckpointManager
 
     fs, root = location(args.root, args.storage_option)
-    if not fs.exists(root):
+    # A save killed before any object landed leaves nothing but its open upload.
+    if not fs.exists(root) and not fs.pending_uploads(root):
         raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
     mgr = CheckpointManager(fs.url(root), filesystem=fs)
     infos = mgr.entries()
@@ -225,20 +227,20 @@ def _cmd_cp(args: argparse.Namespace) -> int:
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    from storage.checkpoint.incremental import refuse_if_referenced
-    from storage.checkpoint.layout import delete_checkpoint
-    from storage.ops.tools import read_metadata
+    from storage.checkpoint.committed import open_committed, refuse_if_referenced
+    from storage.checkpoint.deletion import delete_checkpoint
 
     fs, path = location(args.checkpoint, args.storage_option)
+    checkpoint = open_committed(fs, path)
     try:
-        read_metadata(fs, path)
+        checkpoint.require()
     except CheckpointNotFoundError as exc:
         raise CheckpointNotFoundError(
             f"{exc}. Refusing to delete it; interrupted saves under a root are removed by "
             "`dcp-storage gc ROOT`"
         ) from None
     refuse_if_referenced(fs, path)
-    kept = delete_checkpoint(fs, path)
+    kept = delete_checkpoint(fs, path, checkpoint)
     text = f"removed {fs.url(path)}"
     if kept:
         text += (
@@ -253,16 +255,30 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     from storage.ops.manager import CheckpointManager
 
     fs, root = location(args.root, args.storage_option)
-    if not fs.exists(root):
+    # A save killed before any object landed leaves nothing but its open upload.
+    if not fs.exists(root) and not fs.pending_uploads(root):
         raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
     mgr = CheckpointManager(
         fs.url(root), keep_last=args.keep_last, keep_every=args.keep_every, filesystem=fs
     )
     pruned = mgr.apply_retention(dry_run=args.dry_run)
     cleaned = mgr.cleanup(grace_seconds=args.grace, dry_run=args.dry_run)
+    abort = args.abort_uploads and not args.dry_run
+    uploads = mgr.stale_uploads(args.grace, abort=abort)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} step-{s} (retention)" for s in pruned]
     lines += [f"{verb} step-{s} (interrupted save)" for s in cleaned]
+    if abort:
+        fate = "aborted"
+    elif args.abort_uploads:
+        fate = "would abort"
+    else:
+        fate = "left open (--abort-uploads aborts it)"
+    for upload in uploads:
+        age = time.time() - (upload.started or 0.0)
+        lines.append(
+            f"incomplete multipart upload of {fs.url(upload.path)}, begun {age:.0f} s ago: {fate}"
+        )
     linked = mgr.linked_steps()
     lines += [f"kept step-{s}: a symbolic link, never deleted through" for s in linked]
     policy = mgr.retained(mgr.steps())
@@ -286,6 +302,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             "interrupted": cleaned,
             "linked": linked,
             "referenced": {str(b): users for b, users in sorted(bases.items())},
+            "uploads": [
+                {"url": fs.url(u.path), "started": u.started, "aborted": abort} for u in uploads
+            ],
             "steps": mgr.steps(),
         },
         text,
@@ -321,7 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, parents=[common])
 
     demo = add("demo", "save and load a small model with zstd, print figures")
-    demo.add_argument("--dir", help="keep the checkpoint in this directory (default: a temp dir)")
+    demo.add_argument(
+        "--dir",
+        default="demo-checkpoint",
+        help="where the checkpoint is saved and kept, to look at with `inspect` and `verify` "
+        "(default: ./demo-checkpoint)",
+    )
     demo.add_argument("--steps", type=int, default=3, help="training steps before saving")
     demo.set_defaults(func=_cmd_demo)
 
@@ -395,6 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove interrupted saves older than this (default: 3600)",
     )
     gc.add_argument("--dry-run", action="store_true", help="say what would be removed")
+    gc.add_argument(
+        "--abort-uploads",
+        action="store_true",
+        help="abort the multipart uploads that interrupted saves left open under ROOT "
+        "(older than --grace; listed either way)",
+    )
     gc.set_defaults(func=_cmd_gc)
     return parser
 

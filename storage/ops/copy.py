@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import io
-import re
 import threading
 import uuid
 from collections.abc import Callable, Collection, Sequence
@@ -34,10 +33,12 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import default_thread_count
 from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
+from storage.checkpoint.committed import open_committed
 from storage.checkpoint.incremental import (
     CONTENT,
     check_bases,
     check_referenced_files,
+    item_directory,
     item_path,
     sibling_path,
 )
@@ -49,9 +50,8 @@ from storage.checkpoint.items import (
     is_encrypted,
 )
 from storage.checkpoint.layout import metadata_names
+from storage.checkpoint.prefixes import refuse_linked_prefix, split
 from storage.ops.tools import Part, Progress, Summary, chunk_facts, describe, read_metadata
-
-_RANK_OF_FILE = re.compile(r"__([0-9]+)_")
 
 
 def copy_checkpoint(
@@ -184,7 +184,8 @@ def copy_data_files(
 ) -> CopiedFiles:
     """The data phase of :func:`copy_checkpoint`: copy the items that ``part`` (one
     metadata of the checkpoint at ``src_path``) names into new data files under
-    ``dst_path``, verifying checksums on the way; nothing is committed. Referenced items
+    ``dst_path`` (under the key prefix directory each source file had), verifying
+    checksums on the way; nothing is committed. Referenced items
     (incremental saves) are read from their base, so the copy holds every byte it
     needs, unless ``keep_references``: then an item that references a base is
     recorded as a reference to the base of the same name beside ``dst_path`` when that
@@ -210,12 +211,18 @@ def copy_data_files(
     check_bases(src_fs, src_path, ((part.label(i), info) for i, info in infos))
     per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
     for index, info in infos:
-        per_file.setdefault(item_path(src_fs, src_path, info), []).append((index, info))
+        src_file = item_path(src_fs, src_path, info)
+        if src_file not in per_file:  # never read through a linked prefix directory
+            directory = item_directory(src_fs, src_path, info)
+            refuse_linked_prefix(src_fs, directory, info.relative_path)
+        per_file.setdefault(src_file, []).append((index, info))
     plan: list[tuple[str, str, list[tuple[MetadataIndex, Any]]]] = []
     for number, (src_file, items_of) in enumerate(sorted(per_file.items()), start=first):
         rank = _owner(part, items_of[0][1])
         if ranks is None or rank in ranks:
-            plan.append((src_file, fmt.data_file_name(rank, number, copied.save_id), items_of))
+            name = fmt.data_file_name(rank, number, copied.save_id)
+            prefix, _ = split(items_of[0][1].relative_path)  # key prefixes stay as saved
+            plan.append((src_file, name if prefix is None else f"{prefix}/{name}", items_of))
     copied.names = {name for _, name, _ in plan}
     dst_fs.mkdir(dst_path)
     lock = threading.Lock()
@@ -264,7 +271,7 @@ def copy_data_files(
 
 
 def _owner(part: Part, info: Any) -> int:
-    return part.rank if part.rank is not None else file_rank(info.relative_path)
+    return part.rank if part.rank is not None else fmt.file_rank(info.relative_path)
 
 
 def _kept_references(
@@ -305,13 +312,13 @@ def _kept_references(
 
 def _committed_items(fs: FileSystemBase, path: str, name: str) -> dict[MetadataIndex, Any]:
     """The storage index of the committed checkpoint ``name`` beside ``path`` (empty
-    when there is none)."""
+    when there is none, or it cannot be read: its items are then copied, not kept as
+    references)."""
     try:
         base = sibling_path(fs, path, name)
-        payload = fs.read_bytes(fs.concat_path(base, fmt.METADATA_NAME))
-        return dict(fmt.load_metadata(payload, fs.url(base)).storage_data or {})
-    except (FileNotFoundError, NotADirectoryError, CheckpointNotFoundError):
+    except CheckpointNotFoundError:
         return {}
+    return open_committed(fs, base).items()
 
 
 def publish_copy(
@@ -330,13 +337,14 @@ def publish_copy(
     new_meta = copy.copy(part.metadata)
     new_meta.storage_data = {i: info for c in copies for i, info in c.infos.items()}
     new_meta.storage_meta = StorageMeta(checkpoint_id=dst_fs.url(dst_path), save_id=save_id)
+    origin = fmt.save_of(part.metadata)  # the copy holds the same save's state
     try:
         check_referenced_files(dst_fs, dst_path, new_meta.storage_data.values())
         publish_metadata(
             dst_fs,
             dst_path,
             meta_path,
-            fmt.dump_metadata(new_meta),
+            fmt.dump_metadata(new_meta, **({} if origin is None else {fmt.ORIGIN: origin})),
             new_files={n for c in copies for n in c.names},
             overwrite=overwrite,
             sync=True,
@@ -361,12 +369,6 @@ class _Paced(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         self._pace()
         return self._base.readinto(buffer) or 0  # type: ignore[attr-defined]
-
-
-def file_rank(name: str) -> int:
-    """The rank that wrote the data file ``name`` (``__{rank}_{n}...``; 0 if unnamed)."""
-    match = _RANK_OF_FILE.match(name)
-    return int(match.group(1)) if match else 0
 
 
 def _item_info(part: Part, index: MetadataIndex, url: str, keys: Any) -> ItemInfo:

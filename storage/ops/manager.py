@@ -32,10 +32,11 @@ from extensions.errors import (
     CheckpointStorageError,
 )
 from extensions.registry import ExtensionRegistry
-from storage.backends.base import FileSystemBase
-from storage.checkpoint import api, incremental
+from storage.backends.base import FileSystemBase, PendingUpload
+from storage.checkpoint import api
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
+from storage.checkpoint.committed import open_committed
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     StepInfo,
@@ -45,6 +46,7 @@ from storage.checkpoint.layout import (
 )
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops.retention import Retention
+from storage.ops.uploads import stale_uploads
 
 if TYPE_CHECKING:
     from storage.ops.tiers import LocalTier
@@ -93,8 +95,10 @@ class CheckpointManager:
     bases they reference), deleting local copies only once durable;
     ``replicate`` (``True``: the same position on the next node, or a callable
     ``rank -> peer rank``) also writes each rank's files to a peer's local tier before
-    the save returns. :meth:`load` prefers the local copy, falls back to the durable
-    one, and returns a :class:`~storage.ops.restore.LoadedStep` naming the tier used;
+    the save returns. :meth:`load` prefers the local copy when it is the same save as
+    the durable one, falls back to the durable one, loads the newest local step when
+    the root cannot be listed, and returns a :class:`~storage.ops.restore.LoadedStep`
+    naming the tier used (and why, where it is not the obvious one);
     :meth:`wait` waits for the drains and raises a failed drain's error, as does the
     next :meth:`save`. Constructing a tiered manager is collective under a process
     group. See :mod:`storage.ops.tiers` and docs/operations.md.
@@ -162,6 +166,7 @@ class CheckpointManager:
         self._pending: concurrent.futures.Future[None] | None = None
         self._saving: int | None = None
         self._saving_base: int | None = None
+        self._async_group: Any = None
         self.tiers: LocalTier | None = None
         if local is not None:
             from storage.ops.tiers import LocalTier  # it builds on this module
@@ -276,7 +281,13 @@ class CheckpointManager:
             self._saving, self._saving_base = step, base
             self._pending = outer
         try:
-            inner = api.async_save(state_dict, url, transforms=self.transforms, **options)
+            inner = api.async_save(
+                state_dict,
+                url,
+                transforms=self.transforms,
+                process_group=self._background_group(),
+                **options,
+            )
         except BaseException:
             with self._lock:
                 self._saving, self._saving_base, self._pending = None, None, None
@@ -296,16 +307,43 @@ class CheckpointManager:
         inner.add_done_callback(finished)
         return outer
 
+    def _background_group(self) -> Any:
+        """Under a process group, a gloo group of this manager's own for the collectives
+        of its asynchronous saves: they run in a background thread while the job's run
+        on the default group (a DDP all-reduce), and gloo aborts when collectives from
+        two threads interleave on one group. Made at the first asynchronous save, which
+        every rank makes together."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
     def _incremental_base(self, step: int) -> int | None:
         """The step an incremental save of ``step`` references: the newest committed
-        step below it, unless ``full_every`` says this save is a full one."""
+        step below it, unless ``full_every`` says this save is a full one, or that step
+        cannot serve as a base (committed only by rank-local metadata, unreadable, or a
+        symbolic link): then the save is a full one, and says why."""
         if not self.incremental:
             return None
         below = [s for s in self.steps() if s < step]
         if not below:
             return None
-        chain = incremental.chain_length(self.fs, self.step_path(below[-1]))
-        if self.full_every is not None and chain + 1 >= self.full_every:
+        path = self.step_path(below[-1])
+        checkpoint = open_committed(self.fs, path)
+        why = (
+            "it is a symbolic link"
+            if self.fs.is_link(path)
+            else "its metadata cannot be read"
+            if not checkpoint.readable
+            else "it is committed only by rank-local metadata"
+            if checkpoint.global_metadata is None
+            else None
+        )
+        if why is not None:
+            log.info("step %d is saved in full: step %d is no base (%s)", step, below[-1], why)
+            return None
+        if self.full_every is not None and checkpoint.chain + 1 >= self.full_every:
             return None
         return below[-1]
 
@@ -388,6 +426,15 @@ class CheckpointManager:
         and data files that a committed step's metadata does not name. Returns the steps
         removed whole."""
         return self.retention.cleanup(grace_seconds, dry_run=dry_run)
+
+    def stale_uploads(
+        self, grace_seconds: float = 3600.0, *, abort: bool = False
+    ) -> list[PendingUpload]:
+        """Uploads of checkpoint files under the root that interrupted saves left open
+        (S3 multipart uploads: billed, and invisible to listings) and that began more
+        than ``grace_seconds`` ago; with ``abort`` (only where this process deletes,
+        see :meth:`may_delete`), they are aborted. See :mod:`storage.ops.uploads`."""
+        return stale_uploads(self.fs, self.root, grace_seconds, abort=abort and self.may_delete())
 
     def _retain_quietly(self, step: int) -> None:
         # The save is committed; a failure to prune must not turn it into a failure.

@@ -1,11 +1,15 @@
 """Restoring a tiered manager's step from the nearest tier that holds a committed copy.
 
 Every rank reports what its node's local tier holds: per committed step, the data files
-its metadata names, the files present and the steps whose bytes it references
-(incremental saves). Rank 0 picks the newest step (or the one asked for) that every
-rank can read from its node's tier, fetching what a node lacks from a node that holds
-it (a peer's replica; bases before the steps that reference them, each step's metadata
-after its files), else the durable copy under the root. Every rank then loads the same
+its metadata names (key prefix directories included), the files present, the steps whose
+bytes it references (incremental saves) and the id of the save it holds. Rank 0 picks
+the newest step (or the one asked for) that every rank can read from its node's tier,
+fetching what a node lacks from a node that holds it (a peer's replica; bases before
+the steps that reference them, each step's metadata after its files), else the durable
+copy under the root. A local copy is used only when it is the same save as the durable
+one (or the manager's own save whose drain has not landed, or the root has no such
+step); when the root cannot be listed, the newest local step is used and the
+:class:`LoadedStep` says the root was not consulted. Every rank then loads the same
 copy; a local load that fails for any reason (a checksum, a missing file) falls back to
 the durable copy when the step is durable, and says so in a warning.
 """
@@ -14,14 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from extensions.errors import CheckpointNotFoundError
+from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, quote
 from storage.checkpoint import api
 from storage.checkpoint import format as fmt
-from storage.checkpoint.layout import StepInfo, committed_files
+from storage.checkpoint.committed import open_committed
+from storage.checkpoint.layout import StepInfo, parse_step
+from storage.checkpoint.prefixes import expand
 from storage.ops._peers import Group, Move, gather_errors, transfer
-from storage.ops.copy import file_rank
 from storage.ops.manager import CheckpointManager
 
 if TYPE_CHECKING:
@@ -34,14 +40,36 @@ LOCAL, DURABLE = "local", "durable"
 
 class LoadedStep(int):
     """The step a tiered :meth:`CheckpointManager.load` restored (an ``int``), with
-    ``tier``: ``"local"`` or ``"durable"``, the copy it was read from."""
+    ``tier``: ``"local"`` or ``"durable"``, the copy it was read from;
+    ``root_consulted``: ``False`` when the root could not be listed (an outage: the
+    newest local step was loaded, and the root may hold a newer one); ``note``: why
+    the copy loaded is not the obvious one (the root was not consulted, the local copy
+    is another save than the durable one, the local load failed), else ``None``."""
 
     tier: str
+    root_consulted: bool
+    note: str | None
 
-    def __new__(cls, step: int, tier: str) -> LoadedStep:
+    def __new__(
+        cls, step: int, tier: str, *, root_consulted: bool = True, note: str | None = None
+    ) -> LoadedStep:
         obj = super().__new__(cls, step)
-        obj.tier = tier
+        obj.tier, obj.root_consulted, obj.note = tier, root_consulted, note
         return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Rank 0's decision, broadcast to every rank: load ``step`` from ``where`` after
+    the ``moves`` (step by step); ``is_durable``: the root holds it (a fallback);
+    ``note``: what the caller is told about the choice."""
+
+    step: int
+    where: str
+    moves: list[tuple[int, list[Move]]]
+    is_durable: bool
+    root_consulted: bool = True
+    note: str | None = None
 
 
 def load(tier: LocalTier, state_dict: dict[str, Any], step: int | None = None) -> LoadedStep:
@@ -53,54 +81,88 @@ def load(tier: LocalTier, state_dict: dict[str, Any], step: int | None = None) -
     tier.finish_commit()
     g = tier.group
     mine = report(tier)
-    durable = tier.manager.durable_steps() if g.rank == 0 else []
     reports = g.all_gather(mine)
-    chosen = plan(g, reports, durable, step) if g.rank == 0 else None
-    chosen = g.broadcast(chosen)
-    if isinstance(chosen, str):
-        raise CheckpointNotFoundError(chosen)
+    outcome: tuple[Choice | str, str | None] = ("", None)
+    error: Exception | None = None
+    if g.rank == 0:
+        try:
+            outcome = (_decide(tier, reports, step), None)
+        except Exception as exc:  # the other ranks must not wait for an answer forever
+            notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
+            error, outcome = exc, ("", f"{type(exc).__name__}: {exc}{notes}")
+    chosen, failed = g.broadcast(outcome)
     try:
-        return _load_planned(tier, state_dict, *chosen)
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise CheckpointStorageError(f"rank 0 could not pick the step to load: {failed}")
+        if isinstance(chosen, str):
+            raise CheckpointNotFoundError(chosen)
+        return _load_planned(tier, state_dict, chosen)
     finally:
         tier._schedule()  # collective like the load: a node restored from a peer drains
 
 
-def _load_planned(
-    tier: LocalTier,
-    state_dict: dict[str, Any],
-    chosen: int,
-    where: str,
-    moves: list[tuple[int, list[Move]]],
-    is_durable: bool,
-) -> LoadedStep:
+def _decide(tier: LocalTier, reports: list[Report], step: int | None) -> Choice | str:
+    """Rank 0: list the root (its error, an outage, is kept, not raised, while a local
+    step can stand in) and plan. Raises the root's error, with a note, when only the
+    root could hold what is asked for."""
+    root = tier.manager
+    try:
+        durable: list[int] | None = root.durable_steps()
+        unreachable = None
+    except Exception as exc:
+        durable, unreachable = None, exc
+    chosen = plan(tier.group, reports, durable, step, lambda s: _durable_save(root, s))
+    if isinstance(chosen, str) and unreachable is not None:
+        unreachable.add_note(f"{chosen}; the root {root.url} could not be listed")
+        raise unreachable
+    if isinstance(chosen, Choice) and unreachable is not None:
+        note = (
+            f"the root {root.url} was not consulted (listing it failed: "
+            f"{type(unreachable).__name__}: {unreachable}); using the local copy"
+        )
+        if step is None:
+            note += ", the newest local step (the root may hold a newer one)"
+        chosen = dataclasses.replace(chosen, root_consulted=False, note=note)
+    return chosen
+
+
+def _durable_save(root: CheckpointManager, step: int) -> str | None:
+    """The save id of the root's copy of ``step`` (``None``: it has none)."""
+    path = root.step_path(step)
+    payload = root.fs.read_bytes(root.fs.concat_path(path, fmt.METADATA_NAME))
+    return fmt.save_of(fmt.load_metadata(payload, root.fs.url(path)))
+
+
+def _load_planned(tier: LocalTier, state_dict: dict[str, Any], chosen: Choice) -> LoadedStep:
     g, local, root = tier.group, tier.local, tier.manager
-    if where == LOCAL:
+    step, note = chosen.step, chosen.note
+    if note is not None:
+        log.warning("loading step %d: %s", step, note)
+    if chosen.where == LOCAL:
         try:
             error: BaseException | None = None
             try:
-                for s, step_moves in moves:  # bases first
+                for s, step_moves in chosen.moves:  # bases first
                     transfer(g, step_moves, local.fs, local.step_path(s), sync=True)
             except Exception as exc:
                 error = exc
-            gather_errors(g, error, f"restoring step {chosen} from the peers")
-            _load_from(root, local, state_dict, chosen)
-            log.info("loaded step %d from the local tier %s", chosen, local.url)
-            return LoadedStep(chosen, LOCAL)
+            gather_errors(g, error, f"restoring step {step} from the peers")
+            _load_from(root, local, state_dict, step)
+            log.info("loaded step %d from the local tier %s", step, local.url)
+            return LoadedStep(step, LOCAL, root_consulted=chosen.root_consulted, note=note)
         except Exception as exc:
-            if not is_durable:
+            if not chosen.is_durable:
                 raise
-            log.warning(
-                "loading step %d from the local tier %s failed (%s: %s); "
-                "loading the durable copy from %s",
-                chosen,
-                local.url,
-                type(exc).__name__,
-                exc,
-                root.url,
+            note = (
+                f"loading it from the local tier {local.url} failed "
+                f"({type(exc).__name__}: {exc}); loading the durable copy from {root.url}"
             )
-    _load_from(root, root, state_dict, chosen)
-    log.info("loaded step %d from the durable tier %s", chosen, root.url)
-    return LoadedStep(chosen, DURABLE)
+            log.warning("loading step %d: %s", step, note)
+    _load_from(root, root, state_dict, step)
+    log.info("loaded step %d from the durable tier %s", step, root.url)
+    return LoadedStep(step, DURABLE, note=note)
 
 
 def _load_from(
@@ -116,40 +178,97 @@ def _load_from(
     )
 
 
+class Held(NamedTuple):
+    """What a node's tier holds of one committed step."""
+
+    named: list[str]  # the data files its metadata names
+    files: list[str]  # the files present, key prefix directories included
+    bases: list[int]  # the steps whose bytes it references
+    save: str | None  # the id of the save it holds (format.save_of)
+    pending: bool  # this manager saved it and its drain has not landed yet
+
+
+# Per rank: what its node's tier holds, per committed local step.
+Report = dict[int, Held]
+
+
 def report(tier: LocalTier) -> Report:
-    """Per step committed in this node's local tier: the data files its metadata
-    names, the files this node holds, and the steps whose bytes it references."""
+    """What this node's local tier holds, per committed step (see :class:`Held`)."""
     out = {}
     fs = tier.local.fs
+    pending = tier.pending()
     for s in tier.local.steps():
         path = tier.local.step_path(s)
         try:
-            named = committed_files(fs, fs.concat_path(path, fmt.METADATA_NAME))
-            out[s] = (sorted(named), sorted(fs.ls(path)), sorted(tier.references(s)))
+            checkpoint = open_committed(fs, path)
+            checkpoint.require()
+            named = checkpoint.data_files()
+            meta = checkpoint.global_metadata
+            save = fmt.save_of(meta) if meta is not None else None
+            held = expand(fs, path, only={n.partition("/")[0] for n in named if "/" in n})
+            bases = sorted(b for b in map(parse_step, checkpoint.references()) if b is not None)
+            out[s] = Held(sorted(named), held, bases, save, s in pending)
         except FileNotFoundError:
             continue
+        except Exception as exc:  # unreadable here: the load uses the durable copy, if any
+            log.warning("local step %d under %s is not readable (%s)", s, tier.local.url, exc)
     return out
 
 
-# Per rank: per committed local step, (data files named, files held, bases referenced).
-Report = dict[int, tuple[list[str], list[str], list[int]]]
-
-
 def plan(
-    g: Group, reports: list[Report], durable: list[int], step: int | None
-) -> tuple[int, str, list[tuple[int, list[Move]]], bool] | str:
+    g: Group,
+    reports: list[Report],
+    durable: list[int] | None,
+    step: int | None,
+    durable_save: Callable[[int], str | None],
+) -> Choice | str:
     """Rank 0's choice: the newest step that every rank can read from its node's tier
-    (fetching missing files from a node that holds them), else from the root."""
+    (fetching missing files from a node that holds them) and may (:func:`_same_save`),
+    else from the root. ``durable`` is ``None`` when the root could not be listed."""
+    known = durable or []
     local_steps = set().union(*(set(r) for r in reports))
-    candidates = [step] if step is not None else sorted(local_steps | set(durable), reverse=True)
+    candidates = [step] if step is not None else sorted(local_steps | set(known), reverse=True)
     for s in candidates:
         moves = _local_moves(g, reports, s)
+        why = None
         if moves is not None:
-            return (s, LOCAL, moves, s in durable)
-        if s in durable:
-            return (s, DURABLE, [], True)
+            why = _same_save(reports, s, s in known, durable_save)
+            if why is None:
+                return Choice(s, LOCAL, moves, s in known)
+        if s in known:
+            return Choice(s, DURABLE, [], True, note=why)
+        if why is not None:
+            log.warning("step %d is not loaded: %s", s, why)
     where = "no committed step" if step is None else f"step {step} is not committed"
-    return f"{where} in the local tier or under the root {sorted(durable) or ''}".strip()
+    return f"{where} in the local tier or under the root {sorted(known) or ''}".strip()
+
+
+def _same_save(
+    reports: list[Report], step: int, durable: bool, durable_save: Callable[[int], str | None]
+) -> str | None:
+    """Why the local copies of ``step`` must not be loaded, or ``None`` if they may: the
+    nodes hold one save, and it is the durable copy's (or the root has none, or this
+    manager saved it and has not drained it yet)."""
+    held = [r[step] for r in reports if step in r]
+    saves = sorted({h.save or "" for h in held})
+    if len(saves) > 1:
+        return f"the nodes' local copies are different saves ({', '.join(map(quote, saves))})"
+    if not durable or all(h.pending for h in held):
+        return None
+    try:
+        theirs = durable_save(step)
+    except FileNotFoundError:
+        return None  # deleted from the root meanwhile
+    except Exception as exc:  # the durable copy cannot be loaded either
+        log.warning("cannot read the durable metadata of step %d (%s)", step, exc)
+        return None
+    if held[0].save is None or held[0].save != theirs:
+        return (
+            f"the local copy is another save ({quote(held[0].save)}) than the durable one "
+            f"({quote(theirs)}: another run's tier, or a save again of this step that was "
+            "never drained); using the durable copy"
+        )
+    return None
 
 
 def _local_moves(g: Group, reports: list[Report], step: int) -> list[tuple[int, list[Move]]] | None:
@@ -163,7 +282,7 @@ def _local_moves(g: Group, reports: list[Report], step: int) -> list[tuple[int, 
         if facts is None:
             return None
         needed.add(s)
-        todo.extend(b for b in facts[2] if b not in needed)
+        todo.extend(b for b in facts.bases if b not in needed)
     out = []
     for s in sorted(needed):  # a base is older than the steps that reference it
         moves = _step_moves(g, reports, s)
@@ -175,12 +294,12 @@ def _local_moves(g: Group, reports: list[Report], step: int) -> list[tuple[int, 
 
 
 def _step_moves(g: Group, reports: list[Report], step: int) -> list[Move] | None:
-    named = next(set(r[step][0]) for r in reports if step in r)
-    have = [set(r[step][1]) if step in r else set() for r in reports]
+    named = next(set(r[step].named) for r in reports if step in r)
+    have = [set(r[step].files) if step in r else set() for r in reports]
     data: list[Move] = []
     meta: list[Move] = []
     for rank in range(g.world):
-        need = {n for n in named if file_rank(n) == rank} - have[rank]
+        need = {n for n in named if fmt.file_rank(n) == rank} - have[rank]
         if need:
             src = next((q for q in range(g.world) if need <= have[q]), None)
             if src is None:

@@ -3,8 +3,11 @@ what is deleted, in which order, and what is kept and why.
 
 Deletion trusts only what is ours (docs/format.md, "What deletion trusts"): a step
 directory named exactly ``step-<N>`` and not a symbolic link, the data files its
-removed metadata names, never a step a kept step references (incremental saves) and
-never the step being saved or its base.
+removed metadata names (never through a linked prefix directory), never a step a kept
+step references (incremental saves, rank-local metadata included) and never the step
+being saved or its base. Each pass reads every step's metadata at most once
+(``committed.Siblings``); a step whose metadata cannot be read may reference any other,
+so while one is kept, every step is.
 """
 
 from __future__ import annotations
@@ -14,21 +17,19 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from extensions.errors import CheckpointInUseError, CheckpointNotFoundError
+from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage.checkpoint import format as fmt
-from storage.checkpoint import incremental
 from storage.checkpoint.commit import remove_quietly
+from storage.checkpoint.committed import Siblings, open_committed
+from storage.checkpoint.deletion import delete_checkpoint, remove_leftovers
 from storage.checkpoint.layout import (
     STEP_PREFIX,
-    committed_files,
-    delete_checkpoint,
     is_checkpoint_file_name,
     is_data_file_name,
     is_metadata_name,
     parse_step,
-    remove_leftovers,
 )
-from storage.checkpoint.prefixes import expand
+from storage.checkpoint.prefixes import expand, is_linked, is_prefix
 
 if TYPE_CHECKING:
     from storage.ops.manager import CheckpointManager
@@ -44,17 +45,26 @@ class Retention:
     def __init__(self, manager: CheckpointManager) -> None:
         self.m = manager
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, siblings: Siblings | None = None) -> None:
         """Delete ``root/step-{step}``: its metadata first, then the data files that
         metadata names, then the directory once empty (see
-        :func:`~storage.checkpoint.layout.delete_checkpoint`). Raises
-        :class:`UnsafeCheckpointError` for a step that is a symbolic link."""
+        :func:`~storage.checkpoint.deletion.delete_checkpoint`). Raises
+        :class:`UnsafeCheckpointError` for a step that is a symbolic link or holds a
+        linked prefix directory, :class:`CheckpointInUseError` for one that a step
+        references or that an unreadable step might. ``siblings``: the steps as this
+        pass read them."""
         path = self.m.step_path(step)
+        name = f"{STEP_PREFIX}{step}"
+        siblings = siblings or self._siblings()
         try:
-            incremental.refuse_if_referenced(self.m.fs, path)
-            delete_checkpoint(self.m.fs, path)
+            siblings.refuse_if_referenced(name)
+            delete_checkpoint(self.m.fs, path, siblings.open(name))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.m.fs.url(path)} does not exist") from None
+        siblings.forget(name)
+
+    def _siblings(self) -> Siblings:
+        return Siblings(self.m.fs, self.m.root)
 
     def retained(self, steps: Sequence[int], protect: int | None = None) -> set[int]:
         """Which of ``steps`` the retention policy keeps."""
@@ -80,14 +90,15 @@ class Retention:
             in_flight = {s for s in (self.m._saving, self.m._saving_base) if s is not None}
         keep = self.retained(steps, protect) | in_flight
         keep |= self._skip_linked(s for s in steps if s not in keep)
+        siblings = self._siblings()
         if any(s not in keep for s in steps):
-            keep |= self._bases_of(keep)
+            keep |= self._bases_of(keep, steps, siblings)
         doomed = [s for s in steps if s not in keep]
         if not dry_run:
             for step in reversed(doomed):  # references point to older steps: users first
                 try:
-                    self.delete(step)
-                except CheckpointInUseError as exc:  # referenced from outside the policy
+                    self.delete(step, siblings)
+                except UnsafeCheckpointError as exc:  # referenced from outside, or linked
                     log.warning("kept %s: %s", self.m.step_url(step), exc)
                     doomed.remove(step)
         return doomed
@@ -95,22 +106,34 @@ class Retention:
     def referenced_by(self) -> dict[int, list[int]]:
         """For each step whose bytes committed steps reference (incremental saves):
         those steps, ascending."""
+        siblings = self._siblings()
         users: dict[int, list[int]] = {}
         for step in self.m.steps():
-            for name in incremental.references(self.m.fs, self.m.step_path(step)):
+            for name in siblings.open(f"{STEP_PREFIX}{step}").references():
                 base = parse_step(name)
                 if base is not None:
                     users.setdefault(base, []).append(step)
         return users
 
-    def _bases_of(self, keep: set[int]) -> set[int]:
+    def _bases_of(self, keep: set[int], steps: Sequence[int], siblings: Siblings) -> set[int]:
         """The steps that the steps in ``keep`` reference, directly or through each
-        other: retention keeps them, and says so."""
+        other: retention keeps them, and says so. A kept step whose metadata cannot be
+        read might reference any step: then every step is kept."""
         found: set[int] = set()
         frontier = sorted(keep)
         while frontier:
             step = frontier.pop()
-            for name in incremental.references(self.m.fs, self.m.step_path(step)):
+            checkpoint = siblings.open(f"{STEP_PREFIX}{step}")
+            if not checkpoint.readable:
+                log.warning(
+                    "kept every step under %s: the metadata of %s cannot be read (%s), so "
+                    "it may reference any of them; repair or delete it",
+                    self.m.url,
+                    checkpoint.name,
+                    checkpoint.why_unreadable(),
+                )
+                return set(steps) - keep
+            for name in checkpoint.references():
                 base = parse_step(name)
                 if base is not None and base not in keep and base not in found:
                     log.info(
@@ -151,17 +174,17 @@ class Retention:
         return removed
 
     def _remove_orphans(self, path: str, horizon: float) -> None:
-        meta_path = self.m.fs.concat_path(path, fmt.METADATA_NAME)
         try:
-            names = expand(self.m.fs, path)
+            names = expand(self.m.fs, path)  # never into a linked prefix directory
         except (FileNotFoundError, NotADirectoryError):
             return
         if fmt.METADATA_NAME not in names or any(
             is_metadata_name(n) and n != fmt.METADATA_NAME for n in names
         ):
             return  # rank-local metadata: which files are whose is not ours to guess
-        referenced = committed_files(self.m.fs, meta_path)
-        if not referenced:
+        checkpoint = open_committed(self.m.fs, path)
+        referenced = checkpoint.data_files()
+        if not checkpoint.readable or not referenced:
             return  # unreadable metadata: touch nothing
         for name in names:
             if not is_data_file_name(name) or name in referenced:
@@ -197,6 +220,14 @@ class Retention:
         except (FileNotFoundError, NotADirectoryError):
             return None
         if any(is_metadata_name(n) for n in names):
+            return None
+        linked = [n for n in names if is_prefix(n) and is_linked(self.m.fs, path, n)]
+        if linked:
+            log.warning(
+                "%s: not cleaned up: %s is a symbolic link, never followed",
+                self.m.fs.url(path),
+                ", ".join(linked),
+            )
             return None
         if not all(is_checkpoint_file_name(n) for n in names):
             log.info("%s: not cleaned up, it holds files that are not ours", self.m.fs.url(path))

@@ -35,11 +35,11 @@ from storage.checkpoint import api, incremental, persist
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.commit import publish_metadata
+from storage.checkpoint.committed import open_committed
 from storage.checkpoint.layout import StepInfo, is_committed, parse_step
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops import restore
 from storage.ops._peers import Group, Move, gather_errors, make_group, transfer
-from storage.ops.copy import file_rank
 from storage.ops.drain import drain_step
 from storage.ops.manager import CheckpointManager
 from storage.ops.restore import DURABLE, LOCAL, LoadedStep
@@ -111,6 +111,17 @@ class LocalTier:
 
     def durable(self, step: int) -> bool:
         return is_committed(self.manager.fs, self.manager.step_path(step))
+
+    def linked(self) -> set[int]:
+        """Local steps whose directory is a symbolic link: someone else's checkpoints,
+        listed and loaded like any step, but never drained, deleted or counted against
+        ``keep_local`` (their owner keeps them)."""
+        return set(self.local.linked_steps())
+
+    def pending(self) -> set[int]:
+        """Steps this manager saved whose drain has not landed yet."""
+        with self._lock:
+            return set(self._pending)
 
     def tiers_by_step(self) -> dict[int, tuple[str, ...]]:
         """Committed steps (this node's local tier and the root) and the tiers holding each."""
@@ -207,16 +218,20 @@ class LocalTier:
     def _base_for(self, step: int) -> int | None:
         """The base of an incremental save of ``step``: the newest step below it that is
         committed in every node's local tier (a reference is resolved in the tier that
-        holds the referencing step), unless ``full_every`` asks for a full save.
-        Collective."""
+        holds the referencing step) and not a symbolic link there (a reference names the
+        step that holds the bytes, never a link to it), unless ``full_every`` asks for a
+        full save. Collective."""
         if not self.manager.incremental:
             return None
-        views = self.group.all_gather([s for s in self.local.steps() if s < step])
+        linked = self.linked()
+        views = self.group.all_gather(
+            [s for s in self.local.steps() if s < step and s not in linked]
+        )
         common = set.intersection(*(set(v) for v in views))
         if not common:
             return None
         base = max(common)
-        chain = incremental.chain_length(self.local.fs, self.local.step_path(base))
+        chain = open_committed(self.local.fs, self.local.step_path(base)).chain
         full_every = self.manager.full_every
         return None if full_every is not None and chain + 1 >= full_every else base
 
@@ -286,7 +301,7 @@ class LocalTier:
             path,
             self.local.fs.concat_path(path, fmt.METADATA_NAME),
             payload,
-            new_files={n for n in named if file_rank(n) in here},
+            new_files={n for n in named if fmt.file_rank(n) in here},
             overwrite=bool(self.manager.writer_options.get("overwrite", True)),
             sync=bool(self.manager.writer_options.get("sync_files", True)),
         )
@@ -302,7 +317,7 @@ class LocalTier:
         moves: list[Move] = []
         for rank, peer in sorted(g.peer.items()):
             if peer is not None and g.node_of(peer) != g.node_of(rank):
-                moves.append((rank, peer, [n for n in names if file_rank(n) == rank]))
+                moves.append((rank, peer, [n for n in names if fmt.file_rank(n) == rank]))
         sync = bool(self.manager.writer_options.get("sync_files", True))
         self.replicated_bytes += transfer(g, moves, self.local.fs, path, sync=sync, pg=pg)
 
@@ -334,12 +349,24 @@ class LocalTier:
             return
         with self._lock:
             failed, self._error = self._error, None  # reported here, as the cause
+        kept = [s for s in held if self._durable_quietly(s)]
+        waiting = [s for s in held if s not in kept]
+        why = " and ".join(
+            ([f"steps {waiting} are not durable yet"] if waiting else [])
+            + ([f"steps {kept} are durable but could not be deleted (see the log)"] if kept else [])
+        )
         raise TierFullError(
             f"the local tier {self.local.url} holds steps {held}, more than "
-            f"keep_local={self.keep_local}, and they are not durable yet (last drain "
-            f"error: {self._last_error or 'none'}); nothing was deleted. Fix the root "
+            f"keep_local={self.keep_local}: {why} (last drain error: "
+            f"{self._last_error or 'none'}); nothing was deleted. Fix the root "
             f"{self.manager.url} and save again, or delete_local() what you can lose"
         ) from failed
+
+    def _durable_quietly(self, step: int) -> bool:
+        try:
+            return self.durable(step)
+        except Exception:  # the root cannot say: not durable as far as we know
+            return False
 
     def _fullest(self, step: int) -> list[int] | None:
         """The committed local steps besides ``step`` of the fullest node's tier, if it
@@ -350,19 +377,24 @@ class LocalTier:
         return fullest if self.keep_local is not None and len(fullest) > self.keep_local else None
 
     def _restorable(self, exclude: int) -> list[int]:
-        steps = [s for s in self.local.steps() if s != exclude]
+        linked = self.linked()
+        steps = [s for s in self.local.steps() if s != exclude and s not in linked]
         based = {b for s in steps for b in self.references(s)}
-        return [s for s in steps if s not in based or not self.durable(s)]
+        return [s for s in steps if s not in based or not self._durable_quietly(s)]
 
     def references(self, step: int) -> set[int]:
-        """The local steps whose bytes local ``step`` references (incremental saves)."""
-        names = incremental.references(self.local.fs, self.local.step_path(step))
+        """The local steps whose bytes local ``step`` references (incremental saves), as
+        far as its metadata can be read (deleting a local step is refused while one
+        beside it cannot be read: ``committed.Siblings``)."""
+        names = open_committed(self.local.fs, self.local.step_path(step)).references()
         return {b for b in map(parse_step, names) if b is not None}
 
     def _retain_local(self, exclude: int | None = None) -> None:
         """Delete the oldest local steps beyond ``keep_local``, only those that are
-        durable, not waiting for a drain, not the base of the save in flight and not
-        referenced by a step kept here (node leaders only; never raises)."""
+        durable, not waiting for a drain, not the base of the save in flight, not
+        referenced by a step kept here and not linked (:meth:`linked`: they are not
+        counted either). Node leaders only; never raises: a step that cannot be deleted
+        is logged and kept."""
         if self.keep_local is None or not self.group.leader:
             return
         with self._retain_lock:
@@ -374,7 +406,8 @@ class LocalTier:
                 busy = {s for s in held if s is not None}
                 with self._lock:
                     pending = set(self._pending)
-                ordered = [s for s in steps if s not in writing]
+                skip = writing | self.linked()
+                ordered = [s for s in steps if s not in skip]
                 keep = set(ordered[-self.keep_local :]) | busy | pending
                 for s in ordered:
                     if s not in keep and not self.durable(s):
@@ -386,11 +419,13 @@ class LocalTier:
                         if b not in keep:
                             keep.add(b)
                             frontier.append(b)
-                for s in reversed([s for s in steps if s not in keep]):  # users first
+                for s in reversed([s for s in ordered if s not in keep]):  # users first
                     try:
                         self.local.delete(s)
                     except CheckpointInUseError as exc:
                         log.info("local step %d kept: %s", s, exc)
+                    except Exception as exc:  # the next one may still go
+                        log.warning("local step %d could not be deleted: %s", s, exc)
             except Exception as exc:
                 log.warning("local retention under %s failed: %s", self.local.url, exc)
 
@@ -433,7 +468,8 @@ class LocalTier:
             while True:
                 with self._lock:
                     mine = set(self._pending)
-                mine |= {s for s in self.local.steps() if not self.durable(s)}
+                linked = self.linked()
+                mine |= {s for s in self.local.steps() if s not in linked and not self.durable(s)}
                 views = g.all_gather(sorted(mine), pg=g.drain_pg)
                 common = sorted(set.intersection(*(set(v) for v in views)))
                 if not common:

@@ -33,7 +33,8 @@ from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import default_thread_count
-from storage.checkpoint.layout import metadata_names, metadata_rank
+from storage.checkpoint.committed import open_committed
+from storage.checkpoint.layout import metadata_rank
 from storage.checkpoint.reader import CheckpointReader
 
 Progress = Callable[[int], None]
@@ -116,15 +117,15 @@ def read_metadata(fs: FileSystemBase, path: str, **reader_options: Any) -> list[
     go to :class:`CheckpointReader`).
 
     Raises :class:`CheckpointNotFoundError` naming what is missing when ``path`` is not
-    a committed checkpoint."""
-    names = metadata_names(fs, path) or [fmt.METADATA_NAME]  # the reader says what is missing
+    a committed checkpoint, and why its metadata cannot be read when it cannot."""
+    checkpoint = open_committed(fs, path)
+    checkpoint.require()
     parts = []
-    for name in names:
+    for name in checkpoint.committing:
         reader = CheckpointReader(fs.url(path), filesystem=fs, **reader_options)
-        rank = metadata_rank(name)
-        metadata = reader.read_metadata(rank=rank)
+        metadata = checkpoint.metadata[name]
         reader.set_up_storage_reader(metadata, True)
-        parts.append(Part(name, rank, reader, metadata))
+        parts.append(Part(name, metadata_rank(name), reader, metadata))
     return parts
 
 

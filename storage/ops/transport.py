@@ -30,7 +30,7 @@ from extensions._compat import (
     set_element,
 )
 from extensions.base import Keys
-from extensions.errors import UnsafeCheckpointError
+from extensions.errors import UnsafeCheckpointError, quote
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint._common import resolve_location
@@ -57,7 +57,7 @@ class _PlainDataPlanner(EmptyStateDictLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except Exception as exc:
             raise UnsafeCheckpointError(
-                f"{self._where}: item {fqn!r} holds a Python object that is not plain data; "
+                f"{self._where}: item {quote(fqn)} holds a Python object that is not plain data; "
                 f"refusing to unpickle it ({type(exc).__name__}). Keep non-tensor state to "
                 "numbers, strings, lists and dicts."
             ) from exc

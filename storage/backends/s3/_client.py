@@ -26,8 +26,9 @@ import fsspec.utils
 import s3fs
 
 from storage.backends._buffers import BufferPool
+from storage.backends.cancel import Cancel, StreamCancelled
 from storage.backends.s3._http import BodyBroken as BodyBroken  # for the data path
-from storage.backends.s3._http import DirectBody, DirectPath, PartGroup, direct_path
+from storage.backends.s3._http import DirectBody, DirectPath, direct_path
 
 # A part is handed to aiohttp in slices of this size (no copies; at most one slice is
 # copied into asyncio's buffer when the socket is full).
@@ -85,7 +86,8 @@ class S3Client:
     """Requests, error translation and upload slots for one filesystem.
 
     ``translate`` needs the filesystem's error vocabulary (URLs, attempts, what to
-    check), so the filesystem hands it over as ``translate``; ``checksum`` sends a
+    check) and removes credentials from what it quotes, so the filesystem hands it over
+    as ``translate`` (raise its result ``from`` its ``__cause__``); ``checksum`` sends a
     CRC32C of every uploaded body, which the store verifies (S3, SeaweedFS); ``direct``
     lets part uploads and ranged GETs take the direct path where it applies."""
 
@@ -121,25 +123,30 @@ class S3Client:
         """Run ``func(*args, **kwargs)`` on the client's event loop and wait for it."""
         return fsspec.asyn.sync(self.s3.loop, func, *args, **kwargs)
 
-    def call(self, method: str, path: str, action: str, **kwargs: Any) -> Any:
-        """One request; errors come back translated."""
+    def call(
+        self, method: str, path: str, action: str, *, cancel: Cancel | None = None, **kwargs: Any
+    ) -> Any:
+        """One request (interrupted by ``cancel``); errors come back translated."""
         try:
-            return self.run(self.s3._call_s3, method, **kwargs)
+            if cancel is None:
+                return self.run(self.s3._call_s3, method, **kwargs)
+            return cancel.run(self.s3.loop, self.s3._call_s3, method, **kwargs)
+        except StreamCancelled:
+            raise
         except Exception as exc:
-            raise self.translate(exc, path, action) from exc
+            error = self.translate(exc, path, action)
+            raise error from error.__cause__
 
-    def submit(
-        self, method: str, tasks: list[asyncio.Task[Any]], **kwargs: Any
-    ) -> concurrent.futures.Future[Any]:
-        """Start a request without waiting; its task is added to ``tasks`` (to cancel)."""
+    def send(self, method: str, on_error: Callable[[BaseException], None], **kwargs: Any) -> None:
+        """Start one request and do not wait for it; ``on_error`` hears of a failure."""
 
-        async def tracked() -> Any:
-            task = asyncio.current_task()
-            if task is not None:
-                tasks.append(task)
-            return await self.s3._call_s3(method, **kwargs)
+        def done(future: concurrent.futures.Future[Any]) -> None:
+            exc = None if future.cancelled() else future.exception()
+            if exc is not None:
+                on_error(exc)
 
-        return asyncio.run_coroutine_threadsafe(tracked(), self.s3.loop)
+        coroutine = self.s3._call_s3(method, **kwargs)
+        asyncio.run_coroutine_threadsafe(coroutine, self.s3.loop).add_done_callback(done)
 
     def checksum_args(self, data: Any, crc: int | None = None) -> dict[str, str]:
         """The checksum argument of an upload of ``data`` (``crc``: its CRC32C, if known)."""
@@ -159,25 +166,35 @@ class S3Client:
         direct = self._direct
         return direct if direct is not None and direct.serves(bucket) else None
 
-    def get_object(self, path: str, action: str, **kwargs: Any) -> dict[str, Any]:
+    def get_object(
+        self, path: str, action: str, *, cancel: Cancel | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
         """A streamed GET (``Range``, ``IfMatch`` as botocore names them): the response
         with ``ETag`` and ``Body``; read the body with :meth:`fill`, close it with
-        :meth:`close_body`."""
+        :meth:`close_body`. ``cancel`` interrupts the request and the body's reads."""
         bucket, key = split_path(path)
         direct = self.direct(bucket)
         if direct is None:
             result: dict[str, Any] = self.call(
-                "get_object", path, action, Bucket=bucket, Key=key, **kwargs
+                "get_object", path, action, cancel=cancel, Bucket=bucket, Key=key, **kwargs
             )
             return result
         try:
-            return direct.get_object(bucket, key, kwargs.get("Range"), kwargs.get("IfMatch"))
+            return direct.get_object(
+                bucket, key, kwargs.get("Range"), kwargs.get("IfMatch"), cancel
+            )
+        except StreamCancelled:
+            raise
         except Exception as exc:
-            raise self.translate(exc, path, action) from exc
+            error = self.translate(exc, path, action)
+            raise error from error.__cause__
 
-    def fill(self, body: Any, view: memoryview, progress: list[int]) -> None:
+    def fill(
+        self, body: Any, view: memoryview, progress: list[int], cancel: Cancel | None = None
+    ) -> None:
         """Read ``body`` into ``view`` until it is full or the body ends, counting in
-        ``progress[0]`` (so a caller knows what arrived before an error)."""
+        ``progress[0]`` (so a caller knows what arrived before an error); the body of
+        a GET made with ``cancel`` is interrupted by it."""
         if isinstance(body, DirectBody):
             while progress[0] < len(view):
                 n = body.readinto(view[progress[0] :])
@@ -185,7 +202,10 @@ class S3Client:
                     return
                 progress[0] += n
             return
-        self.run(_fill, body, view, progress)
+        if cancel is None:
+            self.run(_fill, body, view, progress)
+        else:
+            cancel.run(self.s3.loop, _fill, body, view, progress)
 
     def close_body(self, body: Any) -> None:
         """Close a response body from any thread."""
@@ -196,7 +216,7 @@ class S3Client:
 
     def upload_part(
         self,
-        group: PartGroup,
+        group: Cancel,
         path: str,
         upload_id: str,
         number: int,
@@ -205,8 +225,8 @@ class S3Client:
     ) -> tuple[concurrent.futures.Future[str], dict[str, str]]:
         """Start uploading part ``number`` (``crc``: the CRC32C of ``data``, if known); a
         future of its ETag, and the checksum arguments that completing the upload must
-        repeat. ``data`` must stay unchanged until the future is done; :meth:`settle`
-        stops the parts of ``group``."""
+        repeat. ``data`` must stay unchanged until the future is done; cancelling
+        ``group`` interrupts the part, :meth:`settle` stops the parts of ``group``."""
         bucket, key = split_path(path)
         checksum = self.checksum_args(data, crc)
         direct = self.direct(bucket)
@@ -217,34 +237,30 @@ class S3Client:
             )
             return future, checksum
         body = _PartBody(data)
-
-        async def tracked() -> str:
-            task = asyncio.current_task()
-            if task is not None:
-                group.tasks.append(task)
-            resp = await self.s3._call_s3(
-                "upload_part",
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=body,
-                **checksum,
-            )
-            return str(resp["ETag"])
-
-        future = asyncio.run_coroutine_threadsafe(tracked(), self.s3.loop)
+        future = group.start(
+            self.s3.loop,
+            _upload_part,
+            self.s3,
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=body,
+            **checksum,
+        )
         future.add_done_callback(lambda _: body.release())
         return future, checksum
 
-    def settle(self, group: PartGroup, futures: list[concurrent.futures.Future[str]]) -> None:
+    def settle(self, group: Cancel, futures: list[concurrent.futures.Future[str]]) -> None:
         """Stop the parts of ``group``: those not started never start, started ones are
         interrupted, and all are waited for, so none lands after this returns."""
         for future in futures:
             future.cancel()
-        group.halt()
-        with contextlib.suppress(Exception):
-            self.run(_settle, group.tasks)
+        group.cancel()
+        tasks = group.tasks()
+        if tasks:
+            with contextlib.suppress(Exception):
+                self.run(_settle, tasks)
         concurrent.futures.wait(futures)
 
     def _upload_pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -263,6 +279,11 @@ async def _fill(body: Any, view: memoryview, progress: list[int]) -> None:
             return
         view[progress[0] : progress[0] + len(chunk)] = chunk
         progress[0] += len(chunk)
+
+
+async def _upload_part(s3: s3fs.S3FileSystem, **kwargs: Any) -> str:
+    resp = await s3._call_s3("upload_part", **kwargs)
+    return str(resp["ETag"])
 
 
 async def _settle(tasks: list[asyncio.Task[Any]]) -> None:

@@ -12,12 +12,14 @@ import contextlib
 import io
 import logging
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
 from extensions.errors import CheckpointNotFoundError, MissingDependencyError
 from storage.backends._fsspec import FsspecFileSystem
+from storage.backends.base import PendingUpload
 
 try:
     import s3fs  # noqa: F401 - named here so a missing extra is reported as one
@@ -26,6 +28,8 @@ except ImportError as _exc:  # pragma: no cover - exercised without the extra in
         f"s3:// URLs need s3fs ({_exc.name or _exc}); install it with: "
         "pip install 'dcp-storage[s3]'"
     ) from _exc
+
+import botocore.exceptions  # noqa: E402
 
 from storage.backends.s3._client import (  # noqa: E402
     S3Client,
@@ -178,10 +182,25 @@ class S3FileSystem(FsspecFileSystem):
     def _call(self, method: str, path: str, action: str, **kwargs: Any) -> Any:
         return self.client.call(method, path, action, **kwargs)
 
+    def _secrets(self) -> list[str]:
+        # Beside storage_options: what botocore's chain reads from the environment.
+        names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+        return super()._secrets() + [os.environ[n] for n in names if os.environ.get(n)]
+
     def _translate(self, exc: BaseException, path: str, action: str) -> BaseException:
+        """``exc`` (a client error of ``action`` on ``path``) as the contract's error,
+        naming the URL; its ``__cause__`` is ``exc`` with every credential removed, or
+        none where that cannot be done (raise it ``from`` its ``__cause__``)."""
+        cause = self.redactor.scrub(exc)
+        error = self._translated(exc, path, action)
+        error.__cause__, error.__suppress_context__ = cause, True
+        return error
+
+    def _translated(self, exc: BaseException, path: str, action: str) -> BaseException:
         url = self.url(path)
         bucket = split_path(path)[0]
         code = error_code(exc)
+        text = self.redactor.redact(str(exc))
         if code == "NoSuchBucket":
             return FileNotFoundError(
                 f"{url}: bucket {bucket!r} does not exist ({action}); create it or fix the URL"
@@ -190,14 +209,33 @@ class S3FileSystem(FsspecFileSystem):
             return FileNotFoundError(f"{url}: no such object ({action})")
         if isinstance(exc, PermissionError) or code in ("AccessDenied", "403"):
             return PermissionError(
-                f"{url}: access denied while {action} ({exc}); check the credentials "
+                f"{url}: access denied while {action} ({text}); check the credentials "
                 "(key/secret/token in storage_options, or AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY / AWS_PROFILE) and the bucket policy"
             )
         if isinstance(exc, FileExistsError):
             return FileExistsError(f"{url} already exists ({action})")
         attempts = self.max_attempts
-        return OSError(f"{url}: {action} failed (after up to {attempts} attempts): {exc}")
+        if _unreachable(exc):
+            return ConnectionError(
+                f"{url}: cannot reach the S3 endpoint {self._endpoint()} while {action} (after "
+                f"up to {attempts} attempts): {text}; check endpoint_url in storage_options "
+                "(a custom endpoint is needed by readers as well as writers)"
+            )
+        return OSError(f"{url}: {action} failed (after up to {attempts} attempts): {text}")
+
+    def _endpoint(self) -> str:
+        """The endpoint requests go to, as configured, for messages."""
+        opts = self.storage_options
+        given = (
+            opts.get("endpoint_url")
+            or (opts.get("client_kwargs") or {}).get("endpoint_url")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+        )
+        if not given:
+            return "of AWS (no endpoint_url given)"
+        return self.redactor.redact(str(given))
 
     # --- streams -------------------------------------------------------------------
 
@@ -333,6 +371,71 @@ class S3FileSystem(FsspecFileSystem):
     def rm_dir(self, path: str) -> None:
         pass
 
+    def pending_uploads(self, path: str) -> list[PendingUpload]:
+        bucket, key = split_path(path)
+        prefix = key.rstrip("/") + "/" if key else ""
+        found: list[PendingUpload] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = self._call(
+                "list_multipart_uploads",
+                path,
+                "listing incomplete multipart uploads",
+                Bucket=bucket,
+                Prefix=prefix,
+                **markers,
+            )
+            for upload in page.get("Uploads", []):
+                stamp = upload.get("Initiated")
+                started = float(stamp.timestamp()) if stamp is not None else None
+                found.append(
+                    PendingUpload(f"{bucket}/{upload['Key']}", upload["UploadId"], started)
+                )
+            if not page.get("IsTruncated"):
+                break
+            markers = {
+                "KeyMarker": page["NextKeyMarker"],
+                "UploadIdMarker": page["NextUploadIdMarker"],
+            }
+        return sorted(found, key=lambda u: (u.started is None, u.started or 0.0, u.path))
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        bucket, key = split_path(upload.path)
+        try:
+            self._call(
+                "abort_multipart_upload",
+                upload.path,
+                "aborting an incomplete multipart upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload.upload_id,
+            )
+        except OSError as exc:
+            gone = isinstance(exc, FileNotFoundError) or error_code(exc) == "NoSuchUpload"
+            if not gone:  # else completed or aborted meanwhile
+                raise
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return os.fspath(checkpoint_id).startswith(("s3://", "s3a://"))
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) says the endpoint could not be
+    reached at all: no such host, connection refused, no connection in time."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(
+            error,
+            (
+                botocore.exceptions.EndpointConnectionError,
+                botocore.exceptions.ConnectTimeoutError,
+                socket.gaierror,
+                ConnectionRefusedError,
+            ),
+        ) or type(error).__name__ in ("ClientConnectorError", "ClientConnectorDNSError"):
+            return True
+        error = error.__cause__ or error.__context__
+    return False

@@ -20,7 +20,6 @@ no :class:`DirectPath`, and its requests go through s3fs.
 
 from __future__ import annotations
 
-import concurrent.futures
 import http.client
 import inspect
 import logging
@@ -39,6 +38,8 @@ from botocore.awsrequest import AWSRequest
 from s3fs.errors import translate_boto_error
 from urllib3.util.wait import wait_for_read
 
+from storage.backends._secrets import BY_FORM
+from storage.backends.cancel import Cancel
 from storage.backends.s3._endpoint import (
     Bucket,
     Runner,
@@ -79,60 +80,30 @@ CREDENTIALS_TTL = 60.0
 _MAX_IDLE = 64
 _ERROR_BODY_LIMIT = 1 << 16
 _USER_AGENT = "dcp-storage"
+_UNSAFE = re.compile(r"[\r\n\x00]")
 
 
 class BodyBroken(ConnectionError):
     """A response body broke off: reset, timed out or shorter than announced."""
 
 
-class PartGroup:
-    """The part uploads of one multipart upload, so that an abort can stop them: no new
-    attempt starts once :meth:`halt` is called, and connections in use are shut down."""
-
-    def __init__(self) -> None:
-        self.tasks: list[Any] = []  # asyncio tasks of parts sent through s3fs
-        self.halted = threading.Event()
-        self._lock = threading.Lock()
-        self._connections: set[http.client.HTTPConnection] = set()
-
-    def track(self, conn: http.client.HTTPConnection, busy: bool) -> None:
-        with self._lock:
-            if busy:
-                self._connections.add(conn)
-            else:
-                self._connections.discard(conn)
-        if busy and self.halted.is_set():
-            _shut(conn)
-
-    def halt(self) -> None:
-        self.halted.set()
-        with self._lock:
-            busy = list(self._connections)
-        for conn in busy:
-            _shut(conn)
-
-
-def _shut(conn: http.client.HTTPConnection) -> None:
-    sock = conn.sock
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
 class DirectBody:
-    """The body of a ranged GET, read straight into the caller's buffers."""
+    """The body of a ranged GET, read straight into the caller's buffers; cancelling
+    ``cancel`` shuts its connection down, so a read blocked on it returns."""
 
     def __init__(
         self,
         response: http.client.HTTPResponse,
         conn: http.client.HTTPConnection,
         owner: DirectPath,
+        cancel: Cancel | None = None,
     ) -> None:
         self._response = response
         self._conn: http.client.HTTPConnection | None = conn
         self._owner = owner
+        self._cancel = cancel
+        if cancel is not None:
+            cancel.track(conn, True)
 
     def readinto(self, view: memoryview) -> int:
         response = self._response
@@ -150,6 +121,8 @@ class DirectBody:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        if self._cancel is not None:
+            self._cancel.track(conn, False)
         if self._response.length:
             conn.close()  # unread bytes would be the next response
         else:
@@ -195,7 +168,7 @@ class DirectPath:
         try:
             found = resolve(self._s3, self._run, bucket, self._ssl)
         except Exception as exc:  # s3fs raises it (or its own) on the request, if real
-            log.debug("s3://%s: requests go through s3fs: %s", bucket, exc)
+            log.debug("s3://%s: requests go through s3fs: %s", bucket, BY_FORM.redact(str(exc)))
         with self._lock:
             self._buckets[bucket] = found
         return found is not None
@@ -274,7 +247,7 @@ class DirectPath:
         number: int,
         body: memoryview,
         checksum: str | None,
-        group: PartGroup,
+        group: Cancel,
     ) -> str:
         """Upload one part; its ETag."""
         query = f"partNumber={number}&uploadId={quote(upload_id, '')}"
@@ -290,19 +263,31 @@ class DirectPath:
         return etag
 
     def get_object(
-        self, bucket: str, key: str, byte_range: str | None, if_match: str | None
+        self,
+        bucket: str,
+        key: str,
+        byte_range: str | None,
+        if_match: str | None,
+        cancel: Cancel | None = None,
     ) -> dict[str, Any]:
         """A GET of ``key`` (``byte_range``: a ``Range`` header value), pinned to
-        ``if_match``; ``{"ETag": ..., "Body": DirectBody}`` as botocore answers."""
+        ``if_match``; ``ETag``, ``ContentRange``, ``Body`` (a :class:`DirectBody`) and
+        the status in ``ResponseMetadata``, as botocore answers. ``cancel`` interrupts
+        the request and the reading of its body."""
         headers = {}
         if byte_range is not None:
             headers["Range"] = byte_range
         if if_match is not None:
             headers["If-Match"] = if_match
         response, conn = self._send(
-            "GET", bucket, key, "", headers, None, "GetObject", (200, 206), None
+            "GET", bucket, key, "", headers, None, "GetObject", (200, 206), cancel
         )
-        return {"ETag": response.getheader("ETag"), "Body": DirectBody(response, conn, self)}
+        return {
+            "ETag": response.getheader("ETag"),
+            "ContentRange": response.getheader("Content-Range"),
+            "ResponseMetadata": {"HTTPStatusCode": response.status},
+            "Body": DirectBody(response, conn, self, cancel),
+        }
 
     def _send(
         self,
@@ -314,7 +299,7 @@ class DirectPath:
         body: memoryview | None,
         operation: str,
         ok: tuple[int, ...],
-        group: PartGroup | None,
+        group: Cancel | None,
     ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
         target = self._buckets[bucket]
         assert target is not None
@@ -322,15 +307,15 @@ class DirectPath:
         attempt = 0
         while True:
             attempt += 1
-            if group is not None and group.halted.is_set():
-                raise concurrent.futures.CancelledError()
+            if group is not None:
+                group.check()
             try:
                 signed = self._sign(target, method, path, headers)
                 response, conn = self._exchange(target, method, path, signed, body, group)
             except (OSError, http.client.HTTPException) as exc:
                 if attempt >= self.max_attempts or _halted(group):
                     raise
-                log.debug("%s %s: %r, attempt %d", method, path, exc, attempt)
+                log.debug("%s %s: %s, attempt %d", method, path, BY_FORM.redact(repr(exc)), attempt)
             else:
                 if response.status in ok:
                     return response, conn
@@ -343,7 +328,7 @@ class DirectPath:
             # Full jitter, as botocore's standard mode waits: at most 1, 2, 4, ... 20 s.
             delay = random.random() * min(20.0, 2.0 ** (attempt - 1))
             if group is not None:
-                group.halted.wait(delay)
+                group.wait(delay)
             else:
                 time.sleep(delay)
 
@@ -360,7 +345,16 @@ class DirectPath:
         request.context["client_config"] = self._config
         auth = S3SigV4Auth(self._credentials(target), target.service, target.region)
         auth.add_auth(request)
-        return dict(request.headers.items())
+        signed = dict(request.headers.items())
+        for name, value in signed.items():
+            # http.client would refuse it quoting the value: a signature, a token.
+            if _UNSAFE.search(value):
+                raise ValueError(
+                    f"a credential holds a line break or control character: it reaches the "
+                    f"{name} header of every request (a key or token read from a file with its "
+                    "trailing newline?); fix the credentials"
+                )
+        return signed
 
     def _exchange(
         self,
@@ -369,7 +363,7 @@ class DirectPath:
         path: str,
         headers: dict[str, str],
         body: memoryview | None,
-        group: PartGroup | None,
+        group: Cancel | None,
     ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
         conn = self._connection(target)
         if group is not None:
@@ -424,8 +418,8 @@ async def _freeze(credentials: Any) -> Any:
     return await frozen if inspect.isawaitable(frozen) else frozen
 
 
-def _halted(group: PartGroup | None) -> bool:
-    return group is not None and group.halted.is_set()
+def _halted(group: Cancel | None) -> bool:
+    return group is not None and group.cancelled.is_set()
 
 
 def _xml_field(text: str, name: str) -> str:
@@ -459,5 +453,5 @@ def _build(s3: s3fs.S3FileSystem, run: Runner, max_attempts: int) -> DirectPath 
             s3, run=run, config=config, max_attempts=max_attempts, ssl_contexts=ssl_contexts
         )
     except Exception as exc:
-        log.debug("requests go through s3fs: %s", exc)
+        log.debug("requests go through s3fs: %s", BY_FORM.redact(str(exc)))
         return None

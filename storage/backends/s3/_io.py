@@ -12,7 +12,6 @@ import logging
 import os
 import random
 import threading
-import time
 from typing import Any
 
 import aiohttp
@@ -20,10 +19,11 @@ import botocore.exceptions as botoexc
 import crc32c
 
 from extensions.streams import read_all
+from storage.backends._ranges import RangeMismatchError, check_range
+from storage.backends.cancel import Cancel, current
 from storage.backends.s3._client import (
     PART_BUFFERS,
     BodyBroken,
-    PartGroup,
     S3Client,
     error_code,
     split_path,
@@ -77,7 +77,8 @@ class RangeReader(io.RawIOBase):
     in the process at a time), straight into the caller's buffer. Every byte of the
     range is fetched once. A body that breaks off is resumed with a ranged GET from
     the next byte, pinned to the object's ETag; a range starting past the end reads as
-    empty (short read)."""
+    empty (short read). Cancelling the calling thread's ``Cancel`` (or ``cancel``)
+    interrupts its requests and reads."""
 
     def __init__(
         self,
@@ -88,8 +89,10 @@ class RangeReader(io.RawIOBase):
         *,
         etag: str | None = None,
         window: int | None = None,
+        cancel: Cancel | None = None,
     ) -> None:
         super().__init__()
+        self._cancel = cancel or Cancel(current())
         self._client = client
         self._path = path
         self._pos = offset
@@ -108,21 +111,29 @@ class RangeReader(io.RawIOBase):
         if self._end is not None and self._pos >= self._stop:
             self._stop = min(self._end, self._pos + self._window)
         kwargs: dict[str, Any] = {}
-        if self._end is not None:
-            kwargs["Range"] = f"bytes={self._pos}-{self._stop - 1}"
-        elif self._pos:
-            kwargs["Range"] = f"bytes={self._pos}-"
+        last = None if self._end is None else self._stop - 1
+        if self._end is not None or self._pos:
+            kwargs["Range"] = f"bytes={self._pos}-{'' if last is None else last}"
         if self._etag:
             kwargs["IfMatch"] = self._etag
         try:
-            resp = self._client.get_object(self._path, "reading", **kwargs)
+            resp = self._client.get_object(self._path, "reading", cancel=self._cancel, **kwargs)
         except OSError as exc:
             if error_code(exc.__cause__ or exc) in ("InvalidRange", "416"):
                 self._eof = True
                 return
             raise
-        self._etag = resp.get("ETag")
         self._body = resp["Body"]
+        if "Range" in kwargs:
+            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 206))
+            try:
+                check_range(
+                    status, resp.get("ContentRange"), self._pos, last, self._client.url(self._path)
+                )
+            except RangeMismatchError:
+                self._drop_body()
+                raise
+        self._etag = resp.get("ETag")
 
     def _drop_body(self) -> None:
         body, self._body = self._body, None
@@ -145,7 +156,7 @@ class RangeReader(io.RawIOBase):
                 continue
             progress = [0]
             try:
-                self._client.fill(self._body, view, progress)
+                self._client.fill(self._body, view, progress, self._cancel)
             except _BODY_ERRORS as exc:
                 self._drop_body()
                 if not progress[0]:
@@ -155,7 +166,7 @@ class RangeReader(io.RawIOBase):
                             f"{self._client.url(self._path)}: reading from byte {self._pos} "
                             f"failed {failures} times: {exc!r}"
                         ) from exc
-                    time.sleep(_backoff(failures))
+                    self._cancel.wait(_backoff(failures))
                     continue
             n = progress[0]
             if n == 0:
@@ -183,7 +194,13 @@ class RangeReader(io.RawIOBase):
 
     def _read_piece(self, offset: int, piece: memoryview) -> int:
         reader = RangeReader(
-            self._client, self._path, offset, len(piece), etag=self._etag, window=len(piece)
+            self._client,
+            self._path,
+            offset,
+            len(piece),
+            etag=self._etag,
+            window=len(piece),
+            cancel=self._cancel,
         )
         with contextlib.closing(reader):
             got = 0
@@ -208,7 +225,10 @@ class MultipartWriter(io.RawIOBase):
     Part buffers come from the process's pool and go back to it once their upload is
     done, so saves reuse memory that is already mapped instead of faulting in fresh
     pages for every part. With ``client.checksum`` every part carries its CRC32C, which the store
-    checks; the payload itself is not hashed for the signature (see ``S3FileSystem``)."""
+    checks; the payload itself is not hashed for the signature (see ``S3FileSystem``).
+    Cancelling the calling thread's ``Cancel`` interrupts every request of the upload
+    (a write waiting for an upload slot too); the abort that follows is sent without
+    waiting for the stalled store."""
 
     def __init__(self, client: S3Client, path: str) -> None:
         super().__init__()
@@ -221,7 +241,7 @@ class MultipartWriter(io.RawIOBase):
         self._crc = 0  # of the part's bytes so far
         self._upload_id: str | None = None
         self._parts: list[tuple[int, concurrent.futures.Future[str], dict[str, str]]] = []
-        self._group = PartGroup()
+        self._group = Cancel(current())
         self._finished = False
 
     def writable(self) -> bool:
@@ -253,6 +273,7 @@ class MultipartWriter(io.RawIOBase):
                 "create_multipart_upload",
                 self._path,
                 "starting a multipart upload",
+                cancel=self._group,
                 Bucket=self._bucket,
                 Key=self._key,
                 **({"ChecksumAlgorithm": "CRC32C"} if client.checksum else {}),
@@ -263,7 +284,7 @@ class MultipartWriter(io.RawIOBase):
         if number > _MAX_PARTS:
             raise ValueError(f"{client.url(self._path)}: more than {_MAX_PARTS} parts")
         buffer, data = self._buf, memoryview(self._buf)[: self._fill]
-        client.slots.acquire()
+        self._group.acquire(client.slots)
         try:
             fut, checksum = client.upload_part(
                 self._group, self._path, self._upload_id, number, data, self._crc
@@ -290,7 +311,8 @@ class MultipartWriter(io.RawIOBase):
             if fut.done() and fut.exception() is not None:
                 exc = fut.exception()
                 assert exc is not None
-                raise self._client.translate(exc, self._path, f"uploading part {number}") from exc
+                error = self._client.translate(exc, self._path, f"uploading part {number}")
+                raise error from error.__cause__
 
     def finish(self) -> None:
         client = self._client
@@ -301,6 +323,7 @@ class MultipartWriter(io.RawIOBase):
                     "put_object",
                     self._path,
                     "uploading",
+                    cancel=self._group,
                     Bucket=self._bucket,
                     Key=self._key,
                     Body=body,
@@ -314,12 +337,14 @@ class MultipartWriter(io.RawIOBase):
                     try:
                         etag = fut.result()
                     except Exception as exc:
-                        raise client.translate(exc, self._path, f"uploading part {number}") from exc
+                        error = client.translate(exc, self._path, f"uploading part {number}")
+                        raise error from error.__cause__
                     parts.append({"PartNumber": number, "ETag": etag, **checksum})
                 client.call(
                     "complete_multipart_upload",
                     self._path,
                     "completing the multipart upload",
+                    cancel=self._group,
                     Bucket=self._bucket,
                     Key=self._key,
                     UploadId=self._upload_id,
@@ -338,29 +363,37 @@ class MultipartWriter(io.RawIOBase):
     def abort(self) -> None:
         if self._finished:
             return
+        interrupted = self._group.cancelled.is_set()
         self._done()
         # Parts not started never start; started ones are interrupted and awaited, so
         # no part can land after the abort and leave the upload half alive.
         self._client.settle(self._group, [fut for _, fut, _ in self._parts])
         if self._upload_id is None:
             return
+        request: dict[str, Any] = {
+            "Bucket": self._bucket,
+            "Key": self._key,
+            "UploadId": self._upload_id,
+        }
+        if interrupted:
+            # Past a deadline the store is stalled: nothing may wait on it now.
+            self._client.send("abort_multipart_upload", self._abort_failed, **request)
+            return
         try:
             self._client.call(
-                "abort_multipart_upload",
-                self._path,
-                "aborting the multipart upload",
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=self._upload_id,
+                "abort_multipart_upload", self._path, "aborting the multipart upload", **request
             )
         except Exception as exc:  # the caller's error is the one to report
-            log.warning(
-                "could not abort multipart upload %s of %s: %s (a bucket lifecycle "
-                "rule AbortIncompleteMultipartUpload cleans these up)",
-                self._upload_id,
-                self._client.url(self._path),
-                exc,
-            )
+            self._abort_failed(exc)
+
+    def _abort_failed(self, exc: BaseException) -> None:
+        log.warning(
+            "could not abort multipart upload %s of %s: %s (a bucket lifecycle "
+            "rule AbortIncompleteMultipartUpload cleans these up)",
+            self._upload_id,
+            self._client.url(self._path),
+            exc,
+        )
 
     def close(self) -> None:
         # DCP transforms may close what they wrap; the upload ends in finish() or abort().

@@ -441,7 +441,7 @@ def write_staged(
             _fall_back(exc)
             return list(writer.write_files(files, threads, planner))
         try:
-            per_file, written = future.result()
+            per_file, written, writer.budget.spent = future.result()
         except WorkerDiedError:
             # Its files may be half written: the writer's abort removes what exists.
             writer._written = [writer.fs.concat_path(writer.path, name) for name, _ in files]

@@ -75,12 +75,12 @@ class _Resolved:
 
 def write_files(
     writer: Any, files: list[Any], threads: int, refs: dict[Any, tuple[Any, ...]]
-) -> tuple[list[Any], list[str]]:
+) -> tuple[list[Any], list[str], float]:
     """A save's data writes, run here: the writer's own code with the staged data;
-    returns the results and the data files written."""
+    returns the results, the data files written and the deadline budget spent."""
     limit_writes(writer.fs)
     per_file = writer.write_files(files, threads, _Resolved(refs))
-    return per_file, list(writer._written)
+    return per_file, list(writer._written), writer.budget.spent
 
 
 # --- worker state ---------------------------------------------------------------------

@@ -1,0 +1,56 @@
+"""The one check of a ranged GET's answer, for every backend that sends ranged requests.
+
+A server or proxy may ignore ``Range`` (HTTP allows it: ``200`` and the whole object)
+or answer another range than the one asked for (a ``206`` whose ``Content-Range`` says
+so). Read as the range asked for, either hands one item's bytes to another: a checkpoint
+without checksums (written by stock DCP) then loads the wrong tensor values silently.
+So every ranged answer is checked before its body is read:
+
+* ``206``: ``Content-Range`` must start at the first byte asked for and end at the last
+  one, or earlier only where the object ends (a range past the end is cut short there).
+* ``200``: the whole object. Accepted only for a range that starts at byte 0, whose body
+  then starts with the bytes asked for (the reader takes what it asked for and drops the
+  rest). For any other start it is refused rather than skipped through: a store that
+  ignores ranges would make every item of a load download its file from the start.
+"""
+
+from __future__ import annotations
+
+import re
+
+_CONTENT_RANGE = re.compile(r"\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*", re.IGNORECASE)
+
+
+class RangeMismatchError(OSError):
+    """A ranged GET was answered with bytes other than those asked for."""
+
+
+def check_range(
+    status: int, content_range: str | None, first: int, last: int | None, url: str
+) -> None:
+    """Raise :class:`RangeMismatchError` unless a GET of ``url`` for bytes ``first`` to
+    ``last`` (inclusive; ``None``: to the end of the object) answered with ``status`` and
+    ``content_range`` (the header, if any) delivers a body that starts at ``first`` and
+    holds nothing past ``last`` (see the module docstring)."""
+    asked = f"bytes={first}-{'' if last is None else last}"
+    if status == 200:
+        if first == 0:
+            return
+        raise RangeMismatchError(
+            f"{url}: the server ignored the range of a GET ({asked}) and sent the whole "
+            "object (200, not 206); reading it as the range would load other bytes. The "
+            "store (or a proxy in front of it) must support HTTP range requests"
+        )
+    found = _CONTENT_RANGE.fullmatch(content_range or "")
+    if status == 206 and found is not None:
+        start, end = int(found.group(1)), int(found.group(2))
+        total = None if found.group(3) == "*" else int(found.group(3))
+        # The end asked for, or earlier where the object ends (unknown: trust it).
+        ends_well = end == last or (end == total - 1 if total is not None else last is None)
+        if start == first and start <= end and (last is None or end <= last) and ends_well:
+            return
+    raise RangeMismatchError(
+        f"{url}: a GET for {asked} was answered with {status} and Content-Range "
+        f"{content_range!r}, not the bytes asked for; reading them would load other bytes. "
+        "A proxy or the store mangles range requests"
+    )

@@ -1,0 +1,273 @@
+"""The one read model of a committed checkpoint: what its saved metadata says, read once.
+
+Every path that decides from saved metadata what to delete, what is referenced, what to
+copy or drain and which step may serve as a base reads it here, so they all see the same
+facts under one error policy:
+
+* **missing** (``FileNotFoundError``, ``NotADirectoryError``): the location or the
+  metadata file is not there, so it commits nothing (a metadata file that vanishes
+  between the listing and the read is simply not there);
+* **unreadable** (any other error: an I/O error, a refused listing, metadata that does
+  not unpickle or validate): what the checkpoint names and references is unknown, so
+  every deletion path fails closed. An unreadable checkpoint may reference any sibling
+  (:meth:`CommittedCheckpoint.may_reference`): deleting or overwriting a checkpoint
+  beside it is refused, and retention keeps every step while it stands (and says so).
+
+:func:`open_committed` reads a checkpoint whole: every metadata file in its directory,
+the committing ones (``.metadata``, else each rank's ``__{rank}.metadata``; see
+``layout.committing_metadata``) and any other one lingering there, because a deletion
+must know every reference and every file any of them records. :class:`Siblings` holds
+the checkpoints under one parent directory for one pass (a retention pass, one refusal to
+delete), each opened at most once, so such a pass reads each step's metadata once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from extensions.errors import CheckpointInUseError, CheckpointNotFoundError, printable
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import format as fmt
+from storage.checkpoint.layout import (
+    committing_metadata,
+    is_data_file_name,
+    is_metadata_name,
+    split_location,
+)
+
+log = logging.getLogger(__name__)
+
+CHAIN = "chain"  # metadata extra: incremental saves since the last full one (0: full)
+_LISTING = ""  # key in ``errors`` of a directory that could not be listed
+
+
+def read_metadata_file(fs: FileSystemBase, meta_path: str) -> Metadata | None:
+    """The parsed metadata at ``meta_path`` (``format.load_metadata``), or ``None`` when
+    there is none. Any other error propagates: it makes the checkpoint unreadable, and
+    the caller fails closed."""
+    try:
+        payload = fs.read_bytes(meta_path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return fmt.load_metadata(payload, fs.url(meta_path))
+
+
+def own_files(metadata: Metadata, where: str) -> frozenset[str]:
+    """The data files ``metadata`` names for its own items (a referenced item's file is
+    its base's), and only names that are data file names, so a hostile or hand-edited
+    metadata cannot make a deletion path remove ``train.py``."""
+    named = {
+        getattr(i, "relative_path", None)
+        for i in (metadata.storage_data or {}).values()
+        if fmt.REF not in fmt.item_extra(i)
+    }
+    ours = frozenset(n for n in named if isinstance(n, str) and is_data_file_name(n))
+    if len(ours) < len(named):
+        log.warning("%s names files that are not data files; they are never deleted", where)
+    return ours
+
+
+def referenced_names(metadata: Metadata) -> frozenset[str]:
+    """Names of the sibling checkpoints whose bytes ``metadata``'s items reference."""
+    refs = {fmt.item_extra(i).get(fmt.REF) for i in (metadata.storage_data or {}).values()}
+    return frozenset(r for r in refs if isinstance(r, str))
+
+
+def chain_of(metadata: Metadata | None) -> int:
+    """Incremental saves since the last full one (0 for a full or foreign checkpoint)."""
+    extra = getattr(metadata, fmt.EXTRA, None)
+    chain = extra.get(CHAIN, 0) if isinstance(extra, dict) else 0
+    return chain if isinstance(chain, int) and chain >= 0 else 0
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """The checkpoint at ``path`` as its saved metadata describes it (see the module
+    docstring). ``committing``: the metadata files that commit it; ``metadata``: every
+    metadata file in its directory that could be read, parsed; ``errors``: those that
+    could not (``""`` for a directory that could not be listed), with why."""
+
+    fs: FileSystemBase
+    path: str
+    committing: tuple[str, ...]
+    metadata: Mapping[str, Metadata]
+    errors: Mapping[str, Exception]
+
+    @property
+    def url(self) -> str:
+        return self.fs.url(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rpartition("/")[2]
+
+    @property
+    def committed(self) -> bool:
+        """Whether metadata commits it (an unreadable one may: it counts)."""
+        return bool(self.committing) or bool(self.errors)
+
+    @property
+    def readable(self) -> bool:
+        return not self.errors
+
+    @property
+    def global_metadata(self) -> Metadata | None:
+        """The parsed ``.metadata`` when it commits the checkpoint: only such a
+        checkpoint serves as a base (rank-local metadata never does)."""
+        if self.committing != (fmt.METADATA_NAME,):
+            return None
+        return self.metadata.get(fmt.METADATA_NAME)
+
+    @property
+    def chain(self) -> int:
+        """Incremental saves since the last full one, by its ``.metadata`` (0 without)."""
+        return chain_of(self.global_metadata)
+
+    def items(self) -> dict[MetadataIndex, Any]:
+        """The storage index of its ``.metadata`` (empty when it has none to offer)."""
+        metadata = self.global_metadata
+        return dict(metadata.storage_data or {}) if metadata is not None else {}
+
+    def data_files(self) -> frozenset[str]:
+        """The data files its metadata (all of them) name as its own: what deleting it
+        removes (empty for what could not be read: those files stay for ``gc``)."""
+        where = self.url
+        return frozenset().union(*(own_files(m, where) for m in self.metadata.values()))
+
+    def references(self) -> frozenset[str]:
+        """The siblings whose bytes its readable metadata reference."""
+        return frozenset().union(*(referenced_names(m) for m in self.metadata.values()))
+
+    def may_reference(self, name: str) -> bool:
+        """Whether it references (or, unreadable, might reference) sibling ``name``."""
+        if name == self.name:
+            return False
+        return bool(self.errors) or name in self.references()
+
+    def why_unreadable(self) -> str:
+        """What could not be read, for messages (empty when everything could)."""
+        return "; ".join(
+            f"{name or 'listing'}: {printable(str(exc) or type(exc).__name__, 200)}"
+            for name, exc in sorted(self.errors.items())
+        )
+
+    def require(self) -> None:
+        """Raise unless its committing metadata could all be read: the reason it could
+        not, or :class:`CheckpointNotFoundError` naming what is missing."""
+        for name in (_LISTING, *self.committing):
+            if name in self.errors:
+                raise self.errors[name]
+        if not self.committing:
+            if self.fs.exists(self.path):
+                raise CheckpointNotFoundError(
+                    f"{self.url} is not a committed checkpoint: it has no "
+                    f"{fmt.METADATA_NAME} (an interrupted save, or not a checkpoint "
+                    "directory); point at a checkpoint directory"
+                )
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {self.url}: the location does not exist"
+            )
+
+
+def open_committed(fs: FileSystemBase, path: str) -> CommittedCheckpoint:
+    """Read the checkpoint at ``path``: one listing, then each metadata file in it."""
+    metadata: dict[str, Metadata] = {}
+    errors: dict[str, Exception] = {}
+    try:
+        names = [n for n in fs.ls(path) if is_metadata_name(n)]
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    except Exception as exc:
+        names, errors[_LISTING] = [], exc
+    for name in names:
+        try:
+            found = read_metadata_file(fs, fs.concat_path(path, name))
+        except Exception as exc:
+            errors[name] = exc
+            continue
+        if found is not None:
+            metadata[name] = found
+    committing = committing_metadata([n for n in names if n in metadata or n in errors])
+    checkpoint = CommittedCheckpoint(fs, path, tuple(committing), metadata, errors)
+    if errors:
+        log.warning(
+            "cannot read %s (%s): it may reference any checkpoint beside it, so none of "
+            "those is deleted while it stands",
+            checkpoint.url,
+            checkpoint.why_unreadable(),
+        )
+    return checkpoint
+
+
+class Siblings:
+    """The checkpoints under ``parent``, each opened at most once: one pass of a path
+    that deletes (retention, a refusal to delete or overwrite). What it read may change
+    meanwhile; a save whose base is removed meanwhile fails before it commits
+    (``incremental.check_referenced_files``)."""
+
+    def __init__(self, fs: FileSystemBase, parent: str) -> None:
+        self.fs = fs
+        self.parent = parent
+        self._names: list[str] | None = None
+        self._opened: dict[str, CommittedCheckpoint] = {}
+
+    def names(self) -> list[str]:
+        """The names under the parent (listed once)."""
+        if self._names is None:
+            try:
+                self._names = self.fs.ls(self.parent)
+            except (FileNotFoundError, NotADirectoryError):
+                self._names = []
+        return self._names
+
+    def open(self, name: str) -> CommittedCheckpoint:
+        if name not in self._opened:
+            self._opened[name] = open_committed(self.fs, self.fs.concat_path(self.parent, name))
+        return self._opened[name]
+
+    def forget(self, name: str) -> None:
+        """``name`` was deleted: it references nothing any more."""
+        self._opened.pop(name, None)
+        if self._names is not None and name in self._names:
+            self._names.remove(name)
+
+    def users(self, name: str) -> list[CommittedCheckpoint]:
+        """The checkpoints beside ``name`` that reference its bytes or, unreadable,
+        might."""
+        return [c for s in self.names() if s != name and (c := self.open(s)).may_reference(name)]
+
+    def refuse_if_referenced(self, name: str, action: str = "delete") -> None:
+        """Raise :class:`CheckpointInUseError` if checkpoints beside ``name`` reference
+        its bytes or cannot be read: removing them could break those checkpoints."""
+        users = self.users(name)
+        if not users:
+            return
+        url = self.fs.url(self.fs.concat_path(self.parent, name))
+        known = [c.name for c in users if c.readable]
+        unknown = [c for c in users if not c.readable]
+        parts = []
+        if known:
+            parts.append(
+                f"incremental checkpoint(s) {', '.join(known)} beside it reference its bytes. "
+                "Delete those first, or make them self-contained with `dcp-storage cp` (a "
+                "copy holds every byte it needs)"
+            )
+        if unknown:
+            parts.append(
+                f"the metadata of {', '.join(c.name for c in unknown)} beside it cannot be "
+                f"read ({'; '.join(c.why_unreadable() for c in unknown)}), so they may "
+                "reference its bytes. Repair or remove those first"
+            )
+        raise CheckpointInUseError(f"refusing to {action} {url}: {'. Also, '.join(parts)}")
+
+
+def refuse_if_referenced(fs: FileSystemBase, path: str, action: str = "delete") -> None:
+    """:meth:`Siblings.refuse_if_referenced` for the checkpoint at ``path``."""
+    location = split_location(fs, path)
+    if location is not None:
+        Siblings(fs, location[0]).refuse_if_referenced(location[1], action)

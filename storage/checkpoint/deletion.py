@@ -1,0 +1,120 @@
+"""Deleting checkpoint files: the rules of docs/format.md, "What deletion trusts".
+
+Deletion trusts neither the metadata nor the directory. A file is removed only if its
+name is a data file name (``layout.is_data_file_name``), whatever the metadata claims; a
+committed checkpoint loses only the data files its metadata names (never those of a save
+in flight), read through the one read model (``committed``): the files of metadata that
+cannot be read stay for ``gc``. Nothing is deleted through a symbolic link: not a linked
+checkpoint directory (:func:`refuse_link`), not a linked key-prefix directory inside one
+(``prefixes.is_linked``, the check every read, write and copy path makes too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from extensions.errors import UnsafeCheckpointError, quote
+from storage.backends.base import FileSystemBase
+from storage.checkpoint.committed import CommittedCheckpoint, open_committed
+from storage.checkpoint.layout import is_checkpoint_file_name, is_metadata_name
+from storage.checkpoint.prefixes import expand, linked_prefix, remove_empty_prefixes
+
+log = logging.getLogger(__name__)
+
+
+def refuse_link(fs: FileSystemBase, path: str) -> None:
+    """Raise :class:`UnsafeCheckpointError` if ``path`` is a symbolic link: a linked
+    checkpoint belongs to someone else (a shared pretrained one, say) and deleting
+    through the link would remove its files."""
+    if fs.is_link(path):
+        raise UnsafeCheckpointError(
+            f"{fs.url(path)} is a symbolic link to a checkpoint elsewhere; it is never "
+            "deleted through the link (remove the link itself if it is no longer wanted)"
+        )
+
+
+def delete_checkpoint(
+    fs: FileSystemBase, path: str, checkpoint: CommittedCheckpoint | None = None
+) -> list[str]:
+    """Delete the committed checkpoint at ``path`` (``checkpoint``: its read model, if
+    the caller already opened it).
+
+    Its metadata files are removed first (so the directory stops being a checkpoint at
+    once), then the data files they named. Data files no metadata named (a save in
+    flight, leftovers of a failed one) stay for :func:`remove_leftovers` after a grace
+    period; so do files that are not checkpoint files, and the files of a metadata that
+    cannot be read. The directory goes once empty. Refuses, before removing anything, a
+    checkpoint that is a symbolic link (:func:`refuse_link`) or whose named files lie
+    under a linked prefix directory. Returns the names left in place."""
+    refuse_link(fs, path)
+    checkpoint = checkpoint or open_committed(fs, path)
+    named = checkpoint.data_files()
+    linked = sorted({p for n in named if (p := linked_prefix(fs, path, n)) is not None})
+    if linked:
+        raise UnsafeCheckpointError(
+            f"refusing to delete {fs.url(path)}: files its metadata names lie under "
+            f"{', '.join(quote(p) for p in linked)}, a symbolic link out of the checkpoint, "
+            "and nothing is deleted through a link; nothing was deleted. Remove the link "
+            "(or replace it with a directory of its own) first"
+        )
+    for name in (n for n in fs.ls(path) if is_metadata_name(n)):
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(fs.concat_path(path, name))
+    for name in sorted(named):
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(fs.concat_path(path, name))
+    return _remove_dir_or_report(fs, path)
+
+
+def remove_data_files(fs: FileSystemBase, path: str, names: set[str] | frozenset[str]) -> None:
+    """Best-effort removal of the data files ``names`` of the checkpoint at ``path`` (the
+    files of the checkpoint a save replaced): a failure is logged, never raised, and a
+    file under a linked prefix directory stays (and is logged)."""
+    for name in sorted(names):
+        prefix = linked_prefix(fs, path, name)
+        if prefix is not None:
+            log.warning(
+                "%s: kept %s, which lies under %s, a symbolic link: nothing is deleted "
+                "through a link",
+                fs.url(path),
+                quote(name),
+                quote(prefix),
+            )
+            continue
+        file_path = fs.concat_path(path, name)
+        try:
+            fs.rm_file(file_path)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            log.warning("could not remove %s: %s", fs.url(file_path), exc)
+
+
+def remove_leftovers(fs: FileSystemBase, path: str, names: list[str]) -> list[str]:
+    """Remove ``names``, the checkpoint files of an uncommitted directory that the
+    caller found stale, then the directory once empty. Refuses symbolic links; a file
+    under a linked prefix directory stays. Returns the names left in place."""
+    refuse_link(fs, path)
+    for name in names:
+        if not is_checkpoint_file_name(name) or is_metadata_name(name):
+            continue
+        if linked_prefix(fs, path, name) is not None:
+            continue  # reported below with what else stays
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(fs.concat_path(path, name))
+    return _remove_dir_or_report(fs, path)
+
+
+def _remove_dir_or_report(fs: FileSystemBase, path: str) -> list[str]:
+    try:
+        remove_empty_prefixes(fs, path)
+        kept = expand(fs, path)
+    except FileNotFoundError:
+        return []
+    if kept:
+        log.warning("%s: left %s in place", fs.url(path), kept)
+        return kept
+    with contextlib.suppress(OSError):  # a save may start writing here meanwhile
+        fs.rm_dir(path)
+    return []

@@ -1,0 +1,204 @@
+"""Deleting a base that a kept step still needs (issue 19, items 3-5).
+
+References are found through every metadata of a step (rank-local ones too), a base is
+recorded by its canonical name (never an alias), and a step whose metadata cannot be read
+keeps everything it might reference. Every test names, in a comment, what happened before
+the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import storage
+from extensions.errors import CheckpointInUseError
+from storage import CheckpointManager, LocalFileSystem
+from storage.cli import main
+from storage.ops.tools import describe
+
+FROZEN = torch.arange(4096.0)
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {"frozen": FROZEN.clone(), "w": torch.full((8,), float(step)), "step": step}
+
+
+def _assert_loads(path: Path, step: int) -> None:
+    out = {"frozen": torch.zeros(4096), "w": torch.zeros(8), "step": -1}
+    storage.load(out, str(path))
+    assert torch.equal(out["frozen"], FROZEN) and out["step"] == step
+
+
+def _refs(path: Path) -> set[str | None]:
+    return {r.ref for r in describe(LocalFileSystem(), str(path)).items}
+
+
+# --- 3. rank-local metadata references too --------------------------------------------------
+
+
+@pytest.fixture
+def rank_local_user(tmp_path: Path) -> Path:
+    """``root/step-1`` (full) and ``root/step-2``, committed only by ``__0.metadata``
+    (``use_collectives=False``), whose frozen item references step-1."""
+    root = tmp_path / "root"
+    storage.save(_state(1), str(root / "step-1"), fingerprint=True)
+    writer = storage.CheckpointWriter(root / "step-2", base=str(root / "step-1"))
+    dcp.save(_state(2), storage_writer=writer, no_dist=True, use_collectives=False)
+    names = os.listdir(root / "step-2")
+    assert "__0.metadata" in names and ".metadata" not in names
+    assert _refs(root / "step-2") == {"step-1", None}
+    return root
+
+
+def test_delete_and_rm_see_rank_local_references(
+    rank_local_user: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: reference discovery read only .metadata, so mgr.delete(1) and `rm` went
+    # ahead and step-2 no longer loaded.
+    root = rank_local_user
+    with pytest.raises(CheckpointInUseError, match="step-2"):
+        CheckpointManager(root).delete(1)
+    assert main(["rm", str(root / "step-1")]) == 1
+    assert "step-2" in capsys.readouterr().err
+    _assert_loads(root / "step-2", 2)
+
+
+def test_gc_keeps_a_base_of_a_rank_local_step(rank_local_user: Path) -> None:
+    # Before: `gc --keep-last 1` deleted step-1, the base of the kept step-2.
+    root = rank_local_user
+    assert main(["gc", str(root), "--keep-last", "1"]) == 0
+    assert CheckpointManager(root).steps() == [1, 2]
+    _assert_loads(root / "step-2", 2)
+
+
+def test_saving_over_a_base_of_a_rank_local_step_is_refused(rank_local_user: Path) -> None:
+    # Before: the save over step-1 published and removed step-1's old files, which
+    # step-2 references.
+    root = rank_local_user
+    with pytest.raises(CheckpointInUseError, match="overwrite"):
+        storage.save(_state(9), str(root / "step-1"))
+    _assert_loads(root / "step-1", 1)
+    _assert_loads(root / "step-2", 2)
+
+
+# --- 4. a base given through an alias --------------------------------------------------------
+
+
+@pytest.fixture
+def aliased(tmp_path: Path) -> Path:
+    """``root/step-5`` and ``root/latest -> step-5``."""
+    root = tmp_path / "root"
+    storage.save(_state(5), str(root / "step-5"), fingerprint=True)
+    (root / "latest").symlink_to("step-5", target_is_directory=True)
+    return root
+
+
+def test_a_base_alias_is_recorded_by_its_canonical_name(aliased: Path) -> None:
+    # Before: step-6 recorded its references as "latest"; retention did not know that
+    # step-6 needs step-5 and deleted it, and step-6 no longer loaded.
+    root = aliased
+    storage.save(_state(6), str(root / "step-6"), base=str(root / "latest"))
+    assert _refs(root / "step-6") == {"step-5", None}
+    assert main(["gc", str(root), "--keep-last", "1"]) == 0
+    assert CheckpointManager(root).steps() == [5, 6]
+    _assert_loads(root / "step-6", 6)
+
+
+def test_a_base_that_is_the_checkpoint_being_written_is_refused(aliased: Path) -> None:
+    # Before: re-saving step-5 with base=root/latest pointed its unchanged items at
+    # step-5's own old files and deleted them after publishing: the save reported
+    # success and step-5 no longer loaded.
+    root = aliased
+    with pytest.raises(ValueError, match="is the checkpoint being written.*latest resolves"):
+        storage.save(_state(5), str(root / "step-5"), base=str(root / "latest"))
+    with pytest.raises(ValueError, match="is the checkpoint being written"):
+        storage.save(_state(5), str(root / "step-5"), base=str(root / "step-5"))
+    _assert_loads(root / "step-5", 5)
+
+
+def test_a_base_linking_outside_the_directory_is_refused(aliased: Path) -> None:
+    # Before: a link to a checkpoint elsewhere was recorded by the link's name, so the
+    # references broke as soon as the link was removed or changed.
+    root = aliased
+    storage.save(_state(1), str(root.parent / "elsewhere" / "pretrained"), fingerprint=True)
+    (root / "pretrained").symlink_to(root.parent / "elsewhere" / "pretrained")
+    with pytest.raises(ValueError, match="outside"):
+        storage.save(_state(6), str(root / "step-6"), base=str(root / "pretrained"))
+    assert not (root / "step-6" / ".metadata").exists()
+
+
+def test_manager_never_bases_on_a_linked_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A shared checkpoint linked in as step-0 resolves outside the root, so it can be no
+    # base (it used to be recorded by the link's name): the next save is a full one
+    # rather than a save refused for its base.
+    caplog.set_level(logging.INFO, logger="storage.ops.manager")
+    root = tmp_path / "root"
+    storage.save(_state(0), str(tmp_path / "shared" / "pretrained"), fingerprint=True)
+    root.mkdir()
+    (root / "step-0").symlink_to(tmp_path / "shared" / "pretrained")
+    mgr = CheckpointManager(root, incremental=True)
+    mgr.save(1, _state(1))
+    assert _refs(root / "step-1") == {None}
+    assert "step 0 is no base (it is a symbolic link)" in caplog.text
+    _assert_loads(root / "step-1", 1)
+
+
+# --- 5. a step whose metadata cannot be read fails closed -----------------------------------
+
+
+class _FlakyDisk(LocalFileSystem):
+    """Local disk whose reads of ``failing`` raise EIO while ``failing`` is set."""
+
+    failing: str | None = None
+
+    def read_bytes(self, path: str) -> bytes:
+        if self.failing is not None and path == self.failing:
+            raise OSError(errno.EIO, "Input/output error", path)
+        return super().read_bytes(path)
+
+
+@pytest.fixture
+def flaky(tmp_path: Path) -> tuple[Path, _FlakyDisk]:
+    """Incremental ``step-1`` (full) and ``step-2`` (references step-1), on a disk whose
+    reads of step-2's metadata fail."""
+    root = tmp_path / "root"
+    mgr = CheckpointManager(root, incremental=True)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    assert _refs(root / "step-2") == {"step-1", None}
+    fs = _FlakyDisk()
+    fs.failing = str(root / "step-2" / ".metadata")
+    return root, fs
+
+
+def test_retention_keeps_every_step_while_one_cannot_be_read(
+    flaky: tuple[Path, _FlakyDisk], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: retention took the unreadable step-2 for a step referencing nothing and
+    # deleted its base, step-1: once the disk recovered, step-2 no longer loaded.
+    root, fs = flaky
+    assert CheckpointManager(root, keep_last=1, filesystem=fs).apply_retention() == []
+    assert "cannot be read" in caplog.text and "Input/output error" in caplog.text
+    fs.failing = None
+    assert CheckpointManager(root).steps() == [1, 2]
+    _assert_loads(root / "step-2", 2)
+
+
+def test_delete_refuses_while_a_sibling_cannot_be_read(flaky: tuple[Path, _FlakyDisk]) -> None:
+    # Before: mgr.delete(1) read step-2's metadata, failed, treated it as referencing
+    # nothing and deleted step-1.
+    root, fs = flaky
+    with pytest.raises(CheckpointInUseError, match="step-2 beside it cannot be read"):
+        CheckpointManager(root, filesystem=fs).delete(1)
+    fs.failing = None
+    _assert_loads(root / "step-2", 2)
