@@ -172,14 +172,14 @@ class Worker:
         ours, theirs = socket.socketpair()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "storage.checkpoint.persist", str(theirs.fileno())],
+                [sys.executable, "-c", _LAUNCH.format(nice=NICE, fd=theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
             )
         finally:
             theirs.close()  # the worker's end lives only in the worker: its death is EOF here
         conn = Connection(ours.detach())
-        conn.send_bytes(pickle.dumps(("init", list(sys.path), NICE, self._foreground > 0)))
+        conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0)))
         self._proc, self._conn = proc, conn
         threading.Thread(
             target=self._read, args=(proc, conn), name="dcp-persist-reader", daemon=True
@@ -323,6 +323,12 @@ class Worker:
             self._free.set()
             raise
         return staged, Lease(self._free)
+
+
+# Niced before anything is imported: its start-up (torch) yields the cores too.
+_LAUNCH = (
+    "import os; os.nice({nice}); from storage.checkpoint.persist._child import main; main({fd})"
+)
 
 
 def _exit_text(code: int) -> str:

@@ -1,4 +1,4 @@
-"""The persist worker process: ``python -m storage.checkpoint.persist FD``.
+"""The persist worker process (``main``; started niced by :mod:`storage.checkpoint.persist`).
 
 It runs the calls the training process sends over the socket ``FD`` (a save's data
 writes, a drain's copy), each on a thread of its own, reading staged tensors straight
@@ -7,7 +7,7 @@ torch, and every write it makes to storage goes through one token bucket when a
 bandwidth cap is set. It exits when the training process closes the socket or dies.
 
 Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
-``("init", sys_path, nice, foreground)``, ``("call", id, fn, args, kwargs, options)``,
+``("init", sys_path, foreground)``, ``("call", id, fn, args, kwargs, options)``,
 ``("foreground", busy)``, ``("close",)``; replies ``("ok", id, result)`` and
 ``("error", id, payload)``.
 """
@@ -239,11 +239,9 @@ def _error_payload(exc: BaseException) -> tuple[bytes | None, str, str, str]:
 
 def main(fd: int) -> None:
     conn = Connection(fd)
-    tag, sys_path, nice, foreground = pickle.loads(conn.recv_bytes())
+    tag, sys_path, foreground = pickle.loads(conn.recv_bytes())
     assert tag == "init"
     _set_foreground(foreground)
     sys.path[:] = sys_path  # the training process's imports (user transforms) resolve here
-    if nice:
-        os.nice(nice)  # before any thread starts: threads inherit it
     torch.set_num_threads(1)
     _Server(conn).serve()
