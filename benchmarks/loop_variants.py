@@ -195,14 +195,17 @@ class S3ConnectorAsync(_Async):
 class Ours:
     """Ours through a ``CheckpointManager`` on the bucket: blocking ``save``,
     ``save(blocking=False)``, or with a local tier (``local=``, ``keep_local=2``) whose
-    drain copies each step to the bucket."""
+    drain copies each step to the bucket; ``persist`` as the manager takes it (``None``:
+    the default, the persist worker process)."""
 
-    def __init__(self, ctx: Context, *, blocking: bool, tiered: bool = False) -> None:
+    def __init__(
+        self, ctx: Context, *, blocking: bool, tiered: bool = False, persist: str | None = None
+    ) -> None:
         import storage
 
         local: dict[str, Any] = {"local": ctx.local_dir, "keep_local": 2} if tiered else {}
         self.manager = storage.CheckpointManager(
-            ctx.root, storage_options=ctx.storage_options, **local
+            ctx.root, storage_options=ctx.storage_options, persist=persist, **local
         )
         self.blocking = blocking
         self.pending: list[Future[None]] = []
@@ -230,6 +233,8 @@ VARIANTS: dict[str, Factory] = {
     "ours sync": lambda ctx: Ours(ctx, blocking=True),
     "ours async": lambda ctx: Ours(ctx, blocking=False),
     "ours tiered": lambda ctx: Ours(ctx, blocking=False, tiered=True),
+    "ours async thread": lambda ctx: Ours(ctx, blocking=False, persist="thread"),
+    "ours tiered thread": lambda ctx: Ours(ctx, blocking=False, tiered=True, persist="thread"),
     "ours tiered sync": lambda ctx: Ours(ctx, blocking=True, tiered=True),
 }
 # What a run without --variants measures ("none" is always run: the baseline).

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
 from extensions.errors import CheckpointInUseError, TierFullError
-from storage.checkpoint import api, incremental
+from storage.checkpoint import api, incremental, persist
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.commit import publish_metadata
@@ -244,11 +244,13 @@ class LocalTier:
         with self.local._lock:  # the local tier's retention and cleanup keep their hands off
             self.local._saving, self.local._saving_base = step, base
         self._idle.clear()  # after _make_room, which may wait for the drain
+        persist.worker().foreground(True)  # a drain copying in the worker pauses too
 
     def _end(self) -> None:
         with self.local._lock:
             self.local._saving, self.local._saving_base = None, None
         self._idle.set()
+        persist.worker().foreground(False)
 
     def _commit(self, step: int, writer: _TierWriter, state_dict: dict[str, Any], pg: Any) -> None:
         """Write, replicate and commit ``step`` in the local tier (collective on ``pg``),
