@@ -152,6 +152,21 @@ def kill_worker(handle: persist.Worker) -> None:
 # --- saves through the worker -----------------------------------------------------------
 
 
+def test_calls_see_the_environment_as_it_is_now(
+    worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the worker kept the environment it started with, so credentials set
+    afterwards (AWS_ACCESS_KEY_ID, say) were missing there and an upload failed with
+    'Unable to locate credentials' where a thread would have found them."""
+    assert worker.call(os.getpid).result() != os.getpid()  # started before the change
+    monkeypatch.setenv("DCP_STORAGE_TEST_VALUE", "set after the worker started")
+    monkeypatch.delenv("HOME", raising=False)
+    assert worker.call(os.getenv, "DCP_STORAGE_TEST_VALUE").result() == (
+        "set after the worker started"
+    )
+    assert worker.call(os.getenv, "HOME").result() is None
+
+
 def test_async_save_writes_in_the_worker_from_shared_staging(
     tmp_path: Path, state_dict: dict, worker: persist.Worker
 ) -> None:

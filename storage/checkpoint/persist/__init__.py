@@ -270,6 +270,9 @@ class Worker:
             "max_bandwidth": max_bandwidth,
             "live": self.pool.live() if self.pool is not None else [],
             "rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else None,
+            # As a thread would, the call sees the environment as it is now (credentials
+            # the clients read from it may have been set after the worker started).
+            "environ": dict(os.environ),
         }
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:

@@ -207,6 +207,7 @@ class _Server:
     ) -> None:
         try:
             _bucket.rate = options.get("max_bandwidth")
+            _set_environ(options.get("environ"))
             _keep_mapped(options.get("live", []))
             rank = options.get("rank")
             deadline.distributed_rank = lambda: rank  # errors name the trainer's rank
@@ -222,6 +223,21 @@ class _Server:
             os._exit(0)
         except Exception as exc:  # a result that does not pickle
             self.send(("error", call_id, _error_payload(exc)))
+
+
+_environ_lock = threading.Lock()
+
+
+def _set_environ(environ: dict[str, str] | None) -> None:
+    """Make this process's environment the training process's at the time of the call."""
+    if environ is None:
+        return
+    with _environ_lock:
+        for name in [n for n in os.environ if n not in environ]:
+            del os.environ[name]
+        for name, value in environ.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
 
 
 def _error_payload(exc: BaseException) -> tuple[bytes | None, str, str, str]:
