@@ -145,7 +145,8 @@ def _load_planned(tier: LocalTier, state_dict: dict[str, Any], chosen: Choice) -
             error: BaseException | None = None
             try:
                 for s, step_moves in chosen.moves:  # bases first
-                    transfer(g, step_moves, local.fs, local.step_path(s), sync=True)
+                    sent = transfer(g, step_moves, local.fs, local.step_path(s), sync=True)
+                    tier.restored_bytes += sent
             except Exception as exc:
                 error = exc
             gather_errors(g, error, f"restoring step {step} from the peers")
@@ -299,12 +300,20 @@ def _step_moves(g: Group, reports: list[Report], step: int) -> list[Move] | None
     data: list[Move] = []
     meta: list[Move] = []
     for rank in range(g.world):
-        need = {n for n in named if fmt.file_rank(n) == rank} - have[rank]
-        if need:
-            src = next((q for q in range(g.world) if need <= have[q]), None)
-            if src is None:
-                return None
-            data.append((src, rank, sorted(need)))
+        files = {n for n in named if fmt.file_rank(n) == rank}
+        # A node's tier holds its ranks' files and the replicas of its peers' files: both
+        # are restored, so the pair is redundant again and a rank reading another rank's
+        # file (a replicated tensor saved once, under DDP) finds it on its node.
+        peer = g.peer.get(rank)
+        copies = [rank] if peer is None or g.node_of(peer) == g.node_of(rank) else [rank, peer]
+        for holder, other in zip(copies, copies[::-1]):
+            need = files - have[holder]
+            if need:
+                # From the other copy first: each node's ranks then send in parallel.
+                src = next((q for q in [other, *range(g.world)] if need <= have[q]), None)
+                if src is None:
+                    return None
+                data.append((src, holder, sorted(need)))
         if g.node_of(rank)[0] == rank and step not in reports[rank]:
             src = next(q for q in range(g.world) if step in reports[q])
             meta.append((src, rank, [fmt.METADATA_NAME]))
