@@ -69,6 +69,24 @@ def _timed_load(mgr: CheckpointManager, rank: int, mb: float) -> tuple[float, st
     return elapsed, getattr(step, "tier", "?")
 
 
+def _raw_transfer(rank: int, nbytes: int) -> float:
+    """Seconds to send ``nbytes`` from rank r to rank r + 2 (both pairs at once) from
+    memory to memory over gloo, 16 MiB at a time: the transport's floor."""
+    buffer = torch.zeros(16 << 20, dtype=torch.uint8)
+    dist.barrier()
+    t0 = time.perf_counter()
+    left = nbytes
+    while left:
+        n = min(buffer.numel(), left)
+        if rank < PER_NODE:
+            dist.send(buffer[:n], rank + PER_NODE)
+        else:
+            dist.recv(buffer[:n], rank - PER_NODE)
+        left -= n
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
 def worker(rank: int, args: argparse.Namespace, endpoint: str, work: str, queue: Any) -> None:
     dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
@@ -123,6 +141,7 @@ def worker(rank: int, args: argparse.Namespace, endpoint: str, work: str, queue:
                     shutil.copytree(t + ".copy", t)
         rounds.append(row)
     mgr.wait()
+    raw = _raw_transfer(rank, int(2 * mb * 1e6))  # what a peer restore sends, per pair
     queue.put(
         {
             "rank": rank,
@@ -130,6 +149,7 @@ def worker(rank: int, args: argparse.Namespace, endpoint: str, work: str, queue:
             "save": saved,
             "durable": durable,
             "intact": intact,
+            "raw": raw,
             "rounds": rounds,
         }
     )
@@ -182,6 +202,12 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     print(f"| nothing lost: own node's tier | {max(r['intact'] for r in results):.3f} | |")
     print(f"| node 1 lost: from the peer | {cells(peer)} |")
     print(f"| both nodes lost: from the capped bucket | {cells(bucket)} |")
+    raw = max(r["raw"] for r in results)
+    moved = sum(statistics.median(x["sent"] for x in r["rounds"]) for r in results)
+    print(
+        f"floor of the peer restore's transport: {moved / 1e6:.0f} MB sent memory to memory "
+        f"over gloo, both pairs at once: {raw:.3f} s ({moved / raw / 1e6:.0f} MB/s)"
+    )
     ratio = statistics.median(bucket) / statistics.median(peer)
     print(
         f"peer restore: {ratio:.1f}x faster than the bucket (the bucket's floor at the "

@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -193,6 +194,20 @@ def test_past_the_deadline_the_save_publishes_nothing_and_control_returns(
     leftovers = list((tmp_path / "local").rglob("*.distcp"))
     assert leftovers == []  # what it wrote is removed
     assert not guard.drain()
+
+
+def test_a_step_boundary_after_the_grace_period_writes_nothing(
+    tmp_path: Path, handlers: list[int]
+) -> None:
+    disk = _Disk()
+    mgr = _tiered(tmp_path, local_filesystem=disk)
+    guard = mgr.save_on_signal(lambda: {"w": torch.ones(1000)}, grace=0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.1)  # a long training step
+    assert guard.should_stop(1) and guard.saved is None
+    assert isinstance(guard.error, DeadlineExceededError)
+    assert mgr.tiers is not None and mgr.tiers.finish_commit(timeout=0)  # nothing started
+    assert disk.data_files == 0 and mgr.steps() == []
 
 
 def test_save_on_signal_needs_a_tiered_manager_and_sane_options(tmp_path: Path) -> None:

@@ -169,6 +169,11 @@ class PreemptionGuard:
         assert tier is not None and self._deadline is not None
         started = time.monotonic()
         try:
+            if not self._left():  # the step boundary came too late: write nothing
+                raise DeadlineExceededError(
+                    f"the first step boundary after the signal came {self.grace:g} s or "
+                    f"more after it (grace=); step {step} is not saved"
+                )
             if not tier.finish_commit(timeout=self._left()):
                 raise DeadlineExceededError(
                     f"the save in flight to {tier.local.url} did not finish within the "
