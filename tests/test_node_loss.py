@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from storage.ops._peers import Group
-from storage.ops.restore import Held, plan
+from storage.ops.restore import Held, plan, read_moves
 from tests.subprocess_jobs import Job, committed_steps
 
 
@@ -30,8 +30,8 @@ def test_a_lost_node_is_restored_from_its_peer_and_the_job_resumes(tmp_path: Pat
     resumed.finish()
     [loaded] = resumed.lines(0, "@loaded")
     assert loaded.split()[1:4] == [str(last), "local", hashes[last]]  # 0 steps lost, bit-exact
-    # Each rank of node 0 sent its peer's files and its own replica, in parallel: node 1
-    # holds what it held before (its ranks read the model's items saved once by rank 0).
+    # Each rank of node 0 sent its peer's files and its own, in parallel: node 1's ranks
+    # read their own and, under DDP, the items of the model saved once by ranks 0 and 1.
     restored = {
         int(r): int(b) for _, r, b in (resumed.lines(q, "@restored")[0].split() for q in range(4))
     }
@@ -54,13 +54,16 @@ def test_a_restore_takes_each_rank_s_files_from_the_rank_holding_its_replica() -
     reports = [{5: node0}, {5: node0}, {}, {}]  # node 1 lost its tier
     chosen = plan(group, reports, [], None, lambda s: None)
     assert not isinstance(chosen, str) and chosen.step == 5
-    [(step, moves)] = chosen.moves
-    data = sorted(m for m in moves if m[2] != [".metadata"])
+    [(step, data, meta)] = chosen.moves
     # Before: rank 0 sent rank 2's and rank 3's files (the first rank holding them) while
-    # rank 1 idled, and node 1 did not get back the replicas of ranks 0 and 1 it held.
-    assert data == [
-        (0, 2, ["__0_0.distcp"]),
-        (0, 2, ["__2_0.distcp"]),
-        (1, 3, ["__1_0.distcp"]),
-        (1, 3, ["__3_0.distcp"]),
-    ]
+    # rank 1 idled.
+    assert data == [(0, 2, ["__2_0.distcp"]), (1, 3, ["__3_0.distcp"])]
+    assert meta == [(0, 2, [".metadata"])]
+    # Ranks reading only their own files (a sharded state) need nothing else ...
+    assert read_moves(group, reports, [[(5, n)] for n in names]) == {}
+    # ... ranks reading every file (DDP: each replicated item saved by one rank) get the
+    # other node's ranks' files too, one copy per node, pairs in parallel.
+    every = [[(5, n) for n in names] for _ in range(4)]
+    assert read_moves(group, reports, every) == {
+        5: [(0, 2, ["__0_0.distcp"]), (1, 3, ["__1_0.distcp"])]
+    }

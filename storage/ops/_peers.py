@@ -58,12 +58,12 @@ class Group:
         dist.all_gather_object(out, obj, group=pg)
         return out
 
-    def broadcast(self, obj: Any, *, pg: Any = None) -> Any:
-        """Rank 0's ``obj`` on every rank, over ``pg``."""
+    def broadcast(self, obj: Any, *, pg: Any = None, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank, over ``pg``."""
         if self.world == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=pg)
+        dist.broadcast_object_list(box, src=src, group=pg)
         return box[0]
 
 
