@@ -143,7 +143,7 @@ def worker(rank: int, args: argparse.Namespace, endpoint: str, work: str, queue:
                     shutil.copytree(t + ".copy", t)
         rounds.append(row)
     mgr.wait()
-    raw = _raw_transfer(rank, int(2 * mb * 1e6))  # what a peer restore sends, per pair
+    raw = _raw_transfer(rank, int(mb * 1e6))  # what a peer restore sends, per pair
     queue.put(
         {
             "rank": rank,
