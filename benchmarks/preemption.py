@@ -122,7 +122,7 @@ def _floors(tensors: list[torch.Tensor], directory: str, sync: bool) -> dict[str
     def write(part: int) -> None:
         with open(os.path.join(directory, f"{part}.bin"), "wb") as f:
             for t in tensors[part::threads]:
-                f.write(t.contiguous().view(torch.uint8).numpy().data)
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             if sync:
                 f.flush()
                 os.fsync(f.fileno())
