@@ -15,6 +15,7 @@ from typing import IO, Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from storage.backends._local import LocalFileSystem
@@ -248,6 +249,33 @@ def _agree_worker(rank: int, store: str, base: str) -> None:
 
 def test_two_ranks_stop_at_the_same_step_when_one_is_signalled(tmp_path: Path) -> None:
     mp.spawn(_agree_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+
+
+def _late_worker(rank: int, store: str, base: str) -> None:
+    with gloo_group(rank, 2, store):
+        disk = _Disk()
+        mgr = CheckpointManager(
+            f"{base}/durable", local=f"{base}/node{rank}", local_filesystem=disk
+        )
+        assert mgr.tiers is not None
+        guard = mgr.save_on_signal(lambda: {f"r{rank}": torch.ones(100)}, grace=1)
+        if rank == 1:
+            disk.gate.clear()  # rank 1's tier stalls: it cannot save in time
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.should_stop(1)  # both ranks get control back at the deadline
+        assert guard.saved is None and isinstance(guard.error, DeadlineExceededError)
+        disk.gate.set()  # rank 1's writes land late; every rank then sees the deadline
+        assert mgr.tiers.finish_commit(timeout=60)
+        dist.barrier()
+        for node in (0, 1):  # rank 0 wrote its part in time, and removed it all the same
+            assert committed_steps(Path(base) / f"node{node}") == []
+            assert list((Path(base) / f"node{node}").rglob("*.distcp")) == []
+
+
+def test_a_rank_that_cannot_save_in_time_leaves_no_step_committed_anywhere(
+    tmp_path: Path,
+) -> None:
+    mp.spawn(_late_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
 
 
 # --- a job killed after SIGTERM, restarted ---------------------------------------------------

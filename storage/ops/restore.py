@@ -10,10 +10,12 @@ the files of other nodes' ranks that its node's loads read (a replicated tensor 
 once by another rank, a reshard; every rank plans its load against the step's metadata
 to tell, unless every node holds every file), bases before the steps that reference
 them, each step's metadata after its files. Replicas a lost node kept for its peers
-are not sent back unless read: its redundancy returns with the next save. A local copy is used only when it is the same save as the durable
-one (or the manager's own save whose drain has not landed, or the root has no such
-step); when the root cannot be listed, the newest local step is used and the
-:class:`LoadedStep` says the root was not consulted. Every rank then loads the same
+are not sent back unless read: its redundancy returns with the next save.
+
+A local copy is used only when it is the same save as the durable one (or the
+manager's own save whose drain has not landed, or the root has no such step); when the
+root cannot be listed, the newest local step is used and the :class:`LoadedStep` says
+the root was not consulted. Every rank then loads the same
 copy; a local load that fails for any reason (a checksum, a missing file) falls back to
 the durable copy when the step is durable, and says so in a warning.
 """
