@@ -28,7 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.stateful import Stateful
 
 from extensions.errors import CheckpointInUseError, CheckpointNotFoundError, printable
 from storage.backends.base import FileSystemBase
@@ -76,6 +78,21 @@ def referenced_names(metadata: Metadata) -> frozenset[str]:
     """Names of the sibling checkpoints whose bytes ``metadata``'s items reference."""
     refs = {fmt.item_extra(i).get(fmt.REF) for i in (metadata.storage_data or {}).values()}
     return frozenset(r for r in refs if isinstance(r, str))
+
+
+def files_read(metadata: Metadata, state_dict: dict[str, Any]) -> set[tuple[str | None, str]]:
+    """What loading ``state_dict`` from a checkpoint with ``metadata`` reads on this rank,
+    as DCP's default load planner plans it: (the sibling holding the bytes of a
+    referenced item, else ``None``; its data file) pairs."""
+    planner = DefaultLoadPlanner()
+    plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    planner.set_up_planner(plain, metadata, is_coordinator=False)
+    out = set()
+    for item in planner.create_local_plan().items:
+        info = (metadata.storage_data or {})[item.storage_index]
+        ref = fmt.item_extra(info).get(fmt.REF)
+        out.add((ref if isinstance(ref, str) else None, info.relative_path))
+    return out
 
 
 def chain_of(metadata: Metadata | None) -> int:

@@ -19,8 +19,9 @@ import concurrent.futures
 import inspect
 import logging
 import os
+import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -49,6 +50,7 @@ from storage.ops.retention import Retention
 from storage.ops.uploads import stale_uploads
 
 if TYPE_CHECKING:
+    from storage.ops.preemption import PreemptionGuard
     from storage.ops.tiers import LocalTier
 
 log = logging.getLogger(__name__)
@@ -318,6 +320,27 @@ class CheckpointManager:
         if self._async_group is None:
             self._async_group = dist.new_group(backend="gloo")
         return self._async_group
+
+    def save_on_signal(
+        self,
+        state_fn: Callable[[], dict[str, Any]],
+        *,
+        signals: Iterable[int] = (signal.SIGTERM,),
+        grace: float = 25.0,
+        every: int = 1,
+        chain: bool = False,
+    ) -> PreemptionGuard:
+        """Save ``state_fn()`` to the local tier when one of ``signals`` arrives, at the
+        next step boundary the loop marks with ``guard.should_stop(step)``; the step
+        drains to the root in the background or at the next start. Needs a tiered
+        manager; installs signal handlers (main thread only) and, under a process group,
+        creates a gloo group (collective). See :mod:`storage.ops.preemption` and
+        docs/operations.md ("Preemption")."""
+        from storage.ops.preemption import PreemptionGuard  # it builds on this module
+
+        return PreemptionGuard(
+            self, state_fn, signals=signals, grace=grace, every=every, chain=chain
+        )
 
     def _incremental_base(self, step: int) -> int | None:
         """The step an incremental save of ``step`` references: the newest committed
