@@ -43,7 +43,7 @@ from storage.checkpoint.commit import (
     publish_metadata,
     remove_quietly,
 )
-from storage.checkpoint.committed import CHAIN
+from storage.checkpoint.committed import CHAIN, CommittedCheckpoint
 from storage.checkpoint.deadline import DeadlineExceededError, check_timeout, note, run_tasks
 from storage.checkpoint.encode import encode_item, plain_cpu_tensor
 from storage.checkpoint.prefixes import check_key_prefixes, place, refuse_linked_prefix
@@ -74,8 +74,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     Incremental saves (docs/format.md): ``fingerprint=True`` records a content
     fingerprint per item, so the checkpoint can serve as a base; ``base`` (the path or URL
-    of a committed checkpoint beside this one, same parent directory or prefix; implies
-    ``fingerprint``) stores every item whose content and transform chain equal the
+    of a committed checkpoint beside this one, same parent directory or prefix, or its
+    ``committed.CommittedCheckpoint`` read model when the caller has opened it already;
+    implies ``fingerprint``) stores every item whose content and transform chain equal the
     base's as a reference to the base's bytes instead of writing it again. Loading such
     a checkpoint needs its bases (``dcp-storage cp`` makes a self-contained copy).
 
@@ -107,7 +108,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         cache_staged_state_dict: bool = False,
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         filesystem: FileSystemBase | None = None,
-        base: str | os.PathLike[str] | None = None,
+        base: str | os.PathLike[str] | CommittedCheckpoint | None = None,
         fingerprint: bool = False,
         timeout: float | None = None,
         key_prefixes: int = 0,
@@ -137,7 +138,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.overwrite = overwrite
         self.cache_staged_state_dict = cache_staged_state_dict
         self.serialization_format = serialization_format
-        if base is not None and not isinstance(base, (str, os.PathLike)):
+        if base is not None and not isinstance(base, (str, os.PathLike, CommittedCheckpoint)):
             raise TypeError(f"base must be a path or URL, got {base!r}")
         self.base = base
         self.fingerprint = fingerprint or base is not None
@@ -151,6 +152,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.last_error: BaseException | None = None
         self._written: list[str] = []  # data files this save wrote (for abort)
         self._committed = False
+        #: The metadata the last save published (``None`` before, or when it failed).
+        self.published: Metadata | None = None
 
     # --- AsyncStager ----------------------------------------------------------------
 
@@ -202,6 +205,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.last_error = None
         self._written = []
         self._committed = False
+        self.published = None
         self._base = None
         self._fingerprints = {}
         self.is_coordinator = is_coordinator
@@ -220,7 +224,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 "pick a new location or pass overwrite=True"
             )
         if self.base is not None:
-            self._base = incremental.open_base(self.fs, self.path, os.fspath(self.base))
+            base = self.base if isinstance(self.base, CommittedCheckpoint) else os.fspath(self.base)
+            self._base = incremental.open_base(self.fs, self.path, base)
         self.fs.mkdir(self.path)
         return dataclasses.replace(plan, storage_data=_RankPlan(self.rank))
 
@@ -311,6 +316,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 remove_quietly(self.fs, [self.fs.concat_path(self.path, f) for f in new_files])
             raise
         self._committed = True
+        self.published = metadata
 
     def metadata_payload(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
         """The serialized metadata :meth:`finish` publishes: ``metadata`` completed with
