@@ -283,9 +283,7 @@ class Siblings:
     (``incremental.check_referenced_files``). ``models``: the manager's read models,
     which serve what they hold."""
 
-    def __init__(
-        self, fs: FileSystemBase, parent: str, models: ReadModels | None = None
-    ) -> None:
+    def __init__(self, fs: FileSystemBase, parent: str, models: ReadModels | None = None) -> None:
         self.fs = fs
         self.parent = parent
         self._models = models
