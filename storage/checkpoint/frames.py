@@ -2,7 +2,8 @@
 while a pool of decoders, one per core, turns them into the target tensors.
 
 An item qualifies when its chain is our zstd alone, it decodes straight into its target
-(``decode.direct_target``) and its stream can seek (local disk, memory). An item with a
+(``decode.direct_offset``) and it is on local disk or in memory (where finding its seek
+table costs no request). An item with a
 seek table (extensions/zstd.py: one frame per 4 MiB) is cut into its frames, each
 decoded into its own slice of the target, so one large tensor keeps every core busy;
 an item of one frame small enough for a buffer is decoded whole by one decoder while the
@@ -22,7 +23,7 @@ import concurrent.futures
 import os
 import threading
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO
 
 from extensions.errors import IntegrityError, UnsafeCheckpointError
 from extensions.streams import pump, readinto_exact, skip
@@ -217,9 +218,3 @@ def _decode_part(
         raise
     except Exception as exc:
         raise IntegrityError(f"{where}: cannot decode: {exc}") from exc
-
-
-def usable(stream: Any) -> bool:
-    """Whether ``stream`` can seek (to find an item's seek table)."""
-    seekable = getattr(stream, "seekable", None)
-    return bool(seekable and seekable())

@@ -360,7 +360,9 @@ class CheckpointReader(StorageReader):
         note(fmt.item_label(run[0].req.storage_index), self.fs.url(path))
         try:
             with self.fs.open_slice(path, start, length) as stream:
-                if not frames.usable(stream):
+                # Finding a seek table costs two small reads: free on local disk and
+                # memory, a request each on object stores (their readers stream).
+                if not isinstance(self.fs, (LocalFileSystem, MemoryFileSystem)):
                     decoders = None
                 for item in run:
                     self._read_item(stream, path, item, planner, lock, registry, keys, decoders)
