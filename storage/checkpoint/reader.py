@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -29,11 +30,12 @@ from extensions.errors import (
     IntegrityError,
     quote,
 )
-from extensions.registry import ExtensionRegistry, as_registry
+from extensions.registry import ExtensionRegistry, as_registry, parse_descriptor
+from extensions.zstd import ZStandard
 from storage.backends import LocalFileSystem, MemoryFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
-from storage.checkpoint import incremental, read_once, share_groups
+from storage.checkpoint import frames, incremental, read_once, share_groups
 from storage.checkpoint._common import (
     check_shapes,
     check_thread_count,
@@ -41,12 +43,14 @@ from storage.checkpoint._common import (
     records_error,
     resolve_location,
     stock_checkpoint_id,
+    tensor_bytes,
 )
 from storage.checkpoint.deadline import Budget, cancellable, check_timeout, note
 from storage.checkpoint.decode import (
     MAX_OBJECT_BYTES,
     OBJECT_RATIO,
     decode_tensor,
+    direct_offset,
     plain_value,
     read_bounded,
 )
@@ -304,10 +308,20 @@ class CheckpointReader(StorageReader):
                 )
         if not runs:
             return
+        # zstd items are decoded on every core while these threads read on (frames.py).
+        workers = frames.decoder_count()
+        decoders = frames.Decoders(workers, slots=workers + 2)
         tasks = [
-            functools.partial(self._read_run, p, r, planner, lock, registry, keys) for p, r in runs
+            functools.partial(self._read_run, p, r, planner, lock, registry, keys, decoders)
+            for p, r in runs
         ]
-        budget.run(tasks, workers=self.thread_count, action="loading", location=self.url)
+        try:
+            budget.run(tasks, workers=self.thread_count, action="loading", location=self.url)
+        except BaseException:
+            with contextlib.suppress(BaseException):  # the readers' error comes first
+                decoders.close()
+            raise
+        decoders.close()
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
@@ -387,6 +401,7 @@ class CheckpointReader(StorageReader):
         lock: threading.Lock,
         registry: ExtensionRegistry,
         keys: KeyLookup | None,
+        decoders: frames.Decoders | None = None,
     ) -> None:
         start = run[0].offset
         length = run[-1].offset + run[-1].length - start
@@ -394,8 +409,12 @@ class CheckpointReader(StorageReader):
         try:
             with self.fs.open_slice(path, start, length) as opened:
                 stream = cancellable(opened)
+                # Finding a seek table costs two small reads: free on local disk and
+                # memory, a request each on object stores (their readers stream).
+                if not isinstance(self.fs, (LocalFileSystem, MemoryFileSystem)):
+                    decoders = None
                 for item in run:
-                    self._read_item(stream, path, item, planner, lock, registry, keys)
+                    self._read_item(stream, path, item, planner, lock, registry, keys, decoders)
         except FileNotFoundError as exc:
             if isinstance(exc, CheckpointStorageError):
                 raise
@@ -414,6 +433,7 @@ class CheckpointReader(StorageReader):
         lock: threading.Lock,
         registry: ExtensionRegistry,
         keys: KeyLookup | None,
+        decoders: frames.Decoders | None = None,
     ) -> None:
         label = fmt.item_label(item.req.storage_index)
         note(label, self.fs.url(path))
@@ -434,6 +454,20 @@ class CheckpointReader(StorageReader):
             with lock:
                 target = planner.resolve_tensor(item.req).detach()
             check_shapes(item.req, target, chunk, where)
+            if decoders is not None and self._zstd_only(stored.descriptors, registry):
+                offset = direct_offset(item.req, extra, chunk, target)
+                table = None if offset is None else frames.seek_table(stream, item.length)
+                if offset is not None and (table or item.length <= frames.MAX_BUFFER):
+                    req, tensor = item.req, target
+
+                    def commit() -> None:
+                        with lock:
+                            planner.commit_tensor(req, tensor)
+
+                    frames.decode_framed(
+                        decoders, stored, table, tensor_bytes(target), offset, commit
+                    )
+                    return
         try:
             decoded = stored.decoded(registry, info)
             if target is None:
@@ -466,6 +500,18 @@ class CheckpointReader(StorageReader):
             target.copy_(narrowed)
         with lock:
             planner.commit_tensor(item.req, target)
+
+    @staticmethod
+    def _zstd_only(descriptors: Sequence[str], registry: ExtensionRegistry) -> bool:
+        """Whether the chain is our zstd alone (what the frame decoders handle)."""
+        if len(descriptors) != 1:
+            return False
+        name, version = parse_descriptor(descriptors[0])
+        return (
+            name == ZStandard.registry_name()
+            and version.partition(".")[0] == "1"
+            and registry.get(name) is ZStandard
+        )
 
     def _item_info(self, item: _Item, keys: KeyLookup | None) -> ItemInfo:
         chunk = self._chunks.get(item.req.storage_index)

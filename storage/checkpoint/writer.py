@@ -44,7 +44,7 @@ from storage.checkpoint.commit import (
     publish_metadata,
     remove_quietly,
 )
-from storage.checkpoint.committed import CHAIN
+from storage.checkpoint.committed import CHAIN, CommittedCheckpoint
 from storage.checkpoint.deadline import (
     Budget,
     DeadlineExceededError,
@@ -81,8 +81,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     Incremental saves (docs/format.md): ``fingerprint=True`` records a content
     fingerprint per item, so the checkpoint can serve as a base; ``base`` (the path or URL
-    of a committed checkpoint beside this one, same parent directory or prefix; implies
-    ``fingerprint``) stores every item whose content and transform chain equal the
+    of a committed checkpoint beside this one, same parent directory or prefix, or its
+    ``committed.CommittedCheckpoint`` read model when the caller has opened it already;
+    implies ``fingerprint``) stores every item whose content and transform chain equal the
     base's as a reference to the base's bytes instead of writing it again. Loading such
     a checkpoint needs its bases (``dcp-storage cp`` makes a self-contained copy).
 
@@ -126,7 +127,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         cache_staged_state_dict: bool = False,
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         filesystem: FileSystemBase | None = None,
-        base: str | os.PathLike[str] | None = None,
+        base: str | os.PathLike[str] | CommittedCheckpoint | None = None,
         fingerprint: bool = False,
         timeout: float | None = None,
         key_prefixes: int = 0,
@@ -162,7 +163,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.overwrite = overwrite
         self.cache_staged_state_dict = cache_staged_state_dict
         self.serialization_format = serialization_format
-        if base is not None and not isinstance(base, (str, os.PathLike)):
+        if base is not None and not isinstance(base, (str, os.PathLike, CommittedCheckpoint)):
             raise TypeError(f"base must be a path or URL, got {base!r}")
         self.base = base
         self.fingerprint = fingerprint or base is not None
@@ -176,6 +177,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.last_error: BaseException | None = None
         self._written: list[str] = []  # data files this save wrote (for abort)
         self._committed = False
+        #: The metadata the last save published (``None`` before, or when it failed).
+        self.published: Metadata | None = None
 
     # --- AsyncStager ----------------------------------------------------------------
 
@@ -239,6 +242,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.last_error = None
         self._written = []
         self._committed = False
+        self.published = None
         self._base = None
         self._fingerprints = {}
         self.budget.restart()
@@ -260,7 +264,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                     "pick a new location or pass overwrite=True"
                 )
             if self.base is not None:
-                self._base = incremental.open_base(self.fs, self.path, os.fspath(self.base))
+                base = self.base
+                if not isinstance(base, CommittedCheckpoint):
+                    base = os.fspath(base)
+                self._base = incremental.open_base(self.fs, self.path, base)
             self.fs.mkdir(self.path)
 
         self.budget.call(
@@ -385,6 +392,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 mark_may_have_landed(exc)
             raise
         self._committed = True
+        self.published = metadata
 
     def metadata_payload(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
         """The serialized metadata :meth:`finish` publishes: ``metadata`` completed with

@@ -32,7 +32,7 @@ def drain_step(tier: LocalTier, step: int) -> None:
     src, dst = local.step_path(step), root.step_path(step)
     copied, error, part = None, None, None
     try:
-        parts = read_metadata(local.fs, src)
+        parts = read_metadata(local.fs, src, opened=tier._model(step))
         if len(parts) != 1:  # the manager saves with collectives: one .metadata
             raise CheckpointNotFoundError(
                 f"{local.step_url(step)} is committed by rank-local metadata "

@@ -37,7 +37,7 @@ from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import api
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
-from storage.checkpoint.committed import open_committed
+from storage.checkpoint.committed import CommittedCheckpoint, ReadModels
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     StepInfo,
@@ -164,6 +164,8 @@ class CheckpointManager:
         self.full_every = full_every
         self.fs, self.root = resolve_location(root_url, storage_options, filesystem)
         self._lock = threading.Lock()
+        # The steps' read models, kept between saves: each metadata is read once.
+        self.models = ReadModels()
         self.retention = Retention(self)
         self._pending: concurrent.futures.Future[None] | None = None
         self._saving: int | None = None
@@ -263,16 +265,19 @@ class CheckpointManager:
         self.wait()
         url = self.step_url(step)
         options = dict(self.writer_options, filesystem=self.fs)
-        base = self._incremental_base(step)
+        base, opened = self._incremental_base(step)
         if self.incremental:
             options["fingerprint"] = True
-        if base is not None:
-            options["base"] = self.step_url(base)
+        if opened is not None:
+            options["base"] = opened  # read once, here: the writer does not read it again
         if blocking:
             with self._lock:
                 self._saving, self._saving_base = step, base
             try:
-                api.save(state_dict, url, transforms=self.transforms, **options)
+                writer = CheckpointWriter(url, transforms=self.transforms, **options)
+                api.save_with(writer, state_dict)
+                if writer.published is not None:
+                    self.models.remember(self.fs, self.step_path(step), writer.published)
             finally:
                 with self._lock:
                     self._saving, self._saving_base = None, None
@@ -342,18 +347,18 @@ class CheckpointManager:
             self, state_fn, signals=signals, grace=grace, every=every, chain=chain
         )
 
-    def _incremental_base(self, step: int) -> int | None:
-        """The step an incremental save of ``step`` references: the newest committed
-        step below it, unless ``full_every`` says this save is a full one, or that step
-        cannot serve as a base (committed only by rank-local metadata, unreadable, or a
-        symbolic link): then the save is a full one, and says why."""
+    def _incremental_base(self, step: int) -> tuple[int | None, CommittedCheckpoint | None]:
+        """The step an incremental save of ``step`` references and its read model: the
+        newest committed step below it, unless ``full_every`` says this save is a full
+        one, or that step cannot serve as a base (committed only by rank-local metadata,
+        unreadable, or a symbolic link): then the save is a full one, and says why."""
         if not self.incremental:
-            return None
+            return None, None
         below = [s for s in self.steps() if s < step]
         if not below:
-            return None
+            return None, None
         path = self.step_path(below[-1])
-        checkpoint = open_committed(self.fs, path)
+        checkpoint = self.models.open(self.fs, path)
         why = (
             "it is a symbolic link"
             if self.fs.is_link(path)
@@ -365,10 +370,10 @@ class CheckpointManager:
         )
         if why is not None:
             log.info("step %d is saved in full: step %d is no base (%s)", step, below[-1], why)
-            return None
+            return None, None
         if self.full_every is not None and checkpoint.chain + 1 >= self.full_every:
-            return None
-        return below[-1]
+            return None, None
+        return below[-1], checkpoint
 
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any (its error is not raised);

@@ -36,7 +36,7 @@ from storage.checkpoint import api, incremental, persist
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.commit import publish_metadata
-from storage.checkpoint.committed import open_committed
+from storage.checkpoint.committed import CommittedCheckpoint
 from storage.checkpoint.deadline import DeadlineExceededError
 from storage.checkpoint.layout import StepInfo, is_committed, parse_step
 from storage.checkpoint.writer import CheckpointWriter
@@ -55,9 +55,11 @@ class _TierWriter(CheckpointWriter):
     publishes its own copy once its files are there."""
 
     payload: bytes | None = None
+    finished: Metadata | None = None  # what ``payload`` holds, unpickled
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.payload = self.metadata_payload(metadata, results)
+        self.finished = metadata
 
 
 class LocalTier:
@@ -228,7 +230,7 @@ class LocalTier:
                 transforms=self.manager.transforms,
                 filesystem=self.local.fs,
                 fingerprint=self.manager.incremental,
-                base=None if base is None else self.local.step_url(base),
+                base=None if base is None else self._model(base),
                 **self.manager.writer_options,
             )
         except BaseException:
@@ -266,7 +268,7 @@ class LocalTier:
         if not common:
             return None
         base = max(common)
-        chain = open_committed(self.local.fs, self.local.step_path(base)).chain
+        chain = self._model(base).chain
         full_every = self.manager.full_every
         return None if full_every is not None and chain + 1 >= full_every else base
 
@@ -309,9 +311,12 @@ class LocalTier:
                     raise
                 raise full from exc
             payload = g.broadcast(writer.payload, pg=pg)
+            assert payload is not None
+            # The coordinator wrote it: no need to unpickle what it holds already.
+            meta = writer.finished or fmt.load_metadata(payload, self.local.fs.url(path))
             error: BaseException | None = None
             try:
-                self._replicate(path, payload, pg)
+                self._replicate(path, meta, pg)
                 if deadline is not None and time.monotonic() > deadline:
                     raise DeadlineExceededError(
                         f"step {step} was not ready to commit in {self.local.url} before "
@@ -322,7 +327,7 @@ class LocalTier:
             gather_errors(g, error, f"writing and replicating step {step}", pg=pg)
             if g.leader:
                 try:
-                    self._publish_local(path, payload)
+                    self._publish_local(path, payload, meta)
                 except Exception as exc:
                     error = _full_or(exc, self.local.url)
             gather_errors(g, error, f"committing step {step} in the local tier", pg=pg)
@@ -337,9 +342,7 @@ class LocalTier:
             self.last_commit = step
         self._schedule()  # which prunes the local tier first, off the save's path
 
-    def _publish_local(self, path: str, payload: bytes | None) -> None:
-        assert payload is not None
-        meta = fmt.load_metadata(payload, self.local.fs.url(path))
+    def _publish_local(self, path: str, payload: bytes, meta: Metadata) -> None:
         g = self.group
         here = set(g.node) | {r for r in range(g.world) if g.peer.get(r) in g.node}
         infos = list((meta.storage_data or {}).values())
@@ -354,13 +357,12 @@ class LocalTier:
             overwrite=bool(self.manager.writer_options.get("overwrite", True)),
             sync=bool(self.manager.writer_options.get("sync_files", True)),
         )
+        self.local.models.remember(self.local.fs, path, meta)
 
-    def _replicate(self, path: str, payload: bytes | None, pg: Any) -> None:
+    def _replicate(self, path: str, meta: Metadata, pg: Any) -> None:
         g = self.group
         if not any(p is not None for p in g.peer.values()):
             return
-        assert payload is not None
-        meta = fmt.load_metadata(payload, self.local.fs.url(path))
         infos = (meta.storage_data or {}).values()  # a referenced item's file is the base's
         names = sorted({i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)})
         moves: list[Move] = []
@@ -431,11 +433,15 @@ class LocalTier:
         based = {b for s in steps for b in self.references(s)}
         return [s for s in steps if s not in based or not self._durable_quietly(s)]
 
+    def _model(self, step: int) -> CommittedCheckpoint:
+        """The read model of local ``step`` (read once while unchanged)."""
+        return self.local.models.open(self.local.fs, self.local.step_path(step))
+
     def references(self, step: int) -> set[int]:
         """The local steps whose bytes local ``step`` references (incremental saves), as
         far as its metadata can be read (deleting a local step is refused while one
         beside it cannot be read: ``committed.Siblings``)."""
-        names = open_committed(self.local.fs, self.local.step_path(step)).references()
+        names = self._model(step).references()
         return {b for b in map(parse_step, names) if b is not None}
 
     def _retain_local(self, exclude: int | None = None) -> None:
