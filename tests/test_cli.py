@@ -266,7 +266,7 @@ def test_cp_refuses_committed_destination_and_keeps_bytes(
 
 def test_cp_to_memory_backend_and_back_plain(root: Path, tmp_path: Path) -> None:
     from storage.ops.copy import copy_checkpoint
-    from storage.ops.tools import describe
+    from storage.ops.describe import describe
 
     mem = storage.MemoryFileSystem()
     src_fs = storage.LocalFileSystem()

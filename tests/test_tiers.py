@@ -28,8 +28,8 @@ from storage.backends._local import LocalFileSystem
 from storage.checkpoint.api import load as storage_load
 from storage.checkpoint.committed import open_committed
 from storage.checkpoint.layout import is_committed
+from storage.ops.describe import describe
 from storage.ops.manager import CheckpointManager
-from storage.ops.tools import describe
 from tests.distributed import gloo_group
 from tests.servers import (
     FaultProxy,

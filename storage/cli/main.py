@@ -90,7 +90,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from storage.ops.tools import describe
+    from storage.ops.describe import describe
 
     fs, path = location(args.checkpoint, args.storage_option)
     try:
@@ -145,7 +145,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from storage.ops.tools import describe, verify
+    from storage.ops.describe import describe
+    from storage.ops.verify import verify
 
     fs, path = location(args.checkpoint, args.storage_option)
     try:
@@ -184,7 +185,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_cp(args: argparse.Namespace) -> int:
     from storage.ops.copy import copy_checkpoint
-    from storage.ops.tools import describe
+    from storage.ops.describe import describe
 
     src_fs, src = location(args.src, args.storage_option)
     dst_fs, dst = location(args.dst, args.dst_storage_option or args.storage_option)

@@ -51,7 +51,8 @@ from storage.checkpoint.items import (
 )
 from storage.checkpoint.layout import metadata_names
 from storage.checkpoint.prefixes import refuse_linked_prefix, split
-from storage.ops.tools import Part, Progress, Summary, chunk_facts, describe, read_metadata
+from storage.ops.describe import Summary, describe
+from storage.ops.parts import Part, Progress, chunk_facts, read_metadata
 
 
 def copy_checkpoint(

@@ -16,7 +16,7 @@ from extensions.errors import CheckpointNotFoundError
 from storage.checkpoint import persist
 from storage.checkpoint.commit import remove_quietly
 from storage.ops.copy import copy_data_files, publish_copy
-from storage.ops.tools import read_metadata
+from storage.ops.parts import read_metadata
 
 if TYPE_CHECKING:
     from storage.ops.tiers import LocalTier
