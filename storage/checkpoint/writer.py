@@ -37,17 +37,10 @@ from storage.checkpoint._common import (
     staging_options,
     stock_checkpoint_id,
 )
-from storage.checkpoint.commit import (
-    commit_may_have_landed,
-    mark_may_have_landed,
-    metadata_may_name,
-    publish_metadata,
-    remove_quietly,
-)
+from storage.checkpoint.commit import commit_checkpoint, commit_may_have_landed, remove_quietly
 from storage.checkpoint.committed import CHAIN, CommittedCheckpoint
 from storage.checkpoint.deadline import (
     Budget,
-    DeadlineExceededError,
     cancellable,
     check_timeout,
     note,
@@ -110,7 +103,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
-    lands; a failed save removes the files it wrote.
+    lands; a failed save removes the files it wrote (``commit.commit_checkpoint``).
+    ``publish=False`` writes the data files and keeps the metadata instead of
+    publishing it (``unpublished``): a tiered save publishes each node's copy itself.
     """
 
     def __init__(
@@ -133,6 +128,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         key_prefixes: int = 0,
         persist: str | None = None,
         max_bandwidth: int | None = None,
+        publish: bool = True,
     ) -> None:
         super().__init__()
         self.persist_mode = _persist.check_mode(persist, max_bandwidth)
@@ -154,6 +150,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             ("overwrite", overwrite),
             ("cache_staged_state_dict", cache_staged_state_dict),
             ("fingerprint", fingerprint),
+            ("publish", publish),
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -179,6 +176,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._committed = False
         #: The metadata the last save published (``None`` before, or when it failed).
         self.published: Metadata | None = None
+        self.publish = publish
+        #: With ``publish=False``: the metadata the last save made and its serialized
+        #: payload, for the caller to publish (``None`` on ranks that do not commit).
+        self.unpublished: tuple[Metadata, bytes] | None = None
 
     # --- AsyncStager ----------------------------------------------------------------
 
@@ -243,6 +244,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._written = []
         self._committed = False
         self.published = None
+        self.unpublished = None
         self._base = None
         self._fingerprints = {}
         self.budget.restart()
@@ -350,46 +352,26 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     @records_error
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        infos = {wr.index: wr.storage_data for rs in results for wr in rs}
-        refs = [i for i in infos.values() if fmt.REF in fmt.item_extra(i)]
-        new_files = {i.relative_path for i in infos.values() if fmt.REF not in fmt.item_extra(i)}
-        meta_path = self._metadata_path()
-        landed = False
-
-        def commit() -> None:
-            nonlocal landed
-            try:
-                payload = self.metadata_payload(metadata, results)
-                incremental.check_referenced_files(self.fs, self.path, refs)
-                publish_metadata(
-                    self.fs,
-                    self.path,
-                    meta_path,
-                    payload,
-                    new_files=new_files,
-                    overwrite=self.overwrite,
-                    sync=self.sync_files,
-                )
-            except BaseException:
-                landed = metadata_may_name(self.fs, meta_path, self.save_id)
-                if not landed:
-                    remove_quietly(self.fs, [self.fs.concat_path(self.path, f) for f in new_files])
-                raise
-
+        if not self.publish:
+            self.unpublished = (metadata, self.metadata_payload(metadata, results))
+            return
         try:
-            self.budget.call(
-                commit,
-                action="saving",
-                location=self.url,
-                item=fmt.metadata_name(None if self.use_collectives else self.rank),
-                url=self.fs.url(meta_path),
+            commit_checkpoint(
+                self.fs,
+                self.path,
+                fmt.metadata_name(None if self.use_collectives else self.rank),
+                lambda: self.metadata_payload(metadata, results),
+                save_id=self.save_id,
+                infos=[wr.storage_data for rs in results for wr in rs],
+                overwrite=self.overwrite,
+                sync=self.sync_files,
+                budget=self.budget,
             )
         except BaseException as exc:
             # Landed, may have (the answer was lost), or still may (a publish past the
             # deadline goes on): its files must stay, and every other rank's files too.
-            if landed or isinstance(exc, DeadlineExceededError):
+            if commit_may_have_landed(exc):
                 self._committed = True
-                mark_may_have_landed(exc)
             raise
         self._committed = True
         self.published = metadata

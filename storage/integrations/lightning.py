@@ -50,6 +50,7 @@ _WRITER_OPTIONS = frozenset(inspect.signature(CheckpointWriter.__init__).paramet
     "transforms",
     "storage_options",
     "filesystem",
+    "publish",  # Lightning's saves publish
 }
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from extensions.streams import readinto_exact
 from storage.backends.base import FileSystemBase
+from storage.checkpoint.commit import commit_may_have_landed, mark_may_have_landed
 
 _CHUNK = 16 << 20  # bytes per send: bounds the memory a transfer holds
 
@@ -157,11 +158,16 @@ def _recv_file(fs: FileSystemBase, path: str, src: int, pg: Any, *, sync: bool) 
 
 def gather_errors(group: Group, error: BaseException | None, what: str, *, pg: Any = None) -> None:
     """Raise on every rank if ``error`` was raised on any: this rank's own error, or a
-    ``RuntimeError`` naming the first failing rank's."""
+    ``RuntimeError`` naming the first failing rank's. A commit that may have landed on
+    some rank (``commit.commit_may_have_landed``) marks the error raised on every rank,
+    so that none removes its files."""
     text = None if error is None else f"{type(error).__name__}: {error}"
-    texts = group.all_gather(text, pg=pg)
-    if error is not None:
-        raise error
-    failed = [(r, t) for r, t in enumerate(texts) if t is not None]
-    if failed:
-        raise RuntimeError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+    gathered = group.all_gather((text, commit_may_have_landed(error)), pg=pg)
+    failed = [(r, t) for r, (t, _) in enumerate(gathered) if t is not None]
+    if error is None and failed:
+        error = RuntimeError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+    if error is None:
+        return
+    if any(landed for _, landed in gathered):
+        mark_may_have_landed(error)
+    raise error

@@ -32,12 +32,11 @@ from extensions.streams import pump, skip
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import default_thread_count
-from storage.checkpoint.commit import metadata_may_name, publish_metadata, remove_quietly
+from storage.checkpoint.commit import commit_checkpoint, metadata_may_name, remove_quietly
 from storage.checkpoint.committed import open_committed
 from storage.checkpoint.incremental import (
     CONTENT,
     check_bases,
-    check_referenced_files,
     item_directory,
     item_path,
     sibling_path,
@@ -333,27 +332,22 @@ def publish_copy(
     """The commit phase of :func:`copy_checkpoint`: publish ``part``'s metadata over the
     data files of ``copies`` (every rank's share of one copy) under ``dst_path``. On
     failure, removes those files unless the metadata may have landed, and raises."""
-    meta_path = dst_fs.concat_path(dst_path, part.name)
     save_id = copies[0].save_id if copies else uuid.uuid4().hex[:12]
     new_meta = copy.copy(part.metadata)
     new_meta.storage_data = {i: info for c in copies for i, info in c.infos.items()}
     new_meta.storage_meta = StorageMeta(checkpoint_id=dst_fs.url(dst_path), save_id=save_id)
     origin = fmt.save_of(part.metadata)  # the copy holds the same save's state
-    try:
-        check_referenced_files(dst_fs, dst_path, new_meta.storage_data.values())
-        publish_metadata(
-            dst_fs,
-            dst_path,
-            meta_path,
-            fmt.dump_metadata(new_meta, **({} if origin is None else {fmt.ORIGIN: origin})),
-            new_files={n for c in copies for n in c.names},
-            overwrite=overwrite,
-            sync=True,
-        )
-    except BaseException:
-        if not metadata_may_name(dst_fs, meta_path, save_id):
-            remove_quietly(dst_fs, [p for c in copies for p in c.written])
-        raise
+    commit_checkpoint(
+        dst_fs,
+        dst_path,
+        part.name,
+        lambda: fmt.dump_metadata(new_meta, **({} if origin is None else {fmt.ORIGIN: origin})),
+        save_id=save_id,
+        infos=new_meta.storage_data.values(),
+        new_files={n for c in copies for n in c.names},
+        overwrite=overwrite,
+        sync=True,
+    )
 
 
 class _Paced(io.RawIOBase):

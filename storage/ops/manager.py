@@ -63,6 +63,7 @@ _WRITER_OPTIONS = frozenset(inspect.signature(CheckpointWriter.__init__).paramet
     "filesystem",
     "base",  # chosen per save: incremental=True
     "fingerprint",
+    "publish",  # a manager's saves publish (a tier's own local commit does not)
 }
 
 

@@ -29,13 +29,12 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint.storage import WriteResult
 
 from extensions.errors import CheckpointInUseError, TierFullError
-from storage.checkpoint import api, incremental, persist
+from storage.checkpoint import api, persist
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
-from storage.checkpoint.commit import publish_metadata
+from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.committed import CommittedCheckpoint
 from storage.checkpoint.deadline import DeadlineExceededError
 from storage.checkpoint.layout import StepInfo, is_committed, parse_step
@@ -47,19 +46,6 @@ from storage.ops.manager import CheckpointManager
 from storage.ops.restore import DURABLE, LOCAL, LoadedStep
 
 log = logging.getLogger(__name__)
-
-
-class _TierWriter(CheckpointWriter):
-    """Writes a save's data files and keeps its metadata instead of publishing it: the
-    coordinator's node-local tier does not hold the other nodes' files, so each node
-    publishes its own copy once its files are there."""
-
-    payload: bytes | None = None
-    finished: Metadata | None = None  # what ``payload`` holds, unpickled
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self.payload = self.metadata_payload(metadata, results)
-        self.finished = metadata
 
 
 class LocalTier:
@@ -218,15 +204,16 @@ class LocalTier:
             self._committing = future
         return future
 
-    def _start(self, step: int, pg: Any) -> _TierWriter:
+    def _start(self, step: int, pg: Any) -> CheckpointWriter:
         """Choose the base (collective on ``pg``), mark ``step`` as being written and
         return its writer."""
         with self._retain_lock:  # the base chosen is protected before retention can run
             base = self._base_for(step, pg)
             self._begin(step, base)
         try:
-            return _TierWriter(
+            return CheckpointWriter(
                 self.local.fs.url(self.local.step_path(step)),
+                publish=False,  # each node publishes its own copy: _commit
                 transforms=self.manager.transforms,
                 filesystem=self.local.fs,
                 fingerprint=self.manager.incremental,
@@ -292,7 +279,7 @@ class LocalTier:
     def _commit(
         self,
         step: int,
-        writer: _TierWriter,
+        writer: CheckpointWriter,
         state_dict: dict[str, Any],
         pg: Any,
         deadline: float | None = None,
@@ -310,10 +297,10 @@ class LocalTier:
                 if full is exc:
                     raise
                 raise full from exc
-            payload = g.broadcast(writer.payload, pg=pg)
+            held = writer.unpublished  # the coordinator's: no need to unpickle it there
+            payload = g.broadcast(None if held is None else held[1], pg=pg)
             assert payload is not None
-            # The coordinator wrote it: no need to unpickle what it holds already.
-            meta = writer.finished or fmt.load_metadata(payload, self.local.fs.url(path))
+            meta = fmt.load_metadata(payload, self.local.fs.url(path)) if held is None else held[0]
             error: BaseException | None = None
             try:
                 self._replicate(path, meta, pg)
@@ -327,12 +314,12 @@ class LocalTier:
             gather_errors(g, error, f"writing and replicating step {step}", pg=pg)
             if g.leader:
                 try:
-                    self._publish_local(path, payload, meta)
+                    self._publish_local(writer, path, payload, meta)
                 except Exception as exc:
                     error = _full_or(exc, self.local.url)
             gather_errors(g, error, f"committing step {step} in the local tier", pg=pg)
-        except BaseException:
-            writer.abort()
+        except BaseException as exc:
+            writer.abort(exc)  # unless the commit may have landed on some node
             raise
         finally:
             writer.close()
@@ -342,20 +329,27 @@ class LocalTier:
             self.last_commit = step
         self._schedule()  # which prunes the local tier first, off the save's path
 
-    def _publish_local(self, path: str, payload: bytes, meta: Metadata) -> None:
+    def _publish_local(
+        self, writer: CheckpointWriter, path: str, payload: bytes, meta: Metadata
+    ) -> None:
+        """Commit this node's copy: its ranks' files and the replicas it holds."""
         g = self.group
         here = set(g.node) | {r for r in range(g.world) if g.peer.get(r) in g.node}
         infos = list((meta.storage_data or {}).values())
-        incremental.check_referenced_files(self.local.fs, path, infos)
         named = {i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)}
-        publish_metadata(
+        save_id = getattr(meta.storage_meta, "save_id", None)
+        assert isinstance(save_id, str)  # our writer's metadata names its save
+        commit_checkpoint(
             self.local.fs,
             path,
-            self.local.fs.concat_path(path, fmt.METADATA_NAME),
+            fmt.METADATA_NAME,
             payload,
+            save_id=save_id,
+            infos=infos,
             new_files={n for n in named if fmt.file_rank(n) in here},
-            overwrite=bool(self.manager.writer_options.get("overwrite", True)),
-            sync=bool(self.manager.writer_options.get("sync_files", True)),
+            overwrite=writer.overwrite,
+            sync=writer.sync_files,
+            budget=writer.budget,
         )
         self.local.models.remember(self.local.fs, path, meta)
 
