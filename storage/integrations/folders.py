@@ -169,9 +169,7 @@ class FolderCheckpoints:
             m.step_url(self.pick(step)),
             dest,
             filesystem=m.fs,
-            keys=m.keys,
-            registry=m.registry,
-            require_encryption=m.require_encryption,
+            **m.reader_options.as_kwargs(),
         )
 
 

@@ -90,11 +90,7 @@ class StorageCheckpointIO(CheckpointIO):
             )
         self.storage_options = storage_options
         self.transforms = list(transforms or [])
-        self.read_options: dict[str, Any] = {
-            "keys": keys,
-            "registry": registry,
-            "require_encryption": require_encryption,
-        }
+        self.read_options = api.ReaderOptions(keys, registry, require_encryption)
         self.writer_options = writer_options
 
     def options_for(self, path: str) -> dict[str, Any] | None:
@@ -104,7 +100,7 @@ class StorageCheckpointIO(CheckpointIO):
 
     def reader_options(self, path: str) -> dict[str, Any]:
         """:class:`CheckpointReader` options for ``path`` with this plugin's settings."""
-        return {"storage_options": self.options_for(path), **self.read_options}
+        return {"storage_options": self.options_for(path), **self.read_options.as_kwargs()}
 
     def writer(self, path: str) -> CheckpointWriter:
         """A :class:`CheckpointWriter` for ``path`` with this plugin's settings."""

@@ -156,9 +156,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.transforms = list(transforms or [])
-        self.keys = keys
-        self.require_encryption = require_encryption
-        self.registry = registry
+        self.reader_options = api.ReaderOptions(keys, registry, require_encryption)
         self.writer_options = writer_options
         self.coordinator = coordinator
         self.incremental = incremental
@@ -188,6 +186,18 @@ class CheckpointManager:
             raise ValueError("keep_local and replicate need a local tier (local=PATH_OR_URL)")
 
     # --- locations ------------------------------------------------------------------
+
+    @property
+    def keys(self) -> Keys | None:
+        return self.reader_options.keys
+
+    @property
+    def registry(self) -> ExtensionRegistry | None:
+        return self.reader_options.registry
+
+    @property
+    def require_encryption(self) -> bool | None:
+        return self.reader_options.require_encryption
 
     @property
     def url(self) -> str:
@@ -416,12 +426,7 @@ class CheckpointManager:
                 f"under {self.url}: {self.steps() or 'none'}"
             )
         api.load(
-            state_dict,
-            self.step_url(step),
-            keys=self.keys,
-            registry=self.registry,
-            require_encryption=self.require_encryption,
-            filesystem=self.fs,
+            state_dict, self.step_url(step), filesystem=self.fs, **self.reader_options.as_kwargs()
         )
         return step
 

@@ -187,14 +187,7 @@ def _load_planned(
 def _load_from(
     m: CheckpointManager, where: CheckpointManager, state_dict: dict[str, Any], step: int
 ) -> None:
-    api.load(
-        state_dict,
-        where.step_url(step),
-        keys=m.keys,
-        registry=m.registry,
-        require_encryption=m.require_encryption,
-        filesystem=where.fs,
-    )
+    api.load(state_dict, where.step_url(step), filesystem=where.fs, **m.reader_options.as_kwargs())
 
 
 class Held(NamedTuple):
