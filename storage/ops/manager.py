@@ -2,7 +2,7 @@
 
 Layout: ``root/step-{N}`` for each saved step ``N`` (a non-negative integer, written
 without padding; steps sort as integers). A step exists once its ``.metadata`` does
-(the commit protocol of DESIGN.md section 5), so a crashed save is never listed.
+(docs/format.md, "Commit protocol"), so a crashed save is never listed.
 
 The manager only ever deletes what it recognises as its own: directories named exactly
 ``step-<N>`` (``N`` in canonical decimal form: ``step-7``, not ``step-07``, ``step--1``,
@@ -28,25 +28,17 @@ from typing import TYPE_CHECKING, Any, cast
 import torch.distributed as dist
 
 from extensions.base import Keys
-from extensions.errors import (
-    CheckpointNotFoundError,
-    CheckpointStorageError,
-)
+from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import api
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.committed import CommittedCheckpoint, ReadModels
-from storage.checkpoint.layout import (
-    STEP_PREFIX,
-    StepInfo,
-    directory_info,
-    is_committed,
-    parse_step,
-)
+from storage.checkpoint.layout import STEP_PREFIX, StepInfo
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops.retention import Retention
+from storage.ops.steps import StepRoot, check_step
 from storage.ops.uploads import stale_uploads
 
 if TYPE_CHECKING:
@@ -129,46 +121,18 @@ class CheckpointManager:
         local_filesystem: FileSystemBase | None = None,
         **writer_options: Any,
     ) -> None:
-        if not isinstance(incremental, bool):
-            raise TypeError(f"incremental must be a bool, got {incremental!r}")
-        if full_every is not None and not incremental:
-            raise ValueError("full_every needs incremental=True")
-        for name, value in (
-            ("keep_last", keep_last),
-            ("keep_every", keep_every),
-            ("full_every", full_every),
-        ):
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
-            ):
-                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
-        if keep_every is not None and keep_last is None:
-            raise ValueError(
-                "keep_every needs keep_last (without keep_last nothing is deleted); "
-                "pass e.g. keep_last=3, keep_every=1000"
-            )
-        unknown = sorted(set(writer_options) - _WRITER_OPTIONS)
-        if unknown:
-            raise TypeError(
-                f"unknown CheckpointManager option(s) {unknown}; writer options are "
-                f"{sorted(_WRITER_OPTIONS)}"
-            )
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        _check_options(incremental, full_every, keep_last, keep_every, writer_options)
         self.transforms = list(transforms or [])
         self.reader_options = api.ReaderOptions(keys, registry, require_encryption)
         self.writer_options = writer_options
-        self.coordinator = coordinator
         self.incremental = incremental
         self.full_every = full_every
-        self.fs, self.root = resolve_location(root_url, storage_options, filesystem)
-        self._lock = threading.Lock()
-        # The steps' read models, kept between saves: each metadata is read once.
-        self.models = ReadModels()
-        self.retention = Retention(self)
+        self.location = StepRoot(*resolve_location(root_url, storage_options, filesystem))
+        self.retention = Retention(
+            self.location, keep_last=keep_last, keep_every=keep_every, coordinator=coordinator
+        )
+        self._lock = threading.Lock()  # guards _pending
         self._pending: concurrent.futures.Future[None] | None = None
-        self._saving: int | None = None
-        self._saving_base: int | None = None
         self._async_group: Any = None
         self.tiers: LocalTier | None = None
         if local is not None:
@@ -200,25 +164,43 @@ class CheckpointManager:
         return self.reader_options.require_encryption
 
     @property
+    def fs(self) -> FileSystemBase:
+        return self.location.fs
+
+    @property
+    def root(self) -> str:
+        """The backend path of the root."""
+        return self.location.path
+
+    @property
+    def models(self) -> ReadModels:
+        """The read models of the root's steps (each metadata read once while unchanged)."""
+        return self.location.models
+
+    @property
+    def keep_last(self) -> int | None:
+        return self.retention.keep_last
+
+    @property
+    def keep_every(self) -> int | None:
+        return self.retention.keep_every
+
+    @property
+    def coordinator(self) -> bool | None:
+        return self.retention.coordinator
+
+    @property
     def url(self) -> str:
-        return self.fs.url(self.root)
+        return self.location.url
 
     def step_path(self, step: int) -> str:
         """The backend path of ``root/step-{step}``."""
-        return self.fs.concat_path(self.root, f"{STEP_PREFIX}{_check_step(step)}")
+        return self.location.step_path(step)
 
     def step_url(self, step: int) -> str:
-        return self.fs.url(self.step_path(step))
+        return self.location.step_url(step)
 
     # --- listing --------------------------------------------------------------------
-
-    def _step_dirs(self) -> list[tuple[int, str]]:
-        try:
-            names = self.fs.ls(self.root)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        found = [(s, n) for n in names if (s := parse_step(n)) is not None]
-        return sorted(found)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (in any tier: :meth:`durable_steps` for the root's)."""
@@ -228,11 +210,7 @@ class CheckpointManager:
 
     def durable_steps(self) -> list[int]:
         """Steps committed under the root, ascending."""
-        return [
-            step
-            for step, name in self._step_dirs()
-            if is_committed(self.fs, self.fs.concat_path(self.root, name))
-        ]
+        return self.location.steps()
 
     def latest(self) -> int | None:
         """The newest committed step, or ``None``."""
@@ -242,18 +220,15 @@ class CheckpointManager:
     def linked_steps(self) -> list[int]:
         """Steps whose directory is a symbolic link: retention, :meth:`cleanup` and
         :meth:`delete` never touch them."""
-        return [
-            s for s, n in self._step_dirs() if self.fs.is_link(self.fs.concat_path(self.root, n))
-        ]
+        return self.location.linked_steps()
 
     def entries(self) -> list[StepInfo]:
         """Every ``step-<N>`` directory, committed or not, with size, age and the tiers
         holding a committed copy (a tiered manager adds the steps only its local tier holds)."""
-        infos = []
-        for step, name in self._step_dirs():
-            info = directory_info(self.fs, self.fs.concat_path(self.root, name), name, step)
-            if info is not None:
-                infos.append(replace(info, tiers=("durable",) if info.committed else ()))
+        infos = [
+            replace(info, tiers=("durable",) if info.committed else ())
+            for info in self.location.entries()
+        ]
         return infos if self.tiers is None else self.tiers.merge_entries(infos)
 
     # --- save / load ----------------------------------------------------------------
@@ -270,11 +245,10 @@ class CheckpointManager:
         this manager is waited for first. A tiered save commits to the local tier (the
         future resolves then) and drains to the root in the background (see
         :meth:`storage.ops.tiers.LocalTier.save`)."""
-        step = _check_step(step)
+        step = check_step(step)
         if self.tiers is not None:
             return self.tiers.save(step, state_dict, blocking=blocking)
         self.wait()
-        url = self.step_url(step)
         options = dict(self.writer_options, filesystem=self.fs)
         base, opened = self._incremental_base(step)
         if self.incremental:
@@ -282,21 +256,24 @@ class CheckpointManager:
         if opened is not None:
             options["base"] = opened  # read once, here: the writer does not read it again
         if blocking:
-            with self._lock:
-                self._saving, self._saving_base = step, base
-            try:
-                writer = CheckpointWriter(url, transforms=self.transforms, **options)
+            with self.location.in_flight.writing(step, base):
+                writer = CheckpointWriter(
+                    self.step_url(step), transforms=self.transforms, **options
+                )
                 api.save_with(writer, state_dict)
                 if writer.published is not None:
-                    self.models.remember(self.fs, self.step_path(step), writer.published)
-            finally:
-                with self._lock:
-                    self._saving, self._saving_base = None, None
-            self._retain_quietly(step)
+                    self.location.remember(step, writer.published)
+            self.retention.after_save(step)
             return None
+        return self._save_async(step, base, state_dict, options)
+
+    def _save_async(
+        self, step: int, base: int | None, state_dict: dict[str, Any], options: dict[str, Any]
+    ) -> concurrent.futures.Future[None]:
+        url = self.step_url(step)
         outer: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.location.in_flight.begin(step, base)
         with self._lock:
-            self._saving, self._saving_base = step, base
             self._pending = outer
         try:
             inner = api.async_save(
@@ -307,16 +284,16 @@ class CheckpointManager:
                 **options,
             )
         except BaseException:
+            self.location.in_flight.end()
             with self._lock:
-                self._saving, self._saving_base, self._pending = None, None, None
+                self._pending = None
             raise
 
         def finished(fut: concurrent.futures.Future[None]) -> None:
             error = fut.exception()
-            with self._lock:
-                self._saving, self._saving_base = None, None
+            self.location.in_flight.end()
             if error is None:
-                self._retain_quietly(step)
+                self.retention.after_save(step)
                 outer.set_result(None)
             else:
                 log.error("asynchronous save of %s failed: %s", url, error)
@@ -369,7 +346,7 @@ class CheckpointManager:
         if not below:
             return None, None
         path = self.step_path(below[-1])
-        checkpoint = self.models.open(self.fs, path)
+        checkpoint = self.location.model(below[-1])
         why = (
             "it is a symbolic link"
             if self.fs.is_link(path)
@@ -420,7 +397,7 @@ class CheckpointManager:
                     f"no committed checkpoint under {self.url} (looked for "
                     f"{STEP_PREFIX}<N>/{fmt.METADATA_NAME}); save one first or check the root URL"
                 )
-        elif not is_committed(self.fs, self.step_path(step)):
+        elif not self.location.is_committed(step):
             raise CheckpointNotFoundError(
                 f"{self.step_url(step)} is not a committed checkpoint; committed steps "
                 f"under {self.url}: {self.steps() or 'none'}"
@@ -470,26 +447,43 @@ class CheckpointManager:
         see :meth:`may_delete`), they are aborted. See :mod:`storage.ops.uploads`."""
         return stale_uploads(self.fs, self.root, grace_seconds, abort=abort and self.may_delete())
 
-    def _retain_quietly(self, step: int) -> None:
-        # The save is committed; a failure to prune must not turn it into a failure.
-        try:
-            removed = self.apply_retention(protect=step)
-        except Exception as exc:
-            log.warning("retention after saving %s failed: %s", self.step_url(step), exc)
-        else:
-            if removed:
-                log.info("retention removed steps %s under %s", removed, self.url)
-
     def may_delete(self) -> bool:
         """Whether this process deletes: rank 0 under a process group, unless
         ``coordinator`` says otherwise."""
-        return self.coordinator if self.coordinator is not None else _is_rank_zero()
+        return self.retention.may_delete()
 
 
-def _check_step(step: object) -> int:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
-    return step
+def _check_options(
+    incremental: object,
+    full_every: object,
+    keep_last: object,
+    keep_every: object,
+    writer_options: dict[str, Any],
+) -> None:
+    if not isinstance(incremental, bool):
+        raise TypeError(f"incremental must be a bool, got {incremental!r}")
+    if full_every is not None and not incremental:
+        raise ValueError("full_every needs incremental=True")
+    for name, value in (
+        ("keep_last", keep_last),
+        ("keep_every", keep_every),
+        ("full_every", full_every),
+    ):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    if keep_every is not None and keep_last is None:
+        raise ValueError(
+            "keep_every needs keep_last (without keep_last nothing is deleted); "
+            "pass e.g. keep_last=3, keep_every=1000"
+        )
+    unknown = sorted(set(writer_options) - _WRITER_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"unknown CheckpointManager option(s) {unknown}; writer options are "
+            f"{sorted(_WRITER_OPTIONS)}"
+        )
 
 
 def _decided_by_rank_zero(decide: Callable[[], int | None]) -> int | None:
@@ -510,7 +504,3 @@ def _decided_by_rank_zero(decide: Callable[[], int | None]) -> int | None:
     if choice[1] is not None:
         raise CheckpointStorageError(f"rank 0 could not pick the step to load: {choice[1]}")
     return cast(int | None, choice[0])
-
-
-def _is_rank_zero() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

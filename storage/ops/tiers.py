@@ -265,14 +265,13 @@ class LocalTier:
         self._idle.wait()
 
     def _begin(self, step: int, base: int | None) -> None:
-        with self.local._lock:  # the local tier's retention and cleanup keep their hands off
-            self.local._saving, self.local._saving_base = step, base
+        # The local tier's retention keeps its hands off the step and its base.
+        self.local.location.in_flight.begin(step, base)
         self._idle.clear()  # after _make_room, which may wait for the drain
         persist.worker().foreground(True)  # a drain copying in the worker pauses too
 
     def _end(self) -> None:
-        with self.local._lock:
-            self.local._saving, self.local._saving_base = None, None
+        self.local.location.in_flight.end()
         self._idle.set()
         persist.worker().foreground(False)
 
@@ -449,10 +448,9 @@ class LocalTier:
         with self._retain_lock:
             try:
                 steps = self.local.steps()
-                with self.local._lock:
-                    writing = {self.local._saving, exclude}
-                    held = (self.local._saving, self.local._saving_base, exclude)
-                busy = {s for s in held if s is not None}
+                in_flight = self.local.location.in_flight
+                writing = {in_flight.step, exclude}
+                busy = in_flight.held() | ({exclude} if exclude is not None else set())
                 with self._lock:
                     pending = set(self._pending)
                 skip = writing | self.linked()
@@ -527,7 +525,7 @@ class LocalTier:
                 self._last_error = None
                 with self._lock:
                     self._pending.discard(common[0])
-                self.manager._retain_quietly(common[0])
+                self.manager.retention.after_save(common[0])
                 self._retain_local()
         except Exception as exc:
             log.error(

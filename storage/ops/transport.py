@@ -228,4 +228,4 @@ class StorageTransport:
         except CheckpointException as exc:
             real = unwrap_checkpoint_exception(exc, writer)
             raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
-        mgr._retain_quietly(step)
+        mgr.retention.after_save(step)
