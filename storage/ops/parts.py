@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from extensions.base import ItemInfo
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint.committed import CommittedCheckpoint, open_committed
@@ -38,6 +39,18 @@ class Part:
         """The item's name, with its rank where each rank has metadata of its own."""
         label = fmt.item_label(index)
         return label if self.rank is None else f"rank {self.rank}: {label}"
+
+    def item_info(self, index: MetadataIndex, url: str, keys: Any) -> ItemInfo:
+        """What a transform needs to know about the item at ``index`` of the checkpoint
+        at ``url`` (its name, dtype and element size; ``keys`` to decrypt it)."""
+        facts = chunk_facts(self.metadata, index)
+        return ItemInfo(
+            checkpoint=url,
+            item=self.label(index),
+            dtype=str(facts[1]).removeprefix("torch.") if facts else None,
+            element_size=facts[1].itemsize if facts else None,
+            keys=keys,
+        )
 
 
 def read_metadata(

@@ -68,6 +68,22 @@ class _ScratchPlanner(LoadPlanner):
         pass
 
 
+def _missing(metadata: Metadata) -> list[MetadataIndex]:
+    """The items ``metadata`` declares that its storage index does not hold."""
+    storage_data = metadata.storage_data or {}
+    missing = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        expected = (
+            [MetadataIndex(fqn, c.offsets) for c in md.chunks]
+            if isinstance(md, TensorStorageMetadata)
+            else [MetadataIndex(fqn)]
+            if isinstance(md, BytesStorageMetadata)
+            else []
+        )
+        missing += [index for index in expected if index not in storage_data]
+    return missing
+
+
 def _read_item_for(metadata: Metadata, index: MetadataIndex) -> ReadItem:
     facts = chunk_facts(metadata, index)
     if facts is None:
@@ -97,18 +113,8 @@ def verify(
     )
     report = VerifyReport(fs.url(path))
     for part in parts:
-        storage_data = part.metadata.storage_data or {}
-        for fqn, md in part.metadata.state_dict_metadata.items():
-            expected = (
-                [MetadataIndex(fqn, c.offsets) for c in md.chunks]
-                if isinstance(md, TensorStorageMetadata)
-                else [MetadataIndex(fqn)]
-                if isinstance(md, BytesStorageMetadata)
-                else []
-            )
-            for index in expected:
-                if index not in storage_data:
-                    report.bad[part.label(index)] = "missing from the storage index"
+        for index in _missing(part.metadata):
+            report.bad[part.label(index)] = "missing from the storage index"
     lock = threading.Lock()
 
     def check(part: Part, planner: _ScratchPlanner, index: MetadataIndex, info: Any) -> None:
