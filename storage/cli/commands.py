@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict
 
 from extensions.errors import CheckpointNotFoundError
+from storage.backends.base import FileSystemBase, PendingUpload
 from storage.cli._support import (
     emit,
     human_age,
@@ -261,17 +262,7 @@ def gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} step-{s} (retention)" for s in pruned]
     lines += [f"{verb} step-{s} (interrupted save)" for s in cleaned]
-    if abort:
-        fate = "aborted"
-    elif args.abort_uploads:
-        fate = "would abort"
-    else:
-        fate = "left open (--abort-uploads aborts it)"
-    for upload in uploads:
-        age = time.time() - (upload.started or 0.0)
-        lines.append(
-            f"incomplete multipart upload of {fs.url(upload.path)}, begun {age:.0f} s ago: {fate}"
-        )
+    lines += _upload_lines(fs, uploads, abort, args.abort_uploads)
     linked = mgr.linked_steps()
     lines += [f"kept step-{s}: a symbolic link, never deleted through" for s in linked]
     policy = mgr.retained(mgr.steps())
@@ -303,3 +294,20 @@ def gc(args: argparse.Namespace) -> int:
         text,
     )
     return 0
+
+
+def _upload_lines(
+    fs: FileSystemBase, uploads: list[PendingUpload], aborted: bool, asked: bool
+) -> list[str]:
+    """One line per stale upload ``gc`` found: aborted, would be (a dry run), or left."""
+    if aborted:
+        fate = "aborted"
+    elif asked:
+        fate = "would abort"
+    else:
+        fate = "left open (--abort-uploads aborts it)"
+    return [
+        f"incomplete multipart upload of {fs.url(u.path)}, "
+        f"begun {time.time() - (u.started or 0.0):.0f} s ago: {fate}"
+        for u in uploads
+    ]

@@ -10,14 +10,31 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from extensions.errors import CheckpointStorageError, printable
 from storage.cli import commands
 from storage.cli._support import TRANSFORM_SPECS
 
+Add = Callable[[str, str], argparse.ArgumentParser]  # a subcommand: (name, help) -> parser
+
 
 def build_parser() -> argparse.ArgumentParser:
+    common = _common_options()
+    parser = argparse.ArgumentParser(
+        prog="dcp-storage", description="Inspect, verify, copy and prune PyTorch DCP checkpoints."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common])
+
+    for add_commands in (_add_demo_ls, _add_inspect_verify, _add_cp, _add_rm_gc):
+        add_commands(add)
+    return parser
+
+
+def _common_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -32,15 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="JSON file {key_id: key}; keys also come from DCP_STORAGE_KEYS",
     )
+    return common
 
-    parser = argparse.ArgumentParser(
-        prog="dcp-storage", description="Inspect, verify, copy and prune PyTorch DCP checkpoints."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, parents=[common])
-
+def _add_demo_ls(add: Add) -> None:
     demo = add("demo", "save and load a small model with zstd, print figures")
     demo.add_argument(
         "--dir",
@@ -67,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ls.set_defaults(func=commands.ls)
 
+
+def _add_inspect_verify(add: Add) -> None:
     inspect = add("inspect", "show a checkpoint's items, sizes and transforms")
     inspect.add_argument("checkpoint", metavar="CKPT")
     inspect.set_defaults(func=commands.inspect)
@@ -77,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_require_encryption(verify, "when keys are given")
     verify.set_defaults(func=commands.verify)
 
+
+def _add_cp(add: Add) -> None:
     cp = add("cp", "copy a checkpoint between any two locations, optionally transcoding")
     cp.add_argument("src", metavar="SRC")
     cp.add_argument("dst", metavar="DST")
@@ -99,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_require_encryption(cp, "when --transform re-encodes a source holding encrypted items")
     cp.set_defaults(func=commands.cp)
 
+
+def _add_rm_gc(add: Add) -> None:
     rm = add("rm", "delete a committed checkpoint (metadata first)")
     rm.add_argument("checkpoint", metavar="CKPT")
     rm.set_defaults(func=commands.rm)
@@ -128,7 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(older than --grace; listed either way)",
     )
     gc.set_defaults(func=commands.gc)
-    return parser
 
 
 def _add_require_encryption(parser: argparse.ArgumentParser, default: str) -> None:
