@@ -407,7 +407,7 @@ def _drained(mgr: CheckpointManager) -> None:
     # left for the next save to surface.
     assert mgr.tiers is not None
     mgr.tiers.finish_commit()
-    mgr.tiers._wait_drains()
+    mgr.tiers.drains.wait()
 
 
 def test_async_save_errors_and_recovery(tmp_path: Path) -> None:
