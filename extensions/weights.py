@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import struct
+from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 from extensions._planes import (
@@ -31,7 +32,7 @@ from extensions._planes import (
 )
 from extensions.base import ItemInfo, StreamTransformExtension, descriptor_settings
 from extensions.errors import quote
-from extensions.streams import fill, read_all, readinto_exact
+from extensions.streams import BlockWriter, fill, read_all, readinto_exact
 
 END = struct.Struct("<BQ")
 END_TAG = 0
@@ -42,6 +43,7 @@ FLOAT_DTYPES = frozenset(
 )
 
 
+@dataclass(frozen=True, repr=False)
 class WeightCodec(StreamTransformExtension):
     """Compression for tensors (descriptor ``dcp_storage.weights/1;es=N``).
 
@@ -51,20 +53,21 @@ class WeightCodec(StreamTransformExtension):
     (pickled values) get zstd level 3. It is built in: readers need no registration.
 
     ``element_size`` is what a descriptor records, for decoding; leave it ``None`` when
-    saving, and each item uses its own tensor's element size.
+    saving, and each item uses its own tensor's element size. ``dtype`` (the item's,
+    which tells floats from integers) is filled in by ``for_item``.
     """
 
-    def __init__(self, *, element_size: int | None = None) -> None:
-        if element_size is not None and (
-            not isinstance(element_size, int)
-            or isinstance(element_size, bool)
-            or not 1 <= element_size <= MAX_ELEMENT_SIZE
+    element_size: int | None = field(default=None, kw_only=True)
+    dtype: str | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        size = self.element_size
+        if size is not None and (
+            not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_ELEMENT_SIZE
         ):
             raise ValueError(
-                f"element_size must be an int between 1 and {MAX_ELEMENT_SIZE}, "
-                f"got {element_size!r}"
+                f"element_size must be an int between 1 and {MAX_ELEMENT_SIZE}, got {size!r}"
             )
-        self.element_size = element_size
 
     def __repr__(self) -> str:
         return f"WeightCodec(element_size={self.element_size})"
@@ -87,84 +90,38 @@ class WeightCodec(StreamTransformExtension):
     def get_descriptor(self) -> str:
         return f"{self.registry_name()}/1;es={self.element_size or 1}"
 
-    def descriptor_for(self, item: ItemInfo) -> str:
-        return f"{self.registry_name()}/1;es={self._es(item)}"
-
-    def _es(self, item: ItemInfo) -> int:
-        if self.element_size is not None:
-            return self.element_size
-        size = item.element_size
-        return size if isinstance(size, int) and 1 <= size <= MAX_ELEMENT_SIZE else 1
+    def for_item(self, item: ItemInfo) -> WeightCodec:
+        es = self.element_size
+        if es is None:
+            size = item.element_size
+            es = size if isinstance(size, int) and 1 <= size <= MAX_ELEMENT_SIZE else 1
+        if es == self.element_size and item.dtype == self.dtype:
+            return self
+        return WeightCodec(element_size=es, dtype=item.dtype)
 
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
-        return self.encode(output, ItemInfo())
-
-    def encode(self, output: IO[bytes], item: ItemInfo) -> IO[bytes]:
-        floating = item.dtype in FLOAT_DTYPES
-        return cast(IO[bytes], _Writer(output, self._es(item), floating))
+        floating = self.dtype in FLOAT_DTYPES
+        return cast(IO[bytes], _Writer(output, self.element_size or 1, floating))
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         return cast(IO[bytes], _Reader(input, self.element_size or 1))
 
 
-class _Writer(io.RawIOBase):
+class _Writer(BlockWriter):
     def __init__(self, out: IO[bytes], es: int, floating: bool) -> None:
-        super().__init__()
-        self._out = out
+        super().__init__(out, BLOCK_BYTES // es * es)
         self._es = es
         self._floating = floating
-        self._block = BLOCK_BYTES // es * es
-        self._staged = bytearray()  # grows to what the item needs, at most a block
-        self._fill = 0
         self._total = 0
 
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        total = len(view)
-        pos = 0
-        while pos < total:
-            if self._fill == 0 and total - pos >= self._block:
-                self._emit(view[pos : pos + self._block])
-                pos += self._block
-                continue
-            n = min(self._block - self._fill, total - pos)
-            end = self._fill + n
-            if len(self._staged) < end:
-                grown = min(self._block, max(end, 2 * len(self._staged)))
-                self._staged.extend(bytes(grown - len(self._staged)))
-            self._staged[self._fill : end] = view[pos : pos + n]
-            self._fill = end
-            pos += n
-            if self._fill == self._block:
-                self._emit_staged()
-        return total
-
-    def _emit(self, block: memoryview) -> None:
+    def emit(self, block: memoryview) -> None:
         for piece in encode_block(block, self._es, self._floating):
             self._out.write(piece)
         self._total += len(block)
 
-    def _emit_staged(self) -> None:
-        self._emit(memoryview(self._staged)[: self._fill])
-        self._fill = 0
-
-    def flush(self) -> None:
-        if not self.closed:
-            self._out.flush()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            if self._fill:
-                self._emit_staged()
-            self._out.write(END.pack(END_TAG, self._total))
-        finally:
-            super().close()  # flushes the output while it is still open
-        self._out.close()
+    def finish(self, rest: memoryview) -> None:
+        super().finish(rest)
+        self._out.write(END.pack(END_TAG, self._total))
 
 
 class _Reader(io.RawIOBase):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import struct
 import threading
+from dataclasses import dataclass, field, replace
 from typing import IO, Any, cast
 
 from extensions.base import ItemInfo, StreamTransformExtension
@@ -45,6 +46,7 @@ _SEEKABLE = 0x8F92EAB1  # the seek table footer's magic
 FOOTER = 9  # footer bytes: frame count, descriptor, magic
 
 
+@dataclass(frozen=True, repr=False)
 class ZStandard(StreamTransformExtension):
     """Zstandard compression (descriptor ``stream.zstd/1``, torch's).
 
@@ -57,16 +59,20 @@ class ZStandard(StreamTransformExtension):
     parallel. Settings only affect encoding: the output is standard zstd frames, one per
     :data:`FRAME` bytes (a write of at least that much, such as a tensor's storage,
     starts and ends frames of its own) and, when there are several, a seek table in a
-    skippable frame; stock torch and the ``zstd`` tool read it.
+    skippable frame; stock torch and the ``zstd`` tool read it. ``dtype`` (the item's,
+    which picks the settings when ``level`` is ``None``) is filled in by ``for_item``.
     """
 
-    def __init__(self, level: int | None = None, *, threads: int = 0) -> None:
+    level: int | None = None
+    threads: int = field(default=0, kw_only=True)
+    dtype: str | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        level, threads = self.level, self.threads
         if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
             raise TypeError(f"ZStandard level must be an int or None, got {level!r}")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
             raise TypeError(f"ZStandard threads must be an int >= 0, got {threads!r}")
-        self.level = level
-        self.threads = threads
 
     def __repr__(self) -> str:
         return f"ZStandard(level={self.level}, threads={self.threads})"
@@ -86,12 +92,14 @@ class ZStandard(StreamTransformExtension):
     def get_descriptor(self) -> str:
         return "stream.zstd/1"
 
-    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
-        return self.encode(output, ItemInfo())
+    def for_item(self, item: ItemInfo) -> ZStandard:
+        if self.level is not None or item.dtype == self.dtype:
+            return self
+        return replace(self, dtype=item.dtype)
 
-    def encode(self, output: IO[bytes], item: ItemInfo) -> IO[bytes]:
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
         zstd = _zstandard()
-        if self.level is None and item.dtype in _FLOAT_DTYPES:
+        if self.level is None and self.dtype in _FLOAT_DTYPES:
             params = zstd.ZstdCompressionParameters.from_level(
                 1, min_match=7, hash_log=8, threads=self.threads
             )

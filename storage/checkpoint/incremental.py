@@ -15,9 +15,10 @@ the bytes and the longest chain is one hop.
 Fingerprints are xxHash3-128 (one core of the reference machine: ~24 GB/s when quiet,
 6-14 GB/s while other work shares it; BLAKE2b-128 when the ``xxhash`` package is
 missing, ~1 GB/s) of the tensor's dtype, shape and raw bytes, or of a non-tensor item's
-bytes. When the chain has a transform offering ``fingerprint_key()`` (AES-256-GCM), the
-record is keyed and salted instead: ``HMAC-SHA256(key, salt || digest)``, so without the
-key nobody can compare two fingerprints or test a guess of the content.
+bytes. When a transform of the chain returns a key from ``fingerprint_key()`` (part of
+the transform contract; AES-256-GCM does), the record is keyed and salted instead:
+``HMAC-SHA256(key, salt || digest)``, so without the key nobody can compare two
+fingerprints or test a guess of the content.
 
 Readers resolve ``ref`` to ``<parent>/<NAME>/<relative_path>``; ``NAME`` must be a plain
 name (checked when the metadata is loaded) and the base must be committed, else
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from extensions.base import StreamTransformExtension
 from extensions.errors import CheckpointNotFoundError, quote
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
@@ -106,13 +108,10 @@ class Fingerprint:
 
 def fingerprint(data: torch.Tensor | memoryview, transforms: Sequence[Any]) -> Fingerprint:
     """Fingerprint a contiguous CPU tensor (dtype, shape and bytes) or a non-tensor
-    item's bytes, keyed when a transform of the chain offers ``fingerprint_key()``."""
-    key = None
-    for transform in transforms:
-        get_key = getattr(transform, "fingerprint_key", None)
-        if callable(get_key):
-            key = get_key()
-            break
+    item's bytes, keyed by the first transform of the chain whose ``fingerprint_key()``
+    returns a key."""
+    keys = (t.fingerprint_key() for t in transforms if isinstance(t, StreamTransformExtension))
+    key = next((k for k in keys if k is not None), None)
     if isinstance(data, torch.Tensor):
         header = f"tensor;{data.dtype};{list(data.shape)}".encode()
         return Fingerprint(header, tensor_bytes(data), key)

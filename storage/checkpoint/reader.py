@@ -304,7 +304,11 @@ class CheckpointReader(StorageReader):
                 descriptors = item.info.transform_descriptors or ()
                 info = self._item_info(item, keys)
                 check_before_read(
-                    descriptors, info, require_encryption=self.require_encryption, decode=True
+                    descriptors,
+                    info,
+                    registry,
+                    require_encryption=self.require_encryption,
+                    decode=True,
                 )
         if not runs:
             return

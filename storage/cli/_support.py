@@ -57,7 +57,7 @@ def keys_from_args(args: argparse.Namespace) -> dict[str, bytes]:
 
 
 def parse_transforms(specs: Sequence[str], keys: dict[str, bytes]) -> list[Any]:
-    from extensions.zstd import ZStandard
+    from extensions import AES256GCM, ByteShuffle, WeightCodec, ZStandard
 
     chain: list[Any] = []
     for spec in specs:
@@ -68,16 +68,10 @@ def parse_transforms(specs: Sequence[str], keys: dict[str, bytes]) -> list[Any]:
         if name == "zstd":
             chain.append(ZStandard(level=int(value)) if value else ZStandard())
         elif name == "shuffle" and not value:
-            from extensions import ByteShuffle
-
             chain.append(ByteShuffle())
         elif name == "weights" and not value:
-            from extensions import WeightCodec
-
             chain.append(WeightCodec())
         elif name in ("aes", "aes256gcm") and value:
-            from extensions import AES256GCM
-
             if value not in keys:
                 raise ValueError(
                     f"--transform {spec}: no key for key id {value!r}; provide it with "

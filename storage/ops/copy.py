@@ -22,7 +22,7 @@ from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint.commit import commit_checkpoint, metadata_may_name, remove_quietly
-from storage.checkpoint.items import check_before_read, encryption_required, is_encrypted
+from storage.checkpoint.items import check_before_read, encryption_required
 from storage.checkpoint.layout import metadata_names
 from storage.ops.copy_data import CopiedFiles, copy_data_files
 from storage.ops.describe import Summary, describe
@@ -61,7 +61,7 @@ def copy_checkpoint(
     here also serve the new chain (encrypting a plain checkpoint is a normal copy), and
     for a verbatim copy, which keeps plain items plain for the reader's policy."""
     parts = read_metadata(src_fs, src_path, keys=keys, registry=registry)
-    _check_items(parts, src_fs.url(src_path), transforms, keys, require_encryption)
+    _check_items(parts, src_fs.url(src_path), transforms, keys, registry, require_encryption)
     _check_destination(parts, src_fs.url(src_path), dst_fs, dst_path, overwrite)
     save_id = uuid.uuid4().hex[:12]
     copies: list[CopiedFiles] = []
@@ -98,11 +98,13 @@ def _check_items(
     src_url: str,
     transforms: Sequence[Any] | None,
     keys: Keys | None,
+    registry: ExtensionRegistry | None,
     require_encryption: bool | None,
 ) -> None:
     """Refuse, before anything is written, an item that cannot be read as asked (see
     :func:`copy_checkpoint` for the encryption policy)."""
     key_lookup = cached_key_lookup(keys)
+    known = registry or ExtensionRegistry()
     stored = [
         (part, index, info)
         for part in parts
@@ -113,12 +115,13 @@ def _check_items(
         if require_encryption is not None
         else encryption_required(None, keys)
         and transforms is not None
-        and any(is_encrypted(info.transform_descriptors or ()) for _, _, info in stored)
+        and any(known.authenticated(info.transform_descriptors or ()) for _, _, info in stored)
     )
     for part, index, info in stored:
         check_before_read(
             info.transform_descriptors or (),
             part.item_info(index, src_url, key_lookup),
+            known,
             require_encryption=required,
             decode=transforms is not None,
         )

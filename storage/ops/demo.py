@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from extensions.zstd import ZStandard
+from extensions import ZStandard
 from storage.checkpoint.api import load, save
 
 
