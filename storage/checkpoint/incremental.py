@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from extensions.errors import CheckpointNotFoundError, quote
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint._common import tensor_bytes
 from storage.checkpoint.committed import (
     CommittedCheckpoint,

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from extensions._compat import narrow_tensor_by_index
 from extensions.errors import quote
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint._common import check_shapes
 from storage.checkpoint.deadline import (
     Budget,

@@ -34,8 +34,8 @@ from extensions.registry import ExtensionRegistry, as_registry, parse_descriptor
 from extensions.zstd import ZStandard
 from storage.backends import LocalFileSystem, MemoryFileSystem
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
 from storage.checkpoint import frames, incremental, read_once, share_groups
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint._common import (
     check_shapes,
     check_thread_count,

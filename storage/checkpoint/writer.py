@@ -24,9 +24,9 @@ from extensions.base import ItemInfo
 from extensions.errors import CheckpointExistsError
 from extensions.registry import chain_descriptors
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
 from storage.checkpoint import incremental
 from storage.checkpoint import persist as _persist
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint._common import (
     check_serialization_format,
     check_thread_count,

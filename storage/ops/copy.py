@@ -30,7 +30,7 @@ from extensions.errors import (
 from extensions.registry import ExtensionRegistry
 from extensions.streams import pump, skip
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint._common import default_thread_count
 from storage.checkpoint.commit import commit_checkpoint, metadata_may_name, remove_quietly
 from storage.checkpoint.committed import open_committed

@@ -32,7 +32,7 @@ from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import api
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.committed import CommittedCheckpoint, ReadModels
 from storage.checkpoint.layout import STEP_PREFIX, StepInfo

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, quote
 from storage.checkpoint import api
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.committed import files_read, open_committed
 from storage.checkpoint.layout import StepInfo, parse_step
 from storage.checkpoint.prefixes import expand

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from extensions.errors import CheckpointInUseError, TierFullError
 from storage.checkpoint import api, persist
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.committed import CommittedCheckpoint

@@ -24,7 +24,7 @@ from extensions import AES256GCM, ByteShuffle, ZStandard
 from extensions.base import ItemInfo
 from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
 from extensions.registry import ExtensionRegistry
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.items import ItemEncoder, StoredItem
 from storage.cli.main import main
 
