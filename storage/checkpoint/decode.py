@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from extensions.errors import IntegrityError, UnsafeCheckpointError, printable
 from extensions.streams import drain, read_all, readinto_exact, skip
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint._common import tensor_bytes
+from storage.checkpoint.tensors import tensor_bytes
 
 #: Default floor of the decoded size of a non-tensor item (``max_object_bytes``).
 MAX_OBJECT_BYTES = 16 << 20

@@ -49,7 +49,6 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from extensions._compat import narrow_tensor_by_index
 from extensions.errors import quote
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint._common import check_shapes
 from storage.checkpoint.deadline import (
     Budget,
     CheckpointRankError,
@@ -57,6 +56,7 @@ from storage.checkpoint.deadline import (
     rank_error,
 )
 from storage.checkpoint.share_groups import exchange_group
+from storage.checkpoint.tensors import check_shapes
 
 if TYPE_CHECKING:
     from storage.checkpoint.reader import CheckpointReader

@@ -36,15 +36,6 @@ from storage.backends import LocalFileSystem, MemoryFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import frames, incremental, read_once, share_groups
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint._common import (
-    check_shapes,
-    check_thread_count,
-    default_thread_count,
-    records_error,
-    resolve_location,
-    stock_checkpoint_id,
-    tensor_bytes,
-)
 from storage.checkpoint.deadline import Budget, cancellable, check_timeout, note
 from storage.checkpoint.decode import (
     MAX_OBJECT_BYTES,
@@ -54,10 +45,18 @@ from storage.checkpoint.decode import (
     plain_value,
     read_bounded,
 )
+from storage.checkpoint.hook_errors import records_error
 from storage.checkpoint.items import StoredItem, check_before_read, encryption_required
 from storage.checkpoint.layout import metadata_rank
+from storage.checkpoint.options import (
+    check_thread_count,
+    default_thread_count,
+    resolve_location,
+    stock_checkpoint_id,
+)
 from storage.checkpoint.prefixes import refuse_linked_prefix
 from storage.checkpoint.shared import on_coordinator
+from storage.checkpoint.tensors import check_shapes, tensor_bytes
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20

@@ -27,16 +27,6 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import incremental
 from storage.checkpoint import persist as _persist
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint._common import (
-    check_serialization_format,
-    check_thread_count,
-    check_transforms,
-    default_thread_count,
-    records_error,
-    resolve_location,
-    staging_options,
-    stock_checkpoint_id,
-)
 from storage.checkpoint.commit import commit_checkpoint, commit_may_have_landed, remove_quietly
 from storage.checkpoint.committed import CHAIN, CommittedCheckpoint
 from storage.checkpoint.deadline import (
@@ -46,6 +36,16 @@ from storage.checkpoint.deadline import (
     note,
 )
 from storage.checkpoint.encode import encode_item, plain_cpu_tensor
+from storage.checkpoint.hook_errors import records_error
+from storage.checkpoint.options import (
+    check_serialization_format,
+    check_thread_count,
+    check_transforms,
+    default_thread_count,
+    resolve_location,
+    staging_options,
+    stock_checkpoint_id,
+)
 from storage.checkpoint.prefixes import check_key_prefixes, place, refuse_linked_prefix
 
 DCP_VERSION = "1.0.0"

@@ -31,7 +31,6 @@ from extensions.registry import ExtensionRegistry
 from extensions.streams import pump, skip
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint._common import default_thread_count
 from storage.checkpoint.commit import commit_checkpoint, metadata_may_name, remove_quietly
 from storage.checkpoint.committed import open_committed
 from storage.checkpoint.incremental import (
@@ -49,6 +48,7 @@ from storage.checkpoint.items import (
     is_encrypted,
 )
 from storage.checkpoint.layout import metadata_names
+from storage.checkpoint.options import default_thread_count
 from storage.checkpoint.prefixes import refuse_linked_prefix, split
 from storage.ops.describe import Summary, describe
 from storage.ops.parts import Part, Progress, chunk_facts, read_metadata

@@ -33,9 +33,9 @@ from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import api
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint._common import resolve_location
 from storage.checkpoint.committed import CommittedCheckpoint, ReadModels
 from storage.checkpoint.layout import STEP_PREFIX, StepInfo
+from storage.checkpoint.options import resolve_location
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops.retention import Retention
 from storage.ops.steps import StepRoot, check_step

@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from extensions.errors import CheckpointInUseError, TierFullError
 from storage.checkpoint import api, persist
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint._common import resolve_location
 from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.committed import CommittedCheckpoint
 from storage.checkpoint.deadline import DeadlineExceededError
 from storage.checkpoint.layout import StepInfo, is_committed, parse_step
+from storage.checkpoint.options import resolve_location
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops import restore
 from storage.ops._peers import Group, Move, gather_errors, make_group, transfer
