@@ -176,8 +176,8 @@ def read_shared(reader: CheckpointReader, plan: LoadPlan, planner: LoadPlanner) 
 
     def fetch(batch: int) -> tuple[_Batch | None, BaseException | None]:
         try:
-            held = _Batch(safe, reader._chunks, batches[batch], wanted, me)
-            reader._read_items(
+            held = _Batch(safe, reader.chunks, batches[batch], wanted, me)
+            reader.read_items(
                 (direct if batch == 0 else []) + held.requests,
                 held,  # type: ignore[arg-type]
                 Budget(_left(deadline)),
@@ -191,7 +191,7 @@ def read_shared(reader: CheckpointReader, plan: LoadPlan, planner: LoadPlanner) 
             held, error = fetcher.take(batch)
             _agree(error, channel)
             assert held is not None
-            received = _exchange(shares, held, me, group, channel, reader._chunks, deadline)
+            received = _exchange(shares, held, me, group, channel, reader.chunks, deadline)
             fetcher.done(batch)
             for share in shares:
                 _apply(reader, safe, held, wanted[share.index], received[share.index])
@@ -453,7 +453,7 @@ def _apply(
         else:
             target = planner.resolve_tensor(req)
         where = f"{reader.url}: item {quote(label)} (shared)"
-        check_shapes(req, target, reader._chunks.get(req.storage_index), where)
+        check_shapes(req, target, reader.chunks.get(req.storage_index), where)
         target.copy_(narrow_tensor_by_index(value, req.storage_offsets, req.lengths))
         planner.commit_tensor(req, target)
 
