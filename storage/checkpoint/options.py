@@ -86,3 +86,10 @@ def staging_options(*, pin: bool) -> StagingOptions:
         use_async_staging=False,
         use_non_blocking_copy=False,
     )
+
+
+def check_flags(**flags: object) -> None:
+    """Refuse a flag (an option that is on or off) given as anything but a bool."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")

@@ -202,9 +202,9 @@ def write_staged(
             per_file, written, writer.budget.spent = future.result()
         except WorkerDiedError:
             # Its files may be half written: the writer's abort removes what exists.
-            writer._written = [writer.fs.concat_path(writer.path, name) for name, _ in files]
+            writer.written = [writer.fs.concat_path(writer.path, name) for name, _ in files]
             raise
     finally:
         lease.release()
-    writer._written = written
+    writer.written = written
     return per_file
