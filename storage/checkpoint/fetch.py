@@ -33,7 +33,7 @@ from storage.checkpoint.decode import (
     plain_value,
     read_bounded,
 )
-from storage.checkpoint.items import StoredItem, check_before_read
+from storage.checkpoint.items import StoredItemReader, check_before_read
 from storage.checkpoint.prefixes import refuse_linked_prefix
 from storage.checkpoint.tensors import check_shapes, tensor_bytes
 
@@ -192,7 +192,7 @@ def _read_item(
     note(label, reader.fs.url(path))
     where = f"{reader.url}: item {quote(label)} in {quote(os.path.basename(path))}"
     extra = fmt.item_extra(item.info)
-    stored = StoredItem(
+    stored = StoredItemReader(
         stream,
         item.length,
         item.info.transform_descriptors or (),
@@ -240,7 +240,7 @@ def _read_item(
 def _decode_framed(
     stream: IO[bytes],
     item: _PlannedRead,
-    stored: StoredItem,
+    stored: StoredItemReader,
     chunk: tuple[torch.Size, torch.dtype] | None,
     target: torch.Tensor,
     planner: LoadPlanner,

@@ -42,7 +42,7 @@ from storage.checkpoint.incremental import (
 )
 from storage.checkpoint.items import (
     ItemEncoder,
-    StoredItem,
+    StoredItemReader,
     check_before_read,
     encryption_required,
     is_encrypted,
@@ -393,7 +393,7 @@ def _copy_item(
 ) -> tuple[int, int, list[str]]:
     """Stream one stored item into ``out`` (as stored when ``chain`` is None, else
     decoded and encoded with ``chain``); returns (stored length, crc32c, descriptors)."""
-    stored = StoredItem(
+    stored = StoredItemReader(
         source,
         int(info.length),
         info.transform_descriptors or (),
