@@ -1,6 +1,6 @@
 """What the writer and the reader accept, checked once: the location (a path or URL, or
 a ``FileSystemBase`` and a path on it), ``checkpoint_id`` as torch reports it, thread
-counts, the serialization format, transforms and the staging options."""
+counts, the serialization format, transforms, the staging options and on/off flags."""
 
 from __future__ import annotations
 
