@@ -12,7 +12,7 @@ import torch
 
 from extensions.errors import CheckpointNotFoundError
 from storage.backends._local import LocalFileSystem
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.api import load, save_with
 from storage.checkpoint.commit import commit_checkpoint, commit_may_have_landed
 from storage.checkpoint.layout import is_committed

@@ -26,7 +26,7 @@ from extensions.errors import (
     UnsafeCheckpointError,
 )
 from extensions.zstd import ZStandard
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.incremental import CONTENT
 from storage.cli.main import main
 from storage.ops.describe import describe

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 import storage
 from extensions.errors import UnsafeCheckpointError
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deletion import delete_checkpoint
 from storage.checkpoint.layout import is_data_file_name
 from storage.checkpoint.prefixes import place

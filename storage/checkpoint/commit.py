@@ -21,7 +21,7 @@ from typing import Any
 
 from extensions.errors import CheckpointExistsError, CheckpointNotFoundError
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.committed import own_files, read_metadata_file, refuse_if_referenced
 from storage.checkpoint.deadline import Budget, DeadlineExceededError
 from storage.checkpoint.deletion import remove_data_files

@@ -28,9 +28,9 @@ from extensions.base import Keys
 from extensions.errors import CheckpointStorageError
 from extensions.registry import ExtensionRegistry
 from storage.checkpoint import api
-from storage.checkpoint._common import resolve_location
 from storage.checkpoint.deletion import delete_checkpoint
 from storage.checkpoint.layout import is_committed
+from storage.checkpoint.options import resolve_location
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
 from storage.integrations import _tree

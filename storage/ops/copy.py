@@ -20,7 +20,7 @@ from extensions.base import Keys, cached_key_lookup
 from extensions.errors import CheckpointExistsError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import commit_checkpoint, metadata_may_name, remove_quietly
 from storage.checkpoint.items import check_before_read, encryption_required
 from storage.checkpoint.layout import metadata_names

@@ -26,8 +26,7 @@ from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, I
 from extensions.registry import ExtensionRegistry
 from extensions.streams import pump, skip
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
-from storage.checkpoint._common import default_thread_count
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.committed import open_committed
 from storage.checkpoint.incremental import (
@@ -37,7 +36,8 @@ from storage.checkpoint.incremental import (
     item_path,
     sibling_path,
 )
-from storage.checkpoint.items import ItemEncoder, StoredItem
+from storage.checkpoint.items import ItemEncoder, StoredItemReader
+from storage.checkpoint.options import default_thread_count
 from storage.checkpoint.prefixes import refuse_linked_prefix, split
 from storage.ops.parts import Part, Progress
 
@@ -300,7 +300,7 @@ def _copy_item(
 ) -> tuple[int, int, list[str]]:
     """Stream one stored item into ``out`` (as stored when ``chain`` is None, else
     decoded and encoded with ``chain``); returns (stored length, crc32c, descriptors)."""
-    stored = StoredItem(
+    stored = StoredItemReader(
         source,
         int(info.length),
         info.transform_descriptors or (),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.ops.parts import chunk_facts, read_metadata
 
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from extensions.errors import TierFullError
 from storage.checkpoint import api
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.deadline import DeadlineExceededError
 from storage.checkpoint.writer import CheckpointWriter

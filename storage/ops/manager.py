@@ -28,8 +28,8 @@ from extensions.base import Keys
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import api
-from storage.checkpoint._common import resolve_location
 from storage.checkpoint.layout import StepInfo
+from storage.checkpoint.options import resolve_location
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops.retention import Retention
 from storage.ops.root_tier import RootTier

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from extensions.base import ItemInfo
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.committed import CommittedCheckpoint, open_committed
 from storage.checkpoint.layout import metadata_rank
 from storage.checkpoint.reader import CheckpointReader

@@ -30,7 +30,7 @@ from typing import Any
 
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from storage.checkpoint import api
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.committed import files_read, open_committed
 from storage.checkpoint.layout import StepInfo, parse_step

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from extensions.errors import quote
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.ops._peers import Group, Move
 
 log = logging.getLogger("storage.ops.tiers")  # one logger for everything tiers say

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch.distributed as dist
 
 from extensions.errors import CheckpointInUseError, CheckpointNotFoundError, UnsafeCheckpointError
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.committed import Siblings
 from storage.checkpoint.deletion import delete_checkpoint, remove_leftovers

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from extensions.errors import CheckpointNotFoundError
 from storage.checkpoint import api
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.committed import CommittedCheckpoint
 from storage.checkpoint.layout import STEP_PREFIX

@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from extensions.errors import TierFullError
 from storage.checkpoint import persist
-from storage.checkpoint._common import resolve_location
 from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.layout import StepInfo
+from storage.checkpoint.options import resolve_location
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops import local_save, restore
 from storage.ops._peers import Group, make_group

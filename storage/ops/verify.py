@@ -24,8 +24,8 @@ from extensions.base import Keys
 from extensions.errors import CheckpointStorageError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
-from storage.checkpoint._common import default_thread_count
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.options import default_thread_count
 from storage.ops.parts import Part, Progress, chunk_facts, read_metadata
 
 
