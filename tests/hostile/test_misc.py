@@ -449,13 +449,13 @@ def test_load_waits_for_the_managers_own_async_save(
     mgr.save(1, {"w": torch.full((4,), 1.0)})
     future = mgr.save(2, {"w": torch.full((4,), 2.0)}, blocking=False)
     assert future is not None
-    real_wait = mgr.wait
+    real_wait = mgr.root_tier.wait  # what load() waits on: the saves straight to the root
 
     def open_gate_then_wait() -> None:
         release.set()
         real_wait()
 
-    monkeypatch.setattr(mgr, "wait", open_gate_then_wait)
+    monkeypatch.setattr(mgr.root_tier, "wait", open_gate_then_wait)
     target = {"w": torch.zeros(4)}
     try:
         step = mgr.load(target)
