@@ -16,25 +16,18 @@ import threading
 from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
-from extensions.errors import CheckpointNotFoundError, MissingDependencyError
+import s3fs  # noqa: F401 - first, so a missing extra is reported as s3fs (registry.py)
+
+from extensions.errors import CheckpointNotFoundError
 from storage.backends._fsspec import FsspecFileSystem
 from storage.backends.base import PendingUpload
-
-try:
-    import s3fs  # noqa: F401 - named here so a missing extra is reported as one
-except ImportError as _exc:  # pragma: no cover - exercised without the extra installed
-    raise MissingDependencyError(
-        f"s3:// URLs need s3fs ({_exc.name or _exc}); install it with: "
-        "pip install 'dcp-storage[s3]'"
-    ) from _exc
-
-from storage.backends.s3._client import (  # noqa: E402
+from storage.backends.s3._client import (
     S3Client,
     error_code,
     shared_s3fs,
     split_path,
 )
-from storage.backends.s3._io import MultipartWriter, RangeReader  # noqa: E402
+from storage.backends.s3._io import MultipartWriter, RangeReader
 
 log = logging.getLogger(__name__)
 
