@@ -15,7 +15,7 @@ from extensions import ZStandard
 from storage import GCSFileSystem
 from storage.backends._buffers import BufferPool
 from storage.backends.gcs import _direct as gcs_direct
-from storage.backends.gcs import _io as gcs_io
+from storage.backends.gcs import _upload as gcs_upload
 from tests.servers import (
     FaultProxy,
     Record,
@@ -215,12 +215,12 @@ def test_direct_path_only_for_what_it_reproduces(proxy: FaultProxy) -> None:
 def test_upload_buffers_are_reused(proxy: FaultProxy) -> None:
     fs = _fs(proxy)
     root = fs.init_path(f"gs://{BUCKET}/{uuid.uuid4().hex}")
-    gcs_io.BUFFERS.clear()
+    gcs_upload.BUFFERS.clear()
     kept = []
     for name in ("a", "b", "c"):
         with fs.create_stream(f"{root}/{name}", "wb") as stream:
             stream.write(b"x" * (2 * MiB + 5))  # a resumable upload of three chunks
-        kept.append(list(gcs_io.BUFFERS._idle))
+        kept.append(list(gcs_upload.BUFFERS._idle))
     assert len(kept[0]) == 1 and all(k == kept[0] and k[0] is kept[0][0] for k in kept)
     assert fs.read_bytes(f"{root}/c") == b"x" * (2 * MiB + 5)
 
@@ -236,14 +236,14 @@ def test_objects_up_to_the_limit_go_up_in_one_request(proxy: FaultProxy) -> None
     assert fs.read_bytes(f"{root}/one") == fs.read_bytes(f"{root}/two") == data
     uploads = [(m, t) for m, t in proxy.arrivals if "/upload/" in t]
     assert len(uploads) == 2 and all("uploadType=media" in t for _, t in uploads)
-    assert gcs_io.HELD._used == 0  # the held buffers went back
+    assert gcs_upload.HELD._used == 0  # the held buffers went back
 
 
 def test_held_budget_bounds_single_requests(
     proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No room to hold buffers: a 3 MiB object goes up as a resumable upload instead.
-    monkeypatch.setattr(gcs_io, "HELD", gcs_io._Budget(MiB))
+    monkeypatch.setattr(gcs_upload, "HELD", gcs_upload._Budget(MiB))
     fs = _fs(proxy, single=64 * MiB)
     root = fs.init_path(f"gs://{BUCKET}/{uuid.uuid4().hex}")
     with fs.create_stream(f"{root}/obj", "wb") as stream:
@@ -251,12 +251,12 @@ def test_held_budget_bounds_single_requests(
     assert fs.read_bytes(f"{root}/obj") == b"y" * (3 * MiB + 1)
     puts = [t for m, t in proxy.arrivals if m == "PUT"]
     assert len(puts) == 4  # three full chunks (the held one among them), then the last byte
-    assert gcs_io.HELD._used == 0
+    assert gcs_upload.HELD._used == 0
     with pytest.raises(RuntimeError, match="boom"), fs.create_stream(f"{root}/x", "wb") as s:
         s.write(b"z" * (MiB + 1))  # one buffer held
-        assert gcs_io.HELD._used == MiB
+        assert gcs_upload.HELD._used == MiB
         raise RuntimeError("boom")
-    assert gcs_io.HELD._used == 0 and not fs.exists(f"{root}/x")
+    assert gcs_upload.HELD._used == 0 and not fs.exists(f"{root}/x")
 
 
 def test_buffer_pool_keeps_what_fits() -> None:

@@ -1,7 +1,7 @@
-"""Google Cloud Storage: the filesystem (``_filesystem``) and its data path (``_io``:
-uploads from reused buffers, ranged GETs in windows and in parallel, resumed where a
-body breaks off; the GETs over pooled connections, ``_direct``, or gcsfs's session,
-``_session``).
+"""Google Cloud Storage: the filesystem (``_filesystem``) and its data path: uploads
+from reused buffers (``_upload``), ranged GETs in windows and in parallel, resumed
+where a body breaks off (``_read``); the GETs over pooled connections (``_direct``) or
+gcsfs's session (``_session``).
 
 Importing this package imports gcsfs; the registry only does so for ``gs://`` URLs."""
 

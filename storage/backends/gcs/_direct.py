@@ -17,7 +17,6 @@ request timeout - gets no direct path: its GETs go through gcsfs's session
 
 from __future__ import annotations
 
-import http.client
 import ssl
 import threading
 import urllib.parse
@@ -25,11 +24,9 @@ import urllib.parse
 import aiohttp
 import gcsfs
 
-from storage.backends._connections import ConnectionPool
+from storage.backends._connections import ConnectionPool, PooledResponse
 from storage.backends.cancel import Cancel
-from storage.backends.gcs._session import Answer, BodyBroken, range_header
-
-_ERROR_BODY_LIMIT = 1 << 16
+from storage.backends.gcs._session import Answer, range_header
 
 
 class DirectGet:
@@ -68,55 +65,8 @@ class DirectGet:
             cancel.track(conn, False)
             conn.close()
             raise
-        return _DirectAnswer(response, conn, self._pool, cancel)
-
-
-class _DirectAnswer:
-    def __init__(
-        self,
-        response: http.client.HTTPResponse,
-        conn: http.client.HTTPConnection,
-        pool: ConnectionPool,
-        cancel: Cancel,
-    ) -> None:
-        self._response = response
-        self._conn: http.client.HTTPConnection | None = conn
-        self._pool = pool
-        self._cancel = cancel
-        self.status = response.status
-
-    def header(self, name: str) -> str | None:
-        return self._response.getheader(name)
-
-    def readinto(self, view: memoryview) -> int:
-        response = self._response
-        try:
-            n = response.readinto(view)
-        except (OSError, http.client.HTTPException) as exc:
-            self.close()
-            raise BodyBroken(f"response body broke off: {exc!r}") from exc
-        if not n and view.nbytes and response.length:
-            self.close()
-            raise BodyBroken(f"response body ended {response.length} bytes early")
-        return n
-
-    def error_body(self) -> bytes:
-        try:
-            body = self._response.read(_ERROR_BODY_LIMIT)
-        except (OSError, http.client.HTTPException):
-            body = b""
-        self.close()
-        return body
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        self._cancel.track(conn, False)
-        if self._response.length:
-            conn.close()  # unread bytes would be the next response
-        else:
-            self._pool.give(conn, self._response)
+        answer: Answer = PooledResponse(response, conn, self._pool, cancel)
+        return answer
 
 
 def _tls() -> ssl.SSLContext:

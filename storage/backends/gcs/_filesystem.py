@@ -1,8 +1,8 @@
 """``GCSFileSystem``: Google Cloud Storage through gcsfs.
 
 gcsfs supplies the client, credentials, configuration and retry rule; the data path is
-ours (``_io``): uploads from reused buffers, ranged GETs straight into the target
-(``_direct``, else through gcsfs's session, ``_session``)."""
+ours: uploads from reused buffers (``_upload``), ranged GETs straight into the target
+(``_read``; over ``_direct``, else through gcsfs's session, ``_session``)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from gcsfs.retry import HttpError
 from extensions.errors import CheckpointNotFoundError
 from storage.backends._fsspec import FsspecFileSystem
 from storage.backends.gcs._direct import direct_get
-from storage.backends.gcs._io import RangeReader, Upload
+from storage.backends.gcs._read import RangeReader
 from storage.backends.gcs._session import Get, StreamedGet
+from storage.backends.gcs._upload import Upload
 
 DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_SINGLE_REQUEST_SIZE = 64 << 20
@@ -56,7 +57,7 @@ class GCSFileSystem(FsspecFileSystem):
     reuse across saves. Objects up to ``single_request_size`` (default 64 MiB) go up in
     one request (``uploadType=media``): one round trip, no session to cancel; their
     full buffers are held until the object ends, within a process-wide budget of 256
-    MiB (``storage.backends.gcs._io.HELD``), past which they go up as resumable
+    MiB (``storage.backends.gcs._upload.HELD``), past which they go up as resumable
     uploads. Larger objects go up as resumable uploads in ``part_size`` chunks
     (sequential within a file, as the protocol requires; files upload in parallel).
     Memory: one buffer per file being written plus at most the held budget. Bodies go

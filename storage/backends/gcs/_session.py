@@ -20,6 +20,7 @@ import aiohttp
 import gcsfs
 from gcsfs.retry import is_retriable, validate_response
 
+from storage.backends._connections import BodyBroken
 from storage.backends.cancel import Cancel
 
 #: ``errors(action)``: a context that turns client errors into the contract's, naming
@@ -34,10 +35,6 @@ _ERROR_BODY_LIMIT = 1 << 16
 _BODY_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
 
 T = TypeVar("T")
-
-
-class BodyBroken(ConnectionError):
-    """A response body broke off: reset, timed out or shorter than announced."""
 
 
 def retriable(exc: BaseException) -> bool:

@@ -19,12 +19,12 @@ import botocore.exceptions as botoexc
 import crc32c
 
 from extensions.streams import read_all
+from storage.backends._connections import BodyBroken
 from storage.backends._ranges import RangeMismatchError, check_range
 from storage.backends._upload import FilledUpload
 from storage.backends.cancel import Cancel, current
 from storage.backends.s3._client import (
     PART_BUFFERS,
-    BodyBroken,
     S3Client,
     error_code,
     split_path,
