@@ -4,11 +4,13 @@ retried and cancelled, ranged GETs resumed from the next byte, bytes on the wire
 from __future__ import annotations
 
 import threading
+import traceback
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import torch
+from google.oauth2.credentials import Credentials
 
 import storage
 from extensions import ZStandard
@@ -23,6 +25,7 @@ from tests.servers import (
     gcs_create_bucket,
     gcs_list,
     gcs_options,
+    gcs_put,
 )
 
 BUCKET = "dcp-gcs-io"
@@ -296,3 +299,72 @@ def test_deadlines_cancel_stalled_uploads_and_reads(proxy: FaultProxy, transport
 def _workers() -> list[str]:
     names = ("dcp-storage-saving", "dcp-storage-loading")
     return [t.name for t in threading.enumerate() if t.name.startswith(names)]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("split", [False, True], ids=["window", "parallel"])
+def test_an_object_replaced_while_read_is_never_stitched(
+    proxy: FaultProxy, transport: str, split: bool
+) -> None:
+    """The GETs after the first are pinned to the first one's generation: an object
+    replaced between them fails the read, naming it, instead of handing back the old
+    version's first window and the new one's rest. Before, the failure was gcsfs's
+    bare 404 ("Not Found"), as though the object had never been there."""
+    fs = _fs(proxy, transport=transport)
+    key = uuid.uuid4().hex
+    name = f"{key}/obj"
+    old, new = b"o" * (4 * MiB), b"n" * (4 * MiB)
+    gcs_put(proxy.url, BUCKET, name, old)
+    path = f"{BUCKET}/{name}"
+    target = bytearray(4 * MiB)
+    view = memoryview(target)
+    with fs.open_slice(path, 0, 4 * MiB) as reader:
+        got = 0
+        while got < MiB:  # the first window, the GET the reader opened
+            got += reader.readinto(view[got:MiB])
+        gcs_put(proxy.url, BUCKET, name, new)
+        rest = view[MiB:] if split else view[MiB : 2 * MiB]  # parallel GETs, or the next window
+        with pytest.raises(OSError, match=rf"gs://{path}: the object was replaced or deleted"):
+            while rest:
+                n = reader.readinto(rest)
+                assert n
+                rest = rest[n:]
+    assert b"n" not in target
+    gets = [t for m, t in proxy.arrivals if m == "GET" and key in t]
+    assert len(gets) >= 2 and all("generation=" in t for t in gets[1:])
+    assert fs.read_bytes(path) == new  # a fresh read gets the new version
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_read_errors_name_the_object_and_hold_no_token(proxy: FaultProxy, transport: str) -> None:
+    """A read that fails for good says which object and why, after gcsfs's attempts;
+    the access token the client sends with every GET is in none of it. Before, resets
+    that outlasted the attempts surfaced as a bare ``ConnectionResetError`` (either
+    transport) that named no object."""
+    token = "ya29.SECRET-" + uuid.uuid4().hex
+    extra: dict = {"token": Credentials(token=token)}
+    if transport == "streamed":
+        extra["session_kwargs"] = {"trust_env": False}
+    fs = GCSFileSystem(storage_options=gcs_options(proxy.url, **extra), part_size=MiB)
+    fs.fs.retries = 2
+    assert (gcs_direct.direct_get(fs.fs) is not None) == (transport == "direct")
+    key = uuid.uuid4().hex
+    name = f"{key}/obj"
+    gcs_put(proxy.url, BUCKET, name, b"x" * (2 * MiB))
+    path = f"{BUCKET}/{name}"
+    assert fs.read_bytes(path) == b"x" * (2 * MiB)
+    assert {r.authorization for r in proxy.records if r.method == "GET"} == {f"Bearer {token}"}
+    failures = []
+    for kind in ("gcs503", "reset"):
+        proxy.clear()
+        proxy.add(kind, method="GET", path=key)
+        with pytest.raises(OSError) as info:
+            fs.read_bytes(path)
+        failures.append(info.value)
+    proxy.clear()
+    with pytest.raises(FileNotFoundError) as missing:
+        fs.read_bytes(f"{path}-missing")
+    failures.append(missing.value)
+    for exc in failures:
+        text = "".join(traceback.format_exception(exc))
+        assert f"gs://{path}" in str(exc) and token not in text

@@ -26,9 +26,10 @@ class FilledUpload(io.RawIOBase):
     Every ``write`` is copied into the current buffer ``BLOCK`` bytes at a time; each
     copied block is passed to :meth:`_block_copied` (a no-op here) right after the copy,
     and a buffer that becomes full is passed to :meth:`_part_full`, which must hand it
-    on with :meth:`_swap`, send it and empty it (``_fill = 0``), or fail. The upload ends with the subclass's
-    ``finish()`` (publish) or ``abort()`` (nothing visible); ``close()`` ends nothing,
-    because DCP's transforms close the stream they wrap before the writer decides."""
+    on with :meth:`_swap`, send it and empty it (``_fill = 0``), or fail. The upload
+    ends with the subclass's ``finish()`` (publish) or ``abort()`` (nothing visible);
+    ``close()`` ends nothing, because DCP's transforms close the stream they wrap
+    before the writer decides."""
 
     def __init__(self, pool: BufferPool, part_size: int) -> None:
         super().__init__()

@@ -196,13 +196,18 @@ class GCSFileSystem(FsspecFileSystem):
             message = f"{self.url(path)}: {action} failed after retries: {self._describe(exc)}"
             raise OSError(message) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            if isinstance(exc, OSError):
-                raise
             text = self.redactor.redact(repr(exc))
+            if isinstance(exc, OSError):  # a connection that failed (after gcsfs's attempts)
+                raise ConnectionError(f"{self.url(path)}: {action} failed: {text}") from exc
             raise OSError(f"{self.url(path)}: {action} failed: {text}") from exc
         except OSError as exc:
             if str(exc).startswith("Forbidden"):
                 raise PermissionError(self._denied(path, action, exc)) from exc
+            if isinstance(exc, (ConnectionError, TimeoutError)) and self.url(path) not in str(exc):
+                # The direct path's socket errors name no object: say which, and that
+                # gcsfs's attempts are spent.
+                message = f"{self.url(path)}: {action} failed after retries: {self._describe(exc)}"
+                raise type(exc)(message) from exc
             raise
 
     def _denied(self, path: str, action: str, exc: BaseException) -> str:

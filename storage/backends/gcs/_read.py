@@ -60,10 +60,12 @@ class RangeReader(io.RawIOBase):
     ranged answer must be the range asked for (``_ranges.check_range``).
 
     Opening a GET is retried as gcsfs retries requests; a body that breaks off is
-    resumed with a ranged GET from the next byte, pinned to the object's generation (a
-    replaced object is never stitched together), up to ``_BODY_RETRIES`` breaks in a
-    row. A range that starts past the end reads as empty (a short read). Cancelling
-    the calling thread's ``Cancel`` (or ``cancel``) interrupts its requests."""
+    resumed with a ranged GET from the next byte, up to ``_BODY_RETRIES`` breaks in a
+    row. Every GET after the first is pinned to the generation the first one answered:
+    an object replaced or deleted meanwhile fails the read (an ``OSError`` that says
+    so), it is never stitched together from two versions. A range that starts past
+    the end reads as empty (a short read). Cancelling the calling thread's ``Cancel``
+    (or ``cancel``) interrupts its requests."""
 
     def __init__(
         self,
@@ -183,6 +185,12 @@ class RangeReader(io.RawIOBase):
             answer.close()
             self._eof = True
             return None
+        if answer.status == 404 and self._generation is not None:
+            answer.close()  # pinned: the bytes read so far belong to a version now gone
+            raise OSError(
+                f"gs://{self._path}: the object was replaced or deleted while it was read "
+                f"(its generation {self._generation} is gone); read it again"
+            )
         if answer.status >= 400:
             validate_response(answer.status, answer.error_body(), self._path)
         try:
