@@ -40,6 +40,10 @@ class Context:
     rank: int
     world: int
     state: State  # the job's state dict (model and optimizer), as save() gets it
+    # A gloo group for checkpoint collectives that run beside training: a background
+    # save's collectives on the default group would interleave with DDP's all-reduces
+    # (gloo aborts on the mismatch), so torch's docs give async_save a group of its own.
+    group: Any = None
     thread_count: int = 8  # for the peers' writers (ours keeps its own default)
 
     def step_url(self, step: int) -> str:
@@ -99,6 +103,11 @@ class StagingFloor:
         pass
 
 
+def _upload(response: Any) -> Future[Any]:
+    """The future of the upload: ``dcp.async_save`` returns it, or a response holding it."""
+    return getattr(response, "upload_completion", response)  # type: ignore[no-any-return]
+
+
 class _Async:
     """Waits for the previous checkpoint before starting the next (one in flight, as
     torch's docs and our manager do); the wait is part of the stall."""
@@ -145,8 +154,13 @@ class StockAsync(_Async):
         self.wait_previous()
         url = self.ctx.step_url(step)
         writer = self.writer(url, thread_count=self.ctx.thread_count, **self.ctx.storage_options)
-        fut = dcp.async_save(state(), storage_writer=writer, async_checkpointer_type=self.kind)
-        self.pending.append(getattr(fut, "upload_completion", fut))
+        fut = dcp.async_save(
+            state(),
+            storage_writer=writer,
+            async_checkpointer_type=self.kind,
+            process_group=self.ctx.group,
+        )
+        self.pending.append(_upload(fut))
 
 
 class S3ConnectorAsync(_Async):
@@ -160,7 +174,7 @@ class S3ConnectorAsync(_Async):
         from s3torchconnector.dcp import S3StorageWriter
 
         # Its DCP filesystem builds S3Client(region, ...) without an endpoint.
-        s3tc_fs.S3Client = functools.partial(S3Client, endpoint=ctx.endpoint)  # type: ignore[misc]
+        s3tc_fs.S3Client = functools.partial(S3Client, endpoint=ctx.endpoint)  # type: ignore[misc,assignment]
         os.environ.setdefault("AWS_ACCESS_KEY_ID", KEY)
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", SECRET)
         self.ctx, self.writer = ctx, S3StorageWriter
@@ -174,20 +188,24 @@ class S3ConnectorAsync(_Async):
             s3client_config=self.config,
             thread_count=self.ctx.thread_count,
         )
-        self.pending.append(dcp.async_save(state(), storage_writer=writer))
+        fut = dcp.async_save(state(), storage_writer=writer, process_group=self.ctx.group)
+        self.pending.append(_upload(fut))
 
 
 class Ours:
     """Ours through a ``CheckpointManager`` on the bucket: blocking ``save``,
     ``save(blocking=False)``, or with a local tier (``local=``, ``keep_local=2``) whose
-    drain copies each step to the bucket."""
+    drain copies each step to the bucket; ``persist`` as the manager takes it (``None``:
+    the default, the persist worker process)."""
 
-    def __init__(self, ctx: Context, *, blocking: bool, tiered: bool = False) -> None:
+    def __init__(
+        self, ctx: Context, *, blocking: bool, tiered: bool = False, persist: str | None = None
+    ) -> None:
         import storage
 
-        local = {"local": ctx.local_dir, "keep_local": 2} if tiered else {}
+        local: dict[str, Any] = {"local": ctx.local_dir, "keep_local": 2} if tiered else {}
         self.manager = storage.CheckpointManager(
-            ctx.root, storage_options=ctx.storage_options, **local
+            ctx.root, storage_options=ctx.storage_options, persist=persist, **local
         )
         self.blocking = blocking
         self.pending: list[Future[None]] = []
@@ -215,6 +233,8 @@ VARIANTS: dict[str, Factory] = {
     "ours sync": lambda ctx: Ours(ctx, blocking=True),
     "ours async": lambda ctx: Ours(ctx, blocking=False),
     "ours tiered": lambda ctx: Ours(ctx, blocking=False, tiered=True),
+    "ours async thread": lambda ctx: Ours(ctx, blocking=False, persist="thread"),
+    "ours tiered thread": lambda ctx: Ours(ctx, blocking=False, tiered=True, persist="thread"),
     "ours tiered sync": lambda ctx: Ours(ctx, blocking=True, tiered=True),
 }
 # What a run without --variants measures ("none" is always run: the baseline).

@@ -18,7 +18,10 @@ touched, before the clock starts). Before every timed call the parent runs an un
   buffers, with the same number of threads our writer/reader use; for ``save-over``
   the same new-file write (a save that keeps the committed checkpoint until its own
   commit must write new files) and, as ``in-place limit``, those files rewritten in
-  place through ``O_TRUNC`` (what stock does when it saves over a path).
+  place through ``O_TRUNC`` (what stock does when it saves over a path); for a zstd
+  ``load``, the decoding floor: every item of ours' zstd checkpoint decoded from memory
+  (no read, no checksum) on one thread, that time divided by the cores - what a load
+  costs when every core decodes all the time.
 
 A warm-up round first, then the sides alternate (stock, ours, ...) ``--repeat`` times;
 the table shows medians and ratios stock/ours (> 1: we are faster). Nothing is deleted
@@ -60,8 +63,11 @@ def _child(op: str, side: str, case: str, path: str, size_mb: float, threads: in
     nbytes = logical_bytes(state)
     # The ceiling's buffers, like the loads' targets, exist and are touched untimed.
     limit_buffers = _touched_buffers(path) if op == "limit-read" else []
+    decode = _decode_one_thread(path) if op == "limit-decode" else None
     cpu0, t0 = os.times(), time.perf_counter()
-    if op == "limit-write":
+    if decode is not None:
+        decode()
+    elif op == "limit-write":
         _limit_write(state, path, threads)
     elif op == "limit-overwrite":
         _limit_write(state, path, threads, in_place=True)
@@ -84,6 +90,8 @@ def _child(op: str, side: str, case: str, path: str, size_mb: float, threads: in
         else:
             storage.load(state, path)
     wall = time.perf_counter() - t0
+    if decode is not None:
+        wall /= threads  # the floor: every core decoding all the time
     cpu1 = os.times()
     cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     print(json.dumps({"s": wall, "cpu": cpu, "bytes": nbytes}))
@@ -121,6 +129,32 @@ def _limit_write(
     fd = os.open(directory, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
+
+
+def _decode_one_thread(directory: str) -> Any:
+    """A call that decodes every item of the zstd checkpoint in ``directory`` from
+    memory into a reused, touched buffer on one thread (the files are read first)."""
+    from extensions.zstd import frame_reader
+    from storage.checkpoint import format as fmt
+
+    with open(os.path.join(directory, ".metadata"), "rb") as f:
+        meta = fmt.load_metadata(f.read(), directory)
+    files: dict[str, bytes] = {}
+    for info in meta.storage_data.values():
+        if info.relative_path not in files:
+            with open(os.path.join(directory, info.relative_path), "rb") as f:
+                files[info.relative_path] = f.read()
+    out = memoryview(bytearray(64 << 20))
+    out[::4096] = b"\1" * len(out[::4096])
+
+    def run() -> None:
+        for info in meta.storage_data.values():
+            source = memoryview(files[info.relative_path])[info.offset : info.offset + info.length]
+            reader = frame_reader(source, across_frames=True)
+            while reader.readinto(out):
+                pass
+
+    return run
 
 
 def _touched_buffers(directory: str) -> list[tuple[str, bytearray]]:
@@ -175,7 +209,11 @@ def _case(case: str, work: str, size_mb: float, repeat: int, threads: int) -> li
         ours_dir = os.path.join(work, f"{case}-ours-limitsrc")
         _run("save", "ours", "none", ours_dir, size_mb, threads)
         lw = _run("limit-write", "-", case, limit_dir, size_mb, threads)
-        lr = _run("limit-read", "-", case, ours_dir, size_mb, threads)
+        if case == "zstd":  # the floor of a zstd load is decoding, not reading
+            zstd_dir = os.path.join(work, f"{case}-ours-{round_}")
+            lr = _run("limit-decode", "-", case, zstd_dir, size_mb, threads)
+        else:
+            lr = _run("limit-read", "-", case, ours_dir, size_mb, threads)
         lo = _run("limit-overwrite", "-", case, limit_dir, size_mb, threads)
         if round_:
             times.setdefault(("limit", "save"), []).append(lw)

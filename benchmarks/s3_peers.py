@@ -2,13 +2,24 @@
 
     python benchmarks/s3_peers.py                         # 268 MB, warm-up + median of 3
     python benchmarks/s3_peers.py --size-mb 128 --repeat 3 --zstd
+    python benchmarks/s3_peers.py --capped --zstd --shuffle  # the capped-bucket profile
 
 Rows: ours (``storage.CheckpointWriter`` / ``CheckpointReader`` through ``dcp.save`` /
 ``dcp.load``), stock ``FsspecWriter`` / ``FsspecReader`` (``thread_count=8``),
 s3torchconnector's ``S3StorageWriter`` / ``S3StorageReader`` (``thread_count=8``, its
 CRT client pointed at the server with ``endpoint=`` and ``force_path_style=True``),
-with ``--zstd`` also ours with ``extensions.ZStandard()``; and a raw ceiling: 8 objects
-x 32 MiB PUT then GET in 8 threads with boto3, no DCP.
+with ``--zstd`` also ours with ``extensions.ZStandard()``, with ``--shuffle`` also ours
+with ``[ByteShuffle(), ZStandard()]``; and a raw ceiling: 8 objects x 32 MiB PUT then
+GET in 8 threads with boto3, no DCP.
+
+Two profiles. The default reaches SeaweedFS directly on loopback, so the server's and
+the client's CPU on the same two cores are the limit. ``--capped`` puts
+:class:`tests.capped_proxy.CappedProxy` between every client (the raw ceiling and the
+fresh-process loads too) and the server: ``--rate`` bytes per second for both directions
+together (default 100 MB/s) and ``--latency`` per request (default 5 ms), the regime of
+a bucket that many ranks share, where bandwidth, not CPU, is the limit. The table then
+also gives the bytes each save sent and each load received through the proxy, and the
+floor those bytes set at the cap.
 
 Protocol: one ``weed mini`` on free ports (``tests.servers.SeaweedFS``), one seeded
 state dict of 2048x2048 tensors (bf16, every fifth fp32) built once. Each client saves
@@ -43,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.capped_proxy import CappedProxy  # noqa: E402
 from tests.servers import KEY, SECRET, SeaweedFS, boto3_client, s3_options  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -73,13 +85,18 @@ def logical_bytes(state: dict[str, torch.Tensor]) -> int:
 # --- clients -------------------------------------------------------------------------
 
 
-def _ours(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
+def _ours(endpoint: str, transforms: str) -> tuple[SaveFn, LoadFn]:
     import storage
     import storage.backends.s3  # noqa: F401 - imported untimed, as the peers' modules are
-    from extensions import ZStandard
+    from extensions import ByteShuffle, ZStandard
 
     opts = s3_options(endpoint)
-    chain = [ZStandard()] if zstd else []
+    chains: dict[str, list[Any]] = {
+        "": [],
+        "zstd": [ZStandard()],
+        "shuffle+zstd": [ByteShuffle(), ZStandard()],
+    }
+    chain = chains[transforms]
 
     def save(state: dict[str, Any], url: str) -> None:
         writer = storage.CheckpointWriter(url, transforms=chain, storage_options=opts)
@@ -91,13 +108,13 @@ def _ours(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
     return save, load
 
 
-def _stock(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
+def _stock(endpoint: str, transforms: str) -> tuple[SaveFn, LoadFn]:
     import s3fs  # noqa: F401 - imported untimed, as the other clients' modules are
     from torch.distributed.checkpoint._extension import ZStandard
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     opts = s3_options(endpoint)
-    chain = [ZStandard()] if zstd else None
+    chain = {"": None, "zstd": [ZStandard()]}[transforms]
 
     def save(state: dict[str, Any], url: str) -> None:
         writer = FsspecWriter(url, thread_count=8, _extensions=chain, **opts)
@@ -109,7 +126,7 @@ def _stock(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
     return save, load
 
 
-def _s3torchconnector(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
+def _s3torchconnector(endpoint: str, transforms: str) -> tuple[SaveFn, LoadFn]:
     import s3torchconnector.dcp.s3_file_system as s3tc_fs
     from s3torchconnector import S3ClientConfig
     from s3torchconnector._s3client import S3Client
@@ -122,7 +139,7 @@ def _s3torchconnector(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", KEY)
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", SECRET)
     config = S3ClientConfig(force_path_style=True)
-    chain = [ZStandard()] if zstd else None
+    chain = {"": None, "zstd": [ZStandard()]}[transforms]
 
     def save(state: dict[str, Any], url: str) -> None:
         writer = S3StorageWriter(
@@ -136,16 +153,18 @@ def _s3torchconnector(endpoint: str, zstd: bool) -> tuple[SaveFn, LoadFn]:
     return save, load
 
 
-CLIENTS: dict[str, Callable[[str, bool], tuple[SaveFn, LoadFn]]] = {
+CLIENTS: dict[str, Callable[[str, str], tuple[SaveFn, LoadFn]]] = {
     "ours": _ours,
     "stock fsspec": _stock,
     "s3torchconnector": _s3torchconnector,
 }
-ZSTD_ROWS = {"ours+zstd": "ours"}
+# Extra rows: (client, transform chain).
+TRANSFORM_ROWS = {"ours+zstd": ("ours", "zstd"), "ours+shuffle+zstd": ("ours", "shuffle+zstd")}
 
 
 def _make(name: str, endpoint: str) -> tuple[SaveFn, LoadFn]:
-    return CLIENTS[ZSTD_ROWS.get(name, name)](endpoint, name in ZSTD_ROWS)
+    client, transforms = TRANSFORM_ROWS.get(name, (name, ""))
+    return CLIENTS[client](endpoint, transforms)
 
 
 def _cpu() -> float:
@@ -250,13 +269,15 @@ def side_by_side(
     load: Callable[[str, str, float], tuple[float, float]],
     delete: Callable[[str], None],
     ceiling: Callable[[], dict[str, float]],
+    moved: Callable[[], tuple[int, int]] | None = None,
 ) -> tuple[Samples, int]:
     """The protocol every store comparison here shares: each client saves and loads a
     small state dict (warm-up), then in ``repeat`` rounds, the order rotating, saves the
     state dict to a fresh prefix in this process and loads it with ``load`` (a fresh
     process), then the prefix is deleted; the raw ``ceiling`` is measured after every
     round and scaled to the same bytes. ``url`` maps a prefix to a URL; the samples are
-    seconds and CPU seconds, with the logical byte count."""
+    seconds and CPU seconds, with the logical byte count. ``moved`` (a proxy's byte
+    counters, sent and received) adds the bytes each save sent and each load received."""
     names = list(clients)
     state = build_state(size_mb)
     logical = logical_bytes(state)
@@ -278,9 +299,14 @@ def side_by_side(
         order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for name in order:
             prefix = f"{name.replace(' ', '-')}-{uuid.uuid4().hex}"
+            before = moved() if moved else (0, 0)
             save_s, save_cpu = timed(lambda: clients[name][0](state, url(prefix)))  # noqa: B023
+            between = moved() if moved else (0, 0)
             load_s, load_cpu = load(name, url(prefix), size_mb)
+            after = moved() if moved else (0, 0)
             add(name, save=save_s, save_cpu=save_cpu, load=load_s, load_cpu=load_cpu)
+            if moved:
+                add(name, sent=between[0] - before[0], received=after[1] - between[1])
             delete(prefix)
         raw = ceiling()
         scale = logical / raw.pop("bytes")  # the ceiling per the same bytes
@@ -289,10 +315,19 @@ def side_by_side(
 
 
 def report(
-    samples: Samples, logical: int, repeat: int, *, store: str, baseline: str, short: str
+    samples: Samples,
+    logical: int,
+    repeat: int,
+    *,
+    store: str,
+    baseline: str,
+    short: str,
+    cap: float | None = None,
 ) -> None:
     """The table: each row's times and CPU per GB, against the ``baseline`` row (named
-    ``short`` in the headers) and against the raw ceiling."""
+    ``short`` in the headers) and against the raw ceiling; with ``cap`` (bytes per second
+    of a capped bucket; samples with bytes moved) also the MB each save sent and each
+    load received, and the time those bytes take at the cap."""
     med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
     gb, mb = logical / 1e9, logical / MB
     peer, ceiling = med[baseline], med["raw ceiling"]
@@ -300,41 +335,78 @@ def report(
         f"\n{store}, {mb:.0f} MB state dict, median of {repeat} after a warm-up; "
         "saves in this process, loads in a fresh one; CPU = client user+sys per GB"
     )
+    capped = cap is not None and "sent" in med[baseline]
     print(
         "| client | save s | MB/s | CPU s/GB | load s | MB/s | CPU s/GB | "
         f"save vs {short} (time, CPU) | load vs {short} (time, CPU) | % of ceiling (save, load) |"
+        + (" MB sent, received | their time at the cap, s (save, load) |" if capped else "")
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (10 + 2 * capped) + "|")
     for name, m in med.items():
+        moved = ""
+        if capped:
+            assert cap is not None
+            if "sent" in m:
+                moved = (
+                    f" {m['sent'] / MB:.0f}, {m['received'] / MB:.0f} "
+                    f"| {m['sent'] / cap:.2f}, {m['received'] / cap:.2f} |"
+                )
+            else:
+                moved = f" {mb:.0f}, {mb:.0f} (scaled) | {mb * MB / cap:.2f}, {mb * MB / cap:.2f} |"
         print(
             f"| {name} | {m['save']:.2f} | {mb / m['save']:.0f} | {m['save_cpu'] / gb:.2f} "
             f"| {m['load']:.2f} | {mb / m['load']:.0f} | {m['load_cpu'] / gb:.2f} "
             f"| {peer['save'] / m['save']:.2f}x, {m['save_cpu'] / peer['save_cpu']:.2f}x "
             f"| {peer['load'] / m['load']:.2f}x, {m['load_cpu'] / peer['load_cpu']:.2f}x "
             f"| {100 * ceiling['save'] / m['save']:.0f}%, "
-            f"{100 * ceiling['load'] / m['load']:.0f}% |"
+            f"{100 * ceiling['load'] / m['load']:.0f}% |" + moved
         )
     print(
         f"\nvs {short}: time = {baseline}'s time / this row's (> 1: faster); CPU = this "
         f"row's CPU per GB / {baseline}'s (< 1: cheaper); the ceiling: raw requests, 8 x 32 "
         "MiB in 8 threads, no DCP, scaled to the same bytes."
     )
+    if capped:
+        assert cap is not None
+        print(
+            f"The cap: {cap / MB:.0f} MB/s for both directions together; bytes counted at "
+            "the proxy (bodies and HTTP headers); their time at the cap is the floor no "
+            "client can beat."
+        )
     print("raw samples:", json.dumps(samples))
 
 
-def run(args: argparse.Namespace, endpoint: str) -> None:
-    names = list(CLIENTS) + (list(ZSTD_ROWS) if args.zstd else [])
+def run(args: argparse.Namespace, endpoint: str, proxy: CappedProxy | None = None) -> None:
+    """The side-by-side run against ``endpoint``; with ``proxy`` every client, load and
+    ceiling goes through it (prefixes are deleted directly)."""
+    names = list(CLIENTS) + (["ours+zstd"] if args.zstd else [])
+    names += ["ours+shuffle+zstd"] if args.shuffle else []
+    via = proxy.url if proxy else endpoint
     samples, logical = side_by_side(
-        {name: _make(name, endpoint) for name in names},
+        {name: _make(name, via) for name in names},
         args.size_mb,
         args.repeat,
         url=lambda prefix: f"s3://{BUCKET}/{prefix}",
-        load=lambda name, url, mb: load_in_fresh_process(name, endpoint, url, mb),
+        load=lambda name, url, mb: load_in_fresh_process(name, via, url, mb),
         delete=lambda prefix: _delete_prefix(endpoint, prefix),
-        ceiling=lambda: raw_ceiling(endpoint),
+        ceiling=lambda: raw_ceiling(via),
+        moved=(lambda: (proxy.bytes_up, proxy.bytes_down)) if proxy else None,
     )
+    store = "SeaweedFS"
+    if proxy:
+        assert proxy.bucket is not None
+        store += (
+            f" behind the capped proxy ({proxy.bucket.rate / MB:.0f} MB/s both ways together, "
+            f"{proxy.latency * 1e3:.0f} ms per request; proxy CPU {proxy.cpu_seconds():.1f} s)"
+        )
     report(
-        samples, logical, args.repeat, store="SeaweedFS", baseline="s3torchconnector", short="s3tc"
+        samples,
+        logical,
+        args.repeat,
+        store=store,
+        baseline="s3torchconnector",
+        short="s3tc",
+        cap=proxy.bucket.rate if proxy and proxy.bucket else None,
     )
 
 
@@ -343,6 +415,10 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=268)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--zstd", action="store_true", help="add a row: ours with zstd")
+    parser.add_argument("--shuffle", action="store_true", help="add a row: shuffle + zstd")
+    parser.add_argument("--capped", action="store_true", help="reach the server via the proxy")
+    parser.add_argument("--rate", type=float, default=100e6, help="proxy cap, bytes/s in all")
+    parser.add_argument("--latency", type=float, default=0.005, help="proxy delay per request, s")
     parser.add_argument("--endpoint", help="use this S3 endpoint instead of starting SeaweedFS")
     parser.add_argument("--child-load", nargs=3, metavar=("CLIENT", "ENDPOINT", "URL"))
     args = parser.parse_args()
@@ -354,7 +430,11 @@ def main() -> None:
         return
     with SeaweedFS(bucket=BUCKET) as server:
         print(f"SeaweedFS {server.url} (data in {server.dir})", flush=True)
-        run(args, server.url)
+        if not args.capped:
+            run(args, server.url)
+            return
+        with CappedProxy(server.url, rate=args.rate, latency=args.latency) as proxy:
+            run(args, server.url, proxy)
 
 
 if __name__ == "__main__":

@@ -6,27 +6,30 @@
     python benchmarks/training_loop.py --interval 10 --variants "ours async" "stock async"
 
 A deterministic CPU training loop (a small transformer language model with AdamW, seeded
-weights and batches; the state dict, model and optimizer, is ~260 MB) runs ``--steps``
-steps and checkpoints every ``--interval`` steps (at steps N, 2N, ... below the last) to
-SeaweedFS (``weed mini`` on this machine), once per variant of
-``benchmarks/loop_variants.py``, each in fresh processes (``--ranks`` gloo ranks with DDP,
-the global batch split between them, torch threads = cores / ranks). With ``--capped`` the
-job reaches the bucket through :class:`tests.capped_proxy.CappedProxy` (``--rate`` bytes per
-second for both directions together, ``--latency`` per request): the regime of a bucket that
-many ranks share.
+weights and batches; the state dict, model and optimizer, is 277 MB) runs ``--steps`` steps
+and checkpoints every ``--interval`` steps (at steps N, 2N, ... below the last) to SeaweedFS
+(``weed mini`` on this machine), once per variant of ``benchmarks/loop_variants.py``, each
+in fresh processes: ``--ranks`` gloo ranks with DDP, the global batch split between them,
+``--threads`` torch threads per rank (1 by default: one rank leaves a core to the server
+and to the checkpoint's background work, as a GPU job's Python thread leaves the host's
+other cores; two ranks take both). With ``--capped`` the job reaches the bucket through
+:class:`tests.capped_proxy.CappedProxy` (``--rate`` bytes per second for both directions
+together, ``--latency`` per request): the regime of a bucket that many ranks share.
 
 Per variant and interval: the training wall time of the whole run against the same loop
 without checkpoints (slowdown %), the stall per checkpoint (time the training thread spends
 in the variant's ``save``, state dict building included: median and max, the max over
 ranks), the step time (median, p99), the time from the start of a save until its
 ``.metadata`` object exists in the bucket (durable: watched by this process with HEAD
-requests to the server every 50 ms, the proxy bypassed), and the server's CPU (user + sys
-of ``weed``, from /proc) from the first step until the last checkpoint is durable, as
-seconds and as a share of one core. The "floor" row copies the state's tensors into staging
+requests to the server every 50 ms, the proxy bypassed), and from the first step until
+the last checkpoint is durable the CPU (user + sys, from /proc) of the job (every rank's
+process and its children: torch's checkpoint process) and of the server (``weed``, also as
+a share of one core). The "floor" row copies the state's tensors into staging
 buffers allocated once and does nothing else (issue 20 item 3). Before the runs, a raw
 ceiling: 8 objects x 16 MiB PUT then GET with boto3 in 8 threads through the same endpoint,
 with the proxy's own CPU. ``--rounds R`` repeats every variant R times, the order rotating,
-and reports medians.
+and reports medians. ``--profile DIR`` runs rank 0 under ``py-spy record --gil`` (the
+stacks of whichever thread holds the GIL, 100 samples a second; raw folded stacks).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,9 +63,9 @@ from tests.servers import SeaweedFS, boto3_client  # noqa: E402
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 BUCKET = "bench"
 WARMUP_STEPS = 3
-# (vocabulary, width, layers, global batch, sequence): ~21.7M parameters, ~260 MB of
-# state dict with AdamW's two moments; a step takes ~0.3 s on one rank of this machine.
-SIZES = {"full": (8192, 512, 6, 8, 64), "quick": (1024, 128, 2, 4, 32)}
+# (vocabulary, width, layers, global batch, sequence): 23.1M parameters, 277 MB of state
+# dict with AdamW's two moments; a step takes ~0.5 s on one thread of this machine.
+SIZES = {"full": (4096, 512, 6, 4, 64), "quick": (1024, 128, 2, 4, 32)}
 
 
 # --- the job ---------------------------------------------------------------------------
@@ -91,7 +95,7 @@ def child(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     vocab, width, layers, batch, seq = SIZES[args.size]
     torch.manual_seed(0)
@@ -118,7 +122,8 @@ def child(args: argparse.Namespace) -> None:
 
     for _ in range(WARMUP_STEPS):  # AdamW allocates its moments on the first step
         train_step()
-    ctx = Context(args.child_endpoint, args.child_root, args.child_local, rank, world, state)
+    group = dist.new_group(backend="gloo")
+    ctx = Context(args.child_endpoint, args.child_root, args.child_local, rank, world, state, group)
     variant = VARIANTS[args.child](ctx)
     steps, stalls, starts = [], {}, {}
     dist.barrier()
@@ -187,6 +192,21 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live descendants (torch's checkpoint process)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += process_cpu(current)
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    todo += [int(child) for child in f.read().split()]
+        except OSError:
+            continue  # it ended meanwhile
+    return total
+
+
 # --- one variant's run -------------------------------------------------------------------
 
 
@@ -201,7 +221,9 @@ def _free_port() -> int:
 class Bench:
     """The server, the optional proxy and the options every run shares."""
 
-    def __init__(self, args: argparse.Namespace, server: SeaweedFS, proxy: CappedProxy | None):
+    def __init__(
+        self, args: argparse.Namespace, server: SeaweedFS, proxy: CappedProxy | None
+    ) -> None:
         self.args, self.server, self.proxy = args, server, proxy
         self.endpoint = proxy.url if proxy is not None else server.url
         self.run_id = uuid.uuid4().hex[:8]
@@ -219,14 +241,21 @@ class Bench:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         env["WORLD_SIZE"] = str(self.args.ranks)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--size", self.args.size]
+        cmd += ["--threads", str(self.args.threads)]
         cmd += ["--interval", str(interval), "--steps", str(steps)]
         cmd += ["--child-endpoint", self.endpoint, "--child-root", f"s3://{BUCKET}/{prefix}"]
         cmd += ["--child-local", local]
         procs = []
         for rank in range(self.args.ranks):
+            profile = []
+            if self.args.profile and rank == 0:  # which thread holds the GIL, 100 times a second
+                out = os.path.join(self.args.profile, f"{prefix.split('/')[-1]}.txt")
+                spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+                profile = [spy, "record", "--gil", "--threads", "--subprocesses"]
+                profile += ["--format", "raw", "--rate", "100", "--output", out, "--"]
             procs.append(
                 subprocess.Popen(
-                    cmd,
+                    profile + cmd,
                     env=dict(env, RANK=str(rank)),
                     stdout=subprocess.PIPE,
                     stderr=open(os.path.join(self.work, f"{rank}.err"), "w"),  # noqa: SIM115
@@ -242,10 +271,12 @@ class Bench:
             event, _, rest = line.strip().partition(" ")
             if event == "@start":
                 cpu.update(weed=process_cpu(weed), proxy=self.proxy_cpu(), at=time.monotonic())
+                cpu["job"] = sum(tree_cpu(p.pid) for p in procs)
             elif event == "@save":
                 watcher.expect(int(rest.split()[0]))
             elif event == "@finished":
                 watcher.poll()  # every checkpoint is committed once finish() returned
+                cpu["job"] = sum(tree_cpu(p.pid) for p in procs) - cpu["job"]
                 cpu["weed"] = process_cpu(weed) - cpu["weed"]
                 cpu["proxy"] = self.proxy_cpu() - cpu["proxy"]
                 cpu["at"] = time.monotonic() - cpu["at"]
@@ -279,6 +310,7 @@ def summarize(
         "durable": durable,
         "step_p50": statistics.median(steps),
         "step_p99": statistics.quantiles(steps, n=100, method="inclusive")[98],
+        "job_cpu": cpu["job"],
         "server_cpu": cpu["weed"],
         "proxy_cpu": cpu["proxy"],
         "window": cpu["at"],
@@ -288,7 +320,9 @@ def summarize(
 # --- the table ---------------------------------------------------------------------------
 
 
-def report(samples: dict[str, list[dict[str, Any]]], interval: int, steps: int, capped: bool):
+def report(
+    samples: dict[str, list[dict[str, Any]]], interval: int, steps: int, capped: bool
+) -> None:
     """The table for one interval: medians over the rounds (stalls and durable times over
     every checkpoint of every round); slowdown against the same round's baseline."""
     base = samples["none"]
@@ -302,9 +336,9 @@ def report(samples: dict[str, list[dict[str, Any]]], interval: int, steps: int, 
     proxy = " proxy CPU s |" if capped else ""
     print(
         "| variant | slowdown % | stall median ms | stall max ms | step p50 ms | step p99 ms "
-        f"| durable median s | durable max s | server CPU s (share of a core) |{proxy}"
+        f"| durable median s | durable max s | job CPU s | server CPU s (share of a core) |{proxy}"
     )
-    print("|---" * (9 + capped) + "|")
+    print("|---" * (10 + capped) + "|")
     for name, runs in samples.items():
         slow = statistics.median(100 * (r["wall"] / b["wall"] - 1) for r, b in zip(runs, base))
         stalls = [s for r in runs for s in r["stalls"]]
@@ -320,6 +354,7 @@ def report(samples: dict[str, list[dict[str, Any]]], interval: int, steps: int, 
             f"{1000 * statistics.median(r['step_p99'] for r in runs):.0f}",
             f"{statistics.median(durable):.2f}" if durable else "-",
             f"{max(durable):.2f}" if durable else "-",
+            f"{statistics.median(r['job_cpu'] for r in runs):.1f}",
             f"{cpu:.1f} ({100 * share:.0f}%)",
         ]
         if capped:
@@ -343,7 +378,7 @@ def ceiling(bench: Bench) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--interval", type=int, nargs="+", default=[10, 50])
-    parser.add_argument("--steps", type=int, help="steps per run (default: max(60, 2 x interval))")
+    parser.add_argument("--steps", type=int, help="steps per run (default: max(40, 2 x interval))")
     parser.add_argument("--ranks", type=int, choices=(1, 2), default=1)
     parser.add_argument("--capped", action="store_true", help="reach the bucket through the proxy")
     parser.add_argument("--rate", type=float, default=100e6, help="proxy cap, bytes/s in all")
@@ -352,6 +387,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="small model, 15 steps, every 5")
     parser.add_argument("--size", choices=list(SIZES), default="full")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--profile", metavar="DIR", help="py-spy record --gil rank 0 into DIR")
     for hidden in ("--child", "--child-endpoint", "--child-root", "--child-local"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -365,11 +402,11 @@ def main() -> None:
         proxy = (
             CappedProxy(server.url, rate=args.rate, latency=args.latency) if args.capped else None
         )
+        bench = Bench(args, server, proxy)
         try:
-            bench = Bench(args, server, proxy)
             ceiling(bench)
             for interval in args.interval:
-                steps = args.steps or max(60, 2 * interval)
+                steps = args.steps or max(40, 2 * interval)
                 samples: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
                 for round_ in range(args.rounds):
                     shift = round_ % len(names)
@@ -380,6 +417,7 @@ def main() -> None:
         finally:
             if proxy is not None:
                 proxy.close()
+            shutil.rmtree(bench.work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from extensions.errors import (
 )
 from extensions.registry import ExtensionRegistry, register
 from extensions.shuffle import ByteShuffle
+from extensions.weights import WeightCodec
 from extensions.zstd import ZStandard
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "TierFullError",
     "UnknownTransformError",
     "UnsafeCheckpointError",
+    "WeightCodec",
     "ZStandard",
     "keys_from_environment",
     "keys_from_file",

@@ -46,6 +46,15 @@ from torch.distributed._shard.sharded_tensor.metadata import (  # noqa: E402
     TensorProperties as LegacyTensorProperties,
 )
 
+# StateDictStager (checkpoint._state_dict_stager, since 2.8): the deep copy DCP's
+# DefaultStager stages with (it keeps DTensors and other objects intact). The persist
+# worker's staging overrides its ``_stage_untyped_storage`` to copy into shared memory;
+# without it (torch 2.7) saves persist in threads.
+try:
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+except ImportError:  # pragma: no cover - torch 2.7
+    StateDictStager = None  # type: ignore[assignment,misc]
+
 # set_element (checkpoint._traverse, since 2.1), _EmptyStateDictLoadPlanner
 # (default_planner, since 2.2) and _load_state_dict (state_dict_loader, since 2.0): a
 # load into an empty state dict without a process group (the recovery transport).
@@ -75,6 +84,7 @@ __all__ = [
     "item_size",
     "load_state_dict_without_collectives",
     "narrow_tensor_by_index",
+    "StateDictStager",
     "save_tensor_archive",
     "set_element",
     "split_by_size_and_type",

@@ -1,4 +1,4 @@
-"""The stream-transform contract.
+"""The stream-transform contract, version 2.
 
 A transform encodes the bytes of one stored item on the way out and decodes them on
 the way in. The minimum a transform provides is torch's experimental ``_extension``
@@ -24,9 +24,36 @@ when writing: data goes through A, then B, then to storage (compress, then encry
 Each item records the descriptors in that same order (``[A, B]``), which is also the
 order torch records them in; a reader undoes them in reverse (B first, then A).
 
-Transforms that need more than torch's API offers (the item's dtype, a key looked up
-by id, associated data bound to the item) override the optional hooks ``encode``,
-``descriptor_for`` and ``decoder_for``, which receive an :class:`ItemInfo`.
+**Version 2** adds, to subclasses of :class:`StreamTransformExtension`, one per-item
+hook and three capabilities, each with a default that keeps a version-1 transform
+working as it did:
+
+``for_item(item)``
+    Given what is known of the item (an :class:`ItemInfo`: its name, dtype, element
+    size, the reader's keys), the transform to use for that item, built from this
+    one; default: ``self``. The framework calls it for every item before it asks for
+    the descriptor, the writer or the reader, on both sides: a filter learns the
+    element size, a compressor the dtype, a cipher the item it binds and the keys it
+    decodes with. Transforms are small immutable values: ``for_item`` returns a new
+    one (or ``self``), never changes ``self``, and given the same item again returns
+    what it returned the first time (the reader calls it once more on a decoder).
+``authenticated`` (class attribute, default ``False``)
+    ``True`` when decoding fails on any change to the stored bytes made without the
+    transform's key (an AEAD, a MAC). Readers that require encryption accept an item
+    only when its chain has such a stage.
+``key_ids(version)`` (classmethod, default: none)
+    The key ids decoding the descriptor ``name/version`` needs; readers look each up
+    before any byte of the item is fetched, so a missing key or a failing key provider
+    is reported as itself. ``ValueError`` for a version it cannot parse.
+``fingerprint_key()`` (default ``None``)
+    A secret key, derived from the transform's own, under which incremental saves key
+    the content fingerprints they record (so nobody without it can test a guess of the
+    content); the first transform of a chain that returns one keys the fingerprints.
+
+Version 1's item hooks (``descriptor_for``, ``encode``, ``decoder_for``, ``decode``,
+each given an :class:`ItemInfo`) are still offered, now derived from ``for_item``; a
+transform written against version 1 that overrides them (and not ``for_item``) is
+still called through them (:func:`stage_for`).
 """
 
 from __future__ import annotations
@@ -35,7 +62,7 @@ import abc
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 from extensions._compat import TorchStreamTransform
 from extensions.errors import quote
@@ -63,6 +90,8 @@ class ItemInfo:
 class StreamTransformExtension(TorchStreamTransform):  # type: ignore[misc,valid-type]
     """Base class of every transform; see the module docstring for the contract."""
 
+    authenticated: ClassVar[bool] = False
+
     @staticmethod
     @abc.abstractmethod
     def registry_name() -> str: ...
@@ -80,23 +109,83 @@ class StreamTransformExtension(TorchStreamTransform):  # type: ignore[misc,valid
     @abc.abstractmethod
     def transform_from(self, input: IO[bytes]) -> IO[bytes]: ...
 
-    # Optional hooks; the defaults fall back to torch's API.
+    # --- version 2: the per-item hook and the capabilities --------------------------
+
+    def for_item(self, item: ItemInfo) -> StreamTransformExtension:
+        """The transform to use for ``item`` (default: ``self``)."""
+        return self
+
+    @classmethod
+    def key_ids(cls, version: str) -> tuple[str, ...]:
+        """The key ids decoding ``name/version`` needs (default: none)."""
+        return ()
+
+    def fingerprint_key(self) -> bytes | None:
+        """The key of keyed content fingerprints (default: ``None``, not keyed)."""
+        return None
+
+    # --- version 1's item hooks, derived from for_item ------------------------------
+
     def descriptor_for(self, item: ItemInfo) -> str:
-        """The descriptor recorded for ``item`` (default: ``get_descriptor()``)."""
-        return str(self.get_descriptor())
+        """The descriptor recorded for ``item``."""
+        return str(self.for_item(item).get_descriptor())
 
     def encode(self, output: IO[bytes], item: ItemInfo) -> IO[bytes]:
-        """Writer that encodes ``item`` into ``output`` (default: ``transform_to``)."""
-        return self.transform_to(output)
+        """Writer that encodes ``item`` into ``output``."""
+        return self.for_item(item).transform_to(output)
 
     @classmethod
     def decoder_for(cls, version: str, item: ItemInfo) -> Any:
-        """A transform able to decode ``item`` (default: ``from_descriptor(version)``)."""
-        return cls.from_descriptor(version)
+        """A transform able to decode ``item`` stored under ``name/version``."""
+        return cls.from_descriptor(version).for_item(item)
 
     def decode(self, input: IO[bytes], item: ItemInfo) -> IO[bytes]:
-        """Reader that decodes ``item`` from ``input`` (default: ``transform_from``)."""
-        return self.transform_from(input)
+        """Reader that decodes ``item`` from ``input``."""
+        return self.for_item(item).transform_from(input)
+
+
+_V1_HOOKS = ("descriptor_for", "encode", "decode")
+
+
+def _uses_v1_hooks(cls: type[StreamTransformExtension]) -> bool:
+    """Written against version 1: overrides an item hook, and not ``for_item``."""
+    base = StreamTransformExtension
+    return cls.for_item is base.for_item and any(
+        getattr(cls, hook) is not getattr(base, hook) for hook in _V1_HOOKS
+    )
+
+
+class _ItemHooks:
+    """A version-1 transform seen through torch's methods for one item."""
+
+    def __init__(self, transform: StreamTransformExtension, item: ItemInfo) -> None:
+        self._transform = transform
+        self._item = item
+
+    def registry_name(self) -> str:
+        return str(self._transform.registry_name())
+
+    def get_descriptor(self) -> str:
+        return self._transform.descriptor_for(self._item)
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        return self._transform.encode(output, self._item)
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        return self._transform.decode(input, self._item)
+
+
+def stage_for(transform: Any, item: ItemInfo) -> Any:
+    """``transform`` made ready for ``item``, as an object offering torch's methods
+    (``get_descriptor``, ``transform_to``, ``transform_from``): a version-2 transform's
+    ``for_item(item)``, a version-1 transform seen through its item hooks, and a
+    transform that offers torch's API only, as it is. The one place the framework
+    tells the contract's versions apart."""
+    if not isinstance(transform, StreamTransformExtension):
+        return transform
+    if _uses_v1_hooks(type(transform)):
+        return _ItemHooks(transform, item)
+    return transform.for_item(item)
 
 
 def descriptor_settings(name: str, version: str, allowed: set[str]) -> dict[str, str]:

@@ -24,33 +24,26 @@ import hmac
 import io
 import secrets
 import struct
-from collections.abc import Sequence
-from typing import IO, Any, cast
+from dataclasses import dataclass, replace
+from typing import IO, Any, ClassVar, cast
 
 from extensions.base import (
     ItemInfo,
     StreamTransformExtension,
     descriptor_settings,
 )
-from extensions.errors import (
-    IntegrityError,
-    MissingDependencyError,
-    MissingKeyError,
-    printable,
-    quote,
-)
+from extensions.errors import IntegrityError, MissingDependencyError, MissingKeyError, quote
 from extensions.keys import (
-    ENV_VAR,
     KEY_SIZE,
     check_key,
     check_key_id,
     keys_from_environment,
     keys_from_file,
+    lookup_key,
 )
-from extensions.registry import parse_descriptor
-from extensions.streams import fill, read_all, readinto_exact
+from extensions.streams import BlockWriter, fill, read_all, readinto_exact
 
-__all__ = ["AES256GCM", "keys_from_environment", "keys_from_file", "prefetch_keys"]
+__all__ = ["AES256GCM", "keys_from_environment", "keys_from_file"]
 
 TAG_SIZE = 16
 DEFAULT_CHUNK_SIZE = 4 << 20
@@ -101,6 +94,7 @@ def _associated_prefix(item: ItemInfo) -> bytes:
     return b"dcp_storage.aes256gcm/1\x00" + item.item.encode("utf-8") + b"\x00"
 
 
+@dataclass(frozen=True, kw_only=True, repr=False)
 class AES256GCM(StreamTransformExtension):
     """Authenticated AES-256-GCM encryption, chunked (descriptor ``dcp_storage.aes256gcm/1``).
 
@@ -109,18 +103,21 @@ class AES256GCM(StreamTransformExtension):
     per authenticated chunk. List it after compression: ``[ZStandard(), AES256GCM(...)]``.
     Readers pass ``keys={key_id: key}`` (or a callable); a missing key raises
     :class:`MissingKeyError`, a wrong key or any changed byte :class:`IntegrityError`.
+    ``item`` is the item the ciphertext is bound to, filled in by ``for_item``.
     """
 
-    def __init__(
-        self,
-        *,
-        key: bytes | None = None,
-        key_id: str = "default",
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-    ) -> None:
-        self._key = None if key is None else check_key(key)
-        self.key_id = check_key_id(key_id)
-        self.chunk_size = _check_chunk_size(chunk_size)
+    authenticated: ClassVar[bool] = True
+
+    key: bytes | None = None
+    key_id: str = "default"
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    item: ItemInfo = ItemInfo()
+
+    def __post_init__(self) -> None:
+        if self.key is not None:
+            object.__setattr__(self, "key", check_key(self.key))
+        check_key_id(self.key_id)
+        _check_chunk_size(self.chunk_size)
 
     def __repr__(self) -> str:
         return f"AES256GCM(key_id={self.key_id!r}, chunk_size={self.chunk_size})"
@@ -136,132 +133,56 @@ class AES256GCM(StreamTransformExtension):
             raise ValueError("the descriptor must name key_id and chunk")
         return AES256GCM(key_id=fields["key_id"], chunk_size=int(fields["chunk"]))
 
+    @classmethod
+    def key_ids(cls, version: str) -> tuple[str, ...]:
+        return (cls.from_descriptor(version).key_id,)
+
     def get_descriptor(self) -> str:
         return f"{self.registry_name()}/1;key_id={self.key_id};chunk={self.chunk_size}"
 
+    def for_item(self, item: ItemInfo) -> AES256GCM:
+        return self if self.item == item else replace(self, item=item)
+
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
-        return self.encode(output, ItemInfo())
-
-    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
-        return self.decode(input, ItemInfo())
-
-    # --- item-aware hooks -------------------------------------------------------------
-
-    def encode(self, output: IO[bytes], item: ItemInfo) -> IO[bytes]:
-        if self._key is None:
+        if self.key is None:
             raise MissingKeyError(
                 f"AES256GCM(key_id={self.key_id!r}) has no key; pass key=... to encrypt"
             )
-        return cast(IO[bytes], _Encryptor(output, self._key, self.chunk_size, item))
+        return cast(IO[bytes], _Encryptor(output, self.key, self.chunk_size, self.item))
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        key = self.key if self.key is not None else lookup_key(self.key_id, self.item)
+        return cast(IO[bytes], _Decryptor(input, key, self.key_id, self.chunk_size, self.item))
 
     def fingerprint_key(self) -> bytes:
         """A key for keyed content fingerprints (incremental saves), derived from the
         master key with HKDF under its own label: never the master key, never an item key.
         Someone without the master key cannot compute or compare such fingerprints."""
-        if self._key is None:
+        if self.key is None:
             raise MissingKeyError(
                 f"AES256GCM(key_id={self.key_id!r}) has no key; pass key=... to encrypt"
             )
-        return _derive(self._key, b"dcp-storage content fingerprint v1")[0]
-
-    @classmethod
-    def decoder_for(cls, version: str, item: ItemInfo) -> AES256GCM:
-        decoder = cls.from_descriptor(version)
-        decoder._key = _lookup_key(decoder.key_id, item)
-        return decoder
-
-    def decode(self, input: IO[bytes], item: ItemInfo) -> IO[bytes]:
-        key = self._key if self._key is not None else _lookup_key(self.key_id, item)
-        return cast(IO[bytes], _Decryptor(input, key, self.key_id, self.chunk_size, item))
+        return _derive(self.key, b"dcp-storage content fingerprint v1")[0]
 
 
-def _lookup_key(key_id: str, item: ItemInfo) -> bytes:
-    where = (
-        f"{item.checkpoint}: item {quote(item.item)}" if item.item else item.checkpoint or "item"
-    )
-    missing = (
-        f"{where} is encrypted with key_id {quote(key_id)}, but no key was given for it; "
-        f"pass keys={{{quote(key_id)}: <32-byte key>}} (or a callable) to the reader or "
-        f"storage.load, or set {ENV_VAR}={printable(key_id, 64)}=<hex or base64 key>"
-    )
-    key: object = None
-    if item.keys is not None:
-        try:
-            key = item.keys(key_id)
-        except KeyError as exc:
-            raise MissingKeyError(missing) from exc
-        except Exception as exc:
-            # The user's key provider failed (a vault down, a denied request): that is
-            # the error to see, as itself, not a decoding failure of the item.
-            exc.add_note(f"dcp-storage: raised by the key provider for key_id {key_id!r} ({where})")
-            raise
-    if key is None:
-        raise MissingKeyError(missing)
-    try:
-        return check_key(key)
-    except (TypeError, ValueError) as exc:
-        raise MissingKeyError(
-            f"{where}: the key given for key_id {key_id!r} is unusable: {exc}"
-        ) from None
-
-
-def prefetch_keys(descriptors: Sequence[str], item: ItemInfo) -> None:
-    """Look up now every key the AES-256-GCM stages of ``descriptors`` need for ``item``.
-
-    Readers call this before fetching an item's bytes, so a missing key raises
-    :class:`MissingKeyError` and a failing key provider raises its own exception, early
-    and as themselves (inside a decoding chain a provider's ``ValueError`` would read as
-    a bad descriptor). Descriptors that do not parse are left to decoding to report."""
-    for descriptor in descriptors:
-        name, version = parse_descriptor(descriptor)
-        if name != AES256GCM.registry_name():
-            continue
-        try:
-            key_id = AES256GCM.from_descriptor(version).key_id
-        except ValueError:
-            continue
-        _lookup_key(key_id, item)
-
-
-class _Encryptor(io.RawIOBase):
+class _Encryptor(BlockWriter):
     def __init__(self, out: IO[bytes], key: bytes, chunk_size: int, item: ItemInfo) -> None:
-        super().__init__()
-        self._out = out
-        self._chunk = chunk_size
+        super().__init__(out, chunk_size)
         salt = secrets.token_bytes(16)
         self._prefix = secrets.token_bytes(8)
         item_key, check = _derive(key, salt)
         self._aead = _aead(item_key)
         self._ad = _associated_prefix(item)
         self._index = 0
-        # Buffers grow to what the item needs (at most a chunk): thousands of small items
-        # must not each cost a full chunk of zeroed memory.
-        self._plain = bytearray()
-        self._fill = 0
         self._sealed = bytearray()
         out.write(_HEADER.pack(_MAGIC, _FORMAT, salt, self._prefix, check))
 
-    def writable(self) -> bool:
-        return True
+    def emit(self, block: memoryview) -> None:
+        self._seal(block, final=False)
 
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        total = len(view)
-        pos = 0
-        while pos < total:
-            if self._fill == 0 and total - pos >= self._chunk:
-                # Seal straight from the caller's buffer: no copy for large writes.
-                self._seal(view[pos : pos + self._chunk], final=False)
-                pos += self._chunk
-                continue
-            n = min(self._chunk - self._fill, total - pos)
-            self._plain[self._fill : self._fill + n] = view[pos : pos + n]
-            self._fill += n
-            pos += n
-            if self._fill == self._chunk:
-                self._seal(memoryview(self._plain)[: self._fill], final=False)
-                self._fill = 0
-        return total
+    def finish(self, rest: memoryview) -> None:
+        # Always sealed, empty or not: only the final chunk is short.
+        self._seal(rest, final=True)
 
     def _seal(self, plain: memoryview, *, final: bool) -> None:
         if self._index >= _MAX_CHUNKS:
@@ -274,21 +195,6 @@ class _Encryptor(io.RawIOBase):
         self._aead.encrypt_into(nonce, plain, ad, out)
         self._out.write(out)
         self._index += 1
-
-    def flush(self) -> None:
-        # A flush must not cut a chunk short: only the final chunk may be short.
-        if not self.closed:
-            self._out.flush()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            self._seal(memoryview(self._plain)[: self._fill], final=True)
-        finally:
-            self._plain = bytearray()
-            super().close()  # flushes the output while it is still open
-        self._out.close()
 
 
 class _Decryptor(io.RawIOBase):

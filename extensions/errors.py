@@ -67,6 +67,12 @@ class TierFullError(CheckpointStorageError, OSError):
     already committed there was deleted to make room."""
 
 
+class WorkerDiedError(CheckpointStorageError, RuntimeError):
+    """The checkpoint persist worker process died (killed, out of memory, crashed):
+    the saves it was writing are not committed, committed checkpoints are untouched,
+    and the next save starts a new worker."""
+
+
 # --- quoting untrusted values in messages ---------------------------------------------
 #
 # Item names, paths and descriptors come from the checkpoint, which may be hostile: a

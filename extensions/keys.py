@@ -3,7 +3,9 @@
 Readers take ``keys=`` as a mapping ``{key_id: 32-byte key}`` or a callable. For the CLI
 and scripts, keys also come from the ``DCP_STORAGE_KEYS`` environment variable
 (``"id1=KEY,id2=KEY"``) or a JSON key file (``{"id1": "KEY"}``), each KEY written as 64
-hex digits or base64. No function here ever puts key material in a message.
+hex digits or base64. :func:`lookup_key` is how a decoder (and a reader, before it
+fetches an item) asks for a key by id. No function here ever puts key material in a
+message.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from extensions.errors import MissingKeyError, printable, quote
+
+if TYPE_CHECKING:
+    from extensions.base import ItemInfo
 
 KEY_SIZE = 32
 ENV_VAR = "DCP_STORAGE_KEYS"
@@ -38,6 +46,38 @@ def check_key_id(key_id: object) -> str:
             f"key_id must be 1-128 characters from A-Z a-z 0-9 . _ : @ + -, got {key_id!r}"
         )
     return key_id
+
+
+def lookup_key(key_id: str, item: ItemInfo) -> bytes:
+    """The key ``item.keys`` gives for ``key_id``. A key that is missing (``KeyError``,
+    ``None``) or unusable raises :class:`MissingKeyError` naming the item and the ways to
+    pass one; anything else the key provider raises (a vault down, a denied request) is
+    the error to see, as itself, with a note naming the key id and the item."""
+    where = (
+        f"{item.checkpoint}: item {quote(item.item)}" if item.item else item.checkpoint or "item"
+    )
+    missing = (
+        f"{where} is encrypted with key_id {quote(key_id)}, but no key was given for it; "
+        f"pass keys={{{quote(key_id)}: <32-byte key>}} (or a callable) to the reader or "
+        f"storage.load, or set {ENV_VAR}={printable(key_id, 64)}=<hex or base64 key>"
+    )
+    key: object = None
+    if item.keys is not None:
+        try:
+            key = item.keys(key_id)
+        except KeyError as exc:
+            raise MissingKeyError(missing) from exc
+        except Exception as exc:
+            exc.add_note(f"dcp-storage: raised by the key provider for key_id {key_id!r} ({where})")
+            raise
+    if key is None:
+        raise MissingKeyError(missing)
+    try:
+        return check_key(key)
+    except (TypeError, ValueError) as exc:
+        raise MissingKeyError(
+            f"{where}: the key given for key_id {key_id!r} is unusable: {exc}"
+        ) from None
 
 
 def _named(key_id: str, number: int) -> str:

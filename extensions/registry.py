@@ -9,7 +9,7 @@ from importlib import metadata as importlib_metadata
 from typing import IO, Any, TypeVar
 
 from extensions._compat import TorchExtensionRegistry
-from extensions.base import ItemInfo, StreamTransformExtension
+from extensions.base import ItemInfo, StreamTransformExtension, stage_for
 from extensions.errors import CheckpointStorageError, UnknownTransformError, printable, quote
 
 log = logging.getLogger(__name__)
@@ -121,10 +121,44 @@ class ExtensionRegistry:
         """
         stream = raw
         for descriptor in reversed(descriptors):
-            transform = self.decoder(descriptor, item)
-            decode = getattr(transform, "decode", None)
-            stream = decode(stream, item) if decode else transform.transform_from(stream)
+            stream = stage_for(self.decoder(descriptor, item), item).transform_from(stream)
         return stream
+
+    # --- what the contract's capabilities say about a recorded chain -----------------
+
+    def authenticated(self, descriptors: Sequence[str]) -> bool:
+        """Whether a stage of the chain is ``authenticated`` (AES-256-GCM is)."""
+        return any(
+            (cls := self._contract_class(parse_descriptor(d)[0])) is not None and cls.authenticated
+            for d in descriptors
+        )
+
+    def authenticated_names(self) -> list[str]:
+        """The registered names of authenticated transforms (for messages)."""
+        classes = [(name, self._contract_class(name)) for name in self.names()]
+        return [name for name, cls in classes if cls is not None and cls.authenticated]
+
+    def key_ids(self, descriptors: Sequence[str]) -> list[str]:
+        """The key ids decoding the chain needs, in order, each once. A descriptor that
+        does not parse is skipped: decoding reports it, naming the item."""
+        found: list[str] = []
+        for descriptor in descriptors:
+            name, version = parse_descriptor(descriptor)
+            cls = self._contract_class(name)
+            try:
+                ids = cls.key_ids(version) if cls is not None else ()
+            except ValueError:
+                continue
+            found += [key_id for key_id in ids if key_id not in found]
+        return found
+
+    def _contract_class(self, name: str) -> type[StreamTransformExtension] | None:
+        """The class registered as ``name`` when it subclasses the contract (a class
+        offering torch's API only has none of its capabilities), else ``None``."""
+        if name not in self._classes:
+            self._add_plugins()
+        cls = self._classes.get(name)
+        return cls if isinstance(cls, type) and issubclass(cls, StreamTransformExtension) else None
 
 
 def as_registry(registry: Any) -> ExtensionRegistry:
@@ -150,21 +184,17 @@ def encoding_stream(
     Returns the writer to write plain bytes into and the descriptors to record, in
     application order. Closing the writer closes every stage, outermost first.
     """
+    stages = [stage_for(transform, item) for transform in transforms]
     stream = output
-    for transform in reversed(transforms):
-        encode = getattr(transform, "encode", None)
-        stream = encode(stream, item) if encode else transform.transform_to(stream)
-    return stream, chain_descriptors(transforms, item)
+    for stage in reversed(stages):
+        stream = stage.transform_to(stream)
+    return stream, [stage.get_descriptor() for stage in stages]
 
 
 def chain_descriptors(transforms: Sequence[Any], item: ItemInfo) -> list[str]:
     """The descriptors ``transforms`` record for ``item``, in application order, without
     encoding anything (an incremental save compares them with a base item's)."""
-    descriptors: list[str] = []
-    for transform in transforms:
-        describe = getattr(transform, "descriptor_for", None)
-        descriptors.append(describe(item) if describe else transform.get_descriptor())
-    return descriptors
+    return [stage_for(transform, item).get_descriptor() for transform in transforms]
 
 
 _global: dict[str, type] = {}
@@ -204,9 +234,10 @@ def _builtin_classes() -> dict[str, type]:
         pass
     try:
         from extensions.shuffle import ByteShuffle
+        from extensions.weights import WeightCodec
 
-        classes.append(ByteShuffle)
-    except ImportError:
+        classes += [ByteShuffle, WeightCodec]
+    except ImportError:  # numpy is a core dependency; kept optional like the others
         pass
     return {c.registry_name(): c for c in classes}  # type: ignore[attr-defined]
 

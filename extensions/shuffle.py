@@ -10,13 +10,14 @@ comes from the item's dtype and is recorded in the descriptor
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 import numpy as np
 
 from extensions.base import ItemInfo, StreamTransformExtension, descriptor_settings
 from extensions.errors import quote
-from extensions.streams import fill, read_all, readinto_exact
+from extensions.streams import BlockWriter, fill, read_all, readinto_exact
 
 #: Elements per shuffled block; part of format version 1 (a block is es * this bytes).
 BLOCK_ELEMENTS = 1 << 18
@@ -71,6 +72,7 @@ def _unshuffle(src: memoryview, dst: memoryview, es: int) -> None:
     dst[whole : len(src)] = src[whole:]
 
 
+@dataclass(frozen=True, repr=False)
 class ByteShuffle(StreamTransformExtension):
     """Byte-plane shuffle by element size (descriptor ``dcp_storage.shuffle/1;es=N``).
 
@@ -79,16 +81,14 @@ class ByteShuffle(StreamTransformExtension):
     to every item. List it before compression: ``[ByteShuffle(), ZStandard()]``.
     """
 
-    def __init__(self, *, element_size: int | None = None) -> None:
-        self.element_size = None if element_size is None else _check_element_size(element_size)
+    element_size: int | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.element_size is not None:
+            _check_element_size(self.element_size)
 
     def __repr__(self) -> str:
         return f"ByteShuffle(element_size={self.element_size})"
-
-    def _es(self, item: ItemInfo) -> int:
-        if self.element_size is not None:
-            return self.element_size
-        return _check_element_size(item.element_size) if item.element_size else 1
 
     @staticmethod
     def registry_name() -> str:
@@ -106,8 +106,10 @@ class ByteShuffle(StreamTransformExtension):
     def get_descriptor(self) -> str:
         return f"{self.registry_name()}/1;es={self.element_size or 1}"
 
-    def descriptor_for(self, item: ItemInfo) -> str:
-        return f"{self.registry_name()}/1;es={self._es(item)}"
+    def for_item(self, item: ItemInfo) -> ByteShuffle:
+        if self.element_size is not None:
+            return self
+        return ByteShuffle(element_size=item.element_size or 1)
 
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
         return cast(IO[bytes], _ShuffleWriter(output, self.element_size or 1))
@@ -115,65 +117,22 @@ class ByteShuffle(StreamTransformExtension):
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         return cast(IO[bytes], _UnshuffleReader(input, self.element_size or 1))
 
-    def encode(self, output: IO[bytes], item: ItemInfo) -> IO[bytes]:
-        return cast(IO[bytes], _ShuffleWriter(output, self._es(item)))
 
-
-class _ShuffleWriter(io.RawIOBase):
+class _ShuffleWriter(BlockWriter):
     def __init__(self, out: IO[bytes], es: int) -> None:
-        super().__init__()
-        self._out = out
+        super().__init__(out, es * BLOCK_ELEMENTS if es > 1 else 0)
         self._es = es
-        self._block = es * BLOCK_ELEMENTS if es > 1 else 0
-        # Both grow to what the item needs (at most a block), not a block per item.
-        self._staged = bytearray()
-        self._fill = 0
         self._shuffled = bytearray()
 
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        total = len(view)
-        if not self._block:
-            self._out.write(view)
-            return total
-        pos = 0
-        while pos < total:
-            if self._fill == 0 and total - pos >= self._block:
-                self._emit(view[pos : pos + self._block])
-                pos += self._block
-                continue
-            n = min(self._block - self._fill, total - pos)
-            self._staged[self._fill : self._fill + n] = view[pos : pos + n]
-            self._fill += n
-            pos += n
-            if self._fill == self._block:
-                self._emit(memoryview(self._staged)[: self._fill])
-                self._fill = 0
-        return total
-
-    def _emit(self, block: memoryview) -> None:
+    def emit(self, block: memoryview) -> None:
+        if self._es == 1:
+            self._out.write(block)
+            return
         if len(self._shuffled) < len(block):
             self._shuffled = bytearray(len(block))
         out = memoryview(self._shuffled)[: len(block)]
         _shuffle(block, out, self._es)
         self._out.write(out)
-
-    def flush(self) -> None:
-        if not self.closed:
-            self._out.flush()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            if self._fill:
-                self._emit(memoryview(self._staged)[: self._fill])
-        finally:
-            super().close()  # flushes the output while it is still open
-        self._out.close()
 
 
 class _UnshuffleReader(io.RawIOBase):

@@ -4,7 +4,8 @@ The read loops live here once: :func:`readinto_exact` (fill a buffer, short only
 of stream), :func:`read_all`, :func:`skip`, :func:`drain`, :func:`pump` (copy a
 stream into a sink) and :func:`fill` (a block buffer that grows with the data). Each
 takes any object with ``readinto`` or, failing that, ``read`` (a user's transform may
-offer only ``read``).
+offer only ``read``). So does the write side of every block codec: :class:`BlockWriter`
+cuts what is written into blocks of a fixed size.
 
 ``SliceView`` answers reads from ``[offset, offset + length)`` of a seekable stream and
 never outside it: ``seek`` is relative to the slice for all three ``whence`` values and
@@ -15,6 +16,7 @@ next ``length`` bytes of a forward-only stream (one item inside a coalesced rang
 
 from __future__ import annotations
 
+import abc
 import io
 import os
 from typing import IO, Any
@@ -175,3 +177,70 @@ def fill(stream: Any, buffer: bytearray, size: int, *, first: int = 1 << 16) -> 
         if got < room:
             break
     return got
+
+
+class BlockWriter(io.RawIOBase):
+    """The writer of a block codec: what is written reaches :meth:`emit` in blocks of
+    exactly ``block_size`` bytes, and what is left at ``close`` (shorter, maybe empty)
+    reaches :meth:`finish`; then ``out`` is closed (a transform closes what it wraps).
+
+    A write that covers whole blocks is emitted straight from the caller's buffer, with
+    no copy; the rest is staged in a buffer that grows to what the item needs (at most
+    a block), so thousands of small items do not each cost a block of zeroed memory.
+    ``flush`` never cuts a block short. ``block_size`` 0 emits every write as it comes.
+    Subclasses write their output to ``self._out``.
+    """
+
+    def __init__(self, out: IO[bytes], block_size: int) -> None:
+        super().__init__()
+        self._out = out
+        self._block = block_size
+        self._staged = bytearray()
+        self._fill = 0
+
+    @abc.abstractmethod
+    def emit(self, block: memoryview) -> None:
+        """Encode one block (a full one, or the last, shorter one) into ``self._out``."""
+
+    def finish(self, rest: memoryview) -> None:
+        """Encode what is left at ``close``; default: emit it as a last block, if any."""
+        if len(rest):
+            self.emit(rest)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        if not self._block:
+            self.emit(view)
+            return total
+        pos = 0
+        while pos < total:
+            if self._fill == 0 and total - pos >= self._block:
+                self.emit(view[pos : pos + self._block])
+                pos += self._block
+                continue
+            n = min(self._block - self._fill, total - pos)
+            self._staged[self._fill : self._fill + n] = view[pos : pos + n]
+            self._fill += n
+            pos += n
+            if self._fill == self._block:
+                self.emit(memoryview(self._staged)[: self._fill])
+                self._fill = 0
+        return total
+
+    def flush(self) -> None:
+        if not self.closed:
+            self._out.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.finish(memoryview(self._staged)[: self._fill])
+        finally:
+            self._staged = bytearray()
+            super().close()  # flushes the output while it is still open
+        self._out.close()

@@ -20,7 +20,9 @@ Every item goes through the framework path (``encoding_stream`` into a sink whos
 ``close`` only flushes, ``ExtensionRegistry.decoding_stream`` out), and is checked at
 sizes around 64 KiB, with writes of 1 byte, 4093 bytes and whole, read back with
 ``read()``, small ``read(n)`` and ``readinto``, through a slice of a larger stream
-with junk on both sides. This module imports ``pytest``; use it only from tests.
+with junk on both sides. A transform's ``for_item`` (contract version 2) must leave the
+transform as it was and, applied again for the same item, describe the same encoding.
+This module imports ``pytest``; use it only from tests.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import IO, Any, ClassVar, cast
 import numpy as np
 import pytest
 
-from extensions.base import ItemInfo
+from extensions.base import ItemInfo, stage_for
 from extensions.registry import ExtensionRegistry, encoding_stream, parse_descriptor
 
 KIB = 1 << 10
@@ -216,6 +218,15 @@ class TransformTests:
             rebuilt = describe(item) if describe else decoder.get_descriptor()
             assert rebuilt == descriptor
             assert type(decoder) is type(transform)
+
+    def test_for_item_is_stable(self, chain: list[Any], item: ItemInfo) -> None:
+        """The reader applies ``for_item`` again to a decoder it built with it: doing so
+        changes nothing, and the transform it was asked of is left as it was."""
+        for transform in chain:
+            before = transform.get_descriptor()
+            stage = stage_for(transform, item)
+            assert stage_for(stage, item).get_descriptor() == stage.get_descriptor()
+            assert transform.get_descriptor() == before
 
     def test_torch_api_round_trip(self, transform: Any, item: ItemInfo) -> None:
         """``transform_to`` / ``transform_from`` alone, as stock torch calls them."""

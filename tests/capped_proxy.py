@@ -158,12 +158,12 @@ class CappedProxy:
                         time.sleep(self.latency)
                 if self.bucket is not None:
                     self.bucket.take(n)
-                dst.sendall(view[:n])
-                with self._lock:
+                with self._lock:  # counted before it is sent: a reader that has it sees it
                     if up:
                         self.bytes_up += n
                     else:
                         self.bytes_down += n
+                dst.sendall(view[:n])
                 if not up:
                     link.answered = True
         except OSError:

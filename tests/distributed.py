@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 from collections.abc import Iterator
@@ -12,7 +13,12 @@ import torch.distributed as dist
 
 @contextlib.contextmanager
 def gloo_group(
-    rank: int, world_size: int, store: str, *, exit_process: bool = True
+    rank: int,
+    world_size: int,
+    store: str,
+    *,
+    exit_process: bool = True,
+    timeout: datetime.timedelta | None = None,
 ) -> Iterator[None]:
     """Run the body of a spawned worker in a gloo process group, then end the process.
 
@@ -23,8 +29,11 @@ def gloo_group(
     So nothing may follow the ``with`` block in the worker. A failing body raises as
     usual, and ``mp.spawn`` reports it. ``exit_process=False`` returns instead, so the
     interpreter's own exit runs (for tests of what happens then; the body must hold
-    no DeviceMesh or DTensor)."""
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    no DeviceMesh or DTensor). ``timeout`` bounds every collective (torch's default is
+    30 minutes): a test whose failure is a hang then fails instead."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timeout
+    )
     try:
         yield
         dist.barrier()

@@ -9,6 +9,8 @@
   the body bytes of GET responses and answers with faults (503 SlowDown, 500, a GCS
   JSON error, a connection reset, a truncated body, a delay) for requests matched by
   method and path regex, a count and a probability drawn from a seeded RNG.
+* :class:`tests.capped_proxy.CappedProxy` (a module of its own) is a TCP relay that caps
+  bandwidth and adds latency per request: a bucket shared by many ranks.
 """
 
 from __future__ import annotations

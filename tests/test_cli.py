@@ -146,6 +146,17 @@ def test_cp_transcodes_to_zstd_and_aes(root: Path, tmp_path: Path) -> None:
         storage.load(_blank(), str(dst))  # really encrypted
 
 
+def test_cp_transcodes_to_the_weight_codec(root: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "weights"
+    proc = cli("cp", str(root / "step-2"), str(dst), "--transform", "weights")
+    assert proc.returncode == 0, proc.stderr
+    assert "dcp_storage.weights" in proc.stdout
+    out = _blank()
+    storage.load(out, str(dst))
+    assert torch.equal(out["model"]["w"], _state(2)["model"]["w"])
+    assert out["optim"] == {"lr": 0.1, "step": 2}
+
+
 def test_rm_removes_a_checkpoint(root: Path) -> None:
     proc = cli("rm", str(root / "step-1"))
     assert proc.returncode == 0, proc.stderr

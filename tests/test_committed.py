@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 import storage
 from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage import LocalFileSystem, MemoryFileSystem
-from storage.checkpoint.committed import Siblings, open_committed
+from storage.checkpoint.committed import ReadModels, Siblings, open_committed
 
 
 def _state(value: float) -> dict[str, Any]:
@@ -69,3 +69,86 @@ def test_unreadable_metadata_may_reference_anything(tmp_path: Path) -> None:
     assert [c.name for c in siblings.users("a")] == ["c"]
     with pytest.raises(UnsafeCheckpointError, match="c beside it cannot be read"):
         siblings.refuse_if_referenced("a")
+
+
+class _Counting(LocalFileSystem):
+    """Local disk that counts the metadata files it reads (those that exist)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metadata_reads: list[str] = []
+
+    def read_bytes(self, path: str) -> bytes:
+        data = super().read_bytes(path)  # a missing one is no read
+        if path.endswith("metadata"):
+            self.metadata_reads.append(path)
+        return data
+
+
+def test_read_models_serve_unchanged_metadata_and_reread_a_new_save(tmp_path: Path) -> None:
+    fs, path = _Counting(), str(tmp_path / "a")
+    storage.save(_state(1.0), path, fingerprint=True)
+    models = ReadModels()
+    first = models.open(fs, path)
+    assert models.open(fs, path) is first and len(fs.metadata_reads) == 1
+    # A new save of the same path is a new metadata file: read again, never the old model.
+    storage.save(_state(2.0), path, fingerprint=True)
+    second = models.open(fs, path)
+    assert second is not first and len(fs.metadata_reads) == 2
+    assert second.global_metadata is not None
+    assert second.global_metadata.storage_meta.save_id != first.global_metadata.storage_meta.save_id
+    # A lingering rank-local metadata beside it: remembering is refused, all are read.
+    (tmp_path / "a" / "__0.metadata").write_bytes((tmp_path / "a" / ".metadata").read_bytes())
+    models.remember(fs, path, second.global_metadata)
+    assert set(models.open(fs, path).metadata) == {".metadata", "__0.metadata"}
+    # Unreadable: never kept, read every time.
+    (tmp_path / "a" / "__0.metadata").write_bytes(b"not a pickle")
+    reads = len(fs.metadata_reads)
+    assert not models.open(fs, path).readable and not models.open(fs, path).readable
+    assert len(fs.metadata_reads) == reads + 4
+
+
+def test_an_incremental_manager_save_reads_no_metadata_it_knows(tmp_path: Path) -> None:
+    """Before: each save read the base's metadata twice (manager, then writer) and every
+    step's again in retention (6 reads per step here); now a warm manager reads none,
+    and a step rewritten behind its back is read again."""
+    fs = _Counting()
+    mgr = storage.CheckpointManager(tmp_path, keep_last=2, incremental=True, filesystem=fs)
+    for step in range(1, 4):
+        mgr.save(step, _state(float(step)))
+    fs.metadata_reads.clear()
+    mgr.save(4, _state(4.0))
+    assert fs.metadata_reads == []
+    assert mgr.steps() == [1, 3, 4]  # step 1 holds the frozen bytes every step references
+    # Someone else saves step 4 again: the next save reads that metadata, once.
+    storage.save(_state(5.0), mgr.step_url(4), fingerprint=True)
+    mgr.save(6, _state(6.0))
+    assert fs.metadata_reads == [mgr.step_path(4) + "/.metadata"]
+    for step, value in ((4, 5.0), (6, 6.0)):
+        out = {"frozen": torch.zeros(64), "w": torch.zeros(4)}
+        mgr.load(out, step)
+        assert torch.equal(out["w"], torch.full((4,), value))
+        assert torch.equal(out["frozen"], torch.arange(64.0))
+
+
+def test_a_tiered_save_reads_no_local_metadata_it_knows(tmp_path: Path) -> None:
+    """Before: making room and choosing the base re-read every local step's metadata
+    twice per blocking save, and the commit unpickled the payload it had just built."""
+    fs = _Counting()
+    mgr = storage.CheckpointManager(
+        tmp_path / "durable",
+        local=tmp_path / "local",
+        keep_local=1,
+        incremental=True,
+        local_filesystem=fs,
+    )
+    for step in range(1, 4):
+        mgr.save(step, _state(float(step)))
+        mgr.wait()
+    fs.metadata_reads.clear()
+    mgr.save(4, _state(4.0))
+    mgr.wait()
+    assert fs.metadata_reads == []
+    out = {"frozen": torch.zeros(64), "w": torch.zeros(4)}
+    assert mgr.load(out, 4).tier == "local"
+    assert torch.equal(out["w"], torch.full((4,), 4.0))

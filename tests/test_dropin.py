@@ -350,8 +350,8 @@ def test_async_save_reuses_cached_staging_buffers(tmp_path: Any) -> None:
     from torch.distributed.checkpoint.staging import AsyncStager
 
     state = _ddp_like_state()
-    writer = storage.CheckpointWriter(
-        os.path.join(str(tmp_path), "first"), cache_staged_state_dict=True
+    writer = storage.CheckpointWriter(  # DCP's stager, as stock torch stages
+        os.path.join(str(tmp_path), "first"), cache_staged_state_dict=True, persist="thread"
     )
     assert isinstance(writer, AsyncStager)
     staged: list[dict[str, Any]] = []

@@ -96,3 +96,58 @@ def test_torch_checkpointing(blocks: Any, endpoint: str) -> None:
     exec(blocks("torch_checkpointing", "python")[0], namespace)
     assert namespace["loaded"]["step"] == 100
     assert _committed(endpoint, blocks.run, "step_100/.dcp-storage-commit")
+
+
+def test_lightning(
+    blocks: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("lightning")
+    import functools
+
+    import lightning.pytorch as pl
+
+    from tests.test_integration_lightning import TinyModule, _data
+
+    # ModelCheckpoint reaches the bucket through fsspec with the standard variables (as
+    # the docs say); the Trainers are kept small: two epochs of four steps, no logger.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.chdir(tmp_path)
+    small = functools.partial(
+        pl.Trainer,
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    monkeypatch.setattr(pl, "Trainer", small)
+    code = blocks("PyTorch Lightning", "python")[0].replace(
+        '{"endpoint_url": ...}', "{'endpoint_url': ENDPOINT}"
+    )
+    torch.set_num_threads(1)
+    namespace: dict[str, Any] = {"ENDPOINT": endpoint, "model": TinyModule(), "data": _data()}
+    exec(code, namespace)
+    assert _committed(endpoint, blocks.run, "epoch=1-step=8.ckpt/.metadata")
+
+
+def test_accelerate(
+    blocks: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from tests.test_integration_huggingface import _model
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.chdir(tmp_path)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(_model(0))
+    namespace: dict[str, Any] = {"accelerator": accelerator, "step": 7}
+    code = [b for b in blocks("Hugging Face: Transformers Trainer and Accelerate", "python")]
+    exec(code[1], namespace)  # save_state, then (as on a new machine) load_state
+    assert namespace["step"] == 7
+    assert _committed(endpoint, blocks.run, "step-7/.metadata")
+    assert (tmp_path / "restored" / "checkpoint_7").is_dir()
+    assert model is not None

@@ -3,6 +3,7 @@ what a load of a missing checkpoint asks of storage."""
 
 from __future__ import annotations
 
+import datetime
 import os
 from pathlib import Path
 
@@ -122,3 +123,31 @@ def test_missing_checkpoint_is_listed_once(tmp_path: Path) -> None:
     with pytest.raises(storage.CheckpointNotFoundError, match="no checkpoint at"):
         storage.load({"w": torch.zeros(4)}, str(tmp_path / "nope"), filesystem=fs)
     assert (fs.requests["read_bytes"], fs.requests["ls"]) == (1, 1)
+
+
+def _async_beside_the_job_worker(rank: int, store: str, root: str) -> None:
+    import torch.distributed as dist
+
+    # Without a group of its own the ranks hang in mismatched collectives: the timeout
+    # turns that into an error.
+    with gloo_group(rank, WORLD, store, timeout=datetime.timedelta(seconds=60)):
+        manager = storage.CheckpointManager(root)
+        state = {f"rank{rank}": torch.full((1 << 16,), float(rank))}
+        for step in (1, 2):
+            future = manager.save(step, state, blocking=False)
+            assert future is not None
+            for _ in range(50):  # the job goes on: DDP-like all-reduces on the default group
+                dist.all_reduce(torch.ones(1 << 14))
+            future.result()
+
+
+def test_manager_async_saves_beside_the_jobs_collectives(tmp_path: Path) -> None:
+    """A manager's asynchronous save runs its collectives on a group of its own. Before,
+    they ran on the default group in a background thread while the job's all-reduces ran
+    on it too: gloo aborted a rank ('Received data size doesn't match expected size')."""
+    root = str(tmp_path / "run")
+    store = str(tmp_path / "store")
+    mp.spawn(_async_beside_the_job_worker, args=(store, root), nprocs=WORLD, join=True)
+    loaded = {"rank0": torch.zeros(1 << 16), "rank1": torch.zeros(1 << 16)}
+    assert storage.CheckpointManager(root).load(loaded) == 2
+    assert torch.equal(loaded["rank1"], torch.ones(1 << 16)) and not loaded["rank0"].any()

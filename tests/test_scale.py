@@ -508,3 +508,32 @@ def test_cancel_reaches_children_hooks_waits_and_coroutines() -> None:
         Cancel(task).check()  # a stream opened after the cancel
     loop.call_soon_threadsafe(loop.stop)
     runner.join(10)
+
+
+def test_a_request_from_the_loops_own_thread_is_refused() -> None:
+    """Before: a data stream flushed by the garbage collector on the client's event-loop
+    thread (fsspec's one loop, shared by s3fs and gcsfs) waited there for a coroutine
+    that loop could never run: every later S3 and GCS request of the process hung (a
+    full test run stopped in test_bytes_fetched). Now the request is refused at once."""
+    import asyncio
+
+    from storage.backends.cancel import Cancel
+
+    loop = asyncio.new_event_loop()
+    outcome: list[BaseException | None] = []
+
+    def from_a_callback() -> None:
+        try:
+            Cancel().run(loop, asyncio.sleep, 0)
+            outcome.append(None)
+        except RuntimeError as exc:
+            outcome.append(exc)
+        loop.stop()
+
+    loop.call_soon(from_a_callback)
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    runner.join(10)
+    assert not runner.is_alive(), "the loop hung waiting for itself"
+    assert isinstance(outcome[0], RuntimeError) and "own thread" in str(outcome[0])
+    loop.close()

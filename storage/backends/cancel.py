@@ -110,8 +110,16 @@ class Cancel:
         **kwargs: Any,
     ) -> concurrent.futures.Future[T]:
         """Start ``func(*args, **kwargs)`` on ``loop`` without waiting; cancelled with
-        this group."""
+        this group. Refused on ``loop``'s own thread, where waiting would block the loop
+        forever (a stream flushed by the garbage collector while a callback of that loop
+        runs, say): every client sharing the loop would hang."""
         self.check()
+        if asyncio._get_running_loop() is loop:
+            raise RuntimeError(
+                "a request was made from the event loop's own thread, where waiting for it "
+                "would hang that loop (a data stream finalised by the garbage collector "
+                "there?); it was not sent"
+            )
 
         async def tracked() -> T:
             entry = (asyncio.get_running_loop(), asyncio.current_task())

@@ -131,6 +131,7 @@ def async_save(
     transforms: Sequence[Any] | None = None,
     storage_options: dict[str, Any] | None = None,
     async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+    process_group: Any = None,
     **writer_options: Any,
 ) -> Future[None]:
     """Stage ``state_dict`` to CPU memory now and save it in the background.
@@ -139,7 +140,13 @@ def async_save(
     checkpoint is committed, or raises the real error. The caller may change its
     tensors as soon as this returns. ``async_checkpointer_type`` picks DCP's executor:
     a background thread (default) or a separate process (``PROCESS``, which needs an
-    initialized process group, as in torch)."""
+    initialized process group, as in torch).
+
+    Under a process group the save's collectives run in the background, beside the
+    job's own: pass a ``process_group`` that nothing else uses while the save runs
+    (e.g. ``dist.new_group(backend="gloo")``, made once), or the two interleave on the
+    default group and gloo aborts. :class:`~storage.ops.manager.CheckpointManager`
+    makes one for its asynchronous saves."""
     writer = CheckpointWriter(
         url, transforms=transforms, storage_options=storage_options, **writer_options
     )
@@ -149,6 +156,7 @@ def async_save(
             storage_writer=writer,
             no_dist=_no_dist(),
             async_checkpointer_type=async_checkpointer_type,
+            process_group=process_group,
         )
     upload: Any = getattr(inner, "upload_completion", inner)
     outer: Future[None] = Future()

@@ -19,18 +19,25 @@ the committing ones (``.metadata``, else each rank's ``__{rank}.metadata``; see
 must know every reference and every file any of them records. :class:`Siblings` holds
 the checkpoints under one parent directory for one pass (a retention pass, one refusal to
 delete), each opened at most once, so such a pass reads each step's metadata once.
+:class:`ReadModels` keeps the models of a manager's own steps between passes, reused
+while their metadata files are unchanged, so a save reads each metadata at most once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.stateful import Stateful
 
 from extensions.errors import CheckpointInUseError, CheckpointNotFoundError, printable
+from storage.backends import LocalFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint.layout import (
@@ -76,6 +83,21 @@ def referenced_names(metadata: Metadata) -> frozenset[str]:
     """Names of the sibling checkpoints whose bytes ``metadata``'s items reference."""
     refs = {fmt.item_extra(i).get(fmt.REF) for i in (metadata.storage_data or {}).values()}
     return frozenset(r for r in refs if isinstance(r, str))
+
+
+def files_read(metadata: Metadata, state_dict: dict[str, Any]) -> set[tuple[str | None, str]]:
+    """What loading ``state_dict`` from a checkpoint with ``metadata`` reads on this rank,
+    as DCP's default load planner plans it: (the sibling holding the bytes of a
+    referenced item, else ``None``; its data file) pairs."""
+    planner = DefaultLoadPlanner()
+    plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    planner.set_up_planner(plain, metadata, is_coordinator=False)
+    out = set()
+    for item in planner.create_local_plan().items:
+        info = (metadata.storage_data or {})[item.storage_index]
+        ref = fmt.item_extra(info).get(fmt.REF)
+        out.add((ref if isinstance(ref, str) else None, info.relative_path))
+    return out
 
 
 def chain_of(metadata: Metadata | None) -> int:
@@ -204,15 +226,84 @@ def open_committed(fs: FileSystemBase, path: str) -> CommittedCheckpoint:
     return checkpoint
 
 
+_Stamp = tuple[tuple[str, int, int, int, int], ...]
+
+
+def _stamp(fs: FileSystemBase, path: str) -> _Stamp | None:
+    """What identifies the metadata files of the checkpoint at ``path`` right now: their
+    names, inodes, sizes and modification and change times; ``None`` where that cannot
+    be told cheaply (only local disk can) or the directory cannot be listed."""
+    if not isinstance(fs, LocalFileSystem):
+        return None
+    try:
+        with os.scandir(path) as entries:
+            found = [
+                (e.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                for e in entries
+                if is_metadata_name(e.name) and (st := e.stat(follow_symlinks=False))
+            ]
+    except OSError:
+        return None
+    return tuple(sorted(found))
+
+
+class ReadModels:
+    """Read models of a manager's own checkpoints, kept between passes: :meth:`open`
+    returns the model it holds for a path while the metadata files there are the same
+    files (names, inodes, sizes, modification and change times: a metadata file is
+    only ever replaced through a new file, so a new save of a step is a new inode), and
+    opens it afresh otherwise. Only local disk stamps files cheaply; elsewhere every
+    :meth:`open` reads. Unreadable checkpoints are never kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._models: dict[str, tuple[_Stamp, CommittedCheckpoint]] = {}
+
+    def open(self, fs: FileSystemBase, path: str) -> CommittedCheckpoint:
+        stamp = _stamp(fs, path)
+        if stamp is not None:
+            with self._lock:
+                held = self._models.get(path)
+            if held is not None and held[0] == stamp:
+                return held[1]
+        checkpoint = open_committed(fs, path)
+        self._keep(path, stamp, checkpoint)
+        return checkpoint
+
+    def remember(self, fs: FileSystemBase, path: str, metadata: Metadata) -> None:
+        """``metadata`` was just published by this process as the ``.metadata`` of the
+        checkpoint at ``path``: keep it as that checkpoint's model, unless other
+        metadata files lie there (then the next :meth:`open` reads them all)."""
+        stamp = _stamp(fs, path)
+        if stamp is not None and [s[0] for s in stamp] == [fmt.METADATA_NAME]:
+            checkpoint = CommittedCheckpoint(
+                fs, path, (fmt.METADATA_NAME,), {fmt.METADATA_NAME: metadata}, {}
+            )
+            self._keep(path, stamp, checkpoint)
+
+    def forget(self, path: str) -> None:
+        with self._lock:
+            self._models.pop(path, None)
+
+    def _keep(self, path: str, stamp: _Stamp | None, checkpoint: CommittedCheckpoint) -> None:
+        with self._lock:
+            if stamp is not None and checkpoint.readable and checkpoint.committing:
+                self._models[path] = (stamp, checkpoint)
+            else:
+                self._models.pop(path, None)
+
+
 class Siblings:
     """The checkpoints under ``parent``, each opened at most once: one pass of a path
     that deletes (retention, a refusal to delete or overwrite). What it read may change
     meanwhile; a save whose base is removed meanwhile fails before it commits
-    (``incremental.check_referenced_files``)."""
+    (``incremental.check_referenced_files``). ``models``: the manager's read models,
+    which serve what they hold."""
 
-    def __init__(self, fs: FileSystemBase, parent: str) -> None:
+    def __init__(self, fs: FileSystemBase, parent: str, models: ReadModels | None = None) -> None:
         self.fs = fs
         self.parent = parent
+        self._models = models
         self._names: list[str] | None = None
         self._opened: dict[str, CommittedCheckpoint] = {}
 
@@ -227,12 +318,20 @@ class Siblings:
 
     def open(self, name: str) -> CommittedCheckpoint:
         if name not in self._opened:
-            self._opened[name] = open_committed(self.fs, self.fs.concat_path(self.parent, name))
+            path = self.fs.concat_path(self.parent, name)
+            opened = (
+                open_committed(self.fs, path)
+                if self._models is None
+                else self._models.open(self.fs, path)
+            )
+            self._opened[name] = opened
         return self._opened[name]
 
     def forget(self, name: str) -> None:
         """``name`` was deleted: it references nothing any more."""
         self._opened.pop(name, None)
+        if self._models is not None:
+            self._models.forget(self.fs.concat_path(self.parent, name))
         if self._names is not None and name in self._names:
             self._names.remove(name)
 

@@ -90,6 +90,36 @@ def decode_tensor(
     return dest
 
 
+def direct_offset(
+    req: ReadItem,
+    extra: dict[str, Any],
+    chunk: tuple[torch.Size, torch.dtype] | None,
+    target: torch.Tensor,
+) -> int | None:
+    """Where the tensor's bytes start in the item's plain archive when
+    :func:`decode_tensor` would decode them straight into ``target`` as they are (the
+    whole stored chunk, same dtype and size, a contiguous CPU target), else ``None``."""
+    if chunk is None:
+        return None
+    sizes, dtype = chunk
+    data_offset = extra.get("data_offset")
+    name = str(dtype).removeprefix("torch.")
+    nbytes = math.prod(sizes) * dtype.itemsize
+    if (
+        data_offset is None
+        or extra.get("dtype", name) != name
+        or extra.get("nbytes", nbytes) != nbytes
+        or list(req.lengths) != list(sizes)
+        or any(req.storage_offsets)
+        or target.device.type != "cpu"
+        or target.dtype != dtype
+        or not target.is_contiguous()
+        or tuple(target.size()) != tuple(sizes)
+    ):
+        return None
+    return int(data_offset)
+
+
 def read_bounded(decoded: IO[bytes], limit: int, where: str, hint: str) -> bytes:
     payload = read_all(decoded, limit=limit)
     if len(payload) > limit:

@@ -12,11 +12,13 @@ file holds the bytes. References are flattened (a base item that is itself a ref
 is copied with its own ``ref``), so a reference always names the checkpoint that holds
 the bytes and the longest chain is one hop.
 
-Fingerprints are xxHash3-128 (about 20 GB/s; BLAKE2b-128 when the ``xxhash`` package is
+Fingerprints are xxHash3-128 (one core of the reference machine: ~24 GB/s when quiet,
+6-14 GB/s while other work shares it; BLAKE2b-128 when the ``xxhash`` package is
 missing, ~1 GB/s) of the tensor's dtype, shape and raw bytes, or of a non-tensor item's
-bytes. When the chain has a transform offering ``fingerprint_key()`` (AES-256-GCM), the
-record is keyed and salted instead: ``HMAC-SHA256(key, salt || digest)``, so without
-the key nobody can compare two fingerprints or test a guess of the content.
+bytes. When a transform of the chain returns a key from ``fingerprint_key()`` (part of
+the transform contract; AES-256-GCM does), the record is keyed and salted instead:
+``HMAC-SHA256(key, salt || digest)``, so without the key nobody can compare two
+fingerprints or test a guess of the content.
 
 Readers resolve ``ref`` to ``<parent>/<NAME>/<relative_path>``; ``NAME`` must be a plain
 name (checked when the metadata is loaded) and the base must be committed, else
@@ -37,11 +39,17 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from extensions.base import StreamTransformExtension
 from extensions.errors import CheckpointNotFoundError, quote
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import tensor_bytes
-from storage.checkpoint.committed import chain_of, open_committed, read_metadata_file
+from storage.checkpoint.committed import (
+    CommittedCheckpoint,
+    chain_of,
+    open_committed,
+    read_metadata_file,
+)
 from storage.checkpoint.layout import is_committed, split_location
 from storage.checkpoint.prefixes import expand, split
 from storage.checkpoint.validate import MAX_NAME, is_plain_name
@@ -100,13 +108,10 @@ class Fingerprint:
 
 def fingerprint(data: torch.Tensor | memoryview, transforms: Sequence[Any]) -> Fingerprint:
     """Fingerprint a contiguous CPU tensor (dtype, shape and bytes) or a non-tensor
-    item's bytes, keyed when a transform of the chain offers ``fingerprint_key()``."""
-    key = None
-    for transform in transforms:
-        get_key = getattr(transform, "fingerprint_key", None)
-        if callable(get_key):
-            key = get_key()
-            break
+    item's bytes, keyed by the first transform of the chain whose ``fingerprint_key()``
+    returns a key."""
+    keys = (t.fingerprint_key() for t in transforms if isinstance(t, StreamTransformExtension))
+    key = next((k for k in keys if k is not None), None)
     if isinstance(data, torch.Tensor):
         header = f"tensor;{data.dtype};{list(data.shape)}".encode()
         return Fingerprint(header, tensor_bytes(data), key)
@@ -206,14 +211,16 @@ class Base:
         )
 
 
-def open_base(fs: FileSystemBase, path: str, base: str) -> Base:
-    """Read the base ``base`` (a path or URL) of a save to ``path``. It must be a
+def open_base(fs: FileSystemBase, path: str, base: str | CommittedCheckpoint) -> Base:
+    """Read the base ``base`` (a path or URL, or its read model already opened: then
+    its metadata is not read again) of a save to ``path``. It must be a
     committed checkpoint beside ``path`` (same parent directory or prefix) with a
     ``.metadata`` (rank-local metadata never makes a base), and not the checkpoint being
     written. Links are resolved where the backend has them (``root/latest -> step-5``
     is recorded as ``step-5``, the name whose files hold the bytes); a base or a
     destination that resolves outside the parent directory is refused."""
-    base_path = fs.init_path(base)
+    opened = base if isinstance(base, CommittedCheckpoint) else None
+    base_path = opened.path if opened is not None else fs.init_path(base)  # type: ignore[arg-type]
     check_base_name(fs, base_path)
     here, there = split_location(fs, path), split_location(fs, base_path)
     if here is None or there is None or here[0] != there[0]:
@@ -231,9 +238,14 @@ def open_base(fs: FileSystemBase, path: str, base: str) -> Base:
             f"{alias}: a save cannot reference the files it replaces; name the previous "
             "checkpoint as its base, or save without one"
         )
-    metadata = read_metadata_file(fs, fs.concat_path(base_path, fmt.METADATA_NAME))
+    if opened is not None:
+        if not opened.readable:
+            opened.require()  # the read's own error, as reading it here would raise
+        metadata = opened.global_metadata
+    else:
+        metadata = read_metadata_file(fs, fs.concat_path(base_path, fmt.METADATA_NAME))
     if metadata is None:
-        rank_local = open_committed(fs, base_path).committing
+        rank_local = (opened or open_committed(fs, base_path)).committing
         state = (
             f"committed only by rank-local metadata ({', '.join(rank_local)}, a save with "
             "use_collectives=False), which never serves as a base"

@@ -18,9 +18,9 @@ from typing import IO, Any, cast
 import crc32c
 
 from extensions.base import ItemInfo, Keys
-from extensions.encryption import AES256GCM, prefetch_keys
 from extensions.errors import IntegrityError, UnsafeCheckpointError, printable, quote
-from extensions.registry import ExtensionRegistry, encoding_stream, parse_descriptor
+from extensions.keys import lookup_key
+from extensions.registry import ExtensionRegistry, encoding_stream
 from extensions.streams import BoundedReader, drain, read_all
 
 # Large writes are forwarded and checksummed a block at a time: the CRC then reads what
@@ -174,25 +174,28 @@ def encryption_required(require_encryption: bool | None, keys: Keys | None) -> b
 
 
 def check_before_read(
-    descriptors: Sequence[str], item: ItemInfo, *, require_encryption: bool, decode: bool
+    descriptors: Sequence[str],
+    item: ItemInfo,
+    registry: ExtensionRegistry,
+    *,
+    require_encryption: bool,
+    decode: bool,
 ) -> None:
     """Refuse what can be refused before an item's bytes are fetched, each as itself: a
     plain item where encryption is required and, for an item to be decoded, a missing
-    key or a key provider that fails."""
-    if require_encryption and not is_encrypted(descriptors):
-        raise _not_encrypted(f"{item.checkpoint}: item {quote(item.item)}")
+    key or a key provider that fails. What counts as encrypted and which keys are
+    needed is what the chain's transforms say (``authenticated``, ``key_ids``)."""
+    if require_encryption and not registry.authenticated(descriptors):
+        raise _not_encrypted(f"{item.checkpoint}: item {quote(item.item)}", registry)
     if decode:
-        prefetch_keys(descriptors, item)
+        for key_id in registry.key_ids(descriptors):
+            lookup_key(key_id, item)
 
 
-def is_encrypted(descriptors: Sequence[str]) -> bool:
-    """Whether a transform chain has an AES-256-GCM stage."""
-    return any(parse_descriptor(d)[0] == AES256GCM.registry_name() for d in descriptors)
-
-
-def _not_encrypted(where: str) -> UnsafeCheckpointError:
+def _not_encrypted(where: str, registry: ExtensionRegistry) -> UnsafeCheckpointError:
+    names = " or ".join(registry.authenticated_names()) or "authenticated"
     return UnsafeCheckpointError(
-        f"{where} is not encrypted (no {AES256GCM.registry_name()} transform), but keys were "
+        f"{where} is not encrypted (no {names} transform), but keys were "
         "given, so every item must be: its metadata may have been altered to swap in forged "
         "plain values. If this checkpoint is meant to hold unencrypted items, pass "
         "require_encryption=False (--no-require-encryption on the command line)"

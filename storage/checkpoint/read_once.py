@@ -9,12 +9,19 @@ fetches, verifies and decodes it once, and sends the decoded bytes point to poin
 the other ranks that need it. Items one rank alone needs are read as before.
 
 Every rank receives the same schedule (:class:`Share` records in one global order,
-cut into batches of at most :data:`BATCH_BYTES`, so the memory held for sharing stays
-bounded), and goes through the batches in that order: fetch what it owns (plus, in
-the first batch, its own items), agree with every rank that nothing failed (a small
+cut into batches of :func:`batch_limit` bytes), and goes through the batches in that
+order: agree with every rank that nothing failed in fetching the batch (a small
 ``all_gather_object``: a rank that failed or missed its deadline is named by every
 rank, rather than leaving the others waiting for bytes that never come), exchange,
-then hand each received chunk to the planner, narrowed to what each request asked for.
+then hand each chunk to the planner, narrowed to what each request asked for. Fetching
+runs ahead on a thread of its own (:data:`AHEAD` batches past the one being
+exchanged), so on a bandwidth-bound store the exchange hides behind the fetch. A chunk
+a rank wants whole, whose target is a plain CPU tensor, is decoded, sent and received
+in the target itself; others travel through a buffer.
+
+The exchange needs a group that sends CPU tensors: storage/checkpoint/share_groups.py
+picks it (the reader's process group when it has gloo, else, for the default group of
+an NCCL-only job, a gloo group made once).
 
 Tensor items travel decoded, as their chunk's bytes in the metadata's dtype; non-tensor
 items travel as the owner's re-pickled plain value (``decode.plain_value``) after their
@@ -27,9 +34,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -48,12 +56,19 @@ from storage.checkpoint.deadline import (
     DeadlineExceededError,
     rank_error,
 )
+from storage.checkpoint.share_groups import exchange_group
 
 if TYPE_CHECKING:
     from storage.checkpoint.reader import CheckpointReader
 
-#: Decoded bytes shared per batch: what a rank holds at most for sharing at a time.
-BATCH_BYTES = 512 << 20
+#: Decoded bytes of shared items per batch, at most (one item larger than this is a
+#: batch of its own); smaller batches when there is less to share (:func:`batch_limit`).
+BATCH_BYTES = 64 << 20
+#: ... at least this much per batch: each batch costs one agreement round.
+MIN_BATCH_BYTES = 16 << 20
+#: Batches fetched ahead of the one being exchanged. A rank holds, for sharing, at most
+#: the chunks of the batch it exchanges plus those it owns in the batches ahead.
+AHEAD = 2
 
 Chunks = Mapping[MetadataIndex, tuple[torch.Size, torch.dtype]]
 
@@ -81,11 +96,10 @@ class SharePlan:
     shares: tuple[Share, ...]
 
 
-def can_send_cpu_tensors(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` (the default group if ``None``) has a CPU backend (gloo)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return "gloo" in str(dist.get_backend(group))
+def batch_limit(total: int) -> int:
+    """Bytes per batch when ``total`` decoded bytes are shared: about 8 batches, so
+    the last exchange (which nothing hides) is short, within the bounds above."""
+    return min(BATCH_BYTES, max(MIN_BATCH_BYTES, total // 8))
 
 
 def assign(
@@ -117,13 +131,17 @@ def assign(
     if not shared:
         return plans
     shared.sort(key=lambda i: (-length(i), i.fqn, tuple(i.offset or ())))
+
+    def size(index: MetadataIndex) -> int:
+        return length(index) if kinds[index] else _chunk_bytes(chunks[index])
+
+    limit = batch_limit(sum(size(i) for i in shared))
     per_rank: list[list[Share]] = [[] for _ in plans]
     batch, in_batch = 0, 0
     for seq, index in enumerate(shared):
-        size = length(index) if kinds[index] else _chunk_bytes(chunks[index])
-        if in_batch and in_batch + size > BATCH_BYTES:
+        if in_batch and in_batch + size(index) > limit:
             batch, in_batch = batch + 1, 0
-        in_batch += size
+        in_batch += size(index)
         owner = min(consumers[index], key=lambda r: (load[r], r))
         load[owner] += length(index)
         share = Share(seq, batch, index, kinds[index], owner, tuple(consumers[index]))
@@ -136,56 +154,120 @@ def assign(
 
 
 def read_shared(reader: CheckpointReader, plan: LoadPlan, planner: LoadPlanner) -> None:
-    """Carry out ``plan`` (whose ``storage_data`` is a :class:`SharePlan`) on this rank."""
+    """Carry out ``plan`` (whose ``storage_data`` is a :class:`SharePlan`) on this rank.
+
+    A collective over the reader's process group: every rank of it calls this together
+    (DCP's ``read_data``), and the first call may create the exchange group."""
     share_plan: SharePlan = plan.storage_data
     me = share_plan.rank
     group = reader.process_group
+    channel = exchange_group(group)
     left = reader.budget.left()
     deadline = None if left is None else time.monotonic() + left
+    safe = _Serialized(planner)
     shared = {s.index for s in share_plan.shares}
     wanted: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
     direct: list[ReadItem] = []
     for req in plan.items:
         (wanted[req.storage_index] if req.storage_index in shared else direct).append(req)
-    for batch in range(share_plan.batches):
-        shares = [s for s in share_plan.shares if s.batch == batch]
-        owned = [s for s in shares if s.owner == me]
-        sink = _Sink(planner, reader._chunks, owned)
-        error: BaseException | None = None
+    batches: list[list[Share]] = [[] for _ in range(share_plan.batches)]
+    for share in share_plan.shares:
+        batches[share.batch].append(share)
+
+    def fetch(batch: int) -> tuple[_Batch | None, BaseException | None]:
         try:
+            held = _Batch(safe, reader._chunks, batches[batch], wanted, me)
             reader._read_items(
-                (direct if batch == 0 else []) + list(sink.requests),
-                sink,  # type: ignore[arg-type]
+                (direct if batch == 0 else []) + held.requests,
+                held,  # type: ignore[arg-type]
                 Budget(_left(deadline)),
             )
+            return held, None
         except Exception as exc:  # every rank must hear of it before the exchange
-            error = exc
-        _agree(error, group)
-        received = _exchange(shares, sink.buffers, me, group, reader._chunks, deadline)
-        for share in shares:
-            _apply(reader, planner, wanted[share.index], received[share.index])
+            return None, exc
+
+    with _Prefetcher(fetch, len(batches)) as fetcher:
+        for batch, shares in enumerate(batches):
+            held, error = fetcher.take(batch)
+            _agree(error, channel)
+            assert held is not None
+            received = _exchange(shares, held, me, group, channel, reader._chunks, deadline)
+            fetcher.done(batch)
+            for share in shares:
+                _apply(reader, safe, held, wanted[share.index], received[share.index])
 
 
-class _Sink:
-    """The planner the owned items are read through: whole-chunk requests resolve to
-    buffers kept for sending; everything else goes to the real planner."""
+class _Serialized:
+    """The planner, called by one thread at a time: the fetch of later batches runs
+    while this rank's thread exchanges and hands over earlier ones."""
 
-    def __init__(self, planner: LoadPlanner, chunks: Chunks, owned: list[Share]) -> None:
+    def __init__(self, planner: LoadPlanner) -> None:
+        self.planner = planner
+        self._lock = threading.Lock()
+
+    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
+        with self._lock:
+            return self.planner.resolve_tensor(req).detach()
+
+    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self.planner.commit_tensor(req, tensor)
+
+    def load_bytes(self, req: ReadItem, value: io.BytesIO) -> None:
+        with self._lock:
+            self.planner.load_bytes(req, value)
+
+
+class _Batch:
+    """One batch on this rank: where each shared chunk lands, and the planner its owned
+    items are read through.
+
+    A chunk that this rank wants whole, in one request, whose target is a contiguous
+    CPU tensor of the chunk's dtype and shape, lands in that target: the owner decodes
+    into it and sends from it, a consumer receives into it. Any other chunk lands in a
+    buffer of its own, narrowed and copied into each request's target afterwards.
+    Reading an owned item through this object resolves to where it lands; the rank's
+    own items (``direct``, read with the first batch) go to the real planner."""
+
+    def __init__(
+        self,
+        planner: _Serialized,
+        chunks: Chunks,
+        shares: list[Share],
+        wanted: Mapping[MetadataIndex, list[ReadItem]],
+        me: int,
+    ) -> None:
         self.planner = planner
         self.buffers: dict[MetadataIndex, torch.Tensor] = {}
+        self.targets: dict[MetadataIndex, tuple[ReadItem, torch.Tensor]] = {}
         self.requests: list[ReadItem] = []
         self._ours: set[int] = set()
-        for share in owned:
+        for share in shares:
             if share.is_bytes:
-                one = torch.Size([0])
-                req = ReadItem(LoadItemType.BYTE_IO, share.index, one, share.index, one, one)
-            else:
-                sizes, dtype = chunks[share.index]
+                if share.owner == me:
+                    one = torch.Size([0])
+                    self._own(
+                        ReadItem(LoadItemType.BYTE_IO, share.index, one, share.index, one, one)
+                    )
+                continue
+            sizes, dtype = chunks[share.index]
+            reqs = wanted.get(share.index, [])
+            if len(reqs) == 1 and _whole(reqs[0], sizes):
+                target = planner.resolve_tensor(reqs[0])
+                self.targets[share.index] = (reqs[0], target)
+                if _fits(target, sizes, dtype):
+                    self.buffers[share.index] = target
+            if share.owner == me:
+                if share.index not in self.buffers:
+                    self.buffers[share.index] = torch.empty(tuple(sizes), dtype=dtype)
                 zeros = torch.Size([0] * len(sizes))
-                req = ReadItem(LoadItemType.TENSOR, share.index, zeros, share.index, zeros, sizes)
-                self.buffers[share.index] = torch.empty(tuple(sizes), dtype=dtype)
-            self.requests.append(req)
-            self._ours.add(id(req))
+                self._own(
+                    ReadItem(LoadItemType.TENSOR, share.index, zeros, share.index, zeros, sizes)
+                )
+
+    def _own(self, req: ReadItem) -> None:
+        self.requests.append(req)
+        self._ours.add(id(req))
 
     def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
         if id(req) in self._ours:
@@ -203,6 +285,61 @@ class _Sink:
             )
         else:
             self.planner.load_bytes(req, value)
+
+
+class _Prefetcher:
+    """Runs ``fetch(0)``, ``fetch(1)``, ... on a thread of its own, at most
+    :data:`AHEAD` batches past the one being exchanged, so fetching overlaps the
+    exchange. Leaving the ``with`` block stops it and waits for a fetch in progress
+    (bounded by the reader's deadline, if any), so nothing lands after the load ends."""
+
+    def __init__(
+        self, fetch: Callable[[int], tuple[_Batch | None, BaseException | None]], count: int
+    ) -> None:
+        self._fetch, self._count = fetch, count
+        self._ready: dict[int, tuple[_Batch | None, BaseException | None]] = {}
+        self._finished = -1  # the last batch exchanged
+        self._stopped = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="dcp-storage-read-once", daemon=True)
+
+    def __enter__(self) -> _Prefetcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        for batch in range(self._count):
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._stopped or batch <= self._finished + 1 + AHEAD  # noqa: B023
+                )
+                if self._stopped:
+                    return
+            try:
+                result = self._fetch(batch)
+            except BaseException as exc:  # noqa: BLE001 - reported by take() like any failure
+                result = None, exc
+            with self._cond:
+                self._ready[batch] = result
+                self._cond.notify_all()
+            if result[1] is not None:
+                return  # the load fails at this batch: fetch nothing more
+
+    def take(self, batch: int) -> tuple[_Batch | None, BaseException | None]:
+        with self._cond:
+            self._cond.wait_for(lambda: batch in self._ready)
+            return self._ready.pop(batch)
+
+    def done(self, batch: int) -> None:
+        with self._cond:
+            self._finished = batch
+            self._cond.notify_all()
 
 
 def _agree(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
@@ -234,14 +371,16 @@ def _agree(error: BaseException | None, group: dist.ProcessGroup | None) -> None
 
 def _exchange(
     shares: list[Share],
-    owned: dict[MetadataIndex, torch.Tensor],
+    held: _Batch,
     me: int,
     group: dist.ProcessGroup | None,
+    channel: dist.ProcessGroup | None,
     chunks: Chunks,
     deadline: float | None,
 ) -> dict[MetadataIndex, torch.Tensor]:
-    """Send what this rank owns to its consumers and receive what it consumes."""
-    received = dict(owned)
+    """Send what this rank owns to its consumers and receive what it consumes (into
+    where each chunk lands), over ``channel``; ranks are ``group``'s."""
+    received = {s.index: held.buffers[s.index] for s in shares if s.owner == me}
 
     def peer(rank: int) -> int:
         return rank if group is None else dist.get_global_rank(group, rank)
@@ -251,45 +390,53 @@ def _exchange(
     ops = []
     for share in (s for s in shares if s.is_bytes):
         if share.owner == me:
-            length = torch.tensor([owned[share.index].numel()], dtype=torch.int64)
+            length = torch.tensor([received[share.index].numel()], dtype=torch.int64)
             ops += [
-                dist.P2POp(dist.isend, length, peer(c), group, 2 * share.seq)
+                dist.P2POp(dist.isend, length, peer(c), channel, 2 * share.seq)
                 for c in share.consumers
                 if c != me
             ]
         else:
             sizes[share.index] = torch.zeros(1, dtype=torch.int64)
             ops.append(
-                dist.P2POp(dist.irecv, sizes[share.index], peer(share.owner), group, 2 * share.seq)
+                dist.P2POp(
+                    dist.irecv, sizes[share.index], peer(share.owner), channel, 2 * share.seq
+                )
             )
     _run(ops, deadline)
     ops = []
     for share in shares:
         if share.owner == me:
-            flat = _flat(owned[share.index])
+            flat = _flat(received[share.index])
             if flat.numel():
                 ops += [
-                    dist.P2POp(dist.isend, flat, peer(c), group, 2 * share.seq + 1)
+                    dist.P2POp(dist.isend, flat, peer(c), channel, 2 * share.seq + 1)
                     for c in share.consumers
                     if c != me
                 ]
             continue
         if share.is_bytes:
             buffer = torch.empty(int(sizes[share.index].item()), dtype=torch.uint8)
+        elif share.index in held.buffers:
+            buffer = held.buffers[share.index]
         else:
             chunk_sizes, dtype = chunks[share.index]
             buffer = torch.empty(tuple(chunk_sizes), dtype=dtype)
         received[share.index] = buffer
         if buffer.numel():
             ops.append(
-                dist.P2POp(dist.irecv, _flat(buffer), peer(share.owner), group, 2 * share.seq + 1)
+                dist.P2POp(dist.irecv, _flat(buffer), peer(share.owner), channel, 2 * share.seq + 1)
             )
     _run(ops, deadline)
     return received
 
 
 def _apply(
-    reader: CheckpointReader, planner: LoadPlanner, reqs: list[ReadItem], value: torch.Tensor
+    reader: CheckpointReader,
+    planner: _Serialized,
+    held: _Batch,
+    reqs: list[ReadItem],
+    value: torch.Tensor,
 ) -> None:
     """Hand one shared item to the planner, for each request of this rank."""
     for req in reqs:
@@ -297,7 +444,14 @@ def _apply(
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(value.numpy().tobytes()))
             continue
-        target = planner.resolve_tensor(req).detach()
+        landed = held.targets.get(req.storage_index)
+        if landed is not None and landed[0] is req:
+            target = landed[1]
+            if target is value:  # decoded or received in place
+                planner.commit_tensor(req, target)
+                continue
+        else:
+            target = planner.resolve_tensor(req)
         where = f"{reader.url}: item {quote(label)} (shared)"
         check_shapes(req, target, reader._chunks.get(req.storage_index), where)
         target.copy_(narrow_tensor_by_index(value, req.storage_offsets, req.lengths))
@@ -321,6 +475,20 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 def _chunk_bytes(chunk: tuple[torch.Size, torch.dtype]) -> int:
     return math.prod(chunk[0]) * chunk[1].itemsize
+
+
+def _whole(req: ReadItem, sizes: torch.Size) -> bool:
+    return tuple(req.lengths) == tuple(sizes) and not any(req.storage_offsets)
+
+
+def _fits(target: torch.Tensor, sizes: torch.Size, dtype: torch.dtype) -> bool:
+    """Whether ``target`` can hold the chunk's bytes as they travel (and be sent)."""
+    return (
+        target.device.type == "cpu"
+        and target.dtype == dtype
+        and target.is_contiguous()
+        and tuple(target.size()) == tuple(sizes)
+    )
 
 
 def _left(deadline: float | None) -> float | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -29,11 +30,12 @@ from extensions.errors import (
     IntegrityError,
     quote,
 )
-from extensions.registry import ExtensionRegistry, as_registry
+from extensions.registry import ExtensionRegistry, as_registry, parse_descriptor
+from extensions.zstd import ZStandard
 from storage.backends import LocalFileSystem, MemoryFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
-from storage.checkpoint import incremental, read_once
+from storage.checkpoint import frames, incremental, read_once, share_groups
 from storage.checkpoint._common import (
     check_shapes,
     check_thread_count,
@@ -41,12 +43,14 @@ from storage.checkpoint._common import (
     records_error,
     resolve_location,
     stock_checkpoint_id,
+    tensor_bytes,
 )
 from storage.checkpoint.deadline import Budget, cancellable, check_timeout, note
 from storage.checkpoint.decode import (
     MAX_OBJECT_BYTES,
     OBJECT_RATIO,
     decode_tensor,
+    direct_offset,
     plain_value,
     read_bounded,
 )
@@ -109,10 +113,13 @@ class CheckpointReader(StorageReader):
     and decoded by one of them and sent to the others over ``process_group`` (default:
     the default group; pass the group given to ``dcp.load``), so each byte is fetched
     once per job (storage/checkpoint/read_once.py; default: on for every backend but
-    local disk, see docs/scale.md). ``timeout`` (seconds) bounds this rank's storage
-    work in a load, every request of it (the metadata, its bases, the data;
-    ``deadline.Budget``): past it the load fails on every rank with
-    :class:`DeadlineExceededError` naming the rank, the item and the URL.
+    local disk, see docs/scale.md). The exchange sends CPU tensors: over that group if
+    it has gloo; for an NCCL-only default group, over a gloo group made once for it;
+    any other group needs a gloo group passed here (storage/checkpoint/share_groups.py).
+    ``timeout`` (seconds) bounds this rank's storage work in a load, every request of
+    it (the metadata, its bases, the data; ``deadline.Budget``): past it the load fails
+    on every rank with :class:`DeadlineExceededError` naming the rank, the item and the
+    URL.
     ``share_metadata``: the global ``.metadata`` is read by the group's rank 0 alone and
     broadcast (one request per load, not one per rank); a collective, so only for
     reads every rank makes together (``storage.load`` turns it on under a process group).
@@ -187,10 +194,11 @@ class CheckpointReader(StorageReader):
     def read_once(self) -> bool:
         """Whether items several ranks need are fetched once and shared; by default on
         for every backend but local disk (where page-cache reads beat the exchange),
-        when the process group can send CPU tensors (gloo, or a gloo+NCCL group)."""
+        when the exchange has a group to send CPU tensors over (a gloo or gloo+NCCL
+        group, or the default group, for which one is made: share_groups.py)."""
         if self._read_once is None:
             local = isinstance(self.fs, (LocalFileSystem, MemoryFileSystem))
-            return not local and read_once.can_send_cpu_tensors(self.process_group)
+            return not local and share_groups.can_share(self.process_group)
         return self._read_once
 
     @records_error
@@ -260,6 +268,7 @@ class CheckpointReader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.read_once and len(plans) > 1:
+            share_groups.check_can_share(self.process_group, self.url)
             return read_once.assign(plans, self.storage_data, self._chunks)
         return plans
 
@@ -295,14 +304,28 @@ class CheckpointReader(StorageReader):
                 descriptors = item.info.transform_descriptors or ()
                 info = self._item_info(item, keys)
                 check_before_read(
-                    descriptors, info, require_encryption=self.require_encryption, decode=True
+                    descriptors,
+                    info,
+                    registry,
+                    require_encryption=self.require_encryption,
+                    decode=True,
                 )
         if not runs:
             return
+        # zstd items are decoded on every core while these threads read on (frames.py).
+        workers = frames.decoder_count()
+        decoders = frames.Decoders(workers, slots=workers + 2)
         tasks = [
-            functools.partial(self._read_run, p, r, planner, lock, registry, keys) for p, r in runs
+            functools.partial(self._read_run, p, r, planner, lock, registry, keys, decoders)
+            for p, r in runs
         ]
-        budget.run(tasks, workers=self.thread_count, action="loading", location=self.url)
+        try:
+            budget.run(tasks, workers=self.thread_count, action="loading", location=self.url)
+        except BaseException:
+            with contextlib.suppress(BaseException):  # the readers' error comes first
+                decoders.close()
+            raise
+        decoders.close()
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
@@ -382,6 +405,7 @@ class CheckpointReader(StorageReader):
         lock: threading.Lock,
         registry: ExtensionRegistry,
         keys: KeyLookup | None,
+        decoders: frames.Decoders | None = None,
     ) -> None:
         start = run[0].offset
         length = run[-1].offset + run[-1].length - start
@@ -389,8 +413,12 @@ class CheckpointReader(StorageReader):
         try:
             with self.fs.open_slice(path, start, length) as opened:
                 stream = cancellable(opened)
+                # Finding a seek table costs two small reads: free on local disk and
+                # memory, a request each on object stores (their readers stream).
+                if not isinstance(self.fs, (LocalFileSystem, MemoryFileSystem)):
+                    decoders = None
                 for item in run:
-                    self._read_item(stream, path, item, planner, lock, registry, keys)
+                    self._read_item(stream, path, item, planner, lock, registry, keys, decoders)
         except FileNotFoundError as exc:
             if isinstance(exc, CheckpointStorageError):
                 raise
@@ -409,6 +437,7 @@ class CheckpointReader(StorageReader):
         lock: threading.Lock,
         registry: ExtensionRegistry,
         keys: KeyLookup | None,
+        decoders: frames.Decoders | None = None,
     ) -> None:
         label = fmt.item_label(item.req.storage_index)
         note(label, self.fs.url(path))
@@ -429,6 +458,20 @@ class CheckpointReader(StorageReader):
             with lock:
                 target = planner.resolve_tensor(item.req).detach()
             check_shapes(item.req, target, chunk, where)
+            if decoders is not None and self._zstd_only(stored.descriptors, registry):
+                offset = direct_offset(item.req, extra, chunk, target)
+                table = None if offset is None else frames.seek_table(stream, item.length)
+                if offset is not None and (table or item.length <= frames.MAX_BUFFER):
+                    req, tensor = item.req, target
+
+                    def commit() -> None:
+                        with lock:
+                            planner.commit_tensor(req, tensor)
+
+                    frames.decode_framed(
+                        decoders, stored, table, tensor_bytes(target), offset, commit
+                    )
+                    return
         try:
             decoded = stored.decoded(registry, info)
             if target is None:
@@ -461,6 +504,18 @@ class CheckpointReader(StorageReader):
             target.copy_(narrowed)
         with lock:
             planner.commit_tensor(item.req, target)
+
+    @staticmethod
+    def _zstd_only(descriptors: Sequence[str], registry: ExtensionRegistry) -> bool:
+        """Whether the chain is our zstd alone (what the frame decoders handle)."""
+        if len(descriptors) != 1:
+            return False
+        name, version = parse_descriptor(descriptors[0])
+        return (
+            name == ZStandard.registry_name()
+            and version.partition(".")[0] == "1"
+            and registry.get(name) is ZStandard
+        )
 
     def _item_info(self, item: _Item, keys: KeyLookup | None) -> ItemInfo:
         chunk = self._chunks.get(item.req.storage_index)

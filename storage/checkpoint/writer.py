@@ -26,6 +26,7 @@ from extensions.registry import chain_descriptors
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint import incremental
+from storage.checkpoint import persist as _persist
 from storage.checkpoint._common import (
     check_serialization_format,
     check_thread_count,
@@ -43,7 +44,7 @@ from storage.checkpoint.commit import (
     publish_metadata,
     remove_quietly,
 )
-from storage.checkpoint.committed import CHAIN
+from storage.checkpoint.committed import CHAIN, CommittedCheckpoint
 from storage.checkpoint.deadline import (
     Budget,
     DeadlineExceededError,
@@ -80,8 +81,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     Incremental saves (docs/format.md): ``fingerprint=True`` records a content
     fingerprint per item, so the checkpoint can serve as a base; ``base`` (the path or URL
-    of a committed checkpoint beside this one, same parent directory or prefix; implies
-    ``fingerprint``) stores every item whose content and transform chain equal the
+    of a committed checkpoint beside this one, same parent directory or prefix, or its
+    ``committed.CommittedCheckpoint`` read model when the caller has opened it already;
+    implies ``fingerprint``) stores every item whose content and transform chain equal the
     base's as a reference to the base's bytes instead of writing it again. Loading such
     a checkpoint needs its bases (``dcp-storage cp`` makes a self-contained copy).
 
@@ -96,6 +98,15 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     one of N short hex key prefixes (``rank % N``), so an object store spreads the
     requests of a large save over N partitions (storage/checkpoint/prefixes.py,
     docs/scale.md); stock readers load such checkpoints too.
+
+    ``persist`` says where an asynchronous save (``dcp.async_save``, ``async_save``,
+    the manager's ``blocking=False`` and its drain) encodes and uploads:
+    ``"process"`` (the default where available) in a persist worker process, niced,
+    reading the state from shared staging buffers that the training thread copies it
+    into, so that the work does not compete with training for the GIL; ``"thread"`` in
+    DCP's background thread, as stock torch. ``max_bandwidth`` (bytes/s) caps what the
+    worker writes to storage. Blocking saves always write in this process. See
+    :mod:`storage.checkpoint.persist` and docs/operations.md.
 
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
@@ -116,12 +127,16 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         cache_staged_state_dict: bool = False,
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         filesystem: FileSystemBase | None = None,
-        base: str | os.PathLike[str] | None = None,
+        base: str | os.PathLike[str] | CommittedCheckpoint | None = None,
         fingerprint: bool = False,
         timeout: float | None = None,
         key_prefixes: int = 0,
+        persist: str | None = None,
+        max_bandwidth: int | None = None,
     ) -> None:
         super().__init__()
+        self.persist_mode = _persist.check_mode(persist, max_bandwidth)
+        self._lease: _persist.Lease | None = None  # the worker's staging buffers, held
         self.timeout = check_timeout(timeout)
         self.budget = Budget(self.timeout)
         self.key_prefixes = check_key_prefixes(key_prefixes)
@@ -131,6 +146,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._explicit_fs = filesystem
         self.fs, self.path = resolve_location(path, storage_options, filesystem)
         self._location = path  # as given: checkpoint_id reports it as stock does
+        self.persist_mode = _persist.for_filesystems(self.persist_mode, self.fs)
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
         for name, value in (
             ("single_file_per_rank", single_file_per_rank),
@@ -147,7 +163,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.overwrite = overwrite
         self.cache_staged_state_dict = cache_staged_state_dict
         self.serialization_format = serialization_format
-        if base is not None and not isinstance(base, (str, os.PathLike)):
+        if base is not None and not isinstance(base, (str, os.PathLike, CommittedCheckpoint)):
             raise TypeError(f"base must be a path or URL, got {base!r}")
         self.base = base
         self.fingerprint = fingerprint or base is not None
@@ -161,6 +177,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.last_error: BaseException | None = None
         self._written: list[str] = []  # data files this save wrote (for abort)
         self._committed = False
+        #: The metadata the last save published (``None`` before, or when it failed).
+        self.published: Metadata | None = None
 
     # --- AsyncStager ----------------------------------------------------------------
 
@@ -168,7 +186,14 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     _synchronize_after_execute: bool = False
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
-        """A CPU copy of ``state_dict`` that training may not change (``dcp.async_save``)."""
+        """A CPU copy of ``state_dict`` that training may not change (``dcp.async_save``).
+
+        With ``persist="process"`` the copy goes into the persist worker's shared staging
+        buffers (reused by every save of the same tensors; a save waits until the
+        previous one's worker has read them) and the save's writes run in the worker."""
+        if self.persist_mode.name == "process":
+            staged, self._lease = _persist.worker().stage(state_dict)
+            return cast(STATE_DICT_TYPE, staged)
         if self.cache_staged_state_dict:
             if self._stager is None:
                 self._stager = DefaultStager(staging_options(pin=torch.cuda.is_available()))
@@ -184,12 +209,16 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     def close(self) -> None:
         """Release the cached staging buffers (``cache_staged_state_dict``)."""
+        self._release()
         if self._stager is not None:
             self._stager.close()
             self._stager = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # A process-based async save ships the writer, never its staging buffers.
+        # A process-based async save ships the writer, never its staging buffers. torch's
+        # executor pickles the staged state before the writer: the other process has its
+        # own copy, so the persist worker's buffers are free for the next save.
+        self._release()
         state = self.__dict__.copy()
         state["_stager"] = None
         return state
@@ -202,6 +231,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 checkpoint_id, self.storage_options, self._explicit_fs
             )
             self._location = checkpoint_id
+            self.persist_mode = _persist.for_filesystems(self.persist_mode, self.fs)
         self.save_id = uuid.uuid4().hex[:12]
         self.last_error = None
 
@@ -212,6 +242,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.last_error = None
         self._written = []
         self._committed = False
+        self.published = None
         self._base = None
         self._fingerprints = {}
         self.budget.restart()
@@ -233,7 +264,10 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                     "pick a new location or pass overwrite=True"
                 )
             if self.base is not None:
-                self._base = incremental.open_base(self.fs, self.path, os.fspath(self.base))
+                base = self.base
+                if not isinstance(base, CommittedCheckpoint):
+                    base = os.fspath(base)
+                self._base = incremental.open_base(self.fs, self.path, base)
             self.fs.mkdir(self.path)
 
         self.budget.call(
@@ -277,6 +311,26 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             (place(fmt.data_file_name(rank, n, self.save_id), rank, self.key_prefixes), b)
             for n, b in enumerate(buckets)
         ]
+        lease, self._lease = self._lease, None
+        if lease is not None:  # staged in the persist worker's buffers: it writes
+            try:
+                per_file = _persist.write_staged(self, files, threads, planner, lease)
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            per_file = self.write_files(files, threads, planner)
+        results = list(referenced) + [result for rs in per_file for result in rs]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def write_files(
+        self, files: list[tuple[str, list[WriteItem]]], threads: int, planner: Any
+    ) -> list[list[WriteResult]]:
+        """Write ``files`` (name, items) on up to ``threads`` threads with the data
+        ``planner.resolve_data`` gives; on failure remove what was written and raise.
+        The persist worker runs this too, with the staged data."""
         lock = threading.Lock()
 
         def write_one(name: str, items: list[WriteItem]) -> list[WriteResult]:
@@ -292,10 +346,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         except BaseException:
             self.abort()  # past the deadline, in the background: the error goes out now
             raise
-        results = list(referenced) + [result for rs in per_file for result in rs]
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
+        return per_file
 
     @records_error
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -341,6 +392,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
                 mark_may_have_landed(exc)
             raise
         self._committed = True
+        self.published = metadata
 
     def metadata_payload(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
         """The serialized metadata :meth:`finish` publishes: ``metadata`` completed with
@@ -362,6 +414,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         and every rank follows its verdict. DCP calls nothing on a rank when another
         rank's part failed; the one-call helpers call this so such saves leave nothing
         behind."""
+        self._release()
         if self._committed or commit_may_have_landed(error):
             return
         paths, self._written = self._written, []
@@ -375,6 +428,11 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         )
         cleanup.start()
         cleanup.join(self.budget.left())
+
+    def _release(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)

@@ -16,7 +16,7 @@ from extensions.errors import CheckpointNotFoundError, printable
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url, url_scheme
 
-TRANSFORM_SPECS = "zstd, zstd:LEVEL, shuffle, aes:KEY_ID, none"
+TRANSFORM_SPECS = "weights, zstd, zstd:LEVEL, shuffle, aes:KEY_ID, none"
 
 
 def option_value(text: str) -> Any:
@@ -57,7 +57,7 @@ def keys_from_args(args: argparse.Namespace) -> dict[str, bytes]:
 
 
 def parse_transforms(specs: Sequence[str], keys: dict[str, bytes]) -> list[Any]:
-    from extensions.zstd import ZStandard
+    from extensions import AES256GCM, ByteShuffle, WeightCodec, ZStandard
 
     chain: list[Any] = []
     for spec in specs:
@@ -68,12 +68,10 @@ def parse_transforms(specs: Sequence[str], keys: dict[str, bytes]) -> list[Any]:
         if name == "zstd":
             chain.append(ZStandard(level=int(value)) if value else ZStandard())
         elif name == "shuffle" and not value:
-            from extensions import ByteShuffle
-
             chain.append(ByteShuffle())
+        elif name == "weights" and not value:
+            chain.append(WeightCodec())
         elif name in ("aes", "aes256gcm") and value:
-            from extensions import AES256GCM
-
             if value not in keys:
                 raise ValueError(
                     f"--transform {spec}: no key for key id {value!r}; provide it with "

@@ -9,6 +9,7 @@ one line on stderr with exit code 1 (``verify`` also exits 1 when an item is bad
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ from storage.cli._support import (
 def _cmd_demo(args: argparse.Namespace) -> int:
     from storage.ops.demo import format_figures, run_demo
 
-    figures = run_demo(args.dir, steps=args.steps)
+    figures = run_demo(os.path.abspath(args.dir), steps=args.steps)
     emit(args, figures, format_figures(figures))
     return 0
 
@@ -339,7 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, parents=[common])
 
     demo = add("demo", "save and load a small model with zstd, print figures")
-    demo.add_argument("--dir", help="keep the checkpoint in this directory (default: a temp dir)")
+    demo.add_argument(
+        "--dir",
+        default="demo-checkpoint",
+        help="where the checkpoint is saved and kept, to look at with `inspect` and `verify` "
+        "(default: ./demo-checkpoint)",
+    )
     demo.add_argument("--steps", type=int, default=3, help="training steps before saving")
     demo.set_defaults(func=_cmd_demo)
 

@@ -150,7 +150,9 @@ class FolderCheckpoints:
 
     def pick(self, step: int | None = None) -> int:
         """``step``, or the newest committed step when ``None``; raises
-        :class:`CheckpointNotFoundError` when there is none."""
+        :class:`CheckpointNotFoundError` when there is none. The upload in flight, if
+        any, lands first (a restore right after a save sees that save)."""
+        self.wait()
         if step is not None:
             return step
         latest = self.manager.latest()

@@ -18,17 +18,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from extensions.errors import CheckpointStorageError, MissingDependencyError
+from extensions.errors import CheckpointStorageError
+from storage.integrations._deps import require
 from storage.integrations.folders import FolderCheckpoints
 
-try:
-    from transformers import TrainerCallback
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-except ImportError as exc:  # pragma: no cover - the message is the point
-    raise MissingDependencyError(
-        f"storage.integrations.huggingface needs transformers ({exc.name or exc}); "
-        "install it with: pip install 'dcp-storage[huggingface]'"
-    ) from exc
+require("transformers", "huggingface")
+
+from transformers import TrainerCallback  # noqa: E402
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 
 class StorageTrainerCallback(TrainerCallback):

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from extensions.base import Keys
-from extensions.errors import CheckpointStorageError, MissingDependencyError
+from extensions.errors import CheckpointStorageError
 from extensions.registry import ExtensionRegistry
 from storage.checkpoint import api
 from storage.checkpoint._common import resolve_location
@@ -34,16 +34,13 @@ from storage.checkpoint.layout import is_committed
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
 from storage.integrations import _tree
+from storage.integrations._deps import require
 from storage.integrations._solo import empty_targets, load_alone, reader_alone, save_alone
 
-try:
-    from lightning.pytorch.plugins.io import CheckpointIO
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-except ImportError as exc:  # pragma: no cover - the message is the point
-    raise MissingDependencyError(
-        f"storage.integrations.lightning needs PyTorch Lightning ({exc.name or exc}); "
-        "install it with: pip install 'dcp-storage[lightning]'"
-    ) from exc
+require("lightning.pytorch.plugins.io", "lightning")
+
+from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
 
 # The item holding everything but the tensors (storage.integrations._tree).
 PREFIX = "lightning"
@@ -161,7 +158,29 @@ class StorageCheckpointIO(CheckpointIO):
             delete_checkpoint(fs, location)
 
 
-class StorageModelParallelStrategy(ModelParallelStrategy):
+class _ShardedStorage:
+    """What both sharded strategies share: the plugin their settings come from, the
+    save (``_MODEL_KEY``: the name Lightning gives the model's shards), the removal."""
+
+    _MODEL_KEY: str
+
+    @property
+    def storage_io(self) -> StorageCheckpointIO:
+        """The plugin whose settings this strategy's checkpoints use."""
+        io = self.checkpoint_io  # type: ignore[attr-defined]
+        return io if isinstance(io, StorageCheckpointIO) else StorageCheckpointIO()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        _save_sharded(self, self._MODEL_KEY, checkpoint, filepath, storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            self.storage_io.remove_checkpoint(filepath)
+
+
+class StorageModelParallelStrategy(_ShardedStorage, ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2, tensor parallel) whose distributed checkpoints
     use dcp-storage.
 
@@ -176,22 +195,14 @@ class StorageModelParallelStrategy(ModelParallelStrategy):
     checkpoints are supported (``save_distributed_checkpoint=True``).
     """
 
+    _MODEL_KEY = "state_dict"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not self._save_distributed_checkpoint:
             raise ValueError(
                 _SHARDED_ONLY.format(type(self).__name__, "save_distributed_checkpoint")
             )
-
-    @property
-    def storage_io(self) -> StorageCheckpointIO:
-        """The plugin whose settings this strategy's checkpoints use."""
-        return _storage_io(self)
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        _save_sharded(self, "state_dict", checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         from torch.distributed.checkpoint.state_dict import (
@@ -222,32 +233,20 @@ class StorageModelParallelStrategy(ModelParallelStrategy):
             )
         return self.storage_io.load_tree(url, weights_only=weights_only)
 
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            self.storage_io.remove_checkpoint(filepath)
 
-
-class StorageFSDPStrategy(FSDPStrategy):
+class StorageFSDPStrategy(_ShardedStorage, FSDPStrategy):
     """``FSDPStrategy`` (FSDP1) whose sharded checkpoints use dcp-storage, as
     :class:`StorageModelParallelStrategy` does for FSDP2: shards through
     :class:`CheckpointWriter` / :class:`CheckpointReader`, the rest of the checkpoint in
     the same commit, settings from the Trainer's ``StorageCheckpointIO``. Only
     ``state_dict_type="sharded"`` is supported."""
 
+    _MODEL_KEY = "model"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self._state_dict_type != "sharded":
             raise ValueError(_SHARDED_ONLY.format(type(self).__name__, 'state_dict_type="sharded"'))
-
-    @property
-    def storage_io(self) -> StorageCheckpointIO:
-        """The plugin whose settings this strategy's checkpoints use."""
-        return _storage_io(self)
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        _save_sharded(self, "model", checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         from lightning.pytorch.trainer.states import TrainerFn
@@ -289,20 +288,11 @@ class StorageFSDPStrategy(FSDPStrategy):
                 )
         return self.storage_io.load_tree(url, weights_only=weights_only)
 
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            self.storage_io.remove_checkpoint(filepath)
-
 
 _SHARDED_ONLY = (
     "{} saves sharded checkpoints only; keep {} (a consolidated file of a sharded model is "
     "what torch's dcp_to_torch_save can make from the checkpoint afterwards)"
 )
-
-
-def _storage_io(strategy: Any) -> StorageCheckpointIO:
-    io = strategy.checkpoint_io
-    return io if isinstance(io, StorageCheckpointIO) else StorageCheckpointIO()
 
 
 def _save_sharded(
@@ -321,7 +311,7 @@ def _save_sharded(
         state[f"optimizer_{idx}"] = optim_state
     if strategy.global_rank == 0:
         state.update(_tree.pack(checkpoint, PREFIX))
-    api.save_with(_storage_io(strategy).writer(url), state)
+    api.save_with(strategy.storage_io.writer(url), state)
 
 
 def _location(path: Any) -> str:

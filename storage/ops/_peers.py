@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from extensions.streams import readinto_exact
 from storage.backends.base import FileSystemBase
 
 _CHUNK = 16 << 20  # bytes per send: bounds the memory a transfer holds
@@ -57,12 +58,12 @@ class Group:
         dist.all_gather_object(out, obj, group=pg)
         return out
 
-    def broadcast(self, obj: Any, *, pg: Any = None) -> Any:
-        """Rank 0's ``obj`` on every rank, over ``pg``."""
+    def broadcast(self, obj: Any, *, pg: Any = None, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank, over ``pg``."""
         if self.world == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=pg)
+        dist.broadcast_object_list(box, src=src, group=pg)
         return box[0]
 
 
@@ -128,14 +129,16 @@ def transfer(
 def _send_file(fs: FileSystemBase, path: str, dst: int, pg: Any) -> int:
     size = fs.size(path)
     dist.send(torch.tensor([size], dtype=torch.int64), dst, group=pg)
+    buffer = torch.empty(min(_CHUNK, size), dtype=torch.uint8)  # read into, sent from
+    view = buffer.numpy().data
     with fs.create_stream(path, "rb") as stream:
         left = size
         while left:
-            data = stream.read(min(_CHUNK, left))
-            if not data:
-                raise EOFError(f"{fs.url(path)} ended {left} bytes early while sending it")
-            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=pg)
-            left -= len(data)
+            n = min(_CHUNK, left)
+            if readinto_exact(stream, view[:n]) < n:
+                raise EOFError(f"{fs.url(path)} ended early while sending it")
+            dist.send(buffer[:n], dst, group=pg)
+            left -= n
     return size
 
 
@@ -143,9 +146,10 @@ def _recv_file(fs: FileSystemBase, path: str, src: int, pg: Any, *, sync: bool) 
     header = torch.zeros(1, dtype=torch.int64)
     dist.recv(header, src, group=pg)
     left = int(header.item())
+    buffer = torch.empty(min(_CHUNK, left), dtype=torch.uint8)
     with fs.create_stream(path, "wb", sync=sync) as out:
         while left:
-            chunk = torch.empty(min(_CHUNK, left), dtype=torch.uint8)
+            chunk = buffer[: min(_CHUNK, left)]
             dist.recv(chunk, src, group=pg)
             out.write(chunk.numpy().data)
             left -= chunk.numel()

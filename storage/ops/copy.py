@@ -47,7 +47,6 @@ from storage.checkpoint.items import (
     StoredItem,
     check_before_read,
     encryption_required,
-    is_encrypted,
 )
 from storage.checkpoint.layout import metadata_names
 from storage.checkpoint.prefixes import refuse_linked_prefix, split
@@ -88,6 +87,7 @@ def copy_checkpoint(
     parts = read_metadata(src_fs, src_path, keys=keys, registry=registry)
     src_url, dst_url = src_fs.url(src_path), dst_fs.url(dst_path)
     key_lookup = cached_key_lookup(keys)
+    known = registry or ExtensionRegistry()
     stored = [
         (part, index, info)
         for part in parts
@@ -98,12 +98,13 @@ def copy_checkpoint(
         if require_encryption is not None
         else encryption_required(None, keys)
         and transforms is not None
-        and any(is_encrypted(info.transform_descriptors or ()) for _, _, info in stored)
+        and any(known.authenticated(info.transform_descriptors or ()) for _, _, info in stored)
     )
     for part, index, info in stored:  # before anything is written
         check_before_read(
             info.transform_descriptors or (),
             _item_info(part, index, src_url, key_lookup),
+            known,
             require_encryption=required,
             decode=transforms is not None,
         )

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from extensions.zstd import ZStandard
+from extensions import ZStandard
 from storage.checkpoint.api import load, save
 
 
@@ -115,6 +115,7 @@ def format_figures(f: dict[str, Any]) -> str:
         ("save", f"{f['save_s']:.2f} s, {f['logical_bytes'] / mb / f['save_s']:.0f} MB/s"),
         ("load", f"{f['load_s']:.2f} s, {f['logical_bytes'] / mb / f['load_s']:.0f} MB/s"),
         ("loaded == saved", "yes" if f["equal"] else "NO"),
+        ("look inside", f"dcp-storage inspect {f['checkpoint']}"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

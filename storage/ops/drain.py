@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from extensions.errors import CheckpointNotFoundError
+from storage.checkpoint import persist
 from storage.checkpoint.commit import remove_quietly
 from storage.ops.copy import copy_data_files, publish_copy
 from storage.ops.tools import read_metadata
@@ -31,7 +32,7 @@ def drain_step(tier: LocalTier, step: int) -> None:
     src, dst = local.step_path(step), root.step_path(step)
     copied, error, part = None, None, None
     try:
-        parts = read_metadata(local.fs, src)
+        parts = read_metadata(local.fs, src, opened=tier._model(step))
         if len(parts) != 1:  # the manager saves with collectives: one .metadata
             raise CheckpointNotFoundError(
                 f"{local.step_url(step)} is committed by rank-local metadata "
@@ -39,7 +40,9 @@ def drain_step(tier: LocalTier, step: int) -> None:
                 ".metadata drains"
             )
         part = parts[0]
-        copied = copy_data_files(
+        copied = persist.run(
+            persist.mode_for(root.writer_options, local.fs, fs),
+            copy_data_files,
             local.fs,
             src,
             fs,

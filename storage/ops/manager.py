@@ -19,8 +19,9 @@ import concurrent.futures
 import inspect
 import logging
 import os
+import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -36,7 +37,7 @@ from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import api
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
-from storage.checkpoint.committed import open_committed
+from storage.checkpoint.committed import CommittedCheckpoint, ReadModels
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     StepInfo,
@@ -49,6 +50,7 @@ from storage.ops.retention import Retention
 from storage.ops.uploads import stale_uploads
 
 if TYPE_CHECKING:
+    from storage.ops.preemption import PreemptionGuard
     from storage.ops.tiers import LocalTier
 
 log = logging.getLogger(__name__)
@@ -162,10 +164,13 @@ class CheckpointManager:
         self.full_every = full_every
         self.fs, self.root = resolve_location(root_url, storage_options, filesystem)
         self._lock = threading.Lock()
+        # The steps' read models, kept between saves: each metadata is read once.
+        self.models = ReadModels()
         self.retention = Retention(self)
         self._pending: concurrent.futures.Future[None] | None = None
         self._saving: int | None = None
         self._saving_base: int | None = None
+        self._async_group: Any = None
         self.tiers: LocalTier | None = None
         if local is not None:
             from storage.ops.tiers import LocalTier  # it builds on this module
@@ -260,16 +265,19 @@ class CheckpointManager:
         self.wait()
         url = self.step_url(step)
         options = dict(self.writer_options, filesystem=self.fs)
-        base = self._incremental_base(step)
+        base, opened = self._incremental_base(step)
         if self.incremental:
             options["fingerprint"] = True
-        if base is not None:
-            options["base"] = self.step_url(base)
+        if opened is not None:
+            options["base"] = opened  # read once, here: the writer does not read it again
         if blocking:
             with self._lock:
                 self._saving, self._saving_base = step, base
             try:
-                api.save(state_dict, url, transforms=self.transforms, **options)
+                writer = CheckpointWriter(url, transforms=self.transforms, **options)
+                api.save_with(writer, state_dict)
+                if writer.published is not None:
+                    self.models.remember(self.fs, self.step_path(step), writer.published)
             finally:
                 with self._lock:
                     self._saving, self._saving_base = None, None
@@ -280,7 +288,13 @@ class CheckpointManager:
             self._saving, self._saving_base = step, base
             self._pending = outer
         try:
-            inner = api.async_save(state_dict, url, transforms=self.transforms, **options)
+            inner = api.async_save(
+                state_dict,
+                url,
+                transforms=self.transforms,
+                process_group=self._background_group(),
+                **options,
+            )
         except BaseException:
             with self._lock:
                 self._saving, self._saving_base, self._pending = None, None, None
@@ -300,18 +314,51 @@ class CheckpointManager:
         inner.add_done_callback(finished)
         return outer
 
-    def _incremental_base(self, step: int) -> int | None:
-        """The step an incremental save of ``step`` references: the newest committed
-        step below it, unless ``full_every`` says this save is a full one, or that step
-        cannot serve as a base (committed only by rank-local metadata, unreadable, or a
-        symbolic link): then the save is a full one, and says why."""
-        if not self.incremental:
+    def _background_group(self) -> Any:
+        """Under a process group, a gloo group of this manager's own for the collectives
+        of its asynchronous saves: they run in a background thread while the job's run
+        on the default group (a DDP all-reduce), and gloo aborts when collectives from
+        two threads interleave on one group. Made at the first asynchronous save, which
+        every rank makes together."""
+        if not (dist.is_available() and dist.is_initialized()):
             return None
+        if self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+    def save_on_signal(
+        self,
+        state_fn: Callable[[], dict[str, Any]],
+        *,
+        signals: Iterable[int] = (signal.SIGTERM,),
+        grace: float = 25.0,
+        every: int = 1,
+        chain: bool = False,
+    ) -> PreemptionGuard:
+        """Save ``state_fn()`` to the local tier when one of ``signals`` arrives, at the
+        next step boundary the loop marks with ``guard.should_stop(step)``; the step
+        drains to the root in the background or at the next start. Needs a tiered
+        manager; installs signal handlers (main thread only) and, under a process group,
+        creates a gloo group (collective). See :mod:`storage.ops.preemption` and
+        docs/operations.md ("Preemption")."""
+        from storage.ops.preemption import PreemptionGuard  # it builds on this module
+
+        return PreemptionGuard(
+            self, state_fn, signals=signals, grace=grace, every=every, chain=chain
+        )
+
+    def _incremental_base(self, step: int) -> tuple[int | None, CommittedCheckpoint | None]:
+        """The step an incremental save of ``step`` references and its read model: the
+        newest committed step below it, unless ``full_every`` says this save is a full
+        one, or that step cannot serve as a base (committed only by rank-local metadata,
+        unreadable, or a symbolic link): then the save is a full one, and says why."""
+        if not self.incremental:
+            return None, None
         below = [s for s in self.steps() if s < step]
         if not below:
-            return None
+            return None, None
         path = self.step_path(below[-1])
-        checkpoint = open_committed(self.fs, path)
+        checkpoint = self.models.open(self.fs, path)
         why = (
             "it is a symbolic link"
             if self.fs.is_link(path)
@@ -323,10 +370,10 @@ class CheckpointManager:
         )
         if why is not None:
             log.info("step %d is saved in full: step %d is no base (%s)", step, below[-1], why)
-            return None
+            return None, None
         if self.full_every is not None and checkpoint.chain + 1 >= self.full_every:
-            return None
-        return below[-1]
+            return None, None
+        return below[-1], checkpoint
 
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any (its error is not raised);

@@ -4,12 +4,18 @@ Every rank reports what its node's local tier holds: per committed step, the dat
 its metadata names (key prefix directories included), the files present, the steps whose
 bytes it references (incremental saves) and the id of the save it holds. Rank 0 picks
 the newest step (or the one asked for) that every rank can read from its node's tier,
-fetching what a node lacks from a node that holds it (a peer's replica; bases before
-the steps that reference them, each step's metadata after its files), else the durable
-copy under the root. A local copy is used only when it is the same save as the durable
-one (or the manager's own save whose drain has not landed, or the root has no such
-step); when the root cannot be listed, the newest local step is used and the
-:class:`LoadedStep` says the root was not consulted. Every rank then loads the same
+fetching what a node lacks from a node that holds it, else the durable copy under the
+root. What is fetched: each rank's own files (from the rank holding its replica), then
+the files of other nodes' ranks that its node's loads read (a replicated tensor saved
+once by another rank, a reshard; every rank plans its load against the step's metadata
+to tell, unless every node holds every file), bases before the steps that reference
+them, each step's metadata after its files. Replicas a lost node kept for its peers
+are not sent back unless read: its redundancy returns with the next save.
+
+A local copy is used only when it is the same save as the durable one (or the
+manager's own save whose drain has not landed, or the root has no such step); when the
+root cannot be listed, the newest local step is used and the :class:`LoadedStep` says
+the root was not consulted. Every rank then loads the same
 copy; a local load that fails for any reason (a checksum, a missing file) falls back to
 the durable copy when the step is durable, and says so in a warning.
 """
@@ -24,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, quote
 from storage.checkpoint import api
 from storage.checkpoint import format as fmt
-from storage.checkpoint.committed import open_committed
+from storage.checkpoint.committed import files_read, open_committed
 from storage.checkpoint.layout import StepInfo, parse_step
 from storage.checkpoint.prefixes import expand
 from storage.ops._peers import Group, Move, gather_errors, transfer
@@ -58,6 +64,10 @@ class LoadedStep(int):
         return obj
 
 
+# A step's moves: (step, data files, then each node's copy of its metadata).
+StepMoves = tuple[int, list[Move], list[Move]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """Rank 0's decision, broadcast to every rank: load ``step`` from ``where`` after
@@ -66,7 +76,7 @@ class Choice:
 
     step: int
     where: str
-    moves: list[tuple[int, list[Move]]]
+    moves: list[StepMoves]
     is_durable: bool
     root_consulted: bool = True
     note: str | None = None
@@ -98,7 +108,7 @@ def load(tier: LocalTier, state_dict: dict[str, Any], step: int | None = None) -
             raise CheckpointStorageError(f"rank 0 could not pick the step to load: {failed}")
         if isinstance(chosen, str):
             raise CheckpointNotFoundError(chosen)
-        return _load_planned(tier, state_dict, chosen)
+        return _load_planned(tier, state_dict, chosen, reports)
     finally:
         tier._schedule()  # collective like the load: a node restored from a peer drains
 
@@ -135,7 +145,9 @@ def _durable_save(root: CheckpointManager, step: int) -> str | None:
     return fmt.save_of(fmt.load_metadata(payload, root.fs.url(path)))
 
 
-def _load_planned(tier: LocalTier, state_dict: dict[str, Any], chosen: Choice) -> LoadedStep:
+def _load_planned(
+    tier: LocalTier, state_dict: dict[str, Any], chosen: Choice, reports: list[Report]
+) -> LoadedStep:
     g, local, root = tier.group, tier.local, tier.manager
     step, note = chosen.step, chosen.note
     if note is not None:
@@ -144,8 +156,15 @@ def _load_planned(tier: LocalTier, state_dict: dict[str, Any], chosen: Choice) -
         try:
             error: BaseException | None = None
             try:
-                for s, step_moves in chosen.moves:  # bases first
-                    transfer(g, step_moves, local.fs, local.step_path(s), sync=True)
+                # Each rank's own files, then what its node's loads read of other
+                # ranks' files, then the metadata; bases first.
+                reads = read_moves(g, reports, _reads(tier, state_dict, reports, step))
+                planned = {s: (data, meta) for s, data, meta in chosen.moves}
+                for s in sorted(set(planned) | set(reads)):
+                    data, meta = planned.get(s, ([], []))
+                    moves = [*data, *reads.get(s, []), *meta]
+                    sent = transfer(g, moves, local.fs, local.step_path(s), sync=True)
+                    tier.restored_bytes += sent
             except Exception as exc:
                 error = exc
             gather_errors(g, error, f"restoring step {step} from the peers")
@@ -271,7 +290,7 @@ def _same_save(
     return None
 
 
-def _local_moves(g: Group, reports: list[Report], step: int) -> list[tuple[int, list[Move]]] | None:
+def _local_moves(g: Group, reports: list[Report], step: int) -> list[StepMoves] | None:
     """The moves, step by step (bases first), that make ``step`` and every step it
     references readable from each node's tier; ``None`` if some file is on no node."""
     needed: set[int] = set()
@@ -288,12 +307,14 @@ def _local_moves(g: Group, reports: list[Report], step: int) -> list[tuple[int, 
         moves = _step_moves(g, reports, s)
         if moves is None:
             return None
-        if moves:
-            out.append((s, moves))
+        out.append(moves)
     return out
 
 
-def _step_moves(g: Group, reports: list[Report], step: int) -> list[Move] | None:
+def _step_moves(g: Group, reports: list[Report], step: int) -> StepMoves | None:
+    """Each rank's own files of ``step`` where its node lacks them (from the rank holding
+    its replica first, so each node's ranks send in parallel), then each node's copy of
+    the metadata; ``None`` if some rank's files are on no node."""
     named = next(set(r[step].named) for r in reports if step in r)
     have = [set(r[step].files) if step in r else set() for r in reports]
     data: list[Move] = []
@@ -301,14 +322,80 @@ def _step_moves(g: Group, reports: list[Report], step: int) -> list[Move] | None
     for rank in range(g.world):
         need = {n for n in named if fmt.file_rank(n) == rank} - have[rank]
         if need:
-            src = next((q for q in range(g.world) if need <= have[q]), None)
+            order = [q for q in (g.peer.get(rank),) if q is not None] + list(range(g.world))
+            src = next((q for q in order if need <= have[q]), None)
             if src is None:
                 return None
             data.append((src, rank, sorted(need)))
         if g.node_of(rank)[0] == rank and step not in reports[rank]:
             src = next(q for q in range(g.world) if step in reports[q])
             meta.append((src, rank, [fmt.METADATA_NAME]))
-    return data + meta  # metadata last: a node's copy counts once its files are there
+    return step, data, meta  # metadata last: a node's copy counts once its files are there
+
+
+def read_moves(
+    g: Group, reports: list[Report], reads: list[list[tuple[int, str]]]
+) -> dict[int, list[Move]]:
+    """Per step, the moves that bring each node the files of other nodes' ranks that
+    its ranks' loads read (``reads[rank]``: (step, file) pairs; a replicated tensor saved
+    once, a reshard): one copy per node, received by the reader at the owner's position
+    on its node if it reads it (so pairs of ranks move in parallel), sent by the owner
+    or else the rank holding its replica, else any holder. Every rank computes the same
+    moves from the same inputs."""
+    out: dict[int, list[Move]] = {}
+    wants = [set(r) for r in reads]
+    for node in g.nodes:
+        for s, f in sorted(set().union(*(wants[r] for r in node))):
+            owner = fmt.file_rank(f)
+            if owner in node or f in _files(reports, node[0], s):  # own files: _step_moves
+                continue
+            readers = [r for r in node if (s, f) in wants[r]]
+            position = g.node_of(owner).index(owner) if owner < g.world else len(node)
+            same = node[position] if position < len(node) else None  # saved by more ranks
+            receiver = same if same in readers else readers[0]
+            order = [owner, *[q for q in (g.peer.get(owner),) if q is not None], *range(g.world)]
+            src = next((q for q in order if f in _files(reports, q, s)), None)
+            if src is not None:  # else the load fails and falls back to the durable copy
+                out.setdefault(s, []).append((src, receiver, [f]))
+    return out
+
+
+def _files(reports: list[Report], rank: int, step: int) -> set[str]:
+    held = reports[rank].get(step)
+    return set() if held is None else set(held.files)
+
+
+def _reads(
+    tier: LocalTier, state_dict: dict[str, Any], reports: list[Report], step: int
+) -> list[list[tuple[int, str]]]:
+    """Every rank's (step, file) pairs that its load of ``step`` reads, unless every
+    node holds every file of ``step`` and of its bases (then nothing needs moving).
+    Collective: the metadata comes from the lowest rank whose node holds the step."""
+    g = tier.group
+    steps = {step} | {b for r in reports if step in r for b in r[step].bases}
+    if all(s in r and set(r[s].named) <= set(r[s].files) for r in reports for s in steps):
+        return [[] for _ in range(g.world)]
+    holder = min(q for q in range(g.world) if step in reports[q])
+    payload = None
+    if g.rank == holder:
+        path = tier.local.fs.concat_path(tier.local.step_path(step), fmt.METADATA_NAME)
+        try:
+            payload = tier.local.fs.read_bytes(path)
+        except Exception as exc:  # the others must not wait for it; the load will fail
+            log.warning("cannot read %s (%s)", tier.local.fs.url(path), exc)
+    payload = g.broadcast(payload, src=holder)
+    mine: list[tuple[int, str]] = []
+    try:
+        if payload is None:
+            raise CheckpointNotFoundError(f"rank {holder} could not read the metadata")
+        meta = fmt.load_metadata(payload, tier.local.step_url(step))
+        for name, file in files_read(meta, state_dict):
+            where = step if name is None else parse_step(name)
+            if where is not None:
+                mine.append((where, file))
+    except Exception as exc:  # the load itself fails the same way, then falls back
+        log.warning("cannot tell which files the load of step %d reads (%s)", step, exc)
+    return g.all_gather(sorted(mine))
 
 
 def merge_entries(local: list[StepInfo], durable: list[StepInfo]) -> list[StepInfo]:

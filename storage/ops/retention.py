@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage.checkpoint import format as fmt
 from storage.checkpoint.commit import remove_quietly
-from storage.checkpoint.committed import Siblings, open_committed
+from storage.checkpoint.committed import Siblings
 from storage.checkpoint.deletion import delete_checkpoint, remove_leftovers
 from storage.checkpoint.layout import (
     STEP_PREFIX,
@@ -64,7 +64,7 @@ class Retention:
         siblings.forget(name)
 
     def _siblings(self) -> Siblings:
-        return Siblings(self.m.fs, self.m.root)
+        return Siblings(self.m.fs, self.m.root, self.m.models)
 
     def retained(self, steps: Sequence[int], protect: int | None = None) -> set[int]:
         """Which of ``steps`` the retention policy keeps."""
@@ -182,7 +182,7 @@ class Retention:
             is_metadata_name(n) and n != fmt.METADATA_NAME for n in names
         ):
             return  # rank-local metadata: which files are whose is not ours to guess
-        checkpoint = open_committed(self.m.fs, path)
+        checkpoint = self.m.models.open(self.m.fs, path)
         referenced = checkpoint.data_files()
         if not checkpoint.readable or not referenced:
             return  # unreadable metadata: touch nothing

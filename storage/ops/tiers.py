@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,11 +32,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
 from extensions.errors import CheckpointInUseError, TierFullError
-from storage.checkpoint import api, incremental
+from storage.checkpoint import api, incremental, persist
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import resolve_location
 from storage.checkpoint.commit import publish_metadata
-from storage.checkpoint.committed import open_committed
+from storage.checkpoint.committed import CommittedCheckpoint
+from storage.checkpoint.deadline import DeadlineExceededError
 from storage.checkpoint.layout import StepInfo, is_committed, parse_step
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops import restore
@@ -53,9 +55,11 @@ class _TierWriter(CheckpointWriter):
     publishes its own copy once its files are there."""
 
     payload: bytes | None = None
+    finished: Metadata | None = None  # what ``payload`` holds, unpickled
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.payload = self.metadata_payload(metadata, results)
+        self.finished = metadata
 
 
 class LocalTier:
@@ -92,6 +96,8 @@ class LocalTier:
         if self.local.url.rstrip("/") == manager.url.rstrip("/"):
             raise ValueError(f"the local tier and the root are both {manager.url}")
         self.replicated_bytes = 0  # bytes this rank sent to its peer
+        self.restored_bytes = 0  # bytes this rank sent to restore other nodes' files (loads)
+        self.last_commit: int | None = None  # the step this manager committed locally last
         self._lock = threading.Lock()
         self._retain_lock = threading.Lock()
         self._pending: set[int] = set()  # saved by this manager, not drained yet
@@ -159,21 +165,7 @@ class LocalTier:
         if not blocking:
             self._surface()
         self._make_room(step)
-        with self._retain_lock:  # the base chosen is protected before retention can run
-            base = self._base_for(step)
-            self._begin(step, base)
-        try:
-            writer = _TierWriter(
-                self.local.fs.url(self.local.step_path(step)),
-                transforms=self.manager.transforms,
-                filesystem=self.local.fs,
-                fingerprint=self.manager.incremental,
-                base=None if base is None else self.local.step_url(base),
-                **self.manager.writer_options,
-            )
-        except BaseException:
-            self._end()
-            raise
+        writer = self._start(step, None)
         if blocking:
             self._commit(step, writer, state_dict, None)
             with self._lock:
@@ -204,34 +196,79 @@ class LocalTier:
         inner.add_done_callback(finished)
         return outer
 
-    def finish_commit(self) -> None:
+    def save_by(
+        self, step: int, state_dict: dict[str, Any], deadline: float
+    ) -> concurrent.futures.Future[None]:
+        """Commit ``step`` before ``deadline`` (a ``time.monotonic()`` time): the
+        preemption save of :mod:`storage.ops.preemption`. Runs in the save thread, after
+        the save in flight, with its collectives on the save group (the caller may wait
+        with a timeout and leave), and writes ``state_dict``'s tensors as they are: no
+        staging copy, so the caller must not change them until the future resolves. If
+        any rank is past ``deadline`` once every file is written and replicated, every
+        rank removes what it wrote and the future raises :class:`DeadlineExceededError`:
+        nothing is published late. No room is made first (the drain pass queued after
+        the commit prunes): a tier over ``keep_local`` still takes this step."""
+
+        def run() -> None:
+            writer = self._start(step, self.group.save_pg)
+            self._commit(step, writer, state_dict, self.group.save_pg, deadline)
+
+        future = self._saves.submit(run)
+        with self._lock:
+            self._committing = future
+        return future
+
+    def _start(self, step: int, pg: Any) -> _TierWriter:
+        """Choose the base (collective on ``pg``), mark ``step`` as being written and
+        return its writer."""
+        with self._retain_lock:  # the base chosen is protected before retention can run
+            base = self._base_for(step, pg)
+            self._begin(step, base)
+        try:
+            return _TierWriter(
+                self.local.fs.url(self.local.step_path(step)),
+                transforms=self.manager.transforms,
+                filesystem=self.local.fs,
+                fingerprint=self.manager.incremental,
+                base=None if base is None else self._model(base),
+                **self.manager.writer_options,
+            )
+        except BaseException:
+            self._end()
+            raise
+
+    def finish_commit(self, timeout: float | None = None) -> bool:
         """Wait for the local commit of an asynchronous save in flight, if any (its
-        error goes to that save's future, not to the caller)."""
+        error goes to that save's future, not to the caller), at most ``timeout``
+        seconds; returns whether none is in flight any more."""
         with self._lock:
             committing = self._committing
         if committing is not None:
-            concurrent.futures.wait([committing])
+            done, _ = concurrent.futures.wait([committing], timeout)
+            if not done:
+                return False
             with self._lock:
                 if self._committing is committing:
                     self._committing = None
+        return True
 
-    def _base_for(self, step: int) -> int | None:
+    def _base_for(self, step: int, pg: Any = None) -> int | None:
         """The base of an incremental save of ``step``: the newest step below it that is
         committed in every node's local tier (a reference is resolved in the tier that
         holds the referencing step) and not a symbolic link there (a reference names the
         step that holds the bytes, never a link to it), unless ``full_every`` asks for a
-        full save. Collective."""
+        full save. Collective on ``pg``."""
         if not self.manager.incremental:
             return None
         linked = self.linked()
         views = self.group.all_gather(
-            [s for s in self.local.steps() if s < step and s not in linked]
+            [s for s in self.local.steps() if s < step and s not in linked], pg=pg
         )
         common = set.intersection(*(set(v) for v in views))
         if not common:
             return None
         base = max(common)
-        chain = open_committed(self.local.fs, self.local.step_path(base)).chain
+        chain = self._model(base).chain
         full_every = self.manager.full_every
         return None if full_every is not None and chain + 1 >= full_every else base
 
@@ -244,15 +281,25 @@ class LocalTier:
         with self.local._lock:  # the local tier's retention and cleanup keep their hands off
             self.local._saving, self.local._saving_base = step, base
         self._idle.clear()  # after _make_room, which may wait for the drain
+        persist.worker().foreground(True)  # a drain copying in the worker pauses too
 
     def _end(self) -> None:
         with self.local._lock:
             self.local._saving, self.local._saving_base = None, None
         self._idle.set()
+        persist.worker().foreground(False)
 
-    def _commit(self, step: int, writer: _TierWriter, state_dict: dict[str, Any], pg: Any) -> None:
-        """Write, replicate and commit ``step`` in the local tier (collective on ``pg``),
-        then queue its drain."""
+    def _commit(
+        self,
+        step: int,
+        writer: _TierWriter,
+        state_dict: dict[str, Any],
+        pg: Any,
+        deadline: float | None = None,
+    ) -> None:
+        """Write, replicate and commit ``step`` in the local tier (collective on ``pg``;
+        nothing is published if a rank is past ``deadline`` by then), then queue its
+        drain."""
         g = self.group
         path = self.local.step_path(step)
         try:
@@ -264,15 +311,23 @@ class LocalTier:
                     raise
                 raise full from exc
             payload = g.broadcast(writer.payload, pg=pg)
+            assert payload is not None
+            # The coordinator wrote it: no need to unpickle what it holds already.
+            meta = writer.finished or fmt.load_metadata(payload, self.local.fs.url(path))
             error: BaseException | None = None
             try:
-                self._replicate(path, payload, pg)
+                self._replicate(path, meta, pg)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise DeadlineExceededError(
+                        f"step {step} was not ready to commit in {self.local.url} before "
+                        "its deadline; nothing is published"
+                    )
             except Exception as exc:
                 error = exc
-            gather_errors(g, error, "replicating to the peer's local tier", pg=pg)
+            gather_errors(g, error, f"writing and replicating step {step}", pg=pg)
             if g.leader:
                 try:
-                    self._publish_local(path, payload)
+                    self._publish_local(path, payload, meta)
                 except Exception as exc:
                     error = _full_or(exc, self.local.url)
             gather_errors(g, error, f"committing step {step} in the local tier", pg=pg)
@@ -284,11 +339,10 @@ class LocalTier:
             self._end()
         with self._lock:
             self._pending.add(step)
+            self.last_commit = step
         self._schedule()  # which prunes the local tier first, off the save's path
 
-    def _publish_local(self, path: str, payload: bytes | None) -> None:
-        assert payload is not None
-        meta = fmt.load_metadata(payload, self.local.fs.url(path))
+    def _publish_local(self, path: str, payload: bytes, meta: Metadata) -> None:
         g = self.group
         here = set(g.node) | {r for r in range(g.world) if g.peer.get(r) in g.node}
         infos = list((meta.storage_data or {}).values())
@@ -303,13 +357,12 @@ class LocalTier:
             overwrite=bool(self.manager.writer_options.get("overwrite", True)),
             sync=bool(self.manager.writer_options.get("sync_files", True)),
         )
+        self.local.models.remember(self.local.fs, path, meta)
 
-    def _replicate(self, path: str, payload: bytes | None, pg: Any) -> None:
+    def _replicate(self, path: str, meta: Metadata, pg: Any) -> None:
         g = self.group
         if not any(p is not None for p in g.peer.values()):
             return
-        assert payload is not None
-        meta = fmt.load_metadata(payload, self.local.fs.url(path))
         infos = (meta.storage_data or {}).values()  # a referenced item's file is the base's
         names = sorted({i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)})
         moves: list[Move] = []
@@ -380,11 +433,15 @@ class LocalTier:
         based = {b for s in steps for b in self.references(s)}
         return [s for s in steps if s not in based or not self._durable_quietly(s)]
 
+    def _model(self, step: int) -> CommittedCheckpoint:
+        """The read model of local ``step`` (read once while unchanged)."""
+        return self.local.models.open(self.local.fs, self.local.step_path(step))
+
     def references(self, step: int) -> set[int]:
         """The local steps whose bytes local ``step`` references (incremental saves), as
         far as its metadata can be read (deleting a local step is refused while one
         beside it cannot be read: ``committed.Siblings``)."""
-        names = open_committed(self.local.fs, self.local.step_path(step)).references()
+        names = self._model(step).references()
         return {b for b in map(parse_step, names) if b is not None}
 
     def _retain_local(self, exclude: int | None = None) -> None:

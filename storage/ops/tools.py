@@ -33,7 +33,7 @@ from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import format as fmt
 from storage.checkpoint._common import default_thread_count
-from storage.checkpoint.committed import open_committed
+from storage.checkpoint.committed import CommittedCheckpoint, open_committed
 from storage.checkpoint.layout import metadata_rank
 from storage.checkpoint.reader import CheckpointReader
 
@@ -111,14 +111,21 @@ class Part:
         return label if self.rank is None else f"rank {self.rank}: {label}"
 
 
-def read_metadata(fs: FileSystemBase, path: str, **reader_options: Any) -> list[Part]:
+def read_metadata(
+    fs: FileSystemBase,
+    path: str,
+    *,
+    opened: CommittedCheckpoint | None = None,
+    **reader_options: Any,
+) -> list[Part]:
     """Every metadata that commits the checkpoint at ``path`` (layout's rule: the
     global one, else each rank's), each with a reader set up on it (``reader_options``
-    go to :class:`CheckpointReader`).
+    go to :class:`CheckpointReader`); ``opened``: its read model, when the caller holds
+    it already.
 
     Raises :class:`CheckpointNotFoundError` naming what is missing when ``path`` is not
     a committed checkpoint, and why its metadata cannot be read when it cannot."""
-    checkpoint = open_committed(fs, path)
+    checkpoint = opened or open_committed(fs, path)
     checkpoint.require()
     parts = []
     for name in checkpoint.committing:

@@ -27,6 +27,7 @@ from storage.backends.s3._client import (
     shared_s3fs,
     split_path,
 )
+from storage.backends.s3._endpoint import configured_endpoint, unreachable
 from storage.backends.s3._io import MultipartWriter, RangeReader
 
 log = logging.getLogger(__name__)
@@ -206,7 +207,20 @@ class S3FileSystem(FsspecFileSystem):
         if isinstance(exc, FileExistsError):
             return FileExistsError(f"{url} already exists ({action})")
         attempts = self.max_attempts
+        if unreachable(exc):
+            return ConnectionError(
+                f"{url}: cannot reach the S3 endpoint {self._endpoint()} while {action} (after "
+                f"up to {attempts} attempts): {text}; check endpoint_url in storage_options "
+                "(a custom endpoint is needed by readers as well as writers)"
+            )
         return OSError(f"{url}: {action} failed (after up to {attempts} attempts): {text}")
+
+    def _endpoint(self) -> str:
+        """The endpoint requests go to, as configured, for messages."""
+        given = configured_endpoint(self.storage_options)
+        if not given:
+            return "of AWS (no endpoint_url given)"
+        return self.redactor.redact(given)
 
     # --- streams -------------------------------------------------------------------
 

@@ -1,0 +1,209 @@
+"""WeightCodec: lossless compression made for tensors of weights and optimizer state.
+
+One transform in place of ``[ByteShuffle(), ZStandard()]``: it splits each block of
+elements into byte planes, moves the sign of floats out of the exponent byte, and
+stores each plane in the cheapest of a few modes (raw, constant, one packed bit, zstd,
+or exponents packed two or four to a byte before zstd); see ``extensions/_planes.py``
+for the block format. The descriptor records the element size
+(``dcp_storage.weights/1;es=2``); everything else a reader needs is in the stream.
+
+Stream format version 1: blocks of at most :data:`~extensions._planes.BLOCK_BYTES`
+decoded bytes, each starting with tag ``1``, then an end record (``u8 0, u64 total
+decoded bytes``), and nothing after it.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from dataclasses import dataclass, field
+from typing import IO, Any, cast
+
+from extensions._planes import (
+    BLOCK_BYTES,
+    BLOCK_TAG,
+    HEAD,
+    PLANE,
+    CorruptBlock,
+    decode_block,
+    encode_block,
+    payload_size,
+    plane_heads,
+)
+from extensions.base import ItemInfo, StreamTransformExtension, descriptor_settings
+from extensions.errors import quote
+from extensions.streams import BlockWriter, fill, read_all, readinto_exact
+
+END = struct.Struct("<BQ")
+END_TAG = 0
+MAX_ELEMENT_SIZE = 16
+#: Dtypes whose planes get the float treatment (sign moved, packing by sampled histogram).
+FLOAT_DTYPES = frozenset(
+    {"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
+)
+
+
+@dataclass(frozen=True, repr=False)
+class WeightCodec(StreamTransformExtension):
+    """Compression for tensors (descriptor ``dcp_storage.weights/1;es=N``).
+
+    Use it alone, or before encryption: ``transforms=[WeightCodec()]`` or
+    ``[WeightCodec(), AES256GCM(...)]``. Floating-point tensors get the byte-plane
+    codec; integer tensors get byte planes with zstd level 3 per plane; opaque items
+    (pickled values) get zstd level 3. It is built in: readers need no registration.
+
+    ``element_size`` is what a descriptor records, for decoding; leave it ``None`` when
+    saving, and each item uses its own tensor's element size. ``dtype`` (the item's,
+    which tells floats from integers) is filled in by ``for_item``.
+    """
+
+    element_size: int | None = field(default=None, kw_only=True)
+    dtype: str | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        size = self.element_size
+        if size is not None and (
+            not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_ELEMENT_SIZE
+        ):
+            raise ValueError(
+                f"element_size must be an int between 1 and {MAX_ELEMENT_SIZE}, got {size!r}"
+            )
+
+    def __repr__(self) -> str:
+        return f"WeightCodec(element_size={self.element_size})"
+
+    @staticmethod
+    def registry_name() -> str:
+        return "dcp_storage.weights"
+
+    @staticmethod
+    def from_descriptor(version: str) -> WeightCodec:
+        name = WeightCodec.registry_name()
+        value = descriptor_settings(name, version, {"es"}).get("es", "")
+        if not value.isdigit() or not 1 <= int(value) <= MAX_ELEMENT_SIZE:
+            raise ValueError(
+                f"expected ';es=<element size 1-{MAX_ELEMENT_SIZE}>' in the descriptor, "
+                f"got {quote(version)}"
+            )
+        return WeightCodec(element_size=int(value))
+
+    def get_descriptor(self) -> str:
+        return f"{self.registry_name()}/1;es={self.element_size or 1}"
+
+    def for_item(self, item: ItemInfo) -> WeightCodec:
+        es = self.element_size
+        if es is None:
+            size = item.element_size
+            es = size if isinstance(size, int) and 1 <= size <= MAX_ELEMENT_SIZE else 1
+        if es == self.element_size and item.dtype == self.dtype:
+            return self
+        return WeightCodec(element_size=es, dtype=item.dtype)
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        floating = self.dtype in FLOAT_DTYPES
+        return cast(IO[bytes], _Writer(output, self.element_size or 1, floating))
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        return cast(IO[bytes], _Reader(input, self.element_size or 1))
+
+
+class _Writer(BlockWriter):
+    def __init__(self, out: IO[bytes], es: int, floating: bool) -> None:
+        super().__init__(out, BLOCK_BYTES // es * es)
+        self._es = es
+        self._floating = floating
+        self._total = 0
+
+    def emit(self, block: memoryview) -> None:
+        for piece in encode_block(block, self._es, self._floating):
+            self._out.write(piece)
+        self._total += len(block)
+
+    def finish(self, rest: memoryview) -> None:
+        super().finish(rest)
+        self._out.write(END.pack(END_TAG, self._total))
+
+
+class _Reader(io.RawIOBase):
+    def __init__(self, source: IO[bytes], es: int) -> None:
+        super().__init__()
+        self._src = source
+        self._es = es
+        self._limit = BLOCK_BYTES // es * es
+        self._head = bytearray(HEAD.size + PLANE.size * es)
+        # Both grow with the bytes actually stored (see streams.fill).
+        self._payload = bytearray()
+        self._plain = bytearray()
+        self._pos = 0
+        self._end = 0
+        self._total = 0
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if self._pos == self._end:
+            if not len(view) or self._done:
+                return 0
+            size = self._next_block(view)
+            if size <= len(view) or not size:
+                return size
+        n = min(len(view), self._end - self._pos)
+        view[:n] = memoryview(self._plain)[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            return read_all(self)
+        buffer = bytearray(min(size, self._limit))
+        n = self.readinto(buffer)
+        return bytes(memoryview(buffer)[:n])
+
+    def readall(self) -> bytes:
+        return read_all(self)
+
+    def _next_block(self, view: memoryview) -> int:
+        """Decode the next block: into ``view`` when it fits (returns its size), else
+        into the internal buffer (returns its size, larger than ``view``); 0 at the end."""
+        head = memoryview(self._head)
+        # One read for the header; the end record (shorter) ends the stream.
+        got = readinto_exact(self._src, head)
+        if got and head[0] == END_TAG:
+            return self._finish(got)
+        if got != len(head) or head[0] != BLOCK_TAG:
+            what = "is truncated" if got < len(head) else f"has an unknown record tag {head[0]}"
+            raise CorruptBlock(f"the stream {what}")
+        _, nbytes, flags = HEAD.unpack_from(head)
+        if not 0 < nbytes <= self._limit:
+            raise CorruptBlock(f"a block of {nbytes} bytes (at most {self._limit})")
+        heads = plane_heads(head[HEAD.size :], self._es)
+        size = payload_size(heads) + nbytes % self._es
+        if size > 2 * nbytes + 1024:
+            raise CorruptBlock(f"a block of {nbytes} bytes claims {size} stored bytes")
+        if fill(self._src, self._payload, size) != size:
+            raise CorruptBlock("the stream ends inside a block (truncated)")
+        if nbytes <= len(view):
+            out = view[:nbytes]
+        else:
+            if len(self._plain) < nbytes:
+                self._plain = bytearray(nbytes)
+            out = memoryview(self._plain)[:nbytes]
+            self._pos, self._end = 0, nbytes
+        decode_block(heads, flags, memoryview(self._payload)[:size], out, self._es)
+        self._total += nbytes
+        return nbytes
+
+    def _finish(self, got: int) -> int:
+        if got != END.size:
+            what = "is truncated in" if got < END.size else "has bytes after"
+            raise CorruptBlock(f"the stream {what} its end record")
+        _, total = END.unpack_from(self._head)
+        if total != self._total:
+            raise CorruptBlock(
+                f"the end record counts {total} bytes, the blocks hold {self._total}"
+            )
+        self._done = True
+        return 0

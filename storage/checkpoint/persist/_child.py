@@ -1,0 +1,263 @@
+"""The persist worker process (``main``; started niced by :mod:`storage.checkpoint.persist`).
+
+It runs the calls the training process sends over the socket ``FD`` (a save's data
+writes, a drain's copy), each on a thread of its own, reading staged tensors straight
+from the shared-memory segments it maps by name. It runs niced, with one thread for
+torch, and every write it makes to storage goes through one token bucket when a
+bandwidth cap is set. It exits when the training process closes the socket or dies.
+
+Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
+``("init", sys_path, foreground)``, ``("call", id, fn, args, kwargs, options)``,
+``("foreground", busy)``, ``("close",)``; replies ``("ok", id, result)`` and
+``("error", id, payload)``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import math
+import mmap
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import IO, Any
+
+import torch
+
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import deadline
+from storage.checkpoint.persist._shm import map_segment
+
+# --- what the training process sends in place of staged data ---------------------------
+
+
+class Pause:
+    """Stands for the worker's pause as a ``pace`` argument: it blocks while the
+    training process says a save is in the foreground (a tiered manager's save writing
+    its local tier), so that save gets the disk and the cores first."""
+
+
+def rebuild(ref: tuple[Any, ...]) -> object:
+    """The data a write item resolves to, from its reference (see ``persist.item_ref``)."""
+    kind = ref[0]
+    if kind == "bytes":
+        return io.BytesIO(ref[1])
+    if kind == "shm":
+        _, name, offset, dtype, shape = ref
+        numel = math.prod(shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        data = torch.frombuffer(_mapping(name), dtype=dtype, count=numel, offset=offset)
+        return data.view(shape)
+    _, raw, dtype, shape = ref
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _Resolved:
+    """What the writer asks its planner for (``resolve_data``), answered from the
+    references the training process sent."""
+
+    def __init__(self, refs: dict[Any, tuple[Any, ...]]) -> None:
+        self._refs = refs
+
+    def resolve_data(self, item: Any) -> object:
+        return rebuild(self._refs[item.index])
+
+
+def write_files(
+    writer: Any, files: list[Any], threads: int, refs: dict[Any, tuple[Any, ...]]
+) -> tuple[list[Any], list[str], float]:
+    """A save's data writes, run here: the writer's own code with the staged data;
+    returns the results, the data files written and the deadline budget spent."""
+    limit_writes(writer.fs)
+    per_file = writer.write_files(files, threads, _Resolved(refs))
+    return per_file, list(writer._written), writer.budget.spent
+
+
+# --- worker state ---------------------------------------------------------------------
+
+_maps: dict[str, mmap.mmap] = {}
+_maps_lock = threading.Lock()
+_foreground = False
+_foreground_changed = threading.Condition()
+
+
+def _mapping(name: str) -> mmap.mmap:
+    with _maps_lock:
+        found = _maps.get(name)
+        if found is None:
+            found = _maps[name] = map_segment(name)
+        return found
+
+
+def _keep_mapped(live: list[str]) -> None:
+    with _maps_lock:
+        for name in set(_maps) - set(live):
+            del _maps[name]  # unmapped once no tensor of a running call uses it
+
+
+def _set_foreground(busy: bool) -> None:
+    global _foreground
+    with _foreground_changed:
+        _foreground = busy
+        _foreground_changed.notify_all()
+
+
+def _pause() -> None:
+    with _foreground_changed:
+        _foreground_changed.wait_for(lambda: not _foreground)
+
+
+class _Bucket:
+    """A token bucket: ``take(n)`` returns once ``n`` bytes fit under ``rate`` bytes/s
+    (with at most ``burst`` seconds of unused allowance carried over)."""
+
+    def __init__(self) -> None:
+        self.rate: float | None = None
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._burst = 0.05
+
+    def take(self, n: int) -> None:
+        rate = self.rate
+        if rate is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now - self._burst) + n / rate
+            wait = self._next - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+_bucket = _Bucket()
+
+
+class _Throttled:
+    """A write stream whose writes wait for the bucket."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._stream = stream
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        _bucket.take(view.nbytes)
+        return self._stream.write(view)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def limit_writes(fs: object) -> None:
+    """Make every write stream of this process's copy of ``fs`` take from the bucket."""
+    if not isinstance(fs, FileSystemBase) or "create_stream" in vars(fs):
+        return
+    create = fs.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        with create(path, mode, sync=sync) as stream:
+            yield stream if "w" not in mode else _Throttled(stream)  # type: ignore[misc]
+
+    fs.create_stream = create_stream  # type: ignore[method-assign]
+
+
+# --- serving ----------------------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._calls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dcp-persist")
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self._conn.send_bytes(data)
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                os._exit(0)  # the training process is gone: so is every save it asked for
+            except BaseException as exc:  # a call that cannot be unpickled here
+                self.send(("error", -1, _error_payload(exc)))
+                continue
+            if message[0] == "close":
+                return
+            if message[0] == "foreground":
+                _set_foreground(message[1])
+                continue
+            _, call_id, fn, args, kwargs, options = message
+            self._calls.submit(self._run, call_id, fn, args, kwargs, options)
+
+    def _run(
+        self, call_id: int, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: Any
+    ) -> None:
+        try:
+            _bucket.rate = options.get("max_bandwidth")
+            _set_environ(options.get("environ"))
+            _keep_mapped(options.get("live", []))
+            rank = options.get("rank")
+            deadline.distributed_rank = lambda: rank  # errors name the trainer's rank
+            for value in (*args, *kwargs.values()):
+                limit_writes(value)
+            kwargs = {k: _pause if isinstance(v, Pause) else v for k, v in kwargs.items()}
+            reply: tuple[Any, ...] = ("ok", call_id, fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the training process
+            reply = ("error", call_id, _error_payload(exc))
+        try:
+            self.send(reply)
+        except (OSError, ValueError):
+            os._exit(0)
+        except Exception as exc:  # a result that does not pickle
+            self.send(("error", call_id, _error_payload(exc)))
+
+
+_environ_lock = threading.Lock()
+
+
+def _set_environ(environ: dict[str, str] | None) -> None:
+    """Make this process's environment the training process's at the time of the call."""
+    if environ is None:
+        return
+    with _environ_lock:
+        for name in [n for n in os.environ if n not in environ]:
+            del os.environ[name]
+        for name, value in environ.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+
+
+def _error_payload(exc: BaseException) -> tuple[bytes | None, str, str, str]:
+    """The exception pickled when it survives the trip, with its type, message and
+    traceback as text for when it does not."""
+    text = "".join(traceback.format_exception(exc))
+    raw: bytes | None
+    try:
+        raw = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(raw)
+    except Exception:
+        raw = None
+    return raw, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text
+
+
+def main(fd: int) -> None:
+    conn = Connection(fd)
+    tag, sys_path, foreground = pickle.loads(conn.recv_bytes())
+    assert tag == "init"
+    _set_foreground(foreground)
+    sys.path[:] = sys_path  # the training process's imports (user transforms) resolve here
+    torch.set_num_threads(1)
+    _Server(conn).serve()

@@ -1,0 +1,265 @@
+"""Preemption saves: on a signal, commit the latest state to the local tier before the kill.
+
+``guard = mgr.save_on_signal(state_fn, grace=25)`` installs handlers for ``signals``
+(SIGTERM by default); the training loop marks each step boundary with
+``if guard.should_stop(step): break``. Once a signal has arrived on any rank, every rank
+saves ``state_fn()`` as ``step`` in the local tier with the usual commit protocol
+(metadata last), then ``should_stop`` returns ``True`` and the job exits. The step drains
+to the root in the background like any tiered save: within the rest of the grace period
+(:meth:`PreemptionGuard.drain`), or at the next start (a tiered manager's construction
+drains every step committed locally and not durable).
+
+Why the handler itself saves nothing. A Python signal handler runs in the main thread
+between two bytecodes: possibly halfway through ``optimizer.step()`` (a state that is
+neither step N nor step N+1), or between two collectives of the training step, where a
+save's own collectives on the job's group would interleave with the step's and hang
+every rank. Ranks also get the signal at different times, and all must save the same
+step. So the handler only records the time; at the next step boundary (the state is
+consistent there, and no collective of the job is half done) the ranks agree with one
+tiny all-reduce on a gloo group of the guard's own: who has seen a signal, how long ago,
+and whether all are at the same step. There is no variant that saves from inside the
+handler: a caller cannot know what the main thread was doing when the signal landed.
+
+Deadline. ``grace`` seconds after the first rank's signal, the preemption save is
+given up: ``should_stop`` returns (``saved`` is ``None``, ``error`` says why), and the
+save, left behind in its thread, publishes nothing (every rank checks the deadline
+before the commit and all of them remove what they wrote if any is late). A save of
+this manager in flight is waited for first (its commit and the preemption commit never
+race: one save thread runs them in turn); if it is the save of the same step and it
+committed, nothing is saved again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from storage.checkpoint.deadline import DeadlineExceededError
+
+if TYPE_CHECKING:
+    from storage.ops.manager import CheckpointManager
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class PreemptionGuard:
+    """Saves ``state_fn()`` to a tiered manager's local tier when one of ``signals``
+    arrives, at the next step boundary the loop marks with :meth:`should_stop` (see the
+    module docstring). Create it with :meth:`CheckpointManager.save_on_signal`.
+
+    ``grace``: seconds from the first signal (on any rank) until the save is given up;
+    choose a few seconds less than the platform's (torchrun and GKE 30 s by default,
+    AWS spot 120 s). ``every``: under a process group, the ranks compare notes every
+    ``every`` steps (one all-reduce of four numbers; a single process checks its flag
+    on every call for free). ``chain``: after the save, hand the signal on to the
+    handler that was installed before (the default action for SIGTERM ends the
+    process at once) instead of returning ``True`` to the loop.
+
+    Attributes: ``saved``, the step committed locally (``None`` before a signal, or if
+    the save failed or ran out of time); ``error``, why it was not; ``requested``,
+    whether this rank has received a signal. Use it as a context manager, or call
+    :meth:`close`, to put the previous handlers back."""
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        state_fn: Callable[[], dict[str, Any]],
+        *,
+        signals: Iterable[int] = (signal.SIGTERM,),
+        grace: float = 25.0,
+        every: int = 1,
+        chain: bool = False,
+    ) -> None:
+        if manager.tiers is None:
+            raise ValueError(
+                f"save_on_signal needs a tiered manager: CheckpointManager({manager.url!r}, "
+                "local=FAST_LOCAL_PATH); a save to the root alone does not promise to fit "
+                "a preemption's grace period"
+            )
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0:
+            raise ValueError(f"grace must be a number of seconds > 0, got {grace!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("save_on_signal must be called from the main thread (signals)")
+        self.manager, self.state_fn = manager, state_fn
+        self.grace, self.every, self.chain = float(grace), every, chain
+        self.saved: int | None = None
+        self.error: BaseException | None = None
+        self._signal: tuple[int, float] | None = None  # (signal number, monotonic time)
+        self._stopped = False
+        self._deadline: float | None = None
+        self._pg: Any = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._pg = dist.new_group(backend="gloo")  # collective, like the manager
+        self._previous: dict[int, Handler] = {}
+        for sig in dict.fromkeys(signals):
+            self._previous[sig] = signal.signal(sig, self._record)
+
+    # --- the handler: record, nothing else ---------------------------------------------
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        if self._signal is None:
+            self._signal = (signum, time.monotonic())
+
+    @property
+    def requested(self) -> bool:
+        """Whether this rank has received one of the signals."""
+        return self._signal is not None
+
+    def remaining(self) -> float | None:
+        """Seconds left of the grace period (``None`` before the ranks agreed to stop)."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    # --- the step boundary ---------------------------------------------------------------
+
+    def should_stop(self, step: int) -> bool:
+        """Call once per step, on every rank, when ``step``'s update is done (the state
+        is the state of ``step``). Returns ``False`` until a signal has arrived on some
+        rank; then saves ``state_fn()`` as ``step`` on every rank (see the class) and
+        returns ``True``, and ``True`` on every later call. Collective every ``every``
+        steps under a process group; raises ``RuntimeError`` if the ranks are at
+        different steps."""
+        if self._stopped:
+            return True
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if self._pg is None:
+            age = None if self._signal is None else time.monotonic() - self._signal[1]
+        elif step % self.every:
+            return False
+        else:
+            age = self._agree(step)
+        if age is None:
+            return False
+        self._stopped = True
+        self._deadline = time.monotonic() + self.grace - age
+        try:
+            self._save(step)
+        finally:
+            self._hand_on()
+        return True
+
+    def _agree(self, step: int) -> float | None:
+        """The age of the earliest signal on any rank (``None``: no rank has one)."""
+        age = 0.0 if self._signal is None else time.monotonic() - self._signal[1]
+        notes = torch.tensor([self._signal is not None, step, -step, age], dtype=torch.float64)
+        dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self._pg)
+        seen, highest, lowest, oldest = notes.tolist()
+        if highest != -lowest:
+            raise RuntimeError(
+                f"should_stop was called at steps {-lowest:.0f} to {highest:.0f} on different "
+                "ranks; call it at the same step boundary on every rank"
+            )
+        return oldest if seen else None
+
+    def _save(self, step: int) -> None:
+        tier = self.manager.tiers
+        assert tier is not None and self._deadline is not None
+        started = time.monotonic()
+        try:
+            if not self._left():  # the step boundary came too late: write nothing
+                raise DeadlineExceededError(
+                    f"the first step boundary after the signal came {self.grace:g} s or "
+                    f"more after it (grace=); step {step} is not saved"
+                )
+            if not tier.finish_commit(timeout=self._left()):
+                raise DeadlineExceededError(
+                    f"the save in flight to {tier.local.url} did not finish within the "
+                    f"{self.grace:g} s grace period; step {step} is not saved"
+                )
+            if tier.last_commit != step:
+                future = tier.save_by(step, self.state_fn(), self._deadline)
+                if not concurrent.futures.wait([future], self._left()).done:
+                    raise DeadlineExceededError(
+                        f"the preemption save of step {step} to {tier.local.url} did not "
+                        f"finish within the {self.grace:g} s grace period; it publishes nothing"
+                    )
+                future.result()
+            self.saved = step
+            log.warning(
+                "preempted: step %d is committed in %s (%.3f s); it drains to %s in the "
+                "background or at the next start",
+                step,
+                tier.local.url,
+                time.monotonic() - started,
+                self.manager.url,
+            )
+        except Exception as exc:
+            self.error = exc
+            log.error("preempted: step %d could not be saved: %s", step, exc)
+
+    def _left(self) -> float:
+        assert self._deadline is not None
+        return max(0.0, self._deadline - time.monotonic())
+
+    # --- after the save --------------------------------------------------------------------
+
+    def drain(self) -> bool:
+        """Wait for the drain of the step saved, at most until the grace period ends;
+        returns whether it is durable by then (a drain's error is logged, not raised).
+        Call it before tearing down the process group: the drain's collectives use it."""
+        if self.saved is None:
+            return False
+        tier = self.manager.tiers
+        assert tier is not None
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                tier.wait()
+            except Exception as exc:
+                errors.append(exc)
+
+        waiter = threading.Thread(target=wait, name="dcp-preemption-drain", daemon=True)
+        waiter.start()
+        waiter.join(self._left())
+        if errors:
+            log.error("preempted: the drain of step %d failed: %s", self.saved, errors[0])
+        try:
+            return not waiter.is_alive() and tier.durable(self.saved)
+        except Exception:
+            return False
+
+    def _hand_on(self) -> None:
+        previous = dict(self._previous)
+        self.close()
+        if not self.chain or self._signal is None:
+            return
+        signum = self._signal[0]
+        handler = previous[signum]
+        if handler == signal.SIG_DFL:
+            signal.raise_signal(signum)
+        elif callable(handler):
+            handler(signum, None)
+
+    def close(self) -> None:
+        """Put back the handlers that were installed before (idempotent)."""
+        if not self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+        if self._signal is not None and not self._stopped:
+            log.warning(
+                "signal %d arrived but no step boundary acted on it (should_stop was not "
+                "called after it); nothing was saved for it",
+                self._signal[0],
+            )
+
+    def __enter__(self) -> PreemptionGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

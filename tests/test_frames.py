@@ -1,0 +1,111 @@
+"""zstd items in frames with a seek table (extensions/zstd.py) and their parallel
+decoding (storage/checkpoint/frames.py): readable by every zstd reader, decoded on
+several cores, and every byte still checked."""
+
+from __future__ import annotations
+
+import io
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import zstandard
+from torch.distributed.checkpoint._extension import ZStandard as TorchZStandard
+
+import storage
+from extensions import ItemInfo, ZStandard
+from extensions.errors import IntegrityError
+from extensions.zstd import FOOTER, FRAME, parse_seek_table, table_size
+from storage.checkpoint import format as fmt
+from storage.checkpoint import frames
+
+
+class _Sink(io.BytesIO):
+    def close(self) -> None:  # the framework's streams only flush on close
+        self.flush()
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    big = (torch.randn(5 * FRAME // 2 + 123, generator=g) * 0.02).to(torch.bfloat16)
+    return {"big": big, "small": torch.randn(1000, generator=g), "ids": torch.arange(7)}
+
+
+def test_a_large_write_is_cut_into_frames_that_every_zstd_reader_reads() -> None:
+    head, body, tail = b"h" * 300, bytes(range(256)) * (9 * FRAME // 256 + 5), b"t" * 1000
+    sink = _Sink()
+    writer = ZStandard().encode(sink, ItemInfo(dtype="bfloat16", element_size=2))
+    for part in (head, body, tail):
+        writer.write(part)
+    writer.close()
+    stored = sink.getvalue()
+    size = table_size(stored[-FOOTER:])
+    assert size is not None
+    listed = parse_seek_table(stored[-size:], len(stored))
+    # The large write starts and ends frames of its own: the tensor's bytes never share one.
+    assert listed is not None and [d for _, d in listed] == [300, *[FRAME] * 9, 1280, 1000]
+    plain = head + body + tail
+    ours = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored), read_across_frames=True)
+    assert ours.read() == plain
+    assert TorchZStandard().transform_from(io.BytesIO(stored)).read(-1) == plain  # stock torch
+
+
+def test_one_frame_has_no_seek_table() -> None:
+    sink = _Sink()
+    writer = ZStandard().encode(sink, ItemInfo())
+    writer.write(b"x" * 1000)
+    writer.close()
+    stored = sink.getvalue()
+    assert table_size(stored[-FOOTER:]) is None
+    assert zstandard.ZstdDecompressor().decompress(stored, max_output_size=1000) == b"x" * 1000
+
+
+def test_a_large_tensor_decodes_on_several_cores_and_stock_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _state()
+    storage.save(state, tmp_path / "ck", transforms=[ZStandard()])
+    threads: set[int] = set()
+    decode = frames._decode_part
+
+    def spy(*args: object, **kwargs: object) -> None:
+        threads.add(threading.get_ident())
+        decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(frames, "_decode_part", spy)
+    monkeypatch.setattr(frames, "decoder_count", lambda: 3)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    storage.load(out, tmp_path / "ck")
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert len(threads) >= 2  # one item, frames decoded by more than one thread
+    stock = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(stock, storage_reader=dcp.FileSystemReader(tmp_path / "ck"), no_dist=True)
+    assert all(torch.equal(stock[k], state[k]) for k in state)
+
+
+def test_a_damaged_frame_is_reported_and_the_tensor_not_committed(tmp_path: Path) -> None:
+    state = _state()
+    storage.save(state, tmp_path / "ck", transforms=[ZStandard()])
+    meta = fmt.load_metadata((tmp_path / "ck" / ".metadata").read_bytes(), "x")
+    (info,) = [i for idx, i in meta.storage_data.items() if idx.fqn == "big"]
+    data = tmp_path / "ck" / info.relative_path
+    raw = bytearray(data.read_bytes())
+    raw[info.offset + info.length // 2] ^= 0xFF  # inside a middle frame
+    data.write_bytes(bytes(raw))
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(IntegrityError, match="'big'"):
+        storage.load(out, tmp_path / "ck")
+
+
+def test_a_frame_that_decodes_to_another_size_than_listed_is_refused() -> None:
+    plain = bytes(range(256)) * 64
+    frame = memoryview(zstandard.ZstdCompressor().compress(plain))
+    target = memoryview(bytearray(len(plain)))
+    frames._decode_part(frame, 0, len(plain), target, 0, "item 'x'")
+    assert bytes(target) == plain
+    with pytest.raises(IntegrityError, match="seek table lists"):
+        frames._decode_part(frame, 0, len(plain) - 1, target[:-1], 0, "item 'x'")
+    with pytest.raises(IntegrityError, match="seek table lists"):
+        frames._decode_part(frame, 0, len(plain) + 1, memoryview(bytearray(len(plain) + 1)), 0, "x")
