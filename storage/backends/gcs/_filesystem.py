@@ -203,7 +203,8 @@ class GCSFileSystem(FsspecFileSystem):
         except OSError as exc:
             if str(exc).startswith("Forbidden"):
                 raise PermissionError(self._denied(path, action, exc)) from exc
-            if isinstance(exc, (ConnectionError, TimeoutError)) and self.url(path) not in str(exc):
+            builtin = type(exc).__module__ == "builtins"  # not ours, nor a deadline's
+            if builtin and isinstance(exc, (ConnectionError, TimeoutError)):
                 # The direct path's socket errors name no object: say which, and that
                 # gcsfs's attempts are spent.
                 message = f"{self.url(path)}: {action} failed after retries: {self._describe(exc)}"
