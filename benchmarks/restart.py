@@ -135,7 +135,7 @@ def _decode_one_thread(directory: str) -> Any:
     """A call that decodes every item of the zstd checkpoint in ``directory`` from
     memory into a reused, touched buffer on one thread (the files are read first)."""
     from extensions.zstd import frame_reader
-    from storage.checkpoint import format as fmt
+    from storage.checkpoint import storage_format as fmt
 
     with open(os.path.join(directory, ".metadata"), "rb") as f:
         meta = fmt.load_metadata(f.read(), directory)

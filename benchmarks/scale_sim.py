@@ -43,9 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from extensions._compat import split_by_size_and_type  # noqa: E402
 from storage import CheckpointWriter, MemoryFileSystem  # noqa: E402
 from storage.backends.s3._filesystem import DEFAULT_PART_SIZE  # noqa: E402
-from storage.checkpoint import format as fmt  # noqa: E402
+from storage.checkpoint import storage_format as fmt  # noqa: E402
+from storage.checkpoint.data_files import BYTES_PER_THREAD  # noqa: E402
 from storage.checkpoint.prefixes import place, split  # noqa: E402
-from storage.checkpoint.writer import BYTES_PER_THREAD  # noqa: E402
 
 MiB = 1 << 20
 #: Figures the docs quote (AWS S3 per prefix partition; our S3 backend's defaults).

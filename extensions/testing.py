@@ -11,6 +11,8 @@ A subclass provides a ``transform`` fixture and inherits every check::
         def registry(self):  # only if MyTransform is not registered globally
             return ExtensionRegistry([MyTransform])
 
+A subclass pytest collects (its name starts with ``Test``) that lacks the
+``transform`` fixture fails when it is defined, with a ``TypeError`` naming it.
 Optional overrides: ``chain`` (several transforms in application order, e.g.
 ``[ByteShuffle(), ZStandard(), AES256GCM(...)]``), ``item`` (the :class:`ItemInfo`
 used to encode and decode, e.g. with ``keys`` for encryption), and the class
@@ -103,15 +105,56 @@ def read_all(stream: IO[bytes], mode: str = "read") -> bytes:
     return b"".join(parts)
 
 
-class TransformTests:
+class ConformanceSuite:
+    """The base of a conformance suite (this module's, ``storage.testing``'s): the suite
+    declares in ``required_hooks`` the fixtures and methods its subclasses provide, and
+    a test class pytest collects (its name starts with ``Test``) that lacks any of them
+    fails when it is defined, with a ``TypeError`` naming each one, rather than with an
+    error in every test. Classes with another name may provide part of them (bases
+    shared by several test classes). A hook counts as provided when the test class or
+    one of its bases other than the suite defines it, so a mixin can provide it."""
+
+    #: Hook name (fixture or method) -> what it is, declared by the suite class itself.
+    required_hooks: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.__name__.startswith("Test"):
+            return
+        missing = [
+            f"`{name}` ({what})"
+            for name, what in cls.required_hooks.items()
+            if not _provided(cls, name)
+        ]
+        if missing:
+            suite = next(k for k in cls.__mro__ if vars(k).get("required_hooks"))
+            raise TypeError(
+                f"{cls.__module__}.{cls.__qualname__} does not provide "
+                f"{', '.join(missing)}: a subclass of {suite.__module__}.{suite.__qualname__} "
+                "defines each of them (or inherits it from a mixin)"
+            )
+
+
+def _provided(cls: type, name: str) -> bool:
+    """``name`` is defined by ``cls`` or a base of it that is not a suite's declaration."""
+    return any(
+        name in vars(k) for k in cls.__mro__ if k is not object and "required_hooks" not in vars(k)
+    )
+
+
+class TransformTests(ConformanceSuite):
     """Conformance checks for one transform (or chain); see the module docstring."""
+
+    required_hooks: ClassVar[dict[str, str]] = {
+        "transform": "fixture: the transform under test",
+    }
 
     #: The transform may leave the bytes unchanged (a filter that is the identity here).
     identity: ClassVar[bool] = False
 
     @pytest.fixture
     def transform(self) -> Any:
-        raise NotImplementedError("subclasses provide a `transform` fixture")
+        raise NotImplementedError(f"{type(self).__qualname__} provides no `transform` fixture")
 
     @pytest.fixture
     def chain(self, transform: Any) -> list[Any]:

@@ -14,6 +14,11 @@ rather than against the backend itself::
         def root(self, fs): return fs.init_path("my://bucket/" + uuid4().hex)
         def bypass_write(self, fs, path, data): ...
         def bypass_read(self, fs, path): ...
+
+A test class pytest collects (its name starts with ``Test``) that lacks one of the
+four fails when it is defined, with a ``TypeError`` naming each one it lacks; a mixin
+may provide them (``tests/local_disk.py`` provides ``root`` and the bypass hooks for
+backends that store plain files).
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import io
 import os
 import pathlib
 import pickle
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
+from extensions.testing import ConformanceSuite
 from storage.backends.base import FileSystemBase
 
 _SIZES = {"empty": 0, "small": 1, "block": 64 * 1024 + 3, "multi_mb": 5 * 1024 * 1024 + 17}
@@ -36,16 +42,31 @@ def _payload(n: int) -> bytes:
     return (bytes(range(251)) * (n // 251 + 1))[:n]
 
 
-class FileSystemTests:
+class FileSystemTests(ConformanceSuite):
     """Conformance checks; see the module docstring for the fixtures to provide."""
 
     # --- hooks a subclass provides ---------------------------------------------------
 
+    required_hooks: ClassVar[dict[str, str]] = {
+        "fs": "fixture: the backend under test",
+        "root": "fixture: a fresh, empty path in the backend's form for each test",
+        "bypass_write": "method: write bytes to a path without the backend",
+        "bypass_read": "method: read a path's bytes without the backend",
+    }
+
+    @pytest.fixture
+    def fs(self) -> FileSystemBase:
+        raise NotImplementedError(f"{type(self).__qualname__} provides no `fs` fixture")
+
+    @pytest.fixture
+    def root(self, fs: FileSystemBase) -> str:
+        raise NotImplementedError(f"{type(self).__qualname__} provides no `root` fixture")
+
     def bypass_write(self, fs: FileSystemBase, path: str, data: bytes) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__qualname__} provides no `bypass_write`")
 
     def bypass_read(self, fs: FileSystemBase, path: str) -> bytes:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__qualname__} provides no `bypass_read`")
 
     # --- writes, checked through the bypass ------------------------------------------
 

@@ -187,7 +187,7 @@ def test_error_is_one_line(tmp_path: Path) -> None:
 
 
 def _flip_byte_of_item(ckpt: Path, fqn: str) -> None:
-    from storage.checkpoint import format as fmt
+    from storage.checkpoint import storage_format as fmt
 
     meta = fmt.load_metadata((ckpt / ".metadata").read_bytes(), str(ckpt))
     info = next(v for k, v in meta.storage_data.items() if k.fqn == fqn)
@@ -266,7 +266,7 @@ def test_cp_refuses_committed_destination_and_keeps_bytes(
 
 def test_cp_to_memory_backend_and_back_plain(root: Path, tmp_path: Path) -> None:
     from storage.ops.copy import copy_checkpoint
-    from storage.ops.tools import describe
+    from storage.ops.describe import describe
 
     mem = storage.MemoryFileSystem()
     src_fs = storage.LocalFileSystem()

@@ -23,7 +23,7 @@ from extensions import (
     UnsafeCheckpointError,
     ZStandard,
 )
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from tests.conftest import assert_tree_equal, zeros_like_tree
 
 TRANSFORMS = {"none": [], "zstd": [ZStandard(level=3)]}

@@ -127,7 +127,7 @@ class _Evil:
 
 def test_bytes_io_loader_opens_no_other_door(tmp_path: Any) -> None:
     """A pickle that is not exactly a BytesIO is still refused, even next to one."""
-    from storage.checkpoint.format import load_bytes_io
+    from storage.checkpoint.storage_format import load_bytes_io
 
     good = io.BytesIO()
     torch.save(io.BytesIO(b"blob"), good)
@@ -247,7 +247,7 @@ def test_legacy_allowlist_is_exact(tmp_path: Any) -> None:
 
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
-    from storage.checkpoint.format import load_metadata
+    from storage.checkpoint.storage_format import load_metadata
 
     with pytest.raises(storage.UnsafeCheckpointError, match="ShardedTensorMetadata"):
         load_metadata(pickle.dumps(ShardedTensorMetadata()), "ckpt")

@@ -37,7 +37,7 @@ from extensions import (
 )
 from extensions.encryption import TAG_SIZE
 from extensions.testing import FlushOnlyClose
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from tests.conftest import assert_tree_equal, zeros_like_tree
 
 KEY = hashlib.sha256(b"dcp-storage test key").digest()

@@ -18,8 +18,8 @@ import storage
 from extensions import ItemInfo, ZStandard
 from extensions.errors import IntegrityError
 from extensions.zstd import FOOTER, FRAME, parse_seek_table, table_size
-from storage.checkpoint import format as fmt
 from storage.checkpoint import frames
+from storage.checkpoint import storage_format as fmt
 
 
 class _Sink(io.BytesIO):

@@ -26,10 +26,11 @@ from extensions.errors import (
     UnsafeCheckpointError,
 )
 from extensions.zstd import ZStandard
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.incremental import CONTENT
 from storage.cli.main import main
-from storage.ops.tools import describe, verify
+from storage.ops.describe import describe
+from storage.ops.verify import verify
 from tests.conftest import assert_tree_equal
 from tests.servers import boto3_client, create_bucket, list_keys, moto_endpoint, s3_options
 

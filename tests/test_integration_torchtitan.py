@@ -50,7 +50,7 @@ def test_train_save_resume_bit_exact(endpoint: str, tmp_path: Any, async_mode: s
     first run's exact parameters, optimizer and scheduler state. Retention ran after
     the last asynchronous save had landed (step-4 gone)."""
     import storage
-    from storage.ops.tools import describe
+    from storage.ops.describe import describe
 
     url = f"s3://{BUCKET}/{tmp_path.name}-{async_mode}"
     job = {"url": url, "options": s3_options(endpoint), "async_mode": async_mode}

@@ -37,7 +37,7 @@ def test_async_epochs_resume_bit_exact(endpoint: str, tmp_path: Any) -> None:
     from torchtune import training
 
     import storage
-    from storage.ops.tools import describe
+    from storage.ops.describe import describe
 
     url = f"s3://{BUCKET}/{tmp_path.name}"
     client = _client(url, s3_options(endpoint), resume=False)

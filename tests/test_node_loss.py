@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from storage.ops._peers import Group
-from storage.ops.restore import Held, plan, read_moves
+from storage.ops.restore_plan import Held, plan, read_moves
 from tests.subprocess_jobs import Job, committed_steps
 
 

@@ -296,7 +296,7 @@ def test_sigterm_then_sigkill_resumes_bit_exact_and_drains_at_the_next_start(
     with CappedProxy(endpoint, rate=100e3, latency=0.0, burst=16 << 10) as slow:
         run = Job(tmp_path, 1, [*job, "--endpoint", slow.url, "--steps", "1000"])
         run.wait_for(0, "@step 6")
-        run.terminate_then_kill([0], after=2.0)
+        run.terminate_then_kill([0], after=6.0)
         [preempted] = run.lines(0, "@preempted")
         step, saved = (int(w) for w in preempted.split()[1:])
         hashes = run.hashes(0)
@@ -323,7 +323,7 @@ def test_two_ranks_signalled_apart_save_one_step_and_resume_from_it(tmp_path: Pa
     job += ["--save-every", "3", "--async", "--guard"]
     run = Job(tmp_path, 2, [*job, "--steps", "1000"])
     run.wait_for(0, "@step 5")
-    run.terminate_then_kill([1, 0], after=2.0, apart=0.3)  # rank 1 first, rank 0 0.3 s later
+    run.terminate_then_kill([1, 0], after=6.0, apart=0.3)  # rank 1 first, rank 0 0.3 s later
     steps = {int(run.lines(r, "@preempted")[0].split()[1]) for r in (0, 1)}
     saved = {run.lines(r, "@preempted")[0].split()[2] for r in (0, 1)}
     assert len(steps) == 1 and saved == {str(s) for s in steps}  # one step, saved on both

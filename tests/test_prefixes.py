@@ -15,14 +15,14 @@ import torch.distributed.checkpoint as dcp
 
 import storage
 from extensions.errors import UnsafeCheckpointError
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deletion import delete_checkpoint
 from storage.checkpoint.layout import is_data_file_name
 from storage.checkpoint.prefixes import place
 from storage.checkpoint.validate import check_relative_path
 from storage.cli import main as cli_main
+from storage.ops.describe import describe
 from storage.ops.manager import CheckpointManager
-from storage.ops.tools import describe
 
 
 def _state() -> dict[str, Any]:

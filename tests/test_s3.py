@@ -479,7 +479,7 @@ def test_object_deleted_mid_load(endpoint: str, s3: Any) -> None:
     reader = storage.CheckpointReader(url, storage_options=opts, thread_count=1)
     # Coalescing would fetch everything in one GET; one item per request instead.
     with pytest.MonkeyPatch.context() as mpatch:
-        mpatch.setattr("storage.checkpoint.reader.COALESCE_LIMIT", 1)
+        mpatch.setattr("storage.checkpoint.fetch.COALESCE_LIMIT", 1)
         with pytest.raises(CheckpointException, match="is missing"):
             dcp.load(target, storage_reader=reader, planner=DeleteAfterFirst())
 

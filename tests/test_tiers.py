@@ -24,12 +24,14 @@ import torch.multiprocessing as mp
 from extensions import AES256GCM
 from extensions.errors import TierFullError
 from storage import S3FileSystem
+from storage.backends import cancel as cancelling
 from storage.backends._local import LocalFileSystem
 from storage.checkpoint.api import load as storage_load
 from storage.checkpoint.committed import open_committed
+from storage.checkpoint.deadline import DeadlineExceededError
 from storage.checkpoint.layout import is_committed
+from storage.ops.describe import describe
 from storage.ops.manager import CheckpointManager
-from storage.ops.tools import describe
 from tests.distributed import gloo_group
 from tests.servers import (
     FaultProxy,
@@ -212,6 +214,67 @@ def test_full_local_tier_is_a_named_error_and_deletes_nothing(tmp_path: Path) ->
     )
 
 
+class _PublishDisk(LocalFileSystem):
+    """Our local backend, whose metadata publish fails as ``how`` says: ``"lost"``
+    publishes, then raises as if the answer had been lost; ``"refused"`` raises without
+    publishing; ``"stalled"`` waits ``STALL`` seconds first (or until the save's deadline
+    cancels it)."""
+
+    STALL = 20.0
+    how: str | None = None
+
+    def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        how = self.how if path.endswith(".metadata") else None
+        if how == "refused":
+            raise ConnectionResetError("refused before the metadata landed")
+        if how == "stalled":
+            cancel = cancelling.current()
+            if cancel is None:  # no deadline runs the publish: it just takes long
+                time.sleep(self.STALL)
+            else:
+                cancel.wait(self.STALL)
+        super().write_atomic(path, data, exclusive=exclusive)
+        if how == "lost":
+            raise ConnectionResetError("response lost after the metadata landed")
+
+
+def test_local_commit_that_landed_but_raised_keeps_its_files(tmp_path: Path) -> None:
+    # Before: the tier's local publish had no "may have landed" rule: the writer's
+    # abort removed the step's data files under the metadata that had landed, leaving
+    # a committed local step that did not load.
+    disk = _PublishDisk()
+    mgr = _tiered(tmp_path, local_filesystem=disk)
+    disk.how = "lost"
+    with pytest.raises(ConnectionResetError):
+        mgr.save(1, _state(1))
+    disk.how = None
+    target = _blank()
+    storage_load(target, str(tmp_path / "local" / "step-1"))  # the local copy is whole
+    torch.testing.assert_close(target["w"], _state(1)["w"])
+
+
+def test_local_commit_refused_removes_the_steps_files(tmp_path: Path) -> None:
+    disk = _PublishDisk()
+    mgr = _tiered(tmp_path, local_filesystem=disk)
+    disk.how = "refused"
+    with pytest.raises(ConnectionResetError):
+        mgr.save(1, _state(1))
+    mgr.wait()
+    assert mgr.tiers.local.steps() == [] and mgr.durable_steps() == []  # type: ignore[union-attr]
+    assert not any((tmp_path / "local" / "step-1").iterdir())
+
+
+def test_local_commit_is_bounded_by_the_save_timeout(tmp_path: Path) -> None:
+    # Before: the writer's timeout bounded the tier's data writes but not its local
+    # publish, so a stalled publish held the save for as long as it stalled.
+    disk = _PublishDisk()
+    mgr = _tiered(tmp_path, local_filesystem=disk, timeout=1.0)
+    disk.how = "stalled"
+    with pytest.raises(DeadlineExceededError):
+        mgr.save(1, _state(1))
+    assert mgr.tiers.local.steps() == []  # type: ignore[union-attr]
+
+
 # --- asynchronous saves ------------------------------------------------------------------
 
 
@@ -344,7 +407,7 @@ def _drained(mgr: CheckpointManager) -> None:
     # left for the next save to surface.
     assert mgr.tiers is not None
     mgr.tiers.finish_commit()
-    mgr.tiers._wait_drains()
+    mgr.tiers.drains.wait()
 
 
 def test_async_save_errors_and_recovery(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from extensions import registry as registry_module
 from extensions.registry import encoding_stream
 from extensions.streams import BlockWriter, readinto_exact
 from extensions.testing import FlushOnlyClose, TransformTests, payload
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.incremental import fingerprint
 from tests.conftest import assert_tree_equal, zeros_like_tree
 

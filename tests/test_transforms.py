@@ -163,3 +163,19 @@ def test_shuffle_bad_descriptor_names_the_item(descriptor: str) -> None:
 def test_shuffle_rejects_bad_element_size(element_size: Any) -> None:
     with pytest.raises(ValueError, match="element_size"):
         ByteShuffle(element_size=element_size)
+
+
+def test_a_suite_class_missing_its_transform_fails_by_name() -> None:
+    """Before, a transform's test class without the ``transform`` fixture failed in each
+    of its tests; now defining the class fails, naming the fixture."""
+    with pytest.raises(TypeError, match=r"TestNoTransform does not provide `transform`"):
+
+        class TestNoTransform(TransformTests):
+            @pytest.fixture
+            def item(self) -> ItemInfo:
+                return _keyed_item()
+
+    class TestInherited(TestZStandard):  # the fixture comes from the parent test class
+        identity = True
+
+    assert TestInherited.identity

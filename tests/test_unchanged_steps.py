@@ -20,7 +20,7 @@ import torch
 
 import storage
 from storage import CheckpointManager
-from storage.ops.tools import describe
+from storage.ops.describe import describe
 from tests.servers import (
     ServerUnavailable,
     create_bucket,

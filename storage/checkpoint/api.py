@@ -12,6 +12,7 @@ import os
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -23,6 +24,26 @@ from extensions.base import Keys
 from extensions.registry import ExtensionRegistry
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """What every load of a caller's checkpoints needs besides their location (see
+    :class:`CheckpointReader`): ``keys`` for encrypted items, a ``registry`` of
+    transforms, ``require_encryption`` (default: on when ``keys`` are given). Callers
+    that load many times (a manager and its tiers, a framework plugin) hold them here."""
+
+    keys: Keys | None = None
+    registry: ExtensionRegistry | None = None
+    require_encryption: bool | None = None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """As keyword arguments of :class:`CheckpointReader` and :func:`load`."""
+        return {
+            "keys": self.keys,
+            "registry": self.registry,
+            "require_encryption": self.require_encryption,
+        }
 
 
 def _no_dist() -> bool:

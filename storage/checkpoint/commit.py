@@ -1,23 +1,31 @@
-"""The commit protocol's storage steps, shared by the writer and ``dcp-storage cp``.
+"""The commit transaction: the one way a save, a copy or a tier's local save commits.
 
 A checkpoint exists once its metadata does. Data files are written first under names
-unique to the save; :func:`publish_metadata` then makes them durable, publishes the
-metadata atomically and removes the files of the checkpoint it replaced. A failed save
-removes its own files only when :func:`metadata_may_name` proves its metadata did not
-land; everything else stays for the manager's cleanup. On many ranks only the
-coordinator can tell: it marks its error (:func:`mark_may_have_landed`), DCP hands that
-error to every rank, and each rank follows it (:func:`commit_may_have_landed`).
+unique to the save; :func:`commit_checkpoint` then checks that every base its items
+reference still holds their files, publishes the metadata (:func:`publish_metadata`:
+data made durable, metadata published atomically, the files of the checkpoint it
+replaced removed) and, when that fails, rolls back: it removes the new files only when
+:func:`metadata_may_name` proves its metadata did not land; everything else stays for
+the manager's cleanup. On many ranks only the committing rank can tell: it marks its
+error (:func:`mark_may_have_landed`), the error travels to every rank (DCP's
+``CheckpointException``, the tiers' ``gather_errors``), and each rank follows it
+(:func:`commit_may_have_landed`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
 
 from extensions.errors import CheckpointExistsError, CheckpointNotFoundError
 from storage.backends.base import FileSystemBase
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.committed import own_files, read_metadata_file, refuse_if_referenced
+from storage.checkpoint.deadline import Budget, DeadlineExceededError
 from storage.checkpoint.deletion import remove_data_files
+from storage.checkpoint.incremental import check_referenced_files
 from storage.checkpoint.prefixes import expand, split
 
 # Set on the coordinator's error when its metadata may have landed; it travels with the
@@ -25,6 +33,76 @@ from storage.checkpoint.prefixes import expand, split
 _MAY_HAVE_LANDED = "dcp_storage_commit_may_have_landed"
 
 log = logging.getLogger(__name__)
+
+
+def commit_checkpoint(
+    fs: FileSystemBase,
+    directory: str,
+    meta_name: str,
+    payload: bytes | Callable[[], bytes],
+    *,
+    save_id: str,
+    infos: Iterable[Any],
+    overwrite: bool,
+    sync: bool,
+    new_files: Collection[str] | None = None,
+    budget: Budget | None = None,
+) -> None:
+    """Commit the checkpoint in ``directory`` whose data files are all written, or
+    roll back.
+
+    ``infos``: the storage index the metadata records; ``payload``: that metadata,
+    serialized (or the function that serializes it: a failure there rolls back too);
+    ``new_files``: the data files this commit publishes (default: every file ``infos``
+    names for its own items), checked present before the publish and removed after a
+    failure. The steps: every base that an item references still holds the file
+    (``incremental.check_referenced_files``), then :func:`publish_metadata` as
+    ``meta_name``. On failure the error is raised after the rollback: ``new_files`` are
+    removed unless this save's metadata may have landed (:func:`metadata_may_name`);
+    then, and when ``budget`` (the writer's deadline, which bounds the whole commit)
+    ran out, since a publish left running may still land, nothing is removed and the
+    error is marked (:func:`mark_may_have_landed`) so that no rank removes its files."""
+    meta_path = fs.concat_path(directory, meta_name)
+    infos = list(infos)
+    if new_files is None:
+        new_files = {i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)}
+    landed = False
+
+    def attempt() -> None:
+        nonlocal landed
+        try:
+            data = payload() if callable(payload) else payload
+            check_referenced_files(fs, directory, infos)
+            publish_metadata(
+                fs,
+                directory,
+                meta_path,
+                data,
+                new_files=set(new_files),
+                overwrite=overwrite,
+                sync=sync,
+            )
+        except BaseException:
+            landed = metadata_may_name(fs, meta_path, save_id)
+            if not landed:
+                remove_quietly(fs, [fs.concat_path(directory, f) for f in sorted(new_files)])
+            raise
+
+    try:
+        if budget is None:
+            attempt()
+        else:
+            budget.call(
+                attempt,
+                action="saving",
+                location=fs.url(directory),
+                item=meta_name,
+                url=fs.url(meta_path),
+            )
+    except BaseException as exc:
+        if landed or isinstance(exc, DeadlineExceededError):
+            mark_may_have_landed(exc)
+        raise
 
 
 def publish_metadata(

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from extensions.errors import CheckpointInUseError, CheckpointNotFoundError, printable
 from storage.backends import LocalFileSystem
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.layout import (
     committing_metadata,
     is_data_file_name,

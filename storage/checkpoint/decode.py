@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from extensions.errors import IntegrityError, UnsafeCheckpointError, printable
 from extensions.streams import drain, read_all, readinto_exact, skip
-from storage.checkpoint import format as fmt
-from storage.checkpoint._common import tensor_bytes
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.tensors import tensor_bytes
 
 #: Default floor of the decoded size of a non-tensor item (``max_object_bytes``).
 MAX_OBJECT_BYTES = 16 << 20
@@ -137,7 +137,7 @@ def plain_value(payload: bytes, where: str) -> io.BytesIO:
     is loaded here with torch's ``weights_only`` unpickler (plain data, plus what the
     user allowed with ``torch.serialization.add_safe_globals``) or, for the
     ``io.BytesIO`` values DCP stores as opaque blobs, with a loader that builds nothing
-    but a BytesIO (``format.load_bytes_io``), and pickled again, so
+    but a BytesIO (``storage_format.load_bytes_io``), and pickled again, so
     the planner's unpickler only ever sees our own pickle of those objects - never the
     checkpoint's bytes, whose opcodes might act differently under the two unpicklers."""
     value: object

@@ -13,7 +13,7 @@ import torch
 
 from extensions._compat import save_tensor_archive
 from extensions.base import ItemInfo
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.items import ItemEncoder
 
 #: Below this many bytes a tensor's archive is built in memory first.

@@ -30,7 +30,7 @@ from typing import IO
 from extensions.errors import IntegrityError, UnsafeCheckpointError
 from extensions.streams import pump, readinto_exact, skip
 from extensions.zstd import FOOTER, FRAME, frame_reader, parse_seek_table, table_size
-from storage.checkpoint.items import StoredItem
+from storage.checkpoint.items import StoredItemReader
 
 #: A frame or whole item decoded from one buffer is at most this many stored bytes.
 MAX_BUFFER = FRAME + (FRAME >> 6)
@@ -128,7 +128,7 @@ def seek_table(stream: IO[bytes], length: int) -> list[tuple[int, int]] | None:
 
 def decode_framed(
     decoders: Decoders,
-    stored: StoredItem,
+    stored: StoredItemReader,
     frames: list[tuple[int, int]] | None,
     target: memoryview,
     data_offset: int,

@@ -42,8 +42,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from extensions.base import StreamTransformExtension
 from extensions.errors import CheckpointNotFoundError, quote
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
-from storage.checkpoint._common import tensor_bytes
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.committed import (
     CommittedCheckpoint,
     chain_of,
@@ -52,6 +51,7 @@ from storage.checkpoint.committed import (
 )
 from storage.checkpoint.layout import is_committed, split_location
 from storage.checkpoint.prefixes import expand, split
+from storage.checkpoint.tensors import tensor_bytes
 from storage.checkpoint.validate import MAX_NAME, is_plain_name
 
 REF = fmt.REF

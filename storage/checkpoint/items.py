@@ -3,7 +3,7 @@ bytes in its transform chain and its CRC-32C, used by the writer, the reader and
 copy tool alike.
 
 :class:`ItemEncoder` takes plain bytes, runs them through the transforms and counts and
-checksums what reaches storage. :class:`StoredItem` reads exactly one item's stored
+checksums what reaches storage. :class:`StoredItemReader` reads exactly one item's stored
 bytes from a data stream (counting and checksumming them as they pass), offers them raw
 or decoded through the recorded chain, and checks length and checksum at the end, so a
 damaged item is reported as an :class:`IntegrityError` that names it.
@@ -110,7 +110,7 @@ class ItemEncoder:
         return self._sink.count, self._sink.crc
 
 
-class StoredItem:
+class StoredItemReader:
     """The next ``length`` stored bytes of ``stream``, recorded with ``descriptors`` and
     (when the writer recorded one) ``expected_crc``; ``where`` names the item in errors."""
 

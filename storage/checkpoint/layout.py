@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.prefixes import PREFIX, expand
 
 STEP_PREFIX = "step-"

@@ -19,7 +19,8 @@ exchanged), so on a bandwidth-bound store the exchange hides behind the fetch. A
 a rank wants whole, whose target is a plain CPU tensor, is decoded, sent and received
 in the target itself; others travel through a buffer.
 
-The exchange needs a group that sends CPU tensors: storage/checkpoint/share_groups.py
+The agreement and the exchange are in storage/checkpoint/share_exchange.py. The
+exchange needs a group that sends CPU tensors: storage/checkpoint/share_groups.py
 picks it (the reader's process group when it has gloo, else, for the default group of
 an NCCL-only job, a gloo group made once).
 
@@ -38,25 +39,19 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from extensions._compat import narrow_tensor_by_index
 from extensions.errors import quote
-from storage.checkpoint import format as fmt
-from storage.checkpoint._common import check_shapes
-from storage.checkpoint.deadline import (
-    Budget,
-    CheckpointRankError,
-    DeadlineExceededError,
-    rank_error,
-)
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.deadline import Budget
+from storage.checkpoint.share_exchange import agree, exchange, time_left
 from storage.checkpoint.share_groups import exchange_group
+from storage.checkpoint.tensors import check_shapes
 
 if TYPE_CHECKING:
     from storage.checkpoint.reader import CheckpointReader
@@ -176,11 +171,11 @@ def read_shared(reader: CheckpointReader, plan: LoadPlan, planner: LoadPlanner) 
 
     def fetch(batch: int) -> tuple[_Batch | None, BaseException | None]:
         try:
-            held = _Batch(safe, reader._chunks, batches[batch], wanted, me)
-            reader._read_items(
+            held = _Batch(safe, reader.chunks, batches[batch], wanted, me)
+            reader.read_items(
                 (direct if batch == 0 else []) + held.requests,
                 held,  # type: ignore[arg-type]
-                Budget(_left(deadline)),
+                Budget(time_left(deadline)),
             )
             return held, None
         except Exception as exc:  # every rank must hear of it before the exchange
@@ -189,9 +184,9 @@ def read_shared(reader: CheckpointReader, plan: LoadPlan, planner: LoadPlanner) 
     with _Prefetcher(fetch, len(batches)) as fetcher:
         for batch, shares in enumerate(batches):
             held, error = fetcher.take(batch)
-            _agree(error, channel)
+            agree(error, channel)
             assert held is not None
-            received = _exchange(shares, held, me, group, channel, reader._chunks, deadline)
+            received = exchange(shares, held.buffers, me, group, channel, reader.chunks, deadline)
             fetcher.done(batch)
             for share in shares:
                 _apply(reader, safe, held, wanted[share.index], received[share.index])
@@ -342,95 +337,6 @@ class _Prefetcher:
             self._cond.notify_all()
 
 
-def _agree(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
-    """Raise on every rank if any rank failed to fetch its part of this batch."""
-    mine = None
-    if error is not None:
-        mine = (
-            str(error),
-            getattr(error, "rank", None),
-            getattr(error, "item", None),
-            getattr(error, "url", None),
-            isinstance(error, DeadlineExceededError),
-        )
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    if error is not None:
-        raise error
-    for rank, failure in enumerate(everyone):
-        if failure is not None:
-            message, failed_rank, item, url, late = failure
-            raise rank_error(
-                DeadlineExceededError if late else CheckpointRankError,
-                message if failed_rank is not None else f"rank {rank}: {message}",
-                rank=failed_rank if failed_rank is not None else rank,
-                item=item or "?",
-                url=url or "?",
-            )
-
-
-def _exchange(
-    shares: list[Share],
-    held: _Batch,
-    me: int,
-    group: dist.ProcessGroup | None,
-    channel: dist.ProcessGroup | None,
-    chunks: Chunks,
-    deadline: float | None,
-) -> dict[MetadataIndex, torch.Tensor]:
-    """Send what this rank owns to its consumers and receive what it consumes (into
-    where each chunk lands), over ``channel``; ranks are ``group``'s."""
-    received = {s.index: held.buffers[s.index] for s in shares if s.owner == me}
-
-    def peer(rank: int) -> int:
-        return rank if group is None else dist.get_global_rank(group, rank)
-
-    # Non-tensor values first announce their length.
-    sizes: dict[MetadataIndex, torch.Tensor] = {}
-    ops = []
-    for share in (s for s in shares if s.is_bytes):
-        if share.owner == me:
-            length = torch.tensor([received[share.index].numel()], dtype=torch.int64)
-            ops += [
-                dist.P2POp(dist.isend, length, peer(c), channel, 2 * share.seq)
-                for c in share.consumers
-                if c != me
-            ]
-        else:
-            sizes[share.index] = torch.zeros(1, dtype=torch.int64)
-            ops.append(
-                dist.P2POp(
-                    dist.irecv, sizes[share.index], peer(share.owner), channel, 2 * share.seq
-                )
-            )
-    _run(ops, deadline)
-    ops = []
-    for share in shares:
-        if share.owner == me:
-            flat = _flat(received[share.index])
-            if flat.numel():
-                ops += [
-                    dist.P2POp(dist.isend, flat, peer(c), channel, 2 * share.seq + 1)
-                    for c in share.consumers
-                    if c != me
-                ]
-            continue
-        if share.is_bytes:
-            buffer = torch.empty(int(sizes[share.index].item()), dtype=torch.uint8)
-        elif share.index in held.buffers:
-            buffer = held.buffers[share.index]
-        else:
-            chunk_sizes, dtype = chunks[share.index]
-            buffer = torch.empty(tuple(chunk_sizes), dtype=dtype)
-        received[share.index] = buffer
-        if buffer.numel():
-            ops.append(
-                dist.P2POp(dist.irecv, _flat(buffer), peer(share.owner), channel, 2 * share.seq + 1)
-            )
-    _run(ops, deadline)
-    return received
-
-
 def _apply(
     reader: CheckpointReader,
     planner: _Serialized,
@@ -453,24 +359,9 @@ def _apply(
         else:
             target = planner.resolve_tensor(req)
         where = f"{reader.url}: item {quote(label)} (shared)"
-        check_shapes(req, target, reader._chunks.get(req.storage_index), where)
+        check_shapes(req, target, reader.chunks.get(req.storage_index), where)
         target.copy_(narrow_tensor_by_index(value, req.storage_offsets, req.lengths))
         planner.commit_tensor(req, target)
-
-
-def _run(ops: list[dist.P2POp], deadline: float | None) -> None:
-    if not ops:
-        return
-    left = _left(deadline)
-    for work in dist.batch_isend_irecv(ops):
-        if left is None:
-            work.wait()
-        else:
-            work.wait(timedelta(seconds=max(left, 0.001)))
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _chunk_bytes(chunk: tuple[torch.Size, torch.dtype]) -> int:
@@ -489,7 +380,3 @@ def _fits(target: torch.Tensor, sizes: torch.Size, dtype: torch.dtype) -> bool:
         and target.is_contiguous()
         and tuple(target.size()) == tuple(sizes)
     )
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
-import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -18,63 +15,36 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from extensions._compat import TorchExtensionRegistry, narrow_tensor_by_index
-from extensions.base import ItemInfo, KeyLookup, Keys, cached_key_lookup
+from extensions._compat import TorchExtensionRegistry
+from extensions.base import Keys
 from extensions.errors import (
     CheckpointNotFoundError,
     CheckpointStorageError,
     IntegrityError,
-    quote,
 )
-from extensions.registry import ExtensionRegistry, as_registry, parse_descriptor
-from extensions.zstd import ZStandard
+from extensions.registry import ExtensionRegistry, as_registry
 from storage.backends import LocalFileSystem, MemoryFileSystem
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
-from storage.checkpoint import frames, incremental, read_once, share_groups
-from storage.checkpoint._common import (
-    check_shapes,
-    check_thread_count,
-    default_thread_count,
-    records_error,
-    resolve_location,
-    stock_checkpoint_id,
-    tensor_bytes,
-)
-from storage.checkpoint.deadline import Budget, cancellable, check_timeout, note
+from storage.checkpoint import fetch, read_once, share_groups
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.deadline import Budget, check_timeout
 from storage.checkpoint.decode import (
     MAX_OBJECT_BYTES,
-    OBJECT_RATIO,
-    decode_tensor,
-    direct_offset,
-    plain_value,
-    read_bounded,
 )
-from storage.checkpoint.items import StoredItem, check_before_read, encryption_required
+from storage.checkpoint.hook_errors import records_error
+from storage.checkpoint.items import encryption_required
 from storage.checkpoint.layout import metadata_rank
-from storage.checkpoint.prefixes import refuse_linked_prefix
+from storage.checkpoint.options import (
+    check_thread_count,
+    default_thread_count,
+    resolve_location,
+    stock_checkpoint_id,
+)
 from storage.checkpoint.shared import on_coordinator
-
-# Adjacent items are fetched with one request up to this many bytes.
-COALESCE_LIMIT = 32 << 20
-
-
-@dataclass
-class _Item:
-    req: ReadItem
-    info: Any  # _StorageInfo
-
-    @property
-    def offset(self) -> int:
-        return int(self.info.offset)
-
-    @property
-    def length(self) -> int:
-        return int(self.info.length)
 
 
 @dataclass(frozen=True)
@@ -166,7 +136,9 @@ class CheckpointReader(StorageReader):
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
         self._read_once = read_once
         self.storage_data: dict[MetadataIndex, Any] = {}
-        self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        #: Each tensor item's stored chunk (sizes, dtype), from the metadata.
+        #: Each tensor item's stored chunk (sizes, dtype), from the metadata.
+        self.chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
         self.last_error: BaseException | None = None
         # What this load's probe of .metadata listed, when the file was missing.
         self._absent: _Absent | None = None
@@ -256,12 +228,12 @@ class CheckpointReader(StorageReader):
         if metadata.storage_data is None:
             raise IntegrityError(f"{self.url}: metadata has no storage index")
         self.storage_data = metadata.storage_data
-        self._chunks = {}
+        self.chunks = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 for chunk in md.chunks:
                     index = MetadataIndex(fqn, chunk.offsets)
-                    self._chunks[index] = (chunk.sizes, md.properties.dtype)
+                    self.chunks[index] = (chunk.sizes, md.properties.dtype)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -269,7 +241,7 @@ class CheckpointReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.read_once and len(plans) > 1:
             share_groups.check_can_share(self.process_group, self.url)
-            return read_once.assign(plans, self.storage_data, self._chunks)
+            return read_once.assign(plans, self.storage_data, self.chunks)
         return plans
 
     @records_error
@@ -277,55 +249,15 @@ class CheckpointReader(StorageReader):
         if isinstance(plan.storage_data, read_once.SharePlan):
             read_once.read_shared(self, plan, planner)
         else:
-            self._read_items(plan.items, planner, self.budget)
+            self.read_items(plan.items, planner, self.budget)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_items(self, reqs: Sequence[ReadItem], planner: LoadPlanner, budget: Budget) -> None:
-        """Fetch, verify and decode ``reqs`` into ``planner``, within ``budget``."""
-        if not reqs:
-            return
-        first = fmt.item_label(reqs[0].storage_index)
-        runs = budget.call(
-            functools.partial(self._plan_runs, reqs),  # checks the bases: requests
-            action="loading",
-            location=self.url,
-            item=first,
-            url=self.url,
-        )
-        lock = threading.Lock()
-        registry = self.registry or ExtensionRegistry()
-        keys = cached_key_lookup(self.keys)
-        # Before any byte is fetched: a plain item where encryption is required, a
-        # missing key or a failing key provider is reported as itself.
-        for _, run in runs:
-            for item in run:
-                descriptors = item.info.transform_descriptors or ()
-                info = self._item_info(item, keys)
-                check_before_read(
-                    descriptors,
-                    info,
-                    registry,
-                    require_encryption=self.require_encryption,
-                    decode=True,
-                )
-        if not runs:
-            return
-        # zstd items are decoded on every core while these threads read on (frames.py).
-        workers = frames.decoder_count()
-        decoders = frames.Decoders(workers, slots=workers + 2)
-        tasks = [
-            functools.partial(self._read_run, p, r, planner, lock, registry, keys, decoders)
-            for p, r in runs
-        ]
-        try:
-            budget.run(tasks, workers=self.thread_count, action="loading", location=self.url)
-        except BaseException:
-            with contextlib.suppress(BaseException):  # the readers' error comes first
-                decoders.close()
-            raise
-        decoders.close()
+    def read_items(self, reqs: Sequence[ReadItem], planner: LoadPlanner, budget: Budget) -> None:
+        """Fetch, verify and decode ``reqs`` into ``planner``, within ``budget``
+        (``fetch.read_items``; read-once loads read their batches through it too)."""
+        fetch.read_items(self, reqs, planner, budget)
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
@@ -357,172 +289,4 @@ class CheckpointReader(StorageReader):
             f"{self.url} is not a committed checkpoint: it has no {fmt.metadata_name(rank)} "
             "(an interrupted save, or not a checkpoint directory); point at a checkpoint "
             "directory"
-        )
-
-    def _plan_runs(self, reqs: Sequence[ReadItem]) -> list[tuple[str, list[_Item]]]:
-        per_file: dict[str, list[_Item]] = {}
-        for req in reqs:
-            info = self.storage_data.get(req.storage_index)
-            if info is None:
-                raise IntegrityError(
-                    f"{self.url}: item {quote(fmt.item_label(req.storage_index))} is in the plan "
-                    "but not in the checkpoint's storage index; the metadata is damaged"
-                )
-            # Keyed by where the bytes are: a referenced item's are in its base's file.
-            path = incremental.item_path(self.fs, self.path, info)
-            if path not in per_file:
-                directory = incremental.item_directory(self.fs, self.path, info)
-                refuse_linked_prefix(self.fs, directory, info.relative_path)
-            per_file.setdefault(path, []).append(_Item(req, info))
-        incremental.check_bases(
-            self.fs,
-            self.path,
-            ((fmt.item_label(i.req.storage_index), i.info) for r in per_file.values() for i in r),
-        )
-        runs: list[tuple[str, list[_Item]]] = []
-        for path, items in per_file.items():
-            items.sort(key=lambda i: i.offset)
-            current: list[_Item] = []
-            for item in items:
-                if current and (
-                    item.offset != current[-1].offset + current[-1].length
-                    or item.offset + item.length - current[0].offset > COALESCE_LIMIT
-                ):
-                    runs.append((path, current))
-                    current = []
-                current.append(item)
-            if current:
-                runs.append((path, current))
-        # Biggest runs first, so the tail of the load is made of small ones.
-        runs.sort(key=lambda r: -(r[1][-1].offset + r[1][-1].length - r[1][0].offset))
-        return runs
-
-    def _read_run(
-        self,
-        path: str,
-        run: list[_Item],
-        planner: LoadPlanner,
-        lock: threading.Lock,
-        registry: ExtensionRegistry,
-        keys: KeyLookup | None,
-        decoders: frames.Decoders | None = None,
-    ) -> None:
-        start = run[0].offset
-        length = run[-1].offset + run[-1].length - start
-        note(fmt.item_label(run[0].req.storage_index), self.fs.url(path))
-        try:
-            with self.fs.open_slice(path, start, length) as opened:
-                stream = cancellable(opened)
-                # Finding a seek table costs two small reads: free on local disk and
-                # memory, a request each on object stores (their readers stream).
-                if not isinstance(self.fs, (LocalFileSystem, MemoryFileSystem)):
-                    decoders = None
-                for item in run:
-                    self._read_item(stream, path, item, planner, lock, registry, keys, decoders)
-        except FileNotFoundError as exc:
-            if isinstance(exc, CheckpointStorageError):
-                raise
-            raise CheckpointNotFoundError(
-                f"{self.url}: data file {quote(os.path.basename(path))} (item "
-                f"{quote(fmt.item_label(run[0].req.storage_index))}) is missing; the checkpoint "
-                "is incomplete: restore the file or re-save the checkpoint"
-            ) from exc
-
-    def _read_item(
-        self,
-        stream: IO[bytes],
-        path: str,
-        item: _Item,
-        planner: LoadPlanner,
-        lock: threading.Lock,
-        registry: ExtensionRegistry,
-        keys: KeyLookup | None,
-        decoders: frames.Decoders | None = None,
-    ) -> None:
-        label = fmt.item_label(item.req.storage_index)
-        note(label, self.fs.url(path))
-        where = f"{self.url}: item {quote(label)} in {quote(os.path.basename(path))}"
-        extra = fmt.item_extra(item.info)
-        stored = StoredItem(
-            stream,
-            item.length,
-            item.info.transform_descriptors or (),
-            extra.get("crc32c"),
-            where,
-            block=self.fs.read_block,
-        )
-        chunk = self._chunks.get(item.req.storage_index)
-        info = self._item_info(item, keys)
-        target: torch.Tensor | None = None
-        if item.req.type != LoadItemType.BYTE_IO:
-            with lock:
-                target = planner.resolve_tensor(item.req).detach()
-            check_shapes(item.req, target, chunk, where)
-            if decoders is not None and self._zstd_only(stored.descriptors, registry):
-                offset = direct_offset(item.req, extra, chunk, target)
-                table = None if offset is None else frames.seek_table(stream, item.length)
-                if offset is not None and (table or item.length <= frames.MAX_BUFFER):
-                    req, tensor = item.req, target
-
-                    def commit() -> None:
-                        with lock:
-                            planner.commit_tensor(req, tensor)
-
-                    frames.decode_framed(
-                        decoders, stored, table, tensor_bytes(target), offset, commit
-                    )
-                    return
-        try:
-            decoded = stored.decoded(registry, info)
-            if target is None:
-                limit = max(self.max_object_bytes, OBJECT_RATIO * item.length)
-                payload = read_bounded(decoded, limit, where, "pass a larger max_object_bytes=")
-            else:
-                decoded_tensor = decode_tensor(decoded, item.req, extra, chunk, target, where)
-            stored.finish()
-        except (CheckpointStorageError, OSError):
-            raise  # already named, or the storage failed (not the bytes)
-        except Exception as exc:
-            # A decoder choking on damaged bytes: report it as the integrity failure it is.
-            raise stored.damaged(exc) from exc
-        if target is None:
-            plain = plain_value(payload, where)
-            with lock:
-                planner.load_bytes(item.req, plain)
-            return
-        if decoded_tensor is not target:
-            narrowed = narrow_tensor_by_index(
-                decoded_tensor, item.req.storage_offsets, item.req.lengths
-            )
-            if narrowed.size() != target.size():
-                # The target fits the metadata (checked before reading): the stored
-                # bytes hold another shape than the metadata says.
-                raise IntegrityError(
-                    f"{where}: the stored tensor (shape {tuple(decoded_tensor.size())}) does "
-                    "not match the shape the metadata records; the checkpoint is damaged"
-                )
-            target.copy_(narrowed)
-        with lock:
-            planner.commit_tensor(item.req, target)
-
-    @staticmethod
-    def _zstd_only(descriptors: Sequence[str], registry: ExtensionRegistry) -> bool:
-        """Whether the chain is our zstd alone (what the frame decoders handle)."""
-        if len(descriptors) != 1:
-            return False
-        name, version = parse_descriptor(descriptors[0])
-        return (
-            name == ZStandard.registry_name()
-            and version.partition(".")[0] == "1"
-            and registry.get(name) is ZStandard
-        )
-
-    def _item_info(self, item: _Item, keys: KeyLookup | None) -> ItemInfo:
-        chunk = self._chunks.get(item.req.storage_index)
-        return ItemInfo(
-            checkpoint=self.url,
-            item=fmt.item_label(item.req.storage_index),
-            dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
-            element_size=chunk[1].itemsize if chunk else None,
-            keys=keys,
         )

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import io
 import os
-import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any, cast
@@ -14,49 +11,33 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from extensions._compat import item_size, split_by_size_and_type
-from extensions.base import ItemInfo
 from extensions.errors import CheckpointExistsError
-from extensions.registry import chain_descriptors
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import format as fmt
-from storage.checkpoint import incremental
+from storage.checkpoint import data_files, incremental
 from storage.checkpoint import persist as _persist
-from storage.checkpoint._common import (
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.commit import commit_checkpoint, commit_may_have_landed
+from storage.checkpoint.committed import CHAIN, CommittedCheckpoint
+from storage.checkpoint.deadline import Budget, check_timeout
+from storage.checkpoint.hook_errors import records_error
+from storage.checkpoint.options import (
+    check_flags,
     check_serialization_format,
     check_thread_count,
     check_transforms,
     default_thread_count,
-    records_error,
     resolve_location,
     staging_options,
     stock_checkpoint_id,
 )
-from storage.checkpoint.commit import (
-    commit_may_have_landed,
-    mark_may_have_landed,
-    metadata_may_name,
-    publish_metadata,
-    remove_quietly,
-)
-from storage.checkpoint.committed import CHAIN, CommittedCheckpoint
-from storage.checkpoint.deadline import (
-    Budget,
-    DeadlineExceededError,
-    cancellable,
-    check_timeout,
-    note,
-)
-from storage.checkpoint.encode import encode_item, plain_cpu_tensor
-from storage.checkpoint.prefixes import check_key_prefixes, place, refuse_linked_prefix
+from storage.checkpoint.prefixes import check_key_prefixes
 
 DCP_VERSION = "1.0.0"
-BYTES_PER_THREAD = 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +91,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
 
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
-    lands; a failed save removes the files it wrote.
+    lands; a failed save removes the files it wrote (``commit.commit_checkpoint``).
+    ``publish=False`` writes the data files and keeps the metadata instead of
+    publishing it (``unpublished``): a tiered save publishes each node's copy itself.
     """
 
     def __init__(
@@ -133,6 +116,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         key_prefixes: int = 0,
         persist: str | None = None,
         max_bandwidth: int | None = None,
+        publish: bool = True,
     ) -> None:
         super().__init__()
         self.persist_mode = _persist.check_mode(persist, max_bandwidth)
@@ -148,15 +132,14 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._location = path  # as given: checkpoint_id reports it as stock does
         self.persist_mode = _persist.for_filesystems(self.persist_mode, self.fs)
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
-        for name, value in (
-            ("single_file_per_rank", single_file_per_rank),
-            ("sync_files", sync_files),
-            ("overwrite", overwrite),
-            ("cache_staged_state_dict", cache_staged_state_dict),
-            ("fingerprint", fingerprint),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {value!r}")
+        check_flags(
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            overwrite=overwrite,
+            cache_staged_state_dict=cache_staged_state_dict,
+            fingerprint=fingerprint,
+            publish=publish,
+        )
         self.single_file_per_rank = single_file_per_rank
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead
@@ -168,17 +151,23 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self.base = base
         self.fingerprint = fingerprint or base is not None
         self._base: incremental.Base | None = None
-        self._fingerprints: dict[Any, incremental.Fingerprint] = {}
+        #: This save's content fingerprints per item (``fingerprint=True``).
+        self.fingerprints: dict[Any, incremental.Fingerprint] = {}
         self._stager: DefaultStager | None = None  # kept between saves when caching
         self.rank = 0
         self.use_collectives = True
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex[:12]
         self.last_error: BaseException | None = None
-        self._written: list[str] = []  # data files this save wrote (for abort)
+        #: The data files this save wrote (what :meth:`abort` removes).
+        self.written: list[str] = []
         self._committed = False
         #: The metadata the last save published (``None`` before, or when it failed).
         self.published: Metadata | None = None
+        self.publish = publish
+        #: With ``publish=False``: the metadata the last save made and its serialized
+        #: payload, for the caller to publish (``None`` on ranks that do not commit).
+        self.unpublished: tuple[Metadata, bytes] | None = None
 
     # --- AsyncStager ----------------------------------------------------------------
 
@@ -240,11 +229,12 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         # save id keeps a reused writer from writing into the committed files.
         self.save_id = uuid.uuid4().hex[:12]
         self.last_error = None
-        self._written = []
+        self.written = []
         self._committed = False
         self.published = None
+        self.unpublished = None
         self._base = None
-        self._fingerprints = {}
+        self.fingerprints = {}
         self.budget.restart()
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
@@ -290,27 +280,20 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     @records_error
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _RankPlan) else self.rank
-        items, referenced = list(plan.items), []
+        items: list[WriteItem] = list(plan.items)
+        referenced: list[WriteResult] = []
         if self.fingerprint:
-            items = []
-            for item in plan.items:
-                found = self._fingerprint(item, planner)
-                if found is None:
-                    items.append(item)
-                else:
-                    referenced.append(found)
-        # Per-item work (pickling, torch.save's archive) holds the GIL: parallel files pay
-        # off only with enough bytes per thread to overlap I/O and compression.
-        total = sum(item_size(i) for i in items if i.type != WriteItemType.BYTE_IO)
-        threads = max(1, min(self.thread_count, total // BYTES_PER_THREAD))
-        if self.single_file_per_rank:
-            buckets = [b for b in split_by_size_and_type(threads, items) if b]
-        else:
-            buckets = [[item] for item in items]
-        files = [
-            (place(fmt.data_file_name(rank, n, self.save_id), rank, self.key_prefixes), b)
-            for n, b in enumerate(buckets)
-        ]
+            items, referenced = data_files.fingerprint_items(
+                items, planner, self.transforms, self.url, self._base, self.fingerprints
+            )
+        files, threads = data_files.split_into_files(
+            items,
+            rank=rank,
+            save_id=self.save_id,
+            thread_count=self.thread_count,
+            single_file_per_rank=self.single_file_per_rank,
+            key_prefixes=self.key_prefixes,
+        )
         lease, self._lease = self._lease, None
         if lease is not None:  # staged in the persist worker's buffers: it writes
             try:
@@ -330,66 +313,31 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     ) -> list[list[WriteResult]]:
         """Write ``files`` (name, items) on up to ``threads`` threads with the data
         ``planner.resolve_data`` gives; on failure remove what was written and raise.
-        The persist worker runs this too, with the staged data."""
-        lock = threading.Lock()
-
-        def write_one(name: str, items: list[WriteItem]) -> list[WriteResult]:
-            refuse_linked_prefix(self.fs, self.path, name)  # never write through a link
-            path = self.fs.concat_path(self.path, name)
-            with lock:
-                self._written.append(path)
-            return self._write_file(path, name, items, planner)
-
-        tasks = [functools.partial(write_one, name, items) for name, items in files]
-        try:
-            per_file = self.budget.run(tasks, workers=threads, action="saving", location=self.url)
-        except BaseException:
-            self.abort()  # past the deadline, in the background: the error goes out now
-            raise
-        return per_file
+        The persist worker runs this too, with the staged data (``data_files.py``)."""
+        return data_files.write_files(self, files, threads, planner)
 
     @records_error
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        infos = {wr.index: wr.storage_data for rs in results for wr in rs}
-        refs = [i for i in infos.values() if fmt.REF in fmt.item_extra(i)]
-        new_files = {i.relative_path for i in infos.values() if fmt.REF not in fmt.item_extra(i)}
-        meta_path = self._metadata_path()
-        landed = False
-
-        def commit() -> None:
-            nonlocal landed
-            try:
-                payload = self.metadata_payload(metadata, results)
-                incremental.check_referenced_files(self.fs, self.path, refs)
-                publish_metadata(
-                    self.fs,
-                    self.path,
-                    meta_path,
-                    payload,
-                    new_files=new_files,
-                    overwrite=self.overwrite,
-                    sync=self.sync_files,
-                )
-            except BaseException:
-                landed = metadata_may_name(self.fs, meta_path, self.save_id)
-                if not landed:
-                    remove_quietly(self.fs, [self.fs.concat_path(self.path, f) for f in new_files])
-                raise
-
+        if not self.publish:
+            self.unpublished = (metadata, self.metadata_payload(metadata, results))
+            return
         try:
-            self.budget.call(
-                commit,
-                action="saving",
-                location=self.url,
-                item=fmt.metadata_name(None if self.use_collectives else self.rank),
-                url=self.fs.url(meta_path),
+            commit_checkpoint(
+                self.fs,
+                self.path,
+                fmt.metadata_name(None if self.use_collectives else self.rank),
+                lambda: self.metadata_payload(metadata, results),
+                save_id=self.save_id,
+                infos=[wr.storage_data for rs in results for wr in rs],
+                overwrite=self.overwrite,
+                sync=self.sync_files,
+                budget=self.budget,
             )
         except BaseException as exc:
             # Landed, may have (the answer was lost), or still may (a publish past the
             # deadline goes on): its files must stay, and every other rank's files too.
-            if landed or isinstance(exc, DeadlineExceededError):
+            if commit_may_have_landed(exc):
                 self._committed = True
-                mark_may_have_landed(exc)
             raise
         self._committed = True
         self.published = metadata
@@ -417,17 +365,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         self._release()
         if self._committed or commit_may_have_landed(error):
             return
-        paths, self._written = self._written, []
-        if self.budget.timeout is None:
-            remove_quietly(self.fs, paths)
-            return
-        # Storage may be stalled: the removal waits for what is left of the timeout,
-        # then goes on in the background.
-        cleanup = threading.Thread(
-            target=remove_quietly, args=(self.fs, paths), daemon=True, name="dcp-storage-abort"
-        )
-        cleanup.start()
-        cleanup.join(self.budget.left())
+        paths, self.written = self.written, []
+        data_files.remove_written(self.fs, paths, self.budget)
 
     def _release(self) -> None:
         lease, self._lease = self._lease, None
@@ -456,65 +395,3 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     def _metadata_path(self) -> str:
         rank = None if self.use_collectives else self.rank
         return self.fs.concat_path(self.path, fmt.metadata_name(rank))
-
-    def _write_file(
-        self, path: str, name: str, items: list[WriteItem], planner: SavePlanner
-    ) -> list[WriteResult]:
-        # Opaque bytes first, then tensors (largest first), as torch orders them.
-        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
-            i for i in items if i.type != WriteItemType.BYTE_IO
-        ]
-        results = []
-        if ordered:
-            note(fmt.item_label(ordered[0].index), self.fs.url(path))
-        with self.fs.create_stream(path, "wb", sync=self.sync_files) as opened:
-            stream = cancellable(opened)
-            offset = 0
-            for item in ordered:
-                result = self._write_item(stream, name, offset, item, planner)
-                offset += result.storage_data.length
-                results.append(result)
-        return results
-
-    def _item_info(self, item: WriteItem, tensor: torch.Tensor | None) -> ItemInfo:
-        return ItemInfo(
-            checkpoint=self.url,
-            item=fmt.item_label(item.index),
-            dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else None,
-            element_size=tensor.element_size() if tensor is not None else None,
-        )
-
-    def _fingerprint(self, item: WriteItem, planner: SavePlanner) -> WriteResult | None:
-        """Fingerprint ``item``; the reference to the base's bytes when they hold the
-        same content under the same chain (nothing to write), else ``None``."""
-        data = planner.resolve_data(item)
-        tensor = None if item.type == WriteItemType.BYTE_IO else plain_cpu_tensor(data)
-        plain = tensor if tensor is not None else cast(io.BytesIO, data).getbuffer()
-        content = incremental.fingerprint(plain, self.transforms)
-        self._fingerprints[item.index] = content
-        if self._base is None:
-            return None
-        descriptors = chain_descriptors(self.transforms, self._item_info(item, tensor))
-        info = self._base.reference(item.index, descriptors, content)
-        return None if info is None else WriteResult(item.index, 0, info)
-
-    def _write_item(
-        self, stream: Any, name: str, offset: int, item: WriteItem, planner: SavePlanner
-    ) -> WriteResult:
-        label = fmt.item_label(item.index)
-        note(label, self.fs.url(self.fs.concat_path(self.path, name)))
-        data = planner.resolve_data(item)
-        tensor: torch.Tensor | None = None
-        if item.type != WriteItemType.BYTE_IO:
-            tensor = plain_cpu_tensor(data)
-        extra: dict[str, Any] = {}
-        content = self._fingerprints.get(item.index)
-        if content is not None:
-            extra[incremental.CONTENT] = content.record()
-        info = self._item_info(item, tensor)
-        count, descriptors = encode_item(stream, self.transforms, info, data, tensor, extra)
-        return WriteResult(
-            index=item.index,
-            size_in_bytes=count,
-            storage_data=fmt.new_storage_info(name, offset, count, descriptors, extra),
-        )

@@ -25,7 +25,6 @@ refused, and empty directories are not kept.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import os
 import shutil
 import stat
@@ -43,8 +42,6 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint.writer import CheckpointWriter
 from storage.integrations._solo import load_alone, reader_alone, save_alone
 from storage.ops.manager import CheckpointManager
-
-log = logging.getLogger(__name__)
 
 
 class FolderCheckpoints:
@@ -125,13 +122,7 @@ class FolderCheckpoints:
         m = self.manager
         writer = CheckpointWriter(url, filesystem=m.fs, transforms=m.transforms, **m.writer_options)
         save_alone(writer, files)
-        try:  # the step is committed; a failure to prune must not undo that
-            removed = m.apply_retention(protect=step)
-        except Exception as exc:
-            log.warning("retention after saving %s failed: %s", url, exc)
-        else:
-            if removed:
-                log.info("retention removed steps %s under %s", removed, m.url)
+        m.retention.after_save(step)
 
     def wait(self) -> None:
         """Wait for the upload in flight, if any; raise its error."""
@@ -171,9 +162,7 @@ class FolderCheckpoints:
             m.step_url(self.pick(step)),
             dest,
             filesystem=m.fs,
-            keys=m.keys,
-            registry=m.registry,
-            require_encryption=m.require_encryption,
+            **m.reader_options.as_kwargs(),
         )
 
 

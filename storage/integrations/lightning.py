@@ -28,9 +28,9 @@ from extensions.base import Keys
 from extensions.errors import CheckpointStorageError
 from extensions.registry import ExtensionRegistry
 from storage.checkpoint import api
-from storage.checkpoint._common import resolve_location
 from storage.checkpoint.deletion import delete_checkpoint
 from storage.checkpoint.layout import is_committed
+from storage.checkpoint.options import resolve_location
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
 from storage.integrations import _tree
@@ -50,6 +50,7 @@ _WRITER_OPTIONS = frozenset(inspect.signature(CheckpointWriter.__init__).paramet
     "transforms",
     "storage_options",
     "filesystem",
+    "publish",  # Lightning's saves publish
 }
 
 
@@ -89,11 +90,7 @@ class StorageCheckpointIO(CheckpointIO):
             )
         self.storage_options = storage_options
         self.transforms = list(transforms or [])
-        self.read_options: dict[str, Any] = {
-            "keys": keys,
-            "registry": registry,
-            "require_encryption": require_encryption,
-        }
+        self.read_options = api.ReaderOptions(keys, registry, require_encryption)
         self.writer_options = writer_options
 
     def options_for(self, path: str) -> dict[str, Any] | None:
@@ -103,7 +100,7 @@ class StorageCheckpointIO(CheckpointIO):
 
     def reader_options(self, path: str) -> dict[str, Any]:
         """:class:`CheckpointReader` options for ``path`` with this plugin's settings."""
-        return {"storage_options": self.options_for(path), **self.read_options}
+        return {"storage_options": self.options_for(path), **self.read_options.as_kwargs()}
 
     def writer(self, path: str) -> CheckpointWriter:
         """A :class:`CheckpointWriter` for ``path`` with this plugin's settings."""

@@ -1,6 +1,7 @@
-"""Process-group plumbing for tiered checkpoints: which ranks share a node-local tier,
-which peer holds a rank's replica, collectives on a group of their own, and moving
-checkpoint files between node-local tiers over the process group.
+"""Process-group plumbing for the manager and its tiers: which ranks share a node-local
+tier, which peer holds a rank's replica, collectives on a group of their own, moving
+checkpoint files between node-local tiers over the process group, errors and decisions
+shared by every rank.
 
 Without a process group everything here degrades to one rank on one node.
 """
@@ -10,13 +11,15 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
+from extensions.errors import CheckpointStorageError
 from extensions.streams import readinto_exact
 from storage.backends.base import FileSystemBase
+from storage.checkpoint.commit import commit_may_have_landed, mark_may_have_landed
 
 _CHUNK = 16 << 20  # bytes per send: bounds the memory a transfer holds
 
@@ -157,11 +160,36 @@ def _recv_file(fs: FileSystemBase, path: str, src: int, pg: Any, *, sync: bool) 
 
 def gather_errors(group: Group, error: BaseException | None, what: str, *, pg: Any = None) -> None:
     """Raise on every rank if ``error`` was raised on any: this rank's own error, or a
-    ``RuntimeError`` naming the first failing rank's."""
+    ``RuntimeError`` naming the first failing rank's. A commit that may have landed on
+    some rank (``commit.commit_may_have_landed``) marks the error raised on every rank,
+    so that none removes its files."""
     text = None if error is None else f"{type(error).__name__}: {error}"
-    texts = group.all_gather(text, pg=pg)
+    gathered = group.all_gather((text, commit_may_have_landed(error)), pg=pg)
+    failed = [(r, t) for r, (t, _) in enumerate(gathered) if t is not None]
+    if error is None and failed:
+        error = RuntimeError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+    if error is None:
+        return
+    if any(landed for _, landed in gathered):
+        mark_may_have_landed(error)
+    raise error
+
+
+def decided_by_rank_zero(decide: Callable[[], int | None]) -> int | None:
+    """``decide()`` on rank 0, broadcast to every rank (just ``decide()`` without a
+    process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return decide()
+    choice: list[Any] = [None, None]  # the decision, or why rank 0 could not make it
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            choice[0] = decide()
+        except Exception as exc:  # the other ranks must not wait for an answer forever
+            error, choice[1] = exc, f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(choice, src=0)
     if error is not None:
         raise error
-    failed = [(r, t) for r, t in enumerate(texts) if t is not None]
-    if failed:
-        raise RuntimeError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+    if choice[1] is not None:
+        raise CheckpointStorageError(f"rank 0 could not pick the step to load: {choice[1]}")
+    return cast(int | None, choice[0])

@@ -1,38 +1,158 @@
-"""The drain's copy of one step from a local tier to the durable root.
+"""The drain: each step committed in a local tier copied to the durable root.
 
-Each rank copies its own data files from its node's tier (items keep their stored
-bytes; references to a base stay references where the root holds that base, see
-:func:`storage.ops.copy.copy_data_files`), pausing while a save of the same manager
-writes locally. Rank 0 publishes the root's metadata once every rank reports its files
-there, or removes them all when any rank failed, so the durable copy exists only whole.
+:class:`Drains` runs the passes of one local tier, one at a time in a thread of their
+own: each drains every step saved here or committed locally and not durable, oldest
+first, then prunes (the root's retention after each step, the local tier's after the
+pass). :func:`drain_step` copies one step: each rank copies its own data files from its
+node's tier (items keep their stored bytes; references to a base stay references where
+the root holds that base, see :func:`storage.ops.copy_data.copy_data_files`), pausing while a
+save of the same manager writes locally. Rank 0 publishes the root's metadata once every
+rank reports its files there, or removes them all when any rank failed, so the durable
+copy exists only whole.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Callable
+from typing import Any
 
 from extensions.errors import CheckpointNotFoundError
 from storage.checkpoint import persist
 from storage.checkpoint.commit import remove_quietly
-from storage.ops.copy import copy_data_files, publish_copy
-from storage.ops.tools import read_metadata
-
-if TYPE_CHECKING:
-    from storage.ops.tiers import LocalTier
+from storage.ops._peers import Group
+from storage.ops.copy import publish_copy
+from storage.ops.copy_data import copy_data_files
+from storage.ops.parts import read_metadata
+from storage.ops.steps import StepRoot
 
 log = logging.getLogger("storage.ops.tiers")  # one logger for everything tiers say
 
 
-def drain_step(tier: LocalTier, step: int) -> None:
-    """Copy ``step`` from ``tier`` to its manager's root; collective (on the drains'
-    group), raises on every rank if it failed on any, and commits nothing then."""
-    g, local, root = tier.group, tier.local, tier.manager
+class Drains:
+    """The drain passes of one local tier (see the module docstring).
+
+    ``writer_options``: the manager's (``overwrite``, ``thread_count``, ``persist``);
+    ``pace``: called before each read of the copy (it blocks while a save writes);
+    ``prune``: the local tier's retention, run before and after each pass;
+    ``on_durable(step)``: once ``step`` is durable (the root's retention). A failed
+    pass keeps its error for :meth:`take_error` / :meth:`raise_error`; the next pass
+    retries every step not durable yet. Passes are collective on ``group.drain_pg``:
+    every rank queues the same passes (one per save, one at start, one per load)."""
+
+    def __init__(
+        self,
+        group: Group,
+        local: StepRoot,
+        root: StepRoot,
+        *,
+        writer_options: dict[str, Any],
+        pace: Callable[[], None],
+        prune: Callable[[], None],
+        on_durable: Callable[[int], None],
+    ) -> None:
+        self.group, self.local, self.root = group, local, root
+        self.writer_options = writer_options
+        self.pace, self.prune, self.on_durable = pace, prune, on_durable
+        self.last_error: str | None = None  # kept after it is taken, for messages
+        self._lock = threading.Lock()
+        self._pending: set[int] = set()  # saved here, not drained yet
+        self._error: BaseException | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-drain")
+        self._last: concurrent.futures.Future[None] | None = None
+
+    def pending(self) -> set[int]:
+        """Steps saved here whose drain has not landed yet."""
+        with self._lock:
+            return set(self._pending)
+
+    def add(self, step: int) -> None:
+        """``step`` was committed locally by this manager: drain it."""
+        with self._lock:
+            self._pending.add(step)
+
+    def discard(self, step: int) -> None:
+        with self._lock:
+            self._pending.discard(step)
+
+    def schedule(self) -> None:
+        """Queue a pass (every rank queues the same ones: their collectives pair up)."""
+        with self._lock:
+            self._last = self._pool.submit(self._pass)
+
+    def wait(self) -> None:
+        """Wait until every queued pass has finished."""
+        with self._lock:
+            last = self._last
+        if last is not None:
+            concurrent.futures.wait([last])
+
+    def take_error(self) -> BaseException | None:
+        """The error of a pass that failed since the last call (then forgotten)."""
+        with self._lock:
+            error, self._error = self._error, None
+        return error
+
+    def raise_error(self) -> None:
+        """Raise :meth:`take_error`'s error, if any."""
+        error = self.take_error()
+        if error is not None:
+            raise error
+
+    def _pass(self) -> None:
+        g = self.group
+        self.prune()
+        try:
+            while True:
+                mine = self.pending()
+                linked = set(self.local.linked_steps())
+                mine |= {
+                    s
+                    for s in self.local.steps()
+                    if s not in linked and not self.root.is_committed(s)
+                }
+                views = g.all_gather(sorted(mine), pg=g.drain_pg)
+                common = sorted(set.intersection(*(set(v) for v in views)))
+                if not common:
+                    return
+                drain_step(
+                    g,
+                    self.local,
+                    self.root,
+                    common[0],
+                    writer_options=self.writer_options,
+                    pace=self.pace,
+                )
+                self.last_error = None
+                self.discard(common[0])
+                self.on_durable(common[0])
+                self.prune()
+        except Exception as exc:
+            log.error(
+                "draining %s to %s failed (it stays local): %s", self.local.url, self.root.url, exc
+            )
+            with self._lock:
+                self._error, self.last_error = exc, _text(exc)
+
+
+def drain_step(
+    g: Group,
+    local: StepRoot,
+    root: StepRoot,
+    step: int,
+    *,
+    writer_options: dict[str, Any],
+    pace: Callable[[], None],
+) -> None:
+    """Copy ``step`` from ``local`` to ``root``; collective (on the drains' group),
+    raises on every rank if it failed on any, and commits nothing then."""
     fs = root.fs
     src, dst = local.step_path(step), root.step_path(step)
     copied, error, part = None, None, None
     try:
-        parts = read_metadata(local.fs, src, opened=tier._model(step))
+        parts = read_metadata(local.fs, src, opened=local.model(step))
         if len(parts) != 1:  # the manager saves with collectives: one .metadata
             raise CheckpointNotFoundError(
                 f"{local.step_url(step)} is committed by rank-local metadata "
@@ -41,7 +161,7 @@ def drain_step(tier: LocalTier, step: int) -> None:
             )
         part = parts[0]
         copied = persist.run(
-            persist.mode_for(root.writer_options, local.fs, fs),
+            persist.mode_for(writer_options, local.fs, fs),
             copy_data_files,
             local.fs,
             src,
@@ -49,8 +169,8 @@ def drain_step(tier: LocalTier, step: int) -> None:
             dst,
             part,
             ranks=None if g.world == 1 else {g.rank},
-            thread_count=root.writer_options.get("thread_count"),
-            pace=tier.pause,
+            thread_count=writer_options.get("thread_count"),
+            pace=pace,
             keep_references=True,
         )
     except Exception as exc:
@@ -64,7 +184,7 @@ def drain_step(tier: LocalTier, step: int) -> None:
         else:
             assert part is not None
             try:
-                overwrite = bool(root.writer_options.get("overwrite", True))
+                overwrite = bool(writer_options.get("overwrite", True))
                 publish_copy(fs, dst, part, copies, overwrite=overwrite)
             except Exception as exc:
                 error, outcome = exc, _text(exc)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from storage.checkpoint.deadline import DeadlineExceededError
 
 if TYPE_CHECKING:
-    from storage.ops.manager import CheckpointManager
+    from storage.ops.tiers import LocalTier
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class PreemptionGuard:
-    """Saves ``state_fn()`` to a tiered manager's local tier when one of ``signals``
+    """Saves ``state_fn()`` to ``tier``, a manager's local tier, when one of ``signals``
     arrives, at the next step boundary the loop marks with :meth:`should_stop` (see the
     module docstring). Create it with :meth:`CheckpointManager.save_on_signal`.
 
@@ -73,7 +73,7 @@ class PreemptionGuard:
 
     def __init__(
         self,
-        manager: CheckpointManager,
+        tier: LocalTier,
         state_fn: Callable[[], dict[str, Any]],
         *,
         signals: Iterable[int] = (signal.SIGTERM,),
@@ -81,19 +81,13 @@ class PreemptionGuard:
         every: int = 1,
         chain: bool = False,
     ) -> None:
-        if manager.tiers is None:
-            raise ValueError(
-                f"save_on_signal needs a tiered manager: CheckpointManager({manager.url!r}, "
-                "local=FAST_LOCAL_PATH); a save to the root alone does not promise to fit "
-                "a preemption's grace period"
-            )
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0:
             raise ValueError(f"grace must be a number of seconds > 0, got {grace!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an int >= 1, got {every!r}")
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("save_on_signal must be called from the main thread (signals)")
-        self.manager, self.state_fn = manager, state_fn
+        self.tier, self.state_fn = tier, state_fn
         self.grace, self.every, self.chain = float(grace), every, chain
         self.saved: int | None = None
         self.error: BaseException | None = None
@@ -165,8 +159,8 @@ class PreemptionGuard:
         return oldest if seen else None
 
     def _save(self, step: int) -> None:
-        tier = self.manager.tiers
-        assert tier is not None and self._deadline is not None
+        tier = self.tier
+        assert self._deadline is not None
         started = time.monotonic()
         try:
             if not self._left():  # the step boundary came too late: write nothing
@@ -194,7 +188,7 @@ class PreemptionGuard:
                 step,
                 tier.local.url,
                 time.monotonic() - started,
-                self.manager.url,
+                tier.root.url,
             )
         except Exception as exc:
             self.error = exc
@@ -212,8 +206,7 @@ class PreemptionGuard:
         Call it before tearing down the process group: the drain's collectives use it."""
         if self.saved is None:
             return False
-        tier = self.manager.tiers
-        assert tier is not None
+        tier = self.tier
         errors: list[BaseException] = []
 
         def wait() -> None:

@@ -1,5 +1,5 @@
-"""Retention and cleanup of a :class:`~storage.ops.manager.CheckpointManager`'s steps:
-what is deleted, in which order, and what is kept and why.
+"""Retention and cleanup of the steps under one :class:`~storage.ops.steps.StepRoot`
+(a manager's root): what is deleted, in which order, and what is kept and why.
 
 Deletion trusts only what is ours (docs/format.md, "What deletion trusts"): a step
 directory named exactly ``step-<N>`` and not a symbolic link, the data files its
@@ -13,12 +13,14 @@ so while one is kept, every step is.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
 
-from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
-from storage.checkpoint import format as fmt
+import torch.distributed as dist
+
+from extensions.errors import CheckpointInUseError, CheckpointNotFoundError, UnsafeCheckpointError
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.committed import Siblings
 from storage.checkpoint.deletion import delete_checkpoint, remove_leftovers
@@ -30,20 +32,41 @@ from storage.checkpoint.layout import (
     parse_step,
 )
 from storage.checkpoint.prefixes import expand, is_linked, is_prefix
-
-if TYPE_CHECKING:
-    from storage.ops.manager import CheckpointManager
+from storage.ops.steps import StepRoot
 
 log = logging.getLogger("storage.ops.manager")
+tier_log = logging.getLogger("storage.ops.tiers")  # one logger for everything tiers say
 
 
 class Retention:
-    """The deleting half of one manager (``manager.retention``); the manager's public
+    """What is deleted under ``root`` (a manager's ``retention``; the manager's public
     :meth:`~CheckpointManager.delete`, :meth:`~CheckpointManager.apply_retention`,
-    :meth:`~CheckpointManager.cleanup` and friends delegate here."""
+    :meth:`~CheckpointManager.cleanup` and friends delegate here).
 
-    def __init__(self, manager: CheckpointManager) -> None:
-        self.m = manager
+    ``keep_last=N`` keeps the ``N`` newest committed steps, ``keep_every=K`` also every
+    step divisible by ``K`` (``keep_last=None``: nothing is pruned); the save in flight
+    at ``root`` (``root.in_flight``) and its base are always kept. ``coordinator``: whether
+    this process deletes (default: rank 0 under a process group, see :meth:`may_delete`)."""
+
+    def __init__(
+        self,
+        root: StepRoot,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        coordinator: bool | None = None,
+    ) -> None:
+        self.root = root
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.coordinator = coordinator
+
+    def may_delete(self) -> bool:
+        """Whether this process deletes: rank 0 under a process group, unless
+        ``coordinator`` says otherwise."""
+        if self.coordinator is not None:
+            return self.coordinator
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
     def delete(self, step: int, siblings: Siblings | None = None) -> None:
         """Delete ``root/step-{step}``: its metadata first, then the data files that
@@ -53,27 +76,27 @@ class Retention:
         linked prefix directory, :class:`CheckpointInUseError` for one that a step
         references or that an unreadable step might. ``siblings``: the steps as this
         pass read them."""
-        path = self.m.step_path(step)
+        path = self.root.step_path(step)
         name = f"{STEP_PREFIX}{step}"
         siblings = siblings or self._siblings()
         try:
             siblings.refuse_if_referenced(name)
-            delete_checkpoint(self.m.fs, path, siblings.open(name))
+            delete_checkpoint(self.root.fs, path, siblings.open(name))
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.m.fs.url(path)} does not exist") from None
+            raise CheckpointNotFoundError(f"{self.root.fs.url(path)} does not exist") from None
         siblings.forget(name)
 
     def _siblings(self) -> Siblings:
-        return Siblings(self.m.fs, self.m.root, self.m.models)
+        return Siblings(self.root.fs, self.root.path, self.root.models)
 
     def retained(self, steps: Sequence[int], protect: int | None = None) -> set[int]:
         """Which of ``steps`` the retention policy keeps."""
-        if self.m.keep_last is None:
+        if self.keep_last is None:
             return set(steps)
         ordered = sorted(steps)
-        keep = set(ordered[-self.m.keep_last :])
-        if self.m.keep_every is not None:
-            keep |= {s for s in ordered if s % self.m.keep_every == 0}
+        keep = set(ordered[-self.keep_last :])
+        if self.keep_every is not None:
+            keep |= {s for s in ordered if s % self.keep_every == 0}
         if protect is not None:
             keep.add(protect)
         return keep
@@ -83,12 +106,10 @@ class Retention:
 
         Uncommitted directories are :meth:`cleanup`'s business and are not touched;
         steps that are symbolic links are kept (and logged)."""
-        if self.m.keep_last is None or not self.m.may_delete():
+        if self.keep_last is None or not self.may_delete():
             return []
-        steps = self.m.durable_steps()
-        with self.m._lock:
-            in_flight = {s for s in (self.m._saving, self.m._saving_base) if s is not None}
-        keep = self.retained(steps, protect) | in_flight
+        steps = self.root.steps()
+        keep = self.retained(steps, protect) | self.root.in_flight.held()
         keep |= self._skip_linked(s for s in steps if s not in keep)
         siblings = self._siblings()
         if any(s not in keep for s in steps):
@@ -99,16 +120,27 @@ class Retention:
                 try:
                     self.delete(step, siblings)
                 except UnsafeCheckpointError as exc:  # referenced from outside, or linked
-                    log.warning("kept %s: %s", self.m.step_url(step), exc)
+                    log.warning("kept %s: %s", self.root.step_url(step), exc)
                     doomed.remove(step)
         return doomed
+
+    def after_save(self, step: int) -> None:
+        """:meth:`apply` once ``step`` is committed, keeping it: a failure is logged,
+        never raised (the save is committed; failing to prune must not undo that)."""
+        try:
+            removed = self.apply(protect=step)
+        except Exception as exc:
+            log.warning("retention after saving %s failed: %s", self.root.step_url(step), exc)
+        else:
+            if removed:
+                log.info("retention removed steps %s under %s", removed, self.root.url)
 
     def referenced_by(self) -> dict[int, list[int]]:
         """For each step whose bytes committed steps reference (incremental saves):
         those steps, ascending."""
         siblings = self._siblings()
         users: dict[int, list[int]] = {}
-        for step in self.m.steps():
+        for step in self.root.steps():
             for name in siblings.open(f"{STEP_PREFIX}{step}").references():
                 base = parse_step(name)
                 if base is not None:
@@ -128,7 +160,7 @@ class Retention:
                 log.warning(
                     "kept every step under %s: the metadata of %s cannot be read (%s), so "
                     "it may reference any of them; repair or delete it",
-                    self.m.url,
+                    self.root.url,
                     checkpoint.name,
                     checkpoint.why_unreadable(),
                 )
@@ -137,7 +169,7 @@ class Retention:
                 base = parse_step(name)
                 if base is not None and base not in keep and base not in found:
                     log.info(
-                        "kept %s: %s references its bytes", self.m.step_url(base), f"step-{step}"
+                        "kept %s: %s references its bytes", self.root.step_url(base), f"step-{step}"
                     )
                     found.add(base)
                     frontier.append(base)
@@ -153,21 +185,20 @@ class Retention:
         removed whole."""
         if not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
             raise ValueError(f"grace_seconds must be a number >= 0, got {grace_seconds!r}")
-        if not self.m.may_delete():
+        if not self.may_delete():
             return []
         horizon = time.time() - grace_seconds
         removed = []
-        dirs = self.m._step_dirs()
+        dirs = self.root.step_dirs()
         linked = self._skip_linked(s for s, _ in dirs)
         for step, name in dirs:
-            with self.m._lock:
-                if step == self.m._saving or step in linked:
-                    continue
-            path = self.m.fs.concat_path(self.m.root, name)
+            if step == self.root.in_flight.step or step in linked:
+                continue
+            path = self.root.fs.concat_path(self.root.path, name)
             stale = self._stale_leftover(path, horizon)
             if stale is not None:
                 if not dry_run:
-                    remove_leftovers(self.m.fs, path, stale)
+                    remove_leftovers(self.root.fs, path, stale)
                 removed.append(step)
             elif not dry_run:
                 self._remove_orphans(path, horizon)
@@ -175,39 +206,38 @@ class Retention:
 
     def _remove_orphans(self, path: str, horizon: float) -> None:
         try:
-            names = expand(self.m.fs, path)  # never into a linked prefix directory
+            names = expand(self.root.fs, path)  # never into a linked prefix directory
         except (FileNotFoundError, NotADirectoryError):
             return
         if fmt.METADATA_NAME not in names or any(
             is_metadata_name(n) and n != fmt.METADATA_NAME for n in names
         ):
             return  # rank-local metadata: which files are whose is not ours to guess
-        checkpoint = self.m.models.open(self.m.fs, path)
+        checkpoint = self.root.models.open(self.root.fs, path)
         referenced = checkpoint.data_files()
         if not checkpoint.readable or not referenced:
             return  # unreadable metadata: touch nothing
         for name in names:
             if not is_data_file_name(name) or name in referenced:
                 continue
-            file_path = self.m.fs.concat_path(path, name)
+            file_path = self.root.fs.concat_path(path, name)
             try:
-                mtime = self.m.fs.modified(file_path)
+                mtime = self.root.fs.modified(file_path)
             except FileNotFoundError:
                 continue
             if mtime is not None and mtime < horizon:
                 log.info("%s: removing %s, which its metadata does not name", path, name)
-                remove_quietly(self.m.fs, [file_path])
+                remove_quietly(self.root.fs, [file_path])
 
-    def _skip_linked(self, steps: Any) -> set[int]:
+    def _skip_linked(self, steps: Iterable[int]) -> set[int]:
         """Those of ``steps`` that are symbolic links, each logged as kept."""
         linked = set()
         for step in steps:
-            path = self.m.fs.concat_path(self.m.root, f"{STEP_PREFIX}{step}")
-            if self.m.fs.is_link(path):
+            if self.root.is_link(step):
                 log.warning(
                     "%s is a symbolic link to a checkpoint elsewhere: kept, never deleted "
                     "through the link",
-                    self.m.fs.url(path),
+                    self.root.step_url(step),
                 )
                 linked.add(step)
         return linked
@@ -216,26 +246,115 @@ class Retention:
         """The names in ``path`` if it is an uncommitted directory of checkpoint files
         all older than ``horizon``, else ``None``."""
         try:
-            names = expand(self.m.fs, path)
+            names = expand(self.root.fs, path)
         except (FileNotFoundError, NotADirectoryError):
             return None
         if any(is_metadata_name(n) for n in names):
             return None
-        linked = [n for n in names if is_prefix(n) and is_linked(self.m.fs, path, n)]
+        linked = [n for n in names if is_prefix(n) and is_linked(self.root.fs, path, n)]
         if linked:
             log.warning(
                 "%s: not cleaned up: %s is a symbolic link, never followed",
-                self.m.fs.url(path),
+                self.root.fs.url(path),
                 ", ".join(linked),
             )
             return None
         if not all(is_checkpoint_file_name(n) for n in names):
-            log.info("%s: not cleaned up, it holds files that are not ours", self.m.fs.url(path))
+            log.info("%s: not cleaned up, it holds files that are not ours", self.root.fs.url(path))
             return None
         try:
-            times = [self.m.fs.modified(self.m.fs.concat_path(path, n)) for n in names] or [
-                self.m.fs.modified(path)
+            times = [self.root.fs.modified(self.root.fs.concat_path(path, n)) for n in names] or [
+                self.root.fs.modified(path)
             ]
         except FileNotFoundError:
             return None
         return names if all(t is not None and t < horizon for t in times) else None
+
+
+class LocalRetention:
+    """``keep_local``: which committed steps a node's local tier deletes, and when.
+
+    Only the node's leader (``leader``) deletes. A local step goes only once durable
+    (``durable(step)``: the root holds it committed), never while it waits for its
+    drain (``pending()``), is being written or is the base of the save in flight
+    (``local.in_flight``), never while a step kept here references it, and never
+    through a symbolic link (linked steps are someone else's: not counted either).
+    ``lock`` is held by a save from choosing its base until it marks it in flight, so
+    no pruning runs in between."""
+
+    def __init__(
+        self,
+        local: StepRoot,
+        keep_local: int | None,
+        *,
+        leader: bool,
+        durable: Callable[[int], bool],
+        pending: Callable[[], set[int]],
+    ) -> None:
+        self.local = local
+        self.keep_local = keep_local
+        self.leader = leader
+        self.durable = durable
+        self.pending = pending
+        self.deleting = Retention(local, coordinator=leader)  # deletes, prunes nothing itself
+        self.lock = threading.Lock()
+
+    def references(self, step: int) -> set[int]:
+        """The local steps whose bytes local ``step`` references (incremental saves), as
+        far as its metadata can be read (deleting a local step is refused while one
+        beside it cannot be read: ``committed.Siblings``)."""
+        names = self.local.model(step).references()
+        return {b for b in map(parse_step, names) if b is not None}
+
+    def restorable(self, exclude: int) -> list[int]:
+        """The committed local steps besides ``exclude`` that count against
+        ``keep_local``: not linked, and not a durable step kept only because a step
+        here references it."""
+        linked = set(self.local.linked_steps())
+        steps = [s for s in self.local.steps() if s != exclude and s not in linked]
+        based = {b for s in steps for b in self.references(s)}
+        return [s for s in steps if s not in based or not self.durable_quietly(s)]
+
+    def durable_quietly(self, step: int) -> bool:
+        try:
+            return self.durable(step)
+        except Exception:  # the root cannot say: not durable as far as we know
+            return False
+
+    def prune(self, exclude: int | None = None) -> None:
+        """Delete the oldest local steps beyond ``keep_local`` that may go (see the
+        class), besides ``exclude``. Leaders only; never raises: a step that cannot be
+        deleted is logged and kept."""
+        if self.keep_local is None or not self.leader:
+            return
+        with self.lock:
+            try:
+                for s in self._doomed(exclude):
+                    try:
+                        self.deleting.delete(s)
+                    except CheckpointInUseError as exc:
+                        tier_log.info("local step %d kept: %s", s, exc)
+                    except Exception as exc:  # the next one may still go
+                        tier_log.warning("local step %d could not be deleted: %s", s, exc)
+            except Exception as exc:
+                tier_log.warning("local retention under %s failed: %s", self.local.url, exc)
+
+    def _doomed(self, exclude: int | None) -> list[int]:
+        """What :meth:`prune` deletes, newest first (a step before the bases it uses)."""
+        assert self.keep_local is not None
+        in_flight = self.local.in_flight
+        busy = in_flight.held() | ({exclude} if exclude is not None else set())
+        skip = {in_flight.step, exclude} | set(self.local.linked_steps())
+        ordered = [s for s in self.local.steps() if s not in skip]
+        keep = set(ordered[-self.keep_local :]) | busy | self.pending()
+        for s in ordered:
+            if s not in keep and not self.durable(s):
+                tier_log.info("local step %d is not durable yet: kept", s)
+                keep.add(s)
+        frontier = sorted(keep)
+        while frontier:  # bases of bases: references are one hop, but be sure
+            for b in self.references(frontier.pop()):
+                if b not in keep:
+                    keep.add(b)
+                    frontier.append(b)
+        return [s for s in reversed(ordered) if s not in keep]

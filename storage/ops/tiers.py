@@ -10,113 +10,107 @@ Local tiers are per node: the ranks on one host that name the same local locatio
 share it. A save writes each rank's data files to its node's tier; once every rank's
 files (and, with ``replicate``, the replicas it receives from its peers) are there,
 the lowest rank of each node publishes the metadata there, and only then does the save
-count as committed. Drains run one at a time, in a thread of their own, with
-collectives on a process group of their own; loads are planned and run in
-:mod:`storage.ops.restore`. Guarantees and limits: docs/operations.md ("Tiered
-checkpoints").
+count as committed (:mod:`storage.ops.local_save`). Drains run one at a time, in a
+thread of their own, with collectives on a process group of their own; loads are
+planned and run in :mod:`storage.ops.restore`; ``keep_local`` is
+:class:`storage.ops.retention.LocalRetention`. Guarantees and limits: docs/operations.md
+("Tiered checkpoints").
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint.storage import WriteResult
 
-from extensions.errors import CheckpointInUseError, TierFullError
-from storage.checkpoint import api, incremental, persist
-from storage.checkpoint import format as fmt
-from storage.checkpoint._common import resolve_location
-from storage.checkpoint.commit import publish_metadata
-from storage.checkpoint.committed import CommittedCheckpoint
-from storage.checkpoint.deadline import DeadlineExceededError
-from storage.checkpoint.layout import StepInfo, is_committed, parse_step
+from extensions.errors import TierFullError
+from storage.checkpoint import persist
+from storage.checkpoint.api import ReaderOptions
+from storage.checkpoint.layout import StepInfo
+from storage.checkpoint.options import resolve_location
 from storage.checkpoint.writer import CheckpointWriter
-from storage.ops import restore
-from storage.ops._peers import Group, Move, gather_errors, make_group, transfer
-from storage.ops.drain import drain_step
-from storage.ops.manager import CheckpointManager
-from storage.ops.restore import DURABLE, LOCAL, LoadedStep
+from storage.ops import local_save, restore
+from storage.ops._peers import Group, make_group
+from storage.ops.drain import Drains
+from storage.ops.restore import LoadedStep
+from storage.ops.restore_plan import DURABLE, LOCAL
+from storage.ops.retention import LocalRetention
+from storage.ops.steps import StepRoot
 
 log = logging.getLogger(__name__)
 
 
-class _TierWriter(CheckpointWriter):
-    """Writes a save's data files and keeps its metadata instead of publishing it: the
-    coordinator's node-local tier does not hold the other nodes' files, so each node
-    publishes its own copy once its files are there."""
-
-    payload: bytes | None = None
-    finished: Metadata | None = None  # what ``payload`` holds, unpickled
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self.payload = self.metadata_payload(metadata, results)
-        self.finished = metadata
-
-
 class LocalTier:
-    """The local tier of a :class:`CheckpointManager` (see the module docstring)."""
+    """The local tier in front of ``root`` (a manager's ``tiers``; see the module
+    docstring). ``transforms``, ``writer_options``, ``incremental`` and ``full_every``
+    are the manager's save settings, ``reader`` its reader options; ``on_durable(step)``
+    runs once a drained step is durable (the root's retention). Collective under a
+    process group: it makes the groups its saves and drains run on."""
 
     def __init__(
         self,
-        manager: CheckpointManager,
+        root: StepRoot,
         local: str | os.PathLike[str],
         *,
+        transforms: list[Any],
+        writer_options: dict[str, Any],
+        incremental: bool,
+        full_every: int | None,
+        reader: ReaderOptions,
         keep_local: int | None,
         replicate: bool | Callable[[int], int],
         storage_options: dict[str, Any] | None,
         filesystem: Any,
+        on_durable: Callable[[int], None],
     ) -> None:
-        if keep_local is not None and (
-            not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 1
-        ):
-            raise ValueError(f"keep_local must be an int >= 1 or None, got {keep_local!r}")
-        self.manager = manager
-        self.keep_local = keep_local
-        fs, root = resolve_location(local, storage_options, filesystem)
-        self.group: Group = make_group(fs.url(root), replicate, own_pg=True)
-        self.local = CheckpointManager(
-            root,
-            filesystem=fs,
-            coordinator=self.group.leader,
-            transforms=manager.transforms,
-            keys=manager.keys,
-            registry=manager.registry,
-            require_encryption=manager.require_encryption,
-            **manager.writer_options,
+        self.root = root
+        self.local = StepRoot(*resolve_location(local, storage_options, filesystem))
+        self.group: Group = make_group(self.local.url, replicate, own_pg=True)
+        if self.local.url.rstrip("/") == root.url.rstrip("/"):
+            raise ValueError(f"the local tier and the root are both {root.url}")
+        self.retention = LocalRetention(
+            self.local,
+            keep_local,
+            leader=self.group.leader,
+            durable=root.is_committed,
+            pending=self.pending,
         )
-        if self.local.url.rstrip("/") == manager.url.rstrip("/"):
-            raise ValueError(f"the local tier and the root are both {manager.url}")
+        self.transforms, self.writer_options = transforms, writer_options
+        self.incremental, self.full_every, self.reader = incremental, full_every, reader
         self.replicated_bytes = 0  # bytes this rank sent to its peer
         self.restored_bytes = 0  # bytes this rank sent to restore other nodes' files (loads)
         self.last_commit: int | None = None  # the step this manager committed locally last
         self._lock = threading.Lock()
-        self._retain_lock = threading.Lock()
-        self._pending: set[int] = set()  # saved by this manager, not drained yet
-        self._error: BaseException | None = None
-        self._last_error: str | None = None  # kept after it is surfaced, for messages
-        self._drains = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-drain")
-        self._last: concurrent.futures.Future[None] | None = None
         self._saves = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-tier-save")
+        self._committing: concurrent.futures.Future[None] | None = None
         # Cleared while a save writes to the local tier: the drain's copy waits on it, so
         # the foreground save gets the disk and the cores (docs/benchmarks.md).
         self._idle = threading.Event()
         self._idle.set()
-        self._committing: concurrent.futures.Future[None] | None = None
-        self._schedule()  # after a restart: drain what is local but not durable
+        self.drains = Drains(
+            self.group,
+            self.local,
+            root,
+            writer_options=writer_options,
+            pace=self.pause,
+            prune=self.retention.prune,
+            on_durable=on_durable,
+        )
+        self.drains.schedule()  # after a restart: drain what is local but not durable
 
     # --- listing --------------------------------------------------------------------
 
+    @property
+    def keep_local(self) -> int | None:
+        return self.retention.keep_local
+
     def durable(self, step: int) -> bool:
-        return is_committed(self.manager.fs, self.manager.step_path(step))
+        return self.root.is_committed(step)
 
     def linked(self) -> set[int]:
         """Local steps whose directory is a symbolic link: someone else's checkpoints,
@@ -126,12 +120,15 @@ class LocalTier:
 
     def pending(self) -> set[int]:
         """Steps this manager saved whose drain has not landed yet."""
-        with self._lock:
-            return set(self._pending)
+        return self.drains.pending()
+
+    def references(self, step: int) -> set[int]:
+        """The local steps whose bytes local ``step`` references (incremental saves)."""
+        return self.retention.references(step)
 
     def tiers_by_step(self) -> dict[int, tuple[str, ...]]:
         """Committed steps (this node's local tier and the root) and the tiers holding each."""
-        local, durable = set(self.local.steps()), set(self.manager.durable_steps())
+        local, durable = set(self.local.steps()), set(self.root.steps())
         return {
             s: tuple(t for t, held in ((LOCAL, s in local), (DURABLE, s in durable)) if held)
             for s in sorted(local | durable)
@@ -163,13 +160,12 @@ class LocalTier:
         save in flight)."""
         self.finish_commit()
         if not blocking:
-            self._surface()
+            self.drains.raise_error()
         self._make_room(step)
         writer = self._start(step, None)
         if blocking:
             self._commit(step, writer, state_dict, None)
-            with self._lock:
-                earlier, self._error = self._error, None  # before this step's drain can fail
+            earlier = self.drains.take_error()  # before this step's drain can fail
             if earlier is not None:
                 raise earlier
             return None
@@ -218,25 +214,6 @@ class LocalTier:
             self._committing = future
         return future
 
-    def _start(self, step: int, pg: Any) -> _TierWriter:
-        """Choose the base (collective on ``pg``), mark ``step`` as being written and
-        return its writer."""
-        with self._retain_lock:  # the base chosen is protected before retention can run
-            base = self._base_for(step, pg)
-            self._begin(step, base)
-        try:
-            return _TierWriter(
-                self.local.fs.url(self.local.step_path(step)),
-                transforms=self.manager.transforms,
-                filesystem=self.local.fs,
-                fingerprint=self.manager.incremental,
-                base=None if base is None else self._model(base),
-                **self.manager.writer_options,
-            )
-        except BaseException:
-            self._end()
-            raise
-
     def finish_commit(self, timeout: float | None = None) -> bool:
         """Wait for the local commit of an asynchronous save in flight, if any (its
         error goes to that save's future, not to the caller), at most ``timeout``
@@ -252,125 +229,75 @@ class LocalTier:
                     self._committing = None
         return True
 
-    def _base_for(self, step: int, pg: Any = None) -> int | None:
-        """The base of an incremental save of ``step``: the newest step below it that is
-        committed in every node's local tier (a reference is resolved in the tier that
-        holds the referencing step) and not a symbolic link there (a reference names the
-        step that holds the bytes, never a link to it), unless ``full_every`` asks for a
-        full save. Collective on ``pg``."""
-        if not self.manager.incremental:
-            return None
-        linked = self.linked()
-        views = self.group.all_gather(
-            [s for s in self.local.steps() if s < step and s not in linked], pg=pg
-        )
-        common = set.intersection(*(set(v) for v in views))
-        if not common:
-            return None
-        base = max(common)
-        chain = self._model(base).chain
-        full_every = self.manager.full_every
-        return None if full_every is not None and chain + 1 >= full_every else base
-
     def pause(self) -> None:
         """Block while a save of this manager writes to the local tier (the drain's
         copy calls this between reads, so the save gets the disk and the cores)."""
         self._idle.wait()
 
-    def _begin(self, step: int, base: int | None) -> None:
-        with self.local._lock:  # the local tier's retention and cleanup keep their hands off
-            self.local._saving, self.local._saving_base = step, base
+    def _start(self, step: int, pg: Any) -> CheckpointWriter:
+        """Choose the base (collective on ``pg``), mark ``step`` as being written and
+        return its writer."""
+        with self.retention.lock:  # the base chosen is protected before retention can run
+            base = local_save.base_for(
+                self.group,
+                self.local,
+                step,
+                incremental=self.incremental,
+                full_every=self.full_every,
+                pg=pg,
+            )
+            self.local.in_flight.begin(step, base)  # local retention leaves both alone
         self._idle.clear()  # after _make_room, which may wait for the drain
         persist.worker().foreground(True)  # a drain copying in the worker pauses too
+        try:
+            return CheckpointWriter(
+                self.local.step_url(step),
+                transforms=self.transforms,
+                filesystem=self.local.fs,
+                fingerprint=self.incremental,
+                base=None if base is None else self.local.model(base),
+                publish=False,  # each node publishes its own copy: local_save
+                **self.writer_options,
+            )
+        except BaseException:
+            self._end()
+            raise
 
     def _end(self) -> None:
-        with self.local._lock:
-            self.local._saving, self.local._saving_base = None, None
+        self.local.in_flight.end()
         self._idle.set()
         persist.worker().foreground(False)
 
     def _commit(
         self,
         step: int,
-        writer: _TierWriter,
+        writer: CheckpointWriter,
         state_dict: dict[str, Any],
         pg: Any,
         deadline: float | None = None,
     ) -> None:
-        """Write, replicate and commit ``step`` in the local tier (collective on ``pg``;
-        nothing is published if a rank is past ``deadline`` by then), then queue its
-        drain."""
-        g = self.group
-        path = self.local.step_path(step)
+        """:func:`local_save.commit_step`, then queue the drain."""
         try:
-            try:
-                api.save_with(writer, state_dict, process_group=pg)
-            except OSError as exc:
-                full = _full_or(exc, self.local.url)
-                if full is exc:
-                    raise
-                raise full from exc
-            payload = g.broadcast(writer.payload, pg=pg)
-            assert payload is not None
-            # The coordinator wrote it: no need to unpickle what it holds already.
-            meta = writer.finished or fmt.load_metadata(payload, self.local.fs.url(path))
-            error: BaseException | None = None
-            try:
-                self._replicate(path, meta, pg)
-                if deadline is not None and time.monotonic() > deadline:
-                    raise DeadlineExceededError(
-                        f"step {step} was not ready to commit in {self.local.url} before "
-                        "its deadline; nothing is published"
-                    )
-            except Exception as exc:
-                error = exc
-            gather_errors(g, error, f"writing and replicating step {step}", pg=pg)
-            if g.leader:
-                try:
-                    self._publish_local(path, payload, meta)
-                except Exception as exc:
-                    error = _full_or(exc, self.local.url)
-            gather_errors(g, error, f"committing step {step} in the local tier", pg=pg)
-        except BaseException:
-            writer.abort()
-            raise
+            local_save.commit_step(
+                self.group,
+                self.local,
+                step,
+                writer,
+                state_dict,
+                pg=pg,
+                sent=self._count_replicated,
+                deadline=deadline,
+            )
         finally:
             writer.close()
             self._end()
+        self.drains.add(step)
         with self._lock:
-            self._pending.add(step)
             self.last_commit = step
-        self._schedule()  # which prunes the local tier first, off the save's path
+        self.drains.schedule()  # which prunes the local tier first, off the save's path
 
-    def _publish_local(self, path: str, payload: bytes, meta: Metadata) -> None:
-        g = self.group
-        here = set(g.node) | {r for r in range(g.world) if g.peer.get(r) in g.node}
-        infos = list((meta.storage_data or {}).values())
-        incremental.check_referenced_files(self.local.fs, path, infos)
-        named = {i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)}
-        publish_metadata(
-            self.local.fs,
-            path,
-            self.local.fs.concat_path(path, fmt.METADATA_NAME),
-            payload,
-            new_files={n for n in named if fmt.file_rank(n) in here},
-            overwrite=bool(self.manager.writer_options.get("overwrite", True)),
-            sync=bool(self.manager.writer_options.get("sync_files", True)),
-        )
-        self.local.models.remember(self.local.fs, path, meta)
-
-    def _replicate(self, path: str, meta: Metadata, pg: Any) -> None:
-        g = self.group
-        if not any(p is not None for p in g.peer.values()):
-            return
-        infos = (meta.storage_data or {}).values()  # a referenced item's file is the base's
-        names = sorted({i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)})
-        moves: list[Move] = []
-        for rank, peer in sorted(g.peer.items()):
-            if peer is not None and g.node_of(peer) != g.node_of(rank):
-                moves.append((rank, peer, [n for n in names if fmt.file_rank(n) == rank]))
-        sync = bool(self.manager.writer_options.get("sync_files", True))
-        self.replicated_bytes += transfer(g, moves, self.local.fs, path, sync=sync, pg=pg)
+    def _count_replicated(self, sent: int) -> None:
+        self.replicated_bytes += sent
 
     # --- retention --------------------------------------------------------------------
 
@@ -382,7 +309,7 @@ class LocalTier:
         over. Collective: every rank takes the same path."""
         if self.keep_local is None:
             return
-        self._retain_local(exclude=step)
+        self.retention.prune(exclude=step)
         if self._fullest(step) is None:
             return
         log.warning(
@@ -392,15 +319,14 @@ class LocalTier:
             self.keep_local,
             step,
         )
-        self._schedule()
-        self._wait_drains()
-        self._retain_local(exclude=step)
+        self.drains.schedule()
+        self.drains.wait()
+        self.retention.prune(exclude=step)
         held = self._fullest(step)
         if held is None:
             return
-        with self._lock:
-            failed, self._error = self._error, None  # reported here, as the cause
-        kept = [s for s in held if self._durable_quietly(s)]
+        failed = self.drains.take_error()  # reported here, as the cause
+        kept = [s for s in held if self.retention.durable_quietly(s)]
         waiting = [s for s in held if s not in kept]
         why = " and ".join(
             ([f"steps {waiting} are not durable yet"] if waiting else [])
@@ -409,168 +335,55 @@ class LocalTier:
         raise TierFullError(
             f"the local tier {self.local.url} holds steps {held}, more than "
             f"keep_local={self.keep_local}: {why} (last drain error: "
-            f"{self._last_error or 'none'}); nothing was deleted. Fix the root "
-            f"{self.manager.url} and save again, or delete_local() what you can lose"
+            f"{self.drains.last_error or 'none'}); nothing was deleted. Fix the root "
+            f"{self.root.url} and save again, or delete_local() what you can lose"
         ) from failed
-
-    def _durable_quietly(self, step: int) -> bool:
-        try:
-            return self.durable(step)
-        except Exception:  # the root cannot say: not durable as far as we know
-            return False
 
     def _fullest(self, step: int) -> list[int] | None:
         """The committed local steps besides ``step`` of the fullest node's tier, if it
         holds more than ``keep_local`` (collective; node leaders report, after pruning).
         A durable step kept only because a step there references it does not count."""
-        mine = self._restorable(exclude=step) if self.group.leader else []
+        mine = self.retention.restorable(exclude=step) if self.group.leader else []
         fullest = max(self.group.all_gather(mine), key=len)
         return fullest if self.keep_local is not None and len(fullest) > self.keep_local else None
 
-    def _restorable(self, exclude: int) -> list[int]:
-        linked = self.linked()
-        steps = [s for s in self.local.steps() if s != exclude and s not in linked]
-        based = {b for s in steps for b in self.references(s)}
-        return [s for s in steps if s not in based or not self._durable_quietly(s)]
-
-    def _model(self, step: int) -> CommittedCheckpoint:
-        """The read model of local ``step`` (read once while unchanged)."""
-        return self.local.models.open(self.local.fs, self.local.step_path(step))
-
-    def references(self, step: int) -> set[int]:
-        """The local steps whose bytes local ``step`` references (incremental saves), as
-        far as its metadata can be read (deleting a local step is refused while one
-        beside it cannot be read: ``committed.Siblings``)."""
-        names = self._model(step).references()
-        return {b for b in map(parse_step, names) if b is not None}
-
-    def _retain_local(self, exclude: int | None = None) -> None:
-        """Delete the oldest local steps beyond ``keep_local``, only those that are
-        durable, not waiting for a drain, not the base of the save in flight, not
-        referenced by a step kept here and not linked (:meth:`linked`: they are not
-        counted either). Node leaders only; never raises: a step that cannot be deleted
-        is logged and kept."""
-        if self.keep_local is None or not self.group.leader:
-            return
-        with self._retain_lock:
-            try:
-                steps = self.local.steps()
-                with self.local._lock:
-                    writing = {self.local._saving, exclude}
-                    held = (self.local._saving, self.local._saving_base, exclude)
-                busy = {s for s in held if s is not None}
-                with self._lock:
-                    pending = set(self._pending)
-                skip = writing | self.linked()
-                ordered = [s for s in steps if s not in skip]
-                keep = set(ordered[-self.keep_local :]) | busy | pending
-                for s in ordered:
-                    if s not in keep and not self.durable(s):
-                        log.info("local step %d is not durable yet: kept", s)
-                        keep.add(s)
-                frontier = sorted(keep)
-                while frontier:  # bases of bases: references are one hop, but be sure
-                    for b in self.references(frontier.pop()):
-                        if b not in keep:
-                            keep.add(b)
-                            frontier.append(b)
-                for s in reversed([s for s in ordered if s not in keep]):  # users first
-                    try:
-                        self.local.delete(s)
-                    except CheckpointInUseError as exc:
-                        log.info("local step %d kept: %s", s, exc)
-                    except Exception as exc:  # the next one may still go
-                        log.warning("local step %d could not be deleted: %s", s, exc)
-            except Exception as exc:
-                log.warning("local retention under %s failed: %s", self.local.url, exc)
-
     def delete_local(self, step: int) -> None:
         """Delete the local copy of ``step`` now, durable or not (the user's call)."""
-        with self._lock:
-            self._pending.discard(step)
-        self.local.delete(step)
+        self.drains.discard(step)
+        self.retention.deleting.delete(step)
 
-    # --- drain ------------------------------------------------------------------------
+    # --- drain and load -----------------------------------------------------------------
 
     def wait(self) -> None:
         """Wait for the local commit of an asynchronous save in flight, then until every
         queued drain has finished; raise the error of a drain that failed."""
         self.finish_commit()
-        self._wait_drains()
-        self._surface()
-
-    def _wait_drains(self) -> None:
-        with self._lock:
-            last = self._last
-        if last is not None:
-            concurrent.futures.wait([last])
-
-    def _surface(self) -> None:
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def _schedule(self) -> None:
-        # One pass per save (and one at start) on every rank: their collectives pair up.
-        with self._lock:
-            self._last = self._drains.submit(self._drain_pass)
-
-    def _drain_pass(self) -> None:
-        g = self.group
-        self._retain_local()
-        try:
-            while True:
-                with self._lock:
-                    mine = set(self._pending)
-                linked = self.linked()
-                mine |= {s for s in self.local.steps() if s not in linked and not self.durable(s)}
-                views = g.all_gather(sorted(mine), pg=g.drain_pg)
-                common = sorted(set.intersection(*(set(v) for v in views)))
-                if not common:
-                    return
-                drain_step(self, common[0])
-                self._last_error = None
-                with self._lock:
-                    self._pending.discard(common[0])
-                self.manager._retain_quietly(common[0])
-                self._retain_local()
-        except Exception as exc:
-            log.error(
-                "draining %s to %s failed (it stays local): %s",
-                self.local.url,
-                self.manager.url,
-                exc,
-            )
-            with self._lock:
-                self._error, self._last_error = exc, _text(exc)
-
-    # --- load (storage/ops/restore.py) -------------------------------------------------
+        self.drains.wait()
+        self.drains.raise_error()
 
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> LoadedStep:
         """Load ``step`` (default: the newest committed in any tier) from the nearest
-        tier that holds it; see :func:`storage.ops.restore.load`."""
-        return restore.load(self, state_dict, step)
+        tier that holds it (:func:`storage.ops.restore.load`), once the local commit of
+        an asynchronous save in flight is done; then queue a drain pass (a node restored
+        from a peer drains)."""
+        self.finish_commit()
+        return restore.load(
+            self.group,
+            self.local,
+            self.root,
+            state_dict,
+            step,
+            reader=self.reader,
+            pending=self.pending(),
+            sent=self._count_restored,
+            decided=self.drains.schedule,
+        )
+
+    def _count_restored(self, sent: int) -> None:
+        self.restored_bytes += sent
 
 
 def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` with its ``Stateful`` values replaced by their state dicts, as
     ``dcp.async_save`` does before staging."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-
-
-def _text(error: BaseException | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {error}"
-
-
-def _full_or(exc: BaseException, url: str) -> BaseException:
-    if (
-        isinstance(exc, OSError)
-        and exc.errno == errno.ENOSPC
-        and not isinstance(exc, TierFullError)
-    ):
-        return TierFullError(
-            f"the local tier {url} is full (ENOSPC: {exc}); nothing committed there was "
-            "deleted. Free space, lower keep_local or point local= at a larger device"
-        )
-    return exc

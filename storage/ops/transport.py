@@ -33,9 +33,9 @@ from extensions.base import Keys
 from extensions.errors import UnsafeCheckpointError, quote
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
-from storage.checkpoint._common import resolve_location
 from storage.checkpoint.api import unwrap_checkpoint_exception
 from storage.checkpoint.layout import is_committed
+from storage.checkpoint.options import resolve_location
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops.manager import CheckpointManager
@@ -228,4 +228,4 @@ class StorageTransport:
         except CheckpointException as exc:
             real = unwrap_checkpoint_exception(exc, writer)
             raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
-        mgr._retain_quietly(step)
+        mgr.retention.after_save(step)

@@ -24,8 +24,8 @@ from extensions import AES256GCM, ByteShuffle, ZStandard
 from extensions.base import ItemInfo
 from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
 from extensions.registry import ExtensionRegistry
-from storage.checkpoint import format as fmt
-from storage.checkpoint.items import ItemEncoder, StoredItem
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.items import ItemEncoder, StoredItemReader
 from storage.cli.main import main
 
 MiB = 1 << 20
@@ -174,7 +174,7 @@ def test_small_items_get_small_buffers(chain: list[Any], peak: Callable[[], int]
     encoder = ItemEncoder(out, chain, info)
     encoder.plain.write(b"abcd")
     length, crc = encoder.close()
-    stored = StoredItem(io.BytesIO(out.getvalue()), length, encoder.descriptors, crc, "x")
+    stored = StoredItemReader(io.BytesIO(out.getvalue()), length, encoder.descriptors, crc, "x")
     assert stored.decoded(ExtensionRegistry(), info).read() == b"abcd"
     stored.finish()
     assert peak() < 512 << 10

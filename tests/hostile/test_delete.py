@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 import storage
 from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage import CheckpointManager, FsspecFileSystem, GCSFileSystem, LocalFileSystem
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.cli import main
 from tests.distributed import gloo_group
 

@@ -15,7 +15,7 @@ import storage
 from extensions.base import StreamTransformExtension
 from extensions.errors import UnknownTransformError, UnsafeCheckpointError
 from extensions.registry import ExtensionRegistry
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 
 HUGE = "x" * 200_000
 ESCAPE = "base\x1b[31mRED"

@@ -25,7 +25,7 @@ from extensions.errors import (
     UnsafeCheckpointError,
 )
 from storage.backends._local import LocalFileSystem
-from storage.checkpoint import format as fmt
+from storage.checkpoint import storage_format as fmt
 from storage.cli import main
 from storage.ops.copy import copy_checkpoint
 

@@ -22,7 +22,7 @@ import storage
 from extensions.errors import CheckpointInUseError
 from storage import CheckpointManager, LocalFileSystem
 from storage.cli import main
-from storage.ops.tools import describe
+from storage.ops.describe import describe
 
 FROZEN = torch.arange(4096.0)
 

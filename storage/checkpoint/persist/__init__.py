@@ -8,7 +8,8 @@ process. The training thread only copies the state into staging buffers in share
 the save and runs its collectives, hands the items (segment names and offsets, no bytes)
 to the worker and waits on the socket, holding no GIL. The worker (:mod:`._child`) runs
 niced, imports nothing of the training script, and puts every write to storage through
-one token bucket when ``max_bandwidth`` (bytes/s) is set.
+one token bucket when ``max_bandwidth`` (bytes/s) is set. :class:`Worker` (:mod:`._worker`)
+is the training process's handle on it; this module picks where work runs and sends it.
 
 Failure semantics: a worker that dies fails every call in flight with
 :class:`~extensions.errors.WorkerDiedError` (or, when none was in flight, the next
@@ -23,30 +24,23 @@ segment, a log line or an error message.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import itertools
 import logging
 import os
-import pickle
-import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from extensions._compat import StateDictStager
-from extensions.errors import CheckpointStorageError, WorkerDiedError
+from extensions.errors import WorkerDiedError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.encode import plain_cpu_tensor
 from storage.checkpoint.persist._child import Pause
 from storage.checkpoint.persist._shm import StagingPool
+from storage.checkpoint.persist._worker import Lease, NotSendable, Worker
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +49,6 @@ T = TypeVar("T")
 MODES = ("thread", "process")
 #: Chosen by measurement (docs/benchmarks.md, "In the training loop").
 DEFAULT_MODE = "process"
-#: The worker's nice increment: persistence yields the cores to training.
-NICE = 10
 #: Stands for "pause while a save's writes run in the worker" as a ``pace`` argument.
 PAUSE = Pause()
 
@@ -118,249 +110,6 @@ def reachable(fs: FileSystemBase) -> bool:
     """Whether another process reaches what ``fs`` stores (in-memory stores are this
     process's own)."""
     return not fs.url("").startswith(("dcpmem://", "memory://"))
-
-
-class NotSendable(TypeError):
-    """A call's function or arguments do not pickle, so the worker cannot run it."""
-
-
-class Lease:
-    """The staging buffers, held by one save until the worker has read them (or the
-    save is given up: an unreleased lease is released when it is collected)."""
-
-    def __init__(self, free: threading.Event) -> None:
-        self._free: threading.Event | None = free
-
-    def release(self) -> None:
-        free, self._free = self._free, None  # once: the next save may hold the event
-        if free is not None:
-            free.set()
-
-    __del__ = release
-
-
-class Worker:
-    """The training process's handle on its persist worker (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
-        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
-        self._ids = itertools.count()
-        self._unreported: WorkerDiedError | None = None
-        self._foreground = 0  # saves in the foreground: the worker's pace pauses
-        self._free = threading.Event()
-        self._free.set()
-        self.pool: StagingPool | None = None
-
-    # --- the process ------------------------------------------------------------------
-
-    @property
-    def pid(self) -> int | None:
-        proc = self._proc
-        return None if proc is None else proc.pid
-
-    def _start(self) -> Connection:
-        """The socket to a live worker, started if there is none (call with the lock)."""
-        if self._unreported is not None:
-            error, self._unreported = self._unreported, None
-            raise error
-        if self._conn is not None:
-            return self._conn
-        ours, theirs = socket.socketpair()
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _LAUNCH.format(nice=NICE, fd=theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            theirs.close()  # the worker's end lives only in the worker: its death is EOF here
-        conn = Connection(ours.detach())
-        conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0)))
-        self._proc, self._conn = proc, conn
-        threading.Thread(
-            target=self._read, args=(proc, conn), name="dcp-persist-reader", daemon=True
-        ).start()
-        return conn
-
-    def _read(self, proc: subprocess.Popen[bytes], conn: Connection) -> None:
-        """Hand each reply to its future until the worker is gone, then fail the rest."""
-        try:
-            while True:
-                if not wait([conn], timeout=1.0):
-                    if proc.poll() is None:
-                        continue
-                    if not conn.poll():
-                        break
-                message = pickle.loads(conn.recv_bytes())
-                kind, call_id, value = message
-                with self._lock:
-                    future = self._pending.pop(call_id, None)
-                if future is None:
-                    continue
-                if kind == "ok":
-                    future.set_result(value)
-                else:
-                    future.set_exception(_remote_error(value))
-        except (EOFError, OSError):
-            pass
-        except BaseException as exc:  # a reply we cannot read: the worker is unusable
-            log.error("persist worker %d: unreadable reply (%s); stopping it", proc.pid, exc)
-        with self._lock:
-            closed = self._proc is not proc  # close() let it go: no death to report
-        if closed:
-            conn.close()
-            return
-        if proc.poll() is None:
-            proc.kill()
-        code = proc.wait()
-        error = WorkerDiedError(
-            f"the checkpoint persist worker (pid {proc.pid}) died "
-            f"({_exit_text(code)}); the saves it was writing are not committed and "
-            "committed checkpoints are untouched. The next save starts a new worker"
-        )
-        with self._lock:
-            self._proc, self._conn = None, None
-            pending, self._pending = self._pending, {}
-            if not pending:
-                self._unreported = error
-        conn.close()
-        if code != 0:
-            log.error("%s", error)
-        for future in pending.values():
-            future.set_exception(error)
-
-    def close(self) -> None:
-        """Stop the worker (after the calls in flight) and remove the staging buffers."""
-        with self._lock:
-            proc, conn = self._proc, self._conn
-            self._proc, self._conn, self._unreported = None, None, None
-        if conn is not None:
-            try:
-                with self._send_lock:
-                    conn.send_bytes(pickle.dumps(("close",)))
-            except OSError:
-                pass
-        if proc is not None:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
-
-    # --- calls ------------------------------------------------------------------------
-
-    def call(
-        self,
-        fn: Callable[..., T],
-        *args: Any,
-        max_bandwidth: int | None = None,
-        **kwargs: Any,
-    ) -> concurrent.futures.Future[T]:
-        """Run ``fn(*args, **kwargs)`` in the worker (``fn`` and the arguments must
-        pickle; ``pace=PAUSE`` stands for the worker's pause); its future holds the
-        result or the worker's exception."""
-        options = {
-            "max_bandwidth": max_bandwidth,
-            "live": self.pool.live() if self.pool is not None else [],
-            "rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else None,
-            # As a thread would, the call sees the environment as it is now (credentials
-            # the clients read from it may have been set after the worker started).
-            "environ": dict(os.environ),
-        }
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            conn = self._start()
-            call_id = next(self._ids)
-            message = ("call", call_id, fn, args, kwargs, options)
-            try:
-                data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as exc:
-                raise NotSendable(
-                    f"cannot send {getattr(fn, '__qualname__', fn)} to the persist worker: "
-                    f"{type(exc).__name__}: {exc}. Transforms and filesystems must pickle "
-                    "(defined at module level, importable); or save with persist='thread'"
-                ) from None
-            self._pending[call_id] = future
-        try:
-            with self._send_lock:
-                conn.send_bytes(data)
-        except OSError:
-            pass  # the reader sees the worker gone and fails the future
-        return future
-
-    def foreground(self, busy: bool) -> None:
-        """Count a save in (``True``) or out of the foreground: while one is, calls
-        that pace themselves with :data:`PAUSE` wait (a tiered manager's drain while
-        its save writes the local tier). Starts no worker."""
-        with self._lock:
-            self._foreground += 1 if busy else -1
-            conn = self._conn
-            message = pickle.dumps(("foreground", self._foreground > 0))
-        if conn is not None:
-            try:
-                with self._send_lock:
-                    conn.send_bytes(message)
-            except OSError:
-                pass  # a dead worker: the reader reports it
-
-    def stage(self, state_dict: Any) -> tuple[Any, Lease]:
-        """Copy ``state_dict`` into the staging buffers, once the previous save that
-        holds them is done reading; returns the staged copy and its lease."""
-        with self._lock:
-            self._start()  # a dead worker is reported here, before anything is staged
-        while not self._free.wait(60):
-            log.warning("a checkpoint save waits for the previous one to release its buffers")
-        self._free.clear()
-        try:
-            if self.pool is None:
-                self.pool = StagingPool()
-            staged = self.pool.stage(state_dict)
-        except BaseException:
-            self._free.set()
-            raise
-        return staged, Lease(self._free)
-
-
-# Niced before anything is imported: its start-up (torch) yields the cores too.
-_LAUNCH = (
-    "import os; os.nice({nice}); from storage.checkpoint.persist._child import main; main({fd})"
-)
-
-
-def _exit_text(code: int) -> str:
-    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-
-
-def _remote_error(payload: tuple[bytes | None, str, str, str]) -> BaseException:
-    raw, type_name, message, text = payload
-    error: BaseException | None = None
-    if raw is not None:
-        try:
-            error = pickle.loads(raw)
-        except Exception:
-            error = None
-    if not isinstance(error, BaseException):
-        error = CheckpointStorageError(
-            f"{type_name}: {message} (raised in the checkpoint persist worker; the error "
-            "itself could not be sent back)"
-        )
-    error.__cause__ = _RemoteTraceback(text)
-    return error
-
-
-class _RemoteTraceback(Exception):
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-
-    def __str__(self) -> str:
-        return "\n(in the persist worker)\n" + str(self.args[0])
 
 
 _worker: Worker | None = None
@@ -453,9 +202,9 @@ def write_staged(
             per_file, written, writer.budget.spent = future.result()
         except WorkerDiedError:
             # Its files may be half written: the writer's abort removes what exists.
-            writer._written = [writer.fs.concat_path(writer.path, name) for name, _ in files]
+            writer.written = [writer.fs.concat_path(writer.path, name) for name, _ in files]
             raise
     finally:
         lease.release()
-    writer._written = written
+    writer.written = written
     return per_file

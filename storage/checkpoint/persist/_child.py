@@ -80,7 +80,7 @@ def write_files(
     returns the results, the data files written and the deadline budget spent."""
     limit_writes(writer.fs)
     per_file = writer.write_files(files, threads, _Resolved(refs))
-    return per_file, list(writer._written), writer.budget.spent
+    return per_file, list(writer.written), writer.budget.spent
 
 
 # --- worker state ---------------------------------------------------------------------

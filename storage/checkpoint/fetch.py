@@ -1,0 +1,304 @@
+"""A load's item reads (``CheckpointReader.read_items``): the requested items grouped
+by the file their bytes are in, adjacent ones coalesced into one ranged request of at
+most :data:`COALESCE_LIMIT` bytes, biggest runs first; every item checked before any
+byte is fetched (encryption required, keys at hand), then read, its CRC-32C verified
+and decoded into its target, zstd items frame by frame on every core where they can."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from extensions._compat import narrow_tensor_by_index
+from extensions.base import ItemInfo, KeyLookup, cached_key_lookup
+from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError, quote
+from extensions.registry import ExtensionRegistry, parse_descriptor
+from extensions.zstd import ZStandard
+from storage.backends import LocalFileSystem, MemoryFileSystem
+from storage.checkpoint import frames, incremental
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.deadline import Budget, cancellable, note
+from storage.checkpoint.decode import (
+    OBJECT_RATIO,
+    decode_tensor,
+    direct_offset,
+    plain_value,
+    read_bounded,
+)
+from storage.checkpoint.items import StoredItemReader, check_before_read
+from storage.checkpoint.prefixes import refuse_linked_prefix
+from storage.checkpoint.tensors import check_shapes, tensor_bytes
+
+if TYPE_CHECKING:
+    from storage.checkpoint.reader import CheckpointReader
+
+# Adjacent items are fetched with one request up to this many bytes.
+COALESCE_LIMIT = 32 << 20
+
+
+@dataclass
+class _PlannedRead:
+    """One requested item and where its bytes are stored (its ``_StorageInfo``)."""
+
+    req: ReadItem
+    info: Any  # _StorageInfo
+
+    @property
+    def offset(self) -> int:
+        return int(self.info.offset)
+
+    @property
+    def length(self) -> int:
+        return int(self.info.length)
+
+
+def read_items(
+    reader: CheckpointReader, reqs: Sequence[ReadItem], planner: LoadPlanner, budget: Budget
+) -> None:
+    """Fetch, verify and decode ``reqs`` into ``planner``, within ``budget``."""
+    if not reqs:
+        return
+    first = fmt.item_label(reqs[0].storage_index)
+    runs = budget.call(
+        functools.partial(_plan_runs, reader, reqs),  # checks the bases: requests
+        action="loading",
+        location=reader.url,
+        item=first,
+        url=reader.url,
+    )
+    lock = threading.Lock()
+    registry = reader.registry or ExtensionRegistry()
+    keys = cached_key_lookup(reader.keys)
+    # Before any byte is fetched: a plain item where encryption is required, a
+    # missing key or a failing key provider is reported as itself.
+    for _, run in runs:
+        for item in run:
+            descriptors = item.info.transform_descriptors or ()
+            info = _item_info(reader, item, keys)
+            check_before_read(
+                descriptors,
+                info,
+                registry,
+                require_encryption=reader.require_encryption,
+                decode=True,
+            )
+    if not runs:
+        return
+    # zstd items are decoded on every core while these threads read on (frames.py).
+    workers = frames.decoder_count()
+    decoders = frames.Decoders(workers, slots=workers + 2)
+    tasks = [
+        functools.partial(_read_run, reader, p, r, planner, lock, registry, keys, decoders)
+        for p, r in runs
+    ]
+    try:
+        budget.run(tasks, workers=reader.thread_count, action="loading", location=reader.url)
+    except BaseException:
+        with contextlib.suppress(BaseException):  # the readers' error comes first
+            decoders.close()
+        raise
+    decoders.close()
+
+
+def _plan_runs(
+    reader: CheckpointReader, reqs: Sequence[ReadItem]
+) -> list[tuple[str, list[_PlannedRead]]]:
+    per_file: dict[str, list[_PlannedRead]] = {}
+    for req in reqs:
+        info = reader.storage_data.get(req.storage_index)
+        if info is None:
+            raise IntegrityError(
+                f"{reader.url}: item {quote(fmt.item_label(req.storage_index))} is in the plan "
+                "but not in the checkpoint's storage index; the metadata is damaged"
+            )
+        # Keyed by where the bytes are: a referenced item's are in its base's file.
+        path = incremental.item_path(reader.fs, reader.path, info)
+        if path not in per_file:
+            directory = incremental.item_directory(reader.fs, reader.path, info)
+            refuse_linked_prefix(reader.fs, directory, info.relative_path)
+        per_file.setdefault(path, []).append(_PlannedRead(req, info))
+    incremental.check_bases(
+        reader.fs,
+        reader.path,
+        ((fmt.item_label(i.req.storage_index), i.info) for r in per_file.values() for i in r),
+    )
+    runs: list[tuple[str, list[_PlannedRead]]] = []
+    for path, items in per_file.items():
+        items.sort(key=lambda i: i.offset)
+        current: list[_PlannedRead] = []
+        for item in items:
+            if current and (
+                item.offset != current[-1].offset + current[-1].length
+                or item.offset + item.length - current[0].offset > COALESCE_LIMIT
+            ):
+                runs.append((path, current))
+                current = []
+            current.append(item)
+        if current:
+            runs.append((path, current))
+    # Biggest runs first, so the tail of the load is made of small ones.
+    runs.sort(key=lambda r: -(r[1][-1].offset + r[1][-1].length - r[1][0].offset))
+    return runs
+
+
+def _read_run(
+    reader: CheckpointReader,
+    path: str,
+    run: list[_PlannedRead],
+    planner: LoadPlanner,
+    lock: threading.Lock,
+    registry: ExtensionRegistry,
+    keys: KeyLookup | None,
+    decoders: frames.Decoders | None = None,
+) -> None:
+    start = run[0].offset
+    length = run[-1].offset + run[-1].length - start
+    note(fmt.item_label(run[0].req.storage_index), reader.fs.url(path))
+    try:
+        with reader.fs.open_slice(path, start, length) as opened:
+            stream = cancellable(opened)
+            # Finding a seek table costs two small reads: free on local disk and
+            # memory, a request each on object stores (their readers stream).
+            if not isinstance(reader.fs, (LocalFileSystem, MemoryFileSystem)):
+                decoders = None
+            for item in run:
+                _read_item(reader, stream, path, item, planner, lock, registry, keys, decoders)
+    except FileNotFoundError as exc:
+        if isinstance(exc, CheckpointStorageError):
+            raise
+        raise CheckpointNotFoundError(
+            f"{reader.url}: data file {quote(os.path.basename(path))} (item "
+            f"{quote(fmt.item_label(run[0].req.storage_index))}) is missing; the checkpoint "
+            "is incomplete: restore the file or re-save the checkpoint"
+        ) from exc
+
+
+def _read_item(
+    reader: CheckpointReader,
+    stream: IO[bytes],
+    path: str,
+    item: _PlannedRead,
+    planner: LoadPlanner,
+    lock: threading.Lock,
+    registry: ExtensionRegistry,
+    keys: KeyLookup | None,
+    decoders: frames.Decoders | None = None,
+) -> None:
+    label = fmt.item_label(item.req.storage_index)
+    note(label, reader.fs.url(path))
+    where = f"{reader.url}: item {quote(label)} in {quote(os.path.basename(path))}"
+    extra = fmt.item_extra(item.info)
+    stored = StoredItemReader(
+        stream,
+        item.length,
+        item.info.transform_descriptors or (),
+        extra.get("crc32c"),
+        where,
+        block=reader.fs.read_block,
+    )
+    chunk = reader.chunks.get(item.req.storage_index)
+    info = _item_info(reader, item, keys)
+    target: torch.Tensor | None = None
+    if item.req.type != LoadItemType.BYTE_IO:
+        with lock:
+            target = planner.resolve_tensor(item.req).detach()
+        check_shapes(item.req, target, chunk, where)
+        if (
+            decoders is not None
+            and _zstd_only(stored.descriptors, registry)
+            and _decode_framed(stream, item, stored, chunk, target, planner, lock, decoders)
+        ):
+            return
+    try:
+        decoded = stored.decoded(registry, info)
+        if target is None:
+            limit = max(reader.max_object_bytes, OBJECT_RATIO * item.length)
+            payload = read_bounded(decoded, limit, where, "pass a larger max_object_bytes=")
+        else:
+            decoded_tensor = decode_tensor(decoded, item.req, extra, chunk, target, where)
+        stored.finish()
+    except (CheckpointStorageError, OSError):
+        raise  # already named, or the storage failed (not the bytes)
+    except Exception as exc:
+        # A decoder choking on damaged bytes: report it as the integrity failure it is.
+        raise stored.damaged(exc) from exc
+    if target is None:
+        plain = plain_value(payload, where)
+        with lock:
+            planner.load_bytes(item.req, plain)
+        return
+    if decoded_tensor is not target:
+        _copy_into(decoded_tensor, item.req, target, where)
+    with lock:
+        planner.commit_tensor(item.req, target)
+
+
+def _decode_framed(
+    stream: IO[bytes],
+    item: _PlannedRead,
+    stored: StoredItemReader,
+    chunk: tuple[torch.Size, torch.dtype] | None,
+    target: torch.Tensor,
+    planner: LoadPlanner,
+    lock: threading.Lock,
+    decoders: frames.Decoders,
+) -> bool:
+    """Hand a zstd tensor item to the frame decoders, which decode it straight into
+    ``target`` and commit it; ``False`` when its layout does not allow that (no direct
+    offset, or too large to buffer without a seek table)."""
+    offset = direct_offset(item.req, fmt.item_extra(item.info), chunk, target)
+    table = None if offset is None else frames.seek_table(stream, item.length)
+    if offset is None or not (table or item.length <= frames.MAX_BUFFER):
+        return False
+    req = item.req
+
+    def commit() -> None:
+        with lock:
+            planner.commit_tensor(req, target)
+
+    frames.decode_framed(decoders, stored, table, tensor_bytes(target), offset, commit)
+    return True
+
+
+def _copy_into(decoded: torch.Tensor, req: ReadItem, target: torch.Tensor, where: str) -> None:
+    """Copy the requested region of a decoded chunk into ``target``."""
+    narrowed = narrow_tensor_by_index(decoded, req.storage_offsets, req.lengths)
+    if narrowed.size() != target.size():
+        # The target fits the metadata (checked before reading): the stored
+        # bytes hold another shape than the metadata says.
+        raise IntegrityError(
+            f"{where}: the stored tensor (shape {tuple(decoded.size())}) does "
+            "not match the shape the metadata records; the checkpoint is damaged"
+        )
+    target.copy_(narrowed)
+
+
+def _zstd_only(descriptors: Sequence[str], registry: ExtensionRegistry) -> bool:
+    """Whether the chain is our zstd alone (what the frame decoders handle)."""
+    if len(descriptors) != 1:
+        return False
+    name, version = parse_descriptor(descriptors[0])
+    return (
+        name == ZStandard.registry_name()
+        and version.partition(".")[0] == "1"
+        and registry.get(name) is ZStandard
+    )
+
+
+def _item_info(reader: CheckpointReader, item: _PlannedRead, keys: KeyLookup | None) -> ItemInfo:
+    chunk = reader.chunks.get(item.req.storage_index)
+    return ItemInfo(
+        checkpoint=reader.url,
+        item=fmt.item_label(item.req.storage_index),
+        dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
+        element_size=chunk[1].itemsize if chunk else None,
+        keys=keys,
+    )

@@ -1,0 +1,313 @@
+"""The ``dcp-storage`` subcommands: each parses nothing and adds no behaviour of its own;
+it calls ``storage.ops`` or ``storage.checkpoint`` and prints a table or JSON
+(``storage.cli.main`` builds the parser and turns errors into one line)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import asdict
+
+from extensions.errors import CheckpointNotFoundError
+from storage.backends.base import FileSystemBase, PendingUpload
+from storage.cli._support import (
+    emit,
+    human_age,
+    human_size,
+    keys_from_args,
+    location,
+    not_a_checkpoint_hint,
+    parse_transforms,
+    progress_bar,
+    table,
+)
+
+
+def demo(args: argparse.Namespace) -> int:
+    from storage.ops.demo import format_figures, run_demo
+
+    figures = run_demo(os.path.abspath(args.dir), steps=args.steps)
+    emit(args, figures, format_figures(figures))
+    return 0
+
+
+def ls(args: argparse.Namespace) -> int:
+    from storage.checkpoint.layout import directory_info, is_committed, parse_step
+    from storage.ops.manager import CheckpointManager
+
+    fs, root = location(args.root, args.storage_option)
+    # A save killed before any object landed leaves nothing but its open upload.
+    if not fs.exists(root) and not fs.pending_uploads(root):
+        raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
+    mgr = CheckpointManager(fs.url(root), filesystem=fs)
+    infos = mgr.entries()
+    if args.local:  # a tiered manager's local tier: which tiers hold each step
+        from storage.ops.restore import merge_entries
+
+        local_fs, local_root = location(args.local, args.local_storage_option)
+        local = CheckpointManager(local_fs.url(local_root), filesystem=local_fs)
+        infos = merge_entries(local.entries(), infos)
+    try:
+        others = [n for n in fs.ls(root) if parse_step(n) is None]
+    except NotADirectoryError:
+        others = []
+    for name in others:  # checkpoints not named step-<N>: listed, never managed
+        path = fs.concat_path(root, name)
+        if is_committed(fs, path):
+            infos.append(directory_info(fs, path, name))  # type: ignore[arg-type]
+    if not infos and is_committed(fs, root):
+        infos.append(directory_info(fs, root, "."))  # type: ignore[arg-type]
+    state = {True: "committed", False: "uncommitted"}
+    rows = [
+        [i.name, state[i.committed], str(i.files), human_size(i.size), human_age(i.modified)]
+        + ([",".join(i.tiers) or "-"] if args.local else [])
+        for i in infos
+    ]
+    head = ["NAME", "STATE", "FILES", "SIZE", "AGE"] + (["TIERS"] if args.local else [])
+    text = table(head, rows, right={2, 3, 4})
+    latest = mgr.latest()
+    if latest is not None:
+        text += f"\nlatest: step-{latest}"
+    data = {"root": mgr.url, "latest": latest, "checkpoints": [asdict(i) for i in infos]}
+    emit(args, data, text)
+    if not infos:
+        print(
+            f"dcp-storage: {mgr.url} holds no checkpoints (no step-<N> directories and no "
+            ".metadata)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    from storage.ops.describe import describe
+
+    fs, path = location(args.checkpoint, args.storage_option)
+    try:
+        summary = describe(fs, path)
+    except CheckpointNotFoundError as exc:
+        raise not_a_checkpoint_hint(fs, path, exc) from None
+
+    def ratio(value: float | None) -> str:
+        return f"{value:.2f}" if value is not None else "-"
+
+    rows = [
+        [
+            r.item,
+            "x".join(map(str, r.shape)) if r.shape is not None else "-",
+            r.dtype or "object",
+            human_size(r.logical),
+            human_size(r.stored),
+            ratio(r.ratio),
+            " | ".join(r.transforms) or "-",
+        ]
+        for r in summary.items
+    ]
+    rows.append(
+        [
+            "TOTAL",
+            f"{len(summary.items)} items",
+            f"{summary.files} files",
+            human_size(summary.logical),
+            human_size(summary.stored),
+            ratio(summary.ratio),
+            "",
+        ]
+    )
+    header = ["ITEM", "SHAPE", "DTYPE", "LOGICAL", "STORED", "RATIO", "TRANSFORMS"]
+    if summary.referenced:  # incremental: which base holds each referenced item's bytes
+        header.append("FROM")
+        for row, r in zip(rows, summary.items):
+            row.append(r.ref or "-")
+        rows[-1].append(f"{human_size(summary.referenced)} in bases")
+    items = [dict(asdict(r), ratio=r.ratio) for r in summary.items]
+    total = {
+        "items": len(items),
+        "files": summary.files,
+        "logical": summary.logical,
+        "stored": summary.stored,
+        "ratio": summary.ratio,
+        "referenced": summary.referenced,
+    }
+    data = {"checkpoint": summary.url, "items": items, "total": total}
+    emit(args, data, table(header, rows, right={3, 4, 5}))
+    return 0
+
+
+def verify(args: argparse.Namespace) -> int:
+    from storage.ops.describe import describe
+    from storage.ops.verify import verify
+
+    fs, path = location(args.checkpoint, args.storage_option)
+    try:
+        total = describe(fs, path).stored
+    except CheckpointNotFoundError as exc:
+        raise not_a_checkpoint_hint(fs, path, exc) from None
+    started = time.perf_counter()
+    with progress_bar(args, total, "verify") as progress:
+        report = verify(
+            fs,
+            path,
+            keys=keys_from_args(args),
+            thread_count=args.threads,
+            progress=progress,
+            require_encryption=args.require_encryption,
+        )
+    elapsed = time.perf_counter() - started
+    count = len(report.ok) + len(report.bad)
+    if report.bad:
+        lines = [f"BAD: {len(report.bad)} of {count} items failed in {report.url}:"]
+        lines += [f"  {item}: {reason}" for item, reason in sorted(report.bad.items())]
+    else:
+        lines = [
+            f"OK: {count} items verified in {report.url} "
+            f"({human_size(report.bytes_read)} in {elapsed:.1f} s)"
+        ]
+    if report.unchecksummed:
+        lines.append(
+            f"note: {len(report.unchecksummed)} items carry no checksum (written by "
+            "stock DCP); they were decoded but their bytes could not be checked"
+        )
+    data = dict(asdict(report), valid=not report.bad)
+    emit(args, data, "\n".join(lines))
+    return 1 if report.bad else 0
+
+
+def cp(args: argparse.Namespace) -> int:
+    from storage.ops.copy import copy_checkpoint
+    from storage.ops.describe import describe
+
+    src_fs, src = location(args.src, args.storage_option)
+    dst_fs, dst = location(args.dst, args.dst_storage_option or args.storage_option)
+    keys = keys_from_args(args)
+    chain = parse_transforms(args.transform, keys) if args.transform else None
+    try:
+        source = describe(src_fs, src)
+    except CheckpointNotFoundError as exc:
+        raise not_a_checkpoint_hint(src_fs, src, exc) from None
+    started = time.perf_counter()
+    with progress_bar(args, source.stored, "cp") as progress:
+        result = copy_checkpoint(
+            src_fs,
+            src,
+            dst_fs,
+            dst,
+            transforms=chain,
+            overwrite=args.overwrite,
+            keys=keys,
+            progress=progress,
+            require_encryption=args.require_encryption,
+        )
+    elapsed = time.perf_counter() - started
+    chains = sorted({" | ".join(r.transforms) or "none" for r in result.items})
+    text = (
+        f"copied {source.url} -> {result.url}: {len(result.items)} items, "
+        f"{human_size(source.stored)} -> {human_size(result.stored)} stored "
+        f"(transforms: {', '.join(chains) or 'none'}) in {elapsed:.1f} s"
+    )
+    data = {
+        "source": source.url,
+        "destination": result.url,
+        "items": len(result.items),
+        "stored_before": source.stored,
+        "stored": result.stored,
+        "transforms": chains,
+    }
+    emit(args, data, text)
+    return 0
+
+
+def rm(args: argparse.Namespace) -> int:
+    from storage.checkpoint.committed import open_committed, refuse_if_referenced
+    from storage.checkpoint.deletion import delete_checkpoint
+
+    fs, path = location(args.checkpoint, args.storage_option)
+    checkpoint = open_committed(fs, path)
+    try:
+        checkpoint.require()
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{exc}. Refusing to delete it; interrupted saves under a root are removed by "
+            "`dcp-storage gc ROOT`"
+        ) from None
+    refuse_if_referenced(fs, path)
+    kept = delete_checkpoint(fs, path, checkpoint)
+    text = f"removed {fs.url(path)}"
+    if kept:
+        text += (
+            f" (left {', '.join(kept)} in place: not files its metadata names; "
+            "`dcp-storage gc` removes leftovers of saves after the grace period)"
+        )
+    emit(args, {"removed": fs.url(path), "kept": kept}, text)
+    return 0
+
+
+def gc(args: argparse.Namespace) -> int:
+    from storage.ops.manager import CheckpointManager
+
+    fs, root = location(args.root, args.storage_option)
+    # A save killed before any object landed leaves nothing but its open upload.
+    if not fs.exists(root) and not fs.pending_uploads(root):
+        raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
+    mgr = CheckpointManager(
+        fs.url(root), keep_last=args.keep_last, keep_every=args.keep_every, filesystem=fs
+    )
+    pruned = mgr.apply_retention(dry_run=args.dry_run)
+    cleaned = mgr.cleanup(grace_seconds=args.grace, dry_run=args.dry_run)
+    abort = args.abort_uploads and not args.dry_run
+    uploads = mgr.stale_uploads(args.grace, abort=abort)
+    verb = "would remove" if args.dry_run else "removed"
+    lines = [f"{verb} step-{s} (retention)" for s in pruned]
+    lines += [f"{verb} step-{s} (interrupted save)" for s in cleaned]
+    lines += _upload_lines(fs, uploads, abort, args.abort_uploads)
+    linked = mgr.linked_steps()
+    lines += [f"kept step-{s}: a symbolic link, never deleted through" for s in linked]
+    policy = mgr.retained(mgr.steps())
+    bases = {b: users for b, users in mgr.referenced_by().items() if b not in policy}
+    lines += [
+        f"kept step-{b}: referenced by {', '.join(f'step-{u}' for u in users)}"
+        for b, users in sorted(bases.items())
+    ]
+    text = "\n".join(lines) or f"nothing to do under {mgr.url}"
+    text += (
+        f"\nkept: {', '.join(f'step-{s}' for s in mgr.steps()) or 'none'}"
+        if not args.dry_run
+        else ""
+    )
+    emit(
+        args,
+        {
+            "root": mgr.url,
+            "dry_run": args.dry_run,
+            "retention": pruned,
+            "interrupted": cleaned,
+            "linked": linked,
+            "referenced": {str(b): users for b, users in sorted(bases.items())},
+            "uploads": [
+                {"url": fs.url(u.path), "started": u.started, "aborted": abort} for u in uploads
+            ],
+            "steps": mgr.steps(),
+        },
+        text,
+    )
+    return 0
+
+
+def _upload_lines(
+    fs: FileSystemBase, uploads: list[PendingUpload], aborted: bool, asked: bool
+) -> list[str]:
+    """One line per stale upload ``gc`` found: aborted, would be (a dry run), or left."""
+    if aborted:
+        fate = "aborted"
+    elif asked:
+        fate = "would abort"
+    else:
+        fate = "left open (--abort-uploads aborts it)"
+    return [
+        f"incomplete multipart upload of {fs.url(u.path)}, "
+        f"begun {time.time() - (u.started or 0.0):.0f} s ago: {fate}"
+        for u in uploads
+    ]

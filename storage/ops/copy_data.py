@@ -1,0 +1,323 @@
+"""The data phase of a copy: a checkpoint's items streamed into new data files.
+
+Each item streams from the source file to the destination through the same item code
+the writer and the reader use (``storage.checkpoint.items``), kept as stored or decoded
+and re-encoded on the fly when the transform chain changes, so memory stays at a few
+buffers per file; its checksum is verified on the way. Nothing here commits: the files
+written are handed back (:class:`CopiedFiles`) for ``storage.ops.copy.publish_copy``.
+The tier drain runs :func:`copy_data_files` in the persist worker process, which imports
+it by name.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import threading
+import uuid
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import IO, Any, cast
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from extensions.base import ItemInfo, Keys, cached_key_lookup
+from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError, quote
+from extensions.registry import ExtensionRegistry
+from extensions.streams import pump, skip
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.commit import remove_quietly
+from storage.checkpoint.committed import open_committed
+from storage.checkpoint.incremental import (
+    CONTENT,
+    check_bases,
+    item_directory,
+    item_path,
+    sibling_path,
+)
+from storage.checkpoint.items import ItemEncoder, StoredItemReader
+from storage.checkpoint.options import default_thread_count
+from storage.checkpoint.prefixes import refuse_linked_prefix, split
+from storage.ops.parts import Part, Progress
+
+
+@dataclass
+class CopiedFiles:
+    """Data files :func:`copy_data_files` wrote, not yet named by any metadata: their
+    names, backend paths and the new storage index of their items."""
+
+    save_id: str
+    names: set[str]
+    written: list[str]
+    infos: dict[MetadataIndex, Any]
+
+
+def copy_data_files(
+    src_fs: FileSystemBase,
+    src_path: str,
+    dst_fs: FileSystemBase,
+    dst_path: str,
+    part: Part,
+    *,
+    ranks: Collection[int] | None = None,
+    transforms: Sequence[Any] | None = None,
+    keys: Keys | None = None,
+    registry: ExtensionRegistry | None = None,
+    thread_count: int | None = None,
+    progress: Progress | None = None,
+    save_id: str | None = None,
+    first: int = 0,
+    pace: Callable[[], object] | None = None,
+    keep_references: bool = False,
+) -> CopiedFiles:
+    """The data phase of :func:`copy_checkpoint`: copy the items that ``part`` (one
+    metadata of the checkpoint at ``src_path``) names into new data files under
+    ``dst_path`` (under the key prefix directory each source file had), verifying
+    checksums on the way; nothing is committed. Referenced items
+    (incremental saves) are read from their base, so the copy holds every byte it
+    needs, unless ``keep_references``: then an item that references a base is
+    recorded as a reference to the base of the same name beside ``dst_path`` when that
+    one is committed and holds the same stored bytes there (same index, transform
+    chain, length and checksum), and only copied otherwise, so a copy of an
+    incremental checkpoint made after its bases' copies stays incremental. ``ranks``
+    limits the copy to the data files those ranks wrote
+    (``__{rank}_*``), so each rank of a job can copy its own files from a node-local
+    tier; new files are numbered from ``first``. ``pace``, when given, is called before
+    each read of the source (at most ``streams.CHUNK`` bytes apart) and may block: a
+    background copy pauses there while something more urgent runs. On failure, removes
+    what it wrote."""
+    copied = CopiedFiles(save_id or uuid.uuid4().hex[:12], set(), [], {})
+    infos = list((part.metadata.storage_data or {}).items())
+    if keep_references:
+        kept = _kept_references(dst_fs, dst_path, infos)
+        for index, info in infos:
+            if index in kept and (ranks is None or _owner(part, info) in ranks):
+                copied.infos[index] = kept[index]
+        infos = [(index, info) for index, info in infos if index not in kept]
+    check_bases(src_fs, src_path, ((part.label(i), info) for i, info in infos))
+    plan = _plan(src_fs, src_path, part, infos, ranks, first, copied.save_id)
+    copied.names = {name for _, name, _ in plan}
+    dst_fs.mkdir(dst_path)
+    files = _FileCopy(src_fs, src_path, dst_fs, dst_path, part, copied, transforms, keys)
+    files.registry, files.progress, files.pace = registry, progress, pace
+    try:
+        workers = max(1, min(thread_count or default_thread_count(dst_fs), len(plan) or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dcp-copy") as pool:
+            for fut in [pool.submit(files.copy, *p) for p in plan]:
+                fut.result()
+    except BaseException:
+        remove_quietly(dst_fs, copied.written)
+        raise
+    return copied
+
+
+Items = list[tuple[MetadataIndex, Any]]
+
+
+def _plan(
+    src_fs: FileSystemBase,
+    src_path: str,
+    part: Part,
+    infos: Items,
+    ranks: Collection[int] | None,
+    first: int,
+    save_id: str,
+) -> list[tuple[str, str, Items]]:
+    """(source file, new data file name, its items) for each source file that one of
+    ``ranks`` wrote, numbered from ``first``; each under the key prefix directory its
+    source file had. Never reads through a linked prefix directory."""
+    per_file: dict[str, Items] = {}
+    for index, info in infos:
+        src_file = item_path(src_fs, src_path, info)
+        if src_file not in per_file:
+            directory = item_directory(src_fs, src_path, info)
+            refuse_linked_prefix(src_fs, directory, info.relative_path)
+        per_file.setdefault(src_file, []).append((index, info))
+    plan = []
+    for number, (src_file, items_of) in enumerate(sorted(per_file.items()), start=first):
+        rank = _owner(part, items_of[0][1])
+        if ranks is None or rank in ranks:
+            name = fmt.data_file_name(rank, number, save_id)
+            prefix, _ = split(items_of[0][1].relative_path)  # key prefixes stay as saved
+            plan.append((src_file, name if prefix is None else f"{prefix}/{name}", items_of))
+    return plan
+
+
+class _FileCopy:
+    """Copies one source file's items into one new data file (:meth:`copy`, called
+    from several threads), recording each item's new storage info in ``copied``."""
+
+    registry: ExtensionRegistry | None = None
+    progress: Progress | None = None
+    pace: Callable[[], object] | None = None
+
+    def __init__(
+        self,
+        src_fs: FileSystemBase,
+        src_path: str,
+        dst_fs: FileSystemBase,
+        dst_path: str,
+        part: Part,
+        copied: CopiedFiles,
+        transforms: Sequence[Any] | None,
+        keys: Keys | None,
+    ) -> None:
+        self.src_fs, self.src_url = src_fs, src_fs.url(src_path)
+        self.dst_fs, self.dst_path = dst_fs, dst_path
+        self.part, self.copied = part, copied
+        self.chain = None if transforms is None else list(transforms)
+        self.keys = cached_key_lookup(keys)
+        self.lock = threading.Lock()
+
+    def copy(self, src_file: str, dst_name: str, items: Items) -> None:
+        items = sorted(items, key=lambda it: int(it[1].offset))
+        src_url, src_name = self.src_url, items[0][1].relative_path
+        dst_file = self.dst_fs.concat_path(self.dst_path, dst_name)
+        with self.lock:
+            self.copied.written.append(dst_file)
+        start = int(items[0][1].offset)
+        end = max(int(i.offset) + int(i.length) for _, i in items)
+        item_infos = [self.part.item_info(index, src_url, self.keys) for index, _ in items]
+        out_offset = 0
+        with (
+            self.src_fs.open_slice(src_file, start, end - start) as opened,
+            self.dst_fs.create_stream(dst_file, "wb", sync=True) as out,
+        ):
+            pace = self.pace
+            source = opened if pace is None else cast(IO[bytes], _Paced(opened, pace))
+            position = start
+            for (index, info), item in zip(items, item_infos):
+                _skip(source, int(info.offset) - position, src_url, src_name)
+                position = int(info.offset) + int(info.length)
+                count, crc, descriptors = _copy_item(
+                    source, out, info, item, self.chain, self.registry
+                )
+                self._record(index, info, dst_name, out_offset, count, crc, descriptors)
+                out_offset += count
+                if self.progress is not None:
+                    self.progress(int(info.length))
+
+    def _record(
+        self,
+        index: MetadataIndex,
+        info: Any,
+        dst_name: str,
+        offset: int,
+        count: int,
+        crc: int,
+        descriptors: list[str],
+    ) -> None:
+        dropped = ("crc32c", fmt.REF) if self.chain is None else ("crc32c", fmt.REF, CONTENT)
+        extra = {k: v for k, v in fmt.item_extra(info).items() if k not in dropped}
+        extra["crc32c"] = crc
+        with self.lock:
+            self.copied.infos[index] = fmt.new_storage_info(
+                dst_name, offset, count, descriptors, extra
+            )
+
+
+def _owner(part: Part, info: Any) -> int:
+    return part.rank if part.rank is not None else fmt.file_rank(info.relative_path)
+
+
+def _kept_references(
+    dst_fs: FileSystemBase, dst_path: str, infos: Sequence[tuple[MetadataIndex, Any]]
+) -> dict[MetadataIndex, Any]:
+    """For the items of ``infos`` that reference a base: the storage info referencing
+    the destination's sibling of that name, where it is committed and holds the same
+    stored bytes (see :func:`copy_data_files`)."""
+    bases: dict[str, dict[MetadataIndex, Any]] = {}
+    kept: dict[MetadataIndex, Any] = {}
+    for index, info in infos:
+        extra = fmt.item_extra(info)
+        ref = extra.get(fmt.REF)
+        if ref is None or extra.get("crc32c") is None:
+            continue
+        if ref not in bases:
+            bases[ref] = _committed_items(dst_fs, dst_path, ref)
+        theirs = bases[ref].get(index)
+        if theirs is None:
+            continue
+        their_extra = fmt.item_extra(theirs)
+        descriptors = list(info.transform_descriptors or [])
+        if (
+            list(theirs.transform_descriptors or []) != descriptors
+            or int(theirs.length) != int(info.length)
+            or their_extra.get("crc32c") != extra["crc32c"]
+        ):
+            continue
+        kept[index] = fmt.new_storage_info(
+            theirs.relative_path,
+            theirs.offset,
+            theirs.length,
+            descriptors,
+            dict(their_extra, ref=their_extra.get(fmt.REF, ref)),
+        )
+    return kept
+
+
+def _committed_items(fs: FileSystemBase, path: str, name: str) -> dict[MetadataIndex, Any]:
+    """The storage index of the committed checkpoint ``name`` beside ``path`` (empty
+    when there is none, or it cannot be read: its items are then copied, not kept as
+    references)."""
+    try:
+        base = sibling_path(fs, path, name)
+    except CheckpointNotFoundError:
+        return {}
+    return open_committed(fs, base).items()
+
+
+class _Paced(io.RawIOBase):
+    """``base``, calling ``pace()`` before each read."""
+
+    def __init__(self, base: IO[bytes], pace: Callable[[], object]) -> None:
+        super().__init__()
+        self._base = base
+        self._pace = pace
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._pace()
+        return self._base.readinto(buffer) or 0  # type: ignore[attr-defined]
+
+
+def _skip(source: IO[bytes], n: int, url: str, name: str) -> None:
+    if n < 0:
+        raise IntegrityError(f"{url}: items in {quote(name)} overlap; the metadata is damaged")
+    skip(source, n)
+
+
+def _copy_item(
+    source: IO[bytes],
+    out: IO[bytes],
+    info: Any,
+    item: ItemInfo,
+    chain: list[Any] | None,
+    registry: ExtensionRegistry | None,
+) -> tuple[int, int, list[str]]:
+    """Stream one stored item into ``out`` (as stored when ``chain`` is None, else
+    decoded and encoded with ``chain``); returns (stored length, crc32c, descriptors)."""
+    stored = StoredItemReader(
+        source,
+        int(info.length),
+        info.transform_descriptors or (),
+        fmt.item_extra(info).get("crc32c"),
+        f"{item.checkpoint}: item {quote(item.item)}",
+    )
+    try:
+        if chain is None:
+            encoder = ItemEncoder(out, [], item)
+            pump(stored.raw, encoder.plain)
+        else:
+            encoder = ItemEncoder(out, chain, item)
+            pump(stored.decoded(registry or ExtensionRegistry(), item), encoder.plain)
+        count, crc = encoder.close()
+        stored.finish()
+    except (CheckpointStorageError, OSError):
+        raise  # already named, or the storage failed (not the bytes)
+    except Exception as exc:
+        raise stored.damaged(exc) from exc
+    return count, crc, stored.descriptors if chain is None else encoder.descriptors

@@ -1,0 +1,158 @@
+"""One save into a local tier: its base, its writes, its replicas, each node's commit.
+
+Every rank writes its data files to its node's tier with a writer that does not publish
+(``CheckpointWriter(publish=False)``): the coordinator's node does not hold the other
+nodes' files. The coordinator's metadata is broadcast, each rank sends its files to its
+peer (``replicate``), and once every rank is done, the lowest rank of each node commits
+that node's copy with the commit transaction (``commit.commit_checkpoint``: its ranks'
+files and the replicas it holds, under the writer's deadline). An error on any rank
+fails the save on every rank, each removing what it wrote unless a commit may have
+landed somewhere.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from extensions.errors import TierFullError
+from storage.checkpoint import api
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.commit import commit_checkpoint
+from storage.checkpoint.deadline import DeadlineExceededError
+from storage.checkpoint.writer import CheckpointWriter
+from storage.ops._peers import Group, Move, gather_errors, transfer
+from storage.ops.steps import StepRoot
+
+
+def base_for(
+    g: Group,
+    local: StepRoot,
+    step: int,
+    *,
+    incremental: bool,
+    full_every: int | None,
+    pg: Any = None,
+) -> int | None:
+    """The base of an incremental save of ``step``: the newest step below it that is
+    committed in every node's local tier (a reference is resolved in the tier that
+    holds the referencing step) and not a symbolic link there (a reference names the
+    step that holds the bytes, never a link to it), unless ``full_every`` asks for a
+    full save. Collective on ``pg``."""
+    if not incremental:
+        return None
+    linked = set(local.linked_steps())
+    views = g.all_gather([s for s in local.steps() if s < step and s not in linked], pg=pg)
+    common = set.intersection(*(set(v) for v in views))
+    if not common:
+        return None
+    base = max(common)
+    chain = local.model(base).chain
+    return None if full_every is not None and chain + 1 >= full_every else base
+
+
+def commit_step(
+    g: Group,
+    local: StepRoot,
+    step: int,
+    writer: CheckpointWriter,
+    state_dict: dict[str, Any],
+    *,
+    pg: Any,
+    sent: Callable[[int], None],
+    deadline: float | None = None,
+) -> None:
+    """Write, replicate and commit ``step`` in ``local`` (see the module docstring;
+    collective on ``pg``). Nothing is published if a rank is past ``deadline`` (a
+    ``time.monotonic()`` time) once every file is written and replicated. ``sent`` is
+    told the bytes this rank sent to its peer."""
+    path = local.step_path(step)
+    try:
+        try:
+            api.save_with(writer, state_dict, process_group=pg)
+        except OSError as exc:
+            full = full_or(exc, local.url)
+            if full is exc:
+                raise
+            raise full from exc
+        held = writer.unpublished  # the coordinator's: no need to unpickle it there
+        payload = g.broadcast(None if held is None else held[1], pg=pg)
+        assert payload is not None
+        meta = fmt.load_metadata(payload, local.fs.url(path)) if held is None else held[0]
+        error: BaseException | None = None
+        try:
+            sent(_replicate(g, local, path, meta, pg=pg, sync=writer.sync_files))
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeadlineExceededError(
+                    f"step {step} was not ready to commit in {local.url} before its "
+                    "deadline; nothing is published"
+                )
+        except Exception as exc:
+            error = exc
+        gather_errors(g, error, f"writing and replicating step {step}", pg=pg)
+        if g.leader:
+            try:
+                _commit_node(g, local, step, writer, payload, meta)
+            except Exception as exc:
+                error = full_or(exc, local.url)
+        gather_errors(g, error, f"committing step {step} in the local tier", pg=pg)
+    except BaseException as exc:
+        writer.abort(exc)  # unless the commit may have landed on some node
+        raise
+
+
+def _commit_node(
+    g: Group, local: StepRoot, step: int, writer: CheckpointWriter, payload: bytes, meta: Metadata
+) -> None:
+    """Commit this node's copy: its ranks' files and the replicas it holds."""
+    here = set(g.node) | {r for r in range(g.world) if g.peer.get(r) in g.node}
+    infos = list((meta.storage_data or {}).values())
+    named = {i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)}
+    save_id = getattr(meta.storage_meta, "save_id", None)
+    assert isinstance(save_id, str)  # our writer's metadata names its save
+    commit_checkpoint(
+        local.fs,
+        local.step_path(step),
+        fmt.METADATA_NAME,
+        payload,
+        save_id=save_id,
+        infos=infos,
+        new_files={n for n in named if fmt.file_rank(n) in here},
+        overwrite=writer.overwrite,
+        sync=writer.sync_files,
+        budget=writer.budget,
+    )
+    local.remember(step, meta)
+
+
+def _replicate(g: Group, local: StepRoot, path: str, meta: Metadata, *, pg: Any, sync: bool) -> int:
+    """Send this rank's data files of the step at ``path`` to its peer (and receive
+    the replicas it holds for others); returns the bytes this rank sent."""
+    if not any(p is not None for p in g.peer.values()):
+        return 0
+    infos = (meta.storage_data or {}).values()  # a referenced item's file is the base's
+    names = sorted({i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)})
+    moves: list[Move] = []
+    for rank, peer in sorted(g.peer.items()):
+        if peer is not None and g.node_of(peer) != g.node_of(rank):
+            moves.append((rank, peer, [n for n in names if fmt.file_rank(n) == rank]))
+    return transfer(g, moves, local.fs, path, sync=sync, pg=pg)
+
+
+def full_or(exc: BaseException, url: str) -> BaseException:
+    """``exc``, or a :class:`TierFullError` naming ``url`` when it says the device is
+    full (``ENOSPC``)."""
+    if (
+        isinstance(exc, OSError)
+        and exc.errno == errno.ENOSPC
+        and not isinstance(exc, TierFullError)
+    ):
+        return TierFullError(
+            f"the local tier {url} is full (ENOSPC: {exc}); nothing committed there was "
+            "deleted. Free space, lower keep_local or point local= at a larger device"
+        )
+    return exc

@@ -1,0 +1,181 @@
+"""A manager's saves and loads straight to its root (a manager without a local tier).
+
+Each save writes ``root/step-{N}`` with a :class:`CheckpointWriter` and the commit
+protocol, marks the step (and the base of an incremental save) in flight at the root
+while it runs, so retention and cleanup leave both alone, then applies retention.
+An asynchronous save runs with DCP's asynchronous machinery on a gloo group of its own
+and reports through its future; at most one is in flight. A load reads the step
+rank 0 picks, once this manager's own save in flight is done.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from extensions.errors import CheckpointNotFoundError
+from storage.checkpoint import api
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.api import ReaderOptions
+from storage.checkpoint.committed import CommittedCheckpoint
+from storage.checkpoint.layout import STEP_PREFIX
+from storage.checkpoint.writer import CheckpointWriter
+from storage.ops._peers import decided_by_rank_zero
+from storage.ops.retention import Retention
+from storage.ops.steps import StepRoot
+
+log = logging.getLogger("storage.ops.manager")
+
+
+class RootTier:
+    """The saves and loads of one manager at ``root`` with its settings
+    (``transforms``, the writer options, ``incremental``, ``full_every``, ``reader``);
+    ``retention`` runs after each save."""
+
+    def __init__(
+        self,
+        root: StepRoot,
+        retention: Retention,
+        *,
+        transforms: list[Any],
+        writer_options: dict[str, Any],
+        incremental: bool,
+        full_every: int | None,
+        reader: ReaderOptions,
+    ) -> None:
+        self.root, self.retention, self.reader = root, retention, reader
+        self.transforms, self.writer_options = transforms, writer_options
+        self.incremental, self.full_every = incremental, full_every
+        self._lock = threading.Lock()
+        self._pending: concurrent.futures.Future[None] | None = None
+        self._async_group: Any = None
+
+    def save(
+        self, step: int, state_dict: dict[str, Any], *, blocking: bool
+    ) -> concurrent.futures.Future[None] | None:
+        """See :meth:`CheckpointManager.save`."""
+        self.wait()
+        options = dict(self.writer_options, filesystem=self.root.fs)
+        base, opened = self.incremental_base(step)
+        if self.incremental:
+            options["fingerprint"] = True
+        if opened is not None:
+            options["base"] = opened  # read once, here: the writer does not read it again
+        if not blocking:
+            return self._save_async(step, base, state_dict, options)
+        with self.root.in_flight.writing(step, base):
+            url = self.root.step_url(step)
+            writer = CheckpointWriter(url, transforms=self.transforms, **options)
+            api.save_with(writer, state_dict)
+            if writer.published is not None:
+                self.root.remember(step, writer.published)
+        self.retention.after_save(step)
+        return None
+
+    def _save_async(
+        self, step: int, base: int | None, state_dict: dict[str, Any], options: dict[str, Any]
+    ) -> concurrent.futures.Future[None]:
+        url = self.root.step_url(step)
+        outer: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.root.in_flight.begin(step, base)
+        with self._lock:
+            self._pending = outer
+        try:
+            inner = api.async_save(
+                state_dict,
+                url,
+                transforms=self.transforms,
+                process_group=self._background_group(),
+                **options,
+            )
+        except BaseException:
+            self.root.in_flight.end()
+            with self._lock:
+                self._pending = None
+            raise
+
+        def finished(fut: concurrent.futures.Future[None]) -> None:
+            error = fut.exception()
+            self.root.in_flight.end()
+            if error is None:
+                self.retention.after_save(step)
+                outer.set_result(None)
+            else:
+                log.error("asynchronous save of %s failed: %s", url, error)
+                outer.set_exception(error)
+
+        inner.add_done_callback(finished)
+        return outer
+
+    def _background_group(self) -> Any:
+        """Under a process group, a gloo group of this manager's own for the collectives
+        of its asynchronous saves: they run in a background thread while the job's run
+        on the default group (a DDP all-reduce), and gloo aborts when collectives from
+        two threads interleave on one group. Made at the first asynchronous save, which
+        every rank makes together."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+    def incremental_base(self, step: int) -> tuple[int | None, CommittedCheckpoint | None]:
+        """The step an incremental save of ``step`` references and its read model: the
+        newest committed step below it, unless ``full_every`` says this save is a full
+        one, or that step cannot serve as a base (committed only by rank-local metadata,
+        unreadable, or a symbolic link): then the save is a full one, and says why."""
+        if not self.incremental:
+            return None, None
+        below = [s for s in self.root.steps() if s < step]
+        if not below:
+            return None, None
+        checkpoint = self.root.model(below[-1])
+        why = (
+            "it is a symbolic link"
+            if self.root.is_link(below[-1])
+            else "its metadata cannot be read"
+            if not checkpoint.readable
+            else "it is committed only by rank-local metadata"
+            if checkpoint.global_metadata is None
+            else None
+        )
+        if why is not None:
+            log.info("step %d is saved in full: step %d is no base (%s)", step, below[-1], why)
+            return None, None
+        if self.full_every is not None and checkpoint.chain + 1 >= self.full_every:
+            return None, None
+        return below[-1], checkpoint
+
+    def load(self, state_dict: dict[str, Any], step: int | None) -> int:
+        """See :meth:`CheckpointManager.load`."""
+        self.wait()
+        if step is None:
+            step = decided_by_rank_zero(lambda: max(self.root.steps(), default=None))
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint under {self.root.url} (looked for "
+                    f"{STEP_PREFIX}<N>/{fmt.METADATA_NAME}); save one first or check the root URL"
+                )
+        elif not self.root.is_committed(step):
+            raise CheckpointNotFoundError(
+                f"{self.root.step_url(step)} is not a committed checkpoint; committed steps "
+                f"under {self.root.url}: {self.root.steps() or 'none'}"
+            )
+        api.load(
+            state_dict, self.root.step_url(step), filesystem=self.root.fs, **self.reader.as_kwargs()
+        )
+        return step
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight, if any (its error is not raised)."""
+        with self._lock:
+            pending = self._pending
+        if pending is not None:
+            concurrent.futures.wait([pending])
+            with self._lock:
+                if self._pending is pending:
+                    self._pending = None

@@ -1,0 +1,144 @@
+"""Numbered steps under one root: what a manager's root and a local tier both are.
+
+A :class:`StepRoot` is the ``root/step-{N}`` directories at one location (``N`` a
+non-negative integer in canonical decimal: ``step-7``, never ``step-07``): their paths,
+which are committed (a step exists once its metadata does: docs/format.md, "Commit
+protocol"), which are symbolic links, their read models (``committed.ReadModels``,
+each metadata read once while unchanged) and the save in flight there
+(:class:`InFlight`). It lists and reads; it deletes nothing (``storage.ops.retention``
+does, through it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from storage.backends.base import FileSystemBase
+from storage.checkpoint.committed import CommittedCheckpoint, ReadModels
+from storage.checkpoint.layout import (
+    STEP_PREFIX,
+    StepInfo,
+    directory_info,
+    is_committed,
+    parse_step,
+)
+
+
+class InFlight:
+    """The save in flight at one root: the step being written and the step it
+    references (its base, for an incremental save). Retention keeps both and cleanup
+    leaves the step alone. The saving side marks them from the moment it chooses the
+    base until the save is over (committed or failed): :meth:`writing`, or
+    :meth:`begin` and :meth:`end` when the save ends in another thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._base: int | None = None
+
+    def begin(self, step: int, base: int | None) -> None:
+        with self._lock:
+            self._step, self._base = step, base
+
+    def end(self) -> None:
+        with self._lock:
+            self._step, self._base = None, None
+
+    @contextlib.contextmanager
+    def writing(self, step: int, base: int | None) -> Iterator[None]:
+        """Mark ``step`` (and ``base``) for the duration of the block."""
+        self.begin(step, base)
+        try:
+            yield
+        finally:
+            self.end()
+
+    @property
+    def step(self) -> int | None:
+        """The step being written, if any."""
+        with self._lock:
+            return self._step
+
+    def held(self) -> set[int]:
+        """The step being written and its base: neither may be deleted now."""
+        with self._lock:
+            return {s for s in (self._step, self._base) if s is not None}
+
+
+class StepRoot:
+    """The ``step-<N>`` directories under ``path`` on ``fs`` (see the module docstring)."""
+
+    def __init__(self, fs: FileSystemBase, path: str) -> None:
+        self.fs = fs
+        self.path = path
+        self.models = ReadModels()
+        self.in_flight = InFlight()
+
+    @property
+    def url(self) -> str:
+        return self.fs.url(self.path)
+
+    def step_path(self, step: int) -> str:
+        """The backend path of ``root/step-{step}``."""
+        return self.fs.concat_path(self.path, f"{STEP_PREFIX}{check_step(step)}")
+
+    def step_url(self, step: int) -> str:
+        return self.fs.url(self.step_path(step))
+
+    def step_dirs(self) -> list[tuple[int, str]]:
+        """Every ``step-<N>`` name under the root, committed or not, with its step,
+        ascending (empty when the root does not exist)."""
+        try:
+            names = self.fs.ls(self.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted((s, n) for n in names if (s := parse_step(n)) is not None)
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return [
+            step
+            for step, name in self.step_dirs()
+            if is_committed(self.fs, self.fs.concat_path(self.path, name))
+        ]
+
+    def is_committed(self, step: int) -> bool:
+        return is_committed(self.fs, self.step_path(step))
+
+    def is_link(self, step: int) -> bool:
+        """Whether ``step``'s directory is a symbolic link (never deleted through)."""
+        return self.fs.is_link(self.step_path(step))
+
+    def linked_steps(self) -> list[int]:
+        """Steps whose directory is a symbolic link, ascending."""
+        return [
+            s for s, n in self.step_dirs() if self.fs.is_link(self.fs.concat_path(self.path, n))
+        ]
+
+    def entries(self) -> list[StepInfo]:
+        """Every ``step-<N>`` directory, committed or not, with size and age."""
+        infos = []
+        for step, name in self.step_dirs():
+            info = directory_info(self.fs, self.fs.concat_path(self.path, name), name, step)
+            if info is not None:
+                infos.append(info)
+        return infos
+
+    def model(self, step: int) -> CommittedCheckpoint:
+        """The read model of ``step`` (read once while its metadata files are unchanged)."""
+        return self.models.open(self.fs, self.step_path(step))
+
+    def remember(self, step: int, metadata: Metadata) -> None:
+        """``metadata`` was just published as ``step``'s ``.metadata`` by this process."""
+        self.models.remember(self.fs, self.step_path(step), metadata)
+
+
+def check_step(step: object) -> int:
+    """``step`` if it is an int >= 0, else ``ValueError``."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return step
