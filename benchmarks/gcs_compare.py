@@ -67,7 +67,7 @@ BUCKET = "bench"
 
 def _ours(endpoint: str) -> tuple[SaveFn, LoadFn]:
     import storage
-    import storage.backends._gcs  # noqa: F401 - imported untimed, as stock's gcsfs is
+    import storage.backends.gcs  # noqa: F401 - imported untimed, as stock's gcsfs is
 
     opts = gcs_options(endpoint)
 

@@ -25,12 +25,14 @@ from storage.backends import (
     filesystem_from_url,
     register_filesystem,
 )
+from storage.backends.registry import LAZY_NAMES as _LAZY
 from storage.checkpoint import CheckpointReader, CheckpointWriter, async_save, load, save
 from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError
 from storage.ops import CheckpointManager, StorageTransport
 
-# FsspecFileSystem, S3FileSystem and GCSFileSystem resolve lazily (below) and stay out
-# of __all__, so `from storage import *` works without s3fs, gcsfs or fsspec.
+# The backends with optional client libraries (FsspecFileSystem, S3FileSystem,
+# GCSFileSystem: storage.backends.registry.LAZY_NAMES) resolve lazily (below) and stay
+# out of __all__, so `from storage import *` works without s3fs, gcsfs or fsspec.
 __all__ = [
     "CheckpointExistsError",
     "CheckpointInUseError",
@@ -60,15 +62,11 @@ __all__ = [
 ]
 
 
-_LAZY = ("FsspecFileSystem", "S3FileSystem", "GCSFileSystem")
-
-
 def __getattr__(name: str) -> object:
     # Cloud backends import their client libraries; load them only when asked for.
-    if name in _LAZY:
-        import storage.backends
-
-        return getattr(storage.backends, name)
+    backend = _LAZY.get(name)
+    if backend is not None:
+        return backend.load(f"storage.{name}")
     raise AttributeError(f"module 'storage' has no attribute {name!r}")
 
 

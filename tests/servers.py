@@ -375,6 +375,7 @@ class Record:
     start: float = 0.0  # the request arrived
     end: float = 0.0  # the proxy began to answer (before the client can see the answer)
     range: str | None = None  # the request's Range header
+    authorization: str | None = None  # the request's Authorization header
 
 
 @dataclass
@@ -438,6 +439,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._start,
             time.monotonic(),
             self.headers.get("Range"),
+            self.headers.get("Authorization"),
         )
         with state.lock:
             state.records.append(record)

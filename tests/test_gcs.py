@@ -73,6 +73,18 @@ class TestGCSFileSystem(FileSystemTests):
         return gcs_get(self.endpoint, bucket, key)
 
 
+class TestGCSFileSystemStreamed(TestGCSFileSystem):
+    """The same contract where GETs go through gcsfs's aiohttp session (a client with
+    ``session_kwargs`` gets no direct path)."""
+
+    @pytest.fixture
+    def fs(self, endpoint: str) -> FileSystemBase:
+        options = gcs_options(endpoint, session_kwargs={"trust_env": False})
+        return GCSFileSystem(
+            storage_options=options, part_size=1 << 20, single_request_size=1 << 20
+        )
+
+
 def test_urls(endpoint: str) -> None:
     for scheme in ("gs", "gcs"):
         fs, path = storage.filesystem_from_url(

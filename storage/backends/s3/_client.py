@@ -26,9 +26,9 @@ import fsspec.utils
 import s3fs
 
 from storage.backends._buffers import BufferPool
+from storage.backends._connections import PooledResponse
 from storage.backends.cancel import Cancel, StreamCancelled
-from storage.backends.s3._http import BodyBroken as BodyBroken  # for the data path
-from storage.backends.s3._http import DirectBody, DirectPath, direct_path
+from storage.backends.s3._http import DirectPath, direct_path
 
 # A part is handed to aiohttp in slices of this size (no copies; at most one slice is
 # copied into asyncio's buffer when the socket is full).
@@ -195,7 +195,7 @@ class S3Client:
         """Read ``body`` into ``view`` until it is full or the body ends, counting in
         ``progress[0]`` (so a caller knows what arrived before an error); the body of
         a GET made with ``cancel`` is interrupted by it."""
-        if isinstance(body, DirectBody):
+        if isinstance(body, PooledResponse):
             while progress[0] < len(view):
                 n = body.readinto(view[progress[0] :])
                 if not n:
@@ -209,7 +209,7 @@ class S3Client:
 
     def close_body(self, body: Any) -> None:
         """Close a response body from any thread."""
-        if isinstance(body, DirectBody):
+        if isinstance(body, PooledResponse):
             body.close()
         else:  # aiohttp bodies belong to the loop
             self.s3.loop.call_soon_threadsafe(body.close)

@@ -1,4 +1,5 @@
-"""Where one bucket's data requests go, for the direct path (``_http``).
+"""Where one bucket's data requests go, for the direct path (``_http``); and, for
+messages, the endpoint as configured and whether an error says it cannot be reached.
 
 The s3fs client prepares and signs a ``HeadObject`` of a probe key but never sends it:
 its URL gives the endpoint (the client's endpoint rules and addressing style), its
@@ -13,12 +14,14 @@ from __future__ import annotations
 import functools
 import os
 import re
+import socket
 import urllib.parse
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import botocore.exceptions
 import s3fs
 
 Runner = Callable[..., Any]
@@ -162,3 +165,36 @@ def host_header(hostname: str, port: int, scheme: str) -> str:
     # As botocore derives it from a URL: brackets around IPv6, no default port.
     host = f"[{hostname}]" if ":" in hostname else hostname
     return host if port == {"http": 80, "https": 443}[scheme] else f"{host}:{port}"
+
+
+def configured_endpoint(options: dict[str, Any]) -> str | None:
+    """The endpoint that ``storage_options`` (or the environment, as botocore reads
+    it) give; ``None``: AWS's."""
+    given = (
+        options.get("endpoint_url")
+        or (options.get("client_kwargs") or {}).get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
+    return str(given) if given else None
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) says the endpoint could not be
+    reached at all: no such host, connection refused, no connection in time."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(
+            error,
+            (
+                botocore.exceptions.EndpointConnectionError,
+                botocore.exceptions.ConnectTimeoutError,
+                socket.gaierror,
+                ConnectionRefusedError,
+            ),
+        ) or type(error).__name__ in ("ClientConnectorError", "ClientConnectorDNSError"):
+            return True
+        error = error.__cause__ or error.__context__
+    return False

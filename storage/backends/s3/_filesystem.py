@@ -12,32 +12,23 @@ import contextlib
 import io
 import logging
 import os
-import socket
 import threading
 from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
-from extensions.errors import CheckpointNotFoundError, MissingDependencyError
+import s3fs  # noqa: F401 - first, so a missing extra is reported as s3fs (registry.py)
+
+from extensions.errors import CheckpointNotFoundError
 from storage.backends._fsspec import FsspecFileSystem
 from storage.backends.base import PendingUpload
-
-try:
-    import s3fs  # noqa: F401 - named here so a missing extra is reported as one
-except ImportError as _exc:  # pragma: no cover - exercised without the extra installed
-    raise MissingDependencyError(
-        f"s3:// URLs need s3fs ({_exc.name or _exc}); install it with: "
-        "pip install 'dcp-storage[s3]'"
-    ) from _exc
-
-import botocore.exceptions  # noqa: E402
-
-from storage.backends.s3._client import (  # noqa: E402
+from storage.backends.s3._client import (
     S3Client,
     error_code,
     shared_s3fs,
     split_path,
 )
-from storage.backends.s3._io import MultipartWriter, RangeReader  # noqa: E402
+from storage.backends.s3._endpoint import configured_endpoint, unreachable
+from storage.backends.s3._io import MultipartWriter, RangeReader
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +207,7 @@ class S3FileSystem(FsspecFileSystem):
         if isinstance(exc, FileExistsError):
             return FileExistsError(f"{url} already exists ({action})")
         attempts = self.max_attempts
-        if _unreachable(exc):
+        if unreachable(exc):
             return ConnectionError(
                 f"{url}: cannot reach the S3 endpoint {self._endpoint()} while {action} (after "
                 f"up to {attempts} attempts): {text}; check endpoint_url in storage_options "
@@ -226,16 +217,10 @@ class S3FileSystem(FsspecFileSystem):
 
     def _endpoint(self) -> str:
         """The endpoint requests go to, as configured, for messages."""
-        opts = self.storage_options
-        given = (
-            opts.get("endpoint_url")
-            or (opts.get("client_kwargs") or {}).get("endpoint_url")
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-        )
+        given = configured_endpoint(self.storage_options)
         if not given:
             return "of AWS (no endpoint_url given)"
-        return self.redactor.redact(str(given))
+        return self.redactor.redact(given)
 
     # --- streams -------------------------------------------------------------------
 
@@ -418,24 +403,3 @@ class S3FileSystem(FsspecFileSystem):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return os.fspath(checkpoint_id).startswith(("s3://", "s3a://"))
-
-
-def _unreachable(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an error it was raised from) says the endpoint could not be
-    reached at all: no such host, connection refused, no connection in time."""
-    seen: set[int] = set()
-    error: BaseException | None = exc
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(
-            error,
-            (
-                botocore.exceptions.EndpointConnectionError,
-                botocore.exceptions.ConnectTimeoutError,
-                socket.gaierror,
-                ConnectionRefusedError,
-            ),
-        ) or type(error).__name__ in ("ClientConnectorError", "ClientConnectorDNSError"):
-            return True
-        error = error.__cause__ or error.__context__
-    return False

@@ -25,7 +25,6 @@ import inspect
 import logging
 import random
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -36,15 +35,14 @@ import s3fs
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from s3fs.errors import translate_boto_error
-from urllib3.util.wait import wait_for_read
 
+from storage.backends._connections import ConnectionPool, PooledResponse
 from storage.backends._secrets import BY_FORM
 from storage.backends.cancel import Cancel
 from storage.backends.s3._endpoint import (
     Bucket,
     Runner,
     check_client,
-    host_header,
     quote,
     resolve,
 )
@@ -77,56 +75,9 @@ _RETRIED_CODES = frozenset(
 # Frozen credentials are asked for again after this long; refreshable ones refresh
 # minutes before they expire, so a copy this old is still valid.
 CREDENTIALS_TTL = 60.0
-_MAX_IDLE = 64
 _ERROR_BODY_LIMIT = 1 << 16
 _USER_AGENT = "dcp-storage"
 _UNSAFE = re.compile(r"[\r\n\x00]")
-
-
-class BodyBroken(ConnectionError):
-    """A response body broke off: reset, timed out or shorter than announced."""
-
-
-class DirectBody:
-    """The body of a ranged GET, read straight into the caller's buffers; cancelling
-    ``cancel`` shuts its connection down, so a read blocked on it returns."""
-
-    def __init__(
-        self,
-        response: http.client.HTTPResponse,
-        conn: http.client.HTTPConnection,
-        owner: DirectPath,
-        cancel: Cancel | None = None,
-    ) -> None:
-        self._response = response
-        self._conn: http.client.HTTPConnection | None = conn
-        self._owner = owner
-        self._cancel = cancel
-        if cancel is not None:
-            cancel.track(conn, True)
-
-    def readinto(self, view: memoryview) -> int:
-        response = self._response
-        try:
-            n = response.readinto(view)
-        except (OSError, http.client.HTTPException) as exc:
-            self.close()
-            raise BodyBroken(f"response body broke off: {exc!r}") from exc
-        if not n and view.nbytes and response.length:
-            self.close()
-            raise BodyBroken(f"response body ended {response.length} bytes early")
-        return n
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        if self._cancel is not None:
-            self._cancel.track(conn, False)
-        if self._response.length:
-            conn.close()  # unread bytes would be the next response
-        else:
-            self._owner.release(conn, self._response)
 
 
 class DirectPath:
@@ -148,14 +99,15 @@ class DirectPath:
         self._run = run
         self._config = config
         self.max_attempts = max_attempts
-        self._connect_timeout = config.connect_timeout
-        self._read_timeout = config.read_timeout
-        self._ssl_contexts = ssl_contexts
-        self._ssl_context: Any = None  # built on first use (reading CA bundles costs ~20 ms)
+        # TLS settings built on first use (reading CA bundles costs ~20 ms).
+        self._pool = ConnectionPool(
+            connect_timeout=config.connect_timeout,
+            read_timeout=config.read_timeout,
+            ssl_context=lambda: ssl_contexts()[0] if ssl_contexts is not None else None,
+        )
         self._lock = threading.Lock()
         self._buckets: dict[str, Bucket | None] = {}
         self._frozen: dict[int, tuple[Any, float]] = {}
-        self._idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
 
     # --- where and how ------------------------------------------------------------
 
@@ -166,18 +118,12 @@ class DirectPath:
                 return self._buckets[bucket] is not None
         found: Bucket | None = None
         try:
-            found = resolve(self._s3, self._run, bucket, self._ssl)
+            found = resolve(self._s3, self._run, bucket, self._pool.ssl_context)
         except Exception as exc:  # s3fs raises it (or its own) on the request, if real
             log.debug("s3://%s: requests go through s3fs: %s", bucket, BY_FORM.redact(str(exc)))
         with self._lock:
             self._buckets[bucket] = found
         return found is not None
-
-    def _ssl(self) -> Any:
-        with self._lock:
-            if self._ssl_context is None and self._ssl_contexts is not None:
-                self._ssl_context, _ = self._ssl_contexts()
-            return self._ssl_context
 
     def _credentials(self, target: Bucket) -> Any:
         now = time.monotonic()
@@ -190,52 +136,6 @@ class DirectPath:
         with self._lock:
             self._frozen[id(target.client)] = (frozen, now)
         return frozen
-
-    # --- connections --------------------------------------------------------------
-
-    def _connection(self, target: Bucket) -> http.client.HTTPConnection:
-        key = (target.scheme, target.host, target.port)
-        while True:
-            with self._lock:
-                idle = self._idle.get(key)
-                conn = idle.pop() if idle else None
-            if conn is None:
-                break
-            # A pooled connection the server closed (or wrote to) is readable now.
-            if conn.sock is not None and not wait_for_read(conn.sock, timeout=0.0):
-                return conn
-            conn.close()
-        if target.scheme == "https":
-            conn = http.client.HTTPSConnection(
-                target.hostname,
-                target.port,
-                timeout=self._connect_timeout,
-                context=self._ssl(),
-            )
-        else:
-            conn = http.client.HTTPConnection(
-                target.hostname, target.port, timeout=self._connect_timeout
-            )
-        conn.connect()
-        assert conn.sock is not None
-        conn.sock.settimeout(self._read_timeout)
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.timeout = self._read_timeout  # a reconnect after "Connection: close"
-        return conn
-
-    def release(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
-        """Keep ``conn`` for reuse if ``response`` was its last and was read to the end."""
-        if conn.sock is None or not response.isclosed() or response.will_close:
-            conn.close()
-            return
-        scheme = "https" if isinstance(conn, http.client.HTTPSConnection) else "http"
-        key = (scheme, host_header(conn.host, conn.port, scheme), conn.port)
-        with self._lock:
-            idle = self._idle.setdefault(key, [])
-            if len(idle) < _MAX_IDLE:
-                idle.append(conn)
-                return
-        conn.close()
 
     # --- requests -----------------------------------------------------------------
 
@@ -257,7 +157,7 @@ class DirectPath:
         )
         etag = response.getheader("ETag")
         response.read()
-        self.release(conn, response)
+        self._pool.give(conn, response)
         if etag is None:
             raise OSError(f"part {number} was accepted without an ETag")
         return etag
@@ -271,7 +171,7 @@ class DirectPath:
         cancel: Cancel | None = None,
     ) -> dict[str, Any]:
         """A GET of ``key`` (``byte_range``: a ``Range`` header value), pinned to
-        ``if_match``; ``ETag``, ``ContentRange``, ``Body`` (a :class:`DirectBody`) and
+        ``if_match``; ``ETag``, ``ContentRange``, ``Body`` (a ``PooledResponse``) and
         the status in ``ResponseMetadata``, as botocore answers. ``cancel`` interrupts
         the request and the reading of its body."""
         headers = {}
@@ -286,7 +186,7 @@ class DirectPath:
             "ETag": response.getheader("ETag"),
             "ContentRange": response.getheader("Content-Range"),
             "ResponseMetadata": {"HTTPStatusCode": response.status},
-            "Body": DirectBody(response, conn, self, cancel),
+            "Body": PooledResponse(response, conn, self._pool, cancel),
         }
 
     def _send(
@@ -365,7 +265,7 @@ class DirectPath:
         body: memoryview | None,
         group: Cancel | None,
     ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
-        conn = self._connection(target)
+        conn = self._pool.take(target.scheme, target.hostname, target.port)
         if group is not None:
             group.track(conn, True)
         try:
@@ -395,7 +295,7 @@ class DirectPath:
             payload = response.read(_ERROR_BODY_LIMIT)
         except (OSError, http.client.HTTPException):
             payload = b""
-        self.release(conn, response)
+        self._pool.give(conn, response)
         text = payload.decode("utf-8", "replace")
         code = _xml_field(text, "Code") or str(response.status)
         message = _xml_field(text, "Message") or response.reason

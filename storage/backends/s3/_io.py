@@ -19,11 +19,12 @@ import botocore.exceptions as botoexc
 import crc32c
 
 from extensions.streams import read_all
+from storage.backends._connections import BodyBroken
 from storage.backends._ranges import RangeMismatchError, check_range
+from storage.backends._upload import FilledUpload
 from storage.backends.cancel import Cancel, current
 from storage.backends.s3._client import (
     PART_BUFFERS,
-    BodyBroken,
     S3Client,
     error_code,
     split_path,
@@ -32,7 +33,6 @@ from storage.backends.s3._client import (
 log = logging.getLogger("storage.backends.s3._filesystem")
 
 _MAX_PARTS = 10_000
-_BLOCK = 256 << 10
 
 # Errors of a response body that broke off: the read resumes from where it stopped.
 _BODY_ERRORS = (
@@ -219,7 +219,7 @@ class RangeReader(io.RawIOBase):
         super().close()
 
 
-class MultipartWriter(io.RawIOBase):
+class MultipartWriter(FilledUpload):
     """Buffers one part, uploads full parts concurrently, completes or aborts.
 
     Part buffers come from the process's pool and go back to it once their upload is
@@ -231,40 +231,22 @@ class MultipartWriter(io.RawIOBase):
     waiting for the stalled store."""
 
     def __init__(self, client: S3Client, path: str) -> None:
-        super().__init__()
+        super().__init__(PART_BUFFERS, client.part_size)
         self._client = client
         self._path = path
         self._bucket, self._key = split_path(path)
-        self._part_size = client.part_size
-        self._buf = PART_BUFFERS.take(self._part_size)
-        self._fill = 0
         self._crc = 0  # of the part's bytes so far
         self._upload_id: str | None = None
         self._parts: list[tuple[int, concurrent.futures.Future[str], dict[str, str]]] = []
         self._group = Cancel(current())
         self._finished = False
 
-    def writable(self) -> bool:
-        return True
+    def _block_copied(self, block: memoryview) -> None:
+        if self._client.checksum:  # the block was just copied: its bytes are in cache
+            self._crc = crc32c.crc32c(block, self._crc)
 
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        total = len(view)
-        while view:
-            # A block at a time, so the part's CRC32C reads what was just copied (cache).
-            take = min(len(view), self._part_size - self._fill, _BLOCK)
-            end = self._fill + take
-            self._buf[self._fill : end] = view[:take]
-            if self._client.checksum:
-                self._crc = crc32c.crc32c(memoryview(self._buf)[self._fill : end], self._crc)
-            self._fill = end
-            view = view[take:]
-            if self._fill == self._part_size:
-                self._ship_part()
-        return total
-
-    def _where(self) -> str:
-        return f"uploading part {len(self._parts) + 1}"
+    def _part_full(self) -> None:
+        self._ship_part()
 
     def _ship_part(self) -> None:
         client = self._client
@@ -283,15 +265,17 @@ class MultipartWriter(io.RawIOBase):
         number = len(self._parts) + 1
         if number > _MAX_PARTS:
             raise ValueError(f"{client.url(self._path)}: more than {_MAX_PARTS} parts")
-        buffer, data = self._buf, memoryview(self._buf)[: self._fill]
         self._group.acquire(client.slots)
         try:
             fut, checksum = client.upload_part(
-                self._group, self._path, self._upload_id, number, data, self._crc
+                self._group, self._path, self._upload_id, number, self._filled(), self._crc
             )
         except BaseException:
             client.slots.release()
             raise
+        # Parts may grow (S3 allows it), so objects past 10,000 x part_size still fit.
+        buffer = self._swap(self._part_size * 2 if number % 1000 == 0 else None)
+        self._crc = 0
 
         def done(_: object) -> None:
             client.slots.release()
@@ -299,12 +283,6 @@ class MultipartWriter(io.RawIOBase):
 
         fut.add_done_callback(done)
         self._parts.append((number, fut, checksum))
-        # Parts may grow (S3 allows it), so objects past 10,000 x part_size still fit.
-        if number % 1000 == 0:
-            self._part_size *= 2
-        self._buf = PART_BUFFERS.take(self._part_size)
-        self._fill = 0
-        self._crc = 0
 
     def _raise_failed(self) -> None:
         for number, fut, _ in self._parts:
@@ -318,7 +296,7 @@ class MultipartWriter(io.RawIOBase):
         client = self._client
         try:
             if self._upload_id is None:
-                body = bytes(memoryview(self._buf)[: self._fill])
+                body = bytes(self._filled())
                 client.call(
                     "put_object",
                     self._path,
@@ -357,8 +335,7 @@ class MultipartWriter(io.RawIOBase):
 
     def _done(self) -> None:
         self._finished = True
-        PART_BUFFERS.give(self._buf)
-        self._buf = bytearray()
+        self._release_buffer()
 
     def abort(self) -> None:
         if self._finished:
@@ -394,8 +371,3 @@ class MultipartWriter(io.RawIOBase):
             self._client.url(self._path),
             exc,
         )
-
-    def close(self) -> None:
-        # DCP transforms may close what they wrap; the upload ends in finish() or abort().
-        if not self.closed:
-            super().close()

@@ -1,4 +1,8 @@
-"""``GCSFileSystem``: Google Cloud Storage through gcsfs."""
+"""``GCSFileSystem``: Google Cloud Storage through gcsfs.
+
+gcsfs supplies the client, credentials, configuration and retry rule; the data path is
+ours: uploads from reused buffers (``_upload``), ranged GETs straight into the target
+(``_read``; over ``_direct``, else through gcsfs's session, ``_session``)."""
 
 from __future__ import annotations
 
@@ -11,25 +15,17 @@ import threading
 from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
-from extensions.errors import CheckpointNotFoundError, MissingDependencyError
+import aiohttp
+import fsspec.utils
+import gcsfs
+from gcsfs.retry import HttpError
+
+from extensions.errors import CheckpointNotFoundError
 from storage.backends._fsspec import FsspecFileSystem
-
-# gcsfs otherwise probes every bucket for hierarchical namespaces over gRPC/TLS, which
-# hangs for a minute against emulators and private endpoints.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-
-try:
-    import aiohttp
-    import fsspec.utils
-    import gcsfs
-    from gcsfs.retry import HttpError
-
-    from storage.backends._gcs_io import RangeReader, Upload
-except ImportError as _exc:  # pragma: no cover - exercised without the extra installed
-    raise MissingDependencyError(
-        f"gs:// URLs need gcsfs ({_exc.name or _exc}); install it with: "
-        "pip install 'dcp-storage[gcs]'"
-    ) from _exc
+from storage.backends.gcs._direct import direct_get
+from storage.backends.gcs._read import RangeReader
+from storage.backends.gcs._session import Get, StreamedGet
+from storage.backends.gcs._upload import Upload
 
 DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_SINGLE_REQUEST_SIZE = 64 << 20
@@ -61,7 +57,7 @@ class GCSFileSystem(FsspecFileSystem):
     reuse across saves. Objects up to ``single_request_size`` (default 64 MiB) go up in
     one request (``uploadType=media``): one round trip, no session to cancel; their
     full buffers are held until the object ends, within a process-wide budget of 256
-    MiB (``storage.backends._gcs_io.HELD``), past which they go up as resumable
+    MiB (``storage.backends.gcs._upload.HELD``), past which they go up as resumable
     uploads. Larger objects go up as resumable uploads in ``part_size`` chunks
     (sequential within a file, as the protocol requires; files upload in parallel).
     Memory: one buffer per file being written plus at most the held budget. Bodies go
@@ -69,9 +65,13 @@ class GCSFileSystem(FsspecFileSystem):
     its resumable session. ``write_atomic(..., exclusive=True)`` uses
     ``ifGenerationMatch=0``.
 
-    A slice is read with one ranged GET whose body is copied from the socket's chunks
-    straight into the caller's buffer (the target tensor); a body that breaks off is
-    resumed from the next byte, pinned to the object's generation."""
+    A slice is read in windows of ``part_size`` bytes, one ranged GET each, whose body
+    lands straight in the caller's buffer (the target tensor); a read that reaches a
+    window or more past the current GET is split into window-sized GETs run in
+    parallel. GETs go over pooled ``http.client`` connections (``_direct``) unless the
+    client's configuration needs its aiohttp session (``session_kwargs``, a client
+    certificate, a total ``requests_timeout``). A body that breaks off is resumed from
+    the next byte, pinned to the object's generation."""
 
     protocol: ClassVar[str | None] = "gs"
     io_concurrency: int = 16
@@ -156,13 +156,31 @@ class GCSFileSystem(FsspecFileSystem):
     def _open_range(
         self, path: str, offset: int = 0, length: int | None = None
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
-        reader = RangeReader(self.fs, path, offset, length, functools.partial(self._errors, path))
+        reader = RangeReader(
+            self.fs,
+            self._getter(),
+            path,
+            offset,
+            length,
+            functools.partial(self._errors, path),
+            window=self.part_size,
+        )
         try:
             reader.open()
         except BaseException:
             reader.close()
             raise
         return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
+
+    def read_bytes(self, path: str) -> bytes:
+        # The metadata of a load: the same GET as the data (no aiohttp session to build).
+        with self._open_range(path) as reader:
+            return reader.read()
+
+    def _getter(self) -> Get:
+        """How GETs are sent: the direct path where this client allows it."""
+        client = self.fs
+        return direct_get(client) or StreamedGet(client)
 
     def _prepare_parent(self, path: str) -> None:
         pass  # no directories in GCS
@@ -178,13 +196,19 @@ class GCSFileSystem(FsspecFileSystem):
             message = f"{self.url(path)}: {action} failed after retries: {self._describe(exc)}"
             raise OSError(message) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            if isinstance(exc, OSError):
-                raise
             text = self.redactor.redact(repr(exc))
+            if isinstance(exc, OSError):  # a connection that failed (after gcsfs's attempts)
+                raise ConnectionError(f"{self.url(path)}: {action} failed: {text}") from exc
             raise OSError(f"{self.url(path)}: {action} failed: {text}") from exc
         except OSError as exc:
             if str(exc).startswith("Forbidden"):
                 raise PermissionError(self._denied(path, action, exc)) from exc
+            builtin = type(exc).__module__ == "builtins"  # not ours, nor a deadline's
+            if builtin and isinstance(exc, (ConnectionError, TimeoutError)):
+                # The direct path's socket errors name no object: say which, and that
+                # gcsfs's attempts are spent.
+                message = f"{self.url(path)}: {action} failed after retries: {self._describe(exc)}"
+                raise type(exc)(message) from exc
             raise
 
     def _denied(self, path: str, action: str, exc: BaseException) -> str:
