@@ -51,7 +51,7 @@ from benchmarks.s3_peers import (  # noqa: E402
     timed,
 )
 from benchmarks.s3_peers import report as table  # noqa: E402
-from tests.servers import (  # noqa: E402
+from tests.support.servers import (  # noqa: E402
     gcs_create_bucket,
     gcs_list,
     gcs_options,

@@ -130,7 +130,7 @@ def main() -> None:
 
     options: dict[str, Any] = {}
     if args.s3:
-        from tests.servers import create_bucket, moto_endpoint, s3_options
+        from tests.support.servers import create_bucket, moto_endpoint, s3_options
 
         endpoint = moto_endpoint()
         bucket = f"incr-{uuid.uuid4().hex[:8]}"

@@ -6,7 +6,7 @@
 4 gloo ranks on this machine form 2 simulated nodes (ranks 0-1 and 2-3; each node's
 local tier a directory on tmpfs ``/dev/shm``, as in memory), ``replicate=True``: each
 rank's files also go to the rank at its position on the other node. The root is S3 on a
-SeaweedFS server (``weed mini``) reached through :class:`tests.capped_proxy.CappedProxy`
+SeaweedFS server (``weed mini``) reached through :class:`tests.support.capped_proxy.CappedProxy`
 (``--rate`` bytes/s for all traffic together, ``--latency`` per request): the capped
 bucket of benchmarks/training_loop.py. Each rank holds ``--size-mb / 4`` of its own
 float32 tensors (a sharded state: no rank reads another's files).
@@ -45,8 +45,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from storage.ops.manager import CheckpointManager  # noqa: E402
-from tests.capped_proxy import CappedProxy  # noqa: E402
-from tests.servers import SeaweedFS, s3_options  # noqa: E402
+from tests.support.capped_proxy import CappedProxy  # noqa: E402
+from tests.support.servers import SeaweedFS, s3_options  # noqa: E402
 
 WORLD, PER_NODE = 4, 2
 BUCKET = "bench"

@@ -7,7 +7,7 @@ Every rank holds the same (fully replicated) state dict of ``--size-mb`` MB in 1
 tensors; it is saved once, then loaded on every rank with ``read_once=False`` (stock
 DCP's behaviour: every rank fetches every byte) and ``read_once=True``, alternated
 ``--repeat`` times. Bytes fetched are counted per rank by our own backend
-(tests/scale_fs.py: the length of every ranged read of a data file); the ratio is their
+(tests/support/scale_fs.py: the length of every ranged read of a data file); the ratio is their
 sum over all ranks / the stored bytes the plans need. Time is the slowest rank's
 ``storage.load`` (after a barrier), median over the repeats. The page cache is warm.
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import storage  # noqa: E402
 from extensions import ZStandard  # noqa: E402
-from tests.scale_fs import ProbeFileSystem  # noqa: E402
+from tests.support.scale_fs import ProbeFileSystem  # noqa: E402
 
 
 def _state(size_mb: float) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@
 
 Every rank loads the same full state dict (a model replicated under DDP: every rank
 needs every byte) from one SeaweedFS (``weed mini``) behind
-:class:`tests.capped_proxy.CappedProxy` (``--rate`` bytes per second for all ranks and
+:class:`tests.support.capped_proxy.CappedProxy` (``--rate`` bytes per second for all ranks and
 both directions together, ``--latency`` per request): the bucket the ranks share is
 the limit, as it is for a job on many nodes. Rows, in the same run: ours
 (``storage.load``, ``read_once`` left at its default, which is on for S3), ours with
@@ -51,8 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import storage  # noqa: E402
 from benchmarks.s3_peers import BUCKET, REGION, build_state  # noqa: E402
-from tests.capped_proxy import CappedProxy  # noqa: E402
-from tests.servers import KEY, SECRET, SeaweedFS, s3_options  # noqa: E402
+from tests.support.capped_proxy import CappedProxy  # noqa: E402
+from tests.support.servers import KEY, SECRET, SeaweedFS, s3_options  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 MB = 1e6

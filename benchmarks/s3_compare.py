@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import storage  # noqa: E402
 from extensions import ZStandard  # noqa: E402
-from tests.servers import (  # noqa: E402
+from tests.support.servers import (  # noqa: E402
     FaultProxy,
     boto3_client,
     create_bucket,

@@ -14,14 +14,14 @@ GET in 8 threads with boto3, no DCP.
 
 Two profiles. The default reaches SeaweedFS directly on loopback, so the server's and
 the client's CPU on the same two cores are the limit. ``--capped`` puts
-:class:`tests.capped_proxy.CappedProxy` between every client (the raw ceiling and the
+:class:`tests.support.capped_proxy.CappedProxy` between every client (the raw ceiling and the
 fresh-process loads too) and the server: ``--rate`` bytes per second for both directions
 together (default 100 MB/s) and ``--latency`` per request (default 5 ms), the regime of
 a bucket that many ranks share, where bandwidth, not CPU, is the limit. The table then
 also gives the bytes each save sent and each load received through the proxy, and the
 floor those bytes set at the cap.
 
-Protocol: one ``weed mini`` on free ports (``tests.servers.SeaweedFS``), one seeded
+Protocol: one ``weed mini`` on free ports (``tests.support.servers.SeaweedFS``), one seeded
 state dict of 2048x2048 tensors (bf16, every fifth fp32) built once. Each client saves
 and loads a small state dict once as a warm-up, then the clients take turns (the order
 rotates every round) ``--repeat`` times; every save goes to a fresh prefix. Saves run in
@@ -54,8 +54,8 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.capped_proxy import CappedProxy  # noqa: E402
-from tests.servers import KEY, SECRET, SeaweedFS, boto3_client, s3_options  # noqa: E402
+from tests.support.capped_proxy import CappedProxy  # noqa: E402
+from tests.support.servers import KEY, SECRET, SeaweedFS, boto3_client, s3_options  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 BUCKET = "bench"

@@ -287,7 +287,8 @@ def _replication_rank(rank: int, world: int, work: str, size_mb: float, repeat: 
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)  # gloo's threads and the interpreter's teardown do not mix (tests/distributed.py)
+    # gloo's threads and the interpreter's teardown do not mix (tests/support/distributed.py)
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ in fresh processes: ``--ranks`` gloo ranks with DDP, the global batch split betw
 ``--threads`` torch threads per rank (1 by default: one rank leaves a core to the server
 and to the checkpoint's background work, as a GPU job's Python thread leaves the host's
 other cores; two ranks take both). With ``--capped`` the job reaches the bucket through
-:class:`tests.capped_proxy.CappedProxy` (``--rate`` bytes per second for both directions
+:class:`tests.support.capped_proxy.CappedProxy` (``--rate`` bytes per second for both directions
 together, ``--latency`` per request): the regime of a bucket that many ranks share.
 
 Per variant and interval: the training wall time of the whole run against the same loop
@@ -57,8 +57,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.loop_variants import DEFAULT, VARIANTS, WRITES_NOTHING, Context  # noqa: E402
 from benchmarks.s3_peers import raw_ceiling  # noqa: E402
-from tests.capped_proxy import CappedProxy  # noqa: E402
-from tests.servers import SeaweedFS, boto3_client  # noqa: E402
+from tests.support.capped_proxy import CappedProxy  # noqa: E402
+from tests.support.servers import SeaweedFS, boto3_client  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 BUCKET = "bench"

@@ -17,7 +17,7 @@ rather than against the backend itself::
 
 A test class pytest collects (its name starts with ``Test``) that lacks one of the
 four fails when it is defined, with a ``TypeError`` naming each one it lacks; a mixin
-may provide them (``tests/local_disk.py`` provides ``root`` and the bypass hooks for
+may provide them (``tests/support/local_disk.py`` provides ``root`` and the bypass hooks for
 backends that store plain files).
 """
 

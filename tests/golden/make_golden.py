@@ -4,7 +4,7 @@
 
 Writes ``expected.pt`` (the state dict, saved with torch.save) and one checkpoint per
 flavour: ours without transforms and with zstd, stock DCP without and with torch's
-ZStandard. ``tests/test_core.py::test_golden_checkpoints_keep_loading`` loads them all.
+ZStandard. ``tests/checkpoint/test_core.py::test_golden_checkpoints_keep_loading`` loads them all.
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ version): the committed files prove that what older releases wrote keeps decodin
 
 ``transforms/``: AES, zstd and shuffle chains. Encryption is randomised per item, so
 every run writes different bytes. The key is a fixed test key, ``bytes(range(32))``
-under key_id ``golden``; it protects nothing. ``tests/test_encryption.py`` decodes
+under key_id ``golden``; it protects nothing. ``tests/extensions/test_encryption.py`` decodes
 every item in ``manifest.json`` and loads both checkpoints.
 
 ``weights/``: ``dcp_storage.weights/1`` items covering each plane mode (raw, constant,
 one bit, zstd, packed pairs and quads with escapes; sign moved or not; a tail; several
-blocks) and a checkpoint. ``tests/test_weights.py`` decodes and loads them.
+blocks) and a checkpoint. ``tests/extensions/test_weights.py`` decodes and loads them.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage import CheckpointManager, FsspecFileSystem, GCSFileSystem, LocalFileSystem
 from storage.checkpoint import storage_format as fmt
 from storage.cli import main
-from tests.distributed import gloo_group
+from tests.support.distributed import gloo_group
 
 
 def _state(value: float = 1.0) -> dict[str, Any]:
@@ -260,7 +260,7 @@ _BUCKET = "dcp-hostile-delete"
 
 @pytest.fixture(scope="module")
 def gcs_endpoint() -> str:
-    from tests.servers import fake_gcs_endpoint, gcs_create_bucket
+    from tests.support.servers import fake_gcs_endpoint, gcs_create_bucket
 
     url = fake_gcs_endpoint()
     gcs_create_bucket(url, _BUCKET)
@@ -274,7 +274,7 @@ def test_failed_write_keeps_the_object_already_there(
 ) -> None:
     # Without the fix, _abandon removed the object at the path after cancelling the
     # upload: the old object, which the store had kept, was deleted.
-    from tests.servers import gcs_options
+    from tests.support.servers import gcs_options
 
     options = gcs_options(gcs_endpoint)
     fs: FsspecFileSystem = (

@@ -398,7 +398,7 @@ def _load_latest_worker(rank: int, store: str, root: str) -> None:
     import torch
 
     from storage import CheckpointManager
-    from tests.distributed import gloo_group
+    from tests.support.distributed import gloo_group
 
     with gloo_group(rank, 2, store):
         mgr = CheckpointManager(root, filesystem=_HidesStep2() if rank == 1 else None)

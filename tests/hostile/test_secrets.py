@@ -27,7 +27,7 @@ import torch
 import storage
 from storage.backends._secrets import Redactor
 from storage.cli.main import main
-from tests.servers import (
+from tests.support.servers import (
     FaultProxy,
     create_bucket,
     fake_gcs_endpoint,

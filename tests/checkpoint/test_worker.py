@@ -1,0 +1,512 @@
+"""The persist worker process (``persist="process"``): saves staged in shared memory and
+written by a worker, and what happens when that worker dies, fails or is slow."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import extensions
+import storage
+from extensions import AES256GCM, StreamTransformExtension, ZStandard
+from extensions.errors import CheckpointStorageError, WorkerDiedError
+from storage.checkpoint import persist
+from storage.checkpoint.persist import _shm
+from tests.support.distributed import gloo_group
+from tests.support.trees import assert_tree_equal, zeros_like_tree
+
+KEY = bytes(range(7, 39))
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- transforms that run in the worker ---------------------------------------------------
+
+
+class _Passthrough:
+    def __init__(self, out: IO[bytes]) -> None:
+        self._out = out
+
+    def write(self, data: Any) -> int:
+        return self._out.write(data)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def close(self) -> None:
+        self._out.flush()
+
+
+class Gate(StreamTransformExtension):
+    """Identity on the bytes; before its first item it marks ``dir/started`` and waits
+    until ``dir/open`` exists (at most 30 s), so a test holds the worker mid-save."""
+
+    def __init__(self, gate_dir: str = "") -> None:
+        self.gate_dir = gate_dir
+
+    @staticmethod
+    def registry_name() -> str:
+        return "test.gate"
+
+    @staticmethod
+    def from_descriptor(version: str) -> Gate:
+        return Gate()
+
+    def get_descriptor(self) -> str:
+        return "test.gate/1"
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        if self.gate_dir:
+            Path(self.gate_dir, "started").touch()
+            deadline = time.monotonic() + 30
+            while not Path(self.gate_dir, "open").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return _Passthrough(output)  # type: ignore[return-value]
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        return input
+
+
+class Refuses(StreamTransformExtension):
+    """Raises in the worker, as a broken user transform would."""
+
+    @staticmethod
+    def registry_name() -> str:
+        return "test.refuses"
+
+    @staticmethod
+    def from_descriptor(version: str) -> Refuses:
+        return Refuses()
+
+    def get_descriptor(self) -> str:
+        return "test.refuses/1"
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        raise ValueError("test.refuses: this transform refuses every item")
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        return input
+
+
+class OddError(Exception):
+    def __init__(self, a: int, b: int) -> None:  # does not unpickle from its args
+        super().__init__(f"odd {a} {b}")
+
+
+class RaisesOdd(Refuses):
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        raise OddError(1, 2)
+
+
+extensions.register(Gate)
+
+
+def wait_for(path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+def big_state(seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(256, 256, generator=gen),  # 256 KiB: staged in shared memory
+        "b": torch.randn(16, generator=gen),  # small: sent by value
+        "meta": {"step": seed, "name": "run"},
+    }
+
+
+def loaded(path: Path, like: dict[str, Any], **options: Any) -> dict[str, Any]:
+    out = zeros_like_tree(like)
+    assert isinstance(out, dict)
+    storage.load(out, path, **options)
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker() -> Any:
+    handle = persist.worker()  # one for the module: a worker takes seconds to start
+    yield handle
+    handle.close()
+
+
+def kill_worker(handle: persist.Worker) -> None:
+    pid = handle.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+
+# --- saves through the worker -----------------------------------------------------------
+
+
+def test_calls_see_the_environment_as_it_is_now(
+    worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the worker kept the environment it started with, so credentials set
+    afterwards (AWS_ACCESS_KEY_ID, say) were missing there and an upload failed with
+    'Unable to locate credentials' where a thread would have found them."""
+    assert worker.call(os.getpid).result() != os.getpid()  # started before the change
+    monkeypatch.setenv("DCP_STORAGE_TEST_VALUE", "set after the worker started")
+    monkeypatch.delenv("HOME", raising=False)
+    assert worker.call(os.getenv, "DCP_STORAGE_TEST_VALUE").result() == (
+        "set after the worker started"
+    )
+    assert worker.call(os.getenv, "HOME").result() is None
+
+
+def test_async_save_writes_in_the_worker_from_shared_staging(
+    tmp_path: Path, state_dict: dict, worker: persist.Worker
+) -> None:
+    state = dict(state_dict, big=torch.randn(256, 256))  # conftest's mix: small, views, ...
+    fut = storage.async_save(state, tmp_path / "a", transforms=[ZStandard()], persist="process")
+    fut.result()
+    assert worker.pid is not None and worker.pid != os.getpid()
+    assert_tree_equal(state, loaded(tmp_path / "a", state))
+    assert worker.pool is not None and len(worker.pool.live()) == 1  # "big" went by segment
+
+
+def test_staging_buffers_are_reused_and_refreshed(tmp_path: Path, worker: persist.Worker) -> None:
+    state = big_state()
+    storage.async_save(state, tmp_path / "1", persist="process").result()
+    assert worker.pool is not None
+    segments = worker.pool.live()
+    state["w"].add_(1.0)  # trained in place, as parameters are
+    storage.async_save(state, tmp_path / "2", persist="process").result()
+    assert worker.pool.live() == segments  # the same buffers, no new allocation
+    assert_tree_equal(state, loaded(tmp_path / "2", state))
+
+
+def test_manager_async_save_in_the_worker(tmp_path: Path, worker: persist.Worker) -> None:
+    mgr = storage.CheckpointManager(tmp_path, keep_last=1, persist="process")
+    state = big_state()
+    for step in (1, 2):
+        state["w"].mul_(2)
+        fut = mgr.save(step, state, blocking=False)
+        assert fut is not None
+        fut.result()
+    assert mgr.steps() == [2]
+    out = zeros_like_tree(state)
+    assert isinstance(out, dict)
+    mgr.load(out)
+    assert_tree_equal(state, out)
+
+
+def test_a_save_while_the_previous_is_in_flight_waits_for_its_buffers(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    state = big_state()
+    first = dict(state, w=state["w"].clone())
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    fut1 = storage.async_save(
+        state, tmp_path / "1", transforms=[Gate(str(gate))], persist="process"
+    )
+    wait_for(gate / "started")  # the worker reads the staged buffers now
+    state["w"].add_(1.0)
+    second: list[Any] = []
+    saver = threading.Thread(
+        target=lambda: second.append(storage.async_save(state, tmp_path / "2", persist="process"))
+    )
+    saver.start()
+    saver.join(0.5)
+    assert saver.is_alive()  # staging would overwrite what the first save is writing
+    (gate / "open").touch()
+    saver.join(60)
+    fut1.result()
+    second[0].result()
+    assert_tree_equal(first, loaded(tmp_path / "1", first))
+    assert_tree_equal(state, loaded(tmp_path / "2", state))
+
+
+def test_a_lease_releases_once(worker: persist.Worker) -> None:
+    """A released lease collected later must not free the buffers a later save holds."""
+    _, first = worker.stage(big_state())
+    first.release()
+    _, second = worker.stage(big_state())
+    del first  # collected: before the fix its __del__ freed the second save's buffers
+    assert not worker._free.is_set()
+    second.release()
+    assert worker._free.is_set()
+
+
+# --- failures -----------------------------------------------------------------------------
+
+
+def test_a_worker_killed_mid_save_fails_that_save_and_the_next_starts_a_new_one(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """kill -9 of the worker while it writes: the future raises WorkerDiedError (no
+    hang), the committed checkpoint at that path is untouched, the failed save's files
+    are gone, and the next save runs in a new worker."""
+    path = tmp_path / "ckpt"
+    old = big_state(seed=1)
+    storage.async_save(old, path, persist="process").result()
+    committed = sorted(os.listdir(path))
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    fut = storage.async_save(
+        big_state(seed=2), path, transforms=[Gate(str(gate))], persist="process"
+    )
+    wait_for(gate / "started")
+    first_pid = worker.pid
+    kill_worker(worker)
+    with pytest.raises(WorkerDiedError, match="killed by signal 9"):
+        fut.result(timeout=60)
+    assert sorted(os.listdir(path)) == committed
+    assert_tree_equal(old, loaded(path, old))
+    new = big_state(seed=3)
+    storage.async_save(new, path, persist="process").result()
+    assert worker.pid not in (None, first_pid)
+    assert_tree_equal(new, loaded(path, new))
+
+
+def test_a_worker_that_died_idle_fails_the_next_save_once(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    state = big_state()
+    storage.async_save(state, tmp_path / "1", persist="process").result()
+    pid = worker.pid
+    assert pid is not None
+    kill_worker(worker)
+    deadline = time.monotonic() + 30
+    while worker.pid == pid:  # the handle notices within a second
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(WorkerDiedError, match=f"pid {pid}"):
+        storage.async_save(state, tmp_path / "2", persist="process")
+    assert not (tmp_path / "2" / ".metadata").exists()
+    storage.async_save(state, tmp_path / "3", persist="process").result()
+    assert_tree_equal(state, loaded(tmp_path / "3", state))
+
+
+def test_an_error_in_the_worker_keeps_its_type_and_message_and_no_key(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    state = big_state()
+    chain = [AES256GCM(key=KEY, key_id="k1"), Refuses()]
+    fut = storage.async_save(state, tmp_path / "a", transforms=chain, persist="process")
+    with pytest.raises(ValueError, match="refuses every item") as info:
+        fut.result()
+    told = str(info.value) + str(info.value.__cause__)
+    assert "in the persist worker" in str(info.value.__cause__)  # the worker's traceback
+    for secret in (KEY.hex(), repr(KEY), KEY.decode("latin-1")):
+        assert secret not in told
+    assert not (tmp_path / "a").exists() or not os.listdir(tmp_path / "a")
+    # An error that cannot cross back arrives named, as our own error.
+    fut = storage.async_save(state, tmp_path / "b", transforms=[RaisesOdd()], persist="process")
+    with pytest.raises(CheckpointStorageError, match="OddError: odd 1 2"):
+        fut.result()
+    storage.async_save(state, tmp_path / "c", persist="process").result()  # same worker
+
+
+class _Local(Gate):
+    pass
+
+
+def test_what_does_not_pickle_is_refused_by_name_and_written_here_by_default(
+    tmp_path: Path, worker: persist.Worker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A transform (or filesystem) the worker cannot receive: persist="process" fails
+    with the fix; the default writes that save in this process, as before the worker."""
+    local = type("Local", (_Local,), {})  # made at run time: no import path for the worker
+    fut = storage.async_save(big_state(), tmp_path / "a", transforms=[local()], persist="process")
+    with pytest.raises(TypeError, match="persist='thread'"):
+        fut.result()
+    state = big_state()
+    storage.async_save(state, tmp_path / "b", transforms=[local()]).result()
+    assert_tree_equal(state, loaded(tmp_path / "b", state))
+    assert "runs in the training process instead" in caplog.text
+
+
+def test_options_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="persist must be one of"):
+        storage.CheckpointWriter(tmp_path, persist="fork")
+    with pytest.raises(ValueError, match="needs persist='process'"):
+        storage.CheckpointWriter(tmp_path, persist="thread", max_bandwidth=1 << 20)
+    with pytest.raises(ValueError, match="max_bandwidth must be"):
+        storage.CheckpointWriter(tmp_path, persist="process", max_bandwidth=0)
+    with pytest.raises(ValueError, match="lives in this process"):
+        storage.CheckpointWriter("dcpmem://worker-test/a", persist="process")
+    # The default writes in this process where the worker could not reach the storage.
+    assert storage.CheckpointWriter("dcpmem://worker-test/a").persist_mode.name == "thread"
+    assert storage.CheckpointWriter(tmp_path).persist_mode.name == persist.DEFAULT_MODE
+
+
+def test_max_bandwidth_caps_the_workers_writes(tmp_path: Path, worker: persist.Worker) -> None:
+    state = {"w": torch.zeros(1 << 20, dtype=torch.uint8)}  # 1 MiB
+    storage.async_save(state, tmp_path / "warm", persist="process").result()  # worker up
+    start = time.monotonic()
+    fut = storage.async_save(state, tmp_path / "a", persist="process", max_bandwidth=2 << 20)
+    fut.result()
+    assert time.monotonic() - start >= 0.4  # 1 MiB at 2 MiB/s, less the bucket's 50 ms
+
+
+# --- two ranks ----------------------------------------------------------------------------
+
+
+def _two_rank_saver(rank: int, store: str, path: str) -> None:
+    with gloo_group(rank, 2, store):
+        mesh = init_device_mesh("cpu", (2,))
+        full = torch.arange(512 * 256, dtype=torch.float32).reshape(512, 256)
+        state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": 3}
+        storage.async_save(state, path, persist="process").result()
+        assert persist.worker().pid not in (None, os.getpid())
+        out = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]), "step": 0}
+        storage.load(out, path)
+        assert torch.equal(out["w"].full_tensor(), full) and out["step"] == 3
+        # Rank 1's transform fails in its worker: every rank hears it, naming rank 1.
+        chain = [Refuses()] if rank == 1 else []
+        fut = storage.async_save(state, path + "-bad", transforms=chain, persist="process")
+        with pytest.raises(Exception, match="rank 1.*refuses every item"):
+            fut.result()
+        persist.worker().close()  # gloo_group ends the process with os._exit: no atexit
+
+
+def test_two_ranks_save_through_their_own_workers(tmp_path: Path) -> None:
+    """DTensor shards staged in each rank's shared memory and written by each rank's
+    worker, DCP's collectives in the training processes; a worker's error names its rank."""
+    mp.spawn(_two_rank_saver, args=(str(tmp_path / "store"), str(tmp_path / "ckpt")), nprocs=2)
+
+
+# --- tiers: the drain runs in the worker --------------------------------------------------
+
+
+def test_tiered_drain_runs_in_the_worker_and_survives_its_death(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """The drain copies in the worker (capped here so it is slow); killed mid-copy, the
+    manager's wait() raises WorkerDiedError, the step stays committed locally, and the
+    next save's drain (in a new worker) makes both steps durable."""
+    mgr = storage.CheckpointManager(
+        tmp_path / "root",
+        local=tmp_path / "local",
+        persist="process",
+        max_bandwidth=1 << 20,  # 1 MiB/s: the 2 MiB step drains for ~2 s
+    )
+    state = {"w": torch.arange(1 << 19, dtype=torch.float32)}
+    mgr.save(1, state)
+    deadline = time.monotonic() + 30
+    while not list((tmp_path / "root").glob("step-1/*.distcp")):
+        assert time.monotonic() < deadline, "the drain did not start"
+        time.sleep(0.01)
+    kill_worker(worker)
+    with pytest.raises(WorkerDiedError):
+        mgr.wait()
+    assert mgr.tiers is not None
+    assert mgr.tiers.local.steps() == [1] and mgr.durable_steps() == []
+    state["w"].add_(1)
+    mgr.save(2, state)
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2]
+
+
+def paced_marks(path: str, pace: Any) -> int:
+    """Run in the worker: mark ``path`` once past the first ``pace()``."""
+    pace()
+    Path(path).touch()
+    return 1
+
+
+def test_a_save_in_the_foreground_pauses_paced_work_in_the_worker(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    mark = tmp_path / "passed"
+    worker.foreground(True)
+    try:
+        fut = worker.call(paced_marks, str(mark), pace=persist.PAUSE)
+        time.sleep(0.5)
+        assert not fut.done() and not mark.exists()  # held at its pace
+    finally:
+        worker.foreground(False)
+    assert fut.result(timeout=60) == 1 and mark.exists()
+
+
+def test_a_tiered_save_holds_the_foreground_until_its_local_commit(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    mgr = storage.CheckpointManager(
+        tmp_path / "root", local=tmp_path / "local", transforms=[Gate(str(gate))]
+    )
+    mgr.wait()
+    fut = mgr.save(1, big_state(), blocking=False)
+    assert fut is not None
+    wait_for(gate / "started")
+    assert worker._foreground == 1  # the drain's copies in the worker wait meanwhile
+    (gate / "open").touch()
+    fut.result(timeout=60)
+    assert worker._foreground == 0
+    mgr.wait()
+    assert mgr.durable_steps() == [1]
+
+
+# --- shared memory is removed -------------------------------------------------------------
+
+_SAVER = """
+import os, signal, sys, torch, storage
+from storage.checkpoint import persist
+state = {"w": torch.ones(256, 256)}
+storage.async_save(state, sys.argv[1], persist="process").result()
+print(persist.worker().pid, flush=True)
+if sys.argv[2] == "crash":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _run_saver(tmp_path: Path, how: str) -> tuple[int, int]:
+    """Run a training process that saves once, then exits or kills itself; returns its
+    pid and its worker's."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_SAVER), str(tmp_path / how), how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == (-signal.SIGKILL if how == "crash" else 0), err
+    return proc.pid, int(out.split()[0])
+
+
+def _segments_of(pid: int) -> list[str]:
+    prefix = f"dcp-storage-{os.getuid()}-{pid}-"
+    return [n for n in os.listdir(_shm.shm_dir()) if n.startswith(prefix)]
+
+
+def _gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_segments_are_removed_at_exit_and_the_worker_stops(tmp_path: Path) -> None:
+    pid, worker_pid = _run_saver(tmp_path, "exit")
+    assert _segments_of(pid) == []
+    assert _gone(worker_pid)
+
+
+def test_segments_a_killed_process_left_are_removed_by_the_next_one(tmp_path: Path) -> None:
+    pid, worker_pid = _run_saver(tmp_path, "crash")
+    assert _gone(worker_pid)  # its worker exits when the training process dies
+    assert _segments_of(pid)  # kill -9 leaves the segments behind ...
+    _shm.StagingPool().close()  # ... and the next pool made on this machine removes them
+    assert _segments_of(pid) == []

@@ -1,0 +1,153 @@
+"""The snippets of docs/integrations.md run as written, against SeaweedFS: the docs'
+endpoint and bucket are swapped for the test server's, credentials come from the
+environment as the docs advise."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.servers import KEY, SECRET, boto3_client, endpoint_with_bucket, list_keys
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+BUCKET = "docs"
+
+
+@pytest.fixture(scope="module")
+def endpoint(request: Any) -> str:
+    request.param = "seaweedfs"
+    return endpoint_with_bucket(request, BUCKET)
+
+
+@pytest.fixture
+def blocks(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    run = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
+
+    def of(section: str, language: str) -> list[str]:
+        text = DOC.read_text().split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+        found = re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+        assert found, f"no {language} block under '## {section}'"
+        return [
+            b.replace("https://s3.example.com", endpoint).replace("s3://bucket/run1", run)
+            for b in found
+        ]
+
+    of.run = run  # type: ignore[attr-defined]
+    return of
+
+
+def _committed(endpoint: str, run: str, marker: str) -> list[str]:
+    prefix = run.split("/", 3)[3] + "/"
+    return [k for k in list_keys(boto3_client(endpoint), BUCKET, prefix) if k.endswith(marker)]
+
+
+def test_torchtitan(blocks: Any, endpoint: str) -> None:
+    pytest.importorskip("torchtitan")
+    from tests.integrations.test_integration_torchtitan import _containers, _TrainState
+
+    namespace: dict[str, Any] = {}
+    exec(blocks("torchtitan", "python")[0], namespace)
+    model = torch.nn.Linear(4, 4)
+    optimizers, schedulers = _containers(model)
+    checkpointer = namespace["checkpoint"].build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": _TrainState()},
+        sd_adapter=None,
+    )
+    assert checkpointer.save(curr_step=500)
+    checkpointer.close()
+    assert _committed(endpoint, blocks.run, "step-500/.metadata")
+
+
+def test_torchtune(blocks: Any, endpoint: str) -> None:
+    pytest.importorskip("torchtune")
+    from omegaconf import OmegaConf
+
+    from tests.integrations.test_integration_torchtune import _model, _progress, _train_epoch
+
+    namespace: dict[str, Any] = {}
+    exec(blocks("torchtune", "text")[0], namespace)  # the recipe's import line
+    cfg = OmegaConf.create(blocks("torchtune", "yaml")[0])
+    cfg.device = "cpu"
+    model, optimizer = _model()
+    _train_epoch(model, optimizer, 0)
+    client = namespace["CheckpointClient"](cfg)
+    client.save_checkpoint(model, optimizer, _progress(1), 0)
+    client._get_dcp_checkpointer()._checkpoint_future.result()
+    assert _committed(endpoint, blocks.run, "step-0/.metadata")
+    fresh, fresh_optimizer = _model()
+    namespace["CheckpointClient"](cfg).load_distributed_checkpoint(fresh, fresh_optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_torch_checkpointing(blocks: Any, endpoint: str) -> None:
+    pytest.importorskip("torch_checkpointing")
+    namespace: dict[str, Any] = {}
+    exec(blocks("torch_checkpointing", "python")[0], namespace)
+    assert namespace["loaded"]["step"] == 100
+    assert _committed(endpoint, blocks.run, "step_100/.dcp-storage-commit")
+
+
+def test_lightning(
+    blocks: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("lightning")
+    import functools
+
+    import lightning.pytorch as pl
+
+    from tests.integrations.test_integration_lightning import TinyModule, _data
+
+    # ModelCheckpoint reaches the bucket through fsspec with the standard variables (as
+    # the docs say); the Trainers are kept small: two epochs of four steps, no logger.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.chdir(tmp_path)
+    small = functools.partial(
+        pl.Trainer,
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    monkeypatch.setattr(pl, "Trainer", small)
+    code = blocks("PyTorch Lightning", "python")[0].replace(
+        '{"endpoint_url": ...}', "{'endpoint_url': ENDPOINT}"
+    )
+    torch.set_num_threads(1)
+    namespace: dict[str, Any] = {"ENDPOINT": endpoint, "model": TinyModule(), "data": _data()}
+    exec(code, namespace)
+    assert _committed(endpoint, blocks.run, "epoch=1-step=8.ckpt/.metadata")
+
+
+def test_accelerate(
+    blocks: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from tests.integrations.test_integration_huggingface import _model
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.chdir(tmp_path)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(_model(0))
+    namespace: dict[str, Any] = {"accelerator": accelerator, "step": 7}
+    code = [b for b in blocks("Hugging Face: Transformers Trainer and Accelerate", "python")]
+    exec(code[1], namespace)  # save_state, then (as on a new machine) load_state
+    assert namespace["step"] == 7
+    assert _committed(endpoint, blocks.run, "step-7/.metadata")
+    assert (tmp_path / "restored" / "checkpoint_7").is_dir()
+    assert model is not None

@@ -1,0 +1,133 @@
+"""Folder checkpoints (storage/integrations/folders.py) on local disk: the commit unit of
+the Hugging Face integration. The Trainer and Accelerate runs against SeaweedFS are in
+tests/integrations/test_integration_huggingface.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import storage
+from extensions import ZStandard
+from extensions.errors import CheckpointNotFoundError, IntegrityError, UnsafeCheckpointError
+from storage.integrations.folders import FolderCheckpoints, read_folder, restore_folder
+
+
+def _folder(root: Path) -> dict[str, bytes]:
+    files = {
+        "model.safetensors": os.urandom(300_000),
+        "optimizer.pt": bytes(range(256)) * 100,
+        "trainer_state.json": b'{"global_step": 3}',
+        "empty.txt": b"",
+        "sub/deeper/shard_0.distcp": os.urandom(1000),
+    }
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return files
+
+
+def _contents(root: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_folder_round_trip_with_retention(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoint-3"
+    files = _folder(folder)
+    ckpts = FolderCheckpoints(tmp_path / "bucket", keep_last=2, transforms=[ZStandard()])
+    for step in (1, 2, 3):
+        ckpts.save(folder, step)
+    ckpts.close()
+    assert ckpts.steps() == [2, 3]  # keep_last=2 removed step-1
+    restored = ckpts.restore(tmp_path / "restored")
+    assert _contents(Path(restored)) == files
+    assert not [p for p in tmp_path.iterdir() if ".restoring-" in p.name]
+
+
+def test_the_folder_may_go_once_save_returns(tmp_path: Path) -> None:
+    """save() maps the files before it returns; the upload reads the mappings, so the
+    Trainer's save_total_limit may delete the local folder meanwhile."""
+    folder = tmp_path / "checkpoint-1"
+    files = _folder(folder)
+    ckpts = FolderCheckpoints(tmp_path / "bucket")
+    ckpts.save(folder, 1)
+    shutil.rmtree(folder)
+    ckpts.wait()
+    assert _contents(Path(ckpts.restore(tmp_path / "back"))) == files
+
+
+def test_a_failed_upload_is_raised_by_wait_and_the_next_save(tmp_path: Path) -> None:
+    (tmp_path / "not-a-dir").write_bytes(b"x")
+    folder = tmp_path / "f"
+    _folder(folder)
+    ckpts = FolderCheckpoints(tmp_path / "not-a-dir" / "root")
+    ckpts.save(folder, 1)
+    with pytest.raises(OSError):
+        ckpts.wait()
+    ckpts.wait()  # reported once
+    ckpts.save(folder, 2)
+    with pytest.raises(OSError):
+        ckpts.save(folder, 3)
+
+
+def test_links_and_special_files_are_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "f"
+    _folder(folder)
+    (folder / "link").symlink_to(folder / "optimizer.pt")
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_folder(folder)
+    with pytest.raises(FileNotFoundError):
+        read_folder(tmp_path / "missing")
+
+
+def test_restore_refuses_an_existing_destination_and_a_missing_step(tmp_path: Path) -> None:
+    folder = tmp_path / "f"
+    _folder(folder)
+    ckpts = FolderCheckpoints(tmp_path / "bucket", blocking=True)
+    with pytest.raises(CheckpointNotFoundError):
+        ckpts.restore(tmp_path / "x")
+    ckpts.save(folder, 7)
+    with pytest.raises(FileExistsError):
+        ckpts.restore(folder)
+
+
+@pytest.mark.parametrize("name", ["../evil", "/etc/evil", "a/../../evil", "a//b", "a\\..\\b", "."])
+def test_item_names_that_leave_the_destination_are_refused(tmp_path: Path, name: str) -> None:
+    storage.save({name: torch.ones(3, dtype=torch.uint8)}, tmp_path / "forged")
+    with pytest.raises(UnsafeCheckpointError, match="not a plain relative file path"):
+        restore_folder(tmp_path / "forged", tmp_path / "out" / "dest")
+    assert not (tmp_path / "evil").exists() and not (tmp_path / "out").exists()
+
+
+def test_items_that_are_not_files_are_refused(tmp_path: Path) -> None:
+    storage.save({"a": torch.ones(3), "b/c": torch.ones(2, dtype=torch.uint8)}, tmp_path / "ckpt")
+    with pytest.raises(UnsafeCheckpointError, match="not a file"):
+        restore_folder(tmp_path / "ckpt", tmp_path / "dest")
+    storage.save(
+        {"a": torch.ones(3, dtype=torch.uint8), "a/b": torch.ones(2, dtype=torch.uint8)},
+        tmp_path / "clash",
+    )
+    with pytest.raises(UnsafeCheckpointError, match="both as a file and as a directory"):
+        restore_folder(tmp_path / "clash", tmp_path / "dest")
+
+
+def test_a_damaged_file_fails_the_restore_and_leaves_nothing(tmp_path: Path) -> None:
+    folder = tmp_path / "f"
+    _folder(folder)
+    ckpts = FolderCheckpoints(tmp_path / "bucket", blocking=True)
+    ckpts.save(folder, 1)
+    data = next((tmp_path / "bucket" / "step-1").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError):
+        ckpts.restore(tmp_path / "out" / "dest")
+    assert os.listdir(tmp_path / "out") == []

@@ -1,0 +1,69 @@
+"""Node loss: 4 gloo ranks as 2 simulated nodes with ``replicate=True``; one node's ranks
+are killed and its local tier deleted; the restarted job restores that node's files from
+its peer and resumes from the last local commit, losing no step past it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from storage.ops._peers import Group
+from storage.ops.restore_plan import Held, plan, read_moves
+from tests.support.subprocess_jobs import Job, committed_steps
+
+
+def test_a_lost_node_is_restored_from_its_peer_and_the_job_resumes(tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    job = ["--root", str(tmp_path / "durable"), "--local", str(local), "--ranks-per-node", "2"]
+    job += ["--replicate", "--save-every", "2", "--pace", "0.02"]
+    run = Job(tmp_path, 4, [*job, "--steps", "1000"])
+    run.wait_for(0, "@committed 6")
+    run.kill([2, 3])  # node 1 dies with its tier
+    shutil.rmtree(local / "node1")
+    run.kill([0, 1])  # the job is restarted as a whole
+    last = committed_steps(local / "node0")[-1]
+    printed = [int(x.split()[1]) for x in run.lines(0, "@committed")]
+    assert last >= max(printed) >= 6  # every save that returned is committed on node 0
+    hashes = run.hashes(0)
+
+    resumed = Job(tmp_path, 4, [*job, "--steps", str(last + 2)])
+    resumed.finish()
+    [loaded] = resumed.lines(0, "@loaded")
+    assert loaded.split()[1:4] == [str(last), "local", hashes[last]]  # 0 steps lost, bit-exact
+    # Each rank of node 0 sent its peer's files and its own, in parallel: node 1's ranks
+    # read their own and, under DDP, the items of the model saved once by ranks 0 and 1.
+    restored = {
+        int(r): int(b) for _, r, b in (resumed.lines(q, "@restored")[0].split() for q in range(4))
+    }
+    step_dir = local / "node1" / f"step-{last}"
+    for sender, receiver in ((0, 2), (1, 3)):
+        files = [*step_dir.glob(f"__{receiver}_*.distcp"), *step_dir.glob(f"__{sender}_*.distcp")]
+        if sender == 0:  # and node 1's copy of the metadata, last
+            files.append(step_dir / ".metadata")
+        assert len(files) == 2 + (sender == 0)
+        assert restored[sender] == sum(p.stat().st_size for p in files)
+    assert restored[2] == restored[3] == 0
+    [durable] = resumed.lines(0, "@durable")
+    assert str(last + 2) in durable.split()[1].split(",")  # and it goes on saving and draining
+
+
+def test_a_restore_takes_each_rank_s_files_from_the_rank_holding_its_replica() -> None:
+    group = Group(rank=0, world=4, nodes=[[0, 1], [2, 3]], peer={0: 2, 1: 3, 2: 0, 3: 1})
+    names = [f"__{r}_0.distcp" for r in range(4)]
+    node0 = Held(names, names, [], "s", False)  # node 0 holds every rank's files
+    reports = [{5: node0}, {5: node0}, {}, {}]  # node 1 lost its tier
+    chosen = plan(group, reports, [], None, lambda s: None)
+    assert not isinstance(chosen, str) and chosen.step == 5
+    [(step, data, meta)] = chosen.moves
+    # Before: rank 0 sent rank 2's and rank 3's files (the first rank holding them) while
+    # rank 1 idled.
+    assert data == [(0, 2, ["__2_0.distcp"]), (1, 3, ["__3_0.distcp"])]
+    assert meta == [(0, 2, [".metadata"])]
+    # Ranks reading only their own files (a sharded state) need nothing else ...
+    assert read_moves(group, reports, [[(5, n)] for n in names]) == {}
+    # ... ranks reading every file (DDP: each replicated item saved by one rank) get the
+    # other node's ranks' files too, one copy per node, pairs in parallel.
+    every = [[(5, n) for n in names] for _ in range(4)]
+    assert read_moves(group, reports, every) == {
+        5: [(0, 2, ["__0_0.distcp"]), (1, 3, ["__1_0.distcp"])]
+    }

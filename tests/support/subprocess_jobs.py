@@ -1,0 +1,114 @@
+"""Run :mod:`tests.support.preempt_job` as real processes (one per rank) that tests can signal,
+kill and restart, and read what they printed."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+_runs = itertools.count()
+
+
+class Job:
+    """``world`` ranks of ``python -m tests.support.preempt_job ARGS``, started at once; each
+    rank's stdout lines are collected as they come, its stderr kept in a file."""
+
+    def __init__(self, tmp_path: Path, world: int, args: list[str]) -> None:
+        run = next(_runs)
+        env = dict(os.environ, WORLD_SIZE=str(world), STORE=str(tmp_path / f"store-{run}"))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        self.errors = [tmp_path / f"run{run}-rank{r}.err" for r in range(world)]
+        self.procs: list[subprocess.Popen[str]] = []
+        self._lines: list[list[str]] = [[] for _ in range(world)]
+        self._readers: list[threading.Thread] = []
+        for rank in range(world):
+            with open(self.errors[rank], "w") as err:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "tests.support.preempt_job", *args],
+                    env=dict(env, RANK=str(rank)),
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                )
+            self.procs.append(proc)
+            reader = threading.Thread(target=self._read, args=(rank,), daemon=True)
+            reader.start()
+            self._readers.append(reader)
+
+    def _read(self, rank: int) -> None:
+        stdout = self.procs[rank].stdout
+        assert stdout is not None
+        for line in stdout:
+            self._lines[rank].append(line.strip())
+
+    def lines(self, rank: int, prefix: str) -> list[str]:
+        return [x for x in list(self._lines[rank]) if x == prefix or x.startswith(prefix + " ")]
+
+    def hashes(self, rank: int) -> dict[int, str]:
+        """Rank ``rank``'s state hash after each step it trained."""
+        return {int(x.split()[1]): x.split()[2] for x in self.lines(rank, "@step")}
+
+    def stderr(self) -> str:
+        return "\n".join(f"--- {p.name}:\n{p.read_text()[-3000:]}" for p in self.errors)
+
+    def wait_for(self, rank: int, line: str, timeout: float = 120.0) -> None:
+        """Until rank ``rank`` prints ``line`` (its first words)."""
+        deadline = time.monotonic() + timeout
+        while not self.lines(rank, line):
+            if self.procs[rank].poll() is not None or time.monotonic() > deadline:
+                self.kill(range(len(self.procs)))
+                raise AssertionError(f"rank {rank} never printed {line!r}:\n{self.stderr()}")
+            time.sleep(0.02)
+
+    def kill(self, ranks: object) -> None:
+        """SIGKILL the ranks named (an iterable of ranks) and reap them."""
+        for rank in ranks:  # type: ignore[attr-defined]
+            if self.procs[rank].poll() is None:
+                self.procs[rank].send_signal(signal.SIGKILL)
+            self.procs[rank].wait()
+            self._readers[rank].join(10)
+
+    def terminate_then_kill(self, ranks: list[int], *, after: float, apart: float = 0.0) -> None:
+        """SIGTERM ``ranks`` in order, ``apart`` seconds apart, then SIGKILL every rank
+        still running ``after`` seconds after the first SIGTERM (torchrun's way, with a
+        short grace)."""
+        first = time.monotonic()
+        for i, rank in enumerate(ranks):
+            if i:
+                time.sleep(apart)
+            self.procs[rank].send_signal(signal.SIGTERM)
+        while time.monotonic() < first + after and any(p.poll() is None for p in self.procs):
+            time.sleep(0.02)
+        self.kill(range(len(self.procs)))
+
+    def finish(self, timeout: float = 180.0) -> None:
+        """Wait for every rank to exit; raise with their stderr unless all exited 0."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        self.kill(range(len(self.procs)))
+        if any(code != 0 for code in codes):
+            raise AssertionError(f"the job ended with exit codes {codes}:\n{self.stderr()}")
+
+
+def committed_steps(tier: Path) -> list[int]:
+    """The steps committed (``.metadata`` present) in a local tier directory."""
+    if not tier.is_dir():
+        return []
+    return sorted(
+        int(p.name[5:])
+        for p in tier.iterdir()
+        if p.name.startswith("step-") and (p / ".metadata").exists()
+    )
