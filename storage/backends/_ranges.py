@@ -1,4 +1,5 @@
-"""The one check of a ranged GET's answer, for every backend that sends ranged requests.
+"""Ranged GETs, for every backend that sends them: the one check of an answer, and the
+threads that fetch a large read's pieces in parallel (:func:`parallel_gets`).
 
 A server or proxy may ignore ``Range`` (HTTP allows it: ``200`` and the whole object)
 or answer another range than the one asked for (a ``206`` whose ``Content-Range`` says
@@ -16,9 +17,31 @@ So every ranged answer is checked before its body is read:
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import re
+import threading
 
 _CONTENT_RANGE = re.compile(r"\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*", re.IGNORECASE)
+
+
+#: Ranged GETs of large reads in flight at once, per backend, across the process.
+PARALLEL_GETS = 8
+_POOLS: dict[tuple[int, str], concurrent.futures.ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def parallel_gets(backend: str) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool of :data:`PARALLEL_GETS` threads for ``backend``'s ranged GETs
+    (one per process: a forked child makes its own)."""
+    key = (os.getpid(), backend)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = concurrent.futures.ThreadPoolExecutor(
+                PARALLEL_GETS, thread_name_prefix=f"dcp-storage-{backend}-get"
+            )
+        return pool
 
 
 class RangeMismatchError(OSError):

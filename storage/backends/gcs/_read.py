@@ -10,9 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import io
-import os
 import random
-import threading
 from typing import Any
 
 import gcsfs
@@ -20,7 +18,7 @@ from gcsfs.retry import validate_response
 
 from extensions.streams import read_all
 from storage.backends._connections import BodyBroken
-from storage.backends._ranges import RangeMismatchError, check_range
+from storage.backends._ranges import RangeMismatchError, check_range, parallel_gets
 from storage.backends.cancel import Cancel, StreamCancelled, current
 from storage.backends.gcs._session import (
     Answer,
@@ -33,21 +31,6 @@ from storage.backends.gcs._session import (
 # Breaks of a response body in a row (no byte received in between) before a read fails.
 _BODY_RETRIES = 5
 
-#: Ranged GETs of large reads in flight at once, across the process.
-PARALLEL_GETS = 8
-_GETTERS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-_GETTERS_LOCK = threading.Lock()
-
-
-def _getters() -> concurrent.futures.ThreadPoolExecutor:
-    with _GETTERS_LOCK:  # one pool per process: a forked child makes its own
-        pool = _GETTERS.get(os.getpid())
-        if pool is None:
-            pool = _GETTERS[os.getpid()] = concurrent.futures.ThreadPoolExecutor(
-                PARALLEL_GETS, thread_name_prefix="dcp-storage-gcs-get"
-            )
-        return pool
-
 
 class RangeReader(io.RawIOBase):
     """``[offset, offset + length)`` of an object (``length=None``: one GET to its
@@ -55,7 +38,7 @@ class RangeReader(io.RawIOBase):
 
     A bounded range is fetched in windows of ``window`` bytes, one GET each; a read
     that reaches a window or more past the current GET (a large tensor) fetches that
-    part as window-sized GETs in parallel (``PARALLEL_GETS`` in the process at a time)
+    part as window-sized GETs in parallel (``_ranges.PARALLEL_GETS`` in the process at a time)
     while the current GET is read. Every byte of the range is fetched once. Every
     ranged answer must be the range asked for (``_ranges.check_range``).
 
@@ -224,7 +207,7 @@ class RangeReader(io.RawIOBase):
             for at in range(ahead, len(view), self._window)
         ]
         group = Cancel(self._cancel)
-        futures = [_getters().submit(self._read_piece, at, p, group) for at, p in pieces]
+        futures = [parallel_gets("gcs").submit(self._read_piece, at, p, group) for at, p in pieces]
         try:
             got = 0
             while got < ahead and not self._eof:

@@ -9,9 +9,7 @@ import concurrent.futures
 import contextlib
 import io
 import logging
-import os
 import random
-import threading
 from typing import Any
 
 import aiohttp
@@ -20,7 +18,7 @@ import crc32c
 
 from extensions.streams import read_all
 from storage.backends._connections import BodyBroken
-from storage.backends._ranges import RangeMismatchError, check_range
+from storage.backends._ranges import RangeMismatchError, check_range, parallel_gets
 from storage.backends._upload import FilledUpload
 from storage.backends.cancel import Cancel, current
 from storage.backends.s3._client import (
@@ -46,23 +44,6 @@ _BODY_ERRORS = (
 )
 
 
-# Ranged GETs of large reads in flight at once, across the process.
-PARALLEL_GETS = 8
-_GETTERS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-_GETTERS_LOCK = threading.Lock()
-
-
-def _getters() -> concurrent.futures.ThreadPoolExecutor:
-    with _GETTERS_LOCK:  # one pool per process: a forked child makes its own
-        pool = _GETTERS.get(os.getpid())
-        if pool is None:
-            pool = concurrent.futures.ThreadPoolExecutor(
-                PARALLEL_GETS, thread_name_prefix="dcp-storage-s3-get"
-            )
-            _GETTERS[os.getpid()] = pool
-        return pool
-
-
 def _backoff(attempt: int) -> float:
     # Full jitter, as botocore's standard mode does for requests.
     return random.random() * min(5.0, 0.2 * 2 ** (attempt - 1))
@@ -73,7 +54,7 @@ class RangeReader(io.RawIOBase):
 
     A bounded range is fetched in windows of ``client.part_size`` bytes, one streamed
     GET each; a read that starts at a window boundary and asks for two windows or more
-    (a large tensor) is fetched with several ranged GETs in parallel (``PARALLEL_GETS``
+    (a large tensor) is fetched with several ranged GETs in parallel (``_ranges.PARALLEL_GETS``
     in the process at a time), straight into the caller's buffer. Every byte of the
     range is fetched once. A body that breaks off is resumed with a ranged GET from
     the next byte, pinned to the object's ETag; a range starting past the end reads as
@@ -180,7 +161,7 @@ class RangeReader(io.RawIOBase):
             (self._pos + start, view[start : start + self._window])
             for start in range(0, len(view), self._window)
         ]
-        futures = [_getters().submit(self._read_piece, at, piece) for at, piece in pieces]
+        futures = [parallel_gets("s3").submit(self._read_piece, at, piece) for at, piece in pieces]
         counts = [fut.result() for fut in futures]
         done = 0
         for count, (_, piece) in zip(counts, pieces):
