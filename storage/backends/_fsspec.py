@@ -23,6 +23,7 @@ from fsspec.spec import AbstractBufferedFile
 from storage.backends._ranges import RangeMismatchError
 from storage.backends._secrets import Redactor, secret_values
 from storage.backends.base import FileSystemBase
+from storage.backends.cancel import current
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,18 @@ class FsspecFileSystem(FileSystemBase):
             return path
         return f"{self._protocol}://{path}"
 
+    def _request(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """``self.fs.<name>(*args, **kwargs)``. On an async client (s3fs, gcsfs) called
+        from a thread with a :class:`~storage.backends.cancel.Cancel` installed (a save's
+        or load's task), the coroutine runs through it: past the deadline the request is
+        interrupted instead of left running in a thread nobody can join."""
+        fs = self.fs
+        cancel = current()
+        coroutine = getattr(fs, f"_{name}", None) if getattr(fs, "async_impl", False) else None
+        if cancel is not None and coroutine is not None:
+            return cancel.run(fs.loop, coroutine, *args, **kwargs)
+        return getattr(fs, name)(*args, **kwargs)
+
     # --- streams -------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -220,7 +233,7 @@ class FsspecFileSystem(FileSystemBase):
                 return
             stream.close()
             if self.fs.exists(path):
-                self.fs.rm_file(path)
+                self._request("rm_file", path)
         except Exception as exc:  # the caller's error is the one to report
             log.warning(
                 "could not discard the partial write of %s: %s",
@@ -239,7 +252,7 @@ class FsspecFileSystem(FileSystemBase):
         return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
 
     def _fetch_range(self, path: str, start: int, end: int) -> bytes:
-        data: bytes = self.fs.cat_file(path, start=start, end=end)
+        data: bytes = self._request("cat_file", path, start=start, end=end)
         # fsspec hands back the body alone: a server that ignored the range (the whole
         # object) shows as more bytes than asked for, which are the range only from byte
         # 0; the S3 and GCS backends check the status and Content-Range of every answer.
@@ -255,7 +268,7 @@ class FsspecFileSystem(FileSystemBase):
 
     def read_bytes(self, path: str) -> bytes:
         with self._errors(path, "reading"):
-            data: bytes = self.fs.cat_file(path)
+            data: bytes = self._request("cat_file", path)
         return data
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
@@ -264,7 +277,9 @@ class FsspecFileSystem(FileSystemBase):
         try:
             with self._errors(path, "publishing"):
                 # fsspec's "create" mode is the store's conditional create where it has one.
-                self.fs.pipe_file(path, payload, mode="create" if exclusive else "overwrite")
+                self._request(
+                    "pipe_file", path, payload, mode="create" if exclusive else "overwrite"
+                )
         except FileExistsError:
             # A retried create whose first attempt landed is refused too: that one is ours.
             with contextlib.suppress(OSError):
@@ -276,14 +291,14 @@ class FsspecFileSystem(FileSystemBase):
 
     def size(self, path: str) -> int:
         with self._errors(path, "reading the size"):
-            info = self.fs.info(path)
+            info = self._request("info", path)
         if info.get("type") == "directory":
             raise IsADirectoryError(f"{self.url(path)} is a directory")
         return int(info["size"])
 
     def exists(self, path: str) -> bool:
         with self._errors(path, "checking existence"):
-            return bool(self.fs.exists(path))
+            return bool(self._request("exists", path))
 
     def modified(self, path: str) -> float | None:
         try:
@@ -293,10 +308,10 @@ class FsspecFileSystem(FileSystemBase):
 
     def rm_file(self, path: str) -> None:
         with self._errors(path, "deleting"):
-            info = self.fs.info(path)  # FileNotFoundError if missing, as the contract says
+            info = self._request("info", path)  # FileNotFoundError if missing, as the contract says
             if info.get("type") == "directory":
                 raise IsADirectoryError(f"{self.url(path)} is a directory")
-            self.fs.rm_file(path)
+            self._request("rm_file", path)
 
     def rename(self, path: str, new_path: str) -> None:
         with self._errors(path, f"renaming to {self.url(new_path)}"):
@@ -313,7 +328,7 @@ class FsspecFileSystem(FileSystemBase):
 
     def ls(self, path: str) -> list[str]:
         with self._errors(path, "listing"):
-            entries = self.fs.ls(path, detail=False, refresh=True)
+            entries = self._request("ls", path, detail=False, refresh=True)
         prefix = path.rstrip("/") + "/"
         names = set()
         for entry in entries:

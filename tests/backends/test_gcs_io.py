@@ -4,6 +4,7 @@ retried and cancelled, ranged GETs resumed from the next byte, bytes on the wire
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Iterator
@@ -299,6 +300,27 @@ def test_deadlines_cancel_stalled_uploads_and_reads(proxy: FaultProxy, transport
     assert not [k for k in gcs_list(proxy.url, BUCKET, _prefix(url) + "/bad") if "metadata" in k]
 
 
+GCS_STALLS = {
+    # (what stalls: fault, method, target): before, gcsfs's request ran outside the
+    # deadline's reach and its worker thread was left in it.
+    "save: is a checkpoint there?": ("delay", "GET", r"/o/[^?]*\.metadata"),
+    "save: listing before the commit": ("delay", "GET", r"/o\?.*prefix="),
+}
+
+
+@pytest.mark.parametrize("case", list(GCS_STALLS), ids=list(GCS_STALLS))
+def test_deadlines_cancel_stalled_control_requests(proxy: FaultProxy, case: str) -> None:
+    """The one-off requests of a save (an existence check, a listing) are interrupted at
+    the deadline like its data requests, and no worker thread is left in them."""
+    kind, method, target = GCS_STALLS[case]
+    fs = _fs(proxy)
+    url = f"gs://{BUCKET}/{uuid.uuid4().hex}/ckpt"
+    proxy.add(kind, method=method, path=target, delay=600.0)
+    with pytest.raises(storage.DeadlineExceededError, match="within the 2 s deadline"):
+        storage.save(_state(), url, filesystem=fs, timeout=2, overwrite=False)
+    assert _workers() == []
+
+
 def _workers() -> list[str]:
     names = ("dcp-storage-saving", "dcp-storage-loading")
     return [t.name for t in threading.enumerate() if t.name.startswith(names)]
@@ -356,6 +378,10 @@ def test_read_errors_name_the_object_and_hold_no_token(proxy: FaultProxy, transp
     gcs_put(proxy.url, BUCKET, name, b"x" * (2 * MiB))
     path = f"{BUCKET}/{name}"
     assert fs.read_bytes(path) == b"x" * (2 * MiB)
+    # The proxy records a request after relaying its answer: wait for the record.
+    deadline = time.monotonic() + 10
+    while not [r for r in proxy.records if r.method == "GET"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert {r.authorization for r in proxy.records if r.method == "GET"} == {f"Bearer {token}"}
     failures = []
     for kind in ("gcs503", "reset"):

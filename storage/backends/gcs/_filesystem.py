@@ -227,7 +227,7 @@ class GCSFileSystem(FsspecFileSystem):
 
     def _has_prefix(self, path: str) -> bool:
         with contextlib.suppress(FileNotFoundError), self._errors(path, "listing"):
-            return bool(self.fs.ls(path, detail=False, refresh=True))
+            return bool(self._request("ls", path, detail=False, refresh=True))
         return False
 
     def mkdir(self, path: str) -> None:

@@ -27,7 +27,7 @@ import s3fs
 
 from storage.backends._buffers import BufferPool
 from storage.backends._connections import PooledResponse
-from storage.backends.cancel import Cancel, StreamCancelled
+from storage.backends.cancel import Cancel, StreamCancelled, current
 from storage.backends.s3._http import DirectPath, direct_path
 
 # A part is handed to aiohttp in slices of this size (no copies; at most one slice is
@@ -126,7 +126,10 @@ class S3Client:
     def call(
         self, method: str, path: str, action: str, *, cancel: Cancel | None = None, **kwargs: Any
     ) -> Any:
-        """One request (interrupted by ``cancel``); errors come back translated."""
+        """One request, interrupted by ``cancel`` (default: the calling thread's, so a
+        save or load past its deadline interrupts its HEADs, LISTs and metadata PUTs too);
+        errors come back translated."""
+        cancel = cancel if cancel is not None else current()
         try:
             if cancel is None:
                 return self.run(self.s3._call_s3, method, **kwargs)
