@@ -1,4 +1,4 @@
-"""The persist worker process (``main``; started niced by :mod:`storage.checkpoint.persist`).
+"""The persist worker process (``main``; started by :mod:`storage.checkpoint.persist`).
 
 It runs the calls the training process sends over the socket ``FD`` (a save's data
 writes, a drain's copy), each on a thread of its own, reading staged tensors straight
