@@ -630,16 +630,30 @@ class FaultProxy:
         with self._server.state.lock:
             return list(self._server.state.arrivals)
 
+    def settle(self, timeout: float = 5.0) -> list[Record]:
+        """The records, once every request that arrived has one (or after ``timeout``):
+        a request is recorded after its answer is relayed, so a client can be done with
+        an answer a moment before its record exists."""
+        deadline = time.monotonic() + timeout
+        state = self._server.state
+        while True:
+            with state.lock:
+                if len(state.records) >= len(state.arrivals) or time.monotonic() > deadline:
+                    return list(state.records)
+            time.sleep(0.01)
+
     def get_bytes(self, pattern: str = "") -> int:
-        """Body bytes of GET responses whose target matches ``pattern``."""
+        """Body bytes of GET responses whose target matches ``pattern`` (settled)."""
         return sum(
-            r.body_bytes for r in self.records if r.method == "GET" and re.search(pattern, r.target)
+            r.body_bytes
+            for r in self.settle()
+            if r.method == "GET" and re.search(pattern, r.target)
         )
 
     def max_concurrent(self, method: str, pattern: str) -> int:
         """The most matching requests that were in flight at the same moment."""
         events = []
-        for r in self.records:
+        for r in self.settle():
             if r.method == method and re.search(pattern, r.target):
                 events += [(r.start, 1), (r.end, -1)]
         best = current = 0

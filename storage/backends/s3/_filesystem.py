@@ -21,6 +21,7 @@ import s3fs  # noqa: F401 - first, so a missing extra is reported as s3fs (regis
 from extensions.errors import CheckpointNotFoundError
 from storage.backends._fsspec import FsspecFileSystem
 from storage.backends.base import PendingUpload
+from storage.backends.s3 import _uploads
 from storage.backends.s3._client import (
     S3Client,
     error_code,
@@ -357,48 +358,10 @@ class S3FileSystem(FsspecFileSystem):
         pass
 
     def pending_uploads(self, path: str) -> list[PendingUpload]:
-        bucket, key = split_path(path)
-        prefix = key.rstrip("/") + "/" if key else ""
-        found: list[PendingUpload] = []
-        markers: dict[str, str] = {}
-        while True:
-            page = self._call(
-                "list_multipart_uploads",
-                path,
-                "listing incomplete multipart uploads",
-                Bucket=bucket,
-                Prefix=prefix,
-                **markers,
-            )
-            for upload in page.get("Uploads", []):
-                stamp = upload.get("Initiated")
-                started = float(stamp.timestamp()) if stamp is not None else None
-                found.append(
-                    PendingUpload(f"{bucket}/{upload['Key']}", upload["UploadId"], started)
-                )
-            if not page.get("IsTruncated"):
-                break
-            markers = {
-                "KeyMarker": page["NextKeyMarker"],
-                "UploadIdMarker": page["NextUploadIdMarker"],
-            }
-        return sorted(found, key=lambda u: (u.started is None, u.started or 0.0, u.path))
+        return _uploads.pending(self.client, path)
 
     def abort_upload(self, upload: PendingUpload) -> None:
-        bucket, key = split_path(upload.path)
-        try:
-            self._call(
-                "abort_multipart_upload",
-                upload.path,
-                "aborting an incomplete multipart upload",
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload.upload_id,
-            )
-        except OSError as exc:
-            gone = isinstance(exc, FileNotFoundError) or error_code(exc) == "NoSuchUpload"
-            if not gone:  # else completed or aborted meanwhile
-                raise
+        _uploads.abort(self.client, upload)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
