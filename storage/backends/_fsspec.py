@@ -232,7 +232,7 @@ class FsspecFileSystem(FileSystemBase):
                 stream.closed = True
                 return
             stream.close()
-            if self.fs.exists(path):
+            if self._request("exists", path):
                 self._request("rm_file", path)
         except Exception as exc:  # the caller's error is the one to report
             log.warning(
@@ -302,7 +302,7 @@ class FsspecFileSystem(FileSystemBase):
 
     def modified(self, path: str) -> float | None:
         try:
-            return float(self.fs.modified(path).timestamp())
+            return float(self._request("modified", path).timestamp())
         except (NotImplementedError, AttributeError, KeyError, TypeError):
             return None
 
@@ -316,7 +316,7 @@ class FsspecFileSystem(FileSystemBase):
     def rename(self, path: str, new_path: str) -> None:
         with self._errors(path, f"renaming to {self.url(new_path)}"):
             self.size(path)  # FileNotFoundError (or IsADirectoryError) before anything
-            self.fs.mv(path, new_path)  # the client's copy (server-side where it can)
+            self._request("mv", path, new_path)  # the client's copy (server-side where it can)
 
     def is_link(self, path: str) -> bool:
         islink = getattr(self.fs, "islink", None)  # fsspec's local filesystem has links
@@ -341,12 +341,12 @@ class FsspecFileSystem(FileSystemBase):
 
     def mkdir(self, path: str) -> None:
         with self._errors(path, "creating the directory"):
-            self.fs.makedirs(path, exist_ok=True)
+            self._request("makedirs", path, exist_ok=True)
 
     def rm_dir(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError, OSError, NotImplementedError):
-            if self.fs.isdir(path) and not self.fs.ls(path, detail=False):
-                self.fs.rmdir(path)
+            if self._request("isdir", path) and not self._request("ls", path, detail=False):
+                self._request("rmdir", path)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -234,7 +234,7 @@ class GCSFileSystem(FsspecFileSystem):
         # No directories; but a missing bucket is worth saying before any upload.
         bucket = path.partition("/")[0]
         try:
-            self.fs.info(bucket)
+            self._request("info", bucket)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 f"{self.url(path)}: bucket {bucket!r} does not exist; create it first, "
