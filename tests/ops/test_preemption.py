@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import pytest
 import torch
@@ -26,6 +26,7 @@ from tests.support.capped_proxy import CappedProxy
 from tests.support.distributed import gloo_group
 from tests.support.servers import boto3_client, create_bucket, list_keys, moto_endpoint
 from tests.support.subprocess_jobs import Job, committed_steps
+from tests.support.tiers import tiered
 
 
 class _Disk(LocalFileSystem):
@@ -62,10 +63,6 @@ def handlers() -> Iterator[list[int]]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _tiered(tmp_path: Path, **options: Any) -> CheckpointManager:
-    return CheckpointManager(tmp_path / "durable", local=tmp_path / "local", **options)
-
-
 def _loaded(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     target = {k: torch.full_like(v, -1.0) for k, v in like.items()}
     storage_load(target, path)
@@ -75,7 +72,7 @@ def _loaded(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 def test_the_handler_records_and_the_step_boundary_saves_a_consistent_state(
     tmp_path: Path, handlers: list[int]
 ) -> None:
-    mgr = _tiered(tmp_path)
+    mgr = tiered(tmp_path)
     assert mgr.tiers is not None
     state = {"a": torch.zeros(100), "b": torch.zeros(100)}
     recorder = signal.getsignal(signal.SIGTERM)
@@ -104,7 +101,7 @@ def test_the_handler_records_and_the_step_boundary_saves_a_consistent_state(
 def test_without_a_signal_nothing_is_saved_and_close_restores_the_handler(
     tmp_path: Path, handlers: list[int]
 ) -> None:
-    mgr = _tiered(tmp_path)
+    mgr = tiered(tmp_path)
     recorder = signal.getsignal(signal.SIGTERM)
     guard = mgr.save_on_signal(lambda: {"w": torch.ones(3)})
     assert signal.getsignal(signal.SIGTERM) is not recorder
@@ -118,7 +115,7 @@ def test_without_a_signal_nothing_is_saved_and_close_restores_the_handler(
 def test_chain_hands_the_signal_to_the_previous_handler_after_the_save(
     tmp_path: Path, handlers: list[int], chain: bool
 ) -> None:
-    mgr = _tiered(tmp_path)
+    mgr = tiered(tmp_path)
     guard = mgr.save_on_signal(lambda: {"w": torch.ones(3)}, chain=chain)
     os.kill(os.getpid(), signal.SIGTERM)
     assert handlers == []  # our handler took it
@@ -130,7 +127,7 @@ def test_a_save_in_flight_is_finished_first_and_the_same_step_is_not_saved_again
     tmp_path: Path, handlers: list[int]
 ) -> None:
     disk = _Disk()
-    mgr = _tiered(tmp_path, local_filesystem=disk)
+    mgr = tiered(tmp_path, local_filesystem=disk)
     state = {"w": torch.full((1000,), 4.0)}
     guard = mgr.save_on_signal(lambda: state, grace=30)
     disk.gate.clear()
@@ -147,7 +144,7 @@ def test_a_save_in_flight_of_an_older_step_does_not_race_the_preemption_save(
     tmp_path: Path, handlers: list[int]
 ) -> None:
     disk = _Disk()
-    mgr = _tiered(tmp_path, local_filesystem=disk)
+    mgr = tiered(tmp_path, local_filesystem=disk)
     state = {"w": torch.full((1000,), 4.0)}
     guard = mgr.save_on_signal(lambda: state, grace=30)
     disk.gate.clear()
@@ -167,7 +164,7 @@ def test_a_signal_during_a_blocking_save_lets_it_commit_and_is_acted_on_after(
     tmp_path: Path, handlers: list[int]
 ) -> None:
     disk = _Disk(signal_on_write=signal.SIGTERM)
-    mgr = _tiered(tmp_path, local_filesystem=disk)
+    mgr = tiered(tmp_path, local_filesystem=disk)
     state = {"w": torch.full((1000,), 2.0)}
     guard = mgr.save_on_signal(lambda: state, grace=30)
     mgr.save(2, state)  # the signal lands while its data file is written
@@ -181,7 +178,7 @@ def test_past_the_deadline_the_save_publishes_nothing_and_control_returns(
     tmp_path: Path, handlers: list[int]
 ) -> None:
     disk = _Disk()
-    mgr = _tiered(tmp_path, local_filesystem=disk)
+    mgr = tiered(tmp_path, local_filesystem=disk)
     assert mgr.tiers is not None
     guard = mgr.save_on_signal(lambda: {"w": torch.ones(1000)}, grace=0.5)
     disk.gate.clear()  # the local tier stalls
@@ -201,7 +198,7 @@ def test_a_step_boundary_after_the_grace_period_writes_nothing(
     tmp_path: Path, handlers: list[int]
 ) -> None:
     disk = _Disk()
-    mgr = _tiered(tmp_path, local_filesystem=disk)
+    mgr = tiered(tmp_path, local_filesystem=disk)
     guard = mgr.save_on_signal(lambda: {"w": torch.ones(1000)}, grace=0.05)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.1)  # a long training step
@@ -214,7 +211,7 @@ def test_a_step_boundary_after_the_grace_period_writes_nothing(
 def test_save_on_signal_needs_a_tiered_manager_and_sane_options(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs a tiered manager"):
         CheckpointManager(tmp_path / "plain").save_on_signal(dict)
-    mgr = _tiered(tmp_path)
+    mgr = tiered(tmp_path)
     with pytest.raises(ValueError, match="grace"):
         mgr.save_on_signal(dict, grace=0)
     with pytest.raises(ValueError, match="every"):

@@ -10,7 +10,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import pytest
 import torch
@@ -23,21 +23,9 @@ from storage.backends._local import LocalFileSystem
 from storage.ops.manager import CheckpointManager
 from tests.support.distributed import gloo_group
 from tests.support.servers import FaultProxy, create_bucket, moto_endpoint, s3_options
+from tests.support.tiers import blank_state, step_state, tiered
 
 BUCKET = "dcp-tier-choice"
-
-
-def _state(step: int) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(64, 32, generator=gen), "meta": {"step": step}}
-
-
-def _blank() -> dict[str, Any]:
-    return {"w": torch.zeros(64, 32), "meta": {"step": -1}}
-
-
-def _tiered(tmp_path: Path, **options: Any) -> CheckpointManager:
-    return CheckpointManager(tmp_path / "durable", local=tmp_path / "local", **options)
 
 
 def _prefix_dirs(step_dir: Path) -> list[str]:
@@ -53,13 +41,13 @@ def test_prefixed_steps_load_from_the_local_tier_and_drain_with_their_prefixes(
     # Before: the per-node report listed only the step directory, so every prefixed data
     # file looked missing and every load went to the bucket ("durable"); the drain also
     # flattened the files into the durable step (no prefixes where they matter most).
-    mgr = _tiered(tmp_path, key_prefixes=4)
-    mgr.save(1, _state(1))
+    mgr = tiered(tmp_path, key_prefixes=4)
+    mgr.save(1, step_state(1))
     mgr.wait()
-    target = _blank()
+    target = blank_state()
     step = mgr.load(target)
     assert (step, step.tier) == (1, "local")  # type: ignore[attr-defined]
-    assert torch.equal(target["w"], _state(1)["w"])
+    assert torch.equal(target["w"], step_state(1)["w"])
     assert _prefix_dirs(tmp_path / "local" / "step-1") == ["00"]
     assert _prefix_dirs(tmp_path / "durable" / "step-1") == ["00"]
 
@@ -127,19 +115,19 @@ def test_a_linked_local_step_is_not_ours_and_never_blocks_a_save(tmp_path: Path)
     # yet") although both steps were durable: the linked step could not be deleted, and
     # the failed delete also stopped retention from deleting the steps that could go.
     shared = CheckpointManager(tmp_path / "shared")
-    shared.save(0, _state(0))
+    shared.save(0, step_state(0))
     (tmp_path / "local").mkdir()
     (tmp_path / "local" / "step-0").symlink_to(tmp_path / "shared" / "step-0")
-    mgr = _tiered(tmp_path, keep_local=1)
+    mgr = tiered(tmp_path, keep_local=1)
     for step in (1, 2, 3):
-        mgr.save(step, _state(step))
+        mgr.save(step, step_state(step))
         mgr.wait()
     assert mgr.tiers is not None and mgr.tiers.local.steps() == [0, 3]
     assert mgr.durable_steps() == [1, 2, 3]  # someone else's step is not drained either
     assert (tmp_path / "local" / "step-0").is_symlink()
     assert sorted(p.name for p in (tmp_path / "shared" / "step-0").iterdir())[0] == ".metadata"
-    target = _blank()
-    assert mgr.load(target, 0) == 0 and torch.equal(target["w"], _state(0)["w"])
+    target = blank_state()
+    assert mgr.load(target, 0) == 0 and torch.equal(target["w"], step_state(0)["w"])
 
 
 # --- item 11: the local copy is another save ---------------------------------------------
@@ -150,28 +138,28 @@ def test_a_local_copy_of_another_save_loses_to_the_durable_one(
 ) -> None:
     # Before: the local step 5 (another run's tier, or a re-save that was never
     # drained) was loaded silently although the durable step 5 is another save.
-    CheckpointManager(tmp_path / "durable").save(5, _state(5))
-    CheckpointManager(tmp_path / "local").save(5, _state(50))
-    mgr = _tiered(tmp_path)
-    target = _blank()
+    CheckpointManager(tmp_path / "durable").save(5, step_state(5))
+    CheckpointManager(tmp_path / "local").save(5, step_state(50))
+    mgr = tiered(tmp_path)
+    target = blank_state()
     with caplog.at_level(logging.WARNING, logger="storage.ops.tiers"):
         step = mgr.load(target)
     assert (step, step.tier) == (5, "durable")  # type: ignore[attr-defined]
-    assert torch.equal(target["w"], _state(5)["w"])
+    assert torch.equal(target["w"], step_state(5)["w"])
     assert "another save" in caplog.text and "another save" in (step.note or "")  # type: ignore[attr-defined]
 
 
 def test_the_same_save_loads_locally_after_its_drain(tmp_path: Path) -> None:
     # The drain republishes the metadata (new data file names): it must keep the save's
     # identity, or every drained step would look like another save and load remotely.
-    mgr = _tiered(tmp_path)
-    mgr.save(5, _state(5))
+    mgr = tiered(tmp_path)
+    mgr.save(5, step_state(5))
     mgr.wait()
-    restarted = _tiered(tmp_path)
-    target = _blank()
+    restarted = tiered(tmp_path)
+    target = blank_state()
     step = restarted.load(target)
     assert (step, step.tier) == (5, "local")  # type: ignore[attr-defined]
-    assert torch.equal(target["w"], _state(5)["w"])
+    assert torch.equal(target["w"], step_state(5)["w"])
 
 
 class _Breakable(LocalFileSystem):
@@ -191,23 +179,23 @@ def test_a_re_save_not_drained_yet_loads_locally(tmp_path: Path) -> None:
     # This manager's own re-save of step 5, whose drain has not landed: the local copy is
     # the newest truth, and the durable copy is the older save.
     root = _Breakable()
-    mgr = _tiered(tmp_path, filesystem=root)
-    mgr.save(5, _state(5))
+    mgr = tiered(tmp_path, filesystem=root)
+    mgr.save(5, step_state(5))
     mgr.wait()
     root.down = True
-    mgr.save(5, _state(55))
+    mgr.save(5, step_state(55))
     with pytest.raises(OSError, match="the root is down"):
         mgr.wait()
-    target = _blank()
+    target = blank_state()
     step = mgr.load(target)
     assert (step, step.tier) == (5, "local")  # type: ignore[attr-defined]
-    assert torch.equal(target["w"], _state(55)["w"])
+    assert torch.equal(target["w"], step_state(55)["w"])
     root.down = False
-    restarted = _tiered(tmp_path, filesystem=root)  # after a crash: the durable copy wins
-    target = _blank()
+    restarted = tiered(tmp_path, filesystem=root)  # after a crash: the durable copy wins
+    target = blank_state()
     step = restarted.load(target)
     assert (step, step.tier) == (5, "durable")  # type: ignore[attr-defined]
-    assert torch.equal(target["w"], _state(5)["w"])
+    assert torch.equal(target["w"], step_state(5)["w"])
 
 
 # --- item 17: the bucket is unreachable --------------------------------------------------
@@ -232,29 +220,29 @@ def test_a_bucket_outage_loads_the_newest_local_step(
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}/run"
     mgr = CheckpointManager(url, filesystem=bucket, local=tmp_path / "local")
     for step in (1, 2):
-        mgr.save(step, _state(step))
+        mgr.save(step, step_state(step))
     mgr.wait()
     proxy.add(fault)  # every request from now on
-    target = _blank()
+    target = blank_state()
     with caplog.at_level(logging.WARNING, logger="storage.ops.tiers"):
         step = mgr.load(target)
     assert (step, step.tier) == (2, "local")  # type: ignore[attr-defined]
     assert step.root_consulted is False  # type: ignore[attr-defined]
     assert "not consulted" in (step.note or "") and "not consulted" in caplog.text  # type: ignore[attr-defined]
-    assert torch.equal(target["w"], _state(2)["w"])
-    assert mgr.load(_blank(), 1).tier == "local"  # type: ignore[attr-defined]
+    assert torch.equal(target["w"], step_state(2)["w"])
+    assert mgr.load(blank_state(), 1).tier == "local"  # type: ignore[attr-defined]
     with pytest.raises(OSError):  # only the bucket could have step 9: its error, named
-        mgr.load(_blank(), 9)
+        mgr.load(blank_state(), 9)
     with contextlib.suppress(OSError):
         mgr.wait()  # the drain passes the loads queued failed too
     proxy.clear()
-    step = mgr.load(_blank())
+    step = mgr.load(blank_state())
     assert (step, step.tier, step.root_consulted) == (2, "local", True)  # type: ignore[attr-defined]
 
 
 def test_loaded_step_says_the_root_was_consulted(tmp_path: Path) -> None:
-    mgr = _tiered(tmp_path)
-    mgr.save(1, _state(1))
+    mgr = tiered(tmp_path)
+    mgr.save(1, step_state(1))
     mgr.wait()
-    step = mgr.load(_blank())
+    step = mgr.load(blank_state())
     assert (step, step.tier, step.root_consulted, step.note) == (1, "local", True, None)  # type: ignore[attr-defined]

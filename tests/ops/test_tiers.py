@@ -42,21 +42,9 @@ from tests.support.servers import (
     open_uploads,
     s3_options,
 )
+from tests.support.tiers import blank_state, step_state, tiered
 
 BUCKET = "dcp-tiers"
-
-
-def _state(step: int) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(64, 32, generator=gen), "meta": {"step": step}}
-
-
-def _blank() -> dict[str, Any]:
-    return {"w": torch.zeros(64, 32), "meta": {"step": -1}}
-
-
-def _tiered(tmp_path: Path, **options: Any) -> CheckpointManager:
-    return CheckpointManager(tmp_path / "durable", local=tmp_path / "local", **options)
 
 
 def _first_data_file(directory: Path) -> Path:
@@ -65,8 +53,8 @@ def _first_data_file(directory: Path) -> Path:
 
 def test_save_commits_locally_then_drains_byte_for_byte(tmp_path: Path) -> None:
     key = os.urandom(32)
-    mgr = _tiered(tmp_path, transforms=[AES256GCM(key=key, key_id="k")], keys={"k": key})
-    mgr.save(1, _state(1))
+    mgr = tiered(tmp_path, transforms=[AES256GCM(key=key, key_id="k")], keys={"k": key})
+    mgr.save(1, step_state(1))
     assert is_committed(mgr.tiers.local.fs, str(tmp_path / "local" / "step-1"))  # type: ignore[union-attr]
     mgr.wait()
     assert mgr.durable_steps() == [1]
@@ -79,16 +67,16 @@ def test_save_commits_locally_then_drains_byte_for_byte(tmp_path: Path) -> None:
     assert all(any("aes" in t for t in r.transforms) for r in durable.items)  # still encrypted
     local_bytes = _first_data_file(tmp_path / "local" / "step-1").read_bytes()
     assert local_bytes == _first_data_file(tmp_path / "durable" / "step-1").read_bytes()
-    target = _blank()
+    target = blank_state()
     step = mgr.load(target)
     assert (step, step.tier) == (1, "local")  # type: ignore[attr-defined]
-    assert torch.equal(target["w"], _state(1)["w"])
+    assert torch.equal(target["w"], step_state(1)["w"])
 
 
 def test_retention_per_tier_and_listing(tmp_path: Path) -> None:
-    mgr = _tiered(tmp_path, keep_local=2, keep_last=3)
+    mgr = tiered(tmp_path, keep_local=2, keep_last=3)
     for step in range(1, 6):
-        mgr.save(step, _state(step))
+        mgr.save(step, step_state(step))
         mgr.wait()
     assert mgr.tiers.local.steps() == [4, 5]  # type: ignore[union-attr]
     assert mgr.durable_steps() == [3, 4, 5]
@@ -112,7 +100,7 @@ def test_cli_ls_shows_the_tiers_holding_each_step(
     for tier, steps in (("durable", (1,)), ("local", (1, 2))):
         for step in steps:
             mgr = CheckpointManager(tmp_path / tier)
-            mgr.save(step, _state(step))
+            mgr.save(step, step_state(step))
     root, local = str(tmp_path / "durable"), str(tmp_path / "local")
     assert main(["ls", root, "--local", local, "--json"]) == 0
     rows = {c["name"]: c["tiers"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
@@ -126,15 +114,15 @@ def test_local_copies_stay_until_durable(tmp_path: Path) -> None:
     # The root cannot be written (a plain file stands where its directory should be):
     # every drain fails, so nothing may leave the local tier.
     (tmp_path / "durable").write_text("not a directory")
-    mgr = _tiered(tmp_path, keep_local=1)
-    mgr.save(1, _state(1))
+    mgr = tiered(tmp_path, keep_local=1)
+    mgr.save(1, step_state(1))
     with pytest.raises(OSError):
         mgr.wait()
-    mgr.save(2, _state(2))  # the error was surfaced already; this save's drain fails too
+    mgr.save(2, step_state(2))  # the error was surfaced already; this save's drain fails too
     with pytest.raises(OSError):
         mgr.wait()
     with pytest.raises(TierFullError, match=r"holds steps \[1, 2\], more than keep_local=1"):
-        mgr.save(3, _state(3))
+        mgr.save(3, step_state(3))
     assert mgr.tiers.local.steps() == [1, 2]  # type: ignore[union-attr]
     assert {e.step: e.tiers for e in mgr.entries()} == {1: ("local",), 2: ("local",)}
 
@@ -142,32 +130,32 @@ def test_local_copies_stay_until_durable(tmp_path: Path) -> None:
 def test_corrupted_local_copy_falls_back_to_durable(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    mgr = _tiered(tmp_path)
-    mgr.save(3, _state(3))
+    mgr = tiered(tmp_path)
+    mgr.save(3, step_state(3))
     mgr.wait()
     data = _first_data_file(tmp_path / "local" / "step-3")
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    target = _blank()
+    target = blank_state()
     with caplog.at_level(logging.WARNING, logger="storage.ops.tiers"):
         step = mgr.load(target)
     assert (step, step.tier) == (3, "durable")  # type: ignore[attr-defined]
-    assert torch.equal(target["w"], _state(3)["w"])
+    assert torch.equal(target["w"], step_state(3)["w"])
     assert "loading the durable copy" in caplog.text and "IntegrityError" in caplog.text
 
 
 def test_restart_drains_what_is_only_local(tmp_path: Path) -> None:
     (tmp_path / "durable").write_text("down")
-    crashed = _tiered(tmp_path)
-    crashed.save(7, _state(7))
+    crashed = tiered(tmp_path)
+    crashed.save(7, step_state(7))
     with pytest.raises(OSError):
         crashed.wait()
     (tmp_path / "durable").unlink()  # the bucket is back; the job restarts
-    restarted = _tiered(tmp_path)
+    restarted = tiered(tmp_path)
     restarted.wait()
     assert restarted.durable_steps() == [7]
-    assert restarted.load(_blank()) == 7
+    assert restarted.load(blank_state()) == 7
 
 
 def test_incremental_tier_never_bases_on_a_linked_local_step(tmp_path: Path) -> None:
@@ -175,16 +163,16 @@ def test_incremental_tier_never_bases_on_a_linked_local_step(tmp_path: Path) -> 
     # resolves outside its directory is refused (issue 19, item 4): a linked local step
     # (a shared checkpoint linked in) must not be picked as a base, or every save fails.
     shared = tmp_path / "shared" / "pretrained"
-    CheckpointManager(shared.parent).save(0, _state(0))
+    CheckpointManager(shared.parent).save(0, step_state(0))
     (tmp_path / "local").mkdir()
     (tmp_path / "local" / "step-0").symlink_to(shared.parent / "step-0")
-    mgr = _tiered(tmp_path, incremental=True)
-    mgr.save(1, _state(1))
-    mgr.save(2, _state(1))
+    mgr = tiered(tmp_path, incremental=True)
+    mgr.save(1, step_state(1))
+    mgr.save(2, step_state(1))
     mgr.wait()
     assert _refs(tmp_path / "local", 1) == set()
     assert _refs(tmp_path / "local", 2) == {"step-1"}
-    assert mgr.load(_blank()) == 2
+    assert mgr.load(blank_state()) == 2
 
 
 class _FullDisk(LocalFileSystem):
@@ -202,12 +190,12 @@ class _FullDisk(LocalFileSystem):
 
 def test_full_local_tier_is_a_named_error_and_deletes_nothing(tmp_path: Path) -> None:
     disk = _FullDisk()
-    mgr = _tiered(tmp_path, keep_local=1, local_filesystem=disk)
-    mgr.save(1, _state(1))
+    mgr = tiered(tmp_path, keep_local=1, local_filesystem=disk)
+    mgr.save(1, step_state(1))
     mgr.wait()
     disk.full = True
     with pytest.raises(TierFullError, match="local tier .* is full"):
-        mgr.save(2, _state(2))
+        mgr.save(2, step_state(2))
     assert mgr.tiers.local.steps() == [1] and mgr.durable_steps() == [1]  # type: ignore[union-attr]
     assert not (tmp_path / "local" / "step-2").exists() or not any(
         (tmp_path / "local" / "step-2").iterdir()
@@ -243,22 +231,22 @@ def test_local_commit_that_landed_but_raised_keeps_its_files(tmp_path: Path) -> 
     # abort removed the step's data files under the metadata that had landed, leaving
     # a committed local step that did not load.
     disk = _PublishDisk()
-    mgr = _tiered(tmp_path, local_filesystem=disk)
+    mgr = tiered(tmp_path, local_filesystem=disk)
     disk.how = "lost"
     with pytest.raises(ConnectionResetError):
-        mgr.save(1, _state(1))
+        mgr.save(1, step_state(1))
     disk.how = None
-    target = _blank()
+    target = blank_state()
     storage_load(target, str(tmp_path / "local" / "step-1"))  # the local copy is whole
-    torch.testing.assert_close(target["w"], _state(1)["w"])
+    torch.testing.assert_close(target["w"], step_state(1)["w"])
 
 
 def test_local_commit_refused_removes_the_steps_files(tmp_path: Path) -> None:
     disk = _PublishDisk()
-    mgr = _tiered(tmp_path, local_filesystem=disk)
+    mgr = tiered(tmp_path, local_filesystem=disk)
     disk.how = "refused"
     with pytest.raises(ConnectionResetError):
-        mgr.save(1, _state(1))
+        mgr.save(1, step_state(1))
     mgr.wait()
     assert mgr.tiers.local.steps() == [] and mgr.durable_steps() == []  # type: ignore[union-attr]
     assert not any((tmp_path / "local" / "step-1").iterdir())
@@ -268,10 +256,10 @@ def test_local_commit_is_bounded_by_the_save_timeout(tmp_path: Path) -> None:
     # Before: the writer's timeout bounded the tier's data writes but not its local
     # publish, so a stalled publish held the save for as long as it stalled.
     disk = _PublishDisk()
-    mgr = _tiered(tmp_path, local_filesystem=disk, timeout=1.0)
+    mgr = tiered(tmp_path, local_filesystem=disk, timeout=1.0)
     disk.how = "stalled"
     with pytest.raises(DeadlineExceededError):
-        mgr.save(1, _state(1))
+        mgr.save(1, step_state(1))
     assert mgr.tiers.local.steps() == []  # type: ignore[union-attr]
 
 
@@ -296,8 +284,8 @@ class _GatedDisk(LocalFileSystem):
 
 def test_async_save_stages_commits_locally_then_drains(tmp_path: Path) -> None:
     disk = _GatedDisk()
-    mgr = _tiered(tmp_path, local_filesystem=disk)
-    state = _state(1)
+    mgr = tiered(tmp_path, local_filesystem=disk)
+    state = step_state(1)
     expected = state["w"].clone()
     disk.gate.clear()
     future = mgr.save(1, state, blocking=False)
@@ -310,18 +298,20 @@ def test_async_save_stages_commits_locally_then_drains(tmp_path: Path) -> None:
     mgr.wait()
     assert mgr.durable_steps() == [1]
     for tier in ("local", "durable"):
-        target = _blank()
+        target = blank_state()
         storage_load(target, tmp_path / tier / "step-1")
         assert torch.equal(target["w"], expected)
 
 
 def test_async_save_waits_for_the_previous_local_commit(tmp_path: Path) -> None:
     disk = _GatedDisk()
-    mgr = _tiered(tmp_path, local_filesystem=disk, keep_local=1)
+    mgr = tiered(tmp_path, local_filesystem=disk, keep_local=1)
     disk.gate.clear()
-    first = mgr.save(1, _state(1), blocking=False)
+    first = mgr.save(1, step_state(1), blocking=False)
     second: list[Any] = []
-    thread = threading.Thread(target=lambda: second.append(mgr.save(2, _state(2), blocking=False)))
+    thread = threading.Thread(
+        target=lambda: second.append(mgr.save(2, step_state(2), blocking=False))
+    )
     thread.start()
     thread.join(0.5)
     assert thread.is_alive() and not second  # at most one save in flight
@@ -388,7 +378,7 @@ def test_the_drain_pauses_while_a_save_writes_locally(tmp_path: Path) -> None:
     big = {"w": torch.randn(4 << 20), "meta": {"step": 1}}  # 16 MiB: 16 slow writes or more
     mgr.save(1, big)  # its drain starts now, and takes a while
     local.gate.clear()
-    future = mgr.save(2, _state(2), blocking=False)  # writing: blocked at the gate
+    future = mgr.save(2, step_state(2), blocking=False)  # writing: blocked at the gate
     assert future is not None
     before = local.read
     time.sleep(0.5)
@@ -416,25 +406,25 @@ def test_async_save_errors_and_recovery(tmp_path: Path) -> None:
     # then names the problem; once the bucket is back, the next save drains everything.
     (tmp_path / "durable").write_text("the bucket is down")
     disk = _FullDisk()
-    mgr = _tiered(tmp_path, keep_local=1, local_filesystem=disk)
+    mgr = tiered(tmp_path, keep_local=1, local_filesystem=disk)
     assert mgr.tiers is not None
     disk.full = True
-    failed = mgr.save(1, _state(1), blocking=False)
+    failed = mgr.save(1, step_state(1), blocking=False)
     assert failed is not None
     with pytest.raises(TierFullError, match="local tier .* is full"):
         failed.result(timeout=30)
     disk.full = False
     for step in (1, 2):
-        mgr.save(step, _state(step), blocking=False).result(timeout=30)  # type: ignore[union-attr]
+        mgr.save(step, step_state(step), blocking=False).result(timeout=30)  # type: ignore[union-attr]
         _drained(mgr)
         with pytest.raises(OSError):
-            mgr.save(step + 1, _state(step + 1), blocking=False)  # before anything is staged
+            mgr.save(step + 1, step_state(step + 1), blocking=False)  # before anything is staged
         assert mgr.tiers.local.steps() == list(range(1, step + 1))
     with pytest.raises(TierFullError, match=r"holds steps \[1, 2\], more than keep_local=1"):
-        mgr.save(3, _state(3), blocking=False)
+        mgr.save(3, step_state(3), blocking=False)
     assert mgr.tiers.local.steps() == [1, 2]
     (tmp_path / "durable").unlink()  # the bucket is back
-    mgr.save(3, _state(3), blocking=False).result(timeout=30)  # type: ignore[union-attr]
+    mgr.save(3, step_state(3), blocking=False).result(timeout=30)  # type: ignore[union-attr]
     mgr.wait()
     assert mgr.durable_steps() == [1, 2, 3]
     assert mgr.tiers.local.steps() == [3]
@@ -462,7 +452,7 @@ def test_drain_failure_stays_local_surfaces_and_retries(tmp_path: Path, proxy: F
     s3 = boto3_client(moto_endpoint())
     assert list_keys(s3, BUCKET, prefix) == [] and open_uploads(s3, BUCKET, prefix) == []
     proxy.clear()
-    mgr.save(2, _state(2))
+    mgr.save(2, step_state(2))
     mgr.wait()  # the retry drained step 1 as well
     assert mgr.durable_steps() == [1, 2]
     assert open_uploads(s3, BUCKET, prefix) == []
@@ -574,11 +564,11 @@ FROZEN = torch.arange(4096, dtype=torch.float32)  # the same at every step: refe
 
 
 def _incr_state(step: int) -> dict[str, Any]:
-    return {"frozen": FROZEN.clone(), **_state(step)}
+    return {"frozen": FROZEN.clone(), **step_state(step)}
 
 
 def _incr_blank() -> dict[str, Any]:
-    return {"frozen": torch.zeros(4096), **_blank()}
+    return {"frozen": torch.zeros(4096), **blank_state()}
 
 
 def _refs(root: Path, step: int) -> set[str]:
@@ -592,7 +582,7 @@ def _own_bytes(root: Path, step: int) -> int:
 def test_incremental_tiered_references_in_both_tiers_and_retention_keeps_bases(
     tmp_path: Path,
 ) -> None:
-    mgr = _tiered(tmp_path, incremental=True, keep_local=2, keep_last=2)
+    mgr = tiered(tmp_path, incremental=True, keep_local=2, keep_last=2)
     local, durable = tmp_path / "local", tmp_path / "durable"
     for step in range(1, 5):
         mgr.save(step, _incr_state(step))
@@ -607,14 +597,16 @@ def test_incremental_tiered_references_in_both_tiers_and_retention_keeps_bases(
     for root in (local, durable):  # each tier's copy loads alone (plain storage.load)
         target = _incr_blank()
         storage_load(target, root / "step-4")
-        assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(4)["w"])
+        assert torch.equal(target["frozen"], FROZEN) and torch.equal(
+            target["w"], step_state(4)["w"]
+        )
     mgr.save(5, _incr_state(5))  # the base does not count against keep_local
     mgr.wait()
     assert mgr.tiers.local.steps() == [1, 4, 5] and mgr.durable_steps() == [1, 4, 5]
     target = _incr_blank()
     step = mgr.load(target)
     assert (step, step.tier) == (5, "local")  # type: ignore[attr-defined]
-    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(5)["w"])
+    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], step_state(5)["w"])
     # The local base is damaged: the load falls back to the durable copy, whose own base
     # is intact.
     data = _first_data_file(local / "step-1")
@@ -624,14 +616,14 @@ def test_incremental_tiered_references_in_both_tiers_and_retention_keeps_bases(
     target = _incr_blank()
     step = mgr.load(target)
     assert (step, step.tier) == (5, "durable")  # type: ignore[attr-defined]
-    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(5)["w"])
+    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], step_state(5)["w"])
 
 
 def test_incremental_tiered_drains_bases_first_and_copies_what_the_root_lacks(
     tmp_path: Path,
 ) -> None:
     (tmp_path / "durable").write_text("the bucket is down")
-    mgr = _tiered(tmp_path, incremental=True, full_every=2)
+    mgr = tiered(tmp_path, incremental=True, full_every=2)
     for step in (1, 2, 3, 4):
         with contextlib.suppress(OSError):  # an earlier drain's error; committed locally
             mgr.save(step, _incr_state(step))
@@ -656,14 +648,14 @@ def test_incremental_tiered_drains_bases_first_and_copies_what_the_root_lacks(
     # drain of step 4 cannot reference it, so its durable copy takes the bytes.
     mgr.delete(5)
     mgr.delete(4)
-    CheckpointManager(durable).save(3, {"frozen": FROZEN + 1, **_state(3)})
+    CheckpointManager(durable).save(3, {"frozen": FROZEN + 1, **step_state(3)})
     mgr.save(6, _incr_state(6))  # its drain pass drains step 4 again, then step 6
     mgr.wait()
     assert mgr.durable_steps() == [1, 2, 3, 4, 5, 6]  # 5 is still local: drained again
     assert _refs(local, 4) == {"step-3"} and _refs(durable, 4) == set()
     target = _incr_blank()
     storage_load(target, durable / "step-4")
-    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], _state(4)["w"])
+    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["w"], step_state(4)["w"])
 
 
 def _incremental_worker(rank: int, store: str, base: str) -> None:
