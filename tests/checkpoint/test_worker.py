@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -24,7 +21,6 @@ import storage
 from extensions import AES256GCM, StreamTransformExtension, ZStandard
 from extensions.errors import CheckpointStorageError, WorkerDiedError
 from storage.checkpoint import persist
-from storage.checkpoint.persist import _shm
 from tests.support.distributed import gloo_group
 from tests.support.trees import assert_tree_equal, zeros_like_tree
 
@@ -452,61 +448,3 @@ def test_a_tiered_save_holds_the_foreground_until_its_local_commit(
     assert worker._foreground == 0
     mgr.wait()
     assert mgr.durable_steps() == [1]
-
-
-# --- shared memory is removed -------------------------------------------------------------
-
-_SAVER = """
-import os, signal, sys, torch, storage
-from storage.checkpoint import persist
-state = {"w": torch.ones(256, 256)}
-storage.async_save(state, sys.argv[1], persist="process").result()
-print(persist.worker().pid, flush=True)
-if sys.argv[2] == "crash":
-    os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
-def _run_saver(tmp_path: Path, how: str) -> tuple[int, int]:
-    """Run a training process that saves once, then exits or kills itself; returns its
-    pid and its worker's."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(_SAVER), str(tmp_path / how), how],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == (-signal.SIGKILL if how == "crash" else 0), err
-    return proc.pid, int(out.split()[0])
-
-
-def _segments_of(pid: int) -> list[str]:
-    prefix = f"dcp-storage-{os.getuid()}-{pid}-"
-    return [n for n in os.listdir(_shm.shm_dir()) if n.startswith(prefix)]
-
-
-def _gone(pid: int, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def test_segments_are_removed_at_exit_and_the_worker_stops(tmp_path: Path) -> None:
-    pid, worker_pid = _run_saver(tmp_path, "exit")
-    assert _segments_of(pid) == []
-    assert _gone(worker_pid)
-
-
-def test_segments_a_killed_process_left_are_removed_by_the_next_one(tmp_path: Path) -> None:
-    pid, worker_pid = _run_saver(tmp_path, "crash")
-    assert _gone(worker_pid)  # its worker exits when the training process dies
-    assert _segments_of(pid)  # kill -9 leaves the segments behind ...
-    _shm.StagingPool().close()  # ... and the next pool made on this machine removes them
-    assert _segments_of(pid) == []

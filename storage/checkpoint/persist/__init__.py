@@ -125,6 +125,16 @@ def worker() -> Worker:
         return _worker
 
 
+def _forget_worker_in_child() -> None:
+    """A child made with ``fork`` starts with no worker: the parent's socket, reader
+    thread and staging buffers are the parent's (its own first save starts its own)."""
+    global _worker, _worker_lock
+    _worker, _worker_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_worker_in_child)
+
+
 def mode_for(options: dict[str, Any], *filesystems: FileSystemBase) -> Mode:
     """The mode writer ``options`` (a manager's) ask for, for work on ``filesystems``."""
     mode = check_mode(options.get("persist"), options.get("max_bandwidth"))

@@ -27,13 +27,13 @@ import time
 import traceback
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import torch
 
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import deadline
-from storage.checkpoint.persist._shm import map_segment
+from storage.checkpoint.persist._shm import map_segment, sweep
 
 # --- what the training process sends in place of staged data ---------------------------
 
@@ -190,7 +190,7 @@ class _Server:
             try:
                 message = pickle.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
-                os._exit(0)  # the training process is gone: so is every save it asked for
+                _trainer_gone()
             except BaseException as exc:  # a call that cannot be unpickled here
                 self.send(("error", -1, _error_payload(exc)))
                 continue
@@ -220,9 +220,19 @@ class _Server:
         try:
             self.send(reply)
         except (OSError, ValueError):
-            os._exit(0)
+            _trainer_gone()
         except Exception as exc:  # a result that does not pickle
             self.send(("error", call_id, _error_payload(exc)))
+
+
+def _trainer_gone() -> NoReturn:
+    """The training process is gone, and so is every save it asked for: remove the
+    staging segments it can no longer remove (killed, its lock released with it), then
+    exit. A normal exit closes the socket only after removing them itself."""
+    try:
+        sweep()
+    finally:
+        os._exit(0)
 
 
 _environ_lock = threading.Lock()

@@ -4,23 +4,45 @@ The training process copies its state into these buffers (the only work an
 asynchronous save does on the training thread) and the persist worker maps the same
 pages by name, so the bytes cross processes without another copy.
 
-Segments are files in ``/dev/shm`` (the temporary directory where there is none) named
-``dcp-storage-{uid}-{pid}-{n}``: ``pid`` is the training process that made them. Their
-space is reserved when they are made (``posix_fallocate``), so a full ``/dev/shm`` is an
-error at allocation, never a ``SIGBUS`` while copying. They are removed when the pool is
-closed and at exit; a process killed before that leaves them behind, and the next
-process of the same user that makes a pool removes every segment whose ``pid`` is gone.
+Segments are files in ``/dev/shm`` (the temporary directory where there is none), mode
+0600, created with ``O_EXCL``. Their space is reserved when they are made
+(``posix_fallocate``), so a full ``/dev/shm`` is an error at allocation, never a
+``SIGBUS`` while copying.
+
+Names and ownership. A pool (one per training process) is named
+``dcp-storage-{uid}-{pid}-{token}``, ``token`` 96 random bits, so no other user can
+take its names in advance (a name that is taken anyway is skipped), and its segments
+``{pool}-{token}`` with 64 random bits each (anyone may list the directory, so a pool's
+name is no secret). The pool holds an ``flock`` on its lock file ``{pool}.lock`` for its
+whole life. The lock, not the pid, says whether the owner lives: a pid means nothing to
+a process in another PID namespace that shares ``/dev/shm`` (containers with
+``--ipc=host``), and the kernel drops the lock when the last holder dies, whatever
+killed it. A child made with ``fork`` shares the lock (its parent's segments stay while
+it lives) and never removes them: only the process that made a pool removes its
+segments, when the pool is closed or the process exits.
+
+:func:`sweep` removes the segments of pools whose lock nobody holds: the persist worker
+runs it when it sees its training process die (so a ``kill -9`` leaves nothing behind
+for long), and every new pool runs it first. It judges only files the calling user owns
+and can lock, and it never fails: a file it cannot open, lock or remove (another user's,
+a link, one that vanished) is left alone.
 """
 
 from __future__ import annotations
 
 import atexit
 import bisect
-import itertools
+import contextlib
+import fcntl
+import logging
 import mmap
 import os
+import re
+import secrets
+import stat
 import tempfile
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -30,8 +52,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from extensions._compat import StateDictStager
 from extensions.errors import CheckpointStorageError
 
+log = logging.getLogger(__name__)
+
 #: Storages smaller than this are staged in private memory and sent by value.
 SMALL = 64 << 10
+#: A lock file younger than this with no lock held may be a pool being born.
+_BIRTH_GRACE = 60.0
+#: Tries at an unused pool name before giving up (each collision is 2^-96 by chance).
+_NAME_TRIES = 16
 
 
 def shm_dir() -> str:
@@ -42,48 +70,132 @@ def _prefix() -> str:
     return f"dcp-storage-{os.getuid()}-"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+#: ``{pid}-{token}`` then ``.lock`` (the pool's lock file) or ``-{token}`` (a segment).
+_NAME = re.compile(r"(?P<pool>\d+-[0-9a-f]{24})(?:\.lock|-[0-9a-f]{16})")
 
 
 def sweep() -> list[str]:
-    """Remove the segments of this user's processes that are gone; returns their names."""
-    removed = []
+    """Remove the segments (and lock files) of this user's pools whose owner is gone;
+    returns the names removed. Never raises for what it finds in the directory."""
+    directory = shm_dir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    pools: dict[str, list[str]] = {}
     prefix = _prefix()
-    for name in os.listdir(shm_dir()):
-        if not name.startswith(prefix):
-            continue
-        pid = name[len(prefix) :].partition("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            try:
-                os.unlink(os.path.join(shm_dir(), name))
-            except FileNotFoundError:
-                continue
-            removed.append(name)
+    for name in names:
+        match = _NAME.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
+        if match is not None:
+            pools.setdefault(match["pool"], []).append(name)
+    removed: list[str] = []
+    for pool, members in pools.items():
+        removed += _sweep_pool(directory, f"{prefix}{pool}", members)
     return removed
+
+
+def _sweep_pool(directory: str, pool: str, members: list[str]) -> list[str]:
+    """Remove ``members`` of ``pool`` if no live process holds its lock."""
+    lock_name = f"{pool}.lock"
+    segments = [m for m in members if m != lock_name]
+    try:
+        fd = os.open(
+            os.path.join(directory, lock_name),
+            os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+        )
+    except FileNotFoundError:
+        fd = None  # segments outlive their lock file only when their owner is gone
+    except OSError:
+        return []  # another user's, or not a file: not ours to judge
+    try:
+        if fd is not None:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                return []
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return []  # held: its owner (or a child it forked) lives
+            if not segments and time.time() - info.st_mtime < _BIRTH_GRACE:
+                return []  # a pool being made takes its lock right after creating it
+            segments.append(lock_name)  # last: a segment never outlives its lock file
+        return [name for name in segments if _unlink_own(directory, name)]
+    except OSError as exc:
+        log.debug("not sweeping staging pool %s: %s", pool, exc)
+        return []
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _unlink_own(directory: str, name: str) -> bool:
+    """Remove ``directory/name`` if it is a regular file this user owns."""
+    path = os.path.join(directory, name)
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            return False
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
 
 
 def map_segment(name: str) -> mmap.mmap:
     """Map the segment ``name`` read-write (the persist worker's side)."""
-    fd = os.open(os.path.join(shm_dir(), name), os.O_RDWR)
+    fd = os.open(os.path.join(shm_dir(), name), os.O_RDWR | os.O_NOFOLLOW)
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
 
+def _create_unique(stem: str, random_bytes: int, suffix: str = "") -> tuple[str, int]:
+    """Create ``{stem}{random hex}{suffix}`` (0600, never an existing file or link);
+    returns the name without ``suffix`` and the open descriptor. A name that is taken
+    (by chance, or by someone who listed the directory) is skipped for another."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(_NAME_TRIES):
+        name = f"{stem}{secrets.token_hex(random_bytes)}"
+        try:
+            return name, os.open(os.path.join(shm_dir(), name + suffix), flags, 0o600)
+        except FileExistsError:
+            continue
+    raise CheckpointStorageError(
+        f"cannot create a staging file in {shm_dir()}: {_NAME_TRIES} random names were "
+        "all taken; check who writes there, or save with persist='thread'"
+    )
+
+
+class _Owner:
+    """A pool's name and the lock that says its owner lives (see the module docstring)."""
+
+    def __init__(self) -> None:
+        name, fd = _create_unique(f"{_prefix()}{os.getpid()}-", 12, ".lock")
+        fcntl.flock(fd, fcntl.LOCK_SH)  # held until the last process holding fd is gone
+        self.fd = fd
+        self.name = name
+        self.pid = os.getpid()
+
+    def close(self) -> None:
+        """Remove the lock file (the owning process only) and close this process's hold
+        on the lock; once for each process."""
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            return
+        if os.getpid() == self.pid:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(shm_dir(), f"{self.name}.lock"))
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 class _Segment:
     """One named segment holding one staged storage."""
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, owner: _Owner, size: int) -> None:
+        name, fd = _create_unique(f"{owner.name}-", 8)
         path = os.path.join(shm_dir(), name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
@@ -102,10 +214,8 @@ class _Segment:
         self.address = self.storage.data_ptr()
 
     def unlink(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 class StagingPool:
@@ -118,7 +228,7 @@ class StagingPool:
 
     def __init__(self) -> None:
         sweep()
-        self._names = itertools.count()
+        self._owner = _Owner()
         self._segments: dict[int, _Segment] = {}  # by address
         self._addresses: list[int] = []  # sorted
         self._stager = _Stager(self)
@@ -154,7 +264,7 @@ class StagingPool:
     def new_storage(self, nbytes: int) -> torch.UntypedStorage:
         if nbytes < SMALL:
             return torch.UntypedStorage(nbytes)
-        segment = _Segment(f"{_prefix()}{os.getpid()}-{next(self._names)}", nbytes)
+        segment = _Segment(self._owner, nbytes)
         self._segments[segment.address] = segment
         bisect.insort(self._addresses, segment.address)
         return segment.storage
@@ -167,11 +277,19 @@ class StagingPool:
             self._segments.pop(address).unlink()
             self._addresses.remove(address)
 
+    @property
+    def name(self) -> str:
+        """The pool's name: every segment's name starts with it."""
+        return self._owner.name
+
     def close(self) -> None:
-        """Remove every segment (mappings stay valid until their tensors are gone)."""
+        """Remove every segment (mappings stay valid until their tensors are gone); in a
+        child made with ``fork``, only forget them: they are its parent's."""
         with self._lock:
-            for segment in self._segments.values():
-                segment.unlink()
+            if os.getpid() == self._owner.pid:
+                for segment in self._segments.values():
+                    segment.unlink()
+            self._owner.close()
             self._segments.clear()
             self._addresses.clear()
             self._stager.reset()

@@ -1,0 +1,267 @@
+"""The persist worker's staging buffers in ``/dev/shm`` against its neighbours: another
+user on the host, a job in another PID namespace sharing ``/dev/shm``, a child made with
+``fork``, and a training process killed with ``kill -9``.
+
+Each test says what happened before the fix it guards."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from storage.checkpoint.persist import _shm
+
+ROOT = Path(__file__).resolve().parents[2]
+BIG = {"w": torch.ones(256, 256)}  # 256 KiB: staged in a segment, not by value
+
+
+def _listing(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir(_shm.shm_dir()) if n.startswith(prefix))
+
+
+def _run(script: str, *args: str, timeout: float = 180, **kwargs: object) -> str:
+    """Run ``script`` in a fresh interpreter from the repository; returns its stdout and
+    fails with everything it printed when it does not exit 0."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        **kwargs,  # type: ignore[call-overload]
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _nobody() -> int:
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as a second user")
+    return pwd.getpwnam("nobody").pw_uid
+
+
+def _plant(name: str, owner: int) -> Path:
+    """A file in the shared-memory directory, owned by ``owner``, mode 0600."""
+    path = Path(_shm.shm_dir(), name)
+    path.write_bytes(b"not yours")
+    os.chown(path, owner, owner)
+    path.chmod(0o600)
+    return path
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_names_taken_in_advance_by_another_user_are_skipped() -> None:
+    """Before, segments were named ``dcp-storage-UID-PID-N``: another user who created
+    those names first made every save of this process fail with a raw FileExistsError."""
+    other = _nobody()
+    planted = [_plant(f"dcp-storage-{os.getuid()}-{os.getpid()}-{n}", other) for n in range(16)]
+    pool = _shm.StagingPool()
+    try:
+        staged = pool.stage(BIG)
+        assert torch.equal(staged["w"], BIG["w"])
+        where = pool.locate(staged["w"])
+        assert where is not None and where[0].startswith(pool.name)
+        assert all(p.read_bytes() == b"not yours" for p in planted)  # nor touched
+    finally:
+        pool.close()
+        for p in planted:
+            p.unlink()
+
+
+def test_a_random_name_that_is_taken_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Someone who lists the directory sees a pool's name and may create its next
+    segment's name first: the segment takes another name instead of failing."""
+    pool = _shm.StagingPool()
+    try:
+        tokens = iter(["00" * 8, "11" * 8])
+        taken = Path(_shm.shm_dir(), f"{pool.name}-{'00' * 8}")
+        taken.write_bytes(b"squatter")
+        monkeypatch.setattr(_shm.secrets, "token_hex", lambda n: next(tokens))
+        staged = pool.stage(BIG)
+        assert pool.locate(staged["w"]) == (f"{pool.name}-{'11' * 8}", 0)
+        assert taken.read_bytes() == b"squatter"
+        taken.unlink()
+    finally:
+        pool.close()
+
+
+def test_another_users_file_named_like_a_dead_process_of_ours_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    """Before, the sweep of dead processes' segments unlinked any file named like one of
+    this user's: as that user it got EPERM (sticky ``/dev/shm``; only FileNotFoundError
+    was caught) and every ``persist="process"`` save failed - the asynchronous default;
+    as root it deleted the other user's file. It now judges only files this user owns."""
+    other = _nobody()
+    planted = _plant(f"dcp-storage-{os.getuid()}-{_dead_pid()}-0", owner=other)
+    try:
+        assert _run(_SAVE, str(tmp_path / "ckpt")).split() == ["saved"]
+        assert planted.read_bytes() == b"not yours"
+    finally:
+        planted.unlink()
+
+
+_SAVE = """
+import sys, torch, storage
+storage.async_save({"w": torch.ones(256, 256)}, sys.argv[1], persist="process").result()
+print("saved")
+"""
+
+
+_SWEEP = """
+from storage.checkpoint.persist import _shm
+print(" ".join(_shm.sweep()) or "-")
+"""
+
+
+def test_a_live_pool_is_not_swept_from_another_pid_namespace() -> None:
+    """A job in another PID namespace sharing ``/dev/shm`` (``--ipc=host``) cannot see
+    this process's pid. Before, the sweep took "no such pid" for "dead" and deleted the
+    segments of a live trainer, losing its saves in flight; ownership is now a lock the
+    owner holds, which the kernel keeps across namespaces."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode().strip()}")
+    pool = _shm.StagingPool()
+    try:
+        staged = pool.stage(BIG)
+        before = _listing(pool.name)
+        assert len(before) == 2  # the lock file and one segment
+        argv = ["unshare", "--pid", "--fork", sys.executable, "-c", _SWEEP]
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert pool.name not in proc.stdout
+        assert _listing(pool.name) == before
+        assert torch.equal(pool.stage(BIG)["w"], staged["w"])
+    finally:
+        pool.close()
+    assert _listing(pool.name) == []
+
+
+_FORK = """
+import os, sys, torch, storage
+from storage.checkpoint import persist
+torch.set_num_threads(1)  # as in DataLoader workers: OpenMP's pool does not survive fork
+state = {"w": torch.ones(256, 256)}
+storage.async_save(state, sys.argv[1] + "/1", persist="process").result()
+pool = persist.worker().pool
+before = sorted(n for n in os.listdir("/dev/shm") if n.startswith(pool.name))
+child = os.fork()
+if child == 0:
+    # A DataLoader worker or a helper: it saves something of its own, then exits
+    # normally, running the atexit hooks it inherited.
+    storage.save({"c": torch.zeros(256, 256)}, sys.argv[1] + "/child")
+    sys.exit(0)
+_, status = os.waitpid(child, 0)
+assert status == 0, status
+after = sorted(n for n in os.listdir("/dev/shm") if n.startswith(pool.name))
+assert after == before, (before, after)
+state["w"] += 1
+storage.async_save(state, sys.argv[1] + "/2", persist="process").result()
+print("ok")
+"""
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_buffers_alone(tmp_path: Path) -> None:
+    """Before, a child made with ``os.fork`` ran the inherited atexit hook when it exited
+    and unlinked its parent's live segments; the parent's next save failed with a raw
+    FileNotFoundError. A child's own save starts its own worker and buffers."""
+    if _shm.shm_dir() != "/dev/shm":
+        pytest.skip("no /dev/shm")
+    assert _run(_FORK, str(tmp_path)).split() == ["ok"]
+    loaded = {"w": torch.zeros(256, 256)}
+    import storage
+
+    storage.load(loaded, tmp_path / "2")
+    assert torch.equal(loaded["w"], torch.full((256, 256), 2.0))
+
+
+_SAVER = """
+import os, signal, sys, torch, storage
+from storage.checkpoint import persist
+storage.async_save({"w": torch.ones(256, 256)}, sys.argv[1], persist="process").result()
+worker = persist.worker()
+print(worker.pid, worker.pool.name, flush=True)
+if sys.argv[2] == "exit":
+    sys.exit(0)
+if sys.argv[2] == "kill both":
+    os.kill(worker.pid, signal.SIGKILL)
+    os.waitpid(worker.pid, 0)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _run_saver(tmp_path: Path, how: str) -> tuple[int, str]:
+    """A training process that saves once, then exits or is killed; its worker's pid
+    and its pool's name."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_SAVER), str(tmp_path / "ckpt"), how],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=180,
+    )
+    expected = 0 if how == "exit" else -signal.SIGKILL
+    assert proc.returncode == expected, f"{proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    fields = proc.stdout.split()
+    assert len(fields) == 2, f"the saver printed {proc.stdout!r}\n{proc.stderr}"
+    return int(fields[0]), fields[1]
+
+
+def _gone(pid: int, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _empty(prefix: str, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while _listing(prefix) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _listing(prefix)
+
+
+def test_buffers_are_removed_at_exit_and_the_worker_stops(tmp_path: Path) -> None:
+    worker_pid, pool = _run_saver(tmp_path, "exit")
+    assert _listing(pool) == []
+    assert _gone(worker_pid)
+
+
+def test_a_killed_trainers_buffers_are_removed_by_its_worker(tmp_path: Path) -> None:
+    """Before, ``kill -9`` of a training process left its segments (144 MB in one test)
+    until the next process of the user staged, and for good if none did: the worker,
+    which sees the death, now removes them before it exits."""
+    worker_pid, pool = _run_saver(tmp_path, "kill")
+    assert _gone(worker_pid)
+    assert _empty(pool), _listing(pool)
+
+
+def test_buffers_left_by_a_killed_trainer_and_worker_are_removed_by_the_next_pool(
+    tmp_path: Path,
+) -> None:
+    worker_pid, pool = _run_saver(tmp_path, "kill both")
+    assert _gone(worker_pid)
+    _shm.StagingPool().close()  # nobody was left to remove them: the next pool does
+    assert _listing(pool) == []
