@@ -4,6 +4,7 @@ from extensions.base import ItemInfo, StreamTransformExtension
 from extensions.encryption import AES256GCM, keys_from_environment, keys_from_file
 from extensions.errors import (
     CheckpointExistsError,
+    CheckpointInUseError,
     CheckpointNotFoundError,
     CheckpointStorageError,
     IntegrityError,
@@ -12,6 +13,7 @@ from extensions.errors import (
     TierFullError,
     UnknownTransformError,
     UnsafeCheckpointError,
+    WorkerDiedError,
 )
 from extensions.registry import ExtensionRegistry, register
 from extensions.shuffle import ByteShuffle
@@ -22,6 +24,7 @@ __all__ = [
     "AES256GCM",
     "ByteShuffle",
     "CheckpointExistsError",
+    "CheckpointInUseError",
     "CheckpointNotFoundError",
     "CheckpointStorageError",
     "ExtensionRegistry",
@@ -34,6 +37,7 @@ __all__ = [
     "UnknownTransformError",
     "UnsafeCheckpointError",
     "WeightCodec",
+    "WorkerDiedError",
     "ZStandard",
     "keys_from_environment",
     "keys_from_file",

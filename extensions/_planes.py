@@ -77,6 +77,7 @@ class _Codecs(threading.local):
         self.fast = zstandard.ZstdCompressor(compression_params=fast)
         self.general = zstandard.ZstdCompressor(level=3)
         self.decompressor = zstandard.ZstdDecompressor()
+        self.content_size = zstandard.frame_content_size
         self.error = zstandard.ZstdError
 
 
@@ -299,7 +300,15 @@ def _plane(mode: int, a: int, b: int, piece: memoryview, n: int) -> Any:
 
 
 def _unzstd(frame: memoryview, size: int) -> bytes:
+    """The ``size`` bytes that ``frame`` decodes to. zstd sizes its output by the content
+    size a frame's header declares and ignores ``max_output_size`` then, so a frame that
+    declares any other size is refused before a byte is allocated or decoded."""
     try:
+        declared = _codecs.content_size(frame)
+        if declared not in (size, -1):  # -1: not declared (then max_output_size holds)
+            raise CorruptBlock(
+                f"a zstd plane declares {declared} bytes, expected {size}; refused unread"
+            )
         data = _codecs.decompressor.decompress(frame, max_output_size=size)
     except _codecs.error as exc:
         raise CorruptBlock(f"zstd: {exc}") from None

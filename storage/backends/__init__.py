@@ -9,6 +9,7 @@ below)."""
 
 from storage.backends._local import LocalFileSystem
 from storage.backends._memory import MemoryFileSystem
+from storage.backends._ranges import RangeMismatchError
 from storage.backends._torch import TorchFileSystem
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import LAZY_NAMES as _LAZY
@@ -21,6 +22,7 @@ __all__ = [
     "FileSystemBase",
     "LocalFileSystem",
     "MemoryFileSystem",
+    "RangeMismatchError",
     "TorchFileSystem",
     "filesystem_from_url",
     "register_filesystem",

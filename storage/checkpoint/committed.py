@@ -11,7 +11,9 @@ facts under one error policy:
   not unpickle or validate): what the checkpoint names and references is unknown, so
   every deletion path fails closed. An unreadable checkpoint may reference any sibling
   (:meth:`CommittedCheckpoint.may_reference`): deleting or overwriting a checkpoint
-  beside it is refused, and retention keeps every step while it stands (and says so).
+  beside it is refused, and retention keeps every step while it stands. Opening one says
+  nothing: the path that decides says so, in its refusal or its log, and paths that
+  delete nothing (inspect, verify, copy) report only their own error.
 
 :func:`open_committed` reads a checkpoint whole: every metadata file in its directory,
 the committing ones (``.metadata``, else each rank's ``__{rank}.metadata``; see
@@ -215,15 +217,7 @@ def open_committed(fs: FileSystemBase, path: str) -> CommittedCheckpoint:
         if found is not None:
             metadata[name] = found
     committing = committing_metadata([n for n in names if n in metadata or n in errors])
-    checkpoint = CommittedCheckpoint(fs, path, tuple(committing), metadata, errors)
-    if errors:
-        log.warning(
-            "cannot read %s (%s): it may reference any checkpoint beside it, so none of "
-            "those is deleted while it stands",
-            checkpoint.url,
-            checkpoint.why_unreadable(),
-        )
-    return checkpoint
+    return CommittedCheckpoint(fs, path, tuple(committing), metadata, errors)
 
 
 _Stamp = tuple[tuple[str, int, int, int, int], ...]

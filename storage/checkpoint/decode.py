@@ -65,7 +65,10 @@ def decode_tensor(
         # A planner that cast may have stored up to 8 bytes per element (16: complex).
         limit = math.prod(sizes) * max(8, dtype.itemsize) + ARCHIVE_ALLOWANCE
         payload = read_bounded(decoded, limit, where, "the metadata understates it")
-        loaded = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        try:
+            loaded = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise refused_pickle(where, exc) from None
         if not isinstance(loaded, torch.Tensor) or tuple(loaded.size()) != tuple(sizes):
             raise IntegrityError(
                 f"{where}: the stored tensor does not have the chunk size "
@@ -146,12 +149,7 @@ def plain_value(payload: bytes, where: str) -> io.BytesIO:
     except pickle.UnpicklingError as exc:
         value = fmt.load_bytes_io(payload)  # DCP's own io.BytesIO values
         if value is None:
-            raise UnsafeCheckpointError(
-                f"{where}: the stored value is not plain data "
-                f"({printable(str(exc).splitlines()[0], 200)}); "
-                "refusing to unpickle it. If you trust this checkpoint, allow the class with "
-                "torch.serialization.add_safe_globals([...])"
-            ) from None
+            raise refused_pickle(where, exc) from None
     except Exception as exc:
         raise IntegrityError(
             f"{where}: the stored value cannot be read: {printable(str(exc), 200)}"
@@ -160,3 +158,27 @@ def plain_value(payload: bytes, where: str) -> io.BytesIO:
     torch.save(value, plain)
     plain.seek(0)
     return plain
+
+
+def refused_pickle(where: str, exc: BaseException) -> UnsafeCheckpointError:
+    """The error for a stored pickle that torch's ``weights_only`` unpickler refused
+    (``exc``), naming ``where`` (the checkpoint and the item) and what was refused.
+
+    Every path that unpickles a checkpoint's value reports a refusal through here, as
+    :class:`UnsafeCheckpointError`. torch's own message advises loading again with
+    ``weights_only=False``, the one setting that would run the payload: only the reason
+    is kept, and the error is raised ``from None`` so no traceback repeats the advice."""
+    text = str(exc)
+    _, found, detail = text.rpartition("WeightsUnpickler error:")
+    reasons = [
+        line.partition("Please use")[0].strip()
+        for line in (detail if found else text).splitlines()
+        if not line.startswith(("Weights only load failed", "Check the documentation"))
+        and "weights_only" not in line
+    ]
+    reason = printable(" ".join(r for r in reasons if r), 200) or type(exc).__name__
+    return UnsafeCheckpointError(
+        f"{where}: the stored value is not plain data ({reason}); refusing to unpickle it "
+        "(it could run code). If you trust this checkpoint, allow the classes it needs with "
+        "torch.serialization.add_safe_globals([...])"
+    )

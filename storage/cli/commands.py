@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from extensions.errors import CheckpointNotFoundError
+from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from storage.backends.base import FileSystemBase, PendingUpload
 from storage.cli._support import (
     emit,
@@ -232,6 +232,11 @@ def rm(args: argparse.Namespace) -> int:
         raise CheckpointNotFoundError(
             f"{exc}. Refusing to delete it; interrupted saves under a root are removed by "
             "`dcp-storage gc ROOT`"
+        ) from None
+    except CheckpointStorageError as exc:  # metadata refused: which files are its own?
+        raise type(exc)(
+            f"{str(exc).rstrip('.')}. Refusing to delete {fs.url(path)}: which files are "
+            "its own cannot be told while its metadata cannot be read; nothing was deleted"
         ) from None
     refuse_if_referenced(fs, path)
     kept = delete_checkpoint(fs, path, checkpoint)

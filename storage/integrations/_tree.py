@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import collections
 import io
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from extensions.errors import UnsafeCheckpointError, quote
+from storage.checkpoint.decode import refused_pickle
 
 _FORMAT = 1
 Path = tuple[str | int, ...]
@@ -73,9 +75,14 @@ def unpack(
     """The tree :func:`pack` stored under ``prefix``, from its loaded ``items``.
 
     ``where`` (the checkpoint's URL) names the checkpoint in errors. Raises
-    :class:`UnsafeCheckpointError` when the blob does not say where a stored tensor goes."""
+    :class:`UnsafeCheckpointError` when the blob holds what ``weights_only`` refuses
+    (``storage.checkpoint.decode.refused_pickle``) or does not say where a stored tensor
+    goes."""
     blob = items[prefix].numpy().tobytes()
-    record = torch.load(io.BytesIO(blob), weights_only=weights_only, map_location=map_location)
+    try:
+        record = torch.load(io.BytesIO(blob), weights_only=weights_only, map_location=map_location)
+    except pickle.UnpicklingError as exc:
+        raise refused_pickle(f"{where}: item {quote(prefix)}", exc) from None
     if not isinstance(record, dict) or record.get("format") != _FORMAT:
         raise UnsafeCheckpointError(
             f"{where}: item {prefix!r} is not a checkpoint tree of format {_FORMAT} "

@@ -30,10 +30,11 @@ from extensions._compat import (
     set_element,
 )
 from extensions.base import Keys
-from extensions.errors import UnsafeCheckpointError, quote
+from extensions.errors import quote
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.api import unwrap_checkpoint_exception
+from storage.checkpoint.decode import refused_pickle
 from storage.checkpoint.layout import is_committed
 from storage.checkpoint.options import resolve_location
 from storage.checkpoint.reader import CheckpointReader
@@ -56,11 +57,7 @@ class _PlainDataPlanner(EmptyStateDictLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as exc:
-            raise UnsafeCheckpointError(
-                f"{self._where}: item {quote(fqn)} holds a Python object that is not plain data; "
-                f"refusing to unpickle it ({type(exc).__name__}). Keep non-tensor state to "
-                "numbers, strings, lists and dicts."
-            ) from exc
+            raise refused_pickle(f"{self._where}: item {quote(fqn)}", exc) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pickle
 import pty
 import select
 import struct
@@ -181,6 +182,40 @@ def test_error_is_one_line(tmp_path: Path) -> None:
     line = _one_error_line(proc.stderr)
     assert str(tmp_path / "missing") in line and "does not exist" in line
     assert proc.stdout == ""
+
+
+class _RunsCode:
+    """Unpickled, it would create ``marker``: what makes the metadata holding it refused."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_refused_checkpoint_is_one_error_line_in_every_command(tmp_path: Path) -> None:
+    """``inspect``, ``verify``, ``cp`` and ``rm`` of a checkpoint whose metadata is
+    refused print the refusal alone. They used to print a warning first, that because
+    it cannot be read none of the checkpoints beside it "is deleted while it stands" -
+    though three of them delete nothing - and ``rm``'s error did not say the checkpoint
+    itself was kept."""
+    ckpt, marker = tmp_path / "refused", tmp_path / "ran"
+    storage.save({"w": torch.ones(4)}, str(ckpt))
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())  # the test's own file
+    metadata.planner_data = _RunsCode(marker)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    files = sorted(os.listdir(ckpt))
+    for command, *rest in (["inspect"], ["verify"], ["cp", str(tmp_path / "copy")], ["rm"]):
+        proc = cli(command, str(ckpt), *rest)
+        assert proc.returncode == 1, (command, proc.stderr)
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1, (command, proc.stderr)
+        assert lines[0].startswith("dcp-storage: error: "), (command, proc.stderr)
+        assert f"{ckpt}/.metadata" in lines[0] and "posix.system" in lines[0], lines[0]
+        assert ("delete" in lines[0]) == (command == "rm"), (command, lines[0])
+    assert sorted(os.listdir(ckpt)) == files
+    assert not (tmp_path / "copy").exists() and not marker.exists()
 
 
 # --- in-process variations --------------------------------------------------------------

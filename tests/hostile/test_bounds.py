@@ -180,6 +180,78 @@ def test_small_items_get_small_buffers(chain: list[Any], peak: Callable[[], int]
     assert peak() < 512 << 10
 
 
+# --- a zstd frame's declared content size never sizes an allocation ---------------------
+
+
+def frame_declaring(declared: int, plain: int = 64 << 10) -> bytes:
+    """A zstd frame whose header declares ``declared`` content bytes (and a 1 MiB window)
+    but that holds one RLE block of ``plain`` zero bytes: 18 bytes in all."""
+    header = struct.pack("<IBBQ", 0xFD2FB528, 0xC0, 10 << 3, declared)  # 8-byte size
+    block = 1 | 1 << 1 | plain << 3  # the last block, RLE, ``plain`` bytes
+    return header + block.to_bytes(3, "little") + b"\0"
+
+
+def _weights_stream(mode: int, frame: bytes, nbytes: int = 64 << 10) -> bytes:
+    """One es=1 block of ``nbytes`` whose one plane is ``frame`` in ``mode`` (ZSTD, or
+    PACK two codes to a byte), then the end record."""
+    from extensions import _planes as planes
+    from extensions.weights import END, END_TAG
+
+    a, b = (0, 2) if mode == planes.PACK else (0, 0)
+    head = planes.HEAD.pack(planes.BLOCK_TAG, nbytes, 0)
+    plane = planes.PLANE.pack(mode, a, b, 0, len(frame), 0)
+    return head + plane + frame + END.pack(END_TAG, nbytes)
+
+
+@pytest.mark.parametrize("mode", ["zstd", "pack"])
+def test_weights_plane_declaring_a_huge_size_is_refused_before_decoding(
+    mode: str, peak: Callable[[], int]
+) -> None:
+    # Without the check zstd sized the plane's output by the frame's header, ignoring
+    # max_output_size: this 18-byte frame of a 64 KiB plane allocated 1 GiB (a frame
+    # within the block's bound could declare ~32 GiB and fill it).
+    from extensions import WeightCodec
+    from extensions import _planes as planes
+
+    kind = planes.ZSTD if mode == "zstd" else planes.PACK
+    stored = _weights_stream(kind, frame_declaring(1 << 30))
+    item = ItemInfo(checkpoint="ckpt", item="w")
+    decoding = ExtensionRegistry().decoding_stream(
+        [WeightCodec().descriptor_for(item)], io.BytesIO(stored), item
+    )
+    tracemalloc.reset_peak()
+    with pytest.raises(ValueError, match=r"declares 1073741824 bytes.*expected \d+"):
+        decoding.read()
+    assert peak() < 4 * MiB
+
+
+def test_weights_item_declaring_a_huge_plane_fails_the_load_naming_it(tmp_path: Path) -> None:
+    # The same refusal through a load, an IntegrityError naming the item; without the
+    # check this 18-byte frame asked for 32 GiB (a MemoryError, or an OOM kill).
+    from extensions import WeightCodec
+    from extensions import _planes as planes
+
+    storage.save({"w": torch.ones(4), "v": "value"}, tmp_path, transforms=[WeightCodec()])
+    _plant(tmp_path, "v", _weights_stream(planes.ZSTD, frame_declaring(1 << 35)))  # es=1
+    with pytest.raises(IntegrityError, match=r"'v'.*declares 34359738368 bytes"):
+        storage.load({"w": torch.zeros(4), "v": ""}, tmp_path)
+
+
+@pytest.mark.parametrize("item", ["tensor", "value"])
+def test_zstd_item_declaring_a_huge_size_decodes_only_what_it_holds(
+    tmp_path: Path, item: str, peak: Callable[[], int]
+) -> None:
+    # Guards the streaming decoders (a tensor's frames decoded into it, a value read
+    # under its bound): they decode into buffers sized by the target and the request,
+    # never by the 32 GiB this 18-byte frame declares.
+    storage.save({"t": torch.ones(16), "v": "value"}, tmp_path, transforms=[ZStandard()])
+    _plant(tmp_path, "t" if item == "tensor" else "v", frame_declaring(1 << 35))
+    tracemalloc.reset_peak()
+    with pytest.raises((IntegrityError, UnsafeCheckpointError), match="'[tv]'"):
+        storage.load({"t": torch.zeros(16), "v": ""}, tmp_path)
+    assert peak() < 8 * MiB
+
+
 # --- items 9 and 10: metadata refused while loading, named errors ------------------------
 
 

@@ -5,7 +5,9 @@ Each test says what happened before the fix it guards."""
 
 from __future__ import annotations
 
+import io
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -334,3 +336,67 @@ def test_a_swapped_key_id_fails_authentication(encrypted: Path) -> None:
     meta_path.write_bytes(fmt.dump_metadata(meta))
     with pytest.raises(IntegrityError, match="not the key the item was encrypted with"):
         storage.load({"w": torch.zeros(64)}, encrypted, keys={"k1": KEY, "k2": bytes(32)})
+
+
+# --- a pickle that would run code: refused, and torch's advice never repeated -------------
+
+
+class _RunsCode:
+    """Unpickled by a full unpickler, it would create ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+#: torch's refusal advises "Re-running `torch.load` with `weights_only` set to `False`".
+_ADVICE = re.compile(r"weights_only\W*(=|set to)\W*False")
+
+
+def printed(exc: BaseException) -> str:
+    """Every message a traceback of ``exc`` shows (its causes and unsuppressed contexts)."""
+    messages = []
+    seen: BaseException | None = exc
+    while seen is not None:
+        messages.append(str(seen))
+        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
+    return "\n".join(messages)
+
+
+def assert_refused_quietly(exc: BaseException, *names: str) -> None:
+    assert isinstance(exc, UnsafeCheckpointError), repr(exc)
+    text = printed(exc)
+    assert _ADVICE.search(text) is None and "weights_only=False" not in text, text
+    assert "posix.system" in str(exc) and all(name in str(exc) for name in names), str(exc)
+
+
+def test_a_value_that_would_run_code_is_refused_without_torchs_advice(tmp_path: Path) -> None:
+    """A non-tensor value holding a payload: refused (nothing runs), but the error quoted
+    the first line of torch's message, which advises loading with weights_only=False."""
+    marker = tmp_path / "ran"
+    storage.save({"x": _RunsCode(marker), "t": torch.ones(2)}, tmp_path / "c")
+    with pytest.raises(UnsafeCheckpointError) as info:
+        storage.load({"x": None, "t": torch.zeros(2)}, tmp_path / "c")
+    assert_refused_quietly(info.value, str(tmp_path / "c"), "'x'")
+    assert not marker.exists()
+
+
+def test_a_tensor_archive_that_would_run_code_is_refused_without_torchs_advice(
+    tmp_path: Path,
+) -> None:
+    """A tensor item without layout facts (torch.load's path) holding a payload: a raw
+    pickle.UnpicklingError was reported as damage, torch's advice to load with
+    weights_only=False in its message and its cause."""
+    from tests.hostile.test_bounds import _plant
+
+    marker = tmp_path / "ran"
+    storage.save({"t": torch.ones(2)}, tmp_path)
+    archive = io.BytesIO()
+    torch.save(_RunsCode(marker), archive)
+    _plant(tmp_path, "t", archive.getvalue(), data_offset=None, nbytes=None)
+    with pytest.raises(UnsafeCheckpointError) as info:
+        storage.load({"t": torch.zeros(2)}, tmp_path)
+    assert_refused_quietly(info.value, str(tmp_path), "'t'")
+    assert not marker.exists()

@@ -13,7 +13,6 @@ import dataclasses
 import importlib
 import io
 import os
-import pickle
 import sys
 import uuid
 from collections.abc import Iterator
@@ -201,9 +200,27 @@ def test_the_rest_is_unpickled_with_the_weights_only_lightning_asks_for(tmp_path
     """A checkpoint with a class in it loads only with weights_only=False, as torch.load."""
     plugin = StorageCheckpointIO()
     plugin.save_checkpoint({"hparams": Hparams(lr=0.5), "w": torch.ones(2)}, tmp_path / "c")
-    with pytest.raises(pickle.UnpicklingError, match="weights_only"):
+    with pytest.raises(UnsafeCheckpointError, match="Hparams.*add_safe_globals"):
         plugin.load_checkpoint(tmp_path / "c", weights_only=True)
     assert plugin.load_checkpoint(tmp_path / "c", weights_only=False)["hparams"] == Hparams(lr=0.5)
+
+
+@pytest.mark.parametrize("weights_only", [None, True])
+def test_a_payload_in_the_rest_is_refused_without_torchs_advice(
+    tmp_path: Any, weights_only: bool | None
+) -> None:
+    """The part of a Lightning checkpoint that is not tensors holds a payload: nothing
+    runs, but a raw pickle.UnpicklingError escaped whose text (torch's) advises loading
+    with weights_only=False, the one thing that would run it."""
+    from tests.hostile.test_read import _RunsCode, assert_refused_quietly
+
+    marker = tmp_path / "ran"
+    plugin = StorageCheckpointIO()
+    plugin.save_checkpoint({"hparams": _RunsCode(marker), "w": torch.ones(2)}, tmp_path / "c")
+    with pytest.raises(UnsafeCheckpointError) as info:
+        plugin.load_checkpoint(tmp_path / "c", weights_only=weights_only)
+    assert_refused_quietly(info.value, str(tmp_path / "c"), repr(PREFIX))
+    assert not marker.exists()
 
 
 def test_without_lightning_the_import_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
