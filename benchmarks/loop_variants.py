@@ -85,7 +85,7 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
 
 
 class StagingFloor:
-    """The floor (issue 20 item 3): at each checkpoint, copy the state's tensors into
+    """The floor: at each checkpoint, copy the state's tensors into
     staging buffers allocated (and touched) once, and nothing else. The least any
     checkpoint can block; nothing is written, so nothing becomes durable."""
 

@@ -25,7 +25,7 @@ requests to the server every 50 ms, the proxy bypassed), and from the first step
 the last checkpoint is durable the CPU (user + sys, from /proc) of the job (every rank's
 process and its children: torch's checkpoint process) and of the server (``weed``, also as
 a share of one core). The "floor" row copies the state's tensors into staging
-buffers allocated once and does nothing else (issue 20 item 3). Before the runs, a raw
+buffers allocated once and does nothing else. Before the runs, a raw
 ceiling: 8 objects x 16 MiB PUT then GET with boto3 in 8 threads through the same endpoint,
 with the proxy's own CPU. ``--rounds R`` repeats every variant R times, the order rotating,
 and reports medians. ``--profile DIR`` runs rank 0 under ``py-spy record --gil`` (the

@@ -138,7 +138,7 @@ def test_permanent_fault_fails_bounded_and_leaves_nothing(proxy: FaultProxy, dir
     assert attempts and max(attempts.values()) <= ATTEMPTS
 
 
-# --- ranged answers that are not the range asked for (issue 19, item 12) ---------------
+# --- ranged answers that are not the range asked for ---------------
 
 
 def _stock_checkpoint(backend: str, url: str) -> tuple[dict[str, torch.Tensor], Any]:
@@ -190,7 +190,7 @@ def test_a_ranged_get_answered_with_other_bytes_is_refused(kind: str, backend: s
         assert torch.equal(target["a"], state["a"])
 
 
-# --- every request inside timeout= (issue 19, item 13) -----------------------------------
+# --- every request inside timeout= -----------------------------------
 
 STALLS = {
     # (what stalls, fault, method, target): before, each blocked past the deadline.

@@ -406,7 +406,7 @@ def test_missing_bucket(endpoint: str, state_dict: dict) -> None:
 
 
 def test_unreachable_endpoint_is_named(state_dict: dict) -> None:
-    # Issue 24 item 8. Before: a reader given no (or a wrong) endpoint_url failed with the
+    # Before: a reader given no (or a wrong) endpoint_url failed with the
     # client's bare connection error, which never said which endpoint it tried or why.
     import socket
 

@@ -3,7 +3,7 @@
 The harness runs each scenario over every (writer, reader) pair of one location kind:
 local disk (stock ``FileSystemWriter``/``FileSystemReader``) and fsspec ``memory://``
 (stock ``FsspecWriter``/``FsspecReader``), each side either stock or ours, with the
-assertions unchanged. Tests for one compatibility fact (issue 11) follow it.
+assertions unchanged. Tests for one compatibility fact follow it.
 """
 
 from __future__ import annotations
@@ -575,7 +575,7 @@ def test_format_utils_convert_ours(tmp_path: Any) -> None:
     assert target["train_state"]["step"] == 42
 
 
-# --- the writer's fs as s3-connector-for-pytorch's DCP tests use it (issue 19, item 20) -
+# --- the writer's fs as s3-connector-for-pytorch's DCP tests use it -
 
 
 @pytest.fixture(params=["local", "file-url", "moto", "seaweedfs", "gcs"])

@@ -117,7 +117,7 @@ def test_manager_round_trip_chain_and_full_every(tmp_path: Path) -> None:
 
 
 def test_manager_never_bases_on_a_rank_local_step(tmp_path: Path, caplog: Any) -> None:
-    # Issue 19, item 9. Before: the newest step, committed only by __0.metadata, was
+    # Before: the newest step, committed only by __0.metadata, was
     # picked as the base and every later save failed ("not a committed checkpoint (no
     # .metadata)"), though the docs say rank-local steps are never bases.
     caplog.set_level(logging.INFO, logger="storage.ops.manager")

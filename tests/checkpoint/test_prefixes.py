@@ -144,7 +144,7 @@ def test_cli_rm_removes_prefixed_checkpoint(tmp_path: Path) -> None:
 
 
 def test_incremental_manager_with_key_prefixes(tmp_path: Path) -> None:
-    # Issue 19, item 7. Before: the second save always failed ("base ... lost
+    # Before: the second save always failed ("base ... lost
     # '00/__0_0-....distcp' during the save"): the pre-publish check listed the base
     # without looking into its prefix directories.
     manager = CheckpointManager(str(tmp_path / "run"), incremental=True, key_prefixes=4)

@@ -1,4 +1,4 @@
-"""An incremental save in which no item changed writes no data file (issue 19, item 21).
+"""An incremental save in which no item changed writes no data file.
 
 Before, on S3 such a save failed while committing (``FileNotFoundError: ... nothing under
 this prefix``: the commit listed the checkpoint's prefix to check its new data files, and

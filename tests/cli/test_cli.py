@@ -455,7 +455,7 @@ def test_stock_checkpoint_verify_and_cp(tmp_path: Path, capsys: pytest.CaptureFi
     assert out["optim"]["betas"] == [0.9, 0.999]
 
 
-# --- gc and the uploads of killed saves (issue 19, item 16) ----------------------------
+# --- gc and the uploads of killed saves ----------------------------
 
 _KILLED_SAVE = """
 import sys, torch, storage

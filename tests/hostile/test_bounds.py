@@ -83,7 +83,7 @@ def _plant(ckpt: Path, fqn: str, stored: bytes, **extra_changes: Any) -> None:
     _write_meta(ckpt, metadata)
 
 
-# --- item 8: decoding bounded by the request and the stored size -------------------------
+# --- decoding bounded by the request and the stored size -------------------------
 
 
 def test_zstd_bomb_in_a_non_tensor_item_is_refused_within_the_bound(
@@ -396,7 +396,7 @@ def test_quote_is_bounded_and_escaped() -> None:
     assert len(quote("x" * 10**6)) < 200
 
 
-# --- item 11: an unsafe rank-local metadata is reported as unsafe ------------------------
+# --- an unsafe rank-local metadata is reported as unsafe ------------------------
 
 
 class _Evil:

@@ -1,4 +1,4 @@
-"""No path under a checkpoint is followed through a symbolic link (issue 19, items 1-2).
+"""No path under a checkpoint is followed through a symbolic link.
 
 A key-prefix directory (``ck/00``) that is a link to a directory outside the checkpoint
 (``/shared/pretrained``) must never be deleted, read, copied, drained or written through,

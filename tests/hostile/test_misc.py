@@ -1,5 +1,5 @@
-"""Races and edge cases in the registry, the backends, the manager and the CLI (issue 10,
-items 13-18). Each test says what would happen without the fix it guards."""
+"""Races and edge cases in the registry, the backends, the manager and the CLI. Each
+test says what would happen without the fix it guards."""
 
 from __future__ import annotations
 

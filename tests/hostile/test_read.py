@@ -1,5 +1,5 @@
 """Reading what is not ours: links and special files in a checkpoint, encryption
-downgrade, and errors reported as what they are (issue 10, items 6, 7 and 12).
+downgrade, and errors reported as what they are.
 
 Each test says what happened before the fix it guards."""
 
@@ -61,7 +61,7 @@ def _no_env_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DCP_STORAGE_KEYS", raising=False)
 
 
-# --- item 6: links and special files -------------------------------------------------
+# --- links and special files -------------------------------------------------
 
 
 def test_load_refuses_a_data_file_that_links_elsewhere(linked: Path) -> None:
@@ -128,7 +128,7 @@ def test_a_linked_checkpoint_directory_still_loads(tmp_path: Path) -> None:
     assert torch.equal(target["w"], torch.arange(4.0))
 
 
-# --- item 12: errors reported as what they are, early -------------------------------
+# --- errors reported as what they are, early -------------------------------
 
 KEY = bytes(range(32))
 
@@ -233,7 +233,7 @@ def test_a_target_of_another_shape_is_a_value_error_not_damage(tmp_path: Path) -
     assert "item 'w'" in str(error) and "(4, 4)" in str(error) and "(2, 2)" in str(error)
 
 
-# --- item 7: encryption downgrade --------------------------------------------------
+# --- encryption downgrade --------------------------------------------------
 
 FORGED = torch.full((64,), 666.0)
 

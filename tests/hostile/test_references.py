@@ -1,4 +1,4 @@
-"""Deleting a base that a kept step still needs (issue 19, items 3-5).
+"""Deleting a base that a kept step still needs.
 
 References are found through every metadata of a step (rank-local ones too), a base is
 recorded by its canonical name (never an alias), and a step whose metadata cannot be read

@@ -1,4 +1,4 @@
-"""No credential in any message or log (issue 19, item 14).
+"""No credential in any message or log.
 
 Each test makes a backend fail with a credential that cannot be sent (a trailing
 newline, as a key or token read from a file keeps it) or with an answer that makes a

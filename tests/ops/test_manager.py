@@ -286,7 +286,7 @@ class _CountingMemory(_CountsMetadataReads, storage.MemoryFileSystem):
 
 
 def test_gc_reads_each_step_once_per_pass(backend: tuple[str, storage.FileSystemBase]) -> None:
-    # Issue 19, item 6. Before: `gc --keep-last 1` over 40 incremental steps loaded
+    # Before: `gc --keep-last 1` over 40 incremental steps loaded
     # metadata 823 times (each deletion re-read every sibling: quadratic in the steps).
     # Now each pass (retention, cleanup, the referenced-by report) reads each step at
     # most once: 44 reads here.

@@ -1,6 +1,6 @@
 """Which copy a tiered manager loads and how its local tier makes room, where the tiers
 meet the other features: key prefixes, linked steps, a local copy that is another save
-than the durable one, and a bucket that cannot be reached (issue 19, items 8, 10, 11, 17)."""
+than the durable one, and a bucket that cannot be reached."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _prefix_dirs(step_dir: Path) -> list[str]:
     return sorted(p.name for p in step_dir.iterdir() if p.is_dir())
 
 
-# --- item 8: key prefixes ----------------------------------------------------------------
+# --- key prefixes ----------------------------------------------------------------
 
 
 def test_prefixed_steps_load_from_the_local_tier_and_drain_with_their_prefixes(
@@ -107,7 +107,7 @@ def test_two_nodes_prefixed_replicate_drain_and_restore_from_the_peer(tmp_path: 
     mp.spawn(_prefixed_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
 
 
-# --- item 10: a linked step in the local tier -------------------------------------------
+# --- a linked step in the local tier -------------------------------------------
 
 
 def test_a_linked_local_step_is_not_ours_and_never_blocks_a_save(tmp_path: Path) -> None:
@@ -130,7 +130,7 @@ def test_a_linked_local_step_is_not_ours_and_never_blocks_a_save(tmp_path: Path)
     assert mgr.load(target, 0) == 0 and torch.equal(target["w"], step_state(0)["w"])
 
 
-# --- item 11: the local copy is another save ---------------------------------------------
+# --- the local copy is another save ---------------------------------------------
 
 
 def test_a_local_copy_of_another_save_loses_to_the_durable_one(
@@ -198,7 +198,7 @@ def test_a_re_save_not_drained_yet_loads_locally(tmp_path: Path) -> None:
     assert torch.equal(target["w"], step_state(5)["w"])
 
 
-# --- item 17: the bucket is unreachable --------------------------------------------------
+# --- the bucket is unreachable --------------------------------------------------
 
 
 @pytest.fixture

@@ -160,7 +160,7 @@ def test_restart_drains_what_is_only_local(tmp_path: Path) -> None:
 
 def test_incremental_tier_never_bases_on_a_linked_local_step(tmp_path: Path) -> None:
     # A base is recorded by the name of the step that holds its bytes, and one that
-    # resolves outside its directory is refused (issue 19, item 4): a linked local step
+    # resolves outside its directory is refused: a linked local step
     # (a shared checkpoint linked in) must not be picked as a base, or every save fails.
     shared = tmp_path / "shared" / "pretrained"
     CheckpointManager(shared.parent).save(0, step_state(0))
