@@ -491,3 +491,61 @@ def _only_data_file(s3: Any, prefix: str) -> str:
     listing = s3.list_multipart_uploads(Bucket="cli-uploads", Prefix=prefix)
     (key,) = [u["Key"] for u in listing["Uploads"] if u["Key"].endswith(".distcp")]
     return str(key).rsplit("/", 1)[1]
+
+
+# --- gc and the partial files of killed copies -------------------------------------------
+
+_KILLED_CP = """
+import sys
+from storage import LocalFileSystem
+from storage.ops.copy import copy_checkpoint
+from tests.support.gated_fs import GatedFileSystem
+copy_checkpoint(LocalFileSystem(), sys.argv[1], GatedFileSystem(sys.argv[3]), sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("where", ["step-1", "."])
+def test_gc_lists_and_removes_the_partial_file_of_a_copy_killed_mid_file(
+    tmp_path: Path,
+    where: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``cp`` killed with kill -9 in the middle of a data file, then retried: the
+    partial file stays beside the committed copy, named by no metadata. Before, gc
+    neither listed it (not even with --dry-run) nor swept it where the copy is the root
+    itself; now both list it and gc removes it, and the copy still loads bit-exact."""
+    from storage.checkpoint import heartbeat
+    from tests.support.gated_fs import wait_for
+
+    src, gate = tmp_path / "src", tmp_path / "gate"
+    gate.mkdir()
+    state = {"w": torch.randn(1 << 18), "b": torch.arange(10)}
+    storage.save(state, src)
+    root = tmp_path / "root"
+    dst = root / where
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=repo)
+    cp = subprocess.Popen([sys.executable, "-c", _KILLED_CP, src, dst, gate], env=env)
+    try:
+        wait_for(gate / "started")
+    finally:
+        cp.kill()  # SIGKILL: no cleanup runs
+        cp.wait()
+    (partial,) = [p.name for p in dst.glob("*.distcp")]
+    assert main(["cp", str(src), str(dst)]) == 0
+    capsys.readouterr()
+    # The killed copy's heartbeat stays live for its lifetime: as if that had passed.
+    monkeypatch.setattr(heartbeat, "LIFETIME", 0.0)
+    gc = ["gc", str(root), "--keep-last", "5", "--grace", "0", "--json"]
+    assert main([*gc, "--dry-run"]) == 0
+    listed = json.loads(capsys.readouterr().out)["orphans"]
+    assert sorted(Path(u).name for u in listed if u.endswith(".distcp")) == [partial]
+    assert (dst / partial).exists()
+    assert main(gc) == 0
+    assert partial in [Path(u).name for u in json.loads(capsys.readouterr().out)["orphans"]]
+    assert not (dst / partial).exists()
+    assert not [p for p in dst.iterdir() if p.name.startswith(".heartbeat-")]
+    out = {"w": torch.zeros(1 << 18), "b": torch.zeros(10, dtype=torch.int64)}
+    storage.load(out, dst)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
