@@ -183,7 +183,7 @@ class Retention:
         or whose age the backend cannot tell, are kept. Inside committed checkpoints, data
         files that the metadata does not name are removed too (:meth:`orphans`). Returns
         the steps removed whole."""
-        horizon = _horizon(grace_seconds)
+        _horizon(grace_seconds)  # checked before anything is listed
         if not self.may_delete():
             return []
         self.orphans(grace_seconds, dry_run=dry_run)
@@ -194,7 +194,7 @@ class Retention:
             if step == self.root.in_flight.step or step in linked:
                 continue
             path = self.root.fs.concat_path(self.root.path, name)
-            stale = self._stale_leftover(path, horizon)
+            stale = self._stale_leftover(path, grace_seconds)
             if stale is not None:
                 if not dry_run:
                     remove_leftovers(self.root.fs, path, stale)
@@ -273,15 +273,18 @@ class Retention:
                 linked.add(step)
         return linked
 
-    def _stale_leftover(self, path: str, horizon: float) -> list[str] | None:
+    def _stale_leftover(self, path: str, grace_seconds: float) -> list[str] | None:
         """The names in ``path`` if it is an uncommitted directory of checkpoint files
-        all older than ``horizon``, else ``None``."""
+        all older than ``grace_seconds`` and no live heartbeat, else ``None``."""
+        horizon = _horizon(grace_seconds)
         try:
             names = expand(self.root.fs, path)
         except (FileNotFoundError, NotADirectoryError):
             return None
         if any(is_metadata_name(n) for n in names):
             return None
+        if heartbeat.live(self.root.fs, path, grace_seconds)[0]:
+            return None  # a save or copy is writing here, whatever the files' dates say
         linked = [n for n in names if is_prefix(n) and is_linked(self.root.fs, path, n)]
         if linked:
             log.warning(

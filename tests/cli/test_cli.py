@@ -549,3 +549,111 @@ def test_gc_lists_and_removes_the_partial_file_of_a_copy_killed_mid_file(
     out = {"w": torch.zeros(1 << 18), "b": torch.zeros(10, dtype=torch.int64)}
     storage.load(out, dst)
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+
+
+# --- gc --abort-uploads and a save in flight ----------------------------------------------
+
+
+def test_gc_abort_uploads_spares_a_live_save_on_a_store_that_misdates_uploads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """moto dates every multipart upload 2010-11-10. Before, ``gc --abort-uploads``
+    trusted that date, aborted the upload of a save held mid-upload, and the save
+    failed; now the save's heartbeat protects it and it commits, while an abandoned
+    upload (no heartbeat, or a stale one) is still aborted."""
+    import contextlib
+    import json as _json
+    import threading
+    import uuid
+
+    from storage.checkpoint import heartbeat
+    from tests.support.servers import (
+        ServerUnavailable,
+        boto3_client,
+        create_bucket,
+        open_uploads,
+        s3_endpoint,
+    )
+
+    try:
+        endpoint = s3_endpoint("moto")
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    create_bucket(endpoint, "cli-live")
+    prefix = f"{uuid.uuid4().hex}/run"
+    root = f"s3://cli-live/{prefix}"
+    s3 = boto3_client(endpoint)
+    reached, release = threading.Event(), threading.Event()
+    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+
+    class Held(storage.S3FileSystem):  # type: ignore[misc,valid-type]
+        """Holds each data file after 6 MiB: its first 5 MiB part is up by then."""
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Any:
+            with super().create_stream(path, mode, sync=sync) as out:
+                yield _HeldAfter(out, 6 << 20, reached, release) if "w" in mode else out
+
+    fs = Held(storage_options=options, part_size=5 << 20)
+    state = {"w": torch.randn(3 << 20)}  # 12 MiB: a multipart upload
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            storage.save(state, f"{root}/step-1", filesystem=fs)
+        except BaseException as exc:
+            errors.append(exc)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    try:
+        assert reached.wait(120), "the save never got 6 MiB in"
+        deadline = time.monotonic() + 120
+        while not open_uploads(s3, "cli-live", prefix):
+            assert time.monotonic() < deadline, "the save's upload never began"
+            time.sleep(0.05)
+        # Abandoned: an upload with no heartbeat, and one beside a heartbeat long dead.
+        s3.create_multipart_upload(Bucket="cli-live", Key=f"{prefix}/step-2/__0_0-dead.distcp")
+        s3.create_multipart_upload(Bucket="cli-live", Key=f"{prefix}/step-3/__0_0-dead.distcp")
+        s3.put_object(
+            Bucket="cli-live",
+            Key=f"{prefix}/step-3/{heartbeat.name_of('dead')}",
+            Body=_json.dumps({"time": 1.0}).encode(),
+        )
+        cli_options = [f"--storage-option={k}={v}" for k, v in options.items()]
+        gc = ["gc", root, "--keep-last", "5", "--grace", "0", "--abort-uploads", "--json"]
+        assert main([*gc, *cli_options]) == 0
+        aborted = [u["url"] for u in _json.loads(capsys.readouterr().out)["uploads"]]
+        assert sorted(aborted) == [
+            f"{root}/step-2/__0_0-dead.distcp",
+            f"{root}/step-3/__0_0-dead.distcp",
+        ]
+    finally:
+        release.set()
+        saver.join(300)
+    assert not errors, errors
+    out = {"w": torch.zeros(3 << 20)}
+    storage.load(out, f"{root}/step-1", storage_options=options)
+    assert torch.equal(out["w"], state["w"])
+    assert open_uploads(s3, "cli-live", prefix) == []
+    keys = s3.list_objects_v2(Bucket="cli-live", Prefix=f"{prefix}/step-1/")["Contents"]
+    assert not [k["Key"] for k in keys if heartbeat.PREFIX in k["Key"]]  # removed at the end
+
+
+class _HeldAfter:
+    """A write stream that, once ``after`` bytes went through, sets ``reached`` and
+    waits for ``release`` (at most 300 s)."""
+
+    def __init__(self, inner: Any, after: int, reached: Any, release: Any) -> None:
+        self.inner, self.left, self.reached, self.release = inner, after, reached, release
+
+    def write(self, data: Any) -> int:
+        n = int(self.inner.write(data))
+        self.left -= n
+        if self.left <= 0 and not self.reached.is_set():
+            self.reached.set()
+            self.release.wait(300)
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
