@@ -432,7 +432,7 @@ storage.save({"w": torch.randn(3 << 20)}, sys.argv[1], filesystem=fs)  # 12 MiB:
 
 @pytest.mark.parametrize("server", ["moto", "seaweedfs"])
 def test_gc_finds_and_aborts_the_uploads_of_a_killed_save(
-    server: str, capsys: pytest.CaptureFixture[str]
+    server: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Before, a save killed mid-upload left its multipart upload open (its parts billed,
     invisible to every listing) and nothing reported it."""
@@ -478,6 +478,12 @@ def test_gc_finds_and_aborts_the_uploads_of_a_killed_save(
     if server == "seaweedfs":  # moto dates every upload 2010-11-10: all look stale
         assert main([*gc, "--abort-uploads"]) == 0  # the default grace: too young
         assert json.loads(capsys.readouterr().out)["uploads"] == []
+    # The killed save's heartbeat keeps its upload for the heartbeat's lifetime ...
+    assert main([*gc, "--grace", "0", "--abort-uploads"]) == 0
+    assert json.loads(capsys.readouterr().out)["uploads"] == []
+    from storage.checkpoint import heartbeat
+
+    monkeypatch.setattr(heartbeat, "LIFETIME", 0.0)  # ... as if that had passed
     assert main([*gc, "--grace", "0"]) == 0
     listed = json.loads(capsys.readouterr().out)["uploads"]
     assert [u["url"] for u in listed] == [f"{root}/step-1/" + _only_data_file(s3, prefix)]
