@@ -120,7 +120,9 @@ def _stamp(fs: FileSystemBase, marker: str) -> float | None:
 
 
 def _beat(fs: FileSystemBase, marker: str) -> None:
-    fs.write_atomic(marker, json.dumps({"time": time.time(), "interval": INTERVAL}).encode())
+    # Not durable, not atomic on local disk: a torn one is aged by its file time.
+    with fs.create_stream(marker, "wb") as out:
+        out.write(json.dumps({"time": time.time(), "interval": INTERVAL}).encode())
 
 
 def _keep_beating(fs: FileSystemBase, marker: str, stop: threading.Event) -> None:
