@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import io
 import threading
-import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -104,7 +103,7 @@ def write_files(
             writer.written.append(path)
         return _write_file(writer, path, name, items, planner)
 
-    token = writer.save_id + uuid.uuid4().hex[:8]  # one per rank of the save
+    token = heartbeat_token(writer)
     marker = writer.fs.url(writer.fs.concat_path(writer.path, heartbeat.name_of(token)))
 
     def guard(request: Callable[[], None]) -> None:
@@ -121,6 +120,12 @@ def write_files(
         writer.abort()  # past the deadline, in the background: the error goes out now
         raise
     return per_file
+
+
+def heartbeat_token(writer: CheckpointWriter) -> str:
+    """The token of this rank's heartbeat in a save (known to the training process too,
+    which removes it when the persist worker dies with it live)."""
+    return f"{writer.save_id}r{writer.rank}"
 
 
 def _write_file(
