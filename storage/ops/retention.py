@@ -183,10 +183,9 @@ class Retention:
         or whose age the backend cannot tell, are kept. Inside committed checkpoints, data
         files that the metadata does not name are removed too (:meth:`orphans`). Returns
         the steps removed whole."""
-        _horizon(grace_seconds)  # checked before anything is listed
+        self.orphans(grace_seconds, dry_run=dry_run)  # checks grace_seconds first
         if not self.may_delete():
             return []
-        self.orphans(grace_seconds, dry_run=dry_run)
         removed = []
         dirs = self.root.step_dirs()
         linked = self._skip_linked(s for s, _ in dirs)
