@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import io
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -20,7 +20,7 @@ from extensions._compat import item_size, split_by_size_and_type
 from extensions.base import ItemInfo
 from extensions.registry import chain_descriptors
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import incremental
+from storage.checkpoint import heartbeat, incremental
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.deadline import Budget, cancellable, note
@@ -91,8 +91,9 @@ def write_files(
     writer: CheckpointWriter, files: list[tuple[str, list[WriteItem]]], threads: int, planner: Any
 ) -> list[list[WriteResult]]:
     """Write ``files`` (name, items) on up to ``threads`` threads with the data
-    ``planner.resolve_data`` gives, noting each in ``writer.written``; on failure
-    remove what was written (``writer.abort``) and raise."""
+    ``planner.resolve_data`` gives, noting each in ``writer.written``, under a heartbeat
+    (``heartbeat.beating``: ``gc`` leaves this save's uploads and files alone while it
+    writes); on failure remove what was written (``writer.abort``) and raise."""
     lock = threading.Lock()
 
     def write_one(name: str, items: list[WriteItem]) -> list[WriteResult]:
@@ -102,13 +103,29 @@ def write_files(
             writer.written.append(path)
         return _write_file(writer, path, name, items, planner)
 
+    token = heartbeat_token(writer)
+    marker = writer.fs.url(writer.fs.concat_path(writer.path, heartbeat.name_of(token)))
+
+    def guard(request: Callable[[], None]) -> None:
+        item = heartbeat.name_of(token)
+        writer.budget.call(request, action="saving", location=writer.url, item=item, url=marker)
+
     tasks = [functools.partial(write_one, name, items) for name, items in files]
     try:
-        per_file = writer.budget.run(tasks, workers=threads, action="saving", location=writer.url)
+        with heartbeat.beating(writer.fs, writer.path, token, guard=guard):
+            per_file = writer.budget.run(
+                tasks, workers=threads, action="saving", location=writer.url
+            )
     except BaseException:
         writer.abort()  # past the deadline, in the background: the error goes out now
         raise
     return per_file
+
+
+def heartbeat_token(writer: CheckpointWriter) -> str:
+    """The token of this rank's heartbeat in a save (known to the training process too,
+    which removes it when the persist worker dies with it live)."""
+    return f"{writer.save_id}r{writer.rank}"
 
 
 def _write_file(

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import posixpath
 
 from extensions.errors import UnsafeCheckpointError, quote
 from storage.backends.base import FileSystemBase
+from storage.checkpoint import heartbeat
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.committed import CommittedCheckpoint, open_committed
-from storage.checkpoint.layout import is_checkpoint_file_name, is_metadata_name
+from storage.checkpoint.layout import is_checkpoint_file_name, is_data_file_name, is_metadata_name
 from storage.checkpoint.prefixes import expand, linked_prefix, remove_empty_prefixes
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,36 @@ def remove_data_files(fs: FileSystemBase, path: str, names: set[str] | frozenset
             pass
         except Exception as exc:
             log.warning("could not remove %s: %s", fs.url(file_path), exc)
+
+
+def remove_save(fs: FileSystemBase, path: str, save_id: str) -> None:
+    """Best-effort removal of what the writer of ``save_id`` left under ``path`` when it
+    died before it could clean up (a persist worker killed mid-copy): the data files
+    named with that save id (no committed metadata names them: that save never
+    committed), its open uploads and its heartbeats; never through a linked prefix
+    directory. Failures are logged, never raised; ``gc`` finds what stays."""
+    suffix = f"-{save_id}{fmt.DATA_SUFFIX}"
+    try:
+        if fs.is_link(path):
+            return  # never deleted through (the copy refused it before writing)
+        names = expand(fs, path)
+        uploads = fs.pending_uploads(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except Exception as exc:
+        log.warning("could not list %s to remove what save %s left: %s", fs.url(path), save_id, exc)
+        return
+    remove_data_files(fs, path, {n for n in names if is_data_file_name(n) and n.endswith(suffix)})
+    for name in names:
+        if heartbeat.is_heartbeat_name(name) and name.startswith(heartbeat.PREFIX + save_id):
+            with contextlib.suppress(OSError):
+                fs.rm_file(fs.concat_path(path, name))
+    for upload in uploads:
+        if posixpath.basename(upload.path).endswith(suffix):
+            try:
+                fs.abort_upload(upload)
+            except Exception as exc:
+                log.warning("could not abort the upload of %s: %s", fs.url(upload.path), exc)
 
 
 def remove_leftovers(fs: FileSystemBase, path: str, names: list[str]) -> list[str]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.heartbeat import is_heartbeat_name
 from storage.checkpoint.prefixes import PREFIX, expand
 
 STEP_PREFIX = "step-"
@@ -52,11 +53,13 @@ def is_data_file_name(name: str) -> bool:
 
 
 def is_checkpoint_file_name(name: str) -> bool:
-    """A file a checkpoint save writes: metadata, its temporaries, or a data file."""
+    """A file a checkpoint save writes: metadata, its temporaries, a data file, or the
+    heartbeat of a writer (``heartbeat``)."""
     return (
         is_metadata_name(name)
         or _METADATA_TMP.fullmatch(name) is not None
         or is_data_file_name(name)
+        or is_heartbeat_name(name)
     )
 
 

@@ -261,12 +261,14 @@ def gc(args: argparse.Namespace) -> int:
         fs.url(root), keep_last=args.keep_last, keep_every=args.keep_every, filesystem=fs
     )
     pruned = mgr.apply_retention(dry_run=args.dry_run)
+    orphans = mgr.orphans(grace_seconds=args.grace, dry_run=args.dry_run)
     cleaned = mgr.cleanup(grace_seconds=args.grace, dry_run=args.dry_run)
     abort = args.abort_uploads and not args.dry_run
     uploads = mgr.stale_uploads(args.grace, abort=abort)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} step-{s} (retention)" for s in pruned]
     lines += [f"{verb} step-{s} (interrupted save)" for s in cleaned]
+    lines += [f"{verb} {url} (a data file no metadata names)" for url in orphans]
     lines += _upload_lines(fs, uploads, abort, args.abort_uploads)
     linked = mgr.linked_steps()
     lines += [f"kept step-{s}: a symbolic link, never deleted through" for s in linked]
@@ -289,6 +291,7 @@ def gc(args: argparse.Namespace) -> int:
             "dry_run": args.dry_run,
             "retention": pruned,
             "interrupted": cleaned,
+            "orphans": orphans,
             "linked": linked,
             "referenced": {str(b): users for b, users in sorted(bases.items())},
             "uploads": [

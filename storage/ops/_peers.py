@@ -9,6 +9,7 @@ Without a process group everything here degrades to one rank on one node.
 from __future__ import annotations
 
 import socket
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -19,7 +20,8 @@ import torch.distributed as dist
 from extensions.errors import CheckpointStorageError
 from extensions.streams import readinto_exact
 from storage.backends.base import FileSystemBase
-from storage.checkpoint.commit import commit_may_have_landed, mark_may_have_landed
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.commit import commit_may_have_landed, mark_may_have_landed, remove_quietly
 
 _CHUNK = 16 << 20  # bytes per send: bounds the memory a transfer holds
 
@@ -146,16 +148,45 @@ def _send_file(fs: FileSystemBase, path: str, dst: int, pg: Any) -> int:
 
 
 def _recv_file(fs: FileSystemBase, path: str, src: int, pg: Any, *, sync: bool) -> None:
+    """Receive ``path`` whole or not at all: a data file is written under a name of its
+    own that no metadata names (:func:`receiving_name`), then renamed into place, so a
+    receive that fails is removed here and one killed mid-file is an unnamed data file
+    that ``gc`` sweeps, never a truncated file under a name the metadata trusts; the
+    metadata is received in memory and published atomically."""
     header = torch.zeros(1, dtype=torch.int64)
     dist.recv(header, src, group=pg)
     left = int(header.item())
     buffer = torch.empty(min(_CHUNK, left), dtype=torch.uint8)
-    with fs.create_stream(path, "wb", sync=sync) as out:
+    if not path.endswith(fmt.DATA_SUFFIX):
+        received = bytearray()
         while left:
             chunk = buffer[: min(_CHUNK, left)]
             dist.recv(chunk, src, group=pg)
-            out.write(chunk.numpy().data)
+            received += chunk.numpy().tobytes()
             left -= chunk.numel()
+        fs.write_atomic(path, bytes(received))
+        return
+    partial = receiving_name(path)
+    try:
+        with fs.create_stream(partial, "wb", sync=sync) as out:
+            while left:
+                chunk = buffer[: min(_CHUNK, left)]
+                dist.recv(chunk, src, group=pg)
+                out.write(chunk.numpy().data)
+                left -= chunk.numel()
+        fs.rename(partial, path)
+    except BaseException:
+        remove_quietly(fs, [partial])
+        raise
+
+
+def receiving_name(path: str) -> str:
+    """Where a data file received from a peer is written before it is renamed to
+    ``path``: the same name with a unique save id (``__0_1-<id>.distcp`` becomes
+    ``__0_1-<id>r<hex>.distcp``), still a data file name."""
+    stem = path[: -len(fmt.DATA_SUFFIX)]
+    joint = "" if "-" in stem.rsplit("/", 1)[-1] else "-"
+    return f"{stem}{joint}r{uuid.uuid4().hex[:12]}{fmt.DATA_SUFFIX}"
 
 
 def gather_errors(group: Group, error: BaseException | None, what: str, *, pg: Any = None) -> None:

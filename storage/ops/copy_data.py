@@ -26,6 +26,7 @@ from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, I
 from extensions.registry import ExtensionRegistry
 from extensions.streams import pump, skip
 from storage.backends.base import FileSystemBase
+from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.committed import open_committed
@@ -85,8 +86,11 @@ def copy_data_files(
     (``__{rank}_*``), so each rank of a job can copy its own files from a node-local
     tier; new files are numbered from ``first``. ``pace``, when given, is called before
     each read of the source (at most ``streams.CHUNK`` bytes apart) and may block: a
-    background copy pauses there while something more urgent runs. On failure, removes
-    what it wrote."""
+    background copy pauses there while something more urgent runs. It writes under a
+    heartbeat named by the save id (``heartbeat.beating``), so ``gc`` leaves its uploads
+    alone. On failure, removes what it wrote; a process killed meanwhile leaves files
+    named with the save id, which no metadata names: ``deletion.remove_save`` or ``gc``
+    removes them."""
     copied = CopiedFiles(save_id or uuid.uuid4().hex[:12], set(), [], {})
     infos = list((part.metadata.storage_data or {}).items())
     if keep_references:
@@ -101,9 +105,12 @@ def copy_data_files(
     dst_fs.mkdir(dst_path)
     files = _FileCopy(src_fs, src_path, dst_fs, dst_path, part, copied, transforms, keys)
     files.registry, files.progress, files.pace = registry, progress, pace
+    workers = max(1, min(thread_count or default_thread_count(dst_fs), len(plan) or 1))
     try:
-        workers = max(1, min(thread_count or default_thread_count(dst_fs), len(plan) or 1))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dcp-copy") as pool:
+        with (
+            heartbeat.beating(dst_fs, dst_path, copied.save_id),
+            concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dcp-copy") as pool,
+        ):
             for fut in [pool.submit(files.copy, *p) for p in plan]:
                 fut.result()
     except BaseException:

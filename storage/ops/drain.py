@@ -16,12 +16,14 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from extensions.errors import CheckpointNotFoundError
 from storage.checkpoint import persist
 from storage.checkpoint.commit import remove_quietly
+from storage.checkpoint.deletion import remove_save
 from storage.ops._peers import Group
 from storage.ops.copy import publish_copy
 from storage.ops.copy_data import copy_data_files
@@ -147,10 +149,13 @@ def drain_step(
     pace: Callable[[], None],
 ) -> None:
     """Copy ``step`` from ``local`` to ``root``; collective (on the drains' group),
-    raises on every rank if it failed on any, and commits nothing then."""
+    raises on every rank if it failed on any, and commits nothing then. A rank whose
+    copy died with nothing to show (the persist worker killed mid-copy) removes what
+    its save id left there itself (``deletion.remove_save``)."""
     fs = root.fs
     src, dst = local.step_path(step), root.step_path(step)
     copied, error, part = None, None, None
+    save_id = uuid.uuid4().hex[:12]  # this rank's files: its own name, known here
     try:
         parts = read_metadata(local.fs, src, opened=local.model(step))
         if len(parts) != 1:  # the manager saves with collectives: one .metadata
@@ -172,9 +177,11 @@ def drain_step(
             thread_count=writer_options.get("thread_count"),
             pace=pace,
             keep_references=True,
+            save_id=save_id,
         )
     except Exception as exc:
         error = exc
+        remove_save(fs, dst, save_id)
     gathered = g.all_gather((copied, _text(error)), pg=g.drain_pg)
     outcome = next((t for _, t in gathered if t is not None), None)
     if g.rank == 0:

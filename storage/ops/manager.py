@@ -340,13 +340,21 @@ class CheckpointManager:
         removed whole."""
         return self.retention.cleanup(grace_seconds, dry_run=dry_run)
 
+    def orphans(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
+        """The data files in committed checkpoints here that no metadata names, older
+        than ``grace_seconds`` (a copy or save killed mid-file leaves them beside the
+        files a retry committed), removed unless ``dry_run``; their URLs. :meth:`cleanup`
+        removes them too. See :meth:`Retention.orphans`."""
+        return self.retention.orphans(grace_seconds, dry_run=dry_run)
+
     def stale_uploads(
         self, grace_seconds: float = 3600.0, *, abort: bool = False
     ) -> list[PendingUpload]:
         """Uploads of checkpoint files under the root that interrupted saves left open
-        (S3 multipart uploads: billed, and invisible to listings) and that began more
-        than ``grace_seconds`` ago; with ``abort`` (only where this process deletes,
-        see :meth:`may_delete`), they are aborted. See :mod:`storage.ops.uploads`."""
+        (S3 multipart uploads: billed, and invisible to listings), begun more than
+        ``grace_seconds`` ago, in no directory with a live writer's heartbeat; with
+        ``abort`` (only where this process deletes, see :meth:`may_delete`), they are
+        aborted. See :mod:`storage.ops.uploads`."""
         return stale_uploads(self.fs, self.root, grace_seconds, abort=abort and self.may_delete())
 
     def may_delete(self) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch.distributed as dist
 
 from extensions.errors import CheckpointInUseError, CheckpointNotFoundError, UnsafeCheckpointError
+from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.committed import Siblings
@@ -179,15 +180,12 @@ class Retention:
         """Remove leftovers of interrupted saves: ``step-<N>`` directories without
         metadata whose files are all older than ``grace_seconds`` (choose more than
         your longest save). Directories holding anything that is not a checkpoint file,
-        or whose age the backend cannot tell, are kept. Inside committed steps, data
-        files that the metadata does not name (a multi-rank save that failed on another
-        rank leaves them) are removed once older than the grace too. Returns the steps
-        removed whole."""
-        if not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
-            raise ValueError(f"grace_seconds must be a number >= 0, got {grace_seconds!r}")
+        or whose age the backend cannot tell, are kept. Inside committed checkpoints, data
+        files that the metadata does not name are removed too (:meth:`orphans`). Returns
+        the steps removed whole."""
+        self.orphans(grace_seconds, dry_run=dry_run)  # checks grace_seconds first
         if not self.may_delete():
             return []
-        horizon = time.time() - grace_seconds
         removed = []
         dirs = self.root.step_dirs()
         linked = self._skip_linked(s for s, _ in dirs)
@@ -195,39 +193,71 @@ class Retention:
             if step == self.root.in_flight.step or step in linked:
                 continue
             path = self.root.fs.concat_path(self.root.path, name)
-            stale = self._stale_leftover(path, horizon)
+            stale = self._stale_leftover(path, grace_seconds)
             if stale is not None:
                 if not dry_run:
                     remove_leftovers(self.root.fs, path, stale)
                 removed.append(step)
-            elif not dry_run:
-                self._remove_orphans(path, horizon)
         return removed
 
-    def _remove_orphans(self, path: str, horizon: float) -> None:
+    def orphans(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
+        """Data files inside committed checkpoints (each ``step-<N>`` and the root itself,
+        when it is one) that no metadata names, older than ``grace_seconds``: what a
+        save, ``cp``, drain or peer restore killed mid-copy leaves beside the files a
+        retry committed (and a multi-rank save that failed on another rank). Also the
+        stale heartbeats of writers that died there. Removed unless ``dry_run``; returns
+        their URLs. Only data file names, never through a link, never in a checkpoint
+        with a live heartbeat (a save in flight) or whose metadata cannot be read."""
+        horizon = _horizon(grace_seconds)
+        if not self.may_delete():
+            return []
+        fs = self.root.fs
+        skip = {self.root.in_flight.step, *self.root.linked_steps()}
+        places = [
+            fs.concat_path(self.root.path, name)
+            for step, name in self.root.step_dirs()
+            if step not in skip
+        ]
+        if not fs.is_link(self.root.path):
+            places.append(self.root.path)
+        found: list[str] = []
+        for path in places:
+            doomed = self._orphans_in(path, grace_seconds, horizon)
+            for name in doomed:
+                log.info("%s: %s is not named by its metadata", fs.url(path), name)
+            found += [fs.url(fs.concat_path(path, n)) for n in doomed]
+            if not dry_run:
+                remove_quietly(fs, [fs.concat_path(path, n) for n in doomed])
+        return found
+
+    def _orphans_in(self, path: str, grace_seconds: float, horizon: float) -> list[str]:
+        fs = self.root.fs
         try:
-            names = expand(self.root.fs, path)  # never into a linked prefix directory
+            names = expand(fs, path)  # never into a linked prefix directory
         except (FileNotFoundError, NotADirectoryError):
-            return
+            return []
         if fmt.METADATA_NAME not in names or any(
             is_metadata_name(n) and n != fmt.METADATA_NAME for n in names
         ):
-            return  # rank-local metadata: which files are whose is not ours to guess
-        checkpoint = self.root.models.open(self.root.fs, path)
+            return []  # rank-local metadata: which files are whose is not ours to guess
+        beating, stale = heartbeat.live(fs, path, grace_seconds)
+        if beating:
+            return []  # a save or copy is writing here: its files are not orphans
+        checkpoint = self.root.models.open(fs, path)
         referenced = checkpoint.data_files()
         if not checkpoint.readable or not referenced:
-            return  # unreadable metadata: touch nothing
+            return []  # unreadable metadata: touch nothing
+        doomed = list(stale)
         for name in names:
             if not is_data_file_name(name) or name in referenced:
                 continue
-            file_path = self.root.fs.concat_path(path, name)
             try:
-                mtime = self.root.fs.modified(file_path)
+                mtime = fs.modified(fs.concat_path(path, name))
             except FileNotFoundError:
                 continue
             if mtime is not None and mtime < horizon:
-                log.info("%s: removing %s, which its metadata does not name", path, name)
-                remove_quietly(self.root.fs, [file_path])
+                doomed.append(name)
+        return doomed
 
     def _skip_linked(self, steps: Iterable[int]) -> set[int]:
         """Those of ``steps`` that are symbolic links, each logged as kept."""
@@ -242,15 +272,18 @@ class Retention:
                 linked.add(step)
         return linked
 
-    def _stale_leftover(self, path: str, horizon: float) -> list[str] | None:
+    def _stale_leftover(self, path: str, grace_seconds: float) -> list[str] | None:
         """The names in ``path`` if it is an uncommitted directory of checkpoint files
-        all older than ``horizon``, else ``None``."""
+        all older than ``grace_seconds`` and no live heartbeat, else ``None``."""
+        horizon = _horizon(grace_seconds)
         try:
             names = expand(self.root.fs, path)
         except (FileNotFoundError, NotADirectoryError):
             return None
         if any(is_metadata_name(n) for n in names):
             return None
+        if heartbeat.live(self.root.fs, path, grace_seconds)[0]:
+            return None  # a save or copy is writing here, whatever the files' dates say
         linked = [n for n in names if is_prefix(n) and is_linked(self.root.fs, path, n)]
         if linked:
             log.warning(
@@ -269,6 +302,12 @@ class Retention:
         except FileNotFoundError:
             return None
         return names if all(t is not None and t < horizon for t in times) else None
+
+
+def _horizon(grace_seconds: float) -> float:
+    if not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
+        raise ValueError(f"grace_seconds must be a number >= 0, got {grace_seconds!r}")
+    return time.time() - grace_seconds
 
 
 class LocalRetention:

@@ -448,3 +448,38 @@ def test_a_tiered_save_holds_the_foreground_until_its_local_commit(
     assert worker._foreground == 0
     mgr.wait()
     assert mgr.durable_steps() == [1]
+
+
+def test_a_drain_whose_worker_is_killed_mid_file_leaves_nothing_in_the_root(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """kill -9 of the worker while it is held in the middle of a data file of the drain:
+    the drain removes the partial file its save id names and its heartbeat (before, the
+    partial file stayed in the root for good, beside the data file the retried drain
+    committed, named by no metadata), and the retry commits a step that loads
+    bit-exact."""
+    from tests.support.gated_fs import GatedFileSystem
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    root = tmp_path / "root"
+    mgr = storage.CheckpointManager(
+        root,
+        local=tmp_path / "local",
+        persist="process",
+        filesystem=GatedFileSystem(str(gate)),
+    )
+    state = big_state(1)
+    mgr.save(1, state)
+    wait_for(gate / "started")
+    assert list(root.glob("step-1/*.distcp"))  # the partial file, mid-copy
+    kill_worker(worker)
+    with pytest.raises(WorkerDiedError):
+        mgr.wait()
+    assert sorted(p.name for p in (root / "step-1").iterdir()) == []
+    (gate / "open").touch()
+    mgr.save(2, big_state(2))
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2]
+    assert len(list(root.glob("step-1/*"))) == 2  # .metadata and its one data file
+    assert_tree_equal(loaded(root / "step-1", state), state)

@@ -467,7 +467,7 @@ storage.save({"w": torch.randn(3 << 20)}, sys.argv[1], filesystem=fs)  # 12 MiB:
 
 @pytest.mark.parametrize("server", ["moto", "seaweedfs"])
 def test_gc_finds_and_aborts_the_uploads_of_a_killed_save(
-    server: str, capsys: pytest.CaptureFixture[str]
+    server: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Before, a save killed mid-upload left its multipart upload open (its parts billed,
     invisible to every listing) and nothing reported it."""
@@ -513,6 +513,12 @@ def test_gc_finds_and_aborts_the_uploads_of_a_killed_save(
     if server == "seaweedfs":  # moto dates every upload 2010-11-10: all look stale
         assert main([*gc, "--abort-uploads"]) == 0  # the default grace: too young
         assert json.loads(capsys.readouterr().out)["uploads"] == []
+    # The killed save's heartbeat keeps its upload for the heartbeat's lifetime ...
+    assert main([*gc, "--grace", "0", "--abort-uploads"]) == 0
+    assert json.loads(capsys.readouterr().out)["uploads"] == []
+    from storage.checkpoint import heartbeat
+
+    monkeypatch.setattr(heartbeat, "LIFETIME", 0.0)  # ... as if that had passed
     assert main([*gc, "--grace", "0"]) == 0
     listed = json.loads(capsys.readouterr().out)["uploads"]
     assert [u["url"] for u in listed] == [f"{root}/step-1/" + _only_data_file(s3, prefix)]
@@ -526,3 +532,169 @@ def _only_data_file(s3: Any, prefix: str) -> str:
     listing = s3.list_multipart_uploads(Bucket="cli-uploads", Prefix=prefix)
     (key,) = [u["Key"] for u in listing["Uploads"] if u["Key"].endswith(".distcp")]
     return str(key).rsplit("/", 1)[1]
+
+
+# --- gc and the partial files of killed copies -------------------------------------------
+
+_KILLED_CP = """
+import sys
+from storage import LocalFileSystem
+from storage.ops.copy import copy_checkpoint
+from tests.support.gated_fs import GatedFileSystem
+copy_checkpoint(LocalFileSystem(), sys.argv[1], GatedFileSystem(sys.argv[3]), sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("where", ["step-1", "."])
+def test_gc_lists_and_removes_the_partial_file_of_a_copy_killed_mid_file(
+    tmp_path: Path,
+    where: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``cp`` killed with kill -9 in the middle of a data file, then retried: the
+    partial file stays beside the committed copy, named by no metadata. Before, gc
+    neither listed it (not even with --dry-run) nor swept it where the copy is the root
+    itself; now both list it and gc removes it, and the copy still loads bit-exact."""
+    from storage.checkpoint import heartbeat
+    from tests.support.gated_fs import wait_for
+
+    src, gate = tmp_path / "src", tmp_path / "gate"
+    gate.mkdir()
+    state = {"w": torch.randn(1 << 18), "b": torch.arange(10)}
+    storage.save(state, src)
+    root = tmp_path / "root"
+    dst = root / where
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=repo)
+    cp = subprocess.Popen([sys.executable, "-c", _KILLED_CP, src, dst, gate], env=env)
+    try:
+        wait_for(gate / "started")
+    finally:
+        cp.kill()  # SIGKILL: no cleanup runs
+        cp.wait()
+    (partial,) = [p.name for p in dst.glob("*.distcp")]
+    assert main(["cp", str(src), str(dst)]) == 0
+    capsys.readouterr()
+    # The killed copy's heartbeat stays live for its lifetime: as if that had passed.
+    monkeypatch.setattr(heartbeat, "LIFETIME", 0.0)
+    gc = ["gc", str(root), "--keep-last", "5", "--grace", "0", "--json"]
+    assert main([*gc, "--dry-run"]) == 0
+    listed = json.loads(capsys.readouterr().out)["orphans"]
+    assert sorted(Path(u).name for u in listed if u.endswith(".distcp")) == [partial]
+    assert (dst / partial).exists()
+    assert main(gc) == 0
+    assert partial in [Path(u).name for u in json.loads(capsys.readouterr().out)["orphans"]]
+    assert not (dst / partial).exists()
+    assert not [p for p in dst.iterdir() if p.name.startswith(".heartbeat-")]
+    out = {"w": torch.zeros(1 << 18), "b": torch.zeros(10, dtype=torch.int64)}
+    storage.load(out, dst)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+
+
+# --- gc --abort-uploads and a save in flight ----------------------------------------------
+
+
+def test_gc_abort_uploads_spares_a_live_save_on_a_store_that_misdates_uploads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """moto dates every multipart upload 2010-11-10. Before, ``gc --abort-uploads``
+    trusted that date, aborted the upload of a save held mid-upload, and the save
+    failed; now the save's heartbeat protects it and it commits, while an abandoned
+    upload (no heartbeat, or a stale one) is still aborted."""
+    import contextlib
+    import json as _json
+    import threading
+    import uuid
+
+    from storage.checkpoint import heartbeat
+    from tests.support.servers import (
+        ServerUnavailable,
+        boto3_client,
+        create_bucket,
+        open_uploads,
+        s3_endpoint,
+    )
+
+    try:
+        endpoint = s3_endpoint("moto")
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    create_bucket(endpoint, "cli-live")
+    prefix = f"{uuid.uuid4().hex}/run"
+    root = f"s3://cli-live/{prefix}"
+    s3 = boto3_client(endpoint)
+    reached, release = threading.Event(), threading.Event()
+    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+
+    class Held(storage.S3FileSystem):  # type: ignore[misc,valid-type]
+        """Holds each data file after 6 MiB: its first 5 MiB part is up by then."""
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Any:
+            with super().create_stream(path, mode, sync=sync) as out:
+                yield _HeldAfter(out, 6 << 20, reached, release) if "w" in mode else out
+
+    fs = Held(storage_options=options, part_size=5 << 20)
+    state = {"w": torch.randn(3 << 20)}  # 12 MiB: a multipart upload
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            storage.save(state, f"{root}/step-1", filesystem=fs)
+        except BaseException as exc:
+            errors.append(exc)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    try:
+        assert reached.wait(120), "the save never got 6 MiB in"
+        deadline = time.monotonic() + 120
+        while not open_uploads(s3, "cli-live", prefix):
+            assert time.monotonic() < deadline, "the save's upload never began"
+            time.sleep(0.05)
+        # Abandoned: an upload with no heartbeat, and one beside a heartbeat long dead.
+        s3.create_multipart_upload(Bucket="cli-live", Key=f"{prefix}/step-2/__0_0-dead.distcp")
+        s3.create_multipart_upload(Bucket="cli-live", Key=f"{prefix}/step-3/__0_0-dead.distcp")
+        s3.put_object(
+            Bucket="cli-live",
+            Key=f"{prefix}/step-3/{heartbeat.name_of('dead')}",
+            Body=_json.dumps({"time": 1.0}).encode(),
+        )
+        cli_options = [f"--storage-option={k}={v}" for k, v in options.items()]
+        gc = ["gc", root, "--keep-last", "5", "--grace", "0", "--abort-uploads", "--json"]
+        assert main([*gc, *cli_options]) == 0
+        aborted = [u["url"] for u in _json.loads(capsys.readouterr().out)["uploads"]]
+        assert sorted(aborted) == [
+            f"{root}/step-2/__0_0-dead.distcp",
+            f"{root}/step-3/__0_0-dead.distcp",
+        ]
+    finally:
+        release.set()
+        saver.join(300)
+    assert not errors, errors
+    out = {"w": torch.zeros(3 << 20)}
+    storage.load(out, f"{root}/step-1", storage_options=options)
+    assert torch.equal(out["w"], state["w"])
+    assert open_uploads(s3, "cli-live", prefix) == []
+    keys = s3.list_objects_v2(Bucket="cli-live", Prefix=f"{prefix}/step-1/")["Contents"]
+    assert not [k["Key"] for k in keys if heartbeat.PREFIX in k["Key"]]  # removed at the end
+
+
+class _HeldAfter:
+    """A write stream that, once ``after`` bytes went through, sets ``reached`` and
+    waits for ``release`` (at most 300 s)."""
+
+    def __init__(self, inner: Any, after: int, reached: Any, release: Any) -> None:
+        self.inner, self.left, self.reached, self.release = inner, after, reached, release
+
+    def write(self, data: Any) -> int:
+        n = int(self.inner.write(data))
+        self.left -= n
+        if self.left <= 0 and not self.reached.is_set():
+            self.reached.set()
+            self.release.wait(300)
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

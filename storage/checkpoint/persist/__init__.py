@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from extensions._compat import StateDictStager
 from extensions.errors import WorkerDiedError
 from storage.backends.base import FileSystemBase
+from storage.checkpoint import data_files, heartbeat
 from storage.checkpoint.encode import plain_cpu_tensor
 from storage.checkpoint.persist._child import Pause
 from storage.checkpoint.persist._shm import StagingPool
@@ -211,8 +212,11 @@ def write_staged(
         try:
             per_file, written, writer.budget.spent = future.result()
         except WorkerDiedError:
-            # Its files may be half written: the writer's abort removes what exists.
-            writer.written = [writer.fs.concat_path(writer.path, name) for name, _ in files]
+            # Its files may be half written, its heartbeat left: the writer's abort
+            # removes what exists.
+            beat = heartbeat.name_of(data_files.heartbeat_token(writer))
+            names = [name for name, _ in files] + [beat]
+            writer.written = [writer.fs.concat_path(writer.path, name) for name in names]
             raise
     finally:
         lease.release()
