@@ -1,5 +1,5 @@
 """Ranged GETs, for every backend that sends them: the one check of an answer, and the
-threads that fetch a large read's pieces in parallel (:func:`parallel_gets`).
+threads that fetch a large read's pieces in parallel (:func:`read_pieces`).
 
 A server or proxy may ignore ``Range`` (HTTP allows it: ``200`` and the whole object)
 or answer another range than the one asked for (a ``206`` whose ``Content-Range`` says
@@ -21,6 +21,9 @@ import concurrent.futures
 import os
 import re
 import threading
+from collections.abc import Callable, Sequence
+
+from storage.backends.cancel import Cancel, StreamCancelled
 
 _CONTENT_RANGE = re.compile(r"\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*", re.IGNORECASE)
 
@@ -33,7 +36,7 @@ _POOLS_LOCK = threading.Lock()
 
 def parallel_gets(backend: str) -> concurrent.futures.ThreadPoolExecutor:
     """The process's pool of :data:`PARALLEL_GETS` threads for ``backend``'s ranged GETs
-    (one per process: a forked child makes its own)."""
+    (one per process: a forked child makes its own); reads go through :func:`read_pieces`."""
     key = (os.getpid(), backend)
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
@@ -42,6 +45,42 @@ def parallel_gets(backend: str) -> concurrent.futures.ThreadPoolExecutor:
                 PARALLEL_GETS, thread_name_prefix=f"dcp-storage-{backend}-get"
             )
         return pool
+
+
+def read_pieces(
+    backend: str,
+    read_piece: Callable[[int, memoryview, Cancel], int],
+    pieces: Sequence[tuple[int, memoryview]],
+    cancel: Cancel,
+    meanwhile: Callable[[], int] | None = None,
+) -> list[int]:
+    """Fill the ``pieces`` (object offset, the slice of the caller's buffer it goes to)
+    on ``backend``'s pool: ``read_piece(offset, piece, group)`` returns the bytes it put
+    into ``piece``, making its requests under ``group`` (a child of ``cancel``). The
+    calling thread runs ``meanwhile`` (if given) while they are fetched. Returns the
+    counts, ``meanwhile``'s first, then the pieces' in order.
+
+    The pieces write into the caller's buffer, so none may still run once this returns
+    or raises: when any piece or ``meanwhile`` fails (or the wait is interrupted), the
+    pieces not started are dropped, the running ones are cancelled through ``group``,
+    and all are waited for before the error is raised (a piece's own failure rather than
+    the interruptions it caused in its siblings)."""
+    group = Cancel(cancel)
+    pool = parallel_gets(backend)
+    futures = [pool.submit(read_piece, at, piece, group) for at, piece in pieces]
+    try:
+        first = [meanwhile()] if meanwhile is not None else []
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        failed = [e for f in futures if f.done() and (e := f.exception()) is not None]
+        if failed:
+            raise next((e for e in failed if not isinstance(e, StreamCancelled)), failed[0])
+        return first + [f.result() for f in futures]
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        group.cancel()
+        concurrent.futures.wait(futures)
+        raise
 
 
 class RangeMismatchError(OSError):

@@ -281,20 +281,36 @@ def check_referenced_files(fs: FileSystemBase, path: str, infos: Iterable[Any]) 
     for info in infos:
         ref = fmt.item_extra(info).get(REF)
         if ref is not None:
-            wanted.setdefault(ref, set()).add(info.relative_path)
-    for ref, names in sorted(wanted.items()):
-        base = sibling_path(fs, path, ref)
+            wanted.setdefault(sibling_path(fs, path, ref), set()).add(info.relative_path)
+    lost = _first_absent(fs, wanted)
+    if lost is not None:
+        raise CheckpointNotFoundError(
+            f"{fs.url(path)}: base checkpoint {fs.url(lost[0])} lost {quote(lost[1])} during "
+            "the save (deleted or overwritten meanwhile); nothing was committed: save "
+            "again (a full save if the base is gone)"
+        )
+
+
+def missing_file(fs: FileSystemBase, path: str, infos: Iterable[Any]) -> tuple[str, str] | None:
+    """The first file that ``infos`` (items of the checkpoint at ``path``) keep their
+    bytes in, in the checkpoint itself or a base it references, that is not there (or
+    the ``.metadata`` of either), as (checkpoint path, file name); ``None`` when all are."""
+    wanted: dict[str, set[str]] = {}
+    for info in infos:
+        wanted.setdefault(item_directory(fs, path, info), set()).add(info.relative_path)
+    return _first_absent(fs, wanted)
+
+
+def _first_absent(fs: FileSystemBase, wanted: dict[str, set[str]]) -> tuple[str, str] | None:
+    for directory, names in sorted(wanted.items()):
         used = {p for p, _ in map(split, names) if p is not None}
         try:
-            present = set(expand(fs, base, only=used))  # files under key prefixes too
+            present = set(expand(fs, directory, only=used))  # files under key prefixes too
         except (FileNotFoundError, NotADirectoryError):
             present = set()
         missing = sorted(names - present) + (
             [] if fmt.METADATA_NAME in present else [fmt.METADATA_NAME]
         )
         if missing:
-            raise CheckpointNotFoundError(
-                f"{fs.url(path)}: base checkpoint {fs.url(base)} lost {quote(missing[0])} during "
-                "the save (deleted or overwritten meanwhile); nothing was committed: save "
-                "again (a full save if the base is gone)"
-            )
+            return directory, missing[0]
+    return None

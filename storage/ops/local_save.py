@@ -13,6 +13,7 @@ landed somewhere.
 from __future__ import annotations
 
 import errno
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,8 @@ from storage.checkpoint.writer import CheckpointWriter
 from storage.ops._peers import Group, Move, gather_errors, transfer
 from storage.ops.steps import StepRoot
 
+log = logging.getLogger("storage.ops.tiers")  # one logger for everything tiers say
+
 
 def base_for(
     g: Group,
@@ -40,17 +43,33 @@ def base_for(
 ) -> int | None:
     """The base of an incremental save of ``step``: the newest step below it that is
     committed in every node's local tier (a reference is resolved in the tier that
-    holds the referencing step) and not a symbolic link there (a reference names the
-    step that holds the bytes, never a link to it), unless ``full_every`` asks for a
-    full save. Collective on ``pg``."""
+    holds the referencing step), unless ``full_every`` asks for a full save. When that
+    step cannot be a base on some rank (``StepRoot.base_problem``, the root's rule) or
+    the nodes' copies of it are different saves (a reference names files of one save),
+    the save is a full one, and says why, as the root's are. Collective on ``pg``."""
     if not incremental:
         return None
-    linked = set(local.linked_steps())
-    views = g.all_gather([s for s in local.steps() if s < step and s not in linked], pg=pg)
+    views = g.all_gather([s for s in local.steps() if s < step], pg=pg)
     common = set.intersection(*(set(v) for v in views))
     if not common:
         return None
     base = max(common)
+    why = local.base_problem(base)
+    verdicts = g.all_gather((why, None if why else local.save_id(base)), pg=pg)
+    problems = [(rank, w) for rank, (w, _) in enumerate(verdicts) if w is not None]
+    if problems:
+        rank, why = problems[0]
+        where = f", on rank {rank}" if g.world > 1 else ""
+        log.info("step %d is saved in full: step %d is no base (%s%s)", step, base, why, where)
+        return None
+    if len({save_id for _, save_id in verdicts}) > 1:
+        log.info(
+            "step %d is saved in full: step %d is no base (the nodes' local copies of it "
+            "are different saves)",
+            step,
+            base,
+        )
+        return None
     chain = local.model(base).chain
     return None if full_every is not None and chain + 1 >= full_every else base
 

@@ -126,26 +126,18 @@ class RootTier:
     def incremental_base(self, step: int) -> tuple[int | None, CommittedCheckpoint | None]:
         """The step an incremental save of ``step`` references and its read model: the
         newest committed step below it, unless ``full_every`` says this save is a full
-        one, or that step cannot serve as a base (committed only by rank-local metadata,
-        unreadable, or a symbolic link): then the save is a full one, and says why."""
+        one, or that step cannot serve as a base (``StepRoot.base_problem``): then the
+        save is a full one, and says why."""
         if not self.incremental:
             return None, None
         below = [s for s in self.root.steps() if s < step]
         if not below:
             return None, None
-        checkpoint = self.root.model(below[-1])
-        why = (
-            "it is a symbolic link"
-            if self.root.is_link(below[-1])
-            else "its metadata cannot be read"
-            if not checkpoint.readable
-            else "it is committed only by rank-local metadata"
-            if checkpoint.global_metadata is None
-            else None
-        )
+        why = self.root.base_problem(below[-1])
         if why is not None:
             log.info("step %d is saved in full: step %d is no base (%s)", step, below[-1], why)
             return None, None
+        checkpoint = self.root.model(below[-1])
         if self.full_every is not None and checkpoint.chain + 1 >= self.full_every:
             return None, None
         return below[-1], checkpoint

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.committed import CommittedCheckpoint, ReadModels
+from storage.checkpoint.incremental import missing_file
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     StepInfo,
@@ -131,6 +132,34 @@ class StepRoot:
     def model(self, step: int) -> CommittedCheckpoint:
         """The read model of ``step`` (read once while its metadata files are unchanged)."""
         return self.models.open(self.fs, self.step_path(step))
+
+    def base_problem(self, step: int) -> str | None:
+        """Why ``step`` cannot be the base of an incremental save here, or ``None``: the
+        one rule of the root and of a local tier, whose saves are then full ones. A
+        base must not be a symbolic link (a reference names the step holding the
+        bytes), its ``.metadata`` must commit it and be readable (rank-local metadata
+        never makes a base), and every data file its items keep bytes in must be there
+        (its own and its own base's)."""
+        if self.is_link(step):
+            return "it is a symbolic link"
+        checkpoint = self.model(step)
+        if not checkpoint.readable:
+            return "its metadata cannot be read"
+        metadata = checkpoint.global_metadata
+        if metadata is None:
+            if checkpoint.committing:
+                return "it is committed only by rank-local metadata"
+            return "it is no longer committed"
+        missing = missing_file(self.fs, checkpoint.path, (metadata.storage_data or {}).values())
+        if missing is not None:
+            return f"{self.fs.url(missing[0])} lacks its file {missing[1]}"
+        return None
+
+    def save_id(self, step: int) -> str | None:
+        """The save that wrote ``step``'s ``.metadata`` (``None``: unknown)."""
+        metadata = self.model(step).global_metadata
+        save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+        return save_id if isinstance(save_id, str) else None
 
     def remember(self, step: int, metadata: Metadata) -> None:
         """``metadata`` was just published as ``step``'s ``.metadata`` by this process."""

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 import storage
 from extensions import ZStandard
 from storage import S3FileSystem
+from storage.backends._ranges import PARALLEL_GETS, parallel_gets
 from storage.checkpoint.deadline import DeadlineExceededError
 from tests.support.servers import (
     FaultProxy,
@@ -25,6 +26,7 @@ from tests.support.servers import (
     fake_gcs_endpoint,
     gcs_create_bucket,
     gcs_options,
+    gcs_put,
     list_keys,
     moto_endpoint,
     open_uploads,
@@ -233,3 +235,63 @@ def test_timeout_covers_every_request_of_a_save_or_load(proxy: FaultProxy, case:
     # grace for joining) and the thread stayed in the stalled request.
     workers = ("dcp-storage-saving", "dcp-storage-loading")
     assert [t.name for t in threading.enumerate() if t.name.startswith(workers)] == []
+
+
+# --- a failed parallel read leaves the caller's buffer alone ----------------------------
+
+
+def _pool_idle(backend: str) -> None:
+    """Return once every thread of ``backend``'s ranged-GET pool has finished what it
+    was given before: each takes a task that waits for all the others."""
+    barrier = threading.Barrier(PARALLEL_GETS + 1)
+    pool = parallel_gets(backend)
+    for _ in range(PARALLEL_GETS):
+        pool.submit(barrier.wait, 120)
+    barrier.wait(120)
+
+
+@pytest.mark.parametrize("backend", ["direct", "s3fs", "gcs"])
+def test_a_failed_parallel_read_writes_nothing_after_it_raised(backend: str) -> None:
+    """A large read is split into window-sized GETs run in parallel, each writing into
+    its slice of the caller's buffer. One fails for good while a later one is held by
+    the proxy: the read must stop the held one before raising. Before, the S3 reader
+    raised at the first failed piece and left the others running, so the held piece
+    wrote into the buffer after the error had reached the caller (a buffer it may
+    already have reused or freed)."""
+    name = f"{uuid.uuid4().hex}/obj"
+    window = (1 if backend == "gcs" else 5) << 20
+    data = b"d" * (4 * window)
+    fs: Any
+    if backend == "gcs":
+        server = fake_gcs_endpoint()
+        gcs_create_bucket(server, BUCKET)
+        gcs_put(server, BUCKET, name, data)
+    else:
+        server = moto_endpoint()
+        create_bucket(server, BUCKET)
+        boto3_client(server).put_object(Bucket=BUCKET, Key=name, Body=data)
+    with FaultProxy(server) as proxy:
+        if backend == "gcs":
+            fs = storage.GCSFileSystem(storage_options=gcs_options(proxy.url), part_size=window)
+        else:
+            fs = _fs(proxy, direct=backend == "direct")
+        # The first window is read alone; the other three are fetched in parallel: the
+        # second of them answered with the whole object (refused), the third held.
+        proxy.add("whole", method="GET", range=rf"^bytes={2 * window}-", count=1)
+        release = threading.Event()
+        proxy.add("delay", method="GET", range=rf"^bytes={3 * window}-", delay=600, release=release)
+        buffer = bytearray(4 * window)
+        view = memoryview(buffer)
+        try:
+            with fs.open_slice(f"{BUCKET}/{name}", 0, len(data)) as reader:
+                got = 0
+                while got < window:
+                    got += reader.readinto(view[got:window])
+                with pytest.raises(OSError, match="ignored the range"):
+                    reader.readinto(view[window:])
+            before = bytes(buffer)
+        finally:
+            release.set()
+        _pool_idle("gcs" if backend == "gcs" else "s3")
+    assert bytes(buffer) == before, "a piece wrote into the buffer after the read raised"
+    assert buffer[3 * window :] == bytes(window)

@@ -137,6 +137,25 @@ def test_manager_never_bases_on_a_rank_local_step(tmp_path: Path, caplog: Any) -
         assert_tree_equal(out, _state(step))
 
 
+def test_manager_saves_in_full_over_a_base_that_lost_a_data_file(
+    tmp_path: Path, caplog: Any
+) -> None:
+    """The newest step's metadata is there but one of its data files is not: it is no
+    base, so the next save is a full one and says why. Before, the save referenced the
+    missing file and failed just before its commit ("lost ... during the save")."""
+    caplog.set_level(logging.INFO, logger="storage.ops.manager")
+    mgr = storage.CheckpointManager(tmp_path, incremental=True)
+    mgr.save(1, _state(1))
+    lost = next((tmp_path / "step-1").glob("*.distcp"))
+    lost.unlink()
+    mgr.save(2, _state(2))
+    assert set(_refs(tmp_path / "step-2").values()) == {None}
+    assert f"step 1 is no base ({tmp_path / 'step-1'} lacks its file {lost.name})" in caplog.text
+    out = _blank()
+    assert mgr.load(out, 2) == 2
+    assert_tree_equal(out, _state(2))
+
+
 def test_retention_keeps_referenced_bases(tmp_path: Path, caplog: Any) -> None:
     caplog.set_level(logging.INFO, logger="storage.ops.manager")
     mgr = storage.CheckpointManager(tmp_path, keep_last=1, incremental=True)

@@ -22,19 +22,17 @@ def test_a_lost_node_is_restored_from_its_peer_and_the_job_resumes(tmp_path: Pat
     shutil.rmtree(local / "node1")
     run.kill([0, 1])  # the job is restarted as a whole
     last = committed_steps(local / "node0")[-1]
-    printed = [int(x.split()[1]) for x in run.lines(0, "@committed")]
+    printed = [int(words[1]) for words in run.each(0, "@committed", 2)]
     assert last >= max(printed) >= 6  # every save that returned is committed on node 0
     hashes = run.hashes(0)
 
     resumed = Job(tmp_path, 4, [*job, "--steps", str(last + 2)])
     resumed.finish()
-    [loaded] = resumed.lines(0, "@loaded")
-    assert loaded.split()[1:4] == [str(last), "local", hashes[last]]  # 0 steps lost, bit-exact
+    loaded = resumed.one(0, "@loaded", 5)
+    assert loaded[1:4] == [str(last), "local", hashes[last]]  # 0 steps lost, bit-exact
     # Each rank of node 0 sent its peer's files and its own, in parallel: node 1's ranks
     # read their own and, under DDP, the items of the model saved once by ranks 0 and 1.
-    restored = {
-        int(r): int(b) for _, r, b in (resumed.lines(q, "@restored")[0].split() for q in range(4))
-    }
+    restored = {int(r): int(b) for _, r, b in (resumed.one(q, "@restored", 3) for q in range(4))}
     step_dir = local / "node1" / f"step-{last}"
     for sender, receiver in ((0, 2), (1, 3)):
         files = [*step_dir.glob(f"__{receiver}_*.distcp"), *step_dir.glob(f"__{sender}_*.distcp")]
@@ -43,8 +41,8 @@ def test_a_lost_node_is_restored_from_its_peer_and_the_job_resumes(tmp_path: Pat
         assert len(files) == 2 + (sender == 0)
         assert restored[sender] == sum(p.stat().st_size for p in files)
     assert restored[2] == restored[3] == 0
-    [durable] = resumed.lines(0, "@durable")
-    assert str(last + 2) in durable.split()[1].split(",")  # and it goes on saving and draining
+    durable = resumed.one(0, "@durable", 2)
+    assert str(last + 2) in durable[1].split(",")  # and it goes on saving and draining
 
 
 def test_a_restore_takes_each_rank_s_files_from_the_rank_holding_its_replica() -> None:

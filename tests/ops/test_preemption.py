@@ -288,26 +288,29 @@ def test_sigterm_then_sigkill_resumes_bit_exact_and_drains_at_the_next_start(
     root = f"s3://{BUCKET}/{tmp_path.name}"
     local = str(tmp_path / "local")
     job = ["--root", root, "--local", local, "--save-every", "4", "--async", "--guard"]
+    job += ["--grace", "120"]  # a deadline for the preemption save that load cannot reach
     # The bucket is slow during the first run (100 kB/s), so nothing it saves is durable
     # by the kill: the preempted step can only reach the bucket at the next start.
     with CappedProxy(endpoint, rate=100e3, latency=0.0, burst=16 << 10) as slow:
         run = Job(tmp_path, 1, [*job, "--endpoint", slow.url, "--steps", "1000"])
-        run.wait_for(0, "@step 6")
-        run.terminate_then_kill([0], after=6.0)
-        [preempted] = run.lines(0, "@preempted")
-        step, saved = (int(w) for w in preempted.split()[1:])
+        run.wait_for(0, "@step 6")  # its handler is installed before its first step
+        # Killed as soon as it reports the preemption save, its drain still in flight.
+        run.terminate_then_kill([0], once="@preempted")
+        _, step_word, saved = run.one(0, "@preempted", 3)
         hashes = run.hashes(0)
-    assert saved == step >= 6
+    assert saved == step_word, f"the preemption save failed:\n{run.report()}"
+    step = int(step_word)
+    assert step >= 6
     assert step in committed_steps(Path(local) / "node0")
     assert f"{tmp_path.name}/step-{step}/.metadata" not in list_keys(
         boto3_client(endpoint), BUCKET, tmp_path.name
     )
     resumed = Job(tmp_path, 1, [*job, "--endpoint", endpoint, "--steps", str(step + 2)])
     resumed.finish()
-    [loaded] = resumed.lines(0, "@loaded")
-    assert loaded.split()[1:4] == [str(step), "local", hashes[step]]  # bit-exact
-    [durable] = resumed.lines(0, "@durable")
-    assert str(step) in durable.split()[1].split(",")  # drained at the next start
+    loaded = resumed.one(0, "@loaded", 5)
+    assert loaded[1:4] == [str(step), "local", hashes[step]]  # bit-exact
+    durable = resumed.one(0, "@durable", 2)
+    assert str(step) in durable[1].split(",")  # drained at the next start
     fresh = ["--root", str(tmp_path / "ref"), "--local", str(tmp_path / "ref-local")]
     reference = Job(tmp_path, 1, [*fresh, "--steps", str(step + 2)])
     reference.finish()
@@ -317,19 +320,20 @@ def test_sigterm_then_sigkill_resumes_bit_exact_and_drains_at_the_next_start(
 def test_two_ranks_signalled_apart_save_one_step_and_resume_from_it(tmp_path: Path) -> None:
     local = tmp_path / "local"
     job = ["--root", str(tmp_path / "durable"), "--local", str(local), "--ranks-per-node", "2"]
-    job += ["--save-every", "3", "--async", "--guard"]
+    job += ["--save-every", "3", "--async", "--guard", "--grace", "120"]
     run = Job(tmp_path, 2, [*job, "--steps", "1000"])
-    run.wait_for(0, "@step 5")
-    run.terminate_then_kill([1, 0], after=6.0, apart=0.3)  # rank 1 first, rank 0 0.3 s later
-    steps = {int(run.lines(r, "@preempted")[0].split()[1]) for r in (0, 1)}
-    saved = {run.lines(r, "@preempted")[0].split()[2] for r in (0, 1)}
-    assert len(steps) == 1 and saved == {str(s) for s in steps}  # one step, saved on both
+    run.wait_for(0, "@step 5")  # both ranks' handlers are installed before their first step
+    run.terminate_then_kill([1, 0], once="@preempted", apart=0.3)  # rank 1 first, then 0
+    preempted = [run.one(r, "@preempted", 3) for r in (0, 1)]
+    steps = {int(words[1]) for words in preempted}
+    saved = {words[2] for words in preempted}
+    assert len(steps) == 1 and saved == {str(s) for s in steps}, run.report()  # on both
     (step,) = steps
     hashes = run.hashes(0)
     assert step in committed_steps(local / "node0")
     resumed = Job(tmp_path, 2, [*job, "--steps", str(step + 1)])
     resumed.finish()
-    [loaded] = resumed.lines(0, "@loaded")
-    assert loaded.split()[1:4] == [str(step), "local", hashes[step]]
-    [durable] = resumed.lines(0, "@durable")
-    assert str(step) in durable.split()[1].split(",")
+    loaded = resumed.one(0, "@loaded", 5)
+    assert loaded[1:4] == [str(step), "local", hashes[step]]
+    durable = resumed.one(0, "@durable", 2)
+    assert str(step) in durable[1].split(",")

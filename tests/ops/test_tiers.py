@@ -684,3 +684,70 @@ def test_two_nodes_incremental_replicas_restore_the_base_first(tmp_path: Path) -
     mp.spawn(
         _incremental_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True
     )
+
+
+# --- an incremental base the local tier cannot use: a full save, as at the root ----------
+
+
+def _break(step_dir: Path, how: str) -> None:
+    if how == "unreadable":
+        (step_dir / ".metadata").write_bytes(b"not metadata")
+    elif how == "missing":
+        _first_data_file(step_dir).unlink()
+    else:  # committed only by rank-local metadata
+        (step_dir / ".metadata").rename(step_dir / "__0.metadata")
+
+
+@pytest.mark.parametrize("how", ["unreadable", "missing", "rank-local"])
+def test_incremental_tiered_save_over_an_unusable_local_base_is_a_full_save(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The newest local step cannot be a base (its metadata cannot be read, a data file
+    of it is missing, or only rank-local metadata commits it): the save is a full one
+    and says why, as a save to the root alone is. Before, the tiered save failed (the
+    unreadable metadata's error, "lost ... during the save", or "committed only by
+    rank-local metadata")."""
+    mgr = tiered(tmp_path, incremental=True)
+    mgr.save(1, step_state(1))
+    mgr.wait()
+    _break(tmp_path / "local" / "step-1", how)
+    with caplog.at_level(logging.INFO, logger="storage.ops.tiers"):
+        mgr.save(2, step_state(1))  # the same values: every item would be referenced
+        mgr.wait()
+    assert "step 2 is saved in full: step 1 is no base" in caplog.text
+    assert _refs(tmp_path / "local", 2) == set() and _refs(tmp_path / "durable", 2) == set()
+    target = blank_state()
+    assert mgr.load(target, 2) == 2 and torch.equal(target["w"], step_state(1)["w"])
+
+
+def _other_saves_worker(rank: int, store: str, base: str) -> None:
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("storage.ops.tiers").addHandler(handler)
+    logging.getLogger("storage.ops.tiers").setLevel(logging.INFO)
+    with gloo_group(rank, 2, store):
+        node = f"{base}/node{rank}"
+        mgr = CheckpointManager(f"{base}/durable", local=node, replicate=True, incremental=True)
+        mgr.save(2, {f"frozen{rank}": torch.full((1 << 12,), 7.0 + rank)})
+        mgr.wait()
+        for root in (f"{base}/node0", f"{base}/node1", f"{base}/durable"):
+            assert open_committed(LocalFileSystem(), f"{root}/step-2").references() == set()
+        if rank == 0:
+            assert any("step 1 is no base (the nodes' local copies" in s for s in said), said
+        target = {f"frozen{rank}": torch.zeros(1 << 12)}
+        assert mgr.load(target) == 2
+        assert torch.equal(target[f"frozen{rank}"], torch.full((1 << 12,), 7.0 + rank))
+
+
+def test_two_nodes_whose_base_copies_are_other_saves_save_in_full(tmp_path: Path) -> None:
+    """Each node's local step 1 is committed, with the same content, but by another
+    save (other data file names): a reference recorded from one node's copy names files
+    the other node lacks, so the save is a full one and says why. Before, the commit
+    failed on the node whose copy lacked the referenced files."""
+    state = {f"frozen{r}": torch.full((1 << 12,), 7.0 + r) for r in range(2)}
+    for rank in range(2):
+        CheckpointManager(tmp_path / f"node{rank}", incremental=True).save(1, state)
+    mp.spawn(
+        _other_saves_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True
+    )

@@ -340,13 +340,15 @@ class Fault:
     bit of the request body flipped on its way to the server), ``"truncate"`` (the
     response body cut at half, then the connection reset: the client may lose bytes it
     was sent), ``"cut"`` (the body cut at half, then the connection closed cleanly: the
-    client gets every byte sent), ``"delay"`` (``delay`` seconds, then forwarded),
+    client gets every byte sent), ``"delay"`` (``delay`` seconds, then forwarded; with
+    ``release``, an event, until it is set or ``delay`` passes, whichever is first),
     ``"trickle"`` (headers at once, then the body at ``rate`` bytes per second: every
     socket read succeeds, so only a deadline stops the client), ``"whole"`` (a ranged
     GET forwarded without its ``Range``: ``200`` and the whole object), ``"shift"`` (a
     ranged GET forwarded as the range of the same length from byte 0: a ``206`` whose
     ``Content-Range`` names other bytes than those asked for). ``count`` limits how many
-    requests it hits (None: all)."""
+    requests it hits (None: all); ``range`` (a regex) picks requests by their ``Range``
+    header (one without the header reads as ``""``)."""
 
     kind: str
     method: str | None = None
@@ -355,14 +357,28 @@ class Fault:
     probability: float = 1.0
     delay: float = 0.0
     rate: float = 2.0
+    range: str = ""
+    release: threading.Event | None = None
     hits: int = 0
 
-    def matches(self, method: str, target: str) -> bool:
+    def matches(self, method: str, target: str, range_: str | None = None) -> bool:
         if self.method is not None and method != self.method:
             return False
         if self.count is not None and self.hits >= self.count:
             return False
+        if self.range and re.search(self.range, range_ or "") is None:
+            return False
         return re.search(self.path, target) is not None
+
+    def hold(self, closed: threading.Event) -> bool:
+        """Wait as a ``"delay"`` fault does; True if the proxy closed meanwhile."""
+        if self.release is None:
+            return closed.wait(self.delay)
+        deadline = time.monotonic() + self.delay
+        while not self.release.wait(0.05):
+            if closed.is_set() or time.monotonic() > deadline:
+                return closed.is_set()
+        return False
 
 
 @dataclass
@@ -421,7 +437,7 @@ class _Handler(BaseHTTPRequestHandler):
         state = self.server.state
         with state.lock:
             for fault in state.faults:
-                if fault.matches(self.command, self.path) and (
+                if fault.matches(self.command, self.path, self.headers.get("Range")) and (
                     fault.probability >= 1.0 or state.rng.random() < fault.probability
                 ):
                     fault.hits += 1
@@ -479,7 +495,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.state.arrivals.append((self.command, self.path))
         fault = self._pick_fault()
         kind = fault.kind if fault else None
-        if fault is not None and kind == "delay" and self.server.state.closed.wait(fault.delay):
+        if fault is not None and kind == "delay" and fault.hold(self.server.state.closed):
             self._reset()  # the proxy closed meanwhile: the request never reaches the server
             return
         if kind == "corrupt" and body:

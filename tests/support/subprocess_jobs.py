@@ -52,20 +52,59 @@ class Job:
     def lines(self, rank: int, prefix: str) -> list[str]:
         return [x for x in list(self._lines[rank]) if x == prefix or x.startswith(prefix + " ")]
 
+    def each(self, rank: int, prefix: str, words: int) -> list[list[str]]:
+        """The words of every line rank ``rank`` printed that starts with ``prefix``,
+        each line checked to hold ``words`` words (the prefix counts): a line that does
+        not fails with what every rank printed."""
+        found = [line.split() for line in self.lines(rank, prefix)]
+        for line in found:
+            if len(line) != words:
+                raise AssertionError(
+                    f"rank {rank} printed {' '.join(line)!r}, not {words} words:\n{self.report()}"
+                )
+        return found
+
+    def one(self, rank: int, prefix: str, words: int) -> list[str]:
+        """The words of the one line rank ``rank`` printed that starts with ``prefix``
+        (see :meth:`each`); none, or several, fail with what every rank printed."""
+        found = self.each(rank, prefix, words)
+        if len(found) != 1:
+            raise AssertionError(
+                f"rank {rank} printed {len(found)} {prefix!r} lines, not one:\n{self.report()}"
+            )
+        return found[0]
+
     def hashes(self, rank: int) -> dict[int, str]:
         """Rank ``rank``'s state hash after each step it trained."""
-        return {int(x.split()[1]): x.split()[2] for x in self.lines(rank, "@step")}
+        return {int(step): digest for _, step, digest in self.each(rank, "@step", 3)}
 
     def stderr(self) -> str:
         return "\n".join(f"--- {p.name}:\n{p.read_text()[-3000:]}" for p in self.errors)
 
-    def wait_for(self, rank: int, line: str, timeout: float = 120.0) -> None:
-        """Until rank ``rank`` prints ``line`` (its first words)."""
+    def report(self) -> str:
+        """What each rank printed (the last lines of its stdout), its exit status so far,
+        and its stderr: the message of every failure that reads the job's output."""
+        parts = []
+        for rank, proc in enumerate(self.procs):
+            out = list(self._lines[rank])
+            shown = "\n".join(out[-40:]) or "(nothing)"
+            parts.append(
+                f"--- rank {rank} (exit status {proc.poll()}), stdout, last 40 of "
+                f"{len(out)} lines:\n{shown}"
+            )
+        return "\n".join(parts) + "\n" + self.stderr()
+
+    def wait_for(self, rank: int, line: str, timeout: float = 300.0) -> None:
+        """Until rank ``rank`` prints ``line`` (its first words); generous by default, as
+        the machine may be shared (a rank that exits first fails at once)."""
         deadline = time.monotonic() + timeout
         while not self.lines(rank, line):
             if self.procs[rank].poll() is not None or time.monotonic() > deadline:
+                self._readers[rank].join(10)  # what it printed last, before judging
+                if self.lines(rank, line):
+                    return
                 self.kill(range(len(self.procs)))
-                raise AssertionError(f"rank {rank} never printed {line!r}:\n{self.stderr()}")
+                raise AssertionError(f"rank {rank} never printed {line!r}:\n{self.report()}")
             time.sleep(0.02)
 
     def kill(self, ranks: object) -> None:
@@ -76,20 +115,22 @@ class Job:
             self.procs[rank].wait()
             self._readers[rank].join(10)
 
-    def terminate_then_kill(self, ranks: list[int], *, after: float, apart: float = 0.0) -> None:
+    def terminate_then_kill(
+        self, ranks: list[int], *, once: str, apart: float = 0.0, timeout: float = 300.0
+    ) -> None:
         """SIGTERM ``ranks`` in order, ``apart`` seconds apart, then SIGKILL every rank
-        still running ``after`` seconds after the first SIGTERM (torchrun's way, with a
-        short grace)."""
-        first = time.monotonic()
+        once each of ``ranks`` has printed ``once`` (torchrun's way, the grace being
+        what the job reports it needed rather than a fixed delay that a loaded machine
+        outlasts); fails, with what each rank printed, if one never does."""
         for i, rank in enumerate(ranks):
             if i:
                 time.sleep(apart)
             self.procs[rank].send_signal(signal.SIGTERM)
-        while time.monotonic() < first + after and any(p.poll() is None for p in self.procs):
-            time.sleep(0.02)
+        for rank in ranks:
+            self.wait_for(rank, once, timeout)
         self.kill(range(len(self.procs)))
 
-    def finish(self, timeout: float = 180.0) -> None:
+    def finish(self, timeout: float = 600.0) -> None:
         """Wait for every rank to exit; raise with their stderr unless all exited 0."""
         deadline = time.monotonic() + timeout
         codes = []
@@ -100,7 +141,7 @@ class Job:
                 codes.append(None)
         self.kill(range(len(self.procs)))
         if any(code != 0 for code in codes):
-            raise AssertionError(f"the job ended with exit codes {codes}:\n{self.stderr()}")
+            raise AssertionError(f"the job ended with exit codes {codes}:\n{self.report()}")
 
 
 def committed_steps(tier: Path) -> list[int]:

@@ -7,7 +7,6 @@ which."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import io
 import random
@@ -18,7 +17,7 @@ from gcsfs.retry import validate_response
 
 from extensions.streams import read_all
 from storage.backends._connections import BodyBroken
-from storage.backends._ranges import RangeMismatchError, check_range, parallel_gets
+from storage.backends._ranges import RangeMismatchError, check_range, read_pieces
 from storage.backends.cancel import Cancel, StreamCancelled, current
 from storage.backends.gcs._session import (
     Answer,
@@ -206,20 +205,17 @@ class RangeReader(io.RawIOBase):
             (start + at, view[at : at + self._window])
             for at in range(ahead, len(view), self._window)
         ]
-        group = Cancel(self._cancel)
-        futures = [parallel_gets("gcs").submit(self._read_piece, at, p, group) for at, p in pieces]
-        try:
+
+        def current_get() -> int:
             got = 0
             while got < ahead and not self._eof:
                 n = self._read(view[got:ahead])
                 if not n:
                     break
                 got += n
-            counts = [got, *(fut.result() for fut in futures)]
-        except BaseException:
-            group.cancel()  # the pieces write into the caller's buffer: stop them first
-            concurrent.futures.wait(futures)
-            raise
+            return got
+
+        counts = read_pieces("gcs", self._read_piece, pieces, self._cancel, current_get)
         done = 0
         for count, size in zip(counts, [ahead, *(len(p) for _, p in pieces)]):
             done += count

@@ -18,7 +18,7 @@ import crc32c
 
 from extensions.streams import read_all
 from storage.backends._connections import BodyBroken
-from storage.backends._ranges import RangeMismatchError, check_range, parallel_gets
+from storage.backends._ranges import RangeMismatchError, check_range, read_pieces
 from storage.backends._upload import FilledUpload
 from storage.backends.cancel import Cancel, current
 from storage.backends.s3._client import (
@@ -161,8 +161,7 @@ class RangeReader(io.RawIOBase):
             (self._pos + start, view[start : start + self._window])
             for start in range(0, len(view), self._window)
         ]
-        futures = [parallel_gets("s3").submit(self._read_piece, at, piece) for at, piece in pieces]
-        counts = [fut.result() for fut in futures]
+        counts = read_pieces("s3", self._read_piece, pieces, self._cancel)
         done = 0
         for count, (_, piece) in zip(counts, pieces):
             done += count
@@ -173,7 +172,7 @@ class RangeReader(io.RawIOBase):
         self._stop = self._pos
         return done
 
-    def _read_piece(self, offset: int, piece: memoryview) -> int:
+    def _read_piece(self, offset: int, piece: memoryview, group: Cancel) -> int:
         reader = RangeReader(
             self._client,
             self._path,
@@ -181,7 +180,7 @@ class RangeReader(io.RawIOBase):
             len(piece),
             etag=self._etag,
             window=len(piece),
-            cancel=self._cancel,
+            cancel=group,
         )
         with contextlib.closing(reader):
             got = 0
