@@ -27,6 +27,7 @@ import io
 import os
 import pathlib
 import pickle
+import time
 from typing import Any, ClassVar
 
 import pytest
@@ -67,6 +68,18 @@ class FileSystemTests(ConformanceSuite):
 
     def bypass_read(self, fs: FileSystemBase, path: str) -> bytes:
         raise NotImplementedError(f"{type(self).__qualname__} provides no `bypass_read`")
+
+    # Optional hooks: a backend that has the feature provides them; the tests that need
+    # one skip where it is not provided.
+
+    def bypass_link(self, fs: FileSystemBase, target: str, link: str) -> None:
+        """Make ``link`` a symbolic link to ``target`` (backends that have links)."""
+        pytest.skip(f"{type(self).__qualname__} has no symbolic links")
+
+    def bypass_begin_upload(self, fs: FileSystemBase, path: str) -> None:
+        """Begin an upload to ``path`` and leave it unfinished (backends whose
+        unfinished uploads stay behind invisibly, as S3's multipart uploads)."""
+        pytest.skip(f"{type(self).__qualname__} leaves no unfinished uploads")
 
     # --- writes, checked through the bypass ------------------------------------------
 
@@ -139,6 +152,71 @@ class FileSystemTests(ConformanceSuite):
         fs.rm_file(fs.concat_path(root, "a.bin"))
         assert fs.ls(root) == ["b.bin", "sub"]
         assert not fs.exists(fs.concat_path(root, "a.bin"))
+
+    def test_modified_is_the_writes_time_or_unknown(self, fs: FileSystemBase, root: str) -> None:
+        """``gc`` deletes leftovers by age: a backend tells the time of the last write
+        (this machine's clock, within the store's skew) or ``None``, never a guess."""
+        path = fs.concat_path(root, "obj.bin")
+        before = time.time()
+        self.bypass_write(fs, path, b"x")
+        stamp = fs.modified(path)
+        if stamp is None:
+            return
+        assert before - 300 <= stamp <= time.time() + 300
+        with pytest.raises(FileNotFoundError):
+            fs.modified(fs.concat_path(root, "missing.bin"))
+
+    def test_directories_come_and_go_with_their_files(self, fs: FileSystemBase, root: str) -> None:
+        """``mkdir`` is idempotent; ``rm_dir`` removes an empty directory and never a
+        file (a no-op, or an ``OSError``, on a directory that still holds one; a backend
+        that does not override it has no directories to remove); ``sync_dir`` on a
+        directory that holds files keeps them."""
+        sub = fs.concat_path(root, "sub")
+        fs.mkdir(sub)
+        fs.mkdir(sub)
+        path = fs.concat_path(sub, "kept.bin")
+        self.bypass_write(fs, path, b"kept")
+        fs.sync_dir(sub)
+        try:
+            fs.rm_dir(sub)
+        except OSError:
+            pass
+        assert self.bypass_read(fs, path) == b"kept"
+        fs.rm_file(path)
+        fs.rm_dir(sub)
+        if type(fs).rm_dir is FileSystemBase.rm_dir:
+            return  # a backend without directories (or that cannot remove them)
+        try:
+            names = fs.ls(root)
+        except FileNotFoundError:
+            names = []  # an object store: nothing is left under the prefix
+        assert "sub" not in names
+
+    def test_links_are_told_and_resolved(self, fs: FileSystemBase, root: str) -> None:
+        """Deletion never goes through a link: ``is_link`` tells one, ``realpath``
+        names where its files really are, and a plain path is neither."""
+        real = fs.concat_path(root, "real")
+        self.bypass_write(fs, fs.concat_path(real, "obj.bin"), b"x")
+        assert not fs.is_link(real)
+        assert fs.realpath(real) == fs.realpath(fs.realpath(real))
+        link = fs.concat_path(root, "link")
+        self.bypass_link(fs, real, link)
+        assert fs.is_link(link)
+        assert fs.realpath(link) == fs.realpath(real)
+        assert fs.read_bytes(fs.concat_path(link, "obj.bin")) == b"x"
+
+    def test_unfinished_uploads_are_listed_and_aborted(self, fs: FileSystemBase, root: str) -> None:
+        """What a killed save leaves invisible is found under its prefix, at any depth,
+        and aborted; aborting one that is gone is not an error."""
+        assert fs.pending_uploads(root) == []
+        path = fs.concat_path(fs.concat_path(root, "step-1"), "__0_0.distcp")
+        self.bypass_begin_upload(fs, path)
+        (upload,) = fs.pending_uploads(root)
+        assert upload.path == path
+        fs.abort_upload(upload)
+        assert fs.pending_uploads(root) == []
+        fs.abort_upload(upload)
+        assert not fs.exists(path)
 
     # --- slices ----------------------------------------------------------------------
 

@@ -48,7 +48,10 @@ class TorchFileSystem(FileSystemBase):
     * ``ls`` needs the wrapped filesystem's ``ls`` (not in torch's abstract contract);
       ``rm_file`` of a missing path raises whatever the wrapped filesystem raises;
     * ``rename`` is the wrapped filesystem's, its atomicity unknown (``atomic_rename``
-      is ``False``).
+      is ``False``);
+    * symbolic links: told (``is_link``, ``realpath``) for torch's own local
+      ``FileSystem``, so deletion never goes through one there; other wrapped
+      filesystems are taken to have none.
     """
 
     def __init__(self, torch_fs: Any, *, storage_options: dict[str, Any] | None = None) -> None:
@@ -69,6 +72,17 @@ class TorchFileSystem(FileSystemBase):
 
     def rename(self, path: str, new_path: str) -> None:
         self.torch_fs.rename(path, new_path)
+
+    def is_link(self, path: str) -> bool:
+        return self._local() and os.path.islink(path)
+
+    def realpath(self, path: str) -> str:
+        return os.path.realpath(path) if self._local() else path
+
+    def _local(self) -> bool:
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        return type(self.torch_fs) is FileSystem  # torch's local disk, not a subclass
 
     def concat_path(self, path: str, suffix: str) -> str:
         return os.fspath(self.torch_fs.concat_path(path, suffix))

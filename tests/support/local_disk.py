@@ -25,3 +25,6 @@ class LocalDiskFixtures:
     def bypass_read(self, fs: FileSystemBase, path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
+
+    def bypass_link(self, fs: FileSystemBase, target: str, link: str) -> None:
+        os.symlink(target, link)

@@ -355,7 +355,13 @@ class S3FileSystem(FsspecFileSystem):
             pass  # HeadBucket may be forbidden to writers that may still PUT objects
 
     def rm_dir(self, path: str) -> None:
-        pass
+        # No directories on S3. Stores that keep one for every prefix (SeaweedFS's
+        # filer) drop an empty one when its marker key is deleted; elsewhere that
+        # delete is a no-op. Only ever for a prefix with nothing under it.
+        bucket, key = split_path(path)
+        if key.strip("/") and not self._list(path, limit=1):
+            marker = key.rstrip("/") + "/"
+            self._call("delete_object", path, "removing", Bucket=bucket, Key=marker)
 
     def pending_uploads(self, path: str) -> list[PendingUpload]:
         return _uploads.pending(self.client, path)
