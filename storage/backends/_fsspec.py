@@ -20,15 +20,12 @@ import fsspec
 from fsspec.core import split_protocol
 from fsspec.spec import AbstractBufferedFile
 
-from storage.backends._ranges import RangeMismatchError
+from storage.backends._ranges import RangeMismatchError, WindowReader
 from storage.backends._secrets import Redactor, secret_values
 from storage.backends.base import FileSystemBase
 from storage.backends.cancel import current
 
 log = logging.getLogger(__name__)
-
-# A slice is fetched in windows of this size: exact ranges, bounded memory.
-_WINDOW = 16 << 20
 
 
 class FsspecFileSystem(FileSystemBase):
@@ -42,7 +39,8 @@ class FsspecFileSystem(FileSystemBase):
 
     Writes go through the filesystem's own file objects; a failed write discards the
     file (or deletes what became visible). Slices are read as exact ranged reads
-    (``cat_file(path, start, end)``) in windows of 16 MiB."""
+    (``cat_file(path, start, end)``) in windows of 16 MiB. ``memory://`` is fsspec's
+    process-global store: it lives in this process (:attr:`in_process`)."""
 
     #: Protocol a subclass is bound to (``"s3"``, ``"gs"``); ``None``: from the URL.
     protocol: ClassVar[str | None] = None
@@ -64,21 +62,22 @@ class FsspecFileSystem(FileSystemBase):
         client = self._fs
         if client is None:
             with self._fs_lock:
-                if self._fs is None:
-                    if self._protocol is None:
-                        raise ValueError(
-                            f"{type(self).__name__} has no protocol yet: pass a URL such as "
-                            "'memory://bucket/ckpt' or protocol='memory'"
-                        )
-                    try:
-                        self._fs = self._make_client(self._protocol, self._client_options())
-                    except Exception as exc:
-                        if self.redactor.scrub(exc) is not None:
-                            raise
-                        text = self.redactor.redact(f"{type(exc).__name__}: {exc}")
-                        raise OSError(f"{self._protocol}:// client: {text}") from None
-                client = self._fs
+                client = self._fs = self._fs or self._new_client()
         return client
+
+    def _new_client(self) -> fsspec.AbstractFileSystem:
+        if self._protocol is None:
+            raise ValueError(
+                f"{type(self).__name__} has no protocol yet: pass a URL such as "
+                "'memory://bucket/ckpt' or protocol='memory'"
+            )
+        try:
+            return self._make_client(self._protocol, self._client_options())
+        except Exception as exc:
+            if self.redactor.scrub(exc) is not None:
+                raise
+            text = self.redactor.redact(f"{type(exc).__name__}: {exc}")
+            raise OSError(f"{self._protocol}:// client: {text}") from None
 
     @property
     def redactor(self) -> Redactor:
@@ -112,6 +111,10 @@ class FsspecFileSystem(FileSystemBase):
         self._fs_lock = threading.Lock()
 
     # --- paths ---------------------------------------------------------------------
+
+    @property
+    def in_process(self) -> bool:
+        return self._protocol == "memory"
 
     def init_path(self, path: str | os.PathLike[str]) -> str:
         text = os.fspath(path)
@@ -246,7 +249,7 @@ class FsspecFileSystem(FileSystemBase):
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
         if self._empty_slice(path, offset, length):
             return contextlib.nullcontext(io.BytesIO())
-        reader = _WindowReader(self._fetch_range, path, offset, length)
+        reader = WindowReader(self._fetch_range, path, offset, length)
         with self._errors(path, "reading"):
             reader.prefetch()
         return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
@@ -354,47 +357,3 @@ class FsspecFileSystem(FileSystemBase):
         if protocol is None:
             return False
         return cls.protocol is None or protocol == cls.protocol
-
-
-class _WindowReader(io.RawIOBase):
-    """Forward-only reader of ``[offset, offset + length)``, fetched in exact windows.
-
-    Short at the end of the object (the caller reports truncation)."""
-
-    def __init__(self, fetch: Any, path: str, offset: int, length: int) -> None:
-        super().__init__()
-        self._fetch = fetch
-        self._path = path
-        self._pos = offset
-        self._end = offset + length
-        self._buf = memoryview(b"")
-        self._short = False
-
-    def readable(self) -> bool:
-        return True
-
-    def prefetch(self) -> None:
-        if self._buf or self._short or self._pos >= self._end:
-            return
-        start, end = self._pos, min(self._end, self._pos + _WINDOW)
-        data = self._fetch(self._path, start, end)
-        self._pos += len(data)
-        self._short = len(data) < end - start
-        self._buf = memoryview(data)
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        self.prefetch()
-        n = min(len(view), len(self._buf))
-        view[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-    def readall(self) -> bytes:
-        parts: list[bytes] = []
-        while True:
-            self.prefetch()
-            if not self._buf:
-                return b"".join(parts)
-            parts.append(bytes(self._buf))
-            self._buf = memoryview(b"")

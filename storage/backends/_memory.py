@@ -16,6 +16,7 @@ from storage.backends.base import FileSystemBase
 
 
 class MemoryFileSystem(FileSystemBase):
+    local_reads: ClassVar[bool] = True
     """Objects in a dict keyed by ``/``-separated path.
 
     Like an object store it has no real directories (``mkdir`` only records a marker so
@@ -76,6 +77,10 @@ class MemoryFileSystem(FileSystemBase):
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._attach()
+
+    @property
+    def in_process(self) -> bool:
+        return True
 
     def init_path(self, path: str | os.PathLike[str]) -> str:
         text = os.fspath(path)

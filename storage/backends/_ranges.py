@@ -1,5 +1,6 @@
-"""Ranged GETs, for every backend that sends them: the one check of an answer, and the
-threads that fetch a large read's pieces in parallel (:func:`read_pieces`).
+"""Ranged GETs, for every backend that sends them: the one check of an answer, the
+threads that fetch a large read's pieces in parallel (:func:`read_pieces`), and the
+windowed slice reader of backends that fetch a range per call (:class:`WindowReader`).
 
 A server or proxy may ignore ``Range`` (HTTP allows it: ``200`` and the whole object)
 or answer another range than the one asked for (a ``206`` whose ``Content-Range`` says
@@ -18,10 +19,12 @@ So every ranged answer is checked before its body is read:
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import os
 import re
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from storage.backends.cancel import Cancel, StreamCancelled
 
@@ -116,3 +119,52 @@ def check_range(
         f"{content_range!r}, not the bytes asked for; reading them would load other bytes. "
         "A proxy or the store mangles range requests"
     )
+
+
+#: A windowed slice is fetched this many bytes at a time.
+WINDOW = 16 << 20
+
+
+class WindowReader(io.RawIOBase):
+    """Forward-only reader of ``[offset, offset + length)`` of ``path``, fetched with
+    ``fetch(path, start, end)`` in exact windows of :data:`WINDOW` bytes (bounded memory,
+    no read past the slice). Short at the end of the object (the caller reports
+    truncation)."""
+
+    def __init__(self, fetch: Any, path: str, offset: int, length: int) -> None:
+        super().__init__()
+        self._fetch = fetch
+        self._path = path
+        self._pos = offset
+        self._end = offset + length
+        self._buf = memoryview(b"")
+        self._short = False
+
+    def readable(self) -> bool:
+        return True
+
+    def prefetch(self) -> None:
+        if self._buf or self._short or self._pos >= self._end:
+            return
+        start, end = self._pos, min(self._end, self._pos + WINDOW)
+        data = self._fetch(self._path, start, end)
+        self._pos += len(data)
+        self._short = len(data) < end - start
+        self._buf = memoryview(data)
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        self.prefetch()
+        n = min(len(view), len(self._buf))
+        view[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+    def readall(self) -> bytes:
+        parts: list[bytes] = []
+        while True:
+            self.prefetch()
+            if not self._buf:
+                return b"".join(parts)
+            parts.append(bytes(self._buf))
+            self._buf = memoryview(b"")

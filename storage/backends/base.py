@@ -88,6 +88,9 @@ class FileSystemBase(abc.ABC):
     #: reads, so the checksum runs over bytes still in the CPU cache; None: one read per
     #: destination (ranged-request backends split big reads into parallel requests).
     read_block: ClassVar[int | None] = None
+    #: Reads are served from this machine (its page cache, this process's memory): a
+    #: small read costs no request, and reading beats fetching once and sharing.
+    local_reads: ClassVar[bool] = False
 
     def __init__(self, *, storage_options: dict[str, Any] | None = None) -> None:
         self.storage_options = dict(storage_options or {})
@@ -225,6 +228,19 @@ class FileSystemBase(abc.ABC):
     def url(self, path: str) -> str:
         """``path`` as the user would write it, for messages."""
         return path
+
+    @property
+    def in_process(self) -> bool:
+        """Whether what this backend stores lives in this process's memory, where no
+        other process (the persist worker) reaches it."""
+        return False
+
+    def stamps(self, path: str) -> dict[str, tuple[int, ...]] | None:
+        """What identifies each entry directly under ``path`` right now (its inode,
+        size, modification and change times), by name, where the backend tells it
+        without a request (a changed stamp means a changed entry); ``None`` elsewhere or
+        when ``path`` cannot be listed. Links are stamped, not followed."""
+        return None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -28,7 +28,6 @@ while their metadata files are unchanged, so a save reads each metadata at most 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,7 +38,6 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.stateful import Stateful
 
 from extensions.errors import CheckpointInUseError, CheckpointNotFoundError, printable
-from storage.backends import LocalFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.layout import (
@@ -220,25 +218,17 @@ def open_committed(fs: FileSystemBase, path: str) -> CommittedCheckpoint:
     return CommittedCheckpoint(fs, path, tuple(committing), metadata, errors)
 
 
-_Stamp = tuple[tuple[str, int, int, int, int], ...]
+_Stamp = tuple[tuple[str, tuple[int, ...]], ...]
 
 
 def _stamp(fs: FileSystemBase, path: str) -> _Stamp | None:
-    """What identifies the metadata files of the checkpoint at ``path`` right now: their
-    names, inodes, sizes and modification and change times; ``None`` where that cannot
-    be told cheaply (only local disk can) or the directory cannot be listed."""
-    if not isinstance(fs, LocalFileSystem):
+    """What identifies the metadata files of the checkpoint at ``path`` right now
+    (``FileSystemBase.stamps``: names, inodes, sizes and modification and change times);
+    ``None`` where that cannot be told cheaply or the directory cannot be listed."""
+    stamps = fs.stamps(path)
+    if stamps is None:
         return None
-    try:
-        with os.scandir(path) as entries:
-            found = [
-                (e.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-                for e in entries
-                if is_metadata_name(e.name) and (st := e.stat(follow_symlinks=False))
-            ]
-    except OSError:
-        return None
-    return tuple(sorted(found))
+    return tuple(sorted((name, st) for name, st in stamps.items() if is_metadata_name(name)))
 
 
 class ReadModels:
@@ -246,8 +236,8 @@ class ReadModels:
     returns the model it holds for a path while the metadata files there are the same
     files (names, inodes, sizes, modification and change times: a metadata file is
     only ever replaced through a new file, so a new save of a step is a new inode), and
-    opens it afresh otherwise. Only local disk stamps files cheaply; elsewhere every
-    :meth:`open` reads. Unreadable checkpoints are never kept."""
+    opens it afresh otherwise. Only backends that stamp entries without a request (local
+    disk) keep models; elsewhere every :meth:`open` reads. Unreadable checkpoints are never kept."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -22,7 +22,6 @@ from extensions.base import ItemInfo, KeyLookup, cached_key_lookup
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError, quote
 from extensions.registry import ExtensionRegistry, parse_descriptor
 from extensions.zstd import ZStandard
-from storage.backends import LocalFileSystem, MemoryFileSystem
 from storage.checkpoint import frames, incremental
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget, cancellable, note
@@ -165,9 +164,9 @@ def _read_run(
     try:
         with reader.fs.open_slice(path, start, length) as opened:
             stream = cancellable(opened)
-            # Finding a seek table costs two small reads: free on local disk and
-            # memory, a request each on object stores (their readers stream).
-            if not isinstance(reader.fs, (LocalFileSystem, MemoryFileSystem)):
+            # Finding a seek table costs two small reads: free where reads are
+            # local, a request each on object stores (their readers stream).
+            if not reader.fs.local_reads:
                 decoders = None
             for item in run:
                 _read_item(reader, stream, path, item, planner, lock, registry, keys, decoders)

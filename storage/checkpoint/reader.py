@@ -27,7 +27,6 @@ from extensions.errors import (
     IntegrityError,
 )
 from extensions.registry import ExtensionRegistry, as_registry
-from storage.backends import LocalFileSystem, MemoryFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import fetch, read_once, share_groups
 from storage.checkpoint import storage_format as fmt
@@ -169,8 +168,7 @@ class CheckpointReader(StorageReader):
         when the exchange has a group to send CPU tensors over (a gloo or gloo+NCCL
         group, or the default group, for which one is made: share_groups.py)."""
         if self._read_once is None:
-            local = isinstance(self.fs, (LocalFileSystem, MemoryFileSystem))
-            return not local and share_groups.can_share(self.process_group)
+            return not self.fs.local_reads and share_groups.can_share(self.process_group)
         return self._read_once
 
     @records_error

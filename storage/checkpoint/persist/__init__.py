@@ -108,9 +108,8 @@ def for_filesystems(mode: Mode, *filesystems: FileSystemBase) -> Mode:
 
 
 def reachable(fs: FileSystemBase) -> bool:
-    """Whether another process reaches what ``fs`` stores (in-memory stores are this
-    process's own)."""
-    return not fs.url("").startswith(("dcpmem://", "memory://"))
+    """Whether another process reaches what ``fs`` stores."""
+    return not fs.in_process
 
 
 _worker: Worker | None = None
