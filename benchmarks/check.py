@@ -157,7 +157,7 @@ def verdict(measure: Measure, recorded: Recorded, ratio: float | None) -> tuple[
 
     floor = recorded.ratio * (1 - TOLERANCE if measure.higher_is_better else 1 + TOLERANCE)
     if worse(ratio, floor):
-        return f"FELL >{TOLERANCE:.0%} under recorded", 2
+        return f"FELL: >{TOLERANCE:.0%} worse than recorded", 2
     if recorded.goal is not None and worse(ratio, recorded.goal):
         if worse(recorded.ratio, recorded.goal):
             return "below goal (as recorded)", 1
