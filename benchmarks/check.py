@@ -1,7 +1,6 @@
-"""Nothing slips: every headline ratio measured side by side in one run, against its goal
-and the ratio recorded in docs/benchmarks.md.
+"""Every headline ratio in one run, against its goal and its record in docs/benchmarks.md.
 
-    python benchmarks/check.py                  # all three parts: ~8 minutes on the 2-core VM
+    python benchmarks/check.py                  # all three parts: ~6-8 min on a quiet 2-core VM
     python benchmarks/check.py --only local     # or s3, or loop; repeat --only for several
     python benchmarks/check.py --quick          # smoke run: small sizes, seconds to a minute each
 
@@ -363,7 +362,7 @@ def table(figures: list[Figure], recorded: dict[str, Recorded]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", choices=PARTS, help="run this part only")
+    parser.add_argument("--only", action="append", choices=PARTS, help="this part (repeatable)")
     parser.add_argument("--quick", action="store_true", help="smoke run: small sizes")
     parser.add_argument("--local-mb", type=float, help="local state dict (default 512; quick 32)")
     parser.add_argument("--local-repeat", type=int, default=1, help="timed rounds (default 1)")
