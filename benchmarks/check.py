@@ -372,6 +372,14 @@ def main() -> None:
     args = parser.parse_args()
     parts = args.only or list(PARTS)
     recorded = read_recorded()  # before anything runs: a table that disagrees stops here
+    if "s3" in parts or "loop" in parts:
+        try:
+            import s3torchconnector  # noqa: F401 - the peer of both parts
+        except ImportError:
+            raise SystemExit(
+                "the s3 and loop parts compare against s3torchconnector, which is not "
+                "installed: pip install -e '.[bench]' (or run --only local)"
+            ) from None
     local_mb = args.local_mb or (32 if args.quick else 512)
     s3_mb = args.s3_mb or (32 if args.quick else 268)
     s3_repeat = args.s3_repeat or (1 if args.quick else 3)
