@@ -39,11 +39,15 @@ from extensions import ZStandard  # noqa: E402
 MB = 1e6
 
 
-def build_state_dict(total_mb: float, n_tensors: int = 40, seed: int = 0) -> dict[str, Any]:
+def build_state_dict(
+    total_mb: float, n_tensors: int = 40, seed: int = 0, *, zeros: bool = False
+) -> dict[str, Any]:
     """``n_tensors`` mixed-size tensors (mostly bf16, some fp32) plus plain values.
 
     Values are weight-like: normal with a per-tensor scale, so zstd finds what it finds
-    on real bf16 weights (the exponent byte compresses, the mantissa does not)."""
+    on real bf16 weights (the exponent byte compresses, the mantissa does not). With
+    ``zeros`` the same tensors are zero-filled (allocated and touched: a load target),
+    without drawing the values first."""
     gen = torch.Generator().manual_seed(seed)
     weights = [1 + (i % 7) for i in range(n_tensors)]
     scale = total_mb * MB / sum(weights)
@@ -53,6 +57,9 @@ def build_state_dict(total_mb: float, n_tensors: int = 40, seed: int = 0) -> dic
         numel = max(1, int(w * scale) // torch.finfo(dtype).bits * 8)
         cols = 1024
         rows = max(1, numel // cols)
+        if zeros:
+            state[f"layer{i:02d}.weight"] = torch.zeros(rows, cols, dtype=dtype)
+            continue
         t = torch.randn(rows, cols, generator=gen) * (0.02 * (1 + i % 3))
         state[f"layer{i:02d}.weight"] = t.to(dtype)
     state["step"] = 1000

@@ -23,7 +23,8 @@ touched, before the clock starts). Before every timed call the parent runs an un
   (no read, no checksum) on one thread, that time divided by the cores - what a load
   costs when every core decodes all the time.
 
-A warm-up round first, then the sides alternate (stock, ours, ...) ``--repeat`` times;
+A warm-up round first (the limits skip it: they write new files or read cached ones),
+then the sides alternate (stock, ours, ...) ``--repeat`` times;
 the table shows medians and ratios stock/ours (> 1: we are faster). Nothing is deleted
 until a case is over: on a disk mounted with ``discard`` the deletions would slow the
 next timed writes.
@@ -48,6 +49,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MB = 1e6
+# The limit rows use as many threads as LocalFileSystem.io_concurrency gives ours.
+THREADS = max(2, min(8, os.cpu_count() or 2))
 
 
 # --- child: one timed call ---------------------------------------------------------------
@@ -55,11 +58,16 @@ MB = 1e6
 
 def _child(op: str, side: str, case: str, path: str, size_mb: float, threads: int) -> None:
     import torch.distributed.checkpoint as dcp
-    from bench import build_state_dict, logical_bytes, zeros_like
+    from bench import build_state_dict, logical_bytes
 
-    state = build_state_dict(size_mb)
+    # Each child builds only what its call uses (a fresh process's set-up is most of a
+    # run's time): values to save, a zeroed target to load into (an initialised model:
+    # allocated and touched), nothing for the ceilings that read ours' files.
+    state: dict[str, Any] = {}
     if op.startswith("load"):
-        state = zeros_like(state)  # an initialised model: allocated and touched
+        state = build_state_dict(size_mb, zeros=True)
+    elif op not in ("limit-read", "limit-decode"):
+        state = build_state_dict(size_mb)
     nbytes = logical_bytes(state)
     # The ceiling's buffers, like the loads' targets, exist and are touched untimed.
     limit_buffers = _touched_buffers(path) if op == "limit-read" else []
@@ -191,7 +199,10 @@ def _run(op: str, side: str, case: str, path: str, size_mb: float, threads: int)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _case(case: str, work: str, size_mb: float, repeat: int, threads: int) -> list[dict]:
+def run_case(case: str, work: str, size_mb: float, repeat: int, threads: int) -> list[dict]:
+    """One case (``none`` or ``zstd``) by the protocol above, in ``work`` (emptied at the
+    end): a row per op (``save``, ``load``, ``save-over``) with the medians of both sides,
+    their ratio and the limits; benchmarks/check.py reads these rows too."""
     times: dict[tuple[str, str], list[dict]] = {}
     for round_ in range(repeat + 1):  # round 0 is the warm-up
         for side in ("stock", "ours"):
@@ -205,21 +216,20 @@ def _case(case: str, work: str, size_mb: float, repeat: int, threads: int) -> li
             if round_:
                 for op, r in results.items():
                     times.setdefault((side, op), []).append(r)
+        if not round_:
+            continue  # the ceilings need no warm-up: each writes new files or reads cached ones
         limit_dir = os.path.join(work, f"{case}-limit-{round_}")
-        ours_dir = os.path.join(work, f"{case}-ours-limitsrc")
-        _run("save", "ours", "none", ours_dir, size_mb, threads)
+        # What ours just saved over (its data files only: the replaced ones are gone).
+        ours_dir = os.path.join(work, f"{case}-ours-{round_}")
         lw = _run("limit-write", "-", case, limit_dir, size_mb, threads)
-        if case == "zstd":  # the floor of a zstd load is decoding, not reading
-            zstd_dir = os.path.join(work, f"{case}-ours-{round_}")
-            lr = _run("limit-decode", "-", case, zstd_dir, size_mb, threads)
-        else:
-            lr = _run("limit-read", "-", case, ours_dir, size_mb, threads)
+        # The floor of a zstd load is decoding, not reading.
+        limit = "limit-decode" if case == "zstd" else "limit-read"
+        lr = _run(limit, "-", case, ours_dir, size_mb, threads)
         lo = _run("limit-overwrite", "-", case, limit_dir, size_mb, threads)
-        if round_:
-            times.setdefault(("limit", "save"), []).append(lw)
-            times.setdefault(("limit", "load"), []).append(lr)
-            times.setdefault(("limit", "save-over"), []).append(lw)
-            times.setdefault(("limit-in-place", "save-over"), []).append(lo)
+        times.setdefault(("limit", "save"), []).append(lw)
+        times.setdefault(("limit", "load"), []).append(lr)
+        times.setdefault(("limit", "save-over"), []).append(lw)
+        times.setdefault(("limit-in-place", "save-over"), []).append(lo)
     # Deleting inside the rounds would put the disk's discards (this VM mounts with
     # ``discard``) under the next timed writes: everything goes at the end of the case.
     for name in os.listdir(work):
@@ -253,8 +263,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=512)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--cases", default="none,zstd")
-    # The limit rows use as many threads as LocalFileSystem.io_concurrency gives ours.
-    parser.add_argument("--threads", type=int, default=max(2, min(8, os.cpu_count() or 2)))
+    parser.add_argument("--threads", type=int, default=THREADS)
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -266,7 +275,7 @@ def main() -> None:
     try:
         rows = []
         for case in args.cases.split(","):
-            rows += _case(case, work, args.size_mb, args.repeat, args.threads)
+            rows += run_case(case, work, args.size_mb, args.repeat, args.threads)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(

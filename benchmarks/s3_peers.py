@@ -162,7 +162,7 @@ CLIENTS: dict[str, Callable[[str, str], tuple[SaveFn, LoadFn]]] = {
 TRANSFORM_ROWS = {"ours+zstd": ("ours", "zstd"), "ours+shuffle+zstd": ("ours", "shuffle+zstd")}
 
 
-def _make(name: str, endpoint: str) -> tuple[SaveFn, LoadFn]:
+def make_client(name: str, endpoint: str) -> tuple[SaveFn, LoadFn]:
     client, transforms = TRANSFORM_ROWS.get(name, (name, ""))
     return CLIENTS[client](endpoint, transforms)
 
@@ -187,7 +187,7 @@ def timed(fn: Callable[[], Any]) -> tuple[float, float]:
 def child_load(name: str, endpoint: str, url: str, size_mb: float) -> None:
     expected = build_state(size_mb)
     target = {k: torch.zeros_like(v) for k, v in expected.items()}  # allocated and touched
-    _, load = _make(name, endpoint)
+    _, load = make_client(name, endpoint)
     wall, cpu = timed(lambda: load(target, url))
     ok = all(torch.equal(target[k], expected[k]) for k in expected)
     print(json.dumps({"wall": wall, "cpu": cpu, "ok": ok}))
@@ -240,12 +240,12 @@ def raw_ceiling(endpoint: str, objects: int = 8, size: int = 32 << 20) -> dict[s
 
         put = timed(put_all)
         get = timed(get_all)
-    _delete_prefix(endpoint, prefix)
+    delete_prefix(endpoint, prefix)
     total = objects * size
     return {"save": put[0], "save_cpu": put[1], "load": get[0], "load_cpu": get[1], "bytes": total}
 
 
-def _delete_prefix(endpoint: str, prefix: str) -> None:
+def delete_prefix(endpoint: str, prefix: str) -> None:
     s3 = boto3_client(endpoint)
     pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
     for page in pages:
@@ -383,12 +383,12 @@ def run(args: argparse.Namespace, endpoint: str, proxy: CappedProxy | None = Non
     names += ["ours+shuffle+zstd"] if args.shuffle else []
     via = proxy.url if proxy else endpoint
     samples, logical = side_by_side(
-        {name: _make(name, via) for name in names},
+        {name: make_client(name, via) for name in names},
         args.size_mb,
         args.repeat,
         url=lambda prefix: f"s3://{BUCKET}/{prefix}",
         load=lambda name, url, mb: load_in_fresh_process(name, via, url, mb),
-        delete=lambda prefix: _delete_prefix(endpoint, prefix),
+        delete=lambda prefix: delete_prefix(endpoint, prefix),
         ceiling=lambda: raw_ceiling(via),
         moved=(lambda: (proxy.bytes_up, proxy.bytes_down)) if proxy else None,
     )

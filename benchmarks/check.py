@@ -1,0 +1,436 @@
+"""Every headline ratio in one run, against its goal and its record in docs/benchmarks.md.
+
+    python benchmarks/check.py                  # all three parts: ~6-8 min on a quiet 2-core VM
+    python benchmarks/check.py --only local     # or s3, or loop; repeat --only for several
+    python benchmarks/check.py --quick          # smoke run: small sizes, seconds to a minute each
+
+Three parts, each driven by the benchmark that owns its protocol (nothing is re-implemented
+here):
+
+- ``local``: ``benchmarks/restart.py`` (every save and load in a fresh process; a load's
+  target allocated and touched in that process before the clock; stock
+  ``FileSystemWriter``/``FileSystemReader`` beside ours), no transform and zstd;
+- ``s3``: ``benchmarks/s3_peers.py`` on one SeaweedFS on loopback: ours, stock fsspec and
+  s3torchconnector; saves in this process, loads in fresh ones; client CPU per GB;
+- ``loop``: ``benchmarks/training_loop.py`` on the capped bucket (100 MB/s, 5 ms per
+  request), one rank, a checkpoint every 10 steps: ours async, stock async,
+  s3torchconnector async, and the staging floor.
+
+The recorded ratios and goals live in ONE place, the table between the ``recorded ratios``
+markers of docs/benchmarks.md; this script reads it, and refuses to run if a measure here
+has no row there (or the other way round). Every ratio keeps the docs' notation: times as
+the peer's over ours (> 1: ours faster), CPU and slowdowns and stalls as ours over the
+peer's (< 1: ours cheaper). A verdict fails when a ratio misses its goal, or is more than
+10% worse than the recorded one. Exit status: 0 when every verdict passes; 1 when the only
+failures are goals the recorded ratio misses too (known, not a slip); 2 when something
+slipped. With ``--quick`` the sizes are not the recorded runs' sizes: the verdicts are
+printed but do not set the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
+BEGIN = "<!-- recorded ratios: begin"
+END = "<!-- recorded ratios: end -->"
+TOLERANCE = 0.10  # how much worse than the recorded ratio a run may read before it fails
+PARTS = ("local", "s3", "loop")
+BUCKET = "bench"  # the bucket both s3_peers.py and training_loop.py use
+
+
+@dataclass(frozen=True)
+class Measure:
+    key: str
+    part: str
+    higher_is_better: bool
+
+
+MEASURES = [
+    Measure("local.save", "local", True),
+    Measure("local.load", "local", True),
+    Measure("local.overwrite", "local", True),
+    Measure("local.zstd_save", "local", True),
+    Measure("local.zstd_load", "local", True),
+    Measure("local.zstd_overwrite", "local", True),
+    Measure("s3.save_vs_s3tc", "s3", True),
+    Measure("s3.load_vs_s3tc", "s3", True),
+    Measure("s3.save_cpu_vs_s3tc", "s3", False),
+    Measure("s3.load_cpu_vs_s3tc", "s3", False),
+    Measure("s3.save_vs_fsspec", "s3", True),
+    Measure("s3.load_vs_fsspec", "s3", True),
+    Measure("s3.save_cpu_vs_fsspec", "s3", False),
+    Measure("s3.load_cpu_vs_fsspec", "s3", False),
+    Measure("s3.save_vs_ceiling", "s3", True),
+    Measure("s3.load_vs_ceiling", "s3", True),
+    Measure("loop.slowdown_vs_stock", "loop", False),
+    Measure("loop.slowdown_vs_s3tc", "loop", False),
+    Measure("loop.stall_median_vs_floor", "loop", False),
+    Measure("loop.stall_max_vs_floor", "loop", False),
+]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    label: str
+    ratio: float
+    goal: float | None
+    source: str
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured ratio: ours and the peer as printed, the ratio, and the limit."""
+
+    key: str
+    ours: str
+    peer: str
+    ratio: float | None
+    limit: str = ""
+
+
+# --- the recorded table -----------------------------------------------------------------
+
+
+def _number(cell: str) -> float:
+    return float(cell.replace("*", "").strip().rstrip("x%"))
+
+
+def read_recorded(path: str = DOCS) -> dict[str, Recorded]:
+    """The rows of the table between the markers of ``path``: key, measure, recorded
+    ratio, goal (``>= N`` for a ratio that should be high, ``<= N`` for one that should
+    be low, ``-`` for none), and the run it comes from."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{path}: no table between '{BEGIN} ...' and '{END}'")
+    direction = {m.key: m.higher_is_better for m in MEASURES}
+    rows: dict[str, Recorded] = {}
+    for line in text[start:end].splitlines()[1:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 5 or cells[0] in ("key", "") or set(cells[0]) <= set("-:"):
+            continue
+        key, label, ratio, goal_cell, source = cells
+        key = key.strip("`")
+        goal = None
+        if goal_cell != "-":
+            match = re.fullmatch(r"([<>]=)\s*(.+)", goal_cell)
+            if not match:
+                raise SystemExit(f"{path}: row {key}: goal {goal_cell!r} is not '>= N' or '<= N'")
+            if key in direction and (match.group(1) == ">=") != direction[key]:
+                want = ">=" if direction[key] else "<="
+                raise SystemExit(f"{path}: row {key}: its goal must read '{want} N'")
+            goal = _number(match.group(2))
+        rows[key] = Recorded(label, _number(ratio), goal, source)
+    missing = [m.key for m in MEASURES if m.key not in rows]
+    unknown = [k for k in rows if k not in direction]
+    if missing or unknown:
+        raise SystemExit(
+            f"{path}: the recorded table and benchmarks/check.py disagree: no row for "
+            f"{missing or 'none'}; rows check.py does not measure: {unknown or 'none'}"
+        )
+    return rows
+
+
+def verdict(measure: Measure, recorded: Recorded, ratio: float | None) -> tuple[str, int]:
+    """(what to print, severity): 0 passes; 1 misses a goal the recorded ratio misses too;
+    2 slipped (more than 10% worse than recorded, or below a goal the record met)."""
+    if ratio is None:
+        return "n/a", 0
+
+    def worse(a: float, b: float) -> bool:
+        return a < b if measure.higher_is_better else a > b
+
+    floor = recorded.ratio * (1 - TOLERANCE if measure.higher_is_better else 1 + TOLERANCE)
+    if worse(ratio, floor):
+        return f"FELL: >{TOLERANCE:.0%} worse than recorded", 2
+    if recorded.goal is not None and worse(ratio, recorded.goal):
+        if worse(recorded.ratio, recorded.goal):
+            return "below goal (as recorded)", 1
+        return "BELOW GOAL", 2
+    best = recorded.ratio * (1 + TOLERANCE if measure.higher_is_better else 1 - TOLERANCE)
+    return ("ok, better than recorded" if worse(best, ratio) else "ok"), 0
+
+
+# --- the parts -----------------------------------------------------------------------------
+
+
+def run_local(size_mb: float, repeat: int, work_dir: str | None) -> tuple[list[Figure], str]:
+    from benchmarks import restart
+
+    work = tempfile.mkdtemp(prefix="dcp-check-local-", dir=work_dir)
+    try:
+        rows = {
+            (r["case"], r["op"]): r
+            for case in ("none", "zstd")
+            for r in restart.run_case(case, work, size_mb, repeat, restart.THREADS)
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    keys = {
+        ("none", "save"): "local.save",
+        ("none", "load"): "local.load",
+        ("none", "save-over"): "local.overwrite",
+        ("zstd", "save"): "local.zstd_save",
+        ("zstd", "load"): "local.zstd_load",
+        ("zstd", "save-over"): "local.zstd_overwrite",
+    }
+    figures = []
+    for (case, op), key in keys.items():
+        r = rows[(case, op)]
+        if op == "save":
+            limit = f"write+fsync of new files {r['limit_s']:.3f} s"
+        elif op == "save-over":
+            limit = f"new files {r['limit_s']:.3f} s, in place {r['in_place_s']:.3f} s"
+        elif case == "zstd":
+            limit = f"decoding floor {r['limit_s']:.3f} s"
+        else:
+            limit = f"plain readinto {r['limit_s']:.3f} s"
+        ours, stock = f"{r['ours_s']:.3f} s", f"{r['stock_s']:.3f} s"
+        figures.append(Figure(key, ours, stock, r["ratio"], limit))
+    protocol = (
+        f"local ({size_mb:.0f} MB, mostly bf16, 40 tensors; benchmarks/restart.py): every "
+        "save and load in a fresh process (imports and thread pools inside it; the state "
+        "dict, and for a load its zeroed target, built and touched before the clock), an "
+        f"untimed sync first; a warm-up round, then stock/ours alternate, median of {repeat}; "
+        f"peer = stock FileSystemWriter/Reader (torch's ZStandard for zstd); limits in "
+        f"{restart.THREADS} threads. ratio = stock s / ours s."
+    )
+    return figures, protocol
+
+
+def run_s3(endpoint: str, size_mb: float, repeat: int) -> tuple[list[Figure], str]:
+    from benchmarks import s3_peers as peers
+
+    names = ["ours", "stock fsspec", "s3torchconnector"]
+    samples, logical = peers.side_by_side(
+        {name: peers.make_client(name, endpoint) for name in names},
+        size_mb,
+        repeat,
+        url=lambda prefix: f"s3://{BUCKET}/{prefix}",
+        load=lambda name, url, mb: peers.load_in_fresh_process(name, endpoint, url, mb),
+        delete=lambda prefix: peers.delete_prefix(endpoint, prefix),
+        ceiling=lambda: peers.raw_ceiling(endpoint),
+    )
+    med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
+    gb = logical / 1e9
+    ours, ceiling = med["ours"], med["raw ceiling"]
+    limit = {
+        op: f"raw {'PUT' if op == 'save' else 'GET'} ceiling {ceiling[op]:.2f} s"
+        for op in ("save", "load")
+    }
+    figures = []
+    for peer, short in (("s3torchconnector", "s3tc"), ("stock fsspec", "fsspec")):
+        other = med[peer]
+        for op in ("save", "load"):
+            figures.append(
+                Figure(
+                    f"s3.{op}_vs_{short}",
+                    f"{ours[op]:.2f} s",
+                    f"{other[op]:.2f} s",
+                    other[op] / ours[op],
+                    limit[op],
+                )
+            )
+            figures.append(
+                Figure(
+                    f"s3.{op}_cpu_vs_{short}",
+                    f"{ours[op + '_cpu'] / gb:.2f} s/GB",
+                    f"{other[op + '_cpu'] / gb:.2f} s/GB",
+                    ours[op + "_cpu"] / other[op + "_cpu"],
+                    f"ceiling {ceiling[op + '_cpu'] / gb:.2f} s/GB",
+                )
+            )
+    for op in ("save", "load"):
+        figures.append(
+            Figure(
+                f"s3.{op}_vs_ceiling",
+                f"{ours[op]:.2f} s",
+                f"{ceiling[op]:.2f} s",
+                ceiling[op] / ours[op],
+                "the ceiling is the limit",
+            )
+        )
+    protocol = (
+        f"s3 ({logical / 1e6:.0f} MB of 2048x2048 tensors; benchmarks/s3_peers.py): one "
+        "SeaweedFS on loopback (it shares the 2 cores); a warm-up save and load per client, "
+        f"then {repeat} round(s), the order rotating; saves in this process, each load in a "
+        "fresh one (imports and target untimed, checked bit-exact); CPU = the client's "
+        "user+sys per GB. Peers: s3torchconnector (CRT) and stock FsspecWriter/Reader, "
+        "thread_count=8. Ceiling: boto3, 8 x 32 MiB PUT then GET in 8 threads, scaled to the "
+        "same bytes. Times: peer / ours; CPU: ours / peer."
+    )
+    return figures, protocol
+
+
+def run_loop(server: Any, quick: bool) -> tuple[list[Figure], str]:
+    from benchmarks import training_loop as loop
+    from tests.support.capped_proxy import CappedProxy
+
+    size, interval, steps = ("quick", 5, 15) if quick else ("full", 10, 40)
+    names = ["none", "floor", "stock async", "s3tc async", "ours async"]
+    args = argparse.Namespace(ranks=1, size=size, threads=1, profile=None)
+    with CappedProxy(server.url, rate=100e6, latency=0.005) as proxy:
+        bench = loop.Bench(args, server, proxy)
+        try:
+            loop.ceiling(bench)
+            runs = {}
+            for name in names:
+                runs[name] = bench.run(name, interval, steps, 0)
+                print(f"  loop {name}: {runs[name]['wall']:.1f} s", file=sys.stderr, flush=True)
+        finally:
+            shutil.rmtree(bench.work, ignore_errors=True)
+    base = runs["none"]["wall"]
+    slowdown = {n: 100 * (r["wall"] / base - 1) for n, r in runs.items()}
+    stall_ms = {
+        n: (1000 * statistics.median(r["stalls"]), 1000 * max(r["stalls"]))
+        for n, r in runs.items()
+        if r["stalls"]
+    }
+    floor = f"floor slowdown {slowdown['floor']:.1f}%"
+    figures = []
+    for peer, short in (("stock async", "stock"), ("s3tc async", "s3tc")):
+        ratio = slowdown["ours async"] / slowdown[peer] if slowdown[peer] > 0 else None
+        figures.append(
+            Figure(
+                f"loop.slowdown_vs_{short}",
+                f"{slowdown['ours async']:.1f}%",
+                f"{slowdown[peer]:.1f}%",
+                ratio,
+                floor,
+            )
+        )
+    for i, which in enumerate(("median", "max")):
+        ours, copy = stall_ms["ours async"][i], stall_ms["floor"][i]
+        figures.append(
+            Figure(
+                f"loop.stall_{which}_vs_floor",
+                f"{ours:.0f} ms",
+                f"{copy:.0f} ms",
+                ours / copy if copy > 0 else None,
+                "the floor (a copy into staging buffers) is the limit",
+            )
+        )
+    model = "the small model" if quick else "a 6-layer LM, 277 MB of state"
+    protocol = (
+        f"loop (benchmarks/training_loop.py --capped, {model}): 1 rank, 1 torch thread, "
+        f"{steps} steps, a checkpoint every {interval}, one run per variant in fresh "
+        "processes, to SeaweedFS through the capped proxy (100 MB/s both ways, 5 ms per "
+        "request). Slowdown = training wall time over the run without checkpoints; stall = "
+        "time in save (state dict built inside); floor = the state's tensors copied into "
+        "staging buffers allocated once. Peers: stock dcp.async_save + FsspecWriter, "
+        "s3torchconnector's S3StorageWriter with dcp.async_save. Ratios: ours / peer."
+    )
+    return figures, protocol
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+def table(figures: list[Figure], recorded: dict[str, Recorded]) -> int:
+    """Print the table; the worst severity of its verdicts."""
+    by_key = {m.key: m for m in MEASURES}
+    print(
+        "\n| measure | ours | peer | ratio | goal | recorded | verdict | limit |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    worst = 0
+    for fig in figures:
+        measure, rec = by_key[fig.key], recorded[fig.key]
+        text, severity = verdict(measure, rec, fig.ratio)
+        worst = max(worst, severity)
+        sign = ">=" if measure.higher_is_better else "<="
+        goal = f"{sign} {rec.goal:.2f}x" if rec.goal is not None else "-"
+        ratio = f"{fig.ratio:.2f}x" if fig.ratio is not None else "-"
+        cells = [rec.label, fig.ours, fig.peer, ratio, goal, f"{rec.ratio:.2f}x", text, fig.limit]
+        print("| " + " | ".join(cells) + " |")
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", choices=PARTS, help="this part (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: small sizes")
+    parser.add_argument("--local-mb", type=float, help="local state dict (default 512; quick 32)")
+    parser.add_argument("--local-repeat", type=int, default=1, help="timed rounds (default 1)")
+    parser.add_argument("--s3-mb", type=float, help="S3 state dict (default 268; quick 32)")
+    parser.add_argument("--s3-repeat", type=int, help="rounds (default 3; quick 1)")
+    parser.add_argument("--dir", help="work directory for the local part (default: a temp dir)")
+    args = parser.parse_args()
+    parts = args.only or list(PARTS)
+    recorded = read_recorded()  # before anything runs: a table that disagrees stops here
+    if "s3" in parts or "loop" in parts:
+        try:
+            import s3torchconnector  # noqa: F401 - the peer of both parts
+        except ImportError:
+            raise SystemExit(
+                "the s3 and loop parts compare against s3torchconnector, which is not "
+                "installed: pip install -e '.[bench]' (or run --only local)"
+            ) from None
+    local_mb = args.local_mb or (32 if args.quick else 512)
+    s3_mb = args.s3_mb or (32 if args.quick else 268)
+    s3_repeat = args.s3_repeat or (1 if args.quick else 3)
+
+    figures: list[Figure] = []
+    protocols: list[str] = []
+    started = time.monotonic()
+
+    def note(part: str, began: float) -> None:
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"{part}: {time.monotonic() - began:.0f} s (load average {load})", file=sys.stderr)
+
+    if "local" in parts:
+        print(f"local: restart protocol, {local_mb:.0f} MB ...", file=sys.stderr, flush=True)
+        began = time.monotonic()
+        got, protocol = run_local(local_mb, args.local_repeat, args.dir)
+        figures += got
+        protocols.append(protocol)
+        note("local", began)
+    if "s3" in parts or "loop" in parts:
+        from tests.support.servers import SeaweedFS
+
+        with SeaweedFS(bucket=BUCKET) as server:
+            if "s3" in parts:
+                print(f"s3: peers on SeaweedFS, {s3_mb:.0f} MB ...", file=sys.stderr, flush=True)
+                began = time.monotonic()
+                got, protocol = run_s3(server.url, s3_mb, s3_repeat)
+                figures += got
+                protocols.append(protocol)
+                note("s3", began)
+            if "loop" in parts:
+                print("loop: the training loop ...", file=sys.stderr, flush=True)
+                began = time.monotonic()
+                got, protocol = run_loop(server, args.quick)
+                figures += got
+                protocols.append(protocol)
+                note("loop", began)
+
+    print("\n" + "\n\n".join(protocols))
+    worst = table(figures, recorded)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(
+        f"\n{time.monotonic() - started:.0f} s in all; load average now {load}. Recorded ratios: "
+        f"docs/benchmarks.md; a verdict fails below its goal or more than {TOLERANCE:.0%} "
+        "worse than recorded."
+    )
+    if args.quick:
+        print("--quick: sizes differ from the recorded runs; the verdicts do not set the status")
+        return
+    sys.exit(worst)
+
+
+if __name__ == "__main__":
+    main()
