@@ -124,6 +124,7 @@ class StorageTransport:
         self._lock = threading.Lock()
         self._inflight: concurrent.futures.Future[None] | None = None
         self._closed = False
+        self._resolved: dict[str, tuple[FileSystemBase, str]] = {}
 
     @staticmethod
     def _replica_path(fs: FileSystemBase, root: str, rank: int) -> str:
@@ -151,8 +152,9 @@ class StorageTransport:
             future.result(timeout=seconds)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(
-                f"sending step {step} to replicas {list(dst_ranks)}: {url} was not committed "
-                f"within {seconds:g} s; the write goes on (disallow_checkpoint() waits for it)"
+                f"sending step {step} to replicas {list(dst_ranks)} timed out after "
+                f"{seconds:g} s: {url} is not committed yet; the write goes on "
+                "(disallow_checkpoint() waits for it)"
             ) from None
 
     def disallow_checkpoint(self) -> None:
@@ -170,17 +172,49 @@ class StorageTransport:
         seconds = _seconds(timeout)
         self._check_open()
         fs, root = self._location(metadata)
-        path = fs.concat_path(self._replica_path(fs, root, src_rank), f"step-{step}")
+        return self._receive(fs, self._replica_path(fs, root, src_rank), src_rank, step, seconds)
+
+    def replica_url(self) -> str:
+        """This replica's own directory, where :meth:`send_checkpoint` writes
+        ``step-{step}``; :meth:`recv_replica` reads from such a URL."""
+        return self.fs.url(self._replica_path(self.fs, self.root, self.rank))
+
+    def recv_replica(
+        self, replica_url: str, step: int, timeout: timedelta, *, src_rank: int | None = None
+    ) -> dict[str, Any]:
+        """As :meth:`recv_checkpoint`, from the sender's :meth:`replica_url` rather than
+        from a root and a rank (``src_rank`` only names the sender in errors)."""
+        seconds = _seconds(timeout)
+        self._check_open()
+        fs, path = self._location(replica_url)
+        return self._receive(fs, path, src_rank, step, seconds)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop accepting work; with ``wait``, finish the write in flight first."""
+        self._closed = True
+        self._executor.shutdown(wait=wait)
+
+    # --- internals ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the transport for {self.metadata()} is shut down")
+
+    def _receive(
+        self, fs: FileSystemBase, replica: str, src_rank: int | None, step: int, seconds: float
+    ) -> dict[str, Any]:
+        path = fs.concat_path(replica, f"step-{step}")
         url = fs.url(path)
+        sender = "the sender" if src_rank is None else f"replica {src_rank}"
         deadline = time.monotonic() + seconds
         delay = self.poll_interval
         while not is_committed(fs, path):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
-                    f"no checkpoint for step {step} from replica {src_rank} at {url} after "
-                    f"{seconds:g} s; the sender has not committed it (is it alive, and "
-                    "writing to the same root?)"
+                    f"receiving step {step} from {sender} timed out after {seconds:g} s: "
+                    f"no committed checkpoint at {url}; the sender has not committed it "
+                    "(is it alive, and writing to the same root?)"
                 )
             time.sleep(min(delay, left))
             delay = min(delay * 2, 1.0)
@@ -196,21 +230,12 @@ class StorageTransport:
             raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
         return state
 
-    def shutdown(self, wait: bool = True) -> None:
-        """Stop accepting work; with ``wait``, finish the write in flight first."""
-        self._closed = True
-        self._executor.shutdown(wait=wait)
-
-    # --- internals ------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"the transport for {self.metadata()} is shut down")
-
-    def _location(self, metadata: str) -> tuple[FileSystemBase, str]:
-        if metadata == self.metadata():
+    def _location(self, url: str) -> tuple[FileSystemBase, str]:
+        if url == self.metadata():
             return self.fs, self.root
-        return resolve_location(metadata, self.storage_options, self._explicit_fs)
+        if url not in self._resolved:  # one client per location, not one per receive
+            self._resolved[url] = resolve_location(url, self.storage_options, self._explicit_fs)
+        return self._resolved[url]
 
     def _write(self, step: int, state_dict: Any) -> None:
         mgr = self._manager

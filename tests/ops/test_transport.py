@@ -120,7 +120,7 @@ def test_send_timeout_then_disallow_waits(tmp_path: Path) -> None:
     receiver = storage.StorageTransport("dcpmem://b/ft", rank=1, filesystem=fs)
     state = _replica_state(3)
     expected = _replica_state(3)
-    with pytest.raises(TimeoutError, match=r"replica-0/step-3 was not committed"):
+    with pytest.raises(TimeoutError, match=r"timed out after .*replica-0/step-3 is not committed"):
         sender.send_checkpoint([1], 3, state, timedelta(seconds=0.2))
     threading.Timer(0.3, fs.gate.set).start()
     sender.disallow_checkpoint()  # returns only once the write is done
@@ -132,13 +132,44 @@ def test_send_timeout_then_disallow_waits(tmp_path: Path) -> None:
 
 def test_recv_times_out_naming_the_location(tmp_path: Path) -> None:
     transport = storage.StorageTransport(str(tmp_path), rank=1, poll_interval=0.01)
-    with pytest.raises(TimeoutError, match=r"step 4 from replica 0 at .*replica-0/step-4"):
+    with pytest.raises(TimeoutError, match=r"step 4 from replica 0 timed out .*replica-0/step-4"):
         transport.recv_checkpoint(0, transport.metadata(), 4, timedelta(seconds=0.2))
     # An interrupted save (no metadata) is not a checkpoint either.
     (tmp_path / "replica-0" / "step-4").mkdir(parents=True)
     (tmp_path / "replica-0" / "step-4" / "__0_0-x.distcp").write_bytes(b"partial")
     with pytest.raises(TimeoutError):
         transport.recv_checkpoint(0, transport.metadata(), 4, timedelta(seconds=0.1))
+
+
+def test_timeouts_say_they_timed_out(tmp_path: Path) -> None:
+    """torchft tells a transport's timeout from other failures by its message (it matches
+    "timed out"/"timeout"); ours used to say "was not committed within" and "no
+    checkpoint ... after", so torchft took a slow peer for a broken one."""
+    fs = _GatedMemory()
+    fs.gate.clear()
+    sender = storage.StorageTransport("dcpmem://b/ft", rank=0, filesystem=fs)
+    try:
+        with pytest.raises(TimeoutError, match="timed out"):
+            sender.send_checkpoint([1], 5, _replica_state(5), timedelta(seconds=0.1))
+    finally:
+        fs.gate.set()
+        sender.shutdown()
+    receiver = storage.StorageTransport(str(tmp_path), rank=1, poll_interval=0.01)
+    with pytest.raises(TimeoutError, match="timed out"):
+        receiver.recv_checkpoint(0, receiver.metadata(), 5, timedelta(seconds=0.01))
+    with pytest.raises(TimeoutError, match="timed out"):
+        receiver.recv_replica(receiver.metadata(), 5, timedelta(seconds=0.01))
+
+
+def test_recv_replica_reads_the_senders_own_directory(tmp_path: Path) -> None:
+    """A sender's ``replica_url`` names its step directories without the receiver
+    knowing its rank (torchft's replica ranks change from one quorum to the next)."""
+    sender = storage.StorageTransport(str(tmp_path / "a"), rank=4)
+    receiver = storage.StorageTransport(str(tmp_path / "b"), rank=0)
+    sender.send_checkpoint([0], 2, _replica_state(2), timedelta(seconds=60))
+    got = receiver.recv_replica(sender.replica_url(), 2, timedelta(seconds=60), src_rank=1)
+    assert _bits_equal(_replica_state(2), got)
+    assert sender.replica_url().endswith("replica-4")
 
 
 def test_keeps_last_steps_and_shutdown(tmp_path: Path) -> None:
