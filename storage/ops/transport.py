@@ -15,7 +15,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +42,45 @@ from storage.checkpoint.writer import CheckpointWriter
 from storage.ops.manager import CheckpointManager
 
 REPLICA_PREFIX = "replica-"
+# The item holding the state dict's container structure (see _shape).
+SHAPE_KEY = "_dcp_storage_transport_shape"
+_PLAIN_KEYS = (str, int, float, bool, type(None))
+
+Shape = tuple[str, list[Any]] | None
+
+
+def _shape(value: Any) -> Shape:
+    """What DCP's flattening loses: keys that are not strings (an optimizer's parameter
+    ids), empty dicts and lists (its state before the first step), lists of containers.
+    ``("d", [(key, shape), ...])`` for a mapping, ``("l", [shape, ...])`` for a list DCP
+    walks into, ``None`` for a value DCP stores whole."""
+    if isinstance(value, Mapping):
+        return (
+            "d",
+            [(k if isinstance(k, _PLAIN_KEYS) else str(k), _shape(v)) for k, v in value.items()],
+        )
+    if isinstance(value, list) and _walked(value):
+        return ("l", [_shape(v) for v in value])
+    return None
+
+
+def _walked(values: list[Any]) -> bool:
+    # DCP's traverse_state_dict walks into a list holding a tensor, a mapping or such a list.
+    return any(
+        isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and _walked(v))
+        for v in values
+    )
+
+
+def _rebuild(loaded: Any, shape: Shape) -> Any:
+    if shape is None:
+        return loaded
+    kind, children = shape
+    if kind == "d":
+        found = loaded if isinstance(loaded, Mapping) else {}
+        return {k: _rebuild(found.get(str(k)), child) for k, child in children}
+    found = loaded if isinstance(loaded, list) else []
+    return [_rebuild(found[i] if i < len(found) else None, c) for i, c in enumerate(children)]
 
 
 class _PlainDataPlanner(EmptyStateDictLoadPlanner):
@@ -145,6 +184,11 @@ class StorageTransport:
         seconds = _seconds(timeout)
         self._check_open()
         url = self._manager.step_url(step)
+        if SHAPE_KEY in state_dict:
+            raise ValueError(
+                f"sending step {step} to {url}: the state dict has a top-level key "
+                f"{SHAPE_KEY!r}, which the transport reserves; rename that key"
+            )
         with self._lock:
             future = self._executor.submit(self._write, step, state_dict)
             self._inflight = future
@@ -228,7 +272,11 @@ class StorageTransport:
         except CheckpointException as exc:
             real = unwrap_checkpoint_exception(exc, reader)
             raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
-        return state
+        if SHAPE_KEY not in state:  # written before the shape was recorded
+            return state
+        shape = state.pop(SHAPE_KEY)
+        rebuilt: dict[str, Any] = _rebuild(state, shape)
+        return rebuilt
 
     def _location(self, url: str) -> tuple[FileSystemBase, str]:
         if url == self.metadata():
@@ -246,7 +294,11 @@ class StorageTransport:
             **mgr.writer_options,
         )
         try:
-            dcp.save(state_dict, storage_writer=writer, no_dist=True)
+            dcp.save(
+                {**state_dict, SHAPE_KEY: _shape(state_dict)},
+                storage_writer=writer,
+                no_dist=True,
+            )
         except CheckpointException as exc:
             real = unwrap_checkpoint_exception(exc, writer)
             raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden

@@ -15,6 +15,7 @@ import torch
 
 import storage
 from extensions.zstd import ZStandard
+from storage.ops.transport import SHAPE_KEY
 
 STEP = 7
 
@@ -42,7 +43,7 @@ def _bits_equal(a: Any, b: Any) -> bool:
             isinstance(b, torch.Tensor)
             and a.dtype == b.dtype
             and a.shape == b.shape
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
         )
     if isinstance(a, dict):
         return (
@@ -170,6 +171,32 @@ def test_recv_replica_reads_the_senders_own_directory(tmp_path: Path) -> None:
     got = receiver.recv_replica(sender.replica_url(), 2, timedelta(seconds=60), src_rank=1)
     assert _bits_equal(_replica_state(2), got)
     assert sender.replica_url().endswith("replica-4")
+
+
+def test_an_optimizer_state_dict_comes_back_as_it_was_sent(tmp_path: Path) -> None:
+    """DCP's flattening turns keys into strings and drops empty containers: an
+    optimizer's state used to come back keyed "0", "1", ... (load_state_dict then kept
+    none of it) and, before the first step, without its "state" entry at all (KeyError)."""
+    model = torch.nn.Linear(3, 2)
+    fresh = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    stepped = torch.optim.AdamW(model.parameters())
+    stepped.step()
+    sent = {
+        "fresh": fresh.state_dict(),
+        "stepped": stepped.state_dict(),
+        "nested": {"empty": {}, "none": [], "mixed": [{"a": torch.ones(2)}, {}], "t": (1, 2)},
+    }
+    transport = storage.StorageTransport(str(tmp_path), rank=0)
+    transport.send_checkpoint([1], 1, sent, timedelta(seconds=60))
+    got = transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=60))
+    assert _bits_equal(sent, got)
+    assert list(got["stepped"]["state"]) == [0, 1] and got["fresh"]["state"] == {}
+    restored = torch.optim.AdamW(model.parameters())
+    restored.load_state_dict(got["stepped"])
+    assert _bits_equal(restored.state_dict(), stepped.state_dict())
+    with pytest.raises(ValueError, match="reserves; rename that key"):
+        transport.send_checkpoint([1], 2, {SHAPE_KEY: 1}, timedelta(seconds=60))
 
 
 def test_keeps_last_steps_and_shutdown(tmp_path: Path) -> None:
