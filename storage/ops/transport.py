@@ -78,7 +78,12 @@ def _rebuild(loaded: Any, shape: Shape) -> Any:
     kind, children = shape
     if kind == "d":
         found = loaded if isinstance(loaded, Mapping) else {}
-        return {k: _rebuild(found.get(str(k)), child) for k, child in children}
+        # A value DCP did not store (a DTensor with no shard on this rank) stays absent.
+        return {
+            k: _rebuild(found.get(str(k)), child)
+            for k, child in children
+            if child is not None or str(k) in found
+        }
     found = loaded if isinstance(loaded, list) else []
     return [_rebuild(found[i] if i < len(found) else None, c) for i, c in enumerate(children)]
 
