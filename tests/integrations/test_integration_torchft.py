@@ -8,6 +8,12 @@ heals from the live group through storage and stays bit-exact with it.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import unittest
 import uuid
 from collections.abc import Callable, Iterator
@@ -34,6 +40,7 @@ from tests.support.servers import (  # noqa: E402
 )
 
 BUCKET = "torchft"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["local", "s3", "gcs"])
@@ -88,3 +95,91 @@ def test_metadata_is_the_workers_own_directory(tmp_path: Path) -> None:
     transport.shutdown()
     with pytest.raises(ValueError, match="replica_id must be .* got 'a/b'"):
         StorageCheckpointTransport(tmp_path, replica_id="a/b")
+
+
+# --- healing: lighthouse, two replica groups, one killed and restarted ------------------
+
+REPLICA = Path(__file__).with_name("_torchft_replica.py")
+DEADLINE = 240.0  # every process stops by itself after this
+
+
+def _start(job: dict[str, Any]) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    log = open(job["out"] + ".log", "wb")  # noqa: SIM115 (the child writes it)
+    return subprocess.Popen(
+        [sys.executable, str(REPLICA), json.dumps({"deadline": DEADLINE, **job})],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _wait_for(path: Path, procs: list[subprocess.Popen[bytes]], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not path.exists():
+        for proc in procs:
+            if proc.poll() is not None and not path.exists():
+                log = Path(str(path).rsplit(".", 1)[0] + ".log")
+                raise AssertionError(f"{what}: a replica exited ({proc.returncode}): {_logs(log)}")
+        assert time.monotonic() < deadline, f"{what}: nothing after {DEADLINE:g} s"
+        time.sleep(0.05)  # polling a file, not a synchronization window
+
+
+def _logs(*paths: Path) -> str:
+    return "\n".join(
+        f"--- {p}\n{p.read_text(errors='replace')[-4000:]}" for p in paths if p.exists()
+    )
+
+
+def _bits(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _bits(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _bits(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_a_killed_group_heals_through_storage_and_stays_bit_exact(tmp_path: Path) -> None:
+    """Groups a and b train in lockstep (min_replica_size=2); b is killed with SIGKILL
+    after committing step 3 and restarted from a different initialisation; it heals from
+    a's step-3 checkpoint written through our transport, and both end at step 6 with the
+    same weights, optimizer state and step, bit for bit."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=2000)
+    root = tmp_path / "ft"
+    common = {"lighthouse": lighthouse.address(), "root": str(root), "steps": 6}
+    a = {**common, "replica_id": "a", "batch": 0, "seed": 1, "out": str(tmp_path / "a.pt")}
+    b1 = {**common, "replica_id": "b", "batch": 1, "seed": 2, "out": str(tmp_path / "b1.pt")}
+    b2 = {**b1, "seed": 3, "out": str(tmp_path / "b2.pt")}
+    procs = [_start(a), _start({**b1, "park_at": 3})]
+    try:
+        _wait_for(tmp_path / "b1.pt.parked", procs, "b reaching step 3")
+        procs[1].send_signal(signal.SIGKILL)
+        assert procs[1].wait(timeout=60) == -signal.SIGKILL
+        procs.append(_start(b2))
+        live = [procs[0], procs[2]]
+        _wait_for(tmp_path / "a.pt", live, "a finishing")
+        _wait_for(tmp_path / "b2.pt", live, "b finishing after its restart")
+    except BaseException:
+        print(_logs(*(tmp_path / f"{n}.pt.log" for n in ("a", "b1", "b2"))))
+        raise
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=60)
+        lighthouse.shutdown()
+    first, healed = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b2.pt")
+    assert first["step"] == healed["step"] == 6
+    assert healed["healed_at"] == 3  # b's first quorum after the restart took a's step 3
+    _bits(first, {**healed, "healed_at": first["healed_at"]})
+    assert (root / "a" / "replica-0" / "step-3" / ".metadata").exists()  # what b read
