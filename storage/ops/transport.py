@@ -84,8 +84,8 @@ def _rebuild(loaded: Any, shape: Shape) -> Any:
             for k, child in children
             if child is not None or str(k) in found
         }
-    found = loaded if isinstance(loaded, list) else []
-    return [_rebuild(found[i] if i < len(found) else None, c) for i, c in enumerate(children)]
+    items = loaded if isinstance(loaded, list) else []
+    return [_rebuild(items[i] if i < len(items) else None, c) for i, c in enumerate(children)]
 
 
 class _PlainDataPlanner(EmptyStateDictLoadPlanner):
