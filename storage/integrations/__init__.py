@@ -11,7 +11,7 @@ that framework is imported: ``storage.integrations.torchtitan``,
 it drains).
 Importing this package imports no framework; importing a framework's module without
 that framework installed raises :class:`~extensions.errors.MissingDependencyError`
-naming the extra to install (``pip install 'dcp-storage[torchtitan]'``).
+naming the extra to install (``pip install 'dcp-storage[torchtune]'``).
 
 docs/integrations.md has one tested snippet per framework.
 """
