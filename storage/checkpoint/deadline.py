@@ -275,8 +275,8 @@ def _deadline_error(
     more = f" (and {len(stuck) - 1} more)" if len(stuck) > 1 else ""
     return rank_error(
         DeadlineExceededError,
-        f"{who}: {action} item {quote(item)} at {url}{more} did not finish within the "
-        f"{timeout:g} s deadline (timeout=); the storage request is stalled, so the "
+        f"{who}: {action} item {quote(item)} at {url}{more} timed out: it did not finish "
+        f"within the {timeout:g} s deadline (timeout=); the storage request is stalled, so the "
         f"{'save' if action == 'saving' else 'load'} of {location} is abandoned on every rank",
         rank=rank,
         item=item,

@@ -46,7 +46,11 @@ from storage.checkpoint.writer import CheckpointWriter
 from storage.integrations._deps import require
 from storage.ops.manager import CheckpointManager as _StepManager
 
-require("torchtitan.components.checkpoint", "torchtitan")
+require(
+    "torchtitan.components.checkpoint",
+    "torchtitan",
+    "pip install --no-deps torchtitan==0.3.0",  # its trainer's pins conflict with ours
+)
 
 from torch.distributed.checkpoint.state_dict_saver import (  # noqa: E402
     AsyncCheckpointerType,

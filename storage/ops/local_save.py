@@ -107,8 +107,8 @@ def commit_step(
             sent(_replicate(g, local, path, meta, pg=pg, sync=writer.sync_files))
             if deadline is not None and time.monotonic() > deadline:
                 raise DeadlineExceededError(
-                    f"step {step} was not ready to commit in {local.url} before its "
-                    "deadline; nothing is published"
+                    f"step {step} timed out: it was not ready to commit in {local.url} before "
+                    "its deadline; nothing is published"
                 )
         except Exception as exc:
             error = exc

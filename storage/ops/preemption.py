@@ -165,20 +165,20 @@ class PreemptionGuard:
         try:
             if not self._left():  # the step boundary came too late: write nothing
                 raise DeadlineExceededError(
-                    f"the first step boundary after the signal came {self.grace:g} s or "
-                    f"more after it (grace=); step {step} is not saved"
+                    f"timed out: the first step boundary after the signal came {self.grace:g} s "
+                    f"or more after it (grace=); step {step} is not saved"
                 )
             if not tier.finish_commit(timeout=self._left()):
                 raise DeadlineExceededError(
-                    f"the save in flight to {tier.local.url} did not finish within the "
-                    f"{self.grace:g} s grace period; step {step} is not saved"
+                    f"the save in flight to {tier.local.url} timed out: it did not finish within "
+                    f"the {self.grace:g} s grace period; step {step} is not saved"
                 )
             if tier.last_commit != step:
                 future = tier.save_by(step, self.state_fn(), self._deadline)
                 if not concurrent.futures.wait([future], self._left()).done:
                     raise DeadlineExceededError(
-                        f"the preemption save of step {step} to {tier.local.url} did not "
-                        f"finish within the {self.grace:g} s grace period; it publishes nothing"
+                        f"the preemption save of step {step} to {tier.local.url} timed out: it did "
+                        f"not finish within the {self.grace:g} s grace period; it publishes nothing"
                     )
                 future.result()
             self.saved = step

@@ -15,7 +15,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +42,50 @@ from storage.checkpoint.writer import CheckpointWriter
 from storage.ops.manager import CheckpointManager
 
 REPLICA_PREFIX = "replica-"
+# The item holding the state dict's container structure (see _shape).
+SHAPE_KEY = "_dcp_storage_transport_shape"
+_PLAIN_KEYS = (str, int, float, bool, type(None))
+
+Shape = tuple[str, list[Any]] | None
+
+
+def _shape(value: Any) -> Shape:
+    """What DCP's flattening loses: keys that are not strings (an optimizer's parameter
+    ids), empty dicts and lists (its state before the first step), lists of containers.
+    ``("d", [(key, shape), ...])`` for a mapping, ``("l", [shape, ...])`` for a list DCP
+    walks into, ``None`` for a value DCP stores whole."""
+    if isinstance(value, Mapping):
+        return (
+            "d",
+            [(k if isinstance(k, _PLAIN_KEYS) else str(k), _shape(v)) for k, v in value.items()],
+        )
+    if isinstance(value, list) and _walked(value):
+        return ("l", [_shape(v) for v in value])
+    return None
+
+
+def _walked(values: list[Any]) -> bool:
+    # DCP's traverse_state_dict walks into a list holding a tensor, a mapping or such a list.
+    return any(
+        isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and _walked(v))
+        for v in values
+    )
+
+
+def _rebuild(loaded: Any, shape: Shape) -> Any:
+    if shape is None:
+        return loaded
+    kind, children = shape
+    if kind == "d":
+        found = loaded if isinstance(loaded, Mapping) else {}
+        # A value DCP did not store (a DTensor with no shard on this rank) stays absent.
+        return {
+            k: _rebuild(found.get(str(k)), child)
+            for k, child in children
+            if child is not None or str(k) in found
+        }
+    items = loaded if isinstance(loaded, list) else []
+    return [_rebuild(items[i] if i < len(items) else None, c) for i, c in enumerate(children)]
 
 
 class _PlainDataPlanner(EmptyStateDictLoadPlanner):
@@ -124,6 +168,7 @@ class StorageTransport:
         self._lock = threading.Lock()
         self._inflight: concurrent.futures.Future[None] | None = None
         self._closed = False
+        self._resolved: dict[str, tuple[FileSystemBase, str]] = {}
 
     @staticmethod
     def _replica_path(fs: FileSystemBase, root: str, rank: int) -> str:
@@ -144,6 +189,11 @@ class StorageTransport:
         seconds = _seconds(timeout)
         self._check_open()
         url = self._manager.step_url(step)
+        if SHAPE_KEY in state_dict:
+            raise ValueError(
+                f"sending step {step} to {url}: the state dict has a top-level key "
+                f"{SHAPE_KEY!r}, which the transport reserves; rename that key"
+            )
         with self._lock:
             future = self._executor.submit(self._write, step, state_dict)
             self._inflight = future
@@ -151,8 +201,9 @@ class StorageTransport:
             future.result(timeout=seconds)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(
-                f"sending step {step} to replicas {list(dst_ranks)}: {url} was not committed "
-                f"within {seconds:g} s; the write goes on (disallow_checkpoint() waits for it)"
+                f"sending step {step} to replicas {list(dst_ranks)} timed out after "
+                f"{seconds:g} s: {url} is not committed yet; the write goes on "
+                "(disallow_checkpoint() waits for it)"
             ) from None
 
     def disallow_checkpoint(self) -> None:
@@ -170,17 +221,49 @@ class StorageTransport:
         seconds = _seconds(timeout)
         self._check_open()
         fs, root = self._location(metadata)
-        path = fs.concat_path(self._replica_path(fs, root, src_rank), f"step-{step}")
+        return self._receive(fs, self._replica_path(fs, root, src_rank), src_rank, step, seconds)
+
+    def replica_url(self) -> str:
+        """This replica's own directory, where :meth:`send_checkpoint` writes
+        ``step-{step}``; :meth:`recv_replica` reads from such a URL."""
+        return self.fs.url(self._replica_path(self.fs, self.root, self.rank))
+
+    def recv_replica(
+        self, replica_url: str, step: int, timeout: timedelta, *, src_rank: int | None = None
+    ) -> dict[str, Any]:
+        """As :meth:`recv_checkpoint`, from the sender's :meth:`replica_url` rather than
+        from a root and a rank (``src_rank`` only names the sender in errors)."""
+        seconds = _seconds(timeout)
+        self._check_open()
+        fs, path = self._location(replica_url)
+        return self._receive(fs, path, src_rank, step, seconds)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop accepting work; with ``wait``, finish the write in flight first."""
+        self._closed = True
+        self._executor.shutdown(wait=wait)
+
+    # --- internals ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the transport for {self.metadata()} is shut down")
+
+    def _receive(
+        self, fs: FileSystemBase, replica: str, src_rank: int | None, step: int, seconds: float
+    ) -> dict[str, Any]:
+        path = fs.concat_path(replica, f"step-{step}")
         url = fs.url(path)
+        sender = "the sender" if src_rank is None else f"replica {src_rank}"
         deadline = time.monotonic() + seconds
         delay = self.poll_interval
         while not is_committed(fs, path):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
-                    f"no checkpoint for step {step} from replica {src_rank} at {url} after "
-                    f"{seconds:g} s; the sender has not committed it (is it alive, and "
-                    "writing to the same root?)"
+                    f"receiving step {step} from {sender} timed out after {seconds:g} s: "
+                    f"no committed checkpoint at {url}; the sender has not committed it "
+                    "(is it alive, and writing to the same root?)"
                 )
             time.sleep(min(delay, left))
             delay = min(delay * 2, 1.0)
@@ -194,23 +277,18 @@ class StorageTransport:
         except CheckpointException as exc:
             real = unwrap_checkpoint_exception(exc, reader)
             raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
-        return state
+        if SHAPE_KEY not in state:  # written before the shape was recorded
+            return state
+        shape = state.pop(SHAPE_KEY)
+        rebuilt: dict[str, Any] = _rebuild(state, shape)
+        return rebuilt
 
-    def shutdown(self, wait: bool = True) -> None:
-        """Stop accepting work; with ``wait``, finish the write in flight first."""
-        self._closed = True
-        self._executor.shutdown(wait=wait)
-
-    # --- internals ------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"the transport for {self.metadata()} is shut down")
-
-    def _location(self, metadata: str) -> tuple[FileSystemBase, str]:
-        if metadata == self.metadata():
+    def _location(self, url: str) -> tuple[FileSystemBase, str]:
+        if url == self.metadata():
             return self.fs, self.root
-        return resolve_location(metadata, self.storage_options, self._explicit_fs)
+        if url not in self._resolved:  # one client per location, not one per receive
+            self._resolved[url] = resolve_location(url, self.storage_options, self._explicit_fs)
+        return self._resolved[url]
 
     def _write(self, step: int, state_dict: Any) -> None:
         mgr = self._manager
@@ -221,7 +299,11 @@ class StorageTransport:
             **mgr.writer_options,
         )
         try:
-            dcp.save(state_dict, storage_writer=writer, no_dist=True)
+            dcp.save(
+                {**state_dict, SHAPE_KEY: _shape(state_dict)},
+                storage_writer=writer,
+                no_dist=True,
+            )
         except CheckpointException as exc:
             real = unwrap_checkpoint_exception(exc, writer)
             raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden

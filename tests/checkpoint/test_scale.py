@@ -280,6 +280,7 @@ def test_stalled_save_and_load_time_out_naming_the_item(tmp_path: Path) -> None:
         with pytest.raises(DeadlineExceededError, match="this process: saving item 't0") as info:
             storage.save(_small(), str(tmp_path / "a"), filesystem=fs, timeout=1)
         assert "within the 1 s deadline" in str(info.value) and ".distcp" in str(info.value)
+        assert "timed out" in str(info.value)  # what torchft and users match a timeout by
         assert not (tmp_path / "a" / ".metadata").exists()
         storage.save(_small(), str(tmp_path / "b"))
         fs.stall = (0, "read")

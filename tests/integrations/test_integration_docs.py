@@ -98,6 +98,39 @@ def test_torch_checkpointing(blocks: Any, endpoint: str) -> None:
     assert _committed(endpoint, blocks.run, "step_100/.dcp-storage-commit")
 
 
+def test_torchft(blocks: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for name, value in {
+        "TORCHFT_LIGHTHOUSE": lighthouse.address(),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    namespace: dict[str, Any] = {}
+    try:
+        exec(blocks("torchft", "python")[0], namespace)
+        transport, model = namespace["transport"], namespace["model"]
+        sent = {"user": {"default": model.state_dict()}, "torchft": {"step": 3}}
+        transport.send_checkpoint([1], 3, sent, timedelta(seconds=60))
+        assert _committed(endpoint, blocks.run, "ft/replica_0/replica-0/step-3/.metadata")
+        got = transport.recv_checkpoint(0, transport.metadata(), 3, timedelta(seconds=60))
+        assert got["torchft"] == {"step": 3}
+        assert all(torch.equal(v, got["user"]["default"][k]) for k, v in model.state_dict().items())
+    finally:
+        if "manager" in namespace:
+            namespace["manager"].shutdown(wait=False)
+        lighthouse.shutdown()
+
+
 def test_lightning(
     blocks: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="pip install 'dcp-storage[torchtitan]'")
+pytest.importorskip(
+    "torchtitan", reason="pip install 'dcp-storage[torchtitan]' && pip install --no-deps torchtitan"
+)
 
 from tests.support.servers import boto3_client, endpoint_with_bucket, list_keys, s3_options  # noqa: E402
 

@@ -186,6 +186,7 @@ def test_past_the_deadline_the_save_publishes_nothing_and_control_returns(
     assert guard.should_stop(1)
     assert not mgr.tiers.finish_commit(timeout=0)  # returned while the save was stuck
     assert guard.saved is None and isinstance(guard.error, DeadlineExceededError)
+    assert "timed out" in str(guard.error)  # a TimeoutError says so
     disk.gate.set()  # the save left behind finishes its writes, then sees the deadline
     assert mgr.tiers.finish_commit(timeout=30)
     assert mgr.steps() == []
@@ -204,6 +205,7 @@ def test_a_step_boundary_after_the_grace_period_writes_nothing(
     time.sleep(0.1)  # a long training step
     assert guard.should_stop(1) and guard.saved is None
     assert isinstance(guard.error, DeadlineExceededError)
+    assert "timed out" in str(guard.error)  # a TimeoutError says so
     assert mgr.tiers is not None and mgr.tiers.finish_commit(timeout=0)  # nothing started
     assert disk.data_files == 0 and mgr.steps() == []
 

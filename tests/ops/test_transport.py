@@ -15,6 +15,7 @@ import torch
 
 import storage
 from extensions.zstd import ZStandard
+from storage.ops.transport import SHAPE_KEY
 
 STEP = 7
 
@@ -42,7 +43,7 @@ def _bits_equal(a: Any, b: Any) -> bool:
             isinstance(b, torch.Tensor)
             and a.dtype == b.dtype
             and a.shape == b.shape
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
         )
     if isinstance(a, dict):
         return (
@@ -120,7 +121,7 @@ def test_send_timeout_then_disallow_waits(tmp_path: Path) -> None:
     receiver = storage.StorageTransport("dcpmem://b/ft", rank=1, filesystem=fs)
     state = _replica_state(3)
     expected = _replica_state(3)
-    with pytest.raises(TimeoutError, match=r"replica-0/step-3 was not committed"):
+    with pytest.raises(TimeoutError, match=r"timed out after .*replica-0/step-3 is not committed"):
         sender.send_checkpoint([1], 3, state, timedelta(seconds=0.2))
     threading.Timer(0.3, fs.gate.set).start()
     sender.disallow_checkpoint()  # returns only once the write is done
@@ -132,13 +133,70 @@ def test_send_timeout_then_disallow_waits(tmp_path: Path) -> None:
 
 def test_recv_times_out_naming_the_location(tmp_path: Path) -> None:
     transport = storage.StorageTransport(str(tmp_path), rank=1, poll_interval=0.01)
-    with pytest.raises(TimeoutError, match=r"step 4 from replica 0 at .*replica-0/step-4"):
+    with pytest.raises(TimeoutError, match=r"step 4 from replica 0 timed out .*replica-0/step-4"):
         transport.recv_checkpoint(0, transport.metadata(), 4, timedelta(seconds=0.2))
     # An interrupted save (no metadata) is not a checkpoint either.
     (tmp_path / "replica-0" / "step-4").mkdir(parents=True)
     (tmp_path / "replica-0" / "step-4" / "__0_0-x.distcp").write_bytes(b"partial")
     with pytest.raises(TimeoutError):
         transport.recv_checkpoint(0, transport.metadata(), 4, timedelta(seconds=0.1))
+
+
+def test_timeouts_say_they_timed_out(tmp_path: Path) -> None:
+    """torchft tells a transport's timeout from other failures by its message (it matches
+    "timed out"/"timeout"); ours used to say "was not committed within" and "no
+    checkpoint ... after", so torchft took a slow peer for a broken one."""
+    fs = _GatedMemory()
+    fs.gate.clear()
+    sender = storage.StorageTransport("dcpmem://b/ft", rank=0, filesystem=fs)
+    try:
+        with pytest.raises(TimeoutError, match="timed out"):
+            sender.send_checkpoint([1], 5, _replica_state(5), timedelta(seconds=0.1))
+    finally:
+        fs.gate.set()
+        sender.shutdown()
+    receiver = storage.StorageTransport(str(tmp_path), rank=1, poll_interval=0.01)
+    with pytest.raises(TimeoutError, match="timed out"):
+        receiver.recv_checkpoint(0, receiver.metadata(), 5, timedelta(seconds=0.01))
+    with pytest.raises(TimeoutError, match="timed out"):
+        receiver.recv_replica(receiver.metadata(), 5, timedelta(seconds=0.01))
+
+
+def test_recv_replica_reads_the_senders_own_directory(tmp_path: Path) -> None:
+    """A sender's ``replica_url`` names its step directories without the receiver
+    knowing its rank (torchft's replica ranks change from one quorum to the next)."""
+    sender = storage.StorageTransport(str(tmp_path / "a"), rank=4)
+    receiver = storage.StorageTransport(str(tmp_path / "b"), rank=0)
+    sender.send_checkpoint([0], 2, _replica_state(2), timedelta(seconds=60))
+    got = receiver.recv_replica(sender.replica_url(), 2, timedelta(seconds=60), src_rank=1)
+    assert _bits_equal(_replica_state(2), got)
+    assert sender.replica_url().endswith("replica-4")
+
+
+def test_an_optimizer_state_dict_comes_back_as_it_was_sent(tmp_path: Path) -> None:
+    """DCP's flattening turns keys into strings and drops empty containers: an
+    optimizer's state used to come back keyed "0", "1", ... (load_state_dict then kept
+    none of it) and, before the first step, without its "state" entry at all (KeyError)."""
+    model = torch.nn.Linear(3, 2)
+    fresh = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    stepped = torch.optim.AdamW(model.parameters())
+    stepped.step()
+    sent = {
+        "fresh": fresh.state_dict(),
+        "stepped": stepped.state_dict(),
+        "nested": {"empty": {}, "none": [], "mixed": [{"a": torch.ones(2)}, {}], "t": (1, 2)},
+    }
+    transport = storage.StorageTransport(str(tmp_path), rank=0)
+    transport.send_checkpoint([1], 1, sent, timedelta(seconds=60))
+    got = transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=60))
+    assert _bits_equal(sent, got)
+    assert list(got["stepped"]["state"]) == [0, 1] and got["fresh"]["state"] == {}
+    restored = torch.optim.AdamW(model.parameters())
+    restored.load_state_dict(got["stepped"])
+    assert _bits_equal(restored.state_dict(), stepped.state_dict())
+    with pytest.raises(ValueError, match="reserves; rename that key"):
+        transport.send_checkpoint([1], 2, {SHAPE_KEY: 1}, timedelta(seconds=60))
 
 
 def test_keeps_last_steps_and_shutdown(tmp_path: Path) -> None:

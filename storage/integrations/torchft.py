@@ -1,0 +1,110 @@
+"""torchft: a replica group heals from a live one through storage (disk or a bucket).
+
+torchft's ``Manager`` moves the state of a healthy replica group to one that (re)joins
+the quorum through a ``CheckpointTransport`` (HTTP between the hosts by default).
+:class:`StorageCheckpointTransport` is one that goes through any root URL dcp-storage
+serves (a local or shared path, ``s3://``, ``gs://``, any fsspec URL), with the
+transforms and checksums of every dcp-storage checkpoint::
+
+    from torchft import Manager
+    from storage.integrations.torchft import StorageCheckpointTransport
+
+    transport = StorageCheckpointTransport(
+        "s3://bucket/ft", replica_id=replica_id, group_rank=group_rank,
+        storage_options={...}, transforms=[extensions.ZStandard(level=1)],
+    )
+    manager = Manager(pg=pg, ..., replica_id=replica_id, checkpoint_transport=transport)
+
+Worker ``group_rank`` of replica group ``replica_id`` writes the steps it sends to
+``root/<replica_id>/replica-<group_rank>/step-<step>`` and keeps the newest ``keep_last``
+of them (healing needs only the step in flight). Its ``metadata()`` is that directory,
+so a receiver reads from it whatever replica rank the sender has in the current quorum.
+A timeout raises ``TimeoutError`` saying "timed out", as torchft expects.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from extensions.base import Keys
+from extensions.registry import ExtensionRegistry
+from storage.backends.base import FileSystemBase
+from storage.checkpoint.options import resolve_location
+from storage.integrations._deps import require
+from storage.ops.transport import StorageTransport
+
+require("torchft.checkpointing.transport", "torchft")
+
+from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
+
+__all__ = ["StorageCheckpointTransport"]
+
+
+class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
+    """torchft's ``CheckpointTransport`` over :class:`~storage.StorageTransport`.
+
+    ``replica_id`` is this replica group's id (the ``replica_id`` given to torchft's
+    ``Manager``; one path segment, stable across restarts so a restarted group reuses
+    and prunes its own directory) and ``group_rank`` this worker's rank in the group.
+    ``keep_last``, ``storage_options``, ``transforms``, ``keys``, ``registry``,
+    ``filesystem``, ``poll_interval`` and the writer options are
+    :class:`~storage.StorageTransport`'s. Every replica group needs the same root, the
+    same ``storage_options`` and the keys of the transforms used.
+    """
+
+    def __init__(
+        self,
+        root_url: str | os.PathLike[str],
+        *,
+        replica_id: str,
+        group_rank: int = 0,
+        keep_last: int = 1,
+        storage_options: dict[str, Any] | None = None,
+        transforms: Sequence[Any] | None = None,
+        keys: Keys | None = None,
+        registry: ExtensionRegistry | None = None,
+        filesystem: FileSystemBase | None = None,
+        poll_interval: float = 0.05,
+        **writer_options: Any,
+    ) -> None:
+        if not isinstance(replica_id, str) or not replica_id or "/" in replica_id:
+            raise ValueError(
+                f"replica_id must be a non-empty string without '/' (it names the replica "
+                f"group's directory under {os.fspath(root_url)!r}), got {replica_id!r}"
+            )
+        fs, root = resolve_location(root_url, storage_options, filesystem)
+        self.transport = StorageTransport(
+            fs.url(fs.concat_path(root, replica_id)),
+            rank=group_rank,
+            keep_last=keep_last,
+            storage_options=storage_options,
+            transforms=transforms,
+            keys=keys,
+            registry=registry,
+            filesystem=filesystem,
+            poll_interval=poll_interval,
+            **writer_options,
+        )
+
+    def metadata(self) -> str:
+        """This worker's directory; torchft hands it to the workers that heal from it."""
+        return self.transport.replica_url()
+
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: dict[str, Any], timeout: timedelta
+    ) -> None:
+        self.transport.send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+    def disallow_checkpoint(self) -> None:
+        self.transport.disallow_checkpoint()
+
+    def recv_checkpoint(
+        self, src_rank: int, metadata: str, step: int, timeout: timedelta
+    ) -> dict[str, Any]:
+        return self.transport.recv_replica(metadata, step, timeout, src_rank=src_rank)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.transport.shutdown(wait=wait)
