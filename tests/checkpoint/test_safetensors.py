@@ -33,7 +33,7 @@ from storage.checkpoint.safetensors import (
     load_safetensors,
     save_safetensors,
 )
-from storage.checkpoint.safetensors._format import encode_header, layout
+from storage.checkpoint.safetensors.header import encode_header, layout
 from tests.support.distributed import gloo_group
 from tests.support.servers import boto3_client, endpoint_with_bucket, s3_options
 

@@ -18,14 +18,14 @@ from torch.futures import Future
 from extensions.errors import quote
 from storage.backends.registry import filesystem_from_url
 from storage.checkpoint.hook_errors import records_error
-from storage.checkpoint.safetensors._files import (
+from storage.checkpoint.safetensors.files import (
     clear_destination,
     file_names,
     publish_index,
     split,
     write_file,
 )
-from storage.checkpoint.safetensors._format import dtype_name, nbytes
+from storage.checkpoint.safetensors.header import dtype_name, nbytes
 
 
 def refuse_transforms(transforms: object) -> None:

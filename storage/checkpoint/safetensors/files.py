@@ -28,7 +28,7 @@ from extensions.errors import (
 )
 from extensions.streams import read_all, readinto_exact
 from storage.backends.base import FileSystemBase
-from storage.checkpoint.safetensors._format import (
+from storage.checkpoint.safetensors.header import (
     INDEX_NAME,
     MAX_HEADER,
     SINGLE_NAME,
@@ -108,7 +108,7 @@ def publish_index(fs: FileSystemBase, root: str, weight_map: dict[str, str], tot
 
 def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, TensorEntry]:
     """Every tensor of the committed model at ``root``: its index (else its single
-    file) read, then each file's header once, checked (see ``_format``)."""
+    file) read, then each file's header once, checked (see ``header``)."""
     index_path = fs.concat_path(root, INDEX_NAME)
     try:
         text = _read_limited(fs, index_path)
