@@ -230,6 +230,8 @@ def test_transforms_and_non_tensors_are_refused(tmp_path: Path) -> None:
         SafetensorsWriter(tmp_path, transforms=[ZStandard()])
     with pytest.raises(Exception, match="'step' is not a tensor"):
         save_safetensors({"w": torch.ones(2), "step": 3}, tmp_path)
+    with pytest.raises(ValueError, match="holds no tensors; nothing to save"):
+        save_safetensors({}, tmp_path)
 
 
 def test_a_damaged_tensor_fails_its_crc32c(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
@@ -105,11 +105,6 @@ class SafetensorsReader(StorageReader):
 
         def read(req: ReadItem) -> None:
             entry = self.entries[req.storage_index]
-            if req.type == LoadItemType.BYTE_IO:
-                raise TypeError(
-                    f"{self.fs.url(self.path)}: {quote(req.storage_index.fqn)} is a tensor in "
-                    "the model; load it into a tensor, not a non-tensor value"
-                )
             with lock:
                 target = planner.resolve_tensor(req).detach()
             if tuple(target.shape) != tuple(req.lengths):

@@ -115,7 +115,12 @@ class SafetensorsWriter(StorageWriter):
             )
             for plan in plans
         ]
-        names = iter(file_names(sum(len(g) for g in groups)))
+        count = sum(len(g) for g in groups)
+        if not count:
+            raise ValueError(
+                f"{self.fs.url(self.path)}: the state dict holds no tensors; nothing to save"
+            )
+        names = iter(file_names(count))
         out = []
         for plan, rank_groups in zip(plans, groups):
             mapping = {fqn: name for group, name in zip(rank_groups, names) for fqn in group}
