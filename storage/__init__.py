@@ -30,6 +30,12 @@ from storage.backends import (
 from storage.backends.registry import LAZY_NAMES as _LAZY
 from storage.checkpoint import CheckpointReader, CheckpointWriter, async_save, load, save
 from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError
+from storage.checkpoint.safetensors import (
+    SafetensorsReader,
+    SafetensorsWriter,
+    load_safetensors,
+    save_safetensors,
+)
 from storage.ops import CheckpointManager, StorageTransport
 
 # The backends with optional client libraries (FsspecFileSystem, S3FileSystem,
@@ -52,6 +58,8 @@ __all__ = [
     "MissingDependencyError",
     "MissingKeyError",
     "RangeMismatchError",
+    "SafetensorsReader",
+    "SafetensorsWriter",
     "StorageTransport",
     "TorchFileSystem",
     "TierFullError",
@@ -61,8 +69,10 @@ __all__ = [
     "async_save",
     "filesystem_from_url",
     "load",
+    "load_safetensors",
     "register_filesystem",
     "save",
+    "save_safetensors",
 ]
 
 

@@ -55,7 +55,8 @@ def check_serialization_format(value: object) -> None:
         raise ValueError(
             "serialization_format=SAFETENSORS is not supported: items are stored as torch.save "
             "archives (SerializationFormat.TORCH_SAVE), which is what stock readers expect; "
-            "for safetensors files use torch's HuggingFaceStorageWriter"
+            "for a Hugging Face safetensors model (on any backend) use "
+            "storage.SafetensorsWriter, or `dcp-storage export --format safetensors`"
         )
     raise TypeError(f"serialization_format must be a torch SerializationFormat, got {value!r}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import threading
 import time
@@ -107,6 +108,27 @@ def progress_bar(args: argparse.Namespace, total: int, desc: str) -> Iterator[An
         yield update
     finally:
         bar.close()
+
+
+DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+
+
+def parse_size(text: str, option: str) -> int:
+    """``5GB`` (10**9, as the Hub counts), ``2GiB``, ``500MB`` or a byte count."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
+        raise ValueError(f"{option} takes a size such as 5GB, 500MB, 2GiB or bytes, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def human_size(n: int | None) -> str:

@@ -13,12 +13,14 @@ from dataclasses import asdict
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from storage.backends.base import FileSystemBase, PendingUpload
 from storage.cli._support import (
+    DTYPE_NAMES,
     emit,
     human_age,
     human_size,
     keys_from_args,
     location,
     not_a_checkpoint_hint,
+    parse_size,
     parse_transforms,
     progress_bar,
     table,
@@ -217,6 +219,42 @@ def cp(args: argparse.Namespace) -> int:
         "transforms": chains,
     }
     emit(args, data, text)
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    import torch
+
+    from storage.ops.export import export_safetensors
+
+    src_fs, src = location(args.src, args.storage_option)
+    dst_fs, dst = location(args.dst, args.dst_storage_option or args.storage_option)
+    started = time.perf_counter()
+    try:
+        result = export_safetensors(
+            src_fs,
+            src,
+            dst_fs,
+            dst,
+            dtype=getattr(torch, DTYPE_NAMES[args.dtype]) if args.dtype else None,
+            max_shard_size=parse_size(args.max_shard_size, "--max-shard-size"),
+            only=args.only,
+            strip=args.strip,
+            overwrite=args.overwrite,
+            keys=keys_from_args(args),
+            require_encryption=args.require_encryption,
+        )
+    except CheckpointNotFoundError as exc:
+        raise not_a_checkpoint_hint(src_fs, src, exc) from None
+    elapsed = time.perf_counter() - started
+    text = (
+        f"exported {result.source} -> {result.destination}: {result.tensors} tensors, "
+        f"{human_size(result.size)} in {len(result.files)} files ({', '.join(result.files)}) "
+        f"in {elapsed:.1f} s"
+    )
+    if result.skipped:
+        text += f"\nskipped {len(result.skipped)} items that are not tensors"
+    emit(args, asdict(result), text)
     return 0
 
 

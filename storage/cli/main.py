@@ -1,6 +1,7 @@
 """The ``dcp-storage`` command (also ``python -m storage``).
 
 Subcommands: ``demo``, ``ls ROOT``, ``inspect CKPT``, ``verify CKPT``, ``cp SRC DST``,
+``export SRC DEST --format safetensors``,
 ``rm CKPT`` and ``gc ROOT``; see ``docs/operations.md``. Tables for people by default,
 ``--json`` for programs; progress bars go to stderr when it is a terminal; errors are
 one line on stderr with exit code 1 (``verify`` also exits 1 when an item is bad).
@@ -14,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from extensions.errors import CheckpointStorageError, printable
 from storage.cli import commands
-from storage.cli._support import TRANSFORM_SPECS
+from storage.cli._support import DTYPE_NAMES, TRANSFORM_SPECS
 
 Add = Callable[[str, str], argparse.ArgumentParser]  # a subcommand: (name, help) -> parser
 
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, help: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, parents=[common])
 
-    for add_commands in (_add_demo_ls, _add_inspect_verify, _add_cp, _add_rm_gc):
+    for add_commands in (_add_demo_ls, _add_inspect_verify, _add_cp, _add_export, _add_rm_gc):
         add_commands(add)
     return parser
 
@@ -114,6 +115,48 @@ def _add_cp(add: Add) -> None:
     )
     _add_require_encryption(cp, "when --transform re-encodes a source holding encrypted items")
     cp.set_defaults(func=commands.cp)
+
+
+def _add_export(add: Add) -> None:
+    export = add(
+        "export", "write a committed checkpoint's tensors as a Hugging Face safetensors model"
+    )
+    export.add_argument("src", metavar="SRC")
+    export.add_argument("dst", metavar="DEST", help="a directory or bucket prefix")
+    export.add_argument("--format", choices=["safetensors"], required=True)
+    export.add_argument(
+        "--dtype",
+        choices=sorted(DTYPE_NAMES),
+        default=None,
+        help="convert floating-point tensors (integer ones keep theirs); default: as stored",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest file, e.g. 5GB, 500MB, 2GiB or bytes (default: 5GB)",
+    )
+    export.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="export only the items whose names start with PREFIX (repeatable), e.g. model.",
+    )
+    export.add_argument(
+        "--strip", default="", metavar="PREFIX", help="remove PREFIX from the tensor names"
+    )
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace a safetensors model at DEST"
+    )
+    export.add_argument(
+        "--dst-storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="client options for DEST when they differ from SRC's",
+    )
+    _add_require_encryption(export, "when keys are given")
+    export.set_defaults(func=commands.export)
 
 
 def _add_rm_gc(add: Add) -> None:

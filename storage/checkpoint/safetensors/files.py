@@ -1,0 +1,242 @@
+"""A Hub-layout model on any backend: its files written, its commit, its headers read
+and its tensors' bytes read straight into their targets.
+
+The commit protocol: a model is committed when ``model.safetensors.index.json`` is
+there (several files) or, for one file, when ``model.safetensors`` is. Shard files are
+written first and the index last, so an export that stopped half way has no index and
+is never taken for a model; a single file is published whole (object stores publish an
+upload whole, local disk writes a temporary name and renames it). Replacing a model
+removes its index (or single file) before anything else is written.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import crc32c
+import torch
+
+from extensions.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    UnsafeCheckpointError,
+    quote,
+)
+from extensions.streams import read_all, readinto_exact
+from storage.backends.base import FileSystemBase
+from storage.checkpoint.safetensors.header import (
+    INDEX_NAME,
+    MAX_HEADER,
+    SINGLE_NAME,
+    TensorEntry,
+    encode_header,
+    header_length,
+    layout,
+    parse_header,
+    parse_index,
+)
+from storage.checkpoint.tensors import tensor_bytes
+
+_PREFETCH = 64 << 10  # the first read of a file: its header length and most headers
+
+
+def file_names(count: int) -> list[str]:
+    """The names of a model's ``count`` files, as transformers and torch name them."""
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def split(sizes: Sequence[tuple[str, int]], max_size: int | None) -> list[list[str]]:
+    """Names grouped into files in order, a new file started when the next tensor
+    would take the current one past ``max_size`` bytes (one tensor larger than that
+    gets a file of its own); ``None``: one file."""
+    groups: list[list[str]] = []
+    filled = 0
+    for name, size in sizes:
+        if not groups or (max_size is not None and groups[-1] and filled + size > max_size):
+            groups.append([])
+            filled = 0
+        groups[-1].append(name)
+        filled += size
+    return groups
+
+
+def clear_destination(fs: FileSystemBase, root: str, *, overwrite: bool) -> None:
+    """Refuse a committed model at ``root`` unless ``overwrite``; with it, uncommit the
+    model (index first) before any of the new one's files is written."""
+    found = [n for n in (INDEX_NAME, SINGLE_NAME) if fs.exists(fs.concat_path(root, n))]
+    if found and not overwrite:
+        raise CheckpointExistsError(
+            f"Checkpoint already exists: {fs.url(root)} holds a safetensors model "
+            f"({found[0]}); pass overwrite=True (--overwrite) to replace it, or pick another "
+            "destination"
+        )
+    for name in found:
+        fs.rm_file(fs.concat_path(root, name))
+
+
+def write_file(fs: FileSystemBase, path: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+    """Write one safetensors file holding ``tensors`` (CPU, contiguous) with their
+    CRC-32Cs, in the library's byte layout; returns the bytes of tensor data."""
+    by_name = dict(tensors)
+    shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors}
+    order = layout(shapes)
+    crcs = {name: crc32c.crc32c(tensor_bytes(by_name[name])) for name in order}
+    header = encode_header(shapes, order, crcs)
+    target = f"{path}.tmp-{uuid.uuid4().hex[:12]}" if fs.atomic_rename else path
+    with fs.create_stream(target, "wb", sync=True) as out:
+        out.write(header)
+        for name in order:
+            out.write(tensor_bytes(by_name[name]))
+    if target != path:
+        fs.rename(target, path)
+    return sum(t.numel() * t.element_size() for _, t in tensors)
+
+
+def publish_index(fs: FileSystemBase, root: str, weight_map: dict[str, str], total: int) -> None:
+    """The commit of a model in several files: the index, as transformers writes it."""
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    fs.write_atomic(fs.concat_path(root, INDEX_NAME), text.encode())
+    fs.sync_dir(root)
+
+
+def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, TensorEntry]:
+    """Every tensor of the committed model at ``root``: its index (else its single
+    file) read, then each file's header once, checked (see ``header``)."""
+    index_path = fs.concat_path(root, INDEX_NAME)
+    try:
+        text = _read_limited(fs, index_path)
+    except FileNotFoundError:
+        text = None
+    weight_map: dict[str, str] | None = None
+    if text is not None:
+        weight_map = parse_index(text, fs.url(index_path))
+        files = sorted(set(weight_map.values()))
+    elif fs.exists(fs.concat_path(root, SINGLE_NAME)):
+        files = [SINGLE_NAME]
+    else:
+        raise CheckpointNotFoundError(
+            f"{fs.url(root)}: no safetensors model there (neither {INDEX_NAME} nor "
+            f"{SINGLE_NAME}); an export that did not finish has no index: export it again"
+        )
+    with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
+        headers = list(pool.map(lambda f: read_header(fs, root, f), files))
+    entries: dict[str, TensorEntry] = {}
+    for header in headers:
+        for name, entry in header.items():
+            if name in entries:
+                raise IntegrityError(
+                    f"{fs.url(root)}: tensor {quote(name)} is in both {entries[name].file} and "
+                    f"{entry.file}; the model is damaged: export or download it again"
+                )
+            entries[name] = entry
+    for name, file in (weight_map or {}).items():
+        if name not in entries or entries[name].file != file:
+            raise IntegrityError(
+                f"{fs.url(index_path)}: tensor {quote(name)} is mapped to {file}, whose header "
+                "does not hold it; the model is incomplete or its index is stale: export or "
+                "download it again"
+            )
+    return entries
+
+
+def read_header(fs: FileSystemBase, root: str, file: str) -> dict[str, TensorEntry]:
+    """The checked header of ``file`` under ``root``: its length first (one read of
+    the file's start), the rest of the header only if that read did not cover it."""
+    path = fs.concat_path(root, file)
+    label = fs.url(path)
+    try:
+        size = fs.size(path)
+        with fs.open_slice(path, 0, min(size, _PREFETCH)) as stream:
+            head = read_all(stream, limit=_PREFETCH)
+        length = header_length(head, label, size)
+        text = head[8 : 8 + length]
+        if len(text) < length:
+            with fs.open_slice(path, len(head), length - len(text)) as stream:
+                text += read_all(stream, limit=length - len(text))
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{label} is missing; the model is incomplete: export or download it again"
+        ) from exc
+    if len(text) < length:
+        raise IntegrityError(f"{label}: the file ended inside its header; it is truncated")
+    entries = parse_header(text, label, size)
+    return {name: _named(entry, file) for name, entry in entries.items()}
+
+
+def _named(entry: TensorEntry, file: str) -> TensorEntry:
+    return TensorEntry(
+        file, entry.name, entry.dtype, entry.shape, entry.begin, entry.end, entry.crc32c
+    )
+
+
+def _read_limited(fs: FileSystemBase, path: str) -> bytes:
+    with fs.open_slice(path, 0, MAX_HEADER + 1) as stream:
+        text = read_all(stream, limit=MAX_HEADER)
+    if len(text) > MAX_HEADER:
+        raise UnsafeCheckpointError(
+            f"{fs.url(path)} is over {MAX_HEADER >> 20} MiB, more than any safetensors index "
+            "needs; it is damaged or not an index: refused without reading the rest"
+        )
+    return text
+
+
+def read_region(
+    fs: FileSystemBase,
+    root: str,
+    entry: TensorEntry,
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    target: torch.Tensor,
+) -> None:
+    """Fill ``target`` with the region (``offsets``, ``lengths``) of the stored tensor:
+    one ranged read of the rows it spans, straight into ``target`` where it is the
+    whole rows (a CPU contiguous tensor of the stored dtype), else into a buffer of
+    those rows that is then copied. A whole tensor's CRC-32C is checked."""
+    shape = entry.shape
+    where = f"{fs.url(fs.concat_path(root, entry.file))}: tensor {quote(entry.name)}"
+    if len(offsets) != len(shape) or any(
+        o < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)
+    ):
+        raise ValueError(
+            f"{where}: region at {tuple(offsets)} of sizes {tuple(lengths)} is outside its shape "
+            f"{shape}; load into a state dict shaped like the model"
+        )
+    rows = (offsets[0], lengths[0]) if shape else (0, 1)
+    row_bytes = entry.length // shape[0] if shape and shape[0] else entry.length
+    inner_whole = all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:]))
+    direct = (
+        inner_whole
+        and target.device.type == "cpu"
+        and target.dtype == entry.torch_dtype
+        and target.is_contiguous()
+    )
+    stored = (rows[1], *shape[1:]) if shape else ()
+    buffer = target if direct else torch.empty(stored, dtype=entry.torch_dtype)
+    span = rows[1] * row_bytes if shape else entry.length
+    if span:
+        path = fs.concat_path(root, entry.file)
+        with fs.open_slice(path, entry.begin + rows[0] * row_bytes, span) as stream:
+            got = readinto_exact(stream, tensor_bytes(buffer))
+        if got < span:
+            raise IntegrityError(
+                f"{where}: the file ended {span - got} bytes early; it is truncated: export "
+                "or download it again"
+            )
+    whole = rows == (0, shape[0] if shape else 1) and inner_whole
+    if whole and entry.crc32c is not None:
+        crc = crc32c.crc32c(tensor_bytes(buffer))
+        if crc != entry.crc32c:
+            raise IntegrityError(
+                f"{where}: checksum mismatch (crc32c {crc:08x}, expected {entry.crc32c:08x}); "
+                "the stored bytes are damaged: export or download the model again"
+            )
+    if not direct:
+        inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))
+        target.copy_(buffer[(slice(None), *inner)] if shape else buffer)

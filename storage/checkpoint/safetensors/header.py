@@ -1,0 +1,297 @@
+"""The safetensors file format, out and back in: a header built exactly as the
+``safetensors`` library lays one out, and a stored header (or index) checked before a
+single byte of tensor data is trusted.
+
+A file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON (padded with
+spaces to a multiple of 8) and the tensors' bytes back to back. The JSON maps each
+tensor's name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets from the
+end of the header) and may hold ``"__metadata__"``, a string-to-string map. Ours records
+``"format": "pt"`` (what transformers requires) and, under :data:`CRC_KEY`, each tensor's
+CRC-32C; other readers ignore it, ours checks it.
+
+Hostile headers are refused by :func:`parse_header` with an error naming the file, the
+tensor and the fix; the caller bounds the header's length (:data:`MAX_HEADER`) before
+reading it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+SUFFIX = ".safetensors"
+CRC_KEY = "dcp_storage.crc32c"
+#: Longest header (and index) accepted: far above any real model's, far below memory.
+MAX_HEADER = 100 << 20
+_ALIGN = 8
+
+#: safetensors' dtype names, in the order of its ``Dtype`` enum (the library writes the
+#: tensors of the widest dtype first: it sorts by this order, descending, then by name).
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "F32": torch.float32,
+    "C64": torch.complex64,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+}
+_RANK = {name: i for i, name in enumerate(DTYPES)}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_PLAIN_FILE = re.compile(r"[^/\\:\x00-\x1f]+\.safetensors")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: where its bytes are (absolute offsets in the
+    file), what they are, and the CRC-32C our writer recorded (``None`` otherwise)."""
+
+    file: str  #: the file's name under the checkpoint
+    name: str
+    dtype: str  #: safetensors' name, a key of :data:`DTYPES`
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    crc32c: int | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def length(self) -> int:
+        return self.end - self.begin
+
+
+def dtype_name(dtype: torch.dtype, where: str) -> str:
+    """safetensors' name of ``dtype``; a dtype it cannot hold is a ``TypeError``."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise TypeError(
+            f"{where}: dtype {dtype} has no safetensors equivalent (it holds "
+            f"{', '.join(str(d) for d in DTYPES.values())}); convert the tensor first"
+        ) from None
+
+
+def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def layout(tensors: Mapping[str, tuple[torch.dtype, Sequence[int]]]) -> list[str]:
+    """The order in which the ``safetensors`` library stores ``tensors`` (name ->
+    (dtype, shape)): widest dtype first, then by name."""
+    ranked = {name: _RANK[dtype_name(dtype, name)] for name, (dtype, _) in tensors.items()}
+    return sorted(tensors, key=lambda name: (-ranked[name], name))
+
+
+def encode_header(
+    tensors: Mapping[str, tuple[torch.dtype, Sequence[int]]],
+    order: Sequence[str],
+    crcs: Mapping[str, int] | None,
+) -> bytes:
+    """The 8-byte length and the padded JSON header of a file holding ``tensors``
+    in ``order``, byte for byte as ``safetensors.torch.save`` writes it (with our
+    ``__metadata__``)."""
+    meta = {"format": "pt"}
+    if crcs is not None:
+        meta[CRC_KEY] = json.dumps({n: f"{crcs[n]:08x}" for n in order}, separators=(",", ":"))
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for name in order:
+        dtype, shape = tensors[name]
+        size = nbytes(dtype, shape)
+        header[name] = {
+            "dtype": _NAMES[dtype],
+            "shape": [int(s) for s in shape],
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % _ALIGN)
+    return struct.pack("<Q", len(text)) + text
+
+
+def header_length(prefix: bytes, file: str, size: int) -> int:
+    """The header length in the first 8 bytes of ``file`` (``size`` bytes long),
+    refused before anything is allocated for it when it cannot be a real one."""
+    if len(prefix) < 8:
+        raise IntegrityError(
+            f"{file}: {size} bytes is too short for a safetensors file (no 8-byte header "
+            "length); the file is truncated: export or download it again"
+        )
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > MAX_HEADER:
+        raise UnsafeCheckpointError(
+            f"{file}: its header claims {length} bytes, more than the {MAX_HEADER >> 20} MiB "
+            "any safetensors file needs; the file is damaged or not a safetensors file: "
+            "refused without reading it"
+        )
+    if 8 + length > size:
+        raise IntegrityError(
+            f"{file}: its header claims {length} bytes but the file has only {size}; the "
+            "file is truncated or damaged: export or download it again"
+        )
+    return int(length)
+
+
+def parse_header(text: bytes, file: str, size: int) -> dict[str, TensorEntry]:
+    """The tensors of ``file`` (``size`` bytes, header ``text`` without its length
+    prefix), each checked: a known dtype, a shape whose bytes are its extent, extents
+    inside the file that tile its data region in order with no overlap or gap, names
+    unique, and our CRC-32C metadata well formed where present."""
+    raw = _load_json(text, file, "header")
+    if not isinstance(raw, dict):
+        raise _bad(file, None, "the header is not a JSON object")
+    meta = raw.pop("__metadata__", None)
+    crcs = _crcs(meta, file)
+    data_start = 8 + len(text)
+    entries: dict[str, TensorEntry] = {}
+    for name, info in raw.items():
+        entries[name] = _entry(name, info, file, data_start, crcs)
+    cursor = data_start
+    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if entry.begin != cursor:
+            what = "overlaps the tensor before it" if entry.begin < cursor else "leaves a gap"
+            raise _bad(
+                file,
+                entry.name,
+                f"its data_offsets {what} (it starts at byte {entry.begin - data_start} of "
+                f"the data, the tensor before it ends at {cursor - data_start})",
+            )
+        cursor = entry.end
+    if cursor != size:
+        raise _bad(
+            file,
+            None,
+            f"the tensors end at byte {cursor} but the file has {size} bytes",
+        )
+    return entries
+
+
+def _entry(
+    name: str, info: object, file: str, data_start: int, crcs: dict[str, int] | None
+) -> TensorEntry:
+    if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
+        raise _bad(file, name, f"its entry {quote(info)} is not {{dtype, shape, data_offsets}}")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise _bad(file, name, f"unknown dtype {quote(dtype)} (known: {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or len(shape) > 64 or not all(_count(s) for s in shape):
+        raise _bad(file, name, f"shape {quote(shape)} is not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_count(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise _bad(file, name, f"data_offsets {quote(offsets)} is not [begin, end] in order")
+    expected = nbytes(DTYPES[dtype], shape)
+    if offsets[1] - offsets[0] != expected:
+        raise _bad(
+            file,
+            name,
+            f"dtype {dtype} and shape {tuple(shape)} need {expected} bytes but its "
+            f"data_offsets {offsets} span {offsets[1] - offsets[0]}",
+        )
+    crc = None
+    if crcs is not None:
+        if name not in crcs:
+            raise _bad(file, name, "the CRC-32C metadata has no checksum for it")
+        crc = crcs[name]
+    return TensorEntry(
+        file, name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1], crc
+    )
+
+
+def _crcs(meta: object, file: str) -> dict[str, int] | None:
+    if meta is None:
+        return None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _bad(file, None, "__metadata__ is not a map of strings to strings")
+    text = meta.get(CRC_KEY)
+    if text is None:
+        return None
+    table = _load_json(text.encode(), file, f"__metadata__[{CRC_KEY!r}]")
+    if not isinstance(table, dict) or not all(
+        isinstance(v, str) and re.fullmatch(r"[0-9a-f]{8}", v) for v in table.values()
+    ):
+        raise _bad(file, None, f"__metadata__[{CRC_KEY!r}] is not a map of names to CRC-32Cs")
+    return {name: int(value, 16) for name, value in table.items()}
+
+
+def parse_index(text: bytes, index: str) -> dict[str, str]:
+    """The ``weight_map`` of an index (tensor name -> file name), every file name a
+    plain ``*.safetensors`` name beside the index: one that climbs out (``../``), is
+    absolute or names another location (``s3://...``) is refused."""
+    raw = _load_json(text, index, "index")
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise IntegrityError(
+            f'{index}: not a safetensors index (no "weight_map" of tensor names to files); '
+            "export the model again or load its files without the index"
+        )
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not _PLAIN_FILE.fullmatch(file) or file.startswith(".."):
+            raise UnsafeCheckpointError(
+                f"{index}: tensor {quote(name)} is mapped to {quote(file)}, which is not a "
+                "*.safetensors file beside the index; refused (nothing outside the checkpoint "
+                "is read): fix the index's weight_map"
+            )
+    return weight_map
+
+
+def _load_json(text: bytes, file: str, what: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=lambda pairs: _unique(pairs, file, what))
+    except (ValueError, RecursionError) as exc:
+        if isinstance(exc, (IntegrityError, UnsafeCheckpointError)):
+            raise
+        raise IntegrityError(
+            f"{file}: its {what} is not valid JSON ({str(exc)[:200]}); the file is damaged: "
+            "export or download it again"
+        ) from None
+
+
+def _unique(pairs: list[tuple[str, Any]], file: str, what: str) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise IntegrityError(
+            f"{file}: its {what} names {quote(dup)} twice; the file is damaged or was not "
+            "written by a safetensors writer: export or download it again"
+        )
+    return out
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _bad(file: str, name: str | None, problem: str) -> IntegrityError:
+    tensor = f" tensor {quote(name)}:" if name is not None else ""
+    return IntegrityError(
+        f"{file}:{tensor} {problem}; the file is damaged or was not written by a "
+        "safetensors writer: export or download it again"
+    )

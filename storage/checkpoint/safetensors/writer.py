@@ -1,0 +1,186 @@
+"""``SafetensorsWriter``: ``dcp.save`` into a Hugging Face Hub layout on any backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from extensions.errors import quote
+from storage.backends.registry import filesystem_from_url
+from storage.checkpoint.hook_errors import records_error
+from storage.checkpoint.safetensors.files import (
+    clear_destination,
+    file_names,
+    publish_index,
+    split,
+    write_file,
+)
+from storage.checkpoint.safetensors.header import dtype_name, nbytes
+
+
+def refuse_transforms(transforms: object) -> None:
+    """Transforms have no place in a safetensors file: every reader maps its bytes."""
+    if transforms:
+        raise ValueError(
+            "safetensors files hold plain tensor bytes that every reader (transformers, "
+            "vLLM, safetensors itself) maps as they are: transforms (compression, "
+            "encryption) do not apply; drop transforms=, or save a DCP checkpoint with "
+            "storage.CheckpointWriter to keep them"
+        )
+
+
+class SafetensorsWriter(StorageWriter):
+    """A ``StorageWriter`` that saves a state dict of tensors as a Hub-layout model
+    (``model.safetensors``, or ``model-0000N-of-0000M.safetensors`` plus
+    ``model.safetensors.index.json``) at ``path``: a local directory or any URL our
+    backends serve (``s3://``, ``gs://``, fsspec). Files are byte for byte what
+    ``safetensors.torch.save`` writes, plus each tensor's CRC-32C in ``__metadata__``.
+
+    ``dcp.save(state_dict, storage_writer=SafetensorsWriter(url))`` on one process or on
+    N ranks: every tensor must be whole on the rank that saves it (replicated tensors
+    are saved once, by the planner's choice of rank; DTensor/ShardedTensor shards are
+    refused: gather full tensors first, e.g. ``get_model_state_dict(model,
+    options=StateDictOptions(full_state_dict=True, cpu_offload=True))``). Each rank
+    writes its own files; the coordinator writes the index last (the commit). Files are
+    cut at ``max_shard_size`` bytes (default: one file per rank). A committed model
+    already at ``path`` is refused unless ``overwrite``. ``transforms`` are refused.
+    ``thread_count`` files are written at once per rank (each holds a file's tensors on
+    the CPU while it writes).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: dict[str, Any] | None = None,
+        max_shard_size: int | None = None,
+        overwrite: bool = False,
+        thread_count: int = 1,
+        transforms: Sequence[object] | None = None,
+    ) -> None:
+        super().__init__()
+        refuse_transforms(transforms)
+        if max_shard_size is not None and max_shard_size <= 0:
+            raise ValueError(f"max_shard_size must be a positive byte count, got {max_shard_size}")
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be at least 1, got {thread_count}")
+        self.storage_options = storage_options
+        self.max_shard_size = max_shard_size
+        self.overwrite = overwrite
+        self.thread_count = thread_count
+        self.fs, self.path = filesystem_from_url(path, storage_options)
+        self.last_error: BaseException | None = None
+        self.is_coordinator = False
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.last_error = None
+        if checkpoint_id is not None:
+            self.fs, self.path = filesystem_from_url(checkpoint_id, self.storage_options)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # chosen explicitly, never by torch's auto-selection
+
+    @records_error
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        if is_coordinator:
+            clear_destination(self.fs, self.path, overwrite=self.overwrite)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.fs.url(self.path))
+
+    @records_error
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        for item in plan.items:
+            _check_item(item, self.fs.url(self.path))
+        return plan
+
+    @records_error
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        groups = [
+            split(
+                [(i.index.fqn, _size(i)) for i in plan.items if i.tensor_data is not None],
+                self.max_shard_size,
+            )
+            for plan in plans
+        ]
+        count = sum(len(g) for g in groups)
+        if not count:
+            raise ValueError(
+                f"{self.fs.url(self.path)}: the state dict holds no tensors; nothing to save"
+            )
+        names = iter(file_names(count))
+        out = []
+        for plan, rank_groups in zip(plans, groups):
+            mapping = {fqn: name for group, name in zip(rank_groups, names) for fqn in group}
+            out.append(dataclasses.replace(plan, storage_data=mapping))
+        return out
+
+    @records_error
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        by_file: dict[str, list[WriteItem]] = defaultdict(list)
+        for item in plan.items:
+            by_file[plan.storage_data[item.index.fqn]].append(item)
+
+        def write(name: str) -> list[WriteResult]:
+            items = by_file[name]
+            tensors = [(i.index.fqn, _cpu(planner.resolve_data(i))) for i in items]
+            write_file(self.fs, self.fs.concat_path(self.path, name), tensors)
+            return [
+                WriteResult(index=i.index, size_in_bytes=_size(i), storage_data=name) for i in items
+            ]
+
+        with ThreadPoolExecutor(max(1, min(self.thread_count, len(by_file)))) as pool:
+            results = [r for rs in pool.map(write, sorted(by_file)) for r in rs]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    @records_error
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        flat = [r for rank in results for r in rank]
+        weight_map = {r.index.fqn: str(r.storage_data) for r in flat}
+        if len(set(weight_map.values())) > 1:
+            publish_index(self.fs, self.path, weight_map, sum(r.size_in_bytes for r in flat))
+        else:
+            self.fs.sync_dir(self.path)
+
+
+def _check_item(item: WriteItem, url: str) -> None:
+    fqn = item.index.fqn
+    where = f"{url}: item {quote(fqn)}"
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        raise TypeError(
+            f"{where} is not a tensor; a safetensors file holds tensors only: leave it out of "
+            "the state dict (save it with storage.save beside the model if it is needed)"
+        )
+    data = item.tensor_data
+    if any(data.chunk.offsets) or tuple(data.chunk.sizes) != tuple(data.size):
+        raise ValueError(
+            f"{where} is a shard (offsets {tuple(data.chunk.offsets)}, sizes "
+            f"{tuple(data.chunk.sizes)} of {tuple(data.size)}); SafetensorsWriter saves whole "
+            "tensors only: gather them first, e.g. get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True, cpu_offload=True))"
+        )
+    dtype_name(data.properties.dtype, where)
+
+
+def _size(item: WriteItem) -> int:
+    assert item.tensor_data is not None
+    return nbytes(item.tensor_data.properties.dtype, item.tensor_data.size)
+
+
+def _cpu(data: Any) -> torch.Tensor:
+    assert isinstance(data, torch.Tensor)
+    return data.detach().cpu().contiguous()
