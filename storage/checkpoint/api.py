@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from extensions.base import Keys
 from extensions.registry import ExtensionRegistry
@@ -94,11 +95,11 @@ def save(
 
 
 def save_with(
-    writer: CheckpointWriter, state_dict: dict[str, Any], *, process_group: Any = None
+    writer: StorageWriter, state_dict: dict[str, Any], *, process_group: Any = None
 ) -> None:
     """``dcp.save`` through ``writer`` (collective under a process group: the default
     one, or ``process_group``), raising the real error and removing what this rank wrote
-    when the save fails."""
+    when the save fails (a writer with an ``abort``, as ours)."""
     try:
         with _quiet_single_process():
             dcp.save(
@@ -108,7 +109,9 @@ def save_with(
                 process_group=process_group,
             )
     except CheckpointException as exc:
-        writer.abort(exc)
+        abort = getattr(writer, "abort", None)
+        if abort is not None:
+            abort(exc)
         real = unwrap_checkpoint_exception(exc, writer)
         raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
 
@@ -137,6 +140,12 @@ def load(
         require_encryption=require_encryption,
         **reader_options,
     )
+    load_with(reader, state_dict)
+
+
+def load_with(reader: StorageReader, state_dict: dict[str, Any]) -> None:
+    """``dcp.load`` through ``reader`` into ``state_dict`` in place (collective under a
+    process group), raising the real error."""
     try:
         with _quiet_single_process():
             dcp.load(state_dict, storage_reader=reader, no_dist=_no_dist())

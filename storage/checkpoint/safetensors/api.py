@@ -6,10 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-
-from storage.checkpoint.api import _no_dist, _quiet_single_process, unwrap_checkpoint_exception
+from storage.checkpoint.api import load_with, save_with
 from storage.checkpoint.safetensors.reader import SafetensorsReader
 from storage.checkpoint.safetensors.writer import SafetensorsWriter
 
@@ -20,13 +17,7 @@ def save_safetensors(
     """Save a state dict of tensors to ``url`` as a Hub-layout model with
     :class:`SafetensorsWriter` (its keyword options: ``storage_options``,
     ``max_shard_size``, ``overwrite``, ...). Collective under a process group."""
-    writer = SafetensorsWriter(url, **writer_options)
-    try:
-        with _quiet_single_process():
-            dcp.save(state_dict, storage_writer=writer, no_dist=_no_dist())
-    except CheckpointException as exc:
-        real = unwrap_checkpoint_exception(exc, writer)
-        raise real from real.__cause__
+    save_with(SafetensorsWriter(url, **writer_options), state_dict)
 
 
 def load_safetensors(
@@ -35,10 +26,4 @@ def load_safetensors(
     """Load the Hub-layout model at ``url`` into ``state_dict`` in place with
     :class:`SafetensorsReader` (``storage_options``, ``thread_count``). Collective under
     a process group."""
-    reader = SafetensorsReader(url, **reader_options)
-    try:
-        with _quiet_single_process():
-            dcp.load(state_dict, storage_reader=reader, no_dist=_no_dist())
-    except CheckpointException as exc:
-        real = unwrap_checkpoint_exception(exc, reader)
-        raise real from real.__cause__
+    load_with(SafetensorsReader(url, **reader_options), state_dict)
