@@ -89,7 +89,8 @@ class LocalTier:
         self._saves = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-tier-save")
         self._committing: concurrent.futures.Future[None] | None = None
         # Cleared while a save writes to the local tier: the drain's copy waits on it, so
-        # the foreground save gets the disk and the cores (docs/benchmarks.md).
+        # the foreground save gets the disk and the cores (benchmarks/NOTES.md, "Tiered
+        # checkpoints").
         self._idle = threading.Event()
         self._idle.set()
         self.drains = Drains(

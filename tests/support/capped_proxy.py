@@ -12,9 +12,9 @@ part's latency grows with its size) and spends interpreter time per byte on a ma
 whose two cores the trainer and the server already share. The relay never parses: two
 threads per connection move up to ``chunk`` bytes per ``recv_into``/``sendall`` through
 big socket buffers, keep-alive connections stay open end to end, and the GIL is released
-during every socket call (docs/benchmarks.md has its measured CPU cost and the rate it
-reaches). What it cannot do is what needs HTTP: per-request faults and byte counts by
-path, which stay the fault proxy's job.
+during every socket call (benchmarks/NOTES.md, "In the training loop", has its measured
+CPU cost and the rate it reaches). What it cannot do is what needs HTTP: per-request
+faults and byte counts by path, which stay the fault proxy's job.
 
 Latency is charged per request without parsing HTTP: the first bytes a client sends on
 a connection that is new, or whose server has answered since the client last sent,

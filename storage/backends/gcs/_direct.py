@@ -3,7 +3,7 @@
 A body lands in the caller's buffer (the target tensor) with ``readinto``, the GIL
 released while the socket fills it: no aiohttp chunk objects, no copy from them into
 the tensor, no hop to gcsfs's event-loop thread, which all reads of the process would
-otherwise share (docs/benchmarks.md, the GCS section).
+otherwise share (benchmarks/NOTES.md, "Reads straight into the tensor").
 
 Nothing about where or how to send is decided here: the URL (endpoint or emulator
 host, object name, generation, ``userProject``) and the headers (credentials, refreshed

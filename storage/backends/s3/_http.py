@@ -4,8 +4,9 @@ The bodies of a checkpoint's data requests skip the aiobotocore stack: an ``Uplo
 goes to the socket in one ``sendall`` of the part buffer, and a ranged ``GetObject``
 lands in the caller's buffer with ``readinto``, both from the calling thread with the
 GIL released. Measured on SeaweedFS, that halves the client CPU of uploads and of
-ranged reads (docs/benchmarks.md). Everything else - creating, completing and aborting
-uploads, small PUTs, HEAD, listing, deleting - stays on s3fs.
+ranged reads (benchmarks/NOTES.md, "Where our client CPU went"). Everything else -
+creating, completing and aborting uploads, small PUTs, HEAD, listing, deleting - stays
+on s3fs.
 
 Nothing here decides where or how to send a request on its own: the object URL, the
 signing region and whether to sign at all come from one request per bucket that the

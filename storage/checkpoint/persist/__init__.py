@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MODES = ("thread", "process")
-#: Chosen by measurement (docs/benchmarks.md, "In the training loop").
+#: Chosen by measurement (benchmarks/NOTES.md, "The persist worker in the loop").
 DEFAULT_MODE = "process"
 #: Stands for "pause while a save's writes run in the worker" as a ``pace`` argument.
 PAUSE = Pause()
