@@ -203,7 +203,10 @@ if sys.argv[2] == "exit":
     sys.exit(0)
 if sys.argv[2] == "kill both":
     os.kill(worker.pid, signal.SIGKILL)
-    os.waitpid(worker.pid, 0)
+    try:
+        os.waitpid(worker.pid, 0)
+    except ChildProcessError:
+        pass  # the handle's reader thread reaped it first
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
