@@ -70,8 +70,7 @@ def beating(fs: FileSystemBase, path: str, token: str, *, guard: Guard = _direct
     removed in time stays for ``gc``). A failed rewrite is logged and retried at the next
     beat, never raised: the protection it buys is gc's, not the write's."""
     marker = fs.concat_path(path, name_of(token))
-    fs.mkdir(path)
-    guard(lambda: _beat(fs, marker))
+    guard(lambda: _beat(fs, marker))  # a write creates its parents: no mkdir request
     stop = threading.Event()
     thread = threading.Thread(
         target=_keep_beating, args=(fs, marker, stop), daemon=True, name="dcp-heartbeat"
