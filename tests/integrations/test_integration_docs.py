@@ -4,18 +4,14 @@ environment as the docs advise."""
 
 from __future__ import annotations
 
-import re
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.support.doc_snippets import BUCKET, Snippets
 from tests.support.servers import KEY, SECRET, boto3_client, endpoint_with_bucket, list_keys
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
-BUCKET = "docs"
 
 
 @pytest.fixture(scope="module")
@@ -25,22 +21,10 @@ def endpoint(request: Any) -> str:
 
 
 @pytest.fixture
-def blocks(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+def blocks(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Snippets:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-    run = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
-
-    def of(section: str, language: str) -> list[str]:
-        text = DOC.read_text().split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-        found = re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
-        assert found, f"no {language} block under '## {section}'"
-        return [
-            b.replace("https://s3.example.com", endpoint).replace("s3://bucket/run1", run)
-            for b in found
-        ]
-
-    of.run = run  # type: ignore[attr-defined]
-    return of
+    return Snippets("integrations.md", endpoint)
 
 
 def _committed(endpoint: str, run: str, marker: str) -> list[str]:
@@ -48,7 +32,7 @@ def _committed(endpoint: str, run: str, marker: str) -> list[str]:
     return [k for k in list_keys(boto3_client(endpoint), BUCKET, prefix) if k.endswith(marker)]
 
 
-def test_torchtitan(blocks: Any, endpoint: str) -> None:
+def test_torchtitan(blocks: Snippets, endpoint: str) -> None:
     pytest.importorskip("torchtitan")
     from tests.integrations.test_integration_torchtitan import _containers, _TrainState
 
@@ -69,7 +53,7 @@ def test_torchtitan(blocks: Any, endpoint: str) -> None:
     assert _committed(endpoint, blocks.run, "step-500/.metadata")
 
 
-def test_torchtune(blocks: Any, endpoint: str) -> None:
+def test_torchtune(blocks: Snippets, endpoint: str) -> None:
     pytest.importorskip("torchtune")
     from omegaconf import OmegaConf
 
@@ -90,7 +74,7 @@ def test_torchtune(blocks: Any, endpoint: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
 
-def test_torch_checkpointing(blocks: Any, endpoint: str) -> None:
+def test_torch_checkpointing(blocks: Snippets, endpoint: str) -> None:
     pytest.importorskip("torch_checkpointing")
     namespace: dict[str, Any] = {}
     exec(blocks("torch_checkpointing", "python")[0], namespace)
@@ -98,7 +82,7 @@ def test_torch_checkpointing(blocks: Any, endpoint: str) -> None:
     assert _committed(endpoint, blocks.run, "step_100/.dcp-storage-commit")
 
 
-def test_torchft(blocks: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchft(blocks: Snippets, endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torchft")
     from datetime import timedelta
 
@@ -132,7 +116,7 @@ def test_torchft(blocks: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_lightning(
-    blocks: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    blocks: Snippets, endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     pytest.importorskip("lightning")
     import functools
@@ -165,7 +149,7 @@ def test_lightning(
 
 
 def test_accelerate(
-    blocks: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    blocks: Snippets, endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     pytest.importorskip("accelerate")
     from accelerate import Accelerator

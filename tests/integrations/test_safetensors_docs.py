@@ -5,10 +5,7 @@ environment as the docs advise."""
 from __future__ import annotations
 
 import json
-import re
 import shlex
-import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,10 +13,8 @@ import torch
 
 import storage
 from storage.cli import main
+from tests.support.doc_snippets import BUCKET, Snippets
 from tests.support.servers import KEY, SECRET, endpoint_with_bucket, s3_options
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "safetensors.md"
-BUCKET = "docs"
 
 
 @pytest.fixture(scope="module")
@@ -29,38 +24,29 @@ def endpoint(request: Any) -> str:
 
 
 @pytest.fixture
-def blocks(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+def blocks(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Snippets:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-    run = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
-
-    def of(section: str, language: str) -> str:
-        text = DOC.read_text().split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-        found = re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
-        assert len(found) == 1, f"one {language} block under '## {section}'"
-        return str(
-            found[0].replace("https://s3.example.com", endpoint).replace("s3://bucket/run1", run)
-        )
-
-    of.run = run  # type: ignore[attr-defined]
-    return of
+    return Snippets("safetensors.md", endpoint)
 
 
-def test_save_then_load_snippets(blocks: Any) -> None:
+def test_save_then_load_snippets(blocks: Snippets) -> None:
     saved: dict[str, Any] = {}
-    exec(blocks("Save a state dict as a model (DCP writer)", "python"), saved)
+    exec(blocks.one("Save a state dict as a model (DCP writer)", "python"), saved)
     loaded: dict[str, Any] = {}
-    exec(blocks("Load a model from a bucket (DCP reader)", "python"), loaded)
+    exec(blocks.one("Load a model from a bucket (DCP reader)", "python"), loaded)
     for key, value in saved["state_dict"].items():
         assert torch.equal(loaded["model"][key], value), key
 
 
-def test_export_snippet(blocks: Any, endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_snippet(
+    blocks: Snippets, endpoint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     gen = torch.Generator().manual_seed(0)
     weights = {"embed.weight": torch.randn(16, 8, generator=gen), "norm": torch.ones(8)}
     source = {"model": weights, "optim": {"m": torch.zeros(3)}, "step": 3000}
     storage.save(source, f"{blocks.run}/step-3000", storage_options=s3_options(endpoint))
-    command = blocks("Export a checkpoint (CLI)", "bash").replace("\\\n", " ")
+    command = blocks.one("Export a checkpoint (CLI)", "bash").replace("\\\n", " ")
     argv = shlex.split(command)
     assert argv[0] == "dcp-storage"
     assert main([*argv[1:], "--storage-option", f"endpoint_url={endpoint}"]) == 0
