@@ -36,6 +36,7 @@ from storage.checkpoint.safetensors import (
 from storage.checkpoint.safetensors.header import encode_header, layout
 from tests.support.distributed import gloo_group
 from tests.support.servers import boto3_client, endpoint_with_bucket, s3_options
+from tests.support.trees import tiny_llama
 
 BUCKET = "safetensors"
 
@@ -113,16 +114,7 @@ def test_written_model_loads_with_safetensors_torch_and_our_reader(
 
 def test_transformers_from_pretrained_loads_our_files(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=128,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    config, model = tiny_llama(0)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     config.save_pretrained(tmp_path)
     writer = SafetensorsWriter(tmp_path, max_shard_size=64 << 10)
@@ -149,17 +141,7 @@ def _upload(endpoint: str, folder: Path) -> str:
 def test_save_pretrained_and_torch_hf_writer_files_load_from_seaweedfs_bit_exact(
     endpoint: str, tmp_path: Path
 ) -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=128,
-    )
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(config)
+    config, model = tiny_llama(1)
     options = s3_options(endpoint)
     for max_shard in ("50KB", "1GB"):  # shards plus index; one model.safetensors
         folder = tmp_path / f"pretrained-{max_shard}"

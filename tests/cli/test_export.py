@@ -21,6 +21,7 @@ from storage.checkpoint.safetensors import load_safetensors
 from storage.cli import main
 from storage.ops import export as export_module
 from tests.support.servers import endpoint_with_bucket, s3_options
+from tests.support.trees import tiny_llama
 
 BUCKET = "export"
 KEY = bytes(range(32))
@@ -103,16 +104,7 @@ def test_export_of_an_encrypted_checkpoint_with_keys_loads_in_transformers(
 ) -> None:
     transformers = pytest.importorskip("transformers")
     monkeypatch.delenv("DCP_STORAGE_KEYS", raising=False)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=128,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    config, model = tiny_llama(0)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     src = tmp_path / "enc"
     storage.save(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -31,3 +33,21 @@ def assert_tree_equal(a: object, b: object) -> None:
             assert_tree_equal(a[k], b[k])
     else:
         assert a == b, f"{a!r} != {b!r}"
+
+
+def tiny_llama(seed: int) -> tuple[Any, Any]:
+    """A 2-layer, 64-wide Llama built from its config (no download): ``(config, model)``;
+    skips the test when transformers is not installed."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+    )
+    torch.manual_seed(seed)
+    return config, transformers.LlamaForCausalLM(config)
