@@ -172,7 +172,9 @@ def test_accelerate(
 
     from tests.integrations.test_integration_huggingface import _model
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    # The endpoint reaches the client only through the snippet's storage_options: with no
+    # AWS_ENDPOINT_URL, a snippet without them would go to AWS and fail.
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.chdir(tmp_path)
     accelerator = Accelerator(cpu=True)
