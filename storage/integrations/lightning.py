@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from extensions.base import Keys
-from extensions.errors import CheckpointStorageError
+from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from extensions.registry import ExtensionRegistry
 from storage.checkpoint import api
 from storage.checkpoint.deletion import delete_checkpoint
@@ -164,15 +164,15 @@ class StorageModelCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` whose ``fit(ckpt_path="last")`` finds its last checkpoint
     under a URL ``dirpath``.
 
-    Lightning's own lookup lists ``dirpath`` through fsspec, which names what it finds
-    without the URL's scheme (``bucket/run1/last.ckpt``): it takes those for local
-    paths, finds none, warns, and the fit starts from step 0. It also dates each
-    candidate with fsspec's ``modified``, which an object store has not for a prefix.
-    This callback lists the committed ``last*.ckpt`` checkpoints of a URL ``dirpath``
-    with the settings of the Trainer's :class:`StorageCheckpointIO`, and offers each by
-    its metadata file (which has a date); the plugin and the strategies here load a
-    checkpoint's metadata path as that checkpoint. A local ``dirpath`` keeps Lightning's
-    lookup, which works there.
+    Lightning's lookup lists ``dirpath`` through fsspec, which names what it finds
+    without the scheme (``bucket/run1/last.ckpt``): it finds no local path of that name,
+    warns, and the fit starts from step 0; and fsspec cannot date a prefix. This lists
+    the committed ``last*.ckpt`` of a URL ``dirpath`` with the Trainer's
+    :class:`StorageCheckpointIO` settings and offers each by its metadata file (dated;
+    loads here take it for its checkpoint, and the Trainer's ``ckpt_path`` names it).
+    Committed checkpoints but no last one (``save_last`` unset) raise
+    :class:`CheckpointNotFoundError` rather than a fit from step 0 beside them. A local
+    ``dirpath`` keeps Lightning's lookup.
     """
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
@@ -187,13 +187,24 @@ class StorageModelCheckpoint(ModelCheckpoint):
         except FileNotFoundError:
             return set()
         last = re.compile(rf"{re.escape(self.CHECKPOINT_NAME_LAST)}(-\d+)?")
-        found = set()
+        found, others = set(), []
         for name in names:
             stem, ext = os.path.splitext(name)
-            if ext == self.FILE_EXTENSION and last.match(stem):
-                committing = metadata_names(fs, fs.concat_path(location, name))
-                if committing:
-                    found.add(f"{dirpath.rstrip('/')}/{name}/{committing[0]}")
+            if ext != self.FILE_EXTENSION:
+                continue
+            committing = metadata_names(fs, fs.concat_path(location, name))
+            if committing and last.match(stem):
+                found.add(f"{dirpath.rstrip('/')}/{name}/{committing[0]}")
+            elif committing:
+                others.append(name)
+        if not found and others:
+            # Lightning would warn and train from step 0 beside these checkpoints.
+            raise CheckpointNotFoundError(
+                f'fit(ckpt_path="last"): {dirpath} holds committed checkpoints '
+                f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}) but no "
+                f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}; pass ckpt_path= the URL "
+                "of the one to resume from, and save with StorageModelCheckpoint(save_last=True)"
+            )
         return found
 
 

@@ -180,6 +180,21 @@ def test_ckpt_path_last_in_a_bucket_resumes_from_the_last_checkpoint(
     assert_tree_equal(_optimizer_state(later), _optimizer_state(trainer))
 
 
+def test_ckpt_path_last_without_a_last_checkpoint_in_the_bucket_raises(
+    bucket_env: dict[str, Any],
+) -> None:
+    """Checkpoints in the bucket but none saved as last (save_last unset): Lightning
+    warned and the fit trained from step 0 beside them; now it stops, naming them."""
+    root = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    plugin = StorageCheckpointIO(storage_options=bucket_env)
+    saves = StorageModelCheckpoint(dirpath=root)
+    _trainer(1, plugins=[plugin], callbacks=[saves]).fit(TinyModule(), _data())
+    later = _trainer(2, plugins=[plugin], callbacks=[StorageModelCheckpoint(dirpath=root)])
+    with pytest.raises(CheckpointNotFoundError, match=r"epoch=0-step=4\.ckpt.*save_last=True"):
+        later.fit(TinyModule(), _data(), ckpt_path="last")
+    assert later.global_step == 0
+
+
 def test_checkpoint_dict_round_trips_with_its_types(tmp_path: Any) -> None:
     """Lightning's dicts hold what DCP's own flattening cannot give back: int keys (an
     optimizer's state), lists of dicts, tuples, an OrderedDict, None, a tensor in a tuple."""
