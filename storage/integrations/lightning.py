@@ -9,6 +9,9 @@ local paths).
   sharded saves and loads go through our writer and reader: the stock strategies
   bypass ``CheckpointIO`` and let ``dcp.save`` pick a local ``FileSystemWriter``. They
   take their settings from a ``StorageCheckpointIO`` among the Trainer's plugins.
+* :class:`StorageModelCheckpoint`, a ``ModelCheckpoint`` whose ``ckpt_path="last"``
+  finds the last checkpoint under a URL ``dirpath`` (Lightning's lookup finds none
+  there and starts from step 0).
 
 A checkpoint path names a DCP checkpoint directory (or key prefix), committed like
 every save here: data first, metadata last, one CRC-32C per item, the plugin's
@@ -21,15 +24,16 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from extensions.base import Keys
-from extensions.errors import CheckpointStorageError
+from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from extensions.registry import ExtensionRegistry
 from storage.checkpoint import api
 from storage.checkpoint.deletion import delete_checkpoint
-from storage.checkpoint.layout import is_committed
+from storage.checkpoint.layout import is_committed, is_metadata_name, metadata_names
 from storage.checkpoint.options import resolve_location
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
@@ -39,6 +43,7 @@ from storage.integrations._solo import empty_targets, load_alone, reader_alone, 
 
 require("lightning.pytorch.plugins.io", "lightning")
 
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
 
@@ -120,7 +125,7 @@ class StorageCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        return self.load_tree(_location(path), weights_only=weights_only, map_location=map_location)
+        return self.load_tree(_loaded(path), weights_only=weights_only, map_location=map_location)
 
     def load_tree(
         self,
@@ -153,6 +158,54 @@ class StorageCheckpointIO(CheckpointIO):
         fs, location = resolve_location(url, self.options_for(url), None)
         if is_committed(fs, location):
             delete_checkpoint(fs, location)
+
+
+class StorageModelCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose ``fit(ckpt_path="last")`` finds its last checkpoint
+    under a URL ``dirpath``.
+
+    Lightning's lookup lists ``dirpath`` through fsspec, which names what it finds
+    without the scheme (``bucket/run1/last.ckpt``): it finds no local path of that name,
+    warns, and the fit starts from step 0; and fsspec cannot date a prefix. This lists
+    the committed ``last*.ckpt`` of a URL ``dirpath`` with the Trainer's
+    :class:`StorageCheckpointIO` settings and offers each by its metadata file (dated;
+    loads here take it for its checkpoint, and the Trainer's ``ckpt_path`` names it).
+    Committed checkpoints but no last one (``save_last`` unset) raise
+    :class:`CheckpointNotFoundError` rather than a fit from step 0 beside them. A local
+    ``dirpath`` keeps Lightning's lookup.
+    """
+
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        dirpath = _location(self._ModelCheckpoint__resolve_ckpt_dir(trainer))  # type: ignore[attr-defined]
+        if not _is_url(dirpath):
+            return super()._find_last_checkpoints(trainer)
+        io = trainer.strategy.checkpoint_io
+        io = io if isinstance(io, StorageCheckpointIO) else StorageCheckpointIO()
+        fs, location = resolve_location(dirpath, io.options_for(dirpath), None)
+        try:
+            names = fs.ls(location)
+        except FileNotFoundError:
+            return set()
+        last = re.compile(rf"{re.escape(self.CHECKPOINT_NAME_LAST)}(-\d+)?")
+        found, others = set(), []
+        for name in names:
+            stem, ext = os.path.splitext(name)
+            if ext != self.FILE_EXTENSION:
+                continue
+            committing = metadata_names(fs, fs.concat_path(location, name))
+            if committing and last.match(stem):
+                found.add(f"{dirpath.rstrip('/')}/{name}/{committing[0]}")
+            elif committing:
+                others.append(name)
+        if not found and others:
+            # Lightning would warn and train from step 0 beside these checkpoints.
+            raise CheckpointNotFoundError(
+                f'fit(ckpt_path="last"): {dirpath} holds committed checkpoints '
+                f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}) but no "
+                f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}; pass ckpt_path= the URL "
+                "of the one to resume from, and save with StorageModelCheckpoint(save_last=True)"
+            )
+        return found
 
 
 class _ShardedStorage:
@@ -209,7 +262,7 @@ class StorageModelParallelStrategy(_ShardedStorage, ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        url = self.broadcast(_location(checkpoint_path))
+        url = self.broadcast(_loaded(checkpoint_path))
         options = self.storage_io.reader_options(url)
         module = self.model
         assert module is not None and self.lightning_module is not None
@@ -255,7 +308,7 @@ class StorageFSDPStrategy(_ShardedStorage, FSDPStrategy):
             StateDictType,
         )
 
-        url = self.broadcast(_location(checkpoint_path))
+        url = self.broadcast(_loaded(checkpoint_path))
         options = self.storage_io.reader_options(url)
         module = self.model
         assert module is not None and self.lightning_module is not None
@@ -316,6 +369,14 @@ def _location(path: Any) -> str:
     return os.fspath(path)
 
 
+def _loaded(path: Any) -> str:
+    """The checkpoint a load names: ``path``, or the checkpoint whose metadata file it
+    is (what :class:`StorageModelCheckpoint` offers for ``ckpt_path="last"``)."""
+    url = _location(path)
+    parent, sep, name = url.rstrip("/").rpartition("/")
+    return parent if sep and is_metadata_name(name) else url
+
+
 def _is_url(path: str) -> bool:
     scheme, sep, _ = path.partition("://")
     return bool(sep) and scheme not in ("", "file")
@@ -333,5 +394,6 @@ __all__ = [
     "PREFIX",
     "StorageCheckpointIO",
     "StorageFSDPStrategy",
+    "StorageModelCheckpoint",
     "StorageModelParallelStrategy",
 ]

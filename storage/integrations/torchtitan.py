@@ -22,7 +22,8 @@ model-only and dtype-converted last steps, async modes and their process group,
 * which step to resume from is the newest *committed* ``step-<N>`` (its metadata
   landed), found by :class:`storage.CheckpointManager`;
 * ``keep_latest_k`` is enforced by that manager's retention (metadata deleted first,
-  steps that an incremental step references kept), on torchtitan's purge thread.
+  steps that an incremental step references kept), on torchtitan's purge thread, after
+  the last step's save too (torchtitan's own save skips its purge there).
 
 Hugging Face safetensors exports and initial loads (``last_save_in_hf``,
 ``initial_load_in_hf``) are torchtitan's own local-disk code, unchanged.
@@ -211,6 +212,13 @@ class CheckpointManager(_titan_dcp.CheckpointManager):
         steps = _StepManager(folder, storage_options=self._options) if folder else self._steps
         latest = steps.latest()
         return -1 if latest is None else latest
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        saved = bool(super()._save(curr_step, last_step))
+        if saved and last_step:
+            # torchtitan returns right after the last step's save, before its purge.
+            self._purge_stale_checkpoints()
+        return saved
 
     def _purge_stale_checkpoints(self) -> None:
         if self.keep_latest_k > 0 and self._steps.may_delete():

@@ -118,6 +118,11 @@ def test_torchft(blocks: Snippets, endpoint: str, monkeypatch: pytest.MonkeyPatc
 def test_lightning(
     blocks: Snippets, endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """The snippet as written: its Trainers set max_epochs (without it Lightning trains
+    1000 epochs and ModelCheckpoint keeps only the newest), and its
+    ``ckpt_path="last"`` resumes after the first fit's 8 steps. With Lightning's own
+    ModelCheckpoint, "last" found nothing in the bucket and the resumed fit trained
+    from step 0 with only a warning."""
     pytest.importorskip("lightning")
     import functools
 
@@ -125,27 +130,38 @@ def test_lightning(
 
     from tests.integrations.test_integration_lightning import TinyModule, _data
 
+    class Counting(TinyModule):
+        steps = 0
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            Counting.steps += 1
+            return super().training_step(batch, batch_idx)
+
     # ModelCheckpoint reaches the bucket through fsspec with the standard variables (as
-    # the docs say); the Trainers are kept small: two epochs of four steps, no logger.
+    # the docs say); the Trainers are kept quiet: no logger, no progress bar.
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.chdir(tmp_path)
-    small = functools.partial(
+    quiet = functools.partial(
         pl.Trainer,
-        max_epochs=2,
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    monkeypatch.setattr(pl, "Trainer", small)
+    monkeypatch.setattr(pl, "Trainer", quiet)
     code = blocks("PyTorch Lightning", "python")[0].replace(
         '{"endpoint_url": ...}', "{'endpoint_url': ENDPOINT}"
     )
     torch.set_num_threads(1)
-    namespace: dict[str, Any] = {"ENDPOINT": endpoint, "model": TinyModule(), "data": _data()}
+    namespace: dict[str, Any] = {"ENDPOINT": endpoint, "model": Counting(), "data": _data()}
     exec(code, namespace)
-    assert _committed(endpoint, blocks.run, "epoch=1-step=8.ckpt/.metadata")
+    # save_top_k=1: the resumed fit's epoch=2-step=12 replaced the first fit's epoch=1-step=8.
+    assert _committed(endpoint, blocks.run, "epoch=2-step=12.ckpt/.metadata")
+    assert _committed(endpoint, blocks.run, "/last.ckpt/.metadata")
+    assert str(namespace["resumed"].ckpt_path).endswith("/last.ckpt/.metadata")
+    assert Counting.steps == 8 + 4  # two epochs, then the third one only
+    assert namespace["resumed"].global_step == 12
 
 
 def test_accelerate(
@@ -156,7 +172,9 @@ def test_accelerate(
 
     from tests.integrations.test_integration_huggingface import _model
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    # The endpoint reaches the client only through the snippet's storage_options: with no
+    # AWS_ENDPOINT_URL, a snippet without them would go to AWS and fail.
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.chdir(tmp_path)
     accelerator = Accelerator(cpu=True)

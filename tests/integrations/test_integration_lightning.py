@@ -40,6 +40,7 @@ from storage.integrations.lightning import (  # noqa: E402
     PREFIX,
     StorageCheckpointIO,
     StorageFSDPStrategy,
+    StorageModelCheckpoint,
     StorageModelParallelStrategy,
 )
 from tests.support.distributed import gloo_group  # noqa: E402
@@ -152,6 +153,46 @@ def test_fit_to_bucket_then_resume_in_a_fresh_trainer_is_bit_exact(
     assert again.lr_scheduler_configs[0].scheduler.state_dict() == (
         trainer.lr_scheduler_configs[0].scheduler.state_dict()
     )
+
+
+def test_ckpt_path_last_in_a_bucket_resumes_from_the_last_checkpoint(
+    bucket_env: dict[str, Any],
+) -> None:
+    """``fit(ckpt_path="last")`` with an ``s3://`` dirpath: Lightning's ModelCheckpoint
+    listed the bucket without the URL scheme, found no last checkpoint, warned, and the
+    fit trained again from step 0. StorageModelCheckpoint resumes from last.ckpt."""
+    root = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    plugin = StorageCheckpointIO(storage_options=bucket_env)
+    straight = TinyModule()
+    trainer = _trainer(3, plugins=[plugin], enable_checkpointing=False)
+    trainer.fit(straight, _data())
+
+    first = StorageModelCheckpoint(dirpath=root, save_last=True)
+    _trainer(2, plugins=[plugin], callbacks=[first]).fit(TinyModule(), _data())
+    resumed = TinyModule(seed=5)
+    again = StorageModelCheckpoint(dirpath=root, save_last=True)
+    later = _trainer(3, plugins=[plugin], callbacks=[again])
+    later.fit(resumed, _data(), ckpt_path="last")
+
+    assert later.ckpt_path == f"{root}/last.ckpt/.metadata"
+    assert later.global_step == 12
+    assert_tree_equal(resumed.state_dict(), straight.state_dict())
+    assert_tree_equal(_optimizer_state(later), _optimizer_state(trainer))
+
+
+def test_ckpt_path_last_without_a_last_checkpoint_in_the_bucket_raises(
+    bucket_env: dict[str, Any],
+) -> None:
+    """Checkpoints in the bucket but none saved as last (save_last unset): Lightning
+    warned and the fit trained from step 0 beside them; now it stops, naming them."""
+    root = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    plugin = StorageCheckpointIO(storage_options=bucket_env)
+    saves = StorageModelCheckpoint(dirpath=root)
+    _trainer(1, plugins=[plugin], callbacks=[saves]).fit(TinyModule(), _data())
+    later = _trainer(2, plugins=[plugin], callbacks=[StorageModelCheckpoint(dirpath=root)])
+    with pytest.raises(CheckpointNotFoundError, match=r"epoch=0-step=4\.ckpt.*save_last=True"):
+        later.fit(TinyModule(), _data(), ckpt_path="last")
+    assert later.global_step == 0
 
 
 def test_checkpoint_dict_round_trips_with_its_types(tmp_path: Any) -> None:

@@ -77,6 +77,20 @@ def test_train_save_resume_bit_exact(endpoint: str, tmp_path: Any, async_mode: s
     assert first["lr"] == resumed["lr"]
 
 
+def test_keep_latest_k_applies_after_the_last_step(endpoint: str, tmp_path: Any) -> None:
+    """torchtitan's save() returns right after the last step's save, before its purge:
+    with keep_latest_k=2, steps 2, 4 and the last step 5 all used to stay in the bucket
+    after close()."""
+    url = f"s3://{BUCKET}/{tmp_path.name}"
+    *_, checkpointer = _components(torch.nn.Linear(2, 2), url, s3_options(endpoint), "disabled")
+    for step in (2, 4):
+        assert checkpointer.save(curr_step=step)
+    assert checkpointer.save(curr_step=5, last_step=True)
+    checkpointer.close()  # the purge thread drains its queue before it stops
+    keys = list_keys(boto3_client(endpoint), BUCKET, url.split("/", 3)[3] + "/")
+    assert sorted({k.split("/")[1] for k in keys}) == ["step-4", "step-5"], keys
+
+
 def test_a_step_that_is_not_committed_is_refused(endpoint: str, tmp_path: Any) -> None:
     url = f"s3://{BUCKET}/{tmp_path.name}"
     *_, checkpointer = _components(torch.nn.Linear(2, 2), url, s3_options(endpoint), "disabled")
