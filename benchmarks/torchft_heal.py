@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench import build_state_dict  # noqa: E402
+from benchmarks.s3_peers import raw_ceiling  # noqa: E402
 from tests.support.capped_proxy import CappedProxy  # noqa: E402
 from tests.support.servers import SeaweedFS, boto3_client, s3_options  # noqa: E402
 
@@ -112,9 +113,13 @@ def sender(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     state = build_state_dict(args.size_mb)
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
-    t0 = time.perf_counter()
-    copies = [t.clone() for t in tensors]
-    memcpy = time.perf_counter() - t0
+    copies = [torch.ones_like(t) for t in tensors]  # allocated and touched: a plain copy
+    memcpy = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for dst, src in zip(copies, tensors, strict=True):
+            dst.copy_(src)
+        memcpy = min(memcpy, time.perf_counter() - t0)
     del copies
     transport = _make_transport(args, 0)
     a = torch.randn(512, 512)
@@ -252,7 +257,14 @@ def run_case(
         cmd += ["--root", f"s3://{BUCKET}/{os.path.basename(work)}", "--endpoint", endpoint]
     before = (proxy.bytes_up, proxy.bytes_down) if proxy and case == "ours-capped" else None
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen(cmd + ["--child", role], env=env) for role in ("sender", "receiver")]
+    procs = []
+    for role in ("sender", "receiver"):
+        spy: list[str] = []
+        if args.profile:  # py-spy of every thread, idle ones too: where the seconds go
+            out = os.path.join(args.profile, f"{case}-{role}.txt")
+            spy = [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--idle"]
+            spy += ["--threads", "--format", "raw", "--rate", "50", "--output", out, "--"]
+        procs.append(subprocess.Popen(spy + cmd + ["--child", role], env=env))
     try:
         for proc in procs:
             if proc.wait(timeout=TIMEOUT.total_seconds()) != 0:
@@ -280,6 +292,9 @@ def run_case(
             row["moved"] = f"{up / MB:.0f} w + {down / MB:.0f} r"
             assert proxy.bucket is not None
             row["limit"] = (up + down) / proxy.bucket.rate
+        elif args.ceiling:  # the bucket's own limit here: raw boto3 PUT then GET
+            row["limit"] = stored / args.ceiling["put"] + stored / args.ceiling["get"]
+            row["limit_name"] = "raw PUT+GET"
         if endpoint:
             client = boto3_client(server.url if server else endpoint)
             for key in [root.removeprefix(f"s3://{BUCKET}/")]:
@@ -311,7 +326,7 @@ def report(rows: dict[str, dict[str, Any]], proxy: CappedProxy | None) -> None:
         r["lost"], r["idle_ms"] = lost, idle * 1e3
         heal_ratio = f"{r['heal'] / base['heal']:.2f}x" if base else "-"
         lost_ratio = f"{lost / base['lost']:.2f}x" if base and base.get("lost") else "-"
-        limit = "cap" if proxy and name == "ours-capped" else "memcpy"
+        limit = r.get("limit_name", "cap" if proxy and name == "ours-capped" else "memcpy")
         print(
             f"| {name} | {r['heal']:.2f} | {heal_ratio} | {r['blocked']:.2f} | {idle * 1e3:.1f} "
             f"| {serving} | {lost:.1f} | {lost_ratio} | {r['after_send']:.2f} | {r['moved']} "
@@ -344,6 +359,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
     parser.add_argument("--rate", type=float, default=100e6, help="proxy cap, bytes/s in all")
     parser.add_argument("--latency", type=float, default=0.005, help="proxy delay per request, s")
+    parser.add_argument("--profile", help="py-spy both processes, raw stacks into this dir")
     parser.add_argument("--child", choices=["sender", "receiver"])
     parser.add_argument("--case", choices=CASES)
     parser.add_argument("--work")
@@ -361,6 +377,15 @@ def main() -> None:
     try:
         if server is not None:  # the first write to a bucket grows its volumes: not timed
             boto3_client(server.url).put_object(Bucket=BUCKET, Key="warm-up", Body=bytes(1 << 20))
+        args.ceiling = None
+        if server is not None and "ours-seaweedfs" in args.cases:
+            raw = raw_ceiling(server.url)
+            args.ceiling = {"put": raw["bytes"] / raw["save"], "get": raw["bytes"] / raw["load"]}
+            print(
+                f"raw SeaweedFS ceiling (boto3, 8 x 32 MiB in 8 threads): PUT "
+                f"{args.ceiling['put'] / MB:.0f} MB/s, GET {args.ceiling['get'] / MB:.0f} MB/s",
+                flush=True,
+            )
         if server is not None and "ours-capped" in args.cases:
             proxy = CappedProxy(server.url, rate=args.rate, latency=args.latency)
         runs: dict[str, list[dict[str, Any]]] = {case: [] for case in args.cases}
