@@ -292,7 +292,7 @@ def run_case(
             row["moved"] = f"{up / MB:.0f} w + {down / MB:.0f} r"
             assert proxy.bucket is not None
             row["limit"] = (up + down) / proxy.bucket.rate
-        elif args.ceiling:  # the bucket's own limit here: raw boto3 PUT then GET
+        elif endpoint and args.ceiling:  # the bucket's own limit here: raw PUT then GET
             row["limit"] = stored / args.ceiling["put"] + stored / args.ceiling["get"]
             row["limit_name"] = "raw PUT+GET"
         if endpoint:
