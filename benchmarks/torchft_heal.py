@@ -75,7 +75,7 @@ def _write_json(path: str, value: dict[str, Any]) -> None:
 def _sums(state: dict[str, Any]) -> dict[str, int]:
     """A CRC of every tensor's bytes: the receiver checks it got the state bit for bit."""
     return {
-        k: zlib.crc32(v.contiguous().view(-1).view(torch.uint8).numpy())
+        k: zlib.crc32(v.contiguous().view(-1).view(torch.uint8).numpy().data)
         for k, v in state.items()
         if isinstance(v, torch.Tensor)
     }
@@ -285,7 +285,8 @@ def run_case(
         row["moved"] = f"{row['logical'] / MB:.0f} sent"
     else:
         root = cmd[cmd.index("--root") + 1]
-        stored = _stored(root, server.url if endpoint else None)
+        direct = server.url if endpoint and server else None  # listed past the proxy
+        stored = _stored(root, direct)
         row["moved"] = f"{stored / MB:.0f} w + {stored / MB:.0f} r"
         if before is not None and proxy is not None:
             up, down = proxy.bytes_up - before[0], proxy.bytes_down - before[1]
@@ -295,13 +296,13 @@ def run_case(
         elif endpoint and args.ceiling:  # the bucket's own limit here: raw PUT then GET
             row["limit"] = stored / args.ceiling["put"] + stored / args.ceiling["get"]
             row["limit_name"] = "raw PUT+GET"
-        if endpoint:
-            client = boto3_client(server.url if server else endpoint)
-            for key in [root.removeprefix(f"s3://{BUCKET}/")]:
-                pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=key)
-                for p in pages:
-                    for o in p.get("Contents", []):
-                        client.delete_object(Bucket=BUCKET, Key=o["Key"])
+        if direct:  # the next case starts from an empty bucket
+            client = boto3_client(direct)
+            prefix = root.removeprefix(f"s3://{BUCKET}/")
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+            for page in pages:
+                for o in page.get("Contents", []):
+                    client.delete_object(Bucket=BUCKET, Key=o["Key"])
     row.setdefault("limit", row["memcpy"])
     row["after_send"] = row["healed_at"] - row["sent_at"]
     shutil.rmtree(work, ignore_errors=True)
@@ -325,7 +326,7 @@ def report(rows: dict[str, dict[str, Any]], proxy: CappedProxy | None) -> None:
         lost = r["window"] / idle - len(r["serving"])
         r["lost"], r["idle_ms"] = lost, idle * 1e3
         heal_ratio = f"{r['heal'] / base['heal']:.2f}x" if base else "-"
-        lost_ratio = f"{lost / base['lost']:.2f}x" if base and base.get("lost") else "-"
+        lost_ratio = f"{lost / base['lost']:.2f}x" if base and base.get("lost", 0) > 0 else "-"
         limit = r.get("limit_name", "cap" if proxy and name == "ours-capped" else "memcpy")
         print(
             f"| {name} | {r['heal']:.2f} | {heal_ratio} | {r['blocked']:.2f} | {idle * 1e3:.1f} "
