@@ -56,7 +56,10 @@ def main(job: dict[str, Any]) -> None:
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     transport = StorageCheckpointTransport(
-        job["root"], replica_id=job["replica_id"], transforms=[ZStandard(level=1)]
+        job["root"],
+        replica_id=job["replica_id"],
+        transforms=[ZStandard(level=1)],
+        storage_options=job.get("storage_options"),
     )
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=60)),

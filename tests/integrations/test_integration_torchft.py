@@ -28,6 +28,7 @@ pytest.importorskip("torchft", reason="pip install 'dcp-storage[torchft]'")
 
 from torchft.checkpointing.transport_test import run_multi_recovery_test  # noqa: E402
 
+import storage  # noqa: E402
 from extensions import ZStandard  # noqa: E402
 from storage.integrations.torchft import StorageCheckpointTransport  # noqa: E402
 from tests.support.servers import (  # noqa: E402
@@ -147,16 +148,30 @@ def _bits(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
-def test_a_killed_group_heals_through_storage_and_stays_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_a_killed_group_heals_through_storage_and_stays_bit_exact(
+    tmp_path: Path, where: str, request: Any
+) -> None:
     """Groups a and b train in lockstep (min_replica_size=2); b is killed with SIGKILL
     after committing step 3 and restarted from a different initialisation; it heals from
-    a's step-3 checkpoint written through our transport, and both end at step 6 with the
-    same weights, optimizer state and step, bit for bit."""
+    a's step-3 checkpoint written through our transport (on local disk, or in a bucket on
+    SeaweedFS), and both end at step 6 with the same weights, optimizer state and step,
+    bit for bit."""
     from torchft._torchft import LighthouseServer
 
+    if where == "bucket":
+        request.param = "seaweedfs"
+        options: dict[str, Any] | None = s3_options(endpoint_with_bucket(request, BUCKET))
+        root = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ft"
+    else:
+        options, root = None, str(tmp_path / "ft")
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=2000)
-    root = tmp_path / "ft"
-    common = {"lighthouse": lighthouse.address(), "root": str(root), "steps": 6}
+    common = {
+        "lighthouse": lighthouse.address(),
+        "root": root,
+        "storage_options": options,
+        "steps": 6,
+    }
     a = {**common, "replica_id": "a", "batch": 0, "seed": 1, "out": str(tmp_path / "a.pt")}
     b1 = {**common, "replica_id": "b", "batch": 1, "seed": 2, "out": str(tmp_path / "b1.pt")}
     b2 = {**b1, "seed": 3, "out": str(tmp_path / "b2.pt")}
@@ -182,4 +197,5 @@ def test_a_killed_group_heals_through_storage_and_stays_bit_exact(tmp_path: Path
     assert first["step"] == healed["step"] == 6
     assert healed["healed_at"] == 3  # b's first quorum after the restart took a's step 3
     _bits(first, {**healed, "healed_at": first["healed_at"]})
-    assert (root / "a" / "replica-0" / "step-3" / ".metadata").exists()  # what b read
+    read = f"{root}/a/replica-0/step-3"  # what b read
+    assert storage.filesystem_from_url(read, options)[0].exists(f"{read}/.metadata")
