@@ -7,7 +7,7 @@
 The model: bf16 tensors shaped like a small LLM's (hidden 2048, MLP 5632, vocabulary
 32000: embeddings, then decoder layers of q/k/v/o, gate/up/down and two norms until
 ``--size-mb``, then the final norm and ``lm_head``), written once with
-``storage.save_safetensors`` in shards of ``--max-shard-size`` with
+``storage.save_safetensors`` in shards of ``--max-shard-size-mb`` with
 ``model.safetensors.index.json``, as ``save_pretrained`` lays it out.
 
 Rows, each load in a fresh process (imports, target allocation and the bit-exact check
@@ -211,6 +211,7 @@ def run(args: argparse.Namespace, endpoint: str, via: str, proxy: CappedProxy | 
     warm, prefix = f"warm-{uuid.uuid4().hex}", f"model-{uuid.uuid4().hex}"
     save_model(endpoint, warm, 20, args.max_shard_size_mb / 8)
     logical = save_model(endpoint, prefix, args.size_mb, args.max_shard_size_mb)
+    shards = len(_shards(endpoint, prefix))
     for name in names:
         load_in_fresh_process(name, via, warm, 20)
     raw_ceiling(via)
@@ -226,18 +227,18 @@ def run(args: argparse.Namespace, endpoint: str, via: str, proxy: CappedProxy | 
         samples["raw GET ceiling"].setdefault("cpu", []).append(raw["load_cpu"] * scale)
     delete_prefix(endpoint, warm)
     delete_prefix(endpoint, prefix)
-    report(samples, logical, args, proxy)
+    report(samples, logical, shards, args, proxy)
 
 
 def report(
     samples: dict[str, dict[str, list[float]]],
     logical: int,
+    shards: int,
     args: argparse.Namespace,
     proxy: CappedProxy | None,
 ) -> None:
     med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
     mb, gb = logical / MB, logical / 1e9
-    shards = int(-(-logical // (args.max_shard_size_mb * MB)))
     where = "SeaweedFS on loopback"
     if proxy and proxy.bucket:
         where = (
@@ -245,7 +246,7 @@ def report(
             f"{proxy.latency * 1e3:.0f} ms per request; proxy CPU {proxy.cpu_seconds():.1f} s)"
         )
     print(
-        f"\n{where}: {mb:.0f} MB bf16 model in ~{shards} shards of <= "
+        f"\n{where}: {mb:.0f} MB bf16 model in {shards} shards of <= "
         f"{args.max_shard_size_mb:.0f} MB, median of {args.repeat}, each load in a fresh process"
     )
     print("| client | load s | MB/s | client CPU s/GB | vs runai (time, CPU) | % of GET ceiling |")
@@ -281,7 +282,8 @@ def main() -> None:
     parser.add_argument("--child-load", nargs=3, metavar=("CLIENT", "ENDPOINT", "PREFIX"))
     args = parser.parse_args()
     if args.child_load:
-        child_load(*args.child_load, args.size_mb)
+        client, endpoint, prefix = args.child_load
+        child_load(client, endpoint, prefix, args.size_mb)
         return
     with SeaweedFS(bucket=BUCKET) as server:
         print(f"SeaweedFS {server.url} (data in {server.dir})", flush=True)
