@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.doc_snippets import BUCKET, Snippets
-from tests.support.servers import KEY, SECRET, boto3_client, endpoint_with_bucket, list_keys
+from tests.support.doc_snippets import BUCKET, Snippets, snippets
+from tests.support.servers import boto3_client, endpoint_with_bucket, list_keys
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +22,7 @@ def endpoint(request: Any) -> str:
 
 @pytest.fixture
 def blocks(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Snippets:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-    return Snippets("integrations.md", endpoint)
+    return snippets("integrations.md", endpoint, monkeypatch)
 
 
 def _committed(endpoint: str, run: str, marker: str) -> list[str]:

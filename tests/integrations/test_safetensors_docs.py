@@ -13,8 +13,8 @@ import torch
 
 import storage
 from storage.cli import main
-from tests.support.doc_snippets import BUCKET, Snippets
-from tests.support.servers import KEY, SECRET, endpoint_with_bucket, s3_options
+from tests.support.doc_snippets import BUCKET, Snippets, snippets
+from tests.support.servers import endpoint_with_bucket, s3_options
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,7 @@ def endpoint(request: Any) -> str:
 
 @pytest.fixture
 def blocks(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Snippets:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-    return Snippets("safetensors.md", endpoint)
+    return snippets("safetensors.md", endpoint, monkeypatch)
 
 
 def test_save_then_load_snippets(blocks: Snippets) -> None:

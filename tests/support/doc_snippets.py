@@ -8,6 +8,10 @@ import re
 import uuid
 from pathlib import Path
 
+import pytest
+
+from tests.support.servers import KEY, SECRET
+
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 #: The bucket the snippet tests create on their server.
 BUCKET = "docs"
@@ -39,3 +43,11 @@ class Snippets:
         return block.replace("https://s3.example.com", self.endpoint).replace(
             "s3://bucket/run1", self.run
         )
+
+
+def snippets(doc: str, endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Snippets:
+    """``doc``'s snippets, with the server's credentials in the environment as the docs
+    advise."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    return Snippets(doc, endpoint)
