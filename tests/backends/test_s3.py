@@ -16,7 +16,6 @@ from typing import IO, Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint._extension import ZStandard as TorchZStandard
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -33,7 +32,7 @@ from extensions.errors import (
 from storage import S3FileSystem
 from storage.backends.base import FileSystemBase
 from storage.testing import FileSystemTests
-from tests.support.distributed import gloo_group
+from tests.support.distributed import gloo_group, spawn
 from tests.support.servers import (
     FaultProxy,
     boto3_client,
@@ -358,7 +357,7 @@ def _rank_worker(rank: int, store: str, url: str, opts: dict) -> None:
 def test_two_rank_gloo_save_loads_on_one(endpoint: str, tmp_path: Any) -> None:
     url = _url()
     opts = s3_options(endpoint)
-    mp.spawn(_rank_worker, args=(str(tmp_path / "store"), url, opts), nprocs=2, join=True)
+    spawn(_rank_worker, args=(str(tmp_path / "store"), url, opts), nprocs=2, join=True)
     target = {
         "r0": torch.zeros(1000),
         "r1": torch.zeros(1000),

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import storage
 from extensions import ZStandard
-from tests.support.distributed import gloo_group
+from tests.support.distributed import gloo_group, spawn
 from tests.support.scale_fs import ProbeFileSystem
 
 WORLD = 2
@@ -68,12 +67,12 @@ def _load_worker(rank: int, store: str, path: str) -> None:
 @pytest.mark.parametrize("chain", ["none", "zstd"])
 def test_two_rank_save_reload_on_two_and_one(tmp_path: Path, chain: str) -> None:
     path = str(tmp_path / "ckpt")
-    mp.spawn(_save_worker, args=(str(tmp_path / "store1"), path, chain), nprocs=WORLD, join=True)
+    spawn(_save_worker, args=(str(tmp_path / "store1"), path, chain), nprocs=WORLD)
     names = sorted(os.listdir(path))
     assert ".metadata" in names
     assert any(n.startswith("__0_") for n in names) and any(n.startswith("__1_") for n in names)
 
-    mp.spawn(_load_worker, args=(str(tmp_path / "store2"), path), nprocs=WORLD, join=True)
+    spawn(_load_worker, args=(str(tmp_path / "store2"), path), nprocs=WORLD)
 
     # One process, no process group: the full tensors are assembled from both shards.
     full = _full()
@@ -118,7 +117,7 @@ def test_missing_checkpoint_is_listed_once(tmp_path: Path) -> None:
     again on each rank. Now the coordinator's one listing answers every rank."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("not a checkpoint")
-    mp.spawn(_missing_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD)
+    spawn(_missing_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD)
     fs = ProbeFileSystem()  # one process: one read, one listing
     with pytest.raises(storage.CheckpointNotFoundError, match="no checkpoint at"):
         storage.load({"w": torch.zeros(4)}, str(tmp_path / "nope"), filesystem=fs)
@@ -147,7 +146,7 @@ def test_manager_async_saves_beside_the_jobs_collectives(tmp_path: Path) -> None
     on it too: gloo aborted a rank ('Received data size doesn't match expected size')."""
     root = str(tmp_path / "run")
     store = str(tmp_path / "store")
-    mp.spawn(_async_beside_the_job_worker, args=(store, root), nprocs=WORLD, join=True)
+    spawn(_async_beside_the_job_worker, args=(store, root), nprocs=WORLD, join=True)
     loaded = {"rank0": torch.zeros(1 << 16), "rank1": torch.zeros(1 << 16)}
     assert storage.CheckpointManager(root).load(loaded) == 2
     assert torch.equal(loaded["rank1"], torch.ones(1 << 16)) and not loaded["rank0"].any()

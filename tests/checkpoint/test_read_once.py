@@ -26,12 +26,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import storage
 from storage.checkpoint import read_once as sharing
 from storage.checkpoint import share_groups
+from tests.support.distributed import spawn
 from tests.support.scale_fs import ProbeFileSystem
 
 WORLD = 4
@@ -112,4 +112,4 @@ def _worker(rank: int, store: str, path: str) -> None:
 def test_nccl_only_default_group_gets_a_gloo_group_of_its_own(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     storage.save(_state(), path)
-    mp.spawn(_worker, args=(str(tmp_path / "store"), path), nprocs=WORLD, join=True)
+    spawn(_worker, args=(str(tmp_path / "store"), path), nprocs=WORLD, join=True)

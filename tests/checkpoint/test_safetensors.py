@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -34,7 +33,7 @@ from storage.checkpoint.safetensors import (
     save_safetensors,
 )
 from storage.checkpoint.safetensors.header import encode_header, layout
-from tests.support.distributed import gloo_group
+from tests.support.distributed import gloo_group, spawn
 from tests.support.servers import boto3_client, endpoint_with_bucket, s3_options
 from tests.support.trees import tiny_llama
 
@@ -253,7 +252,7 @@ def _two_rank_worker(rank: int, store: str, path: str) -> None:
 
 def test_two_ranks_save_one_model_and_load_it_into_dtensor_shards(tmp_path: Path) -> None:
     path = str(tmp_path / "model")
-    mp.spawn(_two_rank_worker, args=(str(tmp_path / "store"), path), nprocs=2, join=True)
+    spawn(_two_rank_worker, args=(str(tmp_path / "store"), path), nprocs=2, join=True)
     _equal(
         {
             k: v

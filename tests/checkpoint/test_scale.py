@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
@@ -34,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import storage
 from storage.checkpoint import read_once as sharing
 from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError
-from tests.support.distributed import gloo_group
+from tests.support.distributed import gloo_group, process, spawn
 from tests.support.scale_fs import ProbeFileSystem, load_counts
 from tests.support.servers import (
     FaultProxy,
@@ -118,7 +117,7 @@ def _needed_bytes(path: str, **where: Any) -> int:
 @ranks8
 def test_local_save_load_resharded_read_once(tmp_path: Path) -> None:
     path, out = str(tmp_path / "ckpt"), str(tmp_path)
-    mp.spawn(
+    spawn(
         _round_trip_worker,
         args=(str(tmp_path / "store"), path, out, None),
         nprocs=WORLD,
@@ -151,11 +150,8 @@ def proxy() -> Any:
 def test_s3_save_load_resharded_read_once(tmp_path: Path, proxy: FaultProxy) -> None:
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}/ckpt"
     out = str(tmp_path)
-    ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(
-            target=_round_trip_worker, args=(r, str(tmp_path / "store"), url, out, proxy.url)
-        )
+        process(_round_trip_worker, (r, str(tmp_path / "store"), url, out, proxy.url))
         for r in range(WORLD)
     ]
     # Saving fetches no data file: the proxy's count is the first load's.
@@ -237,7 +233,7 @@ def _failure_worker(rank: int, store: str, path: str, mode: str) -> None:
 @ranks8
 @pytest.mark.parametrize("mode", ["fail", "stall"])
 def test_failing_or_stalled_rank_fails_every_rank_naming_it(tmp_path: Path, mode: str) -> None:
-    mp.spawn(
+    spawn(
         _failure_worker,
         args=(str(tmp_path / "store"), str(tmp_path), mode),
         nprocs=WORLD,
@@ -310,7 +306,7 @@ def test_s3_stalled_upload_fails_every_rank_naming_it(tmp_path: Path, proxy: Fau
     # Rank 3's data upload gets no answer for a minute: an upload that never completes.
     proxy.add("delay", path=r"/__3_0-[0-9a-z]+\.distcp", delay=60.0)
     try:
-        mp.spawn(
+        spawn(
             _s3_stall_worker,
             args=(str(tmp_path / "store"), url, proxy.url),
             nprocs=WORLD,
@@ -413,7 +409,7 @@ def _exit_worker(rank: int, store: str, path: str) -> None:
 def test_every_rank_exits_cleanly_after_a_stalled_upload(tmp_path: Path) -> None:
     """Before: rank 3's upload thread stayed in the stalled write, inside torch's
     archive writer, when its process exited."""
-    mp.spawn(
+    spawn(
         _exit_worker, args=(str(tmp_path / "store"), str(tmp_path / "ck")), nprocs=WORLD, join=True
     )
 

@@ -12,7 +12,6 @@ from typing import IO, Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -21,7 +20,7 @@ import storage
 from extensions import AES256GCM, StreamTransformExtension, ZStandard
 from extensions.errors import CheckpointStorageError, WorkerDiedError
 from storage.checkpoint import persist
-from tests.support.distributed import gloo_group
+from tests.support.distributed import gloo_group, spawn
 from tests.support.trees import assert_tree_equal, zeros_like_tree
 
 KEY = bytes(range(7, 39))
@@ -374,7 +373,7 @@ def _two_rank_saver(rank: int, store: str, path: str) -> None:
 def test_two_ranks_save_through_their_own_workers(tmp_path: Path) -> None:
     """DTensor shards staged in each rank's shared memory and written by each rank's
     worker, DCP's collectives in the training processes; a worker's error names its rank."""
-    mp.spawn(_two_rank_saver, args=(str(tmp_path / "store"), str(tmp_path / "ckpt")), nprocs=2)
+    spawn(_two_rank_saver, args=(str(tmp_path / "store"), str(tmp_path / "ckpt")), nprocs=2)
 
 
 # --- tiers: the drain runs in the worker --------------------------------------------------

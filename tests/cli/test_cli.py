@@ -23,7 +23,7 @@ import torch
 import storage
 from extensions.zstd import ZStandard
 from storage.cli import main
-from tests.support.distributed import gloo_group
+from tests.support.distributed import gloo_group, spawn
 
 KEY = bytes(range(32))
 KEYS_ENV = f"k1={KEY.hex()}"
@@ -416,10 +416,8 @@ def _save_sharded(rank: int, store: str, path: str) -> None:
 def test_sharded_checkpoint_inspect_verify_cp(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import torch.multiprocessing as tmp
-
     src = str(tmp_path / "sharded")
-    tmp.spawn(_save_sharded, args=(str(tmp_path / "store"), src), nprocs=2, join=True)
+    spawn(_save_sharded, args=(str(tmp_path / "store"), src), nprocs=2, join=True)
     assert main(["inspect", src, "--json"]) == 0
     items = {i["item"]: i for i in json.loads(capsys.readouterr().out)["items"]}
     assert items["w@[4, 0]"]["shape"] == [4, 6] and items["w"]["shape"] == [4, 6]

@@ -13,14 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import storage
 from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage import CheckpointManager, FsspecFileSystem, GCSFileSystem, LocalFileSystem
 from storage.checkpoint import storage_format as fmt
 from storage.cli import main
-from tests.support.distributed import gloo_group
+from tests.support.distributed import gloo_group, spawn
 
 
 def _state(value: float = 1.0) -> dict[str, Any]:
@@ -246,7 +245,7 @@ def test_ranks_keep_their_files_when_the_commit_may_have_landed(tmp_path: Path) 
     # Without the fix, rank 1 removed its data file in abort(): only rank 0 knew that
     # the metadata had landed, so the published checkpoint named a missing file.
     ckpt = tmp_path / "ckpt"
-    mp.spawn(_lost_response_worker, args=(str(tmp_path / "store"), str(ckpt)), nprocs=2, join=True)
+    spawn(_lost_response_worker, args=(str(tmp_path / "store"), str(ckpt)), nprocs=2, join=True)
     assert len(list(ckpt.glob("__1_*.distcp"))) == 1
     out = {"w": torch.zeros(8)}
     storage.load(out, str(ckpt))

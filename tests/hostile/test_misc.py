@@ -412,14 +412,14 @@ def test_ranks_load_the_step_rank_zero_picked(tmp_path: Path) -> None:
     # Without the fix each rank took its own latest(): rank 1, whose listing did not
     # show step-2 yet, loaded step 1 while rank 0 loaded step 2.
     import torch
-    import torch.multiprocessing as mp
 
     from storage import CheckpointManager
+    from tests.support.distributed import spawn
 
     mgr = CheckpointManager(tmp_path / "run")
     for step in (1, 2):
         mgr.save(step, {"w": torch.full((4,), float(step))})
-    mp.spawn(
+    spawn(
         _load_latest_worker,
         args=(str(tmp_path / "store"), str(tmp_path / "run")),
         nprocs=2,

@@ -16,14 +16,13 @@ from typing import IO
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from storage.backends._local import LocalFileSystem
 from storage.checkpoint.api import load as storage_load
 from storage.checkpoint.deadline import DeadlineExceededError
 from storage.ops.manager import CheckpointManager
 from tests.support.capped_proxy import CappedProxy
-from tests.support.distributed import gloo_group
+from tests.support.distributed import gloo_group, spawn
 from tests.support.servers import boto3_client, create_bucket, list_keys, moto_endpoint
 from tests.support.subprocess_jobs import Job, committed_steps
 from tests.support.tiers import tiered
@@ -247,7 +246,7 @@ def _agree_worker(rank: int, store: str, base: str) -> None:
 
 
 def test_two_ranks_stop_at_the_same_step_when_one_is_signalled(tmp_path: Path) -> None:
-    mp.spawn(_agree_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_agree_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
 
 
 def _late_worker(rank: int, store: str, base: str) -> None:
@@ -274,7 +273,7 @@ def _late_worker(rank: int, store: str, base: str) -> None:
 def test_a_rank_that_cannot_save_in_time_leaves_no_step_committed_anywhere(
     tmp_path: Path,
 ) -> None:
-    mp.spawn(_late_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_late_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
 
 
 # --- a job killed after SIGTERM, restarted ---------------------------------------------------

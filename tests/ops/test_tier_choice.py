@@ -15,13 +15,12 @@ from typing import IO
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from extensions.errors import CheckpointStorageError
 from storage import S3FileSystem
 from storage.backends._local import LocalFileSystem
 from storage.ops.manager import CheckpointManager
-from tests.support.distributed import gloo_group
+from tests.support.distributed import gloo_group, spawn
 from tests.support.servers import FaultProxy, create_bucket, moto_endpoint, s3_options
 from tests.support.tiers import blank_state, step_state, tiered
 
@@ -104,7 +103,7 @@ def _prefixed_worker(rank: int, store: str, base: str) -> None:
 
 
 def test_two_nodes_prefixed_replicate_drain_and_restore_from_the_peer(tmp_path: Path) -> None:
-    mp.spawn(_prefixed_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_prefixed_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
 
 
 # --- a linked step in the local tier -------------------------------------------

@@ -19,7 +19,6 @@ from typing import IO, Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from extensions import AES256GCM
 from extensions.errors import TierFullError
@@ -32,7 +31,7 @@ from storage.checkpoint.deadline import DeadlineExceededError
 from storage.checkpoint.layout import is_committed
 from storage.ops.describe import describe
 from storage.ops.manager import CheckpointManager
-from tests.support.distributed import gloo_group
+from tests.support.distributed import gloo_group, spawn
 from tests.support.servers import (
     FaultProxy,
     boto3_client,
@@ -527,7 +526,7 @@ def _tier_worker(rank: int, store: str, base: str) -> None:
 
 
 def test_four_ranks_two_nodes_replicate_drain_and_restore(tmp_path: Path) -> None:
-    mp.spawn(_tier_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_tier_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
 
 
 def _async_worker(rank: int, store: str, base: str) -> None:
@@ -555,7 +554,7 @@ def _async_worker(rank: int, store: str, base: str) -> None:
 
 
 def test_two_ranks_async_saves_replicate_and_drain(tmp_path: Path) -> None:
-    mp.spawn(_async_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_async_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
 
 
 # --- incremental saves in both tiers ------------------------------------------------------
@@ -681,9 +680,7 @@ def _incremental_worker(rank: int, store: str, base: str) -> None:
 
 
 def test_two_nodes_incremental_replicas_restore_the_base_first(tmp_path: Path) -> None:
-    mp.spawn(
-        _incremental_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True
-    )
+    spawn(_incremental_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
 
 
 # --- an incremental base the local tier cannot use: a full save, as at the root ----------
@@ -748,6 +745,4 @@ def test_two_nodes_whose_base_copies_are_other_saves_save_in_full(tmp_path: Path
     state = {f"frozen{r}": torch.full((1 << 12,), 7.0 + r) for r in range(2)}
     for rank in range(2):
         CheckpointManager(tmp_path / f"node{rank}", incremental=True).save(1, state)
-    mp.spawn(
-        _other_saves_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True
-    )
+    spawn(_other_saves_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)

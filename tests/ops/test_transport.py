@@ -3,7 +3,6 @@ bit for bit (two spawned processes); timeouts, disallow and shutdown."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import traceback
 from datetime import timedelta
@@ -16,6 +15,7 @@ import torch
 import storage
 from extensions.zstd import ZStandard
 from storage.ops.transport import SHAPE_KEY
+from tests.support.distributed import process, queue
 
 STEP = 7
 
@@ -84,13 +84,12 @@ def _receiver(meta_q: Any, result_q: Any) -> None:
 
 
 def test_two_processes_bit_exact(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
     root = str(tmp_path / "ft")
-    to_receiver, from_sender, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    to_receiver, from_sender, results = queue(), queue(), queue()
     to_receiver.put(root)
-    receiver = ctx.Process(target=_receiver, args=(to_receiver, results))
+    receiver = process(_receiver, (to_receiver, results))
     receiver.start()  # polls before anything is written
-    sender = ctx.Process(target=_sender, args=(root, from_sender, results))
+    sender = process(_sender, (root, from_sender, results))
     sender.start()
     to_receiver.put(from_sender.get(timeout=120))
     outcome = dict(results.get(timeout=240) for _ in range(2))
