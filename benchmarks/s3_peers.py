@@ -376,6 +376,32 @@ def report(
     print("raw samples:", json.dumps(samples))
 
 
+def plot_throughput(med: dict[str, dict[str, float]], logical: int, path: str) -> None:
+    """Save and load throughput (MB/s) of each client beside the raw ceiling, from the
+    medians (matplotlib, from the bench extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(med)
+    mb = logical / MB
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        rates = [mb / med[name][op] for op in ("save", "load")]
+        hatch = "//" if name == "raw ceiling" else None
+        bars = ax.bar([j + i * width for j in range(2)], rates, width, label=name, hatch=hatch)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(2)], ["save", "load"])
+    ax.set_ylabel("MB/s (higher is better)")
+    ax.set_title(f"{mb:.0f} MB state dict, SeaweedFS on loopback, medians", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(args: argparse.Namespace, endpoint: str, proxy: CappedProxy | None = None) -> None:
     """The side-by-side run against ``endpoint``; with ``proxy`` every client, load and
     ceiling goes through it (prefixes are deleted directly)."""

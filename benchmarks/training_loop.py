@@ -142,10 +142,21 @@ def child(args: argparse.Namespace) -> None:
     wall = time.monotonic() - begin
     variant.finish()
     emit("finished", time.monotonic())
+    tensors = [t for t in _leaves(state()) if isinstance(t, torch.Tensor)]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     result = {"rank": rank, "wall": wall, "steps": steps, "stalls": stalls, "starts": starts}
+    result["state_bytes"] = state_bytes
     print("@result", json.dumps(result), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in _leaves(value)]
+    if isinstance(tree, list | tuple):
+        return [leaf for value in tree for leaf in _leaves(value)]
+    return [tree]
 
 
 # --- watching the bucket and the server ---------------------------------------------------
@@ -306,6 +317,9 @@ def summarize(
     steps = sorted(first["steps"])
     return {
         "wall": max(r["wall"] for r in results),
+        "step_times": first["steps"],
+        "checkpoint_steps": [int(s) for s in checkpoints],
+        "state_bytes": first["state_bytes"],
         "stalls": stalls,
         "durable": durable,
         "step_p50": statistics.median(steps),
@@ -336,9 +350,11 @@ def report(
     proxy = " proxy CPU s |" if capped else ""
     print(
         "| variant | slowdown % | stall median ms | stall max ms | step p50 ms | step p99 ms "
-        f"| durable median s | durable max s | job CPU s | server CPU s (share of a core) |{proxy}"
+        f"| durable median s | durable max s | job CPU s | job CPU s per checkpointed GB "
+        f"| server CPU s (share of a core) |{proxy}"
     )
-    print("|---" * (10 + capped) + "|")
+    print("|---" * (11 + capped) + "|")
+    base_cpu = statistics.median(r["job_cpu"] for r in base)
     for name, runs in samples.items():
         slow = statistics.median(100 * (r["wall"] / b["wall"] - 1) for r, b in zip(runs, base))
         stalls = [s for r in runs for s in r["stalls"]]
@@ -355,12 +371,53 @@ def report(
             f"{statistics.median(durable):.2f}" if durable else "-",
             f"{max(durable):.2f}" if durable else "-",
             f"{statistics.median(r['job_cpu'] for r in runs):.1f}",
+            cpu_per_gb(runs, base_cpu),
             f"{cpu:.1f} ({100 * share:.0f}%)",
         ]
         if capped:
             cells.append(f"{statistics.median(r['proxy_cpu'] for r in runs):.2f}")
         print("| " + " | ".join(cells) + " |")
     print("raw samples:", json.dumps(samples))
+
+
+def checkpoint_cpu(runs: list[dict[str, Any]], base_cpu: float) -> float | None:
+    """The job's CPU seconds per checkpointed GB: the variant's job CPU over the run
+    without checkpoints, per GB of state saved (None for a run that saves nothing)."""
+    saved = statistics.median(len(r["stalls"]) * r["state_bytes"] for r in runs) / 1e9
+    if saved <= 0:
+        return None
+    return (statistics.median(r["job_cpu"] for r in runs) - base_cpu) / saved
+
+
+def cpu_per_gb(runs: list[dict[str, Any]], base_cpu: float) -> str:
+    value = checkpoint_cpu(runs, base_cpu)
+    return "-" if value is None else f"{value:.2f}"
+
+
+def plot_steps(runs: dict[str, dict[str, Any]], title: str, path: str) -> None:
+    """One run per variant: each step's time, the steps that checkpointed marked
+    (matplotlib, from the bench extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for name, run in runs.items():
+        # A checkpoint step's time includes its stall: the time the loop spent in save.
+        times = [1000 * t for t in run["step_times"]]
+        marked = [s for s in run["checkpoint_steps"] if s <= len(times)]
+        for s, stall in zip(marked, run["stalls"]):
+            times[s - 1] += 1000 * stall
+        (line,) = ax.plot(range(1, len(times) + 1), times, label=name, linewidth=1.2)
+        ax.scatter(marked, [times[s - 1] for s in marked], color=line.get_color(), s=14)
+    ax.set_xlabel("training step (dots: steps that took a checkpoint, stall included)")
+    ax.set_ylabel("step time, ms")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def ceiling(bench: Bench) -> None:
@@ -389,6 +446,7 @@ def main() -> None:
     parser.add_argument("--size", choices=list(SIZES), default="full")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--profile", metavar="DIR", help="py-spy record --gil rank 0 into DIR")
+    parser.add_argument("--plot", metavar="PNG", help="draw the step times of the last round")
     for hidden in ("--child", "--child-endpoint", "--child-root", "--child-local"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -414,6 +472,11 @@ def main() -> None:
                         samples[name].append(bench.run(name, interval, steps, round_))
                         print(f"  {name}: {samples[name][-1]['wall']:.1f} s", flush=True)
                 report(samples, interval, steps, proxy is not None)
+                if args.plot:
+                    last = {n: runs[-1] for n, runs in samples.items()}
+                    title = f"{args.ranks} rank(s), a checkpoint every {interval} steps"
+                    stem, ext = os.path.splitext(args.plot)
+                    plot_steps(last, title, f"{stem}-every{interval}{ext or '.png'}")
         finally:
             if proxy is not None:
                 proxy.close()
