@@ -39,12 +39,13 @@ require("torchtune.training.checkpointing", "torchtune")
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from torchtune import config as _tt_config  # noqa: E402
-from torchtune.training.checkpointing import _checkpoint_client, _checkpointer  # noqa: E402
+
+from storage.integrations import _torchtune_compat as compat  # noqa: E402
 
 __all__ = ["CheckpointClient", "DistributedCheckpointer"]
 
 
-class DistributedCheckpointer(_checkpointer.DistributedCheckpointer):
+class DistributedCheckpointer(compat.TorchtuneDistributedCheckpointer):  # type: ignore[misc]
     """torchtune's ``DistributedCheckpointer`` on dcp-storage (see the module docstring).
 
     ``storage_options`` go to the client library, ``transforms`` to every save, ``keys``
@@ -104,26 +105,28 @@ class DistributedCheckpointer(_checkpointer.DistributedCheckpointer):
     ) -> None:
         """Save ``state_dict`` as epoch ``epoch``; ``save_async`` returns once it is
         staged (a previous asynchronous save is waited for first)."""
-        self._checkpoint_future = self._steps.save(epoch, state_dict, blocking=not save_async)
+        future = self._steps.save(epoch, state_dict, blocking=not save_async)
+        compat.set_checkpoint_future(self, future)
 
 
-class CheckpointClient(_checkpoint_client.CheckpointClient):
+class CheckpointClient(compat.TorchtuneCheckpointClient):  # type: ignore[misc]
     """torchtune's ``CheckpointClient`` whose distributed checkpointer is
     :class:`DistributedCheckpointer`, configured by the ``dcp_storage`` section
     (``url``, default: the configured checkpointer's ``output_dir``;
     ``storage_options``, ``keep_last``, ``transforms`` as ``_component_`` entries)."""
 
     def _get_dcp_checkpointer(self) -> DistributedCheckpointer:
-        if not self._dcp_checkpointer:  # type: ignore[has-type]
-            section = self._cfg.get("dcp_storage") or DictConfig({})
-            url = section.get("url") or self._get_checkpointer()._output_dir
+        if not compat.cached_dcp_checkpointer(self):
+            section = compat.client_config(self).get("dcp_storage") or DictConfig({})
+            url = section.get("url") or compat.output_dir(self._get_checkpointer())
             options = section.get("storage_options")
             storage_options = cast(dict[str, Any], OmegaConf.to_container(options or {}))
-            self._dcp_checkpointer = DistributedCheckpointer(
+            checkpointer = DistributedCheckpointer(
                 checkpoint_dir=url,
                 output_dir=url,
                 storage_options=storage_options,
                 transforms=[_tt_config.instantiate(t) for t in section.get("transforms") or []],
                 keep_last=section.get("keep_last"),
             )
-        return self._dcp_checkpointer
+            compat.cache_dcp_checkpointer(self, checkpointer)
+        return cast(DistributedCheckpointer, compat.cached_dcp_checkpointer(self))

@@ -18,14 +18,15 @@ request timeout - gets no direct path: its GETs go through gcsfs's session
 from __future__ import annotations
 
 import ssl
-import threading
 import urllib.parse
 
 import aiohttp
 import gcsfs
 
+from storage.backends._clients import Shared
 from storage.backends._connections import ConnectionPool, PooledResponse
 from storage.backends.cancel import Cancel
+from storage.backends.gcs import _compat as compat
 from storage.backends.gcs._session import Answer, range_header
 
 
@@ -51,10 +52,10 @@ class DirectGet:
         gcs = self._gcs
         url = urllib.parse.urlsplit(gcs.url(path, generation=generation))
         query = url.query
-        params = gcs._get_params({})
+        params = compat.params(gcs, {})
         if params:
             query = f"{query}&{urllib.parse.urlencode(params)}"
-        headers = gcs._get_headers(range_header(first, last))
+        headers = compat.headers(gcs, range_header(first, last))
         port = url.port or (443 if url.scheme == "https" else 80)
         conn = self._pool.take(url.scheme, url.hostname or "", port)
         cancel.track(conn, True)
@@ -77,24 +78,19 @@ def _tls() -> ssl.SSLContext:
 
 
 # One DirectGet per gcsfs client (and so per process and set of options).
-_GETS: dict[int, tuple[gcsfs.GCSFileSystem, DirectGet | None]] = {}
-_GETS_LOCK = threading.Lock()
+_GETS: Shared[DirectGet | None] = Shared()
 
 
 def direct_get(gcs: gcsfs.GCSFileSystem) -> DirectGet | None:
     """The direct path of ``gcs``, or ``None`` when its configuration asks for what
     only its aiohttp session does (see the module docstring)."""
-    with _GETS_LOCK:
-        found = _GETS.get(id(gcs))
-        if found is None or found[0] is not gcs:
-            found = _GETS[id(gcs)] = (gcs, _build(gcs))
-        return found[1]
+    return _GETS.of(gcs, lambda: _build(gcs))
 
 
 def _build(gcs: gcsfs.GCSFileSystem) -> DirectGet | None:
-    if gcs.session_kwargs or getattr(gcs, "_use_client_cert", False):
+    if gcs.session_kwargs or compat.uses_client_cert(gcs):
         return None
-    if urllib.parse.urlsplit(gcs._location).scheme not in ("http", "https"):
+    if urllib.parse.urlsplit(compat.location(gcs)).scheme not in ("http", "https"):
         return None
     timeout = gcs.requests_timeout
     if not isinstance(timeout, aiohttp.ClientTimeout) or timeout.total is not None:

@@ -11,19 +11,18 @@ import contextlib
 import functools
 import io
 import os
-import threading
 from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
 import aiohttp
-import fsspec.utils
 import gcsfs
 from gcsfs.retry import HttpError
 
 from extensions.errors import CheckpointNotFoundError
+from storage.backends._clients import Shared, options_key
 from storage.backends._fsspec import FsspecFileSystem
 from storage.backends.gcs._direct import direct_get
-from storage.backends.gcs._read import RangeReader
+from storage.backends.gcs._read import open_reader
 from storage.backends.gcs._session import Get, StreamedGet
 from storage.backends.gcs._upload import Upload
 
@@ -36,8 +35,7 @@ _CHUNK_UNIT = 256 << 10  # resumable upload chunks are multiples of 256 KiB
 # gcsfs clients shared by the filesystem objects of one process that have the same
 # options: each save and load would otherwise open new connections (TLS handshakes)
 # and fetch a new access token.
-_SHARED: dict[tuple[int, str], gcsfs.GCSFileSystem] = {}
-_SHARED_LOCK = threading.Lock()
+_CLIENTS: Shared[gcsfs.GCSFileSystem] = Shared()
 
 
 class GCSFileSystem(FsspecFileSystem):
@@ -49,9 +47,10 @@ class GCSFileSystem(FsspecFileSystem):
     received bytes (no total limit, so large uploads are not cut off).
 
     Retries are gcsfs's single layer: 6 attempts with exponential backoff and jitter
-    (sleeps of about 1, 2, 4, 8, 16 s) on 5xx, 408, 429 and connection errors; nothing
-    stacks on top of it. Filesystem objects of one process with equal options share
-    one gcsfs client (its connections and access token).
+    on 5xx, 408, 429 and connection errors (the requests of our data path follow the
+    same rule and attempts, ``_session.policy``); nothing stacks on top of it.
+    Filesystem objects of one process with equal options share one gcsfs client (its
+    connections and access token).
 
     Writes fill ``part_size`` buffers (default 16 MiB, a multiple of 256 KiB) kept for
     reuse across saves. Objects up to ``single_request_size`` (default 64 MiB) go up in
@@ -106,12 +105,7 @@ class GCSFileSystem(FsspecFileSystem):
         return opts
 
     def _make_client(self, protocol: str, options: dict[str, Any]) -> Any:
-        key = (os.getpid(), fsspec.utils.tokenize(sorted(options.items(), key=lambda kv: kv[0])))
-        with _SHARED_LOCK:
-            client = _SHARED.get(key)
-            if client is None:
-                client = _SHARED[key] = gcsfs.GCSFileSystem(**options)
-            return client
+        return _CLIENTS.get(options_key(options), lambda: gcsfs.GCSFileSystem(**options))
 
     def url(self, path: str) -> str:
         return f"gs://{path}"
@@ -156,7 +150,7 @@ class GCSFileSystem(FsspecFileSystem):
     def _open_range(
         self, path: str, offset: int = 0, length: int | None = None
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
-        reader = RangeReader(
+        reader = open_reader(
             self.fs,
             self._getter(),
             path,
@@ -165,11 +159,6 @@ class GCSFileSystem(FsspecFileSystem):
             functools.partial(self._errors, path),
             window=self.part_size,
         )
-        try:
-            reader.open()
-        except BaseException:
-            reader.close()
-            raise
         return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
 
     def read_bytes(self, path: str) -> bytes:

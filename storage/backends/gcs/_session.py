@@ -2,7 +2,7 @@
 client whose configuration the direct path (``_direct``) does not reproduce.
 
 They use gcsfs's session, credentials, timeouts, error mapping (``validate_response``)
-and retry rule (``is_retriable``, the same attempts and backoff); the requests
+and retry rule (``is_retriable``, the same attempts; :func:`policy`); the requests
 themselves are made here, because gcsfs's ``_call`` reads every body whole and follows
 the 308 of a resumable chunk as a redirect.
 """
@@ -10,9 +10,7 @@ the 308 of a resumable chunk as a redirect.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -21,11 +19,9 @@ import gcsfs
 from gcsfs.retry import is_retriable, validate_response
 
 from storage.backends._connections import BodyBroken
+from storage.backends._retry import Retry
 from storage.backends.cancel import Cancel
-
-#: ``errors(action)``: a context that turns client errors into the contract's, naming
-#: the object and ``action`` (the filesystem's ``_errors``).
-Errors = Callable[[str], contextlib.AbstractContextManager[None]]
+from storage.backends.gcs import _compat as compat
 
 # A body is handed to the socket in slices of this size: no copy of the whole body
 # (aiohttp joins a bytes-like body with its headers; asyncio copies what the socket does
@@ -45,9 +41,10 @@ def retriable(exc: BaseException) -> bool:
     return bool(is_retriable(exc))
 
 
-def backoff(attempt: int) -> float:
-    """gcsfs's sleep before attempt ``attempt`` (1, 2, ...): ``random() + 2 ** (n - 1)``."""
-    return min(random.random() + 2 ** (attempt - 1), 32.0)
+def policy(gcs: gcsfs.GCSFileSystem) -> Retry:
+    """gcsfs's attempts (``retries``, 6 by default) and rule (:func:`retriable`), with
+    waits of up to 1, 2, 4, ... 32 s."""
+    return Retry(int(getattr(gcs, "retries", 6)), retriable, base=1.0, cap=32.0)
 
 
 def split(path: str) -> tuple[str, str]:
@@ -95,16 +92,15 @@ class UploadBody:
 
 
 async def retrying(gcs: gcsfs.GCSFileSystem, attempt: Callable[[], Awaitable[T]]) -> T:
-    """``attempt()`` with gcsfs's retries (:func:`retriable`, :func:`backoff`)."""
-    retries = int(getattr(gcs, "retries", 6))
-    for n in range(retries):
-        if n:
-            await asyncio.sleep(backoff(n))
+    """``attempt()`` with gcsfs's retries (:func:`policy`)."""
+    retry = policy(gcs)
+    for n in range(1, retry.attempts + 1):
         try:
             return await attempt()
         except Exception as exc:
-            if n == retries - 1 or not retriable(exc):
+            if n >= retry.attempts or not retry.retryable(exc):
                 raise
+        await asyncio.sleep(retry.delay(n))
     raise AssertionError("unreachable")
 
 
@@ -121,12 +117,12 @@ async def request(
     """One request with retries; returns (headers, body). A 308 is an answer here."""
 
     async def attempt() -> tuple[Any, bytes]:
-        await gcs._set_session()
+        await compat.set_session(gcs)
         async with gcs.session.request(
             method,
             url,
-            params=gcs._get_params(params or {}),
-            headers=gcs._get_headers(headers),
+            params=compat.params(gcs, params or {}),
+            headers=compat.headers(gcs, headers),
             data=data,
             json=json,
             timeout=gcs.requests_timeout,
@@ -168,11 +164,11 @@ class StreamedGet:
         self, path: str, first: int | None, last: int | None, generation: str | None
     ) -> aiohttp.ClientResponse:
         gcs = self._gcs
-        await gcs._set_session()
+        await compat.set_session(gcs)
         return await gcs.session.get(
             gcs.url(path, generation=generation),
-            params=gcs._get_params({}),
-            headers=gcs._get_headers(range_header(first, last)),
+            params=compat.params(gcs, {}),
+            headers=compat.headers(gcs, range_header(first, last)),
             timeout=gcs.requests_timeout,
         )
 

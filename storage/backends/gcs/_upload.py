@@ -15,11 +15,12 @@ import fsspec.asyn
 import gcsfs
 
 from storage.backends._buffers import BufferPool
+from storage.backends._object_read import Errors
 from storage.backends._secrets import BY_FORM
 from storage.backends._upload import FilledUpload
 from storage.backends.cancel import Cancel, current
+from storage.backends.gcs import _compat as compat
 from storage.backends.gcs._session import (
-    Errors,
     UploadBody,
     request,
     split,
@@ -169,7 +170,7 @@ class Upload(FilledUpload):
         await request(
             self._gcs,
             "POST",
-            f"{self._gcs._location}/upload/storage/v1/b/{_quote(bucket)}/o",
+            f"{compat.location(self._gcs)}/upload/storage/v1/b/{_quote(bucket)}/o",
             params={"uploadType": "media", "name": key},
             headers={"Content-Type": "application/octet-stream", "Content-Length": str(body.size)},
             data=body,
@@ -182,7 +183,7 @@ class Upload(FilledUpload):
             headers, _ = await request(
                 gcs,
                 "POST",
-                f"{gcs._location}/upload/storage/v1/b/{_quote(bucket)}/o",
+                f"{compat.location(gcs)}/upload/storage/v1/b/{_quote(bucket)}/o",
                 params={"uploadType": "resumable", "name": key},
                 json={"name": key},
                 headers={"X-Upload-Content-Type": "application/octet-stream"},

@@ -22,13 +22,15 @@ from typing import Any
 
 import crc32c
 import fsspec.asyn
-import fsspec.utils
 import s3fs
 
 from storage.backends._buffers import BufferPool
+from storage.backends._clients import Shared, options_key
 from storage.backends._connections import PooledResponse
+from storage.backends._retry import Retry
 from storage.backends.cancel import Cancel, StreamCancelled, current
-from storage.backends.s3._http import DirectPath, direct_path
+from storage.backends.s3._compat import call_s3
+from storage.backends.s3._http import DirectPath, direct_path, retryable
 
 # A part is handed to aiohttp in slices of this size (no copies; at most one slice is
 # copied into asyncio's buffer when the socket is full).
@@ -37,21 +39,19 @@ _SEND_CHUNK = 1 << 20
 # Private s3fs instances (their retry loop is switched off), shared by the filesystem
 # objects of one process that have the same options: a client costs ~0.1 s of CPU to
 # build, which a 250 MB checkpoint would otherwise pay on every save and load.
-_SHARED: dict[tuple[int, str], s3fs.S3FileSystem] = {}
-_SHARED_LOCK = threading.Lock()
+_CLIENTS: Shared[s3fs.S3FileSystem] = Shared()
 
 
 def shared_s3fs(options: dict[str, Any]) -> s3fs.S3FileSystem:
     """An s3fs client for ``options`` with one retry layer (botocore's), one per
     process and set of options."""
-    key = (os.getpid(), fsspec.utils.tokenize(sorted(options.items(), key=lambda kv: kv[0])))
-    with _SHARED_LOCK:
-        client = _SHARED.get(key)
-        if client is None:
-            client = s3fs.S3FileSystem(**options)
-            client.retries = 1
-            _SHARED[key] = client
+
+    def build() -> s3fs.S3FileSystem:
+        client = s3fs.S3FileSystem(**options)
+        client.retries = 1
         return client
+
+    return _CLIENTS.get(options_key(options), build)
 
 
 #: Part buffers kept for reuse by every S3 filesystem of the process (see
@@ -64,15 +64,6 @@ def split_path(path: str) -> tuple[str, str]:
     """``bucket/key`` -> ``(bucket, key)``."""
     bucket, _, key = path.partition("/")
     return bucket, key
-
-
-def error_code(exc: BaseException) -> str:
-    """The S3 error code of a botocore error (or of its cause), else ``""``."""
-    for err in (exc, exc.__cause__):
-        response = getattr(err, "response", None)
-        if isinstance(response, dict):
-            return str(response.get("Error", {}).get("Code", ""))
-    return ""
 
 
 def crc32c_header(data: Any) -> str:
@@ -107,6 +98,8 @@ class S3Client:
         self.translate = translate
         self.url = url
         self.max_attempts = max_attempts
+        #: botocore's standard mode, as the direct path retries its requests.
+        self.retry = Retry(max_attempts, retryable)
         self.part_size = part_size
         self.checksum = checksum
         self.slots = threading.BoundedSemaphore(max_concurrency)
@@ -132,8 +125,8 @@ class S3Client:
         cancel = cancel if cancel is not None else current()
         try:
             if cancel is None:
-                return self.run(self.s3._call_s3, method, **kwargs)
-            return cancel.run(self.s3.loop, self.s3._call_s3, method, **kwargs)
+                return self.run(call_s3, self.s3, method, **kwargs)
+            return cancel.run(self.s3.loop, call_s3, self.s3, method, **kwargs)
         except StreamCancelled:
             raise
         except Exception as exc:
@@ -148,7 +141,7 @@ class S3Client:
             if exc is not None:
                 on_error(exc)
 
-        coroutine = self.s3._call_s3(method, **kwargs)
+        coroutine = call_s3(self.s3, method, **kwargs)
         asyncio.run_coroutine_threadsafe(coroutine, self.s3.loop).add_done_callback(done)
 
     def checksum_args(self, data: Any, crc: int | None = None) -> dict[str, str]:
@@ -285,7 +278,7 @@ async def _fill(body: Any, view: memoryview, progress: list[int]) -> None:
 
 
 async def _upload_part(s3: s3fs.S3FileSystem, **kwargs: Any) -> str:
-    resp = await s3._call_s3("upload_part", **kwargs)
+    resp = await call_s3(s3, "upload_part", **kwargs)
     return str(resp["ETag"])
 
 

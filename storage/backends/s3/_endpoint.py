@@ -24,6 +24,8 @@ from typing import Any
 import botocore.exceptions
 import s3fs
 
+from storage.backends.s3 import _compat as compat
+
 Runner = Callable[..., Any]
 
 # A request of these headers only is plain SigV4 (or unsigned) with nothing added by the
@@ -74,7 +76,7 @@ def check_client(client: Any) -> Callable[[], Any] | None:
         raise Unsupported("signed payloads")
     if config.proxies:
         raise Unsupported("a proxy")
-    build = getattr(client._endpoint.http_session, "_build_ssl_contexts", None)
+    build = compat.ssl_contexts(client)
     return None if build is None else functools.partial(build, None)
 
 
@@ -84,7 +86,7 @@ def resolve(s3: s3fs.S3FileSystem, run: Runner, bucket: str, ssl: Callable[[], A
     of this client carries anything the direct path would not reproduce."""
     client = run(s3.get_s3, bucket)
     for method in (client.upload_part, client.get_object):
-        args = s3._get_s3_method_kwargs(method, Bucket=bucket, Key=_PROBE_KEY)
+        args = compat.method_kwargs(s3, method, Bucket=bucket, Key=_PROBE_KEY)
         if set(args) - {"Bucket", "Key"}:
             raise Unsupported(f"{sorted(args)} on every {method.__name__}")
     request = run(_prepared_request, client, bucket)
@@ -94,7 +96,7 @@ def resolve(s3: s3fs.S3FileSystem, run: Runner, bucket: str, ssl: Callable[[], A
         raise Unsupported(f"an endpoint of another kind ({request.url})")
     if parts.query or not parts.path.endswith(suffix):
         raise Unsupported(f"object URLs of another form ({request.url})")
-    if client._endpoint.http_session._proxy_config.proxy_url_for(request.url):
+    if compat.proxy_url_for(client, request.url):
         raise Unsupported("a proxy")
     if parts.scheme == "https" and ssl() is None:
         raise Unsupported("TLS settings that cannot be read")
@@ -106,7 +108,7 @@ def resolve(s3: s3fs.S3FileSystem, run: Runner, bucket: str, ssl: Callable[[], A
     authorization = headers.get("authorization")
     if authorization is not None:
         scope = _SIGV4_SCOPE.match(authorization)
-        if scope is None or client._request_signer._credentials is None:
+        if scope is None or compat.credentials(client) is None:
             raise Unsupported(f"another signature ({authorization.split(' ')[0]})")
         if headers.get("x-amz-content-sha256") != "UNSIGNED-PAYLOAD":
             raise Unsupported("signed payloads")

@@ -24,12 +24,12 @@ from storage.backends.base import PendingUpload
 from storage.backends.s3 import _uploads
 from storage.backends.s3._client import (
     S3Client,
-    error_code,
     shared_s3fs,
     split_path,
 )
 from storage.backends.s3._endpoint import configured_endpoint, unreachable
-from storage.backends.s3._io import MultipartWriter, RangeReader
+from storage.backends.s3._http import error_code
+from storage.backends.s3._io import MultipartWriter, open_reader
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +228,7 @@ class S3FileSystem(FsspecFileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
         if mode == "rb":
-            reader = RangeReader(self.client, path, 0, None)
-            reader.start()
-            with contextlib.closing(reader):
+            with contextlib.closing(open_reader(self.client, path, 0, None)) as reader:
                 yield reader  # type: ignore[misc]
             return
         if mode != "wb":
@@ -248,14 +246,10 @@ class S3FileSystem(FsspecFileSystem):
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
         if self._empty_slice(path, offset, length):
             return contextlib.nullcontext(io.BytesIO())
-        reader = RangeReader(self.client, path, offset, length)
-        reader.start()
-        return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
+        return contextlib.closing(open_reader(self.client, path, offset, length))  # type: ignore[return-value,arg-type]
 
     def read_bytes(self, path: str) -> bytes:
-        reader = RangeReader(self.client, path, 0, None)
-        reader.start()
-        with contextlib.closing(reader):
+        with contextlib.closing(open_reader(self.client, path, 0, None)) as reader:
             return reader.readall()
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:

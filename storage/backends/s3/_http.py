@@ -24,7 +24,6 @@ from __future__ import annotations
 import http.client
 import inspect
 import logging
-import random
 import re
 import threading
 import time
@@ -37,9 +36,12 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from s3fs.errors import translate_boto_error
 
+from storage.backends._clients import Shared
 from storage.backends._connections import ConnectionPool, PooledResponse
+from storage.backends._retry import Retry
 from storage.backends._secrets import BY_FORM
 from storage.backends.cancel import Cancel
+from storage.backends.s3 import _compat as compat
 from storage.backends.s3._endpoint import (
     Bucket,
     Runner,
@@ -81,6 +83,25 @@ _USER_AGENT = "dcp-storage"
 _UNSAFE = re.compile(r"[\r\n\x00]")
 
 
+def retryable(exc: BaseException) -> bool:
+    """botocore's standard retry rule: connection errors and timeouts, 5xx, throttling."""
+    if isinstance(exc, (OSError, http.client.HTTPException)):
+        return True
+    status = (
+        (getattr(exc, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+    )
+    return status in _TRANSIENT_STATUS or error_code(exc) in _RETRIED_CODES
+
+
+def error_code(exc: BaseException) -> str:
+    """The S3 error code of a botocore error (or of its cause), else ``""``."""
+    for err in (exc, exc.__cause__):
+        response = getattr(err, "response", None)
+        if isinstance(response, dict):
+            return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
 class DirectPath:
     """Signed ``UploadPart`` and ranged ``GetObject`` requests for one s3fs client.
 
@@ -99,7 +120,7 @@ class DirectPath:
         self._s3 = s3
         self._run = run
         self._config = config
-        self.max_attempts = max_attempts
+        self.retry = Retry(max_attempts, retryable)
         # TLS settings built on first use (reading CA bundles costs ~20 ms).
         self._pool = ConnectionPool(
             connect_timeout=config.connect_timeout,
@@ -132,7 +153,7 @@ class DirectPath:
             cached = self._frozen.get(id(target.client))
         if cached is not None and now - cached[1] < CREDENTIALS_TTL:
             return cached[0]
-        credentials = target.client._request_signer._credentials
+        credentials = compat.credentials(target.client)
         frozen = self._run(_freeze, credentials)
         with self._lock:
             self._frozen[id(target.client)] = (frozen, now)
@@ -214,24 +235,17 @@ class DirectPath:
                 signed = self._sign(target, method, path, headers)
                 response, conn = self._exchange(target, method, path, signed, body, group)
             except (OSError, http.client.HTTPException) as exc:
-                if attempt >= self.max_attempts or _halted(group):
+                if attempt >= self.retry.attempts or _halted(group):
                     raise
                 log.debug("%s %s: %s, attempt %d", method, path, BY_FORM.redact(repr(exc)), attempt)
             else:
                 if response.status in ok:
                     return response, conn
                 error = self._error(response, conn, operation)
-                code = str(error.response["Error"].get("Code", ""))
-                retried = response.status in _TRANSIENT_STATUS or code in _RETRIED_CODES
-                if not retried or attempt >= self.max_attempts or _halted(group):
+                if not retryable(error) or attempt >= self.retry.attempts or _halted(group):
                     raise translate_boto_error(error)
-                log.debug("%s %s: %s, attempt %d", method, path, code, attempt)
-            # Full jitter, as botocore's standard mode waits: at most 1, 2, 4, ... 20 s.
-            delay = random.random() * min(20.0, 2.0 ** (attempt - 1))
-            if group is not None:
-                group.wait(delay)
-            else:
-                time.sleep(delay)
+                log.debug("%s %s: %s, attempt %d", method, path, error_code(error), attempt)
+            self.retry.wait(attempt, group)
 
     def _sign(
         self, target: Bucket, method: str, path: str, headers: Mapping[str, str]
@@ -329,20 +343,13 @@ def _xml_field(text: str, name: str) -> str:
 
 
 # One DirectPath per s3fs client (and so per process and set of options).
-_PATHS: dict[int, tuple[s3fs.S3FileSystem, DirectPath | None]] = {}
-_PATHS_LOCK = threading.Lock()
+_PATHS: Shared[DirectPath | None] = Shared()
 
 
 def direct_path(s3: s3fs.S3FileSystem, run: Runner, max_attempts: int) -> DirectPath | None:
     """The direct path of ``s3``'s client, or ``None`` when its configuration asks for
     something only botocore does (see the module docstring)."""
-    with _PATHS_LOCK:
-        found = _PATHS.get(id(s3))
-        if found is not None and found[0] is s3:
-            return found[1]
-        path = _build(s3, run, max_attempts)
-        _PATHS[id(s3)] = (s3, path)
-        return path
+    return _PATHS.of(s3, lambda: _build(s3, run, max_attempts))
 
 
 def _build(s3: s3fs.S3FileSystem, run: Runner, max_attempts: int) -> DirectPath | None:

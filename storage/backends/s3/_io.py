@@ -1,4 +1,5 @@
-"""The S3 data path: streamed ranged GETs with resume, concurrent multipart uploads.
+"""The S3 data path: the source of the shared object reader (``_object_read``), and
+concurrent multipart uploads.
 
 Everything here talks to S3 through :class:`S3Client`'s public methods."""
 
@@ -7,26 +8,26 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import io
+import dataclasses
 import logging
-import random
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import botocore.exceptions as botoexc
 import crc32c
 
-from extensions.streams import read_all
 from storage.backends._connections import BodyBroken
-from storage.backends._ranges import RangeMismatchError, check_range, read_pieces
+from storage.backends._object_read import ObjectReader, Opened, VersionGone
+from storage.backends._retry import never
 from storage.backends._upload import FilledUpload
-from storage.backends.cancel import Cancel, current
+from storage.backends.cancel import Cancel, StreamCancelled, current
 from storage.backends.s3._client import (
     PART_BUFFERS,
     S3Client,
-    error_code,
     split_path,
 )
+from storage.backends.s3._http import error_code
 
 log = logging.getLogger("storage.backends.s3._filesystem")
 
@@ -44,159 +45,95 @@ _BODY_ERRORS = (
 )
 
 
-def _backoff(attempt: int) -> float:
-    # Full jitter, as botocore's standard mode does for requests.
-    return random.random() * min(5.0, 0.2 * 2 ** (attempt - 1))
+class S3Object:
+    """One S3 object as the source of the shared reader (``_object_read.Source``):
+    ranged GETs pinned to the ETag with ``If-Match``, through :class:`S3Client` (the
+    direct path or s3fs)."""
 
+    backend = "s3"
 
-class RangeReader(io.RawIOBase):
-    """Ranged GETs of ``[offset, offset + length)`` (``length=None``: one GET to the end).
-
-    A bounded range is fetched in windows of ``client.part_size`` bytes, one streamed
-    GET each; a read that starts at a window boundary and asks for two windows or more
-    (a large tensor) is fetched with several ranged GETs in parallel (``_ranges.PARALLEL_GETS``
-    in the process at a time), straight into the caller's buffer. Every byte of the
-    range is fetched once. A body that breaks off is resumed with a ranged GET from
-    the next byte, pinned to the object's ETag; a range starting past the end reads as
-    empty (short read). Cancelling the calling thread's ``Cancel`` (or ``cancel``)
-    interrupts its requests and reads."""
-
-    def __init__(
-        self,
-        client: S3Client,
-        path: str,
-        offset: int,
-        length: int | None,
-        *,
-        etag: str | None = None,
-        window: int | None = None,
-        cancel: Cancel | None = None,
-    ) -> None:
-        super().__init__()
-        self._cancel = cancel or Cancel(current())
+    def __init__(self, client: S3Client, path: str) -> None:
         self._client = client
         self._path = path
-        self._pos = offset
-        self._end = None if length is None else offset + length
-        self._window = window or client.part_size
-        self._stop = offset  # end of the current window's GET
-        self._body: Any = None
-        self._etag = etag
-        self._eof = length == 0
+        self.url = client.url(path)
+        # Opening a GET was retried by botocore or the direct path already: only a body
+        # that breaks off is tried again here.
+        self.retry = dataclasses.replace(client.retry, retryable=never)
 
-    def readable(self) -> bool:
-        return True
-
-    def start(self) -> None:
-        """Open the GET of the next window (or resume the current one)."""
-        if self._end is not None and self._pos >= self._stop:
-            self._stop = min(self._end, self._pos + self._window)
-        kwargs: dict[str, Any] = {}
-        last = None if self._end is None else self._stop - 1
-        if self._end is not None or self._pos:
-            kwargs["Range"] = f"bytes={self._pos}-{'' if last is None else last}"
-        if self._etag:
-            kwargs["IfMatch"] = self._etag
+    @contextlib.contextmanager
+    def errors(self, action: str) -> Iterator[None]:
         try:
-            resp = self._client.get_object(self._path, "reading", cancel=self._cancel, **kwargs)
-        except OSError as exc:
-            if error_code(exc.__cause__ or exc) in ("InvalidRange", "416"):
-                self._eof = True
-                return
-            raise
-        self._body = resp["Body"]
-        if "Range" in kwargs:
-            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 206))
-            try:
-                check_range(
-                    status, resp.get("ContentRange"), self._pos, last, self._client.url(self._path)
-                )
-            except RangeMismatchError:
-                self._drop_body()
-                raise
-        self._etag = resp.get("ETag")
+            yield
+        except (OSError, StreamCancelled):
+            raise  # the client's errors come translated
+        except Exception as exc:
+            error = self._client.translate(exc, self._path, action)
+            raise error from error.__cause__
 
-    def _drop_body(self) -> None:
+    def get(
+        self, first: int | None, last: int | None, version: str | None, cancel: Cancel
+    ) -> Opened | None:
+        kwargs: dict[str, Any] = {}
+        if first is not None:
+            kwargs["Range"] = f"bytes={first}-{'' if last is None else last}"
+        if version is not None:
+            kwargs["IfMatch"] = version
+        try:
+            resp = self._client.get_object(self._path, "reading", cancel=cancel, **kwargs)
+        except OSError as exc:
+            code = error_code(exc.__cause__ or exc)
+            if code in ("InvalidRange", "416"):
+                return None
+            gone = isinstance(exc, FileNotFoundError) or code in ("PreconditionFailed", "412")
+            if version is not None and gone:
+                raise VersionGone from exc
+            raise
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return Opened(
+            status=int(status or (200 if first is None else 206)),
+            content_range=resp.get("ContentRange"),
+            version=resp.get("ETag"),
+            body=_Body(self._client, resp["Body"], cancel),
+        )
+
+
+class _Body:
+    """A GET's body through :meth:`S3Client.fill`, read as the shared reader reads."""
+
+    def __init__(self, client: S3Client, body: Any, cancel: Cancel) -> None:
+        self._client = client
+        self._body: Any = body
+        self._cancel = cancel
+        self._broken: BaseException | None = None
+
+    def readinto(self, view: memoryview) -> int:
+        if self._broken is not None:
+            raise BodyBroken(f"response body broke off: {self._broken!r}") from self._broken
+        progress = [0]
+        try:
+            self._client.fill(self._body, view, progress, self._cancel)
+        except _BODY_ERRORS as exc:
+            if not progress[0]:
+                raise BodyBroken(f"response body broke off: {exc!r}") from exc
+            self._broken = exc
+        return progress[0]
+
+    def close(self) -> None:
         body, self._body = self._body, None
         if body is not None:
             self._client.close_body(body)
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._end is not None:
-            view = view[: max(0, self._end - self._pos)]
-            if self._body is not None and self._pos >= self._stop:
-                self._drop_body()  # its window is consumed
-            at_boundary = self._body is None and self._pos >= self._stop and not self._eof
-            if at_boundary and len(view) >= 2 * self._window:
-                return self._read_parallel(view)
-        failures = 0
-        while view and not self._eof:
-            if self._body is None:
-                self.start()
-                continue
-            progress = [0]
-            try:
-                self._client.fill(self._body, view, progress, self._cancel)
-            except _BODY_ERRORS as exc:
-                self._drop_body()
-                if not progress[0]:
-                    failures += 1
-                    if failures >= self._client.max_attempts:
-                        raise OSError(
-                            f"{self._client.url(self._path)}: reading from byte {self._pos} "
-                            f"failed {failures} times: {exc!r}"
-                        ) from exc
-                    self._cancel.wait(_backoff(failures))
-                    continue
-            n = progress[0]
-            if n == 0:
-                self._eof = True
-            self._pos += n
-            return n
-        return 0
 
-    def _read_parallel(self, view: memoryview) -> int:
-        pieces = [
-            (self._pos + start, view[start : start + self._window])
-            for start in range(0, len(view), self._window)
-        ]
-        counts = read_pieces("s3", self._read_piece, pieces, self._cancel)
-        done = 0
-        for count, (_, piece) in zip(counts, pieces):
-            done += count
-            if count < len(piece):  # the object is shorter than the range
-                self._eof = True
-                break
-        self._pos += done
-        self._stop = self._pos
-        return done
-
-    def _read_piece(self, offset: int, piece: memoryview, group: Cancel) -> int:
-        reader = RangeReader(
-            self._client,
-            self._path,
-            offset,
-            len(piece),
-            etag=self._etag,
-            window=len(piece),
-            cancel=group,
-        )
-        with contextlib.closing(reader):
-            got = 0
-            while got < len(piece):
-                n = reader.readinto(piece[got:])
-                if not n:
-                    break
-                got += n
-            return got
-
-    def readall(self) -> bytes:
-        return read_all(self, chunk=8 << 20)
-
-    def close(self) -> None:
-        self._drop_body()
-        super().close()
+def open_reader(client: S3Client, path: str, offset: int, length: int | None) -> ObjectReader:
+    """``[offset, offset + length)`` of ``path`` (``length=None``: to its end) in windows
+    of ``client.part_size``, its first GET sent (a missing object fails here)."""
+    reader = ObjectReader(S3Object(client, path), offset, length, window=client.part_size)
+    try:
+        reader.open()
+    except BaseException:
+        reader.close()
+        raise
+    return reader
 
 
 class MultipartWriter(FilledUpload):

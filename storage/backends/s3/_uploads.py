@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from storage.backends.base import PendingUpload
-from storage.backends.s3._client import S3Client, error_code, split_path
+from storage.backends.s3._client import S3Client, split_path
+from storage.backends.s3._http import error_code
 
 
 def pending(client: S3Client, path: str) -> list[PendingUpload]:
