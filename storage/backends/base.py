@@ -91,6 +91,10 @@ class FileSystemBase(abc.ABC):
     #: Reads are served from this machine (its page cache, this process's memory): a
     #: small read costs no request, and reading beats fetching once and sharing.
     local_reads: ClassVar[bool] = False
+    #: Requests made from a thread whose installed ``cancel.Cancel`` is cancelled raise
+    #: ``StreamCancelled`` at once, stalled ones included (see "interrupted" above);
+    #: without it the checkpoint layer stops the backend at its next stream call.
+    interruptible: ClassVar[bool] = False
 
     def __init__(self, *, storage_options: dict[str, Any] | None = None) -> None:
         self.storage_options = dict(storage_options or {})

@@ -74,6 +74,7 @@ class GCSFileSystem(FsspecFileSystem):
 
     protocol: ClassVar[str | None] = "gs"
     io_concurrency: int = 16
+    interruptible: ClassVar[bool] = True
 
     def __init__(
         self,

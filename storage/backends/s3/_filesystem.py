@@ -80,6 +80,7 @@ class S3FileSystem(FsspecFileSystem):
 
     protocol: ClassVar[str | None] = "s3"
     io_concurrency: int = 16
+    interruptible: ClassVar[bool] = True
 
     def __init__(
         self,
