@@ -23,6 +23,7 @@ from storage.cli._support import (
     parse_size,
     parse_transforms,
     progress_bar,
+    progress_line,
     table,
 )
 
@@ -230,22 +231,24 @@ def export(args: argparse.Namespace) -> int:
     src_fs, src = location(args.src, args.storage_option)
     dst_fs, dst = location(args.dst, args.dst_storage_option or args.storage_option)
     started = time.perf_counter()
-    try:
-        result = export_safetensors(
-            src_fs,
-            src,
-            dst_fs,
-            dst,
-            dtype=getattr(torch, DTYPE_NAMES[args.dtype]) if args.dtype else None,
-            max_shard_size=parse_size(args.max_shard_size, "--max-shard-size"),
-            only=args.only,
-            strip=args.strip,
-            overwrite=args.overwrite,
-            keys=keys_from_args(args),
-            require_encryption=args.require_encryption,
-        )
-    except CheckpointNotFoundError as exc:
-        raise not_a_checkpoint_hint(src_fs, src, exc) from None
+    with progress_line(args, "export") as progress:
+        try:
+            result = export_safetensors(
+                src_fs,
+                src,
+                dst_fs,
+                dst,
+                dtype=getattr(torch, DTYPE_NAMES[args.dtype]) if args.dtype else None,
+                max_shard_size=parse_size(args.max_shard_size, "--max-shard-size"),
+                only=args.only,
+                strip=args.strip,
+                overwrite=args.overwrite,
+                keys=keys_from_args(args),
+                require_encryption=args.require_encryption,
+                progress=progress,
+            )
+        except CheckpointNotFoundError as exc:
+            raise not_a_checkpoint_hint(src_fs, src, exc) from None
     elapsed = time.perf_counter() - started
     text = (
         f"exported {result.source} -> {result.destination}: {result.tensors} tensors, "

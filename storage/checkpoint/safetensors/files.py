@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
@@ -93,9 +93,16 @@ def publish_file(fs: FileSystemBase, path: str) -> Iterator[IO[bytes]]:
         fs.rename(target, path)
 
 
-def write_file(fs: FileSystemBase, path: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+def write_file(
+    fs: FileSystemBase,
+    path: str,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    *,
+    progress: Callable[[int], object] | None = None,
+) -> int:
     """Write one safetensors file holding ``tensors`` (CPU, contiguous) with their
-    CRC-32Cs, in the library's byte layout; returns the bytes of tensor data."""
+    CRC-32Cs, in the library's byte layout; returns the bytes of tensor data.
+    ``progress`` is called with the tensor bytes written so far after each tensor."""
     by_name = dict(tensors)
     shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors}
     order = layout(shapes)
@@ -103,8 +110,13 @@ def write_file(fs: FileSystemBase, path: str, tensors: Sequence[tuple[str, torch
     header = encode_header(shapes, order, crcs)
     with publish_file(fs, path) as out:
         out.write(header)
+        done = 0
         for name in order:
-            out.write(tensor_bytes(by_name[name]))
+            raw = tensor_bytes(by_name[name])
+            out.write(raw)
+            done += len(raw)
+            if progress is not None:
+                progress(done)
     return sum(t.numel() * t.element_size() for _, t in tensors)
 
 
