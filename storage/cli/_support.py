@@ -113,9 +113,9 @@ def progress_bar(args: argparse.Namespace, total: int, desc: str) -> Iterator[An
 @contextlib.contextmanager
 def progress_line(args: argparse.Namespace, desc: str) -> Iterator[Any]:
     """A ``progress(done, total)`` that redraws one carriage-return line on stderr
-    (bytes done of the total and the percentage) when stderr is a terminal and
-    neither ``--json`` nor ``--quiet`` is given; a no-op otherwise. The line is
-    cleared at the end."""
+    (bytes done; of the total, and the percentage, when ``total > 0``) when stderr is
+    a terminal and neither ``--json`` nor ``--quiet`` is given; a no-op otherwise. The
+    line is cleared at the end."""
     enabled = not args.quiet and not args.json and sys.stderr.isatty()
     lock = threading.Lock()
     shown = [False]
@@ -123,9 +123,9 @@ def progress_line(args: argparse.Namespace, desc: str) -> Iterator[Any]:
     def update(done: int, total: int) -> None:
         if not enabled:
             return
-        percent = 100 * done // total if total else 100
+        shown_total = f" / {human_size(total)} ({100 * done // total}%)" if total > 0 else ""
         with lock:
-            sys.stderr.write(f"\r{desc}: {human_size(done)} / {human_size(total)} ({percent}%)")
+            sys.stderr.write(f"\r{desc}: {human_size(done)}{shown_total}")
             sys.stderr.flush()
             shown[0] = True
 
