@@ -191,7 +191,8 @@ def main() -> None:
     parser.add_argument("--child-today", nargs=2, metavar=("ENDPOINT", "PREFIX"))
     args = parser.parse_args()
     if args.child_today:
-        child_today(*args.child_today, args.size_mb)
+        endpoint, prefix = args.child_today
+        child_today(endpoint, prefix, args.size_mb)
         return
     with SeaweedFS(bucket=BUCKET) as server:
         print(f"SeaweedFS {server.url} (data in {server.dir})", flush=True)
