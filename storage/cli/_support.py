@@ -110,6 +110,33 @@ def progress_bar(args: argparse.Namespace, total: int, desc: str) -> Iterator[An
         bar.close()
 
 
+@contextlib.contextmanager
+def progress_line(args: argparse.Namespace, desc: str) -> Iterator[Any]:
+    """A ``progress(done, total)`` that redraws one carriage-return line on stderr
+    (bytes done; of the total, and the percentage, when ``total > 0``) when stderr is
+    a terminal and neither ``--json`` nor ``--quiet`` is given; a no-op otherwise. The
+    line is cleared at the end."""
+    enabled = not args.quiet and not args.json and sys.stderr.isatty()
+    lock = threading.Lock()
+    shown = [False]
+
+    def update(done: int, total: int) -> None:
+        if not enabled:
+            return
+        shown_total = f" / {human_size(total)} ({100 * done // total}%)" if total > 0 else ""
+        with lock:
+            sys.stderr.write(f"\r{desc}: {human_size(done)}{shown_total}")
+            sys.stderr.flush()
+            shown[0] = True
+
+    try:
+        yield update
+    finally:
+        if shown[0]:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
 DTYPE_NAMES = {
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",

@@ -23,6 +23,7 @@ from storage.cli._support import (
     parse_size,
     parse_transforms,
     progress_bar,
+    progress_line,
     table,
 )
 
@@ -140,6 +141,7 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
+    from storage.checkpoint.safetensors.verify import is_model
     from storage.ops.describe import describe
     from storage.ops.verify import verify
 
@@ -147,6 +149,8 @@ def verify(args: argparse.Namespace) -> int:
     try:
         total = describe(fs, path).stored
     except CheckpointNotFoundError as exc:
+        if is_model(fs, path):
+            return _verify_model(args, fs, path)
         raise not_a_checkpoint_hint(fs, path, exc) from None
     started = time.perf_counter()
     with progress_bar(args, total, "verify") as progress:
@@ -175,6 +179,38 @@ def verify(args: argparse.Namespace) -> int:
         )
     data = dict(asdict(report), valid=not report.bad)
     emit(args, data, "\n".join(lines))
+    return 1 if report.bad else 0
+
+
+def _verify_model(args: argparse.Namespace, fs: FileSystemBase, path: str) -> int:
+    """``verify`` of a Hub-layout safetensors model instead of a DCP checkpoint."""
+    from storage.checkpoint.safetensors.verify import verify_model
+
+    started = time.perf_counter()
+    with progress_line(args, "verify") as progress:
+        done = [0]
+
+        def read(n: int) -> None:
+            done[0] += n
+            progress(done[0], 0)
+
+        report = verify_model(fs, path, threads=args.threads or 4, progress=read)
+    elapsed = time.perf_counter() - started
+    count = len(report.ok) + len(report.bad) + len(report.unchecksummed)
+    if report.bad:
+        lines = [f"BAD: {len(report.bad)} of {count} tensors failed in {report.url}:"]
+        lines += [f"  {label}: {reason}" for label, reason in sorted(report.bad.items())]
+    else:
+        lines = [
+            f"OK: safetensors model {report.url}: {len(report.files)} files, {count} tensors "
+            f"({human_size(report.bytes_read)} checked in {elapsed:.1f} s)"
+        ]
+    if report.unchecksummed:
+        lines.append(
+            f"note: no checksums recorded for {len(report.unchecksummed)} tensors (not written "
+            "by dcp-storage); their headers and the index were checked, not their bytes"
+        )
+    emit(args, dict(asdict(report), format="safetensors", valid=not report.bad), "\n".join(lines))
     return 1 if report.bad else 0
 
 
@@ -230,22 +266,24 @@ def export(args: argparse.Namespace) -> int:
     src_fs, src = location(args.src, args.storage_option)
     dst_fs, dst = location(args.dst, args.dst_storage_option or args.storage_option)
     started = time.perf_counter()
-    try:
-        result = export_safetensors(
-            src_fs,
-            src,
-            dst_fs,
-            dst,
-            dtype=getattr(torch, DTYPE_NAMES[args.dtype]) if args.dtype else None,
-            max_shard_size=parse_size(args.max_shard_size, "--max-shard-size"),
-            only=args.only,
-            strip=args.strip,
-            overwrite=args.overwrite,
-            keys=keys_from_args(args),
-            require_encryption=args.require_encryption,
-        )
-    except CheckpointNotFoundError as exc:
-        raise not_a_checkpoint_hint(src_fs, src, exc) from None
+    with progress_line(args, "export") as progress:
+        try:
+            result = export_safetensors(
+                src_fs,
+                src,
+                dst_fs,
+                dst,
+                dtype=getattr(torch, DTYPE_NAMES[args.dtype]) if args.dtype else None,
+                max_shard_size=parse_size(args.max_shard_size, "--max-shard-size"),
+                only=args.only,
+                strip=args.strip,
+                overwrite=args.overwrite,
+                keys=keys_from_args(args),
+                require_encryption=args.require_encryption,
+                progress=progress,
+            )
+        except CheckpointNotFoundError as exc:
+            raise not_a_checkpoint_hint(src_fs, src, exc) from None
     elapsed = time.perf_counter() - started
     text = (
         f"exported {result.source} -> {result.destination}: {result.tensors} tensors, "

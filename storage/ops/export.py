@@ -51,7 +51,7 @@ def export_safetensors(
     overwrite: bool = False,
     keys: Keys | None = None,
     require_encryption: bool | None = None,
-    progress: Callable[[int], Any] | None = None,
+    progress: Callable[[int, int], Any] | None = None,
 ) -> ExportResult:
     """Write the tensors of the checkpoint at ``src`` as a safetensors model at ``dst``.
 
@@ -63,8 +63,8 @@ def export_safetensors(
     encrypted items), converted and written before the next file's are loaded, so
     memory holds about one file; the index is written last (the commit: see
     ``storage.checkpoint.safetensors.files``), and a model already at ``dst`` is
-    refused unless ``overwrite``. ``progress`` is called
-    with the bytes of each file written."""
+    refused unless ``overwrite``. ``progress(done, total)`` is called with the bytes of
+    tensor data written so far and in all after each tensor is written."""
     reader_options: dict[str, Any] = {"keys": keys, "require_encryption": require_encryption}
     metadata = CheckpointReader(src, filesystem=src_fs, **reader_options).read_metadata()
     chosen: dict[str, tuple[str, torch.dtype, torch.Size]] = {}  # name -> (fqn, dtype, size)
@@ -93,6 +93,7 @@ def export_safetensors(
             + "; check the item names with `dcp-storage inspect`"
         )
     sizes = [(name, nbytes(out, size)) for name, (_, out, size) in chosen.items()]
+    everything = sum(size for _, size in sizes)
     groups = split(sizes, max_shard_size)
     names = file_names(len(groups))
     clear_destination(dst_fs, dst, overwrite=overwrite)
@@ -105,12 +106,16 @@ def export_safetensors(
         }
         load(state, src_fs.url(src), filesystem=src_fs, **reader_options)
         tensors = [(n, state.pop(chosen[n][0]).to(chosen[n][1]).contiguous()) for n in group]
-        written = write_file(dst_fs, dst_fs.concat_path(dst, file), tensors)
+        done = total
+
+        def wrote(n: int, done_before: int = done) -> None:
+            if progress is not None:
+                progress(done_before + n, everything)
+
+        written = write_file(dst_fs, dst_fs.concat_path(dst, file), tensors, progress=wrote)
         del tensors
         total += written
         weight_map.update(dict.fromkeys(group, file))
-        if progress is not None:
-            progress(written)
     if len(names) > 1:
         publish_index(dst_fs, dst, weight_map, total)
         names.append(INDEX_NAME)

@@ -4,8 +4,10 @@ renamed, converted and cut into files, one file's tensors in memory at a time.""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -13,13 +15,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import storage
-from extensions import AES256GCM
+from extensions import AES256GCM, ZStandard
 from storage.checkpoint.safetensors import load_safetensors
 from storage.cli import main
 from storage.ops import export as export_module
+from tests.support.distributed import gloo_group
 from tests.support.servers import endpoint_with_bucket, s3_options
 from tests.support.trees import tiny_llama
 
@@ -138,3 +142,71 @@ def test_export_refuses_an_existing_model_and_an_empty_selection(
     assert "no tensors to export under 'nothing.'" in capsys.readouterr().err
     assert main([*argv, "--max-shard-size", "lots"]) == 1
     assert "--max-shard-size takes a size" in capsys.readouterr().err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_export_shows_progress_on_a_terminal_only(tmp_path: Path, monkeypatch: Any) -> None:
+    """Export used to print nothing while it ran: a carriage-return line of bytes written
+    of the total now goes to stderr when it is a terminal, never with --json."""
+    state = {f"w{i}": torch.full((256,), float(i)) for i in range(4)}  # 1 KiB each
+    storage.save(state, str(tmp_path / "src"))
+    argv = ["export", str(tmp_path / "src"), "", "--format", "safetensors"]
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    argv[2] = str(tmp_path / "a")
+    assert main([*argv, "--max-shard-size", "2048"]) == 0
+    shown = terminal.getvalue()
+    assert "\rexport: 1.0 KiB / 4.0 KiB (25%)" in shown
+    assert "\rexport: 4.0 KiB / 4.0 KiB (100%)" in shown
+    assert shown.endswith("\r\x1b[K")  # the line is cleared at the end
+    for extra in (["--json"], ["--quiet"]):
+        terminal.seek(0)
+        terminal.truncate()
+        argv[2] = str(tmp_path / extra[0].strip("-"))
+        assert main([*argv, *extra]) == 0
+        assert terminal.getvalue() == ""
+    plain = io.StringIO()  # not a terminal: nothing either
+    monkeypatch.setattr(sys, "stderr", plain)
+    argv[2] = str(tmp_path / "b")
+    assert main(argv) == 0
+    assert plain.getvalue() == ""
+
+
+def _sharded_zstd_worker(rank: int, store: str, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with gloo_group(rank, 2, store):
+        mesh = init_device_mesh("cpu", (2,))
+        full = _state()["model"]
+        model = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+        storage.save({"model": model, "step": 5}, path, transforms=[ZStandard()])
+
+
+def test_export_of_a_two_rank_sharded_zstd_checkpoint_gives_whole_tensors(
+    tmp_path: Path,
+) -> None:
+    src = str(tmp_path / "sharded")
+    mp.spawn(_sharded_zstd_worker, args=(str(tmp_path / "store"), src), nprocs=2, join=True)
+    argv = ["export", src, str(tmp_path / "out"), "--format", "safetensors", "--strip", "model."]
+    assert main(argv) == 0
+    files = _model_files(tmp_path / "out")
+    for key, value in _state()["model"].items():
+        assert torch.equal(files[key.removeprefix("model.")], value), key
+
+
+def test_export_of_an_incremental_checkpoint_resolves_its_base(tmp_path: Path) -> None:
+    first = _state()
+    storage.save(first, str(tmp_path / "a"))
+    second = _state()
+    second["model"]["layers.0.w"] = second["model"]["layers.0.w"] + 1  # the rest unchanged
+    storage.save(second, str(tmp_path / "b"), base=str(tmp_path / "a"))
+    argv = ["export", str(tmp_path / "b"), str(tmp_path / "out"), "--format", "safetensors"]
+    assert main([*argv, "--only", "model.", "--strip", "model."]) == 0
+    files = _model_files(tmp_path / "out")
+    for key, value in second["model"].items():
+        assert torch.equal(files[key.removeprefix("model.")], value), key

@@ -11,10 +11,12 @@ removes its index (or single file) before anything else is written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import IO
 
 import crc32c
 import torch
@@ -80,21 +82,41 @@ def clear_destination(fs: FileSystemBase, root: str, *, overwrite: bool) -> None
         fs.rm_file(fs.concat_path(root, name))
 
 
-def write_file(fs: FileSystemBase, path: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+@contextlib.contextmanager
+def publish_file(fs: FileSystemBase, path: str) -> Iterator[IO[bytes]]:
+    """A stream whose content appears at ``path`` whole or not at all: object stores
+    publish an upload whole; local disk writes a temporary name, then renames it."""
+    target = f"{path}.tmp-{uuid.uuid4().hex[:12]}" if fs.atomic_rename else path
+    with fs.create_stream(target, "wb", sync=True) as out:
+        yield out
+    if target != path:
+        fs.rename(target, path)
+
+
+def write_file(
+    fs: FileSystemBase,
+    path: str,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    *,
+    progress: Callable[[int], object] | None = None,
+) -> int:
     """Write one safetensors file holding ``tensors`` (CPU, contiguous) with their
-    CRC-32Cs, in the library's byte layout; returns the bytes of tensor data."""
+    CRC-32Cs, in the library's byte layout; returns the bytes of tensor data.
+    ``progress`` is called with the tensor bytes written so far after each tensor."""
     by_name = dict(tensors)
     shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors}
     order = layout(shapes)
     crcs = {name: crc32c.crc32c(tensor_bytes(by_name[name])) for name in order}
     header = encode_header(shapes, order, crcs)
-    target = f"{path}.tmp-{uuid.uuid4().hex[:12]}" if fs.atomic_rename else path
-    with fs.create_stream(target, "wb", sync=True) as out:
+    with publish_file(fs, path) as out:
         out.write(header)
+        done = 0
         for name in order:
-            out.write(tensor_bytes(by_name[name]))
-    if target != path:
-        fs.rename(target, path)
+            raw = tensor_bytes(by_name[name])
+            out.write(raw)
+            done += len(raw)
+            if progress is not None:
+                progress(done)
     return sum(t.numel() * t.element_size() for _, t in tensors)
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -18,6 +20,14 @@ from torch.futures import Future
 from extensions.errors import quote
 from storage.backends.registry import filesystem_from_url
 from storage.checkpoint.hook_errors import records_error
+from storage.checkpoint.safetensors.consolidate import (
+    STAGING_PREFIX,
+    Piece,
+    Staged,
+    byte_range,
+    consolidate,
+    remove_staging,
+)
 from storage.checkpoint.safetensors.files import (
     clear_destination,
     file_names,
@@ -26,6 +36,7 @@ from storage.checkpoint.safetensors.files import (
     write_file,
 )
 from storage.checkpoint.safetensors.header import dtype_name, nbytes
+from storage.checkpoint.tensors import tensor_bytes
 
 
 def refuse_transforms(transforms: object) -> None:
@@ -47,14 +58,16 @@ class SafetensorsWriter(StorageWriter):
     ``safetensors.torch.save`` writes, plus each tensor's CRC-32C in ``__metadata__``.
 
     ``dcp.save(state_dict, storage_writer=SafetensorsWriter(url))`` on one process or on
-    N ranks: every tensor must be whole on the rank that saves it (replicated tensors
-    are saved once, by the planner's choice of rank; DTensor/ShardedTensor shards are
-    refused: gather full tensors first, e.g. ``get_model_state_dict(model,
-    options=StateDictOptions(full_state_dict=True, cpu_offload=True))``). Each rank
-    writes its own files; the coordinator writes the index last (the commit). Files are
-    cut at ``max_shard_size`` bytes (default: one file per rank). A committed model
+    N ranks. Whole tensors (replicated ones are saved once, by the planner's choice of
+    rank): each rank writes its own files (default: one file per rank), the coordinator
+    the index last (the commit). DTensor/ShardedTensor shards along dimension 0 are
+    consolidated (see ``consolidate``): each rank stages its shards' bytes under
+    ``path``, the coordinator writes whole tensors into the files (default: one file)
+    from those, a bounded buffer at a time, then the index, and removes the staging
+    area; shards whose bytes are not one contiguous range (``Shard(1)`` of a matrix) are
+    refused with the fix. Files are cut at ``max_shard_size`` bytes. A committed model
     already at ``path`` is refused unless ``overwrite``. ``transforms`` are refused.
-    ``thread_count`` files are written at once per rank (each holds a file's tensors on
+    ``thread_count`` files are written at once (each holds a file's tensors on
     the CPU while it writes).
     """
 
@@ -108,6 +121,12 @@ class SafetensorsWriter(StorageWriter):
 
     @records_error
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if any(_is_shard(i) for plan in plans for i in plan.items):
+            staging = f"{STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
+            return [
+                dataclasses.replace(plan, storage_data=Staged(f"{staging}/rank-{rank:05d}.bin"))
+                for rank, plan in enumerate(plans)
+            ]
         groups = [
             split(
                 [(i.index.fqn, _size(i)) for i in plan.items if i.tensor_data is not None],
@@ -129,6 +148,10 @@ class SafetensorsWriter(StorageWriter):
 
     @records_error
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut: Future[list[WriteResult]] = Future()
+        if isinstance(plan.storage_data, Staged):
+            fut.set_result(self._stage(plan.storage_data.object, plan, planner))
+            return fut
         by_file: dict[str, list[WriteItem]] = defaultdict(list)
         for item in plan.items:
             by_file[plan.storage_data[item.index.fqn]].append(item)
@@ -143,13 +166,47 @@ class SafetensorsWriter(StorageWriter):
 
         with ThreadPoolExecutor(max(1, min(self.thread_count, len(by_file)))) as pool:
             results = [r for rs in pool.map(write, sorted(by_file)) for r in rs]
-        fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _stage(self, name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """Consolidation, step 1: this rank's shards back to back in its staging object."""
+        results: list[WriteResult] = []
+        if not plan.items:
+            return results
+        at = 0
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb", sync=True) as out:
+            for item in plan.items:
+                assert item.tensor_data is not None
+                data = item.tensor_data
+                span = byte_range(
+                    data.chunk.offsets, data.chunk.sizes, data.size, data.properties.dtype
+                )
+                assert span is not None  # prepare_local_plan refused the others
+                raw = tensor_bytes(_cpu(planner.resolve_data(item)))
+                out.write(raw)
+                piece = Piece(name, at, span[0], span[1], crc32c.crc32c(raw))
+                results.append(WriteResult(item.index, span[1], piece))
+                at += span[1]
+        return results
 
     @records_error
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         flat = [r for rank in results for r in rank]
+        pieces = [(r.index.fqn, r.storage_data) for r in flat if isinstance(r.storage_data, Piece)]
+        if pieces:
+            try:
+                consolidate(
+                    self.fs,
+                    self.path,
+                    metadata,
+                    pieces,
+                    max_shard_size=self.max_shard_size,
+                    threads=self.thread_count,
+                )
+            finally:
+                remove_staging(self.fs, self.path, [p.object for _, p in pieces])
+            return
         weight_map = {r.index.fqn: str(r.storage_data) for r in flat}
         if len(set(weight_map.values())) > 1:
             publish_index(self.fs, self.path, weight_map, sum(r.size_in_bytes for r in flat))
@@ -166,14 +223,21 @@ def _check_item(item: WriteItem, url: str) -> None:
             "the state dict (save it with storage.save beside the model if it is needed)"
         )
     data = item.tensor_data
-    if any(data.chunk.offsets) or tuple(data.chunk.sizes) != tuple(data.size):
+    dtype_name(data.properties.dtype, where)
+    if byte_range(data.chunk.offsets, data.chunk.sizes, data.size, data.properties.dtype) is None:
         raise ValueError(
             f"{where} is a shard (offsets {tuple(data.chunk.offsets)}, sizes "
-            f"{tuple(data.chunk.sizes)} of {tuple(data.size)}); SafetensorsWriter saves whole "
-            "tensors only: gather them first, e.g. get_model_state_dict(model, "
-            "options=StateDictOptions(full_state_dict=True, cpu_offload=True))"
+            f"{tuple(data.chunk.sizes)} of {tuple(data.size)}) whose bytes are not one "
+            "contiguous range of the tensor; SafetensorsWriter consolidates shards along "
+            "dimension 0 only: reshard it to Shard(0), or gather full tensors first, e.g. "
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+            "cpu_offload=True))"
         )
-    dtype_name(data.properties.dtype, where)
+
+
+def _is_shard(item: WriteItem) -> bool:
+    data = item.tensor_data
+    return data is not None and tuple(data.chunk.sizes) != tuple(data.size)
 
 
 def _size(item: WriteItem) -> int:
