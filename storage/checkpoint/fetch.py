@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
@@ -45,18 +45,18 @@ COALESCE_LIMIT = 32 << 20
 
 @dataclass
 class _PlannedRead:
-    """One requested item and where its bytes are stored (its ``_StorageInfo``)."""
+    """One requested item and its record (where its bytes are stored, and how)."""
 
     req: ReadItem
-    info: Any  # _StorageInfo
+    info: fmt.StoredItem
 
     @property
     def offset(self) -> int:
-        return int(self.info.offset)
+        return self.info.offset
 
     @property
     def length(self) -> int:
-        return int(self.info.length)
+        return self.info.length
 
 
 def read_items(
@@ -80,7 +80,7 @@ def read_items(
     # missing key or a failing key provider is reported as itself.
     for _, run in runs:
         for item in run:
-            descriptors = item.info.transform_descriptors or ()
+            descriptors = item.info.descriptors
             info = _item_info(reader, item, keys)
             check_before_read(
                 descriptors,
@@ -123,7 +123,7 @@ def _plan_runs(
         if path not in per_file:
             directory = incremental.item_directory(reader.fs, reader.path, info)
             refuse_linked_prefix(reader.fs, directory, info.relative_path)
-        per_file.setdefault(path, []).append(_PlannedRead(req, info))
+        per_file.setdefault(path, []).append(_PlannedRead(req, fmt.stored_item(info)))
     incremental.check_bases(
         reader.fs,
         reader.path,
@@ -194,12 +194,11 @@ def _read_item(
     label = fmt.item_label(item.req.storage_index)
     note(label, reader.fs.url(path))
     where = f"{reader.url}: item {quote(label)} in {quote(os.path.basename(path))}"
-    extra = fmt.item_extra(item.info)
     stored = StoredItemReader(
         stream,
         item.length,
-        item.info.transform_descriptors or (),
-        extra.get("crc32c"),
+        item.info.descriptors,
+        item.info.crc32c,
         where,
         block=reader.fs.read_block,
     )
@@ -225,7 +224,7 @@ def _read_item(
             limit = max(reader.max_object_bytes, OBJECT_RATIO * item.length)
             payload = read_bounded(decoded, limit, where, "pass a larger max_object_bytes=")
         else:
-            decoded_tensor = decode_tensor(decoded, item.req, extra, chunk, target, where)
+            decoded_tensor = decode_tensor(decoded, item.req, item.info, chunk, target, where)
         stored.finish()
     except (CheckpointStorageError, OSError):
         raise  # already named, or the storage failed (not the bytes)
@@ -257,7 +256,7 @@ def _decode_framed(
     """Hand a tensor item in frames to the frame decoders, which decode it straight
     into ``target`` and commit it; ``False`` when its layout does not allow that (no
     direct offset, or too large to buffer without a frame list)."""
-    offset = direct_offset(item.req, fmt.item_extra(item.info), chunk, target)
+    offset = direct_offset(item.req, item.info, chunk, target)
     table = None if offset is None else frames.frame_list(framing, stream, item.length)
     if offset is None or not (table or item.length <= frames.MAX_BUFFER):
         return False
