@@ -112,9 +112,16 @@ def write_results(
         offset = 0
         for item in bucket:
             length = item_bytes + 1100  # the torch.save archive around the raw bytes
-            extra = {"crc32c": 0x1234ABCD, "data_offset": 1024, "dtype": "bfloat16"}
-            extra["nbytes"] = item_bytes
-            info = fmt.new_storage_info(name, offset, length, [], extra)
+            record = fmt.StoredItem(
+                name,
+                offset,
+                length,
+                crc32c=0x1234ABCD,
+                data_offset=1024,
+                dtype="bfloat16",
+                nbytes=item_bytes,
+            )
+            info = fmt.new_storage_info(record)
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
             offset += length
         files.append((name, offset))

@@ -25,7 +25,7 @@ Each item records the descriptors in that same order (``[A, B]``), which is also
 order torch records them in; a reader undoes them in reverse (B first, then A).
 
 **Version 2** adds, to subclasses of :class:`StreamTransformExtension`, one per-item
-hook and three capabilities, each with a default that keeps a version-1 transform
+hook and four capabilities, each with a default that keeps a version-1 transform
 working as it did:
 
 ``for_item(item)``
@@ -49,6 +49,22 @@ working as it did:
     A secret key, derived from the transform's own, under which incremental saves key
     the content fingerprints they record (so nobody without it can test a guess of the
     content); the first transform of a chain that returns one keys the fingerprints.
+``frame_decoder(version)`` and ``frames(version, read_at, length)`` (classmethods, default: none)
+    Splittable into independent frames. A transform whose output for an item is a
+    sequence of pieces that each decode on their own offers, for the descriptor
+    ``name/version``, a function decoding one piece (``frame_decoder``: a
+    :data:`FrameDecoder`, ``None`` when not splittable) and, for one recorded item of
+    ``length`` stored bytes, its list of :class:`Frame` (``frames``: ``read_at(offset,
+    size)`` reads the item's stored bytes, e.g. an index at its end; ``None`` when this
+    item has no list). When an item's chain is that transform alone, a reader decodes
+    the frames on every core, each straight into its slice of the target, while its own
+    threads read on; an item without a list but of at most :data:`MAX_FRAME_BYTES` is
+    decoded whole from one buffer (``whole=True``). The list is a claim, checked as it
+    is used: frames in stored order, not overlapping, inside the item, each at most
+    :data:`MAX_FRAME_BYTES` stored bytes, their decoded pieces tiling the plain bytes
+    from 0, and each must decode to exactly its ``decoded_length``; the CRC-32C of every
+    stored byte is checked before the target is handed over. The decoder is called
+    from several threads at once. ``zstd`` offers it from its seek table.
 
 Version 1's item hooks (``descriptor_for``, ``encode``, ``decoder_for``, ``decode``,
 each given an :class:`ItemInfo`) are still offered, now derived from ``for_item``; a
@@ -69,6 +85,31 @@ from extensions.errors import quote
 
 KeyLookup = Callable[[str], bytes]
 Keys = Mapping[str, bytes] | KeyLookup
+
+#: The most stored bytes one frame of a splittable transform may hold (readers buffer
+#: a frame whole): 4 MiB and 64 KiB, zstd's frame of 4 MiB input and its worst-case growth.
+MAX_FRAME_BYTES = (4 << 20) + (64 << 10)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One independently decodable piece of a stored item: its stored bytes are
+    ``[stored_offset, stored_offset + stored_length)`` of the item, and they decode to
+    its plain bytes ``[decoded_offset, decoded_offset + decoded_length)``."""
+
+    stored_offset: int
+    stored_length: int
+    decoded_offset: int
+    decoded_length: int
+
+
+#: ``decode(source, whole)``: a reader of the plain bytes that ``source`` (the stored
+#: bytes of one frame, held in memory) decodes to, ending where the frame ends; with
+#: ``whole=True`` ``source`` is every stored byte of an item without a frame list, and
+#: the reader decodes all of it.
+FrameDecoder = Callable[[memoryview, bool], IO[bytes]]
+#: ``read_at(offset, size)``: ``size`` stored bytes of an item from ``offset``.
+ReadAt = Callable[[int, int], bytes]
 
 
 @dataclass(frozen=True)
@@ -122,6 +163,18 @@ class StreamTransformExtension(TorchStreamTransform):  # type: ignore[misc,valid
 
     def fingerprint_key(self) -> bytes | None:
         """The key of keyed content fingerprints (default: ``None``, not keyed)."""
+        return None
+
+    @classmethod
+    def frame_decoder(cls, version: str) -> FrameDecoder | None:
+        """The decoder of one frame of items stored under ``name/version`` (default:
+        ``None``, not splittable into frames)."""
+        return None
+
+    @classmethod
+    def frames(cls, version: str, read_at: ReadAt, length: int) -> list[Frame] | None:
+        """The frames of one item of ``length`` stored bytes under ``name/version``,
+        found with ``read_at`` (default: ``None``, no frame list)."""
         return None
 
     # --- version 1's item hooks, derived from for_item ------------------------------

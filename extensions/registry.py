@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from typing import IO, Any, TypeVar
 
 from extensions._compat import TorchExtensionRegistry
-from extensions.base import ItemInfo, StreamTransformExtension, stage_for
+from extensions.base import (
+    Frame,
+    FrameDecoder,
+    ItemInfo,
+    ReadAt,
+    StreamTransformExtension,
+    stage_for,
+)
 from extensions.errors import CheckpointStorageError, UnknownTransformError, printable, quote
 
 log = logging.getLogger(__name__)
@@ -22,6 +31,17 @@ def parse_descriptor(descriptor: str) -> tuple[str, str]:
     """Split ``"name/version[;config]"`` into ``(name, "version[;config]")``."""
     name, _, version = descriptor.partition("/")
     return name, version
+
+
+@dataclass(frozen=True)
+class Framing:
+    """A recorded chain that splits into independent frames (the contract's
+    ``frame_decoder`` / ``frames`` capability of its one stage): ``frames(read_at,
+    length)`` lists one item's frames (``None`` when it has no list), ``decode`` decodes
+    one frame."""
+
+    frames: Callable[[ReadAt, int], list[Frame] | None]
+    decode: FrameDecoder
 
 
 class ExtensionRegistry:
@@ -45,6 +65,7 @@ class ExtensionRegistry:
         self._classes: dict[str, type] = dict(_known_classes())
         self._complete = False
         self._fallback = fallback
+        self._framings: dict[tuple[str, ...], Framing | None] = {}
         for cls in transforms or ():
             self.register(cls)
 
@@ -60,6 +81,7 @@ class ExtensionRegistry:
                 "such as 'yourorg.codec'"
             )
         self._classes[name] = cls
+        self._framings.clear()
         return cls
 
     def _add_plugins(self) -> None:
@@ -150,6 +172,26 @@ class ExtensionRegistry:
             except ValueError:
                 continue
             found += [key_id for key_id in ids if key_id not in found]
+        return found
+
+    def framing(self, descriptors: Sequence[str]) -> Framing | None:
+        """The frames of items recorded with ``descriptors``, when the chain is one
+        stage that offers them (the contract's ``frame_decoder`` and ``frames``), else
+        ``None``: such items decode as one stream. Answered once per chain."""
+        chain = tuple(descriptors)
+        if chain in self._framings:
+            return self._framings[chain]
+        found: Framing | None = None
+        if len(chain) == 1:
+            name, version = parse_descriptor(chain[0])
+            cls = self._contract_class(name)
+            try:
+                decode = cls.frame_decoder(version) if cls is not None else None
+            except ValueError:
+                decode = None
+            if cls is not None and decode is not None:
+                found = Framing(functools.partial(cls.frames, version), decode)
+        self._framings[chain] = found
         return found
 
     def _contract_class(self, name: str) -> type[StreamTransformExtension] | None:

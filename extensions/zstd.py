@@ -15,7 +15,13 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import IO, Any, cast
 
-from extensions.base import ItemInfo, StreamTransformExtension
+from extensions.base import (
+    Frame,
+    FrameDecoder,
+    ItemInfo,
+    ReadAt,
+    StreamTransformExtension,
+)
 from extensions.errors import MissingDependencyError, quote
 
 
@@ -113,6 +119,28 @@ class ZStandard(StreamTransformExtension):
         decompressor = _zstandard().ZstdDecompressor()
         return cast(IO[bytes], decompressor.stream_reader(input, read_across_frames=True))
 
+    # Splittable: every zstd frame decodes on its own, and the seek table lists them.
+
+    @classmethod
+    def frame_decoder(cls, version: str) -> FrameDecoder | None:
+        return _decode_frame if version.partition(".")[0] == "1" else None
+
+    @classmethod
+    def frames(cls, version: str, read_at: ReadAt, length: int) -> list[Frame] | None:
+        if version.partition(".")[0] != "1" or length < 8 + 8 + FOOTER:
+            return None
+        size = table_size(read_at(length - FOOTER, FOOTER))
+        if size is None or size >= length:
+            return None
+        listed = parse_seek_table(read_at(length - size, size), length)
+        if listed is None:
+            return None
+        found, stored, plain = [], 0, 0
+        for compressed, decompressed in listed:
+            found.append(Frame(stored, compressed, plain, decompressed))
+            stored, plain = stored + compressed, plain + decompressed
+        return found
+
 
 class _FramedWriter(io.RawIOBase):
     """Compresses into ``output`` one frame per :data:`FRAME` input bytes; closing it
@@ -209,3 +237,7 @@ def frame_reader(source: Any, *, across_frames: bool) -> IO[bytes]:
     if decompressor is None:
         decompressor = _local.decompressor = _zstandard().ZstdDecompressor()
     return cast(IO[bytes], decompressor.stream_reader(source, read_across_frames=across_frames))
+
+
+def _decode_frame(source: memoryview, whole: bool) -> IO[bytes]:
+    return frame_reader(source, across_frames=whole)

@@ -65,7 +65,7 @@ def commit_checkpoint(
     meta_path = fs.concat_path(directory, meta_name)
     infos = list(infos)
     if new_files is None:
-        new_files = {i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)}
+        new_files = {i.relative_path for i in infos if fmt.stored_item(i).ref is None}
     landed = False
 
     def attempt() -> None:

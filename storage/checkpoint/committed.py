@@ -49,7 +49,6 @@ from storage.checkpoint.layout import (
 
 log = logging.getLogger(__name__)
 
-CHAIN = "chain"  # metadata extra: incremental saves since the last full one (0: full)
 _LISTING = ""  # key in ``errors`` of a directory that could not be listed
 
 
@@ -71,7 +70,7 @@ def own_files(metadata: Metadata, where: str) -> frozenset[str]:
     named = {
         getattr(i, "relative_path", None)
         for i in (metadata.storage_data or {}).values()
-        if fmt.REF not in fmt.item_extra(i)
+        if fmt.stored_item(i).ref is None
     }
     ours = frozenset(n for n in named if isinstance(n, str) and is_data_file_name(n))
     if len(ours) < len(named):
@@ -81,8 +80,8 @@ def own_files(metadata: Metadata, where: str) -> frozenset[str]:
 
 def referenced_names(metadata: Metadata) -> frozenset[str]:
     """Names of the sibling checkpoints whose bytes ``metadata``'s items reference."""
-    refs = {fmt.item_extra(i).get(fmt.REF) for i in (metadata.storage_data or {}).values()}
-    return frozenset(r for r in refs if isinstance(r, str))
+    refs = {fmt.stored_item(i).ref for i in (metadata.storage_data or {}).values()}
+    return frozenset(r for r in refs if r is not None)
 
 
 def files_read(metadata: Metadata, state_dict: dict[str, Any]) -> set[tuple[str | None, str]]:
@@ -94,16 +93,14 @@ def files_read(metadata: Metadata, state_dict: dict[str, Any]) -> set[tuple[str 
     planner.set_up_planner(plain, metadata, is_coordinator=False)
     out = set()
     for item in planner.create_local_plan().items:
-        info = (metadata.storage_data or {})[item.storage_index]
-        ref = fmt.item_extra(info).get(fmt.REF)
-        out.add((ref if isinstance(ref, str) else None, info.relative_path))
+        record = fmt.stored_item((metadata.storage_data or {})[item.storage_index])
+        out.add((record.ref, record.relative_path))
     return out
 
 
 def chain_of(metadata: Metadata | None) -> int:
     """Incremental saves since the last full one (0 for a full or foreign checkpoint)."""
-    extra = getattr(metadata, fmt.EXTRA, None)
-    chain = extra.get(CHAIN, 0) if isinstance(extra, dict) else 0
+    chain = fmt.checkpoint_facts(metadata).get(fmt.CHAIN, 0)
     return chain if isinstance(chain, int) and chain >= 0 else 0
 
 

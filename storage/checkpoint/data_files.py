@@ -172,16 +172,14 @@ def _write_item(
     tensor: torch.Tensor | None = None
     if item.type != WriteItemType.BYTE_IO:
         tensor = plain_cpu_tensor(data)
-    extra: dict[str, Any] = {}
     content = writer.fingerprints.get(item.index)
-    if content is not None:
-        extra[incremental.CONTENT] = content.record()
+    start = fmt.StoredItem(name, offset, 0, content=None if content is None else content.record())
     info = item_info(writer.url, item, tensor)
-    count, descriptors = encode_item(stream, writer.transforms, info, data, tensor, extra)
+    record = encode_item(stream, writer.transforms, info, data, tensor, start)
     return WriteResult(
         index=item.index,
-        size_in_bytes=count,
-        storage_data=fmt.new_storage_info(name, offset, count, descriptors, extra),
+        size_in_bytes=record.length,
+        storage_data=fmt.new_storage_info(record),
     )
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import io
 import math
 import pickle
-from typing import IO, Any
+from collections.abc import Sequence
+from typing import IO
 
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
@@ -30,7 +31,7 @@ ARCHIVE_ALLOWANCE = 64 << 10
 def decode_tensor(
     decoded: IO[bytes],
     req: ReadItem,
-    extra: dict[str, Any],
+    record: fmt.StoredItem,
     chunk: tuple[torch.Size, torch.dtype] | None,
     target: torch.Tensor,
     where: str,
@@ -52,14 +53,8 @@ def decode_tensor(
             f"inside the stored chunk of size {list(sizes)}; the metadata does not match "
             "the state dict being loaded"
         )
-    data_offset = extra.get("data_offset")
-    if (
-        data_offset is None
-        or extra.get("dtype", str(dtype).removeprefix("torch."))
-        != str(dtype).removeprefix("torch.")
-        or extra.get("nbytes", math.prod(sizes) * dtype.itemsize)
-        != math.prod(sizes) * dtype.itemsize
-    ):
+    data_offset = record.data_offset
+    if data_offset is None or not _stored_as(record, dtype, sizes):
         # A stock archive without our layout facts, or stored bytes of another dtype
         # or size than the metadata says (a planner that cast): let torch parse it.
         # A planner that cast may have stored up to 8 bytes per element (16: complex).
@@ -95,7 +90,7 @@ def decode_tensor(
 
 def direct_offset(
     req: ReadItem,
-    extra: dict[str, Any],
+    record: fmt.StoredItem,
     chunk: tuple[torch.Size, torch.dtype] | None,
     target: torch.Tensor,
 ) -> int | None:
@@ -105,13 +100,10 @@ def direct_offset(
     if chunk is None:
         return None
     sizes, dtype = chunk
-    data_offset = extra.get("data_offset")
-    name = str(dtype).removeprefix("torch.")
-    nbytes = math.prod(sizes) * dtype.itemsize
+    data_offset = record.data_offset
     if (
         data_offset is None
-        or extra.get("dtype", name) != name
-        or extra.get("nbytes", nbytes) != nbytes
+        or not _stored_as(record, dtype, sizes)
         or list(req.lengths) != list(sizes)
         or any(req.storage_offsets)
         or target.device.type != "cpu"
@@ -121,6 +113,16 @@ def direct_offset(
     ):
         return None
     return int(data_offset)
+
+
+def _stored_as(record: fmt.StoredItem, dtype: torch.dtype, sizes: Sequence[int]) -> bool:
+    """Whether the stored tensor bytes are of ``dtype`` and ``sizes`` (as the metadata
+    says), as far as the record tells (a stock item's record does not)."""
+    name = str(dtype).removeprefix("torch.")
+    return record.dtype in (None, name) and record.nbytes in (
+        None,
+        math.prod(sizes) * dtype.itemsize,
+    )
 
 
 def read_bounded(decoded: IO[bytes], limit: int, where: str, hint: str) -> bytes:

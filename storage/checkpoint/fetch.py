@@ -2,7 +2,8 @@
 by the file their bytes are in, adjacent ones coalesced into one ranged request of at
 most :data:`COALESCE_LIMIT` bytes, biggest runs first; every item checked before any
 byte is fetched (encryption required, keys at hand), then read, its CRC-32C verified
-and decoded into its target, zstd items frame by frame on every core where they can."""
+and decoded into its target, frame by frame on every core where the item's transform
+splits into frames (zstd does)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
@@ -20,8 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from extensions._compat import narrow_tensor_by_index
 from extensions.base import ItemInfo, KeyLookup, cached_key_lookup
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError, quote
-from extensions.registry import ExtensionRegistry, parse_descriptor
-from extensions.zstd import ZStandard
+from extensions.registry import ExtensionRegistry, Framing
 from storage.checkpoint import frames, incremental
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget, cancellable, note
@@ -45,18 +45,18 @@ COALESCE_LIMIT = 32 << 20
 
 @dataclass
 class _PlannedRead:
-    """One requested item and where its bytes are stored (its ``_StorageInfo``)."""
+    """One requested item and its record (where its bytes are stored, and how)."""
 
     req: ReadItem
-    info: Any  # _StorageInfo
+    info: fmt.StoredItem
 
     @property
     def offset(self) -> int:
-        return int(self.info.offset)
+        return self.info.offset
 
     @property
     def length(self) -> int:
-        return int(self.info.length)
+        return self.info.length
 
 
 def read_items(
@@ -80,7 +80,7 @@ def read_items(
     # missing key or a failing key provider is reported as itself.
     for _, run in runs:
         for item in run:
-            descriptors = item.info.transform_descriptors or ()
+            descriptors = item.info.descriptors
             info = _item_info(reader, item, keys)
             check_before_read(
                 descriptors,
@@ -91,7 +91,7 @@ def read_items(
             )
     if not runs:
         return
-    # zstd items are decoded on every core while these threads read on (frames.py).
+    # Items in frames are decoded on every core while these threads read on (frames.py).
     workers = frames.decoder_count()
     decoders = frames.Decoders(workers, slots=workers + 2)
     tasks = [
@@ -123,7 +123,7 @@ def _plan_runs(
         if path not in per_file:
             directory = incremental.item_directory(reader.fs, reader.path, info)
             refuse_linked_prefix(reader.fs, directory, info.relative_path)
-        per_file.setdefault(path, []).append(_PlannedRead(req, info))
+        per_file.setdefault(path, []).append(_PlannedRead(req, fmt.stored_item(info)))
     incremental.check_bases(
         reader.fs,
         reader.path,
@@ -194,12 +194,11 @@ def _read_item(
     label = fmt.item_label(item.req.storage_index)
     note(label, reader.fs.url(path))
     where = f"{reader.url}: item {quote(label)} in {quote(os.path.basename(path))}"
-    extra = fmt.item_extra(item.info)
     stored = StoredItemReader(
         stream,
         item.length,
-        item.info.transform_descriptors or (),
-        extra.get("crc32c"),
+        item.info.descriptors,
+        item.info.crc32c,
         where,
         block=reader.fs.read_block,
     )
@@ -210,10 +209,13 @@ def _read_item(
         with lock:
             target = planner.resolve_tensor(item.req).detach()
         check_shapes(item.req, target, chunk, where)
+        framing = None if decoders is None else registry.framing(stored.descriptors)
         if (
-            decoders is not None
-            and _zstd_only(stored.descriptors, registry)
-            and _decode_framed(stream, item, stored, chunk, target, planner, lock, decoders)
+            framing is not None
+            and decoders is not None
+            and _decode_framed(
+                stream, item, stored, chunk, target, planner, lock, decoders, framing
+            )
         ):
             return
     try:
@@ -222,7 +224,7 @@ def _read_item(
             limit = max(reader.max_object_bytes, OBJECT_RATIO * item.length)
             payload = read_bounded(decoded, limit, where, "pass a larger max_object_bytes=")
         else:
-            decoded_tensor = decode_tensor(decoded, item.req, extra, chunk, target, where)
+            decoded_tensor = decode_tensor(decoded, item.req, item.info, chunk, target, where)
         stored.finish()
     except (CheckpointStorageError, OSError):
         raise  # already named, or the storage failed (not the bytes)
@@ -249,12 +251,13 @@ def _decode_framed(
     planner: LoadPlanner,
     lock: threading.Lock,
     decoders: frames.Decoders,
+    framing: Framing,
 ) -> bool:
-    """Hand a zstd tensor item to the frame decoders, which decode it straight into
-    ``target`` and commit it; ``False`` when its layout does not allow that (no direct
-    offset, or too large to buffer without a seek table)."""
-    offset = direct_offset(item.req, fmt.item_extra(item.info), chunk, target)
-    table = None if offset is None else frames.seek_table(stream, item.length)
+    """Hand a tensor item in frames to the frame decoders, which decode it straight
+    into ``target`` and commit it; ``False`` when its layout does not allow that (no
+    direct offset, or too large to buffer without a frame list)."""
+    offset = direct_offset(item.req, item.info, chunk, target)
+    table = None if offset is None else frames.frame_list(framing, stream, item.length)
     if offset is None or not (table or item.length <= frames.MAX_BUFFER):
         return False
     req = item.req
@@ -263,7 +266,9 @@ def _decode_framed(
         with lock:
             planner.commit_tensor(req, target)
 
-    frames.decode_framed(decoders, stored, table, tensor_bytes(target), offset, commit)
+    frames.decode_framed(
+        decoders, stored, table, framing.decode, tensor_bytes(target), offset, commit
+    )
     return True
 
 
@@ -278,18 +283,6 @@ def _copy_into(decoded: torch.Tensor, req: ReadItem, target: torch.Tensor, where
             "not match the shape the metadata records; the checkpoint is damaged"
         )
     target.copy_(narrowed)
-
-
-def _zstd_only(descriptors: Sequence[str], registry: ExtensionRegistry) -> bool:
-    """Whether the chain is our zstd alone (what the frame decoders handle)."""
-    if len(descriptors) != 1:
-        return False
-    name, version = parse_descriptor(descriptors[0])
-    return (
-        name == ZStandard.registry_name()
-        and version.partition(".")[0] == "1"
-        and registry.get(name) is ZStandard
-    )
 
 
 def _item_info(reader: CheckpointReader, item: _PlannedRead, keys: KeyLookup | None) -> ItemInfo:

@@ -1,17 +1,20 @@
-"""Parallel decoding of zstd items: the reader's threads read (and checksum) stored bytes
-while a pool of decoders, one per core, turns them into the target tensors.
+"""Parallel decoding of items whose transform splits into frames: the reader's threads
+read (and checksum) stored bytes while a pool of decoders, one per core, turns them into
+the target tensors.
 
-An item qualifies when its chain is our zstd alone, it decodes straight into its target
-(``decode.direct_offset``) and it is on local disk or in memory (where finding its seek
-table costs no request). An item with a
-seek table (extensions/zstd.py: one frame per 4 MiB) is cut into its frames, each
-decoded into its own slice of the target, so one large tensor keeps every core busy;
-an item of one frame small enough for a buffer is decoded whole by one decoder while the
+Which items qualify is the transform contract's to say (``extensions.base``: the
+``frame_decoder`` / ``frames`` capability, answered for a recorded chain by
+``ExtensionRegistry.framing``; zstd offers it from its seek table). An item qualifies
+when its chain is one such transform, it decodes straight into its target
+(``decode.direct_offset``) and it is on local disk or in memory (where finding its frame
+list costs no request). An item with a frame list is cut into its frames, each decoded
+into its own slice of the target, so one large tensor keeps every core busy; an item
+without one but small enough for a buffer is decoded whole by one decoder while the
 reader goes on to the next. Anything else keeps the reader's sequential path.
 
 The reader still owns integrity: it reads every stored byte through the item's CRC-32C
 and checks length and checksum once the last frame is read; each frame must decode to
-exactly the size its table lists, and the frames' sizes must add up to the archive the
+exactly the size its list gives, and the frames' sizes must add up to the archive the
 metadata describes. The planner gets the tensor only once every frame is decoded and
 the checksum matched. At most ``slots`` buffers (the reader asks for cores + 2) of
 :data:`MAX_BUFFER` bytes are in flight, so a load holds at most (cores + 2) x ~4 MiB of
@@ -27,13 +30,14 @@ import threading
 from collections.abc import Callable
 from typing import IO
 
+from extensions.base import MAX_FRAME_BYTES, Frame, FrameDecoder
 from extensions.errors import IntegrityError, UnsafeCheckpointError
+from extensions.registry import Framing
 from extensions.streams import pump, readinto_exact, skip
-from extensions.zstd import FOOTER, FRAME, frame_reader, parse_seek_table, table_size
 from storage.checkpoint.items import StoredItemReader
 
 #: A frame or whole item decoded from one buffer is at most this many stored bytes.
-MAX_BUFFER = FRAME + (FRAME >> 6)
+MAX_BUFFER = MAX_FRAME_BYTES
 
 
 def decoder_count() -> int:
@@ -108,20 +112,20 @@ class _Countdown:
             self._done()
 
 
-def seek_table(stream: IO[bytes], length: int) -> list[tuple[int, int]] | None:
+def frame_list(framing: Framing, stream: IO[bytes], length: int) -> list[Frame] | None:
     """The frames of the item of ``length`` stored bytes that starts at the current
-    position of ``stream`` (seekable), read from its seek table, or ``None``; the
+    position of ``stream`` (seekable), as its transform lists them, or ``None``; the
     position is restored."""
-    if length < 8 + 8 + FOOTER:
-        return None
     start = stream.tell()
+
+    def read_at(offset: int, size: int) -> bytes:
+        if offset < 0 or size < 0 or offset + size > length:
+            raise ValueError(f"read of {size} bytes at {offset} outside an item of {length}")
+        stream.seek(start + offset)
+        return stream.read(size)
+
     try:
-        stream.seek(start + length - FOOTER)
-        size = table_size(stream.read(FOOTER))
-        if size is None or size >= length:
-            return None
-        stream.seek(start + length - size)
-        return parse_seek_table(stream.read(size), length)
+        return framing.frames(read_at, length)
     finally:
         stream.seek(start)
 
@@ -129,55 +133,89 @@ def seek_table(stream: IO[bytes], length: int) -> list[tuple[int, int]] | None:
 def decode_framed(
     decoders: Decoders,
     stored: StoredItemReader,
-    frames: list[tuple[int, int]] | None,
+    frames: list[Frame] | None,
+    decode: FrameDecoder,
     target: memoryview,
     data_offset: int,
     done: Callable[[], None],
 ) -> None:
-    """Read ``stored`` (an item of ``frames``, or of one frame when ``None``) and have
+    """Read ``stored`` (an item of ``frames``, or of one buffer when ``None``) and have
     its plain bytes ``[data_offset, data_offset + len(target))`` decoded into ``target``
-    by ``decoders``; ``done`` runs once every part is decoded and the checksum matched.
-    Raises :class:`IntegrityError` (naming the item) for damage the reader sees."""
+    by ``decoders``, each frame with ``decode``; ``done`` runs once every part is
+    decoded and the checksum matched. Raises :class:`IntegrityError` (naming the item)
+    for damage the reader sees."""
     end = data_offset + len(target)
+    parts: list[tuple[int, int, int, int | None]]  # stored offset, length; plain offset, length
     if frames is not None:
-        plain = sum(d for _, d in frames)
-        if plain < end or plain > end + (64 << 10) or any(c > MAX_BUFFER for c, _ in frames):
-            raise UnsafeCheckpointError(
-                f"{stored.where}: its seek table lists {plain} plain bytes in frames of up "
-                f"to {max(c for c, _ in frames)} bytes, not the archive of {end} bytes the "
-                "metadata describes; the checkpoint is damaged or hostile"
-            )
-        parts: list[tuple[int, int | None]] = [(c, d) for c, d in frames]
+        _check_frames(frames, stored, end)
+        parts = [
+            (f.stored_offset, f.stored_length, f.decoded_offset, f.decoded_length) for f in frames
+        ]
     else:
-        parts = [(stored.length, None)]
+        parts = [(0, stored.length, 0, None)]
     countdown = _Countdown(len(parts) + 1, done)
-    position = 0
-    for stored_size, plain_size in parts:
+    read = 0
+    for stored_offset, stored_size, start, plain_size in parts:
         buffer = decoders.buffer(stored_size)
-        if readinto_exact(stored.raw, buffer) != stored_size:
+        gap = stored_offset - read
+        if (gap and skip(stored.raw, gap) != gap) or readinto_exact(
+            stored.raw, buffer
+        ) != stored_size:
             decoders.submit(lambda: None, buffer)
             countdown.finished(ok=False)
             stored.finish()  # reports the truncation
             raise IntegrityError(f"{stored.where}: item is truncated")
+        read = stored_offset + stored_size
 
         def work(
-            buffer: memoryview = buffer, start: int = position, size: int | None = plain_size
+            buffer: memoryview = buffer, start: int = start, size: int | None = plain_size
         ) -> None:
             ok = False
             try:
-                _decode_part(buffer, start, size, target, data_offset, stored.where)
+                _decode_part(buffer, start, size, target, data_offset, stored.where, decode)
                 ok = True
             finally:
                 countdown.finished(ok)
 
         decoders.submit(work, buffer)
-        position += plain_size or 0
     try:
-        stored.finish()  # the seek table's bytes too: length and checksum of all of it
+        stored.finish()  # the bytes after the frames too: length and checksum of all of it
     except BaseException:
         countdown.finished(ok=False)
         raise
     countdown.finished()
+
+
+def _check_frames(frames: list[Frame], stored: StoredItemReader, end: int) -> None:
+    """Refuse a frame list that does not describe the archive of ``end`` plain bytes
+    in frames of at most :data:`MAX_BUFFER` stored bytes, in order, inside the item."""
+    plain = sum(f.decoded_length for f in frames)
+    largest = max((f.stored_length for f in frames), default=0)
+    if plain < end or plain > end + (64 << 10) or largest > MAX_BUFFER:
+        raise UnsafeCheckpointError(
+            f"{stored.where}: its seek table lists {plain} plain bytes in frames of up "
+            f"to {largest} bytes, not the archive of {end} bytes the "
+            "metadata describes; the checkpoint is damaged or hostile"
+        )
+    stored_end = decoded_end = 0
+    for frame in frames:
+        if (
+            frame.stored_offset < stored_end
+            or frame.stored_length < 0
+            or frame.decoded_length < 0
+            or frame.decoded_offset != decoded_end
+        ):
+            break
+        stored_end = frame.stored_offset + frame.stored_length
+        decoded_end += frame.decoded_length
+    else:
+        if stored_end <= stored.length:
+            return
+    raise UnsafeCheckpointError(
+        f"{stored.where}: its seek table does not list frames in order, inside the item's "
+        f"{stored.length} stored bytes, decoding to consecutive plain bytes; the "
+        "checkpoint is damaged or hostile"
+    )
 
 
 def _decode_part(
@@ -187,12 +225,13 @@ def _decode_part(
     target: memoryview,
     data_offset: int,
     where: str,
+    decode: FrameDecoder,
 ) -> None:
     """Decode one frame (``size`` plain bytes from plain offset ``start``) or, with
-    ``size=None``, a whole item, putting what falls in the tensor's bytes into
-    ``target``; checks the frame's size, or bounds what follows the tensor."""
+    ``size=None``, a whole item, with ``decode``, putting what falls in the tensor's
+    bytes into ``target``; checks the frame's size, or bounds what follows the tensor."""
     try:
-        reader = frame_reader(source, across_frames=size is None)
+        reader = decode(source, size is None)
         end = data_offset + len(target)
         position = start
         if position < data_offset:  # the archive's header

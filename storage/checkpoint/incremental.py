@@ -33,7 +33,7 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -53,10 +53,6 @@ from storage.checkpoint.layout import is_committed, split_location
 from storage.checkpoint.prefixes import expand, split
 from storage.checkpoint.tensors import tensor_bytes
 from storage.checkpoint.validate import MAX_NAME, is_plain_name
-
-REF = fmt.REF
-CONTENT = "content"  # item extra: the fingerprint of the item's plain content
-
 
 # --- fingerprints -------------------------------------------------------------------
 
@@ -148,7 +144,7 @@ def check_base_name(fs: FileSystemBase, base_path: str) -> None:
 def item_directory(fs: FileSystemBase, path: str, info: Any) -> str:
     """The checkpoint whose files hold the stored bytes of ``info`` (an item of the
     checkpoint at ``path``): ``path`` itself, or the base it references."""
-    ref = fmt.item_extra(info).get(REF)
+    ref = fmt.stored_item(info).ref
     return path if ref is None else sibling_path(fs, path, ref)
 
 
@@ -163,7 +159,7 @@ def check_bases(fs: FileSystemBase, path: str, items: Iterable[tuple[str, Any]])
     :class:`CheckpointNotFoundError` names the item, the base and the fix."""
     seen: set[str] = set()
     for label, info in items:
-        ref = fmt.item_extra(info).get(REF)
+        ref = fmt.stored_item(info).ref
         if ref is None or ref in seen:
             continue
         base = sibling_path(fs, path, ref)
@@ -200,15 +196,18 @@ class Base:
         """The ``_StorageInfo`` referencing the base's bytes of ``index`` when they hold
         the same content under the same transform chain, else ``None``."""
         info = self.items.get(index)
-        if info is None or list(info.transform_descriptors or []) != descriptors:
+        if info is None:
             return None
-        extra = fmt.item_extra(info)
-        ref = extra.get(REF, self.name)
-        if ref == self.own or "crc32c" not in extra or not content.matches(extra.get(CONTENT)):
+        record = fmt.stored_item(info)
+        ref = record.ref or self.name
+        if (
+            list(record.descriptors) != descriptors
+            or ref == self.own
+            or record.crc32c is None
+            or not content.matches(record.content)
+        ):
             return None
-        return fmt.new_storage_info(
-            info.relative_path, info.offset, info.length, descriptors, dict(extra, ref=ref)
-        )
+        return fmt.new_storage_info(replace(record, ref=ref))
 
 
 def open_base(fs: FileSystemBase, path: str, base: str | CommittedCheckpoint) -> Base:
@@ -279,7 +278,7 @@ def check_referenced_files(fs: FileSystemBase, path: str, infos: Iterable[Any]) 
     bytes that exist (a base removed meanwhile fails the save, nothing is published)."""
     wanted: dict[str, set[str]] = {}
     for info in infos:
-        ref = fmt.item_extra(info).get(REF)
+        ref = fmt.stored_item(info).ref
         if ref is not None:
             wanted.setdefault(sibling_path(fs, path, ref), set()).add(info.relative_path)
     lost = _first_absent(fs, wanted)

@@ -9,7 +9,13 @@ extra facts ride along where stock torch ignores them:
   copy (``storage.ops.copy``, the tier drain): the save id of the save it copies;
 * each ``_StorageInfo.dcp_storage`` = ``{"crc32c": int}`` (checksum of the stored
   bytes) plus, for tensors, ``"data_offset"``: where the tensor's raw bytes start in
-  the decoded item, which lets a reader decode straight into the target tensor.
+  the decoded item, which lets a reader decode straight into the target tensor (all
+  keys in docs/format.md).
+
+This module owns the per-item record: its key names on storage are written here only,
+:class:`StoredItem` is its typed form, :func:`new_storage_info` the one place it is
+serialized. ``validate.check_metadata`` parses every loaded item's record once;
+everything else reads :func:`stored_item` fields, never keys.
 
 Loading never executes code from the checkpoint: the metadata unpickler only builds
 torch's metadata classes and plain data, and every ``relative_path`` must name a file
@@ -22,21 +28,16 @@ import io
 import pickle
 import pickletools
 import re
-import struct
+import weakref
 import zipfile
+from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from extensions._compat import StorageInfo
 from extensions.errors import UnsafeCheckpointError, printable
-from storage.checkpoint.validate import (  # noqa: F401 - EXTRA, REF, item_label: re-exported
-    EXTRA,
-    REF,
-    check_metadata,
-    item_label,
-)
 
 _RANK_OF_FILE = re.compile(r"__([0-9]+)_")
 
@@ -63,31 +64,139 @@ def file_rank(relative_path: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def item_extra(info: Any) -> dict[str, Any]:
-    extra = getattr(info, EXTRA, None)
-    return extra if isinstance(extra, dict) else {}
+def item_label(index: MetadataIndex) -> str:
+    """The item's name in messages and in the associated data of encrypted items."""
+    if index.offset is not None and any(index.offset):
+        return f"{index.fqn}@{list(index.offset)}"
+    return index.fqn
 
 
-def new_storage_info(
-    relative_path: str,
-    offset: int,
-    length: int,
-    descriptors: list[str],
-    extra: dict[str, Any],
-) -> StorageInfo:
+# --- the per-item record --------------------------------------------------------------
+
+EXTRA = "dcp_storage"  # attribute name of our facts on Metadata and _StorageInfo
+# Keys of an item's facts (``_StorageInfo.dcp_storage``), as stored:
+CRC32C = "crc32c"  # CRC-32C of the stored bytes
+DATA_OFFSET = "data_offset"  # where the tensor's raw bytes start in the decoded archive
+DTYPE = "dtype"  # the stored tensor bytes' dtype ...
+NBYTES = "nbytes"  # ... and size
+CONTENT = "content"  # the fingerprint of the item's plain content (incremental saves)
+REF = "ref"  # the sibling checkpoint holding a referenced item's bytes
+# Keys of a checkpoint's facts (``Metadata.dcp_storage``):
+FORMAT = "format"
+ORIGIN = "origin"  # the save id of the save a copy was made from
+CHAIN = "chain"  # incremental saves since the last full one
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """One stored item's record: where its stored bytes are (torch's ``_StorageInfo``:
+    ``[offset, offset + length)`` of ``relative_path``, in the checkpoint or, with
+    ``ref``, in that sibling checkpoint), the transform chain they went through, and our
+    facts about them, ``None`` where the writer recorded none (stock DCP records none).
+    ``others`` keeps facts this version does not know, so a copy carries them on."""
+
+    relative_path: str
+    offset: int
+    length: int
+    descriptors: tuple[str, ...] = ()
+    crc32c: int | None = None
+    data_offset: int | None = None
+    dtype: str | None = None
+    nbytes: int | None = None
+    content: str | None = None
+    ref: str | None = None
+    others: tuple[tuple[str, Any], ...] = ()
+
+    def facts(self) -> dict[str, Any]:
+        """The facts as stored (``_StorageInfo.dcp_storage``)."""
+        facts = dict(self.others)
+        for key, value in (
+            (CONTENT, self.content),
+            (DATA_OFFSET, self.data_offset),
+            (DTYPE, self.dtype),
+            (NBYTES, self.nbytes),
+            (CRC32C, self.crc32c),
+            (REF, self.ref),
+        ):
+            if value is not None:
+                facts[key] = value
+        return facts
+
+
+_KNOWN = frozenset({CRC32C, DATA_OFFSET, DTYPE, NBYTES, CONTENT, REF})
+
+
+def parse_facts(info: Any, facts: dict[str, Any]) -> StoredItem:
+    """The record of ``info`` with its ``facts`` (types checked by the caller,
+    ``validate``), kept on ``info`` for :func:`stored_item`."""
+    record = StoredItem(
+        info.relative_path,
+        info.offset,
+        info.length,
+        tuple(info.transform_descriptors or ()),
+        crc32c=facts.get(CRC32C),
+        data_offset=facts.get(DATA_OFFSET),
+        dtype=facts.get(DTYPE),
+        nbytes=facts.get(NBYTES),
+        content=facts.get(CONTENT) if isinstance(facts.get(CONTENT), str) else None,
+        ref=facts.get(REF),
+        others=tuple((k, v) for k, v in facts.items() if k not in _KNOWN),
+    )
+    _keep(info, record)
+    return record
+
+
+# Parsed records by the id of their _StorageInfo, beside it rather than on it, so that
+# whoever pickles the metadata (DCP, a user, a test) stores exactly what was loaded;
+# an entry goes with its _StorageInfo.
+_RECORDS: dict[int, tuple[weakref.ref[Any], StoredItem]] = {}
+
+
+def _keep(info: Any, record: StoredItem) -> None:
+    key = id(info)
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        if _RECORDS.get(key, (None,))[0] is ref:
+            _RECORDS.pop(key, None)
+
+    _RECORDS[key] = (weakref.ref(info, forget), record)
+
+
+def stored_item(info: Any) -> StoredItem:
+    """The record of ``info`` (a ``_StorageInfo``, or a record already): parsed once,
+    when its metadata was loaded; an item that did not come from ``load_metadata``
+    (another rank's copy of the metadata, a write result) is checked and parsed now."""
+    if isinstance(info, StoredItem):
+        return info
+    kept = _RECORDS.get(id(info))
+    if kept is not None and kept[0]() is info:
+        return kept[1]
+    from storage.checkpoint.validate import parse_item  # validate builds on this module
+
+    return parse_item(info, "metadata", str(getattr(info, "relative_path", "item")))
+
+
+def new_storage_info(record: StoredItem) -> StorageInfo:
+    """``record`` as stored: a ``_StorageInfo`` with our facts (the one serialization)."""
     # torch leaves transform_descriptors out when empty; so do we (older readers).
-    info = StorageInfo(relative_path, offset, length, descriptors or None)
-    setattr(info, EXTRA, extra)
+    info = StorageInfo(
+        record.relative_path, record.offset, record.length, list(record.descriptors) or None
+    )
+    setattr(info, EXTRA, record.facts())
+    _keep(info, record)
     return info
 
 
 def dump_metadata(metadata: Metadata, **extra: Any) -> bytes:
     """Pickle ``metadata`` with our facts (``format``, plus ``extra``) attached."""
-    setattr(metadata, EXTRA, {"format": FORMAT_VERSION, **extra})
+    setattr(metadata, EXTRA, {FORMAT: FORMAT_VERSION, **extra})
     return pickle.dumps(metadata)
 
 
-ORIGIN = "origin"  # Metadata extra: the save id of the save a copy was made from
+def checkpoint_facts(metadata: Metadata | None) -> dict[str, Any]:
+    """``Metadata.dcp_storage`` (checked by ``validate``), empty when absent."""
+    facts = getattr(metadata, EXTRA, None)
+    return facts if isinstance(facts, dict) else {}
 
 
 def save_of(metadata: Metadata) -> str | None:
@@ -95,8 +204,7 @@ def save_of(metadata: Metadata) -> str | None:
     ``origin``, else its own ``storage_meta.save_id`` (``None`` when it has neither,
     as stock DCP's checkpoints may). Two checkpoints with the same id hold the same
     state, whatever their data files are called."""
-    extra = getattr(metadata, EXTRA, None)
-    origin = extra.get(ORIGIN) if isinstance(extra, dict) else None
+    origin = checkpoint_facts(metadata).get(ORIGIN)
     if isinstance(origin, str):
         return origin
     save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
@@ -148,6 +256,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 def load_metadata(data: bytes, where: str) -> Metadata:
     """Unpickle ``.metadata`` safely and check it (``validate.check_metadata``)."""
+    from storage.checkpoint.validate import check_metadata  # validate builds on this module
+
     try:
         _check_memo(data)
         metadata = _RestrictedUnpickler(io.BytesIO(data), where).load()
@@ -265,68 +375,3 @@ def load_bytes_io(archive: bytes) -> io.BytesIO | None:
     except Exception:  # not a zip, not a pickle, or a refused global: not a BytesIO value
         return None
     return value if type(value) is io.BytesIO else None
-
-
-# --- locating the raw tensor bytes inside a torch.save archive ----------------------
-
-_LOCAL_HEADER = b"PK\x03\x04"
-
-
-class ArchiveTracker(io.RawIOBase):
-    """Passes ``torch.save`` output through to ``sink`` and notes where the tensor's
-    storage record starts, by reading the zip local headers as they go by.
-
-    ``torch.save`` issues dozens of tiny writes per tensor (headers, descriptors) and
-    one large write of the storage: the tiny ones are kept (headers are parsed from
-    them) and forwarded in one piece, the large one is forwarded without a copy. Call
-    ``flush`` before closing ``sink``."""
-
-    def __init__(self, sink: IO[bytes], *, keep_below: int = 1 << 16) -> None:
-        super().__init__()
-        self._sink = sink
-        self._keep_below = keep_below
-        self.position = 0
-        self._segments: list[tuple[int, bytearray]] = []  # small writes, adjacent merged
-        self._unsent = 0  # bytes at the end of the last segment not yet forwarded
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        n = view.nbytes
-        if n < self._keep_below:
-            last = self._segments[-1] if self._segments else None
-            if last is not None and last[0] + len(last[1]) == self.position:
-                last[1].extend(view)
-            else:
-                self._segments.append((self.position, bytearray(view)))
-            self._unsent += n
-        else:
-            self.flush()
-            self._sink.write(view)
-        self.position += n
-        return n
-
-    def flush(self) -> None:
-        if self._unsent:
-            segment = self._segments[-1][1]
-            self._sink.write(memoryview(segment)[len(segment) - self._unsent :])
-            self._unsent = 0
-
-    def data_offset(self, nbytes: int) -> int | None:
-        """Offset of the single storage record of ``nbytes`` bytes, if it is there."""
-        found: list[int] = []
-        for start, seg in self._segments:
-            at = seg.find(_LOCAL_HEADER)
-            while at != -1 and at + 30 <= len(seg):
-                name_len, extra_len = struct.unpack_from("<HH", seg, at + 26)
-                name = bytes(seg[at + 30 : at + 30 + name_len])
-                if name.endswith(b"/data/0"):
-                    found.append(start + at + 30 + name_len + extra_len)
-                elif name.split(b"/")[-2:-1] == [b"data"]:
-                    return None  # more than one storage: not a plain tensor
-                at = seg.find(_LOCAL_HEADER, at + 4)
-        if len(found) != 1 or found[0] + nbytes > self.position:
-            return None
-        return found[0]

@@ -41,9 +41,18 @@ from torch.distributed.checkpoint.metadata import (
 from extensions._compat import LegacyTensorProperties, StorageInfo
 from extensions.errors import UnsafeCheckpointError, quote
 from storage.checkpoint.prefixes import is_prefix, split
-
-EXTRA = "dcp_storage"  # attribute name of our facts on Metadata and _StorageInfo
-REF = "ref"  # item extra: the sibling checkpoint holding a referenced item's bytes
+from storage.checkpoint.storage_format import (
+    CONTENT,
+    CRC32C,
+    DATA_OFFSET,
+    DTYPE,
+    EXTRA,
+    NBYTES,
+    REF,
+    StoredItem,
+    item_label,
+    parse_facts,
+)
 
 #: Bound on every offset, length, dimension and byte count a metadata may state: no
 #: file or tensor is larger, and sums of two such values still fit in an int64.
@@ -74,13 +83,6 @@ _LEAVES = (
     PurePath,
 )
 _MISSING = object()
-
-
-def item_label(index: MetadataIndex) -> str:
-    """The item's name in messages and in the associated data of encrypted items."""
-    if index.offset is not None and any(index.offset):
-        return f"{index.fqn}@{list(index.offset)}"
-    return index.fqn
 
 
 def is_plain_name(name: object) -> bool:
@@ -241,7 +243,12 @@ def _check_storage_info(index: object, info: object, where: str) -> None:
     offset = getattr(index, "offset", None)
     if offset is not None:
         _sizes(offset, where, index.fqn, "its index offset")
-    label = item_label(index)
+    parse_item(info, where, item_label(index))
+
+
+def parse_item(info: object, where: str, label: str) -> StoredItem:
+    """The record of one item (its ``_StorageInfo``) checked and parsed, once, into a
+    :class:`StoredItem` kept on it (``storage_format.stored_item``)."""
     if not isinstance(info, StorageInfo):
         _bad(where, label, "its storage info", info, "a _StorageInfo")
     check_relative_path(_attr(info, "relative_path", where, label), where, label)
@@ -259,16 +266,18 @@ def _check_storage_info(index: object, info: object, where: str) -> None:
         _bad(where, label, "its transform descriptors", descriptors, "a list of str")
     extra = getattr(info, EXTRA, None)
     if extra is None:
-        return
+        extra = {}
     if not isinstance(extra, dict):
         _bad(where, label, f"its {EXTRA} facts", extra, "a dict")
-    crc = extra.get("crc32c")
+    crc = extra.get(CRC32C)
     if crc is not None and not (_is_size(crc) and crc < 1 << 32):
-        _bad(where, label, "its crc32c", crc, "a 32-bit unsigned int")
-    for key in ("data_offset", "nbytes"):
+        _bad(where, label, f"its {CRC32C}", crc, "a 32-bit unsigned int")
+    for key in (DATA_OFFSET, NBYTES):
         if key in extra and not _is_size(extra[key]):
             _bad(where, label, f"its {key}", extra[key], "an int in [0, 2**62]")
-    if "dtype" in extra and not isinstance(extra["dtype"], str):
-        _bad(where, label, "its dtype", extra["dtype"], "a str")
+    if DTYPE in extra and not isinstance(extra[DTYPE], str):
+        _bad(where, label, f"its {DTYPE}", extra[DTYPE], "a str")
     if REF in extra:
         check_reference(extra[REF], where, label)
+    # A fingerprint that is not a string matches nothing (the item is written again).
+    return parse_facts(info, {k: v for k, v in extra.items() if k != CONTENT or isinstance(v, str)})

@@ -22,7 +22,7 @@ from storage.checkpoint import data_files, incremental
 from storage.checkpoint import persist as _persist
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import commit_checkpoint, commit_may_have_landed
-from storage.checkpoint.committed import CHAIN, CommittedCheckpoint
+from storage.checkpoint.committed import CommittedCheckpoint
 from storage.checkpoint.deadline import Budget, check_timeout
 from storage.checkpoint.hook_errors import records_error
 from storage.checkpoint.options import (
@@ -351,8 +351,8 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         metadata.version = DCP_VERSION
         extra = {}
         if self.fingerprint:  # incremental saves since the last full one
-            refs = any(fmt.REF in fmt.item_extra(i) for i in metadata.storage_data.values())
-            extra[CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
+            refs = any(fmt.stored_item(i).ref for i in metadata.storage_data.values())
+            extra[fmt.CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
         return fmt.dump_metadata(metadata, **extra)
 
     def abort(self, error: BaseException | None = None) -> None:

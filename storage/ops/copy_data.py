@@ -16,7 +16,7 @@ import io
 import threading
 import uuid
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any, cast
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -31,7 +31,6 @@ from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.committed import open_committed
 from storage.checkpoint.incremental import (
-    CONTENT,
     check_bases,
     item_directory,
     item_path,
@@ -215,13 +214,21 @@ class _FileCopy:
         crc: int,
         descriptors: list[str],
     ) -> None:
-        dropped = ("crc32c", fmt.REF) if self.chain is None else ("crc32c", fmt.REF, CONTENT)
-        extra = {k: v for k, v in fmt.item_extra(info).items() if k not in dropped}
-        extra["crc32c"] = crc
+        # Copied into DST: its own bytes (no reference); transcoded, a new fingerprint.
+        record = fmt.stored_item(info)
+        content = record.content if self.chain is None else None
+        copied = replace(
+            record,
+            relative_path=dst_name,
+            offset=offset,
+            length=count,
+            descriptors=tuple(descriptors),
+            crc32c=crc,
+            ref=None,
+            content=content,
+        )
         with self.lock:
-            self.copied.infos[index] = fmt.new_storage_info(
-                dst_name, offset, count, descriptors, extra
-            )
+            self.copied.infos[index] = fmt.new_storage_info(copied)
 
 
 def _owner(part: Part, info: Any) -> int:
@@ -237,30 +244,23 @@ def _kept_references(
     bases: dict[str, dict[MetadataIndex, Any]] = {}
     kept: dict[MetadataIndex, Any] = {}
     for index, info in infos:
-        extra = fmt.item_extra(info)
-        ref = extra.get(fmt.REF)
-        if ref is None or extra.get("crc32c") is None:
+        record = fmt.stored_item(info)
+        ref = record.ref
+        if ref is None or record.crc32c is None:
             continue
         if ref not in bases:
             bases[ref] = _committed_items(dst_fs, dst_path, ref)
         theirs = bases[ref].get(index)
         if theirs is None:
             continue
-        their_extra = fmt.item_extra(theirs)
-        descriptors = list(info.transform_descriptors or [])
+        their = fmt.stored_item(theirs)
         if (
-            list(theirs.transform_descriptors or []) != descriptors
-            or int(theirs.length) != int(info.length)
-            or their_extra.get("crc32c") != extra["crc32c"]
+            their.descriptors != record.descriptors
+            or their.length != record.length
+            or their.crc32c != record.crc32c
         ):
             continue
-        kept[index] = fmt.new_storage_info(
-            theirs.relative_path,
-            theirs.offset,
-            theirs.length,
-            descriptors,
-            dict(their_extra, ref=their_extra.get(fmt.REF, ref)),
-        )
+        kept[index] = fmt.new_storage_info(replace(their, ref=their.ref or ref))
     return kept
 
 
@@ -311,7 +311,7 @@ def _copy_item(
         source,
         int(info.length),
         info.transform_descriptors or (),
-        fmt.item_extra(info).get("crc32c"),
+        fmt.stored_item(info).crc32c,
         f"{item.checkpoint}: item {quote(item.item)}",
     )
     try:

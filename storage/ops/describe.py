@@ -87,7 +87,7 @@ def describe(fs: FileSystemBase, path: str) -> Summary:
                     int(info.length),
                     descriptors,
                     info.relative_path,
-                    fmt.item_extra(info).get(fmt.REF),
+                    fmt.stored_item(info).ref,
                 )
             )
     rows.sort(key=lambda r: r.item)

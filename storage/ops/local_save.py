@@ -130,7 +130,7 @@ def _commit_node(
     """Commit this node's copy: its ranks' files and the replicas it holds."""
     here = set(g.node) | {r for r in range(g.world) if g.peer.get(r) in g.node}
     infos = list((meta.storage_data or {}).values())
-    named = {i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)}
+    named = {i.relative_path for i in infos if fmt.stored_item(i).ref is None}
     save_id = getattr(meta.storage_meta, "save_id", None)
     assert isinstance(save_id, str)  # our writer's metadata names its save
     commit_checkpoint(
@@ -154,7 +154,7 @@ def _replicate(g: Group, local: StepRoot, path: str, meta: Metadata, *, pg: Any,
     if not any(p is not None for p in g.peer.values()):
         return 0
     infos = (meta.storage_data or {}).values()  # a referenced item's file is the base's
-    names = sorted({i.relative_path for i in infos if fmt.REF not in fmt.item_extra(i)})
+    names = sorted({i.relative_path for i in infos if fmt.stored_item(i).ref is None})
     moves: list[Move] = []
     for rank, peer in sorted(g.peer.items()):
         if peer is not None and g.node_of(peer) != g.node_of(rank):

@@ -152,10 +152,14 @@ def _decide(g: Group, root: StepRoot, reports: list[Report], step: int | None) -
 
 
 def _durable_save(root: StepRoot, step: int) -> str | None:
-    """The save id of the root's copy of ``step`` (``None``: it has none)."""
-    path = root.step_path(step)
-    payload = root.fs.read_bytes(root.fs.concat_path(path, fmt.METADATA_NAME))
-    return fmt.save_of(fmt.load_metadata(payload, root.fs.url(path)))
+    """The save id of the root's copy of ``step`` (``None``: it has none);
+    ``FileNotFoundError`` when the root has no ``.metadata`` for it."""
+    model = root.model(step)
+    model.require()
+    metadata = model.global_metadata
+    if metadata is None:
+        raise CheckpointNotFoundError(f"{model.url} has no {fmt.METADATA_NAME}")
+    return fmt.save_of(metadata)
 
 
 def _load_chosen(
@@ -224,19 +228,19 @@ def _reads(
     if all(s in r and set(r[s].named) <= set(r[s].files) for r in reports for s in steps):
         return [[] for _ in range(g.world)]
     holder = min(q for q in range(g.world) if step in reports[q])
-    payload = None
+    meta = None
     if g.rank == holder:
-        path = local.fs.concat_path(local.step_path(step), fmt.METADATA_NAME)
+        model = local.model(step)
         try:
-            payload = local.fs.read_bytes(path)
+            model.require()
+            meta = model.global_metadata
         except Exception as exc:  # the others must not wait for it; the load will fail
-            log.warning("cannot read %s (%s)", local.fs.url(path), exc)
-    payload = g.broadcast(payload, src=holder)
+            log.warning("cannot read the metadata of %s (%s)", model.url, exc)
+    meta = g.broadcast(meta, src=holder)
     mine: list[tuple[int, str]] = []
     try:
-        if payload is None:
+        if meta is None:
             raise CheckpointNotFoundError(f"rank {holder} could not read the metadata")
-        meta = fmt.load_metadata(payload, local.step_url(step))
         for name, file in files_read(meta, state_dict):
             where = step if name is None else parse_step(name)
             if where is not None:

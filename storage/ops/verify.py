@@ -128,7 +128,7 @@ def verify(
         else:
             with lock:
                 report.ok.append(label)
-                if "crc32c" not in fmt.item_extra(info):
+                if fmt.stored_item(info).crc32c is None:
                     report.unchecksummed.append(label)
         with lock:
             report.bytes_read += int(info.length)

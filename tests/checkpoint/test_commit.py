@@ -122,7 +122,7 @@ def test_a_base_that_lost_a_file_fails_the_commit_before_it_publishes(tmp_path: 
     committed = {p.name: p.read_bytes() for p in (tmp_path / "step-2").iterdir()}
     # Step 2 again, incremental against step 1: "w" is unchanged, so it is a reference.
     meta, payload, new = _unpublished(fs, tmp_path / "step-2", base=str(tmp_path / "step-1"))
-    assert any(fmt.REF in fmt.item_extra(i) for i in meta.storage_data.values())
+    assert any(fmt.stored_item(i).ref for i in meta.storage_data.values())
     for data in (tmp_path / "step-1").glob("*.distcp"):
         data.unlink()  # a gc, say, removed the base's bytes meanwhile
     with pytest.raises(CheckpointNotFoundError, match="step-1"):

@@ -81,7 +81,7 @@ def test_every_item_records_checksum_and_layout(tmp_path: Path, state_dict: dict
     md = _read_metadata(tmp_path / "c")
     assert md.dcp_storage == {"format": fmt.FORMAT_VERSION}
     for index, info in md.storage_data.items():
-        extra = fmt.item_extra(info)
+        extra = getattr(info, fmt.EXTRA)  # as stored
         assert isinstance(extra["crc32c"], int), index
         assert info.transform_descriptors == ["stream.zstd/1"]
         assert info.relative_path.startswith("__0_") and info.relative_path.endswith(".distcp")

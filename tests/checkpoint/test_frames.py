@@ -17,6 +17,7 @@ from torch.distributed.checkpoint._extension import ZStandard as TorchZStandard
 import storage
 from extensions import ItemInfo, ZStandard
 from extensions.errors import IntegrityError
+from extensions.registry import ExtensionRegistry
 from extensions.zstd import FOOTER, FRAME, parse_seek_table, table_size
 from storage.checkpoint import frames
 from storage.checkpoint import storage_format as fmt
@@ -102,10 +103,15 @@ def test_a_damaged_frame_is_reported_and_the_tensor_not_committed(tmp_path: Path
 def test_a_frame_that_decodes_to_another_size_than_listed_is_refused() -> None:
     plain = bytes(range(256)) * 64
     frame = memoryview(zstandard.ZstdCompressor().compress(plain))
+    framing = ExtensionRegistry().framing(["stream.zstd/1"])
+    assert framing is not None
+    decode = framing.decode
     target = memoryview(bytearray(len(plain)))
-    frames._decode_part(frame, 0, len(plain), target, 0, "item 'x'")
+    frames._decode_part(frame, 0, len(plain), target, 0, "item 'x'", decode)
     assert bytes(target) == plain
     with pytest.raises(IntegrityError, match="seek table lists"):
-        frames._decode_part(frame, 0, len(plain) - 1, target[:-1], 0, "item 'x'")
+        frames._decode_part(frame, 0, len(plain) - 1, target[:-1], 0, "item 'x'", decode)
     with pytest.raises(IntegrityError, match="seek table lists"):
-        frames._decode_part(frame, 0, len(plain) + 1, memoryview(bytearray(len(plain) + 1)), 0, "x")
+        frames._decode_part(
+            frame, 0, len(plain) + 1, memoryview(bytearray(len(plain) + 1)), 0, "x", decode
+        )

@@ -27,7 +27,6 @@ from extensions.errors import (
 )
 from extensions.zstd import ZStandard
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint.incremental import CONTENT
 from storage.cli.main import main
 from storage.ops.describe import describe
 from storage.ops.verify import verify
@@ -198,7 +197,7 @@ def _set_ref(step_dir: Path, ref: object) -> None:
     meta_path = step_dir / fmt.METADATA_NAME
     metadata = pickle.loads(meta_path.read_bytes())  # our own file, trusted in this test
     for info in metadata.storage_data.values():
-        extra = fmt.item_extra(info)
+        extra = getattr(info, fmt.EXTRA)  # forged as stored
         if fmt.REF in extra:
             extra[fmt.REF] = ref
     meta_path.write_bytes(pickle.dumps(metadata))
@@ -260,7 +259,7 @@ def test_encrypted_incremental_uses_keyed_fingerprints(tmp_path: Path) -> None:
     mgr.save(2, _state(2))
     assert {k for k, v in _refs(tmp_path / "step-2").items() if v} == set(FROZEN)
     records = [
-        fmt.item_extra(i)[CONTENT]
+        fmt.stored_item(i).content
         for i in fmt.load_metadata(
             (tmp_path / "step-1" / ".metadata").read_bytes(), "x"
         ).storage_data.values()
@@ -270,7 +269,7 @@ def test_encrypted_incremental_uses_keyed_fingerprints(tmp_path: Path) -> None:
     storage.save(_state(1), tmp_path / "again", transforms=chain, fingerprint=True)
     again = describe(storage.LocalFileSystem(), str(tmp_path / "again"))
     assert again.items and set(records).isdisjoint(
-        fmt.item_extra(i)[CONTENT]
+        fmt.stored_item(i).content
         for i in fmt.load_metadata(
             (tmp_path / "again" / ".metadata").read_bytes(), "x"
         ).storage_data.values()

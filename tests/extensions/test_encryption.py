@@ -84,7 +84,7 @@ def rewrite(ckpt: Path, edit: Callable[[dict[str, bytes]], None]) -> None:
             if info.relative_path != name:
                 continue
             info.offset, info.length = len(layout), len(stored[fqn])
-            fmt.item_extra(info)["crc32c"] = crc32c.crc32c(stored[fqn])
+            getattr(info, fmt.EXTRA)[fmt.CRC32C] = crc32c.crc32c(stored[fqn])
             layout += stored[fqn]
         (ckpt / name).write_bytes(bytes(layout))
     meta_path.write_bytes(fmt.dump_metadata(metadata))

@@ -56,7 +56,7 @@ def test_a_reference_name_is_a_plain_bounded_name(incremental: Path, ref: str) -
     """Before: a 200,000-character reference gave a raw ENAMETOOLONG OSError quoting the
     whole 200 KB path; one with an escape sequence reached the error through fs.url
     unquoted ("stored in base checkpoint /…/base\\x1b[31mRED")."""
-    _rewrite(incremental, lambda info: fmt.item_extra(info).update(ref=ref))
+    _rewrite(incremental, lambda info: getattr(info, fmt.EXTRA).update(ref=ref))
     with pytest.raises(UnsafeCheckpointError, match="references base checkpoint") as info:
         storage.load(_target(), incremental)
     _assert_quoted(str(info.value))
