@@ -26,10 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.checkpoint.stateful import Stateful
-
 from extensions.errors import TierFullError
-from storage.checkpoint import persist
+from storage.checkpoint import api, persist
 from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.layout import StepInfo
 from storage.checkpoint.options import resolve_location
@@ -171,7 +169,7 @@ class LocalTier:
                 raise earlier
             return None
         try:
-            staged = writer.stage(_plain(state_dict))
+            staged = writer.stage(api.plain_state_dict(state_dict))
             inner = self._saves.submit(self._commit, step, writer, staged, self.group.save_pg)
         except BaseException:
             self._end()
@@ -382,9 +380,3 @@ class LocalTier:
 
     def _count_restored(self, sent: int) -> None:
         self.restored_bytes += sent
-
-
-def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with its ``Stateful`` values replaced by their state dicts, as
-    ``dcp.async_save`` does before staging."""
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
