@@ -305,11 +305,13 @@ class LocalTier:
         oldest go once durable. While some node's tier is over that bound (its drain is
         behind or failing), queue a drain pass and wait for it (the one case where a
         save waits for a drain), then raise :class:`TierFullError` if the tier is still
-        over. Collective: every rank takes the same path."""
+        over. It waits for the oldest steps' drains only (those beyond ``keep_local``), not
+        for the steps queued after them. Collective: every rank takes the same path."""
         if self.keep_local is None:
             return
         self.retention.prune(exclude=step)
-        if self._fullest(step) is None:
+        held = self._fullest(step)
+        if held is None:
             return
         log.warning(
             "local tier %s holds more than keep_local=%d steps not yet durable; "
@@ -319,7 +321,7 @@ class LocalTier:
             step,
         )
         self.drains.schedule()
-        self.drains.wait()
+        self.drains.wait_durable(set(held[: len(held) - self.keep_local]))  # the oldest
         self.retention.prune(exclude=step)
         held = self._fullest(step)
         if held is None:
