@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from extensions.base import Keys
@@ -152,6 +153,12 @@ def load_with(reader: StorageReader, state_dict: dict[str, Any]) -> None:
     except CheckpointException as exc:
         real = unwrap_checkpoint_exception(exc, reader)
         raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
+
+
+def plain_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with its ``Stateful`` values replaced by their state dicts, as
+    ``dcp.async_save`` does before staging."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 def async_save(

@@ -60,6 +60,9 @@ class Drains:
         self.pace, self.prune, self.on_durable = pace, prune, on_durable
         self.last_error: str | None = None  # kept after it is taken, for messages
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a step drained, a pass ended
+        self._drained: set[int] = set()  # made durable by a pass here
+        self._queued = self._finished = 0  # passes
         self._pending: set[int] = set()  # saved here, not drained yet
         self._error: BaseException | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-drain")
@@ -82,6 +85,7 @@ class Drains:
     def schedule(self) -> None:
         """Queue a pass (every rank queues the same ones: their collectives pair up)."""
         with self._lock:
+            self._queued += 1
             self._last = self._pool.submit(self._pass)
 
     def wait(self) -> None:
@@ -90,6 +94,13 @@ class Drains:
             last = self._last
         if last is not None:
             concurrent.futures.wait([last])
+
+    def wait_durable(self, steps: set[int]) -> None:
+        """Wait until every one of ``steps`` is drained, or every queued pass has
+        finished (one failed, or left a step local): a save that needs room waits for
+        the oldest steps only, not for the steps queued after them."""
+        with self._changed:
+            self._changed.wait_for(lambda: steps <= self._drained or self._finished == self._queued)
 
     def take_error(self) -> BaseException | None:
         """The error of a pass that failed since the last call (then forgotten)."""
@@ -128,7 +139,10 @@ class Drains:
                     pace=self.pace,
                 )
                 self.last_error = None
-                self.discard(common[0])
+                with self._changed:
+                    self._pending.discard(common[0])
+                    self._drained.add(common[0])
+                    self._changed.notify_all()
                 self.on_durable(common[0])
                 self.prune()
         except Exception as exc:
@@ -137,6 +151,10 @@ class Drains:
             )
             with self._lock:
                 self._error, self.last_error = exc, _text(exc)
+        finally:
+            with self._changed:
+                self._finished += 1
+                self._changed.notify_all()
 
 
 def drain_step(

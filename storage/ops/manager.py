@@ -16,7 +16,6 @@ linked in): it is listed and loaded like any step, but never deleted through.
 from __future__ import annotations
 
 import concurrent.futures
-import inspect
 import logging
 import os
 import signal
@@ -27,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 from extensions.base import Keys
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase, PendingUpload
-from storage.checkpoint import api
+from storage.checkpoint import api, persist
 from storage.checkpoint.layout import StepInfo
 from storage.checkpoint.options import resolve_location
-from storage.checkpoint.writer import CheckpointWriter
+from storage.ops.manager_options import check_options
 from storage.ops.retention import Retention
 from storage.ops.root_tier import RootTier
 from storage.ops.steps import StepRoot, check_step
@@ -41,17 +40,6 @@ if TYPE_CHECKING:
     from storage.ops.tiers import LocalTier
 
 log = logging.getLogger(__name__)
-
-_WRITER_OPTIONS = frozenset(inspect.signature(CheckpointWriter.__init__).parameters) - {
-    "self",
-    "path",
-    "transforms",
-    "storage_options",
-    "filesystem",
-    "base",  # chosen per save: incremental=True
-    "fingerprint",
-    "publish",  # a manager's saves publish (a tier's own local commit does not)
-}
 
 
 class CheckpointManager:
@@ -112,7 +100,7 @@ class CheckpointManager:
         local_filesystem: FileSystemBase | None = None,
         **writer_options: Any,
     ) -> None:
-        _check_options(incremental, full_every, keep_last, keep_every, keep_local, writer_options)
+        check_options(incremental, full_every, keep_last, keep_every, keep_local, writer_options)
         self.transforms = list(transforms or [])
         self.reader_options = api.ReaderOptions(keys, registry, require_encryption)
         self.writer_options = writer_options
@@ -138,6 +126,11 @@ class CheckpointManager:
             )
         elif keep_local is not None or replicate:
             raise ValueError("keep_local and replicate need a local tier (local=PATH_OR_URL)")
+        persist.start(writer_options, self._save_fs())
+
+    def _save_fs(self) -> FileSystemBase:
+        """Where :meth:`save` writes: the local tier, else the root."""
+        return self.fs if self.tiers is None else self.tiers.local.fs
 
     def _local_tier(
         self,
@@ -260,6 +253,18 @@ class CheckpointManager:
             return self.tiers.save(step, state_dict, blocking=blocking)
         return self.root_tier.save(step, state_dict, blocking=blocking)
 
+    def prepare(self, state_dict: dict[str, Any]) -> None:
+        """Make the staging buffers of asynchronous saves for ``state_dict`` now, before
+        the first save, so that save's stall is a copy into memory already touched (the
+        first touch of fresh memory costs ~1 ms per MB on some hosts, paid here
+        instead). Optional: integrations that know the state at setup call it; a save
+        without it makes what it needs. Stages and saves nothing; tensors added or
+        resized later get their buffers at the save that first sees them. Does nothing
+        with ``persist="thread"``. See docs/operations.md ("The persist worker")."""
+        w = persist.start(self.writer_options, self._save_fs())
+        if w is not None:
+            w.reserve(api.plain_state_dict(state_dict))
+
     def save_on_signal(
         self,
         state_fn: Callable[[], dict[str, Any]],
@@ -361,38 +366,3 @@ class CheckpointManager:
         """Whether this process deletes: rank 0 under a process group, unless
         ``coordinator`` says otherwise."""
         return self.retention.may_delete()
-
-
-def _check_options(
-    incremental: object,
-    full_every: object,
-    keep_last: object,
-    keep_every: object,
-    keep_local: object,
-    writer_options: dict[str, Any],
-) -> None:
-    if not isinstance(incremental, bool):
-        raise TypeError(f"incremental must be a bool, got {incremental!r}")
-    if full_every is not None and not incremental:
-        raise ValueError("full_every needs incremental=True")
-    for name, value in (
-        ("keep_last", keep_last),
-        ("keep_every", keep_every),
-        ("full_every", full_every),
-        ("keep_local", keep_local),
-    ):
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 1
-        ):
-            raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
-    if keep_every is not None and keep_last is None:
-        raise ValueError(
-            "keep_every needs keep_last (without keep_last nothing is deleted); "
-            "pass e.g. keep_last=3, keep_every=1000"
-        )
-    unknown = sorted(set(writer_options) - _WRITER_OPTIONS)
-    if unknown:
-        raise TypeError(
-            f"unknown CheckpointManager option(s) {unknown}; writer options are "
-            f"{sorted(_WRITER_OPTIONS)}"
-        )

@@ -26,10 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.checkpoint.stateful import Stateful
-
 from extensions.errors import TierFullError
-from storage.checkpoint import persist
+from storage.checkpoint import api, persist
 from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.layout import StepInfo
 from storage.checkpoint.options import resolve_location
@@ -171,7 +169,7 @@ class LocalTier:
                 raise earlier
             return None
         try:
-            staged = writer.stage(_plain(state_dict))
+            staged = writer.stage(api.plain_state_dict(state_dict))
             inner = self._saves.submit(self._commit, step, writer, staged, self.group.save_pg)
         except BaseException:
             self._end()
@@ -307,11 +305,13 @@ class LocalTier:
         oldest go once durable. While some node's tier is over that bound (its drain is
         behind or failing), queue a drain pass and wait for it (the one case where a
         save waits for a drain), then raise :class:`TierFullError` if the tier is still
-        over. Collective: every rank takes the same path."""
+        over. It waits for the oldest steps' drains only (those beyond ``keep_local``), not
+        for the steps queued after them. Collective: every rank takes the same path."""
         if self.keep_local is None:
             return
         self.retention.prune(exclude=step)
-        if self._fullest(step) is None:
+        held = self._fullest(step)
+        if held is None:
             return
         log.warning(
             "local tier %s holds more than keep_local=%d steps not yet durable; "
@@ -321,7 +321,7 @@ class LocalTier:
             step,
         )
         self.drains.schedule()
-        self.drains.wait()
+        self.drains.wait_durable(set(held[: len(held) - self.keep_local]))  # the oldest
         self.retention.prune(exclude=step)
         held = self._fullest(step)
         if held is None:
@@ -382,9 +382,3 @@ class LocalTier:
 
     def _count_restored(self, sent: int) -> None:
         self.restored_bytes += sent
-
-
-def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with its ``Stateful`` values replaced by their state dicts, as
-    ``dcp.async_save`` does before staging."""
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}

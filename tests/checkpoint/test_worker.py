@@ -482,3 +482,93 @@ def test_a_drain_whose_worker_is_killed_mid_file_leaves_nothing_in_the_root(
     assert mgr.durable_steps() == [1, 2]
     assert len(list(root.glob("step-1/*"))) == 2  # .metadata and its one data file
     assert_tree_equal(loaded(root / "step-1", state), state)
+
+
+# --- the worker and its buffers made ahead of the first save ----------------------------
+
+
+def test_a_manager_starts_the_worker_before_its_first_save(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """Before, the worker started at the first asynchronous save: that save's copy
+    shared the cores with a Python process importing torch, and the second save waited
+    behind a first persist that included the worker's start-up."""
+    worker.close()
+    assert worker.pid is None
+    storage.CheckpointManager(tmp_path, persist="process")
+    assert worker.pid is not None and worker.pid != os.getpid()
+    assert worker.pool is not None and worker.pool.live() == []
+    assert worker.call(os.getpid).result() == worker.pid
+
+
+def test_a_thread_mode_manager_starts_no_worker(tmp_path: Path, worker: persist.Worker) -> None:
+    worker.close()
+    mgr = storage.CheckpointManager(tmp_path, persist="thread")
+    mgr.prepare(big_state())
+    assert worker.pid is None and worker.pool is None
+
+
+def test_prepare_stages_nothing_and_the_first_save_copies_into_its_buffers(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """Before, a manager had no way to make the staging buffers ahead: the first save
+    made them, and the first touch of fresh memory (~1 ms per MB on some hosts) was
+    that save's stall."""
+    worker.close()
+    mgr = storage.CheckpointManager(tmp_path / "root", persist="process")
+    state = big_state()
+    mgr.prepare(state)
+    assert worker.pool is not None
+    segments = worker.pool.live()
+    assert len(segments) == 1  # "w"; "b" is small and goes by value
+    assert not (tmp_path / "root").exists() or list((tmp_path / "root").iterdir()) == []
+    mapped = persist._shm.map_segment(segments[0])
+    assert mapped[:] == bytes(len(mapped))  # made and touched, nothing copied
+    mapped.close()
+    state["w"].add_(1.0)
+    fut = mgr.save(1, state, blocking=False)
+    assert fut is not None
+    fut.result()
+    assert worker.pool.live() == segments  # the save copied into the prepared buffer
+    out = zeros_like_tree(state)
+    assert isinstance(out, dict)
+    mgr.load(out)
+    assert_tree_equal(state, out)
+
+
+def test_prepare_with_a_state_that_changes_later_still_saves_it_exactly(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    mgr = storage.CheckpointManager(tmp_path, persist="process")
+    state = big_state()
+    mgr.prepare(state)
+    state["w"] = torch.randn(300, 300)  # replaced, another size
+    state["extra"] = torch.randn(128, 128)  # added after prepare
+    for step in (1, 2):
+        state["extra"].add_(step)
+        fut = mgr.save(step, state, blocking=False)
+        assert fut is not None
+        fut.result()
+        out = zeros_like_tree(state)
+        assert isinstance(out, dict)
+        assert mgr.load(out, step) == step
+        assert_tree_equal(state, out)
+
+
+def test_prepare_while_a_save_holds_the_buffers_leaves_that_save_intact(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    mgr = storage.CheckpointManager(
+        tmp_path / "root", persist="process", transforms=[Gate(str(gate))]
+    )
+    state = big_state()
+    fut = mgr.save(1, state, blocking=False)
+    assert fut is not None
+    wait_for(gate / "started")
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    mgr.prepare(dict(state, w=torch.randn(512, 512), new=torch.randn(256, 256)))
+    (gate / "open").touch()
+    fut.result()
+    assert_tree_equal(expected, loaded(tmp_path / "root" / "step-1", expected))

@@ -268,3 +268,33 @@ def test_buffers_left_by_a_killed_trainer_and_worker_are_removed_by_the_next_poo
     assert _gone(worker_pid)
     _shm.StagingPool().close()  # nobody was left to remove them: the next pool does
     assert _listing(pool) == []
+
+
+_MANAGER_ONLY = """
+import os, sys, torch, storage
+from storage.checkpoint import persist
+torch.set_num_threads(1)  # as in DataLoader workers: OpenMP's pool does not survive fork
+mgr = storage.CheckpointManager(sys.argv[1], persist="process")
+mgr.prepare({"w": torch.ones(256, 256)})
+worker = persist.worker()
+child = os.fork()
+if child == 0:
+    # The parent's worker and buffers are not the child's: it has none until it saves.
+    os._exit(0 if persist._worker is None else 3)
+_, status = os.waitpid(child, 0)
+assert status == 0, status
+print(worker.pid, worker.pool.name, flush=True)
+"""
+
+
+def test_a_manager_that_never_saved_leaves_no_buffers_and_no_worker(tmp_path: Path) -> None:
+    """A manager starts its worker and buffers when it is made: a process that exits
+    without saving (and a child it forked, which inherits no live pool) must leave
+    neither behind."""
+    if _shm.shm_dir() != "/dev/shm":
+        pytest.skip("no /dev/shm")
+    out = _run(_MANAGER_ONLY, str(tmp_path / "root"))
+    fields = out.split()
+    assert len(fields) == 2, out
+    assert _gone(int(fields[0]))
+    assert _listing(fields[1]) == []

@@ -746,3 +746,49 @@ def test_two_nodes_whose_base_copies_are_other_saves_save_in_full(tmp_path: Path
     for rank in range(2):
         CheckpointManager(tmp_path / f"node{rank}", incremental=True).save(1, state)
     spawn(_other_saves_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+
+
+class _GatedRoot(LocalFileSystem):
+    """Our local backend as a root whose writes into ``step-N`` wait for ``gates[N]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates = {1: threading.Event(), 2: threading.Event()}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        for step, gate in self.gates.items():
+            if f"step-{step}/" in path:
+                assert gate.wait(120), f"gate of step {step} never opened"
+        with super().create_stream(path, mode, sync=sync) as stream:
+            yield stream
+
+
+def test_a_save_that_needs_room_waits_for_the_oldest_drain_only(tmp_path: Path) -> None:
+    """Before, a save whose local tier was over keep_local waited for every queued
+    drain, the steps saved after the one it needed durable included: with a slow root
+    its stall was the drain of the whole backlog, not of the oldest step."""
+    root = _GatedRoot()
+    mgr = CheckpointManager(
+        tmp_path / "durable",
+        filesystem=root,
+        local=tmp_path / "local",
+        keep_local=1,
+        persist="thread",
+    )
+    try:
+        mgr.save(1, step_state(1))
+        mgr.save(2, step_state(2))  # both wait for their drains: steps 1 and 2 are local
+        saving = threading.Thread(target=mgr.save, args=(3, step_state(3)))
+        saving.start()
+        root.gates[1].set()  # step 1 may drain now; step 2 stays behind its gate
+        saving.join(100)
+        assert not saving.is_alive(), "the save waited for step 2's drain too"
+        assert not root.gates[2].is_set()
+        assert mgr.durable_steps() == [1]
+    finally:
+        for gate in root.gates.values():
+            gate.set()
+        saving.join(120)
+    mgr.wait()
+    assert mgr.durable_steps() == [1, 2, 3]

@@ -141,6 +141,23 @@ def mode_for(options: dict[str, Any], *filesystems: FileSystemBase) -> Mode:
     return for_filesystems(mode, *filesystems)
 
 
+def start(options: dict[str, Any], filesystem: FileSystemBase) -> Worker | None:
+    """Start the persist worker and its staging pool now, when saves with writer
+    ``options`` (a manager's) to ``filesystem`` would stage in it; returns it (else
+    ``None``). A manager calls this when it is made, so its first asynchronous save
+    neither starts a Python process beside the copy nor waits behind a save that did;
+    options a save would refuse are left for that save to report."""
+    try:
+        mode = mode_for(options, filesystem)
+    except ValueError:
+        return None
+    if mode.name != "process":
+        return None
+    w = worker()
+    w.start()
+    return w
+
+
 def run(mode: Mode, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)``: in the worker when ``mode`` says so (writes capped, a
     ``pace`` argument replaced by the worker's pause), else here; raises what it raised."""

@@ -60,6 +60,8 @@ SMALL = 64 << 10
 _BIRTH_GRACE = 60.0
 #: Tries at an unused pool name before giving up (each collision is 2^-96 by chance).
 _NAME_TRIES = 16
+#: madvise(2) advice that faults a mapping's pages in, writable (Linux >= 5.14).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def shm_dir() -> str:
@@ -213,6 +215,14 @@ class _Segment:
         self.storage = torch.frombuffer(self.map, dtype=torch.uint8).untyped_storage()
         self.address = self.storage.data_ptr()
 
+    def touch(self) -> None:
+        """Fault every page into this process's mapping now, so that the first copy
+        into the segment runs at the speed of a copy into warm memory."""
+        try:
+            self.map.madvise(_MADV_POPULATE_WRITE)
+        except (AttributeError, OSError, ValueError):  # before Linux 5.14: write them
+            torch.frombuffer(self.map, dtype=torch.uint8).zero_()
+
     def unlink(self) -> None:
         with contextlib.suppress(OSError):
             os.unlink(self.path)
@@ -241,6 +251,17 @@ class StagingPool:
             self._collect()
             return self._stager.stage(state_dict)
 
+    def reserve(self, state_dict: Any) -> None:
+        """Make the buffers a later :meth:`stage` of ``state_dict``'s tensors copies
+        into, their pages touched, copying nothing; buffers that exist are kept. Safe
+        while a save holds the buffers: nothing it reads changes."""
+        with self._lock:
+            self._stager.copying = False
+            try:
+                self._stager.stage(state_dict)
+            finally:
+                self._stager.copying = True
+
     def live(self) -> list[str]:
         """The names of the segments in use (what the worker keeps mapped)."""
         with self._lock:
@@ -261,12 +282,14 @@ class StagingPool:
         offset = start - segment.address
         return (segment.name, offset) if offset + nbytes <= len(segment.map) else None
 
-    def new_storage(self, nbytes: int) -> torch.UntypedStorage:
+    def new_storage(self, nbytes: int, *, touch: bool = False) -> torch.UntypedStorage:
         if nbytes < SMALL:
             return torch.UntypedStorage(nbytes)
         segment = _Segment(self._owner, nbytes)
         self._segments[segment.address] = segment
         bisect.insort(self._addresses, segment.address)
+        if touch:
+            segment.touch()
         return segment.storage
 
     def _collect(self) -> None:
@@ -304,6 +327,7 @@ class _Stager(StateDictStager or object):  # type: ignore[misc]
         super().__init__(pin_memory=False, share_memory=False)
         self._pool = pool
         self._cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.copying = True  # False: make and touch the buffers only (StagingPool.reserve)
 
     def cached(self) -> list[torch.UntypedStorage]:
         return list(self._cache.values())
@@ -316,9 +340,10 @@ class _Stager(StateDictStager or object):  # type: ignore[misc]
     ) -> torch.UntypedStorage:
         staged = self._cache.get(storage)
         if staged is None or staged.nbytes() != storage.nbytes():
-            staged = self._pool.new_storage(storage.nbytes())
+            staged = self._pool.new_storage(storage.nbytes(), touch=not self.copying)
             self._cache[storage] = staged
-        staged.copy_(storage, non_blocking=non_blocking)
+        if self.copying:
+            staged.copy_(storage, non_blocking=non_blocking)
         return staged
 
 

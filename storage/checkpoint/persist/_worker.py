@@ -221,18 +221,29 @@ class Worker:
             except OSError:
                 pass  # a dead worker: the reader reports it
 
+    def start(self) -> StagingPool:
+        """Start the worker process and make the staging pool, if not yet done (a
+        dead worker's error is raised here once); returns the pool."""
+        with self._lock:
+            self._start()
+            if self.pool is None:
+                self.pool = StagingPool()
+            return self.pool
+
+    def reserve(self, state_dict: Any) -> None:
+        """Start the worker and make the staging buffers for ``state_dict``'s tensors,
+        their pages touched (:meth:`StagingPool.reserve`); stages nothing."""
+        self.start().reserve(state_dict)
+
     def stage(self, state_dict: Any) -> tuple[Any, Lease]:
         """Copy ``state_dict`` into the staging buffers, once the previous save that
         holds them is done reading; returns the staged copy and its lease."""
-        with self._lock:
-            self._start()  # a dead worker is reported here, before anything is staged
+        pool = self.start()  # a dead worker is reported here, before anything is staged
         while not self._free.wait(60):
             log.warning("a checkpoint save waits for the previous one to release its buffers")
         self._free.clear()
         try:
-            if self.pool is None:
-                self.pool = StagingPool()
-            staged = self.pool.stage(state_dict)
+            staged = pool.stage(state_dict)
         except BaseException:
             self._free.set()
             raise

@@ -1,0 +1,56 @@
+"""The checks on a :class:`~storage.ops.manager.CheckpointManager`'s options, made
+before anything is opened: retention counts, incremental settings, and which writer
+options a manager passes on to its writers."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from storage.checkpoint.writer import CheckpointWriter
+
+_WRITER_OPTIONS = frozenset(inspect.signature(CheckpointWriter.__init__).parameters) - {
+    "self",
+    "path",
+    "transforms",
+    "storage_options",
+    "filesystem",
+    "base",  # chosen per save: incremental=True
+    "fingerprint",
+    "publish",  # a manager's saves publish (a tier's own local commit does not)
+}
+
+
+def check_options(
+    incremental: object,
+    full_every: object,
+    keep_last: object,
+    keep_every: object,
+    keep_local: object,
+    writer_options: dict[str, Any],
+) -> None:
+    if not isinstance(incremental, bool):
+        raise TypeError(f"incremental must be a bool, got {incremental!r}")
+    if full_every is not None and not incremental:
+        raise ValueError("full_every needs incremental=True")
+    for name, value in (
+        ("keep_last", keep_last),
+        ("keep_every", keep_every),
+        ("full_every", full_every),
+        ("keep_local", keep_local),
+    ):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    if keep_every is not None and keep_last is None:
+        raise ValueError(
+            "keep_every needs keep_last (without keep_last nothing is deleted); "
+            "pass e.g. keep_last=3, keep_every=1000"
+        )
+    unknown = sorted(set(writer_options) - _WRITER_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"unknown CheckpointManager option(s) {unknown}; writer options are "
+            f"{sorted(_WRITER_OPTIONS)}"
+        )
