@@ -204,12 +204,20 @@ def write_staged(
     writer: Any, files: list[Any], threads: int, planner: Any, lease: Lease
 ) -> list[Any]:
     """Run ``writer``'s data writes in the worker (the staged state is in its buffers;
-    with the default mode, here when the writer does not pickle); releases ``lease``
-    once the worker is done with them."""
+    with the default mode, here when the writer does not pickle or the worker has not
+    finished starting); releases ``lease`` once the writes are done with them."""
     from storage.checkpoint.persist._child import write_files
 
     w = worker()
     mode: Mode = writer.persist_mode
+    if not mode.explicit and not w.ready.is_set():
+        # The worker is still starting (the first saves after the process began): this
+        # save's writes run here, from the staged copy, rather than wait seconds for it
+        # while the next save waits for the buffers.
+        try:
+            return list(writer.write_files(files, threads, planner))
+        finally:
+            lease.release()
     try:
         refs = {
             item.index: item_ref(w.pool, item, planner.resolve_data(item))

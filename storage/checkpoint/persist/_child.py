@@ -270,4 +270,6 @@ def main(fd: int) -> None:
     _set_foreground(foreground)
     sys.path[:] = sys_path  # the training process's imports (user transforms) resolve here
     torch.set_num_threads(1)
-    _Server(conn).serve()
+    server = _Server(conn)
+    server.send(("ready", -1, None))  # imports done: saves may come here now
+    server.serve()
