@@ -23,8 +23,9 @@ five modes, chosen from a histogram of a sample (planes of up to 16 KiB: by tryi
 four into a byte lets zstd's Huffman stage code pairs or quads of exponents, which
 captures how neighbouring weights share a scale, and halves (or quarters) the symbols
 zstd has to code. All of it is whole-array numpy work on cache-sized blocks (zstd and
-numpy release the GIL). Headers: ``extensions/_layout.py``. Format 2 writes zstd frames
-without magic number or content size; a frame that declares a size is refused unread.
+numpy release the GIL). Headers: ``extensions/_layout.py``; decoding:
+``extensions/_unplanes.py``. Format 2 writes zstd frames without magic number or
+content size; a frame that declares a size is refused unread.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from extensions._layout import BIT, CONST, PACK, RAW, ZSTD, CorruptBlock, PlaneHead
+from extensions._layout import BIT, CONST, PACK, RAW, ZSTD, PlaneHead
 
 #: Decoded bytes per block; part of formats 1 and 2.
 BLOCK_BYTES = 1 << 19
@@ -80,9 +81,6 @@ class _Codecs(threading.local):
 
 _codecs = _Codecs()
 Coded = tuple[PlaneHead, list[Any]]
-
-
-# --- encoding -------------------------------------------------------------------------
 
 
 def encode_block(
@@ -251,149 +249,3 @@ def _pack_plane(plane: np.ndarray, base: int, k: int, limit: float) -> Coded | N
     if len(frame) + nesc >= n:
         return (RAW, 0, 0, n, 0), [plane]
     return (PACK, base, k, len(frame), nesc), [frame] if escapes is None else [frame, escapes]
-
-
-# --- decoding -------------------------------------------------------------------------
-
-
-def decode_block(
-    heads: list[PlaneHead], flags: int, payload: memoryview, out: memoryview, es: int, version: int
-) -> None:
-    """Decode one block of format ``version`` into ``out`` (its ``nbytes``); raises
-    :class:`CorruptBlock`."""
-    n = len(out) // es
-    whole = n * es
-    planes: list[Any] = []
-    at = 0
-    for mode, a, b, length, extra in heads:
-        piece = payload[at : at + length]
-        at += length
-        if mode == PACK:
-            planes.append(_unpack(piece, payload[at : at + extra], n, a, b, version))
-            at += extra
-        else:
-            planes.append(_plane(mode, a, b, piece, n, version))
-    tail = payload[at:]
-    if len(tail) != len(out) - whole:
-        raise CorruptBlock(f"block tail of {len(tail)} bytes, expected {len(out) - whole}")
-    out[whole:] = tail
-    if flags & ~SIGN_MOVED or (flags & SIGN_MOVED and es not in _UINT):
-        raise CorruptBlock(f"unknown block flags {flags:#x} for element size {es}")
-    if es == 1:
-        target = np.frombuffer(out, np.uint8, count=n)
-        target[...] = planes[0]
-    elif es in _UINT:
-        _join(planes, np.frombuffer(out, _UINT[es], count=n), bool(flags & SIGN_MOVED))
-    else:
-        elements = np.frombuffer(out, np.uint8, count=whole).reshape(n, es)
-        for j, plane in enumerate(planes):
-            elements[:, j] = plane
-
-
-def _plane(mode: int, a: int, b: int, piece: memoryview, n: int, version: int) -> Any:
-    if mode == RAW:
-        if len(piece) != n:
-            raise CorruptBlock(f"raw plane of {len(piece)} bytes, expected {n}")
-        return np.frombuffer(piece, np.uint8)
-    if mode == CONST:
-        if len(piece):
-            raise CorruptBlock(f"a constant plane with {len(piece)} stored bytes")
-        return np.uint8(a)
-    if mode == BIT:
-        if b > 7 or len(piece) != -(-n // 8):
-            raise CorruptBlock(f"bit plane of {len(piece)} bytes at bit {b}, for {n} bytes")
-        bits = np.unpackbits(np.frombuffer(piece, np.uint8), count=-(-n // 8) * 8)
-        words = bits.view(np.uint64)  # each byte is 0 or 1: shift them 8 at a time
-        words <<= np.uint64(b)
-        bits |= np.uint8(a)
-        return bits[:n]
-    if mode == ZSTD:
-        return np.frombuffer(_unzstd(piece, n, version), np.uint8)
-    raise CorruptBlock(f"unknown plane mode {mode}")
-
-
-def _unzstd(frame: memoryview, size: int, version: int) -> bytes:
-    """The ``size`` bytes that ``frame`` decodes to. zstd sizes its output by the content
-    size a frame's header declares and ignores ``max_output_size`` then, so a frame that
-    declares any other size (format 2: any size) is refused before a byte is allocated."""
-    try:
-        if version == 1:
-            declared = _codecs.content_size(frame)
-            if declared not in (size, -1):  # -1: not declared (then max_output_size holds)
-                raise CorruptBlock(
-                    f"a zstd plane declares {declared} bytes, expected {size}; refused unread"
-                )
-            data = _codecs.v1.decompress(frame, max_output_size=size)
-        else:
-            # A magicless frame starts with its header descriptor: a content size field
-            # (bits 6-7) or a single segment (bit 5, then the size is always there).
-            if not len(frame) or frame[0] & 0xE0:
-                declared = _codecs.content_size(_MAGIC + bytes(frame[:18]))
-                raise CorruptBlock(
-                    f"a zstd plane declares {declared} bytes (format 2 frames declare none, "
-                    f"expected {size}); refused unread"
-                )
-            data = _codecs.v2.decompress(frame, max_output_size=size)
-    except _codecs.error as exc:
-        raise CorruptBlock(f"zstd: {exc}") from None
-    if len(data) != size:
-        raise CorruptBlock(f"zstd plane of {len(data)} bytes, expected {size}")
-    return data
-
-
-def _unpack(
-    frame: memoryview, escapes: memoryview, n: int, base: int, k: int, version: int
-) -> np.ndarray:
-    if k not in _ESCAPE:
-        raise CorruptBlock(f"packed plane with {k} codes per byte")
-    codes = np.frombuffer(_unzstd(frame, -(-n // k), version), np.uint8)
-    if k == 2:
-        wide = codes.astype(_U16)
-        wide |= wide * np.uint16(16)  # numpy's 16-bit shifts are slower than multiplies
-        wide &= np.uint16(0x0F0F)
-    else:
-        wide = codes.astype(_UINT[4])
-        wide |= wide << 12
-        wide &= 0x000F000F
-        wide |= wide << 6
-        wide &= 0x03030303
-    plane = wide.view(np.uint8)[:n]
-    if len(escapes):  # without escapes the CRC of the stored bytes guards the codes
-        where = np.flatnonzero(plane == _ESCAPE[k])
-        if len(where) != len(escapes):
-            raise CorruptBlock(f"{len(where)} escapes in a packed plane that stores {len(escapes)}")
-        plane += np.uint8(base)
-        plane[where] = np.frombuffer(escapes, np.uint8)
-    else:
-        plane += np.uint8(base)
-    return plane
-
-
-def _join(planes: list[Any], words: np.ndarray, moved: bool) -> None:
-    """Assemble ``words`` from their byte planes, by halves: bytes into 16-bit halves,
-    those into 32-bit ones and so on (fewer whole-array passes than byte by byte)."""
-    es = len(planes)
-    kind = words.dtype.type
-    if es == 2 and moved:
-        # The low plane is [sign, 7 bits]: widened as a signed byte, the sign extends
-        # over the bits the exponent takes, and one mask keeps the sign and the 7 bits.
-        words.view("<i2")[...] = planes[0].view(np.int8)
-        words &= kind(0x807F)
-        exponent = np.empty_like(words)
-        exponent[...] = planes[1]
-        exponent *= kind(1 << 7)  # numpy's 16-bit shifts are slower than multiplies
-        words |= exponent
-        return
-    if es == 2:
-        words[...] = planes[1]
-        words *= kind(1 << 8)
-        words |= planes[0]
-        return
-    half = es // 2
-    low = np.empty(len(words), _UINT[half])
-    high = np.empty(len(words), _UINT[half])
-    _join(planes[:half], low, False)
-    _join(planes[half:], high, moved)
-    words[...] = high
-    words <<= kind(8 * half)
-    words |= low

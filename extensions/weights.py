@@ -16,6 +16,7 @@ since the compact headers) and format 1 (fixed-size headers) are both read.
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
@@ -35,7 +36,8 @@ from extensions._layout import (
     payload_size,
     v1_heads,
 )
-from extensions._planes import BLOCK_BYTES, decode_block, encode_block
+from extensions._planes import BLOCK_BYTES, encode_block
+from extensions._unplanes import decode_block
 from extensions.base import ItemInfo, StreamTransformExtension, descriptor_settings
 from extensions.errors import quote
 from extensions.streams import BlockWriter, fill, read_all, readinto_exact
@@ -135,6 +137,19 @@ class _Writer(BlockWriter):
         self._out.write(pack_v2_end(self._total))
 
 
+class _Payloads(threading.local):
+    """Stored-block buffers a thread reuses from item to item (each grows only with the
+    bytes a stream delivers, see ``streams.fill``): a reader taking a fresh one grew it
+    from 64 KiB to a block every item. Taken and given back around each block, so a
+    reader nested in another's source gets a buffer of its own."""
+
+    def __init__(self) -> None:
+        self.free: list[bytearray] = []
+
+
+_payloads = _Payloads()
+
+
 class _Reader(io.RawIOBase):
     def __init__(self, source: IO[bytes], es: int, version: int) -> None:
         super().__init__()
@@ -143,8 +158,7 @@ class _Reader(io.RawIOBase):
         self._version = version
         self._limit = BLOCK_BYTES // es * es
         self._head = bytearray(V1_HEAD.size + V1_PLANE.size * es if version == 1 else 255)
-        # Both grow with the bytes actually stored (see streams.fill).
-        self._payload = bytearray()
+        # Grows with the bytes actually decoded (a read shorter than a block).
         self._plain = bytearray()
         self._pos = 0
         self._end = 0
@@ -187,7 +201,8 @@ class _Reader(io.RawIOBase):
         size = payload_size(heads) + nbytes % self._es
         if size > 2 * nbytes + 1024:
             raise CorruptBlock(f"a block of {nbytes} bytes claims {size} stored bytes")
-        if fill(self._src, self._payload, size) != size:
+        stored = _payloads.free.pop() if _payloads.free else bytearray()
+        if fill(self._src, stored, size) != size:
             raise CorruptBlock("the stream ends inside a block (truncated)")
         if nbytes <= len(view):
             out = view[:nbytes]
@@ -196,8 +211,10 @@ class _Reader(io.RawIOBase):
                 self._plain = bytearray(nbytes)
             out = memoryview(self._plain)[:nbytes]
             self._pos, self._end = 0, nbytes
-        payload = memoryview(self._payload)[:size]
-        decode_block(heads, flags, payload, out, self._es, self._version)
+        decode_block(heads, flags, memoryview(stored)[:size], out, self._es, self._version)
+        # Not after an error: its traceback may still hold views of the buffer.
+        if len(_payloads.free) < 2:
+            _payloads.free.append(stored)
         self._total += nbytes
         return nbytes
 

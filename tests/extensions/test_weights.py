@@ -349,6 +349,37 @@ def test_damaged_format_2_headers_are_refused() -> None:
     assert "claims" in _damaged(_block(bytes(huge)), item)
 
 
+def _packed_block(codes: bytes, escapes: bytes) -> bytes:
+    """A format-2 float8 stream of one block: one PACK plane (two codes to a byte, base
+    0) of ``codes``, the ``escapes`` stored after it, and the end record."""
+    import zstandard
+
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(codes)[4:]
+    head = layout.pack_v2_block(2 * len(codes), 0, [(layout.PACK, 0, 2, len(frame), len(escapes))])
+    return head + frame + escapes + layout.pack_v2_end(2 * len(codes))
+
+
+@pytest.mark.parametrize("escaped", [3, 200])
+def test_packed_plane_with_more_or_fewer_escapes_than_stored_is_refused(escaped: int) -> None:
+    """The escape codes of a packed plane must match the escaped bytes it stores, one
+    for one, whether few (found by memchr) or many (by numpy): a plane whose codes
+    escape one more or one fewer is refused, and the next item decodes on the same
+    thread (the buffers it reuses are intact)."""
+    item = ItemInfo(item="x", dtype="float8_e4m3fn", element_size=1)
+    codes = bytearray(range(15)) * 1000  # nibbles 0-14: nothing escaped
+    for i in range(escaped):
+        codes[i * 37] = 0xF0 | codes[i * 37] & 0x0F  # the high nibble escapes
+    stored = bytes(range(50, 50 + escaped))
+    plane = np.frombuffer(bytes(codes), np.uint8)
+    expected = np.stack([plane & 0x0F, plane >> 4], axis=1).reshape(-1)
+    expected[expected == 15] = np.frombuffer(stored, np.uint8)
+    descriptors = [WeightCodec().descriptor_for(item)]
+    assert decoded(_packed_block(bytes(codes), stored), descriptors, item) == expected.tobytes()
+    assert "escapes in a packed plane" in _damaged(_packed_block(bytes(codes), stored[1:]), item)
+    assert "escapes in a packed plane" in _damaged(_packed_block(bytes(codes), stored + b"x"), item)
+    assert decoded(_packed_block(bytes(codes), stored), descriptors, item) == expected.tobytes()
+
+
 def test_damaged_format_1_streams_raise_a_clear_error() -> None:
     """The format-1 reader keeps its checks (a golden item, cut and altered)."""
     stored = (GOLDEN / "bf16-weights.bin").read_bytes()
