@@ -241,14 +241,19 @@ def stage_for(transform: Any, item: ItemInfo) -> Any:
     return transform.for_item(item)
 
 
-def descriptor_settings(name: str, version: str, allowed: set[str]) -> dict[str, str]:
-    """Parse ``"1;key=value;..."`` (everything after ``name/``) for a version-1 transform.
+def descriptor_settings(
+    name: str, version: str, allowed: set[str], known: tuple[str, ...] = ("1",)
+) -> dict[str, str]:
+    """Parse ``"1;key=value;..."`` (everything after ``name/``) for a transform whose
+    readers know the versions ``known``.
 
     Raises ``ValueError`` (reported as an unknown transform version) for another
     version, an unknown or repeated setting, or a setting without ``=``."""
     number, _, config = version.partition(";")
-    if number != "1":
-        raise ValueError(f"unsupported {name} version {quote(number)} (this reader knows 1)")
+    if number not in known:
+        raise ValueError(
+            f"unsupported {name} version {quote(number)} (this reader knows {', '.join(known)})"
+        )
     settings: dict[str, str] = {}
     for part in config.split(";") if config else ():
         key, sep, value = part.partition("=")

@@ -4,39 +4,47 @@ One transform in place of ``[ByteShuffle(), ZStandard()]``: it splits each block
 elements into byte planes, moves the sign of floats out of the exponent byte, and
 stores each plane in the cheapest of a few modes (raw, constant, one packed bit, zstd,
 or exponents packed two or four to a byte before zstd); see ``extensions/_planes.py``
-for the block format. The descriptor records the element size
-(``dcp_storage.weights/1;es=2``); everything else a reader needs is in the stream.
+for the planes and ``extensions/_layout.py`` for the headers. The descriptor records
+the stream format and the element size (``dcp_storage.weights/2;es=2``); everything else
+a reader needs is in the stream.
 
-Stream format version 1: blocks of at most :data:`~extensions._planes.BLOCK_BYTES`
-decoded bytes, each starting with tag ``1``, then an end record (``u8 0, u64 total
-decoded bytes``), and nothing after it.
+A stream: blocks of at most :data:`~extensions._planes.BLOCK_BYTES` decoded bytes, then
+an end record with the total decoded bytes, and nothing after it. Format 2 (written
+since the compact headers) and format 1 (fixed-size headers) are both read.
 """
 
 from __future__ import annotations
 
 import io
-import struct
+import threading
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
-from extensions._planes import (
-    BLOCK_BYTES,
+from extensions._layout import (
     BLOCK_TAG,
-    HEAD,
-    PLANE,
+    END_TAG,
+    V1_END,
+    V1_HEAD,
+    V1_PLANE,
+    V2_PREFIX,
     CorruptBlock,
-    decode_block,
-    encode_block,
+    PlaneHead,
+    pack_v2_block,
+    pack_v2_end,
+    parse_v2_block,
+    parse_v2_end,
     payload_size,
-    plane_heads,
+    v1_heads,
 )
+from extensions._planes import BLOCK_BYTES, encode_block
+from extensions._unplanes import decode_block
 from extensions.base import ItemInfo, StreamTransformExtension, descriptor_settings
 from extensions.errors import quote
 from extensions.streams import BlockWriter, fill, read_all, readinto_exact
 
-END = struct.Struct("<BQ")
-END_TAG = 0
 MAX_ELEMENT_SIZE = 16
+#: The stream format this codec writes; readers know every one up to it.
+FORMAT = 2
 #: Dtypes whose planes get the float treatment (sign moved, packing by sampled histogram).
 FLOAT_DTYPES = frozenset(
     {"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
@@ -45,7 +53,7 @@ FLOAT_DTYPES = frozenset(
 
 @dataclass(frozen=True, repr=False)
 class WeightCodec(StreamTransformExtension):
-    """Compression for tensors (descriptor ``dcp_storage.weights/1;es=N``).
+    """Compression for tensors (descriptor ``dcp_storage.weights/2;es=N``).
 
     Use it alone, or before encryption: ``transforms=[WeightCodec()]`` or
     ``[WeightCodec(), AES256GCM(...)]``. Floating-point tensors get the byte-plane
@@ -54,11 +62,13 @@ class WeightCodec(StreamTransformExtension):
 
     ``element_size`` is what a descriptor records, for decoding; leave it ``None`` when
     saving, and each item uses its own tensor's element size. ``dtype`` (the item's,
-    which tells floats from integers) is filled in by ``for_item``.
+    which tells floats from integers) is filled in by ``for_item``; ``stream_format``
+    is the format a descriptor names (a saved item of format 1 keeps decoding).
     """
 
     element_size: int | None = field(default=None, kw_only=True)
     dtype: str | None = field(default=None, kw_only=True)
+    stream_format: int = field(default=FORMAT, kw_only=True)
 
     def __post_init__(self) -> None:
         size = self.element_size
@@ -79,16 +89,17 @@ class WeightCodec(StreamTransformExtension):
     @staticmethod
     def from_descriptor(version: str) -> WeightCodec:
         name = WeightCodec.registry_name()
-        value = descriptor_settings(name, version, {"es"}).get("es", "")
+        known = tuple(str(v) for v in range(1, FORMAT + 1))
+        value = descriptor_settings(name, version, {"es"}, known).get("es", "")
         if not value.isdigit() or not 1 <= int(value) <= MAX_ELEMENT_SIZE:
             raise ValueError(
                 f"expected ';es=<element size 1-{MAX_ELEMENT_SIZE}>' in the descriptor, "
                 f"got {quote(version)}"
             )
-        return WeightCodec(element_size=int(value))
+        return WeightCodec(element_size=int(value), stream_format=int(version.split(";")[0]))
 
     def get_descriptor(self) -> str:
-        return f"{self.registry_name()}/1;es={self.element_size or 1}"
+        return f"{self.registry_name()}/{FORMAT};es={self.element_size or 1}"
 
     def for_item(self, item: ItemInfo) -> WeightCodec:
         es = self.element_size
@@ -97,14 +108,14 @@ class WeightCodec(StreamTransformExtension):
             es = size if isinstance(size, int) and 1 <= size <= MAX_ELEMENT_SIZE else 1
         if es == self.element_size and item.dtype == self.dtype:
             return self
-        return WeightCodec(element_size=es, dtype=item.dtype)
+        return WeightCodec(element_size=es, dtype=item.dtype, stream_format=self.stream_format)
 
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
         floating = self.dtype in FLOAT_DTYPES
         return cast(IO[bytes], _Writer(output, self.element_size or 1, floating))
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
-        return cast(IO[bytes], _Reader(input, self.element_size or 1))
+        return cast(IO[bytes], _Reader(input, self.element_size or 1, self.stream_format))
 
 
 class _Writer(BlockWriter):
@@ -115,24 +126,39 @@ class _Writer(BlockWriter):
         self._total = 0
 
     def emit(self, block: memoryview) -> None:
-        for piece in encode_block(block, self._es, self._floating):
+        flags, heads, payloads = encode_block(block, self._es, self._floating)
+        self._out.write(pack_v2_block(len(block), flags, heads))
+        for piece in payloads:
             self._out.write(piece)
         self._total += len(block)
 
     def finish(self, rest: memoryview) -> None:
         super().finish(rest)
-        self._out.write(END.pack(END_TAG, self._total))
+        self._out.write(pack_v2_end(self._total))
+
+
+class _Payloads(threading.local):
+    """Stored-block buffers a thread reuses from item to item (each grows only with the
+    bytes a stream delivers, see ``streams.fill``): a reader taking a fresh one grew it
+    from 64 KiB to a block every item. Taken and given back around each block, so a
+    reader nested in another's source gets a buffer of its own."""
+
+    def __init__(self) -> None:
+        self.free: list[bytearray] = []
+
+
+_payloads = _Payloads()
 
 
 class _Reader(io.RawIOBase):
-    def __init__(self, source: IO[bytes], es: int) -> None:
+    def __init__(self, source: IO[bytes], es: int, version: int) -> None:
         super().__init__()
         self._src = source
         self._es = es
+        self._version = version
         self._limit = BLOCK_BYTES // es * es
-        self._head = bytearray(HEAD.size + PLANE.size * es)
-        # Both grow with the bytes actually stored (see streams.fill).
-        self._payload = bytearray()
+        self._head = bytearray(V1_HEAD.size + V1_PLANE.size * es if version == 1 else 255)
+        # Grows with the bytes actually decoded (a read shorter than a block).
         self._plain = bytearray()
         self._pos = 0
         self._end = 0
@@ -168,22 +194,15 @@ class _Reader(io.RawIOBase):
     def _next_block(self, view: memoryview) -> int:
         """Decode the next block: into ``view`` when it fits (returns its size), else
         into the internal buffer (returns its size, larger than ``view``); 0 at the end."""
-        head = memoryview(self._head)
-        # One read for the header; the end record (shorter) ends the stream.
-        got = readinto_exact(self._src, head)
-        if got and head[0] == END_TAG:
-            return self._finish(got)
-        if got != len(head) or head[0] != BLOCK_TAG:
-            what = "is truncated" if got < len(head) else f"has an unknown record tag {head[0]}"
-            raise CorruptBlock(f"the stream {what}")
-        _, nbytes, flags = HEAD.unpack_from(head)
-        if not 0 < nbytes <= self._limit:
-            raise CorruptBlock(f"a block of {nbytes} bytes (at most {self._limit})")
-        heads = plane_heads(head[HEAD.size :], self._es)
+        header = self._header_v1() if self._version == 1 else self._header_v2()
+        if header is None:
+            return 0
+        nbytes, flags, heads = header
         size = payload_size(heads) + nbytes % self._es
         if size > 2 * nbytes + 1024:
             raise CorruptBlock(f"a block of {nbytes} bytes claims {size} stored bytes")
-        if fill(self._src, self._payload, size) != size:
+        stored = _payloads.free.pop() if _payloads.free else bytearray()
+        if fill(self._src, stored, size) != size:
             raise CorruptBlock("the stream ends inside a block (truncated)")
         if nbytes <= len(view):
             out = view[:nbytes]
@@ -192,18 +211,52 @@ class _Reader(io.RawIOBase):
                 self._plain = bytearray(nbytes)
             out = memoryview(self._plain)[:nbytes]
             self._pos, self._end = 0, nbytes
-        decode_block(heads, flags, memoryview(self._payload)[:size], out, self._es)
+        decode_block(heads, flags, memoryview(stored)[:size], out, self._es, self._version)
+        # Not after an error: its traceback may still hold views of the buffer.
+        if len(_payloads.free) < 2:
+            _payloads.free.append(stored)
         self._total += nbytes
         return nbytes
 
-    def _finish(self, got: int) -> int:
-        if got != END.size:
-            what = "is truncated in" if got < END.size else "has bytes after"
-            raise CorruptBlock(f"the stream {what} its end record")
-        _, total = END.unpack_from(self._head)
+    def _header_v1(self) -> tuple[int, int, list[PlaneHead]] | None:
+        head = memoryview(self._head)
+        # One read for the header; the end record (shorter) ends the stream.
+        got = readinto_exact(self._src, head)
+        if got and head[0] == END_TAG:
+            if got != V1_END.size:
+                what = "is truncated in" if got < V1_END.size else "has bytes after"
+                raise CorruptBlock(f"the stream {what} its end record")
+            self._finish(V1_END.unpack_from(head)[1])
+            return None
+        if got != len(head) or head[0] != BLOCK_TAG:
+            what = "is truncated" if got < len(head) else f"has an unknown record tag {head[0]}"
+            raise CorruptBlock(f"the stream {what}")
+        _, nbytes, flags = V1_HEAD.unpack_from(head)
+        if not 0 < nbytes <= self._limit:
+            raise CorruptBlock(f"a block of {nbytes} bytes (at most {self._limit})")
+        return nbytes, flags, v1_heads(head[V1_HEAD.size :], self._es)
+
+    def _header_v2(self) -> tuple[int, int, list[PlaneHead]] | None:
+        prefix = memoryview(self._head)[: V2_PREFIX.size]
+        if readinto_exact(self._src, prefix) != V2_PREFIX.size:
+            raise CorruptBlock("the stream is truncated")
+        tag, length = V2_PREFIX.unpack_from(prefix)
+        if tag not in (BLOCK_TAG, END_TAG):
+            raise CorruptBlock(f"the stream has an unknown record tag {tag}")
+        body = memoryview(self._head)[:length]
+        if readinto_exact(self._src, body) != length:
+            raise CorruptBlock("the stream is truncated")
+        if tag == END_TAG:
+            total = parse_v2_end(body)
+            if readinto_exact(self._src, prefix[:1]):
+                raise CorruptBlock("the stream has bytes after its end record")
+            self._finish(total)
+            return None
+        return parse_v2_block(body, self._es, self._limit)
+
+    def _finish(self, total: int) -> None:
         if total != self._total:
             raise CorruptBlock(
                 f"the end record counts {total} bytes, the blocks hold {self._total}"
             )
         self._done = True
-        return 0

@@ -1,4 +1,4 @@
-"""WeightCodec (``dcp_storage.weights/1``): conformance, round trips of every dtype and
+"""WeightCodec (``dcp_storage.weights/2``): conformance, round trips of every dtype and
 size through the codec and through save/load, the plane modes it picks, what it gains
 over ByteShuffle + ZStandard, damaged streams, and the golden items of format 1."""
 
@@ -25,6 +25,7 @@ from extensions import (
     WeightCodec,
     ZStandard,
 )
+from extensions import _layout as layout
 from extensions import _planes as planes
 from extensions.testing import TransformTests, encode, read_all
 from tests.extensions.test_encryption import rewrite
@@ -59,9 +60,11 @@ def decoded(stored: bytes, descriptors: list[str], item: ItemInfo, mode: str = "
 
 
 def block_modes(stored: bytes, es: int) -> tuple[int, list[tuple[int, ...]]]:
-    """Flags and plane headers of the first block."""
-    _, _, flags = planes.HEAD.unpack_from(stored)
-    return flags, planes.plane_heads(memoryview(stored)[planes.HEAD.size :], es)
+    """Flags and plane heads ``(mode, a, b, length, extra)`` of the first block."""
+    _, size = layout.V2_PREFIX.unpack_from(stored)
+    body = memoryview(stored)[layout.V2_PREFIX.size : layout.V2_PREFIX.size + size]
+    _, flags, heads = layout.parse_v2_block(body, es, planes.BLOCK_BYTES)
+    return flags, heads
 
 
 def weights(n: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
@@ -155,7 +158,7 @@ def test_round_trip_every_dtype(n: int) -> None:
         data = raw_bytes(tensor)
         item = item_of(tensor, name)
         stored, descriptors = encoded(data, item)
-        assert descriptors == [f"dcp_storage.weights/1;es={tensor.itemsize}"]
+        assert descriptors == [f"dcp_storage.weights/2;es={tensor.itemsize}"]
         for mode in ("read", "small", "readinto"):
             assert decoded(stored, descriptors, item, mode) == data, (name, mode)
         out = io.BytesIO()
@@ -203,12 +206,23 @@ def test_float_weights_move_the_sign_and_pack_exponents_in_pairs() -> None:
     assert high[0] == planes.PACK and high[2] == 2  # exponents, two to a byte
 
 
-def test_positive_floats_keep_their_sign_and_pack_exponents_in_quads() -> None:
+def test_positive_floats_take_the_smaller_of_both_splits() -> None:
+    """A constant sign (AdamW's exp_avg_sq): the exponent's low bit goes where it codes
+    smaller. It used to stay beside the mantissa always, which stored some trained
+    second moments 0.2-0.4% larger than ZipNN (which moves it)."""
     tensor = second_moment(1 << 15)
+    words = np.frombuffer(raw_bytes(tensor), np.uint32)
+    sizes = {
+        moved: planes._stored(
+            [planes._encode_plane(p, True) for p in planes._split(words, 4, moved)]
+        )
+        for moved in (False, True)
+    }
     stored, _ = encoded(raw_bytes(tensor), item_of(tensor))
     flags, heads = block_modes(stored, 4)
-    assert flags == 0
-    assert heads[3][0] == planes.PACK and heads[3][2] == 4
+    assert flags == (planes.SIGN_MOVED if sizes[True] < sizes[False] else 0)
+    assert heads[3][0] == planes.PACK
+    assert len(stored) < min(sizes.values()) + 64  # the headers
 
 
 def test_constant_planes_and_single_bits() -> None:
@@ -232,7 +246,7 @@ def test_a_sample_in_step_with_the_data_is_caught() -> None:
     tensor = values.to(torch.bfloat16)
     stored, _ = encoded(raw_bytes(tensor), item_of(tensor))
     exponent = block_modes(stored, 2)[1][1]
-    assert exponent[0] != planes.PACK or exponent[5] <= (1 << 16) // 61 + 1
+    assert exponent[0] != planes.PACK or exponent[4] <= (1 << 16) // 61 + 1
     # sign bits (one bit) and two exponents: ~8.5 KB; escaping all but the sample: ~70 KB
     assert len(stored) < len(raw_bytes(tensor)) / 10
 
@@ -240,7 +254,7 @@ def test_a_sample_in_step_with_the_data_is_caught() -> None:
 def test_opaque_items_are_zstd_level_3() -> None:
     data = json.dumps({"step": list(range(5000))}).encode()
     stored, descriptors = encoded(data, ItemInfo(item="extra"))
-    assert descriptors == ["dcp_storage.weights/1;es=1"]
+    assert descriptors == ["dcp_storage.weights/2;es=1"]
     assert block_modes(stored, 1)[1][0][0] == planes.ZSTD
     assert len(stored) < len(data) / 4
 
@@ -266,7 +280,7 @@ def test_compresses_better_than_shuffle_and_zstd(tensor: torch.Tensor) -> None:
 
 @pytest.mark.parametrize(
     "descriptor",
-    ["dcp_storage.weights/2;es=2", "dcp_storage.weights/1", "dcp_storage.weights/1;es=0"],
+    ["dcp_storage.weights/3;es=2", "dcp_storage.weights/2", "dcp_storage.weights/1;es=0"],
 )
 def test_bad_descriptor_names_the_item(descriptor: str) -> None:
     with pytest.raises(UnknownTransformError, match=r"item 'w'.*cannot decode"):
@@ -289,30 +303,101 @@ def test_damaged_streams_raise_a_clear_error() -> None:
     tensor = weights((BLOCK // 2) * 2 + 100)  # two full blocks and a short one
     item = item_of(tensor)
     stored, _ = encoded(raw_bytes(tensor), item)
-    head = planes.HEAD.size + 2 * planes.PLANE.size
-    for cut in (0, 3, head - 1, head + 10, len(stored) // 2, len(stored) - 9, len(stored) - 1):
+    head = 2 + stored[1]  # the first block's header
+    for cut in (0, 1, 3, head - 1, head + 10, len(stored) // 2, len(stored) - 3, len(stored) - 1):
         assert "truncated" in _damaged(stored[:cut], item), cut
     assert "after its end record" in _damaged(stored + b"\0", item)
     assert "unknown record tag" in _damaged(b"\x07" + stored[1:], item)
     huge = bytearray(stored)
-    huge[1:5] = (BLOCK + 2).to_bytes(4, "little")
+    huge[2:5] = layout.pack_v2_end(BLOCK + 2)[2:]  # the same varint length as BLOCK
     assert "a block of" in _damaged(bytes(huge), item)
     bad_mode = bytearray(stored)
-    bad_mode[planes.HEAD.size] = 9
+    bad_mode[6] = 9  # after the 3-byte size and the flags
     assert "unknown plane mode" in _damaged(bytes(bad_mode), item)
     bad_flags = bytearray(stored)
     bad_flags[5] = 6
     assert "unknown block flags" in _damaged(bytes(bad_flags), item)
-    raw_to_const = bytearray(stored)
-    raw_to_const[planes.HEAD.size] = planes.CONST  # the raw plane's bytes still follow
-    assert "constant plane with" in _damaged(bytes(raw_to_const), item)
-    total = bytearray(stored)
-    total[-8:] = (len(raw_bytes(tensor)) + 2).to_bytes(8, "little")
-    assert "end record counts" in _damaged(bytes(total), item)
-    frame_at = head + block_modes(stored, 2)[1][0][4]  # the exponent plane's zstd frame
+    end = layout.pack_v2_end(len(raw_bytes(tensor)))
+    assert stored.endswith(end)
+    total = stored[: -len(end)] + layout.pack_v2_end(len(raw_bytes(tensor)) + 2)
+    assert "end record counts" in _damaged(total, item)
+    frame_at = head + block_modes(stored, 2)[1][0][3]  # the exponent plane's zstd frame
     garbage = bytearray(stored)
-    garbage[frame_at : frame_at + 16] = bytes(16)
+    garbage[frame_at + 1 : frame_at + 17] = bytes(16)
     assert "zstd" in _damaged(bytes(garbage), item)
+
+
+def _block(body: bytes, tail: bytes = b"") -> bytes:
+    """A format-2 stream of one block record with header ``body`` and payload ``tail``."""
+    return layout.V2_PREFIX.pack(layout.BLOCK_TAG, len(body)) + body + tail
+
+
+def test_damaged_format_2_headers_are_refused() -> None:
+    """Each field of the compact header is checked before it sizes anything: a varint
+    that does not end, a header cut short or with bytes after its planes, an end record
+    with bytes after its total, and a plane that claims more stored bytes than a block
+    may hold."""
+    item = ItemInfo(item="x", dtype="bfloat16", element_size=2)
+    assert "more than 5 bytes" in _damaged(_block(b"\xff" * 6), item)
+    assert "cut short" in _damaged(_block(bytes([100, 0, layout.RAW])), item)
+    extra = bytes([100, 0, layout.RAW, layout.RAW, 0])
+    assert "after its planes" in _damaged(_block(extra), item)
+    end = layout.pack_v2_end(0)
+    assert "after its total" in _damaged(end[:1] + bytes([end[1] + 1]) + end[2:] + b"\0", item)
+    huge = bytearray([100, 0, layout.ZSTD])
+    huge += layout.pack_v2_end(1 << 30)[2:] + bytes([layout.RAW])
+    assert "claims" in _damaged(_block(bytes(huge)), item)
+
+
+def _packed_block(codes: bytes, escapes: bytes) -> bytes:
+    """A format-2 float8 stream of one block: one PACK plane (two codes to a byte, base
+    0) of ``codes``, the ``escapes`` stored after it, and the end record."""
+    import zstandard
+
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(codes)[4:]
+    head = layout.pack_v2_block(2 * len(codes), 0, [(layout.PACK, 0, 2, len(frame), len(escapes))])
+    return head + frame + escapes + layout.pack_v2_end(2 * len(codes))
+
+
+@pytest.mark.parametrize("escaped", [3, 200])
+def test_packed_plane_with_more_or_fewer_escapes_than_stored_is_refused(escaped: int) -> None:
+    """The escape codes of a packed plane must match the escaped bytes it stores, one
+    for one, whether few (found by memchr) or many (by numpy): a plane whose codes
+    escape one more or one fewer is refused, and the next item decodes on the same
+    thread (the buffers it reuses are intact)."""
+    item = ItemInfo(item="x", dtype="float8_e4m3fn", element_size=1)
+    codes = bytearray(range(15)) * 1000  # nibbles 0-14: nothing escaped
+    for i in range(escaped):
+        codes[i * 37] = 0xF0 | codes[i * 37] & 0x0F  # the high nibble escapes
+    stored = bytes(range(50, 50 + escaped))
+    plane = np.frombuffer(bytes(codes), np.uint8)
+    expected = np.stack([plane & 0x0F, plane >> 4], axis=1).reshape(-1)
+    expected[expected == 15] = np.frombuffer(stored, np.uint8)
+    descriptors = [WeightCodec().descriptor_for(item)]
+    assert decoded(_packed_block(bytes(codes), stored), descriptors, item) == expected.tobytes()
+    assert "escapes in a packed plane" in _damaged(_packed_block(bytes(codes), stored[1:]), item)
+    assert "escapes in a packed plane" in _damaged(_packed_block(bytes(codes), stored + b"x"), item)
+    assert decoded(_packed_block(bytes(codes), stored), descriptors, item) == expected.tobytes()
+
+
+def test_damaged_format_1_streams_raise_a_clear_error() -> None:
+    """The format-1 reader keeps its checks (a golden item, cut and altered)."""
+    stored = (GOLDEN / "bf16-weights.bin").read_bytes()
+    item = ItemInfo(item="bf16-weights.bin", dtype="bfloat16", element_size=2)
+    descriptors = ["dcp_storage.weights/1;es=2"]
+
+    def damaged(data: bytes) -> str:
+        with pytest.raises(ValueError) as info:
+            decoded(data, descriptors, item, "readinto")
+        return str(info.value)
+
+    for cut in (0, 3, 29, len(stored) // 2, len(stored) - 1):
+        assert "truncated" in damaged(stored[:cut]), cut
+    assert "after its end record" in damaged(stored + b"\0")
+    assert "unknown record tag" in damaged(b"\x07" + stored[1:])
+    bad_mode = bytearray(stored)
+    bad_mode[layout.V1_HEAD.size] = 9
+    assert "unknown plane mode" in damaged(bytes(bad_mode))
 
 
 def test_damaged_item_fails_the_load_naming_it(tmp_path: Path) -> None:

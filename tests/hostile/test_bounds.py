@@ -191,33 +191,38 @@ def frame_declaring(declared: int, plain: int = 64 << 10) -> bytes:
     return header + block.to_bytes(3, "little") + b"\0"
 
 
-def _weights_stream(mode: int, frame: bytes, nbytes: int = 64 << 10) -> bytes:
+def _weights_stream(mode: int, frame: bytes, nbytes: int = 64 << 10, version: int = 2) -> bytes:
     """One es=1 block of ``nbytes`` whose one plane is ``frame`` in ``mode`` (ZSTD, or
-    PACK two codes to a byte), then the end record."""
-    from extensions import _planes as planes
-    from extensions.weights import END, END_TAG
+    PACK two codes to a byte), then the end record, in stream format ``version`` (format
+    2 frames go without their 4-byte magic number)."""
+    from extensions import _layout as layout
 
-    a, b = (0, 2) if mode == planes.PACK else (0, 0)
-    head = planes.HEAD.pack(planes.BLOCK_TAG, nbytes, 0)
-    plane = planes.PLANE.pack(mode, a, b, 0, len(frame), 0)
-    return head + plane + frame + END.pack(END_TAG, nbytes)
+    a, b = (0, 2) if mode == layout.PACK else (0, 0)
+    if version == 1:
+        head = layout.V1_HEAD.pack(layout.BLOCK_TAG, nbytes, 0)
+        plane = layout.V1_PLANE.pack(mode, a, b, 0, len(frame), 0)
+        return head + plane + frame + layout.V1_END.pack(layout.END_TAG, nbytes)
+    frame = frame[4:]
+    head = layout.pack_v2_block(nbytes, 0, [(mode, a, b, len(frame), 0)])
+    return head + frame + layout.pack_v2_end(nbytes)
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("mode", ["zstd", "pack"])
 def test_weights_plane_declaring_a_huge_size_is_refused_before_decoding(
-    mode: str, peak: Callable[[], int]
+    mode: str, version: int, peak: Callable[[], int]
 ) -> None:
     # Without the check zstd sized the plane's output by the frame's header, ignoring
     # max_output_size: this 18-byte frame of a 64 KiB plane allocated 1 GiB (a frame
-    # within the block's bound could declare ~32 GiB and fill it).
-    from extensions import WeightCodec
-    from extensions import _planes as planes
+    # within the block's bound could declare ~32 GiB and fill it). Format 2 frames
+    # declare no size at all: one that does is refused the same way.
+    from extensions import _layout as layout
 
-    kind = planes.ZSTD if mode == "zstd" else planes.PACK
-    stored = _weights_stream(kind, frame_declaring(1 << 30))
+    kind = layout.ZSTD if mode == "zstd" else layout.PACK
+    stored = _weights_stream(kind, frame_declaring(1 << 30), version=version)
     item = ItemInfo(checkpoint="ckpt", item="w")
     decoding = ExtensionRegistry().decoding_stream(
-        [WeightCodec().descriptor_for(item)], io.BytesIO(stored), item
+        [f"dcp_storage.weights/{version};es=1"], io.BytesIO(stored), item
     )
     tracemalloc.reset_peak()
     with pytest.raises(ValueError, match=r"declares 1073741824 bytes.*expected \d+"):
@@ -229,10 +234,10 @@ def test_weights_item_declaring_a_huge_plane_fails_the_load_naming_it(tmp_path: 
     # The same refusal through a load, an IntegrityError naming the item; without the
     # check this 18-byte frame asked for 32 GiB (a MemoryError, or an OOM kill).
     from extensions import WeightCodec
-    from extensions import _planes as planes
+    from extensions import _layout as layout
 
     storage.save({"w": torch.ones(4), "v": "value"}, tmp_path, transforms=[WeightCodec()])
-    _plant(tmp_path, "v", _weights_stream(planes.ZSTD, frame_declaring(1 << 35)))  # es=1
+    _plant(tmp_path, "v", _weights_stream(layout.ZSTD, frame_declaring(1 << 35)))  # es=1
     with pytest.raises(IntegrityError, match=r"'v'.*declares 34359738368 bytes"):
         storage.load({"w": torch.zeros(4), "v": ""}, tmp_path)
 

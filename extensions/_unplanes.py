@@ -1,0 +1,224 @@
+"""Decoding one block of :class:`~extensions.weights.WeightCodec` (the planes and their
+modes: ``extensions/_planes.py``; the headers: ``extensions/_layout.py``).
+
+Every size is checked against the block before anything is allocated or decoded: a
+stored block cannot make the decoder allocate more than its decoded size allows.
+
+The planes are joined with whole-array numpy passes, in place, into arrays each thread
+keeps from block to block (a fresh 256 KiB array per pass costs its page faults every
+block), and the last join writes the caller's buffer: byte planes are joined in 16-bit
+halves, those into 32-bit words and so on; numpy's multiplies beat its shifts, and an
+operation on two arrays of one dtype beats one that casts, so bytes widen once, then
+combine.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from extensions._layout import BIT, CONST, PACK, RAW, ZSTD, CorruptBlock, PlaneHead
+from extensions._planes import _ESCAPE, _MAGIC, _UINT, SIGN_MOVED, _codecs
+
+#: Below this many escapes a packed plane finds them with ``bytearray.find`` (memchr).
+_FEW_ESCAPES = 48
+
+
+class _Scratch(threading.local):
+    """Arrays a thread reuses from block to block, by role; each grows to the largest
+    block the thread has decoded (at most a block's decoded size per role)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, bytearray] = {}
+
+    def array(self, role: str, dtype: Any, count: int) -> np.ndarray:
+        size = count * np.dtype(dtype).itemsize
+        buffer = self.buffers.get(role)
+        if buffer is None or len(buffer) < size:
+            buffer = self.buffers[role] = bytearray(size)
+        return np.frombuffer(buffer, dtype, count=count)
+
+
+_scratch = _Scratch()
+
+
+def decode_block(
+    heads: list[PlaneHead], flags: int, payload: memoryview, out: memoryview, es: int, version: int
+) -> None:
+    """Decode one block of format ``version`` into ``out`` (its ``nbytes``); raises
+    :class:`CorruptBlock`."""
+    if flags & ~SIGN_MOVED or (flags & SIGN_MOVED and es not in _UINT):
+        raise CorruptBlock(f"unknown block flags {flags:#x} for element size {es}")
+    n = len(out) // es
+    whole = n * es
+    planes: list[Any] = []
+    at = 0
+    for j, (mode, a, b, length, extra) in enumerate(heads):
+        piece = payload[at : at + length]
+        at += length
+        if mode == PACK:
+            escapes = payload[at : at + extra]
+            planes.append(_unpack(piece, escapes, n, a, b, version, f"plane{j}"))
+            at += extra
+        else:
+            planes.append(_plane(mode, a, b, piece, n, version))
+    tail = payload[at:]
+    if len(tail) != len(out) - whole:
+        raise CorruptBlock(f"block tail of {len(tail)} bytes, expected {len(out) - whole}")
+    out[whole:] = tail
+    if es == 1:
+        np.frombuffer(out, np.uint8, count=n)[...] = planes[0]
+    elif es in _UINT:
+        _join(planes, np.frombuffer(out, _UINT[es], count=n), bool(flags & SIGN_MOVED))
+    else:
+        elements = np.frombuffer(out, np.uint8, count=whole).reshape(n, es)
+        for j, plane in enumerate(planes):
+            elements[:, j] = plane
+
+
+def _plane(mode: int, a: int, b: int, piece: memoryview, n: int, version: int) -> Any:
+    """A plane stored in ``mode``: an array of ``n`` bytes, or one byte (CONST)."""
+    if mode == RAW:
+        if len(piece) != n:
+            raise CorruptBlock(f"raw plane of {len(piece)} bytes, expected {n}")
+        return np.frombuffer(piece, np.uint8)
+    if mode == CONST:
+        if len(piece):
+            raise CorruptBlock(f"a constant plane with {len(piece)} stored bytes")
+        return np.uint8(a)
+    if mode == BIT:
+        if b > 7 or len(piece) != -(-n // 8):
+            raise CorruptBlock(f"bit plane of {len(piece)} bytes at bit {b}, for {n} bytes")
+        bits = np.unpackbits(np.frombuffer(piece, np.uint8), count=-(-n // 8) * 8)
+        words = bits.view(np.uint64)  # each byte is 0 or 1: shift them 8 at a time
+        words <<= np.uint64(b)
+        bits |= np.uint8(a)
+        return bits[:n]
+    if mode == ZSTD:
+        return np.frombuffer(_unzstd(piece, n, version), np.uint8)
+    raise CorruptBlock(f"unknown plane mode {mode}")
+
+
+def _unzstd(frame: memoryview, size: int, version: int) -> bytes:
+    """The ``size`` bytes that ``frame`` decodes to. zstd sizes its output by the content
+    size a frame's header declares and ignores ``max_output_size`` then, so a frame that
+    declares any other size (format 2: any size) is refused before a byte is allocated."""
+    try:
+        if version == 1:
+            declared = _codecs.content_size(frame)
+            if declared not in (size, -1):  # -1: not declared (then max_output_size holds)
+                raise CorruptBlock(
+                    f"a zstd plane declares {declared} bytes, expected {size}; refused unread"
+                )
+            data = _codecs.v1.decompress(frame, max_output_size=size)
+        else:
+            # A magicless frame starts with its header descriptor: a content size field
+            # (bits 6-7) or a single segment (bit 5, then the size is always there).
+            if not len(frame) or frame[0] & 0xE0:
+                declared = _codecs.content_size(_MAGIC + bytes(frame[:18]))
+                raise CorruptBlock(
+                    f"a zstd plane declares {declared} bytes (format 2 frames declare none, "
+                    f"expected {size}); refused unread"
+                )
+            data = _codecs.v2.decompress(frame, max_output_size=size)
+    except _codecs.error as exc:
+        raise CorruptBlock(f"zstd: {exc}") from None
+    if len(data) != size:
+        raise CorruptBlock(f"zstd plane of {len(data)} bytes, expected {size}")
+    return data
+
+
+def _unpack(
+    frame: memoryview, escapes: memoryview, n: int, base: int, k: int, version: int, role: str
+) -> np.ndarray:
+    """A PACK plane, into the thread's ``role`` array: the codes spread to a byte each in
+    wide words (two nibbles, or four 2-bit codes, per code byte), escapes put back."""
+    if k not in _ESCAPE:
+        raise CorruptBlock(f"packed plane with {k} codes per byte")
+    count = -(-n // k)
+    codes = np.frombuffer(_unzstd(frame, count, version), np.uint8)
+    kind = _UINT[k].type
+    wide = _scratch.array(role, _UINT[k], count)
+    spread = _scratch.array("spread", _UINT[k], count)
+    np.copyto(wide, codes)
+    if k == 2:
+        np.multiply(wide, kind(16), out=spread)  # numpy's 16-bit shifts crawl
+        np.bitwise_or(wide, spread, out=wide)
+        np.bitwise_and(wide, kind(0x0F0F), out=wide)
+    else:
+        np.multiply(wide, kind(1 << 12), out=spread)
+        np.bitwise_or(wide, spread, out=wide)
+        np.bitwise_and(wide, kind(0x000F000F), out=wide)
+        np.multiply(wide, kind(1 << 6), out=spread)
+        np.bitwise_or(wide, spread, out=wide)
+        np.bitwise_and(wide, kind(0x03030303), out=wide)
+    plane = wide.view(np.uint8)[:n]
+    if len(escapes):  # without escapes the CRC of the stored bytes guards the codes
+        where = _escaped(plane, _ESCAPE[k], len(escapes), _scratch.buffers[role])
+        np.add(plane, np.uint8(base), out=plane)
+        plane[where] = np.frombuffer(escapes, np.uint8)
+    else:
+        np.add(plane, np.uint8(base), out=plane)
+    return plane
+
+
+def _escaped(plane: np.ndarray, escape: int, stored: int, memory: bytearray) -> Any:
+    """Where ``plane`` (the start of ``memory``) holds ``escape``: exactly ``stored``
+    places, or :class:`CorruptBlock`. A few are found by memchr, many by numpy."""
+    if stored <= _FEW_ESCAPES:
+        where: list[int] = []
+        at = memory.find(escape, 0, len(plane))
+        while at >= 0 and len(where) <= stored:
+            where.append(at)
+            at = memory.find(escape, at + 1, len(plane))
+        found = len(where) + (at >= 0)
+    else:
+        where = np.flatnonzero(plane == escape)  # type: ignore[assignment]
+        found = len(where)
+    if found != stored:
+        raise CorruptBlock(
+            f"{found if found <= stored else 'more'} escapes in a packed plane that stores {stored}"
+        )
+    return where
+
+
+def _join(planes: list[Any], words: np.ndarray, moved: bool) -> None:
+    """Assemble ``words`` from their byte planes, by halves: bytes into 16-bit halves,
+    those into 32-bit ones and so on; ``moved``: the sign is bit 7 of the second plane
+    from the top (see ``extensions/_planes.py``)."""
+    es = len(planes)
+    if es == 2:
+        _pair(planes[0], planes[1], words, moved)
+        return
+    half = es // 2
+    wide = _UINT[half]
+    kind = words.dtype.type
+    low = _scratch.array(f"low{half}", wide, len(words))
+    _join(planes[:half], low, False)
+    high = _scratch.array(f"high{half}", wide, len(words))
+    _join(planes[half:], high, moved)
+    np.copyto(words, high)
+    np.multiply(words, kind(1 << (8 * half)), out=words)
+    widened = _scratch.array(f"wide{es}", words.dtype, len(words))
+    np.copyto(widened, low)
+    np.bitwise_or(words, widened, out=words)
+
+
+def _pair(low: Any, high: Any, words: np.ndarray, moved: bool) -> None:
+    """16-bit ``words`` from a low and a high plane (arrays, or one byte each)."""
+    kind = words.dtype.type
+    byte = _scratch.array("byte", words.dtype, len(words))
+    if moved:
+        # The low plane is [sign, 7 bits]: widened as a signed byte, the sign extends
+        # over the bits the exponent takes, and one mask keeps the sign and the 7 bits.
+        np.copyto(words.view("<i2"), np.asarray(low).view(np.int8))
+        np.bitwise_and(words, kind(0x807F), out=words)
+        np.copyto(byte, high)
+        np.multiply(byte, kind(1 << 7), out=byte)
+    else:
+        np.copyto(words, high)
+        np.multiply(words, kind(1 << 8), out=words)
+        np.copyto(byte, low)
+    np.bitwise_or(words, byte, out=words)
