@@ -1,31 +1,49 @@
 """Export a committed DCP checkpoint (ours or stock) as a Hugging Face Hub-layout model
-in a bucket or directory, one file's worth of tensors in memory at a time."""
+in a bucket or directory, streamed: each file's header (with every tensor's CRC-32C)
+first, then the tensors' bytes as they are read, a few chunks ahead on a thread pool,
+so memory holds a few read buffers and the upload's part buffers, not a file."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from extensions.base import Keys
-from extensions.errors import quote
+from extensions.errors import IntegrityError, quote
+from extensions.streams import readinto_exact
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.api import load
+from storage.checkpoint.items import encryption_required
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.safetensors.files import (
     clear_destination,
     file_names,
+    publish_file,
     publish_index,
     split,
-    write_file,
 )
-from storage.checkpoint.safetensors.header import INDEX_NAME, dtype_name, nbytes
+from storage.checkpoint.safetensors.header import (
+    INDEX_NAME,
+    dtype_name,
+    encode_header,
+    layout,
+)
+from storage.checkpoint.tensors import tensor_bytes
+from storage.ops.export_source import Run, Tensor, checksum, damaged, plan_tensor
 
 #: The Hub's customary largest file.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+#: Bytes per ranged read of the source, and how many are read ahead of the upload.
+CHUNK = 8 << 20
+AHEAD = 8
 
 
 @dataclass
@@ -59,15 +77,21 @@ def export_safetensors(
     empty); ``strip``: remove this prefix from the names that have it (``model.``);
     ``dtype``: convert floating-point tensors (integer and bool ones keep theirs);
     ``max_shard_size``: bytes per file (``None``: one file). Items that are not
-    tensors are skipped and listed. Each file's tensors are loaded (``keys`` decrypt
-    encrypted items), converted and written before the next file's are loaded, so
-    memory holds about one file; the index is written last (the commit: see
-    ``storage.checkpoint.safetensors.files``), and a model already at ``dst`` is
-    refused unless ``overwrite``. ``progress(done, total)`` is called with the bytes of
-    tensor data written so far and in all after each tensor is written."""
+    tensors are skipped and listed. ``keys`` decrypt encrypted items.
+
+    Each file is written header first, then its tensors' bytes as they are read: a
+    tensor's CRC-32C is known before its bytes are read where its items' records
+    imply it (see ``storage.ops.export_source``), and is checked against the bytes
+    as they stream (a damaged item fails the export naming it, and the file being
+    written is never published); other tensors are loaded once for their CRC-32C and
+    again to be written, a batch or one tensor at a time. The index is written last
+    (the commit: see ``storage.checkpoint.safetensors.files``), and a model already
+    at ``dst`` is refused unless ``overwrite``. ``progress(done, total)`` is called
+    with the bytes of tensor data written so far and in all after each tensor."""
     reader_options: dict[str, Any] = {"keys": keys, "require_encryption": require_encryption}
     metadata = CheckpointReader(src, filesystem=src_fs, **reader_options).read_metadata()
-    chosen: dict[str, tuple[str, torch.dtype, torch.Size]] = {}  # name -> (fqn, dtype, size)
+    checkpoint = src_fs.url(src)
+    chosen: dict[str, tuple[str, torch.dtype]] = {}  # name -> (fqn, dtype)
     skipped: list[str] = []
     for fqn, meta in metadata.state_dict_metadata.items():
         if only and not any(fqn.startswith(prefix) for prefix in only):
@@ -78,51 +102,157 @@ def export_safetensors(
         name = fqn[len(strip) :] if strip and fqn.startswith(strip) else fqn
         if name in chosen:
             raise ValueError(
-                f"{src_fs.url(src)}: items {quote(chosen[name][0])} and {quote(fqn)} are both "
+                f"{checkpoint}: items {quote(chosen[name][0])} and {quote(fqn)} are both "
                 f"named {quote(name)} once {quote(strip)} is stripped; narrow them with --only "
                 "or strip less"
             )
         stored = meta.properties.dtype
         out = dtype if dtype is not None and stored.is_floating_point else stored
-        dtype_name(out, f"{src_fs.url(src)}: item {quote(fqn)}")
-        chosen[name] = (fqn, out, meta.size)
+        dtype_name(out, f"{checkpoint}: item {quote(fqn)}")
+        chosen[name] = (fqn, out)
     if not chosen:
         raise ValueError(
-            f"{src_fs.url(src)}: no tensors to export"
+            f"{checkpoint}: no tensors to export"
             + (f" under {', '.join(quote(p) for p in only)}" if only else "")
             + "; check the item names with `dcp-storage inspect`"
         )
-    sizes = [(name, nbytes(out, size)) for name, (_, out, size) in chosen.items()]
-    everything = sum(size for _, size in sizes)
-    groups = split(sizes, max_shard_size)
+    # With keys every item must be encrypted: plain items go through the loader,
+    # which refuses them as itself.
+    direct = not encryption_required(require_encryption, keys)
+    tensors = [
+        plan_tensor(src_fs, src, metadata, name, fqn, out, direct=direct)
+        for name, (fqn, out) in chosen.items()
+    ]
+    by_name = {t.name: t for t in tensors}
+    everything = sum(t.nbytes for t in tensors)
+    groups = split([(t.name, t.nbytes) for t in tensors], max_shard_size)
     names = file_names(len(groups))
     clear_destination(dst_fs, dst, overwrite=overwrite)
+
+    def load_batch(batch: list[Tensor]) -> dict[str, torch.Tensor]:
+        state = {t.fqn: torch.empty(t.shape, dtype=_stored(metadata, t.fqn)) for t in batch}
+        load(state, checkpoint, filesystem=src_fs, **reader_options)
+        return {t.name: state.pop(t.fqn).to(t.dtype).contiguous() for t in batch}
+
     weight_map: dict[str, str] = {}
     total = 0
-    for group, file in zip(groups, names):
-        state = {
-            chosen[n][0]: torch.empty(chosen[n][2], dtype=_stored(metadata, chosen[n][0]))
-            for n in group
-        }
-        load(state, src_fs.url(src), filesystem=src_fs, **reader_options)
-        tensors = [(n, state.pop(chosen[n][0]).to(chosen[n][1]).contiguous()) for n in group]
-        done = total
+    with ThreadPoolExecutor(AHEAD) as pool:
+        checksum(src_fs, src, metadata, tensors, load_batch, pool)
+        for group, file in zip(groups, names):
+            done = total
 
-        def wrote(n: int, done_before: int = done) -> None:
-            if progress is not None:
-                progress(done_before + n, everything)
+            def wrote(n: int, done_before: int = done) -> None:
+                if progress is not None:
+                    progress(done_before + n, everything)
 
-        written = write_file(dst_fs, dst_fs.concat_path(dst, file), tensors, progress=wrote)
-        del tensors
-        total += written
-        weight_map.update(dict.fromkeys(group, file))
+            path = dst_fs.concat_path(dst, file)
+            stream = _Stream(src_fs, checkpoint, pool, load_batch)
+            total += stream.write(dst_fs, path, [by_name[n] for n in group], wrote)
+            weight_map.update(dict.fromkeys(group, file))
     if len(names) > 1:
         publish_index(dst_fs, dst, weight_map, total)
         names.append(INDEX_NAME)
     else:
         dst_fs.sync_dir(dst)
-    return ExportResult(src_fs.url(src), dst_fs.url(dst), names, len(chosen), total, skipped)
+    return ExportResult(checkpoint, dst_fs.url(dst), names, len(chosen), total, skipped)
 
 
 def _stored(metadata: Any, fqn: str) -> torch.dtype:
     return metadata.state_dict_metadata[fqn].properties.dtype  # type: ignore[no-any-return]
+
+
+@dataclass
+class _Stream:
+    """Writes one file: header, then each tensor's bytes, direct ones read
+    :data:`CHUNK` bytes at a time, :data:`AHEAD` reads in flight on ``pool``."""
+
+    fs: FileSystemBase
+    checkpoint: str
+    pool: ThreadPoolExecutor
+    load_batch: Callable[[list[Tensor]], dict[str, torch.Tensor]]
+
+    def write(
+        self,
+        fs: FileSystemBase,
+        path: str,
+        tensors: Sequence[Tensor],
+        progress: Callable[[int], object],
+    ) -> int:
+        """Write ``tensors`` as the file ``path``; returns the bytes of tensor data."""
+        by_name = {t.name: t for t in tensors}
+        shapes = {t.name: (t.dtype, t.shape) for t in tensors}
+        order = [by_name[n] for n in layout(shapes)]
+        header = encode_header(shapes, [t.name for t in order], {t.name: t.crc32c for t in order})
+        done = 0
+        runs = [run for t in order for run in t.runs or ()]
+        with publish_file(fs, path) as out, contextlib.closing(self._chunks(runs)) as chunks:
+            out.write(header)
+            for tensor in order:
+                if tensor.runs is None:
+                    self._write_loaded(out, tensor)
+                for run in tensor.runs or ():
+                    crc = 0
+                    for _ in range(-(-run.length // CHUNK)):
+                        view = next(chunks)
+                        crc = crc32c.crc32c(view, crc)
+                        out.write(view)
+                    if crc != run.crc32c:
+                        raise damaged(
+                            self.checkpoint,
+                            run,
+                            f"checksum mismatch (crc32c {crc:08x} of its tensor bytes, its "
+                            f"record implies {run.crc32c:08x})",
+                        )
+                done += tensor.nbytes
+                progress(done)
+        return done
+
+    def _write_loaded(self, out: Any, tensor: Tensor) -> None:
+        data = self.load_batch([tensor])[tensor.name]
+        view = tensor_bytes(data)
+        crc = crc32c.crc32c(view)
+        if crc != tensor.crc32c:
+            raise IntegrityError(
+                f"{self.checkpoint}: item {quote(tensor.fqn)} loaded with other bytes than a "
+                f"moment before (crc32c {crc:08x}, then {tensor.crc32c:08x}); the checkpoint "
+                "changed during the export: export it again once nothing writes to it"
+            )
+        out.write(view)
+
+    def _chunks(self, runs: Sequence[Run]) -> Generator[memoryview, None, None]:
+        """The bytes of ``runs`` in order, a chunk at a time, read ahead; each view is
+        valid until the next is asked for."""
+        tasks = (
+            (run, at, min(CHUNK, run.start + run.length - at))
+            for run in runs
+            for at in range(run.start, run.start + run.length, CHUNK)
+        )
+        free: list[bytearray] = []
+        pending: deque[tuple[bytearray, Future[memoryview]]] = deque()
+        try:
+            for run, at, length in tasks:
+                buffer = free.pop() if free else bytearray(CHUNK)
+                future = self.pool.submit(self._read, run, at, length, buffer)
+                pending.append((buffer, future))
+                if len(pending) == AHEAD:
+                    buffer, future = pending.popleft()
+                    yield future.result()
+                    free.append(buffer)
+            while pending:
+                buffer, future = pending.popleft()
+                yield future.result()
+                free.append(buffer)
+        finally:
+            for _, future in pending:
+                future.cancel()
+            for _, future in pending:  # no read may outlive its buffer's owner
+                with contextlib.suppress(BaseException):
+                    future.result()
+
+    def _read(self, run: Run, at: int, length: int, buffer: bytearray) -> memoryview:
+        view = memoryview(buffer)[:length]
+        with self.fs.open_slice(run.path, at, length) as stream:
+            got = readinto_exact(stream, view)
+        if got < length:
+            raise damaged(self.checkpoint, run, "the data file ends inside the item (truncated)")
+        return view

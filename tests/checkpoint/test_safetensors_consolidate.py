@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from storage.checkpoint.safetensors import SafetensorsWriter, load_safetensors
-from storage.checkpoint.safetensors.consolidate import byte_range, crc32c_combine
+from storage.checkpoint.safetensors.consolidate import byte_range
+from storage.checkpoint.safetensors.crcs import crc32c_combine
 from tests.support.distributed import gloo_group
 from tests.support.servers import boto3_client, endpoint_with_bucket, s3_options
 

@@ -33,12 +33,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from extensions.errors import IntegrityError, quote
 from extensions.streams import readinto_exact
 from storage.backends.base import FileSystemBase
+from storage.checkpoint.safetensors.crcs import crc32c_combine
 from storage.checkpoint.safetensors.files import file_names, publish_file, publish_index, split
 from storage.checkpoint.safetensors.header import encode_header, layout, nbytes
 
 STAGING_PREFIX = ".dcp-staging-"
 _COPY = 8 << 20  # bytes per ranged read while assembling a file
-_POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected
 
 
 @dataclass(frozen=True)
@@ -72,44 +72,6 @@ def byte_range(
     stride = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     start = sum(o * s for o, s in zip(offsets, stride))
     return start * itemsize, nbytes(dtype, sizes)
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32C of ``a + b`` from ``crc(a)``, ``crc(b)`` and ``len(b)`` (zlib's
-    ``crc32_combine`` over the Castagnoli polynomial)."""
-    if len2 <= 0:
-        return crc1
-    odd = [_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = _square(odd)
-    odd = _square(even)
-    while True:
-        even = _square(odd)
-        if len2 & 1:
-            crc1 = _times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _square(even)
-        if len2 & 1:
-            crc1 = _times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
-
-
-def _times(matrix: list[int], vector: int) -> int:
-    total, row = 0, 0
-    while vector:
-        if vector & 1:
-            total ^= matrix[row]
-        vector >>= 1
-        row += 1
-    return total
-
-
-def _square(matrix: list[int]) -> list[int]:
-    return [_times(matrix, matrix[n]) for n in range(32)]
 
 
 @dataclass
