@@ -99,26 +99,26 @@ def plan_tensor(
         index = MetadataIndex(fqn, chunk.offsets)
         info = metadata.storage_data.get(index)
         span = byte_range(chunk.offsets, chunk.sizes, shape, stored)
-        extra = fmt.item_extra(info) if info is not None else {}
+        if info is None or span is None:
+            return tensor
+        record = fmt.stored_item(info)
         size = nbytes(stored, chunk.sizes)
-        offset = extra.get("data_offset")
+        offset = record.data_offset
         dtype_text = str(stored).removeprefix("torch.")
         if (
-            info is None
-            or span is None
-            or info.transform_descriptors
-            or not isinstance(extra.get("crc32c"), int)
-            or not isinstance(offset, int)
-            or extra.get("dtype", dtype_text) != dtype_text
-            or extra.get("nbytes", size) != size
+            record.descriptors
+            or record.crc32c is None
+            or offset is None
+            or (record.dtype or dtype_text) != dtype_text
+            or (record.nbytes if record.nbytes is not None else size) != size
             or offset < 0
-            or offset + size > info.length
+            or offset + size > record.length
         ):
             return tensor
         path = incremental.item_path(fs, root, info)
         label = fmt.item_label(index)
         start = int(info.offset)
-        run = Run(label, path, start + offset, size, start, int(info.length), extra["crc32c"])
+        run = Run(label, path, start + offset, size, start, record.length, record.crc32c)
         spans.append((span[0], run))
     spans.sort(key=lambda s: s[0])
     cursor = 0
