@@ -7,6 +7,7 @@ raise the real error: ``FileNotFoundError``, ``IntegrityError``, ... with its me
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import warnings
@@ -195,6 +196,9 @@ def async_save(
             async_checkpointer_type=async_checkpointer_type,
             process_group=process_group,
         )
+    staging = getattr(inner, "staging_completion", None)
+    if staging is not None:  # async_staging: this returns once the copy is done
+        concurrent.futures.wait([staging])  # its error, if any, fails the upload
     upload: Any = getattr(inner, "upload_completion", inner)
     outer: Future[None] = Future()
 

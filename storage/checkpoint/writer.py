@@ -6,13 +6,12 @@ import dataclasses
 import os
 import uuid
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
-import torch
 from torch.distributed.checkpoint.filesystem import SerializationFormat
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -32,10 +31,10 @@ from storage.checkpoint.options import (
     check_transforms,
     default_thread_count,
     resolve_location,
-    staging_options,
     stock_checkpoint_id,
 )
 from storage.checkpoint.prefixes import check_key_prefixes
+from storage.checkpoint.staging import WriterStaging
 
 DCP_VERSION = "1.0.0"
 
@@ -45,7 +44,7 @@ class _RankPlan:
     rank: int
 
 
-class CheckpointWriter(StorageWriter, AsyncStager):
+class CheckpointWriter(StorageWriter, WriterStaging):
     """Write a DCP checkpoint to a local path or any supported URL.
 
     ``transforms`` are applied in list order to every item (compress, then encrypt).
@@ -89,6 +88,19 @@ class CheckpointWriter(StorageWriter, AsyncStager):
     worker writes to storage. Blocking saves always write in this process. See
     :mod:`storage.checkpoint.persist` and docs/operations.md.
 
+    Staging from CUDA (``persist="process"``): the staging buffers of CUDA tensors are
+    pinned (registered with the CUDA host allocator) and the device-to-host copies are
+    issued without blocking on a side stream, ordered after the work already queued on
+    the current stream. By default :meth:`stage` returns once they completed, so the
+    caller may change its tensors when ``dcp.async_save`` returns, as with a CPU state
+    dict. ``async_staging=True`` follows torch's ``StagingOptions(use_async_staging=True,
+    use_non_blocking_copy=True)`` contract instead: :meth:`stage` returns a future once
+    the copies are enqueued, so ``dcp.async_save`` returns an ``AsyncSaveResponse``
+    whose ``staging_completion`` resolves when they completed; the tensors must not be
+    changed (no optimizer step) before it resolves (or :meth:`synchronize_staging`
+    returns). The save's writes wait for the copies either way; the source state dict
+    is kept referenced until they completed.
+
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
     lands; a failed save removes the files it wrote (``commit.commit_checkpoint``).
@@ -117,6 +129,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         persist: str | None = None,
         max_bandwidth: int | None = None,
         publish: bool = True,
+        async_staging: bool = False,
     ) -> None:
         super().__init__()
         self.persist_mode = _persist.check_mode(persist, max_bandwidth)
@@ -139,7 +152,9 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             cache_staged_state_dict=cache_staged_state_dict,
             fingerprint=fingerprint,
             publish=publish,
+            async_staging=async_staging,
         )
+        self.async_staging = async_staging
         self.single_file_per_rank = single_file_per_rank
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead
@@ -168,49 +183,6 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         #: With ``publish=False``: the metadata the last save made and its serialized
         #: payload, for the caller to publish (``None`` on ranks that do not commit).
         self.unpublished: tuple[Metadata, bytes] | None = None
-
-    # --- AsyncStager ----------------------------------------------------------------
-
-    # Staging blocks until the copy is done: dcp.async_save has nothing to wait for.
-    _synchronize_after_execute: bool = False
-
-    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
-        """A CPU copy of ``state_dict`` that training may not change (``dcp.async_save``).
-
-        With ``persist="process"`` the copy goes into the persist worker's shared staging
-        buffers (reused by every save of the same tensors; a save waits until the
-        previous one's worker has read them) and the save's writes run in the worker."""
-        if self.persist_mode.name == "process":
-            staged, self._lease = _persist.worker().stage(state_dict)
-            return cast(STATE_DICT_TYPE, staged)
-        if self.cache_staged_state_dict:
-            if self._stager is None:
-                self._stager = DefaultStager(staging_options(pin=torch.cuda.is_available()))
-            return cast(STATE_DICT_TYPE, self._stager.stage(state_dict))
-        stager = DefaultStager(staging_options(pin=False))
-        try:
-            return cast(STATE_DICT_TYPE, stager.stage(state_dict))
-        finally:
-            stager.close()
-
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for: :meth:`stage` returns once the copy is done."""
-
-    def close(self) -> None:
-        """Release the cached staging buffers (``cache_staged_state_dict``)."""
-        self._release()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A process-based async save ships the writer, never its staging buffers. torch's
-        # executor pickles the staged state before the writer: the other process has its
-        # own copy, so the persist worker's buffers are free for the next save.
-        self._release()
-        state = self.__dict__.copy()
-        state["_stager"] = None
-        return state
 
     # --- StorageWriter --------------------------------------------------------------
 
@@ -297,6 +269,7 @@ class CheckpointWriter(StorageWriter, AsyncStager):
         lease, self._lease = self._lease, None
         if lease is not None:  # staged in the persist worker's buffers: it writes
             try:
+                lease.wait_copied()  # nothing reads the buffers before the copy is done
                 per_file = _persist.write_staged(self, files, threads, planner, lease)
             except BaseException:
                 self.abort()
@@ -367,11 +340,6 @@ class CheckpointWriter(StorageWriter, AsyncStager):
             return
         paths, self.written = self.written, []
         data_files.remove_written(self.fs, paths, self.budget)
-
-    def _release(self) -> None:
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            lease.release()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)

@@ -170,6 +170,8 @@ class LocalTier:
             return None
         try:
             staged = writer.stage(api.plain_state_dict(state_dict))
+            if isinstance(staged, concurrent.futures.Future):  # async_staging: returns
+                staged = staged.result()  # once the copy is done, as documented
             inner = self._saves.submit(self._commit, step, writer, staged, self.group.save_pg)
         except BaseException:
             self._end()

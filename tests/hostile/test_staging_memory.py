@@ -72,7 +72,7 @@ def test_names_taken_in_advance_by_another_user_are_skipped() -> None:
     planted = [_plant(f"dcp-storage-{os.getuid()}-{os.getpid()}-{n}", other) for n in range(16)]
     pool = _shm.StagingPool()
     try:
-        staged = pool.stage(BIG)
+        staged, _ = pool.stage(BIG)
         assert torch.equal(staged["w"], BIG["w"])
         where = pool.locate(staged["w"])
         assert where is not None and where[0].startswith(pool.name)
@@ -92,7 +92,7 @@ def test_a_random_name_that_is_taken_is_skipped(monkeypatch: pytest.MonkeyPatch)
         taken = Path(_shm.shm_dir(), f"{pool.name}-{'00' * 8}")
         taken.write_bytes(b"squatter")
         monkeypatch.setattr(_shm.secrets, "token_hex", lambda n: next(tokens))
-        staged = pool.stage(BIG)
+        staged, _ = pool.stage(BIG)
         assert pool.locate(staged["w"]) == (f"{pool.name}-{'11' * 8}", 0)
         assert taken.read_bytes() == b"squatter"
         taken.unlink()
@@ -141,7 +141,7 @@ def test_a_live_pool_is_not_swept_from_another_pid_namespace() -> None:
         pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode().strip()}")
     pool = _shm.StagingPool()
     try:
-        staged = pool.stage(BIG)
+        staged, _ = pool.stage(BIG)
         before = _listing(pool.name)
         assert len(before) == 2  # the lock file and one segment
         argv = ["unshare", "--pid", "--fork", sys.executable, "-c", _SWEEP]
@@ -149,7 +149,7 @@ def test_a_live_pool_is_not_swept_from_another_pid_namespace() -> None:
         assert proc.returncode == 0, proc.stderr
         assert pool.name not in proc.stdout
         assert _listing(pool.name) == before
-        assert torch.equal(pool.stage(BIG)["w"], staged["w"])
+        assert torch.equal(pool.stage(BIG)[0]["w"], staged["w"])
     finally:
         pool.close()
     assert _listing(pool.name) == []

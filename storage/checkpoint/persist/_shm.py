@@ -51,6 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from extensions._compat import StateDictStager
 from extensions.errors import CheckpointStorageError
+from storage.checkpoint.persist._cuda import InFlight, Pins, SideCopies
 
 log = logging.getLogger(__name__)
 
@@ -234,10 +235,14 @@ class StagingPool:
     :meth:`stage` copies a state dict into buffers cached by source storage (the next
     stage of the same tensors copies into the same buffers); :meth:`locate` tells where
     a staged tensor's bytes are. Not thread-safe: the persist client serializes stages.
+    A buffer staging a CUDA storage is pinned (``pins``, :mod:`._cuda`) and copied into
+    without blocking, on a side stream.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pins: Pins | None = None) -> None:
         sweep()
+        self.pins = pins if pins is not None else Pins()
+        self.side = SideCopies()
         self._owner = _Owner()
         self._segments: dict[int, _Segment] = {}  # by address
         self._addresses: list[int] = []  # sorted
@@ -245,11 +250,18 @@ class StagingPool:
         self._lock = threading.Lock()
         _POOLS.add(self)
 
-    def stage(self, state_dict: Any) -> Any:
-        """A copy of ``state_dict`` whose large tensors live in shared memory."""
+    def stage(self, state_dict: Any) -> tuple[Any, InFlight | None]:
+        """A copy of ``state_dict`` whose large tensors live in shared memory, and its
+        copies from CUDA devices, still in flight (``None`` when there were none: the
+        copy is complete). Its buffers must not be read before :meth:`InFlight.wait`."""
         with self._lock:
             self._collect()
-            return self._stager.stage(state_dict)
+            self.side.start()
+            try:
+                staged = self._stager.stage(state_dict)
+            finally:
+                copies = self.side.finish(state_dict)
+            return staged, copies
 
     def reserve(self, state_dict: Any) -> None:
         """Make the buffers a later :meth:`stage` of ``state_dict``'s tensors copies
@@ -282,23 +294,39 @@ class StagingPool:
         offset = start - segment.address
         return (segment.name, offset) if offset + nbytes <= len(segment.map) else None
 
-    def new_storage(self, nbytes: int, *, touch: bool = False) -> torch.UntypedStorage:
+    def new_storage(
+        self, nbytes: int, *, touch: bool = False, pin: bool = False
+    ) -> torch.UntypedStorage:
+        """A staging buffer of ``nbytes``; ``pin``: page-locked for CUDA copies."""
         if nbytes < SMALL:
+            if pin:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
             return torch.UntypedStorage(nbytes)
         segment = _Segment(self._owner, nbytes)
         self._segments[segment.address] = segment
         bisect.insort(self._addresses, segment.address)
         if touch:
             segment.touch()
+        if pin:
+            try:
+                self.pins.pin(segment.address, nbytes)
+            except BaseException:
+                self._drop(segment.address)
+                raise
         return segment.storage
+
+    def _drop(self, address: int) -> None:
+        """Forget a segment: unregistered from CUDA first, then unlinked."""
+        self.pins.unpin(address)
+        self._segments.pop(address).unlink()
+        self._addresses.remove(address)
 
     def _collect(self) -> None:
         # Segments whose source storage is gone (the cache dropped them) are removed
         # before the next stage; no save reads them then (the client waits for that).
         live = {s.data_ptr() for s in self._stager.cached()}
         for address in [a for a in self._addresses if a not in live]:
-            self._segments.pop(address).unlink()
-            self._addresses.remove(address)
+            self._drop(address)
 
     @property
     def name(self) -> str:
@@ -310,7 +338,8 @@ class StagingPool:
         child made with ``fork``, only forget them: they are its parent's."""
         with self._lock:
             if os.getpid() == self._owner.pid:
-                for segment in self._segments.values():
+                for address, segment in self._segments.items():
+                    self.pins.unpin(address)
                     segment.unlink()
             self._owner.close()
             self._segments.clear()
@@ -338,11 +367,15 @@ class _Stager(StateDictStager or object):  # type: ignore[misc]
     def _stage_untyped_storage(
         self, storage: torch.UntypedStorage, non_blocking: bool = False
     ) -> torch.UntypedStorage:
+        cuda = storage.device.type == "cuda"
         staged = self._cache.get(storage)
         if staged is None or staged.nbytes() != storage.nbytes():
-            staged = self._pool.new_storage(storage.nbytes(), touch=not self.copying)
+            staged = self._pool.new_storage(storage.nbytes(), touch=not self.copying, pin=cuda)
             self._cache[storage] = staged
-        if self.copying:
+        if self.copying and cuda:
+            with self._pool.side.stream(storage.device):
+                staged.copy_(storage, non_blocking=True)
+        elif self.copying:
             staged.copy_(storage, non_blocking=non_blocking)
         return staged
 

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from extensions.errors import CheckpointStorageError, WorkerDiedError
+from storage.checkpoint.persist._cuda import InFlight
 from storage.checkpoint.persist._shm import StagingPool
 
 log = logging.getLogger(__name__)
@@ -37,15 +38,27 @@ class NotSendable(TypeError):
 
 class Lease:
     """The staging buffers, held by one save until the worker has read them (or the
-    save is given up: an unreleased lease is released when it is collected)."""
+    save is given up: an unreleased lease is released when it is collected).
+    ``copies``: the stage's copies from CUDA still in flight, if any; nothing reads the
+    buffers before :meth:`wait_copied`, and releasing waits for them too (the buffers
+    and their CUDA registration must outlive every copy into them)."""
 
-    def __init__(self, free: threading.Event) -> None:
+    def __init__(self, free: threading.Event, copies: InFlight | None = None) -> None:
         self._free: threading.Event | None = free
+        self.copies = copies
+
+    def wait_copied(self) -> None:
+        """Return once the staged copy is complete (at once when it was from CPU)."""
+        if self.copies is not None:
+            self.copies.wait()
 
     def release(self) -> None:
         free, self._free = self._free, None  # once: the next save may hold the event
         if free is not None:
-            free.set()
+            try:
+                self.wait_copied()
+            finally:
+                free.set()
 
     __del__ = release
 
@@ -246,17 +259,18 @@ class Worker:
 
     def stage(self, state_dict: Any) -> tuple[Any, Lease]:
         """Copy ``state_dict`` into the staging buffers, once the previous save that
-        holds them is done reading; returns the staged copy and its lease."""
+        holds them is done reading; returns the staged copy and its lease. Copies from
+        CUDA are only enqueued when this returns: see :class:`Lease`."""
         pool = self.start()  # a dead worker is reported here, before anything is staged
         while not self._free.wait(60):
             log.warning("a checkpoint save waits for the previous one to release its buffers")
         self._free.clear()
         try:
-            staged = pool.stage(state_dict)
+            staged, copies = pool.stage(state_dict)
         except BaseException:
             self._free.set()
             raise
-        return staged, Lease(self._free)
+        return staged, Lease(self._free, copies)
 
 
 # Niced before anything is imported: its start-up (torch) yields the cores too.

@@ -1,0 +1,143 @@
+"""Staging from CUDA: pinned staging buffers and copies that do not block the caller.
+
+When a storage to stage lives on a CUDA device, its staging buffer is registered with
+the CUDA host allocator (``cudaHostRegister`` on the segment's mapping, once per
+segment: :class:`Pins`), so the device-to-host copy is a DMA at the link's speed, and
+the copy is issued with ``non_blocking=True`` on a side stream of that device
+(:class:`SideCopies`) that first waits for the work already queued on the caller's
+current stream (the copy sees the tensors as they are when the save is asked for).
+:class:`InFlight` is one stage's copies: an event recorded on each side stream used and
+the source state dict, kept referenced until the events complete so that the caching
+allocator cannot hand its memory to other work while a copy still reads it. Readers of
+the staged buffers wait for it first (:meth:`InFlight.wait`). CPU-only state dicts never
+come here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from extensions.errors import CheckpointStorageError
+
+log = logging.getLogger(__name__)
+
+#: cudaHostRegisterPortable: pinned for every CUDA context, as torch registers.
+_PORTABLE = 1
+
+
+class Event(Protocol):
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+def cuda_register(address: int, nbytes: int) -> None:
+    """Register ``nbytes`` at ``address`` with the CUDA host allocator (page-lock it)."""
+    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _PORTABLE))
+    if code != 0:
+        raise CheckpointStorageError(
+            f"cannot pin {nbytes} bytes of checkpoint staging memory for CUDA copies "
+            f"(cudaHostRegister error {code}); raise the locked-memory limit (ulimit -l) "
+            "or save with persist='thread'"
+        )
+
+
+def cuda_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class Pins:
+    """Which mappings are registered with the CUDA host allocator: each once, each
+    unregistered (:meth:`unpin`) before its segment goes. ``register`` and
+    ``unregister`` are CUDA's unless given (tests give their own)."""
+
+    def __init__(
+        self,
+        register: Callable[[int, int], None] = cuda_register,
+        unregister: Callable[[int], None] = cuda_unregister,
+    ) -> None:
+        self._register = register
+        self._unregister = unregister
+        self._pinned: dict[int, int] = {}  # address -> bytes
+
+    def pin(self, address: int, nbytes: int) -> None:
+        if address not in self._pinned:
+            self._register(address, nbytes)
+            self._pinned[address] = nbytes
+
+    def unpin(self, address: int) -> None:
+        if self._pinned.pop(address, None) is None:
+            return
+        try:
+            self._unregister(address)
+        except Exception as exc:  # CUDA torn down at exit: the mapping goes anyway
+            log.debug("cannot unregister staging memory at %#x: %s", address, exc)
+
+    def pinned(self) -> dict[int, int]:
+        return dict(self._pinned)
+
+
+class InFlight:
+    """The device-to-host copies of one stage, enqueued: :meth:`wait` returns once
+    they completed (then the source state dict is let go); safe from any thread."""
+
+    def __init__(self, events: list[Event], source: Any) -> None:
+        self._events = events
+        self._source: Any = source
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        with self._lock:
+            return all(event.query() for event in self._events)
+
+    def wait(self) -> None:
+        with self._lock:
+            for event in self._events:
+                event.synchronize()
+            self._events, self._source = [], None
+
+
+class SideCopies:
+    """A side stream per CUDA device, made once; :meth:`start` begins one stage's
+    copies and :meth:`finish` ends it with the :class:`InFlight` to wait for."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._used: dict[int, torch.cuda.Stream] | None = None
+
+    def start(self) -> None:
+        self._used = {}
+
+    @contextlib.contextmanager
+    def stream(self, device: torch.device) -> Iterator[None]:
+        """Issue the copies in the block on ``device``'s side stream, which waits for
+        the caller's current stream the first time in a stage."""
+        assert self._used is not None, "a copy outside a stage"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        side = self._used.get(index)
+        if side is None:
+            side = self._streams.get(index)
+            if side is None:
+                side = self._streams[index] = torch.cuda.Stream(index)
+            side.wait_stream(torch.cuda.current_stream(index))
+            self._used[index] = side
+        with torch.cuda.stream(side):
+            yield
+
+    def finish(self, source: Any) -> InFlight | None:
+        """The stage's copies (``None`` when it copied nothing from a device)."""
+        used, self._used = self._used or {}, None
+        if not used:
+            return None
+        events: list[Event] = []
+        for side in used.values():
+            event = torch.cuda.Event()
+            event.record(side)
+            events.append(event)
+        return InFlight(events, source)
