@@ -1,0 +1,281 @@
+"""Staging from CUDA: the pieces that run without a GPU (registration bookkeeping with
+an injected register, the order of waits with fake events, the ``async_staging``
+contract's plumbing), and, marked ``gpu``, the real thing on a CUDA device."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+import storage
+from storage.checkpoint import CheckpointWriter, persist
+from storage.checkpoint.persist import _shm
+from storage.checkpoint.persist._cuda import InFlight, Pins
+from storage.checkpoint.persist._worker import Lease
+from tests.support.trees import assert_tree_equal, zeros_like_tree
+
+BIG = 4 * _shm.SMALL
+
+
+class _Calls:
+    """A register/unregister pair that records each call and whether the segment's
+    file still existed when it was made."""
+
+    def __init__(self, pool_dir: str) -> None:
+        self.dir = pool_dir
+        self.log: list[tuple[str, int, bool]] = []
+        self.fail = False
+
+    def files(self) -> set[str]:
+        return set(os.listdir(self.dir))
+
+    def register(self, address: int, nbytes: int) -> None:
+        if self.fail:
+            raise RuntimeError("cudaHostRegister failed")
+        self.log.append(("register", address, nbytes > 0))
+
+    def unregister(self, address: int) -> None:
+        self.log.append(("unregister", address, bool(self.files())))
+
+
+def _segment_exists(pool: _shm.StagingPool, storage: torch.UntypedStorage) -> bool:
+    where = pool.locate(torch.empty(0, dtype=torch.uint8).set_(storage))
+    return where is not None and Path(_shm.shm_dir(), where[0]).exists()
+
+
+def test_a_pinned_segment_is_registered_once_and_unregistered_before_it_goes() -> None:
+    """Guards the registration bookkeeping: each segment staging a CUDA storage is
+    registered with the host allocator once, and unregistered while its file still
+    exists, before it is unlinked (a segment dropped by the next stage, or at close)."""
+    calls = _Calls(_shm.shm_dir())
+    pool = _shm.StagingPool(pins=Pins(calls.register, calls.unregister))
+    try:
+        kept = pool.new_storage(BIG, pin=True)
+        address = kept.data_ptr()
+        pool.pins.pin(address, BIG)  # a later stage of the same storage: no second call
+        assert calls.log == [("register", address, True)]
+        assert pool.pins.pinned() == {address: BIG}
+        pool.new_storage(100, pin=False)  # small, pageable: nothing to register
+        unpinned = pool.new_storage(BIG, pin=False)
+        assert address != unpinned.data_ptr()
+        assert len(calls.log) == 1
+        assert _segment_exists(pool, kept)
+        pool.stage({})  # no cached source holds either segment: both are dropped
+        assert calls.log[1:] == [("unregister", address, True)]
+        assert not _segment_exists(pool, kept)
+        assert pool.pins.pinned() == {}
+        replaced = pool.new_storage(2 * BIG, pin=True)  # a segment replaced: registered anew
+        assert calls.log[2] == ("register", replaced.data_ptr(), True)
+    finally:
+        pool.close()
+    assert calls.log[3] == ("unregister", replaced.data_ptr(), True)
+    assert pool.pins.pinned() == {}
+
+
+def test_a_segment_that_cannot_be_pinned_is_removed() -> None:
+    """A failed registration leaves no segment behind (and the error reaches the save)."""
+    calls = _Calls(_shm.shm_dir())
+    calls.fail = True
+    pool = _shm.StagingPool(pins=Pins(calls.register, calls.unregister))
+    try:
+        before = {n for n in os.listdir(_shm.shm_dir()) if n.startswith(pool.name + "-")}
+        with pytest.raises(RuntimeError, match="cudaHostRegister"):
+            pool.new_storage(BIG, pin=True)
+        after = {n for n in os.listdir(_shm.shm_dir()) if n.startswith(pool.name + "-")}
+        assert after == before and pool.live() == []
+    finally:
+        pool.close()
+
+
+class _Event:
+    """A fake CUDA event: complete once ``done`` is set; records who waited on it."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.done = threading.Event()
+        self.log = log
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        assert self.done.wait(60)
+        self.log.append("copied")
+
+
+def test_releasing_a_lease_waits_for_its_copies_first() -> None:
+    """Guards the buffers' lifetime: the next save may take the buffers (and a dropped
+    segment be unregistered) only after every copy into them completed; the source
+    state dict is let go once they did."""
+    log: list[str] = []
+    event = _Event(log)
+
+    class Source:
+        pass
+
+    source = Source()
+    gone = weakref.ref(source)
+    free = threading.Event()
+    lease = Lease(free, InFlight([event], source))
+    del source
+    assert gone() is not None and not lease.copies.done()  # type: ignore[union-attr]
+    releasing = threading.Thread(target=lease.release)
+    releasing.start()
+    assert not free.wait(0.2)  # not free while the copy runs
+    event.done.set()
+    releasing.join(60)
+    assert free.is_set() and log == ["copied"]
+    assert gone() is None
+
+
+def test_the_writes_wait_for_the_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards the order on the read side: with the copies still in flight when the
+    save's writes begin, the writes wait for them before reading the staged buffers."""
+    log: list[str] = []
+    event = _Event(log)
+    write_staged = persist.write_staged
+
+    def recorded(*args: Any) -> Any:
+        log.append("write")
+        return write_staged(*args)
+
+    monkeypatch.setattr(persist, "write_staged", recorded)
+    writer = CheckpointWriter(tmp_path / "ck", persist="process")
+    state = {"w": torch.arange(BIG // 4, dtype=torch.float32)}
+    staged = writer.stage(state)
+    assert writer._lease is not None
+    writer._lease.copies = InFlight([event], state)  # as if copied from a device
+    saving = threading.Thread(target=dcp.save, args=(staged,), kwargs={"storage_writer": writer})
+    saving.start()
+    event.done.set()
+    saving.join(120)
+    assert log[:2] == ["copied", "write"]
+    target = zeros_like_tree(state)
+    storage.load(target, tmp_path / "ck")
+    assert_tree_equal(target, state)
+
+
+@pytest.mark.parametrize("persist", ["process", "thread"])
+def test_async_staging_returns_torch_s_staging_future(tmp_path: Path, persist: str) -> None:
+    """``async_staging=True`` makes ``stage`` return a future, so ``dcp.async_save``
+    answers with torch's ``AsyncSaveResponse``, as with ``DefaultStager(StagingOptions())``;
+    ``storage.async_save`` keeps its promise (it returns once the copy is done)."""
+    state = {"w": torch.randn(BIG // 4), "step": 3}
+    writer = CheckpointWriter(tmp_path / "a", persist=persist, async_staging=True)
+    response = dcp.async_save(state, storage_writer=writer, no_dist=True)
+    assert isinstance(response, AsyncSaveResponse)
+    response.staging_completion.result(timeout=120)
+    response.upload_completion.result(timeout=120)
+    storage.async_save(state, tmp_path / "b", persist=persist, async_staging=True).result(120)
+    for name in ("a", "b"):
+        target = zeros_like_tree(state)
+        storage.load(target, tmp_path / name)
+        assert_tree_equal(target, state)
+    with pytest.raises(TypeError, match="async_staging"):
+        CheckpointWriter(tmp_path / "c", async_staging="yes")  # type: ignore[arg-type]
+
+
+# --- on a CUDA device ---------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+#: GPU cycles the current stream is kept busy, so that the copies queued behind it
+#: cannot have completed when the save returns (about a second on current GPUs).
+_BUSY = 2_000_000_000
+
+
+def _cuda_state() -> dict[str, Any]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return {
+        "w": torch.randn(1 << 20, device="cuda", generator=g).to(torch.bfloat16),
+        "m": torch.randn(1 << 20, device="cuda", generator=g),
+        "small": torch.randn(16, device="cuda", generator=g),
+        "step": 7,
+    }
+
+
+def _cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _assert_saved(path: Path, expected: dict[str, Any]) -> None:
+    target = zeros_like_tree(expected)
+    storage.load(target, path)
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(target[key].view(torch.uint8), value.view(torch.uint8)), key
+        else:
+            assert target[key] == value
+
+
+@pytest.mark.gpu
+@cuda
+def test_staging_a_cuda_state_dict_is_pinned() -> None:
+    """The staging buffers of CUDA tensors are page-locked (registered with the CUDA
+    host allocator), small ones too; the staged copy equals the source."""
+    state = _cuda_state()
+    pool = _shm.StagingPool()
+    try:
+        staged, copies = pool.stage(state)
+        assert copies is not None
+        copies.wait()
+        for key in ("w", "m", "small"):
+            assert staged[key].device.type == "cpu" and staged[key].is_pinned(), key
+            assert torch.equal(staged[key], state[key].cpu()), key
+        assert pool.pins.pinned()  # the two large ones, by their segments
+        cpu_only, none = pool.stage({"c": torch.ones(BIG)})
+        assert none is None and not cpu_only["c"].is_pinned()  # CPU: today's path
+    finally:
+        pool.close()
+    assert pool.pins.pinned() == {}
+
+
+@pytest.mark.gpu
+@cuda
+def test_an_async_staging_save_returns_before_the_copy_and_is_bit_exact(tmp_path: Path) -> None:
+    """With the current stream busy, ``dcp.async_save`` returns while the copies queued
+    behind it have not completed; the checkpoint still holds the tensors as they were
+    when the save was asked for, bit for bit (the writes waited for the copies)."""
+    state = _cuda_state()
+    expected = _cpu(state)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_BUSY)
+    writer = CheckpointWriter(tmp_path / "ck", async_staging=True)
+    response = dcp.async_save(state, storage_writer=writer, no_dist=True)
+    assert isinstance(response, AsyncSaveResponse)
+    assert not response.staging_completion.done()
+    response.staging_completion.result(timeout=300)
+    response.upload_completion.result(timeout=300)
+    _assert_saved(tmp_path / "ck", expected)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("async_staging", [True, False])
+def test_changing_the_tensors_once_staged_does_not_corrupt_the_save(
+    tmp_path: Path, async_staging: bool
+) -> None:
+    """Training may change its tensors once ``staging_completion`` resolved (or, without
+    ``async_staging``, once ``dcp.async_save`` returned): the checkpoint keeps the values
+    of the save, repeatedly (the pinned buffers are reused)."""
+    state = _cuda_state()
+    writer = CheckpointWriter(tmp_path / "ck", async_staging=async_staging)
+    for step in range(3):
+        expected = _cpu(state)
+        result = dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / f"s{step}")
+        if isinstance(result, AsyncSaveResponse):
+            result.staging_completion.result(timeout=300)
+            upload = result.upload_completion
+        else:
+            upload = result
+        for key in ("w", "m", "small"):
+            state[key].add_(1)
+        upload.result(timeout=300)
+        _assert_saved(tmp_path / f"s{step}", expected)
+    writer.close()
