@@ -126,7 +126,6 @@ class CheckpointManager:
             )
         elif keep_local is not None or replicate:
             raise ValueError("keep_local and replicate need a local tier (local=PATH_OR_URL)")
-        persist.start(writer_options, self._save_fs())
 
     def _save_fs(self) -> FileSystemBase:
         """Where :meth:`save` writes: the local tier, else the root."""
@@ -249,6 +248,8 @@ class CheckpointManager:
         future resolves then) and drains to the root in the background (see
         :meth:`storage.ops.tiers.LocalTier.save`)."""
         step = check_step(step)
+        if not blocking:  # its worker starts now; until it is ready, saves write here
+            persist.start(self.writer_options, self._save_fs())
         if self.tiers is not None:
             return self.tiers.save(step, state_dict, blocking=blocking)
         return self.root_tier.save(step, state_dict, blocking=blocking)

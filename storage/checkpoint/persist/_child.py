@@ -271,5 +271,8 @@ def main(fd: int) -> None:
     sys.path[:] = sys_path  # the training process's imports (user transforms) resolve here
     torch.set_num_threads(1)
     server = _Server(conn)
-    server.send(("ready", -1, None))  # imports done: saves may come here now
+    try:
+        server.send(("ready", -1, None))  # imports done: saves may come here now
+    except OSError:  # the training process ended while this one started
+        _trainer_gone()
     server.serve()
