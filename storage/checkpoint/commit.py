@@ -85,7 +85,7 @@ def commit_checkpoint(
         except BaseException:
             landed = metadata_may_name(fs, meta_path, save_id)
             if not landed:
-                remove_quietly(fs, [fs.concat_path(directory, f) for f in sorted(new_files)])
+                remove_data_files(fs, directory, set(new_files))  # never through a link
             raise
 
     try:

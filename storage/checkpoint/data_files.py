@@ -2,15 +2,17 @@
 written on the writer's threads (:func:`write_files`), each item encoded through the
 transform chain with its checksum and, for incremental saves, its content fingerprint.
 ``CheckpointWriter.write_files`` runs this, in the training process or in the persist
-worker with the staged data."""
+worker with the staged data, for the save's :class:`~storage.checkpoint.attempt.SaveAttempt`
+(which records every file before it opens and removes them when the save fails) with the
+writer's :class:`FileSettings`."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
-import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
@@ -19,19 +21,27 @@ from torch.distributed.checkpoint.storage import WriteResult
 from extensions._compat import item_size, split_by_size_and_type
 from extensions.base import ItemInfo
 from extensions.registry import chain_descriptors
-from storage.backends.base import FileSystemBase
 from storage.checkpoint import heartbeat, incremental
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint.commit import remove_quietly
-from storage.checkpoint.deadline import Budget, cancellable, note
+from storage.checkpoint.attempt import SaveAttempt
+from storage.checkpoint.deadline import cancellable, note
 from storage.checkpoint.encode import encode_item, plain_cpu_tensor
 from storage.checkpoint.prefixes import place, refuse_linked_prefix
 
-if TYPE_CHECKING:
-    from storage.checkpoint.writer import CheckpointWriter
-
 #: Tensor bytes per writing thread, at least: more threads than this allows do not pay.
 BYTES_PER_THREAD = 32 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class FileSettings:
+    """What writing a save's data files needs of its writer: the transform chain, the
+    rank writing, whether each file is made durable, and the content fingerprints of
+    its items (``fingerprint=True``)."""
+
+    transforms: Sequence[Any]
+    rank: int
+    sync: bool
+    fingerprints: Mapping[Any, incremental.Fingerprint]
 
 
 def split_into_files(
@@ -88,61 +98,69 @@ def fingerprint_items(
 
 
 def write_files(
-    writer: CheckpointWriter, files: list[tuple[str, list[WriteItem]]], threads: int, planner: Any
+    attempt: SaveAttempt,
+    settings: FileSettings,
+    files: list[tuple[str, list[WriteItem]]],
+    threads: int,
+    planner: Any,
 ) -> list[list[WriteResult]]:
     """Write ``files`` (name, items) on up to ``threads`` threads with the data
-    ``planner.resolve_data`` gives, noting each in ``writer.written``, under a heartbeat
-    (``heartbeat.beating``: ``gc`` leaves this save's uploads and files alone while it
-    writes); on failure remove what was written (``writer.abort``) and raise."""
-    lock = threading.Lock()
+    ``planner.resolve_data`` gives, each recorded in ``attempt`` before it opens, under
+    a heartbeat (``heartbeat.beating``: ``gc`` leaves this save's uploads and files
+    alone while it writes); on failure remove what was written (``attempt.abort``:
+    past the deadline, in the background) and raise."""
+    fs, url = attempt.fs, attempt.url
 
     def write_one(name: str, items: list[WriteItem]) -> list[WriteResult]:
-        refuse_linked_prefix(writer.fs, writer.path, name)  # never write through a link
-        path = writer.fs.concat_path(writer.path, name)
-        with lock:
-            writer.written.append(path)
-        return _write_file(writer, path, name, items, planner)
+        refuse_linked_prefix(fs, attempt.path, name)  # never write through a link
+        path = attempt.record(name)
+        return _write_file(attempt, settings, path, name, items, planner)
 
-    token = heartbeat_token(writer)
-    marker = writer.fs.url(writer.fs.concat_path(writer.path, heartbeat.name_of(token)))
+    token = heartbeat_token(attempt.save_id, settings.rank)
+    marker = fs.url(fs.concat_path(attempt.path, heartbeat.name_of(token)))
 
     def guard(request: Callable[[], None]) -> None:
         item = heartbeat.name_of(token)
-        writer.budget.call(request, action="saving", location=writer.url, item=item, url=marker)
+        attempt.budget.call(request, action="saving", location=url, item=item, url=marker)
 
     tasks = [functools.partial(write_one, name, items) for name, items in files]
     try:
-        with heartbeat.beating(writer.fs, writer.path, token, guard=guard):
-            per_file = writer.budget.run(
-                tasks, workers=threads, action="saving", location=writer.url
-            )
+        with heartbeat.beating(fs, attempt.path, token, guard=guard):
+            per_file = attempt.budget.run(tasks, workers=threads, action="saving", location=url)
     except BaseException:
-        writer.abort()  # past the deadline, in the background: the error goes out now
+        attempt.abort()
         raise
     return per_file
 
 
-def heartbeat_token(writer: CheckpointWriter) -> str:
-    """The token of this rank's heartbeat in a save (known to the training process too,
-    which removes it when the persist worker dies with it live)."""
-    return f"{writer.save_id}r{writer.rank}"
+def heartbeat_token(save_id: str, rank: int) -> str:
+    """The token of ``rank``'s heartbeat in save ``save_id`` (known to the training
+    process too, which records it for removal before the persist worker writes)."""
+    return f"{save_id}r{rank}"
 
 
 def _write_file(
-    writer: CheckpointWriter, path: str, name: str, items: list[WriteItem], planner: SavePlanner
+    attempt: SaveAttempt,
+    settings: FileSettings,
+    path: str,
+    name: str,
+    items: list[WriteItem],
+    planner: SavePlanner,
 ) -> list[WriteResult]:
     # Opaque bytes first, then tensors (largest first), as torch orders them.
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
         i for i in items if i.type != WriteItemType.BYTE_IO
     ]
     results = []
+    url = attempt.fs.url(path)
     if ordered:
-        note(fmt.item_label(ordered[0].index), writer.fs.url(path))
-    with writer.fs.create_stream(path, "wb", sync=writer.sync_files) as opened:
+        note(fmt.item_label(ordered[0].index), url)
+    with attempt.fs.create_stream(path, "wb", sync=settings.sync) as opened:
         stream = cancellable(opened)
         offset = 0
         for item in ordered:
-            result = _write_item(writer, stream, name, offset, item, planner)
+            note(fmt.item_label(item.index), url)
+            result = _write_item(attempt.url, settings, stream, name, offset, item, planner)
             offset += result.storage_data.length
             results.append(result)
     return results
@@ -159,39 +177,24 @@ def item_info(url: str, item: WriteItem, tensor: torch.Tensor | None) -> ItemInf
 
 
 def _write_item(
-    writer: CheckpointWriter,
+    url: str,
+    settings: FileSettings,
     stream: Any,
     name: str,
     offset: int,
     item: WriteItem,
     planner: SavePlanner,
 ) -> WriteResult:
-    label = fmt.item_label(item.index)
-    note(label, writer.fs.url(writer.fs.concat_path(writer.path, name)))
     data = planner.resolve_data(item)
     tensor: torch.Tensor | None = None
     if item.type != WriteItemType.BYTE_IO:
         tensor = plain_cpu_tensor(data)
-    content = writer.fingerprints.get(item.index)
+    content = settings.fingerprints.get(item.index)
     start = fmt.StoredItem(name, offset, 0, content=None if content is None else content.record())
-    info = item_info(writer.url, item, tensor)
-    record = encode_item(stream, writer.transforms, info, data, tensor, start)
+    info = item_info(url, item, tensor)
+    record = encode_item(stream, settings.transforms, info, data, tensor, start)
     return WriteResult(
         index=item.index,
         size_in_bytes=record.length,
         storage_data=fmt.new_storage_info(record),
     )
-
-
-def remove_written(fs: FileSystemBase, paths: list[str], budget: Budget) -> None:
-    """Remove the data files a failed save wrote (``CheckpointWriter.abort``), quietly."""
-    if budget.timeout is None:
-        remove_quietly(fs, paths)
-        return
-    # Storage may be stalled: the removal waits for what is left of the timeout,
-    # then goes on in the background.
-    cleanup = threading.Thread(
-        target=remove_quietly, args=(fs, paths), daemon=True, name="dcp-storage-abort"
-    )
-    cleanup.start()
-    cleanup.join(budget.left())

@@ -20,7 +20,8 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import data_files, incremental
 from storage.checkpoint import persist as _persist
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint.commit import commit_checkpoint, commit_may_have_landed
+from storage.checkpoint.attempt import SaveAttempt
+from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.committed import CommittedCheckpoint
 from storage.checkpoint.deadline import Budget, check_timeout
 from storage.checkpoint.hook_errors import records_error
@@ -174,9 +175,8 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex[:12]
         self.last_error: BaseException | None = None
-        #: The data files this save wrote (what :meth:`abort` removes).
-        self.written: list[str] = []
-        self._committed = False
+        #: The save in progress (or the last one): what it wrote, its deadline, its commit.
+        self.attempt = SaveAttempt(self.fs, self.path, self.save_id, self.budget)
         #: The metadata the last save published (``None`` before, or when it failed).
         self.published: Metadata | None = None
         self.publish = publish
@@ -201,13 +201,12 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         # save id keeps a reused writer from writing into the committed files.
         self.save_id = uuid.uuid4().hex[:12]
         self.last_error = None
-        self.written = []
-        self._committed = False
         self.published = None
         self.unpublished = None
         self._base = None
         self.fingerprints = {}
         self.budget.restart()
+        self.attempt = SaveAttempt(self.fs, self.path, self.save_id, self.budget)
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self.use_collectives = bool(kwargs.get("use_collectives", True))
@@ -287,7 +286,10 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         """Write ``files`` (name, items) on up to ``threads`` threads with the data
         ``planner.resolve_data`` gives; on failure remove what was written and raise.
         The persist worker runs this too, with the staged data (``data_files.py``)."""
-        return data_files.write_files(self, files, threads, planner)
+        settings = data_files.FileSettings(
+            self.transforms, self.rank, self.sync_files, self.fingerprints
+        )
+        return data_files.write_files(self.attempt, settings, files, threads, planner)
 
     @records_error
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -309,10 +311,9 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         except BaseException as exc:
             # Landed, may have (the answer was lost), or still may (a publish past the
             # deadline goes on): its files must stay, and every other rank's files too.
-            if commit_may_have_landed(exc):
-                self._committed = True
+            self.attempt.commit_failed(exc)
             raise
-        self._committed = True
+        self.attempt.landed()
         self.published = metadata
 
     def metadata_payload(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
@@ -334,12 +335,10 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         says the coordinator's commit may have landed: only the coordinator can tell,
         and every rank follows its verdict. DCP calls nothing on a rank when another
         rank's part failed; the one-call helpers call this so such saves leave nothing
-        behind."""
+        behind. :class:`~storage.checkpoint.attempt.SaveAttempt` does it: within what
+        is left of the deadline, then in the background."""
         self._release()
-        if self._committed or commit_may_have_landed(error):
-            return
-        paths, self.written = self.written, []
-        data_files.remove_written(self.fs, paths, self.budget)
+        self.attempt.abort(error)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)

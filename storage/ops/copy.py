@@ -21,7 +21,8 @@ from extensions.errors import CheckpointExistsError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint.commit import commit_checkpoint, metadata_may_name, remove_quietly
+from storage.checkpoint.attempt import SaveAttempt
+from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.items import check_before_read, encryption_required
 from storage.checkpoint.layout import metadata_names
 from storage.ops.copy_data import CopiedFiles, copy_data_files
@@ -63,7 +64,7 @@ def copy_checkpoint(
     parts = read_metadata(src_fs, src_path, keys=keys, registry=registry)
     _check_items(parts, src_fs.url(src_path), transforms, keys, registry, require_encryption)
     _check_destination(parts, src_fs.url(src_path), dst_fs, dst_path, overwrite)
-    save_id = uuid.uuid4().hex[:12]
+    attempt = SaveAttempt(dst_fs, dst_path, uuid.uuid4().hex[:12])
     copies: list[CopiedFiles] = []
     try:
         for part in parts:  # the data phase: every part's files, numbered on
@@ -79,16 +80,16 @@ def copy_checkpoint(
                     registry=registry,
                     thread_count=thread_count,
                     progress=progress,
-                    save_id=save_id,
+                    save_id=attempt.save_id,
                     first=sum(len(c.names) for c in copies),
                 )
             )
+            attempt.adopt(copies[-1].names)
         for part, copied in zip(parts, copies):  # then each metadata, committed
             publish_copy(dst_fs, dst_path, part, [copied], overwrite=overwrite)
-    except BaseException:
-        meta_paths = [dst_fs.concat_path(dst_path, part.name) for part in parts]
-        if not any(metadata_may_name(dst_fs, m, save_id) for m in meta_paths):
-            remove_quietly(dst_fs, [p for c in copies for p in c.written])
+            attempt.landed()  # a metadata names this save's files: they all stay
+    except BaseException as exc:
+        attempt.abort(exc)  # unless a commit may have landed
         raise
     return describe(dst_fs, dst_path)
 

@@ -4,7 +4,9 @@ Each item streams from the source file to the destination through the same item 
 the writer and the reader use (``storage.checkpoint.items``), kept as stored or decoded
 and re-encoded on the fly when the transform chain changes, so memory stays at a few
 buffers per file; its checksum is verified on the way. Nothing here commits: the files
-written are handed back (:class:`CopiedFiles`) for ``storage.ops.copy.publish_copy``.
+written are handed back (:class:`CopiedFiles`) for the caller's
+``storage.checkpoint.attempt.SaveAttempt`` to adopt and ``storage.ops.copy.publish_copy``
+to commit.
 The tier drain runs :func:`copy_data_files` in the persist worker process, which imports
 it by name.
 """
@@ -28,7 +30,7 @@ from extensions.streams import pump, skip
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint.commit import remove_quietly
+from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.committed import open_committed
 from storage.checkpoint.incremental import (
     check_bases,
@@ -45,11 +47,10 @@ from storage.ops.parts import Part, Progress
 @dataclass
 class CopiedFiles:
     """Data files :func:`copy_data_files` wrote, not yet named by any metadata: their
-    names, backend paths and the new storage index of their items."""
+    names (relative to the destination) and the new storage index of their items."""
 
     save_id: str
     names: set[str]
-    written: list[str]
     infos: dict[MetadataIndex, Any]
 
 
@@ -87,10 +88,12 @@ def copy_data_files(
     each read of the source (at most ``streams.CHUNK`` bytes apart) and may block: a
     background copy pauses there while something more urgent runs. It writes under a
     heartbeat named by the save id (``heartbeat.beating``), so ``gc`` leaves its uploads
-    alone. On failure, removes what it wrote; a process killed meanwhile leaves files
-    named with the save id, which no metadata names: ``deletion.remove_save`` or ``gc``
+    alone. Each file is recorded in a ``SaveAttempt`` before it opens; on failure, that
+    removes what it wrote. A process killed meanwhile leaves files named with the save
+    id, which no metadata names: the caller's attempt (``SaveAttempt.lost``) or ``gc``
     removes them."""
-    copied = CopiedFiles(save_id or uuid.uuid4().hex[:12], set(), [], {})
+    copied = CopiedFiles(save_id or uuid.uuid4().hex[:12], set(), {})
+    attempt = SaveAttempt(dst_fs, dst_path, copied.save_id)
     infos = list((part.metadata.storage_data or {}).items())
     if keep_references:
         kept = _kept_references(dst_fs, dst_path, infos)
@@ -102,7 +105,7 @@ def copy_data_files(
     plan = _plan(src_fs, src_path, part, infos, ranks, first, copied.save_id)
     copied.names = {name for _, name, _ in plan}
     dst_fs.mkdir(dst_path)
-    files = _FileCopy(src_fs, src_path, dst_fs, dst_path, part, copied, transforms, keys)
+    files = _FileCopy(src_fs, src_path, attempt, part, copied, transforms, keys)
     files.registry, files.progress, files.pace = registry, progress, pace
     workers = max(1, min(thread_count or default_thread_count(dst_fs), len(plan) or 1))
     try:
@@ -113,7 +116,7 @@ def copy_data_files(
             for fut in [pool.submit(files.copy, *p) for p in plan]:
                 fut.result()
     except BaseException:
-        remove_quietly(dst_fs, copied.written)
+        attempt.abort()
         raise
     return copied
 
@@ -162,15 +165,14 @@ class _FileCopy:
         self,
         src_fs: FileSystemBase,
         src_path: str,
-        dst_fs: FileSystemBase,
-        dst_path: str,
+        attempt: SaveAttempt,
         part: Part,
         copied: CopiedFiles,
         transforms: Sequence[Any] | None,
         keys: Keys | None,
     ) -> None:
         self.src_fs, self.src_url = src_fs, src_fs.url(src_path)
-        self.dst_fs, self.dst_path = dst_fs, dst_path
+        self.attempt, self.dst_fs = attempt, attempt.fs
         self.part, self.copied = part, copied
         self.chain = None if transforms is None else list(transforms)
         self.keys = cached_key_lookup(keys)
@@ -179,9 +181,7 @@ class _FileCopy:
     def copy(self, src_file: str, dst_name: str, items: Items) -> None:
         items = sorted(items, key=lambda it: int(it[1].offset))
         src_url, src_name = self.src_url, items[0][1].relative_path
-        dst_file = self.dst_fs.concat_path(self.dst_path, dst_name)
-        with self.lock:
-            self.copied.written.append(dst_file)
+        dst_file = self.attempt.record(dst_name)
         start = int(items[0][1].offset)
         end = max(int(i.offset) + int(i.length) for _, i in items)
         item_infos = [self.part.item_info(index, src_url, self.keys) for index, _ in items]

@@ -22,8 +22,7 @@ from typing import Any
 
 from extensions.errors import CheckpointNotFoundError
 from storage.checkpoint import persist
-from storage.checkpoint.commit import remove_quietly
-from storage.checkpoint.deletion import remove_save
+from storage.checkpoint.attempt import SaveAttempt
 from storage.ops._peers import Group
 from storage.ops.copy import publish_copy
 from storage.ops.copy_data import copy_data_files
@@ -167,13 +166,15 @@ def drain_step(
     pace: Callable[[], None],
 ) -> None:
     """Copy ``step`` from ``local`` to ``root``; collective (on the drains' group),
-    raises on every rank if it failed on any, and commits nothing then. A rank whose
-    copy died with nothing to show (the persist worker killed mid-copy) removes what
-    its save id left there itself (``deletion.remove_save``)."""
+    raises on every rank if it failed on any, and commits nothing then. Each rank's
+    copy is a ``SaveAttempt`` of its own save id: a rank whose copy died with nothing
+    to show (the persist worker killed mid-copy) removes what that id left there
+    (``SaveAttempt.lost``); rank 0's adopts every rank's files, which it publishes or,
+    when any rank failed, removes."""
     fs = root.fs
     src, dst = local.step_path(step), root.step_path(step)
     copied, error, part = None, None, None
-    save_id = uuid.uuid4().hex[:12]  # this rank's files: its own name, known here
+    attempt = SaveAttempt(fs, dst, uuid.uuid4().hex[:12])  # this rank's own save id
     try:
         parts = read_metadata(local.fs, src, opened=local.model(step))
         if len(parts) != 1:  # the manager saves with collectives: one .metadata
@@ -195,25 +196,28 @@ def drain_step(
             thread_count=writer_options.get("thread_count"),
             pace=pace,
             keep_references=True,
-            save_id=save_id,
+            save_id=attempt.save_id,
         )
     except Exception as exc:
         error = exc
-        remove_save(fs, dst, save_id)
+        attempt.lost()
     gathered = g.all_gather((copied, _text(error)), pg=g.drain_pg)
     outcome = next((t for _, t in gathered if t is not None), None)
     if g.rank == 0:
         copies = [c for c, _ in gathered if c is not None]
-        if outcome is not None:
-            remove_quietly(fs, [p for c in copies for p in c.written])
-        else:
+        for c in copies:
+            attempt.adopt(c.names)
+        if outcome is None:
             assert part is not None
             try:
                 overwrite = bool(writer_options.get("overwrite", True))
                 publish_copy(fs, dst, part, copies, overwrite=overwrite)
+                attempt.landed()
             except Exception as exc:
                 error, outcome = exc, _text(exc)
     outcome = g.broadcast(outcome, pg=g.drain_pg)
+    if outcome is not None:
+        attempt.abort(error)  # unless rank 0's publish may have landed
     if error is not None:
         raise error
     if outcome is not None:

@@ -205,7 +205,12 @@ def write_staged(
 ) -> list[Any]:
     """Run ``writer``'s data writes in the worker (the staged state is in its buffers;
     with the default mode, here when the writer does not pickle or the worker has not
-    finished starting); releases ``lease`` once the writes are done with them."""
+    finished starting); releases ``lease`` once the writes are done with them.
+
+    Every file the worker may write (and its heartbeat) is recorded in the writer's
+    ``SaveAttempt`` before the call goes out, and what the worker reports back is
+    adopted, so a worker that dies mid-save leaves nothing the writer's abort does not
+    remove (it also sweeps what carries the save id: ``SaveAttempt.lost``)."""
     from storage.checkpoint.persist._child import write_files
 
     w = worker()
@@ -224,6 +229,10 @@ def write_staged(
             for _, items in files
             for item in items
         }
+        attempt = writer.attempt
+        beat = heartbeat.name_of(data_files.heartbeat_token(attempt.save_id, writer.rank))
+        for name in [name for name, _ in files] + [beat]:
+            attempt.record(name)
         try:
             future = w.call(
                 write_files, writer, files, threads, refs, max_bandwidth=mode.max_bandwidth
@@ -234,15 +243,11 @@ def write_staged(
             _fall_back(exc)
             return list(writer.write_files(files, threads, planner))
         try:
-            per_file, written, writer.budget.spent = future.result()
+            per_file, written, spent = future.result()
         except WorkerDiedError:
-            # Its files may be half written, its heartbeat left: the writer's abort
-            # removes what exists.
-            beat = heartbeat.name_of(data_files.heartbeat_token(writer))
-            names = [name for name, _ in files] + [beat]
-            writer.written = [writer.fs.concat_path(writer.path, name) for name in names]
+            attempt.lost()  # the writer's abort removes what it left
             raise
     finally:
         lease.release()
-    writer.written = written
+    attempt.adopt(written, spent)
     return per_file

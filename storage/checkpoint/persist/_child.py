@@ -77,10 +77,11 @@ def write_files(
     writer: Any, files: list[Any], threads: int, refs: dict[Any, tuple[Any, ...]]
 ) -> tuple[list[Any], list[str], float]:
     """A save's data writes, run here: the writer's own code with the staged data;
-    returns the results, the data files written and the deadline budget spent."""
+    returns the results, the data files written (names in the checkpoint) and the
+    deadline budget spent, for the training process's ``SaveAttempt.adopt``."""
     limit_writes(writer.fs)
     per_file = writer.write_files(files, threads, _Resolved(refs))
-    return per_file, list(writer.written), writer.budget.spent
+    return per_file, writer.attempt.names, writer.attempt.budget.spent
 
 
 # --- worker state ---------------------------------------------------------------------
