@@ -189,13 +189,15 @@ def receiving_name(path: str) -> str:
     return f"{stem}{joint}r{uuid.uuid4().hex[:12]}{fmt.DATA_SUFFIX}"
 
 
-def gather_errors(group: Group, error: BaseException | None, what: str, *, pg: Any = None) -> None:
+def gather_errors(
+    group: Group, error: BaseException | None, what: str, *, pg: Any = None, landed: bool = False
+) -> None:
     """Raise on every rank if ``error`` was raised on any: this rank's own error, or a
-    ``RuntimeError`` naming the first failing rank's. A commit that may have landed on
-    some rank (``commit.commit_may_have_landed``) marks the error raised on every rank,
-    so that none removes its files."""
+    ``RuntimeError`` naming the first failing rank's. A commit that landed on some rank
+    (``landed``) or may have (``commit.commit_may_have_landed``) marks the error raised
+    on every rank, so that none removes its files."""
     text = None if error is None else f"{type(error).__name__}: {error}"
-    gathered = group.all_gather((text, commit_may_have_landed(error)), pg=pg)
+    gathered = group.all_gather((text, landed or commit_may_have_landed(error)), pg=pg)
     failed = [(r, t) for r, (t, _) in enumerate(gathered) if t is not None]
     if error is None and failed:
         error = RuntimeError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")

@@ -113,12 +113,16 @@ def commit_step(
         except Exception as exc:
             error = exc
         gather_errors(g, error, f"writing and replicating step {step}", pg=pg)
+        committed = False
         if g.leader:
             try:
                 _commit_node(g, local, step, writer, payload, meta)
+                committed = True
             except Exception as exc:
                 error = full_or(exc, local.url)
-        gather_errors(g, error, f"committing step {step} in the local tier", pg=pg)
+        # A node whose commit landed keeps every rank's files when another node's failed.
+        what = f"committing step {step} in the local tier"
+        gather_errors(g, error, what, pg=pg, landed=committed)
     except BaseException as exc:
         writer.abort(exc)  # unless the commit may have landed on some node
         raise

@@ -245,3 +245,47 @@ def test_loaded_step_says_the_root_was_consulted(tmp_path: Path) -> None:
     mgr.wait()
     step = mgr.load(blank_state())
     assert (step, step.tier, step.root_consulted, step.note) == (1, "local", True, None)  # type: ignore[attr-defined]
+
+
+# --- one node's local commit fails --------------------------------------------------
+
+
+class _RefusesMetadata(LocalFileSystem):
+    """Refuses to publish a step's metadata: a clean failure (nothing was written)."""
+
+    def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        if path.endswith(".metadata"):
+            raise PermissionError(f"{path}: read-only for this test")
+        super().write_atomic(path, data, exclusive=exclusive)
+
+
+def _one_node_fails_worker(rank: int, store: str, base: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    with gloo_group(rank, 2, store):
+        mgr = CheckpointManager(
+            f"{base}/durable",
+            local=f"{base}/node{rank}",
+            local_filesystem=_RefusesMetadata() if rank == 1 else None,
+            replicate=True,
+        )
+        state = {f"rank{rank}": torch.full((1 << 12,), float(rank))}
+        with pytest.raises(Exception, match="read-only for this test"):
+            mgr.save(1, state)
+        dist.barrier()
+        if rank == 0:  # node 0's commit landed: every file it names is still there
+            target = {"rank0": torch.zeros(1 << 12), "rank1": torch.zeros(1 << 12)}
+            dcp.load(target, storage_reader=FileSystemReader(f"{base}/node0/step-1"), no_dist=True)
+            assert torch.equal(target["rank0"], torch.full((1 << 12,), 0.0))
+            assert torch.equal(target["rank1"], torch.full((1 << 12,), 1.0))
+
+
+def test_a_node_whose_commit_landed_keeps_its_files_when_another_nodes_fails(
+    tmp_path: Path,
+) -> None:
+    """Before: node 0 committed step 1, node 1's commit failed cleanly, and every rank
+    then removed the files it wrote, node 0's ranks too: node 0 was left with a
+    committed step whose data files were gone. A landed commit on any node now keeps
+    every rank's files (node 1's uncommitted ones are gc's)."""
+    spawn(_one_node_fails_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
