@@ -1,9 +1,10 @@
-"""A load's item reads (``CheckpointReader.read_items``): the requested items grouped
-by the file their bytes are in, adjacent ones coalesced into one ranged request of at
-most :data:`COALESCE_LIMIT` bytes, biggest runs first; every item checked before any
-byte is fetched (encryption required, keys at hand), then read, its CRC-32C verified
-and decoded into its target, frame by frame on every core where the item's transform
-splits into frames (zstd does)."""
+"""A load's item reads (``CheckpointReader.read_data``, and each batch of a read-once
+load), with what the load was set up with (``load_context.LoadContext``): the requested
+items grouped by the file their bytes are in, adjacent ones coalesced into one ranged
+request of at most :data:`COALESCE_LIMIT` bytes, biggest runs first; every item checked
+before any byte is fetched (encryption required, keys at hand), then read, its CRC-32C
+verified and decoded into its target, frame by frame on every core where the item's
+transform splits into frames (zstd does)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from extensions._compat import narrow_tensor_by_index
 from extensions.base import ItemInfo, KeyLookup, cached_key_lookup
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError, quote
-from extensions.registry import ExtensionRegistry, Framing
+from extensions.registry import Framing
 from storage.checkpoint import frames, incremental
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget, cancellable, note
@@ -33,11 +34,9 @@ from storage.checkpoint.decode import (
     read_bounded,
 )
 from storage.checkpoint.items import StoredItemReader, check_before_read
+from storage.checkpoint.load_context import LoadContext
 from storage.checkpoint.prefixes import refuse_linked_prefix
 from storage.checkpoint.tensors import check_shapes, tensor_bytes
-
-if TYPE_CHECKING:
-    from storage.checkpoint.reader import CheckpointReader
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20
@@ -60,33 +59,32 @@ class _PlannedRead:
 
 
 def read_items(
-    reader: CheckpointReader, reqs: Sequence[ReadItem], planner: LoadPlanner, budget: Budget
+    load: LoadContext, reqs: Sequence[ReadItem], planner: LoadPlanner, budget: Budget
 ) -> None:
     """Fetch, verify and decode ``reqs`` into ``planner``, within ``budget``."""
     if not reqs:
         return
     first = fmt.item_label(reqs[0].storage_index)
     runs = budget.call(
-        functools.partial(_plan_runs, reader, reqs),  # checks the bases: requests
+        functools.partial(_plan_runs, load, reqs),  # checks the bases: requests
         action="loading",
-        location=reader.url,
+        location=load.url,
         item=first,
-        url=reader.url,
+        url=load.url,
     )
     lock = threading.Lock()
-    registry = reader.registry or ExtensionRegistry()
-    keys = cached_key_lookup(reader.keys)
+    keys = cached_key_lookup(load.keys)
     # Before any byte is fetched: a plain item where encryption is required, a
     # missing key or a failing key provider is reported as itself.
     for _, run in runs:
         for item in run:
             descriptors = item.info.descriptors
-            info = _item_info(reader, item, keys)
+            info = _item_info(load, item, keys)
             check_before_read(
                 descriptors,
                 info,
-                registry,
-                require_encryption=reader.require_encryption,
+                load.registry,
+                require_encryption=load.require_encryption,
                 decode=True,
             )
     if not runs:
@@ -95,11 +93,10 @@ def read_items(
     workers = frames.decoder_count()
     decoders = frames.Decoders(workers, slots=workers + 2)
     tasks = [
-        functools.partial(_read_run, reader, p, r, planner, lock, registry, keys, decoders)
-        for p, r in runs
+        functools.partial(_read_run, load, p, r, planner, lock, keys, decoders) for p, r in runs
     ]
     try:
-        budget.run(tasks, workers=reader.thread_count, action="loading", location=reader.url)
+        budget.run(tasks, workers=load.thread_count, action="loading", location=load.url)
     except BaseException:
         with contextlib.suppress(BaseException):  # the readers' error comes first
             decoders.close()
@@ -107,26 +104,24 @@ def read_items(
     decoders.close()
 
 
-def _plan_runs(
-    reader: CheckpointReader, reqs: Sequence[ReadItem]
-) -> list[tuple[str, list[_PlannedRead]]]:
+def _plan_runs(load: LoadContext, reqs: Sequence[ReadItem]) -> list[tuple[str, list[_PlannedRead]]]:
     per_file: dict[str, list[_PlannedRead]] = {}
     for req in reqs:
-        info = reader.storage_data.get(req.storage_index)
+        info = load.storage_data.get(req.storage_index)
         if info is None:
             raise IntegrityError(
-                f"{reader.url}: item {quote(fmt.item_label(req.storage_index))} is in the plan "
+                f"{load.url}: item {quote(fmt.item_label(req.storage_index))} is in the plan "
                 "but not in the checkpoint's storage index; the metadata is damaged"
             )
         # Keyed by where the bytes are: a referenced item's are in its base's file.
-        path = incremental.item_path(reader.fs, reader.path, info)
+        path = incremental.item_path(load.fs, load.path, info)
         if path not in per_file:
-            directory = incremental.item_directory(reader.fs, reader.path, info)
-            refuse_linked_prefix(reader.fs, directory, info.relative_path)
+            directory = incremental.item_directory(load.fs, load.path, info)
+            refuse_linked_prefix(load.fs, directory, info.relative_path)
         per_file.setdefault(path, []).append(_PlannedRead(req, fmt.stored_item(info)))
     incremental.check_bases(
-        reader.fs,
-        reader.path,
+        load.fs,
+        load.path,
         ((fmt.item_label(i.req.storage_index), i.info) for r in per_file.values() for i in r),
     )
     runs: list[tuple[str, list[_PlannedRead]]] = []
@@ -149,67 +144,65 @@ def _plan_runs(
 
 
 def _read_run(
-    reader: CheckpointReader,
+    load: LoadContext,
     path: str,
     run: list[_PlannedRead],
     planner: LoadPlanner,
     lock: threading.Lock,
-    registry: ExtensionRegistry,
     keys: KeyLookup | None,
     decoders: frames.Decoders | None = None,
 ) -> None:
     start = run[0].offset
     length = run[-1].offset + run[-1].length - start
-    note(fmt.item_label(run[0].req.storage_index), reader.fs.url(path))
+    note(fmt.item_label(run[0].req.storage_index), load.fs.url(path))
     try:
-        with reader.fs.open_slice(path, start, length) as opened:
+        with load.fs.open_slice(path, start, length) as opened:
             stream = cancellable(opened)
             # Finding a seek table costs two small reads: free where reads are
             # local, a request each on object stores (their readers stream).
-            if not reader.fs.local_reads:
+            if not load.fs.local_reads:
                 decoders = None
             for item in run:
-                _read_item(reader, stream, path, item, planner, lock, registry, keys, decoders)
+                _read_item(load, stream, path, item, planner, lock, keys, decoders)
     except FileNotFoundError as exc:
         if isinstance(exc, CheckpointStorageError):
             raise
         raise CheckpointNotFoundError(
-            f"{reader.url}: data file {quote(os.path.basename(path))} (item "
+            f"{load.url}: data file {quote(os.path.basename(path))} (item "
             f"{quote(fmt.item_label(run[0].req.storage_index))}) is missing; the checkpoint "
             "is incomplete: restore the file or re-save the checkpoint"
         ) from exc
 
 
 def _read_item(
-    reader: CheckpointReader,
+    load: LoadContext,
     stream: IO[bytes],
     path: str,
     item: _PlannedRead,
     planner: LoadPlanner,
     lock: threading.Lock,
-    registry: ExtensionRegistry,
     keys: KeyLookup | None,
     decoders: frames.Decoders | None = None,
 ) -> None:
     label = fmt.item_label(item.req.storage_index)
-    note(label, reader.fs.url(path))
-    where = f"{reader.url}: item {quote(label)} in {quote(os.path.basename(path))}"
+    note(label, load.fs.url(path))
+    where = f"{load.url}: item {quote(label)} in {quote(os.path.basename(path))}"
     stored = StoredItemReader(
         stream,
         item.length,
         item.info.descriptors,
         item.info.crc32c,
         where,
-        block=reader.fs.read_block,
+        block=load.fs.read_block,
     )
-    chunk = reader.chunks.get(item.req.storage_index)
-    info = _item_info(reader, item, keys)
+    chunk = load.chunks.get(item.req.storage_index)
+    info = _item_info(load, item, keys)
     target: torch.Tensor | None = None
     if item.req.type != LoadItemType.BYTE_IO:
         with lock:
             target = planner.resolve_tensor(item.req).detach()
         check_shapes(item.req, target, chunk, where)
-        framing = None if decoders is None else registry.framing(stored.descriptors)
+        framing = None if decoders is None else load.registry.framing(stored.descriptors)
         if (
             framing is not None
             and decoders is not None
@@ -219,9 +212,9 @@ def _read_item(
         ):
             return
     try:
-        decoded = stored.decoded(registry, info)
+        decoded = stored.decoded(load.registry, info)
         if target is None:
-            limit = max(reader.max_object_bytes, OBJECT_RATIO * item.length)
+            limit = max(load.max_object_bytes, OBJECT_RATIO * item.length)
             payload = read_bounded(decoded, limit, where, "pass a larger max_object_bytes=")
         else:
             decoded_tensor = decode_tensor(decoded, item.req, item.info, chunk, target, where)
@@ -285,10 +278,10 @@ def _copy_into(decoded: torch.Tensor, req: ReadItem, target: torch.Tensor, where
     target.copy_(narrowed)
 
 
-def _item_info(reader: CheckpointReader, item: _PlannedRead, keys: KeyLookup | None) -> ItemInfo:
-    chunk = reader.chunks.get(item.req.storage_index)
+def _item_info(load: LoadContext, item: _PlannedRead, keys: KeyLookup | None) -> ItemInfo:
+    chunk = load.chunks.get(item.req.storage_index)
     return ItemInfo(
-        checkpoint=reader.url,
+        checkpoint=load.url,
         item=fmt.item_label(item.req.storage_index),
         dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
         element_size=chunk[1].itemsize if chunk else None,

@@ -39,7 +39,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -49,12 +49,11 @@ from extensions._compat import narrow_tensor_by_index
 from extensions.errors import quote
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget
-from storage.checkpoint.share_exchange import agree, exchange, time_left
+from storage.checkpoint.fetch import read_items
+from storage.checkpoint.load_context import Chunks, LoadContext
+from storage.checkpoint.share_exchange import Share, agree, exchange, time_left
 from storage.checkpoint.share_groups import exchange_group
 from storage.checkpoint.tensors import check_shapes
-
-if TYPE_CHECKING:
-    from storage.checkpoint.reader import CheckpointReader
 
 #: Decoded bytes of shared items per batch, at most (one item larger than this is a
 #: batch of its own); smaller batches when there is less to share (:func:`batch_limit`).
@@ -64,21 +63,6 @@ MIN_BATCH_BYTES = 16 << 20
 #: Batches fetched ahead of the one being exchanged. A rank holds, for sharing, at most
 #: the chunks of the batch it exchanges plus those it owns in the batches ahead.
 AHEAD = 2
-
-Chunks = Mapping[MetadataIndex, tuple[torch.Size, torch.dtype]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Share:
-    """One stored item several ranks need: ``owner`` fetches it, ``consumers`` (the
-    owner among them) get it; ``seq`` is its place in the global order."""
-
-    seq: int
-    batch: int
-    index: MetadataIndex
-    is_bytes: bool
-    owner: int
-    consumers: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,16 +132,17 @@ def assign(
     ]
 
 
-def read_shared(reader: CheckpointReader, plan: LoadPlan, planner: LoadPlanner) -> None:
-    """Carry out ``plan`` (whose ``storage_data`` is a :class:`SharePlan`) on this rank.
+def read_shared(load: LoadContext, plan: LoadPlan, planner: LoadPlanner) -> None:
+    """Carry out ``plan`` (whose ``storage_data`` is a :class:`SharePlan`) on this rank,
+    with what ``load`` was set up with (its items read through ``fetch.read_items``).
 
-    A collective over the reader's process group: every rank of it calls this together
+    A collective over the load's process group: every rank of it calls this together
     (DCP's ``read_data``), and the first call may create the exchange group."""
     share_plan: SharePlan = plan.storage_data
     me = share_plan.rank
-    group = reader.process_group
+    group = load.process_group
     channel = exchange_group(group)
-    left = reader.budget.left()
+    left = load.budget.left()
     deadline = None if left is None else time.monotonic() + left
     safe = _Serialized(planner)
     shared = {s.index for s in share_plan.shares}
@@ -171,8 +156,9 @@ def read_shared(reader: CheckpointReader, plan: LoadPlan, planner: LoadPlanner) 
 
     def fetch(batch: int) -> tuple[_Batch | None, BaseException | None]:
         try:
-            held = _Batch(safe, reader.chunks, batches[batch], wanted, me)
-            reader.read_items(
+            held = _Batch(safe, load.chunks, batches[batch], wanted, me)
+            read_items(
+                load,
                 (direct if batch == 0 else []) + held.requests,
                 held,  # type: ignore[arg-type]
                 Budget(time_left(deadline)),
@@ -186,10 +172,10 @@ def read_shared(reader: CheckpointReader, plan: LoadPlan, planner: LoadPlanner) 
             held, error = fetcher.take(batch)
             agree(error, channel)
             assert held is not None
-            received = exchange(shares, held.buffers, me, group, channel, reader.chunks, deadline)
+            received = exchange(shares, held.buffers, me, group, channel, load.chunks, deadline)
             fetcher.done(batch)
             for share in shares:
-                _apply(reader, safe, held, wanted[share.index], received[share.index])
+                _apply(load, safe, held, wanted[share.index], received[share.index])
 
 
 class _Serialized:
@@ -338,7 +324,7 @@ class _Prefetcher:
 
 
 def _apply(
-    reader: CheckpointReader,
+    load: LoadContext,
     planner: _Serialized,
     held: _Batch,
     reqs: list[ReadItem],
@@ -358,8 +344,8 @@ def _apply(
                 continue
         else:
             target = planner.resolve_tensor(req)
-        where = f"{reader.url}: item {quote(label)} (shared)"
-        check_shapes(req, target, reader.chunks.get(req.storage_index), where)
+        where = f"{load.url}: item {quote(label)} (shared)"
+        check_shapes(req, target, load.chunks.get(req.storage_index), where)
         target.copy_(narrow_tensor_by_index(value, req.storage_offsets, req.lengths))
         planner.commit_tensor(req, target)
 

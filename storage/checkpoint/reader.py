@@ -4,39 +4,28 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from extensions._compat import TorchExtensionRegistry
 from extensions.base import Keys
-from extensions.errors import (
-    CheckpointNotFoundError,
-    CheckpointStorageError,
-    IntegrityError,
-)
+from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from extensions.registry import ExtensionRegistry, as_registry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import fetch, read_once, share_groups
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget, check_timeout
-from storage.checkpoint.decode import (
-    MAX_OBJECT_BYTES,
-)
+from storage.checkpoint.decode import MAX_OBJECT_BYTES
 from storage.checkpoint.hook_errors import records_error
 from storage.checkpoint.items import encryption_required
 from storage.checkpoint.layout import metadata_rank
+from storage.checkpoint.load_context import Chunks, LoadContext
 from storage.checkpoint.options import (
     check_thread_count,
     default_thread_count,
@@ -92,6 +81,9 @@ class CheckpointReader(StorageReader):
     ``share_metadata``: the global ``.metadata`` is read by the group's rank 0 alone and
     broadcast (one request per load, not one per rank); a collective, so only for
     reads every rank makes together (``storage.load`` turns it on under a process group).
+
+    Each load is carried out with a :class:`~storage.checkpoint.load_context.LoadContext`
+    built in ``set_up_storage_reader`` from these settings and the load's metadata.
     """
 
     def __init__(
@@ -134,10 +126,8 @@ class CheckpointReader(StorageReader):
         self.registry = None if registry is None else as_registry(registry)
         self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
         self._read_once = read_once
-        self.storage_data: dict[MetadataIndex, Any] = {}
-        #: Each tensor item's stored chunk (sizes, dtype), from the metadata.
-        #: Each tensor item's stored chunk (sizes, dtype), from the metadata.
-        self.chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        # What the load set up last reads with (set_up_storage_reader); None: none yet.
+        self._load: LoadContext | None = None
         self.last_error: BaseException | None = None
         # What this load's probe of .metadata listed, when the file was missing.
         self._absent: _Absent | None = None
@@ -147,7 +137,7 @@ class CheckpointReader(StorageReader):
     # --- StorageReader --------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self.storage_data = {}
+        self._load = None
         self.last_error = None
         self._absent = None
         self.load_id = str(uuid.uuid4())
@@ -160,6 +150,18 @@ class CheckpointReader(StorageReader):
     @property
     def url(self) -> str:
         return self.fs.url(self.path)
+
+    @property
+    def storage_data(self) -> Mapping[MetadataIndex, Any]:
+        """The set-up load's storage index (each item's record), as stock readers
+        keep it; empty before ``set_up_storage_reader``."""
+        return {} if self._load is None else self._load.storage_data
+
+    @property
+    def chunks(self) -> Chunks:
+        """Each tensor item's stored chunk (sizes, dtype) in the set-up load's
+        metadata; empty before ``set_up_storage_reader``."""
+        return {} if self._load is None else self._load.chunks
 
     @property
     def read_once(self) -> bool:
@@ -223,15 +225,18 @@ class CheckpointReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        if metadata.storage_data is None:
-            raise IntegrityError(f"{self.url}: metadata has no storage index")
-        self.storage_data = metadata.storage_data
-        self.chunks = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                for chunk in md.chunks:
-                    index = MetadataIndex(fqn, chunk.offsets)
-                    self.chunks[index] = (chunk.sizes, md.properties.dtype)
+        self._load = LoadContext.for_metadata(
+            metadata,
+            fs=self.fs,
+            path=self.path,
+            registry=self.registry,
+            keys=self.keys,
+            require_encryption=self.require_encryption,
+            max_object_bytes=self.max_object_bytes,
+            thread_count=self.thread_count,
+            budget=self.budget,
+            process_group=self.process_group,
+        )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -239,23 +244,20 @@ class CheckpointReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self.read_once and len(plans) > 1:
             share_groups.check_can_share(self.process_group, self.url)
-            return read_once.assign(plans, self.storage_data, self.chunks)
+            load = self._set_up()
+            return read_once.assign(plans, load.storage_data, load.chunks)
         return plans
 
     @records_error
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        load = self._set_up()
         if isinstance(plan.storage_data, read_once.SharePlan):
-            read_once.read_shared(self, plan, planner)
+            read_once.read_shared(load, plan, planner)
         else:
-            self.read_items(plan.items, planner, self.budget)
+            fetch.read_items(load, plan.items, planner, load.budget)
         done: Future[None] = Future()
         done.set_result(None)
         return done
-
-    def read_items(self, reqs: Sequence[ReadItem], planner: LoadPlanner, budget: Budget) -> None:
-        """Fetch, verify and decode ``reqs`` into ``planner``, within ``budget``
-        (``fetch.read_items``; read-once loads read their batches through it too)."""
-        fetch.read_items(self, reqs, planner, budget)
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
@@ -268,6 +270,14 @@ class CheckpointReader(StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     # --- internals ------------------------------------------------------------------
+
+    def _set_up(self) -> LoadContext:
+        if self._load is None:
+            raise RuntimeError(
+                f"{self.url}: the reader has no load set up; call "
+                "set_up_storage_reader(metadata, ...) before planning and reading, as dcp.load does"
+            )
+        return self._load
 
     def _look(self) -> _Absent:
         """One listing of the location, for a load that found no metadata there."""

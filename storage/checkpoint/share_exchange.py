@@ -5,19 +5,31 @@ exchange group (``share_groups.py``), each bounded by the load's deadline."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError, rank_error
+from storage.checkpoint.load_context import Chunks
 
-if TYPE_CHECKING:
-    from storage.checkpoint.read_once import Chunks, Share
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """One stored item several ranks need: ``owner`` fetches it, ``consumers`` (the
+    owner among them) get it; ``seq`` is its place in the global order."""
+
+    seq: int
+    batch: int
+    index: MetadataIndex
+    is_bytes: bool
+    owner: int
+    consumers: tuple[int, ...]
 
 
 def agree(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
