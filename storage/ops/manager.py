@@ -49,7 +49,8 @@ class CheckpointManager:
     every step divisible by ``K`` (it needs ``keep_last``; without ``keep_last`` nothing
     is ever deleted). Retention runs after a save commits, never before, and never
     deletes the step just saved. ``transforms`` and the writer options (``thread_count``,
-    ``overwrite``, ``sync_files``, ...) go to every :class:`CheckpointWriter`; ``keys``,
+    ``overwrite``, ``sync_files``, ...; checked when the manager is made, as the writer
+    checks them) go to every :class:`CheckpointWriter`; ``keys``,
     ``registry`` and ``require_encryption`` (default: on when ``keys`` are given; see
     :class:`CheckpointReader`) to every reader. ``filesystem`` supplies a backend instance directly.
 
