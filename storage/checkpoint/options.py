@@ -1,11 +1,13 @@
 """What the writer and the reader accept, checked once: the location (a path or URL, or
 a ``FileSystemBase`` and a path on it), ``checkpoint_id`` as torch reports it, thread
-counts, the serialization format, transforms, the staging options and on/off flags."""
+counts, the serialization format, transforms, the staging options and on/off flags;
+:class:`WriterSettings`, a writer's keyword options as one checked value."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,78 @@ from torch.distributed.checkpoint.staging import StagingOptions
 
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url
+from storage.checkpoint import persist as _persist
+from storage.checkpoint.committed import CommittedCheckpoint
+from storage.checkpoint.deadline import check_timeout
+from storage.checkpoint.prefixes import check_key_prefixes
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterSettings:
+    """A :class:`~storage.checkpoint.writer.CheckpointWriter`'s keyword options (all but
+    the location, ``transforms`` and ``storage_options``), checked when made, with the
+    writer's defaults and the errors the writer raises for a bad value. What the writer,
+    the manager (for every save and drain) and the framework plug-ins hold instead of a
+    dict of keywords; :meth:`writer_kwargs` gives them back. ``timeout`` is kept as a
+    float, as the writer uses it."""
+
+    thread_count: int | None = None
+    single_file_per_rank: bool = True
+    sync_files: bool = True
+    per_thread_copy_ahead: int = 10_000_000
+    overwrite: bool = True
+    cache_staged_state_dict: bool = False
+    serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE
+    base: str | os.PathLike[str] | CommittedCheckpoint | None = None
+    fingerprint: bool = False
+    timeout: float | None = None
+    key_prefixes: int = 0
+    persist: str | None = None
+    max_bandwidth: int | None = None
+    publish: bool = True
+    async_staging: bool = False
+
+    def __post_init__(self) -> None:
+        _persist.check_mode(self.persist, self.max_bandwidth)
+        object.__setattr__(self, "timeout", check_timeout(self.timeout))
+        check_key_prefixes(self.key_prefixes)
+        check_serialization_format(self.serialization_format)
+        check_thread_count(self.thread_count)
+        check_flags(
+            single_file_per_rank=self.single_file_per_rank,
+            sync_files=self.sync_files,
+            overwrite=self.overwrite,
+            cache_staged_state_dict=self.cache_staged_state_dict,
+            fingerprint=self.fingerprint,
+            publish=self.publish,
+            async_staging=self.async_staging,
+        )
+        base = self.base
+        if base is not None and not isinstance(base, (str, os.PathLike, CommittedCheckpoint)):
+            raise TypeError(f"base must be a path or URL, got {base!r}")
+
+    @classmethod
+    def from_kwargs(
+        cls, options: Mapping[str, Any], *, owner: str, refuse: Collection[str] = ()
+    ) -> WriterSettings:
+        """The settings ``options`` (keywords a user gave ``owner``) ask for. A keyword
+        that is no writer option, or one of ``refuse`` (those ``owner`` sets itself, per
+        save), raises ``TypeError`` naming ``owner`` and the options it accepts."""
+        accepted = sorted(f.name for f in dataclasses.fields(cls) if f.name not in refuse)
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise TypeError(f"unknown {owner} option(s) {unknown}; writer options are {accepted}")
+        return cls(**options)
+
+    def writer_kwargs(self) -> dict[str, Any]:
+        """Every option as a keyword of ``CheckpointWriter``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def persist_mode(self, *filesystems: FileSystemBase) -> _persist.Mode:
+        """Where an asynchronous save with these settings to ``filesystems`` runs."""
+        return _persist.for_filesystems(
+            _persist.check_mode(self.persist, self.max_bandwidth), *filesystems
+        )
 
 
 def resolve_location(

@@ -23,18 +23,15 @@ from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.committed import CommittedCheckpoint
-from storage.checkpoint.deadline import Budget, check_timeout
+from storage.checkpoint.deadline import Budget
 from storage.checkpoint.hook_errors import records_error
 from storage.checkpoint.options import (
-    check_flags,
-    check_serialization_format,
-    check_thread_count,
+    WriterSettings,
     check_transforms,
     default_thread_count,
     resolve_location,
     stock_checkpoint_id,
 )
-from storage.checkpoint.prefixes import check_key_prefixes
 from storage.checkpoint.staging import WriterStaging
 
 DCP_VERSION = "1.0.0"
@@ -133,37 +130,39 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         async_staging: bool = False,
     ) -> None:
         super().__init__()
-        self.persist_mode = _persist.check_mode(persist, max_bandwidth)
+        settings = WriterSettings(
+            thread_count=thread_count,
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            overwrite=overwrite,
+            cache_staged_state_dict=cache_staged_state_dict,
+            serialization_format=serialization_format,
+            base=base,
+            fingerprint=fingerprint,
+            timeout=timeout,
+            key_prefixes=key_prefixes,
+            persist=persist,
+            max_bandwidth=max_bandwidth,
+            publish=publish,
+            async_staging=async_staging,
+        )
         self._lease: _persist.Lease | None = None  # the worker's staging buffers, held
-        self.timeout = check_timeout(timeout)
+        self.timeout = settings.timeout
         self.budget = Budget(self.timeout)
-        self.key_prefixes = check_key_prefixes(key_prefixes)
-        check_serialization_format(serialization_format)
+        self.key_prefixes = key_prefixes
         self.transforms = check_transforms(transforms)
         self.storage_options = storage_options
         self._explicit_fs = filesystem
         self.fs, self.path = resolve_location(path, storage_options, filesystem)
         self._location = path  # as given: checkpoint_id reports it as stock does
-        self.persist_mode = _persist.for_filesystems(self.persist_mode, self.fs)
-        self.thread_count = check_thread_count(thread_count) or default_thread_count(self.fs)
-        check_flags(
-            single_file_per_rank=single_file_per_rank,
-            sync_files=sync_files,
-            overwrite=overwrite,
-            cache_staged_state_dict=cache_staged_state_dict,
-            fingerprint=fingerprint,
-            publish=publish,
-            async_staging=async_staging,
-        )
+        self.persist_mode = settings.persist_mode(self.fs)
+        self.thread_count = thread_count or default_thread_count(self.fs)
         self.async_staging = async_staging
-        self.single_file_per_rank = single_file_per_rank
-        self.sync_files = sync_files
-        self.per_thread_copy_ahead = per_thread_copy_ahead
-        self.overwrite = overwrite
+        self.single_file_per_rank, self.sync_files = single_file_per_rank, sync_files
+        self.per_thread_copy_ahead, self.overwrite = per_thread_copy_ahead, overwrite
         self.cache_staged_state_dict = cache_staged_state_dict
         self.serialization_format = serialization_format
-        if base is not None and not isinstance(base, (str, os.PathLike, CommittedCheckpoint)):
-            raise TypeError(f"base must be a path or URL, got {base!r}")
         self.base = base
         self.fingerprint = fingerprint or base is not None
         self._base: incremental.Base | None = None

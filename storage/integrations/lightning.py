@@ -22,7 +22,6 @@ e.g. through ``AWS_ENDPOINT_URL``); ``trainer.fit(ckpt_path=URL)`` resumes.
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ from extensions.registry import ExtensionRegistry
 from storage.checkpoint import api
 from storage.checkpoint.deletion import delete_checkpoint
 from storage.checkpoint.layout import is_committed, is_metadata_name, metadata_names
-from storage.checkpoint.options import resolve_location
+from storage.checkpoint.options import WriterSettings, resolve_location
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
 from storage.integrations import _tree
@@ -49,14 +48,6 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # 
 
 # The item holding everything but the tensors (storage.integrations._tree).
 PREFIX = "lightning"
-_WRITER_OPTIONS = frozenset(inspect.signature(CheckpointWriter.__init__).parameters) - {
-    "self",
-    "path",
-    "transforms",
-    "storage_options",
-    "filesystem",
-    "publish",  # Lightning's saves publish
-}
 
 
 class StorageCheckpointIO(CheckpointIO):
@@ -87,16 +78,14 @@ class StorageCheckpointIO(CheckpointIO):
         require_encryption: bool | None = None,
         **writer_options: Any,
     ) -> None:
-        unknown = sorted(set(writer_options) - _WRITER_OPTIONS)
-        if unknown:
-            raise TypeError(
-                f"unknown StorageCheckpointIO option(s) {unknown}; writer options are "
-                f"{sorted(_WRITER_OPTIONS)}"
-            )
+        self.settings = WriterSettings.from_kwargs(
+            writer_options,
+            owner="StorageCheckpointIO",
+            refuse=("publish",),  # saves publish
+        )
         self.storage_options = storage_options
         self.transforms = list(transforms or [])
         self.read_options = api.ReaderOptions(keys, registry, require_encryption)
-        self.writer_options = writer_options
 
     def options_for(self, path: str) -> dict[str, Any] | None:
         """``storage_options`` for ``path``: a URL's client gets them, a local path
@@ -113,7 +102,7 @@ class StorageCheckpointIO(CheckpointIO):
             path,
             transforms=self.transforms,
             storage_options=self.options_for(path),
-            **self.writer_options,
+            **self.settings.writer_kwargs(),
         )
 
     def save_checkpoint(

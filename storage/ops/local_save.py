@@ -27,6 +27,7 @@ from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.deadline import DeadlineExceededError
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops._peers import Group, Move, gather_errors, transfer
+from storage.ops.base_choice import Candidate, choose_base
 from storage.ops.steps import StepRoot
 
 log = logging.getLogger("storage.ops.tiers")  # one logger for everything tiers say
@@ -41,37 +42,32 @@ def base_for(
     full_every: int | None,
     pg: Any = None,
 ) -> int | None:
-    """The base of an incremental save of ``step``: the newest step below it that is
-    committed in every node's local tier (a reference is resolved in the tier that
-    holds the referencing step), unless ``full_every`` asks for a full save. When that
-    step cannot be a base on some rank (``StepRoot.base_problem``, the root's rule) or
-    the nodes' copies of it are different saves (a reference names files of one save),
-    the save is a full one, and says why, as the root's are. Collective on ``pg``."""
-    if not incremental:
-        return None
-    views = g.all_gather([s for s in local.steps() if s < step], pg=pg)
-    common = set.intersection(*(set(v) for v in views))
-    if not common:
-        return None
-    base = max(common)
-    why = local.base_problem(base)
-    verdicts = g.all_gather((why, None if why else local.save_id(base)), pg=pg)
-    problems = [(rank, w) for rank, (w, _) in enumerate(verdicts) if w is not None]
-    if problems:
-        rank, why = problems[0]
-        where = f", on rank {rank}" if g.world > 1 else ""
-        log.info("step %d is saved in full: step %d is no base (%s%s)", step, base, why, where)
-        return None
-    if len({save_id for _, save_id in verdicts}) > 1:
-        log.info(
-            "step %d is saved in full: step %d is no base (the nodes' local copies of it "
-            "are different saves)",
-            step,
-            base,
-        )
-        return None
-    chain = local.model(base).chain
-    return None if full_every is not None and chain + 1 >= full_every else base
+    """The base of an incremental save of ``step``
+    (:func:`~storage.ops.base_choice.choose_base`) among the steps committed in every
+    node's local tier (a reference is resolved in the tier that holds the referencing
+    step). A candidate that cannot be a base on some rank (``StepRoot.base_problem``,
+    the root's rule) or whose nodes' copies are different saves (a reference names files
+    of one save) makes the save a full one, which is logged. Collective on ``pg``."""
+
+    def committed() -> set[int]:
+        views = g.all_gather([s for s in local.steps() if s < step], pg=pg)
+        return set.intersection(*(set(v) for v in views))
+
+    def facts(base: int) -> Candidate:
+        why = local.base_problem(base)
+        verdicts = g.all_gather((why, None if why else local.save_id(base)), pg=pg)
+        problems = [(rank, w) for rank, (w, _) in enumerate(verdicts) if w is not None]
+        if problems:
+            rank, why = problems[0]
+            return Candidate(f"{why}, on rank {rank}" if g.world > 1 else why)
+        if len({save_id for _, save_id in verdicts}) > 1:
+            return Candidate("the nodes' local copies of it are different saves")
+        return Candidate(None, local.model(base).chain)
+
+    choice = choose_base(step, committed, facts, incremental=incremental, full_every=full_every)
+    if choice.note is not None:
+        log.info("%s", choice.note)
+    return choice.base
 
 
 def commit_step(

@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from extensions.base import Keys
@@ -33,6 +32,7 @@ from storage.ops.manager_options import check_options
 from storage.ops.retention import Retention
 from storage.ops.root_tier import RootTier
 from storage.ops.steps import StepRoot, check_step
+from storage.ops.tier import Tier
 from storage.ops.uploads import stale_uploads
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ class CheckpointManager:
     every step divisible by ``K`` (it needs ``keep_last``; without ``keep_last`` nothing
     is ever deleted). Retention runs after a save commits, never before, and never
     deletes the step just saved. ``transforms`` and the writer options (``thread_count``,
-    ``overwrite``, ``sync_files``, ...) go to every :class:`CheckpointWriter`; ``keys``,
+    ``overwrite``, ``sync_files``, ...; checked when the manager is made, as the writer
+    checks them) go to every :class:`CheckpointWriter`; ``keys``,
     ``registry`` and ``require_encryption`` (default: on when ``keys`` are given; see
     :class:`CheckpointReader`) to every reader. ``filesystem`` supplies a backend instance directly.
 
@@ -100,10 +101,11 @@ class CheckpointManager:
         local_filesystem: FileSystemBase | None = None,
         **writer_options: Any,
     ) -> None:
-        check_options(incremental, full_every, keep_last, keep_every, keep_local, writer_options)
+        self.settings = check_options(
+            incremental, full_every, keep_last, keep_every, keep_local, writer_options
+        )
         self.transforms = list(transforms or [])
         self.reader_options = api.ReaderOptions(keys, registry, require_encryption)
-        self.writer_options = writer_options
         self.incremental = incremental
         self.full_every = full_every
         self.location = StepRoot(*resolve_location(root_url, storage_options, filesystem))
@@ -114,7 +116,7 @@ class CheckpointManager:
             self.location,
             self.retention,
             transforms=self.transforms,
-            writer_options=writer_options,
+            settings=self.settings,
             incremental=incremental,
             full_every=full_every,
             reader=self.reader_options,
@@ -126,10 +128,8 @@ class CheckpointManager:
             )
         elif keep_local is not None or replicate:
             raise ValueError("keep_local and replicate need a local tier (local=PATH_OR_URL)")
-
-    def _save_fs(self) -> FileSystemBase:
-        """Where :meth:`save` writes: the local tier, else the root."""
-        return self.fs if self.tiers is None else self.tiers.local.fs
+        #: Where saves, loads, listings and waits go: the local tier, else the root.
+        self.tier: Tier = self.root_tier if self.tiers is None else self.tiers
 
     def _local_tier(
         self,
@@ -145,7 +145,7 @@ class CheckpointManager:
             self.location,
             local,
             transforms=self.transforms,
-            writer_options=self.writer_options,
+            settings=self.settings,
             incremental=self.incremental,
             full_every=self.full_every,
             reader=self.reader_options,
@@ -157,6 +157,11 @@ class CheckpointManager:
         )
 
     # --- locations ------------------------------------------------------------------
+
+    @property
+    def writer_options(self) -> dict[str, Any]:
+        """The keyword options of this manager's writers (its ``settings``)."""
+        return self.settings.writer_kwargs()
 
     @property
     def keys(self) -> Keys | None:
@@ -206,13 +211,11 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (in any tier: :meth:`durable_steps` for the root's)."""
-        if self.tiers is not None:
-            return list(self.tiers.tiers_by_step())
-        return self.durable_steps()
+        return self.tier.steps()
 
     def durable_steps(self) -> list[int]:
         """Steps committed under the root, ascending."""
-        return self.location.steps()
+        return self.tier.durable_steps()
 
     def latest(self) -> int | None:
         """The newest committed step, or ``None``."""
@@ -227,11 +230,7 @@ class CheckpointManager:
     def entries(self) -> list[StepInfo]:
         """Every ``step-<N>`` directory, committed or not, with size, age and the tiers
         holding a committed copy (a tiered manager adds the steps only its local tier holds)."""
-        infos = [
-            replace(info, tiers=("durable",) if info.committed else ())
-            for info in self.location.entries()
-        ]
-        return infos if self.tiers is None else self.tiers.merge_entries(infos)
+        return self.tier.entries()
 
     # --- save / load ----------------------------------------------------------------
 
@@ -249,10 +248,8 @@ class CheckpointManager:
         :meth:`storage.ops.tiers.LocalTier.save`)."""
         step = check_step(step)
         if not blocking:  # its worker starts now; until it is ready, saves write here
-            persist.start(self.writer_options, self._save_fs())
-        if self.tiers is not None:
-            return self.tiers.save(step, state_dict, blocking=blocking)
-        return self.root_tier.save(step, state_dict, blocking=blocking)
+            persist.start(self.writer_options, self.tier.saves_to.fs)
+        return self.tier.save(step, state_dict, blocking=blocking)
 
     def prepare(self, state_dict: dict[str, Any]) -> None:
         """Make the staging buffers of asynchronous saves for ``state_dict`` now, before
@@ -262,7 +259,7 @@ class CheckpointManager:
         without it makes what it needs. Stages and saves nothing; tensors added or
         resized later get their buffers at the save that first sees them. Does nothing
         with ``persist="thread"``. See docs/operations.md ("The persist worker")."""
-        w = persist.start(self.writer_options, self._save_fs())
+        w = persist.start(self.writer_options, self.tier.saves_to.fs)
         if w is not None:
             w.reserve(api.plain_state_dict(state_dict))
 
@@ -296,9 +293,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any (its error is not raised);
         on a tiered manager, wait for the drains and raise a failed drain's error."""
-        if self.tiers is not None:
-            self.tiers.wait()
-        self.root_tier.wait()
+        self.tier.wait()
 
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
         """Load ``step`` (default: the latest committed one) into ``state_dict`` in
@@ -311,9 +306,7 @@ class CheckpointManager:
         eventually consistent store, a save landing in between). A tiered manager
         restores from the nearest tier that holds a committed copy (``.tier`` of the
         returned step says which)."""
-        if self.tiers is not None:
-            return self.tiers.load(state_dict, step)
-        return self.root_tier.load(state_dict, step)
+        return self.tier.load(state_dict, step)
 
     # --- deleting (storage/ops/retention.py) -----------------------------------------
 

@@ -1,24 +1,16 @@
 """The checks on a :class:`~storage.ops.manager.CheckpointManager`'s options, made
-before anything is opened: retention counts, incremental settings, and which writer
-options a manager passes on to its writers."""
+before anything is opened: retention counts, incremental settings, and the writer
+options a manager passes on to its writers (its :class:`WriterSettings`)."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from storage.checkpoint.writer import CheckpointWriter
+from storage.checkpoint.options import WriterSettings
 
-_WRITER_OPTIONS = frozenset(inspect.signature(CheckpointWriter.__init__).parameters) - {
-    "self",
-    "path",
-    "transforms",
-    "storage_options",
-    "filesystem",
-    "base",  # chosen per save: incremental=True
-    "fingerprint",
-    "publish",  # a manager's saves publish (a tier's own local commit does not)
-}
+#: Writer options a manager sets itself for each save: the base and fingerprints of an
+#: incremental save, and whether it publishes (a tier's own local commit does not).
+CHOSEN_PER_SAVE = ("base", "fingerprint", "publish")
 
 
 def check_options(
@@ -28,7 +20,8 @@ def check_options(
     keep_every: object,
     keep_local: object,
     writer_options: dict[str, Any],
-) -> None:
+) -> WriterSettings:
+    """The writer settings ``writer_options`` ask for, once every option is checked."""
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be a bool, got {incremental!r}")
     if full_every is not None and not incremental:
@@ -48,9 +41,6 @@ def check_options(
             "keep_every needs keep_last (without keep_last nothing is deleted); "
             "pass e.g. keep_last=3, keep_every=1000"
         )
-    unknown = sorted(set(writer_options) - _WRITER_OPTIONS)
-    if unknown:
-        raise TypeError(
-            f"unknown CheckpointManager option(s) {unknown}; writer options are "
-            f"{sorted(_WRITER_OPTIONS)}"
-        )
+    return WriterSettings.from_kwargs(
+        writer_options, owner="CheckpointManager", refuse=CHOSEN_PER_SAVE
+    )

@@ -266,5 +266,10 @@ def merge_entries(local: list[StepInfo], durable: list[StepInfo]) -> list[StepIn
     return [merged[s] for s in sorted(merged, key=lambda s: -1 if s is None else s)]
 
 
+def durable_entries(root: StepRoot) -> list[StepInfo]:
+    """``root``'s entries, each committed one held by the durable tier."""
+    return [_with_tiers(i, (DURABLE,) if i.committed else ()) for i in root.entries()]
+
+
 def _with_tiers(info: StepInfo, tiers: tuple[str, ...]) -> StepInfo:
     return dataclasses.replace(info, tiers=tiers)

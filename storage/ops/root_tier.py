@@ -11,6 +11,7 @@ rank 0 picks, once this manager's own save in flight is done.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from typing import Any
@@ -22,9 +23,12 @@ from storage.checkpoint import api
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.committed import CommittedCheckpoint
-from storage.checkpoint.layout import STEP_PREFIX
+from storage.checkpoint.layout import STEP_PREFIX, StepInfo
+from storage.checkpoint.options import WriterSettings
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops._peers import decided_by_rank_zero
+from storage.ops.base_choice import Candidate, choose_base
+from storage.ops.restore import durable_entries
 from storage.ops.retention import Retention
 from storage.ops.steps import StepRoot
 
@@ -32,9 +36,9 @@ log = logging.getLogger("storage.ops.manager")
 
 
 class RootTier:
-    """The saves and loads of one manager at ``root`` with its settings
-    (``transforms``, the writer options, ``incremental``, ``full_every``, ``reader``);
-    ``retention`` runs after each save."""
+    """The saves and loads of one manager at ``root`` (a :class:`~storage.ops.tier.Tier`)
+    with its settings (``transforms``, the writer ``settings``, ``incremental``,
+    ``full_every``, ``reader``); ``retention`` runs after each save."""
 
     def __init__(
         self,
@@ -42,29 +46,40 @@ class RootTier:
         retention: Retention,
         *,
         transforms: list[Any],
-        writer_options: dict[str, Any],
+        settings: WriterSettings,
         incremental: bool,
         full_every: int | None,
         reader: ReaderOptions,
     ) -> None:
         self.root, self.retention, self.reader = root, retention, reader
-        self.transforms, self.writer_options = transforms, writer_options
+        self.transforms, self.settings = transforms, settings
         self.incremental, self.full_every = incremental, full_every
         self._lock = threading.Lock()
         self._pending: concurrent.futures.Future[None] | None = None
         self._async_group: Any = None
+
+    @property
+    def saves_to(self) -> StepRoot:
+        return self.root
+
+    def steps(self) -> list[int]:
+        return self.root.steps()
+
+    def durable_steps(self) -> list[int]:
+        return self.root.steps()
+
+    def entries(self) -> list[StepInfo]:
+        return durable_entries(self.root)
 
     def save(
         self, step: int, state_dict: dict[str, Any], *, blocking: bool
     ) -> concurrent.futures.Future[None] | None:
         """See :meth:`CheckpointManager.save`."""
         self.wait()
-        options = dict(self.writer_options, filesystem=self.root.fs)
         base, opened = self.incremental_base(step)
-        if self.incremental:
-            options["fingerprint"] = True
-        if opened is not None:
-            options["base"] = opened  # read once, here: the writer does not read it again
+        # The base is read once, here: the writer does not read it again.
+        settings = dataclasses.replace(self.settings, fingerprint=self.incremental, base=opened)
+        options = dict(settings.writer_kwargs(), filesystem=self.root.fs)
         if not blocking:
             return self._save_async(step, base, state_dict, options)
         with self.root.in_flight.writing(step, base):
@@ -124,23 +139,23 @@ class RootTier:
         return self._async_group
 
     def incremental_base(self, step: int) -> tuple[int | None, CommittedCheckpoint | None]:
-        """The step an incremental save of ``step`` references and its read model: the
-        newest committed step below it, unless ``full_every`` says this save is a full
-        one, or that step cannot serve as a base (``StepRoot.base_problem``): then the
-        save is a full one, and says why."""
-        if not self.incremental:
-            return None, None
-        below = [s for s in self.root.steps() if s < step]
-        if not below:
-            return None, None
-        why = self.root.base_problem(below[-1])
-        if why is not None:
-            log.info("step %d is saved in full: step %d is no base (%s)", step, below[-1], why)
-            return None, None
-        checkpoint = self.root.model(below[-1])
-        if self.full_every is not None and checkpoint.chain + 1 >= self.full_every:
-            return None, None
-        return below[-1], checkpoint
+        """The step an incremental save of ``step`` references and its read model
+        (:func:`~storage.ops.base_choice.choose_base`; a candidate that cannot be a base,
+        ``StepRoot.base_problem``, makes the save a full one, which is logged)."""
+        choice = choose_base(
+            step,
+            self.root.steps,
+            self._candidate,
+            incremental=self.incremental,
+            full_every=self.full_every,
+        )
+        if choice.note is not None:
+            log.info("%s", choice.note)
+        return choice.base, None if choice.base is None else self.root.model(choice.base)
+
+    def _candidate(self, step: int) -> Candidate:
+        why = self.root.base_problem(step)
+        return Candidate(why, 0 if why is not None else self.root.model(step).chain)
 
     def load(self, state_dict: dict[str, Any], step: int | None) -> int:
         """See :meth:`CheckpointManager.load`."""

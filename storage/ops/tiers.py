@@ -20,6 +20,7 @@ planned and run in :mod:`storage.ops.restore`; ``keep_local`` is
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
@@ -30,13 +31,12 @@ from extensions.errors import TierFullError
 from storage.checkpoint import api, persist
 from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.layout import StepInfo
-from storage.checkpoint.options import resolve_location
+from storage.checkpoint.options import WriterSettings, resolve_location
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops import local_save, restore
 from storage.ops._peers import Group, make_group
 from storage.ops.drain import Drains
 from storage.ops.restore import LoadedStep
-from storage.ops.restore_plan import DURABLE, LOCAL
 from storage.ops.retention import LocalRetention
 from storage.ops.steps import StepRoot
 
@@ -44,9 +44,10 @@ log = logging.getLogger(__name__)
 
 
 class LocalTier:
-    """The local tier in front of ``root`` (a manager's ``tiers``; see the module
-    docstring). ``transforms``, ``writer_options``, ``incremental`` and ``full_every``
-    are the manager's save settings, ``reader`` its reader options; ``on_durable(step)``
+    """The local tier in front of ``root`` (a manager's ``tiers``, a
+    :class:`~storage.ops.tier.Tier`; see the module docstring). ``transforms``, the writer
+    ``settings``, ``incremental`` and ``full_every`` are the manager's save settings,
+    ``reader`` its reader options; ``on_durable(step)``
     runs once a drained step is durable (the root's retention). Collective under a
     process group: it makes the groups its saves and drains run on."""
 
@@ -56,7 +57,7 @@ class LocalTier:
         local: str | os.PathLike[str],
         *,
         transforms: list[Any],
-        writer_options: dict[str, Any],
+        settings: WriterSettings,
         incremental: bool,
         full_every: int | None,
         reader: ReaderOptions,
@@ -78,7 +79,7 @@ class LocalTier:
             durable=root.is_committed,
             pending=self.pending,
         )
-        self.transforms, self.writer_options = transforms, writer_options
+        self.transforms, self.settings = transforms, settings
         self.incremental, self.full_every, self.reader = incremental, full_every, reader
         self.replicated_bytes = 0  # bytes this rank sent to its peer
         self.restored_bytes = 0  # bytes this rank sent to restore other nodes' files (loads)
@@ -95,7 +96,7 @@ class LocalTier:
             self.group,
             self.local,
             root,
-            writer_options=writer_options,
+            writer_options=settings.writer_kwargs(),
             pace=self.pause,
             prune=self.retention.prune,
             on_durable=on_durable,
@@ -121,21 +122,24 @@ class LocalTier:
         """Steps this manager saved whose drain has not landed yet."""
         return self.drains.pending()
 
+    @property
+    def saves_to(self) -> StepRoot:
+        return self.local
+
+    def steps(self) -> list[int]:
+        """Committed steps, in this node's local tier or the root."""
+        return sorted(set(self.local.steps()) | set(self.root.steps()))
+
+    def durable_steps(self) -> list[int]:
+        return self.root.steps()
+
+    def entries(self) -> list[StepInfo]:
+        """The root's entries merged with this node's local tier."""
+        return restore.merge_entries(self.local.entries(), restore.durable_entries(self.root))
+
     def references(self, step: int) -> set[int]:
         """The local steps whose bytes local ``step`` references (incremental saves)."""
         return self.retention.references(step)
-
-    def tiers_by_step(self) -> dict[int, tuple[str, ...]]:
-        """Committed steps (this node's local tier and the root) and the tiers holding each."""
-        local, durable = set(self.local.steps()), set(self.root.steps())
-        return {
-            s: tuple(t for t, held in ((LOCAL, s in local), (DURABLE, s in durable)) if held)
-            for s in sorted(local | durable)
-        }
-
-    def merge_entries(self, durable: list[StepInfo]) -> list[StepInfo]:
-        """``durable`` (the root's entries) merged with this node's local tier."""
-        return restore.merge_entries(self.local.entries(), durable)
 
     # --- save -----------------------------------------------------------------------
 
@@ -251,14 +255,17 @@ class LocalTier:
         self._idle.clear()  # after _make_room, which may wait for the drain
         persist.worker().foreground(True)  # a drain copying in the worker pauses too
         try:
+            settings = dataclasses.replace(
+                self.settings,
+                fingerprint=self.incremental,
+                base=None if base is None else self.local.model(base),
+                publish=False,  # each node publishes its own copy: local_save
+            )
             return CheckpointWriter(
                 self.local.step_url(step),
                 transforms=self.transforms,
                 filesystem=self.local.fs,
-                fingerprint=self.incremental,
-                base=None if base is None else self.local.model(base),
-                publish=False,  # each node publishes its own copy: local_save
-                **self.writer_options,
+                **settings.writer_kwargs(),
             )
         except BaseException:
             self._end()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -506,3 +507,55 @@ def test_stream_failing_mid_tensor_raises_cleanly() -> None:
         [sys.executable, "-c", _BROKEN_STREAM], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_writer_settings_are_the_writer_options() -> None:
+    """``WriterSettings`` holds every keyword option of ``CheckpointWriter`` with its
+    default: the manager and the Lightning plug-in accept exactly these (they used to
+    read them off the writer's signature), so an option added to the writer and not
+    to the settings would be refused there."""
+    import dataclasses
+    import inspect
+
+    from storage.checkpoint.options import WriterSettings
+
+    params = inspect.signature(storage.CheckpointWriter.__init__).parameters
+    located = {"self", "path", "transforms", "storage_options", "filesystem"}
+    defaults = {n: p.default for n, p in params.items() if n not in located}
+    assert {f.name: f.default for f in dataclasses.fields(WriterSettings)} == defaults
+    assert WriterSettings().writer_kwargs() == defaults
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"thread_count": 0},
+        {"overwrite": "yes"},
+        {"publish": 1},
+        {"timeout": -1},
+        {"key_prefixes": -1},
+        {"persist": "elsewhere"},
+        {"persist": "thread", "max_bandwidth": 10},
+        {"base": 3},
+        {"serialization_format": "safetensors"},
+    ],
+)
+def test_writer_settings_refuse_what_the_writer_refuses(tmp_path: Path, kwargs: dict) -> None:
+    """One check per option: the settings a manager or plug-in builds at once raise
+    the error (type and message) the writer raises for the same value."""
+    from storage.checkpoint.options import WriterSettings
+
+    with pytest.raises((TypeError, ValueError)) as by_writer:
+        storage.CheckpointWriter(tmp_path / "c", **kwargs)
+    with pytest.raises(type(by_writer.value), match=f"^{re.escape(str(by_writer.value))}$"):
+        WriterSettings.from_kwargs(kwargs, owner="CheckpointWriter")
+
+
+def test_writer_settings_refuse_unknown_options() -> None:
+    from storage.checkpoint.options import WriterSettings
+
+    with pytest.raises(TypeError) as refused:
+        WriterSettings.from_kwargs({"thread_cont": 2, "base": "x"}, owner="Mine", refuse=["base"])
+    message = str(refused.value)
+    assert message.startswith("unknown Mine option(s) ['base', 'thread_cont']; writer options are")
+    assert "'thread_count'" in message and "'base'" not in message.split("are")[1]

@@ -237,6 +237,19 @@ def test_checkpoint_dict_round_trips_with_its_types(tmp_path: Any) -> None:
         plugin.load_checkpoint(tmp_path / "x.ckpt")
 
 
+def test_plugin_options_are_the_writers_but_publish(tmp_path: Any) -> None:
+    """The plug-in takes every writer option (its saves publish, so not ``publish``),
+    refuses others naming itself, and checks a value when made, not at the first save."""
+    with pytest.raises(TypeError, match=r"unknown StorageCheckpointIO option\(s\) \['publish'\]"):
+        StorageCheckpointIO(publish=False)
+    with pytest.raises(TypeError, match=r"\['thread_cont'\]; writer options are \[.*'base'"):
+        StorageCheckpointIO(thread_cont=2)
+    with pytest.raises(TypeError, match="overwrite must be a bool"):
+        StorageCheckpointIO(overwrite="yes")
+    writer = StorageCheckpointIO(thread_count=2, overwrite=False).writer(str(tmp_path / "c"))
+    assert (writer.thread_count, writer.overwrite, writer.publish) == (2, False, True)
+
+
 def test_the_rest_is_unpickled_with_the_weights_only_lightning_asks_for(tmp_path: Any) -> None:
     """A checkpoint with a class in it loads only with weights_only=False, as torch.load."""
     plugin = StorageCheckpointIO()

@@ -352,6 +352,13 @@ def test_bad_arguments(tmp_path: Any) -> None:
             CheckpointManager(str(tmp_path), keep_last=bad)
     with pytest.raises(TypeError, match="unknown CheckpointManager option"):
         CheckpointManager(str(tmp_path), thread_cont=2)
+    for chosen in ("base", "fingerprint", "publish"):  # the manager sets them per save
+        with pytest.raises(
+            TypeError, match=rf"unknown CheckpointManager option\(s\) \['{chosen}'\]"
+        ):
+            CheckpointManager(str(tmp_path), **{chosen: None})
+    with pytest.raises(TypeError, match="thread_count must be an int"):
+        CheckpointManager(str(tmp_path), thread_count=0)  # checked once, before any save
     mgr = CheckpointManager(str(tmp_path))
     for step in (-1, True, "3", 2.0):
         with pytest.raises(ValueError, match="step must be an int"):
