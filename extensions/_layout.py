@@ -56,21 +56,31 @@ def pack_v2_block(nbytes: int, flags: int, heads: list[PlaneHead]) -> bytes:
     body = bytearray()
     _varint(body, nbytes)
     body.append(flags)
-    for mode, a, b, length, extra in heads:
-        body.append(mode)
-        if mode == CONST:
-            body.append(a)
-        elif mode == BIT:
-            body += bytes((a, b))
-        elif mode == ZSTD:
-            _varint(body, length)
-        elif mode == PACK:
-            body += bytes((a, b))
-            _varint(body, length)
-            _varint(body, extra)
-        elif mode == SEVEN:
-            body.append(a)
+    for head in heads:
+        _pack_head(body, head)
     return V2_PREFIX.pack(BLOCK_TAG, len(body)) + body
+
+
+def head_size(head: PlaneHead) -> int:
+    """The bytes ``head`` takes in a format-2 block header."""
+    body = bytearray()
+    _pack_head(body, head)
+    return len(body)
+
+
+def _pack_head(body: bytearray, head: PlaneHead) -> None:
+    mode, a, b, length, extra = head
+    body.append(mode)
+    if mode in (CONST, SEVEN):
+        body.append(a)
+    elif mode == BIT:
+        body += bytes((a, b))
+    elif mode == ZSTD:
+        _varint(body, length)
+    elif mode == PACK:
+        body += bytes((a, b))
+        _varint(body, length)
+        _varint(body, extra)
 
 
 def pack_v2_end(total: int) -> bytes:

@@ -46,7 +46,17 @@ from typing import Any
 
 import numpy as np
 
-from extensions._layout import BIT, CONST, PACK, RAW, SEVEN, ZSTD, PlaneHead, seven_size
+from extensions._layout import (
+    BIT,
+    CONST,
+    PACK,
+    RAW,
+    SEVEN,
+    ZSTD,
+    PlaneHead,
+    head_size,
+    seven_size,
+)
 
 #: Decoded bytes per block; part of formats 1 and 2.
 BLOCK_BYTES = 1 << 19
@@ -132,7 +142,9 @@ def encode_block(
 
 
 def _stored(coded: list[Coded]) -> int:
-    return sum(memoryview(piece).nbytes for _, pieces in coded for piece in pieces)
+    """The bytes ``coded`` planes take, their format-2 heads included."""
+    pieces = sum(memoryview(piece).nbytes for _, pieces in coded for piece in pieces)
+    return pieces + sum(head_size(head) for head, _ in coded)
 
 
 def _split(words: np.ndarray, es: int, moved: bool) -> list[np.ndarray]:
