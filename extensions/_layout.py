@@ -11,7 +11,8 @@ Format 2, compact (a small tensor's headers cost what its data does): every reco
 ``u8 tag, u8 size`` and ``size`` bytes of body. A block's body is ``varint nbytes, u8
 flags``, then per plane ``u8 mode`` and only what the mode needs: RAW nothing (its
 length is the plane's), CONST ``a``, BIT ``a, b`` (length: a bit per element), ZSTD
-``varint length``, PACK ``a, b, varint length, varint extra``. The end record's body is
+``varint length``, PACK ``a, b, varint length, varint extra``, SEVEN ``a`` (length:
+:func:`seven_size`). The end record's body is
 ``varint total``. Varints are LEB128, at most 5 bytes (a value below 2**35).
 
 Parsing checks every field against the block it describes and raises
@@ -24,7 +25,7 @@ import struct
 
 BLOCK_TAG = 1
 END_TAG = 0
-RAW, CONST, BIT, ZSTD, PACK = range(5)
+RAW, CONST, BIT, ZSTD, PACK, SEVEN = range(6)
 V1_HEAD = struct.Struct("<BIB")
 V1_PLANE = struct.Struct("<BBBBII")
 V1_END = struct.Struct("<BQ")
@@ -33,6 +34,11 @@ V2_PREFIX = struct.Struct("<BB")
 _MAX_VARINT = 5
 
 PlaneHead = tuple[int, int, int, int, int]
+
+
+def seven_size(n: int) -> int:
+    """Stored bytes of a SEVEN plane of ``n`` bytes: 7 per 8, in rows of 64 values."""
+    return -(-n // 64) * 56
 
 
 class CorruptBlock(ValueError):
@@ -50,19 +56,31 @@ def pack_v2_block(nbytes: int, flags: int, heads: list[PlaneHead]) -> bytes:
     body = bytearray()
     _varint(body, nbytes)
     body.append(flags)
-    for mode, a, b, length, extra in heads:
-        body.append(mode)
-        if mode == CONST:
-            body.append(a)
-        elif mode == BIT:
-            body += bytes((a, b))
-        elif mode == ZSTD:
-            _varint(body, length)
-        elif mode == PACK:
-            body += bytes((a, b))
-            _varint(body, length)
-            _varint(body, extra)
+    for head in heads:
+        _pack_head(body, head)
     return V2_PREFIX.pack(BLOCK_TAG, len(body)) + body
+
+
+def head_size(head: PlaneHead) -> int:
+    """The bytes ``head`` takes in a format-2 block header."""
+    body = bytearray()
+    _pack_head(body, head)
+    return len(body)
+
+
+def _pack_head(body: bytearray, head: PlaneHead) -> None:
+    mode, a, b, length, extra = head
+    body.append(mode)
+    if mode in (CONST, SEVEN):
+        body.append(a)
+    elif mode == BIT:
+        body += bytes((a, b))
+    elif mode == ZSTD:
+        _varint(body, length)
+    elif mode == PACK:
+        body += bytes((a, b))
+        _varint(body, length)
+        _varint(body, extra)
 
 
 def pack_v2_end(total: int) -> bytes:
@@ -123,6 +141,8 @@ def parse_v2_block(body: memoryview, es: int, limit: int) -> tuple[int, int, lis
         elif mode == PACK:
             a, b = cursor.byte(), cursor.byte()
             heads.append((PACK, a, b, cursor.varint(), cursor.varint()))
+        elif mode == SEVEN:
+            heads.append((SEVEN, cursor.byte(), 0, seven_size(n), 0))
         else:
             raise CorruptBlock(f"unknown plane mode {mode}")
     if cursor.at != len(body):

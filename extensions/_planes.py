@@ -9,7 +9,7 @@ byte and the bits in between move up by one, so the top plane holds the exponent
 the sign joins the noisy mantissa bits (ZipNN's insight). Where the sign does not vary
 (a second moment) the encoder tries both splits: the exponent's low bit may code better
 beside the mantissa bits it correlates with. Each plane is stored in the cheapest of
-five modes, chosen from a histogram of a sample (planes of up to 16 KiB: by trying them):
+six modes, chosen from a histogram of a sample (planes of up to 16 KiB: by trying them):
 
 ``RAW``     the plane as is (mantissa bytes: incompressible);
 ``CONST``   one byte value (a plane that never changes);
@@ -17,7 +17,17 @@ five modes, chosen from a histogram of a sample (planes of up to 16 KiB: by tryi
 ``ZSTD``    a zstd frame of the plane;
 ``PACK``    ``min(byte - base, A - 1)`` per byte (``A - 1`` is the escape), ``k`` such
             codes to a byte (``k = 2, A = 16`` or ``k = 4, A = 4``), a zstd frame of
-            the packed codes, then the escaped bytes themselves, in order.
+            the packed codes, then the escaped bytes themselves, in order;
+``SEVEN``   (format 2) a plane whose top bit is constant (``a``: 0 or 0x80), 8 bytes
+            in 7: padded to a multiple of 64 bytes and cut in 8 rows, rows 0-6 stored
+            with bit ``j`` of row 7's byte as the top bit of row ``j``'s (the 7-bit
+            mantissa plane of a second moment: zstd's Huffman gains no more, and this
+            decodes in a few word-wide passes).
+
+In format 2, a block of 4- or 8-byte elements whose two low planes are both raw is
+flagged ``LOW_PAIR`` and stores them as one piece, the two low bytes of each element in
+element order (their heads stay RAW): the decoder widens it into the words in one pass
+instead of joining two byte planes.
 
 ``PACK`` is what exponents need: they span a few consecutive values, so packing two or
 four into a byte lets zstd's Huffman stage code pairs or quads of exponents, which
@@ -36,11 +46,22 @@ from typing import Any
 
 import numpy as np
 
-from extensions._layout import BIT, CONST, PACK, RAW, ZSTD, PlaneHead
+from extensions._layout import (
+    BIT,
+    CONST,
+    PACK,
+    RAW,
+    SEVEN,
+    ZSTD,
+    PlaneHead,
+    head_size,
+    seven_size,
+)
 
 #: Decoded bytes per block; part of formats 1 and 2.
 BLOCK_BYTES = 1 << 19
 SIGN_MOVED = 1
+LOW_PAIR = 2
 #: Escape value (``A - 1``) of a PACK plane by codes per byte.
 _ESCAPE = {2: 15, 4: 3}
 #: Words by element size; little-endian, like the format (numpy handles either host).
@@ -91,6 +112,7 @@ def encode_block(
     n = len(data) // es
     whole = n * es
     moved = varies = False
+    flags = 0
     if es == 1:
         planes = [np.frombuffer(data, np.uint8, count=n)]
     elif es in _UINT:
@@ -108,14 +130,21 @@ def encode_block(
         if _stored(alternative) < _stored(coded[-2:]):
             coded[-2:] = alternative
             moved = True
+    if es in (4, 8) and coded[0][0][0] == RAW == coded[1][0][0]:
+        coded[0] = coded[0][0], [words.astype(_U16)]
+        coded[1] = coded[1][0], []
+        flags = LOW_PAIR
     payloads = [piece for _, pieces in coded for piece in pieces]
     if whole < len(data):
         payloads.append(data[whole:])
-    return SIGN_MOVED if moved else 0, [head for head, _ in coded], payloads
+    flags |= SIGN_MOVED if moved else 0
+    return flags, [head for head, _ in coded], payloads
 
 
 def _stored(coded: list[Coded]) -> int:
-    return sum(memoryview(piece).nbytes for _, pieces in coded for piece in pieces)
+    """The bytes ``coded`` planes take, their format-2 heads included."""
+    pieces = sum(memoryview(piece).nbytes for _, pieces in coded for piece in pieces)
+    return pieces + sum(head_size(head) for head, _ in coded)
 
 
 def _split(words: np.ndarray, es: int, moved: bool) -> list[np.ndarray]:
@@ -134,6 +163,28 @@ def _split(words: np.ndarray, es: int, moved: bool) -> list[np.ndarray]:
 
 
 def _encode_plane(plane: np.ndarray, floating: bool) -> Coded:
+    coded = _choose_plane(plane, floating)
+    if coded[0][0] in (ZSTD, RAW) and len(plane) and floating:
+        top = int(plane[0]) & 0x80
+        if (plane.min() >= 0x80) if top else (plane.max() < 0x80):
+            seven = _seven_plane(plane, top)
+            if _stored([seven]) < _stored([coded]):
+                return seven
+    return coded
+
+
+def _seven_plane(plane: np.ndarray, top: int) -> Coded:
+    n = len(plane)
+    rows = np.zeros(seven_size(n) // 7 * 8, np.uint8)
+    np.bitwise_xor(plane, np.uint8(top), out=rows[:n])
+    words = rows.view(_UINT[8]).reshape(8, -1)
+    shifts = np.arange(7, 0, -1, dtype=np.uint64)[:, None]
+    stored = (words[7] << shifts) & np.uint64(0x8080808080808080)
+    stored |= words[:7]
+    return (SEVEN, top, 0, stored.nbytes, 0), [stored.view(np.uint8).reshape(-1)]
+
+
+def _choose_plane(plane: np.ndarray, floating: bool) -> Coded:
     n = len(plane)
     counts = np.bincount(plane[::_SAMPLE_STEP], minlength=256) if floating and n else None
     if counts is None or np.count_nonzero(counts) <= 2:  # else neither CONST nor BIT

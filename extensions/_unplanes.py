@@ -9,7 +9,7 @@ keeps from block to block (a fresh 256 KiB array per pass costs its page faults 
 block), and the last join writes the caller's buffer: byte planes are joined in 16-bit
 halves, those into 32-bit words and so on; numpy's multiplies beat its shifts, and an
 operation on two arrays of one dtype beats one that casts, so bytes widen once, then
-combine.
+combine. A ``LOW_PAIR`` block's low half comes stored as 16-bit words, joined by none.
 """
 
 from __future__ import annotations
@@ -19,8 +19,18 @@ from typing import Any
 
 import numpy as np
 
-from extensions._layout import BIT, CONST, PACK, RAW, ZSTD, CorruptBlock, PlaneHead
-from extensions._planes import _ESCAPE, _MAGIC, _UINT, SIGN_MOVED, _codecs
+from extensions._layout import (
+    BIT,
+    CONST,
+    PACK,
+    RAW,
+    SEVEN,
+    ZSTD,
+    CorruptBlock,
+    PlaneHead,
+    seven_size,
+)
+from extensions._planes import _ESCAPE, _MAGIC, _UINT, LOW_PAIR, SIGN_MOVED, _codecs
 
 #: Below this many escapes a packed plane finds them with ``bytearray.find`` (memchr).
 _FEW_ESCAPES = 48
@@ -49,7 +59,12 @@ def decode_block(
 ) -> None:
     """Decode one block of format ``version`` into ``out`` (its ``nbytes``); raises
     :class:`CorruptBlock`."""
-    if flags & ~SIGN_MOVED or (flags & SIGN_MOVED and es not in _UINT):
+    paired = flags & LOW_PAIR
+    if (
+        flags & ~(SIGN_MOVED | LOW_PAIR)
+        or (flags and es not in _UINT)
+        or (paired and (es == 2 or version == 1 or heads[0][0] != RAW or heads[1][0] != RAW))
+    ):
         raise CorruptBlock(f"unknown block flags {flags:#x} for element size {es}")
     n = len(out) // es
     whole = n * es
@@ -58,12 +73,14 @@ def decode_block(
     for j, (mode, a, b, length, extra) in enumerate(heads):
         piece = payload[at : at + length]
         at += length
-        if mode == PACK:
+        if paired and j < 2:  # both raw: their 2n bytes are the low 16 bits of each word
+            planes.append(None if j else _plane(RAW, 0, 0, payload[: 2 * n], 2 * n, version, ""))
+        elif mode == PACK:
             escapes = payload[at : at + extra]
             planes.append(_unpack(piece, escapes, n, a, b, version, f"plane{j}"))
             at += extra
         else:
-            planes.append(_plane(mode, a, b, piece, n, version))
+            planes.append(_plane(mode, a, b, piece, n, version, f"plane{j}"))
     tail = payload[at:]
     if len(tail) != len(out) - whole:
         raise CorruptBlock(f"block tail of {len(tail)} bytes, expected {len(out) - whole}")
@@ -78,8 +95,9 @@ def decode_block(
             elements[:, j] = plane
 
 
-def _plane(mode: int, a: int, b: int, piece: memoryview, n: int, version: int) -> Any:
-    """A plane stored in ``mode``: an array of ``n`` bytes, or one byte (CONST)."""
+def _plane(mode: int, a: int, b: int, piece: memoryview, n: int, version: int, role: str) -> Any:
+    """A plane stored in ``mode``: an array of ``n`` bytes, or one byte (CONST); SEVEN
+    decodes into the thread's ``role`` array."""
     if mode == RAW:
         if len(piece) != n:
             raise CorruptBlock(f"raw plane of {len(piece)} bytes, expected {n}")
@@ -98,7 +116,29 @@ def _plane(mode: int, a: int, b: int, piece: memoryview, n: int, version: int) -
         return bits[:n]
     if mode == ZSTD:
         return np.frombuffer(_unzstd(piece, n, version), np.uint8)
+    if mode == SEVEN and version > 1:
+        if a & 0x7F or len(piece) != seven_size(n):
+            raise CorruptBlock(f"7-bit plane of {len(piece)} bytes, top bit {a:#x}, for {n} bytes")
+        return _unseven(piece, n, a, role)
     raise CorruptBlock(f"unknown plane mode {mode}")
+
+
+_SHIFTS = np.arange(7, 0, -1, dtype=np.uint64)[:, None]
+_TOPS = np.array([[0x0101010101010101 << j] for j in range(7)], np.uint64)
+
+
+def _unseven(piece: memoryview, n: int, top: int, role: str) -> np.ndarray:
+    """A SEVEN plane (see ``extensions/_planes.py``), in word-wide passes."""
+    stored = np.frombuffer(piece, _UINT[8]).reshape(7, -1)
+    rows = _scratch.array(role, _UINT[8], len(piece) // 7).reshape(8, -1)
+    np.bitwise_and(stored, np.uint64(0x7F7F7F7F7F7F7F7F), out=rows[:7])
+    bits = _scratch.array("seven", _UINT[8], stored.size).reshape(7, -1)
+    np.right_shift(stored, _SHIFTS, out=bits)
+    np.bitwise_and(bits, _TOPS, out=bits)
+    np.bitwise_or.reduce(bits, axis=0, out=rows[7])
+    if top:
+        np.bitwise_or(rows, np.uint64(0x8080808080808080), out=rows)
+    return rows.view(np.uint8).reshape(-1)[:n]
 
 
 def _unzstd(frame: memoryview, size: int, version: int) -> bytes:
@@ -195,8 +235,11 @@ def _join(planes: list[Any], words: np.ndarray, moved: bool) -> None:
     half = es // 2
     wide = _UINT[half]
     kind = words.dtype.type
-    low = _scratch.array(f"low{half}", wide, len(words))
-    _join(planes[:half], low, False)
+    if half == 2 and planes[1] is None:  # a LOW_PAIR block's stored low half
+        low = planes[0].view(wide)
+    else:
+        low = _scratch.array(f"low{half}", wide, len(words))
+        _join(planes[:half], low, False)
     high = _scratch.array(f"high{half}", wide, len(words))
     _join(planes[half:], high, moved)
     np.copyto(words, high)
