@@ -107,14 +107,15 @@ def _peak():
     with open(os.environ["PEAK_RSS_FILE"], "w") as f:
         f.write(str(max(own, kids) * 1024))
 atexit.register(_peak)
-kind, target, *sys.argv[1:] = sys.argv[1:]
+kind, *rest = sys.argv[1:]
 if kind == "-m":
-    runpy.run_module(target, run_name="__main__", alter_sys=True)
+    sys.argv[1:] = rest[1:]
+    runpy.run_module(rest[0], run_name="__main__", alter_sys=True)
 elif kind == "-c":
-    exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+    exec(compile(rest[0], "<string>", "exec"), {"__name__": "__main__"})
 else:
-    sys.argv[0] = target
-    runpy.run_path(target, run_name="__main__")
+    sys.argv[:] = [kind, *rest]
+    runpy.run_path(kind, run_name="__main__")
 """
 
 
