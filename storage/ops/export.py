@@ -1,14 +1,17 @@
 """Export a committed DCP checkpoint (ours or stock) as a Hugging Face Hub-layout model
 in a bucket or directory, streamed: each file's header (with every tensor's CRC-32C)
 first, then the tensors' bytes as they are read, a few chunks ahead on a thread pool,
-so memory holds a few read buffers and the upload's part buffers, not a file."""
+so memory holds a few read buffers and the upload's part buffers, not a file. A few
+files are written at once, so one file's last parts upload while the next streams."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +23,7 @@ from extensions.base import Keys
 from extensions.errors import IntegrityError, quote
 from extensions.streams import readinto_exact
 from storage.backends.base import FileSystemBase
+from storage.backends.cancel import Cancel, current, installed
 from storage.checkpoint.api import load
 from storage.checkpoint.items import encryption_required
 from storage.checkpoint.reader import CheckpointReader
@@ -41,9 +45,12 @@ from storage.ops.export_source import Run, Tensor, checksum, damaged, plan_tenso
 
 #: The Hub's customary largest file.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
-#: Bytes per ranged read of the source, and how many are read ahead of the upload.
+#: Bytes per ranged read of the source, and how many are read ahead of the upload
+#: per file being written.
 CHUNK = 8 << 20
-AHEAD = 8
+AHEAD = 4
+#: Output files written at once: one file's last parts upload while the next streams.
+FILES = 2
 
 
 @dataclass
@@ -86,8 +93,11 @@ def export_safetensors(
     written is never published); other tensors are loaded once for their CRC-32C and
     again to be written, a batch or one tensor at a time. The index is written last
     (the commit: see ``storage.checkpoint.safetensors.files``), and a model already
-    at ``dst`` is refused unless ``overwrite``. ``progress(done, total)`` is called
-    with the bytes of tensor data written so far and in all after each tensor."""
+    at ``dst`` is refused unless ``overwrite``. Up to :data:`FILES` files are written
+    at once; when one fails, the others are interrupted and none of them is published.
+    ``progress(done, total)`` is called with the bytes of tensor data written so far
+    and in all after each tensor (from the threads writing the files, one call at a
+    time)."""
     reader_options: dict[str, Any] = {"keys": keys, "require_encryption": require_encryption}
     metadata = CheckpointReader(src, filesystem=src_fs, **reader_options).read_metadata()
     checkpoint = src_fs.url(src)
@@ -134,21 +144,12 @@ def export_safetensors(
         load(state, checkpoint, filesystem=src_fs, **reader_options)
         return {t.name: state.pop(t.fqn).to(t.dtype).contiguous() for t in batch}
 
-    weight_map: dict[str, str] = {}
-    total = 0
-    with ThreadPoolExecutor(AHEAD) as pool:
+    files = [(dst_fs.concat_path(dst, n), [by_name[t] for t in g]) for g, n in zip(groups, names)]
+    with ThreadPoolExecutor(AHEAD * FILES) as pool:
         checksum(src_fs, src, metadata, tensors, load_batch, pool)
-        for group, file in zip(groups, names):
-            done = total
-
-            def wrote(n: int, done_before: int = done) -> None:
-                if progress is not None:
-                    progress(done_before + n, everything)
-
-            path = dst_fs.concat_path(dst, file)
-            stream = _Stream(src_fs, checkpoint, pool, load_batch)
-            total += stream.write(dst_fs, path, [by_name[n] for n in group], wrote)
-            weight_map.update(dict.fromkeys(group, file))
+        stream = _Stream(src_fs, checkpoint, pool, load_batch, Cancel(current()))
+        total = stream.write_all(dst_fs, files, everything, progress)
+    weight_map = {t.name: name for (_, group), name in zip(files, names) for t in group}
     if len(names) > 1:
         publish_index(dst_fs, dst, weight_map, total)
         names.append(INDEX_NAME)
@@ -163,13 +164,51 @@ def _stored(metadata: Any, fqn: str) -> torch.dtype:
 
 @dataclass
 class _Stream:
-    """Writes one file: header, then each tensor's bytes, direct ones read
-    :data:`CHUNK` bytes at a time, :data:`AHEAD` reads in flight on ``pool``."""
+    """Writes the files: each its header, then each tensor's bytes, direct ones read
+    :data:`CHUNK` bytes at a time, :data:`AHEAD` reads per file in flight on ``pool``.
+    Every upload and read runs under ``stop``, which the first failure cancels."""
 
     fs: FileSystemBase
     checkpoint: str
     pool: ThreadPoolExecutor
     load_batch: Callable[[list[Tensor]], dict[str, torch.Tensor]]
+    stop: Cancel
+
+    def write_all(
+        self,
+        fs: FileSystemBase,
+        files: Sequence[tuple[str, Sequence[Tensor]]],
+        everything: int,
+        progress: Callable[[int, int], Any] | None,
+    ) -> int:
+        """Write ``files`` (path, tensors), :data:`FILES` at a time; returns the bytes
+        of tensor data. The first failure interrupts the others and is raised."""
+        lock = threading.Lock()
+        written = [0] * len(files)
+
+        def wrote(index: int, done: int) -> None:
+            with lock:
+                written[index] = done
+                if progress is not None:
+                    progress(sum(written), everything)
+
+        def one(index: int, path: str, tensors: Sequence[Tensor]) -> int:
+            with installed(self.stop):
+                return self.write(fs, path, tensors, functools.partial(wrote, index))
+
+        writers = ThreadPoolExecutor(FILES, thread_name_prefix="dcp-storage-export")
+        futures = [writers.submit(one, i, *file) for i, file in enumerate(files)]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f.exception() for f in futures if f.done() and f.exception()), None)
+            if failed is not None:
+                raise failed
+        except BaseException:
+            self.stop.cancel()  # the files still being written stop, unpublished
+            raise
+        finally:
+            writers.shutdown(cancel_futures=True)
+        return sum(f.result() for f in futures)
 
     def write(
         self,
@@ -188,6 +227,7 @@ class _Stream:
         with publish_file(fs, path) as out, contextlib.closing(self._chunks(runs)) as chunks:
             out.write(header)
             for tensor in order:
+                self.stop.check()
                 if tensor.runs is None:
                     self._write_loaded(out, tensor)
                 for run in tensor.runs or ():
@@ -251,7 +291,7 @@ class _Stream:
 
     def _read(self, run: Run, at: int, length: int, buffer: bytearray) -> memoryview:
         view = memoryview(buffer)[:length]
-        with self.fs.open_slice(run.path, at, length) as stream:
+        with installed(self.stop), self.fs.open_slice(run.path, at, length) as stream:
             got = readinto_exact(stream, view)
         if got < length:
             raise damaged(self.checkpoint, run, "the data file ends inside the item (truncated)")

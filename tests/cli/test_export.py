@@ -4,14 +4,17 @@ renamed, converted and cut into files, streamed: memory does not grow with the m
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import torch
@@ -21,11 +24,13 @@ from safetensors.torch import load_file
 
 import storage
 from extensions import AES256GCM, ZStandard
+from storage.backends import LocalFileSystem
 from storage.backends.registry import filesystem_from_url
 from storage.checkpoint.safetensors import load_safetensors
 from storage.checkpoint.safetensors.verify import verify_model
 from storage.cli import main
 from storage.ops import export as export_module
+from storage.ops.export import export_safetensors
 from tests.support.distributed import gloo_group
 from tests.support.servers import endpoint_with_bucket, s3_options
 from tests.support.trees import tiny_llama
@@ -118,7 +123,7 @@ def test_export_memory_does_not_grow_with_the_model(tmp_path: Path) -> None:
         grown[count] = json.loads(done.stdout.strip().splitlines()[-1])
         files = _model_files(tmp_path / f"out-{count}")
         assert len(files) == count and torch.equal(files["w07"], torch.full((2 << 20,), 7.0))
-    bound = export_module.AHEAD * export_module.CHUNK + (16 << 20)
+    bound = export_module.FILES * export_module.AHEAD * export_module.CHUNK + (16 << 20)
     assert grown[24]["python"] < bound and grown[8]["python"] < bound, grown
     assert grown[24]["python"] - grown[8]["python"] < 4 << 20, grown
 
@@ -321,3 +326,69 @@ def test_export_of_an_incremental_checkpoint_resolves_its_base(tmp_path: Path) -
     files = _model_files(tmp_path / "out")
     for key, value in second["model"].items():
         assert torch.equal(files[key.removeprefix("model.")], value), key
+
+
+class _Watched(LocalFileSystem):
+    """Local disk that records when each output file is published (renamed into place,
+    or the index written) and holds each file's first write until two files are open
+    at once, or a generous deadline passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.open = 0
+        self.most_open = 0
+        self.both_open = threading.Event()
+        self.published: list[str] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        if mode != "wb":
+            with super().create_stream(path, mode, sync=sync) as stream:
+                yield stream
+            return
+        with self.lock:
+            self.open += 1
+            self.most_open = max(self.most_open, self.open)
+            if self.open >= 2:
+                self.both_open.set()
+        try:
+            if not self.both_open.wait(timeout=60):
+                self.both_open.set()  # one file at a time: the rest need not wait
+            with super().create_stream(path, mode, sync=sync) as stream:
+                yield stream
+        finally:
+            with self.lock:
+                self.open -= 1
+
+    def rename(self, path: str, new_path: str) -> None:
+        super().rename(path, new_path)
+        with self.lock:
+            self.published.append(os.path.basename(new_path))
+
+    def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        super().write_atomic(path, data, exclusive=exclusive)
+        with self.lock:
+            self.published.append(os.path.basename(path))
+
+
+def test_export_writes_files_concurrently_each_bit_exact_and_the_index_last(
+    tmp_path: Path,
+) -> None:
+    """Files used to be written one after another, so each file's last parts uploaded
+    while nothing else streamed. Two files are now written at once: both are open
+    together, every file ends bit-exact, and the index (the commit) is published only
+    after every file is."""
+    state = {f"w{i}": torch.full((1024,), float(i)) for i in range(6)}  # 4 KiB each
+    src = tmp_path / "src"
+    storage.save(state, str(src))
+    fs = _Watched()
+    out = str(tmp_path / "out")
+    src_fs, src_root = filesystem_from_url(str(src))
+    result = export_safetensors(src_fs, src_root, fs, out, max_shard_size=8192)
+    assert fs.most_open == 2 and len(result.files) == 4
+    assert fs.published[-1] == "model.safetensors.index.json"
+    assert sorted(fs.published[:-1]) == sorted(result.files[:-1])
+    files = _model_files(Path(out))
+    for key, value in state.items():
+        assert torch.equal(files[key], value), key
