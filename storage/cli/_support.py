@@ -205,7 +205,7 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> None:
 def not_a_checkpoint_hint(fs: FileSystemBase, path: str, exc: Exception) -> Exception:
     from storage.ops.manager import CheckpointManager
 
-    steps = CheckpointManager(fs.url(path), filesystem=fs).entries()
+    steps = CheckpointManager(fs.url(path), filesystem=fs, persist="thread").entries()
     if steps:
         names = ", ".join(s.name for s in steps[-3:])
         return CheckpointNotFoundError(

@@ -44,13 +44,14 @@ def ls(args: argparse.Namespace) -> int:
     # A save killed before any object landed leaves nothing but its open upload.
     if not fs.exists(root) and not fs.pending_uploads(root):
         raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
-    mgr = CheckpointManager(fs.url(root), filesystem=fs)
+    # persist="thread": listing saves nothing, so no persist worker is started for it
+    mgr = CheckpointManager(fs.url(root), filesystem=fs, persist="thread")
     infos = mgr.entries()
     if args.local:  # a tiered manager's local tier: which tiers hold each step
         from storage.ops.restore import merge_entries
 
         local_fs, local_root = location(args.local, args.local_storage_option)
-        local = CheckpointManager(local_fs.url(local_root), filesystem=local_fs)
+        local = CheckpointManager(local_fs.url(local_root), filesystem=local_fs, persist="thread")
         infos = merge_entries(local.entries(), infos)
     try:
         others = [n for n in fs.ls(root) if parse_step(n) is None]
@@ -333,8 +334,12 @@ def gc(args: argparse.Namespace) -> int:
     # A save killed before any object landed leaves nothing but its open upload.
     if not fs.exists(root) and not fs.pending_uploads(root):
         raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
-    mgr = CheckpointManager(
-        fs.url(root), keep_last=args.keep_last, keep_every=args.keep_every, filesystem=fs
+    mgr = CheckpointManager(  # removes, never saves: no persist worker
+        fs.url(root),
+        keep_last=args.keep_last,
+        keep_every=args.keep_every,
+        filesystem=fs,
+        persist="thread",
     )
     pruned = mgr.apply_retention(dry_run=args.dry_run)
     orphans = mgr.orphans(grace_seconds=args.grace, dry_run=args.dry_run)

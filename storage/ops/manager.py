@@ -130,6 +130,9 @@ class CheckpointManager:
             raise ValueError("keep_local and replicate need a local tier (local=PATH_OR_URL)")
         #: Where saves, loads, listings and waits go: the local tier, else the root.
         self.tier: Tier = self.root_tier if self.tiers is None else self.tiers
+        # The worker starts now (its imports take seconds): the first asynchronous save
+        # then neither waits for it nor shares the cores with its start.
+        persist.start(self.writer_options, self.tier.saves_to.fs)
 
     def _local_tier(
         self,
@@ -246,10 +249,7 @@ class CheckpointManager:
         this manager is waited for first. A tiered save commits to the local tier (the
         future resolves then) and drains to the root in the background (see
         :meth:`storage.ops.tiers.LocalTier.save`)."""
-        step = check_step(step)
-        if not blocking:  # its worker starts now; until it is ready, saves write here
-            persist.start(self.writer_options, self.tier.saves_to.fs)
-        return self.tier.save(step, state_dict, blocking=blocking)
+        return self.tier.save(check_step(step), state_dict, blocking=blocking)
 
     def prepare(self, state_dict: dict[str, Any]) -> None:
         """Make the staging buffers of asynchronous saves for ``state_dict`` now, before

@@ -487,22 +487,17 @@ def test_a_drain_whose_worker_is_killed_mid_file_leaves_nothing_in_the_root(
 # --- the worker and its buffers made ahead of the first save ----------------------------
 
 
-def test_a_manager_starts_the_worker_at_its_first_asynchronous_save_only(
+def test_a_manager_starts_the_worker_before_its_first_save(
     tmp_path: Path, worker: persist.Worker
 ) -> None:
-    """A manager that lists, loads or saves blocking starts no worker (``dcp-storage ls``
-    started one, a Python process importing torch, to list steps); the first
-    asynchronous save starts it, and writes here until it is ready."""
+    """Before, the worker started at the first asynchronous save: that save's copy
+    shared the cores with a Python process importing torch, and the second save waited
+    behind a first persist that included the worker's start-up."""
     worker.close()
     assert worker.pid is None
-    mgr = storage.CheckpointManager(tmp_path, persist="process")
-    mgr.save(1, big_state(1))
-    assert mgr.steps() == [1] and worker.pid is None
-    future = mgr.save(2, big_state(2), blocking=False)
-    assert future is not None
-    future.result()
+    storage.CheckpointManager(tmp_path, persist="process")
     assert worker.pid is not None and worker.pid != os.getpid()
-    assert worker.pool is not None
+    assert worker.pool is not None and worker.pool.live() == []
     assert worker.call(os.getpid).result() == worker.pid
 
 

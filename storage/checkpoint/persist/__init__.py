@@ -144,9 +144,9 @@ def mode_for(options: dict[str, Any], *filesystems: FileSystemBase) -> Mode:
 def start(options: dict[str, Any], filesystem: FileSystemBase) -> Worker | None:
     """Start the persist worker and its staging pool now, when saves with writer
     ``options`` (a manager's) to ``filesystem`` would stage in it; returns it (else
-    ``None``). A manager calls this at its first asynchronous save and in ``prepare``
-    (a save does not wait for it: see :func:`write_staged`); options a save would
-    refuse are left for that save to report."""
+    ``None``). A manager calls this when it is made and in ``prepare`` (a save does
+    not wait for it: see :func:`write_staged`); options a save would refuse are left
+    for that save to report."""
     try:
         mode = mode_for(options, filesystem)
     except ValueError:
