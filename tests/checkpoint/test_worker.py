@@ -572,36 +572,3 @@ def test_prepare_while_a_save_holds_the_buffers_leaves_that_save_intact(
     (gate / "open").touch()
     fut.result()
     assert_tree_equal(expected, loaded(tmp_path / "root" / "step-1", expected))
-
-
-def test_a_default_save_while_the_worker_starts_writes_here_without_waiting(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Before: the first asynchronous saves of a process waited for the worker to start
-    (it imports torch: seconds), and the save after them waited for the buffers, so a
-    training loop stalled for seconds at its second checkpoint. Now a save in the default
-    mode writes in this process while the worker is not ready (here: held at its start
-    until a file appears), and the saves after it go to the worker."""
-    import importlib
-
-    # The package's own name ``_worker`` is its worker handle; the module by its path.
-    launcher = importlib.import_module("storage.checkpoint.persist._worker")
-    gate = tmp_path / "gate"
-    held = f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
-    monkeypatch.setattr(launcher, "_LAUNCH", held + launcher._LAUNCH)
-    fresh = persist.Worker()
-    monkeypatch.setattr(persist, "_worker", fresh)
-    try:
-        state = big_state(1)
-        storage.async_save(state, tmp_path / "a").result(timeout=120)
-        assert not fresh.ready.is_set()  # written here: the worker is still held
-        assert_tree_equal(state, loaded(tmp_path / "a", state))
-        gate.touch()
-        assert fresh.ready.wait(120), "the worker did not start"
-        state["w"].add_(1.0)
-        storage.async_save(state, tmp_path / "b").result(timeout=120)
-        assert_tree_equal(state, loaded(tmp_path / "b", state))
-        assert fresh.pid is not None and fresh.call(os.getpid).result() == fresh.pid
-    finally:
-        gate.touch()
-        fresh.close()

@@ -144,9 +144,9 @@ def mode_for(options: dict[str, Any], *filesystems: FileSystemBase) -> Mode:
 def start(options: dict[str, Any], filesystem: FileSystemBase) -> Worker | None:
     """Start the persist worker and its staging pool now, when saves with writer
     ``options`` (a manager's) to ``filesystem`` would stage in it; returns it (else
-    ``None``). A manager calls this when it is made and in ``prepare`` (a save does
-    not wait for it: see :func:`write_staged`); options a save would refuse are left
-    for that save to report."""
+    ``None``). A manager calls this when it is made and in ``prepare``, so its first
+    asynchronous save neither starts a Python process beside the copy nor waits behind
+    a save that did; options a save would refuse are left for that save to report."""
     try:
         mode = mode_for(options, filesystem)
     except ValueError:
@@ -204,8 +204,8 @@ def write_staged(
     writer: Any, files: list[Any], threads: int, planner: Any, lease: Lease
 ) -> list[Any]:
     """Run ``writer``'s data writes in the worker (the staged state is in its buffers;
-    with the default mode, here when the writer does not pickle or the worker has not
-    finished starting); releases ``lease`` once the writes are done with them.
+    with the default mode, here when the writer does not pickle); releases ``lease``
+    once the writes are done with them.
 
     Every file the worker may write (and its heartbeat) is recorded in the writer's
     ``SaveAttempt`` before the call goes out, and what the worker reports back is
@@ -215,14 +215,6 @@ def write_staged(
 
     w = worker()
     mode: Mode = writer.persist_mode
-    if not mode.explicit and not w.ready.is_set():
-        # The worker is still starting (the first saves after the process began): this
-        # save's writes run here, from the staged copy, rather than wait seconds for it
-        # while the next save waits for the buffers.
-        try:
-            return list(writer.write_files(files, threads, planner))
-        finally:
-            lease.release()
     try:
         refs = {
             item.index: item_ref(w.pool, item, planner.resolve_data(item))

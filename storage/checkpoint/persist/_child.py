@@ -271,9 +271,4 @@ def main(fd: int) -> None:
     _set_foreground(foreground)
     sys.path[:] = sys_path  # the training process's imports (user transforms) resolve here
     torch.set_num_threads(1)
-    server = _Server(conn)
-    try:
-        server.send(("ready", -1, None))  # imports done: saves may come here now
-    except OSError:  # the training process ended while this one started
-        _trainer_gone()
-    server.serve()
+    _Server(conn).serve()

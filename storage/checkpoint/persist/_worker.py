@@ -77,8 +77,6 @@ class Worker:
         self._foreground = 0  # saves in the foreground: the worker's pace pauses
         self._free = threading.Event()
         self._free.set()
-        #: Set once the live worker has started (its imports done); cleared while none is.
-        self.ready = threading.Event()
         self.pool: StagingPool | None = None
 
     # --- the process ------------------------------------------------------------------
@@ -105,7 +103,6 @@ class Worker:
         finally:
             theirs.close()  # the worker's end lives only in the worker: its death is EOF here
         conn = Connection(ours.detach())
-        self.ready.clear()
         conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0)))
         self._proc, self._conn = proc, conn
         threading.Thread(
@@ -124,9 +121,6 @@ class Worker:
                         break
                 message = pickle.loads(conn.recv_bytes())
                 kind, call_id, value = message
-                if kind == "ready":
-                    self.ready.set()
-                    continue
                 with self._lock:
                     future = self._pending.pop(call_id, None)
                 if future is None:
@@ -141,8 +135,6 @@ class Worker:
             log.error("persist worker %d: unreadable reply (%s); stopping it", proc.pid, exc)
         with self._lock:
             closed = self._proc is not proc  # close() let it go: no death to report
-            if not closed:
-                self.ready.clear()
         if closed:
             conn.close()
             return
@@ -170,7 +162,6 @@ class Worker:
         with self._lock:
             proc, conn = self._proc, self._conn
             self._proc, self._conn, self._unreported = None, None, None
-            self.ready.clear()
         if conn is not None:
             try:
                 with self._send_lock:
