@@ -44,7 +44,7 @@ def ls(args: argparse.Namespace) -> int:
     # A save killed before any object landed leaves nothing but its open upload.
     if not fs.exists(root) and not fs.pending_uploads(root):
         raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
-    # persist="thread": listing saves nothing, so no persist worker is started for it
+    # persist="thread" here and below: the CLI never saves, so it starts no persist worker
     mgr = CheckpointManager(fs.url(root), filesystem=fs, persist="thread")
     infos = mgr.entries()
     if args.local:  # a tiered manager's local tier: which tiers hold each step
@@ -334,13 +334,8 @@ def gc(args: argparse.Namespace) -> int:
     # A save killed before any object landed leaves nothing but its open upload.
     if not fs.exists(root) and not fs.pending_uploads(root):
         raise CheckpointNotFoundError(f"{fs.url(root)} does not exist")
-    mgr = CheckpointManager(  # removes, never saves: no persist worker
-        fs.url(root),
-        keep_last=args.keep_last,
-        keep_every=args.keep_every,
-        filesystem=fs,
-        persist="thread",
-    )
+    keep = {"keep_last": args.keep_last, "keep_every": args.keep_every}
+    mgr = CheckpointManager(fs.url(root), **keep, filesystem=fs, persist="thread")
     pruned = mgr.apply_retention(dry_run=args.dry_run)
     orphans = mgr.orphans(grace_seconds=args.grace, dry_run=args.dry_run)
     cleaned = mgr.cleanup(grace_seconds=args.grace, dry_run=args.dry_run)
