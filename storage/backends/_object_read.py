@@ -125,6 +125,20 @@ class ObjectReader(io.RawIOBase):
         self._eof = length == 0
         self._cancel = cancel or Cancel(current())
 
+    @classmethod
+    def opened(
+        cls, source: Source, offset: int, length: int | None, *, window: int
+    ) -> ObjectReader:
+        """A reader of ``[offset, offset + length)`` of ``source`` (``length=None``: to its
+        end), its first GET sent (a missing object fails here, the reader closed)."""
+        reader = cls(source, offset, length, window=window)
+        try:
+            reader.open()
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
     def readable(self) -> bool:
         return True
 

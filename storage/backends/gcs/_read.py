@@ -64,10 +64,4 @@ def open_reader(
 ) -> ObjectReader:
     """``[offset, offset + length)`` of ``path`` (``length=None``: to its end) in windows
     of ``window`` bytes, its first GET sent (a missing object fails here)."""
-    reader = ObjectReader(GCSObject(gcs, get, path, errors), offset, length, window=window)
-    try:
-        reader.open()
-    except BaseException:
-        reader.close()
-        raise
-    return reader
+    return ObjectReader.opened(GCSObject(gcs, get, path, errors), offset, length, window=window)

@@ -127,13 +127,7 @@ class _Body:
 def open_reader(client: S3Client, path: str, offset: int, length: int | None) -> ObjectReader:
     """``[offset, offset + length)`` of ``path`` (``length=None``: to its end) in windows
     of ``client.part_size``, its first GET sent (a missing object fails here)."""
-    reader = ObjectReader(S3Object(client, path), offset, length, window=client.part_size)
-    try:
-        reader.open()
-    except BaseException:
-        reader.close()
-        raise
-    return reader
+    return ObjectReader.opened(S3Object(client, path), offset, length, window=client.part_size)
 
 
 class MultipartWriter(FilledUpload):
