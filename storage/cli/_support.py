@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from extensions.errors import CheckpointNotFoundError, printable
-from storage.backends.base import FileSystemBase
+from storage.backends.base import FileSystemBase, PendingUpload
 from storage.backends.registry import filesystem_from_url, url_scheme
 
 TRANSFORM_SPECS = "weights, zstd, zstd:LEVEL, shuffle, aes:KEY_ID, none"
@@ -212,3 +212,20 @@ def not_a_checkpoint_hint(fs: FileSystemBase, path: str, exc: Exception) -> Exce
             f"{exc}; it holds step directories ({names}): run `dcp-storage ls {fs.url(path)}`"
         )
     return exc
+
+
+def upload_lines(
+    fs: FileSystemBase, uploads: list[PendingUpload], aborted: bool, asked: bool
+) -> list[str]:
+    """One line per stale upload ``gc`` found: aborted, would be (a dry run), or left."""
+    if aborted:
+        fate = "aborted"
+    elif asked:
+        fate = "would abort"
+    else:
+        fate = "left open (--abort-uploads aborts it)"
+    return [
+        f"incomplete multipart upload of {fs.url(u.path)}, "
+        f"begun {time.time() - (u.started or 0.0):.0f} s ago: {fate}"
+        for u in uploads
+    ]

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict
 
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
-from storage.backends.base import FileSystemBase, PendingUpload
+from storage.backends.base import FileSystemBase
 from storage.cli._support import (
     DTYPE_NAMES,
     emit,
@@ -25,6 +25,7 @@ from storage.cli._support import (
     progress_bar,
     progress_line,
     table,
+    upload_lines,
 )
 
 
@@ -211,6 +212,11 @@ def _verify_model(args: argparse.Namespace, fs: FileSystemBase, path: str) -> in
             f"note: no checksums recorded for {len(report.unchecksummed)} tensors (not written "
             "by dcp-storage); their headers and the index were checked, not their bytes"
         )
+    lines += [
+        f"note: {url} is the staging area of a safetensors save in flight or killed; "
+        "`dcp-storage gc` removes it once older than --grace"
+        for url in report.staging
+    ]
     emit(args, dict(asdict(report), format="safetensors", valid=not report.bad), "\n".join(lines))
     return 1 if report.bad else 0
 
@@ -339,13 +345,15 @@ def gc(args: argparse.Namespace) -> int:
     pruned = mgr.apply_retention(dry_run=args.dry_run)
     orphans = mgr.orphans(grace_seconds=args.grace, dry_run=args.dry_run)
     cleaned = mgr.cleanup(grace_seconds=args.grace, dry_run=args.dry_run)
+    staging = mgr.stale_staging(grace_seconds=args.grace, dry_run=args.dry_run)
     abort = args.abort_uploads and not args.dry_run
     uploads = mgr.stale_uploads(args.grace, abort=abort)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} step-{s} (retention)" for s in pruned]
     lines += [f"{verb} step-{s} (interrupted save)" for s in cleaned]
     lines += [f"{verb} {url} (a data file no metadata names)" for url in orphans]
-    lines += _upload_lines(fs, uploads, abort, args.abort_uploads)
+    lines += [f"{verb} {url} (staging area of an interrupted safetensors save)" for url in staging]
+    lines += upload_lines(fs, uploads, abort, args.abort_uploads)
     linked = mgr.linked_steps()
     lines += [f"kept step-{s}: a symbolic link, never deleted through" for s in linked]
     policy = mgr.retained(mgr.steps())
@@ -368,6 +376,7 @@ def gc(args: argparse.Namespace) -> int:
             "retention": pruned,
             "interrupted": cleaned,
             "orphans": orphans,
+            "staging": staging,
             "linked": linked,
             "referenced": {str(b): users for b, users in sorted(bases.items())},
             "uploads": [
@@ -378,20 +387,3 @@ def gc(args: argparse.Namespace) -> int:
         text,
     )
     return 0
-
-
-def _upload_lines(
-    fs: FileSystemBase, uploads: list[PendingUpload], aborted: bool, asked: bool
-) -> list[str]:
-    """One line per stale upload ``gc`` found: aborted, would be (a dry run), or left."""
-    if aborted:
-        fate = "aborted"
-    elif asked:
-        fate = "would abort"
-    else:
-        fate = "left open (--abort-uploads aborts it)"
-    return [
-        f"incomplete multipart upload of {fs.url(u.path)}, "
-        f"begun {time.time() - (u.started or 0.0):.0f} s ago: {fate}"
-        for u in uploads
-    ]

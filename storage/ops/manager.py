@@ -28,6 +28,7 @@ from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import api, persist
 from storage.checkpoint.layout import StepInfo
 from storage.checkpoint.options import resolve_location
+from storage.checkpoint.safetensors.staging import sweep
 from storage.ops.manager_options import check_options
 from storage.ops.retention import Retention
 from storage.ops.root_tier import RootTier
@@ -345,6 +346,23 @@ class CheckpointManager:
         files a retry committed), removed unless ``dry_run``; their URLs. :meth:`cleanup`
         removes them too. See :meth:`Retention.orphans`."""
         return self.retention.orphans(grace_seconds, dry_run=dry_run)
+
+    def stale_staging(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
+        """The staging areas (``.dcp-staging-<id>/``) that consolidating safetensors saves
+        killed mid-save left in the root or a step directory, stale by :meth:`cleanup`'s
+        rule (no live heartbeat, every object older than ``grace_seconds``), removed
+        unless ``dry_run`` (only where this process deletes); their URLs. See
+        :mod:`storage.checkpoint.safetensors.staging`."""
+        if not self.may_delete():
+            return []
+        root = self.location
+        linked = set(root.linked_steps())
+        places = [root.fs.concat_path(root.path, n) for s, n in root.step_dirs() if s not in linked]
+        if not root.fs.is_link(root.path):
+            places.append(root.path)
+        return [
+            url for place in places for url in sweep(root.fs, place, grace_seconds, dry_run=dry_run)
+        ]
 
     def stale_uploads(
         self, grace_seconds: float = 3600.0, *, abort: bool = False

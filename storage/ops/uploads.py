@@ -23,12 +23,14 @@ from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import heartbeat
 from storage.checkpoint.layout import is_checkpoint_file_name
 from storage.checkpoint.prefixes import is_prefix
+from storage.checkpoint.safetensors.staging import is_staging_object
 
 
 def stale_uploads(
     fs: FileSystemBase, root: str, grace_seconds: float, *, abort: bool = False
 ) -> list[PendingUpload]:
-    """The uploads of checkpoint files under ``root`` begun more than ``grace_seconds``
+    """The uploads of checkpoint files (and of a consolidating safetensors save's staging
+    objects) under ``root`` begun more than ``grace_seconds``
     ago and never completed, oldest first, except those in a directory with a live
     heartbeat (see the module docstring); with ``abort``, each is aborted. An upload
     whose start the store does not report is never counted as stale."""
@@ -53,7 +55,10 @@ def stale_uploads(
         for upload in fs.pending_uploads(root)
         if upload.started is not None
         and upload.started < horizon
-        and is_checkpoint_file_name(posixpath.basename(upload.path))
+        and (
+            is_checkpoint_file_name(posixpath.basename(upload.path))
+            or is_staging_object(upload.path)
+        )
         and not written_now(upload.path)
     ]
     if abort:

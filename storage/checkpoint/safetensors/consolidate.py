@@ -12,6 +12,9 @@ The design, the same on every backend (object stores cannot write at offsets):
    staging objects in bounded ranged reads (``thread_count`` files at once), then the
    index (the commit), then removes the staging area.
 
+Each rank and the coordinator keep a heartbeat in the area while they use it; an area a
+killed save left is swept later (``staging``).
+
 A shard is supported when its bytes are one contiguous range of the full tensor in
 row-major order: shards along dimension 0 (``Shard(0)``, FSDP's layout), or along a
 later dimension when every dimension before it has one row in the shard. Others
@@ -37,7 +40,6 @@ from storage.checkpoint.safetensors.crcs import crc32c_combine
 from storage.checkpoint.safetensors.files import file_names, publish_file, publish_index, split
 from storage.checkpoint.safetensors.header import encode_header, layout, nbytes
 
-STAGING_PREFIX = ".dcp-staging-"
 _COPY = 8 << 20  # bytes per ranged read while assembling a file
 
 
@@ -120,19 +122,6 @@ def consolidate(
         publish_index(fs, root, weight_map, total)
     else:
         fs.sync_dir(root)
-
-
-def remove_staging(fs: FileSystemBase, root: str, objects: Iterable[str]) -> None:
-    """Remove the staging objects (relative to ``root``) and their directories."""
-    folders = set()
-    for name in set(objects):
-        folders.add(name.rsplit("/", 1)[0])
-        try:
-            fs.rm_file(fs.concat_path(root, name))
-        except FileNotFoundError:
-            pass
-    for folder in folders:
-        fs.rm_dir(fs.concat_path(root, folder))
 
 
 def _at(piece: Piece) -> int:

@@ -16,6 +16,7 @@ from extensions.streams import readinto_exact
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.safetensors.files import read_model
 from storage.checkpoint.safetensors.header import INDEX_NAME, SINGLE_NAME, TensorEntry
+from storage.checkpoint.safetensors.staging import is_area_name
 
 _CHUNK = 8 << 20
 
@@ -27,6 +28,7 @@ class ModelReport:
     ok: list[str] = field(default_factory=list)  #: ``file: tensor`` whose CRC-32C matched
     bad: dict[str, str] = field(default_factory=dict)  #: ``file: tensor`` -> why
     unchecksummed: list[str] = field(default_factory=list)  #: no CRC-32C recorded
+    staging: list[str] = field(default_factory=list)  #: staging areas beside the model
     bytes_read: int = 0
 
 
@@ -45,9 +47,12 @@ def verify_model(
     """Check the model at ``path``. A damaged structure (index, header, a file the index
     names that is missing or does not hold its tensor) raises the reader's error naming
     the file and tensor; a tensor whose bytes do not match their recorded CRC-32C is
-    reported bad. Tensors without a recorded CRC-32C are listed, their bytes unread."""
+    reported bad. Tensors without a recorded CRC-32C are listed, their bytes unread; so
+    are the staging areas of consolidating saves found beside the model (in flight, or
+    left by a killed save: ``gc`` removes those once stale)."""
     entries = read_model(fs, path, threads=threads)
     report = ModelReport(fs.url(path), files=sorted({e.file for e in entries.values()}))
+    report.staging = [fs.url(fs.concat_path(path, n)) for n in fs.ls(path) if is_area_name(n)]
     by_file: dict[str, list[TensorEntry]] = {name: [] for name in report.files}
     for entry in entries.values():
         by_file[entry.file].append(entry)

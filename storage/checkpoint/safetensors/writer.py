@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,14 +20,7 @@ from torch.futures import Future
 from extensions.errors import quote
 from storage.backends.registry import filesystem_from_url
 from storage.checkpoint.hook_errors import records_error
-from storage.checkpoint.safetensors.consolidate import (
-    STAGING_PREFIX,
-    Piece,
-    Staged,
-    byte_range,
-    consolidate,
-    remove_staging,
-)
+from storage.checkpoint.safetensors.consolidate import Piece, Staged, byte_range, consolidate
 from storage.checkpoint.safetensors.files import (
     clear_destination,
     file_names,
@@ -36,7 +29,17 @@ from storage.checkpoint.safetensors.files import (
     write_file,
 )
 from storage.checkpoint.safetensors.header import dtype_name, nbytes
+from storage.checkpoint.safetensors.staging import (
+    STALE_AFTER,
+    beating,
+    new_area,
+    object_name,
+    remove_staging,
+    sweep,
+)
 from storage.checkpoint.tensors import tensor_bytes
+
+log = logging.getLogger(__name__)
 
 
 def refuse_transforms(transforms: object) -> None:
@@ -65,10 +68,12 @@ class SafetensorsWriter(StorageWriter):
     ``path``, the coordinator writes whole tensors into the files (default: one file)
     from those, a bounded buffer at a time, then the index, and removes the staging
     area; shards whose bytes are not one contiguous range (``Shard(1)`` of a matrix) are
-    refused with the fix. Files are cut at ``max_shard_size`` bytes. A committed model
-    already at ``path`` is refused unless ``overwrite``. ``transforms`` are refused.
-    ``thread_count`` files are written at once (each holds a file's tensors on
-    the CPU while it writes).
+    refused with the fix. The coordinator first removes the staging areas that killed
+    saves left at ``path``: those without a live heartbeat whose objects are all older
+    than an hour (``staging``; ``dcp-storage gc`` does the same with its ``--grace``).
+    Files are cut at ``max_shard_size`` bytes. A committed model already at ``path`` is
+    refused unless ``overwrite``. ``transforms`` are refused. ``thread_count`` files are
+    written at once (each holds a file's tensors on the CPU while it writes).
     """
 
     def __init__(
@@ -109,6 +114,10 @@ class SafetensorsWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         if is_coordinator:
             clear_destination(self.fs, self.path, overwrite=self.overwrite)
+            try:
+                sweep(self.fs, self.path, STALE_AFTER)
+            except Exception as exc:  # the save does not depend on it; gc sweeps too
+                log.warning("%s: staging areas not swept: %s", self.fs.url(self.path), exc)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.fs.url(self.path))
@@ -122,9 +131,9 @@ class SafetensorsWriter(StorageWriter):
     @records_error
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if any(_is_shard(i) for plan in plans for i in plan.items):
-            staging = f"{STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
+            area = new_area()
             return [
-                dataclasses.replace(plan, storage_data=Staged(f"{staging}/rank-{rank:05d}.bin"))
+                dataclasses.replace(plan, storage_data=Staged(object_name(area, rank)))
                 for rank, plan in enumerate(plans)
             ]
         groups = [
@@ -175,7 +184,11 @@ class SafetensorsWriter(StorageWriter):
         if not plan.items:
             return results
         at = 0
-        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb", sync=True) as out:
+        area = name.rsplit("/", 1)[0]
+        with (
+            beating(self.fs, self.path, area),
+            self.fs.create_stream(self.fs.concat_path(self.path, name), "wb", sync=True) as out,
+        ):
             for item in plan.items:
                 assert item.tensor_data is not None
                 data = item.tensor_data
@@ -195,15 +208,17 @@ class SafetensorsWriter(StorageWriter):
         flat = [r for rank in results for r in rank]
         pieces = [(r.index.fqn, r.storage_data) for r in flat if isinstance(r.storage_data, Piece)]
         if pieces:
+            area = pieces[0][1].object.rsplit("/", 1)[0]
             try:
-                consolidate(
-                    self.fs,
-                    self.path,
-                    metadata,
-                    pieces,
-                    max_shard_size=self.max_shard_size,
-                    threads=self.thread_count,
-                )
+                with beating(self.fs, self.path, area):
+                    consolidate(
+                        self.fs,
+                        self.path,
+                        metadata,
+                        pieces,
+                        max_shard_size=self.max_shard_size,
+                        threads=self.thread_count,
+                    )
             finally:
                 remove_staging(self.fs, self.path, [p.object for _, p in pieces])
             return

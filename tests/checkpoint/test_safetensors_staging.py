@@ -1,0 +1,144 @@
+"""The staging areas (``.dcp-staging-<id>/``) that consolidating safetensors saves killed
+mid-save leave: swept by the next save to the same model folder and by ``dcp-storage
+gc``, reported by ``verify``, never while a save is still using one."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import storage
+from storage.checkpoint import heartbeat
+from storage.checkpoint.safetensors import save_safetensors
+from storage.checkpoint.safetensors.staging import beating
+from storage.cli import main
+from tests.support.servers import ServerUnavailable, boto3_client, create_bucket, s3_endpoint
+
+_LONG_AGO = time.time() - 7 * 24 * 3600
+
+
+def _killed_area(model: Path, name: str = ".dcp-staging-0123456789ab") -> Path:
+    """What a consolidating save killed after staging leaves: each rank's staging object
+    and a heartbeat that stopped beating, all dated a week back."""
+    area = model / name
+    area.mkdir(parents=True)
+    for rank in range(2):
+        (area / f"rank-{rank:05d}.bin").write_bytes(os.urandom(256))
+    (area / heartbeat.name_of("dead")).write_text(json.dumps({"time": _LONG_AGO}))
+    for entry in [*area.iterdir(), area]:
+        os.utime(entry, (_LONG_AGO, _LONG_AGO))
+    return area
+
+
+def _model() -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(8, 4), "b": torch.arange(4)}
+
+
+def test_the_next_save_removes_a_killed_saves_staging_area(tmp_path: Path) -> None:
+    """Before, a save killed between staging and its commit left its staging area (each
+    rank's share of the model) in the model folder forever; the next save now removes it."""
+    model = tmp_path / "hf"
+    killed = _killed_area(model)
+    save_safetensors(_model(), model)
+    assert not killed.exists()
+    assert sorted(p.name for p in model.iterdir()) == ["model.safetensors"]
+
+
+def test_the_next_save_keeps_the_area_of_a_save_still_running(tmp_path: Path) -> None:
+    """A concurrent save's area stays: one whose heartbeat is live (its objects dated as
+    old as a killed save's), one whose objects are young (a save that keeps no
+    heartbeat), and one holding files that are not ours."""
+    model = tmp_path / "hf"
+    live = _killed_area(model, ".dcp-staging-aaaaaaaaaaaa")
+    young = model / ".dcp-staging-bbbbbbbbbbbb"
+    young.mkdir()
+    (young / "rank-00000.bin").write_bytes(b"x" * 64)
+    foreign = _killed_area(model, ".dcp-staging-cccccccccccc")
+    (foreign / "notes.txt").write_text("mine")
+    os.utime(foreign / "notes.txt", (_LONG_AGO, _LONG_AGO))
+    fs = storage.LocalFileSystem()
+    with beating(fs, str(model), live.name):
+        save_safetensors(_model(), model)
+        assert (live / "rank-00000.bin").exists()
+    assert (young / "rank-00000.bin").exists() and (foreign / "rank-00000.bin").exists()
+
+
+def test_gc_lists_and_removes_staging_areas_of_killed_saves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, ``gc`` neither listed nor removed staging areas; now it treats them as
+    interrupted saves (older than --grace, no live heartbeat), in the root and in each
+    step, and keeps a live save's."""
+    root = tmp_path / "run"
+    in_root = _killed_area(root)
+    in_step = _killed_area(root / "step-3" / "hf")  # not a step's own folder: not looked at
+    step_area = _killed_area(root / "step-4", ".dcp-staging-444444444444")
+    live = _killed_area(root / "step-5", ".dcp-staging-555555555555")
+    gc = ["gc", str(root), "--keep-last", "5", "--json"]
+    with beating(storage.LocalFileSystem(), str(live.parent), live.name):
+        assert main([*gc, "--dry-run"]) == 0
+        listed = json.loads(capsys.readouterr().out)["staging"]
+        assert sorted(Path(u).name for u in listed) == [in_root.name, step_area.name]
+        assert in_root.exists() and step_area.exists()
+        assert main(gc) == 0
+        assert len(json.loads(capsys.readouterr().out)["staging"]) == 2
+        assert not in_root.exists() and not step_area.exists()
+        assert live.exists() and in_step.exists()
+    assert main([*gc[:-1]]) == 0
+    assert "staging area of an interrupted safetensors save" in capsys.readouterr().out
+
+
+def test_verify_notes_a_staging_area_beside_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``verify`` of a model says which staging areas lie beside it and how they go."""
+    model = tmp_path / "hf"
+    save_safetensors(_model(), model)
+    area = _killed_area(model)
+    assert main(["verify", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert area.name in out and "`dcp-storage gc` removes it" in out
+
+
+def test_gc_in_a_bucket_removes_a_killed_area_and_aborts_its_upload(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """In a bucket: a killed save's staging objects are removed by ``gc`` (grace 0), a
+    live save's stay, and the open upload of a rank killed mid-stage is listed and
+    aborted like a data file's (before, gc skipped it: not a checkpoint file name)."""
+    try:
+        endpoint = s3_endpoint("moto")
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    create_bucket(endpoint, "staging")
+    prefix = f"{uuid.uuid4().hex}/run"
+    s3 = boto3_client(endpoint)
+    dead, live = f"{prefix}/.dcp-staging-dead00000000", f"{prefix}/.dcp-staging-111100000000"
+    for area in (dead, live):
+        s3.put_object(Bucket="staging", Key=f"{area}/rank-00000.bin", Body=b"x" * 64)
+    s3.create_multipart_upload(Bucket="staging", Key=f"{dead}/rank-00001.bin")
+    s3.put_object(
+        Bucket="staging",
+        Key=f"{live}/{heartbeat.name_of('alive')}",
+        Body=json.dumps({"time": time.time()}).encode(),
+    )
+    options = [
+        f"--storage-option=endpoint_url={endpoint}",
+        "--storage-option=key=testing",
+        "--storage-option=secret=testing",
+    ]
+    gc = ["gc", f"s3://staging/{prefix}", "--keep-last", "1", "--grace", "0", *options]
+    assert main([*gc, "--abort-uploads", "--json"]) == 0
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert out["staging"] == [f"s3://staging/{dead}"]
+    assert [u["url"] for u in out["uploads"]] == [f"s3://staging/{dead}/rank-00001.bin"]
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="staging", Prefix=prefix)["Contents"]]
+    assert sorted(keys) == [f"{live}/{heartbeat.name_of('alive')}", f"{live}/rank-00000.bin"]
+    assert not s3.list_multipart_uploads(Bucket="staging", Prefix=prefix).get("Uploads")
