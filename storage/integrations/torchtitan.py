@@ -21,6 +21,10 @@ model-only and dtype-converted last steps, async modes and their process group,
   ``storage_options`` and ``keys``, for any path or URL dcp-storage serves;
 * which step to resume from is the newest *committed* ``step-<N>`` (its metadata
   landed), found by :class:`storage.CheckpointManager`;
+* with ``async_mode="async"``, the persist worker's staging buffers for the model's
+  tensors are made when the manager is built (``storage.CheckpointManager.prepare``), so
+  the first save's stall is a copy, not the first touch of fresh memory (tensors the
+  optimizer makes at its first step get theirs at the first save);
 * ``keep_latest_k`` is enforced by that manager's retention (metadata deleted first,
   steps that an incremental step references kept), on torchtitan's purge thread, after
   the last step's save too (torchtitan's own save skips its purge there).
@@ -104,6 +108,11 @@ class CheckpointManager(_titan_dcp.CheckpointManager):
             transforms=self._transforms,
             keys=self._keys,
         )
+        cached = getattr(self.states.get(MODEL), "cached_state_dict", None)
+        if self.async_mode == _titan_dcp.AsyncMode.ASYNC and isinstance(cached, dict):
+            # torchtitan's model wrapper holds its state dict from the start, so the
+            # persist worker's staging buffers for it are made now, not by the first save.
+            self._steps.prepare(cached)
         if self.purge_thread is not None:  # type: ignore[has-type]
             # torchtitan's thread deletes with fsspec's rmtree and no client options;
             # this one applies the step manager's retention instead.

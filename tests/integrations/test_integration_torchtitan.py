@@ -100,6 +100,22 @@ def test_a_step_that_is_not_committed_is_refused(endpoint: str, tmp_path: Any) -
     checkpointer.close()
 
 
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_an_async_manager_makes_the_models_staging_buffers_when_built(
+    tmp_path: Any, async_mode: str
+) -> None:
+    """Before, the persist worker's staging buffers were made by the first asynchronous
+    save (its stall paid the first touch of fresh memory); now building the manager with
+    ``async_mode="async"`` makes those of the model's tensors, and saves nothing. A
+    synchronous manager makes none."""
+    out = tmp_path / "probe.json"
+    _run({"probe": True, "url": str(tmp_path / "run"), "async_mode": async_mode, "out": str(out)})
+    probe = json.loads(out.read_text())
+    assert probe["saved"] == []
+    # The 256x256 weight goes through shared memory; the small tensors go by value.
+    assert probe["segments"] == (1 if async_mode == "async" else 0)
+
+
 def test_secrets_stay_out_of_the_logged_config() -> None:
     """The Trainer logs ``config.to_dict()`` as JSON and writes it beside the run."""
     from storage.integrations.torchtitan import CheckpointManager
@@ -178,6 +194,10 @@ def job(spec: dict[str, Any]) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if spec.get("probe"):
+        _probe(spec)
+        dist.destroy_process_group()
+        return
     torch.manual_seed(spec["seed"])
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizers, schedulers, train_state, checkpointer = _components(
@@ -207,6 +227,21 @@ def job(spec: dict[str, Any]) -> None:
         spec["out"],
     )
     dist.destroy_process_group()
+
+
+def _probe(spec: dict[str, Any]) -> None:
+    """Build the manager over a model with one tensor large enough for shared memory and
+    record the persist worker's staging segments, before any save."""
+    from storage.checkpoint import persist
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 1))
+    checkpointer = _components(model, spec["url"], {}, spec["async_mode"])[3]
+    pool = persist.worker().pool
+    segments = [] if pool is None else pool.live()
+    saved = sorted(os.listdir(spec["url"])) if os.path.isdir(spec["url"]) else []
+    checkpointer.close()
+    with open(spec["out"], "w") as f:
+        json.dump({"segments": len(segments), "saved": saved}, f)
 
 
 if __name__ == "__main__":
