@@ -18,11 +18,11 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from extensions.errors import CheckpointNotFoundError
 from storage.checkpoint import persist
 from storage.checkpoint.attempt import SaveAttempt
+from storage.checkpoint.options import WriterSettings
 from storage.ops._peers import Group
 from storage.ops.copy import publish_copy
 from storage.ops.copy_data import copy_data_files
@@ -35,7 +35,8 @@ log = logging.getLogger("storage.ops.tiers")  # one logger for everything tiers 
 class Drains:
     """The drain passes of one local tier (see the module docstring).
 
-    ``writer_options``: the manager's (``overwrite``, ``thread_count``, ``persist``);
+    ``settings``: the manager's writer settings (``overwrite``, ``thread_count``,
+    ``persist``, ``max_bandwidth``);
     ``pace``: called before each read of the copy (it blocks while a save writes);
     ``prune``: the local tier's retention, run before and after each pass;
     ``on_durable(step)``: once ``step`` is durable (the root's retention). A failed
@@ -49,13 +50,13 @@ class Drains:
         local: StepRoot,
         root: StepRoot,
         *,
-        writer_options: dict[str, Any],
+        settings: WriterSettings,
         pace: Callable[[], None],
         prune: Callable[[], None],
         on_durable: Callable[[int], None],
     ) -> None:
         self.group, self.local, self.root = group, local, root
-        self.writer_options = writer_options
+        self.settings = settings
         self.pace, self.prune, self.on_durable = pace, prune, on_durable
         self.last_error: str | None = None  # kept after it is taken, for messages
         self._lock = threading.Lock()
@@ -134,7 +135,7 @@ class Drains:
                     self.local,
                     self.root,
                     common[0],
-                    writer_options=self.writer_options,
+                    settings=self.settings,
                     pace=self.pace,
                 )
                 self.last_error = None
@@ -162,7 +163,7 @@ def drain_step(
     root: StepRoot,
     step: int,
     *,
-    writer_options: dict[str, Any],
+    settings: WriterSettings,
     pace: Callable[[], None],
 ) -> None:
     """Copy ``step`` from ``local`` to ``root``; collective (on the drains' group),
@@ -185,7 +186,7 @@ def drain_step(
             )
         part = parts[0]
         copied = persist.run(
-            persist.mode_for(writer_options, local.fs, fs),
+            settings.persist_mode(local.fs, fs),
             copy_data_files,
             local.fs,
             src,
@@ -193,7 +194,7 @@ def drain_step(
             dst,
             part,
             ranks=None if g.world == 1 else {g.rank},
-            thread_count=writer_options.get("thread_count"),
+            thread_count=settings.thread_count,
             pace=pace,
             keep_references=True,
             save_id=attempt.save_id,
@@ -210,8 +211,7 @@ def drain_step(
         if outcome is None:
             assert part is not None
             try:
-                overwrite = bool(writer_options.get("overwrite", True))
-                publish_copy(fs, dst, part, copies, overwrite=overwrite)
+                publish_copy(fs, dst, part, copies, overwrite=settings.overwrite)
                 attempt.landed()
             except Exception as exc:
                 error, outcome = exc, _text(exc)

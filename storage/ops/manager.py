@@ -133,7 +133,7 @@ class CheckpointManager:
         self.tier: Tier = self.root_tier if self.tiers is None else self.tiers
         # The worker starts now (its imports take seconds): the first asynchronous save
         # then neither waits for it nor shares the cores with its start.
-        persist.start(self.writer_options, self.tier.saves_to.fs)
+        persist.start(self.settings, self.tier.saves_to.fs)
 
     def _local_tier(
         self,
@@ -260,7 +260,7 @@ class CheckpointManager:
         without it makes what it needs. Stages and saves nothing; tensors added or
         resized later get their buffers at the save that first sees them. Does nothing
         with ``persist="thread"``. See docs/operations.md ("The persist worker")."""
-        w = persist.start(self.writer_options, self.tier.saves_to.fs)
+        w = persist.start(self.settings, self.tier.saves_to.fs)
         if w is not None:
             w.reserve(api.plain_state_dict(state_dict))
 

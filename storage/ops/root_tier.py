@@ -79,12 +79,13 @@ class RootTier:
         base, opened = self.incremental_base(step)
         # The base is read once, here: the writer does not read it again.
         settings = dataclasses.replace(self.settings, fingerprint=self.incremental, base=opened)
-        options = dict(settings.writer_kwargs(), filesystem=self.root.fs)
         if not blocking:
-            return self._save_async(step, base, state_dict, options)
+            return self._save_async(step, base, state_dict, settings)
         with self.root.in_flight.writing(step, base):
             url = self.root.step_url(step)
-            writer = CheckpointWriter(url, transforms=self.transforms, **options)
+            writer = CheckpointWriter(
+                url, transforms=self.transforms, filesystem=self.root.fs, **settings.writer_kwargs()
+            )
             api.save_with(writer, state_dict)
             if writer.published is not None:
                 self.root.remember(step, writer.published)
@@ -92,7 +93,7 @@ class RootTier:
         return None
 
     def _save_async(
-        self, step: int, base: int | None, state_dict: dict[str, Any], options: dict[str, Any]
+        self, step: int, base: int | None, state_dict: dict[str, Any], settings: WriterSettings
     ) -> concurrent.futures.Future[None]:
         url = self.root.step_url(step)
         outer: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -105,7 +106,8 @@ class RootTier:
                 url,
                 transforms=self.transforms,
                 process_group=self._background_group(),
-                **options,
+                filesystem=self.root.fs,
+                **settings.writer_kwargs(),
             )
         except BaseException:
             self.root.in_flight.end()

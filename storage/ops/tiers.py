@@ -96,7 +96,7 @@ class LocalTier:
             self.group,
             self.local,
             root,
-            writer_options=settings.writer_kwargs(),
+            settings=settings,
             pace=self.pause,
             prune=self.retention.prune,
             on_durable=on_durable,

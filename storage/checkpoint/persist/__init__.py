@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
@@ -42,6 +42,9 @@ from storage.checkpoint.encode import plain_cpu_tensor
 from storage.checkpoint.persist._child import Pause
 from storage.checkpoint.persist._shm import StagingPool
 from storage.checkpoint.persist._worker import Lease, NotSendable, Worker
+
+if TYPE_CHECKING:
+    from storage.checkpoint.options import WriterSettings  # which imports this module
 
 log = logging.getLogger(__name__)
 
@@ -135,20 +138,14 @@ def _forget_worker_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_worker_in_child)
 
 
-def mode_for(options: dict[str, Any], *filesystems: FileSystemBase) -> Mode:
-    """The mode writer ``options`` (a manager's) ask for, for work on ``filesystems``."""
-    mode = check_mode(options.get("persist"), options.get("max_bandwidth"))
-    return for_filesystems(mode, *filesystems)
-
-
-def start(options: dict[str, Any], filesystem: FileSystemBase) -> Worker | None:
+def start(settings: WriterSettings, filesystem: FileSystemBase) -> Worker | None:
     """Start the persist worker and its staging pool now, when saves with writer
-    ``options`` (a manager's) to ``filesystem`` would stage in it; returns it (else
+    ``settings`` (a manager's) to ``filesystem`` would stage in it; returns it (else
     ``None``). A manager calls this when it is made and in ``prepare``, so its first
     asynchronous save neither starts a Python process beside the copy nor waits behind
-    a save that did; options a save would refuse are left for that save to report."""
+    a save that did; a storage a save would refuse is left for that save to report."""
     try:
-        mode = mode_for(options, filesystem)
+        mode = settings.persist_mode(filesystem)
     except ValueError:
         return None
     if mode.name != "process":
