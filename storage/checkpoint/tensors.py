@@ -1,12 +1,18 @@
 """Tensors as the read path meets them: a target checked against the stored chunk
-before any byte is read, and a tensor's memory as writable bytes."""
+before any byte is read, one allocated for a stored tensor only once its claim is
+checked, and a tensor's memory as writable bytes."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
+
+from extensions.errors import IntegrityError, printable, quote
+from storage.checkpoint import storage_format as fmt
 
 
 def check_shapes(
@@ -38,3 +44,35 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         return memoryview(bytearray(0))
     flat = tensor.reshape(-1).view(torch.uint8)
     return flat.numpy().data.cast("B")
+
+
+def empty_stored(metadata: Metadata, fqn: str, checkpoint: str) -> torch.Tensor:
+    """An empty CPU tensor shaped and typed as the stored tensor ``fqn``, for loading it
+    whole where no caller gave one (export, the Lightning integration). Its size is the
+    checkpoint's claim: an item stored untransformed holds at least a byte per element
+    of its chunk, so one claiming more elements than it stores bytes is refused before
+    anything is allocated (a compressed item's claim is bounded only by what its codec
+    can expand to); an allocation that fails names the item."""
+    meta: Any = metadata.state_dict_metadata[fqn]
+    for chunk in meta.chunks:
+        index = MetadataIndex(fqn, chunk.offsets)
+        info = (metadata.storage_data or {}).get(index)
+        if info is None:
+            continue
+        record = fmt.stored_item(info)
+        elements = math.prod(chunk.sizes)
+        if not record.descriptors and elements > record.length:
+            raise IntegrityError(
+                f"{checkpoint}: item {quote(fmt.item_label(index))} claims {elements} elements "
+                f"but stores {record.length} bytes, untransformed; its metadata is damaged or "
+                "forged: nothing was allocated for it. Restore the checkpoint from a good copy"
+            )
+    size, dtype = torch.Size(meta.size), meta.properties.dtype
+    try:
+        return torch.empty(size, dtype=dtype)
+    except (RuntimeError, MemoryError) as exc:
+        raise MemoryError(
+            f"{checkpoint}: item {quote(fqn)} is a {tuple(size)} {dtype} tensor, more than "
+            f"this machine can allocate ({printable(str(exc), 200)}); load it where there is "
+            "more memory, or leave it out"
+        ) from None

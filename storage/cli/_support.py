@@ -194,6 +194,12 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int])
     return "\n".join([line(header), *(line(r) for r in rows)])
 
 
+def bad_lines(bad: dict[str, str]) -> list[str]:
+    """A verify report's failures, one line each: a name's line break (the checkpoint
+    chooses its names) is escaped, never a line of its own."""
+    return [f"  {printable(name)}: {printable(why)}" for name, why in sorted(bad.items())]
+
+
 def emit(args: argparse.Namespace, data: Any, text: str) -> None:
     # JSON escapes control characters itself; text lines may quote the checkpoint.
     if args.json:

@@ -14,6 +14,7 @@ from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from storage.backends.base import FileSystemBase
 from storage.cli._support import (
     DTYPE_NAMES,
+    bad_lines,
     emit,
     human_age,
     human_size,
@@ -168,7 +169,7 @@ def verify(args: argparse.Namespace) -> int:
     count = len(report.ok) + len(report.bad)
     if report.bad:
         lines = [f"BAD: {len(report.bad)} of {count} items failed in {report.url}:"]
-        lines += [f"  {item}: {reason}" for item, reason in sorted(report.bad.items())]
+        lines += bad_lines(report.bad)
     else:
         lines = [
             f"OK: {count} items verified in {report.url} "
@@ -201,7 +202,7 @@ def _verify_model(args: argparse.Namespace, fs: FileSystemBase, path: str) -> in
     count = len(report.ok) + len(report.bad) + len(report.unchecksummed)
     if report.bad:
         lines = [f"BAD: {len(report.bad)} of {count} tensors failed in {report.url}:"]
-        lines += [f"  {label}: {reason}" for label, reason in sorted(report.bad.items())]
+        lines += bad_lines(report.bad)
     else:
         lines = [
             f"OK: safetensors model {report.url}: {len(report.files)} files, {count} tensors "

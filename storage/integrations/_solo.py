@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from storage.checkpoint.api import unwrap_checkpoint_exception
 from storage.checkpoint.reader import CheckpointReader
+from storage.checkpoint.tensors import empty_stored
 from storage.checkpoint.writer import CheckpointWriter
 
 
@@ -53,11 +54,11 @@ def load_alone(reader: CheckpointReader, state_dict: dict[str, Any]) -> None:
         raise real from real.__cause__
 
 
-def empty_targets(metadata: Metadata, keys: list[str]) -> dict[str, torch.Tensor]:
-    """CPU tensors to load the stored tensors ``keys`` into, shaped as stored."""
+def empty_targets(metadata: Metadata, keys: list[str], url: str) -> dict[str, torch.Tensor]:
+    """CPU tensors to load the stored tensors ``keys`` (of the checkpoint at ``url``)
+    into, shaped as stored once each claim is checked (``empty_stored``)."""
     targets = {}
     for key in keys:
-        md = metadata.state_dict_metadata[key]
-        assert isinstance(md, TensorStorageMetadata)
-        targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        assert isinstance(metadata.state_dict_metadata[key], TensorStorageMetadata)
+        targets[key] = empty_stored(metadata, key, url)
     return targets

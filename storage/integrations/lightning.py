@@ -134,7 +134,7 @@ class StorageCheckpointIO(CheckpointIO):
                 f"Lightning integration (it has no {PREFIX!r} item); load it with "
                 "storage.load into a state dict of your own"
             )
-        items = empty_targets(metadata, names)
+        items = empty_targets(metadata, names, reader.url)
         load_alone(reader_alone(path, **self.reader_options(path)), dict(items))
         return _tree.unpack(
             items, PREFIX, where=reader.url, weights_only=weights_only, map_location=map_location

@@ -40,7 +40,7 @@ from storage.checkpoint.safetensors.header import (
     encode_header,
     layout,
 )
-from storage.checkpoint.tensors import tensor_bytes
+from storage.checkpoint.tensors import empty_stored, tensor_bytes
 from storage.ops.export_source import Run, Tensor, checksum, damaged, plan_tensor
 
 #: The Hub's customary largest file.
@@ -140,7 +140,7 @@ def export_safetensors(
     clear_destination(dst_fs, dst, overwrite=overwrite)
 
     def load_batch(batch: list[Tensor]) -> dict[str, torch.Tensor]:
-        state = {t.fqn: torch.empty(t.shape, dtype=_stored(metadata, t.fqn)) for t in batch}
+        state = {t.fqn: empty_stored(metadata, t.fqn, checkpoint) for t in batch}
         load(state, checkpoint, filesystem=src_fs, **reader_options)
         return {t.name: state.pop(t.fqn).to(t.dtype).contiguous() for t in batch}
 
@@ -156,10 +156,6 @@ def export_safetensors(
     else:
         dst_fs.sync_dir(dst)
     return ExportResult(checkpoint, dst_fs.url(dst), names, len(chosen), total, skipped)
-
-
-def _stored(metadata: Any, fqn: str) -> torch.dtype:
-    return metadata.state_dict_metadata[fqn].properties.dtype  # type: ignore[no-any-return]
 
 
 @dataclass

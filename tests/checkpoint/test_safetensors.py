@@ -319,6 +319,13 @@ HOSTILE_FILES = {
         "names 'w' twice",
     ),
     "a header that is not JSON": (_raw_file(b"[" * 100000), IntegrityError, "not valid JSON"),
+    # An empty tensor may have any other dimension: one past what torch.Size holds used
+    # to pass the checks and fail as torch's "Overflow when unpacking long long".
+    "an empty shape with a dimension of 2**64": (
+        _raw_file({"w": _entry("F32", [0, 2**64], 0, 0)}),
+        IntegrityError,
+        "'w'.*shape",
+    ),
     "a file shorter than a header length": (b"\x01\x02", IntegrityError, "too short"),
 }
 
@@ -339,6 +346,13 @@ def test_hostile_headers_are_refused_naming_file_and_tensor(tmp_path: Path, case
         "/etc/outside.safetensors",
         "s3://other/x.safetensors",
         "sub/x.safetensors",
+        # Names that used to pass as plain: one longer than any file name may be (the
+        # local open failed as "File name too long"), and unprintable ones that reached
+        # messages and terminals as they were.
+        "x" * 300 + ".safetensors",
+        "\u202egpj.safetensors",
+        "a\x7fb.safetensors",
+        "a\u2028b.safetensors",
     ],
 )
 def test_index_whose_files_escape_the_model_is_refused_before_reading(

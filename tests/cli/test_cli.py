@@ -696,3 +696,17 @@ class _HeldAfter:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def test_verify_of_a_damaged_item_whose_name_holds_a_line_break_cannot_forge_a_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An item's name is the checkpoint's to choose: one holding a line break used to
+    print as two lines of the report, the second one the name's forged "OK: ..." line."""
+    name = "w\nOK: 1 items verified"
+    storage.save({name: torch.ones(64)}, str(tmp_path / "ckpt"))
+    _flip_byte_of_item(tmp_path / "ckpt", name)
+    assert main(["verify", str(tmp_path / "ckpt")]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("BAD: 1 of 1") and not any(line.startswith("OK:") for line in lines)
+    assert lines[1].startswith("  w\\nOK: 1 items verified: ")

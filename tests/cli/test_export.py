@@ -392,3 +392,32 @@ def test_export_writes_files_concurrently_each_bit_exact_and_the_index_last(
     files = _model_files(Path(out))
     for key, value in state.items():
         assert torch.equal(files[key], value), key
+
+
+@pytest.mark.parametrize("stock", [True, False], ids=["stock", "ours"])
+def test_export_refuses_a_plain_item_claiming_more_bytes_than_it_stores_before_allocating(
+    tmp_path: Path, stock: bool
+) -> None:
+    """The metadata's shapes are the checkpoint's claim: a 16-byte item whose metadata
+    said 256 GiB used to be allocated as such (torch's unnamed "can't allocate memory",
+    or on a machine that overcommits, a lazily mapped 256 GiB the load then touched)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    from extensions.errors import IntegrityError
+
+    src = tmp_path / "src"
+    if stock:
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(src), no_dist=True)
+    else:
+        storage.save({"w": torch.ones(4)}, str(src))
+    metadata = pickle.loads((src / ".metadata").read_bytes())  # the test's own file
+    big = torch.Size([1 << 36])
+    props = metadata.state_dict_metadata["w"].properties
+    chunk = ChunkStorageMetadata(torch.Size([0]), big)
+    metadata.state_dict_metadata["w"] = TensorStorageMetadata(props, big, [chunk])
+    (src / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(IntegrityError, match="item 'w' claims 68719476736 elements"):
+        export_safetensors(LocalFileSystem(), str(src), LocalFileSystem(), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -84,3 +84,20 @@ def test_verify_refuses_an_index_that_names_a_tensor_its_file_lacks(
     assert main(["verify", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "'ghost'" in err and files[0] in err
+
+
+def test_a_damaged_tensor_whose_name_holds_a_line_break_cannot_forge_a_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tensor's name is the model's to choose: one holding a line break used to print
+    as two lines of the report, the second one the name's forged "OK: ..." line."""
+    name = "w\nOK: safetensors model forged"
+    dcp.save({name: torch.ones(64)}, storage_writer=SafetensorsWriter(tmp_path), no_dist=True)
+    path = tmp_path / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert main(["verify", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("BAD: 1 of 1") and not any(line.startswith("OK:") for line in lines)
+    assert "model.safetensors: w\\nOK: safetensors model forged: checksum mismatch" in lines[1]

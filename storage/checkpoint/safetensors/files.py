@@ -154,16 +154,16 @@ def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, Ten
         for name, entry in header.items():
             if name in entries:
                 raise IntegrityError(
-                    f"{fs.url(root)}: tensor {quote(name)} is in both {entries[name].file} and "
-                    f"{entry.file}; the model is damaged: export or download it again"
+                    f"{fs.url(root)}: tensor {quote(name)} is in both {quote(entries[name].file)} "
+                    f"and {quote(entry.file)}; the model is damaged: export or download it again"
                 )
             entries[name] = entry
     for name, file in (weight_map or {}).items():
         if name not in entries or entries[name].file != file:
             raise IntegrityError(
-                f"{fs.url(index_path)}: tensor {quote(name)} is mapped to {file}, whose header "
-                "does not hold it; the model is incomplete or its index is stale: export or "
-                "download it again"
+                f"{fs.url(index_path)}: tensor {quote(name)} is mapped to {quote(file)}, whose "
+                "header does not hold it; the model is incomplete or its index is stale: export "
+                "or download it again"
             )
     return entries
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
+from storage.checkpoint.validate import MAX_SIZE, is_plain_name
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -58,7 +59,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _RANK = {name: i for i, name in enumerate(DTYPES)}
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_PLAIN_FILE = re.compile(r"[^/\\:\x00-\x1f]+\.safetensors")
 
 
 @dataclass(frozen=True)
@@ -197,8 +197,12 @@ def _entry(
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _bad(file, name, f"unknown dtype {quote(dtype)} (known: {', '.join(DTYPES)})")
-    if not isinstance(shape, list) or len(shape) > 64 or not all(_count(s) for s in shape):
-        raise _bad(file, name, f"shape {quote(shape)} is not a list of non-negative integers")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > 64
+        or not all(_count(s) and s <= MAX_SIZE for s in shape)
+    ):
+        raise _bad(file, name, f"shape {quote(shape)} is not a list of integers in [0, 2**62]")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
@@ -242,8 +246,9 @@ def _crcs(meta: object, file: str) -> dict[str, int] | None:
 
 def parse_index(text: bytes, index: str) -> dict[str, str]:
     """The ``weight_map`` of an index (tensor name -> file name), every file name a
-    plain ``*.safetensors`` name beside the index: one that climbs out (``../``), is
-    absolute or names another location (``s3://...``) is refused."""
+    plain ``*.safetensors`` name beside the index (at most 255 printable characters, as
+    a checkpoint's file names): one that climbs out (``../``), is absolute or names
+    another location (``s3://...``) is refused."""
     raw = _load_json(text, index, "index")
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -252,10 +257,11 @@ def parse_index(text: bytes, index: str) -> dict[str, str]:
             "export the model again or load its files without the index"
         )
     for name, file in weight_map.items():
-        if not isinstance(file, str) or not _PLAIN_FILE.fullmatch(file) or file.startswith(".."):
+        if not (is_plain_name(file) and file.endswith(SUFFIX) and len(file) > len(SUFFIX)):
             raise UnsafeCheckpointError(
                 f"{index}: tensor {quote(name)} is mapped to {quote(file)}, which is not a "
-                "*.safetensors file beside the index; refused (nothing outside the checkpoint "
+                "*.safetensors file beside the index (a plain name of at most 255 printable "
+                "characters); refused (nothing outside the checkpoint "
                 "is read): fix the index's weight_map"
             )
     return weight_map
