@@ -10,6 +10,9 @@ itself when ``enable_async_checkpointing`` is on. Here:
   checksums, metadata-last commit, ``keep_last`` retention, asynchronous saves whose
   errors are raised). Epoch ``N`` is stored as ``<output_dir>/step-N``; resuming picks
   the newest *committed* one.
+  Its ``prepare(state_dict)`` makes the persist worker's staging buffers for the
+  state's tensors ahead of the first asynchronous save, so that save's stall is a copy,
+  not the first touch of fresh memory (:meth:`storage.CheckpointManager.prepare`).
 * :class:`CheckpointClient` is torchtune's, building that checkpointer from the recipe
   config's ``dcp_storage`` section. In a recipe (copied with ``tune cp``), import it
   instead of torchtune's; in the YAML::
@@ -107,6 +110,14 @@ class DistributedCheckpointer(compat.TorchtuneDistributedCheckpointer):  # type:
         staged (a previous asynchronous save is waited for first)."""
         future = self._steps.save(epoch, state_dict, blocking=not save_async)
         compat.set_checkpoint_future(self, future)
+
+    def prepare(self, state_dict: dict[str, Any]) -> None:
+        """Make the staging buffers of asynchronous saves (``save_async=True``) for the
+        tensors of ``state_dict`` now (the model's ``state_dict()`` at setup, say: the
+        buffers follow the tensors' storage, not their keys), so the first such save's
+        stall is a copy into memory already touched. Stages and saves nothing; see
+        :meth:`storage.CheckpointManager.prepare`."""
+        self._steps.prepare(state_dict)
 
 
 class CheckpointClient(compat.TorchtuneCheckpointClient):  # type: ignore[misc]

@@ -106,6 +106,36 @@ def test_the_checkpointer_is_a_torchtune_component(tmp_path: Any) -> None:
         checkpointer.load_checkpoint()
 
 
+def test_prepare_makes_the_staging_buffers_before_the_first_async_save(tmp_path: Any) -> None:
+    """Before, the checkpointer owned its manager and gave no way to call its
+    ``prepare``: the first asynchronous epoch made the staging buffers, and touching
+    that fresh memory was its stall."""
+    from storage.checkpoint import persist
+    from storage.integrations.torchtune import DistributedCheckpointer
+
+    handle = persist.worker()
+    handle.close()  # a fresh pool: only this test's buffers in it
+    try:
+        checkpointer = DistributedCheckpointer(tmp_path, tmp_path / "out")
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 1))
+        checkpointer.prepare({"model": model.state_dict()})
+        assert handle.pool is not None
+        segments = handle.pool.live()
+        assert len(segments) == 1  # the 256x256 weight; the rest is small, sent by value
+        assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        checkpointer.save_checkpoint({"model": model.state_dict()}, epoch=0, save_async=True)
+        checkpointer._checkpoint_future.result()
+        assert handle.pool.live() == segments  # the save copied into the prepared buffer
+        target = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+        checkpointer.load_checkpoint(target)
+        for key, value in model.state_dict().items():
+            assert torch.equal(target["model"][key], value), key
+    finally:
+        handle.close()
+
+
 # --- shared by the test and the resumed process ----------------------------------------
 
 
