@@ -1,6 +1,6 @@
 """Every headline ratio in one run, against its goal and its record in docs/benchmarks.md.
 
-    python benchmarks/check.py                  # all three parts: ~6-8 min on a quiet 2-core VM
+    python benchmarks/check.py                  # all three parts: ~10 min on a quiet 2-core VM
     python benchmarks/check.py --only local     # or s3, or loop; repeat --only for several
     python benchmarks/check.py --quick          # smoke run: small sizes, seconds to a minute each
     python benchmarks/check.py --plots docs/img # also draw the pictures docs/benchmarks.md shows
@@ -15,7 +15,8 @@ here):
   s3torchconnector; saves in this process, loads in fresh ones; client CPU per GB;
 - ``loop``: ``benchmarks/training_loop.py`` on the capped bucket (100 MB/s, 5 ms per
   request), one rank, a checkpoint every 10 steps: ours async, stock async,
-  s3torchconnector async, and the staging floor.
+  s3torchconnector async, each ``--loop-rounds`` times (2) against its round's run without
+  checkpoints, medians over rounds; and the staging floor, once.
 
 The recorded ratios and goals live in ONE place, the table between the ``recorded ratios``
 markers of docs/benchmarks.md; this script reads it, and refuses to run if a measure here
@@ -286,58 +287,76 @@ def run_s3(
     return figures, protocol
 
 
-def run_loop(server: Any, quick: bool, plots: str | None) -> tuple[list[Figure], str]:
+def run_loop(server: Any, quick: bool, plots: str | None, rounds: int) -> tuple[list[Figure], str]:
     from benchmarks import training_loop as loop
     from tests.support.capped_proxy import CappedProxy
 
     size, interval, steps = ("quick", 5, 15) if quick else ("full", 10, 40)
-    names = ["none", "floor", "stock async", "s3tc async", "ours async"]
+    # The floor is a copy into memory, the same every round: run once. The others run
+    # every round, the order rotating, each against its own round's run without checkpoints.
+    timed = ["none", "stock async", "s3tc async", "ours async"]
     args = argparse.Namespace(ranks=1, size=size, threads=1, profile=None)
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in ["floor", *timed]}
     with CappedProxy(server.url, rate=100e6, latency=0.005) as proxy:
         bench = loop.Bench(args, server, proxy)
         try:
             loop.ceiling(bench)
-            runs = {}
-            for name in names:
-                runs[name] = bench.run(name, interval, steps, 0)
-                print(f"  loop {name}: {runs[name]['wall']:.1f} s", file=sys.stderr, flush=True)
+            order = [("floor", 0)] + [
+                (timed[(i + r) % len(timed)], r) for r in range(rounds) for i in range(len(timed))
+            ]
+            for name, round_ in order:
+                run = bench.run(name, interval, steps, round_)
+                runs[name].append(run)
+                print(f"  loop {name}: {run['wall']:.1f} s", file=sys.stderr, flush=True)
         finally:
             shutil.rmtree(bench.work, ignore_errors=True)
     if plots:
         title = f"one rank, capped bucket, a checkpoint every {interval} steps"
-        loop.plot_steps(runs, title, os.path.join(plots, "loop-steps.png"))
-    base = runs["none"]["wall"]
-    slowdown = {n: 100 * (r["wall"] / base - 1) for n, r in runs.items()}
-    stall_ms = {
-        n: (1000 * statistics.median(r["stalls"]), 1000 * max(r["stalls"]))
-        for n, r in runs.items()
-        if r["stalls"]
-    }
-    floor = f"floor slowdown {slowdown['floor']:.1f}%"
+        last = {n: r[-1] for n, r in runs.items()}
+        loop.plot_steps(last, title, os.path.join(plots, "loop-steps.png"))
+
+    def slowdown(name: str) -> float:
+        """The median over rounds of the slowdown against that round's baseline."""
+        walls = [r["wall"] for r in runs[name]]
+        bases = [r["wall"] for r in runs["none"]]
+        if name == "floor":
+            return 100 * (walls[0] / statistics.median(bases) - 1)
+        return statistics.median(100 * (w / b - 1) for w, b in zip(walls, bases))
+
+    def stalls(name: str) -> tuple[float, float]:
+        """Median of every stall, and the median over rounds of each round's largest, ms."""
+        every = [s for r in runs[name] for s in r["stalls"]]
+        return 1000 * statistics.median(every), 1000 * statistics.median(
+            max(r["stalls"]) for r in runs[name]
+        )
+
+    ours = slowdown("ours async")
+    floor = f"floor slowdown {slowdown('floor'):.1f}%"
     figures = []
     for peer, short in (("stock async", "stock"), ("s3tc async", "s3tc")):
-        ratio = slowdown["ours async"] / slowdown[peer] if slowdown[peer] > 0 else None
+        theirs = slowdown(peer)
         figures.append(
             Figure(
                 f"loop.slowdown_vs_{short}",
-                f"{slowdown['ours async']:.1f}%",
-                f"{slowdown[peer]:.1f}%",
-                ratio,
+                f"{ours:.1f}%",
+                f"{theirs:.1f}%",
+                ours / theirs if theirs > 0 else None,
                 floor,
             )
         )
     for i, which in enumerate(("median", "max")):
-        ours, copy = stall_ms["ours async"][i], stall_ms["floor"][i]
+        mine, copy = stalls("ours async")[i], stalls("floor")[i]
         figures.append(
             Figure(
                 f"loop.stall_{which}_vs_floor",
-                f"{ours:.0f} ms",
+                f"{mine:.0f} ms",
                 f"{copy:.0f} ms",
-                ours / copy if copy > 0 else None,
+                mine / copy if copy > 0 else None,
                 "the floor (a copy into staging buffers) is the limit",
             )
         )
-    cpu = {n: loop.checkpoint_cpu([runs[n]], runs["none"]["job_cpu"]) for n in names}
+    base_cpu = statistics.median(r["job_cpu"] for r in runs["none"])
+    cpu = {n: loop.checkpoint_cpu(runs[n], base_cpu) for n in runs if n != "none"}
     ours_cpu, s3tc_cpu = cpu["ours async"], cpu["s3tc async"]
     figures.append(
         Figure(
@@ -351,14 +370,17 @@ def run_loop(server: Any, quick: bool, plots: str | None) -> tuple[list[Figure],
     model = "the small model" if quick else "a 6-layer LM, 277 MB of state"
     protocol = (
         f"loop (benchmarks/training_loop.py --capped, {model}): 1 rank, 1 torch thread, "
-        f"{steps} steps, a checkpoint every {interval}, one run per variant in fresh "
-        "processes, to SeaweedFS through the capped proxy (100 MB/s both ways, 5 ms per "
-        "request). Slowdown = training wall time over the run without checkpoints; stall = "
-        "time in save (state dict built inside); floor = the state's tensors copied into "
-        "staging buffers allocated once. Peers: stock dcp.async_save + FsspecWriter, "
-        "s3torchconnector's S3StorageWriter with dcp.async_save. Ratios: ours / peer. "
-        "CPU per checkpointed GB: the job's CPU (trainer and its children: the persist "
-        "worker, torch's checkpoint process) over the run without checkpoints, per GB saved."
+        f"{steps} steps, a checkpoint every {interval}, {rounds} round(s) of every variant "
+        "in fresh processes, the order rotating (the floor once), to SeaweedFS through the "
+        "capped proxy (100 MB/s both ways, 5 ms per request). Slowdown = training wall time "
+        "over the same round's run without checkpoints, median over rounds; stall = time in "
+        "save (state dict built inside): the median of every stall, and the median over "
+        "rounds of each round's largest (the first checkpoint's); floor = the state's tensors "
+        "copied into staging buffers allocated once. Peers: stock dcp.async_save + "
+        "FsspecWriter, s3torchconnector's S3StorageWriter with dcp.async_save. Ratios: ours / "
+        "peer. CPU per checkpointed GB: the job's CPU (trainer and its children: the persist "
+        "worker with its start-up, torch's checkpoint process) over the run without "
+        "checkpoints, per GB saved, medians over rounds."
     )
     return figures, protocol
 
@@ -397,6 +419,9 @@ def main() -> None:
     parser.add_argument("--s3-repeat", type=int, help="rounds (default 3; quick 1)")
     parser.add_argument("--dir", help="work directory for the local part (default: a temp dir)")
     parser.add_argument(
+        "--loop-rounds", type=int, help="rounds of each loop variant (default 2; quick 1)"
+    )
+    parser.add_argument(
         "--plots", metavar="DIR", help="draw the loop's step times and the S3 throughputs here"
     )
     args = parser.parse_args()
@@ -413,6 +438,7 @@ def main() -> None:
     local_mb = args.local_mb or (32 if args.quick else 512)
     s3_mb = args.s3_mb or (32 if args.quick else 268)
     s3_repeat = args.s3_repeat or (1 if args.quick else 3)
+    loop_rounds = args.loop_rounds or (1 if args.quick else 2)
 
     figures: list[Figure] = []
     protocols: list[str] = []
@@ -443,7 +469,7 @@ def main() -> None:
             if "loop" in parts:
                 print("loop: the training loop ...", file=sys.stderr, flush=True)
                 began = time.monotonic()
-                got, protocol = run_loop(server, args.quick, args.plots)
+                got, protocol = run_loop(server, args.quick, args.plots, loop_rounds)
                 figures += got
                 protocols.append(protocol)
                 note("loop", began)
