@@ -6,6 +6,8 @@ control sequence (``--json`` is escaped by ``json.dumps``)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,31 @@ def test_gc_names_a_hostile_upload_key_escaped(
     assert main([*gc, "--json"]) == 0
     (listed,) = json.loads(capsys.readouterr().out)["uploads"]
     assert listed["url"] == f"s3://cli-hostile/{listed_key}"
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    # A process of its own: there nothing configured logging, as for a user's command.
+    return subprocess.run(
+        [sys.executable, "-m", "storage", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_gc_and_rm_name_a_hostile_referencing_sibling_escaped(tmp_path: Path) -> None:
+    """A sibling directory holding an incremental checkpoint keeps its base from ``gc``
+    and ``rm``, which name it: ``gc``'s warning printed its name raw (a line break
+    started a forged line, an escape sequence reached the terminal), ``rm``'s error
+    turned the line break into a space."""
+    root = tmp_path / "run"
+    storage.save({"w": torch.ones(8)}, str(root / "step-1"), fingerprint=True)
+    storage.save({"w": torch.ones(8) * 2}, str(root / "step-2"))
+    storage.save({"w": torch.ones(8)}, str(root / "side"), base=str(root / "step-1"))
+    (root / "side").rename(root / HOSTILE)
+    gc = _run_cli("gc", str(root), "--keep-last", "1")
+    assert gc.returncode == 0, gc.stderr
+    assert gc.stdout.splitlines()[-1] == "kept: step-1, step-2"
+    line = _assert_one_escaped_line(gc.stderr, HOSTILE)
+    assert line.startswith(f"kept {root / 'step-1'}: refusing to delete")
+    rm = _run_cli("rm", str(root / "step-1"))
+    assert rm.returncode == 1 and rm.stdout == ""
+    line = _assert_one_escaped_line(rm.stderr, HOSTILE)
+    assert line.startswith("dcp-storage: error: refusing to delete")
