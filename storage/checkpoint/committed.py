@@ -328,7 +328,9 @@ class Siblings:
         if not users:
             return
         url = self.fs.url(self.fs.concat_path(self.parent, name))
-        known = [c.name for c in users if c.readable]
+        # Sibling names are whoever wrote the parent's: escaped, or one holding a line
+        # break or an escape sequence would reach a terminal through the message.
+        known = [printable(c.name) for c in users if c.readable]
         unknown = [c for c in users if not c.readable]
         parts = []
         if known:
@@ -339,8 +341,8 @@ class Siblings:
             )
         if unknown:
             parts.append(
-                f"the metadata of {', '.join(c.name for c in unknown)} beside it cannot be "
-                f"read ({'; '.join(c.why_unreadable() for c in unknown)}), so they may "
+                f"the metadata of {', '.join(printable(c.name) for c in unknown)} beside it "
+                f"cannot be read ({'; '.join(c.why_unreadable() for c in unknown)}), so they may "
                 "reference its bytes. Repair or remove those first"
             )
         raise CheckpointInUseError(f"refusing to {action} {url}: {'. Also, '.join(parts)}")

@@ -179,8 +179,8 @@ def human_age(modified: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
-    # Cells quote the checkpoint (item names, descriptors): no escape sequences.
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    # Cells quote the checkpoint (item names, descriptors): escaped before widths are taken.
     rows = [[printable(str(c)) for c in r] for r in rows]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 
@@ -191,7 +191,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int])
         ]
         return "  ".join(parts).rstrip()
 
-    return "\n".join([line(header), *(line(r) for r in rows)])
+    return [line(header), *(line(r) for r in rows)]
 
 
 def bad_lines(bad: dict[str, str]) -> list[str]:
@@ -200,12 +200,16 @@ def bad_lines(bad: dict[str, str]) -> list[str]:
     return [f"  {printable(name)}: {printable(why)}" for name, why in sorted(bad.items())]
 
 
-def emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    # JSON escapes control characters itself; text lines may quote the checkpoint.
+def emit(args: argparse.Namespace, data: Any, lines: Sequence[str]) -> None:
+    """Print ``data`` as JSON with ``--json`` (``json.dumps`` escapes control and
+    non-ASCII characters), else ``lines``, one line each. A line may quote names the
+    store chooses (object keys, file and item names, upload keys): each is escaped
+    whole, so a line break inside a name is printed as ``\\n``, never as a line of its
+    own that could pass for one of ours, and no escape sequence reaches the terminal."""
     if args.json:
         print(json.dumps(data, indent=2))
     else:
-        print("\n".join(printable(line) for line in text.split("\n")))
+        print("\n".join(printable(line) for line in lines))
 
 
 def not_a_checkpoint_hint(fs: FileSystemBase, path: str, exc: Exception) -> Exception:

@@ -34,7 +34,7 @@ def demo(args: argparse.Namespace) -> int:
     from storage.ops.demo import format_figures, run_demo
 
     figures = run_demo(os.path.abspath(args.dir), steps=args.steps)
-    emit(args, figures, format_figures(figures))
+    emit(args, figures, format_figures(figures).split("\n"))
     return 0
 
 
@@ -72,12 +72,12 @@ def ls(args: argparse.Namespace) -> int:
         for i in infos
     ]
     head = ["NAME", "STATE", "FILES", "SIZE", "AGE"] + (["TIERS"] if args.local else [])
-    text = table(head, rows, right={2, 3, 4})
+    lines = table(head, rows, right={2, 3, 4})
     latest = mgr.latest()
     if latest is not None:
-        text += f"\nlatest: step-{latest}"
+        lines.append(f"latest: step-{latest}")
     data = {"root": mgr.url, "latest": latest, "checkpoints": [asdict(i) for i in infos]}
-    emit(args, data, text)
+    emit(args, data, lines)
     if not infos:
         print(
             f"dcp-storage: {mgr.url} holds no checkpoints (no step-<N> directories and no "
@@ -181,7 +181,7 @@ def verify(args: argparse.Namespace) -> int:
             "stock DCP); they were decoded but their bytes could not be checked"
         )
     data = dict(asdict(report), valid=not report.bad)
-    emit(args, data, "\n".join(lines))
+    emit(args, data, lines)
     return 1 if report.bad else 0
 
 
@@ -218,7 +218,7 @@ def _verify_model(args: argparse.Namespace, fs: FileSystemBase, path: str) -> in
         "`dcp-storage gc` removes it once older than --grace"
         for url in report.staging
     ]
-    emit(args, dict(asdict(report), format="safetensors", valid=not report.bad), "\n".join(lines))
+    emit(args, dict(asdict(report), format="safetensors", valid=not report.bad), lines)
     return 1 if report.bad else 0
 
 
@@ -262,7 +262,7 @@ def cp(args: argparse.Namespace) -> int:
         "stored": result.stored,
         "transforms": chains,
     }
-    emit(args, data, text)
+    emit(args, data, [text])
     return 0
 
 
@@ -293,14 +293,14 @@ def export(args: argparse.Namespace) -> int:
         except CheckpointNotFoundError as exc:
             raise not_a_checkpoint_hint(src_fs, src, exc) from None
     elapsed = time.perf_counter() - started
-    text = (
+    lines = [
         f"exported {result.source} -> {result.destination}: {result.tensors} tensors, "
         f"{human_size(result.size)} in {len(result.files)} files ({', '.join(result.files)}) "
         f"in {elapsed:.1f} s"
-    )
+    ]
     if result.skipped:
-        text += f"\nskipped {len(result.skipped)} items that are not tensors"
-    emit(args, asdict(result), text)
+        lines.append(f"skipped {len(result.skipped)} items that are not tensors")
+    emit(args, asdict(result), lines)
     return 0
 
 
@@ -330,7 +330,7 @@ def rm(args: argparse.Namespace) -> int:
             f" (left {', '.join(kept)} in place: not files its metadata names; "
             "`dcp-storage gc` removes leftovers of saves after the grace period)"
         )
-    emit(args, {"removed": fs.url(path), "kept": kept}, text)
+    emit(args, {"removed": fs.url(path), "kept": kept}, [text])
     return 0
 
 
@@ -363,12 +363,9 @@ def gc(args: argparse.Namespace) -> int:
         f"kept step-{b}: referenced by {', '.join(f'step-{u}' for u in users)}"
         for b, users in sorted(bases.items())
     ]
-    text = "\n".join(lines) or f"nothing to do under {mgr.url}"
-    text += (
-        f"\nkept: {', '.join(f'step-{s}' for s in mgr.steps()) or 'none'}"
-        if not args.dry_run
-        else ""
-    )
+    lines = lines or [f"nothing to do under {mgr.url}"]
+    if not args.dry_run:
+        lines.append(f"kept: {', '.join(f'step-{s}' for s in mgr.steps()) or 'none'}")
     emit(
         args,
         {
@@ -385,6 +382,6 @@ def gc(args: argparse.Namespace) -> int:
             ],
             "steps": mgr.steps(),
         },
-        text,
+        lines,
     )
     return 0

@@ -10,6 +10,7 @@ one line on stderr with exit code 1 (``verify`` also exits 1 when an item is bad
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -201,8 +202,22 @@ def _add_require_encryption(parser: argparse.ArgumentParser, default: str) -> No
     )
 
 
+class _EscapedStderr(logging.Handler):
+    """logging's last resort (warnings to stderr when nothing configured logging, as in
+    this command), with each record escaped whole: a warning may quote names the store
+    chose, and one holding a line break or an escape sequence must not reach the
+    terminal as one."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(printable(self.format(record)) + "\n")
+        except Exception:
+            self.handleError(record)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    last_resort, logging.lastResort = logging.lastResort, _EscapedStderr(logging.WARNING)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
@@ -218,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         print(f"dcp-storage: error: {printable(message, 2000)}", file=sys.stderr)
         return 1
+    finally:
+        logging.lastResort = last_resort
 
 
 if __name__ == "__main__":  # pragma: no cover
