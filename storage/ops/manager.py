@@ -29,7 +29,7 @@ from storage.checkpoint import api, persist
 from storage.checkpoint.layout import StepInfo
 from storage.checkpoint.options import resolve_location
 from storage.checkpoint.safetensors.staging import sweep
-from storage.ops.manager_options import check_options
+from storage.ops.manager_options import check_options, check_pace
 from storage.ops.retention import Retention
 from storage.ops.root_tier import RootTier
 from storage.ops.steps import StepRoot, check_step
@@ -59,6 +59,12 @@ class CheckpointManager:
     unchanged since then are referenced, not written again (docs/operations.md,
     "Incremental checkpoints"); ``full_every=K`` makes every K-th save a full one. Retention,
     :meth:`delete` and :meth:`cleanup` never remove a step that a kept step references.
+
+    ``pace`` (default 0.8): an asynchronous save written by the persist worker spreads
+    its upload over that share of the time since the previous asynchronous save began
+    (at most a minute), so it shares the cores and the link with training instead of
+    taking them in a burst; the next save, :meth:`wait` and its future's ``result()``
+    lift the pace. ``None``: every upload at full speed. The first save is not paced.
 
     At most one save is in flight per manager: :meth:`save` first waits for the previous
     asynchronous save to finish (its outcome is reported through its own future and
@@ -100,6 +106,7 @@ class CheckpointManager:
         replicate: bool | Callable[[int], int] = False,
         local_storage_options: dict[str, Any] | None = None,
         local_filesystem: FileSystemBase | None = None,
+        pace: float | None = 0.8,
         **writer_options: Any,
     ) -> None:
         self.settings = check_options(
@@ -121,6 +128,7 @@ class CheckpointManager:
             incremental=incremental,
             full_every=full_every,
             reader=self.reader_options,
+            pace=check_pace(pace),
         )
         self.tiers: LocalTier | None = None
         if local is not None:

@@ -44,3 +44,12 @@ def check_options(
     return WriterSettings.from_kwargs(
         writer_options, owner="CheckpointManager", refuse=CHOSEN_PER_SAVE
     )
+
+
+def check_pace(pace: object) -> float | None:
+    """``pace``: the share of the interval between saves an upload may take, or None."""
+    if pace is None:
+        return None
+    if isinstance(pace, bool) or not isinstance(pace, int | float) or not 0 < pace <= 1:
+        raise ValueError(f"pace must be a share of the interval in (0, 1] or None, got {pace!r}")
+    return float(pace)

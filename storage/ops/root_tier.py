@@ -14,12 +14,13 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
 
 from extensions.errors import CheckpointNotFoundError
-from storage.checkpoint import api
+from storage.checkpoint import api, persist
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.committed import CommittedCheckpoint
@@ -33,6 +34,23 @@ from storage.ops.retention import Retention
 from storage.ops.steps import StepRoot
 
 log = logging.getLogger("storage.ops.manager")
+
+#: The longest a paced upload is spread over, seconds (a rare checkpoint stays durable soon).
+MAX_PACED_SECONDS = 60.0
+
+
+class _Hurried(concurrent.futures.Future[None]):
+    """An asynchronous save's future: waiting on it lifts its upload's pace."""
+
+    def result(self, timeout: float | None = None) -> None:
+        if not self.done():
+            persist.hurry()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            persist.hurry()
+        return super().exception(timeout)
 
 
 class RootTier:
@@ -50,12 +68,15 @@ class RootTier:
         incremental: bool,
         full_every: int | None,
         reader: ReaderOptions,
+        pace: float | None = None,
     ) -> None:
         self.root, self.retention, self.reader = root, retention, reader
         self.transforms, self.settings = transforms, settings
         self.incremental, self.full_every = incremental, full_every
+        self.pace = pace
         self._lock = threading.Lock()
         self._pending: concurrent.futures.Future[None] | None = None
+        self._last_async: float | None = None  # when the previous asynchronous save began
         self._async_group: Any = None
 
     @property
@@ -75,6 +96,7 @@ class RootTier:
         self, step: int, state_dict: dict[str, Any], *, blocking: bool
     ) -> concurrent.futures.Future[None] | None:
         """See :meth:`CheckpointManager.save`."""
+        persist.hurry()  # a paced save in flight: this one waits for it
         self.wait()
         base, opened = self.incremental_base(step)
         # The base is read once, here: the writer does not read it again.
@@ -96,7 +118,8 @@ class RootTier:
         self, step: int, base: int | None, state_dict: dict[str, Any], settings: WriterSettings
     ) -> concurrent.futures.Future[None]:
         url = self.root.step_url(step)
-        outer: concurrent.futures.Future[None] = concurrent.futures.Future()
+        outer: concurrent.futures.Future[None] = _Hurried()
+        self._pace_upload(settings)
         self.root.in_flight.begin(step, base)
         with self._lock:
             self._pending = outer
@@ -127,6 +150,21 @@ class RootTier:
 
         inner.add_done_callback(finished)
         return outer
+
+    def _pace_upload(self, settings: WriterSettings) -> None:
+        """Give this save's upload ``pace`` of the time since the previous asynchronous
+        save began (at most :data:`MAX_PACED_SECONDS`) when the persist worker writes it:
+        the upload then shares the cores with training over the interval it has, not in
+        a burst at the link's full speed. The first save, and saves ``pace=None``, write
+        at full speed; the next save, :meth:`wait` and the future's ``result()`` lift the
+        pace (``persist.hurry``)."""
+        now = time.monotonic()
+        last, self._last_async = self._last_async, now
+        if self.pace is None or last is None:
+            return
+        if settings.persist_mode(self.root.fs).name != "process":
+            return
+        persist.pace_next(now + min(self.pace * (now - last), MAX_PACED_SECONDS))
 
     def _background_group(self) -> Any:
         """Under a process group, a gloo group of this manager's own for the collectives
@@ -184,6 +222,7 @@ class RootTier:
         with self._lock:
             pending = self._pending
         if pending is not None:
+            persist.hurry()
             concurrent.futures.wait([pending])
             with self._lock:
                 if self._pending is pending:

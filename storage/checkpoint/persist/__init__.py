@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -197,6 +198,25 @@ def item_ref(pool: StagingPool | None, item: WriteItem, data: object) -> tuple[A
     return ("value", raw, tensor.dtype, tuple(tensor.shape))
 
 
+def _ref_bytes(ref: tuple[Any, ...]) -> int:
+    """The bytes an :func:`item_ref` stands for."""
+    if ref[0] == "shm":
+        return math.prod(ref[4]) * ref[3].itemsize  # type: ignore[no-any-return]
+    return len(ref[1])
+
+
+def pace_next(deadline: float | None) -> None:
+    """Pace the next save's writes to end by ``deadline`` (see :meth:`Worker.pace_next`)."""
+    worker().pace_next(deadline)
+
+
+def hurry() -> None:
+    """Lift the pace of this process's paced save, if any (starts no worker)."""
+    w = _worker
+    if w is not None:
+        w.hurry()
+
+
 def write_staged(
     writer: Any, files: list[Any], threads: int, planner: Any, lease: Lease
 ) -> list[Any]:
@@ -224,7 +244,13 @@ def write_staged(
             attempt.record(name)
         try:
             future = w.call(
-                write_files, writer, files, threads, refs, max_bandwidth=mode.max_bandwidth
+                write_files,
+                writer,
+                files,
+                threads,
+                refs,
+                max_bandwidth=mode.max_bandwidth,
+                pace_bytes=sum(_ref_bytes(ref) for ref in refs.values()),
             )
         except NotSendable as exc:
             if mode.explicit:

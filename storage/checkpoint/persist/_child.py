@@ -4,11 +4,12 @@ It runs the calls the training process sends over the socket ``FD`` (a save's da
 writes, a drain's copy), each on a thread of its own, reading staged tensors straight
 from the shared-memory segments it maps by name. It runs niced, with one thread for
 torch, and every write it makes to storage goes through one token bucket when a
-bandwidth cap is set. It exits when the training process closes the socket or dies.
+bandwidth cap is set or a save is paced (until the training process says ``hurry``). It
+exits when the training process closes the socket or dies.
 
 Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
 ``("init", sys_path, foreground)``, ``("call", id, fn, args, kwargs, options)``,
-``("foreground", busy)``, ``("close",)``; replies ``("ok", id, result)`` and
+``("foreground", busy)``, ``("hurry",)``, ``("close",)``; replies ``("ok", id, result)`` and
 ``("error", id, payload)``.
 """
 
@@ -119,25 +120,45 @@ def _pause() -> None:
 
 
 class _Bucket:
-    """A token bucket: ``take(n)`` returns once ``n`` bytes fit under ``rate`` bytes/s
-    (with at most ``burst`` seconds of unused allowance carried over)."""
+    """A token bucket: ``take(n)`` returns once ``n`` bytes fit under the rate (with at
+    most ``burst`` seconds of unused allowance carried over). The rate is the lower of
+    ``rate`` (the ``max_bandwidth`` cap) and ``pace`` (a manager's paced save, see
+    :meth:`hurry`), or no limit when both are ``None``."""
 
     def __init__(self) -> None:
         self.rate: float | None = None
-        self._lock = threading.Lock()
+        self.pace: float | None = None
+        self._changed = threading.Condition()
         self._next = 0.0
         self._burst = 0.05
 
+    def _limit(self) -> float | None:
+        limits = [r for r in (self.rate, self.pace) if r is not None]
+        return min(limits) if limits else None
+
     def take(self, n: int) -> None:
-        rate = self.rate
-        if rate is None:
-            return
-        with self._lock:
+        with self._changed:
+            rate = self._limit()
+            if rate is None:
+                return
             now = time.monotonic()
             self._next = max(self._next, now - self._burst) + n / rate
-            wait = self._next - now
-        if wait > 0:
-            time.sleep(wait)
+            until, paced = self._next, rate != self.rate
+            while (left := until - time.monotonic()) > 0:
+                if self.rate is None and self.pace is None:
+                    return  # hurried, or the cap lifted: no limit left
+                if paced and self.pace is None and self.rate is not None:
+                    # Hurried: only the cap still holds.
+                    until, paced = min(until, time.monotonic() + n / self.rate), False
+                    continue
+                self._changed.wait(left)
+
+    def hurry(self) -> None:
+        """Lift the pace: the training process waits for this save now."""
+        with self._changed:
+            self.pace = None
+            self._next = time.monotonic()
+            self._changed.notify_all()
 
 
 _bucket = _Bucket()
@@ -200,14 +221,20 @@ class _Server:
             if message[0] == "foreground":
                 _set_foreground(message[1])
                 continue
+            if message[0] == "hurry":
+                _bucket.hurry()
+                continue
             _, call_id, fn, args, kwargs, options = message
             self._calls.submit(self._run, call_id, fn, args, kwargs, options)
 
     def _run(
         self, call_id: int, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: Any
     ) -> None:
+        pace = options.get("pace")
         try:
             _bucket.rate = options.get("max_bandwidth")
+            if pace is not None:
+                _bucket.pace = pace
             _set_environ(options.get("environ"))
             _keep_mapped(options.get("live", []))
             rank = options.get("rank")
@@ -218,6 +245,8 @@ class _Server:
             reply: tuple[Any, ...] = ("ok", call_id, fn(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - handed to the training process
             reply = ("error", call_id, _error_payload(exc))
+        if pace is not None:
+            _bucket.hurry()  # the paced save is done: nothing after it is paced
         try:
             self.send(reply)
         except (OSError, ValueError):

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
@@ -25,6 +26,8 @@ from storage.checkpoint.persist._cuda import InFlight
 from storage.checkpoint.persist._shm import StagingPool
 
 log = logging.getLogger(__name__)
+
+PACE_MIN_SECONDS = 0.5  # a pace deadline closer than this: the writes go at full speed
 
 T = TypeVar("T")
 
@@ -77,6 +80,8 @@ class Worker:
         self._foreground = 0  # saves in the foreground: the worker's pace pauses
         self._free = threading.Event()
         self._free.set()
+        self._pace_until: float | None = None  # the next save's deadline (pace_next)
+        self._paced = False  # a paced call went out and no hurry since
         self.pool: StagingPool | None = None
 
     # --- the process ------------------------------------------------------------------
@@ -185,13 +190,16 @@ class Worker:
         fn: Callable[..., T],
         *args: Any,
         max_bandwidth: int | None = None,
+        pace_bytes: int | None = None,
         **kwargs: Any,
     ) -> concurrent.futures.Future[T]:
         """Run ``fn(*args, **kwargs)`` in the worker (``fn`` and the arguments must
         pickle; ``pace=PAUSE`` stands for the worker's pause); its future holds the
-        result or the worker's exception."""
-        options = {
+        result or the worker's exception. ``pace_bytes``: the bytes it writes, paced to
+        end by the deadline :meth:`pace_next` set, if one is pending."""
+        options: dict[str, Any] = {
             "max_bandwidth": max_bandwidth,
+            "pace": None,
             "live": self.pool.live() if self.pool is not None else [],
             "rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else None,
             # As a thread would, the call sees the environment as it is now (credentials
@@ -202,6 +210,8 @@ class Worker:
         with self._lock:
             conn = self._start()
             call_id = next(self._ids)
+            if pace_bytes is not None:
+                options["pace"] = self._take_pace(pace_bytes)
             message = ("call", call_id, fn, args, kwargs, options)
             try:
                 data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -212,12 +222,49 @@ class Worker:
                     "(defined at module level, importable); or save with persist='thread'"
                 ) from None
             self._pending[call_id] = future
+            self._paced = self._paced or options["pace"] is not None
+            # Sent in the order the lock was taken: a hurry never overtakes the call.
+            self._send_lock.acquire()
         try:
-            with self._send_lock:
-                conn.send_bytes(data)
+            conn.send_bytes(data)
         except OSError:
             pass  # the reader sees the worker gone and fails the future
+        finally:
+            self._send_lock.release()
         return future
+
+    def pace_next(self, deadline: float | None) -> None:
+        """Let the next save's data writes take until ``deadline`` (``time.monotonic``;
+        this host's clock, the worker's too) instead of the link's full speed, so that
+        its upload shares the cores with training over the time it has; ``None``: at
+        full speed. A :meth:`hurry` before that save's call goes out cancels it."""
+        with self._lock:
+            self._pace_until = deadline
+
+    def _take_pace(self, nbytes: int) -> float | None:
+        """The rate (bytes/s) that writes ``nbytes`` by the pending deadline, taken
+        once; ``None`` when none is pending or it is too close to matter (call with the
+        lock)."""
+        deadline, self._pace_until = self._pace_until, None
+        if deadline is None or deadline - time.monotonic() < PACE_MIN_SECONDS:
+            return None
+        return max(nbytes, 1) / (deadline - time.monotonic())
+
+    def hurry(self) -> None:
+        """Lift the pace of a paced save, and of one about to go out (its caller waits
+        for it now). Starts no worker."""
+        with self._lock:
+            self._pace_until = None
+            conn, self._paced = (self._conn if self._paced else None), False
+            if conn is None:
+                return
+            self._send_lock.acquire()
+        try:
+            conn.send_bytes(pickle.dumps(("hurry",)))
+        except OSError:
+            pass  # a dead worker: the reader reports it
+        finally:
+            self._send_lock.release()
 
     def foreground(self, busy: bool) -> None:
         """Count a save in (``True``) or out of the foreground: while one is, calls

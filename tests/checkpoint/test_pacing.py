@@ -1,0 +1,131 @@
+"""A manager's paced uploads: an asynchronous save written by the persist worker spreads
+its upload over a share of the interval between saves, and whoever waits for it lifts
+the pace. What these guard: a pace never makes a waiting caller wait for it (the
+future's ``result()``, the next save, ``wait()``), a cap (``max_bandwidth``) still holds
+after the pace is lifted, and the first save or ``pace=None`` is never paced."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import storage
+from storage.checkpoint import persist
+from storage.checkpoint.persist._child import _Bucket
+from storage.ops.root_tier import MAX_PACED_SECONDS
+
+# Generous: a step that is lifted finishes in milliseconds; one that is not takes hours.
+PROMPT = 60.0
+
+
+def _taker(bucket: _Bucket, n: int) -> threading.Thread:
+    thread = threading.Thread(target=bucket.take, args=(n,), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_hurry_ends_the_wait_of_a_paced_write() -> None:
+    bucket = _Bucket()
+    bucket.pace = 1.0  # one byte a second: this write would wait ~11 days
+    waiting = _taker(bucket, 1_000_000)
+    bucket.hurry()
+    waiting.join(PROMPT)
+    assert not waiting.is_alive()
+    assert bucket.pace is None
+    bucket.take(1_000_000)  # and later writes are not paced
+
+
+def test_a_hurry_leaves_the_bandwidth_cap_in_force() -> None:
+    bucket = _Bucket()
+    bucket.rate, bucket.pace = 1.0, 0.5  # a cap of one byte a second, paced below it
+    waiting = _taker(bucket, 1_000_000)
+    bucket.hurry()
+    waiting.join(0.5)
+    assert waiting.is_alive()  # still under the cap: ~11 days
+    with bucket._changed:  # a cap lifted by the next call's options
+        bucket.rate = None
+        bucket._changed.notify_all()
+    waiting.join(PROMPT)
+    assert not waiting.is_alive()
+
+
+def test_a_pace_that_is_no_limit_does_not_block() -> None:
+    bucket = _Bucket()
+    bucket.take(1 << 30)  # neither a cap nor a pace
+
+
+def _state(mb: int = 8) -> dict[str, Any]:
+    return {"w": torch.arange(mb << 18, dtype=torch.float32)}
+
+
+def test_waiting_on_a_paced_save_lifts_its_pace(tmp_path: Any) -> None:
+    """Before, nothing but the pace's own end would let it finish: a save paced over the
+    minute since the previous one kept ``result()`` waiting that minute."""
+    mgr = storage.CheckpointManager(str(tmp_path / "ck"), pace=1.0, persist="process")
+    try:
+        first = mgr.save(1, _state(), blocking=False)
+        assert first is not None
+        first.result()
+        # The previous save began long ago: this one may spread over MAX_PACED_SECONDS.
+        mgr.root_tier._last_async = time.monotonic() - 10 * MAX_PACED_SECONDS
+        began = time.monotonic()
+        second = mgr.save(2, _state(), blocking=False)
+        assert second is not None
+        second.result(timeout=MAX_PACED_SECONDS / 2)
+        assert time.monotonic() - began < MAX_PACED_SECONDS / 2
+        assert mgr.steps() == [1, 2]
+        restored = _state()
+        restored["w"].zero_()
+        mgr.load(restored, step=2)
+        assert torch.equal(restored["w"], _state()["w"])
+    finally:
+        mgr.wait()
+
+
+def test_the_next_save_lifts_the_pace_of_the_one_in_flight(tmp_path: Any) -> None:
+    mgr = storage.CheckpointManager(str(tmp_path / "ck"), pace=1.0, persist="process")
+    try:
+        first = mgr.save(1, _state(), blocking=False)
+        assert first is not None
+        first.result()
+        mgr.root_tier._last_async = time.monotonic() - 10 * MAX_PACED_SECONDS
+        began = time.monotonic()
+        mgr.save(2, _state(), blocking=False)
+        mgr.save(3, _state(), blocking=True)  # waits for step 2 first
+        assert time.monotonic() - began < MAX_PACED_SECONDS / 2
+        assert mgr.steps() == [1, 2, 3]
+    finally:
+        mgr.wait()
+
+
+def test_the_first_save_and_pace_none_are_not_paced(tmp_path: Any) -> None:
+    mgr = storage.CheckpointManager(str(tmp_path / "ck"), pace=0.5, persist="process")
+    tier, w = mgr.root_tier, persist.worker()
+    w.pace_next(None)
+    tier._pace_upload(tier.settings)  # the first: no interval yet to pace by
+    assert w._pace_until is None
+    tier._last_async = time.monotonic() - 10.0
+    before = time.monotonic()
+    tier._pace_upload(tier.settings)
+    deadline = w._pace_until
+    assert deadline is not None and before + 5.0 <= deadline <= time.monotonic() + 5.0
+    tier.pace = None
+    w.pace_next(None)
+    tier._last_async = time.monotonic() - 10.0
+    tier._pace_upload(tier.settings)
+    assert w._pace_until is None
+    threads = storage.CheckpointManager(str(tmp_path / "th"), pace=0.5, persist="thread")
+    w.pace_next(None)
+    threads.root_tier._last_async = time.monotonic() - 10.0
+    threads.root_tier._pace_upload(threads.root_tier.settings)
+    assert w._pace_until is None  # threads write in this process: nothing to pace
+
+
+@pytest.mark.parametrize("pace", [0, 1.5, -0.1, True, "0.5"])
+def test_a_pace_outside_the_interval_is_refused(tmp_path: Any, pace: object) -> None:
+    with pytest.raises(ValueError, match="pace must be a share of the interval"):
+        storage.CheckpointManager(str(tmp_path / "ck"), pace=pace)  # type: ignore[arg-type]
