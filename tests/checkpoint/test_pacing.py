@@ -129,3 +129,33 @@ def test_the_first_save_and_pace_none_are_not_paced(tmp_path: Any) -> None:
 def test_a_pace_outside_the_interval_is_refused(tmp_path: Any, pace: object) -> None:
     with pytest.raises(ValueError, match="pace must be a share of the interval"):
         storage.CheckpointManager(str(tmp_path / "ck"), pace=pace)  # type: ignore[arg-type]
+
+
+def test_a_job_that_exits_with_a_paced_save_in_flight_exits_promptly(tmp_path: Any) -> None:
+    """The interpreter finishes a save in flight before it exits (DCP's executor thread
+    is joined): a paced one went on to its deadline, up to a minute after the job's
+    end; at exit the pace is lifted, and the save still commits."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import time, torch, storage
+        from storage.ops.root_tier import MAX_PACED_SECONDS
+        mgr = storage.CheckpointManager({str(tmp_path / "ck")!r}, pace=1.0, persist="process")
+        state = {{"w": torch.arange(8 << 18, dtype=torch.float32)}}
+        mgr.save(1, state, blocking=False).result()
+        mgr.root_tier._last_async = time.monotonic() - 10 * MAX_PACED_SECONDS
+        mgr.save(2, state, blocking=False)
+        print("saved", flush=True)
+        """
+    )
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=10 * PROMPT
+    )
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - began < MAX_PACED_SECONDS / 2 + 20  # start-up included
+    mgr = storage.CheckpointManager(str(tmp_path / "ck"), persist="thread")
+    assert mgr.steps() == [1, 2]

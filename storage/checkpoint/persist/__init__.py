@@ -217,6 +217,13 @@ def hurry() -> None:
         w.hurry()
 
 
+# At interpreter exit, before the executors' threads are joined (a save in flight is
+# finished then, not dropped): a paced upload goes at full speed, not to its deadline.
+_at_thread_exit = getattr(threading, "_register_atexit", None)
+if _at_thread_exit is not None:
+    _at_thread_exit(hurry)
+
+
 def write_staged(
     writer: Any, files: list[Any], threads: int, planner: Any, lease: Lease
 ) -> list[Any]:
