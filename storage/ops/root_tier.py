@@ -133,6 +133,7 @@ class RootTier:
                 **settings.writer_kwargs(),
             )
         except BaseException:
+            persist.hurry()  # its pace must not fall on a later, unrelated save
             self.root.in_flight.end()
             with self._lock:
                 self._pending = None

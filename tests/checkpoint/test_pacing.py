@@ -159,3 +159,12 @@ def test_a_job_that_exits_with_a_paced_save_in_flight_exits_promptly(tmp_path: A
     assert time.monotonic() - began < MAX_PACED_SECONDS / 2 + 20  # start-up included
     mgr = storage.CheckpointManager(str(tmp_path / "ck"), persist="thread")
     assert mgr.steps() == [1, 2]
+
+
+def test_a_hurry_before_the_paced_call_goes_out_cancels_its_pace() -> None:
+    """A save that waits, or fails, before its writes reach the worker leaves no pace
+    behind for a later save to inherit."""
+    w = persist.worker()
+    w.pace_next(time.monotonic() + 3600.0)
+    persist.hurry()
+    assert w._pace_until is None
