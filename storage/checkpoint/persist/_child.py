@@ -225,6 +225,10 @@ class _Server:
                 _bucket.hurry()
                 continue
             _, call_id, fn, args, kwargs, options = message
+            if options.get("pace") is not None:
+                # Set here, in the order of the messages: a hurry read next lifts it even
+                # when it comes before the call's thread starts.
+                _bucket.pace = options["pace"]
             self._calls.submit(self._run, call_id, fn, args, kwargs, options)
 
     def _run(
@@ -233,8 +237,6 @@ class _Server:
         pace = options.get("pace")
         try:
             _bucket.rate = options.get("max_bandwidth")
-            if pace is not None:
-                _bucket.pace = pace
             _set_environ(options.get("environ"))
             _keep_mapped(options.get("live", []))
             rank = options.get("rank")
