@@ -62,16 +62,22 @@ def _state(mb: int = 8) -> dict[str, Any]:
     return {"w": torch.arange(mb << 18, dtype=torch.float32)}
 
 
+def _saved_long_ago(path: Any) -> storage.CheckpointManager:
+    """A paced manager whose step 1 is committed and began long ago: its next
+    asynchronous save may spread over MAX_PACED_SECONDS."""
+    mgr = storage.CheckpointManager(str(path), pace=1.0, persist="process")
+    first = mgr.save(1, _state(), blocking=False)
+    assert first is not None
+    first.result()
+    mgr.root_tier._last_async = time.monotonic() - 10 * MAX_PACED_SECONDS
+    return mgr
+
+
 def test_waiting_on_a_paced_save_lifts_its_pace(tmp_path: Any) -> None:
     """Before, nothing but the pace's own end would let it finish: a save paced over the
     minute since the previous one kept ``result()`` waiting that minute."""
-    mgr = storage.CheckpointManager(str(tmp_path / "ck"), pace=1.0, persist="process")
+    mgr = _saved_long_ago(tmp_path / "ck")
     try:
-        first = mgr.save(1, _state(), blocking=False)
-        assert first is not None
-        first.result()
-        # The previous save began long ago: this one may spread over MAX_PACED_SECONDS.
-        mgr.root_tier._last_async = time.monotonic() - 10 * MAX_PACED_SECONDS
         began = time.monotonic()
         second = mgr.save(2, _state(), blocking=False)
         assert second is not None
@@ -87,12 +93,8 @@ def test_waiting_on_a_paced_save_lifts_its_pace(tmp_path: Any) -> None:
 
 
 def test_the_next_save_lifts_the_pace_of_the_one_in_flight(tmp_path: Any) -> None:
-    mgr = storage.CheckpointManager(str(tmp_path / "ck"), pace=1.0, persist="process")
+    mgr = _saved_long_ago(tmp_path / "ck")
     try:
-        first = mgr.save(1, _state(), blocking=False)
-        assert first is not None
-        first.result()
-        mgr.root_tier._last_async = time.monotonic() - 10 * MAX_PACED_SECONDS
         began = time.monotonic()
         mgr.save(2, _state(), blocking=False)
         mgr.save(3, _state(), blocking=True)  # waits for step 2 first
