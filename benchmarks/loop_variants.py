@@ -196,7 +196,8 @@ class Ours:
     """Ours through a ``CheckpointManager`` on the bucket: blocking ``save``,
     ``save(blocking=False)``, or with a local tier (``local=``, ``keep_local=2``) whose
     drain copies each step to the bucket; ``persist`` as the manager takes it (``None``:
-    the default, the persist worker process) and other writer ``options``."""
+    the default, the persist worker process where the host has a core beyond one per
+    rank, else threads) and other writer ``options``."""
 
     def __init__(
         self,
@@ -242,9 +243,14 @@ VARIANTS: dict[str, Factory] = {
     # Every upload at the link's full speed (the manager paces by default: ``pace``).
     "ours async unpaced": lambda ctx: Ours(ctx, blocking=False, pace=None),
     "ours async thread": lambda ctx: Ours(ctx, blocking=False, persist="thread"),
+    "ours async process": lambda ctx: Ours(ctx, blocking=False, persist="process"),
     "ours tiered thread": lambda ctx: Ours(ctx, blocking=False, tiered=True, persist="thread"),
     "ours tiered sync": lambda ctx: Ours(ctx, blocking=True, tiered=True),
 }
 # What a run without --variants measures ("none" is always run: the baseline).
-DEFAULT = [n for n in VARIANTS if n not in ("ours tiered sync", "ours async unpaced")]
+DEFAULT = [
+    n
+    for n in VARIANTS
+    if n not in ("ours tiered sync", "ours async unpaced", "ours async process")
+]
 WRITES_NOTHING = {"none", "floor"}  # every other variant commits checkpoints to the bucket

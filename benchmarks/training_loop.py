@@ -250,7 +250,8 @@ class Bench:
         prefix = f"{self.run_id}/{name.replace(' ', '-')}-n{interval}-r{round_}"
         local = tempfile.mkdtemp(prefix="local-", dir=self.work)
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        env["WORLD_SIZE"] = str(self.args.ranks)
+        # As torchrun launches them: every rank on this host.
+        env["WORLD_SIZE"] = env["LOCAL_WORLD_SIZE"] = str(self.args.ranks)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--size", self.args.size]
         cmd += ["--threads", str(self.args.threads)]
         cmd += ["--interval", str(interval), "--steps", str(steps)]
@@ -267,7 +268,7 @@ class Bench:
             procs.append(
                 subprocess.Popen(
                     profile + cmd,
-                    env=dict(env, RANK=str(rank)),
+                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                     stdout=subprocess.PIPE,
                     stderr=open(os.path.join(self.work, f"{rank}.err"), "w"),  # noqa: SIM115
                     text=True,

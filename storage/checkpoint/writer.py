@@ -79,9 +79,11 @@ class CheckpointWriter(StorageWriter, WriterStaging):
 
     ``persist`` says where an asynchronous save (``dcp.async_save``, ``async_save``,
     the manager's ``blocking=False`` and its drain) encodes and uploads:
-    ``"process"`` (the default where available) in a persist worker process, niced,
-    reading the state from shared staging buffers that the training thread copies it
-    into, so that the work does not compete with training for the GIL; ``"thread"`` in
+    ``"process"`` (the default where available and the host has a core beyond one per
+    training process on it: :func:`storage.checkpoint.persist.default_mode`) in a
+    persist worker process, niced, reading the state from shared staging buffers that
+    the training thread copies it into, so that the work does not compete with
+    training for the GIL; ``"thread"`` in
     DCP's background thread, as stock torch. ``max_bandwidth`` (bytes/s) caps what the
     worker writes to storage. Blocking saves always write in this process. See
     :mod:`storage.checkpoint.persist` and docs/operations.md.

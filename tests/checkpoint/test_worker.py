@@ -337,7 +337,52 @@ def test_options_are_checked(tmp_path: Path) -> None:
         storage.CheckpointWriter("dcpmem://worker-test/a", persist="process")
     # The default writes in this process where the worker could not reach the storage.
     assert storage.CheckpointWriter("dcpmem://worker-test/a").persist_mode.name == "thread"
-    assert storage.CheckpointWriter(tmp_path).persist_mode.name == persist.DEFAULT_MODE
+    assert storage.CheckpointWriter(tmp_path).persist_mode.name == persist.default_mode()
+
+
+def test_the_default_mode_leaves_the_cores_to_training_processes_that_fill_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in persist.LOCAL_RANKS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    cpus = persist.usable_cpus()
+    # As many training processes on the host as cores (torchrun's LOCAL_WORLD_SIZE):
+    # no worker beside each of them, and none started by a manager.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus))
+    assert persist.default_mode() == "thread"
+    assert storage.CheckpointWriter(tmp_path).persist_mode.name == "thread"
+    # A cap is the worker's: asked for, it still gets one; so does persist= by name.
+    capped = storage.CheckpointWriter(tmp_path, max_bandwidth=1 << 20)
+    assert capped.persist_mode.name == "process"
+    assert storage.CheckpointWriter(tmp_path, persist="process").persist_mode.name == "process"
+    # Other launchers' variables count too; the first one set wins.
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", str(cpus + 1))
+    assert persist.local_ranks() == cpus + 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert persist.local_ranks() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert persist.local_ranks() == cpus + 1
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE")
+    assert persist.local_ranks() == 1
+    if cpus > 1:  # one process with a core to spare: the worker
+        assert persist.default_mode() == "process"
+
+
+def test_a_cgroup_cpu_quota_lowers_the_usable_cpus(tmp_path: Path) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    assert persist.usable_cpus(str(tmp_path / "missing")) == cpus
+    cpu_max.write_text("max 100000\n")
+    assert persist.usable_cpus(str(cpu_max)) == cpus
+    cpu_max.write_text("150000 100000\n")  # 1.5 CPUs: one whole core
+    assert persist.usable_cpus(str(cpu_max)) == 1
+    cpu_max.write_text("50000 100000\n")  # under one core still runs somewhere
+    assert persist.usable_cpus(str(cpu_max)) == 1
+    cpu_max.write_text(f"{(cpus + 4) * 100000} 100000\n")  # a quota above the affinity
+    assert persist.usable_cpus(str(cpu_max)) == cpus
+    cpu_max.write_text("garbage\n")
+    assert persist.usable_cpus(str(cpu_max)) == cpus
 
 
 def test_max_bandwidth_caps_the_workers_writes(tmp_path: Path, worker: persist.Worker) -> None:

@@ -52,8 +52,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MODES = ("thread", "process")
-#: Chosen by measurement (benchmarks/NOTES.md, "The persist worker in the loop").
-DEFAULT_MODE = "process"
+#: Environment variables that launchers set to the number of training processes on
+#: this host (torchrun, Open MPI, MPICH/Intel MPI, Slurm), the first one set counts.
+LOCAL_RANKS_VARIABLES = (
+    "LOCAL_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "SLURM_NTASKS_PER_NODE",
+)
 #: Stands for "pause while a save's writes run in the worker" as a ``pace`` argument.
 PAUSE = Pause()
 
@@ -72,15 +78,14 @@ class Mode:
 
 def check_mode(persist: object, max_bandwidth: object) -> Mode:
     """The mode ``persist`` and ``max_bandwidth`` ask for, validated. ``persist=None``
-    is the default, which is threads where a worker cannot run (no
-    ``os.posix_fallocate``, torch before 2.8)."""
+    is the default: see :func:`default_mode` (the worker whenever ``max_bandwidth`` is
+    set, as only the worker caps its writes)."""
     explicit = persist is not None
-    available = hasattr(os, "posix_fallocate") and StateDictStager is not None
     if persist is None:
-        persist = DEFAULT_MODE if available else "thread"
+        persist = "process" if max_bandwidth is not None and available() else default_mode()
     if persist not in MODES:
         raise ValueError(f"persist must be one of {MODES} or None, got {persist!r}")
-    if persist == "process" and not available:
+    if persist == "process" and not available():
         raise ValueError(
             "persist='process' needs os.posix_fallocate (Linux) and torch >= 2.8; "
             "use persist='thread'"
@@ -95,6 +100,53 @@ def check_mode(persist: object, max_bandwidth: object) -> Mode:
         if persist != "process":
             raise ValueError("max_bandwidth caps the persist worker: it needs persist='process'")
     return Mode(str(persist), max_bandwidth, explicit)
+
+
+def available() -> bool:
+    """Whether a persist worker can run here (``os.posix_fallocate``, torch >= 2.8)."""
+    return hasattr(os, "posix_fallocate") and StateDictStager is not None
+
+
+def default_mode() -> str:
+    """Where background work runs when ``persist`` is not given: the persist worker where
+    it can run and the host has a core beyond one per training process on it, else
+    threads.
+
+    Measured (benchmarks/NOTES.md, "The persist worker in the loop"): with a core to
+    spare, the worker takes the encoding and uploads off the training process's GIL and
+    cores. Where the training processes fill every core, a worker per process costs
+    each its start-up (a Python process importing torch: seconds of CPU) and, niced,
+    gets too little CPU to finish an upload before the next save, so threads do better
+    there. Training processes on this host are counted from the launcher's environment
+    (:data:`LOCAL_RANKS_VARIABLES`; 1 without one), cores from this process's CPU
+    affinity and its cgroup's CPU quota."""
+    if not available():
+        return "thread"
+    return "process" if usable_cpus() > local_ranks() else "thread"
+
+
+def local_ranks() -> int:
+    """Training processes on this host, as the launcher says (1 when none does)."""
+    for name in LOCAL_RANKS_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def usable_cpus(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """CPUs this process may run on: its affinity, lowered by the CPU quota of its
+    cgroup (v2's ``cpu.max``, ``"<quota> <period>"`` or ``"max <period>"``)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return cpus
+    return max(1, min(cpus, int(quota) // int(period)))
 
 
 def for_filesystems(mode: Mode, *filesystems: FileSystemBase) -> Mode:
