@@ -249,8 +249,6 @@ VARIANTS: dict[str, Factory] = {
 }
 # What a run without --variants measures ("none" is always run: the baseline).
 DEFAULT = [
-    n
-    for n in VARIANTS
-    if n not in ("ours tiered sync", "ours async unpaced", "ours async process")
+    n for n in VARIANTS if n not in ("ours tiered sync", "ours async unpaced", "ours async process")
 ]
 WRITES_NOTHING = {"none", "floor"}  # every other variant commits checkpoints to the bucket
