@@ -149,7 +149,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
             publish=publish,
             async_staging=async_staging,
         )
-        self._lease: _persist.Lease | None = None  # the worker's staging buffers, held
+        self._lease: _persist.Lease | None = None  # staging buffers kept between saves, held
         self.timeout = settings.timeout
         self.budget = Budget(self.timeout)
         self.key_prefixes = key_prefixes
@@ -267,15 +267,21 @@ class CheckpointWriter(StorageWriter, WriterStaging):
             key_prefixes=self.key_prefixes,
         )
         lease, self._lease = self._lease, None
-        if lease is not None:  # staged in the persist worker's buffers: it writes
-            try:
+        if lease is not None and self.persist_mode.name == "process":
+            try:  # staged in the persist worker's buffers: it writes
                 lease.wait_copied()  # nothing reads the buffers before the copy is done
                 per_file = _persist.write_staged(self, files, threads, planner, lease)
             except BaseException:
                 self.abort()
                 raise
         else:
-            per_file = self.write_files(files, threads, planner)
+            try:
+                if lease is not None:
+                    lease.wait_copied()
+                per_file = self.write_files(files, threads, planner)
+            finally:
+                if lease is not None:  # staging buffers kept between saves: free again
+                    lease.release()
         results = list(referenced) + [result for rs in per_file for result in rs]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
