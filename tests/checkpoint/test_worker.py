@@ -385,6 +385,30 @@ def test_a_cgroup_cpu_quota_lowers_the_usable_cpus(tmp_path: Path) -> None:
     assert persist.usable_cpus(str(cpu_max)) == cpus
 
 
+@pytest.mark.parametrize("value", ["\u00b2", "\u0663", "9" * 5000, "-2", "0", "+3", ""])
+def test_a_launcher_count_that_is_no_number_is_ignored(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: '\u00b2' (and other digits str.isdigit accepts) passed the check and int()
+    raised ValueError, as it did on 5000 digits (int's digit limit): every save, and
+    making a manager, failed on a launcher variable the job did not need."""
+    for name in persist.LOCAL_RANKS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "3")
+    assert persist.local_ranks() == 3  # the next variable counts
+    persist.default_mode()
+
+
+@pytest.mark.parametrize(
+    "text", ["\u00b2 100000", "100000 \u00b2", "9" * 5000 + " 100000", "100000 " + "9" * 5000]
+)
+def test_a_cgroup_cpu_quota_that_is_no_number_is_ignored(tmp_path: Path, text: str) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text(text + "\n", encoding="utf-8")
+    assert persist.usable_cpus(str(cpu_max)) == len(os.sched_getaffinity(0))
+
+
 def test_max_bandwidth_caps_the_workers_writes(tmp_path: Path, worker: persist.Worker) -> None:
     state = {"w": torch.zeros(1 << 20, dtype=torch.uint8)}  # 1 MiB
     storage.async_save(state, tmp_path / "warm", persist="process").result()  # worker up

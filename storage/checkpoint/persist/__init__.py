@@ -128,9 +128,9 @@ def default_mode() -> str:
 def local_ranks() -> int:
     """Training processes on this host, as the launcher says (1 when none does)."""
     for name in LOCAL_RANKS_VARIABLES:
-        value = os.environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
+        value = _count(os.environ.get(name, ""))
+        if value is not None:
+            return value
     return 1
 
 
@@ -144,9 +144,22 @@ def usable_cpus(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
             quota, period = f.read().split()[:2]
     except (OSError, ValueError):
         return cpus
-    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+    quota_us, period_us = _count(quota), _count(period)
+    if quota_us is None or period_us is None:  # "max", or not a quota we can read
         return cpus
-    return max(1, min(cpus, int(quota) // int(period)))
+    return max(1, min(cpus, quota_us // period_us))
+
+
+def _count(text: str) -> int | None:
+    """``text`` as a whole number above zero written in ASCII digits (at most 18 of
+    them: beyond any count of processes or microseconds), else ``None``: what comes
+    from the environment or the system is ignored, never raised on, when it is not
+    such a number (``"²"`` passes ``str.isdigit`` and fails ``int``)."""
+    text = text.strip()
+    if not (0 < len(text) <= 18 and text.isascii() and text.isdigit()):
+        return None
+    value = int(text)
+    return value if value > 0 else None
 
 
 def for_filesystems(mode: Mode, *filesystems: FileSystemBase) -> Mode:
