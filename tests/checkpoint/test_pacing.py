@@ -6,8 +6,11 @@ after the pace is lifted, and the first save or ``pace=None`` is never paced."""
 
 from __future__ import annotations
 
+import importlib
+import math
 import threading
 import time
+import types
 from typing import Any
 
 import pytest
@@ -170,3 +173,30 @@ def test_a_hurry_before_the_paced_call_goes_out_cancels_its_pace() -> None:
     w.pace_next(time.monotonic() + 3600.0)
     persist.hurry()
     assert w._pace_until is None
+
+
+def test_a_pace_is_taken_with_one_read_of_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the clock was read twice: a second read at the deadline divided by zero,
+    one past it gave a negative rate (a bucket that never lets a byte through)."""
+    # persist._worker is the package's worker handle: the module is taken by its name.
+    worker_module = importlib.import_module("storage.checkpoint.persist._worker")
+    reads = iter([100.0, 101.0])  # the first read is 1 s before the deadline
+    monkeypatch.setattr(worker_module, "time", types.SimpleNamespace(monotonic=lambda: next(reads)))
+    w = persist.Worker()
+    w.pace_next(101.0)
+    with w._lock:
+        rate = w._take_pace(1000)
+    assert rate == 1000.0
+    assert w._pace_until is None
+
+
+@pytest.mark.parametrize("deadline", [math.nan, math.inf, -math.inf, True, "1.0"])
+def test_a_pace_deadline_that_is_no_time_is_refused(deadline: object) -> None:
+    w = persist.Worker()
+    with pytest.raises(ValueError, match="a pace deadline must be a finite"):
+        w.pace_next(deadline)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a pace deadline must be a finite"):
+        persist.pace_next(deadline)  # type: ignore[arg-type]
+    assert w._pace_until is None
+    w.pace_next(12)  # a whole number of seconds is a time too
+    w.pace_next(None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import math
 import os
 import pickle
 import socket
@@ -237,18 +238,31 @@ class Worker:
         """Let the next save's data writes take until ``deadline`` (``time.monotonic``;
         this host's clock, the worker's too) instead of the link's full speed, so that
         its upload shares the cores with training over the time it has; ``None``: at
-        full speed. A :meth:`hurry` before that save's call goes out cancels it."""
+        full speed. A :meth:`hurry` before that save's call goes out cancels it. Raises
+        ``ValueError`` for a deadline that is not a finite number."""
+        if deadline is not None and (
+            isinstance(deadline, bool)
+            or not isinstance(deadline, (int, float))
+            or not math.isfinite(deadline)
+        ):
+            raise ValueError(
+                f"a pace deadline must be a finite time.monotonic() value or None, got {deadline!r}"
+            )
         with self._lock:
             self._pace_until = deadline
 
     def _take_pace(self, nbytes: int) -> float | None:
         """The rate (bytes/s) that writes ``nbytes`` by the pending deadline, taken
         once; ``None`` when none is pending or it is too close to matter (call with the
-        lock)."""
+        lock). The clock is read once: a second read could fall past the deadline."""
         deadline, self._pace_until = self._pace_until, None
-        if deadline is None or deadline - time.monotonic() < PACE_MIN_SECONDS:
+        if deadline is None:
             return None
-        return max(nbytes, 1) / (deadline - time.monotonic())
+        left = deadline - time.monotonic()
+        if not left >= PACE_MIN_SECONDS:
+            return None
+        rate = max(nbytes, 1) / left
+        return rate if math.isfinite(rate) and rate > 0 else None
 
     def hurry(self) -> None:
         """Lift the pace of a paced save, and of one about to go out (its caller waits
