@@ -6,6 +6,7 @@ after the pace is lifted, and the first save or ``pace=None`` is never paced."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import math
 import threading
@@ -200,3 +201,20 @@ def test_a_pace_deadline_that_is_no_time_is_refused(deadline: object) -> None:
     assert w._pace_until is None
     w.pace_next(12)  # a whole number of seconds is a time too
     w.pace_next(None)
+
+
+def test_a_paced_save_that_fails_before_its_writes_leaves_no_pace(tmp_path: Any) -> None:
+    """The save fails in the background, in planning (its step's directory cannot be
+    made), so its writes never take the pace it set: before, that pace stayed pending
+    and the next save of any writer in the process (storage.async_save's) was paced."""
+    mgr = _saved_long_ago(tmp_path / "ck")
+    try:
+        (tmp_path / "ck" / "step-2").write_bytes(b"")  # a file where the step goes
+        second = mgr.save(2, _state(), blocking=False)
+        assert second is not None
+        # Not second.exception(): waiting on the future lifts the pace itself.
+        concurrent.futures.wait([second], timeout=PROMPT)
+        assert second.done() and second.exception() is not None
+        assert persist.worker()._pace_until is None
+    finally:
+        mgr.wait()
