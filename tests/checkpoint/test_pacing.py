@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import storage
+from extensions.errors import WorkerDiedError
 from storage.checkpoint import persist
 from storage.checkpoint.persist._child import _Bucket
 from storage.ops.root_tier import MAX_PACED_SECONDS
@@ -218,3 +219,14 @@ def test_a_paced_save_that_fails_before_its_writes_leaves_no_pace(tmp_path: Any)
         assert persist.worker()._pace_until is None
     finally:
         mgr.wait()
+
+
+def test_a_paced_call_to_a_dead_worker_leaves_no_pace() -> None:
+    """The call that was to take the pace fails (its worker died idle): before, the pace
+    stayed pending for whatever call came next."""
+    w = persist.Worker()
+    w._unreported = WorkerDiedError("the checkpoint persist worker (pid 1) died")
+    w.pace_next(time.monotonic() + 3600.0)
+    with pytest.raises(WorkerDiedError):
+        w.call(print, pace_bytes=1 << 20)
+    assert w._pace_until is None

@@ -209,10 +209,10 @@ class Worker:
         }
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
+            if pace_bytes is not None:  # taken first: a call that fails leaves no pace
+                options["pace"] = self._take_pace(pace_bytes)
             conn = self._start()
             call_id = next(self._ids)
-            if pace_bytes is not None:
-                options["pace"] = self._take_pace(pace_bytes)
             message = ("call", call_id, fn, args, kwargs, options)
             try:
                 data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
