@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import IO, Any
 
@@ -324,6 +326,37 @@ def test_what_does_not_pickle_is_refused_by_name_and_written_here_by_default(
     storage.async_save(state, tmp_path / "b", transforms=[local()]).result()
     assert_tree_equal(state, loaded(tmp_path / "b", state))
     assert "runs in the training process instead" in caplog.text
+
+
+def _default_is_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default mode picks the worker, whatever this host's cores."""
+    monkeypatch.setattr(persist, "default_mode", lambda: "process")
+
+
+def test_a_call_the_worker_cannot_unpickle_fails_by_name_and_is_written_here_by_default(
+    tmp_path: Path,
+    worker: persist.Worker,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A transform that pickles here but not there (its module exists only in this
+    process, as one whose __reduce__ names what the worker cannot import). Before, the
+    worker replied for no call and the save waited forever; now that call fails by name
+    with the fix, the worker serves the next, and the default writes here instead."""
+    _default_is_the_worker(monkeypatch)
+    module = types.ModuleType("dcp_storage_test_only_in_the_trainer")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    here = type("Here", (_Local,), {"__module__": module.__name__})
+    module.Here = here  # type: ignore[attr-defined]
+    fut = storage.async_save(big_state(), tmp_path / "a", transforms=[here()], persist="process")
+    with pytest.raises(persist.NotSendable, match="saving .*No module named.*persist='thread'"):
+        fut.result(timeout=60)
+    pid, state = worker.pid, big_state()
+    storage.async_save(state, tmp_path / "b", transforms=[here()]).result(timeout=60)
+    assert_tree_equal(state, loaded(tmp_path / "b", state))
+    assert "does not unpickle there" in caplog.text
+    storage.async_save(state, tmp_path / "c", persist="process").result(timeout=60)
+    assert worker.pid == pid  # the same worker, still serving
 
 
 def test_options_are_checked(tmp_path: Path) -> None:

@@ -37,7 +37,17 @@ NICE = 10
 
 
 class NotSendable(TypeError):
-    """A call's function or arguments do not pickle, so the worker cannot run it."""
+    """A call's function or arguments do not pickle, or do not unpickle in the worker,
+    so the worker cannot run it."""
+
+
+def _not_sendable(name: str, why: str) -> NotSendable:
+    return NotSendable(
+        f"cannot send {name} to the persist worker: {why}. "
+        "Transforms and filesystems must pickle and be defined at module level in a "
+        "module the worker can import (not the training script); or save with "
+        "persist='thread'"
+    )
 
 
 class Lease:
@@ -75,7 +85,8 @@ class Worker:
         self._send_lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
-        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        # Each call in flight: its future, and its function's name for an error.
+        self._pending: dict[int, tuple[concurrent.futures.Future[Any], str]] = {}
         self._ids = itertools.count()
         self._unreported: WorkerDiedError | None = None
         self._foreground = 0  # saves in the foreground: the worker's pace pauses
@@ -128,11 +139,15 @@ class Worker:
                 message = pickle.loads(conn.recv_bytes())
                 kind, call_id, value = message
                 with self._lock:
-                    future = self._pending.pop(call_id, None)
-                if future is None:
+                    call = self._pending.pop(call_id, None)
+                if call is None:
                     continue
+                future, name = call
                 if kind == "ok":
                     future.set_result(value)
+                elif kind == "unreceived":  # the call did not unpickle there
+                    why = f"it does not unpickle there ({value})"
+                    future.set_exception(_not_sendable(name, why))
                 else:
                     future.set_exception(_remote_error(value))
         except (EOFError, OSError):
@@ -160,7 +175,7 @@ class Worker:
         conn.close()
         if code != 0:
             log.error("%s", error)
-        for future in pending.values():
+        for future, _ in pending.values():
             future.set_exception(error)
 
     def close(self) -> None:
@@ -208,26 +223,26 @@ class Worker:
             "environ": dict(os.environ),
         }
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        name = str(getattr(fn, "__qualname__", fn))
         with self._lock:
             if pace_bytes is not None:  # taken first: a call that fails leaves no pace
                 options["pace"] = self._take_pace(pace_bytes)
             conn = self._start()
             call_id = next(self._ids)
-            message = ("call", call_id, fn, args, kwargs, options)
+            # The call's id goes apart from its body: a body the worker cannot unpickle
+            # fails this call there, not the worker or every call after it.
+            header = pickle.dumps(("call", call_id))
             try:
-                data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+                body = pickle.dumps((fn, args, kwargs, options), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:
-                raise NotSendable(
-                    f"cannot send {getattr(fn, '__qualname__', fn)} to the persist worker: "
-                    f"{type(exc).__name__}: {exc}. Transforms and filesystems must pickle "
-                    "(defined at module level, importable); or save with persist='thread'"
-                ) from None
-            self._pending[call_id] = future
+                raise _not_sendable(name, f"{type(exc).__name__}: {exc}") from None
+            self._pending[call_id] = (future, name)
             self._paced = self._paced or options["pace"] is not None
             # Sent in the order the lock was taken: a hurry never overtakes the call.
             self._send_lock.acquire()
         try:
-            conn.send_bytes(data)
+            conn.send_bytes(header)
+            conn.send_bytes(body)
         except OSError:
             pass  # the reader sees the worker gone and fails the future
         finally:
