@@ -359,6 +359,35 @@ def test_a_call_the_worker_cannot_unpickle_fails_by_name_and_is_written_here_by_
     assert worker.pid == pid  # the same worker, still serving
 
 
+def test_what_the_training_script_defines_is_refused_before_it_is_sent(
+    tmp_path: Path,
+    worker: persist.Worker,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A class or function of ``__main__`` pickles here (by reference) and the worker,
+    which does not run the training script, cannot find it: refused at once, so the
+    default writes here without a round trip to the worker."""
+    _default_is_the_worker(monkeypatch)
+    script = sys.modules["__main__"]
+    local = type("ScriptTransform", (_Local,), {"__module__": "__main__"})
+    monkeypatch.setattr(script, "ScriptTransform", local, raising=False)
+
+    def script_function() -> None:
+        pass
+
+    script_function.__module__ = "__main__"
+    script_function.__qualname__ = "script_function"
+    monkeypatch.setattr(script, "script_function", script_function, raising=False)
+    for fn, args in ((print, (local(),)), (script_function, ())):
+        with pytest.raises(persist.NotSendable, match="__main__.* training script"):
+            worker.call(fn, *args)
+    state = big_state()
+    storage.async_save(state, tmp_path / "a", transforms=[local()]).result(timeout=60)
+    assert_tree_equal(state, loaded(tmp_path / "a", state))
+    assert "__main__.ScriptTransform is defined in the training script" in caplog.text
+
+
 def test_options_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="persist must be one of"):
         storage.CheckpointWriter(tmp_path, persist="fork")

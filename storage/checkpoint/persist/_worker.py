@@ -6,6 +6,7 @@ docstring). :class:`Lease` holds the staging buffers for one save."""
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import itertools
 import logging
 import math
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
@@ -39,6 +41,34 @@ NICE = 10
 class NotSendable(TypeError):
     """A call's function or arguments do not pickle, or do not unpickle in the worker,
     so the worker cannot run it."""
+
+
+#: The names the training script's own module has (``__mp_main__`` under
+#: multiprocessing's spawn): the worker does not run that script.
+MAIN_MODULES = frozenset({"__main__", "__mp_main__"})
+
+
+def _dumps(message: object) -> bytes:
+    """``message`` pickled, refusing a class or function of the training script's
+    module: it pickles by reference here, and the worker would not find it. A message
+    that names no such module (every pickled reference names its module) is pickled
+    once, at full speed; only one that does is pickled again, checking each object."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if any(name.encode() in data for name in MAIN_MODULES):
+        _Refusing(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return data
+
+
+class _Refusing(pickle.Pickler):
+    """Refuses a class or function of the training script's module (see :func:`_dumps`)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)) and obj.__module__ in MAIN_MODULES:
+            raise pickle.PicklingError(
+                f"{obj.__module__}.{obj.__qualname__} is defined in the training script, "
+                "which the persist worker does not run"
+            )
+        return NotImplemented
 
 
 def _not_sendable(name: str, why: str) -> NotSendable:
@@ -233,7 +263,7 @@ class Worker:
             # fails this call there, not the worker or every call after it.
             header = pickle.dumps(("call", call_id))
             try:
-                body = pickle.dumps((fn, args, kwargs, options), protocol=pickle.HIGHEST_PROTOCOL)
+                body = _dumps((fn, args, kwargs, options))
             except Exception as exc:
                 raise _not_sendable(name, f"{type(exc).__name__}: {exc}") from None
             self._pending[call_id] = (future, name)
