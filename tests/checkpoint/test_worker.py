@@ -110,6 +110,15 @@ class RaisesOdd(Refuses):
 extensions.register(Gate)
 
 
+class _Unpicklable:
+    def __reduce__(self) -> Any:
+        raise ValueError("this result refuses to be pickled")
+
+
+def _returns_unpicklable() -> _Unpicklable:
+    return _Unpicklable()
+
+
 def wait_for(path: Path, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -307,6 +316,18 @@ def test_an_error_in_the_worker_keeps_its_type_and_message_and_no_key(
     with pytest.raises(CheckpointStorageError, match="OddError: odd 1 2"):
         fut.result()
     storage.async_save(state, tmp_path / "c", persist="process").result()  # same worker
+
+
+def test_a_result_that_does_not_pickle_fails_its_call_not_the_worker(
+    worker: persist.Worker,
+) -> None:
+    """Before: the ValueError of pickling the reply was taken for the training process
+    gone (as the socket's own ValueError is): the worker exited, failing every call in
+    flight with WorkerDiedError."""
+    pid = worker.call(os.getpid).result(timeout=60)
+    with pytest.raises(ValueError, match="refuses to be pickled"):
+        worker.call(_returns_unpicklable).result(timeout=60)
+    assert worker.call(os.getpid).result(timeout=60) == pid
 
 
 class _Local(Gate):

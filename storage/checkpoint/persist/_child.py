@@ -205,9 +205,17 @@ class _Server:
         self._calls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dcp-persist")
 
     def send(self, message: tuple[Any, ...]) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            self._conn.send_bytes(data)
+        """Send a reply (one whose result does not pickle goes as that error); exits
+        when the training process is gone."""
+        try:
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # pickling, not the socket: this call fails, not the worker
+            data = pickle.dumps(("error", message[1], _error_payload(exc)))
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except (OSError, ValueError):
+            _trainer_gone()
 
     def serve(self) -> None:
         while True:
@@ -254,12 +262,7 @@ class _Server:
             reply = ("error", call_id, _error_payload(exc))
         if pace is not None:
             _bucket.hurry()  # the paced save is done: nothing after it is paced
-        try:
-            self.send(reply)
-        except (OSError, ValueError):
-            _trainer_gone()
-        except Exception as exc:  # a result that does not pickle
-            self.send(("error", call_id, _error_payload(exc)))
+        self.send(reply)
 
 
 def _trainer_gone() -> NoReturn:
