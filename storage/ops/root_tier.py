@@ -146,6 +146,9 @@ class RootTier:
                 self.retention.after_save(step)
                 outer.set_result(None)
             else:
+                # Failed before its writes took the pace it set (in planning, say): the
+                # pace must not fall on a later, unrelated save.
+                persist.hurry()
                 log.error("asynchronous save of %s failed: %s", url, error)
                 outer.set_exception(error)
 

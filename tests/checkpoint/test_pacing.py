@@ -6,14 +6,19 @@ after the pace is lifted, and the first save or ``pace=None`` is never paced."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import importlib
+import math
 import threading
 import time
+import types
 from typing import Any
 
 import pytest
 import torch
 
 import storage
+from extensions.errors import WorkerDiedError
 from storage.checkpoint import persist
 from storage.checkpoint.persist._child import _Bucket
 from storage.ops.root_tier import MAX_PACED_SECONDS
@@ -169,4 +174,59 @@ def test_a_hurry_before_the_paced_call_goes_out_cancels_its_pace() -> None:
     w = persist.worker()
     w.pace_next(time.monotonic() + 3600.0)
     persist.hurry()
+    assert w._pace_until is None
+
+
+def test_a_pace_is_taken_with_one_read_of_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the clock was read twice: a second read at the deadline divided by zero,
+    one past it gave a negative rate (a bucket that never lets a byte through)."""
+    # persist._worker is the package's worker handle: the module is taken by its name.
+    worker_module = importlib.import_module("storage.checkpoint.persist._worker")
+    reads = iter([100.0, 101.0])  # the first read is 1 s before the deadline
+    monkeypatch.setattr(worker_module, "time", types.SimpleNamespace(monotonic=lambda: next(reads)))
+    w = persist.Worker()
+    w.pace_next(101.0)
+    with w._lock:
+        rate = w._take_pace(1000)
+    assert rate == 1000.0
+    assert w._pace_until is None
+
+
+@pytest.mark.parametrize("deadline", [math.nan, math.inf, -math.inf, True, "1.0"])
+def test_a_pace_deadline_that_is_no_time_is_refused(deadline: object) -> None:
+    w = persist.Worker()
+    with pytest.raises(ValueError, match="a pace deadline must be a finite"):
+        w.pace_next(deadline)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a pace deadline must be a finite"):
+        persist.pace_next(deadline)  # type: ignore[arg-type]
+    assert w._pace_until is None
+    w.pace_next(12)  # a whole number of seconds is a time too
+    w.pace_next(None)
+
+
+def test_a_paced_save_that_fails_before_its_writes_leaves_no_pace(tmp_path: Any) -> None:
+    """The save fails in the background, in planning (its step's directory cannot be
+    made), so its writes never take the pace it set: before, that pace stayed pending
+    and the next save of any writer in the process (storage.async_save's) was paced."""
+    mgr = _saved_long_ago(tmp_path / "ck")
+    try:
+        (tmp_path / "ck" / "step-2").write_bytes(b"")  # a file where the step goes
+        second = mgr.save(2, _state(), blocking=False)
+        assert second is not None
+        # Not second.exception(): waiting on the future lifts the pace itself.
+        concurrent.futures.wait([second], timeout=PROMPT)
+        assert second.done() and second.exception() is not None
+        assert persist.worker()._pace_until is None
+    finally:
+        mgr.wait()
+
+
+def test_a_paced_call_to_a_dead_worker_leaves_no_pace() -> None:
+    """The call that was to take the pace fails (its worker died idle): before, the pace
+    stayed pending for whatever call came next."""
+    w = persist.Worker()
+    w._unreported = WorkerDiedError("the checkpoint persist worker (pid 1) died")
+    w.pace_next(time.monotonic() + 3600.0)
+    with pytest.raises(WorkerDiedError):
+        w.call(print, pace_bytes=1 << 20)
     assert w._pace_until is None

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import IO, Any
 
@@ -106,6 +108,15 @@ class RaisesOdd(Refuses):
 
 
 extensions.register(Gate)
+
+
+class _Unpicklable:
+    def __reduce__(self) -> Any:
+        raise ValueError("this result refuses to be pickled")
+
+
+def _returns_unpicklable() -> _Unpicklable:
+    return _Unpicklable()
 
 
 def wait_for(path: Path, timeout: float = 60.0) -> None:
@@ -307,6 +318,18 @@ def test_an_error_in_the_worker_keeps_its_type_and_message_and_no_key(
     storage.async_save(state, tmp_path / "c", persist="process").result()  # same worker
 
 
+def test_a_result_that_does_not_pickle_fails_its_call_not_the_worker(
+    worker: persist.Worker,
+) -> None:
+    """Before: the ValueError of pickling the reply was taken for the training process
+    gone (as the socket's own ValueError is): the worker exited, failing every call in
+    flight with WorkerDiedError."""
+    pid = worker.call(os.getpid).result(timeout=60)
+    with pytest.raises(ValueError, match="refuses to be pickled"):
+        worker.call(_returns_unpicklable).result(timeout=60)
+    assert worker.call(os.getpid).result(timeout=60) == pid
+
+
 class _Local(Gate):
     pass
 
@@ -324,6 +347,66 @@ def test_what_does_not_pickle_is_refused_by_name_and_written_here_by_default(
     storage.async_save(state, tmp_path / "b", transforms=[local()]).result()
     assert_tree_equal(state, loaded(tmp_path / "b", state))
     assert "runs in the training process instead" in caplog.text
+
+
+def _default_is_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default mode picks the worker, whatever this host's cores."""
+    monkeypatch.setattr(persist, "default_mode", lambda: "process")
+
+
+def test_a_call_the_worker_cannot_unpickle_fails_by_name_and_is_written_here_by_default(
+    tmp_path: Path,
+    worker: persist.Worker,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A transform that pickles here but not there (its module exists only in this
+    process, as one whose __reduce__ names what the worker cannot import). Before, the
+    worker replied for no call and the save waited forever; now that call fails by name
+    with the fix, the worker serves the next, and the default writes here instead."""
+    _default_is_the_worker(monkeypatch)
+    module = types.ModuleType("dcp_storage_test_only_in_the_trainer")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    here = type("Here", (_Local,), {"__module__": module.__name__})
+    module.Here = here  # type: ignore[attr-defined]
+    fut = storage.async_save(big_state(), tmp_path / "a", transforms=[here()], persist="process")
+    with pytest.raises(persist.NotSendable, match="saving .*No module named.*persist='thread'"):
+        fut.result(timeout=60)
+    pid, state = worker.pid, big_state()
+    storage.async_save(state, tmp_path / "b", transforms=[here()]).result(timeout=60)
+    assert_tree_equal(state, loaded(tmp_path / "b", state))
+    assert "does not unpickle there" in caplog.text
+    storage.async_save(state, tmp_path / "c", persist="process").result(timeout=60)
+    assert worker.pid == pid  # the same worker, still serving
+
+
+def test_what_the_training_script_defines_is_refused_before_it_is_sent(
+    tmp_path: Path,
+    worker: persist.Worker,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A class or function of ``__main__`` pickles here (by reference) and the worker,
+    which does not run the training script, cannot find it: refused at once, so the
+    default writes here without a round trip to the worker."""
+    _default_is_the_worker(monkeypatch)
+    script = sys.modules["__main__"]
+    local = type("ScriptTransform", (_Local,), {"__module__": "__main__"})
+    monkeypatch.setattr(script, "ScriptTransform", local, raising=False)
+
+    def script_function() -> None:
+        pass
+
+    script_function.__module__ = "__main__"
+    script_function.__qualname__ = "script_function"
+    monkeypatch.setattr(script, "script_function", script_function, raising=False)
+    for fn, args in ((print, (local(),)), (script_function, ())):
+        with pytest.raises(persist.NotSendable, match="__main__.* training script"):
+            worker.call(fn, *args)
+    state = big_state()
+    storage.async_save(state, tmp_path / "a", transforms=[local()]).result(timeout=60)
+    assert_tree_equal(state, loaded(tmp_path / "a", state))
+    assert "__main__.ScriptTransform is defined in the training script" in caplog.text
 
 
 def test_options_are_checked(tmp_path: Path) -> None:
@@ -383,6 +466,30 @@ def test_a_cgroup_cpu_quota_lowers_the_usable_cpus(tmp_path: Path) -> None:
     assert persist.usable_cpus(str(cpu_max)) == cpus
     cpu_max.write_text("garbage\n")
     assert persist.usable_cpus(str(cpu_max)) == cpus
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\u0663", "9" * 5000, "-2", "0", "+3", ""])
+def test_a_launcher_count_that_is_no_number_is_ignored(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: '\u00b2' (and other digits str.isdigit accepts) passed the check and int()
+    raised ValueError, as it did on 5000 digits (int's digit limit): every save, and
+    making a manager, failed on a launcher variable the job did not need."""
+    for name in persist.LOCAL_RANKS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "3")
+    assert persist.local_ranks() == 3  # the next variable counts
+    persist.default_mode()
+
+
+@pytest.mark.parametrize(
+    "text", ["\u00b2 100000", "100000 \u00b2", "9" * 5000 + " 100000", "100000 " + "9" * 5000]
+)
+def test_a_cgroup_cpu_quota_that_is_no_number_is_ignored(tmp_path: Path, text: str) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text(text + "\n", encoding="utf-8")
+    assert persist.usable_cpus(str(cpu_max)) == len(os.sched_getaffinity(0))
 
 
 def test_max_bandwidth_caps_the_workers_writes(tmp_path: Path, worker: persist.Worker) -> None:

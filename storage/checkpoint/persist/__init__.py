@@ -69,7 +69,8 @@ class Mode:
     """Where background work runs: ``name`` ``"thread"`` or ``"process"``, the worker's
     write cap, and whether the mode was asked for by name. The default gives way to
     threads for work the worker cannot take (storage of this process, an object that
-    does not pickle), logging why once; a mode asked for by name fails instead."""
+    does not pickle here or unpickle there), logging why once; a mode asked for by name
+    fails instead."""
 
     name: str
     max_bandwidth: int | None = None
@@ -128,9 +129,9 @@ def default_mode() -> str:
 def local_ranks() -> int:
     """Training processes on this host, as the launcher says (1 when none does)."""
     for name in LOCAL_RANKS_VARIABLES:
-        value = os.environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
+        value = _count(os.environ.get(name, ""))
+        if value is not None:
+            return value
     return 1
 
 
@@ -144,9 +145,22 @@ def usable_cpus(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
             quota, period = f.read().split()[:2]
     except (OSError, ValueError):
         return cpus
-    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+    quota_us, period_us = _count(quota), _count(period)
+    if quota_us is None or period_us is None:  # "max", or not a quota we can read
         return cpus
-    return max(1, min(cpus, int(quota) // int(period)))
+    return max(1, min(cpus, quota_us // period_us))
+
+
+def _count(text: str) -> int | None:
+    """``text`` as a whole number above zero written in ASCII digits (at most 18 of
+    them: beyond any count of processes or microseconds), else ``None``: what comes
+    from the environment or the system is ignored, never raised on, when it is not
+    such a number (``"²"`` passes ``str.isdigit`` and fails ``int``)."""
+    text = text.strip()
+    if not (0 < len(text) <= 18 and text.isascii() and text.isdigit()):
+        return None
+    value = int(text)
+    return value if value > 0 else None
 
 
 def for_filesystems(mode: Mode, *filesystems: FileSystemBase) -> Mode:
@@ -210,17 +224,16 @@ def start(settings: WriterSettings, filesystem: FileSystemBase) -> Worker | None
 
 def run(mode: Mode, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)``: in the worker when ``mode`` says so (writes capped, a
-    ``pace`` argument replaced by the worker's pause), else here; raises what it raised."""
+    ``pace`` argument replaced by the worker's pause), else here; raises what it raised.
+    With the default mode, work the worker cannot receive runs here."""
     if mode.name == "process":
         there = dict(kwargs, pace=PAUSE) if "pace" in kwargs else kwargs
         try:
-            future = worker().call(fn, *args, max_bandwidth=mode.max_bandwidth, **there)
-        except NotSendable as exc:
+            return worker().call(fn, *args, max_bandwidth=mode.max_bandwidth, **there).result()
+        except NotSendable as exc:  # not pickled here, or not unpickled there: it never ran
             if mode.explicit:
                 raise
             _fall_back(exc)
-        else:
-            return future.result()
     return fn(*args, **kwargs)
 
 
@@ -302,7 +315,7 @@ def write_staged(
         for name in [name for name, _ in files] + [beat]:
             attempt.record(name)
         try:
-            future = w.call(
+            per_file, written, spent = w.call(
                 write_files,
                 writer,
                 files,
@@ -310,14 +323,12 @@ def write_staged(
                 refs,
                 max_bandwidth=mode.max_bandwidth,
                 pace_bytes=sum(_ref_bytes(ref) for ref in refs.values()),
-            )
-        except NotSendable as exc:
+            ).result()
+        except NotSendable as exc:  # not pickled here, or not unpickled there: none written
             if mode.explicit:
-                raise
+                raise NotSendable(f"saving {writer.url}: {exc}") from None
             _fall_back(exc)
             return list(writer.write_files(files, threads, planner))
-        try:
-            per_file, written, spent = future.result()
         except WorkerDiedError:
             attempt.lost()  # the writer's abort removes what it left
             raise

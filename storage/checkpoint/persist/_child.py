@@ -8,9 +8,11 @@ bandwidth cap is set or a save is paced (until the training process says ``hurry
 exits when the training process closes the socket or dies.
 
 Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
-``("init", sys_path, foreground)``, ``("call", id, fn, args, kwargs, options)``,
-``("foreground", busy)``, ``("hurry",)``, ``("close",)``; replies ``("ok", id, result)`` and
-``("error", id, payload)``.
+``("init", sys_path, foreground)``, ``("call", id)`` followed by the call's body
+``(fn, args, kwargs, options)`` pickled apart, ``("foreground", busy)``, ``("hurry",)``,
+``("close",)``; replies ``("ok", id, result)``, ``("error", id, payload)`` and
+``("unreceived", id, why)`` for a body that does not unpickle here (a class the training
+script defines, a module this process cannot import).
 """
 
 from __future__ import annotations
@@ -203,19 +205,25 @@ class _Server:
         self._calls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dcp-persist")
 
     def send(self, message: tuple[Any, ...]) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            self._conn.send_bytes(data)
+        """Send a reply (one whose result does not pickle goes as that error); exits
+        when the training process is gone."""
+        try:
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # pickling, not the socket: this call fails, not the worker
+            data = pickle.dumps(("error", message[1], _error_payload(exc)))
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except (OSError, ValueError):
+            _trainer_gone()
 
     def serve(self) -> None:
         while True:
             try:
                 message = pickle.loads(self._conn.recv_bytes())
+                body = self._conn.recv_bytes() if message[0] == "call" else b""
             except (EOFError, OSError):
                 _trainer_gone()
-            except BaseException as exc:  # a call that cannot be unpickled here
-                self.send(("error", -1, _error_payload(exc)))
-                continue
             if message[0] == "close":
                 return
             if message[0] == "foreground":
@@ -224,7 +232,12 @@ class _Server:
             if message[0] == "hurry":
                 _bucket.hurry()
                 continue
-            _, call_id, fn, args, kwargs, options = message
+            call_id = message[1]
+            try:
+                fn, args, kwargs, options = pickle.loads(body)
+            except BaseException as exc:  # noqa: BLE001 - fails this call, not the worker
+                self.send(("unreceived", call_id, f"{type(exc).__name__}: {exc}"))
+                continue
             if options.get("pace") is not None:
                 # Set here, in the order of the messages: a hurry read next lifts it even
                 # when it comes before the call's thread starts.
@@ -249,12 +262,7 @@ class _Server:
             reply = ("error", call_id, _error_payload(exc))
         if pace is not None:
             _bucket.hurry()  # the paced save is done: nothing after it is paced
-        try:
-            self.send(reply)
-        except (OSError, ValueError):
-            _trainer_gone()
-        except Exception as exc:  # a result that does not pickle
-            self.send(("error", call_id, _error_payload(exc)))
+        self.send(reply)
 
 
 def _trainer_gone() -> NoReturn:

@@ -6,8 +6,10 @@ docstring). :class:`Lease` holds the staging buffers for one save."""
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import itertools
 import logging
+import math
 import os
 import pickle
 import socket
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
@@ -36,7 +39,45 @@ NICE = 10
 
 
 class NotSendable(TypeError):
-    """A call's function or arguments do not pickle, so the worker cannot run it."""
+    """A call's function or arguments do not pickle, or do not unpickle in the worker,
+    so the worker cannot run it."""
+
+
+#: The names the training script's own module has (``__mp_main__`` under
+#: multiprocessing's spawn): the worker does not run that script.
+MAIN_MODULES = frozenset({"__main__", "__mp_main__"})
+
+
+def _dumps(message: object) -> bytes:
+    """``message`` pickled, refusing a class or function of the training script's
+    module: it pickles by reference here, and the worker would not find it. A message
+    that names no such module (every pickled reference names its module) is pickled
+    once, at full speed; only one that does is pickled again, checking each object."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if any(name.encode() in data for name in MAIN_MODULES):
+        _Refusing(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return data
+
+
+class _Refusing(pickle.Pickler):
+    """Refuses a class or function of the training script's module (see :func:`_dumps`)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)) and obj.__module__ in MAIN_MODULES:
+            raise pickle.PicklingError(
+                f"{obj.__module__}.{obj.__qualname__} is defined in the training script, "
+                "which the persist worker does not run"
+            )
+        return NotImplemented
+
+
+def _not_sendable(name: str, why: str) -> NotSendable:
+    return NotSendable(
+        f"cannot send {name} to the persist worker: {why}. "
+        "Transforms and filesystems must pickle and be defined at module level in a "
+        "module the worker can import (not the training script); or save with "
+        "persist='thread'"
+    )
 
 
 class Lease:
@@ -74,7 +115,8 @@ class Worker:
         self._send_lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
-        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        # Each call in flight: its future, and its function's name for an error.
+        self._pending: dict[int, tuple[concurrent.futures.Future[Any], str]] = {}
         self._ids = itertools.count()
         self._unreported: WorkerDiedError | None = None
         self._foreground = 0  # saves in the foreground: the worker's pace pauses
@@ -127,11 +169,15 @@ class Worker:
                 message = pickle.loads(conn.recv_bytes())
                 kind, call_id, value = message
                 with self._lock:
-                    future = self._pending.pop(call_id, None)
-                if future is None:
+                    call = self._pending.pop(call_id, None)
+                if call is None:
                     continue
+                future, name = call
                 if kind == "ok":
                     future.set_result(value)
+                elif kind == "unreceived":  # the call did not unpickle there
+                    why = f"it does not unpickle there ({value})"
+                    future.set_exception(_not_sendable(name, why))
                 else:
                     future.set_exception(_remote_error(value))
         except (EOFError, OSError):
@@ -159,7 +205,7 @@ class Worker:
         conn.close()
         if code != 0:
             log.error("%s", error)
-        for future in pending.values():
+        for future, _ in pending.values():
             future.set_exception(error)
 
     def close(self) -> None:
@@ -207,26 +253,26 @@ class Worker:
             "environ": dict(os.environ),
         }
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        name = str(getattr(fn, "__qualname__", fn))
         with self._lock:
+            if pace_bytes is not None:  # taken first: a call that fails leaves no pace
+                options["pace"] = self._take_pace(pace_bytes)
             conn = self._start()
             call_id = next(self._ids)
-            if pace_bytes is not None:
-                options["pace"] = self._take_pace(pace_bytes)
-            message = ("call", call_id, fn, args, kwargs, options)
+            # The call's id goes apart from its body: a body the worker cannot unpickle
+            # fails this call there, not the worker or every call after it.
+            header = pickle.dumps(("call", call_id))
             try:
-                data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+                body = _dumps((fn, args, kwargs, options))
             except Exception as exc:
-                raise NotSendable(
-                    f"cannot send {getattr(fn, '__qualname__', fn)} to the persist worker: "
-                    f"{type(exc).__name__}: {exc}. Transforms and filesystems must pickle "
-                    "(defined at module level, importable); or save with persist='thread'"
-                ) from None
-            self._pending[call_id] = future
+                raise _not_sendable(name, f"{type(exc).__name__}: {exc}") from None
+            self._pending[call_id] = (future, name)
             self._paced = self._paced or options["pace"] is not None
             # Sent in the order the lock was taken: a hurry never overtakes the call.
             self._send_lock.acquire()
         try:
-            conn.send_bytes(data)
+            conn.send_bytes(header)
+            conn.send_bytes(body)
         except OSError:
             pass  # the reader sees the worker gone and fails the future
         finally:
@@ -237,18 +283,31 @@ class Worker:
         """Let the next save's data writes take until ``deadline`` (``time.monotonic``;
         this host's clock, the worker's too) instead of the link's full speed, so that
         its upload shares the cores with training over the time it has; ``None``: at
-        full speed. A :meth:`hurry` before that save's call goes out cancels it."""
+        full speed. A :meth:`hurry` before that save's call goes out cancels it. Raises
+        ``ValueError`` for a deadline that is not a finite number."""
+        if deadline is not None and (
+            isinstance(deadline, bool)
+            or not isinstance(deadline, (int, float))
+            or not math.isfinite(deadline)
+        ):
+            raise ValueError(
+                f"a pace deadline must be a finite time.monotonic() value or None, got {deadline!r}"
+            )
         with self._lock:
             self._pace_until = deadline
 
     def _take_pace(self, nbytes: int) -> float | None:
         """The rate (bytes/s) that writes ``nbytes`` by the pending deadline, taken
         once; ``None`` when none is pending or it is too close to matter (call with the
-        lock)."""
+        lock). The clock is read once: a second read could fall past the deadline."""
         deadline, self._pace_until = self._pace_until, None
-        if deadline is None or deadline - time.monotonic() < PACE_MIN_SECONDS:
+        if deadline is None:
             return None
-        return max(nbytes, 1) / (deadline - time.monotonic())
+        left = deadline - time.monotonic()
+        if not left >= PACE_MIN_SECONDS:
+            return None
+        rate = max(nbytes, 1) / left
+        return rate if math.isfinite(rate) and rate > 0 else None
 
     def hurry(self) -> None:
         """Lift the pace of a paced save, and of one about to go out (its caller waits
