@@ -370,7 +370,6 @@ class Worker:
         return staged, Lease(self._free, copies)
 
 
-# Niced before anything is imported: its start-up (torch) yields the cores too.
 # Niced once its imports are done: a worker that imported torch at nice +10 on a host
 # whose cores the job keeps busy took tens of seconds to start, and the first async save,
 # or a preemption save waiting behind it, waited for that.
