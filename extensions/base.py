@@ -263,6 +263,32 @@ def descriptor_settings(
     return settings
 
 
+def whole_number(text: str, low: int, high: int) -> int | None:
+    """``text`` as a whole number from ``low`` to ``high`` (``0 <= low <= high``) written
+    in ASCII digits, else ``None``. Other digits ``str.isdigit`` accepts are refused
+    (``int`` fails on ``"\\u00b2"`` and reads ``"\\u0663"`` as 3), and so is any text
+    longer than ``high`` written out: what a checkpoint or the environment claims costs
+    nothing to refuse, however long (``int`` refuses 4300 digits with advice to raise
+    the limit)."""
+    if not (0 < len(text) <= len(str(high)) and text.isascii() and text.isdigit()):
+        return None
+    value = int(text)
+    return value if low <= value <= high else None
+
+
+def descriptor_number(name: str, key: str, value: str, low: int, high: int) -> int:
+    """The setting ``key=value`` of a ``name`` descriptor as a whole number from ``low``
+    to ``high`` (see :func:`whole_number`), else ``ValueError`` (reported, with the
+    checkpoint and the item, as a descriptor that cannot be decoded)."""
+    number = whole_number(value, low, high)
+    if number is None:
+        raise ValueError(
+            f"{name} setting {key} must be {low} to {high} in ASCII digits, got "
+            f"{quote(value, 24)} (damaged or altered metadata: restore it or re-save)"
+        )
+    return number
+
+
 def resolve_key_lookup(keys: Keys | None) -> KeyLookup | None:
     """Turn a mapping or a callable of key_id -> key into a callable (or None)."""
     if keys is None or callable(keys):

@@ -30,6 +30,7 @@ from typing import IO, Any, ClassVar, cast
 from extensions.base import (
     ItemInfo,
     StreamTransformExtension,
+    descriptor_number,
     descriptor_settings,
 )
 from extensions.errors import IntegrityError, MissingDependencyError, MissingKeyError, quote
@@ -129,9 +130,12 @@ class AES256GCM(StreamTransformExtension):
     @staticmethod
     def from_descriptor(version: str) -> AES256GCM:
         fields = descriptor_settings(AES256GCM.registry_name(), version, {"key_id", "chunk"})
-        if "key_id" not in fields or not fields.get("chunk", "").isdigit():
+        if "key_id" not in fields or "chunk" not in fields:
             raise ValueError("the descriptor must name key_id and chunk")
-        return AES256GCM(key_id=fields["key_id"], chunk_size=int(fields["chunk"]))
+        chunk = descriptor_number(
+            AES256GCM.registry_name(), "chunk", fields["chunk"], MIN_CHUNK_SIZE, MAX_CHUNK_SIZE
+        )
+        return AES256GCM(key_id=fields["key_id"], chunk_size=chunk)
 
     @classmethod
     def key_ids(cls, version: str) -> tuple[str, ...]:

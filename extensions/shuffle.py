@@ -15,7 +15,12 @@ from typing import IO, Any, cast
 
 import numpy as np
 
-from extensions.base import ItemInfo, StreamTransformExtension, descriptor_settings
+from extensions.base import (
+    ItemInfo,
+    StreamTransformExtension,
+    descriptor_number,
+    descriptor_settings,
+)
 from extensions.errors import quote
 from extensions.streams import BlockWriter, fill, read_all, readinto_exact
 
@@ -96,12 +101,13 @@ class ByteShuffle(StreamTransformExtension):
 
     @staticmethod
     def from_descriptor(version: str) -> ByteShuffle:
-        value = descriptor_settings(ByteShuffle.registry_name(), version, {"es"}).get("es", "")
-        if not value.isdigit():
+        name = ByteShuffle.registry_name()
+        value = descriptor_settings(name, version, {"es"}).get("es")
+        if value is None:
             raise ValueError(
                 f"expected ';es=<element size>' in the descriptor, got {quote(version)}"
             )
-        return ByteShuffle(element_size=int(value))
+        return ByteShuffle(element_size=descriptor_number(name, "es", value, 1, MAX_ELEMENT_SIZE))
 
     def get_descriptor(self) -> str:
         return f"{self.registry_name()}/1;es={self.element_size or 1}"

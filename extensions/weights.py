@@ -40,7 +40,12 @@ from extensions._layout import (
 )
 from extensions._planes import BLOCK_BYTES, encode_block
 from extensions._unplanes import decode_block
-from extensions.base import ItemInfo, StreamTransformExtension, descriptor_settings
+from extensions.base import (
+    ItemInfo,
+    StreamTransformExtension,
+    descriptor_number,
+    descriptor_settings,
+)
 from extensions.errors import quote
 from extensions.streams import BlockWriter, fill, read_all, readinto_exact
 
@@ -92,13 +97,16 @@ class WeightCodec(StreamTransformExtension):
     def from_descriptor(version: str) -> WeightCodec:
         name = WeightCodec.registry_name()
         known = tuple(str(v) for v in range(1, FORMAT + 1))
-        value = descriptor_settings(name, version, {"es"}, known).get("es", "")
-        if not value.isdigit() or not 1 <= int(value) <= MAX_ELEMENT_SIZE:
+        value = descriptor_settings(name, version, {"es"}, known).get("es")
+        if value is None:
             raise ValueError(
                 f"expected ';es=<element size 1-{MAX_ELEMENT_SIZE}>' in the descriptor, "
                 f"got {quote(version)}"
             )
-        return WeightCodec(element_size=int(value), stream_format=int(version.split(";")[0]))
+        return WeightCodec(
+            element_size=descriptor_number(name, "es", value, 1, MAX_ELEMENT_SIZE),
+            stream_format=descriptor_number(name, "version", version.split(";")[0], 1, FORMAT),
+        )
 
     def get_descriptor(self) -> str:
         return f"{self.registry_name()}/{FORMAT};es={self.element_size or 1}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import struct
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -20,9 +21,14 @@ import torch
 import zstandard
 
 import storage
-from extensions import AES256GCM, ByteShuffle, ZStandard
+from extensions import AES256GCM, ByteShuffle, WeightCodec, ZStandard
 from extensions.base import ItemInfo
-from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
+from extensions.errors import (
+    IntegrityError,
+    UnknownTransformError,
+    UnsafeCheckpointError,
+    quote,
+)
 from extensions.registry import ExtensionRegistry
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.items import ItemEncoder, StoredItemReader
@@ -153,6 +159,55 @@ def test_aes_chunk_claim_does_not_size_the_buffers(tmp_path: Path, peak: Callabl
     tracemalloc.reset_peak()
     with pytest.raises(IntegrityError, match="'t'.*failed authentication"):
         storage.load({"t": torch.zeros(16)}, tmp_path, keys={"k": KEY})
+    assert peak() < 4 * MiB
+
+
+_AES = "dcp_storage.aes256gcm/1;key_id=k;chunk="
+_NUMBERS = {"superscript": "\u00b2", "arabic-indic": "\u0663", "5000 digits": "9" * 5000}
+
+
+@pytest.mark.parametrize(
+    ("chain", "descriptor"),
+    [
+        *[([AES256GCM(key=KEY, key_id="k")], _AES + v) for v in _NUMBERS.values()],
+        ([AES256GCM(key=KEY, key_id="k")], _AES + str(10**15)),
+        *[([ByteShuffle()], "dcp_storage.shuffle/1;es=" + v) for v in _NUMBERS.values()],
+        ([ByteShuffle()], "dcp_storage.shuffle/1;es=65"),
+        *[([WeightCodec()], "dcp_storage.weights/2;es=" + v) for v in _NUMBERS.values()],
+        *[([WeightCodec()], f"dcp_storage.weights/{v};es=4") for v in _NUMBERS.values()],
+    ],
+    ids=[
+        *[f"aes chunk {k}" for k in _NUMBERS],
+        "aes chunk 10**15",
+        *[f"shuffle es {k}" for k in _NUMBERS],
+        "shuffle es 65",
+        *[f"weights es {k}" for k in _NUMBERS],
+        *[f"weights format {k}" for k in _NUMBERS],
+    ],
+)
+def test_a_descriptor_number_that_is_no_number_fails_naming_the_item(
+    tmp_path: Path, chain: list[Any], descriptor: str, peak: Callable[[], int]
+) -> None:
+    # Without the shared parser "\u00b2" passed str.isdigit and int() failed ("invalid
+    # literal for int()"), 5000 digits hit int's digit limit (with advice to raise it),
+    # "\u0663" was read as 3 and 10**15 was reported as a bad chunk_size argument: none
+    # said which setting is wrong, what it may be, or what to do.
+    storage.save({"t": torch.ones(16)}, tmp_path, transforms=chain)
+    metadata = _meta(tmp_path)
+    _info(metadata, "t").transform_descriptors = [descriptor]
+    _write_meta(tmp_path, metadata)
+    keys = {"k": KEY} if descriptor.startswith(_AES) else None
+    tracemalloc.reset_peak()
+    with pytest.raises(UnknownTransformError) as info:
+        storage.load({"t": torch.zeros(16)}, tmp_path, keys=keys)
+    message = str(info.value)
+    assert f"{tmp_path}: item 't': cannot decode descriptor" in message
+    if "/2;" in descriptor or "/1;" in descriptor:
+        assert re.search(r"setting (chunk|es) must be \d+ to \d+ in ASCII digits", message)
+        assert "restore it or re-save" in message
+    else:
+        assert "unsupported dcp_storage.weights version" in message
+    assert len(message) < 600
     assert peak() < 4 * MiB
 
 

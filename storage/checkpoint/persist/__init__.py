@@ -36,6 +36,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from extensions._compat import StateDictStager
+from extensions.base import whole_number
 from extensions.errors import WorkerDiedError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import data_files, heartbeat
@@ -156,11 +157,7 @@ def _count(text: str) -> int | None:
     them: beyond any count of processes or microseconds), else ``None``: what comes
     from the environment or the system is ignored, never raised on, when it is not
     such a number (``"²"`` passes ``str.isdigit`` and fails ``int``)."""
-    text = text.strip()
-    if not (0 < len(text) <= 18 and text.isascii() and text.isdigit()):
-        return None
-    value = int(text)
-    return value if value > 0 else None
+    return whole_number(text.strip(), 1, 10**18 - 1)
 
 
 def for_filesystems(mode: Mode, *filesystems: FileSystemBase) -> Mode:
