@@ -119,6 +119,33 @@ def _returns_unpicklable() -> _Unpicklable:
     return _Unpicklable()
 
 
+def _refuse_to_load(why: str) -> None:
+    raise ValueError(why)
+
+
+class _Unloadable:
+    """Pickles anywhere; unpickling it calls :func:`_refuse_to_load`, which raises."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse_to_load, ("this reply refuses to be unpickled",))
+
+
+def _returns_unloadable() -> _Unloadable:
+    return _Unloadable()
+
+
+def _held(gate_dir: str) -> bool:
+    """Run in the worker: mark ``gate_dir/started``, then wait until ``gate_dir/open``
+    exists (at most 30 s); whether it did."""
+    Path(gate_dir, "started").touch()
+    deadline = time.monotonic() + 30
+    while not Path(gate_dir, "open").exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def wait_for(path: Path, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -327,6 +354,27 @@ def test_a_result_that_does_not_pickle_fails_its_call_not_the_worker(
     pid = worker.call(os.getpid).result(timeout=60)
     with pytest.raises(ValueError, match="refuses to be pickled"):
         worker.call(_returns_unpicklable).result(timeout=60)
+    assert worker.call(os.getpid).result(timeout=60) == pid
+
+
+def test_a_reply_that_does_not_unpickle_here_fails_its_call_not_the_worker(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """A result that pickles in the worker but not back here. Before: the reader took
+    the worker for unusable and killed it, failing that call and every other in flight
+    with WorkerDiedError; now that call alone fails, by name, and the worker serves on."""
+    pid = worker.call(os.getpid).result(timeout=60)
+    held = worker.call(_held, str(tmp_path))
+    wait_for(tmp_path / "started")  # the first call is running in the worker
+    with pytest.raises(CheckpointStorageError) as info:
+        worker.call(_returns_unloadable).result(timeout=60)
+    assert not isinstance(info.value, WorkerDiedError)
+    message = str(info.value)
+    assert "_returns_unloadable" in message and "could not be read" in message
+    assert "this reply refuses to be unpickled" in message
+    assert not held.done()
+    (tmp_path / "open").touch()
+    assert held.result(timeout=60) is True
     assert worker.call(os.getpid).result(timeout=60) == pid
 
 

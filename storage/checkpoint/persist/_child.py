@@ -10,9 +10,11 @@ exits when the training process closes the socket or dies.
 Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
 ``("init", sys_path, foreground)``, ``("call", id)`` followed by the call's body
 ``(fn, args, kwargs, options)`` pickled apart, ``("foreground", busy)``, ``("hurry",)``,
-``("close",)``; replies ``("ok", id, result)``, ``("error", id, payload)`` and
-``("unreceived", id, why)`` for a body that does not unpickle here (a class the training
-script defines, a module this process cannot import).
+``("close",)``. Each reply is a header ``("ok", id)``, ``("error", id)`` or
+``("unreceived", id)`` followed by its body pickled apart: the call's result, the
+error's payload, or why the call's body does not unpickle here (a class the training
+script defines, a module this process cannot import). A body the training process
+cannot unpickle fails that call there, not the worker.
 """
 
 from __future__ import annotations
@@ -204,16 +206,18 @@ class _Server:
         self._send_lock = threading.Lock()
         self._calls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dcp-persist")
 
-    def send(self, message: tuple[Any, ...]) -> None:
-        """Send a reply (one whose result does not pickle goes as that error); exits
-        when the training process is gone."""
+    def send(self, kind: str, call_id: int, value: object) -> None:
+        """Send a reply, its header and its body (one whose body does not pickle goes as
+        that error); exits when the training process is gone."""
         try:
-            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            body = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # pickling, not the socket: this call fails, not the worker
-            data = pickle.dumps(("error", message[1], _error_payload(exc)))
+            kind, body = "error", pickle.dumps(_error_payload(exc))
+        header = pickle.dumps((kind, call_id))
         try:
             with self._send_lock:
-                self._conn.send_bytes(data)
+                self._conn.send_bytes(header)
+                self._conn.send_bytes(body)
         except (OSError, ValueError):
             _trainer_gone()
 
@@ -236,7 +240,7 @@ class _Server:
             try:
                 fn, args, kwargs, options = pickle.loads(body)
             except BaseException as exc:  # noqa: BLE001 - fails this call, not the worker
-                self.send(("unreceived", call_id, f"{type(exc).__name__}: {exc}"))
+                self.send("unreceived", call_id, f"{type(exc).__name__}: {exc}")
                 continue
             if options.get("pace") is not None:
                 # Set here, in the order of the messages: a hurry read next lifts it even
@@ -257,12 +261,12 @@ class _Server:
             for value in (*args, *kwargs.values()):
                 limit_writes(value)
             kwargs = {k: _pause if isinstance(v, Pause) else v for k, v in kwargs.items()}
-            reply: tuple[Any, ...] = ("ok", call_id, fn(*args, **kwargs))
+            kind, result = "ok", fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the training process
-            reply = ("error", call_id, _error_payload(exc))
+            kind, result = "error", _error_payload(exc)
         if pace is not None:
             _bucket.hurry()  # the paced save is done: nothing after it is paced
-        self.send(reply)
+        self.send(kind, call_id, result)
 
 
 def _trainer_gone() -> NoReturn:

@@ -166,13 +166,18 @@ class Worker:
                         continue
                     if not conn.poll():
                         break
-                message = pickle.loads(conn.recv_bytes())
-                kind, call_id, value = message
+                kind, call_id = pickle.loads(conn.recv_bytes())
+                body = conn.recv_bytes()
                 with self._lock:
                     call = self._pending.pop(call_id, None)
                 if call is None:
                     continue
                 future, name = call
+                try:
+                    value = pickle.loads(body)
+                except BaseException as exc:  # noqa: BLE001 - fails this call, not the worker
+                    future.set_exception(_unreadable(name, exc))
+                    continue
                 if kind == "ok":
                     future.set_result(value)
                 elif kind == "unreceived":  # the call did not unpickle there
@@ -182,7 +187,7 @@ class Worker:
                     future.set_exception(_remote_error(value))
         except (EOFError, OSError):
             pass
-        except BaseException as exc:  # a reply we cannot read: the worker is unusable
+        except BaseException as exc:  # a header we cannot read: the worker is unusable
             log.error("persist worker %d: unreadable reply (%s); stopping it", proc.pid, exc)
         with self._lock:
             closed = self._proc is not proc  # close() let it go: no death to report
@@ -380,6 +385,17 @@ _LAUNCH = (
 
 def _exit_text(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _unreadable(name: str, exc: BaseException) -> CheckpointStorageError:
+    error = CheckpointStorageError(
+        f"the checkpoint persist worker ran {name}, but its reply could not be read in "
+        f"the training process ({type(exc).__name__}: {exc}); the worker keeps serving. "
+        "What a call returns or raises must unpickle here: a class at module level in a "
+        "module both processes import"
+    )
+    error.__cause__ = exc
+    return error
 
 
 def _remote_error(payload: tuple[bytes | None, str, str, str]) -> BaseException:
