@@ -125,8 +125,8 @@ class ExtensionRegistry:
         except (ValueError, KeyError) as exc:
             raise UnknownTransformError(
                 f"{info.checkpoint}: item {quote(info.item)}: cannot decode descriptor "
-                f"{quote(descriptor)}: {printable(str(exc), 200)}. A newer dcp-storage or the "
-                "transform's plugin may be needed."
+                f"{quote(descriptor)}: {printable(str(exc), 200)}. If the metadata is "
+                "intact, a newer dcp-storage or the transform's plugin may be needed."
             ) from exc
 
     def from_descriptor_list(self, descriptors: Sequence[str]) -> list[Any]:

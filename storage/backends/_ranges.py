@@ -26,9 +26,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from extensions.errors import printable
 from storage.backends.cancel import Cancel, StreamCancelled
 
-_CONTENT_RANGE = re.compile(r"\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*", re.IGNORECASE)
+# ASCII digits, at most 20 (any object size): a header is the server's, not to be trusted.
+_CONTENT_RANGE = re.compile(
+    r"\s*bytes\s+(\d{1,20})-(\d{1,20})/(\d{1,20}|\*)\s*", re.IGNORECASE | re.ASCII
+)
 
 
 #: Ranged GETs of large reads in flight at once, per backend, across the process.
@@ -116,8 +120,8 @@ def check_range(
             return
     raise RangeMismatchError(
         f"{url}: a GET for {asked} was answered with {status} and Content-Range "
-        f"{content_range!r}, not the bytes asked for; reading them would load other bytes. "
-        "A proxy or the store mangles range requests"
+        f"{printable(repr(content_range), 120)}, not the bytes asked for; reading them "
+        "would load other bytes. A proxy or the store mangles range requests"
     )
 
 

@@ -17,7 +17,12 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 import storage
 from extensions import ZStandard
 from storage import S3FileSystem
-from storage.backends._ranges import PARALLEL_GETS, parallel_gets
+from storage.backends._ranges import (
+    PARALLEL_GETS,
+    RangeMismatchError,
+    check_range,
+    parallel_gets,
+)
 from storage.checkpoint.deadline import DeadlineExceededError
 from tests.support.servers import (
     FaultProxy,
@@ -190,6 +195,18 @@ def test_a_ranged_get_answered_with_other_bytes_is_refused(kind: str, backend: s
         target = {"a": torch.zeros(256)}
         storage.load(target, url, filesystem=fs)
         assert torch.equal(target["a"], state["a"])
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["bytes ²-9/100", "bytes 5-٩/100", "bytes 5-9/" + "9" * 5000, "bytes " + "1" * 5000 + "-9/*"],
+)
+def test_a_content_range_that_is_no_number_is_a_mismatch_named_briefly(header: str) -> None:
+    """A server's Content-Range is read as ASCII digits of any object size: before,
+    non-ASCII digits matched and a 5000-digit one failed with int()'s digit limit."""
+    with pytest.raises(RangeMismatchError, match="not the bytes asked for") as caught:
+        check_range(206, header, 5, 9, "s3://bucket/ckpt/__0_0.distcp")
+    assert len(str(caught.value)) < 600
 
 
 # --- every request inside timeout= -----------------------------------
