@@ -123,13 +123,22 @@ class LocalStaging:
         if not reuse:
             return _fresh_copy(state_dict), None
         try:
-            if self._stager is None:
-                self._stager = StateDictStager(pin_memory=torch.cuda.is_available())
-            staged = self._stager.stage(state_dict)
+            try:
+                staged = self._kept().stage(state_dict)
+            except AssertionError:
+                # torch's cache refuses a storage resized in place since it was copied
+                # (``tensor.resize_``): start the buffers afresh, once.
+                self._stager = None
+                staged = self._kept().stage(state_dict)
         except BaseException:
             self._free.set()
             raise
         return staged, _persist.Lease(self._free)
+
+    def _kept(self) -> Any:
+        if self._stager is None:
+            self._stager = StateDictStager(pin_memory=torch.cuda.is_available())
+        return self._stager
 
 
 def _fresh_copy(state_dict: Any) -> Any:

@@ -174,3 +174,16 @@ def test_a_forked_child_starts_without_the_parents_buffers(
     finally:
         assert lease is not None
         lease.release()
+
+
+def test_a_tensor_resized_in_place_between_saves_is_staged_whole(
+    tmp_path: Path, cores_full: staging.LocalStaging
+) -> None:
+    """torch's storage cache raised an AssertionError for a storage resized in place
+    since the save before (``resize_`` keeps the storage object)."""
+    state = big_state()
+    storage.async_save(state, tmp_path / "1").result()
+    state["w"].resize_(512, 256).normal_()  # grows its storage in place
+    storage.async_save(state, tmp_path / "2").result()
+    assert_tree_equal(state, loaded(tmp_path / "2", state))
+    assert cores_full._free.is_set()
