@@ -279,3 +279,31 @@ def test_changing_the_tensors_once_staged_does_not_corrupt_the_save(
         upload.result(timeout=300)
         _assert_saved(tmp_path / f"s{step}", expected)
     writer.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_defaults_thread_staging_from_cuda_is_pinned_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the training processes fill the cores the default persists in threads and
+    stages into pinned buffers kept between saves: each save holds the values it was
+    asked for while training changes the tensors after it returned."""
+    from storage.checkpoint import staging
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(persist.usable_cpus()))
+    state = _cuda_state()
+    pointers = []
+    for step in range(2):
+        expected = _cpu(state)
+        writer = CheckpointWriter(tmp_path / f"s{step}")
+        staged = writer.stage(state)
+        assert isinstance(staged, dict) and staged["w"].is_pinned()
+        pointers.append(staged["w"].data_ptr())
+        dcp.save(staged, storage_writer=writer, no_dist=True)
+        for key in ("w", "m", "small"):
+            state[key].add_(1)
+        _assert_saved(tmp_path / f"s{step}", expected)
+    assert pointers[0] == pointers[1]  # the same kept buffers
+    local = staging.local_staging()
+    assert local is not None and local._free.is_set()
