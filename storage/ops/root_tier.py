@@ -119,7 +119,7 @@ class RootTier:
     ) -> concurrent.futures.Future[None]:
         url = self.root.step_url(step)
         outer: concurrent.futures.Future[None] = _Hurried()
-        self._pace_upload(settings)
+        self._pace_upload(settings, url)
         self.root.in_flight.begin(step, base)
         with self._lock:
             self._pending = outer
@@ -155,20 +155,21 @@ class RootTier:
         inner.add_done_callback(finished)
         return outer
 
-    def _pace_upload(self, settings: WriterSettings) -> None:
-        """Give this save's upload ``pace`` of the time since the previous asynchronous
-        save began (at most :data:`MAX_PACED_SECONDS`) when the persist worker writes it:
-        the upload then shares the cores with training over the interval it has, not in
-        a burst at the link's full speed. The first save, and saves ``pace=None``, write
-        at full speed; the next save, :meth:`wait` and the future's ``result()`` lift the
-        pace (``persist.hurry``)."""
+    def _pace_upload(self, settings: WriterSettings, url: str) -> None:
+        """Give this save's upload (of checkpoint ``url``, and no other's) ``pace`` of
+        the time since the previous asynchronous save began (at most
+        :data:`MAX_PACED_SECONDS`) when the persist worker writes it: the upload then
+        shares the cores with training over the interval it has, not in a burst at the
+        link's full speed. The first save, and saves ``pace=None``, write at full speed;
+        the next save, :meth:`wait` and the future's ``result()`` lift the pace
+        (``persist.hurry``)."""
         now = time.monotonic()
         last, self._last_async = self._last_async, now
         if self.pace is None or last is None:
             return
         if settings.persist_mode(self.root.fs).name != "process":
             return
-        persist.pace_next(now + min(self.pace * (now - last), MAX_PACED_SECONDS))
+        persist.pace_next(now + min(self.pace * (now - last), MAX_PACED_SECONDS), url)
 
     def _background_group(self) -> Any:
         """Under a process group, a gloo group of this manager's own for the collectives

@@ -86,6 +86,10 @@ def test_waiting_on_a_paced_save_lifts_its_pace(tmp_path: Any) -> None:
         began = time.monotonic()
         second = mgr.save(2, _state(), blocking=False)
         assert second is not None
+        waited = time.monotonic() + PROMPT
+        while not persist.worker()._paced:  # its writes went out with its pace
+            assert time.monotonic() < waited, "the save's writes did not take its pace"
+            time.sleep(0.01)
         second.result(timeout=MAX_PACED_SECONDS / 2)
         assert time.monotonic() - began < MAX_PACED_SECONDS / 2
         assert mgr.steps() == [1, 2]
@@ -113,22 +117,23 @@ def test_the_first_save_and_pace_none_are_not_paced(tmp_path: Any) -> None:
     mgr = storage.CheckpointManager(str(tmp_path / "ck"), pace=0.5, persist="process")
     tier, w = mgr.root_tier, persist.worker()
     w.pace_next(None)
-    tier._pace_upload(tier.settings)  # the first: no interval yet to pace by
+    # The first: no interval yet to pace by.
+    tier._pace_upload(tier.settings, tier.root.step_url(2))
     assert w._pace_until is None
     tier._last_async = time.monotonic() - 10.0
     before = time.monotonic()
-    tier._pace_upload(tier.settings)
+    tier._pace_upload(tier.settings, tier.root.step_url(2))
     deadline = w._pace_until
     assert deadline is not None and before + 5.0 <= deadline <= time.monotonic() + 5.0
     tier.pace = None
     w.pace_next(None)
     tier._last_async = time.monotonic() - 10.0
-    tier._pace_upload(tier.settings)
+    tier._pace_upload(tier.settings, tier.root.step_url(2))
     assert w._pace_until is None
     threads = storage.CheckpointManager(str(tmp_path / "th"), pace=0.5, persist="thread")
     w.pace_next(None)
     threads.root_tier._last_async = time.monotonic() - 10.0
-    threads.root_tier._pace_upload(threads.root_tier.settings)
+    threads.root_tier._pace_upload(threads.root_tier.settings, "step-2")
     assert w._pace_until is None  # threads write in this process: nothing to pace
 
 
@@ -229,4 +234,18 @@ def test_a_paced_call_to_a_dead_worker_leaves_no_pace() -> None:
     w.pace_next(time.monotonic() + 3600.0)
     with pytest.raises(WorkerDiedError):
         w.call(print, pace_bytes=1 << 20)
+    assert w._pace_until is None
+
+
+def test_a_pace_set_for_one_checkpoint_is_not_taken_by_a_save_elsewhere() -> None:
+    """The manager sets its save's pace before that save's writes reach the worker; a
+    save another thread makes in between (a healing transfer, ``storage.async_save``)
+    took it before, and ran paced to a deadline that was not its own."""
+    w = persist.Worker()
+    w.pace_next(time.monotonic() + 3600.0, "s3://bucket/run/step-2")
+    with w._lock:
+        assert w._take_pace(1 << 20, "s3://bucket/replica-0/step-2") is None
+        assert w._pace_until is not None  # still pending for its own save
+        rate = w._take_pace(1 << 20, "s3://bucket/run/step-2")
+    assert rate is not None and 0 < rate < (1 << 20)
     assert w._pace_until is None

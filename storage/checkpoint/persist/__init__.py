@@ -267,9 +267,10 @@ def _ref_bytes(ref: tuple[Any, ...]) -> int:
     return len(ref[1])
 
 
-def pace_next(deadline: float | None) -> None:
-    """Pace the next save's writes to end by ``deadline`` (see :meth:`Worker.pace_next`)."""
-    worker().pace_next(deadline)
+def pace_next(deadline: float | None, for_url: str | None = None) -> None:
+    """Pace the next save's writes (of checkpoint ``for_url``, when given) to end by
+    ``deadline`` (see :meth:`Worker.pace_next`)."""
+    worker().pace_next(deadline, for_url)
 
 
 def hurry() -> None:
@@ -320,6 +321,7 @@ def write_staged(
                 refs,
                 max_bandwidth=mode.max_bandwidth,
                 pace_bytes=sum(_ref_bytes(ref) for ref in refs.values()),
+                pace_for=writer.url,
             ).result()
         except NotSendable as exc:  # not pickled here, or not unpickled there: none written
             if mode.explicit:

@@ -123,6 +123,7 @@ class Worker:
         self._free = threading.Event()
         self._free.set()
         self._pace_until: float | None = None  # the next save's deadline (pace_next)
+        self._pace_for: str | None = None  # the checkpoint that save writes, if given
         self._paced = False  # a paced call went out and no hurry since
         self.pool: StagingPool | None = None
 
@@ -242,12 +243,14 @@ class Worker:
         *args: Any,
         max_bandwidth: int | None = None,
         pace_bytes: int | None = None,
+        pace_for: str | None = None,
         **kwargs: Any,
     ) -> concurrent.futures.Future[T]:
         """Run ``fn(*args, **kwargs)`` in the worker (``fn`` and the arguments must
         pickle; ``pace=PAUSE`` stands for the worker's pause); its future holds the
         result or the worker's exception. ``pace_bytes``: the bytes it writes, paced to
-        end by the deadline :meth:`pace_next` set, if one is pending."""
+        end by the deadline :meth:`pace_next` set, if one is pending for ``pace_for``
+        (the checkpoint it writes)."""
         options: dict[str, Any] = {
             "max_bandwidth": max_bandwidth,
             "pace": None,
@@ -261,7 +264,7 @@ class Worker:
         name = str(getattr(fn, "__qualname__", fn))
         with self._lock:
             if pace_bytes is not None:  # taken first: a call that fails leaves no pace
-                options["pace"] = self._take_pace(pace_bytes)
+                options["pace"] = self._take_pace(pace_bytes, pace_for)
             conn = self._start()
             call_id = next(self._ids)
             # The call's id goes apart from its body: a body the worker cannot unpickle
@@ -284,11 +287,13 @@ class Worker:
             self._send_lock.release()
         return future
 
-    def pace_next(self, deadline: float | None) -> None:
+    def pace_next(self, deadline: float | None, for_url: str | None = None) -> None:
         """Let the next save's data writes take until ``deadline`` (``time.monotonic``;
         this host's clock, the worker's too) instead of the link's full speed, so that
         its upload shares the cores with training over the time it has; ``None``: at
-        full speed. A :meth:`hurry` before that save's call goes out cancels it. Raises
+        full speed. With ``for_url`` only a save of that checkpoint takes the pace (a
+        save another thread makes meanwhile, elsewhere, goes at full speed). A
+        :meth:`hurry` before that save's call goes out cancels it. Raises
         ``ValueError`` for a deadline that is not a finite number."""
         if deadline is not None and (
             isinstance(deadline, bool)
@@ -299,15 +304,17 @@ class Worker:
                 f"a pace deadline must be a finite time.monotonic() value or None, got {deadline!r}"
             )
         with self._lock:
-            self._pace_until = deadline
+            self._pace_until, self._pace_for = deadline, for_url
 
-    def _take_pace(self, nbytes: int) -> float | None:
-        """The rate (bytes/s) that writes ``nbytes`` by the pending deadline, taken
-        once; ``None`` when none is pending or it is too close to matter (call with the
-        lock). The clock is read once: a second read could fall past the deadline."""
-        deadline, self._pace_until = self._pace_until, None
-        if deadline is None:
-            return None
+    def _take_pace(self, nbytes: int, url: str | None = None) -> float | None:
+        """The rate (bytes/s) that writes ``nbytes`` of checkpoint ``url`` by the
+        pending deadline, taken once; ``None`` when none is pending for it or it is too
+        close to matter (call with the lock). The clock is read once: a second read
+        could fall past the deadline."""
+        deadline = self._pace_until
+        if deadline is None or self._pace_for not in (None, url):
+            return None  # none, or another checkpoint's: left for that one's save
+        self._pace_until = self._pace_for = None
         left = deadline - time.monotonic()
         if not left >= PACE_MIN_SECONDS:
             return None
@@ -318,7 +325,7 @@ class Worker:
         """Lift the pace of a paced save, and of one about to go out (its caller waits
         for it now). Starts no worker."""
         with self._lock:
-            self._pace_until = None
+            self._pace_until = self._pace_for = None
             conn, self._paced = (self._conn if self._paced else None), False
             if conn is None:
                 return
