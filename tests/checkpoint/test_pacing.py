@@ -249,3 +249,19 @@ def test_a_pace_set_for_one_checkpoint_is_not_taken_by_a_save_elsewhere() -> Non
         rate = w._take_pace(1 << 20, "s3://bucket/run/step-2")
     assert rate is not None and 0 < rate < (1 << 20)
     assert w._pace_until is None
+
+
+def test_a_call_without_a_cap_does_not_lift_the_cap_of_one_in_flight() -> None:
+    """The worker's writes share one bucket; before, each call set its rate, so a call
+    with no cap (an uncapped save, a healing transfer) lifted the cap of a capped save
+    still writing, and a higher cap replaced a lower one."""
+    bucket = _Bucket()
+    with bucket.capped(1000.0):
+        with bucket.capped(None):
+            assert bucket.rate == 1000.0
+        with bucket.capped(5000.0):
+            assert bucket.rate == 1000.0
+        with bucket.capped(500.0):
+            assert bucket.rate == 500.0
+        assert bucket.rate == 1000.0
+    assert bucket.rate is None  # no call in flight: no cap

@@ -132,6 +132,7 @@ class _Bucket:
     def __init__(self) -> None:
         self.rate: float | None = None
         self.pace: float | None = None
+        self._caps: list[float] = []  # the cap of each call in flight that has one
         self._changed = threading.Condition()
         self._next = 0.0
         self._burst = 0.05
@@ -156,6 +157,25 @@ class _Bucket:
                     until, paced = min(until, time.monotonic() + n / self.rate), False
                     continue
                 self._changed.wait(left)
+
+    @contextlib.contextmanager
+    def capped(self, cap: float | None) -> Iterator[None]:
+        """Hold ``cap`` (bytes/s; ``None``: none) while one call runs: the rate is the
+        lowest cap of the calls in flight, so a call with no cap, or a higher one, never
+        lifts the cap of another that is still writing."""
+        if cap is None:
+            yield
+            return
+        with self._changed:
+            self._caps.append(cap)
+            self.rate = min(self._caps)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._caps.remove(cap)
+                self.rate = min(self._caps) if self._caps else None
+                self._changed.notify_all()
 
     def hurry(self) -> None:
         """Lift the pace: the training process waits for this save now."""
@@ -253,7 +273,6 @@ class _Server:
     ) -> None:
         pace = options.get("pace")
         try:
-            _bucket.rate = options.get("max_bandwidth")
             _set_environ(options.get("environ"))
             _keep_mapped(options.get("live", []))
             rank = options.get("rank")
@@ -261,7 +280,8 @@ class _Server:
             for value in (*args, *kwargs.values()):
                 limit_writes(value)
             kwargs = {k: _pause if isinstance(v, Pause) else v for k, v in kwargs.items()}
-            kind, result = "ok", fn(*args, **kwargs)
+            with _bucket.capped(options.get("max_bandwidth")):
+                kind, result = "ok", fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the training process
             kind, result = "error", _error_payload(exc)
         if pace is not None:
