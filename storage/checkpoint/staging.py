@@ -6,6 +6,7 @@ stager, and, from CUDA, without blocking the caller where asked to."""
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import threading
 from typing import Any, cast
@@ -18,6 +19,8 @@ from extensions._compat import StateDictStager
 from storage.checkpoint import persist as _persist
 from storage.checkpoint.options import staging_options
 from storage.checkpoint.persist._cuda import InFlight
+
+log = logging.getLogger(__name__)
 
 
 class WriterStaging(AsyncStager):
@@ -113,6 +116,7 @@ class LocalStaging:
         self._free.set()
         self._taking = threading.Lock()
         self._stager: Any = None
+        self._pin = torch.cuda.is_available()
 
     def stage(self, state_dict: Any) -> tuple[Any, _persist.Lease | None]:
         """A CPU copy of ``state_dict`` and the lease on the buffers it lives in
@@ -130,6 +134,14 @@ class LocalStaging:
                 # (``tensor.resize_``): start the buffers afresh, once.
                 self._stager = None
                 staged = self._kept().stage(state_dict)
+            except RuntimeError as exc:
+                if not self._pin:
+                    raise
+                # Page-locking refused (locked-memory limit, ``ulimit -l``): the copies
+                # from CUDA are then slower, the save still made.
+                log.warning("pinning the staging buffers failed (%s); staging unpinned", exc)
+                self._pin, self._stager = False, None
+                staged = self._kept().stage(state_dict)
         except BaseException:
             self._free.set()
             raise
@@ -137,7 +149,7 @@ class LocalStaging:
 
     def _kept(self) -> Any:
         if self._stager is None:
-            self._stager = StateDictStager(pin_memory=torch.cuda.is_available())
+            self._stager = StateDictStager(pin_memory=self._pin)
         return self._stager
 
 

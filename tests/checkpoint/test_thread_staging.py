@@ -187,3 +187,28 @@ def test_a_tensor_resized_in_place_between_saves_is_staged_whole(
     storage.async_save(state, tmp_path / "2").result()
     assert_tree_equal(state, loaded(tmp_path / "2", state))
     assert cores_full._free.is_set()
+
+
+def test_buffers_that_cannot_be_pinned_are_kept_unpinned(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a CUDA host the kept buffers are page-locked; where that is refused (a
+    locked-memory limit) the save stages unpinned instead of failing. The refusal is
+    injected into torch's pinning call; CUDA is reported present so the stager pins."""
+    import torch.cuda._pin_memory_utils as pin_memory_utils
+
+    def refuse(address: int, nbytes: int) -> None:
+        raise RuntimeError("cudaHostRegister: out of locked memory")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pin_memory_utils, "pin_memory", refuse)
+    local = staging.LocalStaging()
+    state = big_state()
+    with caplog.at_level("WARNING", logger="storage.checkpoint.staging"):
+        staged, lease = local.stage(state)
+    assert lease is not None and torch.equal(staged["w"], state["w"])
+    assert "staging unpinned" in caplog.text
+    lease.release()
+    again, lease = local.stage(state)  # unpinned from now on, the buffers kept
+    assert lease is not None and again["w"].data_ptr() == staged["w"].data_ptr()
+    lease.release()
