@@ -42,8 +42,9 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import data_files, heartbeat
 from storage.checkpoint.encode import plain_cpu_tensor
 from storage.checkpoint.persist._child import Pause
+from storage.checkpoint.persist._messages import NotSendable
 from storage.checkpoint.persist._shm import StagingPool
-from storage.checkpoint.persist._worker import Lease, NotSendable, Worker
+from storage.checkpoint.persist._worker import Lease, Worker
 
 if TYPE_CHECKING:
     from storage.checkpoint.options import WriterSettings  # which imports this module

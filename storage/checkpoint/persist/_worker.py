@@ -6,7 +6,6 @@ docstring). :class:`Lease` holds the staging buffers for one save."""
 from __future__ import annotations
 
 import concurrent.futures
-import io
 import itertools
 import logging
 import math
@@ -17,15 +16,20 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from extensions.errors import CheckpointStorageError, WorkerDiedError
+from extensions.errors import WorkerDiedError
 from storage.checkpoint.persist._cuda import InFlight
+from storage.checkpoint.persist._messages import (
+    dumps_call,
+    not_sendable,
+    remote_error,
+    unreadable,
+)
 from storage.checkpoint.persist._shm import StagingPool
 
 log = logging.getLogger(__name__)
@@ -36,48 +40,6 @@ T = TypeVar("T")
 
 #: The worker's nice increment: persistence yields the cores to training.
 NICE = 10
-
-
-class NotSendable(TypeError):
-    """A call's function or arguments do not pickle, or do not unpickle in the worker,
-    so the worker cannot run it."""
-
-
-#: The names the training script's own module has (``__mp_main__`` under
-#: multiprocessing's spawn): the worker does not run that script.
-MAIN_MODULES = frozenset({"__main__", "__mp_main__"})
-
-
-def _dumps(message: object) -> bytes:
-    """``message`` pickled, refusing a class or function of the training script's
-    module: it pickles by reference here, and the worker would not find it. A message
-    that names no such module (every pickled reference names its module) is pickled
-    once, at full speed; only one that does is pickled again, checking each object."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    if any(name.encode() in data for name in MAIN_MODULES):
-        _Refusing(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-    return data
-
-
-class _Refusing(pickle.Pickler):
-    """Refuses a class or function of the training script's module (see :func:`_dumps`)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (type, types.FunctionType)) and obj.__module__ in MAIN_MODULES:
-            raise pickle.PicklingError(
-                f"{obj.__module__}.{obj.__qualname__} is defined in the training script, "
-                "which the persist worker does not run"
-            )
-        return NotImplemented
-
-
-def _not_sendable(name: str, why: str) -> NotSendable:
-    return NotSendable(
-        f"cannot send {name} to the persist worker: {why}. "
-        "Transforms and filesystems must pickle and be defined at module level in a "
-        "module the worker can import (not the training script); or save with "
-        "persist='thread'"
-    )
 
 
 class Lease:
@@ -177,15 +139,15 @@ class Worker:
                 try:
                     value = pickle.loads(body)
                 except BaseException as exc:  # noqa: BLE001 - fails this call, not the worker
-                    future.set_exception(_unreadable(name, exc))
+                    future.set_exception(unreadable(name, exc))
                     continue
                 if kind == "ok":
                     future.set_result(value)
                 elif kind == "unreceived":  # the call did not unpickle there
                     why = f"it does not unpickle there ({value})"
-                    future.set_exception(_not_sendable(name, why))
+                    future.set_exception(not_sendable(name, why))
                 else:
-                    future.set_exception(_remote_error(value))
+                    future.set_exception(remote_error(value))
         except (EOFError, OSError):
             pass
         except BaseException as exc:  # a header we cannot read: the worker is unusable
@@ -271,9 +233,9 @@ class Worker:
             # fails this call there, not the worker or every call after it.
             header = pickle.dumps(("call", call_id))
             try:
-                body = _dumps((fn, args, kwargs, options))
+                body = dumps_call((fn, args, kwargs, options))
             except Exception as exc:
-                raise _not_sendable(name, f"{type(exc).__name__}: {exc}") from None
+                raise not_sendable(name, f"{type(exc).__name__}: {exc}") from None
             self._pending[call_id] = (future, name)
             self._paced = self._paced or options["pace"] is not None
             # Sent in the order the lock was taken: a hurry never overtakes the call.
@@ -392,39 +354,3 @@ _LAUNCH = (
 
 def _exit_text(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-
-
-def _unreadable(name: str, exc: BaseException) -> CheckpointStorageError:
-    error = CheckpointStorageError(
-        f"the checkpoint persist worker ran {name}, but its reply could not be read in "
-        f"the training process ({type(exc).__name__}: {exc}); the worker keeps serving. "
-        "What a call returns or raises must unpickle here: a class at module level in a "
-        "module both processes import"
-    )
-    error.__cause__ = exc
-    return error
-
-
-def _remote_error(payload: tuple[bytes | None, str, str, str]) -> BaseException:
-    raw, type_name, message, text = payload
-    error: BaseException | None = None
-    if raw is not None:
-        try:
-            error = pickle.loads(raw)
-        except Exception:
-            error = None
-    if not isinstance(error, BaseException):
-        error = CheckpointStorageError(
-            f"{type_name}: {message} (raised in the checkpoint persist worker; the error "
-            "itself could not be sent back)"
-        )
-    error.__cause__ = _RemoteTraceback(text)
-    return error
-
-
-class _RemoteTraceback(Exception):
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-
-    def __str__(self) -> str:
-        return "\n(in the persist worker)\n" + str(self.args[0])
