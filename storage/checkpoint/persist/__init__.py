@@ -41,7 +41,7 @@ from extensions.errors import WorkerDiedError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import data_files, heartbeat
 from storage.checkpoint.encode import plain_cpu_tensor
-from storage.checkpoint.persist._child import Pause
+from storage.checkpoint.persist._child import Pause, warm
 from storage.checkpoint.persist._messages import NotSendable
 from storage.checkpoint.persist._shm import StagingPool
 from storage.checkpoint.persist._worker import Lease, Worker
@@ -189,8 +189,20 @@ def worker() -> Worker:
     global _worker
     with _worker_lock:
         if _worker is None:
-            _worker = Worker()
+            _worker = Worker(copy_threads=copy_threads())
         return _worker
+
+
+#: The most threads a stage's copies from CPU are spread over.
+MAX_COPY_THREADS = 4
+
+
+def copy_threads() -> int:
+    """Threads a stage's copies from CPU into the worker's buffers run on: this
+    process's share of the host's cores (:func:`usable_cpus` over :func:`local_ranks`),
+    at most :data:`MAX_COPY_THREADS`. The training thread waits for the copy, so its
+    stall is a copy over that many cores where torch itself runs on one thread."""
+    return max(1, min(MAX_COPY_THREADS, usable_cpus() // local_ranks()))
 
 
 def _forget_worker_in_child() -> None:
@@ -208,7 +220,9 @@ def start(settings: WriterSettings, filesystem: FileSystemBase) -> Worker | None
     ``settings`` (a manager's) to ``filesystem`` would stage in it; returns it (else
     ``None``). A manager calls this when it is made and in ``prepare``, so its first
     asynchronous save neither starts a Python process beside the copy nor waits behind
-    a save that did; a storage a save would refuse is left for that save to report."""
+    a save that did; a storage a save would refuse is left for that save to report.
+    The worker imports what saves to ``filesystem`` run on meanwhile (:func:`._child.warm`),
+    so the first save's uploads do not share the cores with those imports."""
     try:
         mode = settings.persist_mode(filesystem)
     except ValueError:
@@ -217,6 +231,7 @@ def start(settings: WriterSettings, filesystem: FileSystemBase) -> Worker | None
         return None
     w = worker()
     w.start()
+    w.warm(warm, filesystem)
     return w
 
 

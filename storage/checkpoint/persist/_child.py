@@ -89,6 +89,11 @@ def write_files(
     return per_file, writer.attempt.names, writer.attempt.budget.spent
 
 
+def warm(fs: FileSystemBase) -> None:
+    """Nothing more to do: unpickling ``fs`` for this call imported its backend (the S3
+    stack takes ~0.35 s of CPU), before the first save's call needs it."""
+
+
 # --- worker state ---------------------------------------------------------------------
 
 _maps: dict[str, mmap.mmap] = {}

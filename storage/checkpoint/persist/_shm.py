@@ -5,9 +5,15 @@ asynchronous save does on the training thread) and the persist worker maps the s
 pages by name, so the bytes cross processes without another copy.
 
 Segments are files in ``/dev/shm`` (the temporary directory where there is none), mode
-0600, created with ``O_EXCL``. Their space is reserved when they are made
-(``posix_fallocate``), so a full ``/dev/shm`` is an error at allocation, never a
+0600, created with ``O_EXCL``. Their space is reserved (``posix_fallocate``) before a
+byte is copied into it, so a full ``/dev/shm`` is an error naming the fix, never a
 ``SIGBUS`` while copying.
+
+Copies. Where torch runs on one thread (a training process that leaves the host's
+other cores to other work), a stage's copies from CPU, reservations of new segments
+included, are spread over the pool's ``copy_threads`` (:class:`_Copies`): the training
+thread waits on them, so the stall is a copy over that many cores. With more torch
+threads, torch's own copy already spreads over them and the copies run inline.
 
 Names and ownership. A pool (one per training process) is named
 ``dcp-storage-{uid}-{pid}-{token}``, ``token`` 96 random bits, so no other user can
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import concurrent.futures
 import contextlib
 import fcntl
 import logging
@@ -61,6 +68,8 @@ SMALL = 64 << 10
 _BIRTH_GRACE = 60.0
 #: Tries at an unused pool name before giving up (each collision is 2^-96 by chance).
 _NAME_TRIES = 16
+#: A stage's copies from CPU are spread over threads in pieces of at most this many bytes.
+PIECE = 16 << 20
 #: madvise(2) advice that faults a mapping's pages in, writable (Linux >= 5.14).
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
@@ -194,27 +203,44 @@ class _Owner:
 
 
 class _Segment:
-    """One named segment holding one staged storage."""
+    """One named segment holding one staged storage; its space is reserved by
+    :meth:`reserve` (all of it, or piece by piece) before anything is written to it."""
 
     def __init__(self, owner: _Owner, size: int) -> None:
         name, fd = _create_unique(f"{owner.name}-", 8)
         path = os.path.join(shm_dir(), name)
         try:
-            os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
         except OSError as exc:
             os.close(fd)
             os.unlink(path)
-            raise CheckpointStorageError(
-                f"cannot reserve {size} bytes of shared memory in {shm_dir()} for staging "
-                f"a checkpoint ({exc}); give it more room (docker: --shm-size) or save with "
-                "persist='thread'"
-            ) from exc
-        os.close(fd)
+            raise _no_room(size, exc) from exc
+        self._fd = fd  # open until the whole segment is reserved
         self.name = name
         self.path = path
         self.storage = torch.frombuffer(self.map, dtype=torch.uint8).untyped_storage()
         self.address = self.storage.data_ptr()
+
+    @property
+    def reserved(self) -> bool:
+        return self._fd < 0
+
+    def reserve(self, offset: int = 0, length: int | None = None) -> None:
+        """Reserve the pages of bytes ``[offset, offset + length)`` (to the end when
+        ``length`` is None); raises naming the fix when ``/dev/shm`` is full."""
+        size = len(self.map)
+        length = size - offset if length is None else length
+        try:
+            os.posix_fallocate(self._fd, offset, length)
+        except OSError as exc:
+            raise _no_room(size, exc) from exc
+
+    def reserved_all(self) -> None:
+        """Every piece is reserved: the descriptor is no longer needed."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def touch(self) -> None:
         """Fault every page into this process's mapping now, so that the first copy
@@ -225,8 +251,78 @@ class _Segment:
             torch.frombuffer(self.map, dtype=torch.uint8).zero_()
 
     def unlink(self) -> None:
+        self.reserved_all()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+
+
+def _no_room(size: int, exc: OSError) -> CheckpointStorageError:
+    return CheckpointStorageError(
+        f"cannot reserve {size} bytes of shared memory in {shm_dir()} for staging "
+        f"a checkpoint ({exc}); give it more room (docker: --shm-size) or save with "
+        "persist='thread'"
+    )
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+class _Copies:
+    """One stage's copies from CPU into segments, on ``threads`` threads (inline with
+    one, or where torch itself runs on more than one thread): each copy is cut into
+    pieces of at most :data:`PIECE` bytes, a new segment's piece reserved just before
+    it is copied. :meth:`finish` waits for every piece and raises the first failure;
+    a segment whose reservation failed stays unreserved, and is reserved again by the
+    next stage that copies into it."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future[None]] = []
+        self._fresh: list[_Segment] = []
+
+    def add(self, segment: _Segment, source: torch.UntypedStorage) -> None:
+        if self.threads == 1 or torch.get_num_threads() > 1:
+            if not segment.reserved:
+                segment.reserve()
+                segment.reserved_all()
+            segment.storage.copy_(source)
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self.threads, thread_name_prefix="dcp-staging-copy"
+            )
+        if not segment.reserved:
+            self._fresh.append(segment)
+        into, out_of = _bytes_of(segment.storage), _bytes_of(source)
+        for start in range(0, source.nbytes(), PIECE):
+            end = min(start + PIECE, source.nbytes())
+            self._pending.append(
+                self._executor.submit(_copy_piece, segment, into, out_of, start, end)
+            )
+
+    def finish(self) -> None:
+        pending, self._pending = self._pending, []
+        fresh, self._fresh = self._fresh, []
+        concurrent.futures.wait(pending)
+        for future in pending:
+            future.result()  # the first failure
+        for segment in fresh:
+            segment.reserved_all()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+
+def _copy_piece(
+    segment: _Segment, into: torch.Tensor, out_of: torch.Tensor, start: int, end: int
+) -> None:
+    if not segment.reserved:
+        segment.reserve(start, end - start)
+    into[start:end].copy_(out_of[start:end])
 
 
 class StagingPool:
@@ -236,13 +332,15 @@ class StagingPool:
     stage of the same tensors copies into the same buffers); :meth:`locate` tells where
     a staged tensor's bytes are. Not thread-safe: the persist client serializes stages.
     A buffer staging a CUDA storage is pinned (``pins``, :mod:`._cuda`) and copied into
-    without blocking, on a side stream.
+    without blocking, on a side stream; copies from CPU run on ``copy_threads`` threads
+    (:class:`_Copies`).
     """
 
-    def __init__(self, pins: Pins | None = None) -> None:
+    def __init__(self, pins: Pins | None = None, copy_threads: int = 1) -> None:
         sweep()
         self.pins = pins if pins is not None else Pins()
         self.side = SideCopies()
+        self._copies = _Copies(copy_threads)
         self._owner = _Owner()
         self._segments: dict[int, _Segment] = {}  # by address
         self._addresses: list[int] = []  # sorted
@@ -258,7 +356,10 @@ class StagingPool:
             self._collect()
             self.side.start()
             try:
-                staged = self._stager.stage(state_dict)
+                try:
+                    staged = self._stager.stage(state_dict)
+                finally:
+                    self._copies.finish()
             finally:
                 copies = self.side.finish(state_dict)
             return staged, copies
@@ -305,6 +406,13 @@ class StagingPool:
         segment = _Segment(self._owner, nbytes)
         self._segments[segment.address] = segment
         bisect.insort(self._addresses, segment.address)
+        if touch or pin:  # pages that are mapped (or locked) now: reserved first
+            try:
+                segment.reserve()
+            except BaseException:
+                self._drop(segment.address)
+                raise
+            segment.reserved_all()
         if touch:
             segment.touch()
         if pin:
@@ -314,6 +422,14 @@ class StagingPool:
                 self._drop(segment.address)
                 raise
         return segment.storage
+
+    def copy_into(self, staged: torch.UntypedStorage, source: torch.UntypedStorage) -> None:
+        """Copy ``source`` into its staging buffer ``staged`` (done when the stage is)."""
+        segment = self._segments.get(staged.data_ptr())
+        if segment is None:  # a small storage, in private memory
+            staged.copy_(source)
+        else:
+            self._copies.add(segment, source)
 
     def _drop(self, address: int) -> None:
         """Forget a segment: unregistered from CUDA first, then unlinked."""
@@ -345,6 +461,7 @@ class StagingPool:
             self._segments.clear()
             self._addresses.clear()
             self._stager.reset()
+            self._copies.close()
         _POOLS.discard(self)
 
 
@@ -376,7 +493,7 @@ class _Stager(StateDictStager or object):  # type: ignore[misc]
             with self._pool.side.stream(storage.device):
                 staged.copy_(storage, non_blocking=True)
         elif self.copying:
-            staged.copy_(storage, non_blocking=non_blocking)
+            self._pool.copy_into(staged, storage)
         return staged
 
 

@@ -6,6 +6,7 @@ docstring). :class:`Lease` holds the staging buffers for one save."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import math
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from extensions.errors import WorkerDiedError
 from storage.checkpoint.persist._cuda import InFlight
 from storage.checkpoint.persist._messages import (
+    NotSendable,
     dumps_call,
     not_sendable,
     remote_error,
@@ -72,7 +74,9 @@ class Lease:
 class Worker:
     """The training process's handle on its persist worker (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, copy_threads: int = 1) -> None:
+        self.copy_threads = copy_threads  # its staging pool's (see StagingPool)
+        self._warmed: set[tuple[int | None, type]] = set()  # (worker pid, storage type)
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -320,8 +324,18 @@ class Worker:
         with self._lock:
             self._start()
             if self.pool is None:
-                self.pool = StagingPool()
+                self.pool = StagingPool(copy_threads=self.copy_threads)
             return self.pool
+
+    def warm(self, fn: Callable[[Any], None], filesystem: Any) -> None:
+        """Send ``fn(filesystem)`` to the worker without waiting for it, once per worker
+        process and type of storage: it prepares the worker for the saves to come. Its
+        failure is the first save's to report (that save sends the same storage)."""
+        key = (self.pid, type(filesystem))
+        if key not in self._warmed:
+            self._warmed.add(key)
+            with contextlib.suppress(NotSendable, WorkerDiedError):
+                self.call(fn, filesystem)
 
     def reserve(self, state_dict: Any) -> None:
         """Start the worker and make the staging buffers for ``state_dict``'s tensors,
