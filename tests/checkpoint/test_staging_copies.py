@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,8 +37,9 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _copier_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("dcp-staging-copy")]
+def _threads_of(pool: _shm.StagingPool) -> bool:
+    """Whether the pool started copy threads of its own."""
+    return pool._copies._executor is not None
 
 
 def _assert_staged(staged: dict[str, Any], state: dict[str, Any]) -> None:
@@ -60,7 +60,7 @@ def test_copies_spread_over_threads_are_exact_and_refreshed(one_torch_thread: No
         state = _state(0)
         staged, _ = pool.stage(state)
         _assert_staged(staged, state)
-        assert _copier_threads()
+        assert _threads_of(pool)
         segments = pool.live()
         for step in (1, 2):
             state["big"].add_(step)
@@ -71,7 +71,7 @@ def test_copies_spread_over_threads_are_exact_and_refreshed(one_torch_thread: No
             assert pool.live() == segments  # copied into the buffers of the first stage
     finally:
         pool.close()
-    assert not _copier_threads()
+    assert not _threads_of(pool)
 
 
 def test_with_several_torch_threads_copies_run_inline() -> None:
@@ -84,7 +84,7 @@ def test_with_several_torch_threads_copies_run_inline() -> None:
         state = _state(1)
         staged, _ = pool.stage(state)
         _assert_staged(staged, state)
-        assert not _copier_threads()
+        assert not _threads_of(pool)
     finally:
         pool.close()
         torch.set_num_threads(before)
@@ -120,6 +120,50 @@ def test_a_full_shared_memory_fails_the_stage_by_name_and_the_next_stage_reserve
         pool.close()
 
 
+def test_a_piece_whose_space_cannot_be_reserved_is_never_written(
+    monkeypatch: pytest.MonkeyPatch, one_torch_thread: None
+) -> None:
+    """Each piece of a new segment is reserved before its bytes are copied: a write
+    into a page of a full ``/dev/shm`` that was never reserved kills the process with
+    ``SIGBUS``. Here only the second piece of the large tensor finds no room."""
+    real = os.posix_fallocate
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if offset == _shm.PIECE:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(_shm.os, "posix_fallocate", fallocate)
+    pool = _shm.StagingPool(copy_threads=2)
+    try:
+        state = _state(3)
+        with pytest.raises(CheckpointStorageError, match="--shm-size"):
+            pool.stage(state)
+        big = max(pool._segments.values(), key=lambda segment: len(segment.map))
+        assert not big.reserved
+        second = big.map[_shm.PIECE : 2 * _shm.PIECE]
+        assert second == bytes(len(second))  # never copied into
+        first = torch.frombuffer(big.map, dtype=torch.float32, count=_shm.PIECE // 4)
+        assert torch.equal(first, state["big"][: _shm.PIECE // 4])  # its room was there
+    finally:
+        pool.close()
+
+
+def test_a_stage_under_inference_mode_copies_on_the_pools_threads(
+    one_torch_thread: None,
+) -> None:
+    """Views the training thread made under ``inference_mode`` may not be written by
+    another thread outside it: the pool's threads make their own."""
+    pool = _shm.StagingPool(copy_threads=2)
+    try:
+        state = _state(4)
+        with torch.inference_mode():
+            staged, _ = pool.stage(state)
+        _assert_staged(staged, state)
+    finally:
+        pool.close()
+
+
 def test_copy_threads_are_this_processs_share_of_the_cores(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -133,3 +177,8 @@ def test_copy_threads_are_this_processs_share_of_the_cores(
     monkeypatch.setattr(persist, "usable_cpus", lambda: 96)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert persist.copy_threads() == persist.MAX_COPY_THREADS
+    # Bound by the launcher to 2 of the host's cores: those 2 are this rank's share.
+    monkeypatch.setattr(persist, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(persist.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(persist.os, "cpu_count", lambda: 96)
+    assert persist.copy_threads() == 2

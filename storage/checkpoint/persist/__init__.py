@@ -199,10 +199,16 @@ MAX_COPY_THREADS = 4
 
 def copy_threads() -> int:
     """Threads a stage's copies from CPU into the worker's buffers run on: this
-    process's share of the host's cores (:func:`usable_cpus` over :func:`local_ranks`),
-    at most :data:`MAX_COPY_THREADS`. The training thread waits for the copy, so its
-    stall is a copy over that many cores where torch itself runs on one thread."""
-    return max(1, min(MAX_COPY_THREADS, usable_cpus() // local_ranks()))
+    process's share of the host's cores, at most :data:`MAX_COPY_THREADS`. The training
+    thread waits for the copy, so its stall is a copy over that many cores where torch
+    itself runs on one thread. The share is :func:`usable_cpus` over
+    :func:`local_ranks`, or all of them where the launcher bound this process to fewer
+    than the host's cores (its affinity is then its share already)."""
+    cpus = usable_cpus()
+    bound = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < (
+        os.cpu_count() or 0
+    )
+    return max(1, min(MAX_COPY_THREADS, cpus if bound else cpus // local_ranks()))
 
 
 def _forget_worker_in_child() -> None:

@@ -213,34 +213,31 @@ class _Segment:
             os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
         except OSError as exc:
-            os.close(fd)
             os.unlink(path)
             raise _no_room(size, exc) from exc
-        self._fd = fd  # open until the whole segment is reserved
+        finally:
+            os.close(fd)
         self.name = name
         self.path = path
+        self.reserved = False  # every page's space: set once all of it is reserved
         self.storage = torch.frombuffer(self.map, dtype=torch.uint8).untyped_storage()
         self.address = self.storage.data_ptr()
 
-    @property
-    def reserved(self) -> bool:
-        return self._fd < 0
-
     def reserve(self, offset: int = 0, length: int | None = None) -> None:
         """Reserve the pages of bytes ``[offset, offset + length)`` (to the end when
-        ``length`` is None); raises naming the fix when ``/dev/shm`` is full."""
+        ``length`` is None); raises naming the fix when ``/dev/shm`` is full. The file
+        is opened for the call: a stage of thousands of new segments holds no
+        descriptor per segment."""
         size = len(self.map)
         length = size - offset if length is None else length
         try:
-            os.posix_fallocate(self._fd, offset, length)
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.posix_fallocate(fd, offset, length)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise _no_room(size, exc) from exc
-
-    def reserved_all(self) -> None:
-        """Every piece is reserved: the descriptor is no longer needed."""
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
 
     def touch(self) -> None:
         """Fault every page into this process's mapping now, so that the first copy
@@ -251,7 +248,6 @@ class _Segment:
             torch.frombuffer(self.map, dtype=torch.uint8).zero_()
 
     def unlink(self) -> None:
-        self.reserved_all()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 
@@ -264,17 +260,14 @@ def _no_room(size: int, exc: OSError) -> CheckpointStorageError:
     )
 
 
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
-
-
 class _Copies:
     """One stage's copies from CPU into segments, on ``threads`` threads (inline with
-    one, or where torch itself runs on more than one thread): each copy is cut into
-    pieces of at most :data:`PIECE` bytes, a new segment's piece reserved just before
-    it is copied. :meth:`finish` waits for every piece and raises the first failure;
-    a segment whose reservation failed stays unreserved, and is reserved again by the
-    next stage that copies into it."""
+    one, where torch itself runs on more than one thread, or for a source on another
+    device): each copy is cut into pieces of at most :data:`PIECE` bytes, a new
+    segment's piece reserved just before it is copied. :meth:`finish` waits for every
+    piece (interrupted or not: no piece outlives the stage) and raises the first
+    failure; a segment is marked reserved only once all of its pieces were, so one whose
+    reservation failed is reserved again by the next stage that copies into it."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
@@ -283,45 +276,66 @@ class _Copies:
         self._fresh: list[_Segment] = []
 
     def add(self, segment: _Segment, source: torch.UntypedStorage) -> None:
-        if self.threads == 1 or torch.get_num_threads() > 1:
+        if self.threads == 1 or torch.get_num_threads() > 1 or source.device.type != "cpu":
             if not segment.reserved:
                 segment.reserve()
-                segment.reserved_all()
+                segment.reserved = True
             segment.storage.copy_(source)
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 self.threads, thread_name_prefix="dcp-staging-copy"
             )
-        if not segment.reserved:
-            self._fresh.append(segment)
-        into, out_of = _bytes_of(segment.storage), _bytes_of(source)
+        fresh = not segment.reserved
         for start in range(0, source.nbytes(), PIECE):
             end = min(start + PIECE, source.nbytes())
-            self._pending.append(
-                self._executor.submit(_copy_piece, segment, into, out_of, start, end)
-            )
+            try:
+                future = self._executor.submit(_copy_piece, segment, source, start, end, fresh)
+            except RuntimeError:  # no new threads (the interpreter is exiting): copy here
+                _copy_piece(segment, source, start, end, fresh)
+            else:
+                self._pending.append(future)  # waited for even if this loop is interrupted
+        if fresh:
+            self._fresh.append(segment)  # every piece is on its way
 
-    def finish(self) -> None:
+    def finish(self, *, raising: bool = True) -> None:
+        """Wait for every piece; raise the first failure when ``raising``."""
         pending, self._pending = self._pending, []
         fresh, self._fresh = self._fresh, []
-        concurrent.futures.wait(pending)
-        for future in pending:
-            future.result()  # the first failure
-        for segment in fresh:
-            segment.reserved_all()
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                concurrent.futures.wait(pending)
+                break
+            except BaseException as exc:  # noqa: BLE001 - pieces are short: wait, then raise
+                interrupted = interrupted or exc
+                for future in pending:
+                    future.cancel()
+        if interrupted is not None:
+            raise interrupted
+        if raising:
+            for future in pending:
+                future.result()  # the first failure
+        if all(future.exception() is None for future in pending):
+            for segment in fresh:
+                segment.reserved = True
 
     def close(self) -> None:
+        """Stop the threads (no stage is running: the pool's lock is held)."""
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
 
 
 def _copy_piece(
-    segment: _Segment, into: torch.Tensor, out_of: torch.Tensor, start: int, end: int
+    segment: _Segment, source: torch.UntypedStorage, start: int, end: int, fresh: bool
 ) -> None:
-    if not segment.reserved:
+    if fresh:
         segment.reserve(start, end - start)
+    # Views made here, not by the caller: a tensor made under the caller's
+    # ``inference_mode`` may not be written by this thread, outside it.
+    into = torch.empty(0, dtype=torch.uint8, device="cpu").set_(segment.storage)
+    out_of = torch.empty(0, dtype=torch.uint8, device="cpu").set_(source)
     into[start:end].copy_(out_of[start:end])
 
 
@@ -355,13 +369,17 @@ class StagingPool:
         with self._lock:
             self._collect()
             self.side.start()
+            failed = True
             try:
-                try:
-                    staged = self._stager.stage(state_dict)
-                finally:
-                    self._copies.finish()
+                staged = self._stager.stage(state_dict)
+                self._copies.finish()
+                failed = False
             finally:
-                copies = self.side.finish(state_dict)
+                if failed:  # no copy may outlive a failed stage: the next one reuses
+                    self._copies.finish(raising=False)  # the buffers (and its error
+                copies = self.side.finish(state_dict)  # is the one raised)
+                if failed and copies is not None:
+                    copies.wait()
             return staged, copies
 
     def reserve(self, state_dict: Any) -> None:
@@ -412,7 +430,7 @@ class StagingPool:
             except BaseException:
                 self._drop(segment.address)
                 raise
-            segment.reserved_all()
+            segment.reserved = True
         if touch:
             segment.touch()
         if pin:
@@ -453,6 +471,7 @@ class StagingPool:
         """Remove every segment (mappings stay valid until their tensors are gone); in a
         child made with ``fork``, only forget them: they are its parent's."""
         with self._lock:
+            self._copies.close()
             if os.getpid() == self._owner.pid:
                 for address, segment in self._segments.items():
                     self.pins.unpin(address)
@@ -461,7 +480,6 @@ class StagingPool:
             self._segments.clear()
             self._addresses.clear()
             self._stager.reset()
-            self._copies.close()
         _POOLS.discard(self)
 
 

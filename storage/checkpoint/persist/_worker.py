@@ -331,11 +331,13 @@ class Worker:
         """Send ``fn(filesystem)`` to the worker without waiting for it, once per worker
         process and type of storage: it prepares the worker for the saves to come. Its
         failure is the first save's to report (that save sends the same storage)."""
-        key = (self.pid, type(filesystem))
-        if key not in self._warmed:
+        with self._lock:
+            key = (self.pid, type(filesystem))
+            if key in self._warmed:
+                return
             self._warmed.add(key)
-            with contextlib.suppress(NotSendable, WorkerDiedError):
-                self.call(fn, filesystem)
+        with contextlib.suppress(NotSendable, WorkerDiedError):
+            self.call(fn, filesystem)
 
     def reserve(self, state_dict: Any) -> None:
         """Start the worker and make the staging buffers for ``state_dict``'s tensors,
