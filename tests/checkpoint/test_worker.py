@@ -504,17 +504,65 @@ def test_the_default_mode_leaves_the_cores_to_training_processes_that_fill_them(
 def test_a_cgroup_cpu_quota_lowers_the_usable_cpus(tmp_path: Path) -> None:
     cpus = len(os.sched_getaffinity(0))
     cpu_max = tmp_path / "cpu.max"
-    assert persist.usable_cpus(str(tmp_path / "missing")) == cpus
+    missing = str(tmp_path / "no-membership")  # the top of the mount counts
+
+    def usable() -> int:
+        return persist.usable_cpus(str(tmp_path), missing)
+
+    assert persist.usable_cpus(str(tmp_path / "missing"), missing) == cpus
     cpu_max.write_text("max 100000\n")
-    assert persist.usable_cpus(str(cpu_max)) == cpus
+    assert usable() == cpus
     cpu_max.write_text("150000 100000\n")  # 1.5 CPUs: one whole core
-    assert persist.usable_cpus(str(cpu_max)) == 1
+    assert usable() == 1
     cpu_max.write_text("50000 100000\n")  # under one core still runs somewhere
-    assert persist.usable_cpus(str(cpu_max)) == 1
+    assert usable() == 1
     cpu_max.write_text(f"{(cpus + 4) * 100000} 100000\n")  # a quota above the affinity
-    assert persist.usable_cpus(str(cpu_max)) == cpus
+    assert usable() == cpus
     cpu_max.write_text("garbage\n")
-    assert persist.usable_cpus(str(cpu_max)) == cpus
+    assert usable() == cpus
+
+
+def _quota_tree(top: Path, directory: str, files: dict[str, str]) -> None:
+    where = top / directory
+    where.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (where / name).write_text(text)
+
+
+def test_the_quota_of_a_cgroup_above_this_processs_counts(tmp_path: Path) -> None:
+    """Before, only the top of the cgroup mount was read: a job in a nested cgroup
+    (a systemd slice, a Kubernetes pod without a cgroup namespace) whose quota is set
+    on its cgroup or a parent counted every core of the host."""
+    cpus = len(os.sched_getaffinity(0))
+    membership = tmp_path / "cgroup"
+    membership.write_text("0::/kubepods/pod1/job\n")
+    _quota_tree(tmp_path, "kubepods/pod1/job", {"cpu.max": "max 100000\n"})
+    _quota_tree(tmp_path, "kubepods/pod1", {"cpu.max": "100000 100000\n"})  # 1 core
+    assert persist.usable_cpus(str(tmp_path), str(membership)) == 1
+    (tmp_path / "kubepods/pod1/cpu.max").write_text("max 100000\n")
+    assert persist.usable_cpus(str(tmp_path), str(membership)) == cpus
+    # A cgroup this mount does not show (a container seeing only its own): the top counts.
+    membership.write_text("0::/elsewhere/job\n")
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    assert persist.usable_cpus(str(tmp_path), str(membership)) == 1
+    # A path that would leave the mount is not followed.
+    membership.write_text("0::/../../etc\n")
+    assert persist.usable_cpus(str(tmp_path), str(membership)) == 1
+
+
+def test_a_cgroup_v1_cpu_quota_lowers_the_usable_cpus(tmp_path: Path) -> None:
+    """Before, cgroup v1 (older Docker and Kubernetes nodes) was not read at all."""
+    cpus = len(os.sched_getaffinity(0))
+    membership = tmp_path / "cgroup"
+    membership.write_text("7:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n")
+    files = {"cpu.cfs_quota_us": "-1\n", "cpu.cfs_period_us": "100000\n"}
+    _quota_tree(tmp_path, "cpu,cpuacct/docker/abc", files)
+    assert persist.usable_cpus(str(tmp_path), str(membership)) == cpus
+    (tmp_path / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us").write_text("50000\n")
+    assert persist.usable_cpus(str(tmp_path), str(membership)) == 1
+    # Mounted as "cpu" alone.
+    (tmp_path / "cpu,cpuacct").rename(tmp_path / "cpu")
+    assert persist.usable_cpus(str(tmp_path), str(membership)) == 1
 
 
 @pytest.mark.parametrize("value", ["\u00b2", "\u0663", "9" * 5000, "-2", "0", "+3", ""])
@@ -538,7 +586,16 @@ def test_a_launcher_count_that_is_no_number_is_ignored(
 def test_a_cgroup_cpu_quota_that_is_no_number_is_ignored(tmp_path: Path, text: str) -> None:
     cpu_max = tmp_path / "cpu.max"
     cpu_max.write_text(text + "\n", encoding="utf-8")
-    assert persist.usable_cpus(str(cpu_max)) == len(os.sched_getaffinity(0))
+    membership = str(tmp_path / "no-membership")
+    assert persist.usable_cpus(str(tmp_path), membership) == len(os.sched_getaffinity(0))
+    v1 = tmp_path / "cpu" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text(text.split()[0] + "\n", encoding="utf-8")
+    (v1 / "cpu.cfs_period_us").write_text(text.split()[-1] + "\n", encoding="utf-8")
+    (tmp_path / "cgroup").write_text("3:cpu:/job\n")
+    assert persist.usable_cpus(str(tmp_path), str(tmp_path / "cgroup")) == len(
+        os.sched_getaffinity(0)
+    )
 
 
 def test_max_bandwidth_caps_the_workers_writes(tmp_path: Path, worker: persist.Worker) -> None:
