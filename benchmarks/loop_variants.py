@@ -242,6 +242,8 @@ VARIANTS: dict[str, Factory] = {
     "ours tiered": lambda ctx: Ours(ctx, blocking=False, tiered=True),
     # Every upload at the link's full speed (the manager paces by default: ``pace``).
     "ours async unpaced": lambda ctx: Ours(ctx, blocking=False, pace=None),
+    # The earlier default: uploads spread over 0.8 of the interval (now 0.5).
+    "ours async pace 0.8": lambda ctx: Ours(ctx, blocking=False, pace=0.8),
     "ours async thread": lambda ctx: Ours(ctx, blocking=False, persist="thread"),
     "ours async process": lambda ctx: Ours(ctx, blocking=False, persist="process"),
     "ours tiered thread": lambda ctx: Ours(ctx, blocking=False, tiered=True, persist="thread"),

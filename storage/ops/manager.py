@@ -60,13 +60,11 @@ class CheckpointManager:
     "Incremental checkpoints"); ``full_every=K`` makes every K-th save a full one. Retention,
     :meth:`delete` and :meth:`cleanup` never remove a step that a kept step references.
 
-    ``pace`` (default 0.5): an asynchronous save written by the persist worker spreads
+    ``pace`` (default 0.8): an asynchronous save written by the persist worker spreads
     its upload over that share of the time since the previous asynchronous save began
     (at most a minute), so it shares the cores and the link with training instead of
     taking them in a burst; the next save, :meth:`wait` and its future's ``result()``
     lift the pace. ``None``: every upload at full speed. The first save is not paced.
-    Half the interval leaves room for what follows the writes (the commit) and for a
-    slower link: an upload that outlasts the interval makes the next save wait.
 
     At most one save is in flight per manager: :meth:`save` first waits for the previous
     asynchronous save to finish (its outcome is reported through its own future and
@@ -108,7 +106,7 @@ class CheckpointManager:
         replicate: bool | Callable[[int], int] = False,
         local_storage_options: dict[str, Any] | None = None,
         local_filesystem: FileSystemBase | None = None,
-        pace: float | None = 0.5,
+        pace: float | None = 0.8,
         **writer_options: Any,
     ) -> None:
         self.settings = check_options(
