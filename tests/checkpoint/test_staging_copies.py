@@ -14,14 +14,14 @@ import torch
 
 from extensions.errors import CheckpointStorageError
 from storage.checkpoint import persist
-from storage.checkpoint.persist import _shm
+from storage.checkpoint.persist import _copies, _cores, _shm
 
 
 def _state(seed: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     return {
         # Larger than a piece, and not a whole number of pieces or pages.
-        "big": torch.randn(_shm.PIECE // 4 + 1000, generator=gen),
+        "big": torch.randn(_copies.PIECE // 4 + 1000, generator=gen),
         "bf16": torch.randn(300, 301, generator=gen).to(torch.bfloat16),
         "small": torch.randn(8, generator=gen),  # in private memory
         "view": torch.randn(64, 1024, generator=gen)[::2],  # a strided view of a storage
@@ -129,7 +129,7 @@ def test_a_piece_whose_space_cannot_be_reserved_is_never_written(
     real = os.posix_fallocate
 
     def fallocate(fd: int, offset: int, length: int) -> None:
-        if offset == _shm.PIECE:
+        if offset == _copies.PIECE:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd, offset, length)
 
@@ -141,10 +141,10 @@ def test_a_piece_whose_space_cannot_be_reserved_is_never_written(
             pool.stage(state)
         big = max(pool._segments.values(), key=lambda segment: len(segment.map))
         assert not big.reserved
-        second = big.map[_shm.PIECE : 2 * _shm.PIECE]
+        second = big.map[_copies.PIECE : 2 * _copies.PIECE]
         assert second == bytes(len(second))  # never copied into
-        first = torch.frombuffer(big.map, dtype=torch.float32, count=_shm.PIECE // 4)
-        assert torch.equal(first, state["big"][: _shm.PIECE // 4])  # its room was there
+        first = torch.frombuffer(big.map, dtype=torch.float32, count=_copies.PIECE // 4)
+        assert torch.equal(first, state["big"][: _copies.PIECE // 4])  # its room was there
     finally:
         pool.close()
 
@@ -167,18 +167,18 @@ def test_a_stage_under_inference_mode_copies_on_the_pools_threads(
 def test_copy_threads_are_this_processs_share_of_the_cores(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(persist, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(_cores, "usable_cpus", lambda: 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert persist.copy_threads() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert persist.copy_threads() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     assert persist.copy_threads() == 1
-    monkeypatch.setattr(persist, "usable_cpus", lambda: 96)
+    monkeypatch.setattr(_cores, "usable_cpus", lambda: 96)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert persist.copy_threads() == persist.MAX_COPY_THREADS
+    assert persist.copy_threads() == _cores.MAX_COPY_THREADS
     # Bound by the launcher to 2 of the host's cores: those 2 are this rank's share.
-    monkeypatch.setattr(persist, "usable_cpus", lambda: 2)
-    monkeypatch.setattr(persist.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(persist.os, "cpu_count", lambda: 96)
+    monkeypatch.setattr(_cores, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(_cores.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(_cores.os, "cpu_count", lambda: 96)
     assert persist.copy_threads() == 2

@@ -475,7 +475,7 @@ def test_options_are_checked(tmp_path: Path) -> None:
 def test_the_default_mode_leaves_the_cores_to_training_processes_that_fill_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in persist.LOCAL_RANKS_VARIABLES:
+    for name in persist._cores.LOCAL_RANKS_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     cpus = persist.usable_cpus()
     # As many training processes on the host as cores (torchrun's LOCAL_WORLD_SIZE):
@@ -572,7 +572,7 @@ def test_a_launcher_count_that_is_no_number_is_ignored(
     """Before: '\u00b2' (and other digits str.isdigit accepts) passed the check and int()
     raised ValueError, as it did on 5000 digits (int's digit limit): every save, and
     making a manager, failed on a launcher variable the job did not need."""
-    for name in persist.LOCAL_RANKS_VARIABLES:
+    for name in persist._cores.LOCAL_RANKS_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "3")

@@ -9,11 +9,8 @@ Segments are files in ``/dev/shm`` (the temporary directory where there is none)
 byte is copied into it, so a full ``/dev/shm`` is an error naming the fix, never a
 ``SIGBUS`` while copying.
 
-Copies. Where torch runs on one thread (a training process that leaves the host's
-other cores to other work), a stage's copies from CPU, reservations of new segments
-included, are spread over the pool's ``copy_threads`` (:class:`_Copies`): the training
-thread waits on them, so the stall is a copy over that many cores. With more torch
-threads, torch's own copy already spreads over them and the copies run inline.
+A stage's copies from CPU, reservations of new segments included, run on the pool's
+``copy_threads`` where torch runs on one thread (:mod:`._copies`).
 
 Names and ownership. A pool (one per training process) is named
 ``dcp-storage-{uid}-{pid}-{token}``, ``token`` 96 random bits, so no other user can
@@ -38,7 +35,6 @@ from __future__ import annotations
 
 import atexit
 import bisect
-import concurrent.futures
 import contextlib
 import fcntl
 import logging
@@ -58,6 +54,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from extensions._compat import StateDictStager
 from extensions.errors import CheckpointStorageError
+from storage.checkpoint.persist._copies import Copies
 from storage.checkpoint.persist._cuda import InFlight, Pins, SideCopies
 
 log = logging.getLogger(__name__)
@@ -68,8 +65,6 @@ SMALL = 64 << 10
 _BIRTH_GRACE = 60.0
 #: Tries at an unused pool name before giving up (each collision is 2^-96 by chance).
 _NAME_TRIES = 16
-#: A stage's copies from CPU are spread over threads in pieces of at most this many bytes.
-PIECE = 16 << 20
 #: madvise(2) advice that faults a mapping's pages in, writable (Linux >= 5.14).
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
@@ -260,85 +255,6 @@ def _no_room(size: int, exc: OSError) -> CheckpointStorageError:
     )
 
 
-class _Copies:
-    """One stage's copies from CPU into segments, on ``threads`` threads (inline with
-    one, where torch itself runs on more than one thread, or for a source on another
-    device): each copy is cut into pieces of at most :data:`PIECE` bytes, a new
-    segment's piece reserved just before it is copied. :meth:`finish` waits for every
-    piece (interrupted or not: no piece outlives the stage) and raises the first
-    failure; a segment is marked reserved only once all of its pieces were, so one whose
-    reservation failed is reserved again by the next stage that copies into it."""
-
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: list[concurrent.futures.Future[None]] = []
-        self._fresh: list[_Segment] = []
-
-    def add(self, segment: _Segment, source: torch.UntypedStorage) -> None:
-        if self.threads == 1 or torch.get_num_threads() > 1 or source.device.type != "cpu":
-            if not segment.reserved:
-                segment.reserve()
-                segment.reserved = True
-            segment.storage.copy_(source)
-            return
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                self.threads, thread_name_prefix="dcp-staging-copy"
-            )
-        fresh = not segment.reserved
-        for start in range(0, source.nbytes(), PIECE):
-            end = min(start + PIECE, source.nbytes())
-            try:
-                future = self._executor.submit(_copy_piece, segment, source, start, end, fresh)
-            except RuntimeError:  # no new threads (the interpreter is exiting): copy here
-                _copy_piece(segment, source, start, end, fresh)
-            else:
-                self._pending.append(future)  # waited for even if this loop is interrupted
-        if fresh:
-            self._fresh.append(segment)  # every piece is on its way
-
-    def finish(self, *, raising: bool = True) -> None:
-        """Wait for every piece; raise the first failure when ``raising``."""
-        pending, self._pending = self._pending, []
-        fresh, self._fresh = self._fresh, []
-        interrupted: BaseException | None = None
-        while True:
-            try:
-                concurrent.futures.wait(pending)
-                break
-            except BaseException as exc:  # noqa: BLE001 - pieces are short: wait, then raise
-                interrupted = interrupted or exc
-                for future in pending:
-                    future.cancel()
-        if interrupted is not None:
-            raise interrupted
-        if raising:
-            for future in pending:
-                future.result()  # the first failure
-        if all(future.exception() is None for future in pending):
-            for segment in fresh:
-                segment.reserved = True
-
-    def close(self) -> None:
-        """Stop the threads (no stage is running: the pool's lock is held)."""
-        if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = None
-
-
-def _copy_piece(
-    segment: _Segment, source: torch.UntypedStorage, start: int, end: int, fresh: bool
-) -> None:
-    if fresh:
-        segment.reserve(start, end - start)
-    # Views made here, not by the caller: a tensor made under the caller's
-    # ``inference_mode`` may not be written by this thread, outside it.
-    into = torch.empty(0, dtype=torch.uint8, device="cpu").set_(segment.storage)
-    out_of = torch.empty(0, dtype=torch.uint8, device="cpu").set_(source)
-    into[start:end].copy_(out_of[start:end])
-
-
 class StagingPool:
     """The shared-memory staging buffers of this process, one segment per large storage.
 
@@ -347,14 +263,14 @@ class StagingPool:
     a staged tensor's bytes are. Not thread-safe: the persist client serializes stages.
     A buffer staging a CUDA storage is pinned (``pins``, :mod:`._cuda`) and copied into
     without blocking, on a side stream; copies from CPU run on ``copy_threads`` threads
-    (:class:`_Copies`).
+    (:class:`._copies.Copies`).
     """
 
     def __init__(self, pins: Pins | None = None, copy_threads: int = 1) -> None:
         sweep()
         self.pins = pins if pins is not None else Pins()
         self.side = SideCopies()
-        self._copies = _Copies(copy_threads)
+        self._copies = Copies(copy_threads)
         self._owner = _Owner()
         self._segments: dict[int, _Segment] = {}  # by address
         self._addresses: list[int] = []  # sorted
