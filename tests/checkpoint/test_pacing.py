@@ -35,7 +35,7 @@ def _taker(bucket: _Bucket, n: int) -> threading.Thread:
 
 def test_a_hurry_ends_the_wait_of_a_paced_write() -> None:
     bucket = _Bucket()
-    bucket.pace = 1.0  # one byte a second: this write would wait ~11 days
+    bucket.set_pace(1.0)  # one byte a second: this write would wait ~11 days
     waiting = _taker(bucket, 1_000_000)
     bucket.hurry()
     waiting.join(PROMPT)
@@ -46,7 +46,8 @@ def test_a_hurry_ends_the_wait_of_a_paced_write() -> None:
 
 def test_a_hurry_leaves_the_bandwidth_cap_in_force() -> None:
     bucket = _Bucket()
-    bucket.rate, bucket.pace = 1.0, 0.5  # a cap of one byte a second, paced below it
+    bucket.rate = 1.0  # a cap of one byte a second, paced below it
+    bucket.set_pace(0.5)
     waiting = _taker(bucket, 1_000_000)
     bucket.hurry()
     waiting.join(0.5)
@@ -56,6 +57,53 @@ def test_a_hurry_leaves_the_bandwidth_cap_in_force() -> None:
         bucket._changed.notify_all()
     waiting.join(PROMPT)
     assert not waiting.is_alive()
+
+
+class _Clock:
+    """A clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_paced_upload_that_fell_behind_catches_up_at_full_speed() -> None:
+    """Before, the pace was a token bucket that kept 50 ms of unused allowance: every
+    stretch where the link or the cores were slower than the pace was lost for good, and
+    the upload overran the deadline its rate was made for (the next save then waited for
+    it). The pace is a schedule: bytes behind it go at once, bytes ahead of it wait."""
+    clock = _Clock()
+    bucket = _Bucket(clock)
+    bucket.set_pace(100.0)  # the save's bytes due at 100 a second from now
+    clock.now += 10.0  # ten seconds in, 1000 bytes due, none written (a busy link)
+    behind = _taker(bucket, 900)
+    behind.join(PROMPT)
+    assert not behind.is_alive()  # behind the schedule: no wait
+    ahead = _taker(bucket, 200)  # 1100 bytes by second 10: ahead of the schedule
+    ahead.join(0.2)
+    assert ahead.is_alive()  # held until second 11 (this clock never gets there)
+    bucket.hurry()
+    ahead.join(PROMPT)
+    assert not ahead.is_alive()
+
+
+def test_a_cap_keeps_only_a_short_burst() -> None:
+    """The cap (``max_bandwidth``) is a limit on the rate, not a schedule: time it went
+    unused does not buy a burst above it."""
+    clock = _Clock()
+    bucket = _Bucket(clock)
+    bucket.rate = 100.0
+    clock.now += 10.0
+    burst = _taker(bucket, 900)  # would be due by now on a schedule; the cap holds it
+    burst.join(0.2)
+    assert burst.is_alive()
+    with bucket._changed:
+        bucket.rate = None
+        bucket._changed.notify_all()
+    burst.join(PROMPT)
+    assert not burst.is_alive()
 
 
 def test_a_pace_that_is_no_limit_does_not_block() -> None:

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import IO, Any, NoReturn
 
@@ -129,38 +129,54 @@ def _pause() -> None:
 
 
 class _Bucket:
-    """A token bucket: ``take(n)`` returns once ``n`` bytes fit under the rate (with at
-    most ``burst`` seconds of unused allowance carried over). The rate is the lower of
-    ``rate`` (the ``max_bandwidth`` cap) and ``pace`` (a manager's paced save, see
-    :meth:`hurry`), or no limit when both are ``None``."""
+    """What holds the worker's writes back: ``take(n)`` returns once ``n`` more bytes
+    fit under both limits, or at once when neither is set.
 
-    def __init__(self) -> None:
+    - ``rate``, the ``max_bandwidth`` cap: a token bucket carrying at most ``burst``
+      seconds of unused allowance, so a pause never buys a burst above the cap.
+    - ``pace``, a manager's paced save (:meth:`set_pace`, lifted by :meth:`hurry`): a
+      schedule, the save's bytes spread evenly from the moment the pace was set. Writes
+      that fell behind it (the link or the cores were busy) go at full speed until they
+      are back on it, so the save still ends by the deadline its rate was made for
+      instead of overrunning it by every slow stretch."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate: float | None = None
         self.pace: float | None = None
+        self._clock = clock
         self._caps: list[float] = []  # the cap of each call in flight that has one
         self._changed = threading.Condition()
-        self._next = 0.0
+        self._next = 0.0  # when the cap allows the next byte
+        self._paced_to = 0.0  # where the pace's schedule stands: when it allows the next byte
         self._burst = 0.05
 
-    def _limit(self) -> float | None:
-        limits = [r for r in (self.rate, self.pace) if r is not None]
-        return min(limits) if limits else None
+    def set_pace(self, pace: float) -> None:
+        """Spread the next writes at ``pace`` bytes/s, on a schedule starting now."""
+        with self._changed:
+            self.pace, self._paced_to = pace, self._clock()
 
     def take(self, n: int) -> None:
         with self._changed:
-            rate = self._limit()
-            if rate is None:
+            if self.rate is None and self.pace is None:
                 return
-            now = time.monotonic()
-            self._next = max(self._next, now - self._burst) + n / rate
-            until, paced = self._next, rate != self.rate
-            while (left := until - time.monotonic()) > 0:
-                if self.rate is None and self.pace is None:
-                    return  # hurried, or the cap lifted: no limit left
-                if paced and self.pace is None and self.rate is not None:
-                    # Hurried: only the cap still holds.
-                    until, paced = min(until, time.monotonic() + n / self.rate), False
-                    continue
+            now = self._clock()
+            capped = None
+            if self.rate is not None:
+                self._next = max(self._next, now - self._burst) + n / self.rate
+                capped = self._next
+            paced = None
+            if self.pace is not None:
+                self._paced_to += n / self.pace
+                paced = self._paced_to
+            while True:
+                # Re-read each time: a hurry lifts the pace, a call's end lifts its cap.
+                if self.pace is None:
+                    paced = None
+                if self.rate is None:
+                    capped = None
+                until = max((t for t in (capped, paced) if t is not None), default=None)
+                if until is None or (left := until - self._clock()) <= 0:
+                    return
                 self._changed.wait(left)
 
     @contextlib.contextmanager
@@ -186,7 +202,6 @@ class _Bucket:
         """Lift the pace: the training process waits for this save now."""
         with self._changed:
             self.pace = None
-            self._next = time.monotonic()
             self._changed.notify_all()
 
 
@@ -270,7 +285,7 @@ class _Server:
             if options.get("pace") is not None:
                 # Set here, in the order of the messages: a hurry read next lifts it even
                 # when it comes before the call's thread starts.
-                _bucket.pace = options["pace"]
+                _bucket.set_pace(options["pace"])
             self._calls.submit(self._run, call_id, fn, args, kwargs, options)
 
     def _run(
