@@ -231,6 +231,13 @@ class _FileCopy:
             self.copied.infos[index] = fmt.new_storage_info(copied)
 
 
+def stored_bytes(part: Part, ranks: Collection[int] | None = None) -> int:
+    """The stored bytes of the items ``part`` names in the data files of ``ranks``
+    (every rank's: ``None``): what :func:`copy_data_files` reads at most."""
+    infos = (part.metadata.storage_data or {}).values()
+    return sum(info.length for info in infos if ranks is None or _owner(part, info) in ranks)
+
+
 def _owner(part: Part, info: Any) -> int:
     return part.rank if part.rank is not None else fmt.file_rank(info.relative_path)
 

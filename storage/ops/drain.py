@@ -25,7 +25,7 @@ from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.options import WriterSettings
 from storage.ops._peers import Group
 from storage.ops.copy import publish_copy
-from storage.ops.copy_data import copy_data_files
+from storage.ops.copy_data import copy_data_files, stored_bytes
 from storage.ops.parts import read_metadata
 from storage.ops.steps import StepRoot
 
@@ -185,6 +185,7 @@ def drain_step(
                 ".metadata drains"
             )
         part = parts[0]
+        ranks = None if g.world == 1 else {g.rank}
         copied = persist.run(
             settings.persist_mode(local.fs, fs),
             copy_data_files,
@@ -193,11 +194,14 @@ def drain_step(
             fs,
             dst,
             part,
-            ranks=None if g.world == 1 else {g.rank},
+            ranks=ranks,
             thread_count=settings.thread_count,
             pace=pace,
             keep_references=True,
             save_id=attempt.save_id,
+            # Spread to the deadline the save of this step set, if any (storage.ops.pace).
+            pace_bytes=stored_bytes(part, ranks),
+            pace_for=root.step_url(step),
         )
     except Exception as exc:
         error = exc

@@ -64,7 +64,9 @@ class CheckpointManager:
     its upload over that share of the time since the previous asynchronous save began
     (at most a minute), so it shares the cores and the link with training instead of
     taking them in a burst; the next save, :meth:`wait` and its future's ``result()``
-    lift the pace. ``None``: every upload at full speed. The first save is not paced.
+    lift the pace. With a local tier, each step's drain to the root is paced so (from
+    one save's start to the next's). ``None``: every upload at full speed. The first
+    save is not paced.
 
     At most one save is in flight per manager: :meth:`save` first waits for the previous
     asynchronous save to finish (its outcome is reported through its own future and
@@ -120,6 +122,7 @@ class CheckpointManager:
         self.retention = Retention(
             self.location, keep_last=keep_last, keep_every=keep_every, coordinator=coordinator
         )
+        pace = check_pace(pace)
         self.root_tier = RootTier(
             self.location,
             self.retention,
@@ -128,12 +131,12 @@ class CheckpointManager:
             incremental=incremental,
             full_every=full_every,
             reader=self.reader_options,
-            pace=check_pace(pace),
+            pace=pace,
         )
         self.tiers: LocalTier | None = None
         if local is not None:
             self.tiers = self._local_tier(
-                local, keep_local, replicate, local_storage_options, local_filesystem
+                local, keep_local, replicate, local_storage_options, local_filesystem, pace
             )
         elif keep_local is not None or replicate:
             raise ValueError("keep_local and replicate need a local tier (local=PATH_OR_URL)")
@@ -150,6 +153,7 @@ class CheckpointManager:
         replicate: bool | Callable[[int], int],
         storage_options: dict[str, Any] | None,
         filesystem: FileSystemBase | None,
+        pace: float | None,
     ) -> LocalTier:
         from storage.ops.tiers import LocalTier  # imported only when a tier is asked for
 
@@ -166,6 +170,7 @@ class CheckpointManager:
             storage_options=storage_options,
             filesystem=filesystem,
             on_durable=self.retention.after_save,
+            pace=pace,
         )
 
     # --- locations ------------------------------------------------------------------

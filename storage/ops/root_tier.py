@@ -14,7 +14,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-import time
 from typing import Any
 
 import torch.distributed as dist
@@ -29,14 +28,12 @@ from storage.checkpoint.options import WriterSettings
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops._peers import decided_by_rank_zero
 from storage.ops.base_choice import Candidate, choose_base
+from storage.ops.pace import UploadPace
 from storage.ops.restore import durable_entries
 from storage.ops.retention import Retention
 from storage.ops.steps import StepRoot
 
 log = logging.getLogger("storage.ops.manager")
-
-#: The longest a paced upload is spread over, seconds (a rare checkpoint stays durable soon).
-MAX_PACED_SECONDS = 60.0
 
 
 class _Hurried(concurrent.futures.Future[None]):
@@ -73,10 +70,9 @@ class RootTier:
         self.root, self.retention, self.reader = root, retention, reader
         self.transforms, self.settings = transforms, settings
         self.incremental, self.full_every = incremental, full_every
-        self.pace = pace
+        self.pace = UploadPace(pace)  # of asynchronous saves
         self._lock = threading.Lock()
         self._pending: concurrent.futures.Future[None] | None = None
-        self._last_async: float | None = None  # when the previous asynchronous save began
         self._async_group: Any = None
 
     @property
@@ -119,7 +115,7 @@ class RootTier:
     ) -> concurrent.futures.Future[None]:
         url = self.root.step_url(step)
         outer: concurrent.futures.Future[None] = _Hurried()
-        self._pace_upload(settings, url)
+        self.pace.begin(url, in_worker=settings.persist_mode(self.root.fs).name == "process")
         self.root.in_flight.begin(step, base)
         with self._lock:
             self._pending = outer
@@ -154,22 +150,6 @@ class RootTier:
 
         inner.add_done_callback(finished)
         return outer
-
-    def _pace_upload(self, settings: WriterSettings, url: str) -> None:
-        """Give this save's upload (of checkpoint ``url``, and no other's) ``pace`` of
-        the time since the previous asynchronous save began (at most
-        :data:`MAX_PACED_SECONDS`) when the persist worker writes it: the upload then
-        shares the cores with training over the interval it has, not in a burst at the
-        link's full speed. The first save, and saves ``pace=None``, write at full speed;
-        the next save, :meth:`wait` and the future's ``result()`` lift the pace
-        (``persist.hurry``)."""
-        now = time.monotonic()
-        last, self._last_async = self._last_async, now
-        if self.pace is None or last is None:
-            return
-        if settings.persist_mode(self.root.fs).name != "process":
-            return
-        persist.pace_next(now + min(self.pace * (now - last), MAX_PACED_SECONDS), url)
 
     def _background_group(self) -> Any:
         """Under a process group, a gloo group of this manager's own for the collectives

@@ -36,6 +36,7 @@ from storage.checkpoint.writer import CheckpointWriter
 from storage.ops import local_save, restore
 from storage.ops._peers import Group, make_group
 from storage.ops.drain import Drains
+from storage.ops.pace import UploadPace
 from storage.ops.restore import LoadedStep
 from storage.ops.retention import LocalRetention
 from storage.ops.steps import StepRoot
@@ -66,6 +67,7 @@ class LocalTier:
         storage_options: dict[str, Any] | None,
         filesystem: Any,
         on_durable: Callable[[int], None],
+        pace: float | None = None,
     ) -> None:
         self.root = root
         self.local = StepRoot(*resolve_location(local, storage_options, filesystem))
@@ -81,6 +83,7 @@ class LocalTier:
         )
         self.transforms, self.settings = transforms, settings
         self.incremental, self.full_every, self.reader = incremental, full_every, reader
+        self.pace = UploadPace(pace)  # of each step's drain
         self.replicated_bytes = 0  # bytes this rank sent to its peer
         self.restored_bytes = 0  # bytes this rank sent to restore other nodes' files (loads)
         self.last_commit: int | None = None  # the step this manager committed locally last
@@ -160,11 +163,15 @@ class LocalTier:
         their own, with their collectives on a process group of their own.
 
         Either way, the previous save's local commit is waited for first (at most one
-        save in flight)."""
+        save in flight), and a paced drain in flight goes on at full speed: this step's
+        drain queues behind it. This step's drain is paced (:mod:`storage.ops.pace`)."""
+        persist.hurry()
         self.finish_commit()
         if not blocking:
             self.drains.raise_error()
         self._make_room(step)
+        in_worker = self.settings.persist_mode(self.local.fs, self.root.fs).name == "process"
+        self.pace.begin(self.root.step_url(step), in_worker=in_worker)
         writer = self._start(step, None)
         if blocking:
             self._commit(step, writer, state_dict, None)
@@ -209,6 +216,8 @@ class LocalTier:
         rank removes what it wrote and the future raises :class:`DeadlineExceededError`:
         nothing is published late. No room is made first (the drain pass queued after
         the commit prunes): a tier over ``keep_local`` still takes this step."""
+
+        persist.hurry()  # the job is ending: no drain waits for a deadline
 
         def run() -> None:
             writer = self._start(step, self.group.save_pg)
@@ -330,6 +339,7 @@ class LocalTier:
             step,
         )
         self.drains.schedule()
+        persist.hurry()  # this save waits for the drain: no pace holds it back
         self.drains.wait_durable(set(held[: len(held) - self.keep_local]))  # the oldest
         self.retention.prune(exclude=step)
         held = self._fullest(step)
@@ -366,8 +376,10 @@ class LocalTier:
 
     def wait(self) -> None:
         """Wait for the local commit of an asynchronous save in flight, then until every
-        queued drain has finished; raise the error of a drain that failed."""
+        queued drain has finished (at full speed: a paced one is hurried); raise the
+        error of a drain that failed."""
         self.finish_commit()
+        persist.hurry()
         self.drains.wait()
         self.drains.raise_error()
 

@@ -21,7 +21,7 @@ import storage
 from extensions.errors import WorkerDiedError
 from storage.checkpoint import persist
 from storage.checkpoint.persist._child import _Bucket
-from storage.ops.root_tier import MAX_PACED_SECONDS
+from storage.ops.pace import MAX_PACED_SECONDS, UploadPace
 
 # Generous: a step that is lifted finishes in milliseconds; one that is not takes hours.
 PROMPT = 60.0
@@ -35,7 +35,7 @@ def _taker(bucket: _Bucket, n: int) -> threading.Thread:
 
 def test_a_hurry_ends_the_wait_of_a_paced_write() -> None:
     bucket = _Bucket()
-    bucket.set_pace(1.0)  # one byte a second: this write would wait ~11 days
+    bucket.set_pace(1.0, math.inf)  # one byte a second: this write would wait ~11 days
     waiting = _taker(bucket, 1_000_000)
     bucket.hurry()
     waiting.join(PROMPT)
@@ -47,7 +47,7 @@ def test_a_hurry_ends_the_wait_of_a_paced_write() -> None:
 def test_a_hurry_leaves_the_bandwidth_cap_in_force() -> None:
     bucket = _Bucket()
     bucket.rate = 1.0  # a cap of one byte a second, paced below it
-    bucket.set_pace(0.5)
+    bucket.set_pace(0.5, math.inf)
     waiting = _taker(bucket, 1_000_000)
     bucket.hurry()
     waiting.join(0.5)
@@ -76,7 +76,7 @@ def test_a_paced_upload_that_fell_behind_catches_up_at_full_speed() -> None:
     it). The pace is a schedule: bytes behind it go at once, bytes ahead of it wait."""
     clock = _Clock()
     bucket = _Bucket(clock)
-    bucket.set_pace(100.0)  # the save's bytes due at 100 a second from now
+    bucket.set_pace(100.0, math.inf)  # the save's bytes due at 100 a second from now
     clock.now += 10.0  # ten seconds in, 1000 bytes due, none written (a busy link)
     behind = _taker(bucket, 900)
     behind.join(PROMPT)
@@ -87,6 +87,29 @@ def test_a_paced_upload_that_fell_behind_catches_up_at_full_speed() -> None:
     bucket.hurry()
     ahead.join(PROMPT)
     assert not ahead.is_alive()
+
+
+def test_no_paced_write_waits_past_the_deadline() -> None:
+    """Before, the schedule had no end: bytes beyond those the rate was made for (a
+    heartbeat, an upload that was nearly empty) waited on past the save's deadline, for
+    as long as their share of a tiny rate said (minutes for a 45-byte heartbeat)."""
+    clock = _Clock()
+    bucket = _Bucket(clock)
+    bucket.set_pace(1.0, clock.now + 5.0)  # one byte a second, due within 5 s
+    clock.now += 5.0  # at the deadline: whatever is left goes now
+    late = _taker(bucket, 1_000_000)
+    late.join(PROMPT)
+    assert not late.is_alive()
+    bucket.take(0)  # and a write of nothing never waits
+
+
+def test_a_small_upload_is_not_paced() -> None:
+    """Pacing a few KB spreads nothing worth spreading and only makes it durable later."""
+    w = persist.Worker()
+    w.pace_next(time.monotonic() + 3600.0)
+    with w._lock:
+        assert w._take_pace(64 << 10) is None
+    assert w._pace_until is None
 
 
 def test_a_cap_keeps_only_a_short_burst() -> None:
@@ -122,7 +145,7 @@ def _saved_long_ago(path: Any) -> storage.CheckpointManager:
     first = mgr.save(1, _state(), blocking=False)
     assert first is not None
     first.result()
-    mgr.root_tier._last_async = time.monotonic() - 10 * MAX_PACED_SECONDS
+    mgr.root_tier.pace._last = time.monotonic() - 10 * MAX_PACED_SECONDS
     return mgr
 
 
@@ -161,28 +184,93 @@ def test_the_next_save_lifts_the_pace_of_the_one_in_flight(tmp_path: Any) -> Non
         mgr.wait()
 
 
-def test_the_first_save_and_pace_none_are_not_paced(tmp_path: Any) -> None:
-    mgr = storage.CheckpointManager(str(tmp_path / "ck"), pace=0.5, persist="process")
-    tier, w = mgr.root_tier, persist.worker()
+def test_the_first_save_and_pace_none_are_not_paced() -> None:
+    w = persist.worker()
     w.pace_next(None)
-    # The first: no interval yet to pace by.
-    tier._pace_upload(tier.settings, tier.root.step_url(2))
+    pace = UploadPace(0.5)
+    pace.begin("step-2", in_worker=True)  # the first: no interval yet to pace by
     assert w._pace_until is None
-    tier._last_async = time.monotonic() - 10.0
+    pace._last = time.monotonic() - 10.0
     before = time.monotonic()
-    tier._pace_upload(tier.settings, tier.root.step_url(2))
+    pace.begin("step-2", in_worker=True)
     deadline = w._pace_until
     assert deadline is not None and before + 5.0 <= deadline <= time.monotonic() + 5.0
-    tier.pace = None
+    assert w._pace_for == "step-2"
     w.pace_next(None)
-    tier._last_async = time.monotonic() - 10.0
-    tier._pace_upload(tier.settings, tier.root.step_url(2))
-    assert w._pace_until is None
-    threads = storage.CheckpointManager(str(tmp_path / "th"), pace=0.5, persist="thread")
-    w.pace_next(None)
-    threads.root_tier._last_async = time.monotonic() - 10.0
-    threads.root_tier._pace_upload(threads.root_tier.settings, "step-2")
+    pace._last = time.monotonic() - 10.0
+    pace.begin("step-3", in_worker=False)
     assert w._pace_until is None  # threads write in this process: nothing to pace
+    unpaced = UploadPace(None)
+    unpaced._last = time.monotonic() - 10.0
+    unpaced.begin("step-2", in_worker=True)
+    assert w._pace_until is None
+
+
+def test_a_manager_with_threads_sets_no_pace(tmp_path: Any) -> None:
+    mgr = storage.CheckpointManager(str(tmp_path / "th"), pace=0.5, persist="thread")
+    w = persist.worker()
+    w.pace_next(None)
+    mgr.root_tier.pace._last = time.monotonic() - 10.0
+    done = mgr.save(2, _state(1), blocking=False)
+    assert done is not None
+    done.result()
+    assert w._pace_until is None
+
+
+def _tiered_saved_long_ago(tmp_path: Any) -> storage.CheckpointManager:
+    """A paced tiered manager whose step 1 began long ago: the drain of its next step
+    may spread over MAX_PACED_SECONDS (8 MB over a minute: ~140 KB/s)."""
+    mgr = storage.CheckpointManager(
+        str(tmp_path / "root"), local=str(tmp_path / "local"), pace=1.0, persist="process"
+    )
+    mgr.save(1, _state(), blocking=True)
+    mgr.wait()
+    assert mgr.tiers is not None
+    mgr.tiers.pace._last = time.monotonic() - 10 * MAX_PACED_SECONDS
+    return mgr
+
+
+def _wait_for_a_paced_call() -> None:
+    waited = time.monotonic() + PROMPT
+    while not persist.worker()._paced:
+        assert time.monotonic() < waited, "the drain's copy did not take its pace"
+        time.sleep(0.01)
+
+
+def test_a_tiered_managers_drain_is_paced_and_wait_lifts_it(tmp_path: Any) -> None:
+    """A tiered manager's upload is its drain: that is what gets the pace, not the
+    save's write to the local tier (the save returns at local speed), and ``wait()``
+    (which waits for the drain) lifts it."""
+    mgr = _tiered_saved_long_ago(tmp_path)
+    try:
+        began = time.monotonic()
+        mgr.save(2, _state(), blocking=True)
+        assert time.monotonic() - began < MAX_PACED_SECONDS / 2  # the local write: unpaced
+        assert 2 in mgr.steps()
+        _wait_for_a_paced_call()  # the drain of step 2 took the pace set for it
+        mgr.wait()
+        assert time.monotonic() - began < MAX_PACED_SECONDS / 2
+        assert mgr.durable_steps() == [1, 2]
+    finally:
+        mgr.wait()
+
+
+def test_the_next_tiered_save_lifts_the_pace_of_a_drain_in_flight(tmp_path: Any) -> None:
+    """Drains run one after another: a paced one still running when the next save
+    comes would hold that step's drain back; the save lifts its pace."""
+    mgr = _tiered_saved_long_ago(tmp_path)
+    try:
+        began = time.monotonic()
+        mgr.save(2, _state(), blocking=True)
+        _wait_for_a_paced_call()
+        third = mgr.save(3, _state(), blocking=False)
+        assert third is not None
+        third.result()
+        mgr.tiers.drains.wait()  # type: ignore[union-attr]  # no hurry from here
+        assert time.monotonic() - began < MAX_PACED_SECONDS / 2
+        assert mgr.durable_steps() == [1, 2, 3]
+    finally:
+        mgr.wait()
 
 
 @pytest.mark.parametrize("pace", [0, 1.5, -0.1, True, "0.5"])
@@ -202,11 +290,11 @@ def test_a_job_that_exits_with_a_paced_save_in_flight_exits_promptly(tmp_path: A
     script = textwrap.dedent(
         f"""
         import time, torch, storage
-        from storage.ops.root_tier import MAX_PACED_SECONDS
+        from storage.ops.pace import MAX_PACED_SECONDS, UploadPace
         mgr = storage.CheckpointManager({str(tmp_path / "ck")!r}, pace=1.0, persist="process")
         state = {{"w": torch.arange(8 << 18, dtype=torch.float32)}}
         mgr.save(1, state, blocking=False).result()
-        mgr.root_tier._last_async = time.monotonic() - 10 * MAX_PACED_SECONDS
+        mgr.root_tier.pace._last = time.monotonic() - 10 * MAX_PACED_SECONDS
         mgr.save(2, state, blocking=False)
         print("saved", flush=True)
         """
@@ -240,8 +328,8 @@ def test_a_pace_is_taken_with_one_read_of_the_clock(monkeypatch: pytest.MonkeyPa
     w = persist.Worker()
     w.pace_next(101.0)
     with w._lock:
-        rate = w._take_pace(1000)
-    assert rate == 1000.0
+        pace = w._take_pace(1 << 20)
+    assert pace == (float(1 << 20), 101.0)
     assert w._pace_until is None
 
 
@@ -294,8 +382,8 @@ def test_a_pace_set_for_one_checkpoint_is_not_taken_by_a_save_elsewhere() -> Non
     with w._lock:
         assert w._take_pace(1 << 20, "s3://bucket/replica-0/step-2") is None
         assert w._pace_until is not None  # still pending for its own save
-        rate = w._take_pace(1 << 20, "s3://bucket/run/step-2")
-    assert rate is not None and 0 < rate < (1 << 20)
+        pace = w._take_pace(1 << 20, "s3://bucket/run/step-2")
+    assert pace is not None and 0 < pace[0] < (1 << 20)
     assert w._pace_until is None
 
 

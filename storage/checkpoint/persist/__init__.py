@@ -182,14 +182,31 @@ def start(settings: WriterSettings, filesystem: FileSystemBase) -> Worker | None
     return w
 
 
-def run(mode: Mode, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+def run(
+    mode: Mode,
+    fn: Callable[..., T],
+    *args: Any,
+    pace_bytes: int | None = None,
+    pace_for: str | None = None,
+    **kwargs: Any,
+) -> T:
     """``fn(*args, **kwargs)``: in the worker when ``mode`` says so (writes capped, a
     ``pace`` argument replaced by the worker's pause), else here; raises what it raised.
+    In the worker, ``pace_bytes`` (the bytes it writes) are spread to the deadline
+    :func:`pace_next` set for ``pace_for``, if one is pending (:meth:`Worker.call`).
     With the default mode, work the worker cannot receive runs here."""
     if mode.name == "process":
         there = dict(kwargs, pace=PAUSE) if "pace" in kwargs else kwargs
         try:
-            return worker().call(fn, *args, max_bandwidth=mode.max_bandwidth, **there).result()
+            future = worker().call(
+                fn,
+                *args,
+                max_bandwidth=mode.max_bandwidth,
+                pace_bytes=pace_bytes,
+                pace_for=pace_for,
+                **there,
+            )
+            return future.result()
         except NotSendable as exc:  # not pickled here, or not unpickled there: it never ran
             if mode.explicit:
                 raise

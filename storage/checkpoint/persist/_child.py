@@ -3,9 +3,9 @@
 It runs the calls the training process sends over the socket ``FD`` (a save's data
 writes, a drain's copy), each on a thread of its own, reading staged tensors straight
 from the shared-memory segments it maps by name. It runs niced, with one thread for
-torch, and every write it makes to storage goes through one token bucket when a
-bandwidth cap is set or a save is paced (until the training process says ``hurry``). It
-exits when the training process closes the socket or dies.
+torch, and every write it makes to storage waits for the bandwidth cap, when one is set,
+and for a paced save's schedule (until the training process says ``hurry``). It exits
+when the training process closes the socket or dies.
 
 Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
 ``("init", sys_path, foreground)``, ``("call", id)`` followed by the call's body
@@ -135,10 +135,14 @@ class _Bucket:
     - ``rate``, the ``max_bandwidth`` cap: a token bucket carrying at most ``burst``
       seconds of unused allowance, so a pause never buys a burst above the cap.
     - ``pace``, a manager's paced save (:meth:`set_pace`, lifted by :meth:`hurry`): a
-      schedule, the save's bytes spread evenly from the moment the pace was set. Writes
-      that fell behind it (the link or the cores were busy) go at full speed until they
-      are back on it, so the save still ends by the deadline its rate was made for
-      instead of overrunning it by every slow stretch."""
+      schedule, the save's bytes spread evenly from the moment the pace was set to its
+      deadline. Writes that fell behind it (the link or the cores were busy) go at full
+      speed until they are back on it, so the save does not overrun the deadline by
+      every slow stretch; and no write waits past the deadline (bytes beyond those the
+      rate was made for, a heartbeat, go at once then).
+
+    The pace applies to every write the worker makes while it is set: a save the
+    worker runs beside a paced one shares its schedule."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate: float | None = None
@@ -148,16 +152,18 @@ class _Bucket:
         self._changed = threading.Condition()
         self._next = 0.0  # when the cap allows the next byte
         self._paced_to = 0.0  # where the pace's schedule stands: when it allows the next byte
+        self._pace_end = 0.0  # the paced save's deadline: no write waits past it
         self._burst = 0.05
 
-    def set_pace(self, pace: float) -> None:
-        """Spread the next writes at ``pace`` bytes/s, on a schedule starting now."""
+    def set_pace(self, pace: float, until: float) -> None:
+        """Spread the next writes at ``pace`` bytes/s, on a schedule starting now and
+        ending at ``until`` (this host's ``time.monotonic``)."""
         with self._changed:
-            self.pace, self._paced_to = pace, self._clock()
+            self.pace, self._paced_to, self._pace_end = pace, self._clock(), until
 
     def take(self, n: int) -> None:
         with self._changed:
-            if self.rate is None and self.pace is None:
+            if n <= 0 or (self.rate is None and self.pace is None):
                 return
             now = self._clock()
             capped = None
@@ -167,7 +173,7 @@ class _Bucket:
             paced = None
             if self.pace is not None:
                 self._paced_to += n / self.pace
-                paced = self._paced_to
+                paced = min(self._paced_to, self._pace_end)
             while True:
                 # Re-read each time: a hurry lifts the pace, a call's end lifts its cap.
                 if self.pace is None:
@@ -177,7 +183,7 @@ class _Bucket:
                 until = max((t for t in (capped, paced) if t is not None), default=None)
                 if until is None or (left := until - self._clock()) <= 0:
                     return
-                self._changed.wait(left)
+                self._changed.wait(min(left, 60.0))  # a timeout Condition takes
 
     @contextlib.contextmanager
     def capped(self, cap: float | None) -> Iterator[None]:
@@ -285,7 +291,7 @@ class _Server:
             if options.get("pace") is not None:
                 # Set here, in the order of the messages: a hurry read next lifts it even
                 # when it comes before the call's thread starts.
-                _bucket.set_pace(options["pace"])
+                _bucket.set_pace(*options["pace"])
             self._calls.submit(self._run, call_id, fn, args, kwargs, options)
 
     def _run(

@@ -37,6 +37,7 @@ from storage.checkpoint.persist._shm import StagingPool
 log = logging.getLogger(__name__)
 
 PACE_MIN_SECONDS = 0.5  # a pace deadline closer than this: the writes go at full speed
+PACE_MIN_BYTES = 1 << 20  # an upload smaller than this goes at full speed
 
 T = TypeVar("T")
 
@@ -272,20 +273,20 @@ class Worker:
         with self._lock:
             self._pace_until, self._pace_for = deadline, for_url
 
-    def _take_pace(self, nbytes: int, url: str | None = None) -> float | None:
+    def _take_pace(self, nbytes: int, url: str | None = None) -> tuple[float, float] | None:
         """The rate (bytes/s) that writes ``nbytes`` of checkpoint ``url`` by the
-        pending deadline, taken once; ``None`` when none is pending for it or it is too
-        close to matter (call with the lock). The clock is read once: a second read
-        could fall past the deadline."""
+        pending deadline, and that deadline, taken once; ``None`` when none is pending
+        for it, it is too close to matter, or the upload too small (call with the
+        lock). The clock is read once: a second read could fall past the deadline."""
         deadline = self._pace_until
         if deadline is None or self._pace_for not in (None, url):
             return None  # none, or another checkpoint's: left for that one's save
         self._pace_until = self._pace_for = None
         left = deadline - time.monotonic()
-        if not left >= PACE_MIN_SECONDS:
+        if not left >= PACE_MIN_SECONDS or nbytes < PACE_MIN_BYTES:
             return None
-        rate = max(nbytes, 1) / left
-        return rate if math.isfinite(rate) and rate > 0 else None
+        rate = nbytes / left
+        return (rate, deadline) if math.isfinite(rate) and rate > 0 else None
 
     def hurry(self) -> None:
         """Lift the pace of a paced save, and of one about to go out (its caller waits
