@@ -205,9 +205,6 @@ def _choose_plane(plane: np.ndarray, floating: bool) -> Coded:
     if coded is None:  # the sample misled: choose again from every byte
         coded = _coded(plane, _choose(np.bincount(plane, minlength=256)), retry=False)
     assert coded is not None
-    if coded[0][0] == PACK:  # a near tie by the estimate: the one that codes smaller
-        single = _zstd_plane(plane, _codecs.fast)
-        return single if _stored([single]) < _stored([coded]) else coded
     return coded
 
 
