@@ -1,11 +1,11 @@
 """Every headline ratio in one run, against its goal and its record in docs/benchmarks.md.
 
-    python benchmarks/check.py                  # all three parts: ~10 min on a quiet 2-core VM
-    python benchmarks/check.py --only local     # or s3, or loop; repeat --only for several
+    python benchmarks/check.py                  # every part: ~10 min on a quiet 2-core VM
+    python benchmarks/check.py --only local     # or s3, loop, codec; repeat --only for several
     python benchmarks/check.py --quick          # smoke run: small sizes, seconds to a minute each
     python benchmarks/check.py --plots docs/img # also draw the pictures docs/benchmarks.md shows
 
-Three parts, each driven by the benchmark that owns its protocol (nothing is re-implemented
+Four parts, each driven by the benchmark that owns its protocol (nothing is re-implemented
 here):
 
 - ``local``: ``benchmarks/restart.py`` (every save and load in a fresh process; a load's
@@ -16,7 +16,10 @@ here):
 - ``loop``: ``benchmarks/training_loop.py`` on the capped bucket (100 MB/s, 5 ms per
   request), one rank, a checkpoint every 10 steps: ours async, stock async,
   s3torchconnector async, each ``--loop-rounds`` times (2) against its round's run without
-  checkpoints, medians over rounds; and the staging floor, once.
+  checkpoints, medians over rounds; and the staging floor, once;
+- ``codec``: ``benchmarks/compression.py``: ``WeightCodec`` against ZipNN, one core each,
+  on an initialised bf16 layer and AdamW's fp32 second moment; the worse tensor's ratio
+  of each kind (stored size, compression and decompression speed).
 
 The recorded ratios and goals live in ONE place, the table between the ``recorded ratios``
 markers of docs/benchmarks.md; this script reads it, and refuses to run if a measure here
@@ -49,7 +52,7 @@ DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 BEGIN = "<!-- recorded ratios: begin"
 END = "<!-- recorded ratios: end -->"
 TOLERANCE = 0.10  # how much worse than the recorded ratio a run may read before it fails
-PARTS = ("local", "s3", "loop")
+PARTS = ("local", "s3", "loop", "codec")
 BUCKET = "bench"  # the bucket both s3_peers.py and training_loop.py use
 
 
@@ -82,6 +85,9 @@ MEASURES = [
     Measure("loop.stall_median_vs_floor", "loop", False),
     Measure("loop.stall_max_vs_floor", "loop", False),
     Measure("loop.cpu_per_gb_vs_s3tc", "loop", False),
+    Measure("codec.ratio_vs_zipnn", "codec", True),
+    Measure("codec.compress_vs_zipnn", "codec", True),
+    Measure("codec.decompress_vs_zipnn", "codec", True),
 ]
 
 
@@ -388,6 +394,43 @@ def run_loop(server: Any, quick: bool, plots: str | None, rounds: int) -> tuple[
 # --- the run -------------------------------------------------------------------------------
 
 
+def run_codec(repeat: int) -> tuple[list[Figure], str]:
+    import torch
+
+    from benchmarks import compression
+    from extensions import ItemInfo, WeightCodec
+
+    torch.set_num_threads(1)
+    worst: dict[str, tuple[float, str, str]] = {}  # measure: (ratio, ours, peer)
+    for name, tensor in compression.tensors(["randn-bf16", "adam-v-fp32"]).items():
+        raw = tensor.view(torch.uint8).numpy().tobytes()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        item = ItemInfo(checkpoint="bench", item=name, dtype=dtype, element_size=tensor.itemsize)
+        zipnn = compression.measure(compression.zipnn(dtype), raw, repeat, True)
+        ours = compression.measure(compression.ours([WeightCodec()], item), raw, repeat, False)
+        for key, field, unit in (
+            ("codec.ratio_vs_zipnn", "ratio", ""),
+            ("codec.compress_vs_zipnn", "compress", " MB/s"),
+            ("codec.decompress_vs_zipnn", "decompress", " MB/s"),
+        ):
+            ratio = ours[field] / zipnn[field]
+            if key not in worst or ratio < worst[key][0]:
+                digits = 4 if field == "ratio" else 0
+                worst[key] = (
+                    ratio,
+                    f"{ours[field]:.{digits}f}{unit} ({name})",
+                    f"{zipnn[field]:.{digits}f}{unit}",
+                )
+    figures = [Figure(key, o, p, r, "-") for key, (r, o, p) in worst.items()]
+    protocol = (
+        "codec (benchmarks/compression.py): [WeightCodec()] through the framework against "
+        "ZipNN 0.5.4 (threads=1) on randn-bf16 (17 MB) and adam-v-fp32 (21 MB), one core "
+        f"each, a warm-up then the median of {repeat}, every decode checked; ratio = ours / "
+        "ZipNN (stored size inverted, MB/s), the worse tensor's."
+    )
+    return figures, protocol
+
+
 def table(figures: list[Figure], recorded: dict[str, Recorded]) -> int:
     """Print the table; the worst severity of its verdicts."""
     by_key = {m.key: m for m in MEASURES}
@@ -421,6 +464,7 @@ def main() -> None:
     parser.add_argument(
         "--loop-rounds", type=int, help="rounds of each loop variant (default 2; quick 1)"
     )
+    parser.add_argument("--codec-repeat", type=int, help="codec runs (default 3; quick 1)")
     parser.add_argument(
         "--plots", metavar="DIR", help="draw the loop's step times and the S3 throughputs here"
     )
@@ -435,10 +479,19 @@ def main() -> None:
                 "the s3 and loop parts compare against s3torchconnector, which is not "
                 "installed: pip install -e '.[bench]' (or run --only local)"
             ) from None
+    if "codec" in parts:
+        try:
+            import zipnn  # noqa: F401 - the codec part's peer
+        except ImportError:
+            raise SystemExit(
+                "the codec part compares against ZipNN, which is not installed: "
+                "pip install -e '.[bench]' (or leave out --only codec)"
+            ) from None
     local_mb = args.local_mb or (32 if args.quick else 512)
     s3_mb = args.s3_mb or (32 if args.quick else 268)
     s3_repeat = args.s3_repeat or (1 if args.quick else 3)
     loop_rounds = args.loop_rounds or (1 if args.quick else 2)
+    codec_repeat = args.codec_repeat or (1 if args.quick else 3)
 
     figures: list[Figure] = []
     protocols: list[str] = []
@@ -473,6 +526,14 @@ def main() -> None:
                 figures += got
                 protocols.append(protocol)
                 note("loop", began)
+
+    if "codec" in parts:
+        print("codec: WeightCodec against ZipNN ...", file=sys.stderr, flush=True)
+        began = time.monotonic()
+        got, protocol = run_codec(codec_repeat)
+        figures += got
+        protocols.append(protocol)
+        note("codec", began)
 
     print("\n" + "\n\n".join(protocols))
     worst = table(figures, recorded)
