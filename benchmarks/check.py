@@ -14,9 +14,10 @@ here):
 - ``s3``: ``benchmarks/s3_peers.py`` on one SeaweedFS on loopback: ours, stock fsspec and
   s3torchconnector; saves in this process, loads in fresh ones; client CPU per GB;
 - ``loop``: ``benchmarks/training_loop.py`` on the capped bucket (100 MB/s, 5 ms per
-  request), one rank, a checkpoint every 10 steps: ours async, stock async,
-  s3torchconnector async, each ``--loop-rounds`` times (2) against its round's run without
-  checkpoints, medians over rounds; and the staging floor, once;
+  request), one rank, a checkpoint every 10 steps: ours async, ours tiered (a local tier
+  drained to the bucket), stock async, s3torchconnector async, each ``--loop-rounds``
+  times (2) against its round's run without checkpoints, medians over rounds; and the
+  staging floor, once;
 - ``codec``: ``benchmarks/compression.py``: ``WeightCodec`` against ZipNN, one core each,
   on an initialised bf16 layer and AdamW's fp32 second moment; the worse tensor's ratio
   of each kind (stored size, compression and decompression speed).
@@ -85,6 +86,8 @@ MEASURES = [
     Measure("loop.stall_median_vs_floor", "loop", False),
     Measure("loop.stall_max_vs_floor", "loop", False),
     Measure("loop.cpu_per_gb_vs_s3tc", "loop", False),
+    Measure("loop.tiered_slowdown_vs_stock", "loop", False),
+    Measure("loop.tiered_stall_median_vs_floor", "loop", False),
     Measure("codec.ratio_vs_zipnn", "codec", True),
     Measure("codec.compress_vs_zipnn", "codec", True),
     Measure("codec.decompress_vs_zipnn", "codec", True),
@@ -300,7 +303,7 @@ def run_loop(server: Any, quick: bool, plots: str | None, rounds: int) -> tuple[
     size, interval, steps = ("quick", 5, 15) if quick else ("full", 10, 40)
     # The floor is a copy into memory, the same every round: run once. The others run
     # every round, the order rotating, each against its own round's run without checkpoints.
-    timed = ["none", "stock async", "s3tc async", "ours async"]
+    timed = ["none", "stock async", "s3tc async", "ours async", "ours tiered"]
     args = argparse.Namespace(ranks=1, size=size, threads=1, profile=None)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in ["floor", *timed]}
     with CappedProxy(server.url, rate=100e6, latency=0.005) as proxy:
@@ -361,6 +364,26 @@ def run_loop(server: Any, quick: bool, plots: str | None, rounds: int) -> tuple[
                 "the floor (a copy into staging buffers) is the limit",
             )
         )
+    tiered, stock = slowdown("ours tiered"), slowdown("stock async")
+    figures.append(
+        Figure(
+            "loop.tiered_slowdown_vs_stock",
+            f"{tiered:.1f}%",
+            f"{stock:.1f}%",
+            tiered / stock if stock > 0 else None,
+            floor,
+        )
+    )
+    tiered_stall, copy = stalls("ours tiered")[0], stalls("floor")[0]
+    figures.append(
+        Figure(
+            "loop.tiered_stall_median_vs_floor",
+            f"{tiered_stall:.0f} ms",
+            f"{copy:.0f} ms",
+            tiered_stall / copy if copy > 0 else None,
+            "the floor (a copy into staging buffers) is the limit",
+        )
+    )
     base_cpu = statistics.median(r["job_cpu"] for r in runs["none"])
     cpu = {n: loop.checkpoint_cpu(runs[n], base_cpu) for n in runs if n != "none"}
     ours_cpu, s3tc_cpu = cpu["ours async"], cpu["s3tc async"]
@@ -382,7 +405,9 @@ def run_loop(server: Any, quick: bool, plots: str | None, rounds: int) -> tuple[
         "over the same round's run without checkpoints, median over rounds; stall = time in "
         "save (state dict built inside): the median of every stall, and the median over "
         "rounds of each round's largest (the first checkpoint's); floor = the state's tensors "
-        "copied into staging buffers allocated once. Peers: stock dcp.async_save + "
+        "copied into staging buffers allocated once. Ours tiered: local= a directory on "
+        "this disk, keep_local=2, each step drained to the bucket. Peers: stock "
+        "dcp.async_save + "
         "FsspecWriter, s3torchconnector's S3StorageWriter with dcp.async_save. Ratios: ours / "
         "peer. CPU per checkpointed GB: the job's CPU (trainer and its children: the persist "
         "worker with its start-up, torch's checkpoint process) over the run without "
