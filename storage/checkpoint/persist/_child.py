@@ -183,7 +183,7 @@ class _Bucket:
                 until = max((t for t in (capped, paced) if t is not None), default=None)
                 if until is None or (left := until - self._clock()) <= 0:
                     return
-                self._changed.wait(min(left, 60.0))  # a timeout Condition takes
+                self._changed.wait(min(left, 60.0))  # in steps: a wait has a longest timeout
 
     @contextlib.contextmanager
     def capped(self, cap: float | None) -> Iterator[None]:
