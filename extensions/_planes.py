@@ -7,8 +7,10 @@ varies in the block, the sign first moves from the top bit to the top of the sec
 byte and the bits in between move up by one, so the top plane holds the exponent alone
 (bfloat16, float32; float64's top 8 of 11) - the part of a float that compresses - and
 the sign joins the noisy mantissa bits (ZipNN's insight). Where the sign does not vary
-(a second moment) the encoder tries both splits: the exponent's low bit may code better
-beside the mantissa bits it correlates with. Each plane is stored in the cheapest of
+(a second moment) either split may code smaller: the exponent's low bit may code better
+beside the mantissa bits it correlates with. The encoder codes both and keeps the smaller
+at an item's first such block and every eighth after (:class:`SignSplits`); the blocks
+between take the last answer. Each plane is stored in the cheapest of
 six modes, chosen from a histogram of a sample (planes of up to 16 KiB: by trying them):
 
 ``RAW``     the plane as is (mantissa bytes: incompressible);
@@ -104,11 +106,39 @@ _codecs = _Codecs()
 Coded = tuple[PlaneHead, list[Any]]
 
 
+class SignSplits:
+    """Which split a constant sign took in one item's recent blocks. An item's blocks are
+    alike (one tensor: AdamW's second moment throughout), so coding both splits of every
+    block mostly repeats the last block's answer: both are coded at the item's first such
+    block, then every :data:`RECHECK`-th, and again at once after the answer changed;
+    the blocks between take the last answer."""
+
+    RECHECK = 8
+
+    def __init__(self) -> None:
+        self._moved: bool | None = None  # the last answer
+        self._since = 0  # blocks coded one way since both were tried
+
+    def guess(self) -> bool | None:
+        """The split to code alone, or ``None``: code both."""
+        if self._moved is None or self._since >= self.RECHECK - 1:
+            return None
+        self._since += 1
+        return self._moved
+
+    def learn(self, moved: bool) -> None:
+        """Both splits were coded and ``moved`` was smaller."""
+        changed = self._moved is not None and moved != self._moved
+        self._moved = moved
+        self._since = self.RECHECK if changed else 0  # changed: try both again next block
+
+
 def encode_block(
-    data: memoryview, es: int, floating: bool
+    data: memoryview, es: int, floating: bool, splits: SignSplits | None = None
 ) -> tuple[int, list[PlaneHead], list[Any]]:
     """The stored form of ``data`` (at most :data:`BLOCK_BYTES`): block flags, plane
-    heads, and the payload pieces to write after the header."""
+    heads, and the payload pieces to write after the header. ``splits``: the item's
+    memory of which split a constant sign took (without: both are coded)."""
     n = len(data) // es
     whole = n * es
     moved = varies = False
@@ -124,12 +154,18 @@ def encode_block(
     else:  # an element size without a numpy word: plain strided planes
         elements = np.frombuffer(data, np.uint8, count=whole).reshape(n, es)
         planes = [np.ascontiguousarray(elements[:, j]) for j in range(es)]
+    constant_sign = bool(floating and n and es in _UINT and not varies)
+    guess = splits.guess() if constant_sign and splits is not None else None
+    if guess:
+        planes, moved = _split(words, es, True), True
     coded = [_encode_plane(plane, floating) for plane in planes]
-    if floating and n and es in _UINT and not varies:  # a constant sign: try both splits
+    if constant_sign and guess is None:  # try both splits
         alternative = [_encode_plane(plane, True) for plane in _split(words, es, True)[-2:]]
         if _stored(alternative) < _stored(coded[-2:]):
             coded[-2:] = alternative
             moved = True
+        if splits is not None:
+            splits.learn(moved)
     if es in (4, 8) and coded[0][0][0] == RAW == coded[1][0][0]:
         coded[0] = coded[0][0], [words.astype(_U16)]
         coded[1] = coded[1][0], []

@@ -38,7 +38,7 @@ from extensions._layout import (
     payload_size,
     v1_heads,
 )
-from extensions._planes import BLOCK_BYTES, encode_block
+from extensions._planes import BLOCK_BYTES, SignSplits, encode_block
 from extensions._unplanes import decode_block
 from extensions.base import (
     ItemInfo,
@@ -133,10 +133,11 @@ class _Writer(BlockWriter):
         super().__init__(out, BLOCK_BYTES // es * es)
         self._es = es
         self._floating = floating
+        self._splits = SignSplits()  # this item's
         self._total = 0
 
     def emit(self, block: memoryview) -> None:
-        flags, heads, payloads = encode_block(block, self._es, self._floating)
+        flags, heads, payloads = encode_block(block, self._es, self._floating, self._splits)
         self._out.write(pack_v2_block(len(block), flags, heads))
         for piece in payloads:
             self._out.write(piece)
