@@ -47,7 +47,13 @@ class WriterStaging(AsyncStager):
         the default ``persist=None`` in threads, the copy goes into this process's
         :class:`LocalStaging` buffers; with ``persist="thread"`` named, through DCP's
         stager as stock torch does. With ``async_staging`` this returns a future of the
-        copy instead (see the writer)."""
+        copy instead (see the writer).
+
+        A writer saves once at a time (wait for one save's future before the next): a
+        lease it still holds here is its previous save's, which failed before its
+        writes (in planning, or on another rank) without DCP telling the writer, and
+        is released first, or the next save would wait for it for ever."""
+        self._release()
         if self.persist_mode.name == "process":
             staged, self._lease = _persist.worker().stage(state_dict)
             copies = self._lease.copies

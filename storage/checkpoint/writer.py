@@ -232,13 +232,19 @@ class CheckpointWriter(StorageWriter, WriterStaging):
                 self._base = incremental.open_base(self.fs, self.path, base)
             self.fs.mkdir(self.path)
 
-        self.budget.call(
-            prepare,
-            action="saving",
-            location=self.url,
-            item=fmt.METADATA_NAME,
-            url=self.fs.url(meta_path),
-        )
+        try:
+            self.budget.call(
+                prepare,
+                action="saving",
+                location=self.url,
+                item=fmt.METADATA_NAME,
+                url=self.fs.url(meta_path),
+            )
+        except BaseException:
+            # DCP calls nothing more on this writer: this save never writes, and the
+            # staging buffers must not stay held by a writer the caller still keeps.
+            self._release()
+            raise
         return dataclasses.replace(plan, storage_data=_RankPlan(self.rank))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

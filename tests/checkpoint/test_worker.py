@@ -853,3 +853,57 @@ def test_prepare_while_a_save_holds_the_buffers_leaves_that_save_intact(
     (gate / "open").touch()
     fut.result()
     assert_tree_equal(expected, loaded(tmp_path / "root" / "step-1", expected))
+
+
+def test_a_writer_whose_save_failed_in_planning_can_save_again(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """``dcp.async_save`` with a writer whose save fails before its writes (a file where
+    the checkpoint goes, ``overwrite=False`` on a committed one): DCP tells the writer
+    nothing, so before, its lease on the staging buffers stayed held and the next
+    ``dcp.async_save`` with that writer waited for them forever."""
+    import torch.distributed.checkpoint as dcp
+
+    (tmp_path / "bad").write_bytes(b"")
+    writer = storage.CheckpointWriter(tmp_path / "bad", persist="process")
+    state = big_state()
+    with pytest.raises(BaseException, match="bad"):
+        dcp.async_save(state, storage_writer=writer).result(timeout=120)
+    done: list[Any] = []
+    saver = threading.Thread(
+        target=lambda: done.append(
+            dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / "good").result()
+        ),
+        daemon=True,
+    )
+    saver.start()
+    saver.join(120)  # bounded: before the fix, the stage waited for the lease forever
+    assert not saver.is_alive(), "the next save waited for the failed save's buffers"
+    assert done and worker._free.is_set()
+    assert_tree_equal(state, loaded(tmp_path / "good", state))
+
+
+def test_a_writer_whose_save_failed_in_planning_does_not_hold_the_buffers(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """The same through another writer, the failed one still referenced (a variable, a
+    traceback): before, its lease held the buffers and the next save waited forever."""
+    import torch.distributed.checkpoint as dcp
+
+    (tmp_path / "bad").write_bytes(b"")
+    failed = storage.CheckpointWriter(tmp_path / "bad", persist="process")
+    state = big_state()
+    with pytest.raises(BaseException, match="bad"):
+        dcp.async_save(state, storage_writer=failed).result(timeout=120)
+    done: list[Any] = []
+    saver = threading.Thread(
+        target=lambda: done.append(
+            storage.async_save(state, tmp_path / "good", persist="process").result()
+        ),
+        daemon=True,
+    )
+    saver.start()
+    saver.join(120)  # bounded: before the fix, the stage waited for the lease forever
+    assert not saver.is_alive(), "the next save waited for the failed save's buffers"
+    assert_tree_equal(state, loaded(tmp_path / "good", state))
+    assert failed._lease is None
