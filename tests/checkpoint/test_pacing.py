@@ -401,3 +401,50 @@ def test_a_call_without_a_cap_does_not_lift_the_cap_of_one_in_flight() -> None:
             assert bucket.rate == 500.0
         assert bucket.rate == 1000.0
     assert bucket.rate is None  # no call in flight: no cap
+
+
+def test_a_pace_holds_only_the_writes_of_the_call_it_was_set_for() -> None:
+    """The worker's writes share one bucket: before, a pace held every write it made
+    while it was set, so a save running beside a paced one (another manager's, a
+    ``storage.async_save`` elsewhere) waited for that save's deadline (up to a minute)."""
+    bucket = _Bucket()
+    bucket.set_pace(1.0, math.inf, owner=1)  # call 1: one byte a second
+    paced = threading.Thread(target=bucket.take, args=(1_000_000, 1), daemon=True)
+    paced.start()
+    other = threading.Thread(target=bucket.take, args=(1_000_000, 2), daemon=True)
+    other.start()
+    other.join(PROMPT)
+    assert not other.is_alive()  # call 2 is not paced
+    assert paced.is_alive()  # call 1 still is
+    bucket.hurry(owner=2)  # a call that ends lifts only its own pace
+    paced.join(0.2)
+    assert paced.is_alive()
+    bucket.hurry()
+    paced.join(PROMPT)
+    assert not paced.is_alive()
+
+
+def write_zeros(fs: Any, path: str, nbytes: int) -> int:
+    """Write ``nbytes`` zeros to ``path`` through ``fs`` (run in the persist worker)."""
+    with fs.create_stream(path, "wb") as stream:
+        for start in range(0, nbytes, 1 << 16):
+            stream.write(bytes(min(1 << 16, nbytes - start)))
+    return nbytes
+
+
+def test_a_call_beside_a_paced_one_in_the_worker_goes_at_full_speed(tmp_path: Any) -> None:
+    w = persist.worker()
+    fs = storage.LocalFileSystem()
+    w.pace_next(time.monotonic() + 3600.0, "paced")  # 2 MB over an hour: ~600 B/s
+    paced = w.call(
+        write_zeros, fs, str(tmp_path / "paced"), 2 << 20, pace_bytes=2 << 20, pace_for="paced"
+    )
+    try:
+        other = w.call(
+            write_zeros, fs, str(tmp_path / "other"), 2 << 20, pace_bytes=2 << 20, pace_for="other"
+        )
+        assert other.result(timeout=PROMPT) == 2 << 20  # before: an hour behind the pace
+        assert not paced.done()
+    finally:
+        persist.hurry()
+    assert paced.result(timeout=PROMPT) == 2 << 20

@@ -141,8 +141,9 @@ class _Bucket:
       every slow stretch; and no write waits past the deadline (bytes beyond those the
       rate was made for, a heartbeat, go at once then).
 
-    The pace applies to every write the worker makes while it is set: a save the
-    worker runs beside a paced one shares its schedule."""
+    The pace holds only the writes of the call it was set for (``owner``, the call's
+    id; ``take(n, owner)``): a save the worker runs beside a paced one, another
+    manager's or a ``storage.async_save`` elsewhere, goes at full speed (under the cap)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate: float | None = None
@@ -153,17 +154,24 @@ class _Bucket:
         self._next = 0.0  # when the cap allows the next byte
         self._paced_to = 0.0  # where the pace's schedule stands: when it allows the next byte
         self._pace_end = 0.0  # the paced save's deadline: no write waits past it
+        self._pace_owner: object = None  # the call whose writes the pace holds
         self._burst = 0.05
 
-    def set_pace(self, pace: float, until: float) -> None:
-        """Spread the next writes at ``pace`` bytes/s, on a schedule starting now and
-        ending at ``until`` (this host's ``time.monotonic``)."""
+    def set_pace(self, pace: float, until: float, owner: object = None) -> None:
+        """Spread the writes of call ``owner`` at ``pace`` bytes/s, on a schedule
+        starting now and ending at ``until`` (this host's ``time.monotonic``)."""
         with self._changed:
             self.pace, self._paced_to, self._pace_end = pace, self._clock(), until
+            self._pace_owner = owner
+            self._changed.notify_all()  # writes held by an earlier pace: not any more
 
-    def take(self, n: int) -> None:
+    def _paced(self, owner: object) -> bool:
+        return self.pace is not None and self._pace_owner == owner
+
+    def take(self, n: int, owner: object = None) -> None:
+        """Wait until ``n`` more bytes written by call ``owner`` fit under the limits."""
         with self._changed:
-            if n <= 0 or (self.rate is None and self.pace is None):
+            if n <= 0 or (self.rate is None and not self._paced(owner)):
                 return
             now = self._clock()
             capped = None
@@ -171,12 +179,12 @@ class _Bucket:
                 self._next = max(self._next, now - self._burst) + n / self.rate
                 capped = self._next
             paced = None
-            if self.pace is not None:
+            if self.pace is not None and self._pace_owner == owner:
                 self._paced_to += n / self.pace
                 paced = min(self._paced_to, self._pace_end)
             while True:
                 # Re-read each time: a hurry lifts the pace, a call's end lifts its cap.
-                if self.pace is None:
+                if not self._paced(owner):
                     paced = None
                 if self.rate is None:
                     capped = None
@@ -204,10 +212,12 @@ class _Bucket:
                 self.rate = min(self._caps) if self._caps else None
                 self._changed.notify_all()
 
-    def hurry(self) -> None:
-        """Lift the pace: the training process waits for this save now."""
+    def hurry(self, owner: object = None) -> None:
+        """Lift the pace: the training process waits for this save now. With ``owner``
+        (a paced call that ended), only if the pace is that call's."""
         with self._changed:
-            self.pace = None
+            if owner is None or self._pace_owner == owner:
+                self.pace = None
             self._changed.notify_all()
 
 
@@ -215,30 +225,37 @@ _bucket = _Bucket()
 
 
 class _Throttled:
-    """A write stream whose writes wait for the bucket."""
+    """A write stream of call ``owner`` whose writes wait for the bucket."""
 
-    def __init__(self, stream: IO[bytes]) -> None:
+    def __init__(self, stream: IO[bytes], owner: object) -> None:
         self._stream = stream
+        self._owner = owner
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
-        _bucket.take(view.nbytes)
+        _bucket.take(view.nbytes, self._owner)
         return self._stream.write(view)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
 
+#: The call the current thread runs (:meth:`_Server._run`): whose pace its writes take.
+_call = threading.local()
+
+
 def limit_writes(fs: object) -> None:
-    """Make every write stream of this process's copy of ``fs`` take from the bucket."""
+    """Make every write stream of this process's copy of ``fs`` take from the bucket,
+    as writes of the call this thread runs (the streams may be written by its threads)."""
     if not isinstance(fs, FileSystemBase) or "create_stream" in vars(fs):
         return
     create = fs.create_stream
+    owner = getattr(_call, "owner", None)
 
     @contextlib.contextmanager
     def create_stream(path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
         with create(path, mode, sync=sync) as stream:
-            yield stream if "w" not in mode else _Throttled(stream)  # type: ignore[misc]
+            yield stream if "w" not in mode else _Throttled(stream, owner)  # type: ignore[misc]
 
     fs.create_stream = create_stream  # type: ignore[method-assign]
 
@@ -291,13 +308,15 @@ class _Server:
             if options.get("pace") is not None:
                 # Set here, in the order of the messages: a hurry read next lifts it even
                 # when it comes before the call's thread starts.
-                _bucket.set_pace(*options["pace"])
+                rate, until = options["pace"]
+                _bucket.set_pace(rate, until, owner=call_id)
             self._calls.submit(self._run, call_id, fn, args, kwargs, options)
 
     def _run(
         self, call_id: int, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: Any
     ) -> None:
         pace = options.get("pace")
+        _call.owner = call_id
         try:
             _set_environ(options.get("environ"))
             _keep_mapped(options.get("live", []))
@@ -310,8 +329,10 @@ class _Server:
                 kind, result = "ok", fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the training process
             kind, result = "error", _error_payload(exc)
+        finally:
+            _call.owner = None
         if pace is not None:
-            _bucket.hurry()  # the paced save is done: nothing after it is paced
+            _bucket.hurry(call_id)  # the paced save is done (a later one keeps its pace)
         self.send(kind, call_id, result)
 
 
