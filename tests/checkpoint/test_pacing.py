@@ -22,6 +22,8 @@ from extensions.errors import WorkerDiedError
 from storage.checkpoint import persist
 from storage.checkpoint.persist._child import _Bucket
 from storage.ops.pace import MAX_PACED_SECONDS, UploadPace
+from tests.checkpoint.test_worker import loaded
+from tests.support.trees import assert_tree_equal
 
 # Generous: a step that is lifted finishes in milliseconds; one that is not takes hours.
 PROMPT = 60.0
@@ -448,3 +450,21 @@ def test_a_call_beside_a_paced_one_in_the_worker_goes_at_full_speed(tmp_path: An
     finally:
         persist.hurry()
     assert paced.result(timeout=PROMPT) == 2 << 20
+
+
+def test_a_save_elsewhere_beside_a_paced_one_is_not_held_to_its_deadline(tmp_path: Any) -> None:
+    """The paced save holds the worker's staging buffers until its writes are done:
+    before, another save in the process (``storage.async_save`` elsewhere, another
+    manager's) waited on the training thread for them until the pace's deadline."""
+    mgr = _saved_long_ago(tmp_path / "ck")
+    try:
+        second = mgr.save(2, _state(), blocking=False)
+        assert second is not None
+        _wait_for_a_paced_call()
+        began = time.monotonic()
+        elsewhere = {"x": torch.randn(2 << 20)}
+        storage.async_save(elsewhere, tmp_path / "elsewhere", persist="process").result()
+        assert time.monotonic() - began < MAX_PACED_SECONDS / 2
+        assert_tree_equal(elsewhere, loaded(tmp_path / "elsewhere", elsewhere))
+    finally:
+        mgr.wait()

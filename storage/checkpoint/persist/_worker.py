@@ -350,6 +350,10 @@ class Worker:
         holds them is done reading; returns the staged copy and its lease. Copies from
         CUDA are only enqueued when this returns: see :class:`Lease`."""
         pool = self.start()  # a dead worker is reported here, before anything is staged
+        if not self._free.is_set():
+            # Held by a save still writing, which may be paced (another manager's): this
+            # save, on the training thread, waits for it now, so its pace is lifted.
+            self.hurry()
         while not self._free.wait(60):
             log.warning("a checkpoint save waits for the previous one to release its buffers")
         self._free.clear()
