@@ -298,3 +298,65 @@ def test_a_manager_that_never_saved_leaves_no_buffers_and_no_worker(tmp_path: Pa
     assert len(fields) == 2, out
     assert _gone(int(fields[0]))
     assert _listing(fields[1]) == []
+
+
+def test_a_segment_removed_from_under_the_pool_is_made_again() -> None:
+    """Something else removed the pool's files (systemd-logind's RemoveIPC at logout, a
+    cleaner of old files in /dev/shm, another pool's sweep once the lock file was
+    gone). Before, the pool kept staging into the removed segment: a worker that had
+    not mapped it yet (``prepare`` made it, or the worker restarted) failed every save
+    from then on with a bare FileNotFoundError naming it."""
+    from storage.checkpoint import persist
+
+    handle = persist.Worker()
+    try:
+        state = {"w": torch.randn(256, 256)}
+        handle.reserve(state)  # made and touched, never sent to the worker yet
+        assert handle.pool is not None
+        for name in _listing(handle.pool.name):
+            os.unlink(Path(_shm.shm_dir(), name))
+        staged, lease = handle.stage(state)
+        try:
+            assert handle.pool.live() and all(
+                Path(_shm.shm_dir(), name).exists() for name in handle.pool.live()
+            )
+            ref = persist.item_ref(handle.pool, _tensor_item(), staged["w"])
+            assert ref[0] == "shm"
+            assert torch.equal(handle.call(_rebuilt, ref).result(timeout=120), state["w"])
+        finally:
+            lease.release()
+    finally:
+        handle.close()
+
+
+def _tensor_item() -> object:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    return WriteItem(index=MetadataIndex("w"), type=WriteItemType.TENSOR)
+
+
+def _rebuilt(ref: tuple[object, ...]) -> torch.Tensor:
+    """The tensor the worker reads for ``ref``, copied out of the segment."""
+    from storage.checkpoint.persist._child import rebuild
+
+    data = rebuild(ref)
+    assert isinstance(data, torch.Tensor)
+    return data.clone()
+
+
+def test_a_lock_file_removed_from_under_the_pool_is_made_again() -> None:
+    """Only the lock file removed (a cleaner of old files: the lock is never written
+    after it is made). Before, the next pool this user made (another job's) took the
+    live pool for a dead one and removed its segments."""
+    first = _shm.StagingPool()
+    try:
+        staged, _ = first.stage(BIG)
+        os.unlink(Path(_shm.shm_dir(), f"{first.name}.lock"))
+        staged, _ = first.stage(BIG)  # the next save's stage makes it again
+        second = _shm.StagingPool()  # sweeps this user's dead pools first
+        second.close()
+        assert len(_listing(first.name)) == 2  # its segment and its lock file
+        assert torch.equal(staged["w"], BIG["w"])
+    finally:
+        first.close()

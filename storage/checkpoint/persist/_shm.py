@@ -24,6 +24,11 @@ killed it. A child made with ``fork`` shares the lock (its parent's segments sta
 it lives) and never removes them: only the process that made a pool removes its
 segments, when the pool is closed or the process exits.
 
+Files removed from under a live pool (systemd-logind's ``RemoveIPC`` at logout, a
+cleaner of old files) are made again at the next stage: a segment (the worker maps it
+by name) and the lock file (without it, another pool's sweep would take the pool for a
+dead one).
+
 :func:`sweep` removes the segments of pools whose lock nobody holds: the persist worker
 runs it when it sees its training process die (so a ``kill -9`` leaves nothing behind
 for long), and every new pool runs it first. It judges only files the calling user owns
@@ -183,6 +188,32 @@ class _Owner:
         self.fd = fd
         self.name = name
         self.pid = os.getpid()
+
+    def relock(self) -> None:
+        """Make the lock file again, held, after something else removed it (the owning
+        process only): without it another pool's sweep takes this pool for a dead one.
+        Made under a name no sweep reads, locked, then linked into place, so no sweep
+        ever sees it unlocked."""
+        if os.getpid() != self.pid or self.fd < 0:
+            return
+        path = os.path.join(shm_dir(), f"{self.name}.lock")
+        new = f"{path}.new"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(new, flags, 0o600)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.link(new, path)
+        except OSError:
+            os.close(fd)
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(new)
+        old, self.fd = self.fd, fd
+        os.close(old)
 
     def close(self) -> None:
         """Remove the lock file (the owning process only) and close this process's hold
@@ -377,6 +408,27 @@ class StagingPool:
         live = {s.data_ptr() for s in self._stager.cached()}
         for address in [a for a in self._addresses if a not in live]:
             self._drop(address)
+        # Segments whose file something else removed (systemd-logind's RemoveIPC, a
+        # cleaner of /dev/shm): the worker maps segments by name, so it could never
+        # read them again; forgotten here, they are made afresh by this stage.
+        try:
+            present = set(os.listdir(shm_dir()))
+        except OSError:
+            return
+        if f"{self.name}.lock" not in present:
+            self._owner.relock()
+        gone = {a for a in self._addresses if self._segments[a].name not in present}
+        if gone:
+            log.warning(
+                "%d staging buffers of %s were removed from %s by something else; "
+                "making them again",
+                len(gone),
+                self.name,
+                shm_dir(),
+            )
+            self._stager.forget(gone)
+            for address in gone:
+                self._drop(address)
 
     @property
     def name(self) -> str:
@@ -414,6 +466,12 @@ class _Stager(StateDictStager or object):  # type: ignore[misc]
 
     def reset(self) -> None:
         self._cache = WeakIdKeyDictionary()
+
+    def forget(self, addresses: set[int]) -> None:
+        """Drop the cached buffers at ``addresses``: the next stage makes new ones."""
+        for source, staged in list(self._cache.items()):
+            if staged.data_ptr() in addresses:
+                del self._cache[source]
 
     def _stage_untyped_storage(
         self, storage: torch.UntypedStorage, non_blocking: bool = False
