@@ -17,12 +17,12 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import storage
 from storage.checkpoint import CheckpointWriter, persist
-from storage.checkpoint.persist import _shm
+from storage.checkpoint.persist import _pool, _shm
 from storage.checkpoint.persist._cuda import InFlight, Pins
 from storage.checkpoint.persist._worker import Lease
 from tests.support.trees import assert_tree_equal, zeros_like_tree
 
-BIG = 4 * _shm.SMALL
+BIG = 4 * _pool.SMALL
 
 
 class _Calls:
@@ -46,7 +46,7 @@ class _Calls:
         self.log.append(("unregister", address, bool(self.files())))
 
 
-def _segment_exists(pool: _shm.StagingPool, storage: torch.UntypedStorage) -> bool:
+def _segment_exists(pool: _pool.StagingPool, storage: torch.UntypedStorage) -> bool:
     where = pool.locate(torch.empty(0, dtype=torch.uint8).set_(storage))
     return where is not None and Path(_shm.shm_dir(), where[0]).exists()
 
@@ -56,7 +56,7 @@ def test_a_pinned_segment_is_registered_once_and_unregistered_before_it_goes() -
     registered with the host allocator once, and unregistered while its file still
     exists, before it is unlinked (a segment dropped by the next stage, or at close)."""
     calls = _Calls(_shm.shm_dir())
-    pool = _shm.StagingPool(pins=Pins(calls.register, calls.unregister))
+    pool = _pool.StagingPool(pins=Pins(calls.register, calls.unregister))
     try:
         kept = pool.new_storage(BIG, pin=True)
         address = kept.data_ptr()
@@ -84,7 +84,7 @@ def test_a_segment_that_cannot_be_pinned_is_removed() -> None:
     """A failed registration leaves no segment behind (and the error reaches the save)."""
     calls = _Calls(_shm.shm_dir())
     calls.fail = True
-    pool = _shm.StagingPool(pins=Pins(calls.register, calls.unregister))
+    pool = _pool.StagingPool(pins=Pins(calls.register, calls.unregister))
     try:
         before = {n for n in os.listdir(_shm.shm_dir()) if n.startswith(pool.name + "-")}
         with pytest.raises(RuntimeError, match="cudaHostRegister"):
@@ -220,7 +220,7 @@ def test_staging_a_cuda_state_dict_is_pinned() -> None:
     """The staging buffers of CUDA tensors are page-locked (registered with the CUDA
     host allocator), small ones too; the staged copy equals the source."""
     state = _cuda_state()
-    pool = _shm.StagingPool()
+    pool = _pool.StagingPool()
     try:
         staged, copies = pool.stage(state)
         assert copies is not None

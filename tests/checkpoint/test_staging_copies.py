@@ -14,7 +14,7 @@ import torch
 
 from extensions.errors import CheckpointStorageError
 from storage.checkpoint import persist
-from storage.checkpoint.persist import _copies, _cores, _shm
+from storage.checkpoint.persist import _copies, _cores, _pool, _shm
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _threads_of(pool: _shm.StagingPool) -> bool:
+def _threads_of(pool: _pool.StagingPool) -> bool:
     """Whether the pool started copy threads of its own."""
     return pool._copies._executor is not None
 
@@ -55,7 +55,7 @@ def test_copies_spread_over_threads_are_exact_and_refreshed(one_torch_thread: No
     """Where torch runs on one thread, the pool's threads copy in pieces: every byte
     lands where it belongs, on the first stage (new segments) and on the next ones
     (the same buffers, new values)."""
-    pool = _shm.StagingPool(copy_threads=3)
+    pool = _pool.StagingPool(copy_threads=3)
     try:
         state = _state(0)
         staged, _ = pool.stage(state)
@@ -79,7 +79,7 @@ def test_with_several_torch_threads_copies_run_inline() -> None:
     own (threads of its own, each starting torch's, would oversubscribe the cores)."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
-    pool = _shm.StagingPool(copy_threads=4)
+    pool = _pool.StagingPool(copy_threads=4)
     try:
         state = _state(1)
         staged, _ = pool.stage(state)
@@ -106,7 +106,7 @@ def test_a_full_shared_memory_fails_the_stage_by_name_and_the_next_stage_reserve
         real(fd, offset, length)
 
     monkeypatch.setattr(_shm.os, "posix_fallocate", fallocate)
-    pool = _shm.StagingPool(copy_threads=threads)
+    pool = _pool.StagingPool(copy_threads=threads)
     try:
         state = _state(2)
         with pytest.raises(CheckpointStorageError, match=r"--shm-size.*persist='thread'"):
@@ -134,7 +134,7 @@ def test_a_piece_whose_space_cannot_be_reserved_is_never_written(
         real(fd, offset, length)
 
     monkeypatch.setattr(_shm.os, "posix_fallocate", fallocate)
-    pool = _shm.StagingPool(copy_threads=2)
+    pool = _pool.StagingPool(copy_threads=2)
     try:
         state = _state(3)
         with pytest.raises(CheckpointStorageError, match="--shm-size"):
@@ -154,7 +154,7 @@ def test_a_stage_under_inference_mode_copies_on_the_pools_threads(
 ) -> None:
     """Views the training thread made under ``inference_mode`` may not be written by
     another thread outside it: the pool's threads make their own."""
-    pool = _shm.StagingPool(copy_threads=2)
+    pool = _pool.StagingPool(copy_threads=2)
     try:
         state = _state(4)
         with torch.inference_mode():

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from storage.checkpoint.persist import _shm
+from storage.checkpoint.persist import _pool, _shm
 
 ROOT = Path(__file__).resolve().parents[2]
 BIG = {"w": torch.ones(256, 256)}  # 256 KiB: staged in a segment, not by value
@@ -70,7 +70,7 @@ def test_names_taken_in_advance_by_another_user_are_skipped() -> None:
     those names first made every save of this process fail with a raw FileExistsError."""
     other = _nobody()
     planted = [_plant(f"dcp-storage-{os.getuid()}-{os.getpid()}-{n}", other) for n in range(16)]
-    pool = _shm.StagingPool()
+    pool = _pool.StagingPool()
     try:
         staged, _ = pool.stage(BIG)
         assert torch.equal(staged["w"], BIG["w"])
@@ -86,7 +86,7 @@ def test_names_taken_in_advance_by_another_user_are_skipped() -> None:
 def test_a_random_name_that_is_taken_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """Someone who lists the directory sees a pool's name and may create its next
     segment's name first: the segment takes another name instead of failing."""
-    pool = _shm.StagingPool()
+    pool = _pool.StagingPool()
     try:
         tokens = iter(["00" * 8, "11" * 8])
         taken = Path(_shm.shm_dir(), f"{pool.name}-{'00' * 8}")
@@ -139,7 +139,7 @@ def test_a_live_pool_is_not_swept_from_another_pid_namespace() -> None:
     probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode().strip()}")
-    pool = _shm.StagingPool()
+    pool = _pool.StagingPool()
     try:
         staged, _ = pool.stage(BIG)
         before = _listing(pool.name)
@@ -266,7 +266,7 @@ def test_buffers_left_by_a_killed_trainer_and_worker_are_removed_by_the_next_poo
 ) -> None:
     worker_pid, pool = _run_saver(tmp_path, "kill both")
     assert _gone(worker_pid)
-    _shm.StagingPool().close()  # nobody was left to remove them: the next pool does
+    _pool.StagingPool().close()  # nobody was left to remove them: the next pool does
     assert _listing(pool) == []
 
 
@@ -349,12 +349,12 @@ def test_a_lock_file_removed_from_under_the_pool_is_made_again() -> None:
     """Only the lock file removed (a cleaner of old files: the lock is never written
     after it is made). Before, the next pool this user made (another job's) took the
     live pool for a dead one and removed its segments."""
-    first = _shm.StagingPool()
+    first = _pool.StagingPool()
     try:
         staged, _ = first.stage(BIG)
         os.unlink(Path(_shm.shm_dir(), f"{first.name}.lock"))
         staged, _ = first.stage(BIG)  # the next save's stage makes it again
-        second = _shm.StagingPool()  # sweeps this user's dead pools first
+        second = _pool.StagingPool()  # sweeps this user's dead pools first
         second.close()
         assert len(_listing(first.name)) == 2  # its segment and its lock file
         assert torch.equal(staged["w"], BIG["w"])

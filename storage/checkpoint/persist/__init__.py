@@ -4,7 +4,7 @@
 also one of ``storage.async_save`` and ``CheckpointManager``) moves an asynchronous
 save's encoding, checksums and uploads, and a tiered manager's drain, into a worker
 process. The training thread only copies the state into staging buffers in shared memory
-(:mod:`._shm`), reused from one save to the next; DCP's background thread still plans
+(:mod:`._pool`), reused from one save to the next; DCP's background thread still plans
 the save and runs its collectives, hands the items (segment names and offsets, no bytes)
 to the worker and waits on the socket, holding no GIL. The worker (:mod:`._child`) runs
 niced, imports nothing of the training script, and puts every write to storage through
@@ -43,7 +43,7 @@ from storage.checkpoint.encode import plain_cpu_tensor
 from storage.checkpoint.persist._child import Pause, warm
 from storage.checkpoint.persist._cores import copy_threads, local_ranks, usable_cpus
 from storage.checkpoint.persist._messages import NotSendable
-from storage.checkpoint.persist._shm import StagingPool
+from storage.checkpoint.persist._pool import StagingPool
 from storage.checkpoint.persist._worker import Lease, Worker
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ from storage.checkpoint.persist._messages import (
     remote_error,
     unreadable,
 )
-from storage.checkpoint.persist._shm import StagingPool
+from storage.checkpoint.persist._pool import StagingPool
 
 log = logging.getLogger(__name__)
 
