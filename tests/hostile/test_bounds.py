@@ -122,6 +122,54 @@ def test_zstd_bomb_in_a_tensor_item_without_layout_facts_is_refused(
     assert peak() < 4 * MiB  # 16 x 8 bytes + the 64 KiB archive allowance
 
 
+def _rle_zeros(size: int) -> bytes:
+    """A zstd frame of ``size`` zero bytes (a multiple of 128 KiB) in RLE blocks of 128
+    KiB, 4 bytes each, declaring no content size: 32 KiB per GiB."""
+    blocks = size >> 17
+    block = (1 << 1 | (128 << 10) << 3).to_bytes(3, "little") + b"\0"
+    last = (1 | 1 << 1 | (128 << 10) << 3).to_bytes(3, "little") + b"\0"
+    return struct.pack("<IBB", 0xFD2FB528, 0, 10 << 3) + block * (blocks - 1) + last
+
+
+def _archive_of(ckpt: Path, fqn: str) -> bytes:
+    """The plain archive of the zstd item ``fqn``."""
+    info = _info(_meta(ckpt), fqn)
+    with (ckpt / info.relative_path).open("rb") as f:
+        f.seek(info.offset)
+        stored = f.read(info.length)
+    reader = zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=True)
+    return reader.read()
+
+
+@pytest.mark.parametrize("where", ["trailer", "header"])
+def test_zstd_bomb_around_a_tensor_is_refused_not_decoded(tmp_path: Path, where: str) -> None:
+    # A tensor item decodes to its archive: a header of well under 64 KiB, the tensor,
+    # a trailer of the same order. Without the bound the reader decoded and dropped
+    # whatever followed the tensor (a 5 MiB item read on one thread: 4 GiB of zeros
+    # here, 128 GiB for every 4 MiB of bomb) and skipped whatever data_offset claimed
+    # before it, and loaded the tensor without a word.
+    storage.save({"t": torch.arange(16.0)}, tmp_path, transforms=[ZStandard()])
+    archive = _archive_of(tmp_path, "t")
+    offset = getattr(_info(_meta(tmp_path), "t"), fmt.EXTRA)["data_offset"]
+    compress = zstandard.ZstdCompressor(level=1).compress
+    bomb = _rle_zeros(4 << 30)
+    if where == "trailer":
+        # Over one frame buffer (4 MiB), without a seek table: the sequential path.
+        stored = (
+            compress(archive)
+            + compress(torch.randint(0, 256, (5 << 20,), dtype=torch.uint8).numpy().tobytes())
+            + bomb
+        )
+        changes: dict[str, Any] = {}
+    else:
+        stored = bomb + compress(archive)
+        changes = {"data_offset": offset + (4 << 30)}
+    _plant(tmp_path, "t", stored, **changes)
+    target = {"t": torch.zeros(16)}
+    with pytest.raises(UnsafeCheckpointError, match="'t'.*(more than its tensor|archive)"):
+        storage.load(target, tmp_path)
+
+
 def test_chunk_declared_larger_than_its_tensor_is_refused(tmp_path: Path) -> None:
     # Without the check a chunk claiming 64 Mi elements for a 16-element tensor made
     # the reader allocate 256 MiB and then load successfully from the stored archive.
