@@ -464,6 +464,27 @@ def test_malformed_metadata_value_raises_a_named_error(tmp_path: Path, case: str
         storage.load({"t": torch.zeros(4)}, tmp_path)
 
 
+def test_a_chain_of_thousands_of_transforms_is_refused_before_any_decoder_is_built(
+    tmp_path: Path,
+) -> None:
+    # Without the bound each of these 20,000 descriptors (40 KB of metadata: a pickle
+    # stores the repeated string once) built a zstd decoder, ~170 MB of native memory
+    # for the item (~850 MB for 200 KB of metadata, per reader thread), and the load
+    # failed with "cannot decode: maximum recursion depth exceeded", naming no cause.
+    storage.save({"t": torch.ones(4)}, tmp_path, transforms=[ZStandard()])
+    metadata = _meta(tmp_path)
+    _info(metadata, "t").transform_descriptors = ["stream.zstd/1"] * 20_000
+    _write_meta(tmp_path, metadata)
+    with pytest.raises(UnsafeCheckpointError, match="'t'.*a list of at most 16 str") as info:
+        storage.load({"t": torch.zeros(4)}, tmp_path)
+    assert len(str(info.value)) < 600
+
+
+def test_a_writer_refuses_a_chain_readers_would_refuse() -> None:
+    with pytest.raises(ValueError, match="17 transforms.*more than 16"):
+        storage.CheckpointWriter("/nonexistent/c", transforms=[ZStandard()] * 17)
+
+
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_cli_reports_malformed_metadata_in_one_line(
     tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
