@@ -170,6 +170,26 @@ def test_zstd_bomb_around_a_tensor_is_refused_not_decoded(tmp_path: Path, where:
         storage.load(target, tmp_path)
 
 
+def test_a_transcoding_copy_refuses_a_zstd_bomb_instead_of_writing_it_out(
+    tmp_path: Path,
+) -> None:
+    # Without the bound `cp --transforms` decoded every byte of a source item into the
+    # new chain: a 16-element tensor whose item decodes to 4 GiB more than its archive
+    # was decoded and re-encoded whole (into a plain chain: 4 GiB written out), and the
+    # copy committed an item no load accepts.
+    from storage.backends import LocalFileSystem
+    from storage.ops.copy import copy_checkpoint
+
+    src = tmp_path / "src"
+    storage.save({"t": torch.arange(16.0)}, src, transforms=[ZStandard()])
+    compress = zstandard.ZstdCompressor(level=1).compress
+    _plant(src, "t", compress(_archive_of(src, "t")) + _rle_zeros(4 << 30))
+    fs = LocalFileSystem()
+    with pytest.raises(UnsafeCheckpointError, match="'t'.*decodes to more than"):
+        copy_checkpoint(fs, str(src), fs, str(tmp_path / "dst"), transforms=[ZStandard()])
+    assert not (tmp_path / "dst" / ".metadata").exists()
+
+
 def test_chunk_declared_larger_than_its_tensor_is_refused(tmp_path: Path) -> None:
     # Without the check a chunk claiming 64 Mi elements for a 16-element tensor made
     # the reader allocate 256 MiB and then load successfully from the stored archive.
