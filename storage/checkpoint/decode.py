@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from extensions.errors import IntegrityError, UnsafeCheckpointError, printable
-from extensions.streams import drain, read_all, readinto_exact, skip
+from extensions.streams import pump, read_all, readinto_exact, skip
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.tensors import tensor_bytes
 
@@ -54,6 +54,12 @@ def decode_tensor(
             "the state dict being loaded"
         )
     data_offset = record.data_offset
+    if data_offset is not None and data_offset > ARCHIVE_ALLOWANCE:
+        raise UnsafeCheckpointError(
+            f"{where}: its record puts the tensor {data_offset} bytes into the item's "
+            f"archive, past the {ARCHIVE_ALLOWANCE} bytes an archive's header takes; the "
+            "metadata is damaged or hostile: restore it or re-save the checkpoint"
+        )
     if data_offset is None or not _stored_as(record, dtype, sizes):
         # A stock archive without our layout facts, or stored bytes of another dtype
         # or size than the metadata says (a planner that cast): let torch parse it.
@@ -84,7 +90,13 @@ def decode_tensor(
         raise IntegrityError(f"{where}: item is truncated")
     if readinto_exact(decoded, tensor_bytes(dest)) != nbytes:
         raise IntegrityError(f"{where}: item is truncated")
-    drain(decoded)  # the archive's trailer, and the transforms' own trailers
+    # The archive's trailer, and the transforms' own trailers, decoded to their end
+    # (an AEAD checks its last tag there) but never past what an archive holds.
+    if pump(decoded, None, limit=ARCHIVE_ALLOWANCE + 1, chunk=1 << 16) > ARCHIVE_ALLOWANCE:
+        raise UnsafeCheckpointError(
+            f"{where}: the item decodes to more than its tensor and archive (a "
+            "decompression bomb?); refusing it: restore the file or re-save the checkpoint"
+        )
     return dest
 
 
@@ -103,6 +115,7 @@ def direct_offset(
     data_offset = record.data_offset
     if (
         data_offset is None
+        or data_offset > ARCHIVE_ALLOWANCE
         or not _stored_as(record, dtype, sizes)
         or list(req.lengths) != list(sizes)
         or any(req.storage_offsets)

@@ -20,6 +20,7 @@ from storage.checkpoint import persist as _persist
 from storage.checkpoint.committed import CommittedCheckpoint
 from storage.checkpoint.deadline import check_timeout
 from storage.checkpoint.prefixes import check_key_prefixes
+from storage.checkpoint.validate import MAX_CHAIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +151,10 @@ def check_transforms(transforms: Sequence[Any] | None) -> list[Any]:
                 f"{t!r} is not a stream transform instance; pass e.g. extensions.ZStandard(), "
                 "not the class"
             )
+    if len(transforms) > MAX_CHAIN:
+        raise ValueError(
+            f"{len(transforms)} transforms: readers refuse a chain of more than {MAX_CHAIN}"
+        )
     return list(transforms)
 
 

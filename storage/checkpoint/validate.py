@@ -62,6 +62,9 @@ MAX_SIZE = 1 << 62
 MAX_NAME = 255
 #: Deepest nesting accepted (DCP metadata nests about 6 levels).
 MAX_DEPTH = 32
+#: Most transforms one item's chain may list (a chain is 1-3 in practice): each stage is
+#: a decoder with its own buffers and a level of nesting in every read.
+MAX_CHAIN = 16
 #: Object-graph visits allowed per byte of metadata, plus a floor. Each node of a
 #: well-formed metadata costs at least one opcode byte, and its few shared objects
 #: (dtypes, a shared offsets tuple) a couple of visits each; measured: ~1 visit/byte.
@@ -261,9 +264,16 @@ def parse_item(info: object, where: str, label: str) -> StoredItem:
     descriptors = getattr(info, "transform_descriptors", None)
     if descriptors is not None and (
         not isinstance(descriptors, (list, tuple))
+        or len(descriptors) > MAX_CHAIN
         or not all(isinstance(d, str) for d in descriptors)
     ):
-        _bad(where, label, "its transform descriptors", descriptors, "a list of str")
+        _bad(
+            where,
+            label,
+            "its transform descriptors",
+            descriptors,
+            f"a list of at most {MAX_CHAIN} str",
+        )
     extra = getattr(info, EXTRA, None)
     if extra is None:
         extra = {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import math
 import threading
 import uuid
 from collections.abc import Callable, Collection, Sequence
@@ -24,7 +25,13 @@ from typing import IO, Any, cast
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from extensions.base import ItemInfo, Keys, cached_key_lookup
-from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError, quote
+from extensions.errors import (
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+    IntegrityError,
+    UnsafeCheckpointError,
+    quote,
+)
 from extensions.registry import ExtensionRegistry
 from extensions.streams import pump, skip
 from storage.backends.base import FileSystemBase
@@ -32,6 +39,7 @@ from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.committed import open_committed
+from storage.checkpoint.decode import ARCHIVE_ALLOWANCE, MAX_OBJECT_BYTES, OBJECT_RATIO
 from storage.checkpoint.incremental import (
     check_bases,
     item_directory,
@@ -41,7 +49,7 @@ from storage.checkpoint.incremental import (
 from storage.checkpoint.items import ItemEncoder, StoredItemReader
 from storage.checkpoint.options import default_thread_count
 from storage.checkpoint.prefixes import refuse_linked_prefix, split
-from storage.ops.parts import Part, Progress
+from storage.ops.parts import Part, Progress, chunk_facts
 
 
 @dataclass
@@ -196,8 +204,9 @@ class _FileCopy:
             for (index, info), item in zip(items, item_infos):
                 _skip(source, int(info.offset) - position, src_url, src_name)
                 position = int(info.offset) + int(info.length)
+                limit = _plain_limit(self.part, index, int(info.length))
                 count, crc, descriptors = _copy_item(
-                    source, out, info, item, self.chain, self.registry
+                    source, out, info, item, self.chain, self.registry, limit
                 )
                 self._record(index, info, dst_name, out_offset, count, crc, descriptors)
                 out_offset += count
@@ -304,6 +313,17 @@ def _skip(source: IO[bytes], n: int, url: str, name: str) -> None:
     skip(source, n)
 
 
+def _plain_limit(part: Part, index: MetadataIndex, stored: int) -> int:
+    """The most plain bytes the item at ``index`` (``stored`` bytes) may decode to: what
+    the reader allows it (``storage.checkpoint.decode``), so a transcoding copy never
+    writes out what no load would accept."""
+    facts = chunk_facts(part.metadata, index)
+    if facts is None:
+        return max(MAX_OBJECT_BYTES, OBJECT_RATIO * stored)
+    sizes, dtype = facts
+    return math.prod(sizes) * max(8, dtype.itemsize) + 2 * ARCHIVE_ALLOWANCE
+
+
 def _copy_item(
     source: IO[bytes],
     out: IO[bytes],
@@ -311,9 +331,11 @@ def _copy_item(
     item: ItemInfo,
     chain: list[Any] | None,
     registry: ExtensionRegistry | None,
+    limit: int,
 ) -> tuple[int, int, list[str]]:
     """Stream one stored item into ``out`` (as stored when ``chain`` is None, else
-    decoded and encoded with ``chain``); returns (stored length, crc32c, descriptors)."""
+    decoded, at most ``limit`` plain bytes, and encoded with ``chain``); returns
+    (stored length, crc32c, descriptors)."""
     stored = StoredItemReader(
         source,
         int(info.length),
@@ -327,7 +349,13 @@ def _copy_item(
             pump(stored.raw, encoder.plain)
         else:
             encoder = ItemEncoder(out, chain, item)
-            pump(stored.decoded(registry or ExtensionRegistry(), item), encoder.plain)
+            decoded = stored.decoded(registry or ExtensionRegistry(), item)
+            if pump(decoded, encoder.plain, limit=limit + 1) > limit:
+                raise UnsafeCheckpointError(
+                    f"{stored.where}: the item decodes to more than {limit} bytes, more than "
+                    "its chunk (or a value of its stored size) holds and any load accepts (a "
+                    "decompression bomb?); refusing to copy it: restore it from a good copy"
+                )
         count, crc = encoder.close()
         stored.finish()
     except (CheckpointStorageError, OSError):

@@ -421,3 +421,39 @@ def test_export_refuses_a_plain_item_claiming_more_bytes_than_it_stores_before_a
     with pytest.raises(IntegrityError, match="item 'w' claims 68719476736 elements"):
         export_safetensors(LocalFileSystem(), str(src), LocalFileSystem(), str(tmp_path / "out"))
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_export_reads_no_more_of_an_item_than_its_archive_around_the_tensor(
+    tmp_path: Path,
+) -> None:
+    """A direct tensor's checksum is solved from its item's archive head and tail, read
+    whole. An item whose record (checksum included) claims 32 MiB after the tensor made
+    the export hold those 32 MiB twice; such an item is now loaded, and the reader
+    refuses it as it refuses any tensor item decoding past its archive."""
+    import pickle
+    import tracemalloc
+
+    import crc32c
+
+    from extensions.errors import UnsafeCheckpointError
+
+    src = tmp_path / "src"
+    storage.save({"w": torch.ones(1024)}, str(src))
+    metadata = pickle.loads((src / ".metadata").read_bytes())  # the test's own file
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == "w")
+    path = src / info.relative_path
+    stored = path.read_bytes()[info.offset : info.offset + info.length] + bytes(32 << 20)
+    info.offset, info.length = path.stat().st_size, len(stored)
+    info.dcp_storage["crc32c"] = crc32c.crc32c(stored)
+    with path.open("ab") as f:
+        f.write(stored)
+    (src / ".metadata").write_bytes(pickle.dumps(metadata))
+    del stored
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="'w'.*more than its tensor and archive"):
+            export_safetensors(LocalFileSystem(), str(src), LocalFileSystem(), str(tmp_path / "o"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20

@@ -554,3 +554,60 @@ def test_damaged_low_pair_and_seven_bit_blocks_are_refused() -> None:
     seven = [(layout.SEVEN, 0x40, 0, layout.seven_size(1000), 0)] + heads[:1] * 3
     stream = layout.pack_v2_block(4000, 0, seven) + raw[: layout.seven_size(1000) + 3000]
     assert "7-bit plane" in _damaged(stream + layout.pack_v2_end(4000), fp32)
+
+
+# --- round trips of an item's sign-split memory ------------------------------------
+
+
+def _block_of_signs(kind: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` float64 values: positive, negative, mixed, zeros, negative zeros, or
+    positive with one negative value somewhere (a sign that varies in one place)."""
+    values = rng.standard_normal(n) * 10.0 ** int(rng.integers(-8, 3))
+    if kind == 0:
+        return np.abs(values)
+    if kind == 1:
+        return -np.abs(values)
+    if kind == 3:
+        return np.zeros(n)
+    if kind == 4:
+        return np.full(n, -0.0)
+    if kind == 5:
+        values = np.abs(values)
+        values[rng.integers(0, n)] *= -1
+    return values
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_items_whose_sign_changes_from_block_to_block_round_trip(
+    seed: int, dtype: torch.dtype
+) -> None:
+    """An item's blocks share one memory of the split a constant sign took; blocks of
+    every sign pattern in a random order, the memory's guesses right or wrong, and a
+    cut that leaves the item not a whole number of elements, decode bit-exact."""
+    rng = np.random.default_rng(seed)
+    es = torch.empty((), dtype=dtype).element_size()
+    n = BLOCK // es
+    kinds = rng.integers(0, 6, int(rng.integers(2, 12)))
+    values = np.concatenate([_block_of_signs(int(k), n, rng) for k in kinds])
+    data = raw_bytes(torch.from_numpy(values).to(dtype))
+    data = data[: len(data) - int(rng.integers(0, 2 * es))]
+    item = ItemInfo(item="x", dtype=str(dtype).removeprefix("torch."), element_size=es)
+    stored, descriptors = encoded(data, item)
+    assert decoded(stored, descriptors, item, "readinto") == data
+    assert decoded(stored, descriptors, item, "small") == data
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("es", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16])
+def test_tiny_empty_and_odd_element_size_items_round_trip(seed: int, es: int) -> None:
+    rng = np.random.default_rng(seed * 100 + es)
+    dtype = {2: "bfloat16", 4: "float32", 8: "float64"}.get(es, "uint8")
+    for n in (0, 1, es - 1, es, es + 1, 3 * es + 1, int(rng.integers(1, BLOCK * 2))):
+        for data in (
+            rng.integers(0, 256, n, dtype=np.uint8).tobytes(),
+            (np.arange(n) % 7).astype(np.uint8).tobytes(),
+        ):
+            item = ItemInfo(item="x", dtype=dtype, element_size=es)
+            stored, descriptors = encoded(data, item)
+            assert decoded(stored, descriptors, item, "readinto") == data, (es, n)

@@ -122,6 +122,74 @@ def test_zstd_bomb_in_a_tensor_item_without_layout_facts_is_refused(
     assert peak() < 4 * MiB  # 16 x 8 bytes + the 64 KiB archive allowance
 
 
+def _rle_zeros(size: int) -> bytes:
+    """A zstd frame of ``size`` zero bytes (a multiple of 128 KiB) in RLE blocks of 128
+    KiB, 4 bytes each, declaring no content size: 32 KiB per GiB."""
+    blocks = size >> 17
+    block = (1 << 1 | (128 << 10) << 3).to_bytes(3, "little") + b"\0"
+    last = (1 | 1 << 1 | (128 << 10) << 3).to_bytes(3, "little") + b"\0"
+    return struct.pack("<IBB", 0xFD2FB528, 0, 10 << 3) + block * (blocks - 1) + last
+
+
+def _archive_of(ckpt: Path, fqn: str) -> bytes:
+    """The plain archive of the zstd item ``fqn``."""
+    info = _info(_meta(ckpt), fqn)
+    with (ckpt / info.relative_path).open("rb") as f:
+        f.seek(info.offset)
+        stored = f.read(info.length)
+    reader = zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=True)
+    return reader.read()
+
+
+@pytest.mark.parametrize("where", ["trailer", "header"])
+def test_zstd_bomb_around_a_tensor_is_refused_not_decoded(tmp_path: Path, where: str) -> None:
+    # A tensor item decodes to its archive: a header of well under 64 KiB, the tensor,
+    # a trailer of the same order. Without the bound the reader decoded and dropped
+    # whatever followed the tensor (a 5 MiB item read on one thread: 4 GiB of zeros
+    # here, 128 GiB for every 4 MiB of bomb) and skipped whatever data_offset claimed
+    # before it, and loaded the tensor without a word.
+    storage.save({"t": torch.arange(16.0)}, tmp_path, transforms=[ZStandard()])
+    archive = _archive_of(tmp_path, "t")
+    offset = getattr(_info(_meta(tmp_path), "t"), fmt.EXTRA)["data_offset"]
+    compress = zstandard.ZstdCompressor(level=1).compress
+    bomb = _rle_zeros(4 << 30)
+    if where == "trailer":
+        # Over one frame buffer (4 MiB), without a seek table: the sequential path.
+        stored = (
+            compress(archive)
+            + compress(torch.randint(0, 256, (5 << 20,), dtype=torch.uint8).numpy().tobytes())
+            + bomb
+        )
+        changes: dict[str, Any] = {}
+    else:
+        stored = bomb + compress(archive)
+        changes = {"data_offset": offset + (4 << 30)}
+    _plant(tmp_path, "t", stored, **changes)
+    target = {"t": torch.zeros(16)}
+    with pytest.raises(UnsafeCheckpointError, match="'t'.*(more than its tensor|archive)"):
+        storage.load(target, tmp_path)
+
+
+def test_a_transcoding_copy_refuses_a_zstd_bomb_instead_of_writing_it_out(
+    tmp_path: Path,
+) -> None:
+    # Without the bound `cp --transforms` decoded every byte of a source item into the
+    # new chain: a 16-element tensor whose item decodes to 4 GiB more than its archive
+    # was decoded and re-encoded whole (into a plain chain: 4 GiB written out), and the
+    # copy committed an item no load accepts.
+    from storage.backends import LocalFileSystem
+    from storage.ops.copy import copy_checkpoint
+
+    src = tmp_path / "src"
+    storage.save({"t": torch.arange(16.0)}, src, transforms=[ZStandard()])
+    compress = zstandard.ZstdCompressor(level=1).compress
+    _plant(src, "t", compress(_archive_of(src, "t")) + _rle_zeros(4 << 30))
+    fs = LocalFileSystem()
+    with pytest.raises(UnsafeCheckpointError, match="'t'.*decodes to more than"):
+        copy_checkpoint(fs, str(src), fs, str(tmp_path / "dst"), transforms=[ZStandard()])
+    assert not (tmp_path / "dst" / ".metadata").exists()
+
+
 def test_chunk_declared_larger_than_its_tensor_is_refused(tmp_path: Path) -> None:
     # Without the check a chunk claiming 64 Mi elements for a 16-element tensor made
     # the reader allocate 256 MiB and then load successfully from the stored archive.
@@ -414,6 +482,27 @@ def test_malformed_metadata_value_raises_a_named_error(tmp_path: Path, case: str
         assert "'t'" in str(info.value)
     with pytest.raises(UnsafeCheckpointError):
         storage.load({"t": torch.zeros(4)}, tmp_path)
+
+
+def test_a_chain_of_thousands_of_transforms_is_refused_before_any_decoder_is_built(
+    tmp_path: Path,
+) -> None:
+    # Without the bound each of these 20,000 descriptors (40 KB of metadata: a pickle
+    # stores the repeated string once) built a zstd decoder, ~170 MB of native memory
+    # for the item (~850 MB for 200 KB of metadata, per reader thread), and the load
+    # failed with "cannot decode: maximum recursion depth exceeded", naming no cause.
+    storage.save({"t": torch.ones(4)}, tmp_path, transforms=[ZStandard()])
+    metadata = _meta(tmp_path)
+    _info(metadata, "t").transform_descriptors = ["stream.zstd/1"] * 20_000
+    _write_meta(tmp_path, metadata)
+    with pytest.raises(UnsafeCheckpointError, match="'t'.*a list of at most 16 str") as info:
+        storage.load({"t": torch.zeros(4)}, tmp_path)
+    assert len(str(info.value)) < 600
+
+
+def test_a_writer_refuses_a_chain_readers_would_refuse() -> None:
+    with pytest.raises(ValueError, match="17 transforms.*more than 16"):
+        storage.CheckpointWriter("/nonexistent/c", transforms=[ZStandard()] * 17)
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])

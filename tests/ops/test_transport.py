@@ -216,3 +216,48 @@ def test_refuses_objects_that_are_not_plain_data(tmp_path: Path) -> None:
     transport.send_checkpoint([1], 1, state, timedelta(seconds=60))
     with pytest.raises(Exception, match="not plain data"):
         transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
+
+
+def _sent_metadata(tmp_path: Path) -> tuple[storage.StorageTransport, Path, Any]:
+    import pickle
+
+    transport = storage.StorageTransport(str(tmp_path), rank=0)
+    state = {"model": {"w": torch.ones(4), "layers": [torch.ones(2)]}}
+    transport.send_checkpoint([1], 1, state, timedelta(seconds=60))
+    path = tmp_path / "replica-0" / "step-1" / ".metadata"
+    return transport, path, pickle.loads(path.read_bytes())  # the test's own file
+
+
+def test_a_planner_data_index_claiming_a_huge_list_is_refused(tmp_path: Path) -> None:
+    """torch's set_element grows a list to a path's index one None at a time: an index
+    of 10**9 in the sender's metadata made the receiver append for minutes and hold
+    8 GB (here 2**25: a quarter GiB) before anything was read."""
+    import pickle
+
+    from extensions.errors import UnsafeCheckpointError
+
+    transport, path, metadata = _sent_metadata(tmp_path)
+    metadata.planner_data["model.layers.0"] = ("model", "layers", 1 << 25)
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeCheckpointError, match="'model.layers.0'.*planner_data path"):
+        transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
+
+
+def test_a_tensor_claiming_more_than_it_stores_is_refused_naming_it(tmp_path: Path) -> None:
+    """The receiver allocates every tensor the metadata lists: a 16-byte item claiming
+    2**42 elements failed with torch's unnamed "can't allocate memory" (or, smaller, was
+    lazily mapped and touched)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    from extensions.errors import IntegrityError
+
+    transport, path, metadata = _sent_metadata(tmp_path)
+    big = torch.Size([1 << 42])
+    props = metadata.state_dict_metadata["model.w"].properties
+    chunk = ChunkStorageMetadata(torch.Size([0]), big)
+    metadata.state_dict_metadata["model.w"] = TensorStorageMetadata(props, big, [chunk])
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(IntegrityError, match="'model.w' claims 4398046511104 elements"):
+        transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
