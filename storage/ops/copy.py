@@ -25,6 +25,7 @@ from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.items import check_before_read, encryption_required
 from storage.checkpoint.layout import metadata_names
+from storage.checkpoint.options import check_transforms
 from storage.ops.copy_data import CopiedFiles, copy_data_files
 from storage.ops.describe import Summary, describe
 from storage.ops.parts import Part, Progress, read_metadata
@@ -61,6 +62,8 @@ def copy_checkpoint(
     encryption. It stays off for a source with no encrypted item at all, since ``keys``
     here also serve the new chain (encrypting a plain checkpoint is a normal copy), and
     for a verbatim copy, which keeps plain items plain for the reader's policy."""
+    if transforms is not None:  # a chain the readers refuse is refused before a read
+        transforms = check_transforms(transforms)
     parts = read_metadata(src_fs, src_path, keys=keys, registry=registry)
     _check_items(parts, src_fs.url(src_path), transforms, keys, registry, require_encryption)
     _check_destination(parts, src_fs.url(src_path), dst_fs, dst_path, overwrite)

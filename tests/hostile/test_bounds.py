@@ -523,6 +523,18 @@ def test_a_writer_refuses_a_chain_readers_would_refuse() -> None:
         storage.CheckpointWriter("/nonexistent/c", transforms=[ZStandard()] * 17)
 
 
+def test_a_copy_refuses_a_chain_readers_would_refuse_before_writing(tmp_path: Path) -> None:
+    from storage.ops.copy import copy_checkpoint
+
+    storage.save({"t": torch.ones(4)}, tmp_path / "src")
+    fs = storage.LocalFileSystem()
+    with pytest.raises(ValueError, match="17 transforms.*more than 16"):
+        copy_checkpoint(
+            fs, str(tmp_path / "src"), fs, str(tmp_path / "dst"), transforms=[ZStandard()] * 17
+        )
+    assert not (tmp_path / "dst").exists()  # nothing a load would refuse was written
+
+
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_cli_reports_malformed_metadata_in_one_line(
     tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
