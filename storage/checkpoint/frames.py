@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import IO
 
 from extensions.base import MAX_FRAME_BYTES, Frame, FrameDecoder
-from extensions.errors import IntegrityError, UnsafeCheckpointError
+from extensions.errors import IntegrityError, UnsafeCheckpointError, printable
 from extensions.registry import Framing
 from extensions.streams import pump, readinto_exact, skip
 from storage.checkpoint.items import StoredItemReader
@@ -258,4 +258,4 @@ def _decode_part(
     except (IntegrityError, UnsafeCheckpointError):
         raise
     except Exception as exc:
-        raise IntegrityError(f"{where}: cannot decode: {exc}") from exc
+        raise IntegrityError(f"{where}: cannot decode: {printable(str(exc), 200)}") from exc
