@@ -75,20 +75,43 @@ def _walked(values: list[Any]) -> bool:
     )
 
 
-def _rebuild(loaded: Any, shape: Shape) -> Any:
+#: Deepest nesting of a received shape record (a state dict nests a handful of levels).
+MAX_NESTING = 100
+
+
+def _rebuild(loaded: Any, shape: Shape, where: str, depth: int = 0) -> Any:
+    """``loaded`` in the containers ``shape`` records; the record is the sender's, so
+    it is checked as it is walked: a malformed one, or one nesting deeper than
+    :data:`MAX_NESTING` (each level a recursion here), is refused naming ``where``."""
     if shape is None:
         return loaded
+    if not (
+        depth < MAX_NESTING
+        and isinstance(shape, tuple)
+        and len(shape) == 2
+        and shape[0] in ("d", "l")
+        and isinstance(shape[1], list)
+        and (shape[0] == "l" or all(isinstance(c, tuple) and len(c) == 2 for c in shape[1]))
+    ):
+        raise UnsafeCheckpointError(
+            f"{where}: item {SHAPE_KEY!r}, the record of the state dict's containers, is "
+            f"malformed or nests deeper than {MAX_NESTING} levels; the checkpoint is damaged "
+            "or not written by StorageTransport: have the sender send it again"
+        )
     kind, children = shape
     if kind == "d":
         found = loaded if isinstance(loaded, Mapping) else {}
         # A value DCP did not store (a DTensor with no shard on this rank) stays absent.
         return {
-            k: _rebuild(found.get(str(k)), child)
+            k: _rebuild(found.get(str(k)), child, where, depth + 1)
             for k, child in children
             if child is not None or str(k) in found
         }
     items = loaded if isinstance(loaded, list) else []
-    return [_rebuild(items[i] if i < len(items) else None, c) for i, c in enumerate(children)]
+    return [
+        _rebuild(items[i] if i < len(items) else None, c, where, depth + 1)
+        for i, c in enumerate(children)
+    ]
 
 
 class _PlainDataPlanner(EmptyStateDictLoadPlanner):
@@ -346,7 +369,7 @@ class StorageTransport:
         if SHAPE_KEY not in state:  # written before the shape was recorded
             return state
         shape = state.pop(SHAPE_KEY)
-        rebuilt: dict[str, Any] = _rebuild(state, shape)
+        rebuilt: dict[str, Any] = _rebuild(state, shape, url)
         return rebuilt
 
     def _location(self, url: str) -> tuple[FileSystemBase, str]:

@@ -261,3 +261,29 @@ def test_a_tensor_claiming_more_than_it_stores_is_refused_naming_it(tmp_path: Pa
     path.write_bytes(pickle.dumps(metadata))
     with pytest.raises(IntegrityError, match="'model.w' claims 4398046511104 elements"):
         transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [("x", []), ("d", [1]), ("d", "ab"), ("l", 5), "d", "nested"],
+    ids=["kind", "entry", "children", "list", "text", "deep"],
+)
+def test_a_malformed_shape_record_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: Any
+) -> None:
+    """The record of the state's containers is the sender's: a hostile or damaged one
+    failed with an unnamed ValueError or TypeError, and one nested a few hundred levels
+    deep recursed until Python's limit."""
+    from extensions.errors import UnsafeCheckpointError
+    from storage.ops import transport as module
+
+    if shape == "nested":
+        shape = None
+        for _ in range(200):  # within the sender's pickler's own recursion limit
+            shape = ("l", [shape])
+    monkeypatch.setattr(module, "_shape", lambda value: shape)  # a sender that lies
+    transport = storage.StorageTransport(str(tmp_path), rank=0)
+    transport.send_checkpoint([1], 1, {"w": torch.ones(2)}, timedelta(seconds=60))
+    monkeypatch.undo()
+    with pytest.raises(UnsafeCheckpointError, match=f"{SHAPE_KEY}.*malformed or nests deeper"):
+        transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
