@@ -240,11 +240,20 @@ class _FileCopy:
             self.copied.infos[index] = fmt.new_storage_info(copied)
 
 
-def stored_bytes(part: Part, ranks: Collection[int] | None = None) -> int:
+def stored_bytes(
+    part: Part, ranks: Collection[int] | None = None, *, references: bool = True
+) -> int:
     """The stored bytes of the items ``part`` names in the data files of ``ranks``
-    (every rank's: ``None``): what :func:`copy_data_files` reads at most."""
+    (every rank's: ``None``): what :func:`copy_data_files` reads at most. Without
+    ``references``, only the items stored in the checkpoint itself: what a copy with
+    ``keep_references`` writes where every base is already at the destination."""
     infos = (part.metadata.storage_data or {}).values()
-    return sum(info.length for info in infos if ranks is None or _owner(part, info) in ranks)
+    return sum(
+        info.length
+        for info in infos
+        if (ranks is None or _owner(part, info) in ranks)
+        and (references or fmt.stored_item(info).ref is None)
+    )
 
 
 def _owner(part: Part, info: Any) -> int:

@@ -199,8 +199,9 @@ def drain_step(
             pace=pace,
             keep_references=True,
             save_id=attempt.save_id,
-            # Spread to the deadline the save of this step set, if any (storage.ops.pace).
-            pace_bytes=stored_bytes(part, ranks),
+            # Spread to the deadline the save of this step set, if any (storage.ops.pace):
+            # the bytes it writes, its bases drained before it (a reference costs none).
+            pace_bytes=stored_bytes(part, ranks, references=False),
             pace_for=root.step_url(step),
         )
     except Exception as exc:

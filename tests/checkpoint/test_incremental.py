@@ -80,6 +80,21 @@ def test_unchanged_items_are_referenced_and_write_nothing(tmp_path: Path) -> Non
     assert_tree_equal(_load(str(tmp_path / "step-2")), _state(1))
 
 
+def test_a_drains_paced_bytes_are_the_items_stored_in_the_step_itself(tmp_path: Path) -> None:
+    # A tiered manager paces each step's drain over the bytes it uploads; counting the
+    # referenced items too made an incremental step's drain run ahead of its pace.
+    from storage.ops.copy_data import stored_bytes
+    from storage.ops.parts import read_metadata
+
+    storage.save(_state(1), tmp_path / "step-1", fingerprint=True)
+    storage.save(_state(2), tmp_path / "step-2", base=str(tmp_path / "step-1"))
+    [part] = read_metadata(storage.LocalFileSystem(), str(tmp_path / "step-2"))
+    written = stored_bytes(part, references=False)
+    assert written == _data_bytes(tmp_path / "step-2")
+    frozen = 256 * 128 * 2 + 512 * 64 * 4  # referenced: stored in step-1
+    assert frozen <= stored_bytes(part) - written < frozen + 4096
+
+
 def test_changed_items_are_rewritten(tmp_path: Path) -> None:
     storage.save(_state(1), tmp_path / "step-1", fingerprint=True)
     storage.save(_state(2), tmp_path / "step-2", base=str(tmp_path / "step-1"))
