@@ -47,7 +47,9 @@ class WriterStaging(AsyncStager):
         the default ``persist=None`` in threads, the copy goes into this process's
         :class:`LocalStaging` buffers; with ``persist="thread"`` named, through DCP's
         stager as stock torch does. With ``async_staging`` this returns a future of the
-        copy instead (see the writer).
+        copy instead (see the writer). Where ``/dev/shm`` has no room for the buffers,
+        the default (not a named ``"process"``) copies and writes this save here, and
+        every later one in threads (:func:`storage.checkpoint.persist.shm_full`).
 
         A writer saves once at a time (wait for one save's future before the next): a
         lease it still holds here is its previous save's, which failed before its
@@ -55,14 +57,28 @@ class WriterStaging(AsyncStager):
         is released first, or the next save would wait for it for ever."""
         self._release()
         if self.persist_mode.name == "process":
-            staged, self._lease = _persist.worker().stage(state_dict)
-            copies = self._lease.copies
-            if self.async_staging:
-                return _when_copied(copies, cast(STATE_DICT_TYPE, staged))
-            self._lease.wait_copied()
-            return cast(STATE_DICT_TYPE, staged)
+            if self.persist_mode.explicit or _persist.shm_room():
+                try:
+                    return self._stage_in_worker(state_dict)
+                except _persist.SharedMemoryFull as exc:
+                    if self.persist_mode.explicit:
+                        raise
+                    _persist.shm_full(exc)
+            # The default, and /dev/shm has no room: a copy here, written here (no lease).
+            staged = _fresh_copy(state_dict)
+            return _when_copied(None, staged) if self.async_staging else staged
         staged = self._stage_in_thread_mode(state_dict)
         return _when_copied(None, staged) if self.async_staging else staged
+
+    def _stage_in_worker(
+        self, state_dict: STATE_DICT_TYPE
+    ) -> STATE_DICT_TYPE | concurrent.futures.Future[STATE_DICT_TYPE]:
+        staged, self._lease = _persist.worker().stage(state_dict)
+        copies = self._lease.copies
+        if self.async_staging:
+            return _when_copied(copies, cast(STATE_DICT_TYPE, staged))
+        self._lease.wait_copied()
+        return cast(STATE_DICT_TYPE, staged)
 
     def _stage_in_thread_mode(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
         if not self.persist_mode.explicit and not self.cache_staged_state_dict:

@@ -275,7 +275,12 @@ class CheckpointManager:
         with ``persist="thread"``. See docs/operations.md ("The persist worker")."""
         w = persist.start(self.settings, self.tier.saves_to.fs)
         if w is not None:
-            w.reserve(api.plain_state_dict(state_dict))
+            try:
+                w.reserve(api.plain_state_dict(state_dict))
+            except persist.SharedMemoryFull as exc:
+                if self.settings.persist is not None:  # "process", named
+                    raise
+                persist.shm_full(exc)  # the default: saves persist in threads instead
 
     def save_on_signal(
         self,

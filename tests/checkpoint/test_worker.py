@@ -14,6 +14,7 @@ from typing import IO, Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -862,8 +863,6 @@ def test_a_writer_whose_save_failed_in_planning_can_save_again(
     the checkpoint goes, ``overwrite=False`` on a committed one): DCP tells the writer
     nothing, so before, its lease on the staging buffers stayed held and the next
     ``dcp.async_save`` with that writer waited for them forever."""
-    import torch.distributed.checkpoint as dcp
-
     (tmp_path / "bad").write_bytes(b"")
     writer = storage.CheckpointWriter(tmp_path / "bad", persist="process")
     state = big_state()
@@ -888,8 +887,6 @@ def test_a_writer_whose_save_failed_in_planning_does_not_hold_the_buffers(
 ) -> None:
     """The same through another writer, the failed one still referenced (a variable, a
     traceback): before, its lease held the buffers and the next save waited forever."""
-    import torch.distributed.checkpoint as dcp
-
     (tmp_path / "bad").write_bytes(b"")
     failed = storage.CheckpointWriter(tmp_path / "bad", persist="process")
     state = big_state()
@@ -907,3 +904,86 @@ def test_a_writer_whose_save_failed_in_planning_does_not_hold_the_buffers(
     assert not saver.is_alive(), "the next save waited for the failed save's buffers"
     assert_tree_equal(state, loaded(tmp_path / "good", state))
     assert failed._lease is None
+
+
+# --- a /dev/shm with no room -----------------------------------------------------------
+
+
+def _no_room_in_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's answer of a full /dev/shm (docker's 64 MB default, or a neighbour
+    that filled it) to every reservation of staging space."""
+    import errno
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+
+
+def _default_picks_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(persist, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(persist, "local_ranks", lambda: 1)
+    monkeypatch.setattr(persist, "_shm_full", False)  # restored after the test
+
+
+def _our_segments(handle: persist.Worker) -> list[str]:
+    from storage.checkpoint.persist import _shm
+
+    return [
+        n
+        for n in os.listdir(_shm.shm_dir())
+        if n.startswith(f"dcp-storage-{os.getuid()}-{os.getpid()}-")
+    ]
+
+
+def test_a_default_save_with_no_room_in_shm_is_written_here_and_later_ones_in_threads(
+    tmp_path: Path,
+    worker: persist.Worker,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before, a /dev/shm too small for the staging buffers failed every asynchronous
+    save of the default mode, which never asked for the worker: a docker container
+    with the default --shm-size, or a neighbour filling /dev/shm, stopped training."""
+    _default_picks_the_worker(monkeypatch)
+    storage.async_save(big_state(0), tmp_path / "warm", persist="process").result()
+    assert worker.pool is not None and worker.pool.live()  # buffers in /dev/shm now
+    _no_room_in_shm(monkeypatch)
+    state = big_state(1)
+    writer = storage.CheckpointWriter(tmp_path / "a")
+    assert writer.persist_mode.name == "process"
+    dcp.async_save(state, storage_writer=writer).result()
+    assert_tree_equal(state, loaded(tmp_path / "a", state))
+    assert "stage in this process's memory and write in threads" in caplog.text
+    assert "--shm-size" in caplog.text  # the fix, named once
+    # The buffers it could not fill are removed, and their room given back.
+    assert worker.pool is None and _our_segments(worker) == []
+    # Later saves of the default persist in threads from the start, the writer's too.
+    assert persist.default_mode() == "thread"
+    caplog.clear()
+    state = big_state(2)
+    dcp.async_save(state, checkpoint_id=tmp_path / "b", storage_writer=writer).result()
+    assert_tree_equal(state, loaded(tmp_path / "b", state))
+    storage.async_save(state, tmp_path / "c").result()
+    assert_tree_equal(state, loaded(tmp_path / "c", state))
+    assert "--shm-size" not in caplog.text  # warned once
+    # persist="process" by name still fails, naming the fix.
+    with pytest.raises(CheckpointStorageError, match=r"--shm-size.*persist='thread'"):
+        storage.async_save(state, tmp_path / "d", persist="process").result()
+
+
+def test_a_managers_prepare_with_no_room_in_shm_leaves_the_default_to_threads(
+    tmp_path: Path, worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _default_picks_the_worker(monkeypatch)
+    _no_room_in_shm(monkeypatch)
+    state = big_state(3)
+    named = storage.CheckpointManager(str(tmp_path / "named"), persist="process")
+    with pytest.raises(CheckpointStorageError, match="--shm-size"):
+        named.prepare(state)
+    mgr = storage.CheckpointManager(str(tmp_path / "default"))
+    mgr.prepare(state)  # the default: no error
+    assert persist.default_mode() == "thread"
+    mgr.save(1, state, blocking=False).result()
+    mgr.wait()
+    assert_tree_equal(state, loaded(tmp_path / "default" / "step-1", state))

@@ -44,6 +44,7 @@ from storage.checkpoint.persist._child import Pause, warm
 from storage.checkpoint.persist._cores import copy_threads, local_ranks, usable_cpus
 from storage.checkpoint.persist._messages import NotSendable
 from storage.checkpoint.persist._pool import StagingPool
+from storage.checkpoint.persist._shm import SharedMemoryFull
 from storage.checkpoint.persist._worker import Lease, Worker
 
 if TYPE_CHECKING:
@@ -115,9 +116,35 @@ def default_mode() -> str:
     there. Training processes on this host are counted from the launcher's environment
     and cores from this process's CPU affinity and its cgroups' CPU quotas
     (:mod:`._cores`)."""
-    if not available():
+    if not available() or _shm_full:
         return "thread"
     return "process" if usable_cpus() > local_ranks() else "thread"
+
+
+#: Set once ``/dev/shm`` had no room for the default's staging buffers: the default
+#: persists in threads from then on (a small ``/dev/shm``, docker's 64 MB, or one that
+#: something else filled, must not fail saves that never asked for the worker).
+_shm_full = False
+
+
+def shm_room() -> bool:
+    """Whether the default's staging buffers may go to ``/dev/shm`` (see :func:`shm_full`)."""
+    return not _shm_full
+
+
+def shm_full(exc: SharedMemoryFull) -> None:
+    """Record that ``/dev/shm`` had no room for a default-mode save's staging buffers
+    (``exc``): this save and every later one that did not name a mode persist in
+    threads, in this process's memory; warns once."""
+    global _shm_full
+    if not _shm_full:
+        _shm_full = True
+        log.warning(
+            "%s; saves that do not name persist= stage in this process's memory and "
+            "write in threads from now on (without the max_bandwidth cap, which only "
+            "the worker applies)",
+            exc,
+        )
 
 
 def for_filesystems(mode: Mode, *filesystems: FileSystemBase) -> Mode:

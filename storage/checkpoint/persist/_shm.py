@@ -255,8 +255,13 @@ class _Segment:
             os.unlink(self.path)
 
 
-def _no_room(size: int, exc: OSError) -> CheckpointStorageError:
-    return CheckpointStorageError(
+class SharedMemoryFull(CheckpointStorageError):
+    """``/dev/shm`` has no room for a staging segment (a small one, docker's 64 MB by
+    default, or one that something else filled)."""
+
+
+def _no_room(size: int, exc: OSError) -> SharedMemoryFull:
+    return SharedMemoryFull(
         f"cannot reserve {size} bytes of shared memory in {shm_dir()} for staging "
         f"a checkpoint ({exc}); give it more room (docker: --shm-size) or save with "
         "persist='thread'"

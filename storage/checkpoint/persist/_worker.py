@@ -33,6 +33,7 @@ from storage.checkpoint.persist._messages import (
     unreadable,
 )
 from storage.checkpoint.persist._pool import StagingPool
+from storage.checkpoint.persist._shm import SharedMemoryFull
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +344,21 @@ class Worker:
     def reserve(self, state_dict: Any) -> None:
         """Start the worker and make the staging buffers for ``state_dict``'s tensors,
         their pages touched (:meth:`StagingPool.reserve`); stages nothing."""
-        self.start().reserve(state_dict)
+        pool = self.start()
+        try:
+            pool.reserve(state_dict)
+        except SharedMemoryFull:
+            if self._free.is_set():  # no save holds the buffers: give their room back
+                self._drop_pool(pool)
+            raise
+
+    def _drop_pool(self, pool: StagingPool) -> None:
+        """Remove the staging buffers (``/dev/shm`` had no room for more): their room
+        goes back to the host; a later stage here makes a new pool."""
+        with self._lock:
+            if self.pool is pool:
+                self.pool = None
+        pool.close()
 
     def stage(self, state_dict: Any) -> tuple[Any, Lease]:
         """Copy ``state_dict`` into the staging buffers, once the previous save that
@@ -359,6 +374,10 @@ class Worker:
         self._free.clear()
         try:
             staged, copies = pool.stage(state_dict)
+        except SharedMemoryFull:
+            self._drop_pool(pool)  # no save holds the buffers: this stage waited for them
+            self._free.set()
+            raise
         except BaseException:
             self._free.set()
             raise
