@@ -856,6 +856,17 @@ def test_prepare_while_a_save_holds_the_buffers_leaves_that_save_intact(
     assert_tree_equal(expected, loaded(tmp_path / "root" / "step-1", expected))
 
 
+def _saves_in_time(save: Any) -> None:
+    """``save()`` and its future's result, on a thread and bounded: before the fix the
+    stage waited for the failed save's lease forever."""
+    done: list[Any] = []
+    saver = threading.Thread(target=lambda: done.append(save().result()), daemon=True)
+    saver.start()
+    saver.join(120)
+    assert not saver.is_alive(), "the next save waited for the failed save's buffers"
+    assert done
+
+
 def test_a_writer_whose_save_failed_in_planning_can_save_again(
     tmp_path: Path, worker: persist.Worker
 ) -> None:
@@ -868,17 +879,10 @@ def test_a_writer_whose_save_failed_in_planning_can_save_again(
     state = big_state()
     with pytest.raises(BaseException, match="bad"):
         dcp.async_save(state, storage_writer=writer).result(timeout=120)
-    done: list[Any] = []
-    saver = threading.Thread(
-        target=lambda: done.append(
-            dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / "good").result()
-        ),
-        daemon=True,
+    _saves_in_time(
+        lambda: dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / "good")
     )
-    saver.start()
-    saver.join(120)  # bounded: before the fix, the stage waited for the lease forever
-    assert not saver.is_alive(), "the next save waited for the failed save's buffers"
-    assert done and worker._free.is_set()
+    assert worker._free.is_set()
     assert_tree_equal(state, loaded(tmp_path / "good", state))
 
 
@@ -892,16 +896,7 @@ def test_a_writer_whose_save_failed_in_planning_does_not_hold_the_buffers(
     state = big_state()
     with pytest.raises(BaseException, match="bad"):
         dcp.async_save(state, storage_writer=failed).result(timeout=120)
-    done: list[Any] = []
-    saver = threading.Thread(
-        target=lambda: done.append(
-            storage.async_save(state, tmp_path / "good", persist="process").result()
-        ),
-        daemon=True,
-    )
-    saver.start()
-    saver.join(120)  # bounded: before the fix, the stage waited for the lease forever
-    assert not saver.is_alive(), "the next save waited for the failed save's buffers"
+    _saves_in_time(lambda: storage.async_save(state, tmp_path / "good", persist="process"))
     assert_tree_equal(state, loaded(tmp_path / "good", state))
     assert failed._lease is None
 
