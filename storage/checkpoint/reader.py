@@ -18,6 +18,7 @@ from extensions.base import Keys
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from extensions.registry import ExtensionRegistry, as_registry
 from storage.backends.base import FileSystemBase
+from storage.backends.registry import serves
 from storage.checkpoint import fetch, read_once, share_groups
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget, check_timeout
@@ -267,7 +268,9 @@ class CheckpointReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        # As torch's: no to a URL whose protocol nothing here serves, so a caller picking
+        # a storage by this answer does not pick one that then fails to open it.
+        return serves(checkpoint_id)
 
     # --- internals ------------------------------------------------------------------
 

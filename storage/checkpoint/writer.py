@@ -17,6 +17,7 @@ from torch.futures import Future
 
 from extensions.errors import CheckpointExistsError
 from storage.backends.base import FileSystemBase
+from storage.backends.registry import serves
 from storage.checkpoint import data_files, incremental
 from storage.checkpoint import persist as _persist
 from storage.checkpoint import storage_format as fmt
@@ -368,7 +369,9 @@ class CheckpointWriter(StorageWriter, WriterStaging):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        # As torch's: no to a URL whose protocol nothing here serves, so a caller picking
+        # a storage by this answer does not pick one that then fails to open it.
+        return serves(checkpoint_id)
 
     # --- internals ------------------------------------------------------------------
 
