@@ -137,6 +137,7 @@ def test_every_dtype_round_trips(pair: Pair, tmp_path: Path) -> None:
 def _strided_sources() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
     base = torch.randn(6, 8, generator=gen)
+    cplx = torch.randn(4, 3, dtype=torch.complex64, generator=gen)
     return {
         "transposed": base.t(),
         "every_other_column": base[:, ::2],
@@ -148,12 +149,14 @@ def _strided_sources() -> dict[str, torch.Tensor]:
             memory_format=torch.channels_last
         ),
         "zero_size_view": base[:, 8:],
+        "conjugated": cplx.conj(),  # conj bit set, not materialized
+        "negative_view": cplx.conj().imag,  # neg bit set
         "parameter": torch.nn.Parameter(torch.randn(3, 3, generator=gen)),
     }
 
 
 def test_strided_and_lazy_views_round_trip(pair: Pair, tmp_path: Path) -> None:
-    """Views, strides, a stride-0 expand, storage offsets save their
+    """Views, strides, a stride-0 expand, storage offsets and conj/neg bits save their
     values (not their storage) and load back equal."""
     state = _strided_sources()
     expected = {k: v.detach().resolve_conj().resolve_neg().clone() for k, v in state.items()}
