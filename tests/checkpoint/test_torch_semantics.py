@@ -167,21 +167,24 @@ def test_strided_and_lazy_views_round_trip(pair: Pair, tmp_path: Path) -> None:
 
 
 def test_loads_into_views_parameters_and_lazy_targets(pair: Pair, tmp_path: Path) -> None:
-    """Targets that are views into a larger tensor and a Parameter that requires grad:
-    the values land in the memory the caller's tensors share, as stock
+    """Targets that are views into a larger tensor, a Parameter that requires grad and a
+    conjugated view: the values land in the memory the caller's tensors share, as stock
     copies into them."""
     gen = torch.Generator().manual_seed(5)
     source = {
         "row_block": torch.randn(2, 8, generator=gen),
         "column": torch.randn(3, generator=gen),
         "param": torch.randn(4, 4, generator=gen),
+        "cplx": torch.randn(3, dtype=torch.complex64, generator=gen),
     }
     base = torch.zeros(6, 8)
+    plain = torch.zeros(3, dtype=torch.complex64)
     param = torch.nn.Parameter(torch.zeros(4, 4))
     target = {
         "row_block": base[3:5],  # contiguous, at a storage offset
         "column": base[:3, 7],
         "param": param,
+        "cplx": plain.conj(),
     }
     _round_trip(pair, tmp_path / "ckpt", source, target)
     assert torch.equal(base[3:5], source["row_block"])
@@ -189,6 +192,7 @@ def test_loads_into_views_parameters_and_lazy_targets(pair: Pair, tmp_path: Path
     assert torch.count_nonzero(base[:3, :7]) == 0 and torch.count_nonzero(base[5:]) == 0
     assert target["param"] is param and param.requires_grad
     assert torch.equal(param.detach(), source["param"])
+    assert torch.equal(plain.conj(), source["cplx"])
 
 
 # --- values that are not tensors ------------------------------------------------------
