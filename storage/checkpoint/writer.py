@@ -176,6 +176,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         self.use_collectives = True
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex[:12]
+        self._save_id_used = False  # a save was set up with it: the next one needs another
         self.last_error: BaseException | None = None
         #: The save in progress (or the last one): what it wrote, its deadline, its commit.
         self.attempt = SaveAttempt(self.fs, self.path, self.save_id, self.budget)
@@ -196,12 +197,21 @@ class CheckpointWriter(StorageWriter, WriterStaging):
             self._location = checkpoint_id
             self.persist_mode = _persist.for_filesystems(self.persist_mode, self.fs)
         self.save_id = uuid.uuid4().hex[:12]
+        self._save_id_used = False
         self.last_error = None
 
+    def _next_save_id(self) -> None:
+        """A fresh save id once a save was set up with the current one (DCP calls
+        reset() only when a checkpoint_id is passed): it names the data files, so a
+        reused writer never writes into the files a committed metadata points at."""
+        if self._save_id_used:
+            self.save_id = uuid.uuid4().hex[:12]
+            self._save_id_used = False
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        # Called once per save (reset() only when a checkpoint_id is passed): a fresh
-        # save id keeps a reused writer from writing into the committed files.
-        self.save_id = uuid.uuid4().hex[:12]
+        # DCP asks storage_meta() for the planner just before this: both name one save.
+        self._next_save_id()
+        self._save_id_used = True
         self.last_error = None
         self.published = None
         self.unpublished = None
@@ -268,7 +278,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         files, threads = data_files.split_into_files(
             items,
             rank=rank,
-            save_id=self.save_id,
+            save_id=self.attempt.save_id,
             thread_count=self.thread_count,
             single_file_per_rank=self.single_file_per_rank,
             key_prefixes=self.key_prefixes,
@@ -316,7 +326,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
                 self.path,
                 fmt.metadata_name(None if self.use_collectives else self.rank),
                 lambda: self.metadata_payload(metadata, results),
-                save_id=self.save_id,
+                save_id=self.attempt.save_id,
                 infos=[wr.storage_data for rs in results for wr in rs],
                 overwrite=self.overwrite,
                 sync=self.sync_files,
@@ -335,7 +345,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         the storage index of ``results``, this save's id and, for incremental saves, the
         length of the chain since the last full save."""
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-        metadata.storage_meta = self.storage_meta()
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.url, save_id=self.attempt.save_id)
         metadata.version = DCP_VERSION
         extra = {}
         if self.fingerprint:  # incremental saves since the last full one
@@ -355,6 +365,9 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         self.attempt.abort(error)
 
     def storage_meta(self) -> StorageMeta | None:
+        """The next save's: DCP asks for it (for the planner) just before
+        ``set_up_storage_writer``, and that save's metadata records this save id."""
+        self._next_save_id()
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
 
     @property

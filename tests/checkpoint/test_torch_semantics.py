@@ -459,6 +459,36 @@ def test_reused_writer_without_reset_overwrites(pair: Pair, tmp_path: Path) -> N
 # --- what _save_state_dict hands the planner and writes -------------------------------
 
 
+class _SeeingPlanner(DefaultSavePlanner):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        self.seen.append(copy.copy(storage_meta))
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+
+def test_storage_meta_seen_by_the_planner_is_the_one_saved(tmp_path: Path) -> None:
+    """The StorageMeta a save planner is set up with (writer.storage_meta(), asked before
+    set_up_storage_writer) names the save the checkpoint's metadata records, as stock's."""
+    for make in (FileSystemWriter, storage.CheckpointWriter):
+        path = tmp_path / make.__name__
+        writer = make(path)
+        saved = []
+        for _ in range(2):  # a reused writer: each save its own id
+            planner = _SeeingPlanner()
+            metadata = dcp.save({"w": torch.ones(2)}, storage_writer=writer, planner=planner)
+            assert planner.seen[0].save_id == metadata.storage_meta.save_id, make
+            on_disk = storage.CheckpointReader(path).read_metadata().storage_meta
+            assert on_disk.save_id == metadata.storage_meta.save_id, make
+            assert os.fspath(on_disk.checkpoint_id) == os.fspath(path), make
+            saved.append(metadata.storage_meta.save_id)
+        assert saved[0] != saved[1] or make is FileSystemWriter
+
+
 @pytest.fixture
 def plan_cache() -> Iterator[str]:
     """A key of torch's class-level save-plan cache for this test alone, cleared after."""
