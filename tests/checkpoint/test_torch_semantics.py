@@ -11,6 +11,7 @@ overwrite, partial loads into a subset, format_utils, checkpoint_id as reported)
 from __future__ import annotations
 
 import copy
+import io
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -102,6 +103,7 @@ _DTYPES = [
         "float8_e4m3fnuz",
         "float8_e5m2fnuz",
         "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
     )
     if hasattr(torch, name)
 ]
@@ -116,6 +118,12 @@ def _random_of(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.T
     return raw.view(dtype).reshape(shape)
 
 
+def _zeros_of(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zero bytes (torch.zeros has no kernel for some dtypes, e.g. float4)."""
+    n = int(torch.Size(shape).numel()) * dtype.itemsize
+    return torch.zeros(n, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
 def test_every_dtype_round_trips(pair: Pair, tmp_path: Path) -> None:
     """test_file_system_checkpoint_cpu's dtypes, and the rest torch has: complex, bool,
     unsigned and float8, each as a matrix, a 0-dim scalar and a zero-size tensor."""
@@ -125,7 +133,7 @@ def test_every_dtype_round_trips(pair: Pair, tmp_path: Path) -> None:
         state[name] = _random_of(dtype, (3, 5), i)
         state[f"{name}_scalar"] = _random_of(dtype, (), 100 + i)
         state[f"{name}_empty"] = torch.empty(0, 3, dtype=dtype)
-    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    target = {k: _zeros_of(v.dtype, tuple(v.shape)) for k, v in state.items()}
     _round_trip(pair, tmp_path / "ckpt", state, target)
     for key, value in state.items():
         assert _same_bits(target[key], value), key
@@ -314,6 +322,35 @@ def test_model_and_optimizer_state(pair: Pair, tmp_path: Path) -> None:
         for k, v in per_param.items():
             assert torch.equal(target["optim"]["state"][pid][k], v), (pid, k)
     assert target["optim"]["param_groups"] == expected["optim"]["param_groups"]
+
+
+def test_get_and_set_state_dict(pair: Pair, tmp_path: Path) -> None:
+    """test_state_dict's single-process flow: get_state_dict (FQN-keyed optimizer state),
+    save, load into a fresh model's, set_state_dict."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    torch.manual_seed(1)
+    model, optim = make()
+    model(torch.rand(3, 4)).sum().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, storage_writer=pair.writer(tmp_path / "ckpt"))
+    model2, optim2 = make()
+    msd2, osd2 = get_state_dict(model2, optim2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, storage_reader=pair.reader(tmp_path / "ckpt"))
+    set_state_dict(model2, optim2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    before, after = optim.state_dict()["state"], optim2.state_dict()["state"]
+    assert before.keys() == after.keys()
+    for pid, per_param in before.items():
+        for k, v in per_param.items():
+            assert torch.equal(after[pid][k], v), (pid, k)
 
 
 # --- dtype casts on load (test_file_system_checkpoint_cpu.test_dtype_mismatch_casting) --
@@ -590,20 +627,28 @@ def test_async_save_thread_executor_many_ids(tmp_path: Path, persist: str) -> No
         assert target["nested"]["step"] == step
 
 
-def test_async_save_with_a_callers_stager(tmp_path: Path) -> None:
-    """dcp.async_save(async_stager=...) stages with the caller's stager, not the writer's."""
+@pytest.mark.parametrize("persist", ["thread", "process"])
+@pytest.mark.parametrize("async_staging", [False, True])
+def test_async_save_with_a_callers_stager(
+    tmp_path: Path, persist: str, async_staging: bool
+) -> None:
+    """dcp.async_save(async_stager=...) stages with the caller's stager, not the writer's
+    (with use_async_staging, dcp.async_save answers an AsyncSaveResponse)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    stager = DefaultStager(StagingOptions(False, False, False, False))
-    state = {"w": torch.arange(16.0)}
-    writer = storage.CheckpointWriter(tmp_path / "ckpt")
+    stager = DefaultStager(StagingOptions(False, False, async_staging, False))
+    state = {"w": torch.arange(16.0), "blob": io.BytesIO(b"opaque")}
+    writer = storage.CheckpointWriter(tmp_path / "ckpt", persist=persist)
     try:
         response = dcp.async_save(state, storage_writer=writer, async_stager=stager)
+        if async_staging:
+            response.staging_completion.result()
         state["w"].zero_()
         getattr(response, "upload_completion", response).result()
     finally:
         stager.close()
         writer.close()
-    target = {"w": torch.zeros(16)}
+    target = {"w": torch.zeros(16), "blob": io.BytesIO()}
     dcp.load(target, storage_reader=storage.CheckpointReader(tmp_path / "ckpt"))
     assert torch.equal(target["w"], torch.arange(16.0))
+    assert target["blob"].getvalue() == b"opaque"
