@@ -652,3 +652,91 @@ def test_async_save_with_a_callers_stager(
     dcp.load(target, storage_reader=storage.CheckpointReader(tmp_path / "ckpt"))
     assert torch.equal(target["w"], torch.arange(16.0))
     assert target["blob"].getvalue() == b"opaque"
+
+
+# --- reusing a writer or reader after a failure ---------------------------------------
+
+
+def test_reader_and_writer_reused_after_a_failure(pair: Pair, tmp_path: Path) -> None:
+    """A failed load (shape mismatch, missing checkpoint) or save (overwrite=False over a
+    checkpoint) leaves the reader or writer usable for the next, as stock's are."""
+    dcp.save({"w": torch.ones(4)}, storage_writer=pair.writer(tmp_path / "a"))
+    reader = pair.reader(tmp_path / "a")
+    with pytest.raises(CheckpointException):
+        dcp.load({"w": torch.zeros(5)}, storage_reader=reader)
+    with pytest.raises(CheckpointException):
+        dcp.load({"w": torch.zeros(4)}, checkpoint_id=tmp_path / "missing", storage_reader=reader)
+    target = {"w": torch.zeros(4)}
+    dcp.load(target, checkpoint_id=tmp_path / "a", storage_reader=reader)
+    assert torch.equal(target["w"], torch.ones(4))
+    writer = pair.writer(tmp_path / "a", overwrite=False)
+    with pytest.raises(CheckpointException, match="already exists"):
+        dcp.save({"w": torch.zeros(4)}, storage_writer=writer)
+    dcp.save({"w": torch.full((4,), 3.0)}, checkpoint_id=tmp_path / "b", storage_writer=writer)
+    dcp.load(target, storage_reader=pair.reader(tmp_path / "b"))
+    assert torch.equal(target["w"], torch.full((4,), 3.0))
+    dcp.load(target, storage_reader=pair.reader(tmp_path / "a"))
+    assert torch.equal(target["w"], torch.ones(4))
+
+
+# --- resharding ShardedTensors on two ranks (TestDistributedReshardOnLoad) ------------
+
+_FULL = torch.arange(200, dtype=torch.float32).reshape(10, 20)
+# (layout saved, layout loaded): rows to an uneven row split, that to columns, ...
+_RESHARDS = [("rows", "uneven"), ("uneven", "cols"), ("four", "rows"), ("cols", "four")]
+
+
+def _specs() -> dict[str, Any]:
+    from torch.distributed._shard.sharding_spec import (
+        ChunkShardingSpec,
+        EnumerableShardingSpec,
+        ShardMetadata,
+    )
+
+    r0, r1 = "rank:0/cpu", "rank:1/cpu"
+    uneven = [([0, 0], [2, 20], r0), ([2, 0], [1, 20], r1), ([3, 0], [3, 20], r0)]
+    uneven += [([6, 0], [3, 20], r1), ([9, 0], [1, 20], r0)]
+    return {
+        "rows": ChunkShardingSpec(dim=0, placements=[r0, r1]),
+        "four": ChunkShardingSpec(dim=0, placements=[r0, r1, r1, r0]),
+        "cols": ChunkShardingSpec(dim=1, placements=[r0, r1]),
+        "uneven": EnumerableShardingSpec([ShardMetadata(o, s, p) for o, s, p in uneven]),
+    }
+
+
+def _sharded(spec: Any, *, fill: bool) -> Any:
+    from torch.distributed._shard import sharded_tensor
+
+    st = sharded_tensor.zeros(spec, *_FULL.shape, init_rrefs=False)
+    if fill:
+        for shard in st.local_shards():
+            (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            shard.tensor.copy_(_FULL[r : r + h, c : c + w])
+    return st
+
+
+def _reshard_worker(rank: int, store: str, root: str) -> None:
+    from tests.support.distributed import gloo_group
+
+    with gloo_group(rank, 2, store):
+        specs = _specs()
+        for i, (saved, loaded) in enumerate(_RESHARDS):
+            for side in PAIRS:
+                path = os.path.join(root, f"{i}-{side.name}")
+                dcp.save(
+                    {"st": _sharded(specs[saved], fill=True)}, storage_writer=side.writer(path)
+                )
+                target = {"st": _sharded(specs[loaded], fill=False)}
+                dcp.load(target, storage_reader=side.reader(path))
+                for shard in target["st"].local_shards():
+                    (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    expected = _FULL[r : r + h, c : c + w]
+                    assert torch.equal(shard.tensor, expected), (saved, loaded, side.name)
+
+
+def test_sharded_tensor_reshard_on_load(tmp_path: Path) -> None:
+    """Saved in one layout on two ranks, loaded in another: each rank's shards are read
+    from the stored chunks they overlap, in part."""
+    from tests.support.distributed import spawn
+
+    spawn(_reshard_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
