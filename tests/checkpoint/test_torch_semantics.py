@@ -531,6 +531,10 @@ def plan_cache() -> Iterator[str]:
     """A key of torch's class-level save-plan cache for this test alone, cleared after."""
     key = f"test-plan-cache-{os.getpid()}-{id(object())}"
     yield key
+    _drop_cached_plans(key)
+
+
+def _drop_cached_plans(key: str) -> None:
     for cache in (
         SavePlanner._cached_save_plan,
         SavePlanner._cached_all_plans,
@@ -740,3 +744,53 @@ def test_sharded_tensor_reshard_on_load(tmp_path: Path) -> None:
     from tests.support.distributed import spawn
 
     spawn(_reshard_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+
+
+def _plan_cache_worker(rank: int, store: str, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.support.distributed import gloo_group
+
+    with gloo_group(rank, 2, store):
+        mesh = init_device_mesh("cpu", (2,))
+        # The cache is torch's, per class and key: each writer its own key, as a stock
+        # writer cannot finish with a plan our writer prepared (and the reverse).
+        keys = [f"test-plan-cache-2-ranks-{os.getpid()}-{side.name}" for side in PAIRS]
+        try:
+            for key, side in zip(keys, PAIRS, strict=True):
+                writer = side.writer(os.path.join(root, "unused"))
+                for step in range(3):
+                    planner = DefaultSavePlanner(enable_plan_caching=True)
+                    planner._cached_plans_key = key
+                    full = torch.arange(32.0).reshape(8, 4) + step
+                    state = {
+                        "w": distribute_tensor(full, mesh, [Shard(0)]),
+                        "bias": torch.full((3,), float(step)),
+                        "step": step,
+                    }
+                    path = os.path.join(root, f"{side.name}-{step}")
+                    dcp.save(state, checkpoint_id=path, storage_writer=writer, planner=planner)
+                for step in range(3):
+                    path = os.path.join(root, f"{side.name}-{step}")
+                    target = {
+                        "w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(1)]),
+                        "bias": torch.zeros(3),
+                        "step": -1,
+                    }
+                    dcp.load(target, storage_reader=side.reader(path))
+                    expected = torch.arange(32.0).reshape(8, 4) + step
+                    assert torch.equal(target["w"].full_tensor(), expected), (side.name, step)
+                    assert torch.equal(target["bias"], torch.full((3,), float(step)))
+                    assert target["step"] == step
+        finally:
+            for key in keys:
+                _drop_cached_plans(key)
+
+
+def test_plan_caching_on_two_ranks(tmp_path: Path) -> None:
+    """enable_plan_caching where it pays: two ranks, the second and later saves send no
+    plans and finish with the cached ones; each rank's writer writes its cached items."""
+    from tests.support.distributed import spawn
+
+    spawn(_plan_cache_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
