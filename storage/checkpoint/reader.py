@@ -32,6 +32,7 @@ from storage.checkpoint.options import (
     default_thread_count,
     resolve_location,
     stock_checkpoint_id,
+    torch_alias,
 )
 from storage.checkpoint.shared import on_coordinator
 
@@ -83,6 +84,9 @@ class CheckpointReader(StorageReader):
     broadcast (one request per load, not one per rank); a collective, so only for
     reads every rank makes together (``storage.load`` turns it on under a process group).
 
+    ``_extension_registry`` is ``FileSystemReader``'s (experimental) name for
+    ``registry``, accepted so code written for stock DCP runs unchanged.
+
     Each load is carried out with a :class:`~storage.checkpoint.load_context.LoadContext`
     built in ``set_up_storage_reader`` from these settings and the load's metadata.
     """
@@ -102,8 +106,10 @@ class CheckpointReader(StorageReader):
         timeout: float | None = None,
         process_group: Any = None,
         share_metadata: bool = False,
+        _extension_registry: ExtensionRegistry | TorchExtensionRegistry | None = None,
     ) -> None:
         super().__init__()
+        registry = torch_alias("registry", registry, "_extension_registry", _extension_registry)
         if not isinstance(share_metadata, bool):
             raise TypeError(f"share_metadata must be a bool, got {share_metadata!r}")
         self.share_metadata = share_metadata

@@ -32,6 +32,7 @@ from storage.checkpoint.options import (
     default_thread_count,
     resolve_location,
     stock_checkpoint_id,
+    torch_alias,
 )
 from storage.checkpoint.staging import WriterStaging
 
@@ -102,6 +103,9 @@ class CheckpointWriter(StorageWriter, WriterStaging):
     returns). The save's writes wait for the copies either way; the source state dict
     is kept referenced until they completed.
 
+    ``_extensions`` is ``FileSystemWriter``'s (experimental) name for ``transforms``,
+    accepted so code written for stock DCP runs unchanged.
+
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
     lands; a failed save removes the files it wrote (``commit.commit_checkpoint``).
@@ -131,8 +135,10 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         max_bandwidth: int | None = None,
         publish: bool = True,
         async_staging: bool = False,
+        _extensions: Sequence[Any] | None = None,
     ) -> None:
         super().__init__()
+        transforms = torch_alias("transforms", transforms, "_extensions", _extensions)
         settings = WriterSettings(
             thread_count=thread_count,
             single_file_per_rank=single_file_per_rank,

@@ -794,3 +794,52 @@ def test_plan_caching_on_two_ranks(tmp_path: Path) -> None:
     from tests.support.distributed import spawn
 
     spawn(_plan_cache_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+
+
+# --- torch's own extension keywords (TestDistributedStateDictSaveLoadRot13/ZStandard) ---
+
+
+@pytest.mark.parametrize("thread_count", [1, 2])
+@pytest.mark.parametrize("extension", ["rot13", "zstd"])
+def test_torch_extension_keywords(tmp_path: Path, thread_count: int, extension: str) -> None:
+    """FileSystemWriter(_extensions=[...]) and FileSystemReader(_extension_registry=...)
+    are what torch's tests and stock-DCP code pass: ours takes them as transforms and
+    registry, and each side reads what the other wrote."""
+    from torch.distributed.checkpoint._extension import ZStandard as TorchZStandard
+    from torch.testing._internal.distributed.checkpoint_utils import (
+        Rot13Example,
+        get_test_extension_registry,
+    )
+
+    def transform() -> Any:
+        return Rot13Example() if extension == "rot13" else TorchZStandard()
+
+    torch.manual_seed(2)
+    state = {"model": torch.nn.Linear(5, 5).state_dict(), "blob": _Blob(b"SomeBlobForTesting")}
+    sides = [
+        (storage.CheckpointWriter, storage.CheckpointReader),
+        (storage.CheckpointWriter, FileSystemReader),
+        (FileSystemWriter, storage.CheckpointReader),
+    ]
+    for i, (make_writer, make_reader) in enumerate(sides):
+        path = tmp_path / str(i)
+        writer = make_writer(path=path, thread_count=thread_count, _extensions=[transform()])
+        dcp.save(state, storage_writer=writer)
+        target = {"model": torch.nn.Linear(5, 5).state_dict(), "blob": _Blob(b"")}
+        dcp.load(
+            target,
+            storage_reader=make_reader(
+                path=path, _extension_registry=get_test_extension_registry()
+            ),
+        )
+        for k, v in state["model"].items():
+            assert torch.equal(target["model"][k], v), (i, k)
+        assert target["blob"].state == {"blob": b"SomeBlobForTesting"}, i
+    with pytest.raises(TypeError, match="not both"):
+        storage.CheckpointWriter(tmp_path, transforms=[transform()], _extensions=[transform()])
+    with pytest.raises(TypeError, match="not both"):
+        storage.CheckpointReader(
+            tmp_path,
+            registry=get_test_extension_registry(),
+            _extension_registry=get_test_extension_registry(),
+        )
