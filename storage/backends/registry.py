@@ -117,6 +117,26 @@ def url_scheme(url: str | os.PathLike[str]) -> str:
     return scheme.lower() if sep else ""
 
 
+def serves(url: object) -> bool:
+    """Whether :func:`filesystem_from_url` has a backend for ``url``: a plain path, a
+    scheme registered, built in or a plugin's, or a protocol fsspec knows (what torch's
+    writers and readers answer in ``validate_checkpoint_id``, which DCP and frameworks
+    ask to pick a storage for a ``checkpoint_id``). Nothing is imported but fsspec."""
+    if not isinstance(url, (str, os.PathLike)):
+        return False
+    scheme = url_scheme(url)
+    with _lock:
+        if scheme in _registered or scheme in BUILTIN:
+            return True
+    if scheme in _load_plugins():
+        return True
+    try:
+        import fsspec
+    except ImportError:
+        return False
+    return scheme in fsspec.available_protocols()
+
+
 def backend_for(scheme: str) -> Backend:
     """The row that serves ``scheme``: registered, built in, a plugin's, or fsspec."""
     with _lock:

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from extensions.errors import IntegrityError, UnsafeCheckpointError, printable
 from extensions.streams import pump, read_all, readinto_exact, skip
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint.tensors import tensor_bytes
+from storage.checkpoint.tensors import holds_its_bytes, tensor_bytes
 
 #: Default floor of the decoded size of a non-tensor item (``max_object_bytes``).
 MAX_OBJECT_BYTES = 16 << 20
@@ -79,9 +79,8 @@ def decode_tensor(
     whole = list(req.lengths) == list(sizes) and not any(req.storage_offsets)
     direct = (
         whole
-        and target.device.type == "cpu"
+        and holds_its_bytes(target)
         and target.dtype == dtype
-        and target.is_contiguous()
         and tuple(target.size()) == tuple(sizes)
     )
     dest = target if direct else torch.empty(tuple(sizes), dtype=dtype)
@@ -119,9 +118,8 @@ def direct_offset(
         or not _stored_as(record, dtype, sizes)
         or list(req.lengths) != list(sizes)
         or any(req.storage_offsets)
-        or target.device.type != "cpu"
+        or not holds_its_bytes(target)
         or target.dtype != dtype
-        or not target.is_contiguous()
         or tuple(target.size()) != tuple(sizes)
     ):
         return None

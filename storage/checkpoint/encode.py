@@ -76,6 +76,11 @@ def plain_cpu_tensor(data: object) -> torch.Tensor:
     tensor = data.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
+    # A lazy conjugate or negative view (x.conj(), x.conj().imag) holds the bits of its
+    # base and a flag that only torch.load applies: the raw bytes a reader decodes
+    # straight into its target must be the values themselves.
+    if tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg()
     # torch.save stores the whole storage and its strides: keep exactly the bytes of
     # this tensor, in row-major order, so the stored record is the tensor itself.
     if (

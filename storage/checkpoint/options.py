@@ -103,6 +103,16 @@ def resolve_location(
     return filesystem_from_url(location, storage_options)
 
 
+def torch_alias(name: str, value: Any, torch_name: str, torch_value: Any) -> Any:
+    """``value``, or ``torch_value`` given under the name torch's writer or reader uses
+    for the same option (``_extensions`` for ``transforms``); both given is an error."""
+    if torch_value is None:
+        return value
+    if value is not None:
+        raise TypeError(f"pass {name} or {torch_name} (torch's name for it), not both")
+    return torch_value
+
+
 def stock_checkpoint_id(location: str | os.PathLike[str]) -> str | os.PathLike[str]:
     """``checkpoint_id`` as torch's writers and readers report it: a local path as a
     ``pathlib.Path`` (``FileSystemWriter``), a URL unchanged (``FsspecWriter``)."""

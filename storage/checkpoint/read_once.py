@@ -53,7 +53,7 @@ from storage.checkpoint.fetch import read_items
 from storage.checkpoint.load_context import Chunks, LoadContext
 from storage.checkpoint.share_exchange import Share, agree, exchange, time_left
 from storage.checkpoint.share_groups import exchange_group
-from storage.checkpoint.tensors import check_shapes
+from storage.checkpoint.tensors import check_shapes, holds_its_bytes
 
 #: Decoded bytes of shared items per batch, at most (one item larger than this is a
 #: batch of its own); smaller batches when there is less to share (:func:`batch_limit`).
@@ -361,8 +361,5 @@ def _whole(req: ReadItem, sizes: torch.Size) -> bool:
 def _fits(target: torch.Tensor, sizes: torch.Size, dtype: torch.dtype) -> bool:
     """Whether ``target`` can hold the chunk's bytes as they travel (and be sent)."""
     return (
-        target.device.type == "cpu"
-        and target.dtype == dtype
-        and target.is_contiguous()
-        and tuple(target.size()) == tuple(sizes)
+        holds_its_bytes(target) and target.dtype == dtype and tuple(target.size()) == tuple(sizes)
     )

@@ -18,6 +18,7 @@ from extensions.base import Keys
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from extensions.registry import ExtensionRegistry, as_registry
 from storage.backends.base import FileSystemBase
+from storage.backends.registry import serves
 from storage.checkpoint import fetch, read_once, share_groups
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget, check_timeout
@@ -31,6 +32,7 @@ from storage.checkpoint.options import (
     default_thread_count,
     resolve_location,
     stock_checkpoint_id,
+    torch_alias,
 )
 from storage.checkpoint.shared import on_coordinator
 
@@ -82,6 +84,9 @@ class CheckpointReader(StorageReader):
     broadcast (one request per load, not one per rank); a collective, so only for
     reads every rank makes together (``storage.load`` turns it on under a process group).
 
+    ``_extension_registry`` is ``FileSystemReader``'s (experimental) name for
+    ``registry``, accepted so code written for stock DCP runs unchanged.
+
     Each load is carried out with a :class:`~storage.checkpoint.load_context.LoadContext`
     built in ``set_up_storage_reader`` from these settings and the load's metadata.
     """
@@ -101,8 +106,10 @@ class CheckpointReader(StorageReader):
         timeout: float | None = None,
         process_group: Any = None,
         share_metadata: bool = False,
+        _extension_registry: ExtensionRegistry | TorchExtensionRegistry | None = None,
     ) -> None:
         super().__init__()
+        registry = torch_alias("registry", registry, "_extension_registry", _extension_registry)
         if not isinstance(share_metadata, bool):
             raise TypeError(f"share_metadata must be a bool, got {share_metadata!r}")
         self.share_metadata = share_metadata
@@ -267,7 +274,9 @@ class CheckpointReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        # As torch's: no to a URL whose protocol nothing here serves, so a caller picking
+        # a storage by this answer does not pick one that then fails to open it.
+        return serves(checkpoint_id)
 
     # --- internals ------------------------------------------------------------------
 

@@ -37,6 +37,18 @@ def check_shapes(
         )
 
 
+def holds_its_bytes(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory, as :func:`tensor_bytes` gives it, is its values: a
+    contiguous CPU tensor that is no lazy conjugate or negative view (``x.conj()``, whose
+    bytes are ``x``'s, resolved only by torch's ops), so bytes can be decoded into it."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
     nbytes = tensor.numel() * tensor.element_size()

@@ -17,6 +17,7 @@ from torch.futures import Future
 
 from extensions.errors import CheckpointExistsError
 from storage.backends.base import FileSystemBase
+from storage.backends.registry import serves
 from storage.checkpoint import data_files, incremental
 from storage.checkpoint import persist as _persist
 from storage.checkpoint import storage_format as fmt
@@ -31,6 +32,7 @@ from storage.checkpoint.options import (
     default_thread_count,
     resolve_location,
     stock_checkpoint_id,
+    torch_alias,
 )
 from storage.checkpoint.staging import WriterStaging
 
@@ -101,6 +103,9 @@ class CheckpointWriter(StorageWriter, WriterStaging):
     returns). The save's writes wait for the copies either way; the source state dict
     is kept referenced until they completed.
 
+    ``_extensions`` is ``FileSystemWriter``'s (experimental) name for ``transforms``,
+    accepted so code written for stock DCP runs unchanged.
+
     Commit protocol: data files get a per-save unique name; the metadata is published
     last and atomically; files of the checkpoint it replaces are removed only after it
     lands; a failed save removes the files it wrote (``commit.commit_checkpoint``).
@@ -130,8 +135,10 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         max_bandwidth: int | None = None,
         publish: bool = True,
         async_staging: bool = False,
+        _extensions: Sequence[Any] | None = None,
     ) -> None:
         super().__init__()
+        transforms = torch_alias("transforms", transforms, "_extensions", _extensions)
         settings = WriterSettings(
             thread_count=thread_count,
             single_file_per_rank=single_file_per_rank,
@@ -175,6 +182,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         self.use_collectives = True
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex[:12]
+        self._save_id_used = False  # a save was set up with it: the next one needs another
         self.last_error: BaseException | None = None
         #: The save in progress (or the last one): what it wrote, its deadline, its commit.
         self.attempt = SaveAttempt(self.fs, self.path, self.save_id, self.budget)
@@ -195,12 +203,21 @@ class CheckpointWriter(StorageWriter, WriterStaging):
             self._location = checkpoint_id
             self.persist_mode = _persist.for_filesystems(self.persist_mode, self.fs)
         self.save_id = uuid.uuid4().hex[:12]
+        self._save_id_used = False
         self.last_error = None
 
+    def _next_save_id(self) -> None:
+        """A fresh save id once a save was set up with the current one (DCP calls
+        reset() only when a checkpoint_id is passed): it names the data files, so a
+        reused writer never writes into the files a committed metadata points at."""
+        if self._save_id_used:
+            self.save_id = uuid.uuid4().hex[:12]
+            self._save_id_used = False
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        # Called once per save (reset() only when a checkpoint_id is passed): a fresh
-        # save id keeps a reused writer from writing into the committed files.
-        self.save_id = uuid.uuid4().hex[:12]
+        # DCP asks storage_meta() for the planner just before this: both name one save.
+        self._next_save_id()
+        self._save_id_used = True
         self.last_error = None
         self.published = None
         self.unpublished = None
@@ -267,7 +284,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         files, threads = data_files.split_into_files(
             items,
             rank=rank,
-            save_id=self.save_id,
+            save_id=self.attempt.save_id,
             thread_count=self.thread_count,
             single_file_per_rank=self.single_file_per_rank,
             key_prefixes=self.key_prefixes,
@@ -315,7 +332,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
                 self.path,
                 fmt.metadata_name(None if self.use_collectives else self.rank),
                 lambda: self.metadata_payload(metadata, results),
-                save_id=self.save_id,
+                save_id=self.attempt.save_id,
                 infos=[wr.storage_data for rs in results for wr in rs],
                 overwrite=self.overwrite,
                 sync=self.sync_files,
@@ -334,7 +351,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         the storage index of ``results``, this save's id and, for incremental saves, the
         length of the chain since the last full save."""
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-        metadata.storage_meta = self.storage_meta()
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.url, save_id=self.attempt.save_id)
         metadata.version = DCP_VERSION
         extra = {}
         if self.fingerprint:  # incremental saves since the last full one
@@ -354,6 +371,9 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         self.attempt.abort(error)
 
     def storage_meta(self) -> StorageMeta | None:
+        """The next save's: DCP asks for it (for the planner) just before
+        ``set_up_storage_writer``, and that save's metadata records this save id."""
+        self._next_save_id()
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
 
     @property
@@ -368,7 +388,9 @@ class CheckpointWriter(StorageWriter, WriterStaging):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        # As torch's: no to a URL whose protocol nothing here serves, so a caller picking
+        # a storage by this answer does not pick one that then fails to open it.
+        return serves(checkpoint_id)
 
     # --- internals ------------------------------------------------------------------
 

@@ -520,7 +520,8 @@ def test_writer_settings_are_the_writer_options() -> None:
     from storage.checkpoint.options import WriterSettings
 
     params = inspect.signature(storage.CheckpointWriter.__init__).parameters
-    located = {"self", "path", "transforms", "storage_options", "filesystem"}
+    # ``_extensions`` is torch's name for ``transforms``, an alias, not a setting.
+    located = {"self", "path", "transforms", "_extensions", "storage_options", "filesystem"}
     defaults = {n: p.default for n, p in params.items() if n not in located}
     assert {f.name: f.default for f in dataclasses.fields(WriterSettings)} == defaults
     assert WriterSettings().writer_kwargs() == defaults
