@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -982,3 +983,49 @@ def test_a_managers_prepare_with_no_room_in_shm_leaves_the_default_to_threads(
     mgr.save(1, state, blocking=False).result()
     mgr.wait()
     assert_tree_equal(state, loaded(tmp_path / "default" / "step-1", state))
+
+
+def test_a_script_that_finds_the_package_on_its_own_path_saves_through_the_worker(
+    tmp_path: Path,
+) -> None:
+    """The worker imports this package before it is sent the trainer's sys.path: a
+    script that found it through ``sys.path.insert`` (a checkout, not installed) started
+    a worker that died at import, and every save of the default mode failed."""
+    import sysconfig
+    import venv
+
+    env_dir = tmp_path / "env"  # an interpreter with torch but without this package
+    venv.create(env_dir, with_pip=False)
+    site = next((env_dir / "lib").glob("python*/site-packages"))
+    # Added as a path, its own .pth files (this checkout's editable install) are not run.
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    script = tmp_path / "elsewhere" / "train.py"
+    script.parent.mkdir()
+    script.write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+        "import torch, storage\n"
+        "state = {'w': torch.arange(65536.0)}\n"
+        f"storage.async_save(state, {str(tmp_path / 'ckpt')!r}, persist='process').result()\n"
+        "out = {'w': torch.zeros(65536)}\n"
+        f"storage.load(out, {str(tmp_path / 'ckpt')!r})\n"
+        "assert torch.equal(out['w'], state['w'])\n"
+        "print('saved')\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = subprocess.run(
+        [str(env_dir / "bin" / "python"), "-c", "import storage"],
+        cwd=tmp_path,
+        env=environ,
+        capture_output=True,
+        timeout=120,
+    )
+    assert probe.returncode != 0  # the package is not importable there by itself
+    done = subprocess.run(
+        [str(env_dir / "bin" / "python"), str(script)],
+        cwd=tmp_path,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and "saved" in done.stdout, done.stderr[-2000:]

@@ -115,6 +115,7 @@ class Worker:
                 [sys.executable, "-c", _LAUNCH.format(nice=NICE, fd=theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
+                env=_launch_environ(),
             )
         finally:
             theirs.close()  # the worker's end lives only in the worker: its death is EOF here
@@ -390,6 +391,21 @@ class Worker:
 _LAUNCH = (
     "from storage.checkpoint.persist._child import main; import os; os.nice({nice}); main({fd})"
 )
+
+
+def _launch_environ() -> dict[str, str]:
+    """The worker's environment: this process's, with the directories this package was
+    imported from first on ``PYTHONPATH``. The worker imports it before it is sent this
+    process's ``sys.path``: a script that found the package through its own
+    ``sys.path`` (a checkout, not installed) started a worker that died at import."""
+    roots = [
+        os.path.dirname(os.path.dirname(os.path.abspath(module.__file__ or "")))
+        for module in (sys.modules["storage"], sys.modules["extensions"])
+    ]
+    environ = dict(os.environ)
+    paths = [*dict.fromkeys(roots), *filter(None, environ.get("PYTHONPATH", "").split(os.pathsep))]
+    environ["PYTHONPATH"] = os.pathsep.join(paths)
+    return environ
 
 
 def _exit_text(code: int) -> str:
