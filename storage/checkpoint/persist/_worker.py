@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from extensions.errors import WorkerDiedError
 from storage.checkpoint.persist._cuda import InFlight
+from storage.checkpoint.persist._launch import launch
 from storage.checkpoint.persist._messages import (
     NotSendable,
     dumps_call,
@@ -41,9 +42,6 @@ PACE_MIN_SECONDS = 0.5  # a pace deadline closer than this: the writes go at ful
 PACE_MIN_BYTES = 1 << 20  # an upload smaller than this goes at full speed
 
 T = TypeVar("T")
-
-#: The worker's nice increment: persistence yields the cores to training.
-NICE = 10
 
 
 class Lease:
@@ -111,12 +109,7 @@ class Worker:
             return self._conn
         ours, theirs = socket.socketpair()
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _LAUNCH.format(nice=NICE, fd=theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                env=_launch_environ(),
-            )
+            proc = launch(theirs.fileno())
         finally:
             theirs.close()  # the worker's end lives only in the worker: its death is EOF here
         conn = Connection(ours.detach())
@@ -383,29 +376,6 @@ class Worker:
             self._free.set()
             raise
         return staged, Lease(self._free, copies)
-
-
-# Niced once its imports are done: a worker that imported torch at nice +10 on a host
-# whose cores the job keeps busy took tens of seconds to start, and the first async save,
-# or a preemption save waiting behind it, waited for that.
-_LAUNCH = (
-    "from storage.checkpoint.persist._child import main; import os; os.nice({nice}); main({fd})"
-)
-
-
-def _launch_environ() -> dict[str, str]:
-    """The worker's environment: this process's, with the directories this package was
-    imported from first on ``PYTHONPATH``. The worker imports it before it is sent this
-    process's ``sys.path``: a script that found the package through its own
-    ``sys.path`` (a checkout, not installed) started a worker that died at import."""
-    roots = [
-        os.path.dirname(os.path.dirname(os.path.abspath(module.__file__ or "")))
-        for module in (sys.modules["storage"], sys.modules["extensions"])
-    ]
-    environ = dict(os.environ)
-    paths = [*dict.fromkeys(roots), *filter(None, environ.get("PYTHONPATH", "").split(os.pathsep))]
-    environ["PYTHONPATH"] = os.pathsep.join(paths)
-    return environ
 
 
 def _exit_text(code: int) -> str:

@@ -1,0 +1,44 @@
+"""How the persist worker process is started: its command line, its niceness and its
+environment (the worker's side is :mod:`._child`; the handle that starts it,
+:class:`._worker.Worker`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+#: The worker's nice increment: persistence yields the cores to training.
+NICE = 10
+
+# Niced once its imports are done: a worker that imported torch at nice +10 on a host
+# whose cores the job keeps busy took tens of seconds to start, and the first async save,
+# or a preemption save waiting behind it, waited for that.
+_COMMAND = (
+    "from storage.checkpoint.persist._child import main; import os; os.nice({nice}); main({fd})"
+)
+
+
+def launch(fd: int) -> subprocess.Popen[bytes]:
+    """Start the worker, serving the socket ``fd`` (passed to it, and to it only)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _COMMAND.format(nice=NICE, fd=fd)],
+        pass_fds=[fd],
+        stdin=subprocess.DEVNULL,
+        env=_environ(),
+    )
+
+
+def _environ() -> dict[str, str]:
+    """The worker's environment: this process's, with the directories this package was
+    imported from first on ``PYTHONPATH``. The worker imports it before it is sent this
+    process's ``sys.path``: a script that found the package through its own
+    ``sys.path`` (a checkout, not installed) started a worker that died at import."""
+    roots = [
+        os.path.dirname(os.path.dirname(os.path.abspath(module.__file__ or "")))
+        for module in (sys.modules["storage"], sys.modules["extensions"])
+    ]
+    environ = dict(os.environ)
+    paths = [*dict.fromkeys(roots), *filter(None, environ.get("PYTHONPATH", "").split(os.pathsep))]
+    environ["PYTHONPATH"] = os.pathsep.join(paths)
+    return environ
