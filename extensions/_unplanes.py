@@ -4,17 +4,21 @@ modes: ``extensions/_planes.py``; the headers: ``extensions/_layout.py``).
 Every size is checked against the block before anything is allocated or decoded: a
 stored block cannot make the decoder allocate more than its decoded size allows.
 
-The planes are joined with whole-array numpy passes, in place, into arrays each thread
-keeps from block to block (a fresh 256 KiB array per pass costs its page faults every
-block), and the last join writes the caller's buffer: byte planes are joined in 16-bit
-halves, those into 32-bit words and so on; numpy's multiplies beat its shifts, and an
-operation on two arrays of one dtype beats one that casts, so bytes widen once, then
-combine. A ``LOW_PAIR`` block's low half comes stored as 16-bit words, joined by none.
+Packed planes are unpacked, and planes of 2- and 4-byte elements joined, by the compiled
+loops of ``extensions/_native.c`` (one pass each) where the package was built with them.
+Without them, and for 8-byte elements, whole-array numpy passes do it, in place, into
+arrays each thread keeps from block to block (a fresh 256 KiB array per pass costs its
+page faults every block), and the last join writes the caller's buffer: byte planes are
+joined in 16-bit halves, those into 32-bit words and so on; numpy's multiplies beat its
+shifts, and an operation on two arrays of one dtype beats one that casts, so bytes widen
+once, then combine. A ``LOW_PAIR`` block's low half comes stored as 16-bit words, joined
+by none. Both paths decode the same bytes.
 """
 
 from __future__ import annotations
 
 import threading
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -31,6 +35,12 @@ from extensions._layout import (
     seven_size,
 )
 from extensions._planes import _ESCAPE, _MAGIC, _UINT, LOW_PAIR, SIGN_MOVED, _codecs
+
+_native: ModuleType | None
+try:
+    from extensions import _native
+except ImportError:  # installed without a C compiler: numpy passes only
+    _native = None
 
 #: Below this many escapes a packed plane finds them with ``bytearray.find`` (memchr).
 _FEW_ESCAPES = 48
@@ -179,6 +189,11 @@ def _unpack(
         raise CorruptBlock(f"packed plane with {k} codes per byte")
     count = -(-n // k)
     codes = np.frombuffer(_unzstd(frame, count, version), np.uint8)
+    if _native is not None:
+        plane = _scratch.array(role, np.uint8, n)
+        found = _native.spread(plane, codes, k, base, escapes)
+        _check_escapes(found, len(escapes))
+        return plane
     kind = _UINT[k].type
     wide = _scratch.array(role, _UINT[k], count)
     spread = _scratch.array("spread", _UINT[k], count)
@@ -217,11 +232,17 @@ def _escaped(plane: np.ndarray, escape: int, stored: int, memory: bytearray) -> 
     else:
         where = np.flatnonzero(plane == escape)  # type: ignore[assignment]
         found = len(where)
+    _check_escapes(found, stored)
+    return where
+
+
+def _check_escapes(found: int, stored: int) -> None:
+    """The escape codes found in a packed plane (at most one past ``stored`` counted)
+    must be exactly the escaped bytes it stores."""
     if found != stored:
         raise CorruptBlock(
             f"{found if found <= stored else 'more'} escapes in a packed plane that stores {stored}"
         )
-    return where
 
 
 def _join(planes: list[Any], words: np.ndarray, moved: bool) -> None:
@@ -229,6 +250,19 @@ def _join(planes: list[Any], words: np.ndarray, moved: bool) -> None:
     those into 32-bit ones and so on; ``moved``: the sign is bit 7 of the second plane
     from the top (see ``extensions/_planes.py``)."""
     es = len(planes)
+    if _native is not None and es in (2, 4):
+        n = len(words)
+        arrays = [
+            _scratch.array(f"const{j}", np.uint8, n) if np.ndim(p) == 0 and p is not None else p
+            for j, p in enumerate(planes)
+        ]
+        for array, plane in zip(arrays, planes):
+            if array is not plane:
+                array.fill(plane)
+        if arrays[1] is None:  # a LOW_PAIR block's stored low half
+            del arrays[1]
+        _native.join(words, tuple(arrays), moved)
+        return
     if es == 2:
         _pair(planes[0], planes[1], words, moved)
         return

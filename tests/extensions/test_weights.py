@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from extensions import (
 )
 from extensions import _layout as layout
 from extensions import _planes as planes
+from extensions import _unplanes as unplanes
 from extensions.testing import TransformTests, encode, read_all
 from tests.extensions.test_encryption import rewrite
 from tests.support.trees import zeros_like_tree
@@ -76,6 +78,59 @@ def second_moment(n: int, seed: int = 0) -> torch.Tensor:
     """Positive and about one octave wide, like Adam's exp_avg_sq: a mean of squares."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(n, 16, generator=gen).pow(2).mean(1) * 1e-6
+
+
+# Every test here decodes with both of the decoder's paths: the compiled loops (where the
+# install built them) and the numpy passes; a difference between them would decode other
+# bytes on a machine without a compiler.
+NATIVE = unplanes._native
+DECODERS = ["numpy"] + (["compiled"] if NATIVE is not None else [])
+
+
+@pytest.fixture(autouse=True, params=DECODERS)
+def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "numpy":
+        monkeypatch.setattr(unplanes, "_native", None)
+    return str(request.param)
+
+
+def test_the_compiled_loops_are_built_where_a_c_compiler_is() -> None:
+    """`pip install -e .` builds extensions/_native.c where a compiler is there (the
+    build is optional, so a broken one would only show as a decoder at half speed)."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine: the numpy passes decode")
+    assert "compiled" in DECODERS, "extensions._native is not built: run pip install -e ."
+
+
+@pytest.mark.skipif("compiled" not in DECODERS, reason="extensions._native is not built")
+def test_the_compiled_loops_check_every_size_before_writing() -> None:
+    """The compiled loops write into the caller's buffer: sizes that do not match (a
+    caller's mistake, a block the checks above missed) raise instead of writing past an
+    end, and a packed plane's escapes are counted, never read past the stored ones."""
+    native = NATIVE
+    assert native is not None
+    out = bytearray(8)
+    with pytest.raises(ValueError, match="do not make"):
+        native.join(out, (bytes(4), bytes(3)), False)  # planes of unequal length
+    with pytest.raises(ValueError, match="do not make"):
+        native.join(bytearray(7), (bytes(4), bytes(4)), False)  # out too short
+    with pytest.raises(ValueError, match="do not make"):
+        native.join(bytearray(16), (bytes(4), bytes(4), bytes(4)), True)  # pair of 4 for 4
+    with pytest.raises(ValueError, match="2 to 4 planes"):
+        native.join(out, (bytes(8),), False)
+    with pytest.raises(BufferError):
+        native.join(bytes(8), (bytes(4), bytes(4)), False)  # read-only out
+    native.join(out, (b"\x01\x02\x03\x04", b"\x05\x06\x07\x08"), False)
+    assert out == b"\x01\x05\x02\x06\x03\x07\x04\x08"
+    with pytest.raises(ValueError, match="cannot fill"):
+        native.spread(bytearray(9), bytes(4), 2, 0, b"")  # 4 code bytes hold 8 codes
+    with pytest.raises(ValueError, match="cannot fill"):
+        native.spread(bytearray(8), bytes(4), 3, 0, b"")
+    plane = bytearray(4)
+    assert native.spread(plane, b"\xff\xff", 2, 10, b"ab") == 3  # 4 escapes, 2 stored
+    assert native.spread(plane, b"\xf1\x21", 2, 10, b"abc") == 1  # 1 escape, 3 stored
+    assert native.spread(plane, b"\xf1\x21", 2, 10, b"z") == 1
+    assert plane == b"\x0bz\x0b\x0c"
 
 
 # --- conformance ----------------------------------------------------------------------

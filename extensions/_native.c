@@ -1,0 +1,210 @@
+/* Compiled loops of WeightCodec's decoder (extensions/_unplanes.py), optional.
+ *
+ * numpy joins a block's byte planes in about ten whole-array passes; each loop here
+ * does its part in one, byte by byte (so neither the host's byte order nor the
+ * output's alignment matters), with the GIL released. Without this module (no
+ * compiler at install time) the decoder runs its numpy passes: the bytes decoded are
+ * the same, which the tests check on both paths.
+ *
+ * Every length is checked here against the others before a byte is written; the
+ * caller has checked them against the block already. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The top two bytes of an element from its two top planes; "moved": the second plane
+ * from the top holds the sign in bit 7 above 7 bits, the top plane the 8 bits that
+ * followed the sign (see extensions/_planes.py). */
+#define TOP_PAIR(out, second, top, moved)                                             \
+    do {                                                                               \
+        uint8_t s_ = (second), t_ = (top);                                             \
+        if (moved) {                                                                   \
+            (out)[0] = (uint8_t)((s_ & 0x7F) | (uint8_t)(t_ << 7));                     \
+            (out)[1] = (uint8_t)((s_ & 0x80) | (t_ >> 1));                             \
+        } else {                                                                       \
+            (out)[0] = s_;                                                             \
+            (out)[1] = t_;                                                             \
+        }                                                                              \
+    } while (0)
+
+static void join2(uint8_t *restrict out, const uint8_t *restrict lo,
+                  const uint8_t *restrict hi, Py_ssize_t n, int moved) {
+    if (moved)
+        for (Py_ssize_t i = 0; i < n; i++) TOP_PAIR(out + 2 * i, lo[i], hi[i], 1);
+    else
+        for (Py_ssize_t i = 0; i < n; i++) TOP_PAIR(out + 2 * i, lo[i], hi[i], 0);
+}
+
+static void join4(uint8_t *restrict out, const uint8_t *restrict p0,
+                  const uint8_t *restrict p1, const uint8_t *restrict p2,
+                  const uint8_t *restrict p3, Py_ssize_t n, int moved) {
+    if (moved)
+        for (Py_ssize_t i = 0; i < n; i++) {
+            out[4 * i] = p0[i];
+            out[4 * i + 1] = p1[i];
+            TOP_PAIR(out + 4 * i + 2, p2[i], p3[i], 1);
+        }
+    else
+        for (Py_ssize_t i = 0; i < n; i++) {
+            out[4 * i] = p0[i];
+            out[4 * i + 1] = p1[i];
+            TOP_PAIR(out + 4 * i + 2, p2[i], p3[i], 0);
+        }
+}
+
+/* A LOW_PAIR block of 4-byte elements: the two low bytes of each come stored together. */
+static void join4_pair(uint8_t *restrict out, const uint8_t *restrict pair,
+                       const uint8_t *restrict p2, const uint8_t *restrict p3, Py_ssize_t n,
+                       int moved) {
+    if (moved)
+        for (Py_ssize_t i = 0; i < n; i++) {
+            out[4 * i] = pair[2 * i];
+            out[4 * i + 1] = pair[2 * i + 1];
+            TOP_PAIR(out + 4 * i + 2, p2[i], p3[i], 1);
+        }
+    else
+        for (Py_ssize_t i = 0; i < n; i++) {
+            out[4 * i] = pair[2 * i];
+            out[4 * i + 1] = pair[2 * i + 1];
+            TOP_PAIR(out + 4 * i + 2, p2[i], p3[i], 0);
+        }
+}
+
+static void release_all(Py_buffer *views, int count) {
+    for (int i = 0; i < count; i++) PyBuffer_Release(&views[i]);
+}
+
+PyDoc_STRVAR(join_doc,
+"join(out, planes, moved)\n\n"
+"Write the elements of 2 or 4 bytes whose byte planes are ``planes`` into ``out``:\n"
+"as many planes as bytes per element, each of n bytes, or for 4-byte elements the\n"
+"two low bytes of each element as one piece of 2n bytes and the two top planes;\n"
+"``out`` holds n elements. ``moved``: the sign was moved (see _planes.py).");
+
+static PyObject *join(PyObject *self, PyObject *args) {
+    PyObject *out_obj, *planes_obj;
+    int moved;
+    if (!PyArg_ParseTuple(args, "OO!p", &out_obj, &PyTuple_Type, &planes_obj, &moved))
+        return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(planes_obj);
+    if (count < 2 || count > 4) {
+        PyErr_Format(PyExc_ValueError, "join takes 2 to 4 planes, not %zd", count);
+        return NULL;
+    }
+    Py_buffer views[5];
+    if (PyObject_GetBuffer(out_obj, &views[0], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    int held = 1;
+    for (Py_ssize_t j = 0; j < count; j++, held++) {
+        PyObject *plane = PyTuple_GET_ITEM(planes_obj, j);
+        if (PyObject_GetBuffer(plane, &views[held], PyBUF_C_CONTIGUOUS) < 0) {
+            release_all(views, held);
+            return NULL;
+        }
+    }
+    /* Two planes: 2-byte elements; three: a 2n-byte low pair and two planes; four:
+     * 4-byte elements from four planes. */
+    Py_ssize_t n = views[count].len;
+    Py_ssize_t es = count == 2 ? 2 : 4;
+    int sizes_ok = views[0].len == es * n && views[count - 1].len == n;
+    if (count == 3)
+        sizes_ok = sizes_ok && views[1].len == 2 * n;
+    if (count == 4)
+        sizes_ok = sizes_ok && views[1].len == n && views[2].len == n;
+    if (!sizes_ok) {
+        release_all(views, held);
+        PyErr_Format(PyExc_ValueError,
+                     "planes of %zd bytes do not make %zd elements of %zd bytes", n,
+                     views[0].len / es, es);
+        return NULL;
+    }
+    uint8_t *out = views[0].buf;
+    const uint8_t *p[4];
+    for (int j = 0; j < count; j++) p[j] = views[j + 1].buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (count == 2)
+        join2(out, p[0], p[1], n, moved);
+    else if (count == 3)
+        join4_pair(out, p[0], p[1], p[2], n, moved);
+    else
+        join4(out, p[0], p[1], p[2], p[3], n, moved);
+    Py_END_ALLOW_THREADS
+    release_all(views, held);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(spread_doc,
+"spread(out, codes, k, base, escapes) -> int\n\n"
+"Unpack a PACK plane into ``out`` (its n bytes): ``k`` codes (2 or 4) per byte of\n"
+"``codes``, lowest bits first; a code below the escape (``2**(8 // k) - 1``) is the\n"
+"byte ``base + code`` (mod 256), an escape the next byte of ``escapes``, in order.\n"
+"Returns how many escapes the n codes hold, 0 to len(escapes) + 1: the caller\n"
+"refuses any count but len(escapes), and out is then incomplete.");
+
+static PyObject *spread(PyObject *self, PyObject *args) {
+    Py_buffer out_view, codes_view, escapes_view;
+    int k, base;
+    if (!PyArg_ParseTuple(args, "w*y*iiy*", &out_view, &codes_view, &k, &base, &escapes_view))
+        return NULL;
+    Py_ssize_t n = out_view.len, count = codes_view.len, stored = escapes_view.len;
+    if ((k != 2 && k != 4) || base < 0 || base > 255 || count != (n + k - 1) / k) {
+        PyBuffer_Release(&out_view);
+        PyBuffer_Release(&codes_view);
+        PyBuffer_Release(&escapes_view);
+        PyErr_Format(PyExc_ValueError, "%zd codes, %d to a byte, cannot fill %zd bytes",
+                     count, k, n);
+        return NULL;
+    }
+    uint8_t *out = out_view.buf;
+    const uint8_t *codes = codes_view.buf, *escapes = escapes_view.buf;
+    const uint8_t b = (uint8_t)base;
+    const uint8_t escape = (uint8_t)(b + (k == 2 ? 15 : 3));
+    Py_ssize_t found = 0;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t whole = n / k;
+    if (k == 2)
+        for (Py_ssize_t i = 0; i < whole; i++) {
+            out[2 * i] = (uint8_t)((codes[i] & 15) + b);
+            out[2 * i + 1] = (uint8_t)((codes[i] >> 4) + b);
+        }
+    else {
+        /* Four codes a byte: the four bytes of each code byte from a table (a loop of
+         * 2-bit shifts does not vectorize). */
+        uint8_t quads[256][4];
+        for (int c = 0; c < 256; c++)
+            for (int j = 0; j < 4; j++) quads[c][j] = (uint8_t)(((c >> (2 * j)) & 3) + b);
+        for (Py_ssize_t i = 0; i < whole; i++) memcpy(out + 4 * i, quads[codes[i]], 4);
+    }
+    int bits = 8 / k;
+    for (Py_ssize_t j = whole * k; j < n; j++)
+        out[j] = (uint8_t)(((codes[j / k] >> ((j % k) * bits)) & ((1 << bits) - 1)) + b);
+    /* Codes below the escape never land on its byte: base + code < base + escape. */
+    uint8_t *at = memchr(out, escape, (size_t)n);
+    while (at != NULL && found < stored) {
+        *at = escapes[found++];
+        at = memchr(at + 1, escape, (size_t)(out + n - (at + 1)));
+    }
+    if (at != NULL)
+        found++; /* more escapes than stored: the count tells the caller so */
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&out_view);
+    PyBuffer_Release(&codes_view);
+    PyBuffer_Release(&escapes_view);
+    return PyLong_FromSsize_t(found);
+}
+
+static PyMethodDef methods[] = {
+    {"join", join, METH_VARARGS, join_doc},
+    {"spread", spread, METH_VARARGS, spread_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "extensions._native",
+    "Compiled loops of WeightCodec's decoder (optional; numpy passes without them).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

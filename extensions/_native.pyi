@@ -1,0 +1,6 @@
+"""Compiled loops of WeightCodec's decoder (``extensions/_native.c``); optional."""
+
+from typing_extensions import Buffer
+
+def join(out: Buffer, planes: tuple[Buffer, ...], moved: bool) -> None: ...
+def spread(out: Buffer, codes: Buffer, k: int, base: int, escapes: Buffer) -> int: ...
