@@ -1,8 +1,7 @@
 /* Compiled loops of WeightCodec's decoder (extensions/_unplanes.py), optional.
  *
  * numpy joins a block's byte planes in about ten whole-array passes; each loop here
- * does its part in one, byte by byte (so neither the host's byte order nor the
- * output's alignment matters), with the GIL released. Without this module (no
+ * does its part in one, with the GIL released. Without this module (no
  * compiler at install time) the decoder runs its numpy passes: the bytes decoded are
  * the same, which the tests check on both paths.
  *
@@ -14,44 +13,58 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The top two bytes of an element from its two top planes; "moved": the second plane
+/* Words are assembled in registers and stored with memcpy (any alignment), in the
+ * format's byte order, little-endian, whatever the host's. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define LE16(v) __builtin_bswap16(v)
+#define LE32(v) __builtin_bswap32(v)
+#else
+#define LE16(v) (v)
+#define LE32(v) (v)
+#endif
+
+static inline uint16_t load16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return LE16(v);
+}
+
+static inline void store16(uint8_t *p, uint16_t v) {
+    v = LE16(v);
+    memcpy(p, &v, 2);
+}
+
+static inline void store32(uint8_t *p, uint32_t v) {
+    v = LE32(v);
+    memcpy(p, &v, 4);
+}
+
+/* The top 16 bits of an element from its two top planes; "moved": the second plane
  * from the top holds the sign in bit 7 above 7 bits, the top plane the 8 bits that
  * followed the sign (see extensions/_planes.py). */
-#define TOP_PAIR(out, second, top, moved)                                             \
-    do {                                                                               \
-        uint8_t s_ = (second), t_ = (top);                                             \
-        if (moved) {                                                                   \
-            (out)[0] = (uint8_t)((s_ & 0x7F) | (uint8_t)(t_ << 7));                     \
-            (out)[1] = (uint8_t)((s_ & 0x80) | (t_ >> 1));                             \
-        } else {                                                                       \
-            (out)[0] = s_;                                                             \
-            (out)[1] = t_;                                                             \
-        }                                                                              \
-    } while (0)
+static inline uint32_t top16(uint32_t second, uint32_t top, int moved) {
+    if (moved)
+        return ((second & 0x80u) << 8) | (top << 7) | (second & 0x7Fu);
+    return (top << 8) | second;
+}
 
 static void join2(uint8_t *restrict out, const uint8_t *restrict lo,
                   const uint8_t *restrict hi, Py_ssize_t n, int moved) {
     if (moved)
-        for (Py_ssize_t i = 0; i < n; i++) TOP_PAIR(out + 2 * i, lo[i], hi[i], 1);
+        for (Py_ssize_t i = 0; i < n; i++) store16(out + 2 * i, (uint16_t)top16(lo[i], hi[i], 1));
     else
-        for (Py_ssize_t i = 0; i < n; i++) TOP_PAIR(out + 2 * i, lo[i], hi[i], 0);
+        for (Py_ssize_t i = 0; i < n; i++) store16(out + 2 * i, (uint16_t)top16(lo[i], hi[i], 0));
 }
 
 static void join4(uint8_t *restrict out, const uint8_t *restrict p0,
                   const uint8_t *restrict p1, const uint8_t *restrict p2,
                   const uint8_t *restrict p3, Py_ssize_t n, int moved) {
     if (moved)
-        for (Py_ssize_t i = 0; i < n; i++) {
-            out[4 * i] = p0[i];
-            out[4 * i + 1] = p1[i];
-            TOP_PAIR(out + 4 * i + 2, p2[i], p3[i], 1);
-        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            store32(out + 4 * i, p0[i] | (uint32_t)p1[i] << 8 | top16(p2[i], p3[i], 1) << 16);
     else
-        for (Py_ssize_t i = 0; i < n; i++) {
-            out[4 * i] = p0[i];
-            out[4 * i + 1] = p1[i];
-            TOP_PAIR(out + 4 * i + 2, p2[i], p3[i], 0);
-        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            store32(out + 4 * i, p0[i] | (uint32_t)p1[i] << 8 | top16(p2[i], p3[i], 0) << 16);
 }
 
 /* A LOW_PAIR block of 4-byte elements: the two low bytes of each come stored together. */
@@ -59,17 +72,11 @@ static void join4_pair(uint8_t *restrict out, const uint8_t *restrict pair,
                        const uint8_t *restrict p2, const uint8_t *restrict p3, Py_ssize_t n,
                        int moved) {
     if (moved)
-        for (Py_ssize_t i = 0; i < n; i++) {
-            out[4 * i] = pair[2 * i];
-            out[4 * i + 1] = pair[2 * i + 1];
-            TOP_PAIR(out + 4 * i + 2, p2[i], p3[i], 1);
-        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            store32(out + 4 * i, load16(pair + 2 * i) | top16(p2[i], p3[i], 1) << 16);
     else
-        for (Py_ssize_t i = 0; i < n; i++) {
-            out[4 * i] = pair[2 * i];
-            out[4 * i + 1] = pair[2 * i + 1];
-            TOP_PAIR(out + 4 * i + 2, p2[i], p3[i], 0);
-        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            store32(out + 4 * i, load16(pair + 2 * i) | top16(p2[i], p3[i], 0) << 16);
 }
 
 static void release_all(Py_buffer *views, int count) {
@@ -83,7 +90,7 @@ PyDoc_STRVAR(join_doc,
 "two low bytes of each element as one piece of 2n bytes and the two top planes;\n"
 "``out`` holds n elements. ``moved``: the sign was moved (see _planes.py).");
 
-static PyObject *join(PyObject *self, PyObject *args) {
+static PyObject *join(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *out_obj, *planes_obj;
     int moved;
     if (!PyArg_ParseTuple(args, "OO!p", &out_obj, &PyTuple_Type, &planes_obj, &moved))
@@ -143,7 +150,7 @@ PyDoc_STRVAR(spread_doc,
 "Returns how many escapes the n codes hold, 0 to len(escapes) + 1: the caller\n"
 "refuses any count but len(escapes), and out is then incomplete.");
 
-static PyObject *spread(PyObject *self, PyObject *args) {
+static PyObject *spread(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer out_view, codes_view, escapes_view;
     int k, base;
     if (!PyArg_ParseTuple(args, "w*y*iiy*", &out_view, &codes_view, &k, &base, &escapes_view))
@@ -202,9 +209,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "extensions._native",
-    "Compiled loops of WeightCodec's decoder (optional; numpy passes without them).", -1,
-    methods,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "extensions._native",
+    .m_doc = "Compiled loops of WeightCodec's decoder (optional; numpy passes without them).",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
