@@ -133,6 +133,47 @@ def test_the_compiled_loops_check_every_size_before_writing() -> None:
     assert plane == b"\x0bz\x0b\x0c"
 
 
+@pytest.mark.skipif("compiled" not in DECODERS, reason="extensions._native is not built")
+def test_both_decoders_agree_on_every_damaged_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams with bytes flipped in their headers and planes decode to the same bytes,
+    or fail alike, whether the compiled loops or numpy join them: the compiled path may
+    not accept (or write) what the numpy path refuses."""
+    rng = np.random.default_rng(7)
+    cases = [
+        weights(BLOCK // 2 + 301),  # bf16: moved sign, packed exponents
+        second_moment(BLOCK // 4 + 77),  # fp32: a low pair, a constant sign
+        weights(BLOCK // 4 + 5, torch.float32, seed=3),
+        weights(3000, torch.float16, seed=4),
+    ]
+
+    def outcome(stored: bytes, item: ItemInfo, native: Any) -> str:
+        monkeypatch.setattr(unplanes, "_native", native)
+        try:
+            return hashlib.sha256(
+                decoded(stored, [WeightCodec().descriptor_for(item)], item)
+            ).hexdigest()
+        except ValueError as exc:
+            return f"error: {exc}"
+
+    seen: set[str] = set()
+    for tensor in cases:
+        item = item_of(tensor)
+        stored, _ = encoded(raw_bytes(tensor), item)
+        for _ in range(60):
+            damaged = bytearray(stored)
+            for at in rng.integers(0, min(len(stored), 400), 2):  # mostly headers, escapes
+                damaged[at] ^= 1 << int(rng.integers(0, 8))
+            at = int(rng.integers(0, len(stored)))
+            damaged[at] ^= 0xFF
+            theirs, ours = (
+                outcome(bytes(damaged), item, None),
+                outcome(bytes(damaged), item, NATIVE),
+            )
+            assert theirs == ours
+            seen.add(ours[:6])
+    assert "error:" in seen and len(seen) > 1  # damage that is refused, and some that decodes
+
+
 # --- conformance ----------------------------------------------------------------------
 
 ITEMS = {
