@@ -384,6 +384,42 @@ def test_cli_sees_every_rank_of_a_rank_local_checkpoint(
     assert code == 1 and any(k.startswith("rank 1: ") for k in json.loads(out)["bad"])
 
 
+def test_cp_transcodes_an_encrypted_rank_local_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: cp decoded and re-encoded the items of a checkpoint committed by rank-local
+    # metadata under the name "rank 0: w", which is how messages name them, not the name
+    # the writer bound the ciphertext to ("w"): every encrypted item failed
+    # authentication ("belong to another item") and the checkpoint could not be
+    # transcoded, re-keyed or decrypted by cp at all.
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import storage
+    from extensions import AES256GCM
+
+    key = bytes(range(32))
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"k": key.hex()}))
+    ckpt, copy = tmp_path / "step-4", tmp_path / "copy"
+    state = {"w": torch.arange(16.0), "n": 3}
+    writer = storage.CheckpointWriter(ckpt, transforms=[AES256GCM(key=key, key_id="k")])
+    dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=False)
+    assert ".metadata" not in {p.name for p in ckpt.iterdir()}
+    code, _ = _run_cli(
+        capsys, "cp", str(ckpt), str(copy), "--key-file", str(keys),
+        "--transform", "zstd", "--transform", "aes:k",
+    )  # fmt: skip
+    assert code == 0
+    target = {"w": torch.zeros(16), "n": -1}
+    storage.load(target, copy, keys={"k": key})
+    assert torch.equal(target["w"], state["w"]) and target["n"] == 3
+    code, out = _run_cli(capsys, "verify", "--json", str(copy), "--key-file", str(keys))
+    assert code == 0 and json.loads(out)["valid"]
+
+
 # --- 16: every rank loads the step rank 0 picked, after this manager's own save -------
 
 
