@@ -282,6 +282,31 @@ def test_unnamed_memory_store_is_freed_with_its_instance() -> None:
     assert name not in MemoryFileSystem._stores
 
 
+def test_gc_ages_a_planted_heartbeat_that_is_no_json_by_its_file_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: a heartbeat file of 3 KiB of "[" (anyone who can write under the root can
+    # plant one) made the JSON decoder raise RecursionError, which escaped gc, cleanup
+    # and the upload sweep: every `dcp-storage gc` of the root failed with a traceback
+    # and nothing was ever cleaned up again.
+    import os
+
+    import torch
+
+    from storage import CheckpointManager
+
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root)
+    mgr.save(1, {"w": torch.ones(2)})
+    (root / "step-2").mkdir()
+    planted = root / "step-2" / ".heartbeat-abc123"
+    planted.write_text("[" * 3000)
+    os.utime(planted, (1_000_000, 1_000_000))  # its file time: long dead
+    code, out = _run_cli(capsys, "gc", str(root), "--keep-last", "5", "--grace", "60")
+    assert code == 0 and "step-2" in out
+    assert not (root / "step-2").exists() and mgr.steps() == [1]
+
+
 # --- 17: checkpoints committed by rank-local metadata are checkpoints everywhere ------
 
 
