@@ -43,9 +43,23 @@ def check_key(key: object) -> bytes:
 def check_key_id(key_id: object) -> str:
     if not isinstance(key_id, str) or not _KEY_ID.fullmatch(key_id):
         raise ValueError(
-            f"key_id must be 1-128 characters from A-Z a-z 0-9 . _ : @ + -, got {key_id!r}"
+            "key_id must be 1-128 characters from A-Z a-z 0-9 . _ : @ + -, got "
+            f"{_shown_key_id(key_id)}"
         )
     return key_id
+
+
+def _shown_key_id(key_id: object) -> str:
+    """A refused key_id as a message may show it: one shorter than a key quoted; a
+    longer one, or bytes, only by its length (a key passed as key_id by mistake, the
+    44 characters of a base64 key, '=' and all, must not reach a log)."""
+    if isinstance(key_id, str) and len(key_id) < KEY_SIZE:
+        return quote(key_id)
+    if isinstance(key_id, str):
+        return f"{len(key_id)} characters (not shown: they could be a key)"
+    if isinstance(key_id, (bytes, bytearray)):
+        return f"{len(key_id)} bytes (not shown: they could be a key; key_id is a str)"
+    return f"an object of type {type(key_id).__name__}"
 
 
 def lookup_key(key_id: str, item: ItemInfo) -> bytes:

@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -36,7 +36,7 @@ class ReaderOptions:
     transforms, ``require_encryption`` (default: on when ``keys`` are given). Callers
     that load many times (a manager and its tiers, a framework plugin) hold them here."""
 
-    keys: Keys | None = None
+    keys: Keys | None = field(default=None, repr=False)  # key bytes: never in a repr
     registry: ExtensionRegistry | None = None
     require_encryption: bool | None = None
 

@@ -349,7 +349,11 @@ class Siblings:
 
 
 def refuse_if_referenced(fs: FileSystemBase, path: str, action: str = "delete") -> None:
-    """:meth:`Siblings.refuse_if_referenced` for the checkpoint at ``path``."""
-    location = split_location(fs, path)
-    if location is not None:
-        Siblings(fs, location[0]).refuse_if_referenced(location[1], action)
+    """:meth:`Siblings.refuse_if_referenced` for the checkpoint at ``path``, beside
+    ``path`` and, when links resolve it elsewhere (``other/alias -> run/step-1``),
+    beside what it resolves to: the checkpoints that reference its bytes lie beside
+    the directory that holds them, not beside the alias."""
+    for place in dict.fromkeys((path, fs.realpath(path))):
+        location = split_location(fs, place)
+        if location is not None:
+            Siblings(fs, location[0]).refuse_if_referenced(location[1], action)

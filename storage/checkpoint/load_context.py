@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ class LoadContext:
     storage_data: Mapping[MetadataIndex, Any]
     chunks: Chunks
     registry: ExtensionRegistry
-    keys: Keys | None
+    keys: Keys | None = field(repr=False)  # key bytes: never in a repr
     require_encryption: bool
     max_object_bytes: int
     thread_count: int

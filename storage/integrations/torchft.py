@@ -25,11 +25,13 @@ A timeout raises ``TimeoutError`` saying "timed out", as torchft expects.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from extensions.base import Keys
+from extensions.errors import UnsafeCheckpointError, quote
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.options import resolve_location
@@ -41,6 +43,20 @@ require("torchft.checkpointing.transport", "torchft")
 from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
 
 __all__ = ["StorageCheckpointTransport"]
+
+_REPLICA = re.compile(r"replica-[0-9]{1,9}")
+
+
+def _is_group_name(name: object) -> bool:
+    """Whether ``name`` can name a replica group's directory: one printable path
+    component, never ``.`` or ``..`` (they would put it beside or above the root)."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and len(name) <= 255
+        and name.isprintable()
+        and not any(c in name for c in "/\\")
+    )
 
 
 class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
@@ -70,12 +86,14 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
         poll_interval: float = 0.05,
         **writer_options: Any,
     ) -> None:
-        if not isinstance(replica_id, str) or not replica_id or "/" in replica_id:
+        if not _is_group_name(replica_id):
             raise ValueError(
-                f"replica_id must be a non-empty string without '/' (it names the replica "
-                f"group's directory under {os.fspath(root_url)!r}), got {replica_id!r}"
+                f"replica_id must be a non-empty printable string without '/' or '\\', "
+                f"and not '.' or '..' (it names the replica group's directory under "
+                f"{os.fspath(root_url)!r}), got {quote(replica_id)}"
             )
         fs, root = resolve_location(root_url, storage_options, filesystem)
+        self._root_url = fs.url(root)
         self.transport = StorageTransport(
             fs.url(fs.concat_path(root, replica_id)),
             rank=group_rank,
@@ -104,7 +122,30 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
     def recv_checkpoint(
         self, src_rank: int, metadata: str, step: int, timeout: timedelta
     ) -> dict[str, Any]:
+        """Load the step that replica ``src_rank`` sent; ``metadata`` is what its
+        :meth:`metadata` returned, which the quorum relays from the sender: it must be a
+        worker's directory under this transport's root, or it is refused before anything
+        is read (a sender could otherwise have this worker read, with its credentials,
+        any location they reach, and send that state on at its next heal)."""
+        self._check_sender(src_rank, metadata)
         return self.transport.recv_replica(metadata, step, timeout, src_rank=src_rank)
+
+    def _check_sender(self, src_rank: int, metadata: object) -> None:
+        base = self._root_url.rstrip("/") + "/"
+        rest = metadata[len(base) :] if isinstance(metadata, str) else ""
+        group, _, replica = rest.partition("/")
+        if not (
+            isinstance(metadata, str)
+            and metadata.startswith(base)
+            and _is_group_name(group)
+            and _REPLICA.fullmatch(replica)
+        ):
+            raise UnsafeCheckpointError(
+                f"replica {src_rank} sent {quote(metadata)} as where to heal from, which is "
+                f"not a worker's directory under this transport's root {self._root_url} "
+                "(<root>/<replica_id>/replica-<group_rank>); nothing was read: give every "
+                "replica group the same root URL"
+            )
 
     def shutdown(self, wait: bool = True) -> None:
         self.transport.shutdown(wait=wait)

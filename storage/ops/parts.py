@@ -44,9 +44,11 @@ class Part:
         """What a transform needs to know about the item at ``index`` of the checkpoint
         at ``url`` (its name, dtype and element size; ``keys`` to decrypt it)."""
         facts = chunk_facts(self.metadata, index)
+        # ``item`` is what encryption binds the ciphertext to: the writer's name for it,
+        # which never holds the rank (messages get the rank through ``checkpoint``).
         return ItemInfo(
-            checkpoint=url,
-            item=self.label(index),
+            checkpoint=url if self.rank is None else f"{url} (rank {self.rank})",
+            item=fmt.item_label(index),
             dtype=str(facts[1]).removeprefix("torch.") if facts else None,
             element_size=facts[1].itemsize if facts else None,
             keys=keys,

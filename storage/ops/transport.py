@@ -79,12 +79,18 @@ def _walked(values: list[Any]) -> bool:
 MAX_NESTING = 100
 
 
-def _rebuild(loaded: Any, shape: Shape, where: str, depth: int = 0) -> Any:
+def _rebuild(
+    loaded: Any, shape: Shape, where: str, depth: int = 0, seen: set[int] | None = None
+) -> Any:
     """``loaded`` in the containers ``shape`` records; the record is the sender's, so
-    it is checked as it is walked: a malformed one, or one nesting deeper than
-    :data:`MAX_NESTING` (each level a recursion here), is refused naming ``where``."""
+    it is checked as it is walked: a malformed one, one nesting deeper than
+    :data:`MAX_NESTING` (each level a recursion here), or one that holds a container
+    record twice, is refused naming ``where``. :func:`_shape` never shares a record, and
+    a shared one (the pickle's memo makes that cheap) would unfold exponentially: 4 KiB
+    holding 40 levels of ``("l", [x, x])`` asked for 2**40 containers."""
     if shape is None:
         return loaded
+    seen = set() if seen is None else seen
     if not (
         depth < MAX_NESTING
         and isinstance(shape, tuple)
@@ -92,24 +98,28 @@ def _rebuild(loaded: Any, shape: Shape, where: str, depth: int = 0) -> Any:
         and shape[0] in ("d", "l")
         and isinstance(shape[1], list)
         and (shape[0] == "l" or all(isinstance(c, tuple) and len(c) == 2 for c in shape[1]))
+        and id(shape) not in seen
+        and id(shape[1]) not in seen
     ):
         raise UnsafeCheckpointError(
             f"{where}: item {SHAPE_KEY!r}, the record of the state dict's containers, is "
-            f"malformed or nests deeper than {MAX_NESTING} levels; the checkpoint is damaged "
-            "or not written by StorageTransport: have the sender send it again"
+            f"malformed, nests deeper than {MAX_NESTING} levels or repeats a container's "
+            "record; the checkpoint is damaged or not written by StorageTransport: have the "
+            "sender send it again"
         )
+    seen.update((id(shape), id(shape[1])))
     kind, children = shape
     if kind == "d":
         found = loaded if isinstance(loaded, Mapping) else {}
         # A value DCP did not store (a DTensor with no shard on this rank) stays absent.
         return {
-            k: _rebuild(found.get(str(k)), child, where, depth + 1)
+            k: _rebuild(found.get(str(k)), child, where, depth + 1, seen)
             for k, child in children
             if child is not None or str(k) in found
         }
     items = loaded if isinstance(loaded, list) else []
     return [
-        _rebuild(items[i] if i < len(items) else None, c, where, depth + 1)
+        _rebuild(items[i] if i < len(items) else None, c, where, depth + 1, seen)
         for i, c in enumerate(children)
     ]
 

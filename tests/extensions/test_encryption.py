@@ -437,3 +437,19 @@ def test_writer_with_aes_pickles_for_process_based_async_save(tmp_path: Path) ->
     writer_stream.write(b"payload")
     writer_stream.close()
     assert aes.decode(io.BytesIO(out.getvalue()), item).read() == b"payload"
+
+
+def test_a_key_passed_as_key_id_is_never_echoed() -> None:
+    # Before: AES256GCM(key=k, key_id=<the key in base64>), a slip when both come from
+    # the environment, raised "key_id must be ..., got '2oSUNQ...wv4='": the key in the
+    # message, and so in the job's log.
+    key = bytes(range(7, 39))
+    for slip in (base64.b64encode(key).decode(), key.hex() + "!", key):
+        with pytest.raises(ValueError, match="key_id must be") as info:
+            AES256GCM(key=key, key_id=slip)  # type: ignore[arg-type]
+        told = str(info.value)
+        assert "not shown" in told
+        for secret in (base64.b64encode(key).decode(), key.hex(), repr(key)):
+            assert secret not in told
+    with pytest.raises(ValueError, match="got 'bad id'"):
+        AES256GCM(key=key, key_id="bad id")  # a short one is still shown

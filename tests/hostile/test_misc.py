@@ -282,6 +282,31 @@ def test_unnamed_memory_store_is_freed_with_its_instance() -> None:
     assert name not in MemoryFileSystem._stores
 
 
+def test_gc_ages_a_planted_heartbeat_that_is_no_json_by_its_file_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: a heartbeat file of 3 KiB of "[" (anyone who can write under the root can
+    # plant one) made the JSON decoder raise RecursionError, which escaped gc, cleanup
+    # and the upload sweep: every `dcp-storage gc` of the root failed with a traceback
+    # and nothing was ever cleaned up again.
+    import os
+
+    import torch
+
+    from storage import CheckpointManager
+
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root)
+    mgr.save(1, {"w": torch.ones(2)})
+    (root / "step-2").mkdir()
+    planted = root / "step-2" / ".heartbeat-abc123"
+    planted.write_text("[" * 3000)
+    os.utime(planted, (1_000_000, 1_000_000))  # its file time: long dead
+    code, out = _run_cli(capsys, "gc", str(root), "--keep-last", "5", "--grace", "60")
+    assert code == 0 and "step-2" in out
+    assert not (root / "step-2").exists() and mgr.steps() == [1]
+
+
 # --- 17: checkpoints committed by rank-local metadata are checkpoints everywhere ------
 
 
@@ -382,6 +407,42 @@ def test_cli_sees_every_rank_of_a_rank_local_checkpoint(
     data.write_bytes(bytes(raw))
     code, out = _run_cli(capsys, "verify", "--json", str(ckpt))
     assert code == 1 and any(k.startswith("rank 1: ") for k in json.loads(out)["bad"])
+
+
+def test_cp_transcodes_an_encrypted_rank_local_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: cp decoded and re-encoded the items of a checkpoint committed by rank-local
+    # metadata under the name "rank 0: w", which is how messages name them, not the name
+    # the writer bound the ciphertext to ("w"): every encrypted item failed
+    # authentication ("belong to another item") and the checkpoint could not be
+    # transcoded, re-keyed or decrypted by cp at all.
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import storage
+    from extensions import AES256GCM
+
+    key = bytes(range(32))
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"k": key.hex()}))
+    ckpt, copy = tmp_path / "step-4", tmp_path / "copy"
+    state = {"w": torch.arange(16.0), "n": 3}
+    writer = storage.CheckpointWriter(ckpt, transforms=[AES256GCM(key=key, key_id="k")])
+    dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=False)
+    assert ".metadata" not in {p.name for p in ckpt.iterdir()}
+    code, _ = _run_cli(
+        capsys, "cp", str(ckpt), str(copy), "--key-file", str(keys),
+        "--transform", "zstd", "--transform", "aes:k",
+    )  # fmt: skip
+    assert code == 0
+    target = {"w": torch.zeros(16), "n": -1}
+    storage.load(target, copy, keys={"k": key})
+    assert torch.equal(target["w"], state["w"]) and target["n"] == 3
+    code, out = _run_cli(capsys, "verify", "--json", str(copy), "--key-file", str(keys))
+    assert code == 0 and json.loads(out)["valid"]
 
 
 # --- 16: every rank loads the step rank 0 picked, after this manager's own save -------

@@ -153,6 +153,29 @@ def test_manager_never_bases_on_a_linked_step(
     _assert_loads(root / "step-1", 1)
 
 
+def test_saving_or_copying_over_a_base_through_an_alias_elsewhere_is_refused(
+    tmp_path: Path,
+) -> None:
+    # Before: the check for checkpoints that reference the one being replaced listed the
+    # siblings of the alias (tmp/alias, beside nothing), not those of step-1 it resolves
+    # to: saving or copying over the alias published, removed step-1's files, and step-2
+    # (which references them) no longer loaded.
+    root = tmp_path / "root"
+    mgr = CheckpointManager(root, incremental=True)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    assert _refs(root / "step-2") == {"step-1", None}
+    alias = tmp_path / "alias"
+    alias.symlink_to(root / "step-1", target_is_directory=True)
+    with pytest.raises(CheckpointInUseError, match="overwrite .*step-1.*step-2 beside it"):
+        storage.save(_state(9), str(alias), overwrite=True)
+    storage.save(_state(7), str(tmp_path / "other"))
+    assert main(["cp", str(tmp_path / "other"), str(alias), "--overwrite"]) == 1
+    _assert_loads(root / "step-1", 1)
+    _assert_loads(root / "step-2", 2)
+    assert len([n for n in os.listdir(root / "step-1") if n.endswith(".distcp")]) == 1
+
+
 # --- 5. a step whose metadata cannot be read fails closed -----------------------------------
 
 

@@ -1,4 +1,4 @@
-"""No credential in any message or log.
+"""No credential in any message or log, no key in any repr.
 
 Each test makes a backend fail with a credential that cannot be sent (a trailing
 newline, as a key or token read from a file keeps it) or with an answer that makes a
@@ -172,3 +172,22 @@ def test_redaction_by_form_and_by_value() -> None:
     for secret in (TOKEN, ACCESS_KEY, "ab" * 32, "ADPycdt", GCS_TOKEN, "PEMDATA", "hunter2"):
         assert secret not in cleaned, cleaned
     assert cleaned.endswith("short")  # a value under 8 characters is removed by form only
+
+
+def test_key_bytes_never_reach_the_repr_of_what_holds_them(tmp_path: Any) -> None:
+    # Before: ReaderOptions (a manager's reader_options, the Lightning plugin's) and the
+    # LoadContext of every load were dataclasses whose repr printed keys={'prod': b'...'}:
+    # the master key reached any log, debugger or error report that showed them.
+    from extensions import AES256GCM
+
+    key = bytes(range(100, 132))
+    mgr = storage.CheckpointManager(
+        tmp_path / "root", transforms=[AES256GCM(key=key, key_id="prod")], keys={"prod": key}
+    )
+    mgr.save(1, {"w": torch.ones(4)})
+    reader = storage.CheckpointReader(tmp_path / "root" / "step-1", keys={"prod": key})
+    reader.set_up_storage_reader(reader.read_metadata(), is_coordinator=True)
+    shown = repr(mgr.reader_options) + repr(reader._set_up())
+    assert "ReaderOptions(" in shown and "LoadContext(" in shown
+    for secret in (repr(key), key.hex(), key.decode("latin-1")):
+        assert secret not in shown

@@ -17,6 +17,7 @@ import time
 import unittest
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from torchft.checkpointing.transport_test import run_multi_recovery_test  # noqa
 
 import storage  # noqa: E402
 from extensions import ZStandard  # noqa: E402
+from extensions.errors import UnsafeCheckpointError  # noqa: E402
 from storage.integrations.torchft import StorageCheckpointTransport  # noqa: E402
 from tests.support.servers import (  # noqa: E402
     ServerUnavailable,
@@ -96,6 +98,34 @@ def test_metadata_is_the_workers_own_directory(tmp_path: Path) -> None:
     transport.shutdown()
     with pytest.raises(ValueError, match="replica_id must be .* got 'a/b'"):
         StorageCheckpointTransport(tmp_path, replica_id="a/b")
+
+
+def test_a_sender_cannot_point_the_receiver_outside_the_root(tmp_path: Path) -> None:
+    # Before: recv_checkpoint read whatever location the sender's metadata named, with
+    # the receiver's credentials (another run's checkpoint, another bucket), and the
+    # healed worker sent that state on into the shared root at its next heal; and
+    # replica_id '..' wrote and pruned the steps of root/../replica-<n>.
+    storage.save({"secret": torch.arange(4.0)}, str(tmp_path / "private" / "replica-0" / "step-5"))
+    receiver = StorageCheckpointTransport(tmp_path / "ft", replica_id="g1")
+    sender = StorageCheckpointTransport(tmp_path / "ft", replica_id="g0")
+    sender.send_checkpoint([1], 5, {"w": torch.ones(3)}, timedelta(seconds=60))
+    hostile = [
+        str(tmp_path / "private" / "replica-0"),
+        str(tmp_path / "ft" / ".." / "private" / "replica-0"),
+        str(tmp_path / "ft" / "g0" / "replica-0" / ".." / ".." / ".." / "private"),
+        "s3://another-bucket/g0/replica-0",
+        str(tmp_path / "ft" / "g0"),
+    ]
+    for url in hostile:
+        with pytest.raises(UnsafeCheckpointError, match="not a worker's directory under"):
+            receiver.recv_checkpoint(0, url, 5, timedelta(seconds=1))
+    got = receiver.recv_checkpoint(0, sender.metadata(), 5, timedelta(seconds=60))
+    assert torch.equal(got["w"], torch.ones(3))
+    for bad in ("..", ".", "a\\b", "a\nb"):
+        with pytest.raises(ValueError, match="replica_id must be"):
+            StorageCheckpointTransport(tmp_path / "ft", replica_id=bad)
+    receiver.shutdown()
+    sender.shutdown()
 
 
 # --- healing: lighthouse, two replica groups, one killed and restarted ------------------

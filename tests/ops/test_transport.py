@@ -265,15 +265,17 @@ def test_a_tensor_claiming_more_than_it_stores_is_refused_naming_it(tmp_path: Pa
 
 @pytest.mark.parametrize(
     "shape",
-    [("x", []), ("d", [1]), ("d", "ab"), ("l", 5), "d", "nested"],
-    ids=["kind", "entry", "children", "list", "text", "deep"],
+    [("x", []), ("d", [1]), ("d", "ab"), ("l", 5), "d", "nested", "shared"],
+    ids=["kind", "entry", "children", "list", "text", "deep", "shared"],
 )
 def test_a_malformed_shape_record_is_refused_naming_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: Any
 ) -> None:
     """The record of the state's containers is the sender's: a hostile or damaged one
     failed with an unnamed ValueError or TypeError, and one nested a few hundred levels
-    deep recursed until Python's limit."""
+    deep recursed until Python's limit. A shared one ("shared": 40 levels of
+    ("l", [x, x]), 4 KiB stored) unfolded into 2**40 containers: the receiver hung,
+    its memory growing, until it was killed."""
     from extensions.errors import UnsafeCheckpointError
     from storage.ops import transport as module
 
@@ -281,9 +283,13 @@ def test_a_malformed_shape_record_is_refused_naming_it(
         shape = None
         for _ in range(200):  # within the sender's pickler's own recursion limit
             shape = ("l", [shape])
+    if shape == "shared":
+        shape = None
+        for _ in range(40):
+            shape = ("l", [shape, shape])
     monkeypatch.setattr(module, "_shape", lambda value: shape)  # a sender that lies
     transport = storage.StorageTransport(str(tmp_path), rank=0)
     transport.send_checkpoint([1], 1, {"w": torch.ones(2)}, timedelta(seconds=60))
     monkeypatch.undo()
-    with pytest.raises(UnsafeCheckpointError, match=f"{SHAPE_KEY}.*malformed or nests deeper"):
+    with pytest.raises(UnsafeCheckpointError, match=f"{SHAPE_KEY}.*malformed, nests deeper"):
         transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
