@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from extensions._compat import item_size, split_by_size_and_type
+from extensions._compat import item_size
 from extensions.base import ItemInfo
 from extensions.registry import chain_descriptors
 from storage.checkpoint import heartbeat, incremental
@@ -30,6 +30,12 @@ from storage.checkpoint.prefixes import place, refuse_linked_prefix
 
 #: Tensor bytes per writing thread, at least: more threads than this allows do not pay.
 BYTES_PER_THREAD = 32 << 20
+#: Items below this many bytes cost mostly their per-item work (torch.save's archive,
+#: records), which holds the GIL: they share one file, written on one thread.
+SMALL_ITEM = 1 << 20
+#: What the per-item work of one item costs, in bytes written (~170 us per item on one
+#: thread, where a thread writes ~1.5 GB/s): the weight of an item in the split.
+ITEM_COST = 256 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +65,7 @@ def split_into_files(
     total = sum(item_size(i) for i in items if i.type != WriteItemType.BYTE_IO)
     threads = max(1, min(thread_count, total // BYTES_PER_THREAD))
     if single_file_per_rank:
-        buckets = [b for b in split_by_size_and_type(threads, items) if b]
+        buckets = [b for b in _split(threads, items) if b]
     else:
         buckets = [[item] for item in items]
     files = [
@@ -67,6 +73,29 @@ def split_into_files(
         for n, b in enumerate(buckets)
     ]
     return files, threads
+
+
+def _split(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
+    """``items`` in ``bins`` files of about equal cost (bytes, plus :data:`ITEM_COST` per
+    item), the small ones and opaque values all in the first: spread over files, their
+    per-item work ran on threads that only took the GIL from each other (20,000 items of
+    4 KB saved 40% slower on 4 threads than on one)."""
+    small = [i for i in items if i.type == WriteItemType.BYTE_IO or item_size(i) < SMALL_ITEM]
+    large = sorted(
+        (i for i in items if i.type != WriteItemType.BYTE_IO and item_size(i) >= SMALL_ITEM),
+        key=item_size,
+        reverse=True,
+    )
+    buckets: list[list[WriteItem]] = [small] + [[] for _ in range(bins - 1)]
+    costs = [
+        len(small) * ITEM_COST + sum(item_size(i) for i in small if i.type != WriteItemType.BYTE_IO)
+    ]
+    costs += [0] * (bins - 1)
+    for item in large:
+        cheapest = min(range(bins), key=costs.__getitem__)
+        buckets[cheapest].append(item)
+        costs[cheapest] += item_size(item) + ITEM_COST
+    return buckets
 
 
 def fingerprint_items(

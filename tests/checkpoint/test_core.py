@@ -560,3 +560,29 @@ def test_writer_settings_refuse_unknown_options() -> None:
     message = str(refused.value)
     assert message.startswith("unknown Mine option(s) ['base', 'thread_cont']; writer options are")
     assert "'thread_count'" in message and "'base'" not in message.split("are")[1]
+
+
+def test_small_items_share_one_file_and_large_ones_spread_by_size() -> None:
+    """Items below a MiB cost their per-item work, under the GIL: they go to one file
+    (written on one thread), the large ones over the other files by size. Spread over
+    four threads, 20,000 items of 4 KB saved 40% slower than stock's one thread."""
+    from storage.checkpoint import data_files
+
+    state: dict[str, Any] = {f"norm.{i}": torch.zeros(1024) for i in range(300)}
+    state.update({f"big.{i}": torch.zeros((i + 1) << 20) for i in range(6)})  # 4-24 MB
+    state["step"] = 7  # an opaque value
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    items = planner.create_local_plan().items
+    files, threads = data_files.split_into_files(
+        items, rank=0, save_id="s", thread_count=8, single_file_per_rank=True, key_prefixes=0
+    )
+    assert threads == 2  # 84 MB at 32 MB per thread
+    names = [[i.index.fqn for i in file_items] for _, file_items in files]
+    small = {f"norm.{i}" for i in range(300)} | {"step"}
+    assert set(names[0]) >= small and all(not small & set(n) for n in names[1:])
+    assert sorted(n for file_names in names for n in file_names) == sorted(state)
+    # The six large ones: the small file weighs 301 x 256 KiB = 75 MB, so the first
+    # large ones go to the other file until it outweighs the small one.
+    assert set(names[1]) == {f"big.{i}" for i in range(6)} - set(names[0])
+    assert len(names[1]) >= 4
