@@ -40,12 +40,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from extensions._compat import split_by_size_and_type  # noqa: E402
 from storage import CheckpointWriter, MemoryFileSystem  # noqa: E402
 from storage.backends.s3._filesystem import DEFAULT_PART_SIZE  # noqa: E402
 from storage.checkpoint import storage_format as fmt  # noqa: E402
-from storage.checkpoint.data_files import BYTES_PER_THREAD  # noqa: E402
-from storage.checkpoint.prefixes import place, split  # noqa: E402
+from storage.checkpoint.data_files import split_into_files  # noqa: E402
+from storage.checkpoint.prefixes import split  # noqa: E402
 
 MiB = 1 << 20
 #: Figures the docs quote (AWS S3 per prefix partition; our S3 backend's defaults).
@@ -103,12 +102,16 @@ def write_results(
 ) -> tuple[list[WriteResult], list[tuple[str, int]]]:
     """What ``write_data`` returns for ``plan`` (our bucketing and records), and the
     (name, bytes) of each data file; each file is created, empty, in the memory store."""
-    total = item_bytes * len(plan.items)
-    threads = max(1, min(S3_THREADS, total // BYTES_PER_THREAD))
-    buckets = [b for b in split_by_size_and_type(threads, plan.items) if b]
+    buckets, _ = split_into_files(
+        list(plan.items),
+        rank=rank,
+        save_id=writer.save_id,
+        thread_count=S3_THREADS,
+        single_file_per_rank=True,
+        key_prefixes=writer.key_prefixes,
+    )
     results, files = [], []
-    for n, bucket in enumerate(buckets):
-        name = place(fmt.data_file_name(rank, n, writer.save_id), rank, writer.key_prefixes)
+    for name, bucket in buckets:
         offset = 0
         for item in bucket:
             length = item_bytes + 1100  # the torch.save archive around the raw bytes

@@ -33,8 +33,7 @@ except ImportError:  # pragma: no cover - torch before 2.7
 
 # _StorageInfo (since 2.0; its ``transform_descriptors`` field since 2.7): where one item
 # lives in a data file. It is the class stock readers unpickle from ``.metadata``.
-# _item_size, _split_by_size_and_type (since 2.0): how stock FileSystemWriter sizes
-# items and spreads them over files; reused so our files split the same way.
+# _item_size (since 2.0): how stock FileSystemWriter sizes an item.
 # narrow_tensor_by_index (torch.distributed._shard._utils, since 1.13): the slice of a
 # stored chunk that a read item asks for (stock readers use the same function).
 from torch.distributed._shard._utils import narrow_tensor_by_index  # noqa: E402
@@ -66,9 +65,6 @@ from torch.distributed.checkpoint.filesystem import (  # noqa: E402
     _item_size as item_size,
 )
 from torch.distributed.checkpoint.filesystem import (  # noqa: E402
-    _split_by_size_and_type as split_by_size_and_type,
-)
-from torch.distributed.checkpoint.filesystem import (  # noqa: E402
     _StorageInfo as StorageInfo,
 )
 from torch.distributed.checkpoint.state_dict_loader import (  # noqa: E402
@@ -87,7 +83,6 @@ __all__ = [
     "StateDictStager",
     "save_tensor_archive",
     "set_element",
-    "split_by_size_and_type",
 ]
 
 
