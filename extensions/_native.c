@@ -1,9 +1,10 @@
-/* Compiled loops of WeightCodec's decoder (extensions/_unplanes.py), optional.
+/* Compiled loops of WeightCodec (extensions/_planes.py encodes, _unplanes.py decodes),
+ * optional.
  *
- * numpy joins a block's byte planes in about ten whole-array passes; each loop here
- * does its part in one, with the GIL released. Without this module (no
- * compiler at install time) the decoder runs its numpy passes: the bytes decoded are
- * the same, which the tests check on both paths.
+ * numpy splits a block into byte planes, packs them, and joins them back in about ten
+ * whole-array passes each; each loop here does its part in one, with the GIL released.
+ * Without this module (no compiler at install time) the codec runs its numpy passes:
+ * the bytes stored and decoded are the same, which the tests check on both paths.
  *
  * Every length is checked here against the others before a byte is written; the
  * caller has checked them against the block already. */
@@ -22,6 +23,12 @@
 #define LE16(v) (v)
 #define LE32(v) (v)
 #endif
+
+static inline uint32_t load32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return LE32(v);
+}
 
 static inline uint16_t load16(const uint8_t *p) {
     uint16_t v;
@@ -77,6 +84,50 @@ static void join4_pair(uint8_t *restrict out, const uint8_t *restrict pair,
     else
         for (Py_ssize_t i = 0; i < n; i++)
             store32(out + 4 * i, load16(pair + 2 * i) | top16(p2[i], p3[i], 0) << 16);
+}
+
+/* The inverse of top16: the second plane from the top and the top plane. */
+#define SPLIT_TOP(t, second, top, moved)                                              \
+    do {                                                                               \
+        if (moved) {                                                                   \
+            (second) = (uint8_t)((((t) >> 8) & 0x80u) | ((t) & 0x7Fu));                \
+            (top) = (uint8_t)((t) >> 7);                                               \
+        } else {                                                                       \
+            (second) = (uint8_t)(t);                                                   \
+            (top) = (uint8_t)((t) >> 8);                                               \
+        }                                                                              \
+    } while (0)
+
+static void split2(const uint8_t *restrict in, uint8_t *restrict lo, uint8_t *restrict hi,
+                   Py_ssize_t n, int moved) {
+    if (moved)
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t t = load16(in + 2 * i);
+            SPLIT_TOP(t, lo[i], hi[i], 1);
+        }
+    else
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t t = load16(in + 2 * i);
+            SPLIT_TOP(t, lo[i], hi[i], 0);
+        }
+}
+
+static void split4(const uint8_t *restrict in, uint8_t *restrict p0, uint8_t *restrict p1,
+                   uint8_t *restrict p2, uint8_t *restrict p3, Py_ssize_t n, int moved) {
+    if (moved)
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t w = load32(in + 4 * i), t = w >> 16;
+            p0[i] = (uint8_t)w;
+            p1[i] = (uint8_t)(w >> 8);
+            SPLIT_TOP(t, p2[i], p3[i], 1);
+        }
+    else
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t w = load32(in + 4 * i), t = w >> 16;
+            p0[i] = (uint8_t)w;
+            p1[i] = (uint8_t)(w >> 8);
+            SPLIT_TOP(t, p2[i], p3[i], 0);
+        }
 }
 
 static void release_all(Py_buffer *views, int count) {
@@ -202,16 +253,113 @@ static PyObject *spread(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyLong_FromSsize_t(found);
 }
 
+PyDoc_STRVAR(split_doc,
+"split(planes, words, moved)\n\n"
+"The byte planes of ``words`` (n elements of 2 or 4 bytes) into ``planes`` (its n\n"
+"bytes per plane, one plane after the other): the inverse of join.");
+
+static PyObject *split(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer out_view, in_view;
+    int es, moved;
+    if (!PyArg_ParseTuple(args, "w*y*ip", &out_view, &in_view, &es, &moved))
+        return NULL;
+    Py_ssize_t n = (es == 2 || es == 4) ? in_view.len / es : 0;
+    if (!n || in_view.len != n * es || out_view.len != in_view.len) {
+        PyBuffer_Release(&out_view);
+        PyBuffer_Release(&in_view);
+        PyErr_Format(PyExc_ValueError, "%zd bytes of %d-byte elements cannot split into %zd",
+                     in_view.len, es, out_view.len);
+        return NULL;
+    }
+    uint8_t *out = out_view.buf;
+    const uint8_t *in = in_view.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (es == 2)
+        split2(in, out, out + n, n, moved);
+    else
+        split4(in, out, out + n, out + 2 * n, out + 3 * n, n, moved);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&out_view);
+    PyBuffer_Release(&in_view);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(pack_doc,
+"pack(codes, plane, k, base, escapes) -> int\n\n"
+"The inverse of spread: ``k`` (2 or 4) codes per byte of ``codes``, lowest bits\n"
+"first, each ``min(byte - base, escape)`` (mod 256; the escape is 2**(8 // k) - 1),\n"
+"codes past the plane's end 0; the escaped bytes in order into ``escapes``, as many\n"
+"as it holds. Returns how many bytes the plane escapes.");
+
+#define PACK_CHUNK 64
+
+static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer codes_view, plane_view, escapes_view;
+    int k, base;
+    if (!PyArg_ParseTuple(args, "w*y*iiw*", &codes_view, &plane_view, &k, &base, &escapes_view))
+        return NULL;
+    Py_ssize_t n = plane_view.len, count = codes_view.len, room = escapes_view.len;
+    if ((k != 2 && k != 4) || base < 0 || base > 255 || count != (n + k - 1) / k) {
+        PyBuffer_Release(&codes_view);
+        PyBuffer_Release(&plane_view);
+        PyBuffer_Release(&escapes_view);
+        PyErr_Format(PyExc_ValueError, "%zd bytes do not pack %d to a byte into %zd", n, k,
+                     count);
+        return NULL;
+    }
+    uint8_t *codes = codes_view.buf, *escapes = escapes_view.buf;
+    const uint8_t *plane = plane_view.buf;
+    const uint8_t b = (uint8_t)base, escape = (uint8_t)(k == 2 ? 15 : 3);
+    Py_ssize_t found = 0;
+    Py_BEGIN_ALLOW_THREADS
+    /* Chunks of PACK_CHUNK bytes: offsets clamped to the escape (a loop that vectorizes),
+     * and only a chunk that holds an escape is walked byte by byte for its bytes. */
+    uint8_t offsets[PACK_CHUNK];
+    for (Py_ssize_t at = 0; at < n; at += PACK_CHUNK) {
+        Py_ssize_t size = n - at < PACK_CHUNK ? n - at : PACK_CHUNK;
+        unsigned escaped = 0;
+        for (Py_ssize_t i = 0; i < size; i++) {
+            uint8_t o = (uint8_t)(plane[at + i] - b);
+            escaped |= o >= escape;
+            offsets[i] = o < escape ? o : escape;
+        }
+        if (escaped)
+            for (Py_ssize_t i = 0; i < size; i++)
+                if (offsets[i] == escape) {
+                    if (found < room)
+                        escapes[found] = plane[at + i];
+                    found++;
+                }
+        for (Py_ssize_t i = size; i < PACK_CHUNK; i++) offsets[i] = 0;
+        Py_ssize_t first = at / k, last = (at + size + k - 1) / k;
+        if (k == 2)
+            for (Py_ssize_t c = first; c < last; c++)
+                codes[c] = (uint8_t)(offsets[2 * (c - first)] | offsets[2 * (c - first) + 1] << 4);
+        else
+            for (Py_ssize_t c = first; c < last; c++) {
+                const uint8_t *o = offsets + 4 * (c - first);
+                codes[c] = (uint8_t)(o[0] | o[1] << 2 | o[2] << 4 | o[3] << 6);
+            }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&codes_view);
+    PyBuffer_Release(&plane_view);
+    PyBuffer_Release(&escapes_view);
+    return PyLong_FromSsize_t(found);
+}
+
 static PyMethodDef methods[] = {
     {"join", join, METH_VARARGS, join_doc},
     {"spread", spread, METH_VARARGS, spread_doc},
+    {"split", split, METH_VARARGS, split_doc},
+    {"pack", pack, METH_VARARGS, pack_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "extensions._native",
-    .m_doc = "Compiled loops of WeightCodec's decoder (optional; numpy passes without them).",
+    .m_doc = "Compiled loops of WeightCodec (optional; numpy passes without them).",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -34,8 +34,9 @@ instead of joining two byte planes.
 ``PACK`` is what exponents need: they span a few consecutive values, so packing two or
 four into a byte lets zstd's Huffman stage code pairs or quads of exponents, which
 captures how neighbouring weights share a scale, and halves (or quarters) the symbols
-zstd has to code. All of it is whole-array numpy work on cache-sized blocks (zstd and
-numpy release the GIL). Headers: ``extensions/_layout.py``; decoding:
+zstd has to code. All of it is work on cache-sized blocks that releases the GIL: zstd,
+numpy, and the compiled split and pack of ``extensions/_native.c`` (numpy passes that
+store the same bytes where it was not built). Headers: ``extensions/_layout.py``; decoding:
 ``extensions/_unplanes.py``. Format 2 writes zstd frames without magic number or
 content size; a frame that declares a size is refused unread.
 """
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import math
 import threading
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -103,6 +105,12 @@ class _Codecs(threading.local):
 
 
 _codecs = _Codecs()
+
+_native: ModuleType | None
+try:  # the compiled loops (extensions/_native.c), built at install where a compiler is
+    from extensions import _native
+except ImportError:  # numpy passes only, the same bytes
+    _native = None
 Coded = tuple[PlaneHead, list[Any]]
 
 
@@ -186,6 +194,11 @@ def _stored(coded: list[Coded]) -> int:
 def _split(words: np.ndarray, es: int, moved: bool) -> list[np.ndarray]:
     """Byte ``j`` of each word; with ``moved``, the sign bit moves from the top of the
     word to the top of the second byte from the top, and the bits between move up one."""
+    n = len(words)
+    if _native is not None and es in (2, 4) and n:
+        out = np.empty(es * n, np.uint8)
+        _native.split(out, words, es, moved)
+        return [out[j * n : (j + 1) * n] for j in range(es)]
     # Whole-word shifts only: x86 has no 8-bit vector shifts, numpy's uint8 ones crawl.
     planes = [(words >> (8 * j) if j else words).astype(np.uint8) for j in range(es - 2)]
     bits = 8 * es
@@ -311,6 +324,13 @@ def _pack_plane(plane: np.ndarray, base: int, k: int, limit: float) -> Coded | N
     """``plane`` packed ``k`` to a byte from ``base``; ``None`` past ``limit`` escapes;
     RAW where packing does not pay."""
     n = len(plane)
+    if _native is not None:
+        codes = np.empty(-(-n // k), np.uint8)
+        room = np.empty(min(n, int(limit)), np.uint8)
+        nesc = _native.pack(codes, plane, k, base, room)
+        if nesc > limit:
+            return None
+        return _packed(codes, room[:nesc] if nesc else None, base, k, plane)
     escape = _ESCAPE[k]
     offsets = np.zeros(-(-n // k) * k, np.uint8)
     np.subtract(plane, np.uint8(base), out=offsets[:n])
@@ -329,6 +349,15 @@ def _pack_plane(plane: np.ndarray, base: int, k: int, limit: float) -> Coded | N
         halves = (quads | (quads >> 6)) & np.uint32(0x000F000F)
         codes = np.empty(len(quads), np.uint8)
         np.bitwise_or(halves, halves >> 12, out=codes, casting="unsafe")
+    return _packed(codes, escapes, base, k, plane)
+
+
+def _packed(
+    codes: np.ndarray, escapes: np.ndarray | None, base: int, k: int, plane: np.ndarray
+) -> Coded:
+    """A PACK plane from its codes and escaped bytes; RAW where packing does not pay."""
+    n = len(plane)
+    nesc = 0 if escapes is None else len(escapes)
     frame = _codecs.fast.compress(codes.data)
     if len(frame) + nesc >= n:
         return (RAW, 0, 0, n, 0), [plane]

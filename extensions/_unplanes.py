@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from extensions import _planes
 from extensions._layout import (
     BIT,
     CONST,
@@ -36,11 +37,7 @@ from extensions._layout import (
 )
 from extensions._planes import _ESCAPE, _MAGIC, _UINT, LOW_PAIR, SIGN_MOVED, _codecs
 
-_native: ModuleType | None
-try:
-    from extensions import _native
-except ImportError:  # installed without a C compiler: numpy passes only
-    _native = None
+_native: ModuleType | None = _planes._native  # None: numpy passes (tests set it)
 
 #: Below this many escapes a packed plane finds them with ``bytearray.find`` (memchr).
 _FEW_ESCAPES = 48

@@ -80,9 +80,9 @@ def second_moment(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, 16, generator=gen).pow(2).mean(1) * 1e-6
 
 
-# Every test here decodes with both of the decoder's paths: the compiled loops (where the
-# install built them) and the numpy passes; a difference between them would decode other
-# bytes on a machine without a compiler.
+# Every test here encodes and decodes with both of the codec's paths: the compiled loops
+# (where the install built them) and the numpy passes; a difference between them would
+# store or decode other bytes on a machine without a compiler.
 NATIVE = unplanes._native
 DECODERS = ["numpy"] + (["compiled"] if NATIVE is not None else [])
 
@@ -91,6 +91,7 @@ DECODERS = ["numpy"] + (["compiled"] if NATIVE is not None else [])
 def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "numpy":
         monkeypatch.setattr(unplanes, "_native", None)
+        monkeypatch.setattr(planes, "_native", None)
     return str(request.param)
 
 
@@ -131,6 +132,42 @@ def test_the_compiled_loops_check_every_size_before_writing() -> None:
     assert native.spread(plane, b"\xf1\x21", 2, 10, b"abc") == 1  # 1 escape, 3 stored
     assert native.spread(plane, b"\xf1\x21", 2, 10, b"z") == 1
     assert plane == b"\x0bz\x0b\x0c"
+    with pytest.raises(ValueError, match="cannot split"):
+        native.split(bytearray(8), bytes(6), 4, False)  # not whole 4-byte elements
+    with pytest.raises(ValueError, match="cannot split"):
+        native.split(bytearray(6), bytes(8), 2, False)  # planes too short
+    with pytest.raises(ValueError, match="do not pack"):
+        native.pack(bytearray(2), bytes(5), 2, 0, bytearray(5))  # 5 bytes need 3 codes
+    room = bytearray(2)
+    codes = bytearray(3)
+    assert native.pack(codes, b"\x0a\xff\x0b\xfe\xfd", 2, 10, room) == 3  # 3 escapes
+    assert room == b"\xff\xfe" and codes == b"\xf0\xf1\x0f"  # 2 kept; a 0 code pads
+
+
+@pytest.mark.skipif("compiled" not in DECODERS, reason="extensions._native is not built")
+def test_both_encoders_store_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled split and pack store exactly what the numpy passes store (a format
+    is its bytes: a checkpoint must not depend on whether a compiler was there), on
+    every dtype, odd sizes, both splits of the sign, packed planes with escapes."""
+    gen = torch.Generator().manual_seed(5)
+    outliers = torch.rand(BLOCK // 2 + 3, generator=gen) < 0.02  # 2% escape the window
+    tensors = list(every_dtype(BLOCK // 4 + 33).values()) + [
+        second_moment(BLOCK // 2 + 7),
+        (weights(BLOCK // 2 + 3, torch.float32) * torch.where(outliers, 2.0**30, 1.0)),
+        (weights(BLOCK // 2 + 3) * torch.where(outliers, 2.0**-30, 1.0)).to(torch.bfloat16),
+    ]
+    escaped = 0
+    for tensor in tensors:
+        item = item_of(tensor)
+        data = raw_bytes(tensor)
+        monkeypatch.setattr(planes, "_native", NATIVE)
+        compiled = encoded(data, item)
+        monkeypatch.setattr(planes, "_native", None)
+        assert encoded(data, item) == compiled, item.dtype
+        if tensor.dtype in (torch.bfloat16, torch.float32) and tensor.numel():
+            _, heads = block_modes(compiled[0], tensor.element_size())
+            escaped += sum(h[4] for h in heads if h[0] == layout.PACK)
+    assert escaped  # packed planes with escapes were among them
 
 
 @pytest.mark.skipif("compiled" not in DECODERS, reason="extensions._native is not built")
