@@ -55,16 +55,15 @@ def encode_item(
         tracker.flush()
         data_offset = tracker.data_offset(nbytes)
     count, crc = encoder.close()
-    record = dataclasses.replace(
-        record, length=count, descriptors=tuple(encoder.descriptors), crc32c=crc
-    )
-    if tensor is None or data_offset is None:
-        return record
+    facts: dict[str, Any] = {}
+    if tensor is not None and data_offset is not None:
+        facts = {
+            "data_offset": data_offset,
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "nbytes": tensor.numel() * tensor.element_size(),
+        }
     return dataclasses.replace(
-        record,
-        data_offset=data_offset,
-        dtype=str(tensor.dtype).removeprefix("torch."),
-        nbytes=tensor.numel() * tensor.element_size(),
+        record, length=count, descriptors=tuple(encoder.descriptors), crc32c=crc, **facts
     )
 
 
