@@ -44,13 +44,13 @@ def check_key_id(key_id: object) -> str:
     if not isinstance(key_id, str) or not _KEY_ID.fullmatch(key_id):
         raise ValueError(
             "key_id must be 1-128 characters from A-Z a-z 0-9 . _ : @ + -, got "
-            f"{_shown_key_id(key_id)}"
+            f"{shown_key_id(key_id)}"
         )
     return key_id
 
 
-def _shown_key_id(key_id: object) -> str:
-    """A refused key_id as a message may show it: one shorter than a key quoted; a
+def shown_key_id(key_id: object) -> str:
+    """A key_id that may be wrong, as a message may show it: one shorter than a key quoted; a
     longer one, or bytes, only by its length (a key passed as key_id by mistake, the
     44 characters of a base64 key, '=' and all, must not reach a log)."""
     if isinstance(key_id, str) and len(key_id) < KEY_SIZE:

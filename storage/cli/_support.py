@@ -59,6 +59,8 @@ def keys_from_args(args: argparse.Namespace) -> dict[str, bytes]:
 
 def parse_transforms(specs: Sequence[str], keys: dict[str, bytes]) -> list[Any]:
     from extensions import AES256GCM, ByteShuffle, WeightCodec, ZStandard
+    from extensions.errors import quote
+    from extensions.keys import KEY_SIZE, shown_key_id
 
     chain: list[Any] = []
     for spec in specs:
@@ -74,13 +76,15 @@ def parse_transforms(specs: Sequence[str], keys: dict[str, bytes]) -> list[Any]:
             chain.append(WeightCodec())
         elif name in ("aes", "aes256gcm") and value:
             if value not in keys:
+                # The value is not echoed whole: a key typed in place of its id is one.
                 raise ValueError(
-                    f"--transform {spec}: no key for key id {value!r}; provide it with "
-                    "--key-file or the DCP_STORAGE_KEYS environment variable"
+                    f"--transform {name}:KEY_ID: no key for key id {shown_key_id(value)}; "
+                    "provide it with --key-file or the DCP_STORAGE_KEYS environment variable"
                 )
             chain.append(AES256GCM(key=keys[value], key_id=value))
         else:
-            raise ValueError(f"unknown --transform {spec!r}; use one of: {TRANSFORM_SPECS}")
+            shown = quote(spec) if len(spec) < KEY_SIZE else f"of {len(spec)} characters"
+            raise ValueError(f"unknown --transform {shown}; use one of: {TRANSFORM_SPECS}")
     return chain
 
 

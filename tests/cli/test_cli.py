@@ -3,6 +3,7 @@ it (a handful of subprocesses, each pays the torch import), variations in-proces
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import json
 import os
@@ -250,6 +251,13 @@ def test_bad_input_says_so(root: Path, tmp_path: Path, capsys: pytest.CaptureFix
     assert "unknown --transform 'lz5'" in capsys.readouterr().err
     assert main(["cp", str(root / "step-1"), str(tmp_path / "x"), "--transform", "aes:nokey"]) == 1
     assert "no key for key id 'nokey'" in capsys.readouterr().err
+    # A key typed where its id goes (or as a transform) never reaches the terminal or a
+    # log: the message names its length only.
+    key = base64.b64encode(bytes(range(32))).decode()
+    for spec in (f"aes:{key}", key):
+        assert main(["cp", str(root / "step-1"), str(tmp_path / "x"), "--transform", spec]) == 1
+        err = capsys.readouterr().err
+        assert key not in err and key[:20] not in err and "characters" in err
 
 
 def test_ls_json_and_non_step_checkpoints(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
