@@ -82,7 +82,10 @@ class Retention:
         siblings = siblings or self._siblings()
         try:
             siblings.refuse_if_referenced(name)
-            delete_checkpoint(self.root.fs, path, siblings.open(name))
+            checkpoint = siblings.open(name)
+            delete_checkpoint(
+                self.root.fs, path, checkpoint, recheck=lambda: siblings.recheck_users(name)
+            )
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.root.fs.url(path)} does not exist") from None
         siblings.forget(name)
