@@ -330,3 +330,33 @@ def test_a_deletion_that_decided_before_a_save_chose_its_base_keeps_the_base(
     _assert_loads(root / "step-9", 9)
     _assert_loads(root / "step-11", 11)
     assert _refs(root / "step-11") >= {"step-9"}
+
+
+def test_rm_that_decided_before_a_save_chose_its_base_keeps_the_base(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dcp-storage rm root/step-9` finds nothing referencing step 9; before it deletes,
+    a manager's incremental save of step 10 commits with step 9 as its base. Before,
+    `rm` deleted step 9 anyway and step 10 did not load. Now `rm` looks again once the
+    metadata is moved aside, puts it back and refuses, naming step 10."""
+    root = tmp_path / "root"
+    saver = CheckpointManager(str(root), incremental=True, persist="thread")
+    saver.save(9, _state(9))
+    gate = _Gate("rename", "step-9/.metadata")
+    rename = LocalFileSystem.rename
+
+    def held(self: LocalFileSystem, path: str, new_path: str) -> None:
+        gate._hold("rename", path)  # the CLI makes its own backend: held in the class
+        rename(self, path, new_path)
+
+    monkeypatch.setattr(LocalFileSystem, "rename", held)
+    codes: list[int] = []
+    thread, errors = _run(lambda: codes.append(main(["rm", str(root / "step-9")])))
+    assert gate.parked.wait(10)
+    saver.save(10, _state(10))
+    gate.go.set()
+    thread.join(10)
+    assert not thread.is_alive() and not errors and codes == [1], (codes, errors)
+    assert "step-10" in capsys.readouterr().err
+    assert saver.steps() == [9, 10]
+    _assert_loads(root / "step-10", 10)
