@@ -322,7 +322,17 @@ class LocalRetention:
     (``local.in_flight``), never while a step kept here references it, and never
     through a symbolic link (linked steps are someone else's: not counted either).
     ``lock`` is held by a save from choosing its base until it marks it in flight, so
-    no pruning runs in between."""
+    no pruning runs in between.
+
+    The leader also removes what killed saves left in the tier (:meth:`Retention.cleanup`
+    with a grace of :data:`LEFTOVER_GRACE`, at most every :data:`SWEEP_EVERY` seconds,
+    from :meth:`prune`): nothing else looks at a local tier, and a save killed after its
+    data files were written left a copy of its state there (on tmpfs, memory) for good."""
+
+    #: Seconds after which the leftovers of a killed save in the local tier are removed.
+    LEFTOVER_GRACE = 3600.0
+    #: Seconds between two sweeps of the local tier's leftovers.
+    SWEEP_EVERY = 600.0
 
     def __init__(
         self,
@@ -340,6 +350,7 @@ class LocalRetention:
         self.pending = pending
         self.deleting = Retention(local, coordinator=leader)  # deletes, prunes nothing itself
         self.lock = threading.Lock()
+        self.swept: float | None = None  # time.monotonic() of the last sweep
 
     def references(self, step: int) -> set[int]:
         """The local steps whose bytes local ``step`` references (incremental saves), as
@@ -365,9 +376,12 @@ class LocalRetention:
 
     def prune(self, exclude: int | None = None) -> None:
         """Delete the oldest local steps beyond ``keep_local`` that may go (see the
-        class), besides ``exclude``. Leaders only; never raises: a step that cannot be
-        deleted is logged and kept."""
-        if self.keep_local is None or not self.leader:
+        class), besides ``exclude``, then sweep leftovers when due (see the class).
+        Leaders only; never raises: a step that cannot be deleted is logged and kept."""
+        if not self.leader:
+            return
+        self._sweep_when_due()
+        if self.keep_local is None:
             return
         with self.lock:
             try:
@@ -380,6 +394,22 @@ class LocalRetention:
                         tier_log.warning("local step %d could not be deleted: %s", s, exc)
             except Exception as exc:
                 tier_log.warning("local retention under %s failed: %s", self.local.url, exc)
+
+    def _sweep_when_due(self) -> None:
+        now = time.monotonic()
+        if self.swept is not None and now - self.swept < self.SWEEP_EVERY:
+            return
+        self.swept = now
+        with self.lock:
+            try:
+                removed = self.deleting.cleanup(self.LEFTOVER_GRACE)
+            except Exception as exc:
+                tier_log.warning("sweeping %s for killed saves failed: %s", self.local.url, exc)
+            else:
+                if removed:
+                    tier_log.info(
+                        "removed what killed saves left in %s: steps %s", self.local.url, removed
+                    )
 
     def _doomed(self, exclude: int | None) -> list[int]:
         """What :meth:`prune` deletes, newest first (a step before the bases it uses)."""
