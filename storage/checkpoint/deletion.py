@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import posixpath
+import re
 import uuid
 from collections.abc import Callable
 
@@ -26,6 +27,10 @@ from storage.checkpoint.layout import is_checkpoint_file_name, is_data_file_name
 from storage.checkpoint.prefixes import expand, linked_prefix, remove_empty_prefixes
 
 log = logging.getLogger(__name__)
+
+#: A metadata file moved aside while a deletion decides (:func:`delete_checkpoint`);
+#: group 1 is its own name.
+MOVED_ASIDE = re.compile(r"((?:__[0-9]+)?\.metadata)\.tmp-del[0-9a-f]{12}")
 
 
 def refuse_link(fs: FileSystemBase, path: str) -> None:

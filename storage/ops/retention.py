@@ -24,7 +24,7 @@ from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.committed import Siblings
-from storage.checkpoint.deletion import delete_checkpoint, remove_leftovers
+from storage.checkpoint.deletion import MOVED_ASIDE, delete_checkpoint, remove_leftovers
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     is_checkpoint_file_name,
@@ -197,11 +197,38 @@ class Retention:
                 continue
             path = self.root.fs.concat_path(self.root.path, name)
             stale = self._stale_leftover(path, grace_seconds)
-            if stale is not None:
+            if stale is not None and not self._put_back_if_referenced(name, path, stale, dry_run):
                 if not dry_run:
                     remove_leftovers(self.root.fs, path, stale)
                 removed.append(step)
         return removed
+
+    def _put_back_if_referenced(
+        self, name: str, path: str, stale: list[str], dry_run: bool
+    ) -> bool:
+        """A deletion killed between moving a step's metadata aside and looking once more
+        for steps that reference it (``deletion.delete_checkpoint``) may have missed an
+        incremental save that chose the step as its base meanwhile: when a committed
+        step references ``name``, its metadata is moved back (not in a ``dry_run``) and
+        True returned; the step is then a checkpoint again, not a leftover."""
+        aside = {n: m[1] for n in stale if (m := MOVED_ASIDE.fullmatch(n)) is not None}
+        if not aside:
+            return False
+        users = [c.name for c in self._siblings().users(name)]
+        if not users:
+            return False
+        log.warning(
+            "%s: put back the metadata a killed deletion moved aside: %s reference%s it",
+            self.root.fs.url(path),
+            ", ".join(users),
+            "" if len(users) > 1 else "s",
+        )
+        if not dry_run:
+            for moved, original in aside.items():
+                self.root.fs.rename(
+                    self.root.fs.concat_path(path, moved), self.root.fs.concat_path(path, original)
+                )
+        return True
 
     def orphans(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
         """Data files inside committed checkpoints (each ``step-<N>`` and the root itself,

@@ -11,7 +11,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -359,4 +362,77 @@ def test_rm_that_decided_before_a_save_chose_its_base_keeps_the_base(
     assert not thread.is_alive() and not errors and codes == [1], (codes, errors)
     assert "step-10" in capsys.readouterr().err
     assert saver.steps() == [9, 10]
+    _assert_loads(root / "step-10", 10)
+
+
+_PRUNE_KILLED_AFTER_THE_MOVE = """
+import os, sys, time
+from storage import CheckpointManager, LocalFileSystem
+root, decided, go, moved = sys.argv[1:5]
+rename = LocalFileSystem.rename
+def wait_for(path):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+def held(self, path, new_path):
+    if path.endswith("step-9/.metadata"):
+        open(decided, "w").close()  # nothing referenced step 9 when it looked
+        wait_for(go)
+        rename(self, path, new_path)
+        open(moved, "w").close()  # killed here, before it looks again
+        wait_for(go + ".never")
+    rename(self, path, new_path)
+LocalFileSystem.rename = held
+CheckpointManager(root, keep_last=1, persist="thread").apply_retention()
+"""
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        assert time.monotonic() < deadline, f"the pruning never got to {path.name}"
+        time.sleep(0.02)
+
+
+def test_cleanup_puts_back_a_base_whose_deletion_was_killed_before_it_looked_again(
+    tmp_path: Path,
+) -> None:
+    """A pruning process decides to delete step 9 (nothing references it), an
+    incremental save of step 10 then commits with step 9 as its base, and the pruning
+    is killed with kill -9 right after moving step 9's metadata aside, before it looks
+    again for references. Step 9 is then an interrupted save on disk; before, `cleanup`
+    (and `gc`) removed it as one and step 10 never loaded again. Now `cleanup` sees that
+    step 10 references it and moves the metadata back."""
+    root = tmp_path / "root"
+    saver = CheckpointManager(str(root), incremental=True, persist="thread")
+    saver.save(9, _state(9))
+    CheckpointManager(str(root), persist="thread").save(12, _state(12))  # full
+    decided, go, moved = tmp_path / "decided", tmp_path / "go", tmp_path / "moved"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    args = [str(root), str(decided), str(go), str(moved)]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PRUNE_KILLED_AFTER_THE_MOVE, *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        _wait_for(decided, proc)
+        saver.save(10, _state(10))
+        assert _refs(root / "step-10") >= {"step-9"}
+        go.touch()
+        _wait_for(moved, proc)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert saver.steps() == [10, 12]  # step 9 is not a checkpoint while moved aside
+    assert saver.cleanup(grace_seconds=0) == []
+    assert saver.steps() == [9, 10, 12]
+    _assert_loads(root / "step-9", 9)
     _assert_loads(root / "step-10", 10)
