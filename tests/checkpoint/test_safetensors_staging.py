@@ -229,3 +229,59 @@ def test_an_export_killed_mid_file_leaves_a_temporary_that_gc_and_the_next_expor
     out = {name: torch.zeros(256, 256) for name in state}
     dcp.load(out, storage_reader=storage.SafetensorsReader(str(dst)), no_dist=True)
     assert all(torch.equal(out[name], tensor) for name, tensor in state.items())
+
+
+_KILLED_EXPORT = """
+import sys
+from storage.cli import main
+main(["export", sys.argv[1], sys.argv[2], "--format", "safetensors",
+      "--dst-storage-option=endpoint_url=" + sys.argv[3],
+      "--dst-storage-option=key=testing", "--dst-storage-option=secret=testing",
+      "--dst-storage-option=default_block_size=5242880"])
+"""
+
+
+def test_gc_in_a_bucket_aborts_the_upload_of_an_export_killed_mid_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dcp-storage export ... s3://...` killed with kill -9 while its model file's
+    multipart upload is open: the parts stay stored and billed, invisible to listings.
+    Before, `gc --abort-uploads` skipped the upload (not a checkpoint file name) and
+    nothing ever reported it; now it is listed and aborted like a data file's."""
+    from tests.support.servers import FaultProxy
+
+    try:
+        endpoint = s3_endpoint("moto")
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    create_bucket(endpoint, "exports")
+    prefix = f"{uuid.uuid4().hex}/hf"
+    src = tmp_path / "ck"
+    storage.save({"w": torch.randn(3 << 20)}, str(src))  # 12 MiB: 3 parts of 5 MiB
+    s3 = boto3_client(endpoint)
+    with FaultProxy(endpoint) as proxy:
+        proxy.add("delay", method="POST", path=r"uploadId=", delay=300.0)  # never completes
+        args = [str(src), f"s3://exports/{prefix}", proxy.url]
+        export = subprocess.Popen([sys.executable, "-c", _KILLED_EXPORT, *args])
+        try:
+            deadline = time.monotonic() + 60
+            while not any(m == "POST" and "uploadId=" in t for m, t in proxy.arrivals):
+                assert export.poll() is None, "the export ended before completing its upload"
+                assert time.monotonic() < deadline, "the export never began its upload"
+                time.sleep(0.05)
+        finally:
+            export.kill()  # every part is up, the upload is never completed
+            export.wait(10)
+    listing = s3.list_multipart_uploads(Bucket="exports", Prefix=prefix).get("Uploads", [])
+    assert [u["Key"] for u in listing] == [f"{prefix}/model.safetensors"]
+    options = [
+        f"--storage-option=endpoint_url={endpoint}",
+        "--storage-option=key=testing",
+        "--storage-option=secret=testing",
+    ]
+    gc = ["gc", f"s3://exports/{prefix}", "--keep-last", "1", "--grace", "0", *options]
+    assert main([*gc, "--abort-uploads", "--json"]) == 0
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert [u["url"] for u in out["uploads"]] == [f"s3://exports/{prefix}/model.safetensors"]
+    assert out["uploads"][0]["aborted"] is True
+    assert not s3.list_multipart_uploads(Bucket="exports", Prefix=prefix).get("Uploads")

@@ -37,7 +37,8 @@ STAGING_PREFIX = ".dcp-staging-"
 STALE_AFTER = 3600.0
 _AREA = re.compile(re.escape(STAGING_PREFIX) + r"[0-9a-f]+")
 _OBJECT = re.compile(r"rank-[0-9]{5}\.bin")
-_TEMPORARY = re.compile(r"model(-[0-9]{5}-of-[0-9]{5})?\.safetensors\.tmp-[0-9a-f]{12}")
+_MODEL_FILE = re.compile(r"model(-[0-9]{5}-of-[0-9]{5})?\.safetensors")
+_TEMPORARY = re.compile(_MODEL_FILE.pattern + r"\.tmp-[0-9a-f]{12}")
 
 
 def new_area() -> str:
@@ -52,6 +53,12 @@ def object_name(area: str, rank: int) -> str:
 
 def is_area_name(name: str) -> bool:
     return _AREA.fullmatch(name) is not None
+
+
+def is_model_file_name(name: str) -> bool:
+    """Whether ``name`` is a model file an export or a save writes (``model.safetensors``,
+    ``model-00001-of-00004.safetensors``): what ``gc`` lists the open uploads of."""
+    return _MODEL_FILE.fullmatch(name) is not None
 
 
 def is_staging_object(path: str) -> bool:
