@@ -133,6 +133,12 @@ class MemoryFileSystem(FileSystemBase):
             if self.objects.pop(path, None) is None:
                 raise FileNotFoundError(path)
 
+    def rename(self, path: str, new_path: str) -> None:
+        with self._lock:  # a move in one step, as on local disk
+            if path not in self.objects:
+                raise FileNotFoundError(path)
+            self.objects[new_path] = self.objects.pop(path)
+
     def ls(self, path: str) -> list[str]:
         prefix = path.rstrip("/") + "/" if path else ""
         with self._lock:

@@ -66,6 +66,7 @@ def commit_checkpoint(
     infos = list(infos)
     if new_files is None:
         new_files = {i.relative_path for i in infos if fmt.stored_item(i).ref is None}
+    referencing = any(fmt.stored_item(i).ref is not None for i in infos)
     landed = False
 
     def attempt() -> None:
@@ -82,6 +83,8 @@ def commit_checkpoint(
                 overwrite=overwrite,
                 sync=sync,
             )
+            if referencing:
+                recheck_bases(fs, directory, meta_path, save_id, infos)
         except BaseException:
             landed = metadata_may_name(fs, meta_path, save_id)
             if not landed:
@@ -105,6 +108,28 @@ def commit_checkpoint(
         raise
 
 
+def recheck_bases(
+    fs: FileSystemBase, directory: str, meta_path: str, save_id: str, infos: list[Any]
+) -> None:
+    """After an incremental save's metadata landed: its bases are checked again, and
+    when one lost a file the metadata is withdrawn (only while it is still this save's)
+    and the check's error raised. A deletion in another process (retention, ``gc``,
+    ``rm``) may have decided on the base between the first check and the publish; it
+    moves the base's metadata aside and looks for new references before it removes any
+    file (``deletion.delete_checkpoint``), so either it sees this metadata and keeps the
+    base, or this check sees the base gone."""
+    try:
+        check_referenced_files(fs, directory, infos)
+    except CheckpointNotFoundError as exc:
+        if metadata_may_name(fs, meta_path, save_id):
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(meta_path)
+        raise CheckpointNotFoundError(
+            f"{exc}; its metadata had landed and was withdrawn, so no checkpoint refers "
+            "to the lost bytes"
+        ) from None
+
+
 def publish_metadata(
     fs: FileSystemBase,
     directory: str,
@@ -122,7 +147,8 @@ def publish_metadata(
 
     The check makes a save fail, rather than report success for a checkpoint that does
     not load, when something removed its files meanwhile (a ``gc`` whose grace is
-    shorter than the save); a removal between the check and the publish is not caught.
+    shorter than the save); for its bases, a removal between the check and the publish
+    is caught after it (:func:`recheck_bases`).
     A replaced metadata that cannot be read keeps its files (for ``gc``), and the
     overwrite is refused while a checkpoint beside this one might reference them."""
     try:

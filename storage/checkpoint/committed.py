@@ -316,6 +316,23 @@ class Siblings:
         if self._names is not None and name in self._names:
             self._names.remove(name)
 
+    def recheck_users(self, name: str, action: str = "delete") -> None:
+        """:meth:`refuse_if_referenced` again, once ``name``'s metadata is moved aside
+        (``deletion.delete_checkpoint``): listed anew, what this pass saw uncommitted or
+        did not see is opened afresh, and so is any checkpoint whose metadata files
+        changed where the backend tells that without a request (``FileSystemBase.stamps``);
+        the others are as this pass read them, so a pass still reads each at most once."""
+        seen = self.names()
+        self._names = None
+        for other in self.names():
+            held = self._opened.get(other)
+            if other == name or held is None:
+                continue
+            path = self.fs.concat_path(self.parent, other)
+            if other not in seen or not held.committed or _stamp(self.fs, path) is not None:
+                del self._opened[other]  # a save there may have committed since
+        self.refuse_if_referenced(name, action)
+
     def users(self, name: str) -> list[CommittedCheckpoint]:
         """The checkpoints beside ``name`` that reference its bytes or, unreadable,
         might."""

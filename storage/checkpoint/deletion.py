@@ -14,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import posixpath
+import re
+import uuid
+from collections.abc import Callable
 
 from extensions.errors import UnsafeCheckpointError, quote
 from storage.backends.base import FileSystemBase
@@ -24,6 +27,10 @@ from storage.checkpoint.layout import is_checkpoint_file_name, is_data_file_name
 from storage.checkpoint.prefixes import expand, linked_prefix, remove_empty_prefixes
 
 log = logging.getLogger(__name__)
+
+#: A metadata file moved aside while a deletion decides (:func:`delete_checkpoint`);
+#: group 1 is its own name.
+MOVED_ASIDE = re.compile(r"((?:__[0-9]+)?\.metadata)\.tmp-del[0-9a-f]{12}")
 
 
 def refuse_link(fs: FileSystemBase, path: str) -> None:
@@ -38,7 +45,11 @@ def refuse_link(fs: FileSystemBase, path: str) -> None:
 
 
 def delete_checkpoint(
-    fs: FileSystemBase, path: str, checkpoint: CommittedCheckpoint | None = None
+    fs: FileSystemBase,
+    path: str,
+    checkpoint: CommittedCheckpoint | None = None,
+    *,
+    recheck: Callable[[], object] | None = None,
 ) -> list[str]:
     """Delete the committed checkpoint at ``path`` (``checkpoint``: its read model, if
     the caller already opened it).
@@ -49,7 +60,15 @@ def delete_checkpoint(
     period; so do files that are not checkpoint files, and the files of a metadata that
     cannot be read. The directory goes once empty. Refuses, before removing anything, a
     checkpoint that is a symbolic link (:func:`refuse_link`) or whose named files lie
-    under a linked prefix directory. Returns the names left in place."""
+    under a linked prefix directory. Returns the names left in place.
+
+    ``recheck`` (the caller's refusal run again, ``Siblings.recheck_users``) closes the
+    race with an incremental save in another process that chose this checkpoint as its
+    base: the metadata is first moved aside (to a temporary metadata name, so a kill
+    there leaves an interrupted save for ``gc``), then ``recheck`` runs; when it raises,
+    the metadata is moved back and nothing else is removed. Such a save checks its
+    bases again once its own metadata landed (``commit.commit_checkpoint``), so one of
+    the two always sees the other."""
     refuse_link(fs, path)
     checkpoint = checkpoint or open_committed(fs, path)
     named = checkpoint.data_files()
@@ -61,13 +80,52 @@ def delete_checkpoint(
             "and nothing is deleted through a link; nothing was deleted. Remove the link "
             "(or replace it with a directory of its own) first"
         )
-    for name in (n for n in fs.ls(path) if is_metadata_name(n)):
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(fs.concat_path(path, name))
+    metadata = [n for n in fs.ls(path) if is_metadata_name(n)]
+    if recheck is None:
+        for name in metadata:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(fs.concat_path(path, name))
+    else:
+        _uncommit_then_recheck(fs, path, metadata, recheck)
     for name in sorted(named):
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(fs.concat_path(path, name))
     return _remove_dir_or_report(fs, path)
+
+
+def _uncommit_then_recheck(
+    fs: FileSystemBase, path: str, metadata: list[str], recheck: Callable[[], object]
+) -> None:
+    """Move ``metadata`` (names under ``path``) aside, run ``recheck``, then remove what
+    was moved; when ``recheck`` raises, move it back and raise."""
+    token = f"del{uuid.uuid4().hex[:12]}"
+    moved: list[tuple[str, str]] = []
+    try:
+        for name in metadata:
+            aside = fs.concat_path(path, f"{name}.tmp-{token}")
+            try:
+                fs.rename(fs.concat_path(path, name), aside)
+            except FileNotFoundError:
+                continue
+            moved.append((name, aside))
+        recheck()
+    except BaseException:
+        for name, aside in moved:
+            try:
+                fs.rename(aside, fs.concat_path(path, name))
+            except Exception as exc:
+                log.error(
+                    "could not put back the metadata of %s, moved to %s while checking "
+                    "that nothing references it (%s): rename it back to %s",
+                    fs.url(path),
+                    fs.url(aside),
+                    exc,
+                    quote(name),
+                )
+        raise
+    for _, aside in moved:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(aside)
 
 
 def remove_data_files(fs: FileSystemBase, path: str, names: set[str] | frozenset[str]) -> None:

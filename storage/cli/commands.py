@@ -323,7 +323,9 @@ def rm(args: argparse.Namespace) -> int:
             "its own cannot be told while its metadata cannot be read; nothing was deleted"
         ) from None
     refuse_if_referenced(fs, path)
-    kept = delete_checkpoint(fs, path, checkpoint)
+    # Again once its metadata is moved aside: an incremental save in another process
+    # may have chosen it as its base meanwhile (deletion.delete_checkpoint).
+    kept = delete_checkpoint(fs, path, checkpoint, recheck=lambda: refuse_if_referenced(fs, path))
     text = f"removed {fs.url(path)}"
     if kept:
         text += (

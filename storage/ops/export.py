@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
@@ -40,6 +41,7 @@ from storage.checkpoint.safetensors.header import (
     encode_header,
     layout,
 )
+from storage.checkpoint.safetensors.staging import STALE_AFTER, sweep
 from storage.checkpoint.tensors import empty_stored, tensor_bytes
 from storage.ops.export_source import Run, Tensor, checksum, damaged, plan_tensor
 
@@ -51,6 +53,8 @@ CHUNK = 8 << 20
 AHEAD = 4
 #: Output files written at once: one file's last parts upload while the next streams.
 FILES = 2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -138,6 +142,10 @@ def export_safetensors(
     groups = split([(t.name, t.nbytes) for t in tensors], max_shard_size)
     names = file_names(len(groups))
     clear_destination(dst_fs, dst, overwrite=overwrite)
+    try:  # what a killed export or save left here, as a SafetensorsWriter save does
+        sweep(dst_fs, dst, STALE_AFTER)
+    except Exception as exc:  # the export does not depend on it; gc sweeps too
+        log.warning("%s: leftovers of interrupted saves not swept: %s", dst_fs.url(dst), exc)
 
     def load_batch(batch: list[Tensor]) -> dict[str, torch.Tensor]:
         state = {t.fqn: empty_stored(metadata, t.fqn, checkpoint) for t in batch}

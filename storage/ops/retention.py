@@ -24,7 +24,7 @@ from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.committed import Siblings
-from storage.checkpoint.deletion import delete_checkpoint, remove_leftovers
+from storage.checkpoint.deletion import MOVED_ASIDE, delete_checkpoint, remove_leftovers
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     is_checkpoint_file_name,
@@ -82,7 +82,10 @@ class Retention:
         siblings = siblings or self._siblings()
         try:
             siblings.refuse_if_referenced(name)
-            delete_checkpoint(self.root.fs, path, siblings.open(name))
+            checkpoint = siblings.open(name)
+            delete_checkpoint(
+                self.root.fs, path, checkpoint, recheck=lambda: siblings.recheck_users(name)
+            )
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.root.fs.url(path)} does not exist") from None
         siblings.forget(name)
@@ -194,11 +197,38 @@ class Retention:
                 continue
             path = self.root.fs.concat_path(self.root.path, name)
             stale = self._stale_leftover(path, grace_seconds)
-            if stale is not None:
+            if stale is not None and not self._put_back_if_referenced(name, path, stale, dry_run):
                 if not dry_run:
                     remove_leftovers(self.root.fs, path, stale)
                 removed.append(step)
         return removed
+
+    def _put_back_if_referenced(
+        self, name: str, path: str, stale: list[str], dry_run: bool
+    ) -> bool:
+        """A deletion killed between moving a step's metadata aside and looking once more
+        for steps that reference it (``deletion.delete_checkpoint``) may have missed an
+        incremental save that chose the step as its base meanwhile: when a committed
+        step references ``name``, its metadata is moved back (not in a ``dry_run``) and
+        True returned; the step is then a checkpoint again, not a leftover."""
+        aside = {n: m[1] for n in stale if (m := MOVED_ASIDE.fullmatch(n)) is not None}
+        if not aside:
+            return False
+        users = [c.name for c in self._siblings().users(name)]
+        if not users:
+            return False
+        log.warning(
+            "%s: put back the metadata a killed deletion moved aside: %s reference%s it",
+            self.root.fs.url(path),
+            ", ".join(users),
+            "" if len(users) > 1 else "s",
+        )
+        if not dry_run:
+            for moved, original in aside.items():
+                self.root.fs.rename(
+                    self.root.fs.concat_path(path, moved), self.root.fs.concat_path(path, original)
+                )
+        return True
 
     def orphans(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
         """Data files inside committed checkpoints (each ``step-<N>`` and the root itself,
@@ -319,7 +349,17 @@ class LocalRetention:
     (``local.in_flight``), never while a step kept here references it, and never
     through a symbolic link (linked steps are someone else's: not counted either).
     ``lock`` is held by a save from choosing its base until it marks it in flight, so
-    no pruning runs in between."""
+    no pruning runs in between.
+
+    The leader also removes what killed saves left in the tier (:meth:`Retention.cleanup`
+    with a grace of :data:`LEFTOVER_GRACE`, at most every :data:`SWEEP_EVERY` seconds,
+    from :meth:`prune`): nothing else looks at a local tier, and a save killed after its
+    data files were written left a copy of its state there (on tmpfs, memory) for good."""
+
+    #: Seconds after which the leftovers of a killed save in the local tier are removed.
+    LEFTOVER_GRACE = 3600.0
+    #: Seconds between two sweeps of the local tier's leftovers.
+    SWEEP_EVERY = 600.0
 
     def __init__(
         self,
@@ -337,6 +377,7 @@ class LocalRetention:
         self.pending = pending
         self.deleting = Retention(local, coordinator=leader)  # deletes, prunes nothing itself
         self.lock = threading.Lock()
+        self.swept: float | None = None  # time.monotonic() of the last sweep
 
     def references(self, step: int) -> set[int]:
         """The local steps whose bytes local ``step`` references (incremental saves), as
@@ -362,9 +403,12 @@ class LocalRetention:
 
     def prune(self, exclude: int | None = None) -> None:
         """Delete the oldest local steps beyond ``keep_local`` that may go (see the
-        class), besides ``exclude``. Leaders only; never raises: a step that cannot be
-        deleted is logged and kept."""
-        if self.keep_local is None or not self.leader:
+        class), besides ``exclude``, then sweep leftovers when due (see the class).
+        Leaders only; never raises: a step that cannot be deleted is logged and kept."""
+        if not self.leader:
+            return
+        self._sweep_when_due()
+        if self.keep_local is None:
             return
         with self.lock:
             try:
@@ -377,6 +421,22 @@ class LocalRetention:
                         tier_log.warning("local step %d could not be deleted: %s", s, exc)
             except Exception as exc:
                 tier_log.warning("local retention under %s failed: %s", self.local.url, exc)
+
+    def _sweep_when_due(self) -> None:
+        now = time.monotonic()
+        if self.swept is not None and now - self.swept < self.SWEEP_EVERY:
+            return
+        self.swept = now
+        with self.lock:
+            try:
+                removed = self.deleting.cleanup(self.LEFTOVER_GRACE)
+            except Exception as exc:
+                tier_log.warning("sweeping %s for killed saves failed: %s", self.local.url, exc)
+            else:
+                if removed:
+                    tier_log.info(
+                        "removed what killed saves left in %s: steps %s", self.local.url, removed
+                    )
 
     def _doomed(self, exclude: int | None) -> list[int]:
         """What :meth:`prune` deletes, newest first (a step before the bases it uses)."""

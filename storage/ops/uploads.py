@@ -11,7 +11,10 @@ Backends without such uploads have none to list (``FileSystemBase.pending_upload
 The store's date of an upload is not trusted alone (moto dates every one 2010-11-10):
 an upload in a checkpoint directory where a writer's heartbeat is live (``heartbeat``:
 every save, ``cp`` and drain keeps one while it writes) is never stale, however old
-the store says it is.
+the store says it is. The uploads of safetensors model files (an export, a
+``SafetensorsWriter`` save, killed mid-upload) are listed too; no heartbeat is kept
+beside them, so the store's date is all there is: on a store that misdates uploads, do
+not abort uploads under a model folder being written.
 """
 
 from __future__ import annotations
@@ -23,14 +26,15 @@ from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import heartbeat
 from storage.checkpoint.layout import is_checkpoint_file_name
 from storage.checkpoint.prefixes import is_prefix
-from storage.checkpoint.safetensors.staging import is_staging_object
+from storage.checkpoint.safetensors.staging import is_model_file_name, is_staging_object
 
 
 def stale_uploads(
     fs: FileSystemBase, root: str, grace_seconds: float, *, abort: bool = False
 ) -> list[PendingUpload]:
-    """The uploads of checkpoint files (and of a consolidating safetensors save's staging
-    objects) under ``root`` begun more than ``grace_seconds``
+    """The uploads of checkpoint files (and of safetensors model files and a
+    consolidating safetensors save's staging objects) under ``root`` begun more than
+    ``grace_seconds``
     ago and never completed, oldest first, except those in a directory with a live
     heartbeat (see the module docstring); with ``abort``, each is aborted. An upload
     whose start the store does not report is never counted as stale."""
@@ -58,6 +62,7 @@ def stale_uploads(
         and (
             is_checkpoint_file_name(posixpath.basename(upload.path))
             or is_staging_object(upload.path)
+            or is_model_file_name(posixpath.basename(upload.path))  # an export's, a save's
         )
         and not written_now(upload.path)
     ]

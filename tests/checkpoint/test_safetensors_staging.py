@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import storage
 from storage.checkpoint import heartbeat
@@ -142,3 +145,143 @@ def test_gc_in_a_bucket_removes_a_killed_area_and_aborts_its_upload(
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="staging", Prefix=prefix)["Contents"]]
     assert sorted(keys) == [f"{live}/{heartbeat.name_of('alive')}", f"{live}/rank-00000.bin"]
     assert not s3.list_multipart_uploads(Bucket="staging", Prefix=prefix).get("Uploads")
+
+
+_PARK_ON_PUBLISH = """
+import os, sys, time
+from storage.backends._local import LocalFileSystem
+from storage.cli import main
+rename = LocalFileSystem.rename
+def parked(self, path, new_path):  # the first shard is written whole, not yet published
+    open(sys.argv[3], "w").close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # killed here; ends by itself if the test died
+        time.sleep(0.05)
+    rename(self, path, new_path)
+LocalFileSystem.rename = parked
+main(["export", sys.argv[1], sys.argv[2], "--format", "safetensors", "--max-shard-size", "300KB"])
+"""
+
+
+def test_an_export_killed_mid_file_leaves_a_temporary_that_gc_and_the_next_export_remove(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dcp-storage export` killed with kill -9 while a model file is under its
+    temporary name. Before, `model-00001-of-0000N.safetensors.tmp-<id>` (up to a shard's
+    size, 5 GB by default) stayed in the model folder for good: neither `gc` nor the
+    next export to the folder looked at it. Now both remove it once older than the
+    grace, and the export run again without --overwrite gives a model that loads."""
+    src, dst, mark = tmp_path / "ck", tmp_path / "hf", tmp_path / "parked"
+    state = {
+        f"t{i}": torch.randn(256, 256, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    }
+    storage.save(state, str(src))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PARK_ON_PUBLISH, str(src), str(dst), str(mark)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not mark.exists():
+            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+            assert time.monotonic() < deadline, "the export never reached its first publish"
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    temporaries = [p for p in dst.iterdir() if ".safetensors.tmp-" in p.name]
+    assert temporaries and not (dst / "model.safetensors.index.json").exists()
+    # Within the grace it is left alone: it may be an export still writing.
+    assert main(["gc", str(dst), "--keep-last", "1", "--dry-run", "-q"]) == 0
+    assert all(p.exists() for p in temporaries)
+    for path in temporaries:
+        os.utime(path, (_LONG_AGO, _LONG_AGO))
+    capsys.readouterr()
+    assert main(["gc", str(dst), "--keep-last", "1", "--grace", "60", "--dry-run", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["staging"]
+    assert sorted(listed) == sorted(str(p) for p in temporaries)
+    assert all(p.exists() for p in temporaries)  # listed, not removed
+    assert (
+        main(
+            [
+                "export",
+                str(src),
+                str(dst),
+                "--format",
+                "safetensors",
+                "--max-shard-size",
+                "300KB",
+                "-q",
+            ]
+        )
+        == 0
+    )
+    assert not [p for p in dst.iterdir() if ".tmp-" in p.name]
+    assert main(["verify", str(dst), "-q"]) == 0
+    out = {name: torch.zeros(256, 256) for name in state}
+    dcp.load(out, storage_reader=storage.SafetensorsReader(str(dst)), no_dist=True)
+    assert all(torch.equal(out[name], tensor) for name, tensor in state.items())
+
+
+_KILLED_EXPORT = """
+import sys
+from storage.cli import main
+main(["export", sys.argv[1], sys.argv[2], "--format", "safetensors",
+      "--dst-storage-option=endpoint_url=" + sys.argv[3],
+      "--dst-storage-option=key=testing", "--dst-storage-option=secret=testing",
+      "--dst-storage-option=default_block_size=5242880"])
+"""
+
+
+def test_gc_in_a_bucket_aborts_the_upload_of_an_export_killed_mid_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dcp-storage export ... s3://...` killed with kill -9 while its model file's
+    multipart upload is open: the parts stay stored and billed, invisible to listings.
+    Before, `gc --abort-uploads` skipped the upload (not a checkpoint file name) and
+    nothing ever reported it; now it is listed and aborted like a data file's."""
+    from tests.support.servers import FaultProxy
+
+    try:
+        endpoint = s3_endpoint("moto")
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    create_bucket(endpoint, "exports")
+    prefix = f"{uuid.uuid4().hex}/hf"
+    src = tmp_path / "ck"
+    storage.save({"w": torch.randn(3 << 20)}, str(src))  # 12 MiB: 3 parts of 5 MiB
+    s3 = boto3_client(endpoint)
+    with FaultProxy(endpoint) as proxy:
+        proxy.add("delay", method="POST", path=r"uploadId=", delay=300.0)  # never completes
+        args = [str(src), f"s3://exports/{prefix}", proxy.url]
+        export = subprocess.Popen([sys.executable, "-c", _KILLED_EXPORT, *args])
+        try:
+            deadline = time.monotonic() + 60
+            while not any(m == "POST" and "uploadId=" in t for m, t in proxy.arrivals):
+                assert export.poll() is None, "the export ended before completing its upload"
+                assert time.monotonic() < deadline, "the export never began its upload"
+                time.sleep(0.05)
+        finally:
+            export.kill()  # every part is up, the upload is never completed
+            export.wait(10)
+    listing = s3.list_multipart_uploads(Bucket="exports", Prefix=prefix).get("Uploads", [])
+    assert [u["Key"] for u in listing] == [f"{prefix}/model.safetensors"]
+    options = [
+        f"--storage-option=endpoint_url={endpoint}",
+        "--storage-option=key=testing",
+        "--storage-option=secret=testing",
+    ]
+    gc = ["gc", f"s3://exports/{prefix}", "--keep-last", "1", "--grace", "0", *options]
+    assert main([*gc, "--abort-uploads", "--json"]) == 0
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert [u["url"] for u in out["uploads"]] == [f"s3://exports/{prefix}/model.safetensors"]
+    assert out["uploads"][0]["aborted"] is True
+    assert not s3.list_multipart_uploads(Bucket="exports", Prefix=prefix).get("Uploads")

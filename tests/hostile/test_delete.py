@@ -6,6 +6,9 @@ Every test names, in a comment, what happened before the fix it guards.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -287,3 +290,63 @@ def test_failed_write_keeps_the_object_already_there(
         stream.write(b"n" * size)
         raise RuntimeError("boom")
     assert fs.read_bytes(path) == b"old"
+
+
+_PARK_WHILE_PRUNING = """
+import sys, time
+from storage import CheckpointManager, LocalFileSystem
+rm_file = LocalFileSystem.rm_file
+def parked(self, path):
+    if ".metadata.tmp-" in path:  # step-1's metadata is moved aside, not yet removed
+        open(sys.argv[2], "w").close()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # killed here; ends by itself if the test died
+            time.sleep(0.05)
+    rm_file(self, path)
+LocalFileSystem.rm_file = parked
+CheckpointManager(sys.argv[1], keep_last=1, persist="thread").apply_retention()
+"""
+
+
+def test_retention_killed_mid_deletion_leaves_an_interrupted_save_for_cleanup(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of a process pruning step 1, after its metadata was moved aside (a
+    deletion first does that, to look once more for steps referencing it): what stays
+    must be an interrupted save that `cleanup` removes, never a step that is listed or
+    loaded, and step 2 and a later save of step 1 must be unharmed. Without the
+    temporary metadata name (say, a name `cleanup` does not know), the directory would
+    hold a file `cleanup` refuses to touch and stay for good."""
+    root = tmp_path / "root"
+    mgr = CheckpointManager(str(root), persist="thread")
+    mgr.save(1, _state(1.0))
+    mgr.save(2, _state(2.0))
+    mark = tmp_path / "parked"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PARK_WHILE_PRUNING, str(root), str(mark)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not mark.exists():
+            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+            assert time.monotonic() < deadline, "the pruning never reached step 1's metadata"
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert [n for n in os.listdir(root / "step-1") if n.startswith(".metadata.tmp-")]
+    assert mgr.steps() == [2]
+    assert mgr.cleanup(grace_seconds=0) == [1]
+    assert not (root / "step-1").exists()
+    _assert_loads(root / "step-2", 2.0)
+    mgr.save(1, _state(3.0))
+    _assert_loads(root / "step-1", 3.0)

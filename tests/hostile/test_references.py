@@ -11,6 +11,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +229,210 @@ def test_delete_refuses_while_a_sibling_cannot_be_read(flaky: tuple[Path, _Flaky
         CheckpointManager(root, filesystem=fs).delete(1)
     fs.failing = None
     _assert_loads(root / "step-2", 2)
+
+
+# --- two processes on one root: a deletion racing an incremental save of the base ---------
+
+
+class _Gate(LocalFileSystem):
+    """Holds the first call of ``op`` whose path ends with ``suffix`` until ``go`` is set
+    (``parked`` says it arrived): a kill or race point that needs no sleep."""
+
+    def __init__(self, op: str, suffix: str) -> None:
+        super().__init__()
+        self.op, self.suffix = op, suffix
+        self.parked, self.go = threading.Event(), threading.Event()
+
+    def _hold(self, op: str, path: str) -> None:
+        if op == self.op and path.endswith(self.suffix) and not self.parked.is_set():
+            self.parked.set()
+            assert self.go.wait(10), "the test never released the gate"
+
+    def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        self._hold("publish", path)
+        super().write_atomic(path, data, exclusive=exclusive)
+
+    def rename(self, path: str, new_path: str) -> None:
+        self._hold("rename", path)
+        super().rename(path, new_path)
+
+
+def _two_steps(root: Path) -> CheckpointManager:
+    """An incremental manager with steps 9 and 10 whose frozen item lives in step 9."""
+    saver = CheckpointManager(str(root), incremental=True, persist="thread")
+    saver.save(9, _state(9))
+    saver.save(10, _state(10))
+    return saver
+
+
+def _run(target: Any) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            target()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def test_a_base_deleted_between_a_saves_check_and_its_publish_withdraws_the_save(
+    tmp_path: Path,
+) -> None:
+    """Another manager on the root (a second job, a zombie of this one) prunes step 9
+    while this manager's incremental save of step 11, which references it, sits between
+    its check of the bases and the publish of its metadata. Before, step 11 was
+    committed anyway and every load of it failed: `item 'frozen' is stored in base
+    checkpoint .../step-9, which is missing`. Now the save checks its bases again once
+    its metadata landed, withdraws it and fails; the root keeps only loadable steps and
+    the next save of step 11 (a full one) succeeds."""
+    root = tmp_path / "root"
+    _two_steps(root)
+    gate = _Gate("publish", "step-11/.metadata")
+    saver = CheckpointManager(str(root), incremental=True, persist="thread", filesystem=gate)
+    thread, errors = _run(lambda: saver.save(11, _state(11)))
+    assert gate.parked.wait(10)
+    pruner = CheckpointManager(str(root), keep_last=1, persist="thread")
+    pruner.save(12, _state(12))  # prunes 9 and 10: step 11 is not committed yet
+    gate.go.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and "withdrawn" in str(errors[0]), errors
+    assert "step-9" in str(errors[0]) and "step-11" in str(errors[0])
+    assert pruner.steps() == [12]
+    saver.save(11, _state(11))
+    _assert_loads(root / "step-11", 11)
+    _assert_loads(root / "step-12", 12)
+
+
+def test_a_deletion_that_decided_before_a_save_chose_its_base_keeps_the_base(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another manager's retention reads the root (steps 9 and 10, nothing references
+    9) and decides to delete step 9; before it does, this manager's incremental save of
+    step 11 commits, referencing step 9. Before, the retention deleted step 9 anyway and
+    step 11 did not load. Now the deletion moves step 9's metadata aside, looks again
+    for steps that reference it, finds step 11 and puts the metadata back."""
+    root = tmp_path / "root"
+    saver = _two_steps(root)
+    gate = _Gate("rename", "step-9/.metadata")
+    pruner = CheckpointManager(str(root), keep_last=1, persist="thread", filesystem=gate)
+    thread, errors = _run(lambda: pruner.save(12, _state(12)))
+    assert gate.parked.wait(10)  # step 10 is gone, step 9 is next
+    saver.save(11, _state(11))  # its base is step 9 (10 is gone), still committed
+    with caplog.at_level(logging.WARNING, logger="storage"):
+        gate.go.set()
+        thread.join(10)
+    assert not thread.is_alive() and not errors, errors
+    assert "step-11" in caplog.text and "reference" in caplog.text
+    assert pruner.steps() == [9, 11, 12]
+    assert not [n for n in os.listdir(root / "step-9") if ".tmp-" in n]
+    _assert_loads(root / "step-9", 9)
+    _assert_loads(root / "step-11", 11)
+    assert _refs(root / "step-11") >= {"step-9"}
+
+
+def test_rm_that_decided_before_a_save_chose_its_base_keeps_the_base(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dcp-storage rm root/step-9` finds nothing referencing step 9; before it deletes,
+    a manager's incremental save of step 10 commits with step 9 as its base. Before,
+    `rm` deleted step 9 anyway and step 10 did not load. Now `rm` looks again once the
+    metadata is moved aside, puts it back and refuses, naming step 10."""
+    root = tmp_path / "root"
+    saver = CheckpointManager(str(root), incremental=True, persist="thread")
+    saver.save(9, _state(9))
+    gate = _Gate("rename", "step-9/.metadata")
+    rename = LocalFileSystem.rename
+
+    def held(self: LocalFileSystem, path: str, new_path: str) -> None:
+        gate._hold("rename", path)  # the CLI makes its own backend: held in the class
+        rename(self, path, new_path)
+
+    monkeypatch.setattr(LocalFileSystem, "rename", held)
+    codes: list[int] = []
+    thread, errors = _run(lambda: codes.append(main(["rm", str(root / "step-9")])))
+    assert gate.parked.wait(10)
+    saver.save(10, _state(10))
+    gate.go.set()
+    thread.join(10)
+    assert not thread.is_alive() and not errors and codes == [1], (codes, errors)
+    assert "step-10" in capsys.readouterr().err
+    assert saver.steps() == [9, 10]
+    _assert_loads(root / "step-10", 10)
+
+
+_PRUNE_KILLED_AFTER_THE_MOVE = """
+import os, sys, time
+from storage import CheckpointManager, LocalFileSystem
+root, decided, go, moved = sys.argv[1:5]
+rename = LocalFileSystem.rename
+def wait_for(path):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+def held(self, path, new_path):
+    if path.endswith("step-9/.metadata"):
+        open(decided, "w").close()  # nothing referenced step 9 when it looked
+        wait_for(go)
+        rename(self, path, new_path)
+        open(moved, "w").close()  # killed here, before it looks again
+        wait_for(go + ".never")
+    rename(self, path, new_path)
+LocalFileSystem.rename = held
+CheckpointManager(root, keep_last=1, persist="thread").apply_retention()
+"""
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        assert time.monotonic() < deadline, f"the pruning never got to {path.name}"
+        time.sleep(0.02)
+
+
+def test_cleanup_puts_back_a_base_whose_deletion_was_killed_before_it_looked_again(
+    tmp_path: Path,
+) -> None:
+    """A pruning process decides to delete step 9 (nothing references it), an
+    incremental save of step 10 then commits with step 9 as its base, and the pruning
+    is killed with kill -9 right after moving step 9's metadata aside, before it looks
+    again for references. Step 9 is then an interrupted save on disk; before, `cleanup`
+    (and `gc`) removed it as one and step 10 never loaded again. Now `cleanup` sees that
+    step 10 references it and moves the metadata back."""
+    root = tmp_path / "root"
+    saver = CheckpointManager(str(root), incremental=True, persist="thread")
+    saver.save(9, _state(9))
+    CheckpointManager(str(root), persist="thread").save(12, _state(12))  # full
+    decided, go, moved = tmp_path / "decided", tmp_path / "go", tmp_path / "moved"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    args = [str(root), str(decided), str(go), str(moved)]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PRUNE_KILLED_AFTER_THE_MOVE, *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        _wait_for(decided, proc)
+        saver.save(10, _state(10))
+        assert _refs(root / "step-10") >= {"step-9"}
+        go.touch()
+        _wait_for(moved, proc)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert saver.steps() == [10, 12]  # step 9 is not a checkpoint while moved aside
+    assert saver.cleanup(grace_seconds=0) == []
+    assert saver.steps() == [9, 10, 12]
+    _assert_loads(root / "step-9", 9)
+    _assert_loads(root / "step-10", 10)

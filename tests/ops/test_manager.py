@@ -184,13 +184,20 @@ def test_delete_removes_metadata_first(tmp_path: Any) -> None:
             calls.append("<dir>")
             super().rm_dir(path)
 
+        def rename(self, path: str, new_path: str) -> None:
+            calls.append("mv " + path.rsplit("/", 1)[-1])
+            super().rename(path, new_path)
+
     fs = Recording()
     mgr = CheckpointManager("dcpmem://b/run", filesystem=fs, single_file_per_rank=False)
     mgr.save(1, _state(1))
     calls.clear()  # the save removed its heartbeat
     mgr.delete(1)
-    assert calls[0] == ".metadata" and calls[-1] == "<dir>"
-    assert len(calls) > 3 and all(c.endswith(".distcp") for c in calls[1:-1])
+    # The metadata is moved aside (a temporary name: no longer a checkpoint), then,
+    # nothing referencing it, removed before any data file.
+    assert calls[0] == "mv .metadata" and calls[1].startswith(".metadata.tmp-")
+    assert calls[-1] == "<dir>"
+    assert len(calls) > 4 and all(c.endswith(".distcp") for c in calls[2:-1])
     assert mgr.steps() == [] and not fs.exists(mgr.step_path(1))
     with pytest.raises(CheckpointNotFoundError):
         mgr.delete(1)

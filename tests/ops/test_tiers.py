@@ -6,9 +6,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -155,6 +158,76 @@ def test_restart_drains_what_is_only_local(tmp_path: Path) -> None:
     restarted.wait()
     assert restarted.durable_steps() == [7]
     assert restarted.load(blank_state()) == 7
+
+
+_KILLED_AFTER_ITS_DATA = """
+import sys, time
+from pathlib import Path
+from storage.backends._local import LocalFileSystem
+from tests.support.tiers import step_state, tiered
+rm_file = LocalFileSystem.rm_file
+def parked(self, path):
+    if "/local/step-2/.heartbeat-" in path:  # its data files are written, whole
+        open(sys.argv[2], "w").close()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # killed here; ends by itself if the test died
+            time.sleep(0.05)
+    rm_file(self, path)
+LocalFileSystem.rm_file = parked
+mgr = tiered(Path(sys.argv[1]), keep_local=1, persist="thread")
+mgr.save(1, step_state(1))
+mgr.wait()
+mgr.save(2, step_state(2))
+"""
+
+
+def test_a_restarted_tier_removes_what_a_killed_save_left_in_the_local_tier(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of the training process after a local save wrote its data files, before
+    its metadata: the files are a copy of the rank's state in the local tier (tmpfs:
+    memory). Before, nothing ever removed them: `cleanup` and `gc` look at the root
+    only, and local retention deletes committed steps only (and later saves of step 2
+    left them beside their own files, where deleting the step leaves them too). Now the
+    local tier's leader removes them once they are older than an hour (checked at the
+    restart and at most every ten minutes after)."""
+    mark = tmp_path / "parked"
+    root = Path(__file__).parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_AFTER_ITS_DATA, str(tmp_path), str(mark)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not mark.exists():
+            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+            assert time.monotonic() < deadline, "the save never finished its data files"
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    left = tmp_path / "local" / "step-2"
+    data = [p for p in left.iterdir() if p.name.endswith(".distcp")]
+    assert data and not (left / ".metadata").exists()
+    # An hour later: the writer's heartbeat says when it last beat, the files their age.
+    hour_ago = time.time() - 3700
+    for beat in left.glob(".heartbeat-*"):
+        beat.write_text(json.dumps({"time": hour_ago}))
+    for entry in left.iterdir():
+        os.utime(entry, (hour_ago, hour_ago))
+    restarted = tiered(tmp_path, keep_local=1, persist="thread")
+    restarted.wait()
+    assert not left.exists()
+    assert restarted.steps() == [1]
+    restarted.save(2, step_state(2))
+    restarted.wait()
+    assert restarted.load(blank_state()) == 2 and restarted.durable_steps() == [1, 2]
 
 
 def test_incremental_tier_never_bases_on_a_linked_local_step(tmp_path: Path) -> None:

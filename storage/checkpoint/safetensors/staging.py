@@ -11,6 +11,11 @@ area is stale when it has no live heartbeat and every object in it is older than
 grace period (choose more than your longest save). An area whose age the backend cannot
 tell, that holds anything but staging objects and heartbeats, or that is a symbolic
 link, is kept; the area of the sweeping save itself is never looked at.
+
+The same sweep removes the temporaries of a model file killed mid-write on local disk
+(``model-00001-of-00004.safetensors.tmp-<id>``: ``files.publish_file`` writes there and
+renames into place): stale when older than the grace period, its age known, and not a
+symbolic link. Nothing else removes them, and each is up to a shard's size.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ STAGING_PREFIX = ".dcp-staging-"
 STALE_AFTER = 3600.0
 _AREA = re.compile(re.escape(STAGING_PREFIX) + r"[0-9a-f]+")
 _OBJECT = re.compile(r"rank-[0-9]{5}\.bin")
+_MODEL_FILE = re.compile(r"model(-[0-9]{5}-of-[0-9]{5})?\.safetensors")
+_TEMPORARY = re.compile(_MODEL_FILE.pattern + r"\.tmp-[0-9a-f]{12}")
 
 
 def new_area() -> str:
@@ -46,6 +53,12 @@ def object_name(area: str, rank: int) -> str:
 
 def is_area_name(name: str) -> bool:
     return _AREA.fullmatch(name) is not None
+
+
+def is_model_file_name(name: str) -> bool:
+    """Whether ``name`` is a model file an export or a save writes (``model.safetensors``,
+    ``model-00001-of-00004.safetensors``): what ``gc`` lists the open uploads of."""
+    return _MODEL_FILE.fullmatch(name) is not None
 
 
 def is_staging_object(path: str) -> bool:
@@ -85,10 +98,13 @@ def sweep(
     if not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
         raise ValueError(f"grace_seconds must be a number >= 0, got {grace_seconds!r}")
     try:
-        names = [n for n in fs.ls(root) if is_area_name(n)]
+        listed = fs.ls(root)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    found = []
+    names = [n for n in listed if is_area_name(n)]
+    found = _sweep_temporaries(
+        fs, root, [n for n in listed if _TEMPORARY.fullmatch(n)], grace_seconds, dry_run
+    )
     for name in names:
         area = fs.concat_path(root, name)
         doomed = _stale(fs, area, grace_seconds)
@@ -105,6 +121,36 @@ def sweep(
             fs.rm_dir(area)
         except Exception as exc:
             log.warning("could not remove %s: %s", fs.url(area), exc)
+    return found
+
+
+def _sweep_temporaries(
+    fs: FileSystemBase, root: str, names: list[str], grace_seconds: float, dry_run: bool
+) -> list[str]:
+    """The stale model-file temporaries among ``names`` in ``root`` (see the module
+    docstring), removed unless ``dry_run``; their URLs."""
+    horizon = time.time() - grace_seconds
+    found = []
+    for name in names:
+        path = fs.concat_path(root, name)
+        try:
+            if fs.is_link(path):
+                continue
+            stamp = fs.modified(path)
+        except FileNotFoundError:
+            continue
+        if stamp is None or stamp >= horizon:
+            continue
+        found.append(fs.url(path))
+        if dry_run:
+            continue
+        log.info("%s: removing the temporary of an interrupted safetensors write", fs.url(path))
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            log.warning("could not remove %s: %s", fs.url(path), exc)
     return found
 
 
