@@ -23,6 +23,7 @@ from storage.checkpoint.safetensors import save_safetensors
 from storage.checkpoint.safetensors.staging import beating
 from storage.cli import main
 from tests.support.servers import ServerUnavailable, boto3_client, create_bucket, s3_endpoint
+from tests.support.subprocess_jobs import kill_when_marked
 
 _LONG_AGO = time.time() - 7 * 24 * 3600
 
@@ -176,27 +177,9 @@ def test_an_export_killed_mid_file_leaves_a_temporary_that_gc_and_the_next_expor
         f"t{i}": torch.randn(256, 256, generator=torch.Generator().manual_seed(i)) for i in range(3)
     }
     storage.save(state, str(src))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PARK_ON_PUBLISH, str(src), str(dst), str(mark)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+    kill_when_marked(
+        _PARK_ON_PUBLISH, [str(src), str(dst), str(mark)], mark, "the export's first publish"
     )
-    try:
-        deadline = time.monotonic() + 30
-        while not mark.exists():
-            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
-            assert time.monotonic() < deadline, "the export never reached its first publish"
-            time.sleep(0.02)
-    finally:
-        proc.kill()
-        proc.wait(10)
     temporaries = [p for p in dst.iterdir() if ".safetensors.tmp-" in p.name]
     assert temporaries and not (dst / "model.safetensors.index.json").exists()
     # Within the grace it is left alone: it may be an export still writing.

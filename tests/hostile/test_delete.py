@@ -6,9 +6,6 @@ Every test names, in a comment, what happened before the fix it guards.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +20,7 @@ from storage import CheckpointManager, FsspecFileSystem, GCSFileSystem, LocalFil
 from storage.checkpoint import storage_format as fmt
 from storage.cli import main
 from tests.support.distributed import gloo_group, spawn
+from tests.support.subprocess_jobs import kill_when_marked
 
 
 def _state(value: float = 1.0) -> dict[str, Any]:
@@ -322,27 +320,9 @@ def test_retention_killed_mid_deletion_leaves_an_interrupted_save_for_cleanup(
     mgr.save(1, _state(1.0))
     mgr.save(2, _state(2.0))
     mark = tmp_path / "parked"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PARK_WHILE_PRUNING, str(root), str(mark)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+    kill_when_marked(
+        _PARK_WHILE_PRUNING, [str(root), str(mark)], mark, "the pruning of step 1's metadata"
     )
-    try:
-        deadline = time.monotonic() + 30
-        while not mark.exists():
-            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
-            assert time.monotonic() < deadline, "the pruning never reached step 1's metadata"
-            time.sleep(0.02)
-    finally:
-        proc.kill()
-        proc.wait(10)
     assert [n for n in os.listdir(root / "step-1") if n.startswith(".metadata.tmp-")]
     assert mgr.steps() == [2]
     assert mgr.cleanup(grace_seconds=0) == [1]

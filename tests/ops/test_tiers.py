@@ -10,8 +10,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -44,6 +42,7 @@ from tests.support.servers import (
     open_uploads,
     s3_options,
 )
+from tests.support.subprocess_jobs import kill_when_marked
 from tests.support.tiers import blank_state, step_state, tiered
 
 BUCKET = "dcp-tiers"
@@ -192,26 +191,9 @@ def test_a_restarted_tier_removes_what_a_killed_save_left_in_the_local_tier(
     local tier's leader removes them once they are older than an hour (checked at the
     restart and at most every ten minutes after)."""
     mark = tmp_path / "parked"
-    root = Path(__file__).parents[2]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_AFTER_ITS_DATA, str(tmp_path), str(mark)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+    kill_when_marked(
+        _KILLED_AFTER_ITS_DATA, [str(tmp_path), str(mark)], mark, "the end of the save's data files"
     )
-    try:
-        deadline = time.monotonic() + 30
-        while not mark.exists():
-            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
-            assert time.monotonic() < deadline, "the save never finished its data files"
-            time.sleep(0.02)
-    finally:
-        proc.kill()
-        proc.wait(10)
     left = tmp_path / "local" / "step-2"
     data = [p for p in left.iterdir() if p.name.endswith(".distcp")]
     assert data and not (left / ".metadata").exists()

@@ -153,3 +153,29 @@ def committed_steps(tier: Path) -> list[int]:
         for p in tier.iterdir()
         if p.name.startswith("step-") and (p / ".metadata").exists()
     )
+
+
+def kill_when_marked(code: str, args: list[str], mark: Path, waiting_for: str) -> None:
+    """Run ``python -c code ARGS`` (this checkout first on its path) until it creates
+    ``mark``, then kill it with SIGKILL: a process killed at a point of its own choosing,
+    no timing window. Fails naming ``waiting_for`` when it exits first or takes 30 s."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not mark.exists():
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"exited before {waiting_for}: {proc.communicate()[1].decode()[-2000:]}"
+                )
+            assert time.monotonic() < deadline, f"never reached {waiting_for}"
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        proc.wait(10)
