@@ -13,7 +13,7 @@ the lowest rank of each node publishes the metadata there, and only then does th
 count as committed (:mod:`storage.ops.local_save`). Drains run one at a time, in a
 thread of their own, with collectives on a process group of their own; loads are
 planned and run in :mod:`storage.ops.restore`; ``keep_local`` is
-:class:`storage.ops.retention.LocalRetention`. Guarantees and limits: docs/operations.md
+:class:`storage.ops.local_retention.LocalRetention`. Guarantees and limits: docs/operations.md
 ("Tiered checkpoints").
 """
 
@@ -36,9 +36,9 @@ from storage.checkpoint.writer import CheckpointWriter
 from storage.ops import local_save, restore
 from storage.ops._peers import Group, make_group
 from storage.ops.drain import Drains
+from storage.ops.local_retention import LocalRetention
 from storage.ops.pace import UploadPace
 from storage.ops.restore import LoadedStep
-from storage.ops.retention import LocalRetention
 from storage.ops.steps import StepRoot
 
 log = logging.getLogger(__name__)
