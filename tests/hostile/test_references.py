@@ -11,10 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,7 @@ from extensions.errors import CheckpointInUseError
 from storage import CheckpointManager, LocalFileSystem
 from storage.cli import main
 from storage.ops.describe import describe
+from tests.support.subprocess_jobs import start_script, wait_for_mark
 
 FROZEN = torch.arange(4096.0)
 
@@ -387,14 +385,6 @@ CheckpointManager(root, keep_last=1, persist="thread").apply_retention()
 """
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
-        assert time.monotonic() < deadline, f"the pruning never got to {path.name}"
-        time.sleep(0.02)
-
-
 def test_cleanup_puts_back_a_base_whose_deletion_was_killed_before_it_looked_again(
     tmp_path: Path,
 ) -> None:
@@ -409,25 +399,14 @@ def test_cleanup_puts_back_a_base_whose_deletion_was_killed_before_it_looked_aga
     saver.save(9, _state(9))
     CheckpointManager(str(root), persist="thread").save(12, _state(12))  # full
     decided, go, moved = tmp_path / "decided", tmp_path / "go", tmp_path / "moved"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
     args = [str(root), str(decided), str(go), str(moved)]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PRUNE_KILLED_AFTER_THE_MOVE, *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = start_script(_PRUNE_KILLED_AFTER_THE_MOVE, args)
     try:
-        _wait_for(decided, proc)
+        wait_for_mark(proc, decided, "the pruning's decision")
         saver.save(10, _state(10))
         assert _refs(root / "step-10") >= {"step-9"}
         go.touch()
-        _wait_for(moved, proc)
+        wait_for_mark(proc, moved, "the move of step 9's metadata")
     finally:
         proc.kill()
         proc.wait(10)

@@ -155,27 +155,37 @@ def committed_steps(tier: Path) -> list[int]:
     )
 
 
-def kill_when_marked(code: str, args: list[str], mark: Path, waiting_for: str) -> None:
-    """Run ``python -c code ARGS`` (this checkout first on its path) until it creates
-    ``mark``, then kill it with SIGKILL: a process killed at a point of its own choosing,
-    no timing window. Fails naming ``waiting_for`` when it exits first or takes 30 s."""
+def start_script(code: str, args: list[str]) -> subprocess.Popen[bytes]:
+    """``python -c code ARGS`` started with this checkout first on its path; its stderr
+    kept for :func:`wait_for_mark`'s failure message."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-c", code, *args],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
+
+
+def wait_for_mark(proc: subprocess.Popen[bytes], mark: Path, waiting_for: str) -> None:
+    """Return once ``proc`` created ``mark``; fails naming ``waiting_for`` when it exits
+    first (with its stderr) or takes 30 s."""
+    deadline = time.monotonic() + 30
+    while not mark.exists():
+        if proc.poll() is not None:
+            error = proc.communicate()[1].decode()[-2000:]
+            raise AssertionError(f"exited before {waiting_for}: {error}")
+        assert time.monotonic() < deadline, f"never reached {waiting_for}"
+        time.sleep(0.02)
+
+
+def kill_when_marked(code: str, args: list[str], mark: Path, waiting_for: str) -> None:
+    """Run ``python -c code ARGS`` until it creates ``mark``, then kill it with SIGKILL:
+    a process killed at a point of its own choosing, no timing window."""
+    proc = start_script(code, args)
     try:
-        deadline = time.monotonic() + 30
-        while not mark.exists():
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"exited before {waiting_for}: {proc.communicate()[1].decode()[-2000:]}"
-                )
-            assert time.monotonic() < deadline, f"never reached {waiting_for}"
-            time.sleep(0.02)
+        wait_for_mark(proc, mark, waiting_for)
     finally:
         proc.kill()
         proc.wait(10)
