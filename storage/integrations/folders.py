@@ -249,7 +249,9 @@ def _mapped(path: str, size: int, *, writable: bool = False) -> torch.Tensor:
 
 def _listed_files(metadata: Metadata, where: str) -> dict[str, int]:
     """The files a folder checkpoint lists, ``{name: size}``; refuses items that are not
-    files and names that would land outside the destination."""
+    files, names that would land outside the destination, and names with control
+    characters (escape sequences or line breaks, which whoever lists the folder later
+    would see as such)."""
     sizes: dict[str, int] = {}
     for name, md in metadata.state_dict_metadata.items():
         if not (
@@ -266,7 +268,7 @@ def _listed_files(metadata: Metadata, where: str) -> dict[str, int]:
             not name
             or name.startswith("/")
             or "\\" in name
-            or "\x00" in name
+            or not name.isprintable()  # control characters: a terminal's, a script's
             or any(p in ("", ".", "..") for p in parts)
         ):
             raise UnsafeCheckpointError(

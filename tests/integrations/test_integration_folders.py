@@ -99,8 +99,13 @@ def test_restore_refuses_an_existing_destination_and_a_missing_step(tmp_path: Pa
         ckpts.restore(folder)
 
 
-@pytest.mark.parametrize("name", ["../evil", "/etc/evil", "a/../../evil", "a//b", "a\\..\\b", "."])
+@pytest.mark.parametrize(
+    "name",
+    ["../evil", "/etc/evil", "a/../../evil", "a//b", "a\\..\\b", ".", "a\nb", "x\x1b[2Jy", "z\x7f"],
+)
 def test_item_names_that_leave_the_destination_are_refused(tmp_path: Path, name: str) -> None:
+    # Also names with control characters: restored, a line break or an escape sequence
+    # in a file name reached whoever listed the folder (a terminal, a script's loop).
     storage.save({name: torch.ones(3, dtype=torch.uint8)}, tmp_path / "forged")
     with pytest.raises(UnsafeCheckpointError, match="not a plain relative file path"):
         restore_folder(tmp_path / "forged", tmp_path / "out" / "dest")
