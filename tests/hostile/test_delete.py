@@ -291,17 +291,10 @@ def test_failed_write_keeps_the_object_already_there(
 
 
 _PARK_WHILE_PRUNING = """
-import sys, time
-from storage import CheckpointManager, LocalFileSystem
-rm_file = LocalFileSystem.rm_file
-def parked(self, path):
-    if ".metadata.tmp-" in path:  # step-1's metadata is moved aside, not yet removed
-        open(sys.argv[2], "w").close()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # killed here; ends by itself if the test died
-            time.sleep(0.05)
-    rm_file(self, path)
-LocalFileSystem.rm_file = parked
+import sys
+from storage import CheckpointManager
+from tests.support.subprocess_jobs import park_on_rm_file
+park_on_rm_file(".metadata.tmp-", sys.argv[2])  # step-1's metadata moved aside, not removed
 CheckpointManager(sys.argv[1], keep_last=1, persist="thread").apply_retention()
 """
 

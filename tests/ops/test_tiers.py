@@ -160,19 +160,11 @@ def test_restart_drains_what_is_only_local(tmp_path: Path) -> None:
 
 
 _KILLED_AFTER_ITS_DATA = """
-import sys, time
+import sys
 from pathlib import Path
-from storage.backends._local import LocalFileSystem
+from tests.support.subprocess_jobs import park_on_rm_file
 from tests.support.tiers import step_state, tiered
-rm_file = LocalFileSystem.rm_file
-def parked(self, path):
-    if "/local/step-2/.heartbeat-" in path:  # its data files are written, whole
-        open(sys.argv[2], "w").close()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # killed here; ends by itself if the test died
-            time.sleep(0.05)
-    rm_file(self, path)
-LocalFileSystem.rm_file = parked
+park_on_rm_file("/local/step-2/.heartbeat-", sys.argv[2])  # its data files written, whole
 mgr = tiered(Path(sys.argv[1]), keep_local=1, persist="thread")
 mgr.save(1, step_state(1))
 mgr.wait()

@@ -189,3 +189,22 @@ def kill_when_marked(code: str, args: list[str], mark: Path, waiting_for: str) -
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def park_on_rm_file(fragment: str, mark: str) -> None:
+    """In a script run by :func:`kill_when_marked`: the first ``LocalFileSystem.rm_file``
+    of a path containing ``fragment`` creates ``mark``, then waits to be killed (for 60 s
+    at most, so a script whose test died ends by itself)."""
+    from storage.backends._local import LocalFileSystem
+
+    rm_file = LocalFileSystem.rm_file
+
+    def parked(self: LocalFileSystem, path: str) -> None:
+        if fragment in path:
+            open(mark, "w").close()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        rm_file(self, path)
+
+    LocalFileSystem.rm_file = parked  # type: ignore[method-assign]

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator
 
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import heartbeat
+from storage.checkpoint.commit import remove_quietly
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +146,7 @@ def _sweep_temporaries(
         if dry_run:
             continue
         log.info("%s: removing the temporary of an interrupted safetensors write", fs.url(path))
-        try:
-            fs.rm_file(path)
-        except FileNotFoundError:
-            pass
-        except Exception as exc:
-            log.warning("could not remove %s: %s", fs.url(path), exc)
+        remove_quietly(fs, [path])
     return found
 
 
