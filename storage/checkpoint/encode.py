@@ -1,11 +1,22 @@
 """Encoding one item: the tensor's ``torch.save`` archive (or a non-tensor value's
 pickled bytes) through the transform chain into a data file, with the layout facts
 that let readers decode straight into the target. The writer encodes through here;
-``storage.checkpoint.decode`` is the way back."""
+``storage.checkpoint.decode`` is the way back.
+
+A small tensor's archive is mostly torch's fixed records (the pickle, the version, the
+zip directory) around its bytes, and building it takes ~130 us of Python per tensor,
+which dominated saves of thousands of small tensors. Those records depend only on the
+tensor's dtype, shape and strides (torch's record CRCs are off, see
+:func:`~extensions._compat.save_tensor_archive`), so :func:`archive_frame` keeps,
+per such signature, the bytes torch wrote before and after the tensor's, and an archive
+is the frame around the tensor's bytes: the same bytes ``torch.save`` writes, checked
+once per signature against two archives torch built.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import struct
 from collections.abc import Sequence
@@ -17,6 +28,7 @@ from extensions._compat import save_tensor_archive
 from extensions.base import ItemInfo
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.items import ItemEncoder
+from storage.checkpoint.tensors import tensor_bytes
 
 #: Below this many bytes a tensor's archive is built in memory first.
 SMALL_TENSOR = 1 << 20
@@ -41,19 +53,7 @@ def encode_item(
         assert isinstance(data, io.BytesIO)
         plain.write(data.getbuffer())
     else:
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < SMALL_TENSOR:
-            # torch.save makes ~40 tiny writes per tensor: let a BytesIO take them and
-            # hand the archive on in one piece.
-            archive = io.BytesIO()
-            save_tensor_archive(tensor, archive)
-            tracker = ArchiveTracker(plain, keep_below=archive.tell() + 1)
-            tracker.write(archive.getbuffer())
-        else:
-            tracker = ArchiveTracker(plain)
-            save_tensor_archive(tensor, cast(IO[bytes], tracker))
-        tracker.flush()
-        data_offset = tracker.data_offset(nbytes)
+        data_offset = _write_archive(plain, tensor)
     count, crc = encoder.close()
     facts: dict[str, Any] = {}
     if tensor is not None and data_offset is not None:
@@ -65,6 +65,30 @@ def encode_item(
     return dataclasses.replace(
         record, length=count, descriptors=tuple(encoder.descriptors), crc32c=crc, **facts
     )
+
+
+def _write_archive(sink: IO[bytes], tensor: torch.Tensor) -> int | None:
+    """Write ``tensor``'s ``torch.save`` archive to ``sink``; where its bytes start in
+    it (``None``: not one plain storage record)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes >= SMALL_TENSOR:
+        tracker = ArchiveTracker(sink)
+        save_tensor_archive(tensor, cast(IO[bytes], tracker))
+    elif (frame := archive_frame(tensor)) is not None:
+        before, after = frame
+        sink.write(before)
+        sink.write(tensor_bytes(tensor))
+        sink.write(after)
+        return len(before)
+    else:
+        # torch.save makes ~40 tiny writes per tensor: let a BytesIO take them and
+        # hand the archive on in one piece.
+        archive = io.BytesIO()
+        save_tensor_archive(tensor, archive)
+        tracker = ArchiveTracker(sink, keep_below=archive.tell() + 1)
+        tracker.write(archive.getbuffer())
+    tracker.flush()
+    return tracker.data_offset(nbytes)
 
 
 def plain_cpu_tensor(data: object) -> torch.Tensor:
@@ -89,6 +113,59 @@ def plain_cpu_tensor(data: object) -> torch.Tensor:
     ):
         tensor = tensor.contiguous().clone() if tensor.is_contiguous() else tensor.contiguous()
     return tensor
+
+
+# --- a small tensor's archive: torch's records around its bytes ---------------------
+
+
+def archive_frame(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+    """The bytes ``save_tensor_archive`` writes before and after ``tensor``'s own, for a
+    :func:`plain_cpu_tensor` of torch's own class with nothing else to pickle (no
+    subclass, attributes or quantizer); ``None`` where its archive is built by
+    torch."""
+    if (
+        type(tensor) is not torch.Tensor
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or tensor.requires_grad
+        or tensor.numel() == 0
+        or tensor.__dict__
+    ):
+        return None
+    return _frame(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _frame(
+    dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]
+) -> tuple[bytes, bytes] | None:
+    """Built from an archive of a zero tensor of that signature, and kept only where an
+    archive of the same signature with other bytes is exactly the frame around them
+    (so a torch whose records depend on the values, e.g. one that writes their CRC,
+    gets no frame). A frame keeps the storage alignment torch used when it was built
+    (a setting a process may change later: the archive stays one torch.load reads)."""
+    zeros = torch.zeros(shape, dtype=dtype).as_strided(shape, stride)
+    filled = zeros.clone()
+    filled.view(-1).view(torch.uint8).fill_(0xA5)
+    nbytes = zeros.numel() * zeros.element_size()
+    if zeros.untyped_storage().nbytes() != nbytes or filled.stride() != stride:
+        return None
+    archives = []
+    for tensor in (zeros, filled):
+        archive = io.BytesIO()
+        save_tensor_archive(tensor, archive)
+        archives.append(archive.getvalue())
+    tracker = ArchiveTracker(io.BytesIO(), keep_below=len(archives[0]) + 1)
+    tracker.write(archives[0])
+    at = tracker.data_offset(nbytes)
+    if at is None:
+        return None
+    before, after = archives[0][:at], archives[0][at + nbytes :]
+    if archives[0] != before + bytes(nbytes) + after:
+        return None
+    if archives[1] != before + b"\xa5" * nbytes + after:
+        return None
+    return before, after
 
 
 # --- locating the raw tensor bytes inside a torch.save archive ----------------------

@@ -453,6 +453,91 @@ def test_saving_leaves_torchs_global_crc_setting_alone(tmp_path: Path, state_dic
     assert spy.seen and all(spy.seen)  # other threads' torch.save keep their CRCs
 
 
+def _archive(tensor: torch.Tensor, *, framed: bool) -> bytes:
+    from storage.checkpoint import encode
+
+    out = io.BytesIO()
+    if framed:
+        encode._write_archive(out, tensor)
+    else:
+        encode.save_tensor_archive(tensor, out)
+    return out.getvalue()
+
+
+_FRAMED = [
+    torch.randn(7, 3),
+    torch.randn(3, 1, 4).to(torch.bfloat16),
+    torch.tensor(2.5, dtype=torch.float64),  # 0-dim
+    torch.arange(6, dtype=torch.int64),
+    torch.tensor([True, False, True]),
+    torch.randn(4, dtype=torch.complex64),
+    torch.randn(5).to(torch.float8_e4m3fn),
+    torch.empty_strided((1, 5), (7, 1)).copy_(torch.randn(1, 5)),  # contiguous, odd stride
+]
+
+
+@pytest.mark.parametrize("tensor", _FRAMED, ids=lambda t: f"{t.dtype}-{tuple(t.shape)}")
+def test_small_tensor_archives_are_torchs_own_bytes(tensor: torch.Tensor) -> None:
+    """A small tensor's archive, written as torch's records around its bytes, is byte
+    for byte what torch.save writes for it (a second tensor of that signature too), and
+    torch.load reads it back."""
+    from storage.checkpoint import encode
+
+    assert encode.archive_frame(tensor) is not None
+    other = tensor.clone()
+    other.reshape(-1).view(torch.uint8).copy_(torch.randint(0, 256, (other.nbytes,)))
+    for t in (tensor, other):
+        framed = _archive(t, framed=True)
+        assert framed == _archive(t, framed=False)
+        back = torch.load(io.BytesIO(framed))
+        assert back.dtype == t.dtype and back.shape == t.shape and back.stride() == t.stride()
+        assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_tensors_torch_pickles_more_of_keep_torchs_archive() -> None:
+    """A subclass, a tensor with attributes, one that requires grad, a quantized or an
+    empty one is archived by torch itself, never framed as a plain tensor."""
+    from storage.checkpoint import encode
+
+    attributed = torch.randn(3)
+    attributed.note = "kept"  # type: ignore[attr-defined]
+    special = [
+        torch.randn(3).as_subclass(_Tagged),
+        attributed,
+        torch.randn(3, requires_grad=True),
+        torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8),
+        torch.empty(0),
+    ]
+    for tensor in special:
+        assert encode.archive_frame(tensor) is None
+    back = torch.load(io.BytesIO(_archive(attributed, framed=True)), weights_only=False)
+    assert back.note == "kept"
+
+
+def test_a_torch_whose_archive_depends_on_the_values_gets_no_frame(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Framing is checked against two archives torch built: where they differ outside
+    the tensor's bytes (here torch.save with its record CRCs on), archives are torch's."""
+    from storage.checkpoint import encode
+
+    encode._frame.cache_clear()
+    monkeypatch.setattr(encode, "save_tensor_archive", torch.save)
+    try:
+        tensor = torch.randn(5, 5)
+        assert encode.archive_frame(tensor) is None
+        out = io.BytesIO()
+        encode._write_archive(out, tensor)
+        assert out.getvalue() == _archive(tensor, framed=False)  # torch.save's own
+    finally:
+        encode._frame.cache_clear()
+
+
 class _LostResponseFS(storage.MemoryFileSystem):
     """Publishes the metadata, then fails as if the response had been lost."""
 
