@@ -206,6 +206,31 @@ def test_committed_model_is_refused_unless_overwrite_and_replaced_whole(tmp_path
     _equal(_load(str(tmp_path), other), other)
 
 
+@pytest.mark.parametrize(
+    "refused",
+    [{"step": 3}, {"__metadata__": torch.ones(2)}, {"z": torch.ones(2, dtype=torch.complex32)}],
+    ids=["not-a-tensor", "reserved-name", "dtype"],
+)
+def test_a_refused_state_dict_leaves_the_model_it_would_overwrite(
+    tmp_path: Path, refused: dict[str, Any]
+) -> None:
+    """The old model was uncommitted (its file removed) when the save set up, before
+    the items were checked: overwrite=True with a state dict holding a step counter
+    destroyed the model and saved nothing."""
+    save_safetensors({"w": torch.ones(2)}, tmp_path)
+    with pytest.raises(Exception, match="not a tensor|cannot be named|no safetensors"):
+        save_safetensors({"w": torch.zeros(2), **refused}, tmp_path, overwrite=True)
+    _equal(_load(str(tmp_path), {"w": torch.empty(2)}), {"w": torch.ones(2)})
+
+
+def test_a_tensor_named_like_the_header_metadata_is_refused(tmp_path: Path) -> None:
+    """A tensor named "__metadata__" replaced the header's metadata map: the save
+    committed a model that no reader (ours, the safetensors library) could open."""
+    with pytest.raises(Exception, match="'__metadata__'.*cannot be named"):
+        save_safetensors({"__metadata__": torch.ones(2), "w": torch.ones(2)}, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
 def test_transforms_and_non_tensors_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="transforms .* do not apply"):
         SafetensorsWriter(tmp_path, transforms=[ZStandard()])

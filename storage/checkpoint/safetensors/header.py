@@ -33,6 +33,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SUFFIX = ".safetensors"
 CRC_KEY = "dcp_storage.crc32c"
+METADATA_KEY = "__metadata__"
 #: Longest header (and index) accepted: far above any real model's, far below memory.
 MAX_HEADER = 100 << 20
 _ALIGN = 8
@@ -92,6 +93,17 @@ def dtype_name(dtype: torch.dtype, where: str) -> str:
             f"{where}: dtype {dtype} has no safetensors equivalent (it holds "
             f"{', '.join(str(d) for d in DTYPES.values())}); convert the tensor first"
         ) from None
+
+
+def check_name(name: str, where: str) -> None:
+    """Refuse a tensor name a safetensors file cannot hold: ``__metadata__`` is the
+    header's metadata map (a tensor of that name wrote a file no reader can open)."""
+    if name == METADATA_KEY:
+        raise ValueError(
+            f"{where}: a tensor cannot be named {METADATA_KEY!r} in a safetensors file (the "
+            "header keeps its metadata under that name); rename the item, or leave it out "
+            "(export: --only, --strip)"
+        )
 
 
 def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
