@@ -352,6 +352,17 @@ HOSTILE_FILES = {
         "'w'.*shape",
     ),
     "a file shorter than a header length": (b"\x01\x02", IntegrityError, "too short"),
+    # Offsets of 4000 digits (JSON's limit is 4300) each went into the message whole.
+    "offsets of 4000 digits": (
+        _raw_file({"w": _entry("U8", [1], 10**4000, 10**4000 + 1)}, b"\0"),
+        IntegrityError,
+        "'w'.*data_offsets.*in \\[0, 2\\*\\*62\\]",
+    ),
+    "a shape of 64 dimensions of 2**62": (
+        _raw_file({"w": _entry("U8", [2**62] * 64, 0, 1)}, b"\0"),
+        IntegrityError,
+        "'w'.*need",
+    ),
 }
 
 
@@ -362,6 +373,7 @@ def test_hostile_headers_are_refused_naming_file_and_tensor(tmp_path: Path, case
     with pytest.raises(error, match=message) as info:
         _load(str(tmp_path), {"w": torch.zeros(4)})
     assert "model.safetensors" in str(info.value)
+    assert len(str(info.value)) < 1000  # a value from the file is quoted, bounded
 
 
 @pytest.mark.parametrize(

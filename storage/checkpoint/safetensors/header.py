@@ -218,16 +218,18 @@ def _entry(
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(_count(o) for o in offsets)
+        or not all(_count(o) and o <= MAX_SIZE for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise _bad(file, name, f"data_offsets {quote(offsets)} is not [begin, end] in order")
+        raise _bad(
+            file, name, f"data_offsets {quote(offsets)} is not [begin, end] in order in [0, 2**62]"
+        )
     expected = nbytes(DTYPES[dtype], shape)
     if offsets[1] - offsets[0] != expected:
         raise _bad(
             file,
             name,
-            f"dtype {dtype} and shape {tuple(shape)} need {expected} bytes but its "
+            f"dtype {dtype} and shape {quote(shape)} need {quote(expected)} bytes but its "
             f"data_offsets {offsets} span {offsets[1] - offsets[0]}",
         )
     crc = None
