@@ -58,14 +58,30 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return flat.numpy().data.cast("B")
 
 
-def empty_stored(metadata: Metadata, fqn: str, checkpoint: str) -> torch.Tensor:
-    """An empty CPU tensor shaped and typed as the stored tensor ``fqn``, for loading it
+def empty_stored(
+    metadata: Metadata, fqn: str, checkpoint: str, *, whole: bool = True
+) -> torch.Tensor:
+    """A zeroed CPU tensor shaped and typed as the stored tensor ``fqn``, for loading it
     whole where no caller gave one (export, the Lightning integration). Its size is the
     checkpoint's claim: an item stored untransformed holds at least a byte per element
     of its chunk, so one claiming more elements than it stores bytes is refused before
     anything is allocated (a compressed item's claim is bounded only by what its codec
-    can expand to); an allocation that fails names the item."""
+    can expand to); an allocation that fails names the item.
+
+    The tensor is zeroed: where the stored chunks leave part of it unread, that part
+    must not be whatever the allocator handed out (this process's old memory, which an
+    export would publish). ``whole``: the chunks must also hold every element, else the
+    tensor is refused naming the item (what they leave out has no stored value)."""
     meta: Any = metadata.state_dict_metadata[fqn]
+    if whole:
+        covered = sum(math.prod(chunk.sizes) for chunk in meta.chunks)
+        if covered != math.prod(meta.size):
+            raise IntegrityError(
+                f"{checkpoint}: item {quote(fqn)} is a {quote(tuple(meta.size))} tensor but its "
+                f"{len(meta.chunks)} stored chunks hold {covered} of its "
+                f"{math.prod(meta.size)} elements; its metadata is incomplete or damaged (a "
+                "rank's part missing): nothing was read. Restore the checkpoint from a good copy"
+            )
     for chunk in meta.chunks:
         index = MetadataIndex(fqn, chunk.offsets)
         info = (metadata.storage_data or {}).get(index)
@@ -81,7 +97,7 @@ def empty_stored(metadata: Metadata, fqn: str, checkpoint: str) -> torch.Tensor:
             )
     size, dtype = torch.Size(meta.size), meta.properties.dtype
     try:
-        return torch.empty(size, dtype=dtype)
+        return torch.zeros(size, dtype=dtype)
     except (RuntimeError, MemoryError) as exc:
         raise MemoryError(
             f"{checkpoint}: item {quote(fqn)} is a {tuple(size)} {dtype} tensor, more than "

@@ -33,10 +33,12 @@ from storage.checkpoint.safetensors.files import (
     file_names,
     publish_file,
     publish_index,
+    refuse_existing,
     split,
 )
 from storage.checkpoint.safetensors.header import (
     INDEX_NAME,
+    check_name,
     dtype_name,
     encode_header,
     layout,
@@ -122,6 +124,7 @@ def export_safetensors(
             )
         stored = meta.properties.dtype
         out = dtype if dtype is not None and stored.is_floating_point else stored
+        check_name(name, f"{checkpoint}: item {quote(fqn)}")
         dtype_name(out, f"{checkpoint}: item {quote(fqn)}")
         chosen[name] = (fqn, out)
     if not chosen:
@@ -141,11 +144,7 @@ def export_safetensors(
     everything = sum(t.nbytes for t in tensors)
     groups = split([(t.name, t.nbytes) for t in tensors], max_shard_size)
     names = file_names(len(groups))
-    clear_destination(dst_fs, dst, overwrite=overwrite)
-    try:  # what a killed export or save left here, as a SafetensorsWriter save does
-        sweep(dst_fs, dst, STALE_AFTER)
-    except Exception as exc:  # the export does not depend on it; gc sweeps too
-        log.warning("%s: leftovers of interrupted saves not swept: %s", dst_fs.url(dst), exc)
+    refuse_existing(dst_fs, dst, overwrite=overwrite)
 
     def load_batch(batch: list[Tensor]) -> dict[str, torch.Tensor]:
         state = {t.fqn: empty_stored(metadata, t.fqn, checkpoint) for t in batch}
@@ -155,6 +154,13 @@ def export_safetensors(
     files = [(dst_fs.concat_path(dst, n), [by_name[t] for t in g]) for g, n in zip(groups, names)]
     with ThreadPoolExecutor(AHEAD * FILES) as pool:
         checksum(src_fs, src, metadata, tensors, load_batch, pool)
+        # The source read back so far: a model being replaced is uncommitted only now,
+        # so an export refused for its source (damaged, keys missing) leaves it.
+        clear_destination(dst_fs, dst, overwrite=overwrite)
+        try:  # what a killed export or save left here, as a SafetensorsWriter save does
+            sweep(dst_fs, dst, STALE_AFTER)
+        except Exception as exc:  # the export does not depend on it; gc sweeps too
+            log.warning("%s: leftovers of interrupted saves not swept: %s", dst_fs.url(dst), exc)
         stream = _Stream(src_fs, checkpoint, pool, load_batch, Cancel(current()))
         total = stream.write_all(dst_fs, files, everything, progress)
     weight_map = {t.name: name for (_, group), name in zip(files, names) for t in group}

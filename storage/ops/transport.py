@@ -130,7 +130,8 @@ class _PlainDataPlanner(EmptyStateDictLoadPlanner):
 
     What the metadata claims is checked before it sizes anything: each tensor is
     allocated by ``tensors.empty_stored`` (a claim its stored bytes cannot hold is
-    refused, a failed allocation names the item), and the list indices of the paths in
+    refused, a failed allocation names the item; zeroed, so what no chunk covers is
+    never this process's old memory), and the list indices of the paths in
     ``planner_data`` may ask for at most :data:`MAX_OBJECT_BYTES` list slots in all
     (torch's ``set_element`` grows a list to an index one ``None`` at a time)."""
 
@@ -147,7 +148,7 @@ class _PlainDataPlanner(EmptyStateDictLoadPlanner):
         _check_paths(paths, self._where)
         for fqn, stored in metadata.state_dict_metadata.items():
             value = (
-                empty_stored(metadata, fqn, self._where)
+                empty_stored(metadata, fqn, self._where, whole=False)
                 if isinstance(stored, TensorStorageMetadata)
                 else stored
             )

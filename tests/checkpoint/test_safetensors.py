@@ -206,6 +206,31 @@ def test_committed_model_is_refused_unless_overwrite_and_replaced_whole(tmp_path
     _equal(_load(str(tmp_path), other), other)
 
 
+@pytest.mark.parametrize(
+    "refused",
+    [{"step": 3}, {"__metadata__": torch.ones(2)}, {"z": torch.ones(2, dtype=torch.complex32)}],
+    ids=["not-a-tensor", "reserved-name", "dtype"],
+)
+def test_a_refused_state_dict_leaves_the_model_it_would_overwrite(
+    tmp_path: Path, refused: dict[str, Any]
+) -> None:
+    """The old model was uncommitted (its file removed) when the save set up, before
+    the items were checked: overwrite=True with a state dict holding a step counter
+    destroyed the model and saved nothing."""
+    save_safetensors({"w": torch.ones(2)}, tmp_path)
+    with pytest.raises(Exception, match="not a tensor|cannot be named|no safetensors"):
+        save_safetensors({"w": torch.zeros(2), **refused}, tmp_path, overwrite=True)
+    _equal(_load(str(tmp_path), {"w": torch.empty(2)}), {"w": torch.ones(2)})
+
+
+def test_a_tensor_named_like_the_header_metadata_is_refused(tmp_path: Path) -> None:
+    """A tensor named "__metadata__" replaced the header's metadata map: the save
+    committed a model that no reader (ours, the safetensors library) could open."""
+    with pytest.raises(Exception, match="'__metadata__'.*cannot be named"):
+        save_safetensors({"__metadata__": torch.ones(2), "w": torch.ones(2)}, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
 def test_transforms_and_non_tensors_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="transforms .* do not apply"):
         SafetensorsWriter(tmp_path, transforms=[ZStandard()])
@@ -327,6 +352,17 @@ HOSTILE_FILES = {
         "'w'.*shape",
     ),
     "a file shorter than a header length": (b"\x01\x02", IntegrityError, "too short"),
+    # Offsets of 4000 digits (JSON's limit is 4300) each went into the message whole.
+    "offsets of 4000 digits": (
+        _raw_file({"w": _entry("U8", [1], 10**4000, 10**4000 + 1)}, b"\0"),
+        IntegrityError,
+        "'w'.*data_offsets.*in \\[0, 2\\*\\*62\\]",
+    ),
+    "a shape of 64 dimensions of 2**62": (
+        _raw_file({"w": _entry("U8", [2**62] * 64, 0, 1)}, b"\0"),
+        IntegrityError,
+        "'w'.*need",
+    ),
 }
 
 
@@ -337,6 +373,7 @@ def test_hostile_headers_are_refused_naming_file_and_tensor(tmp_path: Path, case
     with pytest.raises(error, match=message) as info:
         _load(str(tmp_path), {"w": torch.zeros(4)})
     assert "model.safetensors" in str(info.value)
+    assert len(str(info.value)) < 1000  # a value from the file is quoted, bounded
 
 
 @pytest.mark.parametrize(

@@ -260,6 +260,30 @@ def test_export_refuses_an_existing_model_and_an_empty_selection(
     assert "--max-shard-size takes a size" in capsys.readouterr().err
 
 
+def test_an_export_refused_for_its_source_leaves_the_model_it_would_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model at DEST was uncommitted before the source was read: --overwrite from
+    a checkpoint whose item is damaged, or that holds an item named "__metadata__",
+    destroyed the model and exported nothing."""
+    storage.save({"w": torch.ones(1024)}, str(tmp_path / "good"))
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "good"), str(out), "--format", "safetensors"]) == 0
+    storage.save({"w": torch.zeros(1024), "__metadata__": torch.ones(2)}, str(tmp_path / "bad"))
+    argv = ["export", str(tmp_path / "bad"), str(out), "--format", "safetensors", "--overwrite"]
+    assert main(argv) == 1
+    assert "'__metadata__'" in capsys.readouterr().err
+    storage.save({"w": torch.zeros(1024)}, str(tmp_path / "bad"), overwrite=True)
+    path, start, length = _item_bytes(tmp_path / "bad", "w")
+    data = bytearray(path.read_bytes())
+    data[start + length // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    converted = ["--dtype", "bf16"]  # loaded, so read whole before DEST is touched
+    assert main([*argv, *converted]) == 1
+    assert "'w'" in capsys.readouterr().err
+    assert torch.equal(load_file(out / "model.safetensors")["w"], torch.ones(1024))
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -226,6 +226,38 @@ def test_stored_tensor_of_another_size_than_its_chunk_is_refused(tmp_path: Path)
         storage.load({"t": torch.zeros(16)}, tmp_path)
 
 
+def test_an_export_of_a_tensor_its_chunks_do_not_cover_is_refused(tmp_path: Path) -> None:
+    # Without the check the export allocated the claimed 2**24 elements uninitialised,
+    # loaded the 16 its one chunk holds and published the rest: zeros, or (for smaller
+    # tensors) this process's old memory, in a committed model.
+    from storage.backends import LocalFileSystem
+    from storage.ops.export import export_safetensors
+
+    storage.save({"t": torch.arange(16.0)}, tmp_path / "c")
+    metadata = _meta(tmp_path / "c")
+    metadata.state_dict_metadata["t"].size = torch.Size([1 << 24])
+    _write_meta(tmp_path / "c", metadata)
+    fs = LocalFileSystem()
+    with pytest.raises(IntegrityError, match="'t' is a .*16 of its 16777216 elements"):
+        export_safetensors(fs, str(tmp_path / "c"), fs, str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_tensor_allocated_for_a_stored_one_holds_no_old_memory(tmp_path: Path) -> None:
+    # A receiver (the transport) loads only the chunks a sender stored: without the
+    # zeroing, the rest of the tensor was whatever the allocator handed out, here the
+    # NaNs of the tensor freed just before.
+    from storage.checkpoint.tensors import empty_stored
+
+    storage.save({"t": torch.arange(16.0)}, tmp_path)
+    metadata = _meta(tmp_path)
+    metadata.state_dict_metadata["t"].size = torch.Size([256])
+    for _ in range(8):
+        old = torch.full((256,), float("nan"))
+        del old
+        assert not empty_stored(metadata, "t", str(tmp_path), whole=False).isnan().any()
+
+
 def test_aes_chunk_claim_does_not_size_the_buffers(tmp_path: Path, peak: Peak) -> None:
     # Without the fix a 1 KiB item whose descriptor claims chunk=256 MiB allocated
     # 2 x 256 MiB per reader thread before authentication failed.

@@ -68,9 +68,11 @@ def split(sizes: Sequence[tuple[str, int]], max_size: int | None) -> list[list[s
     return groups
 
 
-def clear_destination(fs: FileSystemBase, root: str, *, overwrite: bool) -> None:
-    """Refuse a committed model at ``root`` unless ``overwrite``; with it, uncommit the
-    model (index first) before any of the new one's files is written."""
+def refuse_existing(fs: FileSystemBase, root: str, *, overwrite: bool) -> list[str]:
+    """Refuse a committed model at ``root`` unless ``overwrite``; the names of its
+    commit (index, single file) found there. Removes nothing: a save or export checks
+    this first, and uncommits the old model (:func:`clear_destination`) only once what
+    it can check before writing has passed, so a refused one leaves the old model."""
     found = [n for n in (INDEX_NAME, SINGLE_NAME) if fs.exists(fs.concat_path(root, n))]
     if found and not overwrite:
         raise CheckpointExistsError(
@@ -78,7 +80,13 @@ def clear_destination(fs: FileSystemBase, root: str, *, overwrite: bool) -> None
             f"({found[0]}); pass overwrite=True (--overwrite) to replace it, or pick another "
             "destination"
         )
-    for name in found:
+    return found
+
+
+def clear_destination(fs: FileSystemBase, root: str, *, overwrite: bool) -> None:
+    """Refuse a committed model at ``root`` unless ``overwrite``; with it, uncommit the
+    model (index first) before any of the new one's files is written."""
+    for name in refuse_existing(fs, root, overwrite=overwrite):
         fs.rm_file(fs.concat_path(root, name))
 
 

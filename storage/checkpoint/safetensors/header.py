@@ -33,6 +33,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SUFFIX = ".safetensors"
 CRC_KEY = "dcp_storage.crc32c"
+METADATA_KEY = "__metadata__"
 #: Longest header (and index) accepted: far above any real model's, far below memory.
 MAX_HEADER = 100 << 20
 _ALIGN = 8
@@ -92,6 +93,17 @@ def dtype_name(dtype: torch.dtype, where: str) -> str:
             f"{where}: dtype {dtype} has no safetensors equivalent (it holds "
             f"{', '.join(str(d) for d in DTYPES.values())}); convert the tensor first"
         ) from None
+
+
+def check_name(name: str, where: str) -> None:
+    """Refuse a tensor name a safetensors file cannot hold: ``__metadata__`` is the
+    header's metadata map (a tensor of that name wrote a file no reader can open)."""
+    if name == METADATA_KEY:
+        raise ValueError(
+            f"{where}: a tensor cannot be named {METADATA_KEY!r} in a safetensors file (the "
+            "header keeps its metadata under that name); rename the item, or leave it out "
+            "(export: --only, --strip)"
+        )
 
 
 def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
@@ -206,16 +218,18 @@ def _entry(
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(_count(o) for o in offsets)
+        or not all(_count(o) and o <= MAX_SIZE for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise _bad(file, name, f"data_offsets {quote(offsets)} is not [begin, end] in order")
+        raise _bad(
+            file, name, f"data_offsets {quote(offsets)} is not [begin, end] in order in [0, 2**62]"
+        )
     expected = nbytes(DTYPES[dtype], shape)
     if offsets[1] - offsets[0] != expected:
         raise _bad(
             file,
             name,
-            f"dtype {dtype} and shape {tuple(shape)} need {expected} bytes but its "
+            f"dtype {dtype} and shape {quote(shape)} need {quote(expected)} bytes but its "
             f"data_offsets {offsets} span {offsets[1] - offsets[0]}",
         )
     crc = None

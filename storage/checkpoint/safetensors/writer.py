@@ -25,10 +25,11 @@ from storage.checkpoint.safetensors.files import (
     clear_destination,
     file_names,
     publish_index,
+    refuse_existing,
     split,
     write_file,
 )
-from storage.checkpoint.safetensors.header import dtype_name, nbytes
+from storage.checkpoint.safetensors.header import check_name, dtype_name, nbytes
 from storage.checkpoint.safetensors.staging import (
     STALE_AFTER,
     beating,
@@ -112,12 +113,8 @@ class SafetensorsWriter(StorageWriter):
     @records_error
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-        if is_coordinator:
-            clear_destination(self.fs, self.path, overwrite=self.overwrite)
-            try:
-                sweep(self.fs, self.path, STALE_AFTER)
-            except Exception as exc:  # the save does not depend on it; gc sweeps too
-                log.warning("%s: staging areas not swept: %s", self.fs.url(self.path), exc)
+        if is_coordinator:  # the old model is removed once every rank's items passed
+            refuse_existing(self.fs, self.path, overwrite=self.overwrite)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.fs.url(self.path))
@@ -130,6 +127,13 @@ class SafetensorsWriter(StorageWriter):
 
     @records_error
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Every rank's prepare_local_plan passed: a state dict refused there (an item
+        # that is no tensor, a dtype or name safetensors cannot hold) left the old model.
+        clear_destination(self.fs, self.path, overwrite=self.overwrite)
+        try:
+            sweep(self.fs, self.path, STALE_AFTER)
+        except Exception as exc:  # the save does not depend on it; gc sweeps too
+            log.warning("%s: staging areas not swept: %s", self.fs.url(self.path), exc)
         if any(_is_shard(i) for plan in plans for i in plan.items):
             area = new_area()
             return [
@@ -238,6 +242,7 @@ def _check_item(item: WriteItem, url: str) -> None:
             "the state dict (save it with storage.save beside the model if it is needed)"
         )
     data = item.tensor_data
+    check_name(fqn, where)
     dtype_name(data.properties.dtype, where)
     if byte_range(data.chunk.offsets, data.chunk.sizes, data.size, data.properties.dtype) is None:
         raise ValueError(
