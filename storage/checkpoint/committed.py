@@ -37,7 +37,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.stateful import Stateful
 
-from extensions.errors import CheckpointInUseError, CheckpointNotFoundError, printable
+from extensions.errors import (
+    CheckpointInUseError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+    printable,
+)
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.layout import (
@@ -57,10 +62,36 @@ def read_metadata_file(fs: FileSystemBase, meta_path: str) -> Metadata | None:
     there is none. Any other error propagates: it makes the checkpoint unreadable, and
     the caller fails closed."""
     try:
-        payload = fs.read_bytes(meta_path)
+        payload = read_metadata_bytes(fs, meta_path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     return fmt.load_metadata(payload, fs.url(meta_path))
+
+
+def read_metadata_bytes(fs: FileSystemBase, meta_path: str) -> bytes:
+    """The content of the metadata file ``meta_path`` (``fs.read_bytes``), refused with
+    :class:`UnsafeCheckpointError` past ``format.MAX_METADATA_BYTES``. Where reads are
+    local, and a sparse file of any size is free to make, its size is checked before it
+    is read (a stat); elsewhere the store's object is fetched whole first."""
+    if fs.local_reads:
+        try:
+            size = fs.size(meta_path)
+        except (FileNotFoundError, NotADirectoryError):
+            size = 0  # the read below says it is missing
+        _refuse_oversized(fs, meta_path, size)
+    data = fs.read_bytes(meta_path)
+    _refuse_oversized(fs, meta_path, len(data))
+    return data
+
+
+def _refuse_oversized(fs: FileSystemBase, meta_path: str, size: int) -> None:
+    limit = fmt.MAX_METADATA_BYTES
+    if size > limit:
+        raise UnsafeCheckpointError(
+            f"{fs.url(meta_path)}: metadata of {size} bytes is larger than {limit} bytes "
+            "(a DCP metadata takes about 200 bytes per item); refusing to read it: the "
+            "file is damaged or hostile"
+        )
 
 
 def own_files(metadata: Metadata, where: str) -> frozenset[str]:

@@ -21,6 +21,7 @@ from storage.backends.base import FileSystemBase
 from storage.backends.registry import serves
 from storage.checkpoint import fetch, read_once, share_groups
 from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.committed import read_metadata_bytes
 from storage.checkpoint.deadline import Budget, check_timeout
 from storage.checkpoint.decode import MAX_OBJECT_BYTES
 from storage.checkpoint.hook_errors import records_error
@@ -199,7 +200,7 @@ class CheckpointReader(StorageReader):
 
         def read() -> bytes | _Absent:
             try:
-                return self.fs.read_bytes(meta_path)
+                return read_metadata_bytes(self.fs, meta_path)
             except FileNotFoundError:
                 return absent or self._look()
 

@@ -44,6 +44,9 @@ _RANK_OF_FILE = re.compile(r"__([0-9]+)_")
 FORMAT_VERSION = 1
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
+#: Largest ``.metadata`` (or rank-local metadata) a reader accepts: at ~200 bytes per
+#: item (docs/scale.md), over 5 million items.
+MAX_METADATA_BYTES = 1 << 30
 
 
 def metadata_name(rank: int | None = None) -> str:

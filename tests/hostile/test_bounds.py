@@ -625,3 +625,25 @@ def test_unsafe_rank_local_metadata_is_reported_as_unsafe(tmp_path: Path) -> Non
     (tmp_path / ".metadata").unlink()
     with pytest.raises(UnsafeCheckpointError, match="__0.metadata.*builtins.print"):
         storage.load({"t": torch.zeros(4)}, tmp_path)
+
+
+def test_a_huge_metadata_file_is_refused_before_it_is_read_whole(
+    tmp_path: Path, peak: Peak, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without the bound every reader of a checkpoint (a load, ls, gc, the commit's check of
+    # the old metadata) read .metadata whole: a sparse file of 10 GB, free to make for
+    # anyone who can write into the root, cost 10 GB of memory before the unpickler
+    # refused its first byte. (The bound is lowered here to keep the test small.)
+    from storage.checkpoint import committed
+
+    storage.save({"t": torch.ones(4)}, tmp_path)
+    monkeypatch.setattr(fmt, "MAX_METADATA_BYTES", MiB)
+    with open(tmp_path / ".metadata", "r+b") as f:
+        f.truncate(64 * MiB)  # sparse: no disk, and no memory until it is read
+    fs, path = storage.filesystem_from_url(str(tmp_path))
+    peak.reset()
+    with pytest.raises(UnsafeCheckpointError, match="larger than"):
+        storage.load({"t": torch.zeros(4)}, tmp_path)
+    with pytest.raises(UnsafeCheckpointError, match="larger than"):
+        committed.read_metadata_file(fs, fs.concat_path(path, ".metadata"))
+    assert peak() < 4 * MiB

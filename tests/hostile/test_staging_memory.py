@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from extensions.errors import CheckpointStorageError
 from storage.checkpoint.persist import _pool, _shm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -360,3 +361,74 @@ def test_a_lock_file_removed_from_under_the_pool_is_made_again() -> None:
         assert torch.equal(staged["w"], BIG["w"])
     finally:
         first.close()
+
+
+def test_a_removed_segments_name_taken_by_another_user_is_not_read() -> None:
+    """RemoveIPC (or a cleaner) removed the pool's files, and another user, who can list
+    ``/dev/shm``, created a file under a segment's name. Before, the pool judged its
+    segments by name only, kept staging into the removed one, and the worker mapped the
+    other user's file by that name: the checkpoint held that user's bytes, under a
+    checksum the worker computed over them."""
+    other = _nobody()
+    from storage.checkpoint import persist
+
+    handle = persist.Worker()
+    planted: list[Path] = []
+    try:
+        state = {"w": torch.randn(256, 256)}
+        handle.reserve(state)  # made and touched, never sent to the worker yet
+        assert handle.pool is not None
+        names = _listing(handle.pool.name)
+        for name in names:
+            os.unlink(Path(_shm.shm_dir(), name))
+        for name in names:
+            if not name.endswith(".lock"):
+                path = Path(_shm.shm_dir(), name)
+                path.write_bytes(bytes(state["w"].nbytes))  # zeros, the size of the tensor
+                os.chown(path, other, other)
+                path.chmod(0o666)
+                planted.append(path)
+        staged, lease = handle.stage(state)
+        try:
+            ref = persist.item_ref(handle.pool, _tensor_item(), staged["w"])
+            assert ref[0] == "shm" and Path(_shm.shm_dir(), ref[1]) not in planted
+            assert torch.equal(handle.call(_rebuilt, ref).result(timeout=120), state["w"])
+        finally:
+            lease.release()
+        assert all(p.read_bytes() == bytes(state["w"].nbytes) for p in planted)
+    finally:
+        handle.close()
+        for p in planted:
+            assert p.exists()  # another user's file: never removed
+            p.unlink()
+
+
+def test_the_worker_refuses_to_map_another_users_file() -> None:
+    """The worker maps segments by the name the training process sends; a file of that
+    name owned by another user (the segment was removed and the name taken in between)
+    is refused with an error naming it, never read into a checkpoint."""
+    other = _nobody()
+    name = f"dcp-storage-{os.getuid()}-{os.getpid()}-{'ab' * 12}-{'cd' * 8}"
+    path = _plant(name, other)
+    try:
+        path.chmod(0o666)
+        with pytest.raises(CheckpointStorageError, match="not a staging segment of this user"):
+            _shm.map_segment(name)
+    finally:
+        path.unlink()
+
+
+def test_a_pool_never_removes_another_users_file_that_took_its_lock_files_name() -> None:
+    """The lock file was removed (a cleaner) and another user created a file under its
+    name. Before, closing the pool unlinked whatever held that name: as root, the other
+    user's file."""
+    other = _nobody()
+    pool = _pool.StagingPool()
+    planted = None
+    try:
+        os.unlink(Path(_shm.shm_dir(), f"{pool.name}.lock"))
+        planted = _plant(f"{pool.name}.lock", other)
+    finally:
+        pool.close()
+    assert planted is not None and planted.read_bytes() == b"not yours"
+    planted.unlink()

@@ -161,15 +161,22 @@ class StagingPool:
         for address in [a for a in self._addresses if a not in live]:
             self._drop(address)
         # Segments whose file something else removed (systemd-logind's RemoveIPC, a
-        # cleaner of /dev/shm): the worker maps segments by name, so it could never
-        # read them again; forgotten here, they are made afresh by this stage.
+        # cleaner of /dev/shm), or replaced: the worker maps segments by name, so it
+        # could never read them again; forgotten here, they are made afresh by this stage.
+        # Judged by inode, not by name: anyone may list the directory and take the name
+        # of a removed segment (the worker would map that file in its place).
         try:
-            present = set(os.listdir(shm_dir()))
+            with os.scandir(shm_dir()) as entries:
+                present = {e.name: e.inode() for e in entries}
         except OSError:
             return
         if f"{self.name}.lock" not in present:
             self._owner.relock()
-        gone = {a for a in self._addresses if self._segments[a].name not in present}
+        gone = {
+            a
+            for a in self._addresses
+            if not self._segments[a].is_at(present.get(self._segments[a].name))
+        }
         if gone:
             log.warning(
                 "%d staging buffers of %s were removed from %s by something else; "

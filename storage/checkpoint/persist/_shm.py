@@ -17,6 +17,11 @@ dies, whatever killed it. A child made with ``fork`` shares the lock (its parent
 segments stay while it lives) and never removes them: only the process that made a pool
 removes its segments, when the pool is closed or the process exits.
 
+A name is no proof of a file: once something removed a segment or the lock file
+(RemoveIPC, a cleaner), anyone may create a file of that name. The pool knows its files
+by inode (a replaced segment is made afresh, a file that is not its own never removed)
+and the worker maps only this user's regular files.
+
 :func:`sweep` removes the segments of pools whose lock nobody holds: the persist worker
 runs it when it sees its training process die (so a ``kill -9`` leaves nothing behind
 for long), and every new pool runs it first. It judges only files the calling user owns
@@ -131,10 +136,20 @@ def _unlink_own(directory: str, name: str) -> bool:
 
 
 def map_segment(name: str) -> mmap.mmap:
-    """Map the segment ``name`` read-write (the persist worker's side)."""
-    fd = os.open(os.path.join(shm_dir(), name), os.O_RDWR | os.O_NOFOLLOW)
+    """Map the segment ``name`` read-write (the persist worker's side). A file of that
+    name that is not this user's is refused: the segment was removed (RemoveIPC, a
+    cleaner) and someone who listed the directory took its name."""
+    path = os.path.join(shm_dir(), name)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise CheckpointStorageError(
+                f"{path} is not a staging segment of this user (owner uid {info.st_uid}): "
+                "the segment was removed and something else now has its name; this save "
+                "fails, the next one stages afresh"
+            )
+        return mmap.mmap(fd, info.st_size)
     finally:
         os.close(fd)
 
@@ -200,7 +215,12 @@ class _Owner:
             return
         if os.getpid() == self.pid:
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(shm_dir(), f"{self.name}.lock"))
+                path = os.path.join(shm_dir(), f"{self.name}.lock")
+                held, named = os.fstat(fd), os.lstat(path)
+                # Never a file that took the name after something else removed the lock
+                # file (another user's, say).
+                if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+                    os.unlink(path)
         with contextlib.suppress(OSError):
             os.close(fd)
 
@@ -213,6 +233,9 @@ class _Segment:
         name, fd = _create_unique(f"{owner.name}-", 8)
         path = os.path.join(shm_dir(), name)
         try:
+            info = os.fstat(fd)
+            #: The file this segment is: a file of its name that is another is not it.
+            self.identity = (info.st_dev, info.st_ino)
             os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
         except OSError as exc:
@@ -235,12 +258,28 @@ class _Segment:
         length = size - offset if length is None else length
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                os.posix_fallocate(fd, offset, length)
-            finally:
-                os.close(fd)
+        except OSError as exc:
+            raise self._replaced() from exc
+        try:
+            info = os.fstat(fd)
+            if (info.st_dev, info.st_ino) != self.identity:
+                raise self._replaced()
+            os.posix_fallocate(fd, offset, length)
         except OSError as exc:
             raise _no_room(size, exc) from exc
+        finally:
+            os.close(fd)
+
+    def _replaced(self) -> CheckpointStorageError:
+        return CheckpointStorageError(
+            f"staging segment {self.path} was removed from under this process (RemoveIPC, "
+            "a cleaner of /dev/shm); this save fails, the next one stages afresh"
+        )
+
+    def is_at(self, inode: int | None) -> bool:
+        """Whether the file its name holds now in :func:`shm_dir` (``inode``; ``None``:
+        none) is this segment."""
+        return inode == self.identity[1]
 
     def touch(self) -> None:
         """Fault every page into this process's mapping now, so that the first copy
@@ -251,8 +290,12 @@ class _Segment:
             torch.frombuffer(self.map, dtype=torch.uint8).zero_()
 
     def unlink(self) -> None:
+        """Remove the file, if its name still holds this segment (never a file that
+        took its name after something else removed it: another user's, say)."""
         with contextlib.suppress(OSError):
-            os.unlink(self.path)
+            info = os.lstat(self.path)
+            if (info.st_dev, info.st_ino) == self.identity:
+                os.unlink(self.path)
 
 
 class SharedMemoryFull(CheckpointStorageError):
