@@ -565,6 +565,18 @@ def test_packed_plane_with_more_or_fewer_escapes_than_stored_is_refused(escaped:
     assert decoded(_packed_block(bytes(codes), stored), descriptors, item) == expected.tobytes()
 
 
+def test_packed_plane_with_escape_codes_but_no_stored_escapes_is_refused() -> None:
+    """A packed plane that stores no escaped bytes may hold no escape code either: the
+    numpy passes refuse it as the compiled loop does, instead of decoding each escape
+    code to ``base + 15`` (a count of escapes that does not add up, whatever the count)."""
+    item = ItemInfo(item="x", dtype="float8_e4m3fn", element_size=1)
+    codes = bytearray(range(15)) * 100
+    codes[37] |= 0xF0  # one high nibble escapes, and nothing is stored for it
+    assert "escapes in a packed plane that stores 0" in _damaged(
+        _packed_block(bytes(codes), b""), item
+    )
+
+
 def test_damaged_format_1_streams_raise_a_clear_error() -> None:
     """The format-1 reader keeps its checks (a golden item, cut and altered)."""
     stored = (GOLDEN / "bf16-weights.bin").read_bytes()
