@@ -207,12 +207,12 @@ def _unpack(
         np.bitwise_or(wide, spread, out=wide)
         np.bitwise_and(wide, kind(0x03030303), out=wide)
     plane = wide.view(np.uint8)[:n]
-    if len(escapes):  # without escapes the CRC of the stored bytes guards the codes
-        where = _escaped(plane, _ESCAPE[k], len(escapes), _scratch.buffers[role])
-        np.add(plane, np.uint8(base), out=plane)
+    # Counted even when none are stored (one memchr): an escape code without its byte
+    # is refused, as the compiled loop refuses it, never decoded to base + escape.
+    where = _escaped(plane, _ESCAPE[k], len(escapes), _scratch.buffers[role])
+    np.add(plane, np.uint8(base), out=plane)
+    if len(escapes):
         plane[where] = np.frombuffer(escapes, np.uint8)
-    else:
-        np.add(plane, np.uint8(base), out=plane)
     return plane
 
 

@@ -18,7 +18,7 @@ import storage
 from extensions import ItemInfo, ZStandard
 from extensions.errors import IntegrityError
 from extensions.registry import ExtensionRegistry
-from extensions.zstd import FOOTER, FRAME, parse_seek_table, table_size
+from extensions.zstd import FOOTER, FRAME, parse_seek_table, seek_table, table_size
 from storage.checkpoint import frames
 from storage.checkpoint import storage_format as fmt
 
@@ -61,6 +61,33 @@ def test_one_frame_has_no_seek_table() -> None:
     stored = sink.getvalue()
     assert table_size(stored[-FOOTER:]) is None
     assert zstandard.ZstdDecompressor().decompress(stored, max_output_size=1000) == b"x" * 1000
+
+
+def test_a_seek_table_of_more_frames_than_its_item_could_hold_is_not_read() -> None:
+    """A frame list costs a few hundred bytes of objects per frame: a table of 1-byte
+    frames (an item of 9 MB listing a million) would cost the reader ~200 MB. A table
+    listing more frames than the item's stored bytes could hold as frames our writer
+    makes is not read (only its footer is), and the item decodes as one stream; the
+    densest table the writer makes (writes of FRAME + 1 bytes of zeros: a full frame
+    and a 1-byte frame each) is still listed."""
+    count = 10_000
+    hostile = bytes(count) + seek_table([(1, 1)] * count)
+    reads: list[int] = []
+
+    def read_at(offset: int, size: int) -> bytes:
+        reads.append(size)
+        return hostile[offset : offset + size]
+
+    assert ZStandard.frames("1", read_at, len(hostile)) is None
+    assert reads == [FOOTER]
+    sink = _Sink()
+    writer = ZStandard().encode(sink, ItemInfo())
+    for _ in range(3):
+        writer.write(bytes(FRAME + 1))
+    writer.close()
+    stored = sink.getvalue()
+    listed = ZStandard.frames("1", lambda at, size: stored[at : at + size], len(stored))
+    assert listed is not None and [f.decoded_length for f in listed] == [FRAME, 1] * 3
 
 
 def test_a_large_tensor_decodes_on_several_cores_and_stock_reads_it(

@@ -565,6 +565,46 @@ def test_packed_plane_with_more_or_fewer_escapes_than_stored_is_refused(escaped:
     assert decoded(_packed_block(bytes(codes), stored), descriptors, item) == expected.tobytes()
 
 
+def test_packed_plane_with_escape_codes_but_no_stored_escapes_is_refused() -> None:
+    """A packed plane that stores no escaped bytes may hold no escape code either: the
+    numpy passes refuse it as the compiled loop does, instead of decoding each escape
+    code to ``base + 15`` (a count of escapes that does not add up, whatever the count)."""
+    item = ItemInfo(item="x", dtype="float8_e4m3fn", element_size=1)
+    codes = bytearray(range(15)) * 100
+    codes[37] |= 0xF0  # one high nibble escapes, and nothing is stored for it
+    assert "escapes in a packed plane that stores 0" in _damaged(
+        _packed_block(bytes(codes), b""), item
+    )
+
+
+def _zstd_plane_stream(version: int, window_log: int, n: int = 4096) -> bytes:
+    """A float8 stream of format ``version``: one block whose one plane is a zstd frame
+    of ``n`` zero bytes (one raw block) that declares no content size and a window of
+    ``2**window_log`` bytes, as zstd's streaming encoders write at high levels."""
+    frame = bytes([0, (window_log - 10) << 3]) + (1 | n << 3).to_bytes(3, "little") + bytes(n)
+    if version == 1:
+        frame = planes._MAGIC + frame
+        head = layout.V1_HEAD.pack(layout.BLOCK_TAG, n, 0)
+        head += layout.V1_PLANE.pack(layout.ZSTD, 0, 0, 0, len(frame), 0)
+        return head + frame + layout.V1_END.pack(layout.END_TAG, n)
+    head = layout.pack_v2_block(n, 0, [(layout.ZSTD, 0, 0, len(frame), 0)])
+    return head + frame + layout.pack_v2_end(n)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_zstd_plane_cannot_ask_for_a_window_larger_than_a_block(version: int) -> None:
+    """zstd allocates the window a frame declares (up to 128 MiB by default) when the
+    frame declares no content size: a 4 KiB plane asking for 128 MiB is refused unread
+    in both formats, so a stored item cannot make each reader thread hold a window
+    far beyond any block (format 1 was decoded with zstd's default limit). A plane
+    whose window fits a block decodes."""
+    item = ItemInfo(item="x", dtype="float8_e4m3fn", element_size=1)
+    descriptors = [f"dcp_storage.weights/{version};es=1"]
+    assert decoded(_zstd_plane_stream(version, 19), descriptors, item) == bytes(4096)
+    with pytest.raises(ValueError, match="zstd.*too much memory"):
+        decoded(_zstd_plane_stream(version, 27), descriptors, item, "readinto")
+
+
 def test_damaged_format_1_streams_raise_a_clear_error() -> None:
     """The format-1 reader keeps its checks (a golden item, cut and altered)."""
     stored = (GOLDEN / "bf16-weights.bin").read_bytes()
