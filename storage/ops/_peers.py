@@ -156,8 +156,15 @@ def _recv_file(fs: FileSystemBase, path: str, src: int, pg: Any, *, sync: bool) 
     header = torch.zeros(1, dtype=torch.int64)
     dist.recv(header, src, group=pg)
     left = int(header.item())
+    metadata = not path.endswith(fmt.DATA_SUFFIX)
+    if left < 0 or (metadata and left > fmt.MAX_METADATA_BYTES):
+        raise CheckpointStorageError(
+            f"rank {src} announced {left} bytes for {fs.url(path)}, which no "
+            f"{'metadata' if metadata else 'data'} file holds; nothing was written: the "
+            "peer's local tier is damaged (restore from the bucket)"
+        )
     buffer = torch.empty(min(_CHUNK, left), dtype=torch.uint8)
-    if not path.endswith(fmt.DATA_SUFFIX):
+    if metadata:
         received = bytearray()
         while left:
             chunk = buffer[: min(_CHUNK, left)]

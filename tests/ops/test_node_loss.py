@@ -65,3 +65,49 @@ def test_a_restore_takes_each_rank_s_files_from_the_rank_holding_its_replica() -
     assert read_moves(group, reports, every) == {
         5: [(0, 2, ["__0_0.distcp"]), (1, 3, ["__1_0.distcp"])]
     }
+
+
+def _announce_worker(rank: int, store: str, root: str, sizes: list[int]) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from extensions.errors import CheckpointStorageError
+    from storage.backends import LocalFileSystem
+    from storage.ops import _peers
+    from tests.support.distributed import gloo_group
+
+    with gloo_group(rank, 2, store, timeout=datetime.timedelta(seconds=120)):
+        fs = LocalFileSystem()
+        names = [".metadata", "__0_0-x.distcp"]
+        for size, name in zip(sizes, names):
+            if rank == 0:  # a peer announcing a size no file of that kind has
+                dist.send(torch.tensor([size], dtype=torch.int64), 1)
+                continue
+            try:
+                _peers._recv_file(fs, f"{root}/{name}", 0, None, sync=False)
+            except CheckpointStorageError as exc:
+                Path(root, f"{name}.error").write_text(str(exc))
+
+
+def test_a_peer_announcing_an_impossible_size_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """A rank restoring from its peer trusts no size it is sent: a metadata file larger
+    than any metadata, or a negative size, is refused naming the file, and nothing is
+    allocated or written for it."""
+    from storage.checkpoint import storage_format as fmt
+    from tests.support.distributed import spawn
+
+    sizes = [fmt.MAX_METADATA_BYTES + 1, -5]
+    spawn(_announce_worker, args=(str(tmp_path / "store"), str(tmp_path), sizes), nprocs=2)
+    for name, size in zip([".metadata", "__0_0-x.distcp"], sizes):
+        message = (tmp_path / f"{name}.error").read_text()
+        assert f"rank 0 announced {size} bytes" in message and name in message
+        assert not (tmp_path / name).exists()
+    assert {p.name for p in tmp_path.iterdir()} <= {
+        ".metadata.error",
+        "__0_0-x.distcp.error",
+        "store",
+    }
