@@ -1,10 +1,12 @@
-/* Compiled loops of WeightCodec (extensions/_planes.py encodes, _unplanes.py decodes),
- * optional.
+/* Compiled loops, optional: WeightCodec's (extensions/_planes.py encodes, _unplanes.py
+ * decodes) and the scan of a checkpoint's metadata pickle before it is unpickled
+ * (storage/checkpoint/storage_format.py).
  *
  * numpy splits a block into byte planes, packs them, and joins them back in about ten
  * whole-array passes each; each loop here does its part in one, with the GIL released.
- * Without this module (no compiler at install time) the codec runs its numpy passes:
- * the bytes stored and decoded are the same, which the tests check on both paths.
+ * Without this module (no compiler at install time) the codec runs its numpy passes and
+ * the scan its Python loop: the bytes stored and decoded, and the pickles refused, are
+ * the same, which the tests check on both paths.
  *
  * Every length is checked here against the others before a byte is written; the
  * caller has checked them against the block already. */
@@ -348,18 +350,114 @@ static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyLong_FromSsize_t(found);
 }
 
+PyDoc_STRVAR(memo_scan_doc,
+"memo_scan(data, kinds) -> bool\n\n"
+"Walk the opcodes of the pickle ``data`` up to its STOP, ``kinds`` giving each opcode\n"
+"byte's argument (256 signed bytes: a fixed width 0-8, -1/-4/-8 a length prefix of that\n"
+"many bytes, -100 one text line, -101 two, -128 no such opcode), and raise ValueError at\n"
+"an invalid opcode or a LONG_BINPUT memo index beyond the opcodes before it. Returns\n"
+"True where the pickle holds a text PUT, whose index this does not parse (the caller\n"
+"scans it in Python), else False.");
+
+#define KIND_LINE (-100)
+#define KIND_TWO_LINES (-101)
+#define OP_STOP 0x2E        /* '.' */
+#define OP_PUT 0x70         /* 'p' */
+#define OP_LONG_BINPUT 0x72 /* 'r' */
+
+/* 0: passed; 1: a text PUT (scan in Python); -1 with *at: an invalid opcode; -2 with
+ * *at: a memo index out of range; -3 with *at: a text line without its end. Reads
+ * only inside data[0:end]. */
+static int scan_memo(const uint8_t *data, Py_ssize_t end, const int8_t *kinds, Py_ssize_t *at) {
+    Py_ssize_t pos = 0, count = 0;
+    while (pos < end) {
+        uint8_t op = data[pos];
+        int kind = kinds[op];
+        *at = pos;
+        pos++;
+        if (kind == -128)
+            return -1;
+        if (op == OP_STOP)
+            return 0;
+        if (kind >= 0) {
+            if (op == OP_LONG_BINPUT) {
+                uint64_t index = 0;
+                Py_ssize_t avail = end - pos < 4 ? end - pos : 4;
+                for (Py_ssize_t i = 0; i < avail; i++)
+                    index |= (uint64_t)data[pos + i] << (8 * i);
+                if (index > (uint64_t)count)
+                    return -2;
+            }
+            if (kind > end - pos)
+                return 0; /* the argument runs past the end: the unpickler refuses it */
+            pos += kind;
+        } else if (kind == KIND_LINE || kind == KIND_TWO_LINES) {
+            if (op == OP_PUT)
+                return 1;
+            for (int lines = kind == KIND_LINE ? 1 : 2; lines > 0; lines--) {
+                const uint8_t *nl = memchr(data + pos, '\n', (size_t)(end - pos));
+                if (nl == NULL)
+                    return -3;
+                pos = (nl - data) + 1;
+            }
+        } else {
+            Py_ssize_t width = -kind;
+            if (width > end - pos)
+                return 0;
+            uint64_t length = 0;
+            for (Py_ssize_t i = 0; i < width; i++)
+                length |= (uint64_t)data[pos + i] << (8 * i);
+            pos += width;
+            if (length > (uint64_t)(end - pos))
+                return 0;
+            pos += (Py_ssize_t)length;
+        }
+        count++;
+    }
+    return 0;
+}
+
+static PyObject *memo_scan(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer data_view, kinds_view;
+    if (!PyArg_ParseTuple(args, "y*y*", &data_view, &kinds_view))
+        return NULL;
+    if (kinds_view.len != 256) {
+        PyBuffer_Release(&data_view);
+        PyBuffer_Release(&kinds_view);
+        PyErr_Format(PyExc_ValueError, "kinds holds %zd bytes, not 256", kinds_view.len);
+        return NULL;
+    }
+    Py_ssize_t at = 0;
+    int found;
+    Py_BEGIN_ALLOW_THREADS
+    found = scan_memo(data_view.buf, data_view.len, kinds_view.buf, &at);
+    Py_END_ALLOW_THREADS
+    int op = at < data_view.len ? ((const uint8_t *)data_view.buf)[at] : 0;
+    PyBuffer_Release(&data_view);
+    PyBuffer_Release(&kinds_view);
+    if (found == -1)
+        return PyErr_Format(PyExc_ValueError, "invalid pickle opcode 0x%x at byte %zd", op, at);
+    if (found == -2)
+        return PyErr_Format(PyExc_ValueError, "memo index out of range at byte %zd", at);
+    if (found == -3)
+        return PyErr_Format(PyExc_ValueError, "unterminated line at byte %zd", at);
+    return PyBool_FromLong(found == 1);
+}
+
 static PyMethodDef methods[] = {
     {"join", join, METH_VARARGS, join_doc},
     {"spread", spread, METH_VARARGS, spread_doc},
     {"split", split, METH_VARARGS, split_doc},
     {"pack", pack, METH_VARARGS, pack_doc},
+    {"memo_scan", memo_scan, METH_VARARGS, memo_scan_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "extensions._native",
-    .m_doc = "Compiled loops of WeightCodec (optional; numpy passes without them).",
+    .m_doc = "Compiled loops of WeightCodec and the metadata scan (optional: numpy passes "
+             "and a Python loop without them).",
     .m_size = -1,
     .m_methods = methods,
 };

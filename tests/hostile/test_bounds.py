@@ -453,13 +453,65 @@ def test_shared_reference_metadata_is_refused(tmp_path: Path) -> None:
         storage.load({"t": torch.zeros(4)}, tmp_path)
 
 
-def test_memo_index_bomb_is_refused_before_unpickling(peak: Peak) -> None:
+@pytest.fixture(params=["compiled", "python"])
+def memo_scan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each memo test on both scans: the compiled one (where it was built) and Python's."""
+    if request.param == "compiled" and fmt._native is None:
+        pytest.skip("extensions._native was not built (no C compiler at install)")
+    if request.param == "python":
+        monkeypatch.setattr(fmt, "_native", None)
+    return str(request.param)
+
+
+@pytest.mark.parametrize(
+    "bomb",
+    [
+        b"\x80\x04N" + b"r" + struct.pack("<I", 0x7FFFFFFF) + b".",  # LONG_BINPUT
+        b"(lp2147483647\n.",  # protocol 0's text PUT
+    ],
+    ids=["long-binput", "text-put"],
+)
+def test_memo_index_bomb_is_refused_before_unpickling(
+    peak: Peak, memo_scan: str, bomb: bytes
+) -> None:
     # Without the pre-scan the C unpickler sized its memo table by the index: these 12
     # bytes allocated (and zeroed) 32 GiB.
-    bomb = b"\x80\x04N" + b"r" + struct.pack("<I", 0x7FFFFFFF) + b"."
     with pytest.raises(UnsafeCheckpointError, match="memo index"):
         fmt.load_metadata(bomb, "mem")
     assert peak() < MiB
+
+
+def _scan_outcome(data: bytes) -> str:
+    try:
+        fmt._check_memo(data)
+    except ValueError as exc:
+        return str(exc)
+    return "passed"
+
+
+def test_the_compiled_and_python_memo_scans_agree_on_damaged_metadata(tmp_path: Path) -> None:
+    """The scan refuses the same pickles, with the same message, with or without the
+    compiled loop: a real metadata file, truncated and with bytes changed at random."""
+    if fmt._native is None:
+        pytest.skip("extensions._native was not built (no C compiler at install)")
+    storage.save({"t": torch.ones(4), "n": {"step": 3, "name": "x"}}, tmp_path)
+    data = (tmp_path / ".metadata").read_bytes()
+    generator = torch.Generator().manual_seed(0)
+    cases = [data, data[:-1], data[: len(data) // 2], b"", b"\xff", b"p", b"(lp0\np"]
+    cases += [b"cos\nsystem", b"cos\nsystem\n.", b"I12", b"\x80\x04N\x94r\x01\x00"]
+    for _ in range(400):
+        damaged = bytearray(data)
+        for _ in range(int(torch.randint(1, 4, (1,), generator=generator))):
+            at = int(torch.randint(0, len(damaged), (1,), generator=generator))
+            damaged[at] = int(torch.randint(0, 256, (1,), generator=generator))
+        cases.append(bytes(damaged))
+    for case in cases:
+        try:
+            fmt._scan_memo(case)
+            expected = "passed"
+        except ValueError as exc:
+            expected = str(exc)
+        assert _scan_outcome(case) == expected, case
 
 
 def _malformed(case: str) -> Callable[[Any], None]:
