@@ -106,6 +106,9 @@ def read_items(
 
 def _plan_runs(load: LoadContext, reqs: Sequence[ReadItem]) -> list[tuple[str, list[_PlannedRead]]]:
     per_file: dict[str, list[_PlannedRead]] = {}
+    # Keyed by where the bytes are: a referenced item's are in its base's file. Items
+    # share a few files: each file's path is worked out (and checked) once.
+    paths: dict[tuple[str | None, str], str] = {}
     for req in reqs:
         info = load.storage_data.get(req.storage_index)
         if info is None:
@@ -113,16 +116,23 @@ def _plan_runs(load: LoadContext, reqs: Sequence[ReadItem]) -> list[tuple[str, l
                 f"{load.url}: item {quote(fmt.item_label(req.storage_index))} is in the plan "
                 "but not in the checkpoint's storage index; the metadata is damaged"
             )
-        # Keyed by where the bytes are: a referenced item's are in its base's file.
-        path = incremental.item_path(load.fs, load.path, info)
-        if path not in per_file:
+        record = fmt.stored_item(info)
+        path = paths.get((record.ref, record.relative_path))
+        if path is None:
+            path = incremental.item_path(load.fs, load.path, info)
             directory = incremental.item_directory(load.fs, load.path, info)
             refuse_linked_prefix(load.fs, directory, info.relative_path)
-        per_file.setdefault(path, []).append(_PlannedRead(req, fmt.stored_item(info)))
+            paths[record.ref, record.relative_path] = path
+        per_file.setdefault(path, []).append(_PlannedRead(req, record))
     incremental.check_bases(
         load.fs,
         load.path,
-        ((fmt.item_label(i.req.storage_index), i.info) for r in per_file.values() for i in r),
+        (
+            (fmt.item_label(i.req.storage_index), i.info)
+            for r in per_file.values()
+            for i in r
+            if i.info.ref is not None
+        ),
     )
     runs: list[tuple[str, list[_PlannedRead]]] = []
     for path, items in per_file.items():
