@@ -481,6 +481,28 @@ def test_memo_index_bomb_is_refused_before_unpickling(
     assert peak() < MiB
 
 
+def test_reading_metadata_leaves_the_garbage_collector_as_it_found_it(tmp_path: Path) -> None:
+    """Metadata is unpickled with Python's cyclic collector paused: it is on again
+    afterwards, also when the unpickling failed, and stays off where the caller had
+    turned it off."""
+    import gc
+
+    storage.save({"t": torch.ones(4)}, tmp_path)
+    data = (tmp_path / ".metadata").read_bytes()
+    assert gc.isenabled()
+    fmt.load_metadata(data, "mem")
+    assert gc.isenabled()
+    with pytest.raises(UnsafeCheckpointError):
+        fmt.load_metadata(data[: len(data) // 2], "mem")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        fmt.load_metadata(data, "mem")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def _scan_outcome(data: bytes) -> str:
     try:
         fmt._check_memo(data)
