@@ -31,7 +31,7 @@ from storage.checkpoint.layout import (
     is_metadata_name,
     parse_step,
 )
-from storage.checkpoint.prefixes import expand, is_linked, is_prefix
+from storage.checkpoint.prefixes import expand, is_linked, is_prefix, split
 from storage.ops.steps import StepRoot
 
 log = logging.getLogger("storage.ops.manager")
@@ -235,7 +235,8 @@ class Retention:
         retry committed (and a multi-rank save that failed on another rank). Also the
         stale heartbeats of writers that died there. Removed unless ``dry_run``; returns
         their URLs. Only data file names, never through a link, never in a checkpoint
-        with a live heartbeat (a save in flight) or whose metadata cannot be read."""
+        with a live heartbeat (a save in flight) or whose metadata cannot be read, never in a
+        key prefix directory holding anything but data files (a checkpoint of its own)."""
         horizon = _horizon(grace_seconds)
         if not self.may_delete():
             return []
@@ -276,8 +277,12 @@ class Retention:
         if not checkpoint.readable or not referenced:
             return []  # unreadable metadata: touch nothing
         doomed = list(stale)
+        # A prefix directory holding anything but data files (a checkpoint copied or
+        # saved into `0a/`, its heartbeat, a user's file) is not one of this
+        # checkpoint's: its files are not orphans here.
+        foreign = {p for n in names if (p := split(n)[0]) is not None and not is_data_file_name(n)}
         for name in names:
-            if not is_data_file_name(name) or name in referenced:
+            if not is_data_file_name(name) or name in referenced or split(name)[0] in foreign:
                 continue
             try:
                 mtime = fs.modified(fs.concat_path(path, name))
