@@ -343,8 +343,10 @@ class CheckpointManager:
     def delete(self, step: int) -> None:
         """Delete ``root/step-{step}``: its metadata first, then the data files that
         metadata names, then the directory once empty. Raises
-        :class:`UnsafeCheckpointError` for a step that is a symbolic link and
-        :class:`CheckpointInUseError` for one that a committed step references."""
+        :class:`UnsafeCheckpointError` for a step that is a symbolic link,
+        :class:`CheckpointInUseError` for one that a committed step references and
+        :class:`CheckpointNotFoundError` for one that is not committed (an interrupted
+        save is :meth:`cleanup`'s), removing nothing."""
         self.retention.delete(step)
 
     def retained(self, steps: Sequence[int], protect: int | None = None) -> set[int]:

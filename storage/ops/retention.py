@@ -73,19 +73,29 @@ class Retention:
         :func:`~storage.checkpoint.deletion.delete_checkpoint`). Raises
         :class:`UnsafeCheckpointError` for a step that is a symbolic link or holds a
         linked prefix directory, :class:`CheckpointInUseError` for one that a step
-        references or that an unreadable step might. ``siblings``: the steps as this
+        references or that an unreadable step might, :class:`CheckpointNotFoundError`
+        for one that is not committed (nothing removed). ``siblings``: the steps as this
         pass read them."""
         path = self.root.step_path(step)
         name = f"{STEP_PREFIX}{step}"
         siblings = siblings or self._siblings()
         try:
-            siblings.refuse_if_referenced(name)
             checkpoint = siblings.open(name)
+            if not checkpoint.committed:
+                raise FileNotFoundError(path)
+            siblings.refuse_if_referenced(name)
             delete_checkpoint(
                 self.root.fs, path, checkpoint, recheck=lambda: siblings.recheck_users(name)
             )
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.root.fs.url(path)} does not exist") from None
+            url = self.root.fs.url(path)
+            if not self.root.fs.exists(path):
+                raise CheckpointNotFoundError(f"{url} does not exist") from None
+            raise CheckpointNotFoundError(
+                f"{url} is not a committed checkpoint (no metadata: an interrupted save, or "
+                "a save in flight); nothing was deleted. cleanup() (`dcp-storage gc`) removes "
+                "interrupted saves once older than its grace period"
+            ) from None
         siblings.forget(name)
 
     def _siblings(self) -> Siblings:
@@ -123,6 +133,8 @@ class Retention:
                     self.delete(step, siblings)
                 except UnsafeCheckpointError as exc:  # referenced from outside, or linked
                     log.warning("kept %s: %s", self.root.step_url(step), exc)
+                    doomed.remove(step)
+                except CheckpointNotFoundError:  # another process deleted it meanwhile
                     doomed.remove(step)
         return doomed
 

@@ -203,6 +203,20 @@ def test_delete_removes_metadata_first(tmp_path: Any) -> None:
         mgr.delete(1)
 
 
+def test_delete_of_an_uncommitted_step_says_so_and_removes_nothing(tmp_path: Any) -> None:
+    # Before: delete() of a step directory without metadata (an interrupted save, or a
+    # save in flight in another process) returned quietly, the step still there.
+    mgr = CheckpointManager(str(tmp_path / "run"))
+    mgr.save(1, _state(1))
+    leftover = tmp_path / "run" / "step-5" / "__0_0-0123456789ab.distcp"
+    leftover.parent.mkdir()
+    leftover.write_bytes(b"a save in flight")
+    with pytest.raises(CheckpointNotFoundError, match=r"step-5 is not a committed.*cleanup"):
+        mgr.delete(5)
+    assert leftover.read_bytes() == b"a save in flight"
+    assert mgr.steps() == [1]
+
+
 def test_delete_interrupted_after_metadata_is_not_a_checkpoint() -> None:
     class FailsOnData(storage.MemoryFileSystem):
         def rm_file(self, path: str) -> None:
