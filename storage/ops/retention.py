@@ -327,6 +327,13 @@ class Retention:
             return None
         if any(is_metadata_name(n) for n in names):
             return None
+        # The listing may lag or miss an object: before a committed step's files are
+        # taken for leftovers, its metadata is asked for by name too.
+        if any(
+            self.root.fs.exists(self.root.fs.concat_path(path, n))
+            for n in (fmt.metadata_name(), fmt.metadata_name(0))
+        ):
+            return None
         if heartbeat.live(self.root.fs, path, grace_seconds)[0]:
             return None  # a save or copy is writing here, whatever the files' dates say
         linked = [n for n in names if is_prefix(n) and is_linked(self.root.fs, path, n)]

@@ -275,6 +275,30 @@ def test_cleanup_removes_old_unreferenced_data_files_in_committed_steps(tmp_path
     assert mgr.load(out) == 3 and torch.equal(out["w"], _state(3)["w"])
 
 
+def test_cleanup_never_takes_a_committed_step_whose_listing_misses_its_metadata(
+    tmp_path: Any,
+) -> None:
+    # Before: a listing that missed the .metadata of a committed step (a stale or
+    # lagging listing) made it look like an interrupted save, and cleanup removed the
+    # data files of that committed checkpoint once they were older than the grace.
+    class MissesMetadata(storage.LocalFileSystem):
+        def ls(self, path: str) -> list[str]:
+            names = super().ls(path)
+            return [n for n in names if n != ".metadata"] if path.endswith("step-3") else names
+
+    root = tmp_path / "run"
+    CheckpointManager(str(root)).save(3, _state(3))
+    long_ago = time.time() - 7200
+    for p in (root / "step-3").iterdir():
+        os.utime(p, (long_ago, long_ago))
+    own = sorted(p.name for p in (root / "step-3").iterdir())
+    mgr = CheckpointManager(str(root), filesystem=MissesMetadata())
+    assert mgr.cleanup(grace_seconds=3600) == []
+    assert sorted(p.name for p in (root / "step-3").iterdir()) == own
+    out = _blank()
+    assert CheckpointManager(str(root)).load(out) == 3
+
+
 def test_cleanup_keeps_leftovers_of_unknown_age() -> None:
     # The memory backend cannot tell an object's age: nothing may be assumed stale.
     fs = storage.MemoryFileSystem()
