@@ -143,7 +143,8 @@ def publish_metadata(
     """Commit a checkpoint whose data files are all written: make them durable, check
     that they are all still there, publish the metadata atomically (a conditional create
     unless ``overwrite``), then remove the files of the checkpoint it replaced that the
-    new one does not use.
+    new one does not use (unless ``directory`` is a symbolic link: nothing is deleted
+    through one).
 
     The check makes a save fail, rather than report success for a checkpoint that does
     not load, when something removed its files meanwhile (a ``gc`` whose grace is
@@ -179,6 +180,15 @@ def publish_metadata(
             f"Checkpoint already exists at {fs.url(directory)}: another save committed "
             "there first and overwrite=False; nothing of this save was kept"
         ) from exc
+    if replaced - new_files and fs.is_link(directory):
+        # Someone else's checkpoint linked in (a shared one as `step-0`): never deleted
+        # through the link, as `rm` and retention refuse to.
+        log.warning(
+            "%s is a symbolic link: the files of the checkpoint this save replaced there "
+            "are kept, never deleted through the link",
+            fs.url(directory),
+        )
+        return
     remove_data_files(fs, directory, replaced - new_files)
 
 

@@ -225,7 +225,8 @@ class CommittedCheckpoint:
 
 
 def open_committed(fs: FileSystemBase, path: str) -> CommittedCheckpoint:
-    """Read the checkpoint at ``path``: one listing, then each metadata file in it."""
+    """Read the checkpoint at ``path``: one listing (and, when it shows no metadata,
+    a look for ``.metadata`` by name), then each metadata file in it."""
     metadata: dict[str, Metadata] = {}
     errors: dict[str, Exception] = {}
     try:
@@ -234,6 +235,14 @@ def open_committed(fs: FileSystemBase, path: str) -> CommittedCheckpoint:
         names = []
     except Exception as exc:
         names, errors[_LISTING] = [], exc
+    if not names and not errors:
+        # A listing may lag or miss an object: a checkpoint that references a sibling
+        # must not pass for uncommitted, so its metadata is asked for by name too.
+        try:
+            if fs.exists(fs.concat_path(path, fmt.METADATA_NAME)):
+                names = [fmt.METADATA_NAME]
+        except Exception as exc:
+            errors[_LISTING] = exc
     for name in names:
         try:
             found = read_metadata_file(fs, fs.concat_path(path, name))

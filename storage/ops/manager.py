@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from extensions.base import Keys
+from extensions.errors import UnsafeCheckpointError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import api, persist
@@ -262,8 +263,18 @@ class CheckpointManager:
         run, or raises the save's error. Either way, a previous asynchronous save of
         this manager is waited for first. A tiered save commits to the local tier (the
         future resolves then) and drains to the root in the background (see
-        :meth:`storage.ops.tiers.LocalTier.save`)."""
-        return self.tier.save(check_step(step), state_dict, blocking=blocking)
+        :meth:`storage.ops.tiers.LocalTier.save`). A step under the root that is a
+        symbolic link (a checkpoint from elsewhere, linked in) is refused with
+        :class:`UnsafeCheckpointError` before anything is written: saving over it would
+        replace someone else's checkpoint through the link."""
+        if self.location.is_link(check_step(step)):
+            raise UnsafeCheckpointError(
+                f"{self.step_url(step)} is a symbolic link to a checkpoint elsewhere; the "
+                "manager never saves over it (that would replace the linked checkpoint "
+                "through the link): save under another step, or remove the link itself if "
+                "it is no longer wanted"
+            )
+        return self.tier.save(step, state_dict, blocking=blocking)
 
     def prepare(self, state_dict: dict[str, Any]) -> None:
         """Make the staging buffers of asynchronous saves for ``state_dict`` now, before
@@ -332,8 +343,10 @@ class CheckpointManager:
     def delete(self, step: int) -> None:
         """Delete ``root/step-{step}``: its metadata first, then the data files that
         metadata names, then the directory once empty. Raises
-        :class:`UnsafeCheckpointError` for a step that is a symbolic link and
-        :class:`CheckpointInUseError` for one that a committed step references."""
+        :class:`UnsafeCheckpointError` for a step that is a symbolic link,
+        :class:`CheckpointInUseError` for one that a committed step references and
+        :class:`CheckpointNotFoundError` for one that is not committed (an interrupted
+        save is :meth:`cleanup`'s), removing nothing."""
         self.retention.delete(step)
 
     def retained(self, steps: Sequence[int], protect: int | None = None) -> set[int]:

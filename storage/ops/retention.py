@@ -31,7 +31,7 @@ from storage.checkpoint.layout import (
     is_metadata_name,
     parse_step,
 )
-from storage.checkpoint.prefixes import expand, is_linked, is_prefix
+from storage.checkpoint.prefixes import expand, is_linked, is_prefix, split
 from storage.ops.steps import StepRoot
 
 log = logging.getLogger("storage.ops.manager")
@@ -73,19 +73,29 @@ class Retention:
         :func:`~storage.checkpoint.deletion.delete_checkpoint`). Raises
         :class:`UnsafeCheckpointError` for a step that is a symbolic link or holds a
         linked prefix directory, :class:`CheckpointInUseError` for one that a step
-        references or that an unreadable step might. ``siblings``: the steps as this
+        references or that an unreadable step might, :class:`CheckpointNotFoundError`
+        for one that is not committed (nothing removed). ``siblings``: the steps as this
         pass read them."""
         path = self.root.step_path(step)
         name = f"{STEP_PREFIX}{step}"
         siblings = siblings or self._siblings()
         try:
-            siblings.refuse_if_referenced(name)
             checkpoint = siblings.open(name)
+            if not checkpoint.committed:
+                raise FileNotFoundError(path)
+            siblings.refuse_if_referenced(name)
             delete_checkpoint(
                 self.root.fs, path, checkpoint, recheck=lambda: siblings.recheck_users(name)
             )
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.root.fs.url(path)} does not exist") from None
+            url = self.root.fs.url(path)
+            if not self.root.fs.exists(path):
+                raise CheckpointNotFoundError(f"{url} does not exist") from None
+            raise CheckpointNotFoundError(
+                f"{url} is not a committed checkpoint (no metadata: an interrupted save, or "
+                "a save in flight); nothing was deleted. cleanup() (`dcp-storage gc`) removes "
+                "interrupted saves once older than its grace period"
+            ) from None
         siblings.forget(name)
 
     def _siblings(self) -> Siblings:
@@ -123,6 +133,8 @@ class Retention:
                     self.delete(step, siblings)
                 except UnsafeCheckpointError as exc:  # referenced from outside, or linked
                     log.warning("kept %s: %s", self.root.step_url(step), exc)
+                    doomed.remove(step)
+                except CheckpointNotFoundError:  # another process deleted it meanwhile
                     doomed.remove(step)
         return doomed
 
@@ -235,7 +247,8 @@ class Retention:
         retry committed (and a multi-rank save that failed on another rank). Also the
         stale heartbeats of writers that died there. Removed unless ``dry_run``; returns
         their URLs. Only data file names, never through a link, never in a checkpoint
-        with a live heartbeat (a save in flight) or whose metadata cannot be read."""
+        with a live heartbeat (a save in flight) or whose metadata cannot be read, never in a
+        key prefix directory holding anything but data files (a checkpoint of its own)."""
         horizon = _horizon(grace_seconds)
         if not self.may_delete():
             return []
@@ -276,8 +289,12 @@ class Retention:
         if not checkpoint.readable or not referenced:
             return []  # unreadable metadata: touch nothing
         doomed = list(stale)
+        # A prefix directory holding anything but data files (a checkpoint copied or
+        # saved into `0a/`, its heartbeat, a user's file) is not one of this
+        # checkpoint's: its files are not orphans here.
+        foreign = {p for n in names if (p := split(n)[0]) is not None and not is_data_file_name(n)}
         for name in names:
-            if not is_data_file_name(name) or name in referenced:
+            if not is_data_file_name(name) or name in referenced or split(name)[0] in foreign:
                 continue
             try:
                 mtime = fs.modified(fs.concat_path(path, name))
@@ -309,6 +326,13 @@ class Retention:
         except (FileNotFoundError, NotADirectoryError):
             return None
         if any(is_metadata_name(n) for n in names):
+            return None
+        # The listing may lag or miss an object: before a committed step's files are
+        # taken for leftovers, its metadata is asked for by name too.
+        if any(
+            self.root.fs.exists(self.root.fs.concat_path(path, n))
+            for n in (fmt.metadata_name(), fmt.metadata_name(0))
+        ):
             return None
         if heartbeat.live(self.root.fs, path, grace_seconds)[0]:
             return None  # a save or copy is writing here, whatever the files' dates say

@@ -100,6 +100,27 @@ def test_rm_and_retention_delete_only_data_files(tmp_path: Path) -> None:
     assert (root / "step-2" / "notes.distcp").read_text() == "precious"
 
 
+@pytest.mark.parametrize("where", ["step-1/0a", "."])
+def test_gc_keeps_the_files_of_a_checkpoint_nested_in_a_prefix_named_folder(
+    tmp_path: Path, where: str
+) -> None:
+    # Without the fix, gc took a checkpoint copied into a folder whose name is a key
+    # prefix (`cp run/step-1 run/step-1/0a`, or a checkpoint ROOT holding `2024/`) for
+    # a key prefix directory of the checkpoint around it, and removed its data files
+    # as orphans: the nested checkpoint no longer loaded.
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root)
+    mgr.save(1, _state(1.0))
+    outer = root / where
+    if where == ".":
+        assert main(["cp", str(root / "step-1"), str(root)]) == 0
+    nested = outer / ("2024" if where == "." else "")
+    assert main(["cp", str(root / "step-1"), str(nested)]) == 0
+    assert main(["gc", str(root), "--keep-last", "5", "--grace", "0"]) == 0
+    _assert_loads(nested, 1.0)
+    _assert_loads(root / "step-1", 1.0)
+
+
 # --- 2. never delete through a symbolic link -------------------------------------------
 
 

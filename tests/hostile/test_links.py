@@ -191,3 +191,53 @@ def test_save_never_writes_through_a_linked_prefix(tmp_path: Path, make_fs: Any)
         storage.save(_state(), f"file://{ckpt}", key_prefixes=2, filesystem=fs)
     assert list(elsewhere.iterdir()) == []
     assert not (ckpt / ".metadata").exists()
+
+
+# --- saving over a step directory that is itself a link -----------------------------------
+
+
+@pytest.fixture
+def linked_step(tmp_path: Path) -> tuple[Path, Path, list[Path]]:
+    """``root/step-0``: a link to ``shared``, a committed checkpoint of someone else's
+    (the shared pretrained checkpoint linked in as step 0)."""
+    root, shared = tmp_path / "root", tmp_path / "shared" / "pretrained"
+    storage.save(_state(1.0), str(shared))
+    root.mkdir()
+    (root / "step-0").symlink_to(shared, target_is_directory=True)
+    return root, shared, sorted(shared.iterdir())
+
+
+def _pretrained_intact(shared: Path, files: list[Path]) -> None:
+    assert sorted(shared.iterdir()) == files
+    out = {"w": torch.zeros(16), "step": -1}
+    storage.load(out, str(shared))
+    assert out["step"] == 1
+
+
+def test_manager_refuses_to_save_over_a_linked_step(
+    linked_step: tuple[Path, Path, list[Path]],
+) -> None:
+    # Before: a loop that saves at step 0 wrote its state into the shared pretrained
+    # checkpoint linked in as step-0, replaced its metadata and removed its data files
+    # through the link; every other run using it then loaded this run's state.
+    root, shared, files = linked_step
+    mgr = CheckpointManager(root)
+    with pytest.raises(UnsafeCheckpointError, match="step-0 is a symbolic link"):
+        mgr.save(0, _state(7.0))
+    _pretrained_intact(shared, files)
+    mgr.save(1, _state(2.0))  # other steps save as before
+    assert mgr.steps() == [0, 1]
+
+
+def test_saving_or_copying_over_a_linked_checkpoint_keeps_its_files(
+    linked_step: tuple[Path, Path, list[Path]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: `storage.save` and `cp --overwrite` at the link removed the replaced
+    # checkpoint's data files through it, though `rm` refuses to delete through a link.
+    root, shared, files = linked_step
+    storage.save(_state(5.0), str(root / "step-0"))
+    storage.save(_state(6.0), str(root.parent / "other"))
+    assert main(["cp", str(root.parent / "other"), str(root / "step-0"), "--overwrite"]) == 0
+    data = [f for f in files if f.suffix == ".distcp"]
+    _intact(data)
+    assert "symbolic link" in caplog.text

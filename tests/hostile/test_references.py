@@ -229,6 +229,34 @@ def test_delete_refuses_while_a_sibling_cannot_be_read(flaky: tuple[Path, _Flaky
     _assert_loads(root / "step-2", 2)
 
 
+class _ListingMissesMetadata(LocalFileSystem):
+    """Local disk whose listing of ``lagging`` misses its ``.metadata`` (a listing that
+    lags behind the store, or misses an object); reads by name work."""
+
+    lagging: str | None = None
+
+    def ls(self, path: str) -> list[str]:
+        names = super().ls(path)
+        return [n for n in names if n != ".metadata"] if path == self.lagging else names
+
+
+def test_a_referencing_step_whose_listing_misses_its_metadata_still_keeps_its_base(
+    flaky: tuple[Path, _FlakyDisk],
+) -> None:
+    # Before: the reference check opened each sibling from its listing alone: step-2,
+    # whose listing missed its .metadata, looked uncommitted, so delete(1), retention
+    # and `rm` removed step-1, which step-2 references.
+    root, _ = flaky
+    fs = _ListingMissesMetadata()
+    fs.lagging = str(root / "step-2")
+    mgr = CheckpointManager(root, keep_last=1, filesystem=fs)
+    with pytest.raises(CheckpointInUseError, match="step-2"):
+        mgr.delete(1)
+    assert mgr.apply_retention() == []
+    _assert_loads(root / "step-1", 1)
+    _assert_loads(root / "step-2", 2)
+
+
 # --- two processes on one root: a deletion racing an incremental save of the base ---------
 
 

@@ -203,6 +203,20 @@ def test_delete_removes_metadata_first(tmp_path: Any) -> None:
         mgr.delete(1)
 
 
+def test_delete_of_an_uncommitted_step_says_so_and_removes_nothing(tmp_path: Any) -> None:
+    # Before: delete() of a step directory without metadata (an interrupted save, or a
+    # save in flight in another process) returned quietly, the step still there.
+    mgr = CheckpointManager(str(tmp_path / "run"))
+    mgr.save(1, _state(1))
+    leftover = tmp_path / "run" / "step-5" / "__0_0-0123456789ab.distcp"
+    leftover.parent.mkdir()
+    leftover.write_bytes(b"a save in flight")
+    with pytest.raises(CheckpointNotFoundError, match=r"step-5 is not a committed.*cleanup"):
+        mgr.delete(5)
+    assert leftover.read_bytes() == b"a save in flight"
+    assert mgr.steps() == [1]
+
+
 def test_delete_interrupted_after_metadata_is_not_a_checkpoint() -> None:
     class FailsOnData(storage.MemoryFileSystem):
         def rm_file(self, path: str) -> None:
@@ -259,6 +273,30 @@ def test_cleanup_removes_old_unreferenced_data_files_in_committed_steps(tmp_path
     assert sorted(p.name for p in step.iterdir() if p.name not in (fresh.name, "notes.txt")) == own
     out = _blank()
     assert mgr.load(out) == 3 and torch.equal(out["w"], _state(3)["w"])
+
+
+def test_cleanup_never_takes_a_committed_step_whose_listing_misses_its_metadata(
+    tmp_path: Any,
+) -> None:
+    # Before: a listing that missed the .metadata of a committed step (a stale or
+    # lagging listing) made it look like an interrupted save, and cleanup removed the
+    # data files of that committed checkpoint once they were older than the grace.
+    class MissesMetadata(storage.LocalFileSystem):
+        def ls(self, path: str) -> list[str]:
+            names = super().ls(path)
+            return [n for n in names if n != ".metadata"] if path.endswith("step-3") else names
+
+    root = tmp_path / "run"
+    CheckpointManager(str(root)).save(3, _state(3))
+    long_ago = time.time() - 7200
+    for p in (root / "step-3").iterdir():
+        os.utime(p, (long_ago, long_ago))
+    own = sorted(p.name for p in (root / "step-3").iterdir())
+    mgr = CheckpointManager(str(root), filesystem=MissesMetadata())
+    assert mgr.cleanup(grace_seconds=3600) == []
+    assert sorted(p.name for p in (root / "step-3").iterdir()) == own
+    out = _blank()
+    assert CheckpointManager(str(root)).load(out) == 3
 
 
 def test_cleanup_keeps_leftovers_of_unknown_age() -> None:
