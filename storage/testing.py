@@ -257,6 +257,23 @@ class FileSystemTests(ConformanceSuite):
             got = view.read()
         assert got == _payload(1000)[900:]
 
+    @pytest.mark.parametrize("size", [0, 1, 1000, 100_000])
+    def test_read_bytes_with_a_limit_returns_at_most_one_byte_more(
+        self, fs: FileSystemBase, root: str, size: int
+    ) -> None:
+        """A caller that refuses objects over ``limit`` bytes (metadata) gets the first
+        ``limit + 1`` at most: enough to tell, and what a ranged request fetches."""
+        path = fs.concat_path(root, "obj.bin")
+        data = _payload(size)
+        self.bypass_write(fs, path, data)
+        for limit in (0, 1, 999, 1000, 1001, 70_000, 1 << 30):
+            assert fs.read_bytes(path, limit=limit) == data[: limit + 1]
+        assert fs.read_bytes(path, limit=None) == data
+        with pytest.raises(ValueError):
+            fs.read_bytes(path, limit=-1)
+        with pytest.raises(FileNotFoundError):
+            fs.read_bytes(fs.concat_path(root, "missing.bin"), limit=10)
+
     # --- atomic publish --------------------------------------------------------------
 
     def test_write_atomic_and_exclusive(self, fs: FileSystemBase, root: str) -> None:

@@ -269,8 +269,11 @@ class FsspecFileSystem(FileSystemBase):
             )
         return data
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
+        length = self._read_length(limit)
         with self._errors(path, "reading"):
+            if length is not None:  # one ranged request
+                return self._fetch_range(path, 0, length)
             data: bytes = self._request("cat_file", path)
         return data
 

@@ -30,6 +30,10 @@ Semantics every backend guarantees (checked by ``storage.testing.FileSystemTests
 * ``open_slice(path, offset, length)`` reads only ``[offset, offset + length)``: it
   never returns a byte outside that range, and a read that runs past the end of the
   object returns fewer bytes (the caller reports truncation).
+* ``read_bytes(path, limit=N)`` returns the object's first ``N + 1`` bytes at most (all
+  of it when shorter), and fetches no more than that from the store: a caller that
+  refuses objects over ``N`` bytes (metadata) tells one from the bytes it got, without
+  a size request first. On object stores it is one request, as without ``limit``.
 * ``write_atomic`` publishes small objects (metadata) atomically; with
   ``exclusive=True`` it fails with ``FileExistsError`` if the path already exists,
   using the store's conditional create where it has one.
@@ -61,7 +65,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar, cast
 
-from extensions.streams import SliceView
+from extensions.streams import SliceView, read_all
 
 
 @dataclass(frozen=True)
@@ -147,10 +151,24 @@ class FileSystemBase(abc.ABC):
         with self.create_stream(path, "rb") as stream:
             yield cast(IO[bytes], SliceView(stream, offset, length))
 
-    def read_bytes(self, path: str) -> bytes:
-        """The whole content of ``path``."""
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
+        """The whole content of ``path``; with ``limit``, at most its first ``limit + 1``
+        bytes, and no more fetched (see the module docstring).
+
+        Backends with ranged requests override this to send one GET of that range."""
+        self._read_length(limit)
         with self.create_stream(path, "rb") as stream:
-            return stream.read()
+            return stream.read() if limit is None else read_all(stream, limit=limit)
+
+    @staticmethod
+    def _read_length(limit: int | None) -> int | None:
+        """For backends that override ``read_bytes``: refuse a negative ``limit``; the
+        bytes to fetch (``limit + 1``; ``None``: all)."""
+        if limit is None:
+            return None
+        if limit < 0:
+            raise ValueError(f"invalid read limit {limit}: a byte count of 0 or more")
+        return limit + 1
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         """Publish ``data`` at ``path`` whole or not at all, durably.

@@ -69,26 +69,29 @@ def read_metadata_file(fs: FileSystemBase, meta_path: str) -> Metadata | None:
 
 
 def read_metadata_bytes(fs: FileSystemBase, meta_path: str) -> bytes:
-    """The content of the metadata file ``meta_path`` (``fs.read_bytes``), refused with
-    :class:`UnsafeCheckpointError` past ``format.MAX_METADATA_BYTES``. Where reads are
-    local, and a sparse file of any size is free to make, its size is checked before it
-    is read (a stat); elsewhere the store's object is fetched whole first."""
+    """The content of the metadata file ``meta_path``, refused with
+    :class:`UnsafeCheckpointError` past ``format.MAX_METADATA_BYTES``. The read is
+    bounded (``fs.read_bytes(limit=...)``: at most one byte more than the bound is
+    fetched, in the one request a load makes anyway); where reads are local, and a
+    sparse file of any size is free to make, its size is checked first (a stat), so not
+    even the bound is read."""
+    limit = fmt.MAX_METADATA_BYTES
     if fs.local_reads:
         try:
             size = fs.size(meta_path)
         except (FileNotFoundError, NotADirectoryError):
             size = 0  # the read below says it is missing
-        _refuse_oversized(fs, meta_path, size)
-    data = fs.read_bytes(meta_path)
-    _refuse_oversized(fs, meta_path, len(data))
+        _refuse_oversized(fs, meta_path, size, f"metadata of {size} bytes")
+    data = fs.read_bytes(meta_path, limit=limit)
+    _refuse_oversized(fs, meta_path, len(data), "metadata")
     return data
 
 
-def _refuse_oversized(fs: FileSystemBase, meta_path: str, size: int) -> None:
+def _refuse_oversized(fs: FileSystemBase, meta_path: str, size: int, what: str) -> None:
     limit = fmt.MAX_METADATA_BYTES
     if size > limit:
         raise UnsafeCheckpointError(
-            f"{fs.url(meta_path)}: metadata of {size} bytes is larger than {limit} bytes "
+            f"{fs.url(meta_path)}: {what} is larger than {limit} bytes "
             "(a DCP metadata takes about 200 bytes per item); refusing to read it: the "
             "file is damaged or hostile"
         )

@@ -42,6 +42,7 @@ from storage.checkpoint.safetensors.header import (
     dtype_name,
     encode_header,
     layout,
+    new_write_id,
 )
 from storage.checkpoint.safetensors.staging import STALE_AFTER, sweep
 from storage.checkpoint.tensors import empty_stored, tensor_bytes
@@ -161,11 +162,12 @@ def export_safetensors(
             sweep(dst_fs, dst, STALE_AFTER)
         except Exception as exc:  # the export does not depend on it; gc sweeps too
             log.warning("%s: leftovers of interrupted saves not swept: %s", dst_fs.url(dst), exc)
-        stream = _Stream(src_fs, checkpoint, pool, load_batch, Cancel(current()))
+        write_id = new_write_id()  # in every file and the index: a mix with another is refused
+        stream = _Stream(src_fs, checkpoint, pool, load_batch, Cancel(current()), write_id)
         total = stream.write_all(dst_fs, files, everything, progress)
     weight_map = {t.name: name for (_, group), name in zip(files, names) for t in group}
     if len(names) > 1:
-        publish_index(dst_fs, dst, weight_map, total)
+        publish_index(dst_fs, dst, weight_map, total, write_id)
         names.append(INDEX_NAME)
     else:
         dst_fs.sync_dir(dst)
@@ -183,6 +185,7 @@ class _Stream:
     pool: ThreadPoolExecutor
     load_batch: Callable[[list[Tensor]], dict[str, torch.Tensor]]
     stop: Cancel
+    write_id: str
 
     def write_all(
         self,
@@ -231,7 +234,8 @@ class _Stream:
         by_name = {t.name: t for t in tensors}
         shapes = {t.name: (t.dtype, t.shape) for t in tensors}
         order = [by_name[n] for n in layout(shapes)]
-        header = encode_header(shapes, [t.name for t in order], {t.name: t.crc32c for t in order})
+        crcs = {t.name: t.crc32c for t in order}
+        header = encode_header(shapes, [t.name for t in order], crcs, self.write_id)
         done = 0
         runs = [run for t in order for run in t.runs or ()]
         with publish_file(fs, path) as out, contextlib.closing(self._chunks(runs)) as chunks:

@@ -49,7 +49,7 @@ def test_files_references_and_chain_across_rank_local_metadata(tmp_path: Path) -
 
 
 class _Broken(LocalFileSystem):
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
         raise OSError(errno.EIO, "Input/output error", path)
 
 
@@ -78,8 +78,8 @@ class _Counting(LocalFileSystem):
         super().__init__()
         self.metadata_reads: list[str] = []
 
-    def read_bytes(self, path: str) -> bytes:
-        data = super().read_bytes(path)  # a missing one is no read
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
+        data = super().read_bytes(path, limit=limit)  # a missing one is no read
         if path.endswith("metadata"):
             self.metadata_reads.append(path)
         return data

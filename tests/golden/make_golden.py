@@ -5,6 +5,11 @@
 Writes ``expected.pt`` (the state dict, saved with torch.save) and one checkpoint per
 flavour: ours without transforms and with zstd, stock DCP without and with torch's
 ZStandard. ``tests/checkpoint/test_core.py::test_golden_checkpoints_keep_loading`` loads them all.
+
+``safetensors-v1`` is not made here: it is a model ``SafetensorsWriter`` saved (the
+golden state dict's tensors, ``max_shard_size=200``) before files recorded a write id,
+kept as it is so that ``tests/checkpoint/test_safetensors_mixed.py`` proves such models
+keep loading.
 """
 
 from __future__ import annotations

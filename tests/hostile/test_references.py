@@ -186,10 +186,10 @@ class _FlakyDisk(LocalFileSystem):
 
     failing: str | None = None
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
         if self.failing is not None and path == self.failing:
             raise OSError(errno.EIO, "Input/output error", path)
-        return super().read_bytes(path)
+        return super().read_bytes(path, limit=limit)
 
 
 @pytest.fixture

@@ -123,9 +123,9 @@ class ProbeFileSystem(LocalFileSystem):
         with super().open_slice(path, offset, length) as stream:
             yield stream
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
         self._count("read_bytes")
-        return super().read_bytes(path)
+        return super().read_bytes(path, limit=limit)
 
     def exists(self, path: str) -> bool:
         self._count("exists")

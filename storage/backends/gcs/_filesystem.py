@@ -149,7 +149,7 @@ class GCSFileSystem(FsspecFileSystem):
         return self._open_range(path, offset, length)
 
     def _open_range(
-        self, path: str, offset: int = 0, length: int | None = None
+        self, path: str, offset: int = 0, length: int | None = None, *, window: int | None = None
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
         reader = open_reader(
             self.fs,
@@ -158,13 +158,15 @@ class GCSFileSystem(FsspecFileSystem):
             offset,
             length,
             functools.partial(self._errors, path),
-            window=self.part_size,
+            window=window or self.part_size,
         )
         return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
 
-    def read_bytes(self, path: str) -> bytes:
-        # The metadata of a load: the same GET as the data (no aiohttp session to build).
-        with self._open_range(path) as reader:
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
+        # The metadata of a load: the same GET as the data (no aiohttp session to build),
+        # one either way: bounded, its range is the whole bound (one window).
+        length = self._read_length(limit)
+        with self._open_range(path, 0, length, window=length) as reader:
             return reader.read()
 
     def _getter(self) -> Get:

@@ -249,8 +249,11 @@ class S3FileSystem(FsspecFileSystem):
             return contextlib.nullcontext(io.BytesIO())
         return contextlib.closing(open_reader(self.client, path, offset, length))  # type: ignore[return-value,arg-type]
 
-    def read_bytes(self, path: str) -> bytes:
-        with contextlib.closing(open_reader(self.client, path, 0, None)) as reader:
+    def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
+        # One GET either way: bounded, its range is the whole bound (one window).
+        length = self._read_length(limit)
+        reader = open_reader(self.client, path, 0, length, window=length)
+        with contextlib.closing(reader):
             return reader.readall()
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:

@@ -124,10 +124,14 @@ class _Body:
             self._client.close_body(body)
 
 
-def open_reader(client: S3Client, path: str, offset: int, length: int | None) -> ObjectReader:
+def open_reader(
+    client: S3Client, path: str, offset: int, length: int | None, *, window: int | None = None
+) -> ObjectReader:
     """``[offset, offset + length)`` of ``path`` (``length=None``: to its end) in windows
-    of ``client.part_size``, its first GET sent (a missing object fails here)."""
-    return ObjectReader.opened(S3Object(client, path), offset, length, window=client.part_size)
+    of ``window`` bytes (default ``client.part_size``), its first GET sent (a missing
+    object fails here)."""
+    size = window or client.part_size
+    return ObjectReader.opened(S3Object(client, path), offset, length, window=size)
 
 
 class MultipartWriter(FilledUpload):

@@ -92,11 +92,12 @@ def consolidate(
     *,
     max_shard_size: int | None,
     threads: int,
+    write_id: str,
 ) -> None:
     """Write the model at ``root`` from the staged ``pieces`` (fqn, piece) of every
     rank, as described in the module docstring; the index (or the single file) is
     published last. Raises ``IntegrityError`` naming the tensor when its shards do not
-    tile it exactly."""
+    tile it exactly. Every file and the index record ``write_id``."""
     by_fqn: dict[str, list[Piece]] = defaultdict(list)
     for fqn, piece in pieces:
         by_fqn[fqn].append(piece)
@@ -112,14 +113,14 @@ def consolidate(
 
     def write(job: tuple[list[str], str]) -> None:
         group, name = job
-        _assemble(fs, root, name, {f: tensors[f] for f in group})
+        _assemble(fs, root, name, {f: tensors[f] for f in group}, write_id)
 
     with ThreadPoolExecutor(max(1, min(threads, len(groups)))) as pool:
         list(pool.map(write, zip(groups, names)))
     if len(names) > 1:
         weight_map = {f: name for group, name in zip(groups, names) for f in group}
         total = sum(nbytes(t.dtype, t.shape) for t in tensors.values())
-        publish_index(fs, root, weight_map, total)
+        publish_index(fs, root, weight_map, total, write_id)
     else:
         fs.sync_dir(root)
 
@@ -150,10 +151,13 @@ def _check_tiling(url: str, fqn: str, tensor: _Tensor) -> int:
     return crc
 
 
-def _assemble(fs: FileSystemBase, root: str, name: str, tensors: dict[str, _Tensor]) -> None:
+def _assemble(
+    fs: FileSystemBase, root: str, name: str, tensors: dict[str, _Tensor], write_id: str
+) -> None:
     shapes = {fqn: (t.dtype, t.shape) for fqn, t in tensors.items()}
     order = layout(shapes)
-    header = encode_header(shapes, order, {fqn: tensors[fqn].crc32c for fqn in order})
+    crcs = {fqn: tensors[fqn].crc32c for fqn in order}
+    header = encode_header(shapes, order, crcs, write_id)
     buffer = bytearray(_COPY)
     with publish_file(fs, fs.concat_path(root, name)) as out:
         out.write(header)

@@ -7,6 +7,13 @@ written first and the index last, so an export that stopped half way has no inde
 is never taken for a model; a single file is published whole (object stores publish an
 upload whole, local disk writes a temporary name and renames it). Replacing a model
 removes its index (or single file) before anything else is written.
+
+Each write (a save, an export) records one random id in every file's header and in the
+index (:data:`~storage.checkpoint.safetensors.header.WRITE_KEY`): two writes to one
+folder at once publish the same names, each file whole, so the folder may end with
+files of both under one index; :func:`read_model` refuses such a mix (every reader and
+``verify`` go through it). Models that record no id (other writers, ours before ids)
+are not checked.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
@@ -34,6 +41,8 @@ from storage.checkpoint.safetensors.header import (
     INDEX_NAME,
     MAX_HEADER,
     SINGLE_NAME,
+    WRITE_KEY,
+    Header,
     TensorEntry,
     encode_header,
     header_length,
@@ -106,16 +115,18 @@ def write_file(
     path: str,
     tensors: Sequence[tuple[str, torch.Tensor]],
     *,
+    write_id: str | None = None,
     progress: Callable[[int], object] | None = None,
 ) -> int:
     """Write one safetensors file holding ``tensors`` (CPU, contiguous) with their
-    CRC-32Cs, in the library's byte layout; returns the bytes of tensor data.
-    ``progress`` is called with the tensor bytes written so far after each tensor."""
+    CRC-32Cs and ``write_id``, in the library's byte layout; returns the bytes of
+    tensor data. ``progress`` is called with the tensor bytes written so far after
+    each tensor."""
     by_name = dict(tensors)
     shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors}
     order = layout(shapes)
     crcs = {name: crc32c.crc32c(tensor_bytes(by_name[name])) for name in order}
-    header = encode_header(shapes, order, crcs)
+    header = encode_header(shapes, order, crcs, write_id)
     with publish_file(fs, path) as out:
         out.write(header)
         done = 0
@@ -128,9 +139,13 @@ def write_file(
     return sum(t.numel() * t.element_size() for _, t in tensors)
 
 
-def publish_index(fs: FileSystemBase, root: str, weight_map: dict[str, str], total: int) -> None:
-    """The commit of a model in several files: the index, as transformers writes it."""
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+def publish_index(
+    fs: FileSystemBase, root: str, weight_map: dict[str, str], total: int, write_id: str
+) -> None:
+    """The commit of a model in several files: the index, as transformers writes it,
+    with the ``write_id`` its files carry in its ``metadata``."""
+    meta: dict[str, object] = {"total_size": total, WRITE_KEY: write_id}
+    index = {"metadata": meta, "weight_map": weight_map}
     text = json.dumps(index, indent=2, sort_keys=True) + "\n"
     fs.write_atomic(fs.concat_path(root, INDEX_NAME), text.encode())
     fs.sync_dir(root)
@@ -138,15 +153,18 @@ def publish_index(fs: FileSystemBase, root: str, weight_map: dict[str, str], tot
 
 def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, TensorEntry]:
     """Every tensor of the committed model at ``root``: its index (else its single
-    file) read, then each file's header once, checked (see ``header``)."""
+    file) read, then each file's header once, checked (see ``header``), and the files
+    an index names checked to come from the write that wrote it (:func:`_same_write`)."""
     index_path = fs.concat_path(root, INDEX_NAME)
     try:
         text = _read_limited(fs, index_path)
     except FileNotFoundError:
         text = None
     weight_map: dict[str, str] | None = None
+    write_id: str | None = None
     if text is not None:
-        weight_map = parse_index(text, fs.url(index_path))
+        index = parse_index(text, fs.url(index_path))
+        weight_map, write_id = index.weight_map, index.write_id
         files = sorted(set(weight_map.values()))
     elif fs.exists(fs.concat_path(root, SINGLE_NAME)):
         files = [SINGLE_NAME]
@@ -157,9 +175,11 @@ def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, Ten
         )
     with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
         headers = list(pool.map(lambda f: read_header(fs, root, f), files))
+    if weight_map is not None:
+        _same_write(fs, root, write_id, zip(files, headers))
     entries: dict[str, TensorEntry] = {}
     for header in headers:
-        for name, entry in header.items():
+        for name, entry in header.entries.items():
             if name in entries:
                 raise IntegrityError(
                     f"{fs.url(root)}: tensor {quote(name)} is in both {quote(entries[name].file)} "
@@ -176,7 +196,29 @@ def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, Ten
     return entries
 
 
-def read_header(fs: FileSystemBase, root: str, file: str) -> dict[str, TensorEntry]:
+def _same_write(
+    fs: FileSystemBase, root: str, write_id: str | None, headers: Iterable[tuple[str, Header]]
+) -> None:
+    """Refuse a model whose index and files do not all carry one write id: two saves or
+    exports to the folder at once each published their own files under the same names
+    (each file whole), so the folder holds files of both. None carrying an id (other
+    writers, ours before ids) is not checked."""
+    for file, header in headers:
+        if header.write_id == write_id:
+            continue
+        raise IntegrityError(
+            f"{fs.url(root)}: {quote(file)} was written by another save or export than the "
+            f"index {INDEX_NAME} (write id {_id(header.write_id)}, the index's "
+            f"{_id(write_id)}); two writes to this folder overlapped and it mixes their "
+            "files: export or save the model again, one writer at a time"
+        )
+
+
+def _id(write_id: str | None) -> str:
+    return "none" if write_id is None else quote(write_id)
+
+
+def read_header(fs: FileSystemBase, root: str, file: str) -> Header:
     """The checked header of ``file`` under ``root``: its length first (one read of
     the file's start), the rest of the header only if that read did not cover it."""
     path = fs.concat_path(root, file)
@@ -196,8 +238,9 @@ def read_header(fs: FileSystemBase, root: str, file: str) -> dict[str, TensorEnt
         ) from exc
     if len(text) < length:
         raise IntegrityError(f"{label}: the file ended inside its header; it is truncated")
-    entries = parse_header(text, label, size)
-    return {name: _named(entry, file) for name, entry in entries.items()}
+    header = parse_header(text, label, size)
+    entries = {name: _named(entry, file) for name, entry in header.entries.items()}
+    return Header(entries, header.write_id)
 
 
 def _named(entry: TensorEntry, file: str) -> TensorEntry:

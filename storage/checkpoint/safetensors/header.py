@@ -6,8 +6,10 @@ A file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON (padd
 spaces to a multiple of 8) and the tensors' bytes back to back. The JSON maps each
 tensor's name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets from the
 end of the header) and may hold ``"__metadata__"``, a string-to-string map. Ours records
-``"format": "pt"`` (what transformers requires) and, under :data:`CRC_KEY`, each tensor's
-CRC-32C; other readers ignore it, ours checks it.
+``"format": "pt"`` (what transformers requires), under :data:`CRC_KEY`, each tensor's
+CRC-32C and, under :data:`WRITE_KEY`, the id of the save or export that wrote the file
+(the index records it too, so files of two writes to one folder are told apart); other
+readers ignore them, ours checks them.
 
 Hostile headers are refused by :func:`parse_header` with an error naming the file, the
 tensor and the fix; the caller bounds the header's length (:data:`MAX_HEADER`) before
@@ -20,6 +22,7 @@ import json
 import math
 import re
 import struct
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +36,9 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SUFFIX = ".safetensors"
 CRC_KEY = "dcp_storage.crc32c"
+#: The id of the write (save, export) that wrote a file, in its ``__metadata__`` and in
+#: the index's ``metadata``: every file an index names must carry the index's.
+WRITE_KEY = "dcp_storage.write_id"
 METADATA_KEY = "__metadata__"
 #: Longest header (and index) accepted: far above any real model's, far below memory.
 MAX_HEADER = 100 << 20
@@ -84,6 +90,28 @@ class TensorEntry:
         return self.end - self.begin
 
 
+@dataclass(frozen=True)
+class Header:
+    """A checked header: its tensors and the id of the write that made the file
+    (``None`` when it records none: written by others, or before ids)."""
+
+    entries: dict[str, TensorEntry]
+    write_id: str | None
+
+
+@dataclass(frozen=True)
+class Index:
+    """A checked index: tensor name -> file name, and the id of the write that made it."""
+
+    weight_map: dict[str, str]
+    write_id: str | None
+
+
+def new_write_id() -> str:
+    """A fresh id for one save or export, recorded in every file it writes."""
+    return uuid.uuid4().hex
+
+
 def dtype_name(dtype: torch.dtype, where: str) -> str:
     """safetensors' name of ``dtype``; a dtype it cannot hold is a ``TypeError``."""
     try:
@@ -121,13 +149,16 @@ def encode_header(
     tensors: Mapping[str, tuple[torch.dtype, Sequence[int]]],
     order: Sequence[str],
     crcs: Mapping[str, int] | None,
+    write_id: str | None = None,
 ) -> bytes:
     """The 8-byte length and the padded JSON header of a file holding ``tensors``
     in ``order``, byte for byte as ``safetensors.torch.save`` writes it (with our
-    ``__metadata__``)."""
+    ``__metadata__``: the CRC-32Cs, and ``write_id`` when given)."""
     meta = {"format": "pt"}
     if crcs is not None:
         meta[CRC_KEY] = json.dumps({n: f"{crcs[n]:08x}" for n in order}, separators=(",", ":"))
+    if write_id is not None:
+        meta[WRITE_KEY] = write_id
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
     for name in order:
@@ -167,16 +198,17 @@ def header_length(prefix: bytes, file: str, size: int) -> int:
     return int(length)
 
 
-def parse_header(text: bytes, file: str, size: int) -> dict[str, TensorEntry]:
+def parse_header(text: bytes, file: str, size: int) -> Header:
     """The tensors of ``file`` (``size`` bytes, header ``text`` without its length
     prefix), each checked: a known dtype, a shape whose bytes are its extent, extents
     inside the file that tile its data region in order with no overlap or gap, names
-    unique, and our CRC-32C metadata well formed where present."""
+    unique, and our CRC-32C metadata well formed where present; and its write id."""
     raw = _load_json(text, file, "header")
     if not isinstance(raw, dict):
         raise _bad(file, None, "the header is not a JSON object")
     meta = raw.pop("__metadata__", None)
     crcs = _crcs(meta, file)
+    write_id = meta.get(WRITE_KEY) if isinstance(meta, dict) else None
     data_start = 8 + len(text)
     entries: dict[str, TensorEntry] = {}
     for name, info in raw.items():
@@ -198,7 +230,7 @@ def parse_header(text: bytes, file: str, size: int) -> dict[str, TensorEntry]:
             None,
             f"the tensors end at byte {cursor} but the file has {size} bytes",
         )
-    return entries
+    return Header(entries, write_id)
 
 
 def _entry(
@@ -258,11 +290,11 @@ def _crcs(meta: object, file: str) -> dict[str, int] | None:
     return {name: int(value, 16) for name, value in table.items()}
 
 
-def parse_index(text: bytes, index: str) -> dict[str, str]:
+def parse_index(text: bytes, index: str) -> Index:
     """The ``weight_map`` of an index (tensor name -> file name), every file name a
     plain ``*.safetensors`` name beside the index (at most 255 printable characters, as
     a checkpoint's file names): one that climbs out (``../``), is absolute or names
-    another location (``s3://...``) is refused."""
+    another location (``s3://...``) is refused; and the write id in its ``metadata``."""
     raw = _load_json(text, index, "index")
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -278,7 +310,14 @@ def parse_index(text: bytes, index: str) -> dict[str, str]:
                 "characters); refused (nothing outside the checkpoint "
                 "is read): fix the index's weight_map"
             )
-    return weight_map
+    meta = raw.get("metadata")
+    write_id = meta.get(WRITE_KEY) if isinstance(meta, dict) else None
+    if write_id is not None and not isinstance(write_id, str):
+        raise IntegrityError(
+            f"{index}: its metadata's {WRITE_KEY!r} is {quote(write_id)}, not a string; the "
+            "index is damaged: export the model again"
+        )
+    return Index(weight_map, write_id)
 
 
 def _load_json(text: bytes, file: str, what: str) -> Any:

@@ -29,7 +29,7 @@ from storage.checkpoint.safetensors.files import (
     split,
     write_file,
 )
-from storage.checkpoint.safetensors.header import check_name, dtype_name, nbytes
+from storage.checkpoint.safetensors.header import check_name, dtype_name, nbytes, new_write_id
 from storage.checkpoint.safetensors.staging import (
     STALE_AFTER,
     beating,
@@ -100,6 +100,7 @@ class SafetensorsWriter(StorageWriter):
         self.fs, self.path = filesystem_from_url(path, storage_options)
         self.last_error: BaseException | None = None
         self.is_coordinator = False
+        self.write_id = new_write_id()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.last_error = None
@@ -130,6 +131,8 @@ class SafetensorsWriter(StorageWriter):
         # Every rank's prepare_local_plan passed: a state dict refused there (an item
         # that is no tensor, a dtype or name safetensors cannot hold) left the old model.
         clear_destination(self.fs, self.path, overwrite=self.overwrite)
+        # One id per save, the coordinator's, in every file and the index (files.py).
+        self.write_id = new_write_id()
         try:
             sweep(self.fs, self.path, STALE_AFTER)
         except Exception as exc:  # the save does not depend on it; gc sweeps too
@@ -156,7 +159,7 @@ class SafetensorsWriter(StorageWriter):
         out = []
         for plan, rank_groups in zip(plans, groups):
             mapping = {fqn: name for group, name in zip(rank_groups, names) for fqn in group}
-            out.append(dataclasses.replace(plan, storage_data=mapping))
+            out.append(dataclasses.replace(plan, storage_data=_Files(mapping, self.write_id)))
         return out
 
     @records_error
@@ -165,14 +168,16 @@ class SafetensorsWriter(StorageWriter):
         if isinstance(plan.storage_data, Staged):
             fut.set_result(self._stage(plan.storage_data.object, plan, planner))
             return fut
+        files: _Files = plan.storage_data
         by_file: dict[str, list[WriteItem]] = defaultdict(list)
         for item in plan.items:
-            by_file[plan.storage_data[item.index.fqn]].append(item)
+            by_file[files.names[item.index.fqn]].append(item)
 
         def write(name: str) -> list[WriteResult]:
             items = by_file[name]
             tensors = [(i.index.fqn, _cpu(planner.resolve_data(i))) for i in items]
-            write_file(self.fs, self.fs.concat_path(self.path, name), tensors)
+            path = self.fs.concat_path(self.path, name)
+            write_file(self.fs, path, tensors, write_id=files.write_id)
             return [
                 WriteResult(index=i.index, size_in_bytes=_size(i), storage_data=name) for i in items
             ]
@@ -222,15 +227,26 @@ class SafetensorsWriter(StorageWriter):
                         pieces,
                         max_shard_size=self.max_shard_size,
                         threads=self.thread_count,
+                        write_id=self.write_id,
                     )
             finally:
                 remove_staging(self.fs, self.path, [p.object for _, p in pieces])
             return
         weight_map = {r.index.fqn: str(r.storage_data) for r in flat}
         if len(set(weight_map.values())) > 1:
-            publish_index(self.fs, self.path, weight_map, sum(r.size_in_bytes for r in flat))
+            total = sum(r.size_in_bytes for r in flat)
+            publish_index(self.fs, self.path, weight_map, total, self.write_id)
         else:
             self.fs.sync_dir(self.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Files:
+    """A rank's save plan (whole tensors): the file each of its tensors goes into, and
+    the save's write id, which every file records."""
+
+    names: dict[str, str]  #: fqn -> file name
+    write_id: str
 
 
 def _check_item(item: WriteItem, url: str) -> None:
