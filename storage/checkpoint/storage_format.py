@@ -265,26 +265,38 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     """Unpickle ``.metadata`` safely and check it (``validate.check_metadata``)."""
     from storage.checkpoint.validate import check_metadata  # validate builds on this module
 
+    _check_memo_refusing(data, where)
+    with _collector_paused():
+        try:
+            metadata = _RestrictedUnpickler(io.BytesIO(data), where).load()
+        except UnsafeCheckpointError:
+            raise
+        except Exception as exc:
+            raise _unreadable(where, exc) from exc
+        return check_metadata(metadata, where, len(data))
+
+
+def _check_memo_refusing(data: bytes, where: str) -> None:
     try:
         _check_memo(data)
-        with _collector_paused():
-            metadata = _RestrictedUnpickler(io.BytesIO(data), where).load()
-    except UnsafeCheckpointError:
-        raise
     except Exception as exc:
-        raise UnsafeCheckpointError(
-            f"{where}: metadata is not a readable DCP metadata file "
-            f"({printable(str(exc), 200)}); the checkpoint is damaged or was not written by DCP"
-        ) from exc
-    return check_metadata(metadata, where, len(data))
+        raise _unreadable(where, exc) from exc
+
+
+def _unreadable(where: str, exc: Exception) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{where}: metadata is not a readable DCP metadata file "
+        f"({printable(str(exc), 200)}); the checkpoint is damaged or was not written by DCP"
+    )
 
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the block (where it was on). Unpickling
-    a metadata makes ~40 objects per item, all kept: the collector's full passes over
-    them (seven for 20,000 items) took as long as the unpickling itself, and find
-    nothing to free. Objects freed meanwhile still go at once; only cycles wait."""
+    a metadata makes ~40 objects per item, all kept, and checking it walks them all: the
+    collector's full passes over them (seven for 20,000 items) took as long as the
+    unpickling itself, and find nothing to free. Objects freed meanwhile still go at
+    once; only cycles wait."""
     if not gc.isenabled():
         yield
         return
