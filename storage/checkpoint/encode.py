@@ -130,6 +130,9 @@ def archive_frame(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
         or tensor.requires_grad
         or tensor.numel() == 0
         or tensor.__dict__
+        or tensor.storage_offset() != 0
+        or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
+        or not tensor.is_contiguous()
     ):
         return None
     return _frame(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))

@@ -502,7 +502,7 @@ class _Tagged(torch.Tensor):
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 def test_tensors_torch_pickles_more_of_keep_torchs_archive() -> None:
     """A subclass, a tensor with attributes, one that requires grad, a quantized or an
-    empty one is archived by torch itself, never framed as a plain tensor."""
+    empty one, or a view, is archived by torch itself, never framed as a plain tensor."""
     from storage.checkpoint import encode
 
     attributed = torch.randn(3)
@@ -513,6 +513,8 @@ def test_tensors_torch_pickles_more_of_keep_torchs_archive() -> None:
         torch.randn(3, requires_grad=True),
         torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8),
         torch.empty(0),
+        torch.randn(8)[2:6],  # a view: torch.save writes its whole storage
+        torch.randn(4, 4).t(),
     ]
     for tensor in special:
         assert encode.archive_frame(tensor) is None
