@@ -535,6 +535,8 @@ def main() -> None:
     figures: list[Figure] = []
     protocols: list[str] = []
     started = time.monotonic()
+    if args.plots:
+        os.makedirs(args.plots, exist_ok=True)  # before minutes of runs, not after
 
     def note(part: str, began: float) -> None:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
