@@ -82,3 +82,64 @@ def test_an_endless_answer_to_a_gcs_upload_request_is_not_read_whole(status: str
                 call(gcs.loop, _session.request, gcs, "POST", url, data=b"{}")
         server.close()
     assert answer.sent < ENDLESS // 4
+
+
+class _Resumable:
+    """A GCS resumable-upload endpoint that keeps the first chunk and then answers the
+    final one with a ``308`` whose ``Range`` says ``final`` (``"stuck"``: no byte of it
+    kept, :data:`_GIVE_IN` times before it gives in; ``"backwards"``: fewer bytes than
+    it confirmed for the first chunk, once)."""
+
+    def __init__(self, final: str) -> None:
+        self.final = final
+        self.puts: list[str] = []  # the Content-Range of every chunk
+
+    def __call__(self, request: Request, sock: socket.socket) -> bool:
+        if request.method == "POST":
+            location = f"http://{request.headers['host']}/session"
+            sock.sendall(head("200 OK", {"Location": location, "Content-Length": "0"}))
+            return True
+        if request.method != "PUT":
+            sock.sendall(head("204 No Content", {}))
+            return True
+        sent = request.headers["content-range"]
+        self.puts.append(sent)
+        first, last = (int(n) for n in sent.split(" ")[1].split("/")[0].split("-"))
+        kept = last
+        if not sent.endswith("/*"):  # the final chunk
+            finals = sum(not p.endswith("/*") for p in self.puts)
+            if self.final == "stuck" and finals < _GIVE_IN:
+                kept = first - 1
+            elif self.final == "backwards" and finals == 1:
+                kept = 99
+            else:
+                sock.sendall(head("200 OK", {"Content-Length": "2"}) + b"{}")
+                return True
+        sock.sendall(
+            head("308 Resume Incomplete", {"Range": f"bytes=0-{kept}", "Content-Length": "0"})
+        )
+        return True
+
+
+_GIVE_IN = 30
+
+
+@pytest.mark.parametrize("final", ["stuck", "backwards"])
+def test_a_resumable_upload_whose_server_keeps_nothing_fails(final: str) -> None:
+    """Before, a chunk answered ``308`` with no byte of it kept was sent again at once,
+    without a wait and without end (here until the server gave in after 30 tries, the
+    save then reported as done); a ``308`` saying the server kept fewer bytes than it had
+    confirmed sent the end of the chunk as the bytes at that offset."""
+    answer = _Resumable(final)
+    part = 256 << 10
+    with HostileServer(answer) as server:
+        fs = storage.GCSFileSystem(
+            storage_options=gcs_options(server.url), part_size=part, single_request_size=0
+        )
+        fs.fs.retries = 2
+        stream = fs.create_stream(f"{BUCKET}/obj", "wb")
+        with pytest.raises(OSError, match="kept"), stream as file:
+            file.write(b"x" * (part + 100))
+    assert len(answer.puts) <= 3
+    # Every chunk went out at the offset it belongs at.
+    assert answer.puts[1:] == [f"bytes {part}-{part + 99}/{part + 100}"] * (len(answer.puts) - 1)
