@@ -143,3 +143,44 @@ def test_a_resumable_upload_whose_server_keeps_nothing_fails(final: str) -> None
     assert len(answer.puts) <= 3
     # Every chunk went out at the offset it belongs at.
     assert answer.puts[1:] == [f"bytes {part}-{part + 99}/{part + 100}"] * (len(answer.puts) - 1)
+
+
+class _Replaced:
+    """Serves a 1000-byte object: the first GET breaks off after 500 bytes of version
+    ``1``; every later GET ignores its precondition (``If-Match``, ``generation=``)
+    and serves version ``2``, whose bytes differ, saying so in ``header``."""
+
+    def __init__(self, header: str) -> None:
+        self.header = header
+        self.gets = 0
+
+    def __call__(self, request: Request, sock: socket.socket) -> bool:
+        self.gets += 1
+        first, last = (int(n) for n in request.headers["range"][6:].split("-"))
+        version, byte = ("1", b"a") if self.gets == 1 else ("2", b"b")
+        headers = {
+            self.header: f'"{version}"' if self.header == "ETag" else version,
+            "Content-Range": f"bytes {first}-{last}/1000",
+            "Content-Length": str(last - first + 1),
+        }
+        sock.sendall(head("206 Partial Content", headers))
+        if self.gets == 1:
+            sock.sendall(byte * 500)
+            return False  # broken off: the rest is asked for again
+        sock.sendall(byte * (last - first + 1))
+        return True
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_a_resumed_read_never_takes_another_version(backend: str) -> None:
+    """Before, a resumed GET's answer was taken whatever version it said it served: a
+    store or proxy that ignored the pin (``If-Match``, ``generation=``) had the read
+    stitch two versions together (here 500 bytes of each) and hand them over as the
+    object's."""
+    answer = _Replaced("ETag" if backend == "s3" else "X-Goog-Generation")
+    with HostileServer(answer) as server:
+        fs: Any = _s3(server.url) if backend == "s3" else _gcs(server.url)
+        stream = fs.open_slice(f"{BUCKET}/obj", 0, 1000)
+        with pytest.raises(OSError, match="replaced or deleted"), stream as file:
+            file.read()
+    assert answer.gets == 2
