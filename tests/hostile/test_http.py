@@ -5,6 +5,7 @@ store and says what happened before the fix it guards."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from typing import Any
@@ -184,3 +185,37 @@ def test_a_resumed_read_never_takes_another_version(backend: str) -> None:
         with pytest.raises(OSError, match="replaced or deleted"), stream as file:
             file.read()
     assert answer.gets == 2
+
+
+class _Interim:
+    """Answers every request with ``100 Continue`` over and over (up to :data:`_INTERIM`
+    of them, so a test of the unfixed code ends), and never with a response."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+
+    def __call__(self, request: Request, sock: socket.socket) -> bool:
+        with contextlib.suppress(OSError):
+            for _ in range(_INTERIM // 1000):
+                if self.stopped.is_set():
+                    break
+                sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n" * 1000)
+        return False
+
+
+_INTERIM = 300_000
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_endless_interim_answers_fail_the_request(backend: str) -> None:
+    """Before, ``http.client`` skipped any number of ``100 Continue`` answers while
+    waiting for a response, each well within the read timeout: a server sending them
+    without end held a read forever (here until it stopped after 300,000)."""
+    answer = _Interim()
+    with HostileServer(answer) as server:
+        fs: Any = _s3(server.url) if backend == "s3" else _gcs(server.url)
+        if backend == "gcs":
+            fs.fs.retries = 2
+        with pytest.raises(OSError, match="interim"):
+            fs.open_slice(f"{BUCKET}/obj", 0, 1000)
+        answer.stopped.set()
