@@ -29,6 +29,29 @@ class BodyBroken(ConnectionError):
     """A response body broke off: reset, timed out or shorter than announced."""
 
 
+#: Interim ``100 Continue`` answers taken before a response's status.
+MAX_INTERIM = 100
+
+
+class _Response(http.client.HTTPResponse):
+    """``http.client``'s response, but a server that sends ``100 Continue`` without end
+    fails the request (an ``HTTPException``, retried as such): ``begin`` skips any
+    number of them, each within the read timeout, so it would never return."""
+
+    _interim = 0
+
+    def _read_status(self) -> tuple[str, int, str]:
+        version, status, reason = super()._read_status()  # type: ignore[misc]
+        if status == http.client.CONTINUE:
+            self._interim += 1
+            if self._interim > MAX_INTERIM:
+                raise http.client.HTTPException(
+                    f"the server sent more than {MAX_INTERIM} interim '100 Continue' "
+                    "answers and no response"
+                )
+        return version, status, reason
+
+
 class ConnectionPool:
     """Idle connections by ``(scheme, host, port)``, at most 64 per key.
 
@@ -70,6 +93,7 @@ class ConnectionPool:
             )
         else:
             conn = http.client.HTTPConnection(host, port, timeout=self._connect_timeout)
+        conn.response_class = _Response
         conn.connect()
         assert conn.sock is not None
         conn.sock.settimeout(self._read_timeout)

@@ -100,7 +100,8 @@ class ObjectReader(io.RawIOBase):
     with a ranged GET from the next byte, up to the policy's attempts in a row without
     a byte received. Every GET after the first is pinned to the version the first one
     answered: an object replaced or deleted meanwhile fails the read (an ``OSError``
-    that says so); it is never stitched together from two versions. A range that
+    that says so), as does an answer that says it served another version (a store or
+    proxy that ignored the pin); it is never stitched together from two versions. A range that
     starts past the end reads as empty (a short read). Cancelling the calling thread's
     ``Cancel`` (or ``cancel``) interrupts its requests and reads."""
 
@@ -240,6 +241,9 @@ class ObjectReader(io.RawIOBase):
                 check_range(answer.status, answer.content_range, first, last, source.url)
             elif answer.status != 200:
                 raise OSError(f"{source.url}: unexpected answer {answer.status}")
+            # A store or proxy may ignore the pin: what it says it served must match.
+            if None not in (self._version, answer.version) and answer.version != self._version:
+                raise VersionGone
         except BaseException:
             answer.body.close()
             raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import http.client
 import io
 import os
 from collections.abc import Iterator
@@ -187,7 +188,8 @@ class GCSFileSystem(FsspecFileSystem):
                 raise PermissionError(self._denied(path, action, exc)) from exc
             message = f"{self.url(path)}: {action} failed after retries: {self._describe(exc)}"
             raise OSError(message) from exc
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, http.client.HTTPException) as exc:
+            # HTTPException: a malformed answer on the direct path (after the attempts).
             text = self.redactor.redact(repr(exc))
             if isinstance(exc, OSError):  # a connection that failed (after gcsfs's attempts)
                 raise ConnectionError(f"{self.url(path)}: {action} failed: {text}") from exc

@@ -114,7 +114,8 @@ async def request(
     data: Any = None,
     json: Any = None,
 ) -> tuple[Any, bytes]:
-    """One request with retries; returns (headers, body). A 308 is an answer here."""
+    """One request with retries; returns (headers, the start of the body: 64 KiB at
+    most, which any answer of an upload request fits). A 308 is an answer here."""
 
     async def attempt() -> tuple[Any, bytes]:
         await compat.set_session(gcs)
@@ -128,7 +129,9 @@ async def request(
             timeout=gcs.requests_timeout,
             allow_redirects=False,
         ) as resp:
-            contents = await resp.read()
+            # Not read on: a store that keeps sending must not hold the upload (a longer
+            # body is not read to its end, and its connection is closed, not reused).
+            contents = await resp.content.read(_ERROR_BODY_LIMIT)
             validate_response(resp.status, contents, url)
             return resp.headers, contents
 

@@ -22,6 +22,7 @@ from storage.backends.cancel import Cancel, current
 from storage.backends.gcs import _compat as compat
 from storage.backends.gcs._session import (
     UploadBody,
+    policy,
     request,
     split,
 )
@@ -190,6 +191,7 @@ class Upload(FilledUpload):
             )
             self._location = str(headers["Location"])
         start, size = self._sent, len(data)
+        retry, stalls = policy(gcs), 0
         while True:
             total = str(start + len(data)) if final else "*"
             first_last = f"{start}-{start + len(data) - 1}" if data else "*"
@@ -210,6 +212,19 @@ class Upload(FilledUpload):
             end = int(persisted.rpartition("-")[2]) + 1 if persisted else start + len(data)
             if end >= start + len(data):
                 break
+            if end < start:  # the rest of the chunk would go out as the bytes at `end`
+                raise OSError(
+                    f"gs://{self._path}: the server says it kept {end} bytes of the upload, "
+                    f"fewer than the {start} it had confirmed; the upload cannot go on"
+                )
+            # The rest goes again: tries in a row that it kept nothing of count as attempts.
+            stalls = stalls + 1 if end == start else 0
+            if stalls >= retry.attempts:
+                raise OSError(
+                    f"gs://{self._path}: the server kept no byte of a chunk {stalls} times in a row"
+                )
+            if stalls:
+                await asyncio.sleep(retry.delay(stalls))
             data, start = data[end - start :], end
         self._sent += size
 

@@ -178,7 +178,9 @@ class DirectPath:
             "PUT", bucket, key, query, headers, body, "UploadPart", (200,), group
         )
         etag = response.getheader("ETag")
-        response.read()
+        # S3 answers with an empty body; a longer one is not read on (the connection
+        # is closed, not reused): a store that keeps sending must not hold the part.
+        response.read(_ERROR_BODY_LIMIT)
         self._pool.give(conn, response)
         if etag is None:
             raise OSError(f"part {number} was accepted without an ETag")
