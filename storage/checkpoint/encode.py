@@ -149,7 +149,7 @@ def _frame(
     (a setting a process may change later: the archive stays one torch.load reads)."""
     zeros = torch.zeros(shape, dtype=dtype).as_strided(shape, stride)
     filled = zeros.clone()
-    filled.view(-1).view(torch.uint8).fill_(0xA5)
+    tensor_bytes(filled)[:] = b"\xa5" * filled.nbytes
     nbytes = zeros.numel() * zeros.element_size()
     if zeros.untyped_storage().nbytes() != nbytes or filled.stride() != stride:
         return None
