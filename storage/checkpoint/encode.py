@@ -135,21 +135,28 @@ def archive_frame(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
         or not tensor.is_contiguous()
     ):
         return None
-    return _frame(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+    return _frame(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), _alignment())
+
+
+def _alignment() -> int | None:
+    """torch's storage alignment setting now (a process may change it between saves):
+    frames built under another would not be the bytes torch.save writes."""
+    get = getattr(torch.serialization, "_get_storage_alignment", None)
+    return None if get is None else int(get())
 
 
 @functools.lru_cache(maxsize=4096)
 def _frame(
-    dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]
+    dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...], alignment: int | None
 ) -> tuple[bytes, bytes] | None:
     """Built from an archive of a zero tensor of that signature, and kept only where an
     archive of the same signature with other bytes is exactly the frame around them
     (so a torch whose records depend on the values, e.g. one that writes their CRC,
-    gets no frame). A frame keeps the storage alignment torch used when it was built
-    (a setting a process may change later: the archive stays one torch.load reads)."""
+    gets no frame). ``alignment``: torch's storage alignment setting, which the records
+    depend on (it only keys the cache: torch reads it again while building)."""
     zeros = torch.zeros(shape, dtype=dtype).as_strided(shape, stride)
     filled = zeros.clone()
-    filled.view(-1).view(torch.uint8).fill_(0xA5)
+    tensor_bytes(filled)[:] = b"\xa5" * filled.nbytes
     nbytes = zeros.numel() * zeros.element_size()
     if zeros.untyped_storage().nbytes() != nbytes or filled.stride() != stride:
         return None

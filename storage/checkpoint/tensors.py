@@ -54,8 +54,12 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(bytearray(0))
-    flat = tensor.reshape(-1).view(torch.uint8)
-    return flat.numpy().data.cast("B")
+    flat = tensor.reshape(-1)
+    if flat.stride(0) != 1:
+        # A lone element keeps its stride, which may be 0 (``torch.tensor(1.0).expand(1)``
+        # is contiguous): a dtype view needs a stride of 1.
+        flat = flat.as_strided((1,), (1,)) if flat.numel() == 1 else flat.contiguous()
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def empty_stored(

@@ -541,6 +541,32 @@ def test_a_torch_whose_archive_depends_on_the_values_gets_no_frame(
         encode._frame.cache_clear()
 
 
+def test_a_lone_element_with_a_zero_stride_is_saved(tmp_path: Path) -> None:
+    """A one-element tensor broadcast from a scalar (``torch.tensor(x).expand(1)``) is
+    contiguous with a stride of 0: its archive is torch's bytes, framed or not, and the
+    save stores and loads it (building its frame once failed the whole save)."""
+    lone = torch.broadcast_to(torch.tensor(3.5), (1,))
+    assert lone.stride() == (0,) and lone.is_contiguous()
+    assert _archive(lone, framed=True) == _archive(lone, framed=False)
+    dcp.save({"lone": lone}, storage_writer=storage.CheckpointWriter(tmp_path / "c"))
+    out = {"lone": torch.zeros(1)}
+    dcp.load(out, storage_reader=storage.CheckpointReader(tmp_path / "c"))
+    assert out["lone"].tolist() == [3.5]
+
+
+def test_a_framed_archive_follows_a_storage_alignment_set_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's storage alignment is a setting a process may change between saves: a
+    tensor framed before the change is framed after it as torch.save now writes it."""
+    from torch.utils.serialization import config
+
+    tensor = torch.randn(4)
+    before = _archive(tensor, framed=True)
+    monkeypatch.setattr(config.save, "storage_alignment", 4096)
+    assert _archive(tensor, framed=True) == _archive(tensor, framed=False) != before
+
+
 class _LostResponseFS(storage.MemoryFileSystem):
     """Publishes the metadata, then fails as if the response had been lost."""
 

@@ -432,3 +432,31 @@ def test_a_pool_never_removes_another_users_file_that_took_its_lock_files_name()
         pool.close()
     assert planted is not None and planted.read_bytes() == b"not yours"
     planted.unlink()
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_warming_the_worker_while_a_save_runs_freezes_none_of_its_objects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker freezes what it imported when a manager warms it; where a save is in
+    flight meanwhile (a manager for another storage made during it), the save's objects
+    must stay collectable: frozen, a cycle among them would never be freed."""
+    import gc
+    import weakref
+
+    from storage.checkpoint.persist import _child
+
+    in_flight = _Cycle()  # an object of the running save, in a reference cycle
+    gone = weakref.ref(in_flight)
+    monkeypatch.setattr(_child, "_calls_open", 2)  # the save's call and warm's own
+    try:
+        _child.warm(None)  # type: ignore[arg-type]
+        del in_flight
+        gc.collect()
+        assert gone() is None
+    finally:
+        gc.unfreeze()

@@ -93,8 +93,23 @@ def write_files(
 def warm(fs: FileSystemBase) -> None:
     """Unpickling ``fs`` for this call imported its backend (the S3 stack takes ~0.35 s
     of CPU), before the first save's call needs it; its modules join the ones frozen at
-    start (see :func:`main`)."""
-    gc.freeze()
+    start (see :func:`main`). Only where no other call is received or running: a
+    save's objects frozen mid-flight would never be collected once they are cycles
+    (a manager for another storage warms while a save runs)."""
+    with _calls_lock:
+        if _calls_open == 1:
+            gc.freeze()
+
+
+#: Calls received and not yet answered (serve counts them, _run uncounts them).
+_calls_open = 0
+_calls_lock = threading.Lock()
+
+
+def _count_calls(delta: int) -> None:
+    global _calls_open
+    with _calls_lock:
+        _calls_open += delta
 
 
 # --- worker state ---------------------------------------------------------------------
@@ -303,9 +318,11 @@ class _Server:
                 _bucket.hurry()
                 continue
             call_id = message[1]
+            _count_calls(1)  # before its objects exist: a freeze meanwhile would take them
             try:
                 fn, args, kwargs, options = pickle.loads(body)
             except BaseException as exc:  # noqa: BLE001 - fails this call, not the worker
+                _count_calls(-1)
                 self.send("unreceived", call_id, f"{type(exc).__name__}: {exc}")
                 continue
             if options.get("pace") is not None:
@@ -337,6 +354,7 @@ class _Server:
         if pace is not None:
             _bucket.hurry(call_id)  # the paced save is done (a later one keeps its pace)
         self.send(kind, call_id, result)
+        _count_calls(-1)
 
 
 def _trainer_gone() -> NoReturn:
