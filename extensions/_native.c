@@ -355,7 +355,8 @@ PyDoc_STRVAR(memo_scan_doc,
 "Walk the opcodes of the pickle ``data`` up to its STOP, ``kinds`` giving each opcode\n"
 "byte's argument (256 signed bytes: a fixed width 0-8, -1/-4/-8 a length prefix of that\n"
 "many bytes, -100 one text line, -101 two, -128 no such opcode), and raise ValueError at\n"
-"an invalid opcode or a LONG_BINPUT memo index beyond the opcodes before it. Returns\n"
+"an invalid opcode, a LONG_BINPUT memo index beyond the opcodes before it, or an argument\n"
+"that runs past the end of ``data``. Returns\n"
 "True where the pickle holds a text PUT, whose index this does not parse (the caller\n"
 "scans it in Python), else False.");
 
@@ -366,8 +367,8 @@ PyDoc_STRVAR(memo_scan_doc,
 #define OP_LONG_BINPUT 0x72 /* 'r' */
 
 /* 0: passed; 1: a text PUT (scan in Python); -1 with *at: an invalid opcode; -2 with
- * *at: a memo index out of range; -3 with *at: a text line without its end. Reads
- * only inside data[0:end]. */
+ * *at: a memo index out of range; -3 with *at: a text line without its end; -4 with
+ * *at: an argument that runs past the end. Reads only inside data[0:end]. */
 static int scan_memo(const uint8_t *data, Py_ssize_t end, const int8_t *kinds, Py_ssize_t *at) {
     Py_ssize_t pos = 0, count = 0;
     while (pos < end) {
@@ -389,7 +390,7 @@ static int scan_memo(const uint8_t *data, Py_ssize_t end, const int8_t *kinds, P
                     return -2;
             }
             if (kind > end - pos)
-                return 0; /* the argument runs past the end: the unpickler refuses it */
+                return -4;
             pos += kind;
         } else if (kind == KIND_LINE || kind == KIND_TWO_LINES) {
             if (op == OP_PUT)
@@ -403,13 +404,13 @@ static int scan_memo(const uint8_t *data, Py_ssize_t end, const int8_t *kinds, P
         } else {
             Py_ssize_t width = -kind;
             if (width > end - pos)
-                return 0;
+                return -4;
             uint64_t length = 0;
             for (Py_ssize_t i = 0; i < width; i++)
                 length |= (uint64_t)data[pos + i] << (8 * i);
             pos += width;
             if (length > (uint64_t)(end - pos))
-                return 0;
+                return -4; /* a length past the end: the unpickler would reserve it first */
             pos += (Py_ssize_t)length;
         }
         count++;
@@ -441,6 +442,9 @@ static PyObject *memo_scan(PyObject *Py_UNUSED(self), PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "memo index out of range at byte %zd", at);
     if (found == -3)
         return PyErr_Format(PyExc_ValueError, "unterminated line at byte %zd", at);
+    if (found == -4)
+        return PyErr_Format(PyExc_ValueError, "the pickle ends inside the argument at byte %zd",
+                            at);
     return PyBool_FromLong(found == 1);
 }
 

@@ -336,6 +336,8 @@ def _scan_memo(data: bytes) -> None:
             if op == _LONG_BINPUT and int.from_bytes(data[pos : pos + 4], "little") > count:
                 raise ValueError(f"memo index out of range at byte {pos - 1}")
             pos += kind
+            if pos > end:
+                raise ValueError(f"the pickle ends inside the argument at byte {pos - kind - 1}")
         elif kind in (_LINE, _TWO_LINES):
             line_end = data.find(b"\n", pos)
             if op == _PUT and line_end != -1 and int(data[pos:line_end]) > count:
@@ -347,7 +349,10 @@ def _scan_memo(data: bytes) -> None:
             pos = line_end + 1
         else:
             width = -kind
+            at = pos - 1
             pos += width + int.from_bytes(data[pos : pos + width], "little")
+            if pos > end:  # a length past the end: the unpickler would reserve it first
+                raise ValueError(f"the pickle ends inside the argument at byte {at}")
         count += 1
 
 

@@ -503,6 +503,17 @@ def test_reading_metadata_leaves_the_garbage_collector_as_it_found_it(tmp_path: 
         gc.enable()
 
 
+def test_an_argument_longer_than_the_metadata_is_refused_saying_so(
+    peak: Peak, memo_scan: str
+) -> None:
+    """A length prefix past the end of the file (64 GiB claimed by 15 bytes) is refused
+    with a reason, before the unpickler reserves what it claims."""
+    claim = b"\x80\x04\x8e" + struct.pack("<Q", 1 << 36) + b"abc"
+    with pytest.raises(UnsafeCheckpointError, match="ends inside the argument at byte 2"):
+        fmt.load_metadata(claim, "mem")
+    assert peak() < MiB
+
+
 def _scan_outcome(data: bytes) -> str:
     try:
         fmt._check_memo(data)
