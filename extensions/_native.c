@@ -1,6 +1,6 @@
 /* Compiled loops, optional: WeightCodec's (extensions/_planes.py encodes, _unplanes.py
  * decodes) and the scan of a checkpoint's metadata pickle before it is unpickled
- * (storage/checkpoint/storage_format.py).
+ * (storage/checkpoint/pickle_scan.py).
  *
  * numpy splits a block into byte planes, packs them, and joins them back in about ten
  * whole-array passes each; each loop here does its part in one, with the GIL released.

@@ -30,6 +30,7 @@ from extensions.errors import (
     quote,
 )
 from extensions.registry import ExtensionRegistry
+from storage.checkpoint import pickle_scan
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.items import ItemEncoder, StoredItemReader
 from storage.cli.main import main
@@ -456,10 +457,10 @@ def test_shared_reference_metadata_is_refused(tmp_path: Path) -> None:
 @pytest.fixture(params=["compiled", "python"])
 def memo_scan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each memo test on both scans: the compiled one (where it was built) and Python's."""
-    if request.param == "compiled" and fmt._native is None:
+    if request.param == "compiled" and pickle_scan._native is None:
         pytest.skip("extensions._native was not built (no C compiler at install)")
     if request.param == "python":
-        monkeypatch.setattr(fmt, "_native", None)
+        monkeypatch.setattr(pickle_scan, "_native", None)
     return str(request.param)
 
 
@@ -516,7 +517,7 @@ def test_an_argument_longer_than_the_metadata_is_refused_saying_so(
 
 def _scan_outcome(data: bytes) -> str:
     try:
-        fmt._check_memo(data)
+        pickle_scan.check(data)
     except ValueError as exc:
         return str(exc)
     return "passed"
@@ -525,7 +526,7 @@ def _scan_outcome(data: bytes) -> str:
 def test_the_compiled_and_python_memo_scans_agree_on_damaged_metadata(tmp_path: Path) -> None:
     """The scan refuses the same pickles, with the same message, with or without the
     compiled loop: a real metadata file, truncated and with bytes changed at random."""
-    if fmt._native is None:
+    if pickle_scan._native is None:
         pytest.skip("extensions._native was not built (no C compiler at install)")
     storage.save({"t": torch.ones(4), "n": {"step": 3, "name": "x"}}, tmp_path)
     data = (tmp_path / ".metadata").read_bytes()
@@ -540,7 +541,7 @@ def test_the_compiled_and_python_memo_scans_agree_on_damaged_metadata(tmp_path: 
         cases.append(bytes(damaged))
     for case in cases:
         try:
-            fmt._scan_memo(case)
+            pickle_scan.scan_in_python(case)
             expected = "passed"
         except ValueError as exc:
             expected = str(exc)
