@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from storage.checkpoint.deadline import CheckpointRankError, DeadlineExceededError, rank_error
 from storage.checkpoint.load_context import Chunks
+from storage.checkpoint.tensors import flat_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +98,7 @@ def exchange(
     ops = []
     for share in shares:
         if share.owner == me:
-            flat = _flat(received[share.index])
+            flat = flat_bytes(received[share.index])
             if flat.numel():
                 ops += [
                     dist.P2POp(dist.isend, flat, peer(c), channel, 2 * share.seq + 1)
@@ -115,7 +116,9 @@ def exchange(
         received[share.index] = buffer
         if buffer.numel():
             ops.append(
-                dist.P2POp(dist.irecv, _flat(buffer), peer(share.owner), channel, 2 * share.seq + 1)
+                dist.P2POp(
+                    dist.irecv, flat_bytes(buffer), peer(share.owner), channel, 2 * share.seq + 1
+                )
             )
     _run(ops, deadline)
     return received
@@ -130,10 +133,6 @@ def _run(ops: list[dist.P2POp], deadline: float | None) -> None:
             work.wait()
         else:
             work.wait(timedelta(seconds=max(left, 0.001)))
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 def time_left(deadline: float | None) -> float | None:

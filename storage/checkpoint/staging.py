@@ -15,10 +15,10 @@ import torch
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager
 
-from extensions._compat import StateDictStager
 from storage.checkpoint import persist as _persist
 from storage.checkpoint.options import staging_options
 from storage.checkpoint.persist._cuda import InFlight
+from storage.checkpoint.stager import ValueStager
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class WriterStaging(AsyncStager):
     cache_staged_state_dict: bool
     async_staging: bool
     _lease: _persist.Lease | None
-    _stager: DefaultStager | None
+    _stager: Any
 
     # stage returns once the copy is complete, or a future of it: nothing to wait for.
     _synchronize_after_execute: bool = False
@@ -88,7 +88,7 @@ class WriterStaging(AsyncStager):
                 return cast(STATE_DICT_TYPE, staged)
         if self.cache_staged_state_dict:
             if self._stager is None:
-                self._stager = DefaultStager(staging_options(pin=torch.cuda.is_available()))
+                self._stager = _stager(pin=torch.cuda.is_available())
             return cast(STATE_DICT_TYPE, self._stager.stage(state_dict))
         return cast(STATE_DICT_TYPE, _fresh_copy(state_dict))
 
@@ -171,12 +171,19 @@ class LocalStaging:
 
     def _kept(self) -> Any:
         if self._stager is None:
-            self._stager = StateDictStager(pin_memory=self._pin)
+            self._stager = ValueStager(pin_memory=self._pin)  # type: ignore[misc]
         return self._stager
 
 
+def _stager(*, pin: bool) -> Any:
+    """A stager of values (:mod:`storage.checkpoint.stager`; DCP's before torch 2.8)."""
+    if ValueStager is None:  # pragma: no cover - torch 2.7
+        return DefaultStager(staging_options(pin=pin))
+    return ValueStager(pin_memory=pin)
+
+
 def _fresh_copy(state_dict: Any) -> Any:
-    stager = DefaultStager(staging_options(pin=False))
+    stager = _stager(pin=False)
     try:
         return stager.stage(state_dict)
     finally:
@@ -190,7 +197,7 @@ _local_lock = threading.Lock()
 def local_staging() -> LocalStaging | None:
     """This process's :class:`LocalStaging` (``None`` before torch 2.8)."""
     global _local
-    if StateDictStager is None:
+    if ValueStager is None:
         return None
     with _local_lock:
         if _local is None:

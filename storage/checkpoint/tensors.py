@@ -49,17 +49,22 @@ def holds_its_bytes(tensor: torch.Tensor) -> bool:
     )
 
 
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``uint8`` tensor over a contiguous tensor's memory (no copy; CPU or not)."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        # A lone element keeps any stride and is still contiguous (0 for
+        # ``torch.tensor(1.0).expand(1)``, 2 for ``torch.arange(3.0)[1::2]``): a dtype
+        # view needs a stride of 1.
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
+    if tensor.numel() == 0:
         return memoryview(bytearray(0))
-    flat = tensor.reshape(-1)
-    if flat.stride(0) != 1:
-        # A lone element keeps its stride, which may be 0 (``torch.tensor(1.0).expand(1)``
-        # is contiguous): a dtype view needs a stride of 1.
-        flat = flat.as_strided((1,), (1,)) if flat.numel() == 1 else flat.contiguous()
-    return flat.view(torch.uint8).numpy().data.cast("B")
+    return flat_bytes(tensor).numpy().data.cast("B")
 
 
 def empty_stored(

@@ -153,6 +153,8 @@ def _strided_sources() -> dict[str, torch.Tensor]:
         "same_base_again": base[1],  # a second view of the same storage
         "expanded": torch.arange(4.0).expand(3, 4),  # stride 0
         "scalar_expanded": torch.tensor(7).expand(5),
+        "lone_element_at_stride_2": torch.arange(3.0)[1::2],  # contiguous, stride (2,)
+        "lone_element_at_stride_0": torch.tensor(2.5).expand(1),
         "channels_last": torch.randn(2, 3, 4, 5, generator=gen).to(
             memory_format=torch.channels_last
         ),
@@ -172,6 +174,35 @@ def test_strided_and_lazy_views_round_trip(pair: Pair, tmp_path: Path) -> None:
     _round_trip(pair, tmp_path / "ckpt", dict(state), target)
     for key, value in expected.items():
         assert torch.equal(target[key], value), key
+
+
+@pytest.mark.parametrize(
+    "staging",
+    [
+        {"persist": "process"},
+        {},  # the default: the worker, else buffers kept in this process
+        {"persist": "thread"},
+        {"persist": "thread", "cache_staged_state_dict": True},
+    ],
+    ids=["worker", "default", "thread", "thread_cached"],
+)
+def test_async_saves_of_strided_and_lazy_views_round_trip(
+    staging: dict[str, Any], tmp_path: Path
+) -> None:
+    """The same layouts through ``dcp.async_save``, every way it stages, twice (the
+    second save copies into kept buffers): a conjugate or negative view is staged as its
+    values (torch's staging copy kept the storage and dropped the bits: the checkpoint
+    held the unconjugated numbers), and a lone element at any stride (contiguous to
+    torch) is sent to the persist worker by value (it once failed that save)."""
+    state = _strided_sources()
+    expected = {k: v.detach().resolve_conj().resolve_neg().clone() for k, v in state.items()}
+    writer = storage.CheckpointWriter(tmp_path / "c", **staging)
+    for step in ("1", "2"):
+        dcp.async_save(dict(state), storage_writer=writer, checkpoint_id=tmp_path / step).result()
+        target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+        dcp.load(target, storage_reader=storage.CheckpointReader(tmp_path / step))
+        for key, value in expected.items():
+            assert torch.equal(target[key], value), (step, key)
 
 
 def test_loads_into_views_parameters_and_lazy_targets(pair: Pair, tmp_path: Path) -> None:

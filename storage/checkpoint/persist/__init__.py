@@ -46,6 +46,7 @@ from storage.checkpoint.persist._messages import NotSendable
 from storage.checkpoint.persist._pool import StagingPool
 from storage.checkpoint.persist._shm import SharedMemoryFull
 from storage.checkpoint.persist._worker import Lease, Worker
+from storage.checkpoint.tensors import tensor_bytes
 
 if TYPE_CHECKING:
     from storage.checkpoint.options import WriterSettings  # which imports this module
@@ -263,7 +264,7 @@ def item_ref(pool: StagingPool | None, item: WriteItem, data: object) -> tuple[A
         if where is not None:
             return ("shm", where[0], where[1], data.dtype, tuple(data.shape))
     tensor = plain_cpu_tensor(data)
-    raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    raw = bytes(tensor_bytes(tensor))
     return ("value", raw, tensor.dtype, tuple(tensor.shape))
 
 

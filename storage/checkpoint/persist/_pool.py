@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from extensions._compat import StateDictStager
 from storage.checkpoint.persist._copies import Copies
 from storage.checkpoint.persist._cuda import InFlight, Pins, SideCopies
 from storage.checkpoint.persist._shm import _Owner, _Segment, shm_dir, sweep
+from storage.checkpoint.stager import ValueStager
 
 log = logging.getLogger(__name__)
 
@@ -210,9 +210,9 @@ class StagingPool:
         _POOLS.discard(self)
 
 
-class _Stager(StateDictStager or object):  # type: ignore[misc]
-    """torch's deep-copying stager (it keeps the structure of DTensors and other
-    objects), allocating each copied storage from the pool and reusing it next time."""
+class _Stager(ValueStager or object):  # type: ignore[misc]
+    """The deep-copying stager (:mod:`storage.checkpoint.stager`), allocating each
+    copied storage from the pool and reusing it next time."""
 
     def __init__(self, pool: StagingPool) -> None:
         super().__init__(pin_memory=False, share_memory=False)

@@ -1,0 +1,31 @@
+"""The deep copy every asynchronous save stages with: torch's ``StateDictStager`` (it
+keeps DTensors and other objects intact, and its buffers can be kept between saves),
+staging each tensor's values.
+
+torch's copy takes a tensor's storage, offset, size and strides and drops its lazy
+conjugate and negative bits (``x.conj()``, ``x.conj().imag``: views whose values are
+only resolved by torch's ops), so the staged tensor would hold the unconjugated
+values and the checkpoint the wrong numbers. :class:`ValueStager` stages such a tensor
+as its resolved values instead (a copy made at the save: such views are rare in a
+state dict). ``None`` where torch has no ``StateDictStager`` (2.7)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from extensions._compat import StateDictStager
+
+
+class _ValueStager(StateDictStager or object):  # type: ignore[misc]
+    def _offload_tensor(self, x: Any, memo: dict[int, Any], non_blocking: bool = False) -> Any:
+        if not (x.is_conj() or x.is_neg()):
+            return super()._offload_tensor(x, memo, non_blocking)  # type: ignore[misc]
+        values = x.resolve_conj().resolve_neg()
+        # Alive as long as the memo: it is keyed by the ids of the objects it copied.
+        memo.setdefault(id(memo), []).append(values)
+        staged = super()._offload_tensor(values, memo, non_blocking)  # type: ignore[misc]
+        memo[id(x)] = staged
+        return staged
+
+
+ValueStager: type[Any] | None = _ValueStager if StateDictStager is not None else None
