@@ -167,6 +167,7 @@ class LocalTier:
         drain queues behind it. This step's drain is paced (:mod:`storage.ops.pace`)."""
         persist.hurry()
         self.finish_commit()
+        local_save.refuse_links(self.group, self.local, self.root, step, pg=None)
         if not blocking:
             self.drains.raise_error()
         self._make_room(step)
@@ -214,12 +215,15 @@ class LocalTier:
         staging copy, so the caller must not change them until the future resolves. If
         any rank is past ``deadline`` once every file is written and replicated, every
         rank removes what it wrote and the future raises :class:`DeadlineExceededError`:
-        nothing is published late. No room is made first (the drain pass queued after
-        the commit prunes): a tier over ``keep_local`` still takes this step."""
+        nothing is published late. A step that is a symbolic link (here or under the
+        root) is refused as :meth:`save` refuses it. No room is made first (the drain
+        pass queued after the commit prunes): a tier over ``keep_local`` still takes
+        this step."""
 
         persist.hurry()  # the job is ending: no drain waits for a deadline
 
         def run() -> None:
+            local_save.refuse_links(self.group, self.local, self.root, step, pg=self.group.save_pg)
             writer = self._start(step, self.group.save_pg)
             self._commit(step, writer, state_dict, self.group.save_pg, deadline)
 

@@ -1,0 +1,157 @@
+"""No step the library chose by number is written through a symbolic link.
+
+A ``step-<N>`` directory that is a link (a shared pretrained checkpoint linked in as
+``step-0``) belongs to someone else: a manager's save, a local tier's save, a preemption
+save, a drain to the root, a restore from the peers, a heal's send and a folder upload
+all refuse it before writing anything, and leave the linked checkpoint byte-identical.
+A path the user names itself (``storage.save``, ``dcp.save``, ``cp``) is theirs to link.
+A step path that is a plain file is refused with an error naming it. Every test names,
+in a comment, what happened before the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import storage
+from extensions.errors import UnsafeCheckpointError
+from storage import CheckpointManager, CheckpointWriter, FsspecFileSystem, LocalFileSystem
+from tests.support.tiers import step_state, tiered
+
+
+def _backends() -> list[Any]:
+    return [
+        pytest.param(LocalFileSystem, id="local"),
+        pytest.param(lambda: FsspecFileSystem(protocol="file"), id="fsspec-file"),
+    ]
+
+
+def _state(value: float = 1.0) -> dict[str, Any]:
+    return {"w": torch.full((16,), value), "step": int(value)}
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` with its bytes."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Path:
+    """A committed checkpoint of someone else's (the shared pretrained one)."""
+    path = tmp_path / "shared" / "pretrained"
+    storage.save(_state(1.0), str(path))
+    return path
+
+
+def _link(step_dir: Path, target: Path) -> dict[str, bytes]:
+    """Make ``step_dir`` a link to ``target``; the target's files as they are now."""
+    step_dir.parent.mkdir(parents=True, exist_ok=True)
+    step_dir.symlink_to(target, target_is_directory=True)
+    return _snapshot(target)
+
+
+def _pretrained_intact(shared: Path, before: dict[str, bytes]) -> None:
+    assert _snapshot(shared) == before
+    out = {"w": torch.zeros(16), "step": -1}
+    storage.load(out, str(shared))
+    assert out["step"] == 1
+
+
+# --- a manager's saves ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make_fs", _backends())
+def test_manager_refuses_to_save_over_a_linked_step(
+    tmp_path: Path, shared: Path, make_fs: Any
+) -> None:
+    # Before: a loop that saves at step 0 wrote its state into the shared pretrained
+    # checkpoint linked in as step-0, replaced its metadata and removed its data files
+    # through the link; every other run using it then loaded this run's state.
+    root = tmp_path / "root"
+    before = _link(root / "step-0", shared)
+    mgr = CheckpointManager(root, filesystem=make_fs())
+    for blocking in (True, False):
+        with pytest.raises(UnsafeCheckpointError, match="step-0 is a symbolic link"):
+            mgr.save(0, _state(7.0), blocking=blocking)
+    _pretrained_intact(shared, before)
+    mgr.save(1, _state(2.0))  # other steps save as before
+    assert mgr.steps() == [0, 1]
+
+
+@pytest.mark.parametrize("where", ["local", "root"])
+@pytest.mark.parametrize("make_fs", _backends())
+def test_tiered_save_refuses_a_step_linked_in_either_tier(
+    tmp_path: Path, shared: Path, make_fs: Any, where: str
+) -> None:
+    # Before: with step-0 linked in the local tier, a tiered save wrote into the shared
+    # checkpoint through the link; with step-0 linked at the root, it committed locally
+    # and its drain then wrote through the root's link.
+    before = _link(tmp_path / ("local" if where == "local" else "durable") / "step-0", shared)
+    mgr = tiered(tmp_path, filesystem=make_fs())
+    for blocking in (True, False):
+        with pytest.raises(UnsafeCheckpointError, match="step-0 is a symbolic link"):
+            mgr.save(0, step_state(0), blocking=blocking)
+    mgr.wait()
+    _pretrained_intact(shared, before)
+    other = tmp_path / ("durable" if where == "local" else "local")
+    assert not (other / "step-0").exists()  # nothing written in the other tier either
+    mgr.save(1, step_state(1))
+    mgr.wait()
+    assert mgr.durable_steps() == ([1] if where == "local" else [0, 1])
+
+
+@pytest.fixture
+def sigterm() -> Iterator[None]:
+    """SIGTERM's handler as it was, put back after the test."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("where", ["local", "root"])
+def test_preemption_save_refuses_a_linked_step(
+    tmp_path: Path, shared: Path, sigterm: None, where: str
+) -> None:
+    # Before: SIGTERM at step 3, with step-3 linked, saved the job's state into the
+    # linked checkpoint (local tier), or committed it locally for a drain through the
+    # root's link: the preemption save went around the manager's refusal.
+    before = _link(tmp_path / ("local" if where == "local" else "durable") / "step-3", shared)
+    mgr = tiered(tmp_path)
+    guard = mgr.save_on_signal(lambda: step_state(3))
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert guard.should_stop(3)
+    assert guard.saved is None and isinstance(guard.error, UnsafeCheckpointError)
+    assert "step-3 is a symbolic link" in str(guard.error)
+    mgr.wait()
+    _pretrained_intact(shared, before)
+
+
+# --- paths the user names --------------------------------------------------------------------
+
+
+def test_a_linked_path_the_user_names_is_written(tmp_path: Path, shared: Path) -> None:
+    # Explicit destinations are the user's: dcp.save with our writer at a linked
+    # directory writes the target (keeping the files it replaced), like storage.save
+    # and cp --overwrite (test_links.py).
+    link = tmp_path / "mine"
+    data = [f for f in shared.iterdir() if f.suffix == ".distcp"]
+    _link(link, shared)
+    dcp.save(_state(5.0), storage_writer=CheckpointWriter(str(link), overwrite=True))
+    out = {"w": torch.zeros(16), "step": -1}
+    storage.load(out, str(shared))
+    assert out["step"] == 5
+    assert all(f.is_file() for f in data)
