@@ -78,7 +78,7 @@ class LocalTier:
             self.local,
             keep_local,
             leader=self.group.leader,
-            durable=root.is_committed,
+            durable=self.durable,
             pending=self.pending,
         )
         self.transforms, self.settings = transforms, settings
@@ -113,7 +113,9 @@ class LocalTier:
         return self.retention.keep_local
 
     def durable(self, step: int) -> bool:
-        return self.root.is_committed(step)
+        """Whether the root holds ``step`` committed, and not as a symbolic link (a
+        checkpoint from elsewhere: this tier's copy of the step is not that one)."""
+        return self.root.is_committed(step) and not self.root.is_link(step)
 
     def linked(self) -> set[int]:
         """Local steps whose directory is a symbolic link: someone else's checkpoints,

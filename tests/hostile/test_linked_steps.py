@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 import storage
 from extensions.errors import UnsafeCheckpointError
 from storage import CheckpointManager, CheckpointWriter, FsspecFileSystem, LocalFileSystem
-from tests.support.tiers import step_state, tiered
+from tests.support.tiers import blank_state, step_state, tiered
 
 
 def _backends() -> list[Any]:
@@ -138,6 +138,42 @@ def test_preemption_save_refuses_a_linked_step(
     assert "step-3 is a symbolic link" in str(guard.error)
     mgr.wait()
     _pretrained_intact(shared, before)
+
+
+# --- the drain ------------------------------------------------------------------------------
+
+
+def test_drain_leaves_a_step_linked_at_the_root_local_and_drains_the_others(
+    tmp_path: Path, shared: Path
+) -> None:
+    # Before: a step committed locally whose root directory became a link (linked while
+    # the root was down, say) was drained through the link into the shared checkpoint,
+    # and a drain that failed there stopped every later step from draining; one already
+    # linked counted as durable, so it was never drained and keep_local deleted it.
+    (tmp_path / "durable").write_text("down")
+    crashed = tiered(tmp_path)
+    crashed.save(7, step_state(7))
+    _quietly(crashed.wait)
+    _quietly(crashed.save, 8, step_state(8))
+    _quietly(crashed.wait)
+    (tmp_path / "durable").unlink()  # the root is back, step-7 linked in meanwhile
+    before = _link(tmp_path / "durable" / "step-7", shared)
+    restarted = tiered(tmp_path, keep_local=1)  # 7 is not durable: never pruned
+    with pytest.raises(UnsafeCheckpointError, match="step-7 is a symbolic link") as refused:
+        restarted.wait()
+    assert "stays in the local tier" in str(refused.value)
+    _pretrained_intact(shared, before)
+    assert (tmp_path / "local" / "step-7" / ".metadata").is_file()  # the local copy stays
+    assert (tmp_path / "durable" / "step-8" / ".metadata").is_file()  # the others drain
+    target = blank_state()
+    assert restarted.load(target, 8) == 8 and target["meta"]["step"] == 8
+
+
+def _quietly(call: Any, *args: Any) -> None:
+    try:
+        call(*args)
+    except OSError:
+        pass  # the root is down: the drain fails, the step stays local
 
 
 # --- paths the user names --------------------------------------------------------------------
