@@ -12,6 +12,7 @@ in a comment, what happened before the fix.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 import storage
 from extensions.errors import UnsafeCheckpointError
 from storage import CheckpointManager, CheckpointWriter, FsspecFileSystem, LocalFileSystem
+from tests.support.distributed import gloo_group, spawn
 from tests.support.tiers import blank_state, step_state, tiered
 
 
@@ -174,6 +176,40 @@ def _quietly(call: Any, *args: Any) -> None:
         call(*args)
     except OSError:
         pass  # the root is down: the drain fails, the step stays local
+
+
+# --- a restore from the peers ----------------------------------------------------------------
+
+
+def _restore_worker(rank: int, store: str, base: str) -> None:
+    import torch.distributed as dist
+
+    with gloo_group(rank, 2, store):
+        node = Path(base, f"node{rank}")
+        mgr = CheckpointManager(f"{base}/durable", local=node, replicate=True)
+        mgr.save(5, {f"rank{rank}": torch.full((64,), float(rank))})
+        mgr.wait()
+        dist.barrier()
+        if rank == 1:  # node 1's step-5 becomes a link to a copy that lacks rank 1's file
+            shared = Path(base, "shared", "step-5")
+            shutil.move(node / "step-5", shared)
+            for f in shared.glob("__1_*.distcp"):
+                f.unlink()
+            before = _link(node / "step-5", shared)
+        dist.barrier()
+        target = {f"rank{rank}": torch.zeros(64)}
+        step = CheckpointManager(f"{base}/durable", local=node, replicate=True).load(target, 5)
+        assert torch.equal(target[f"rank{rank}"], torch.full((64,), float(rank)))
+        assert step.tier == "durable"  # type: ignore[attr-defined]
+        if rank == 1:
+            assert step.note is not None and "symbolic link" in step.note  # type: ignore[attr-defined]
+            assert _snapshot(shared) == before
+
+
+def test_restore_never_fetches_into_a_linked_local_step(tmp_path: Path) -> None:
+    # Before: a node whose step-5 was a link to a copy missing a file received that file
+    # from its peer through the link, writing into the linked checkpoint.
+    spawn(_restore_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
 
 
 # --- paths the user names --------------------------------------------------------------------
