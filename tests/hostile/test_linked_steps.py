@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 import storage
 from extensions.errors import UnsafeCheckpointError
 from storage import CheckpointManager, CheckpointWriter, FsspecFileSystem, LocalFileSystem
+from storage.integrations.folders import FolderCheckpoints
 from tests.support.distributed import gloo_group, spawn
 from tests.support.tiers import blank_state, step_state, tiered
 
@@ -210,6 +212,32 @@ def test_restore_never_fetches_into_a_linked_local_step(tmp_path: Path) -> None:
     # Before: a node whose step-5 was a link to a copy missing a file received that file
     # from its peer through the link, writing into the linked checkpoint.
     spawn(_restore_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+
+
+# --- heals and folder uploads ----------------------------------------------------------------
+
+
+def test_transport_send_refuses_a_linked_step(tmp_path: Path, shared: Path) -> None:
+    # Before: a replica's send at step 3 wrote through root/replica-0/step-3, a link.
+    before = _link(tmp_path / "ft" / "replica-0" / "step-3", shared)
+    transport = storage.StorageTransport(tmp_path / "ft", rank=0)
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="step-3 is a symbolic link"):
+            transport.send_checkpoint([1], 3, _state(3.0), timedelta(seconds=60))
+    finally:
+        transport.shutdown()
+    _pretrained_intact(shared, before)
+
+
+def test_folder_upload_refuses_a_linked_step(tmp_path: Path, shared: Path) -> None:
+    # Before: FolderCheckpoints.save(folder, 0) uploaded into the linked step-0.
+    before = _link(tmp_path / "bucket" / "step-0", shared)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "model.bin").write_bytes(b"weights")
+    ckpts = FolderCheckpoints(tmp_path / "bucket", blocking=True)
+    with pytest.raises(UnsafeCheckpointError, match="step-0 is a symbolic link"):
+        ckpts.save(tmp_path / "run", 0)
+    _pretrained_intact(shared, before)
 
 
 # --- paths the user names --------------------------------------------------------------------
