@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 import storage
 from extensions.errors import UnsafeCheckpointError
 from storage import CheckpointManager, CheckpointWriter, FsspecFileSystem, LocalFileSystem
+from storage.cli import main
 from storage.integrations.folders import FolderCheckpoints
 from tests.support.distributed import gloo_group, spawn
 from tests.support.tiers import blank_state, step_state, tiered
@@ -240,7 +241,7 @@ def test_folder_upload_refuses_a_linked_step(tmp_path: Path, shared: Path) -> No
     _pretrained_intact(shared, before)
 
 
-# --- paths the user names --------------------------------------------------------------------
+# --- paths the user names, and plain files --------------------------------------------------
 
 
 def test_a_linked_path_the_user_names_is_written(tmp_path: Path, shared: Path) -> None:
@@ -255,3 +256,28 @@ def test_a_linked_path_the_user_names_is_written(tmp_path: Path, shared: Path) -
     storage.load(out, str(shared))
     assert out["step"] == 5
     assert all(f.is_file() for f in data)
+
+
+@pytest.mark.parametrize("make_fs", _backends())
+@pytest.mark.parametrize("local", [False, True])
+def test_saving_a_step_whose_path_is_a_file_names_it(
+    tmp_path: Path, make_fs: Any, local: bool
+) -> None:
+    # Before: a bare `FileExistsError: [Errno 17] File exists: '.../step-3'`.
+    place = tmp_path / ("local" if local else "durable")
+    place.mkdir()
+    (place / "step-3").write_bytes(b"notes")
+    mgr = tiered(tmp_path, filesystem=make_fs()) if local else CheckpointManager(place)
+    with pytest.raises(FileExistsError, match="step-3 is a file, not a checkpoint directory"):
+        mgr.save(3, step_state(3))
+    assert (place / "step-3").read_bytes() == b"notes"
+
+
+def test_copying_onto_a_file_names_it(
+    tmp_path: Path, shared: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: `cp` onto a plain file failed with a bare FileExistsError.
+    (tmp_path / "notes").write_bytes(b"notes")
+    assert main(["cp", str(shared), str(tmp_path / "notes")]) == 1
+    assert "is a file, not a checkpoint directory" in capsys.readouterr().err
+    assert (tmp_path / "notes").read_bytes() == b"notes"
