@@ -14,6 +14,7 @@ see into key prefix directories through ``prefixes.expand``).
 
 from __future__ import annotations
 
+import errno
 import re
 from dataclasses import dataclass
 
@@ -93,6 +94,26 @@ def metadata_names(fs: FileSystemBase, path: str) -> list[str]:
 def is_committed(fs: FileSystemBase, path: str) -> bool:
     """Whether ``path`` holds a committed checkpoint (global or rank-local metadata)."""
     return bool(metadata_names(fs, path))
+
+
+def make_directory(fs: FileSystemBase, path: str) -> None:
+    """Create the checkpoint directory ``path`` (and its parents) before anything is
+    written into it, refusing a plain file in its place (or above it) with the built-in
+    error ``mkdir`` raises, naming the path and the fix."""
+    try:
+        fs.mkdir(path)
+    except FileExistsError as exc:
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{fs.url(path)} is a file, not a checkpoint directory; nothing was written: "
+            "move or remove that file, or save under another path (another step)",
+        ) from exc
+    except NotADirectoryError as exc:
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"a directory above {fs.url(path)} is a file, so the checkpoint directory cannot "
+            "be made; nothing was written: move or remove that file, or save elsewhere",
+        ) from exc
 
 
 def split_location(fs: FileSystemBase, path: str) -> tuple[str, str] | None:

@@ -26,6 +26,7 @@ from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.committed import CommittedCheckpoint
 from storage.checkpoint.deadline import Budget
 from storage.checkpoint.hook_errors import records_error
+from storage.checkpoint.layout import make_directory
 from storage.checkpoint.options import (
     WriterSettings,
     check_transforms,
@@ -247,7 +248,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
                 if not isinstance(base, CommittedCheckpoint):
                     base = os.fspath(base)
                 self._base = incremental.open_base(self.fs, self.path, base)
-            self.fs.mkdir(self.path)
+            make_directory(self.fs, self.path)
 
         try:
             self.budget.call(

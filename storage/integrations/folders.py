@@ -105,8 +105,10 @@ class FolderCheckpoints:
 
     def save(self, folder: str | os.PathLike[str], step: int) -> None:
         """Commit the files under ``folder`` as ``root/step-{step}`` (replacing a
-        committed step of that number), then apply retention."""
+        committed step of that number, unless that step is a symbolic link:
+        ``CheckpointManager.save`` refuses it), then apply retention."""
         self.wait()
+        self.manager.location.refuse_link(step)
         files = read_folder(folder)
         url = self.manager.step_url(step)
         if self.blocking:

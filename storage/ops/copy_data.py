@@ -47,6 +47,7 @@ from storage.checkpoint.incremental import (
     sibling_path,
 )
 from storage.checkpoint.items import ItemEncoder, StoredItemReader
+from storage.checkpoint.layout import make_directory
 from storage.checkpoint.options import default_thread_count
 from storage.checkpoint.prefixes import refuse_linked_prefix, split
 from storage.ops.parts import Part, Progress, chunk_facts
@@ -112,7 +113,7 @@ def copy_data_files(
     check_bases(src_fs, src_path, ((part.label(i), info) for i, info in infos))
     plan = _plan(src_fs, src_path, part, infos, ranks, first, copied.save_id)
     copied.names = {name for _, name, _ in plan}
-    dst_fs.mkdir(dst_path)
+    make_directory(dst_fs, dst_path)
     files = _FileCopy(src_fs, src_path, attempt, part, copied, transforms, keys)
     files.registry, files.progress, files.pace = registry, progress, pace
     workers = max(1, min(thread_count or default_thread_count(dst_fs), len(plan) or 1))

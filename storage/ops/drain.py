@@ -6,7 +6,9 @@ first, then prunes (the root's retention after each step, the local tier's after
 pass). :func:`drain_step` copies one step: each rank copies its own data files from its
 node's tier (items keep their stored bytes; references to a base stay references where
 the root holds that base, see :func:`storage.ops.copy_data.copy_data_files`), pausing while a
-save of the same manager writes locally. Rank 0 publishes the root's metadata once every
+save of the same manager writes locally; a step whose root directory is a symbolic link
+is never drained (through the link), and the pass fails with that after draining the
+others. Rank 0 publishes the root's metadata once every
 rank reports its files there, or removes them all when any rank failed, so the durable
 copy exists only whole.
 """
@@ -117,19 +119,18 @@ class Drains:
     def _pass(self) -> None:
         g = self.group
         self.prune()
+        refused: set[int] = set()  # linked at the root: never drained through the link
         try:
             while True:
                 mine = self.pending()
                 linked = set(self.local.linked_steps())
-                mine |= {
-                    s
-                    for s in self.local.steps()
-                    if s not in linked and not self.root.is_committed(s)
-                }
-                views = g.all_gather(sorted(mine), pg=g.drain_pg)
+                held = {s for s in self.local.steps() if s not in linked}
+                refused |= {s for s in mine | held if self.root.is_link(s)}
+                mine |= {s for s in held if not self.root.is_committed(s)}
+                views = g.all_gather(sorted(mine - refused), pg=g.drain_pg)
                 common = sorted(set.intersection(*(set(v) for v in views)))
                 if not common:
-                    return
+                    break
                 drain_step(
                     g,
                     self.local,
@@ -145,6 +146,8 @@ class Drains:
                     self._changed.notify_all()
                 self.on_durable(common[0])
                 self.prune()
+            for step in sorted(refused):  # the other steps drained; this one stays local
+                self.root.refuse_link(step, _stays_local(self.local, step))
         except Exception as exc:
             log.error(
                 "draining %s to %s failed (it stays local): %s", self.local.url, self.root.url, exc
@@ -177,6 +180,7 @@ def drain_step(
     copied, error, part = None, None, None
     attempt = SaveAttempt(fs, dst, uuid.uuid4().hex[:12])  # this rank's own save id
     try:
+        root.refuse_link(step, _stays_local(local, step))  # linked since the pass looked
         parts = read_metadata(local.fs, src, opened=local.model(step))
         if len(parts) != 1:  # the manager saves with collectives: one .metadata
             raise CheckpointNotFoundError(
@@ -228,6 +232,14 @@ def drain_step(
     if outcome is not None:
         raise RuntimeError(f"draining step {step} to {root.url} failed: {outcome}")
     log.info("step %d is durable at %s", step, root.step_url(step))
+
+
+def _stays_local(local: StepRoot, step: int) -> str:
+    """The fix for a step whose root directory is a symbolic link (``StepRoot.refuse_link``)."""
+    return (
+        f"step {step} stays in the local tier {local.url}, not durable; remove the link at "
+        f"the root to let it drain, or delete_local({step}) if it is not wanted"
+    )
 
 
 def _text(error: BaseException | None) -> str | None:

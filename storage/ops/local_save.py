@@ -1,4 +1,5 @@
-"""One save into a local tier: its base, its writes, its replicas, each node's commit.
+"""One save into a local tier: its refusals, its base, its writes, its replicas, each
+node's commit.
 
 Every rank writes its data files to its node's tier with a writer that does not publish
 (``CheckpointWriter(publish=False)``): the coordinator's node does not hold the other
@@ -20,7 +21,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from extensions.errors import TierFullError
+from extensions.errors import TierFullError, UnsafeCheckpointError
 from storage.checkpoint import api
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import commit_checkpoint
@@ -68,6 +69,19 @@ def base_for(
     if choice.note is not None:
         log.info("%s", choice.note)
     return choice.base
+
+
+def refuse_links(g: Group, local: StepRoot, root: StepRoot, step: int, *, pg: Any) -> None:
+    """Raise on every rank, before anything is written, if ``step``'s directory is a
+    symbolic link in some node's ``local`` tier (the save would write through it) or
+    under the ``root`` (its drain would): ``StepRoot.refuse_link``. Collective on ``pg``."""
+    error: UnsafeCheckpointError | None = None
+    try:
+        local.refuse_link(step)
+        root.refuse_link(step)
+    except UnsafeCheckpointError as exc:
+        error = exc
+    gather_errors(g, error, f"saving step {step}", pg=pg)
 
 
 def commit_step(

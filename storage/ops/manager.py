@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from extensions.base import Keys
-from extensions.errors import UnsafeCheckpointError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import api, persist
@@ -266,15 +265,9 @@ class CheckpointManager:
         :meth:`storage.ops.tiers.LocalTier.save`). A step under the root that is a
         symbolic link (a checkpoint from elsewhere, linked in) is refused with
         :class:`UnsafeCheckpointError` before anything is written: saving over it would
-        replace someone else's checkpoint through the link."""
-        if self.location.is_link(check_step(step)):
-            raise UnsafeCheckpointError(
-                f"{self.step_url(step)} is a symbolic link to a checkpoint elsewhere; the "
-                "manager never saves over it (that would replace the linked checkpoint "
-                "through the link): save under another step, or remove the link itself if "
-                "it is no longer wanted"
-            )
-        return self.tier.save(step, state_dict, blocking=blocking)
+        replace someone else's checkpoint through the link; so is one whose directory in
+        the local tier is a link (:meth:`StepRoot.refuse_link`)."""
+        return self.tier.save(check_step(step), state_dict, blocking=blocking)
 
     def prepare(self, state_dict: dict[str, Any]) -> None:
         """Make the staging buffers of asynchronous saves for ``state_dict`` now, before

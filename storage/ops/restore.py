@@ -35,7 +35,7 @@ from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.committed import files_read, open_committed
 from storage.checkpoint.layout import StepInfo, parse_step
 from storage.checkpoint.prefixes import expand
-from storage.ops._peers import Group, gather_errors, transfer
+from storage.ops._peers import Group, Move, gather_errors, transfer
 from storage.ops.restore_plan import DURABLE, LOCAL, Choice, Held, Report, plan, read_moves
 from storage.ops.steps import StepRoot
 
@@ -204,14 +204,24 @@ def _fetch(
 ) -> None:
     """Bring each node what its ranks' loads of the chosen step read: each rank's own
     files, then what its node's loads read of other ranks' files, then the metadata;
-    bases first. Collective; raises on every rank if it failed on any."""
+    bases first. Nothing is received into a step whose directory is a symbolic link
+    (``StepRoot.refuse_link``): every rank refuses the fetch before anything moves.
+    Collective; raises on every rank if it failed on any."""
     error: BaseException | None = None
+    steps: list[tuple[int, list[Move]]] = []
     try:
         reads = read_moves(g, reports, _reads(g, local, state_dict, reports, chosen.step))
         planned = {s: (data, meta) for s, data, meta in chosen.moves}
         for s in sorted(set(planned) | set(reads)):
             data, meta = planned.get(s, ([], []))
-            moves = [*data, *reads.get(s, []), *meta]
+            steps.append((s, [*data, *reads.get(s, []), *meta]))
+            if any(dst == g.rank != src and names for src, dst, names in steps[-1][1]):
+                local.refuse_link(s, "nothing is fetched into it; remove the link to restore here")
+    except Exception as exc:
+        error = exc
+    gather_errors(g, error, f"restoring step {chosen.step} from the peers")
+    try:
+        for s, moves in steps:
             sent(transfer(g, moves, local.fs, local.step_path(s), sync=True))
     except Exception as exc:
         error = exc

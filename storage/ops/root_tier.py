@@ -92,6 +92,7 @@ class RootTier:
         self, step: int, state_dict: dict[str, Any], *, blocking: bool
     ) -> concurrent.futures.Future[None] | None:
         """See :meth:`CheckpointManager.save`."""
+        self.root.refuse_link(step)
         persist.hurry()  # a paced save in flight: this one waits for it
         self.wait()
         base, opened = self.incremental_base(step)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from extensions.errors import UnsafeCheckpointError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.committed import CommittedCheckpoint, ReadModels
 from storage.checkpoint.incremental import missing_file
@@ -27,6 +28,8 @@ from storage.checkpoint.layout import (
     is_committed,
     parse_step,
 )
+
+_SAVE_ELSEWHERE = "save under another step, or remove the link itself if it is no longer wanted"
 
 
 class InFlight:
@@ -113,6 +116,21 @@ class StepRoot:
     def is_link(self, step: int) -> bool:
         """Whether ``step``'s directory is a symbolic link (never deleted through)."""
         return self.fs.is_link(self.step_path(step))
+
+    def refuse_link(self, step: int, fix: str = _SAVE_ELSEWHERE) -> None:
+        """Raise :class:`UnsafeCheckpointError` if ``step``'s directory is a symbolic
+        link: the one check of every path that writes a step it chose by number (a
+        manager's save, a local tier's, a preemption save, a drain, a heal's), before it
+        writes anything. A linked step is a checkpoint from elsewhere (a shared
+        pretrained one as ``step-0``); writing there would replace it, through the link,
+        for everyone using it. ``fix``: what the caller can do instead. A path the user
+        names itself (``storage.save``, ``cp``, ``export``) is theirs to link."""
+        if self.is_link(step):
+            raise UnsafeCheckpointError(
+                f"{self.step_url(step)} is a symbolic link to a checkpoint elsewhere, which "
+                "writing there would replace for everyone using it; nothing was written: "
+                f"{fix}"
+            )
 
     def linked_steps(self) -> list[int]:
         """Steps whose directory is a symbolic link, ascending."""

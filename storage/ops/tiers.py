@@ -78,7 +78,7 @@ class LocalTier:
             self.local,
             keep_local,
             leader=self.group.leader,
-            durable=root.is_committed,
+            durable=self.durable,
             pending=self.pending,
         )
         self.transforms, self.settings = transforms, settings
@@ -113,7 +113,9 @@ class LocalTier:
         return self.retention.keep_local
 
     def durable(self, step: int) -> bool:
-        return self.root.is_committed(step)
+        """Whether the root holds ``step`` committed, and not as a symbolic link (a
+        checkpoint from elsewhere: this tier's copy of the step is not that one)."""
+        return self.root.is_committed(step) and not self.root.is_link(step)
 
     def linked(self) -> set[int]:
         """Local steps whose directory is a symbolic link: someone else's checkpoints,
@@ -167,6 +169,7 @@ class LocalTier:
         drain queues behind it. This step's drain is paced (:mod:`storage.ops.pace`)."""
         persist.hurry()
         self.finish_commit()
+        local_save.refuse_links(self.group, self.local, self.root, step, pg=None)
         if not blocking:
             self.drains.raise_error()
         self._make_room(step)
@@ -214,12 +217,15 @@ class LocalTier:
         staging copy, so the caller must not change them until the future resolves. If
         any rank is past ``deadline`` once every file is written and replicated, every
         rank removes what it wrote and the future raises :class:`DeadlineExceededError`:
-        nothing is published late. No room is made first (the drain pass queued after
-        the commit prunes): a tier over ``keep_local`` still takes this step."""
+        nothing is published late. A step that is a symbolic link (here or under the
+        root) is refused as :meth:`save` refuses it. No room is made first (the drain
+        pass queued after the commit prunes): a tier over ``keep_local`` still takes
+        this step."""
 
         persist.hurry()  # the job is ending: no drain waits for a deadline
 
         def run() -> None:
+            local_save.refuse_links(self.group, self.local, self.root, step, pg=self.group.save_pg)
             writer = self._start(step, self.group.save_pg)
             self._commit(step, writer, state_dict, self.group.save_pg, deadline)
 

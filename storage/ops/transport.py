@@ -281,7 +281,8 @@ class StorageTransport:
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
     ) -> None:
-        """Write ``state_dict`` as ``root/replica-{rank}/step-{step}``.
+        """Write ``state_dict`` as ``root/replica-{rank}/step-{step}`` (refused, before
+        anything is written, where that directory is a symbolic link).
 
         Any replica may read it, so ``dst_ranks`` only documents who is waiting."""
         seconds = _seconds(timeout)
@@ -292,6 +293,7 @@ class StorageTransport:
                 f"sending step {step} to {url}: the state dict has a top-level key "
                 f"{SHAPE_KEY!r}, which the transport reserves; rename that key"
             )
+        self._manager.location.refuse_link(step, "remove the link; a replica's steps are its own")
         with self._lock:
             future = self._executor.submit(self._write, step, state_dict)
             self._inflight = future
