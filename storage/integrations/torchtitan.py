@@ -38,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import posixpath
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -47,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 
 from storage.checkpoint.api import load as _load_url
 from storage.checkpoint.api import save_with
+from storage.checkpoint.layout import parse_step
 from storage.checkpoint.writer import CheckpointWriter
 from storage.integrations._deps import require
 from storage.ops.manager import CheckpointManager as _StepManager
@@ -138,6 +140,9 @@ class CheckpointManager(_titan_dcp.CheckpointManager):
             return super().dcp_save(
                 state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
+        step = parse_step(posixpath.basename(checkpoint_id.rstrip("/")))
+        if step is not None and checkpoint_id == self._create_checkpoint_id(step):
+            self._steps.location.refuse_link(step)  # a linked step-N is someone else's
         writer = CheckpointWriter(
             checkpoint_id,
             transforms=self._transforms,

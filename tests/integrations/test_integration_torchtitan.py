@@ -100,6 +100,26 @@ def test_a_step_that_is_not_committed_is_refused(endpoint: str, tmp_path: Any) -
     checkpointer.close()
 
 
+def test_a_save_at_a_linked_step_is_refused(tmp_path: Any) -> None:
+    """A ``step-N`` under the folder that is a symbolic link (a shared checkpoint linked
+    in) is never saved over: torchtitan names the step, and writing there replaced the
+    linked checkpoint for everyone using it."""
+    import storage
+
+    shared = tmp_path / "shared"
+    storage.save({"w": torch.ones(3)}, shared)
+    before = {p.name: p.read_bytes() for p in shared.iterdir()}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "step-2").symlink_to(shared, target_is_directory=True)
+    model = torch.nn.Linear(2, 2)
+    *_, checkpointer = _components(model, str(tmp_path / "run"), {}, "disabled")
+    with pytest.raises(storage.UnsafeCheckpointError, match=r"step-2 is a symbolic link"):
+        checkpointer.save(curr_step=2)
+    assert checkpointer.save(curr_step=4)
+    checkpointer.close()
+    assert {p.name: p.read_bytes() for p in shared.iterdir()} == before
+
+
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_an_async_manager_makes_the_models_staging_buffers_when_built(
     tmp_path: Any, async_mode: str
