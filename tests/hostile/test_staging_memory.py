@@ -460,3 +460,24 @@ def test_warming_the_worker_while_a_save_runs_freezes_none_of_its_objects(
         assert gone() is None
     finally:
         gc.unfreeze()
+
+
+def test_a_lock_file_comes_back_though_a_neighbour_took_a_name_it_could_use() -> None:
+    """The lock file was removed (RemoveIPC), and a neighbour who listed the directory
+    created ``{pool}.lock.new``. Before, the pool made its lock file again under that
+    one fixed name: the creation failed, silently, at every stage, and another pool of
+    this user then took the live pool for a dead one and removed its segments."""
+    first = _pool.StagingPool()
+    squat = Path(_shm.shm_dir(), f"{first.name}.lock.new")
+    try:
+        first.stage(BIG)
+        os.unlink(Path(_shm.shm_dir(), f"{first.name}.lock"))
+        squat.symlink_to("/nonexistent")
+        staged, _ = first.stage(BIG)
+        _pool.StagingPool().close()  # sweeps this user's dead pools first
+        assert len(_listing(f"{first.name}-")) == 1  # its segment
+        assert Path(_shm.shm_dir(), f"{first.name}.lock").is_file()
+        assert torch.equal(staged["w"], BIG["w"])
+    finally:
+        first.close()
+        squat.unlink()

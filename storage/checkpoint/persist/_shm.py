@@ -184,17 +184,17 @@ class _Owner:
     def relock(self) -> None:
         """Make the lock file again, held, after something else removed it (the owning
         process only): without it another pool's sweep takes this pool for a dead one.
-        Made under a name no sweep reads, locked, then linked into place, so no sweep
-        ever sees it unlocked."""
+        Made under a random name no sweep reads (a fixed one, anyone who listed the
+        directory could take first: the lock file would never come back), locked, then
+        linked into place, so no sweep ever sees it unlocked."""
         if os.getpid() != self.pid or self.fd < 0:
             return
         path = os.path.join(shm_dir(), f"{self.name}.lock")
-        new = f"{path}.new"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(new, flags, 0o600)
-        except OSError:
+            name, fd = _create_unique(f"{self.name}.lock.", 8, ".new")
+        except (OSError, CheckpointStorageError):
             return
+        new = os.path.join(shm_dir(), f"{name}.new")
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.link(new, path)
