@@ -757,7 +757,7 @@ def test_a_manager_starts_the_worker_before_its_first_save(
     assert worker.pid is None
     storage.CheckpointManager(tmp_path, persist="process")
     assert worker.pid is not None and worker.pid != os.getpid()
-    assert worker.pool is not None and worker.pool.live() == []
+    assert worker.pool is not None and worker.pool.live() == {}
     assert worker.call(os.getpid).result() == worker.pid
 
 
@@ -805,7 +805,8 @@ def test_prepare_stages_nothing_and_the_first_save_copies_into_its_buffers(
     segments = worker.pool.live()
     assert len(segments) == 1  # "w"; "b" is small and goes by value
     assert not (tmp_path / "root").exists() or list((tmp_path / "root").iterdir()) == []
-    mapped = persist._shm.map_segment(segments[0])
+    ((name, identity),) = segments.items()
+    mapped = persist._shm.map_segment(name, identity)
     assert mapped[:] == bytes(len(mapped))  # made and touched, nothing copied
     mapped.close()
     state["w"].add_(1.0)

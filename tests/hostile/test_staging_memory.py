@@ -413,7 +413,7 @@ def test_the_worker_refuses_to_map_another_users_file() -> None:
     try:
         path.chmod(0o666)
         with pytest.raises(CheckpointStorageError, match="not a staging segment of this user"):
-            _shm.map_segment(name)
+            _shm.map_segment(name, (os.stat(path).st_ino, path.stat().st_size))
     finally:
         path.unlink()
 
@@ -460,6 +460,83 @@ def test_warming_the_worker_while_a_save_runs_freezes_none_of_its_objects(
         assert gone() is None
     finally:
         gc.unfreeze()
+
+
+_TRUNCATE_THEN_SAVE = """
+import os, sys, torch, storage
+from storage.checkpoint import persist
+from storage.checkpoint.persist import _shm
+state = {"w": torch.ones(256, 256)}
+storage.async_save(state, sys.argv[1] + "/1", persist="process").result()
+truncated = sorted(persist.worker().pool.live())
+for name in truncated:  # another process of this user (a cleaner) empties them
+    os.truncate(os.path.join(_shm.shm_dir(), name), 0)
+state["w"] += 1
+storage.async_save(state, sys.argv[1] + "/2", persist="process").result()
+assert not set(truncated) & set(persist.worker().pool.live())
+print("saved")
+"""
+
+
+def test_a_segment_truncated_between_saves_is_made_again_not_copied_into(
+    tmp_path: Path,
+) -> None:
+    """Something of this user truncated a staging segment between two saves. Before,
+    the next stage copied into the pool's mapping of it, past the file's end, and the
+    training process died of SIGBUS; the pool now judges its segments by size too, and
+    makes a truncated one again."""
+    assert _run(_TRUNCATE_THEN_SAVE, str(tmp_path)).split() == ["saved"]
+    import storage
+
+    loaded = {"w": torch.zeros(256, 256)}
+    storage.load(loaded, tmp_path / "2")
+    assert torch.equal(loaded["w"], torch.full((256, 256), 2.0))
+
+
+def test_a_segment_truncated_between_stage_and_write_fails_that_save_clearly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Something of this user truncated a segment after the stage, before the worker
+    read it. Before, a worker that had mapped it at an earlier save read the bytes past
+    the new end of the file as zeros (short of a page) and committed them, checksummed;
+    or died of SIGBUS (a page or more). The worker now checks each segment's size
+    before reading it: the save fails naming the checkpoint, the item and the segment,
+    the committed checkpoint stays, and the next save stages afresh."""
+    import storage
+    from storage.checkpoint import persist
+
+    path = tmp_path / "ckpt"
+    nbytes = 256 * 256 * 4
+    state = {"w": torch.ones(256, 256)}  # the same tensors at every save, as in training
+    try:
+        storage.async_save(state, path, persist="process").result()  # the worker maps it
+        write_staged = persist.write_staged
+
+        def truncating(*args: object) -> object:
+            pool = persist.worker().pool
+            assert pool is not None
+            for name in pool.live():  # short of the last page: no SIGBUS, zeros
+                os.truncate(Path(_shm.shm_dir(), name), nbytes - 100)
+            return write_staged(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(persist, "write_staged", truncating)
+        state["w"].fill_(2.0)
+        with pytest.raises(
+            CheckpointStorageError,
+            match=rf"saving .*ckpt, item w: staging segment .* was truncated to {nbytes - 100} "
+            rf"bytes after {nbytes} were staged into it.*the next one stages afresh",
+        ):
+            storage.async_save(state, path, persist="process").result()
+        monkeypatch.undo()
+        loaded = {"w": torch.zeros(256, 256)}
+        storage.load(loaded, path)
+        assert torch.equal(loaded["w"], torch.ones(256, 256))  # the committed one
+        state["w"].fill_(3.0)
+        storage.async_save(state, path, persist="process").result()
+        storage.load(loaded, path)
+        assert torch.equal(loaded["w"], state["w"])
+    finally:
+        persist.worker().close()
 
 
 def test_a_lock_file_comes_back_though_a_neighbour_took_a_name_it_could_use() -> None:

@@ -22,9 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import gc
-import io
-import math
-import mmap
 import os
 import pickle
 import sys
@@ -37,9 +34,11 @@ from typing import IO, Any, NoReturn
 
 import torch
 
+from extensions.errors import CheckpointStorageError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import deadline
-from storage.checkpoint.persist._shm import map_segment, sweep
+from storage.checkpoint.persist._mapped import keep_mapped, rebuild
+from storage.checkpoint.persist._shm import sweep
 
 # --- what the training process sends in place of staged data ---------------------------
 
@@ -50,33 +49,19 @@ class Pause:
     its local tier), so that save gets the disk and the cores first."""
 
 
-def rebuild(ref: tuple[Any, ...]) -> object:
-    """The data a write item resolves to, from its reference (see ``persist.item_ref``)."""
-    kind = ref[0]
-    if kind == "bytes":
-        return io.BytesIO(ref[1])
-    if kind == "shm":
-        _, name, offset, dtype, shape = ref
-        numel = math.prod(shape)
-        if numel == 0:
-            return torch.empty(shape, dtype=dtype)
-        data = torch.frombuffer(_mapping(name), dtype=dtype, count=numel, offset=offset)
-        return data.view(shape)
-    _, raw, dtype, shape = ref
-    if not raw:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
 class _Resolved:
     """What the writer asks its planner for (``resolve_data``), answered from the
-    references the training process sent."""
+    references the training process sent for a save of checkpoint ``url``."""
 
-    def __init__(self, refs: dict[Any, tuple[Any, ...]]) -> None:
+    def __init__(self, refs: dict[Any, tuple[Any, ...]], url: str) -> None:
         self._refs = refs
+        self._url = url
 
     def resolve_data(self, item: Any) -> object:
-        return rebuild(self._refs[item.index])
+        try:
+            return rebuild(self._refs[item.index])
+        except CheckpointStorageError as exc:  # a segment no longer as staged
+            raise type(exc)(f"saving {self._url}, item {item.index.fqn}: {exc}") from exc
 
 
 def write_files(
@@ -86,7 +71,7 @@ def write_files(
     returns the results, the data files written (names in the checkpoint) and the
     deadline budget spent, for the training process's ``SaveAttempt.adopt``."""
     limit_writes(writer.fs)
-    per_file = writer.write_files(files, threads, _Resolved(refs))
+    per_file = writer.write_files(files, threads, _Resolved(refs, writer.url))
     return per_file, writer.attempt.names, writer.attempt.budget.spent
 
 
@@ -114,24 +99,8 @@ def _count_calls(delta: int) -> None:
 
 # --- worker state ---------------------------------------------------------------------
 
-_maps: dict[str, mmap.mmap] = {}
-_maps_lock = threading.Lock()
 _foreground = False
 _foreground_changed = threading.Condition()
-
-
-def _mapping(name: str) -> mmap.mmap:
-    with _maps_lock:
-        found = _maps.get(name)
-        if found is None:
-            found = _maps[name] = map_segment(name)
-        return found
-
-
-def _keep_mapped(live: list[str]) -> None:
-    with _maps_lock:
-        for name in set(_maps) - set(live):
-            del _maps[name]  # unmapped once no tensor of a running call uses it
 
 
 def _set_foreground(busy: bool) -> None:
@@ -339,7 +308,7 @@ class _Server:
         _call.owner = call_id
         try:
             _set_environ(options.get("environ"))
-            _keep_mapped(options.get("live", []))
+            keep_mapped(options.get("live", {}))
             rank = options.get("rank")
             deadline.distributed_rank = lambda: rank  # errors name the trainer's rank
             for value in (*args, *kwargs.values()):

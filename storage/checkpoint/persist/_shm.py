@@ -135,12 +135,16 @@ def _unlink_own(directory: str, name: str) -> bool:
     return True
 
 
-def map_segment(name: str) -> mmap.mmap:
-    """Map the segment ``name`` read-write (the persist worker's side). A file of that
-    name that is not this user's is refused: the segment was removed (RemoveIPC, a
-    cleaner) and someone who listed the directory took its name."""
+def map_segment(name: str, identity: tuple[int, int]) -> mmap.mmap:
+    """Map the segment ``name`` read-write (the persist worker's side), checking that
+    it is still the file the training process staged into: ``identity``, its inode and
+    size there. A file of that name that is not this user's, another file, or a
+    shorter one (read past its end, a mapping is a SIGBUS; short of a page, zeros) is
+    refused: the segment was removed (RemoveIPC, a cleaner) and its name taken, or
+    something truncated it."""
     path = os.path.join(shm_dir(), name)
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    # O_NONBLOCK: a FIFO under the name never blocks the open (fstat refuses it below).
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
@@ -149,9 +153,39 @@ def map_segment(name: str) -> mmap.mmap:
                 "the segment was removed and something else now has its name; this save "
                 "fails, the next one stages afresh"
             )
-        return mmap.mmap(fd, info.st_size)
+        if info.st_ino != identity[0]:
+            raise CheckpointStorageError(
+                f"{path} is not the staging segment this save staged into: the segment "
+                "was removed (RemoveIPC, a cleaner of /dev/shm) and another file of this "
+                "user took its name; this save fails, the next one stages afresh"
+            )
+        check_size(path, info.st_size, identity[1])
+        return mmap.mmap(fd, identity[1])
     finally:
         os.close(fd)
+
+
+def check_mapped(name: str, identity: tuple[int, int]) -> None:
+    """Raise if the segment ``name``, mapped earlier as ``identity`` (inode, size), was
+    truncated since: reading the mapping past the file's new end would kill the worker
+    with SIGBUS, or read zeros. A segment whose name is gone, or holds another file,
+    is left to its mapping, which still holds the staged pages."""
+    path = os.path.join(shm_dir(), name)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if info.st_ino == identity[0]:
+        check_size(path, info.st_size, identity[1])
+
+
+def check_size(path: str, size: int, staged: int) -> None:
+    if size < staged:
+        raise CheckpointStorageError(
+            f"staging segment {path} was truncated to {size} bytes after {staged} were "
+            "staged into it (something else of this user writes to "
+            f"{shm_dir()}: a cleaner?); this save fails, the next one stages afresh"
+        )
 
 
 def _create_unique(stem: str, random_bytes: int, suffix: str = "") -> tuple[str, int]:
@@ -276,10 +310,17 @@ class _Segment:
             "a cleaner of /dev/shm); this save fails, the next one stages afresh"
         )
 
-    def is_at(self, inode: int | None) -> bool:
-        """Whether the file its name holds now in :func:`shm_dir` (``inode``; ``None``:
-        none) is this segment."""
-        return inode == self.identity[1]
+    def is_at(self, found: tuple[int, int] | None) -> bool:
+        """Whether the file its name holds now in :func:`shm_dir` (``found``: its inode
+        and size; ``None``: none) is this segment, whole. A truncated one is not: a copy
+        into its mapping past the file's end kills this process with SIGBUS."""
+        return found is not None and found[0] == self.identity[1] and found[1] >= len(self.map)
+
+    @property
+    def shared(self) -> tuple[int, int]:
+        """What the worker checks the file it maps by :attr:`name` against: its inode
+        and size (:func:`map_segment`)."""
+        return self.identity[1], len(self.map)
 
     def touch(self) -> None:
         """Fault every page into this process's mapping now, so that the first copy

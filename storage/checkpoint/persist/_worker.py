@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from storage.checkpoint.persist._messages import (
     unreadable,
 )
 from storage.checkpoint.persist._pool import StagingPool
-from storage.checkpoint.persist._shm import SharedMemoryFull
+from storage.checkpoint.persist._shm import SharedMemoryFull, shm_dir
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class Worker:
         options: dict[str, Any] = {
             "max_bandwidth": max_bandwidth,
             "pace": None,
-            "live": self.pool.live() if self.pool is not None else [],
+            "live": self.pool.live() if self.pool is not None else {},
             "rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else None,
             # As a thread would, the call sees the environment as it is now (credentials
             # the clients read from it may have been set after the worker started).
@@ -379,4 +380,9 @@ class Worker:
 
 
 def _exit_text(code: int) -> str:
+    if code == -signal.SIGBUS:  # what reading a mapping past its file's end does
+        return (
+            f"killed by signal {-code}, SIGBUS: a staging segment in {shm_dir()} was "
+            "truncated while the worker read it"
+        )
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
