@@ -539,6 +539,69 @@ def test_a_segment_truncated_between_stage_and_write_fails_that_save_clearly(
         persist.worker().close()
 
 
+_FORK_THEN_DIE = """
+import os, signal, sys, torch, storage
+from storage.checkpoint import persist
+torch.set_num_threads(1)  # as in DataLoader workers: OpenMP's pool does not survive fork
+state = {"w": torch.ones(256, 256)} if sys.argv[2] == "big" else {"b": torch.ones(4)}
+if sys.argv[2] == "big":
+    storage.async_save(state, sys.argv[1], persist="process").result()
+else:  # a manager starts the worker and its pool: no segment (small tensors go by value)
+    mgr = storage.CheckpointManager(sys.argv[1], persist="process")
+worker = persist.worker()
+if sys.argv[3] == "fork" and os.fork() == 0:
+    # A child that outlives its parent (a DataLoader worker, for a while): it holds
+    # the pool's lock, and has dropped its copy of the worker's socket.
+    os.close(worker._conn.fileno())
+    sys.stdin.read()  # until the test closes it
+    os._exit(0)
+print(worker.pid, worker.pool.name, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _kill_trainer(tmp_path: Path, state: str, fork: str) -> tuple[int, str, subprocess.Popen[str]]:
+    """A training process that starts its worker and pool, maybe forks a child that
+    outlives it, then is killed: its worker's pid, its pool's name, and the process
+    (whose stdin the child reads until it is closed)."""
+    argv = [sys.executable, "-c", textwrap.dedent(_FORK_THEN_DIE), str(tmp_path / "c"), state]
+    proc = subprocess.Popen(
+        [*argv, fork], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert proc.stdout is not None
+    fields = proc.stdout.readline().split()
+    assert proc.wait(timeout=180) == -signal.SIGKILL
+    assert len(fields) == 2, fields
+    return int(fields[0]), fields[1], proc
+
+
+def test_a_killed_trainers_buffers_are_removed_while_a_child_it_forked_lives(
+    tmp_path: Path,
+) -> None:
+    """The training process is killed while a child it forked lives on, holding the
+    pool's lock but not the worker's socket. Before, the worker saw its trainer die,
+    swept, found the lock held and left the segments (a copy of the state in
+    ``/dev/shm``) behind when it exited, until the next pool this user made. The worker
+    now removes its trainer's pool by name: nothing else owns it."""
+    worker_pid, pool, proc = _kill_trainer(tmp_path, "big", "fork")
+    try:
+        assert _gone(worker_pid)
+        assert _listing(pool) == []
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()  # the child exits
+
+
+def test_a_killed_trainer_that_staged_nothing_leaves_no_lock_file(tmp_path: Path) -> None:
+    """A manager's training process killed before any tensor went to a segment. Before,
+    its worker's sweep left the pool's lock file (no segments, younger than a minute:
+    a pool being born, for all the sweep knew): one file more per crash until a pool of
+    this user made a minute later swept it."""
+    worker_pid, pool, proc = _kill_trainer(tmp_path, "small", "no fork")
+    assert _gone(worker_pid)
+    assert _listing(pool) == []
+
+
 def test_a_lock_file_comes_back_though_a_neighbour_took_a_name_it_could_use() -> None:
     """The lock file was removed (RemoveIPC), and a neighbour who listed the directory
     created ``{pool}.lock.new``. Before, the pool made its lock file again under that

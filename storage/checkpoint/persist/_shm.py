@@ -122,6 +122,27 @@ def _sweep_pool(directory: str, pool: str, members: list[str]) -> list[str]:
             os.close(fd)
 
 
+def remove_pool(pool: str) -> list[str]:
+    """Remove the files of ``pool`` (its segments, then its lock file) that this user
+    owns, whoever holds its lock: for the persist worker, which knows that its training
+    process, the pool's owner, is gone. Returns the names removed; never raises."""
+    directory = shm_dir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    prefix = _prefix()
+    ours = [
+        name
+        for name in names
+        if name.startswith(pool)
+        and (match := _NAME.fullmatch(name[len(prefix) :])) is not None
+        and f"{prefix}{match['pool']}" == pool
+    ]
+    ours.sort(key=lambda name: name.endswith(".lock"))  # the lock file last
+    return [name for name in ours if _unlink_own(directory, name)]
+
+
 def _unlink_own(directory: str, name: str) -> bool:
     """Remove ``directory/name`` if it is a regular file this user owns."""
     path = os.path.join(directory, name)

@@ -114,7 +114,8 @@ class Worker:
         finally:
             theirs.close()  # the worker's end lives only in the worker: its death is EOF here
         conn = Connection(ours.detach())
-        conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0)))
+        pool = self.pool.name if self.pool is not None else None  # a restarted worker's
+        conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0, pool)))
         self._proc, self._conn = proc, conn
         threading.Thread(
             target=self._read, args=(proc, conn), name="dcp-persist-reader", daemon=True
@@ -319,9 +320,16 @@ class Worker:
         """Start the worker process and make the staging pool, if not yet done (a
         dead worker's error is raised here once); returns the pool."""
         with self._lock:
-            self._start()
+            conn = self._start()
             if self.pool is None:
                 self.pool = StagingPool(copy_threads=self.copy_threads)
+                # The worker removes this pool's files if this process dies (it alone
+                # knows then that they are dead: a child made with fork may hold the lock).
+                try:
+                    with self._send_lock:
+                        conn.send_bytes(pickle.dumps(("pool", self.pool.name)))
+                except OSError:
+                    pass  # a dead worker: the reader reports it
             return self.pool
 
     def warm(self, fn: Callable[[Any], None], filesystem: Any) -> None:
