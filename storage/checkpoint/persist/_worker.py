@@ -89,6 +89,7 @@ class Worker:
         self._foreground = 0  # saves in the foreground: the worker's pace pauses
         self._free = threading.Event()
         self._free.set()
+        self._taking = threading.Lock()  # a stage's wait for the buffers and its taking them
         self._pace_until: float | None = None  # the next save's deadline (pace_next)
         self._pace_for: str | None = None  # the checkpoint that save writes, if given
         self._paced = False  # a paced call went out and no hurry since
@@ -372,9 +373,10 @@ class Worker:
             # Held by a save still writing, which may be paced (another manager's): this
             # save, on the training thread, waits for it now, so its pace is lifted.
             self.hurry()
-        while not self._free.wait(60):
-            log.warning("a checkpoint save waits for the previous one to release its buffers")
-        self._free.clear()
+        with self._taking:  # as one step: two threads' stages take the buffers in turn
+            while not self._free.wait(60):
+                log.warning("a checkpoint save waits for the previous one to release its buffers")
+            self._free.clear()
         try:
             staged, copies = pool.stage(state_dict)
         except SharedMemoryFull:
