@@ -539,6 +539,55 @@ def test_a_segment_truncated_between_stage_and_write_fails_that_save_clearly(
         persist.worker().close()
 
 
+@pytest.mark.parametrize("how", ["removed", "replaced by a link"])
+def test_a_segment_removed_between_stage_and_write_fails_that_save_clearly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A segment the worker has not mapped yet was removed after the stage (RemoveIPC at
+    logout, a cleaner), or a link put in its place. Before, the save failed with a bare
+    FileNotFoundError (or ELOOP) naming a file in /dev/shm, not the checkpoint, the item
+    or what to do."""
+    import storage
+    from storage.checkpoint import persist
+
+    path = tmp_path / "ckpt"
+    links: list[Path] = []
+    try:
+        storage.async_save({"w": torch.ones(256, 256)}, path, persist="process").result()
+        write_staged = persist.write_staged
+
+        def removing(*args: object) -> object:
+            pool = persist.worker().pool
+            assert pool is not None
+            for name in pool.live():
+                segment = Path(_shm.shm_dir(), name)
+                segment.unlink()
+                if how != "removed":
+                    segment.symlink_to(tmp_path / "elsewhere")
+                    links.append(segment)
+            return write_staged(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(persist, "write_staged", removing)
+        with pytest.raises(
+            CheckpointStorageError,
+            match=r"saving .*ckpt, item w: cannot open staging segment .*: something removed "
+            r"it after the stage.*the next one stages afresh",
+        ):
+            # A new tensor: a new segment, which the worker has not mapped.
+            storage.async_save({"w": torch.full((256, 256), 2.0)}, path, persist="process").result()
+        monkeypatch.undo()
+        loaded = {"w": torch.zeros(256, 256)}
+        storage.load(loaded, path)
+        assert torch.equal(loaded["w"], torch.ones(256, 256))  # the committed one
+        storage.async_save({"w": torch.full((256, 256), 3.0)}, path, persist="process").result()
+        storage.load(loaded, path)
+        assert torch.equal(loaded["w"], torch.full((256, 256), 3.0))
+    finally:
+        persist.worker().close()
+        for link in links:
+            link.unlink()
+
+
 _FORK_THEN_DIE = """
 import os, signal, sys, torch, storage
 from storage.checkpoint import persist

@@ -164,8 +164,15 @@ def map_segment(name: str, identity: tuple[int, int]) -> mmap.mmap:
     refused: the segment was removed (RemoveIPC, a cleaner) and its name taken, or
     something truncated it."""
     path = os.path.join(shm_dir(), name)
-    # O_NONBLOCK: a FIFO under the name never blocks the open (fstat refuses it below).
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        # O_NONBLOCK: a FIFO under the name never blocks the open (fstat refuses it below).
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:  # gone, or a link in its place (O_NOFOLLOW), or not ours
+        raise CheckpointStorageError(
+            f"cannot open staging segment {path} ({exc.strerror}): something removed it "
+            "after the stage (RemoveIPC at logout, a cleaner of /dev/shm), or put another "
+            "file in its place; this save fails, the next one stages afresh"
+        ) from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
