@@ -194,6 +194,48 @@ def test_a_forked_child_that_exits_leaves_its_parents_buffers_alone(tmp_path: Pa
     assert torch.equal(loaded["w"], torch.full((256, 256), 2.0))
 
 
+_FORK_WHILE_LOCATING = """
+import os, sys, threading, time, torch
+from storage.checkpoint.persist import _pool
+torch.set_num_threads(1)  # as in DataLoader workers: OpenMP's pool does not survive fork
+pool = _pool.StagingPool()
+pool.stage({"w": torch.ones(256, 256)})
+held, done = threading.Event(), threading.Event()
+def locating():  # DCP's save thread, finding a staged tensor's segment (pool.locate)
+    with pool._lock:
+        held.set()
+        done.wait()
+thread = threading.Thread(target=locating)
+thread.start()
+held.wait()
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # runs the atexit hooks it inherited: they close the pool
+done.set()
+thread.join()
+deadline = time.monotonic() + 60  # bounds a failure only
+while True:
+    pid, status = os.waitpid(child, os.WNOHANG)
+    if pid:
+        break
+    if time.monotonic() > deadline:
+        os.kill(child, 9)
+        sys.exit("the child hung at exit")
+    time.sleep(0.05)
+assert status == 0, status
+pool.close()
+print("ok")
+"""
+
+
+def test_a_child_forked_while_a_save_thread_holds_the_pool_exits(tmp_path: Path) -> None:
+    """The training thread forks (DataLoader workers for the next epoch) while DCP's save
+    thread holds the pool's lock, locating the tensors it hands to the worker. Before,
+    the child inherited the lock held, with no thread to release it, and its exit hung
+    for ever in the atexit hook closing the pool."""
+    assert _run(_FORK_WHILE_LOCATING).split() == ["ok"]
+
+
 _SAVER = """
 import os, signal, sys, torch, storage
 from storage.checkpoint import persist

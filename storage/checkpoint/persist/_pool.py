@@ -267,3 +267,14 @@ _POOLS: weakref.WeakSet[StagingPool] = weakref.WeakSet()
 def _close_all() -> None:
     for pool in list(_POOLS):
         pool.close()
+
+
+def _unlock_pools_in_child() -> None:
+    """A child made with ``fork`` inherits each pool's lock as it was: held, when a
+    thread of the parent held it (DCP's save thread locating tensors), with no thread
+    left to release it, and its exit, closing the pools, would wait for ever."""
+    for pool in list(_POOLS):
+        pool._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_pools_in_child)
