@@ -90,7 +90,7 @@ def test_a_segment_that_cannot_be_pinned_is_removed() -> None:
         with pytest.raises(RuntimeError, match="cudaHostRegister"):
             pool.new_storage(BIG, pin=True)
         after = {n for n in os.listdir(_shm.shm_dir()) if n.startswith(pool.name + "-")}
-        assert after == before and pool.live() == []
+        assert after == before and pool.live() == {}
     finally:
         pool.close()
 

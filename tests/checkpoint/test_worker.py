@@ -278,6 +278,67 @@ def test_a_lease_releases_once(worker: persist.Worker) -> None:
     assert worker._free.is_set()
 
 
+class _MeetingEvent(threading.Event):
+    """The staging buffers' free event, set; each ``wait`` first meets the other
+    thread's, and returns only once both waits saw it set, so two stages that nothing
+    else keeps apart both take the buffers. Counts each ``clear`` of a clear event: a
+    stage taking buffers another stage holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set()
+        # A stage kept apart never meets the other: the first times out, once.
+        self._both = threading.Barrier(2, timeout=5)
+        self._guard = threading.Lock()
+        self.taken_twice = 0
+
+    def _meet(self) -> None:
+        try:
+            self._both.wait()
+        except threading.BrokenBarrierError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._meet()
+        got = super().wait(timeout)
+        self._meet()
+        return got
+
+    def clear(self) -> None:
+        with self._guard:
+            self.taken_twice += not self.is_set()
+            super().clear()
+
+
+def test_two_threads_staging_at_once_take_the_buffers_in_turn(
+    worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two managers saving from two threads at once (a model and its EMA copy, say).
+    Before, both stages could see the buffers free before either took them: both
+    staged, and the second overwrote buffers the first save's writes were reading."""
+    free = _MeetingEvent()
+    monkeypatch.setattr(worker, "_free", free)
+    state = big_state()
+    leases: list[persist.Lease] = []
+    errors: list[BaseException] = []
+
+    def stage() -> None:
+        try:
+            _, lease = worker.stage(state)
+            leases.append(lease)
+            lease.release()  # the save's writes are done with them
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stage) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and len(leases) == 2, errors
+    assert free.taken_twice == 0
+
+
 # --- failures -----------------------------------------------------------------------------
 
 
@@ -757,7 +818,7 @@ def test_a_manager_starts_the_worker_before_its_first_save(
     assert worker.pid is None
     storage.CheckpointManager(tmp_path, persist="process")
     assert worker.pid is not None and worker.pid != os.getpid()
-    assert worker.pool is not None and worker.pool.live() == []
+    assert worker.pool is not None and worker.pool.live() == {}
     assert worker.call(os.getpid).result() == worker.pid
 
 
@@ -805,7 +866,8 @@ def test_prepare_stages_nothing_and_the_first_save_copies_into_its_buffers(
     segments = worker.pool.live()
     assert len(segments) == 1  # "w"; "b" is small and goes by value
     assert not (tmp_path / "root").exists() or list((tmp_path / "root").iterdir()) == []
-    mapped = persist._shm.map_segment(segments[0])
+    ((name, identity),) = segments.items()
+    mapped = persist._shm.map_segment(name, identity)
     assert mapped[:] == bytes(len(mapped))  # made and touched, nothing copied
     mapped.close()
     state["w"].add_(1.0)

@@ -194,6 +194,48 @@ def test_a_forked_child_that_exits_leaves_its_parents_buffers_alone(tmp_path: Pa
     assert torch.equal(loaded["w"], torch.full((256, 256), 2.0))
 
 
+_FORK_WHILE_LOCATING = """
+import os, sys, threading, time, torch
+from storage.checkpoint.persist import _pool
+torch.set_num_threads(1)  # as in DataLoader workers: OpenMP's pool does not survive fork
+pool = _pool.StagingPool()
+pool.stage({"w": torch.ones(256, 256)})
+held, done = threading.Event(), threading.Event()
+def locating():  # DCP's save thread, finding a staged tensor's segment (pool.locate)
+    with pool._lock:
+        held.set()
+        done.wait()
+thread = threading.Thread(target=locating)
+thread.start()
+held.wait()
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # runs the atexit hooks it inherited: they close the pool
+done.set()
+thread.join()
+deadline = time.monotonic() + 60  # bounds a failure only
+while True:
+    pid, status = os.waitpid(child, os.WNOHANG)
+    if pid:
+        break
+    if time.monotonic() > deadline:
+        os.kill(child, 9)
+        sys.exit("the child hung at exit")
+    time.sleep(0.05)
+assert status == 0, status
+pool.close()
+print("ok")
+"""
+
+
+def test_a_child_forked_while_a_save_thread_holds_the_pool_exits(tmp_path: Path) -> None:
+    """The training thread forks (DataLoader workers for the next epoch) while DCP's save
+    thread holds the pool's lock, locating the tensors it hands to the worker. Before,
+    the child inherited the lock held, with no thread to release it, and its exit hung
+    for ever in the atexit hook closing the pool."""
+    assert _run(_FORK_WHILE_LOCATING).split() == ["ok"]
+
+
 _SAVER = """
 import os, signal, sys, torch, storage
 from storage.checkpoint import persist
@@ -413,7 +455,7 @@ def test_the_worker_refuses_to_map_another_users_file() -> None:
     try:
         path.chmod(0o666)
         with pytest.raises(CheckpointStorageError, match="not a staging segment of this user"):
-            _shm.map_segment(name)
+            _shm.map_segment(name, (os.stat(path).st_ino, path.stat().st_size))
     finally:
         path.unlink()
 
@@ -460,3 +502,213 @@ def test_warming_the_worker_while_a_save_runs_freezes_none_of_its_objects(
         assert gone() is None
     finally:
         gc.unfreeze()
+
+
+_TRUNCATE_THEN_SAVE = """
+import os, sys, torch, storage
+from storage.checkpoint import persist
+from storage.checkpoint.persist import _shm
+state = {"w": torch.ones(256, 256)}
+storage.async_save(state, sys.argv[1] + "/1", persist="process").result()
+truncated = sorted(persist.worker().pool.live())
+for name in truncated:  # another process of this user (a cleaner) empties them
+    os.truncate(os.path.join(_shm.shm_dir(), name), 0)
+state["w"] += 1
+storage.async_save(state, sys.argv[1] + "/2", persist="process").result()
+assert not set(truncated) & set(persist.worker().pool.live())
+print("saved")
+"""
+
+
+def test_a_segment_truncated_between_saves_is_made_again_not_copied_into(
+    tmp_path: Path,
+) -> None:
+    """Something of this user truncated a staging segment between two saves. Before,
+    the next stage copied into the pool's mapping of it, past the file's end, and the
+    training process died of SIGBUS; the pool now judges its segments by size too, and
+    makes a truncated one again."""
+    assert _run(_TRUNCATE_THEN_SAVE, str(tmp_path)).split() == ["saved"]
+    import storage
+
+    loaded = {"w": torch.zeros(256, 256)}
+    storage.load(loaded, tmp_path / "2")
+    assert torch.equal(loaded["w"], torch.full((256, 256), 2.0))
+
+
+def test_a_segment_truncated_between_stage_and_write_fails_that_save_clearly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Something of this user truncated a segment after the stage, before the worker
+    read it. Before, a worker that had mapped it at an earlier save read the bytes past
+    the new end of the file as zeros (short of a page) and committed them, checksummed;
+    or died of SIGBUS (a page or more). The worker now checks each segment's size
+    before reading it: the save fails naming the checkpoint, the item and the segment,
+    the committed checkpoint stays, and the next save stages afresh."""
+    import storage
+    from storage.checkpoint import persist
+
+    path = tmp_path / "ckpt"
+    nbytes = 256 * 256 * 4
+    state = {"w": torch.ones(256, 256)}  # the same tensors at every save, as in training
+    try:
+        storage.async_save(state, path, persist="process").result()  # the worker maps it
+        write_staged = persist.write_staged
+
+        def truncating(*args: object) -> object:
+            pool = persist.worker().pool
+            assert pool is not None
+            for name in pool.live():  # short of the last page: no SIGBUS, zeros
+                os.truncate(Path(_shm.shm_dir(), name), nbytes - 100)
+            return write_staged(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(persist, "write_staged", truncating)
+        state["w"].fill_(2.0)
+        with pytest.raises(
+            CheckpointStorageError,
+            match=rf"saving .*ckpt, item w: staging segment .* was truncated to {nbytes - 100} "
+            rf"bytes after {nbytes} were staged into it.*the next one stages afresh",
+        ):
+            storage.async_save(state, path, persist="process").result()
+        monkeypatch.undo()
+        loaded = {"w": torch.zeros(256, 256)}
+        storage.load(loaded, path)
+        assert torch.equal(loaded["w"], torch.ones(256, 256))  # the committed one
+        state["w"].fill_(3.0)
+        storage.async_save(state, path, persist="process").result()
+        storage.load(loaded, path)
+        assert torch.equal(loaded["w"], state["w"])
+    finally:
+        persist.worker().close()
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced by a link"])
+def test_a_segment_removed_between_stage_and_write_fails_that_save_clearly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A segment the worker has not mapped yet was removed after the stage (RemoveIPC at
+    logout, a cleaner), or a link put in its place. Before, the save failed with a bare
+    FileNotFoundError (or ELOOP) naming a file in /dev/shm, not the checkpoint, the item
+    or what to do."""
+    import storage
+    from storage.checkpoint import persist
+
+    path = tmp_path / "ckpt"
+    links: list[Path] = []
+    try:
+        storage.async_save({"w": torch.ones(256, 256)}, path, persist="process").result()
+        write_staged = persist.write_staged
+
+        def removing(*args: object) -> object:
+            pool = persist.worker().pool
+            assert pool is not None
+            for name in pool.live():
+                segment = Path(_shm.shm_dir(), name)
+                segment.unlink()
+                if how != "removed":
+                    segment.symlink_to(tmp_path / "elsewhere")
+                    links.append(segment)
+            return write_staged(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(persist, "write_staged", removing)
+        with pytest.raises(
+            CheckpointStorageError,
+            match=r"saving .*ckpt, item w: cannot open staging segment .*: something removed "
+            r"it after the stage.*the next one stages afresh",
+        ):
+            # A new tensor: a new segment, which the worker has not mapped.
+            storage.async_save({"w": torch.full((256, 256), 2.0)}, path, persist="process").result()
+        monkeypatch.undo()
+        loaded = {"w": torch.zeros(256, 256)}
+        storage.load(loaded, path)
+        assert torch.equal(loaded["w"], torch.ones(256, 256))  # the committed one
+        storage.async_save({"w": torch.full((256, 256), 3.0)}, path, persist="process").result()
+        storage.load(loaded, path)
+        assert torch.equal(loaded["w"], torch.full((256, 256), 3.0))
+    finally:
+        persist.worker().close()
+        for link in links:
+            link.unlink()
+
+
+_FORK_THEN_DIE = """
+import os, signal, sys, torch, storage
+from storage.checkpoint import persist
+torch.set_num_threads(1)  # as in DataLoader workers: OpenMP's pool does not survive fork
+state = {"w": torch.ones(256, 256)} if sys.argv[2] == "big" else {"b": torch.ones(4)}
+if sys.argv[2] == "big":
+    storage.async_save(state, sys.argv[1], persist="process").result()
+else:  # a manager starts the worker and its pool: no segment (small tensors go by value)
+    mgr = storage.CheckpointManager(sys.argv[1], persist="process")
+worker = persist.worker()
+if sys.argv[3] == "fork" and os.fork() == 0:
+    # A child that outlives its parent (a DataLoader worker, for a while): it holds
+    # the pool's lock, and has dropped its copy of the worker's socket.
+    os.close(worker._conn.fileno())
+    sys.stdin.read()  # until the test closes it
+    os._exit(0)
+print(worker.pid, worker.pool.name, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _kill_trainer(tmp_path: Path, state: str, fork: str) -> tuple[int, str, subprocess.Popen[str]]:
+    """A training process that starts its worker and pool, maybe forks a child that
+    outlives it, then is killed: its worker's pid, its pool's name, and the process
+    (whose stdin the child reads until it is closed)."""
+    argv = [sys.executable, "-c", textwrap.dedent(_FORK_THEN_DIE), str(tmp_path / "c"), state]
+    proc = subprocess.Popen(
+        [*argv, fork], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert proc.stdout is not None
+    fields = proc.stdout.readline().split()
+    assert proc.wait(timeout=180) == -signal.SIGKILL
+    assert len(fields) == 2, fields
+    return int(fields[0]), fields[1], proc
+
+
+def test_a_killed_trainers_buffers_are_removed_while_a_child_it_forked_lives(
+    tmp_path: Path,
+) -> None:
+    """The training process is killed while a child it forked lives on, holding the
+    pool's lock but not the worker's socket. Before, the worker saw its trainer die,
+    swept, found the lock held and left the segments (a copy of the state in
+    ``/dev/shm``) behind when it exited, until the next pool this user made. The worker
+    now removes its trainer's pool by name: nothing else owns it."""
+    worker_pid, pool, proc = _kill_trainer(tmp_path, "big", "fork")
+    try:
+        assert _gone(worker_pid)
+        assert _listing(pool) == []
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()  # the child exits
+
+
+def test_a_killed_trainer_that_staged_nothing_leaves_no_lock_file(tmp_path: Path) -> None:
+    """A manager's training process killed before any tensor went to a segment. Before,
+    its worker's sweep left the pool's lock file (no segments, younger than a minute:
+    a pool being born, for all the sweep knew): one file more per crash until a pool of
+    this user made a minute later swept it."""
+    worker_pid, pool, proc = _kill_trainer(tmp_path, "small", "no fork")
+    assert _gone(worker_pid)
+    assert _listing(pool) == []
+
+
+def test_a_lock_file_comes_back_though_a_neighbour_took_a_name_it_could_use() -> None:
+    """The lock file was removed (RemoveIPC), and a neighbour who listed the directory
+    created ``{pool}.lock.new``. Before, the pool made its lock file again under that
+    one fixed name: the creation failed, silently, at every stage, and another pool of
+    this user then took the live pool for a dead one and removed its segments."""
+    first = _pool.StagingPool()
+    squat = Path(_shm.shm_dir(), f"{first.name}.lock.new")
+    try:
+        first.stage(BIG)
+        os.unlink(Path(_shm.shm_dir(), f"{first.name}.lock"))
+        squat.symlink_to("/nonexistent")
+        staged, _ = first.stage(BIG)
+        _pool.StagingPool().close()  # sweeps this user's dead pools first
+        assert len(_listing(f"{first.name}-")) == 1  # its segment
+        assert Path(_shm.shm_dir(), f"{first.name}.lock").is_file()
+        assert torch.equal(staged["w"], BIG["w"])
+    finally:
+        first.close()
+        squat.unlink()

@@ -8,8 +8,9 @@ and for a paced save's schedule (until the training process says ``hurry``). It 
 when the training process closes the socket or dies.
 
 Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
-``("init", sys_path, foreground)``, ``("call", id)`` followed by the call's body
+``("init", sys_path, foreground, pool)``, ``("call", id)`` followed by the call's body
 ``(fn, args, kwargs, options)`` pickled apart, ``("foreground", busy)``, ``("hurry",)``,
+``("pool", name)`` (the training process's staging pool, made after the worker started),
 ``("close",)``. Each reply is a header ``("ok", id)``, ``("error", id)`` or
 ``("unreceived", id)`` followed by its body pickled apart: the call's result, the
 error's payload, or why the call's body does not unpickle here (a class the training
@@ -22,9 +23,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import gc
-import io
-import math
-import mmap
 import os
 import pickle
 import sys
@@ -37,9 +35,11 @@ from typing import IO, Any, NoReturn
 
 import torch
 
+from extensions.errors import CheckpointStorageError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import deadline
-from storage.checkpoint.persist._shm import map_segment, sweep
+from storage.checkpoint.persist._mapped import keep_mapped, rebuild
+from storage.checkpoint.persist._shm import remove_pool, sweep
 
 # --- what the training process sends in place of staged data ---------------------------
 
@@ -50,33 +50,19 @@ class Pause:
     its local tier), so that save gets the disk and the cores first."""
 
 
-def rebuild(ref: tuple[Any, ...]) -> object:
-    """The data a write item resolves to, from its reference (see ``persist.item_ref``)."""
-    kind = ref[0]
-    if kind == "bytes":
-        return io.BytesIO(ref[1])
-    if kind == "shm":
-        _, name, offset, dtype, shape = ref
-        numel = math.prod(shape)
-        if numel == 0:
-            return torch.empty(shape, dtype=dtype)
-        data = torch.frombuffer(_mapping(name), dtype=dtype, count=numel, offset=offset)
-        return data.view(shape)
-    _, raw, dtype, shape = ref
-    if not raw:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
 class _Resolved:
     """What the writer asks its planner for (``resolve_data``), answered from the
-    references the training process sent."""
+    references the training process sent for a save of checkpoint ``url``."""
 
-    def __init__(self, refs: dict[Any, tuple[Any, ...]]) -> None:
+    def __init__(self, refs: dict[Any, tuple[Any, ...]], url: str) -> None:
         self._refs = refs
+        self._url = url
 
     def resolve_data(self, item: Any) -> object:
-        return rebuild(self._refs[item.index])
+        try:
+            return rebuild(self._refs[item.index])
+        except CheckpointStorageError as exc:  # a segment no longer as staged
+            raise type(exc)(f"saving {self._url}, item {item.index.fqn}: {exc}") from exc
 
 
 def write_files(
@@ -86,7 +72,7 @@ def write_files(
     returns the results, the data files written (names in the checkpoint) and the
     deadline budget spent, for the training process's ``SaveAttempt.adopt``."""
     limit_writes(writer.fs)
-    per_file = writer.write_files(files, threads, _Resolved(refs))
+    per_file = writer.write_files(files, threads, _Resolved(refs, writer.url))
     return per_file, writer.attempt.names, writer.attempt.budget.spent
 
 
@@ -114,24 +100,8 @@ def _count_calls(delta: int) -> None:
 
 # --- worker state ---------------------------------------------------------------------
 
-_maps: dict[str, mmap.mmap] = {}
-_maps_lock = threading.Lock()
 _foreground = False
 _foreground_changed = threading.Condition()
-
-
-def _mapping(name: str) -> mmap.mmap:
-    with _maps_lock:
-        found = _maps.get(name)
-        if found is None:
-            found = _maps[name] = map_segment(name)
-        return found
-
-
-def _keep_mapped(live: list[str]) -> None:
-    with _maps_lock:
-        for name in set(_maps) - set(live):
-            del _maps[name]  # unmapped once no tensor of a running call uses it
 
 
 def _set_foreground(busy: bool) -> None:
@@ -317,6 +287,9 @@ class _Server:
             if message[0] == "hurry":
                 _bucket.hurry()
                 continue
+            if message[0] == "pool":
+                _set_pool(message[1])
+                continue
             call_id = message[1]
             _count_calls(1)  # before its objects exist: a freeze meanwhile would take them
             try:
@@ -339,7 +312,7 @@ class _Server:
         _call.owner = call_id
         try:
             _set_environ(options.get("environ"))
-            _keep_mapped(options.get("live", []))
+            keep_mapped(options.get("live", {}))
             rank = options.get("rank")
             deadline.distributed_rank = lambda: rank  # errors name the trainer's rank
             for value in (*args, *kwargs.values()):
@@ -357,11 +330,26 @@ class _Server:
         _count_calls(-1)
 
 
+#: The training process's staging pool (the name of its files in ``/dev/shm``), if any.
+_pool: str | None = None
+
+
+def _set_pool(name: str | None) -> None:
+    global _pool
+    _pool = name
+
+
 def _trainer_gone() -> NoReturn:
-    """The training process is gone, and so is every save it asked for: remove the
-    staging segments it can no longer remove (killed, its lock released with it), then
-    exit. A normal exit closes the socket only after removing them itself."""
+    """The training process is gone (the socket closes when the last process holding it
+    does), and so is every save it asked for: remove the staging files of its pool, then
+    those of every other pool whose owner is gone, and exit. Its own pool's go by name,
+    whoever holds its lock: the lock may not be released yet (the kernel closes a dead
+    process's files in no set order), or a child it made with ``fork`` holds it, and the
+    sweep would leave them, and a lock file with no segments younger than a minute,
+    behind. A normal exit closes the socket only after removing them itself."""
     try:
+        if _pool is not None:
+            remove_pool(_pool)
         sweep()
     finally:
         os._exit(0)
@@ -397,8 +385,9 @@ def _error_payload(exc: BaseException) -> tuple[bytes | None, str, str, str]:
 
 def main(fd: int) -> None:
     conn = Connection(fd)
-    tag, sys_path, foreground = pickle.loads(conn.recv_bytes())
+    tag, sys_path, foreground, pool = pickle.loads(conn.recv_bytes())
     assert tag == "init"
+    _set_pool(pool)
     _set_foreground(foreground)
     sys.path[:] = sys_path  # the training process's imports (user transforms) resolve here
     torch.set_num_threads(1)

@@ -92,10 +92,11 @@ class StagingPool:
             finally:
                 self._stager.copying = True
 
-    def live(self) -> list[str]:
-        """The names of the segments in use (what the worker keeps mapped)."""
+    def live(self) -> dict[str, tuple[int, int]]:
+        """The segments in use (what the worker keeps mapped), by name: each one's inode
+        and size, which the worker checks the file it maps against."""
         with self._lock:
-            return [s.name for s in self._segments.values()]
+            return {s.name: s.shared for s in self._segments.values()}
 
     def locate(self, tensor: torch.Tensor) -> tuple[str, int] | None:
         """``(segment, byte offset)`` of a contiguous staged tensor's bytes, or ``None``
@@ -161,13 +162,14 @@ class StagingPool:
         for address in [a for a in self._addresses if a not in live]:
             self._drop(address)
         # Segments whose file something else removed (systemd-logind's RemoveIPC, a
-        # cleaner of /dev/shm), or replaced: the worker maps segments by name, so it
-        # could never read them again; forgotten here, they are made afresh by this stage.
+        # cleaner of /dev/shm), replaced or truncated: the worker maps segments by name,
+        # so it could never read them again, and a copy into a truncated one kills this
+        # process with SIGBUS; forgotten here, they are made afresh by this stage.
         # Judged by inode, not by name: anyone may list the directory and take the name
         # of a removed segment (the worker would map that file in its place).
         try:
             with os.scandir(shm_dir()) as entries:
-                present = {e.name: e.inode() for e in entries}
+                present = {e.name: e for e in entries}
         except OSError:
             return
         if f"{self.name}.lock" not in present:
@@ -175,11 +177,11 @@ class StagingPool:
         gone = {
             a
             for a in self._addresses
-            if not self._segments[a].is_at(present.get(self._segments[a].name))
+            if not self._segments[a].is_at(_found(present.get(self._segments[a].name)))
         }
         if gone:
             log.warning(
-                "%d staging buffers of %s were removed from %s by something else; "
+                "%d staging buffers of %s were removed or truncated in %s by something else; "
                 "making them again",
                 len(gone),
                 self.name,
@@ -248,6 +250,16 @@ class _Stager(ValueStager or object):  # type: ignore[misc]
         return staged
 
 
+def _found(entry: os.DirEntry[str] | None) -> tuple[int, int] | None:
+    """The inode and size of the file ``entry`` names (``None``: none, or gone since)."""
+    if entry is None:
+        return None
+    try:
+        return entry.inode(), entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        return None
+
+
 _POOLS: weakref.WeakSet[StagingPool] = weakref.WeakSet()
 
 
@@ -255,3 +267,14 @@ _POOLS: weakref.WeakSet[StagingPool] = weakref.WeakSet()
 def _close_all() -> None:
     for pool in list(_POOLS):
         pool.close()
+
+
+def _unlock_pools_in_child() -> None:
+    """A child made with ``fork`` inherits each pool's lock as it was: held, when a
+    thread of the parent held it (DCP's save thread locating tensors), with no thread
+    left to release it, and its exit, closing the pools, would wait for ever."""
+    for pool in list(_POOLS):
+        pool._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_pools_in_child)

@@ -122,6 +122,27 @@ def _sweep_pool(directory: str, pool: str, members: list[str]) -> list[str]:
             os.close(fd)
 
 
+def remove_pool(pool: str) -> list[str]:
+    """Remove the files of ``pool`` (its segments, then its lock file) that this user
+    owns, whoever holds its lock: for the persist worker, which knows that its training
+    process, the pool's owner, is gone. Returns the names removed; never raises."""
+    directory = shm_dir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    prefix = _prefix()
+    ours = [
+        name
+        for name in names
+        if name.startswith(pool)
+        and (match := _NAME.fullmatch(name[len(prefix) :])) is not None
+        and f"{prefix}{match['pool']}" == pool
+    ]
+    ours.sort(key=lambda name: name.endswith(".lock"))  # the lock file last
+    return [name for name in ours if _unlink_own(directory, name)]
+
+
 def _unlink_own(directory: str, name: str) -> bool:
     """Remove ``directory/name`` if it is a regular file this user owns."""
     path = os.path.join(directory, name)
@@ -135,12 +156,23 @@ def _unlink_own(directory: str, name: str) -> bool:
     return True
 
 
-def map_segment(name: str) -> mmap.mmap:
-    """Map the segment ``name`` read-write (the persist worker's side). A file of that
-    name that is not this user's is refused: the segment was removed (RemoveIPC, a
-    cleaner) and someone who listed the directory took its name."""
+def map_segment(name: str, identity: tuple[int, int]) -> mmap.mmap:
+    """Map the segment ``name`` read-write (the persist worker's side), checking that
+    it is still the file the training process staged into: ``identity``, its inode and
+    size there. A file of that name that is not this user's, another file, or a
+    shorter one (read past its end, a mapping is a SIGBUS; short of a page, zeros) is
+    refused: the segment was removed (RemoveIPC, a cleaner) and its name taken, or
+    something truncated it."""
     path = os.path.join(shm_dir(), name)
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        # O_NONBLOCK: a FIFO under the name never blocks the open (fstat refuses it below).
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:  # gone, or a link in its place (O_NOFOLLOW), or not ours
+        raise CheckpointStorageError(
+            f"cannot open staging segment {path} ({exc.strerror}): something removed it "
+            "after the stage (RemoveIPC at logout, a cleaner of /dev/shm), or put another "
+            "file in its place; this save fails, the next one stages afresh"
+        ) from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
@@ -149,9 +181,39 @@ def map_segment(name: str) -> mmap.mmap:
                 "the segment was removed and something else now has its name; this save "
                 "fails, the next one stages afresh"
             )
-        return mmap.mmap(fd, info.st_size)
+        if info.st_ino != identity[0]:
+            raise CheckpointStorageError(
+                f"{path} is not the staging segment this save staged into: the segment "
+                "was removed (RemoveIPC, a cleaner of /dev/shm) and another file of this "
+                "user took its name; this save fails, the next one stages afresh"
+            )
+        check_size(path, info.st_size, identity[1])
+        return mmap.mmap(fd, identity[1])
     finally:
         os.close(fd)
+
+
+def check_mapped(name: str, identity: tuple[int, int]) -> None:
+    """Raise if the segment ``name``, mapped earlier as ``identity`` (inode, size), was
+    truncated since: reading the mapping past the file's new end would kill the worker
+    with SIGBUS, or read zeros. A segment whose name is gone, or holds another file,
+    is left to its mapping, which still holds the staged pages."""
+    path = os.path.join(shm_dir(), name)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if info.st_ino == identity[0]:
+        check_size(path, info.st_size, identity[1])
+
+
+def check_size(path: str, size: int, staged: int) -> None:
+    if size < staged:
+        raise CheckpointStorageError(
+            f"staging segment {path} was truncated to {size} bytes after {staged} were "
+            "staged into it (something else of this user writes to "
+            f"{shm_dir()}: a cleaner?); this save fails, the next one stages afresh"
+        )
 
 
 def _create_unique(stem: str, random_bytes: int, suffix: str = "") -> tuple[str, int]:
@@ -184,17 +246,17 @@ class _Owner:
     def relock(self) -> None:
         """Make the lock file again, held, after something else removed it (the owning
         process only): without it another pool's sweep takes this pool for a dead one.
-        Made under a name no sweep reads, locked, then linked into place, so no sweep
-        ever sees it unlocked."""
+        Made under a random name no sweep reads (a fixed one, anyone who listed the
+        directory could take first: the lock file would never come back), locked, then
+        linked into place, so no sweep ever sees it unlocked."""
         if os.getpid() != self.pid or self.fd < 0:
             return
         path = os.path.join(shm_dir(), f"{self.name}.lock")
-        new = f"{path}.new"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(new, flags, 0o600)
-        except OSError:
+            name, fd = _create_unique(f"{self.name}.lock.", 8, ".new")
+        except (OSError, CheckpointStorageError):
             return
+        new = os.path.join(shm_dir(), f"{name}.new")
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.link(new, path)
@@ -276,10 +338,17 @@ class _Segment:
             "a cleaner of /dev/shm); this save fails, the next one stages afresh"
         )
 
-    def is_at(self, inode: int | None) -> bool:
-        """Whether the file its name holds now in :func:`shm_dir` (``inode``; ``None``:
-        none) is this segment."""
-        return inode == self.identity[1]
+    def is_at(self, found: tuple[int, int] | None) -> bool:
+        """Whether the file its name holds now in :func:`shm_dir` (``found``: its inode
+        and size; ``None``: none) is this segment, whole. A truncated one is not: a copy
+        into its mapping past the file's end kills this process with SIGBUS."""
+        return found is not None and found[0] == self.identity[1] and found[1] >= len(self.map)
+
+    @property
+    def shared(self) -> tuple[int, int]:
+        """What the worker checks the file it maps by :attr:`name` against: its inode
+        and size (:func:`map_segment`)."""
+        return self.identity[1], len(self.map)
 
     def touch(self) -> None:
         """Fault every page into this process's mapping now, so that the first copy

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from storage.checkpoint.persist._messages import (
     unreadable,
 )
 from storage.checkpoint.persist._pool import StagingPool
-from storage.checkpoint.persist._shm import SharedMemoryFull
+from storage.checkpoint.persist._shm import SharedMemoryFull, shm_dir
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class Worker:
         self._foreground = 0  # saves in the foreground: the worker's pace pauses
         self._free = threading.Event()
         self._free.set()
+        self._taking = threading.Lock()  # a stage's wait for the buffers and its taking them
         self._pace_until: float | None = None  # the next save's deadline (pace_next)
         self._pace_for: str | None = None  # the checkpoint that save writes, if given
         self._paced = False  # a paced call went out and no hurry since
@@ -113,7 +115,8 @@ class Worker:
         finally:
             theirs.close()  # the worker's end lives only in the worker: its death is EOF here
         conn = Connection(ours.detach())
-        conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0)))
+        pool = self.pool.name if self.pool is not None else None  # a restarted worker's
+        conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0, pool)))
         self._proc, self._conn = proc, conn
         threading.Thread(
             target=self._read, args=(proc, conn), name="dcp-persist-reader", daemon=True
@@ -216,7 +219,7 @@ class Worker:
         options: dict[str, Any] = {
             "max_bandwidth": max_bandwidth,
             "pace": None,
-            "live": self.pool.live() if self.pool is not None else [],
+            "live": self.pool.live() if self.pool is not None else {},
             "rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else None,
             # As a thread would, the call sees the environment as it is now (credentials
             # the clients read from it may have been set after the worker started).
@@ -318,9 +321,16 @@ class Worker:
         """Start the worker process and make the staging pool, if not yet done (a
         dead worker's error is raised here once); returns the pool."""
         with self._lock:
-            self._start()
+            conn = self._start()
             if self.pool is None:
                 self.pool = StagingPool(copy_threads=self.copy_threads)
+                # The worker removes this pool's files if this process dies (it alone
+                # knows then that they are dead: a child made with fork may hold the lock).
+                try:
+                    with self._send_lock:
+                        conn.send_bytes(pickle.dumps(("pool", self.pool.name)))
+                except OSError:
+                    pass  # a dead worker: the reader reports it
             return self.pool
 
     def warm(self, fn: Callable[[Any], None], filesystem: Any) -> None:
@@ -363,9 +373,10 @@ class Worker:
             # Held by a save still writing, which may be paced (another manager's): this
             # save, on the training thread, waits for it now, so its pace is lifted.
             self.hurry()
-        while not self._free.wait(60):
-            log.warning("a checkpoint save waits for the previous one to release its buffers")
-        self._free.clear()
+        with self._taking:  # as one step: two threads' stages take the buffers in turn
+            while not self._free.wait(60):
+                log.warning("a checkpoint save waits for the previous one to release its buffers")
+            self._free.clear()
         try:
             staged, copies = pool.stage(state_dict)
         except SharedMemoryFull:
@@ -379,4 +390,9 @@ class Worker:
 
 
 def _exit_text(code: int) -> str:
+    if code == -signal.SIGBUS:  # what reading a mapping past its file's end does
+        return (
+            f"killed by signal {-code}, SIGBUS: a staging segment in {shm_dir()} was "
+            "truncated while the worker read it"
+        )
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
