@@ -49,6 +49,7 @@ from storage.checkpoint.layout import (
     committing_metadata,
     is_data_file_name,
     is_metadata_name,
+    present_metadata,
     split_location,
 )
 
@@ -228,22 +229,25 @@ class CommittedCheckpoint:
 
 
 def open_committed(fs: FileSystemBase, path: str) -> CommittedCheckpoint:
-    """Read the checkpoint at ``path``: one listing (and, when it shows no metadata,
-    a look for ``.metadata`` by name), then each metadata file in it."""
+    """Read the checkpoint at ``path``: one listing (and, for metadata files it may have
+    missed, looks by name: ``layout.present_metadata``), then each metadata file in it."""
     metadata: dict[str, Metadata] = {}
     errors: dict[str, Exception] = {}
+    names: list[str] = []
     try:
-        names = [n for n in fs.ls(path) if is_metadata_name(n)]
-    except (FileNotFoundError, NotADirectoryError):
-        names = []
+        listing = fs.ls(path)
+    except FileNotFoundError:
+        listing = []  # a listing that lags may not show the directory yet
+    except NotADirectoryError:
+        listing = None
     except Exception as exc:
-        names, errors[_LISTING] = [], exc
-    if not names and not errors:
+        listing, errors[_LISTING] = None, exc
+    if listing is not None:
         # A listing may lag or miss an object: a checkpoint that references a sibling
-        # must not pass for uncommitted, so its metadata is asked for by name too.
+        # must not pass for uncommitted, nor for one that references less than it does,
+        # so what the listing does not show is asked for by name too.
         try:
-            if fs.exists(fs.concat_path(path, fmt.METADATA_NAME)):
-                names = [fmt.METADATA_NAME]
+            names = present_metadata(fs, path, listing)
         except Exception as exc:
             errors[_LISTING] = exc
     for name in names:

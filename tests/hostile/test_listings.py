@@ -1,0 +1,125 @@
+"""Deciding under a listing that lags behind the store or misses objects (an eventually
+consistent LIST, an S3-compatible store whose index lags): a deletion never removes what
+a committed checkpoint needs, and no step passes for committed or uncommitted because a
+listing missed one of its files. The store is local disk whose listings hide names;
+reads and looks by name see everything. Every test names, in a comment, what happened
+before the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import storage
+from extensions.errors import CheckpointInUseError
+from storage import CheckpointManager, LocalFileSystem
+from storage.ops.describe import describe
+
+FROZEN = torch.arange(4096.0)
+
+
+class _Hiding(LocalFileSystem):
+    """Local disk whose listing of a directory leaves out the names ``hides(directory,
+    name)`` says (a listing that lags or misses objects); reads by name see all."""
+
+    def __init__(self, hides: Callable[[str, str], bool]) -> None:
+        super().__init__()
+        self.hides = hides
+
+    def ls(self, path: str) -> list[str]:
+        return [n for n in super().ls(path) if not self.hides(path, n)]
+
+
+def _load(path: Path, state: dict[str, Any]) -> None:
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in state.items()}
+    storage.load(out, str(path))
+    assert all(torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v
+               for k, v in state.items())  # fmt: skip
+
+
+# --- rank-local metadata (``use_collectives=False``) a listing misses ------------------
+
+
+class _RankWriter(storage.CheckpointWriter):
+    """A writer that saves as ``rank`` would under ``use_collectives=False``."""
+
+    def __init__(self, rank: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fixed_rank = rank
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        kwargs["rank"] = self.fixed_rank  # as torch passes it on that rank
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+
+@pytest.fixture
+def two_rank_user(tmp_path: Path) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """``root/step-1`` (full) and ``root/step-2``, committed by ``__0.metadata`` and
+    ``__1.metadata``: only rank 1's frozen item references step-1."""
+    root = tmp_path / "root"
+    storage.save({"frozen": FROZEN.clone(), "step": 1}, str(root / "step-1"), fingerprint=True)
+    states = {0: {"frozen": FROZEN + 1, "step": 2}, 1: {"frozen": FROZEN.clone(), "step": 2}}
+    for rank, state in states.items():
+        writer = _RankWriter(rank, root / "step-2", base=str(root / "step-1"))
+        dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=False)
+    names = os.listdir(root / "step-2")
+    assert {"__0.metadata", "__1.metadata"} <= set(names) and ".metadata" not in names
+    refs = {r.item: r.ref for r in describe(LocalFileSystem(), str(root / "step-2")).items}
+    assert refs["rank 1: frozen"] == "step-1" and refs["rank 0: frozen"] is None
+    return root, states
+
+
+def test_a_rank_local_metadata_the_listing_misses_still_keeps_its_base(
+    two_rank_user: tuple[Path, dict[int, dict[str, Any]]],
+) -> None:
+    # Before: step-2 was read from its listing alone; the listing showed __0.metadata
+    # (referencing nothing) but not __1.metadata, so delete(1) and retention removed
+    # step-1, whose bytes rank 1 of step-2 references.
+    root, _ = two_rank_user
+    fs = _Hiding(lambda d, n: d.endswith("step-2") and n.startswith("__1"))
+    mgr = CheckpointManager(root, keep_last=1, filesystem=fs)
+    with pytest.raises(CheckpointInUseError, match="step-2"):
+        mgr.delete(1)
+    assert mgr.apply_retention() == [] and mgr.cleanup(grace_seconds=0) == []
+    _load(root / "step-1", {"frozen": FROZEN, "step": 1})
+    assert (root / "step-2" / "__1.metadata").exists()
+
+
+def test_a_step_whose_listing_misses_all_its_rank_local_metadata_is_still_committed(
+    two_rank_user: tuple[Path, dict[int, dict[str, Any]]],
+) -> None:
+    # Before: a step committed only by rank-local metadata, whose listing missed every
+    # __N.metadata, was taken for an interrupted save: steps() left it out, delete(1)
+    # removed its base and cleanup(grace_seconds=0) removed its data files.
+    root, _ = two_rank_user
+    fs = _Hiding(lambda d, n: d.endswith("step-2") and n.endswith(".metadata"))
+    mgr = CheckpointManager(root, filesystem=fs)
+    assert mgr.steps() == [1, 2]
+    with pytest.raises(CheckpointInUseError, match="step-2"):
+        mgr.delete(1)
+    assert mgr.cleanup(grace_seconds=0) == []
+    assert sum(n.endswith(".distcp") for n in os.listdir(root / "step-2")) == 2
+
+
+def test_gc_keeps_the_files_of_a_rank_local_metadata_the_listing_misses(
+    tmp_path: Path,
+) -> None:
+    # Before: beside .metadata, a rank-local __1.metadata the listing missed left its
+    # data files named by no metadata gc could see, and gc removed them as orphans.
+    step = tmp_path / "root" / "step-3"
+    storage.save({"w": torch.ones(4)}, str(step))
+    writer = _RankWriter(1, step)
+    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=writer, no_dist=True,
+             use_collectives=False)  # fmt: skip
+    rank1 = sorted(n for n in os.listdir(step) if n.startswith("__1_"))
+    assert rank1 and (step / ".metadata").exists() and (step / "__1.metadata").exists()
+    fs = _Hiding(lambda d, n: n == "__1.metadata")
+    assert CheckpointManager(tmp_path / "root", filesystem=fs).orphans(grace_seconds=0) == []
+    assert sorted(n for n in os.listdir(step) if n.startswith("__1_")) == rank1
