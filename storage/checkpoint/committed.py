@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,18 +326,31 @@ class Siblings:
     that deletes (retention, a refusal to delete or overwrite). What it read may change
     meanwhile; a save whose base is removed meanwhile fails before it commits
     (``incremental.check_referenced_files``). ``models``: the manager's read models,
-    which serve what they hold."""
+    which serve what they hold. ``lister``: the names under the parent, where the caller
+    knows more than its listing shows (``StepRoot.names``: steps a lagging listing
+    misses)."""
 
-    def __init__(self, fs: FileSystemBase, parent: str, models: ReadModels | None = None) -> None:
+    def __init__(
+        self,
+        fs: FileSystemBase,
+        parent: str,
+        models: ReadModels | None = None,
+        *,
+        lister: Callable[[], list[str]] | None = None,
+    ) -> None:
         self.fs = fs
         self.parent = parent
         self._models = models
+        self._lister = lister
         self._names: list[str] | None = None
         self._opened: dict[str, CommittedCheckpoint] = {}
 
     def names(self) -> list[str]:
         """The names under the parent (listed once)."""
         if self._names is None:
+            if self._lister is not None:
+                self._names = list(self._lister())
+                return self._names
             try:
                 self._names = self.fs.ls(self.parent)
             except (FileNotFoundError, NotADirectoryError):

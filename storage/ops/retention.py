@@ -97,9 +97,10 @@ class Retention:
                 "interrupted saves once older than its grace period"
             ) from None
         siblings.forget(name)
+        self.root.forget(step)
 
     def _siblings(self) -> Siblings:
-        return Siblings(self.root.fs, self.root.path, self.root.models)
+        return Siblings(self.root.fs, self.root.path, self.root.models, lister=self.root.names)
 
     def retained(self, steps: Sequence[int], protect: int | None = None) -> set[int]:
         """Which of ``steps`` the retention policy keeps."""
@@ -141,6 +142,7 @@ class Retention:
     def after_save(self, step: int) -> None:
         """:meth:`apply` once ``step`` is committed, keeping it: a failure is logged,
         never raised (the save is committed; failing to prune must not undo that)."""
+        self.root.saw(step)  # listed from now on, even where a listing lags behind
         try:
             removed = self.apply(protect=step)
         except Exception as exc:

@@ -123,3 +123,62 @@ def test_gc_keeps_the_files_of_a_rank_local_metadata_the_listing_misses(
     fs = _Hiding(lambda d, n: n == "__1.metadata")
     assert CheckpointManager(tmp_path / "root", filesystem=fs).orphans(grace_seconds=0) == []
     assert sorted(n for n in os.listdir(step) if n.startswith("__1_")) == rank1
+
+
+# --- a step directory the root's listing misses ------------------------------------------
+
+
+def _state(step: int) -> dict[str, Any]:
+    """``frozen`` never changes, ``b`` changes up to step 2, ``w`` at every step: an
+    incremental step 3 references step-2 (``b``) and step-1 (``frozen``)."""
+    return {
+        "frozen": FROZEN.clone(),
+        "b": torch.full((8,), float(min(step, 2))),
+        "w": torch.full((8,), float(step)),
+        "step": step,
+    }
+
+
+def _hides(root: Path, steps: set[int]) -> Callable[[str, str], bool]:
+    """The listing of ``root`` misses the directories of ``steps`` (as they are then)."""
+    return lambda d, n: d.rstrip("/") == str(root) and n in {f"step-{s}" for s in steps}
+
+
+def test_a_step_the_root_listing_misses_stays_latest_and_keeps_its_base(tmp_path: Path) -> None:
+    # Before: right after this manager saved step-3, a listing that did not show it yet
+    # made latest() (and load()) go back to step 2 and let delete(2) remove step-2,
+    # whose bytes step-3 references: step-3 no longer loaded.
+    root = tmp_path / "root"
+    mgr = CheckpointManager(root, incremental=True, filesystem=_Hiding(_hides(root, {3})))
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+    refs = {r.ref for r in describe(LocalFileSystem(), str(root / "step-3")).items}
+    assert refs == {"step-1", "step-2", None}
+    assert mgr.steps() == [1, 2, 3] and mgr.latest() == 3
+    with pytest.raises(CheckpointInUseError, match="step-3"):
+        mgr.delete(2)
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1
+           for k, v in _state(0).items()}  # fmt: skip
+    assert mgr.load(out) == 3 and out["step"] == 3
+    _load(root / "step-3", _state(3))
+
+
+def test_retention_keeps_the_base_of_a_kept_step_the_root_listing_misses(
+    tmp_path: Path,
+) -> None:
+    # Before: step-2 (kept by keep_every=2, referencing step-1) went missing from the
+    # root's listing; retention saw steps 1 and 3, kept step-3 and deleted step-1,
+    # which step-2 needs: step-2 no longer loaded.
+    root = tmp_path / "root"
+    hidden: set[int] = set()
+    fs = _Hiding(_hides(root, hidden))
+    mgr = CheckpointManager(
+        root, incremental=True, full_every=2, keep_last=1, keep_every=2, filesystem=fs
+    )
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+    assert mgr.steps() == [1, 2, 3]
+    hidden.add(2)
+    assert mgr.apply_retention() == []
+    _load(root / "step-1", _state(1))
+    _load(root / "step-2", _state(2))
