@@ -22,11 +22,12 @@ from typing import Any
 from extensions.errors import CheckpointExistsError, CheckpointNotFoundError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint.committed import own_files, read_metadata_file, refuse_if_referenced
+from storage.checkpoint.committed import own_files, read_metadata_file
 from storage.checkpoint.deadline import Budget, DeadlineExceededError
 from storage.checkpoint.deletion import remove_data_files
 from storage.checkpoint.incremental import check_referenced_files
 from storage.checkpoint.prefixes import expand, split
+from storage.checkpoint.siblings import refuse_if_referenced
 
 # Set on the coordinator's error when its metadata may have landed; it travels with the
 # error (pickled in DCP's CheckpointException) to the other ranks.

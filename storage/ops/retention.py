@@ -6,7 +6,7 @@ directory named exactly ``step-<N>`` and not a symbolic link, the data files its
 removed metadata names (never through a linked prefix directory), never a step a kept
 step references (incremental saves, rank-local metadata included) and never the step
 being saved or its base. Each pass reads every step's metadata at most once
-(``committed.Siblings``); a step whose metadata cannot be read may reference any other,
+(``siblings.Siblings``); a step whose metadata cannot be read may reference any other,
 so while one is kept, every step is.
 """
 
@@ -22,7 +22,6 @@ from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
-from storage.checkpoint.committed import Siblings
 from storage.checkpoint.deletion import MOVED_ASIDE, delete_checkpoint, remove_leftovers
 from storage.checkpoint.layout import (
     STEP_PREFIX,
@@ -32,6 +31,7 @@ from storage.checkpoint.layout import (
     present_metadata,
 )
 from storage.checkpoint.prefixes import expand, is_linked, is_prefix, split
+from storage.checkpoint.siblings import Siblings
 from storage.ops.steps import StepRoot
 
 log = logging.getLogger("storage.ops.manager")
