@@ -27,7 +27,7 @@ from storage.checkpoint.deadline import Budget, DeadlineExceededError
 from storage.checkpoint.deletion import remove_data_files
 from storage.checkpoint.incremental import check_referenced_files
 from storage.checkpoint.prefixes import expand, split
-from storage.checkpoint.siblings import refuse_if_referenced
+from storage.checkpoint.siblings import refuse_if_referenced, saw
 
 # Set on the coordinator's error when its metadata may have landed; it travels with the
 # error (pickled in DCP's CheckpointException) to the other ranks.
@@ -181,6 +181,7 @@ def publish_metadata(
             f"Checkpoint already exists at {fs.url(directory)}: another save committed "
             "there first and overwrite=False; nothing of this save was kept"
         ) from exc
+    saw(fs, directory)  # beside it from now on, even where a listing lags behind
     if replaced - new_files and fs.is_link(directory):
         # Someone else's checkpoint linked in (a shared one as `step-0`): never deleted
         # through the link, as `rm` and retention refuse to.

@@ -2,11 +2,18 @@
 delete or overwrite it (retention, ``rm``, a save over it). Each sibling is read through
 the one read model (``committed``); :class:`Siblings` holds them for one pass, each opened
 at most once, and refuses a deletion that would break one of them.
+
+Which checkpoints lie beside one is :func:`names_under`: the parent's listing, and the
+checkpoints this process saw committed there (:func:`saw`: it published their metadata,
+or a listing showed them committed) that the listing misses, asked for by name. A
+listing that lags behind the store or misses objects so hides no checkpoint this process
+knows of from a deletion, an overwrite, retention or a manager's steps. One this process
+never saw (another process saved it, and no listing here showed it yet) it cannot know.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
 
 from extensions.errors import CheckpointInUseError, printable
 from storage.backends.base import FileSystemBase
@@ -16,43 +23,69 @@ from storage.checkpoint.committed import (
     metadata_stamp,
     open_committed,
 )
-from storage.checkpoint.layout import split_location
+from storage.checkpoint.layout import is_committed, split_location
+
+_lock = threading.Lock()
+_seen: dict[str, set[str]] = {}  # parent URL -> checkpoints this process saw committed
+
+
+def saw(fs: FileSystemBase, path: str) -> None:
+    """The checkpoint at ``path`` is committed (this process published its metadata, or
+    saw it committed): :func:`names_under` lists it from now on, while it stays so."""
+    location = split_location(fs, path)
+    if location is not None:
+        with _lock:
+            _seen.setdefault(fs.url(location[0]), set()).add(location[1])
+
+
+def forget(fs: FileSystemBase, path: str) -> None:
+    """The checkpoint at ``path`` was deleted: :func:`names_under` no longer asks for it."""
+    location = split_location(fs, path)
+    if location is not None:
+        with _lock:
+            _seen.get(fs.url(location[0]), set()).discard(location[1])
+
+
+def names_under(fs: FileSystemBase, parent: str) -> list[str]:
+    """The names under ``parent`` (empty when it does not exist): its listing, and each
+    checkpoint this process saw committed there (:func:`saw`) that the listing misses
+    but that is still committed, asked for by name (those no longer committed are
+    forgotten). Errors of the listing other than a missing directory propagate."""
+    try:
+        names = list(fs.ls(parent))
+    except FileNotFoundError:
+        names = []  # a listing that lags may not show the directory yet
+    except NotADirectoryError:
+        return []
+    with _lock:
+        unlisted = sorted(_seen.get(fs.url(parent), set()) - set(names))
+    for name in unlisted:
+        path = fs.concat_path(parent, name)
+        if is_committed(fs, path):
+            names.append(name)
+        else:
+            forget(fs, path)
+    return names
 
 
 class Siblings:
-    """The checkpoints under ``parent``, each opened at most once: one pass of a path
-    that deletes (retention, a refusal to delete or overwrite). What it read may change
-    meanwhile; a save whose base is removed meanwhile fails before it commits
-    (``incremental.check_referenced_files``). ``models``: the manager's read models,
-    which serve what they hold. ``lister``: the names under the parent, where the caller
-    knows more than its listing shows (``StepRoot.names``: steps a lagging listing
-    misses)."""
+    """The checkpoints under ``parent`` (:func:`names_under`), each opened at most once:
+    one pass of a path that deletes (retention, a refusal to delete or overwrite). What
+    it read may change meanwhile; a save whose base is removed meanwhile fails before it
+    commits (``incremental.check_referenced_files``). ``models``: the manager's read
+    models, which serve what they hold."""
 
-    def __init__(
-        self,
-        fs: FileSystemBase,
-        parent: str,
-        models: ReadModels | None = None,
-        *,
-        lister: Callable[[], list[str]] | None = None,
-    ) -> None:
+    def __init__(self, fs: FileSystemBase, parent: str, models: ReadModels | None = None) -> None:
         self.fs = fs
         self.parent = parent
         self._models = models
-        self._lister = lister
         self._names: list[str] | None = None
         self._opened: dict[str, CommittedCheckpoint] = {}
 
     def names(self) -> list[str]:
         """The names under the parent (listed once)."""
         if self._names is None:
-            if self._lister is not None:
-                self._names = list(self._lister())
-                return self._names
-            try:
-                self._names = self.fs.ls(self.parent)
-            except (FileNotFoundError, NotADirectoryError):
-                self._names = []
+            self._names = names_under(self.fs, self.parent)
         return self._names
 
     def open(self, name: str) -> CommittedCheckpoint:
@@ -68,6 +101,7 @@ class Siblings:
 
     def forget(self, name: str) -> None:
         """``name`` was deleted: it references nothing any more."""
+        forget(self.fs, self.fs.concat_path(self.parent, name))
         self._opened.pop(name, None)
         if self._models is not None:
             self._models.forget(self.fs.concat_path(self.parent, name))

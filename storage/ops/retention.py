@@ -97,10 +97,9 @@ class Retention:
                 "interrupted saves once older than its grace period"
             ) from None
         siblings.forget(name)
-        self.root.forget(step)
 
     def _siblings(self) -> Siblings:
-        return Siblings(self.root.fs, self.root.path, self.root.models, lister=self.root.names)
+        return Siblings(self.root.fs, self.root.path, self.root.models)
 
     def retained(self, steps: Sequence[int], protect: int | None = None) -> set[int]:
         """Which of ``steps`` the retention policy keeps."""

@@ -27,6 +27,7 @@ from storage.checkpoint.layout import (
     is_committed,
     parse_step,
 )
+from storage.checkpoint.siblings import names_under, saw
 
 
 class InFlight:
@@ -78,8 +79,6 @@ class StepRoot:
         self.path = path
         self.models = ReadModels()
         self.in_flight = InFlight()
-        self._lock = threading.Lock()
-        self._seen: set[int] = set()  # steps this process saw committed here
 
     @property
     def url(self) -> str:
@@ -93,35 +92,16 @@ class StepRoot:
         return self.fs.url(self.step_path(step))
 
     def names(self) -> list[str]:
-        """The names under the root (empty when it does not exist): its listing and
-        each step this process saw committed here (:meth:`saw`) that the listing misses
-        but that is still committed, asked for by name. A listing that lags behind the
-        store or misses objects so never hides a step this process knows of: it is
-        still listed, still the latest, and what it references is still kept."""
-        try:
-            names = list(self.fs.ls(self.path))
-        except FileNotFoundError:
-            names = []  # a listing that lags may not show the root yet
-        except NotADirectoryError:
-            return []
-        with self._lock:
-            unlisted = sorted(self._seen - {s for n in names if (s := parse_step(n)) is not None})
-        for step in unlisted:
-            if self.is_committed(step):
-                names.append(f"{STEP_PREFIX}{step}")
-            else:
-                self.forget(step)  # deleted since, here or elsewhere
-        return names
+        """The names under the root (empty when it does not exist): its listing and each
+        step this process saw committed here that the listing misses, asked for by name
+        (``siblings.names_under``). A listing that lags behind the store or misses
+        objects so never hides a step this process knows of: it is still listed, still
+        the latest, and what it references is still kept."""
+        return names_under(self.fs, self.path)
 
     def saw(self, step: int) -> None:
         """``step`` is committed here (this process saw it so): :meth:`names`."""
-        with self._lock:
-            self._seen.add(step)
-
-    def forget(self, step: int) -> None:
-        """``step`` was deleted: :meth:`names` no longer asks for it."""
-        with self._lock:
-            self._seen.discard(step)
+        saw(self.fs, self.step_path(step))
 
     def step_dirs(self) -> list[tuple[int, str]]:
         """Every ``step-<N>`` name under the root (:meth:`names`), committed or not,
@@ -135,8 +115,8 @@ class StepRoot:
             for step, name in self.step_dirs()
             if is_committed(self.fs, self.fs.concat_path(self.path, name))
         ]
-        with self._lock:
-            self._seen.update(steps)
+        for step in steps:
+            self.saw(step)
         return steps
 
     def is_committed(self, step: int) -> bool:
@@ -195,7 +175,6 @@ class StepRoot:
 
     def remember(self, step: int, metadata: Metadata) -> None:
         """``metadata`` was just published as ``step``'s ``.metadata`` by this process."""
-        self.saw(step)
         self.models.remember(self.fs, self.step_path(step), metadata)
 
 

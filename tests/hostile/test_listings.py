@@ -146,8 +146,9 @@ def _hides(root: Path, steps: set[int]) -> Callable[[str, str], bool]:
 
 def test_a_step_the_root_listing_misses_stays_latest_and_keeps_its_base(tmp_path: Path) -> None:
     # Before: right after this manager saved step-3, a listing that did not show it yet
-    # made latest() (and load()) go back to step 2 and let delete(2) remove step-2,
-    # whose bytes step-3 references: step-3 no longer loaded.
+    # made latest() (and load()) go back to step 2 and let delete(2), or a save over
+    # step-2 in the same process, remove step-2's files, whose bytes step-3 references:
+    # step-3 no longer loaded.
     root = tmp_path / "root"
     mgr = CheckpointManager(root, incremental=True, filesystem=_Hiding(_hides(root, {3})))
     for step in (1, 2, 3):
@@ -157,6 +158,8 @@ def test_a_step_the_root_listing_misses_stays_latest_and_keeps_its_base(tmp_path
     assert mgr.steps() == [1, 2, 3] and mgr.latest() == 3
     with pytest.raises(CheckpointInUseError, match="step-3"):
         mgr.delete(2)
+    with pytest.raises(CheckpointInUseError, match="overwrite .*step-3"):
+        storage.save(_state(9), str(root / "step-2"), overwrite=True, filesystem=mgr.fs)
     out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1
            for k, v in _state(0).items()}  # fmt: skip
     assert mgr.load(out) == 3 and out["step"] == 3
