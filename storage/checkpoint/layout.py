@@ -86,17 +86,17 @@ def present_metadata(
     listed ones and those a listing that lags or misses objects may not show, asked for
     by name. Without ``.metadata`` listed, it is asked for (unless ``global_absent``:
     the caller just did); without it found, each rank's ``__{rank}.metadata`` from rank
-    0 up, through every rank the listing suggests (its metadata, its data files) and on
-    while each is found. A rank-local metadata that a listing misses, together with every
-    data file of its rank and of the ranks above it, is missed here too."""
+    0 up, through the highest rank listed and on while each is found: two looks for a
+    directory without metadata, one more than the listing for a rank-local checkpoint.
+    A rank's metadata is missed only where the listing misses it and no rank below has
+    one (a rank-local save that failed on a lower rank)."""
     listed = [n for n in names if is_metadata_name(n)]
     if fmt.METADATA_NAME in listed:
         return listed
     if not global_absent and fs.exists(fs.concat_path(path, fmt.METADATA_NAME)):
         return [fmt.METADATA_NAME, *listed]
-    suggested = [r for n in listed if (r := metadata_rank(n)) is not None]
-    suggested += [fmt.file_rank(n) for n in names if is_data_file_name(n)]
-    top, found, rank = max(suggested, default=-1), list(listed), 0
+    top = max((r for n in listed if (r := metadata_rank(n)) is not None), default=-1)
+    found, rank = list(listed), 0
     while True:
         name = fmt.metadata_name(rank)
         if name not in listed:

@@ -185,3 +185,32 @@ def test_retention_keeps_the_base_of_a_kept_step_the_root_listing_misses(
     assert mgr.apply_retention() == []
     _load(root / "step-1", _state(1))
     _load(root / "step-2", _state(2))
+
+
+class _CountingLooks(LocalFileSystem):
+    """Local disk that counts the looks by name (``exists``)."""
+
+    looks = 0
+
+    def exists(self, path: str) -> bool:
+        self.looks += 1
+        return super().exists(path)
+
+
+def test_a_directory_without_metadata_costs_two_looks_whatever_its_ranks(
+    tmp_path: Path,
+) -> None:
+    # The looks by name for metadata a listing may miss are bounded: a directory of 64
+    # ranks' data files and no metadata (a save in flight) costs .metadata and
+    # __0.metadata, not one look per rank, each time steps() or the read model asks.
+    from storage.checkpoint.committed import open_committed
+    from storage.checkpoint.layout import is_committed
+
+    step = tmp_path / "step-1"
+    step.mkdir()
+    for rank in range(64):
+        (step / f"__{rank}_0-abc.distcp").write_bytes(b"x")
+    fs = _CountingLooks()
+    assert not is_committed(fs, str(step)) and fs.looks == 2
+    fs.looks = 0
+    assert not open_committed(fs, str(step)).committed and fs.looks == 2
