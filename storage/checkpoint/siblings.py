@@ -29,13 +29,17 @@ _lock = threading.Lock()
 _seen: dict[str, set[str]] = {}  # parent URL -> checkpoints this process saw committed
 
 
+def _key(fs: FileSystemBase, parent: str) -> str:
+    return fs.url(parent.rstrip("/") or parent)
+
+
 def saw(fs: FileSystemBase, path: str) -> None:
     """The checkpoint at ``path`` is committed (this process published its metadata, or
     saw it committed): :func:`names_under` lists it from now on, while it stays so."""
     location = split_location(fs, path)
     if location is not None:
         with _lock:
-            _seen.setdefault(fs.url(location[0]), set()).add(location[1])
+            _seen.setdefault(_key(fs, location[0]), set()).add(location[1])
 
 
 def forget(fs: FileSystemBase, path: str) -> None:
@@ -43,7 +47,7 @@ def forget(fs: FileSystemBase, path: str) -> None:
     location = split_location(fs, path)
     if location is not None:
         with _lock:
-            _seen.get(fs.url(location[0]), set()).discard(location[1])
+            _seen.get(_key(fs, location[0]), set()).discard(location[1])
 
 
 def names_under(fs: FileSystemBase, parent: str) -> list[str]:
@@ -58,7 +62,7 @@ def names_under(fs: FileSystemBase, parent: str) -> list[str]:
     except NotADirectoryError:
         return []
     with _lock:
-        unlisted = sorted(_seen.get(fs.url(parent), set()) - set(names))
+        unlisted = sorted(_seen.get(_key(fs, parent), set()) - set(names))
     for name in unlisted:
         path = fs.concat_path(parent, name)
         if is_committed(fs, path):
