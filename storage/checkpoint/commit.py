@@ -26,7 +26,7 @@ from storage.checkpoint.committed import own_files, read_metadata_file
 from storage.checkpoint.deadline import Budget, DeadlineExceededError
 from storage.checkpoint.deletion import remove_data_files
 from storage.checkpoint.incremental import check_referenced_files
-from storage.checkpoint.prefixes import expand, split
+from storage.checkpoint.prefixes import absent
 from storage.checkpoint.siblings import refuse_if_referenced, saw
 
 # Set on the coordinator's error when its metadata may have landed; it travels with the
@@ -165,9 +165,7 @@ def publish_metadata(
         fs.sync_dir(directory)
     # An incremental save in which nothing changed wrote no data file: there is nothing
     # to check, and an object store has nothing to list under a prefix holding no object.
-    used = {split(f)[0] for f in new_files} - {None}
-    present = set(expand(fs, directory, only=used)) if new_files else set()  # type: ignore[arg-type]
-    missing = sorted(new_files - present)
+    missing = absent(fs, directory, new_files) if new_files else []
     if missing:
         raise CheckpointNotFoundError(
             f"{fs.url(directory)}: {len(missing)} data file(s) of this save vanished before "

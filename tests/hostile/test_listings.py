@@ -214,3 +214,27 @@ def test_a_directory_without_metadata_costs_two_looks_whatever_its_ranks(
     assert not is_committed(fs, str(step)) and fs.looks == 2
     fs.looks = 0
     assert not open_committed(fs, str(step)).committed and fs.looks == 2
+
+
+# --- a base whose own listing misses its files ----------------------------------------
+
+
+def test_saves_whose_listing_misses_their_files_or_their_bases_files_commit(
+    tmp_path: Path,
+) -> None:
+    # Before: a save's own files, and those it references in its base, were looked for
+    # in a listing alone. A listing that did not show step-1's files yet (just written)
+    # failed step-1's own save ("data file(s) of this save vanished"), made the next
+    # save a full one ("step-1 lacks its file"), and failed a save with an explicit
+    # base ("base checkpoint lost its file"), or withdrew its metadata once landed.
+    root = tmp_path / "root"
+    fs = _Hiding(lambda d, n: d.rstrip("/") == str(root / "step-1"))
+    mgr = CheckpointManager(root, incremental=True, filesystem=fs)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    storage.save(_state(3), str(root / "other"), base=str(root / "step-1"), filesystem=fs)
+    for name in ("step-2", "other"):
+        refs = {r.ref for r in describe(LocalFileSystem(), str(root / name)).items}
+        assert "step-1" in refs, name
+    _load(root / "step-2", _state(2))
+    _load(root / "other", _state(3))
