@@ -238,3 +238,41 @@ def test_saves_whose_listing_misses_their_files_or_their_bases_files_commit(
         assert "step-1" in refs, name
     _load(root / "step-2", _state(2))
     _load(root / "other", _state(3))
+
+
+# --- on a real S3 server (moto), with its listings hiding a step -------------------------
+
+
+@pytest.fixture
+def s3_hiding_step_3(request: pytest.FixtureRequest) -> Any:
+    """An ``S3FileSystem`` on the session's moto server whose listings miss ``step-3``."""
+    from storage import S3FileSystem
+    from tests.support.servers import endpoint_with_bucket, s3_options
+
+    endpoint = endpoint_with_bucket(request, "dcp-listings")
+
+    class Hiding(S3FileSystem):
+        def ls(self, path: str) -> list[str]:
+            return [n for n in super().ls(path) if n != "step-3"]
+
+    return Hiding(storage_options=s3_options(endpoint))
+
+
+def test_on_s3_a_step_the_listing_misses_stays_latest_and_keeps_its_base(
+    s3_hiding_step_3: Any,
+) -> None:
+    # The same as on local disk above, through S3's listings and looks by name: before,
+    # latest() went back to step 2 and delete(2) removed the base step-3 references.
+    import uuid
+
+    fs = s3_hiding_step_3
+    root = f"s3://dcp-listings/{uuid.uuid4().hex}/"
+    mgr = CheckpointManager(root, incremental=True, filesystem=fs)
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+    assert mgr.steps() == [1, 2, 3] and mgr.latest() == 3
+    with pytest.raises(CheckpointInUseError, match="step-3"):
+        mgr.delete(2)
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1
+           for k, v in _state(0).items()}  # fmt: skip
+    assert mgr.load(out) == 3 and torch.equal(out["b"], _state(3)["b"])
