@@ -22,11 +22,12 @@ from typing import Any
 from extensions.errors import CheckpointExistsError, CheckpointNotFoundError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint.committed import own_files, read_metadata_file, refuse_if_referenced
+from storage.checkpoint.committed import own_files, read_metadata_file
 from storage.checkpoint.deadline import Budget, DeadlineExceededError
 from storage.checkpoint.deletion import remove_data_files
 from storage.checkpoint.incremental import check_referenced_files
-from storage.checkpoint.prefixes import expand, split
+from storage.checkpoint.prefixes import absent
+from storage.checkpoint.siblings import refuse_if_referenced, saw
 
 # Set on the coordinator's error when its metadata may have landed; it travels with the
 # error (pickled in DCP's CheckpointException) to the other ranks.
@@ -164,9 +165,7 @@ def publish_metadata(
         fs.sync_dir(directory)
     # An incremental save in which nothing changed wrote no data file: there is nothing
     # to check, and an object store has nothing to list under a prefix holding no object.
-    used = {split(f)[0] for f in new_files} - {None}
-    present = set(expand(fs, directory, only=used)) if new_files else set()  # type: ignore[arg-type]
-    missing = sorted(new_files - present)
+    missing = absent(fs, directory, new_files) if new_files else []
     if missing:
         raise CheckpointNotFoundError(
             f"{fs.url(directory)}: {len(missing)} data file(s) of this save vanished before "
@@ -180,6 +179,7 @@ def publish_metadata(
             f"Checkpoint already exists at {fs.url(directory)}: another save committed "
             "there first and overwrite=False; nothing of this save was kept"
         ) from exc
+    saw(fs, directory)  # beside it from now on, even where a listing lags behind
     if replaced - new_files and fs.is_link(directory):
         # Someone else's checkpoint linked in (a shared one as `step-0`): never deleted
         # through the link, as `rm` and retention refuse to.

@@ -18,7 +18,7 @@ facts under one error policy:
 :func:`open_committed` reads a checkpoint whole: every metadata file in its directory,
 the committing ones (``.metadata``, else each rank's ``__{rank}.metadata``; see
 ``layout.committing_metadata``) and any other one lingering there, because a deletion
-must know every reference and every file any of them records. :class:`Siblings` holds
+must know every reference and every file any of them records. ``siblings.Siblings`` holds
 the checkpoints under one parent directory for one pass (a retention pass, one refusal to
 delete), each opened at most once, so such a pass reads each step's metadata once.
 :class:`ReadModels` keeps the models of a manager's own steps between passes, reused
@@ -38,7 +38,6 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.stateful import Stateful
 
 from extensions.errors import (
-    CheckpointInUseError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
     printable,
@@ -49,7 +48,7 @@ from storage.checkpoint.layout import (
     committing_metadata,
     is_data_file_name,
     is_metadata_name,
-    split_location,
+    present_metadata,
 )
 
 log = logging.getLogger(__name__)
@@ -228,22 +227,25 @@ class CommittedCheckpoint:
 
 
 def open_committed(fs: FileSystemBase, path: str) -> CommittedCheckpoint:
-    """Read the checkpoint at ``path``: one listing (and, when it shows no metadata,
-    a look for ``.metadata`` by name), then each metadata file in it."""
+    """Read the checkpoint at ``path``: one listing (and, for metadata files it may have
+    missed, looks by name: ``layout.present_metadata``), then each metadata file in it."""
     metadata: dict[str, Metadata] = {}
     errors: dict[str, Exception] = {}
+    names: list[str] = []
     try:
-        names = [n for n in fs.ls(path) if is_metadata_name(n)]
-    except (FileNotFoundError, NotADirectoryError):
-        names = []
+        listing = fs.ls(path)
+    except FileNotFoundError:
+        listing = []  # a listing that lags may not show the directory yet
+    except NotADirectoryError:
+        listing = None
     except Exception as exc:
-        names, errors[_LISTING] = [], exc
-    if not names and not errors:
+        listing, errors[_LISTING] = None, exc
+    if listing is not None:
         # A listing may lag or miss an object: a checkpoint that references a sibling
-        # must not pass for uncommitted, so its metadata is asked for by name too.
+        # must not pass for uncommitted, nor for one that references less than it does,
+        # so what the listing does not show is asked for by name too.
         try:
-            if fs.exists(fs.concat_path(path, fmt.METADATA_NAME)):
-                names = [fmt.METADATA_NAME]
+            names = present_metadata(fs, path, listing)
         except Exception as exc:
             errors[_LISTING] = exc
     for name in names:
@@ -261,7 +263,7 @@ def open_committed(fs: FileSystemBase, path: str) -> CommittedCheckpoint:
 _Stamp = tuple[tuple[str, tuple[int, ...]], ...]
 
 
-def _stamp(fs: FileSystemBase, path: str) -> _Stamp | None:
+def metadata_stamp(fs: FileSystemBase, path: str) -> _Stamp | None:
     """What identifies the metadata files of the checkpoint at ``path`` right now
     (``FileSystemBase.stamps``: names, inodes, sizes and modification and change times);
     ``None`` where that cannot be told cheaply or the directory cannot be listed."""
@@ -284,7 +286,7 @@ class ReadModels:
         self._models: dict[str, tuple[_Stamp, CommittedCheckpoint]] = {}
 
     def open(self, fs: FileSystemBase, path: str) -> CommittedCheckpoint:
-        stamp = _stamp(fs, path)
+        stamp = metadata_stamp(fs, path)
         if stamp is not None:
             with self._lock:
                 held = self._models.get(path)
@@ -298,7 +300,7 @@ class ReadModels:
         """``metadata`` was just published by this process as the ``.metadata`` of the
         checkpoint at ``path``: keep it as that checkpoint's model, unless other
         metadata files lie there (then the next :meth:`open` reads them all)."""
-        stamp = _stamp(fs, path)
+        stamp = metadata_stamp(fs, path)
         if stamp is not None and [s[0] for s in stamp] == [fmt.METADATA_NAME]:
             checkpoint = CommittedCheckpoint(
                 fs, path, (fmt.METADATA_NAME,), {fmt.METADATA_NAME: metadata}, {}
@@ -315,105 +317,3 @@ class ReadModels:
                 self._models[path] = (stamp, checkpoint)
             else:
                 self._models.pop(path, None)
-
-
-class Siblings:
-    """The checkpoints under ``parent``, each opened at most once: one pass of a path
-    that deletes (retention, a refusal to delete or overwrite). What it read may change
-    meanwhile; a save whose base is removed meanwhile fails before it commits
-    (``incremental.check_referenced_files``). ``models``: the manager's read models,
-    which serve what they hold."""
-
-    def __init__(self, fs: FileSystemBase, parent: str, models: ReadModels | None = None) -> None:
-        self.fs = fs
-        self.parent = parent
-        self._models = models
-        self._names: list[str] | None = None
-        self._opened: dict[str, CommittedCheckpoint] = {}
-
-    def names(self) -> list[str]:
-        """The names under the parent (listed once)."""
-        if self._names is None:
-            try:
-                self._names = self.fs.ls(self.parent)
-            except (FileNotFoundError, NotADirectoryError):
-                self._names = []
-        return self._names
-
-    def open(self, name: str) -> CommittedCheckpoint:
-        if name not in self._opened:
-            path = self.fs.concat_path(self.parent, name)
-            opened = (
-                open_committed(self.fs, path)
-                if self._models is None
-                else self._models.open(self.fs, path)
-            )
-            self._opened[name] = opened
-        return self._opened[name]
-
-    def forget(self, name: str) -> None:
-        """``name`` was deleted: it references nothing any more."""
-        self._opened.pop(name, None)
-        if self._models is not None:
-            self._models.forget(self.fs.concat_path(self.parent, name))
-        if self._names is not None and name in self._names:
-            self._names.remove(name)
-
-    def recheck_users(self, name: str, action: str = "delete") -> None:
-        """:meth:`refuse_if_referenced` again, once ``name``'s metadata is moved aside
-        (``deletion.delete_checkpoint``): listed anew, what this pass saw uncommitted or
-        did not see is opened afresh, and so is any checkpoint whose metadata files
-        changed where the backend tells that without a request (``FileSystemBase.stamps``);
-        the others are as this pass read them, so a pass still reads each at most once."""
-        seen = self.names()
-        self._names = None
-        for other in self.names():
-            held = self._opened.get(other)
-            if other == name or held is None:
-                continue
-            path = self.fs.concat_path(self.parent, other)
-            if other not in seen or not held.committed or _stamp(self.fs, path) is not None:
-                del self._opened[other]  # a save there may have committed since
-        self.refuse_if_referenced(name, action)
-
-    def users(self, name: str) -> list[CommittedCheckpoint]:
-        """The checkpoints beside ``name`` that reference its bytes or, unreadable,
-        might."""
-        return [c for s in self.names() if s != name and (c := self.open(s)).may_reference(name)]
-
-    def refuse_if_referenced(self, name: str, action: str = "delete") -> None:
-        """Raise :class:`CheckpointInUseError` if checkpoints beside ``name`` reference
-        its bytes or cannot be read: removing them could break those checkpoints."""
-        users = self.users(name)
-        if not users:
-            return
-        url = self.fs.url(self.fs.concat_path(self.parent, name))
-        # Sibling names are whoever wrote the parent's: escaped, or one holding a line
-        # break or an escape sequence would reach a terminal through the message.
-        known = [printable(c.name) for c in users if c.readable]
-        unknown = [c for c in users if not c.readable]
-        parts = []
-        if known:
-            parts.append(
-                f"incremental checkpoint(s) {', '.join(known)} beside it reference its bytes. "
-                "Delete those first, or make them self-contained with `dcp-storage cp` (a "
-                "copy holds every byte it needs)"
-            )
-        if unknown:
-            parts.append(
-                f"the metadata of {', '.join(printable(c.name) for c in unknown)} beside it "
-                f"cannot be read ({'; '.join(c.why_unreadable() for c in unknown)}), so they may "
-                "reference its bytes. Repair or remove those first"
-            )
-        raise CheckpointInUseError(f"refusing to {action} {url}: {'. Also, '.join(parts)}")
-
-
-def refuse_if_referenced(fs: FileSystemBase, path: str, action: str = "delete") -> None:
-    """:meth:`Siblings.refuse_if_referenced` for the checkpoint at ``path``, beside
-    ``path`` and, when links resolve it elsewhere (``other/alias -> run/step-1``),
-    beside what it resolves to: the checkpoints that reference its bytes lie beside
-    the directory that holds them, not beside the alias."""
-    for place in dict.fromkeys((path, fs.realpath(path))):
-        location = split_location(fs, place)
-        if location is not None:
-            Siblings(fs, location[0]).refuse_if_referenced(location[1], action)

@@ -80,7 +80,10 @@ def delete_checkpoint(
             "and nothing is deleted through a link; nothing was deleted. Remove the link "
             "(or replace it with a directory of its own) first"
         )
-    metadata = [n for n in fs.ls(path) if is_metadata_name(n)]
+    # What the read model found by name too (a listing may miss a file), and what the
+    # listing shows now.
+    found = [n for n in (*checkpoint.metadata, *checkpoint.errors) if is_metadata_name(n)]
+    metadata = sorted({*found, *(n for n in fs.ls(path) if is_metadata_name(n))})
     if recheck is None:
         for name in metadata:
             with contextlib.suppress(FileNotFoundError):

@@ -50,7 +50,7 @@ from storage.checkpoint.committed import (
     read_metadata_file,
 )
 from storage.checkpoint.layout import is_committed, split_location
-from storage.checkpoint.prefixes import expand, split
+from storage.checkpoint.prefixes import absent
 from storage.checkpoint.tensors import tensor_bytes
 from storage.checkpoint.validate import MAX_NAME, is_plain_name
 
@@ -302,13 +302,9 @@ def missing_file(fs: FileSystemBase, path: str, infos: Iterable[Any]) -> tuple[s
 
 def _first_absent(fs: FileSystemBase, wanted: dict[str, set[str]]) -> tuple[str, str] | None:
     for directory, names in sorted(wanted.items()):
-        used = {p for p, _ in map(split, names) if p is not None}
-        try:
-            present = set(expand(fs, directory, only=used))  # files under key prefixes too
-        except (FileNotFoundError, NotADirectoryError):
-            present = set()
-        missing = sorted(names - present) + (
-            [] if fmt.METADATA_NAME in present else [fmt.METADATA_NAME]
+        gone = absent(fs, directory, names | {fmt.METADATA_NAME})  # a lagging listing too
+        missing = [n for n in gone if n != fmt.METADATA_NAME] + (
+            [fmt.METADATA_NAME] if fmt.METADATA_NAME in gone else []
         )
         if missing:
             return directory, missing[0]

@@ -80,15 +80,47 @@ def committing_metadata(names: list[str]) -> list[str]:
     return [n for _, n in ranked]
 
 
+def present_metadata(
+    fs: FileSystemBase, path: str, names: list[str], *, global_absent: bool = False
+) -> list[str]:
+    """The metadata files in the directory at ``path`` whose listing is ``names``: the
+    listed ones and those a listing that lags or misses objects may not show, asked for
+    by name. Without ``.metadata`` listed, it is asked for (unless ``global_absent``:
+    the caller just did); without it found, each rank's ``__{rank}.metadata`` from rank
+    0 up, through the highest rank listed and on while each is found: two looks for a
+    directory without metadata, one more than the listing for a rank-local checkpoint.
+    A rank's metadata is missed only where the listing misses it and no rank below has
+    one (a rank-local save that failed on a lower rank)."""
+    listed = [n for n in names if is_metadata_name(n)]
+    if fmt.METADATA_NAME in listed:
+        return listed
+    if not global_absent and fs.exists(fs.concat_path(path, fmt.METADATA_NAME)):
+        return [fmt.METADATA_NAME, *listed]
+    top = max((r for n in listed if (r := metadata_rank(n)) is not None), default=-1)
+    found, rank = list(listed), 0
+    while True:
+        name = fmt.metadata_name(rank)
+        if name not in listed:
+            if fs.exists(fs.concat_path(path, name)):
+                found.append(name)
+            elif rank > top:
+                return found
+        rank += 1
+
+
 def metadata_names(fs: FileSystemBase, path: str) -> list[str]:
     """The metadata files that commit the checkpoint at ``path`` (see
-    :func:`committing_metadata`); empty when it is not a committed checkpoint."""
+    :func:`committing_metadata`; a listing that misses some is not trusted:
+    :func:`present_metadata`); empty when it is not a committed checkpoint."""
     if fs.exists(fs.concat_path(path, fmt.METADATA_NAME)):
         return [fmt.METADATA_NAME]  # the common case costs one request, not a listing
     try:
-        return committing_metadata(fs.ls(path))
-    except (FileNotFoundError, NotADirectoryError):
+        names = fs.ls(path)
+    except FileNotFoundError:
+        names = []  # a listing that lags may not show the directory yet
+    except NotADirectoryError:
         return []
+    return committing_metadata(present_metadata(fs, path, names, global_absent=True))
 
 
 def is_committed(fs: FileSystemBase, path: str) -> bool:

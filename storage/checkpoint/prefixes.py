@@ -104,6 +104,23 @@ def expand(fs: FileSystemBase, path: str, only: set[str] | None = None) -> list[
     return sorted(names)
 
 
+def absent(fs: FileSystemBase, path: str, names: set[str]) -> list[str]:
+    """Those of ``names`` (files under ``path``, under a key prefix or not) that are not
+    there, sorted: one listing (:func:`expand`, into the prefix directories they use),
+    then a look by name for each one it misses, since a listing may lag behind the store
+    or miss an object; never through a linked prefix directory."""
+    used = {p for p, _ in map(split, names) if p is not None}
+    try:
+        present = set(expand(fs, path, only=used))
+    except (FileNotFoundError, NotADirectoryError):
+        present = set()
+    return sorted(
+        n
+        for n in names - present
+        if linked_prefix(fs, path, n) is not None or not fs.exists(fs.concat_path(path, n))
+    )
+
+
 def remove_empty_prefixes(fs: FileSystemBase, path: str) -> None:
     """Remove the prefix directories under ``path`` that are empty (local disk keeps
     empty directories; object stores have none); a linked one stays."""

@@ -305,8 +305,9 @@ def export(args: argparse.Namespace) -> int:
 
 
 def rm(args: argparse.Namespace) -> int:
-    from storage.checkpoint.committed import open_committed, refuse_if_referenced
+    from storage.checkpoint.committed import open_committed
     from storage.checkpoint.deletion import delete_checkpoint
+    from storage.checkpoint.siblings import refuse_if_referenced
 
     fs, path = location(args.checkpoint, args.storage_option)
     checkpoint = open_committed(fs, path)

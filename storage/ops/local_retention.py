@@ -58,7 +58,7 @@ class LocalRetention:
     def references(self, step: int) -> set[int]:
         """The local steps whose bytes local ``step`` references (incremental saves), as
         far as its metadata can be read (deleting a local step is refused while one
-        beside it cannot be read: ``committed.Siblings``)."""
+        beside it cannot be read: ``siblings.Siblings``)."""
         names = self.local.model(step).references()
         return {b for b in map(parse_step, names) if b is not None}
 

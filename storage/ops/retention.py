@@ -6,7 +6,7 @@ directory named exactly ``step-<N>`` and not a symbolic link, the data files its
 removed metadata names (never through a linked prefix directory), never a step a kept
 step references (incremental saves, rank-local metadata included) and never the step
 being saved or its base. Each pass reads every step's metadata at most once
-(``committed.Siblings``); a step whose metadata cannot be read may reference any other,
+(``siblings.Siblings``); a step whose metadata cannot be read may reference any other,
 so while one is kept, every step is.
 """
 
@@ -22,16 +22,16 @@ from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
-from storage.checkpoint.committed import Siblings
 from storage.checkpoint.deletion import MOVED_ASIDE, delete_checkpoint, remove_leftovers
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     is_checkpoint_file_name,
     is_data_file_name,
-    is_metadata_name,
     parse_step,
+    present_metadata,
 )
 from storage.checkpoint.prefixes import expand, is_linked, is_prefix, split
+from storage.checkpoint.siblings import Siblings
 from storage.ops.steps import StepRoot
 
 log = logging.getLogger("storage.ops.manager")
@@ -141,6 +141,7 @@ class Retention:
     def after_save(self, step: int) -> None:
         """:meth:`apply` once ``step`` is committed, keeping it: a failure is logged,
         never raised (the save is committed; failing to prune must not undo that)."""
+        self.root.saw(step)  # listed from now on, even where a listing lags behind
         try:
             removed = self.apply(protect=step)
         except Exception as exc:
@@ -277,17 +278,17 @@ class Retention:
             names = expand(fs, path)  # never into a linked prefix directory
         except (FileNotFoundError, NotADirectoryError):
             return []
-        if fmt.METADATA_NAME not in names or any(
-            is_metadata_name(n) and n != fmt.METADATA_NAME for n in names
-        ):
-            return []  # rank-local metadata: which files are whose is not ours to guess
+        checkpoint = self.root.models.open(fs, path)
+        if not checkpoint.readable or list(checkpoint.metadata) != [fmt.METADATA_NAME]:
+            # Unreadable metadata: touch nothing. Rank-local metadata: which files are
+            # whose is not ours to guess.
+            return []
         beating, stale = heartbeat.live(fs, path, grace_seconds)
         if beating:
             return []  # a save or copy is writing here: its files are not orphans
-        checkpoint = self.root.models.open(fs, path)
         referenced = checkpoint.data_files()
-        if not checkpoint.readable or not referenced:
-            return []  # unreadable metadata: touch nothing
+        if not referenced:
+            return []
         doomed = list(stale)
         # A prefix directory holding anything but data files (a checkpoint copied or
         # saved into `0a/`, its heartbeat, a user's file) is not one of this
@@ -302,6 +303,10 @@ class Retention:
                 continue
             if mtime is not None and mtime < horizon:
                 doomed.append(name)
+        # A rank's own metadata beside .metadata names its files; a listing may miss it.
+        ranks = {fmt.file_rank(n) for n in doomed if is_data_file_name(n)}
+        if any(fs.exists(fs.concat_path(path, fmt.metadata_name(r))) for r in ranks):
+            return []
         return doomed
 
     def _skip_linked(self, steps: Iterable[int]) -> set[int]:
@@ -325,14 +330,9 @@ class Retention:
             names = expand(self.root.fs, path)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        if any(is_metadata_name(n) for n in names):
-            return None
         # The listing may lag or miss an object: before a committed step's files are
         # taken for leftovers, its metadata is asked for by name too.
-        if any(
-            self.root.fs.exists(self.root.fs.concat_path(path, n))
-            for n in (fmt.metadata_name(), fmt.metadata_name(0))
-        ):
+        if present_metadata(self.root.fs, path, names):
             return None
         if heartbeat.live(self.root.fs, path, grace_seconds)[0]:
             return None  # a save or copy is writing here, whatever the files' dates say

@@ -28,6 +28,7 @@ from storage.checkpoint.layout import (
     is_committed,
     parse_step,
 )
+from storage.checkpoint.siblings import names_under, saw
 
 _SAVE_ELSEWHERE = "save under another step, or remove the link itself if it is no longer wanted"
 
@@ -93,22 +94,33 @@ class StepRoot:
     def step_url(self, step: int) -> str:
         return self.fs.url(self.step_path(step))
 
+    def names(self) -> list[str]:
+        """The names under the root (empty when it does not exist): its listing and each
+        step this process saw committed here that the listing misses, asked for by name
+        (``siblings.names_under``). A listing that lags behind the store or misses
+        objects so never hides a step this process knows of: it is still listed, still
+        the latest, and what it references is still kept."""
+        return names_under(self.fs, self.path)
+
+    def saw(self, step: int) -> None:
+        """``step`` is committed here (this process saw it so): :meth:`names`."""
+        saw(self.fs, self.step_path(step))
+
     def step_dirs(self) -> list[tuple[int, str]]:
-        """Every ``step-<N>`` name under the root, committed or not, with its step,
-        ascending (empty when the root does not exist)."""
-        try:
-            names = self.fs.ls(self.path)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return sorted((s, n) for n in names if (s := parse_step(n)) is not None)
+        """Every ``step-<N>`` name under the root (:meth:`names`), committed or not,
+        with its step, ascending (empty when the root does not exist)."""
+        return sorted((s, n) for n in self.names() if (s := parse_step(n)) is not None)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
-        return [
+        steps = [
             step
             for step, name in self.step_dirs()
             if is_committed(self.fs, self.fs.concat_path(self.path, name))
         ]
+        for step in steps:
+            self.saw(step)
+        return steps
 
     def is_committed(self, step: int) -> bool:
         return is_committed(self.fs, self.step_path(step))

@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 import storage
 from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage import LocalFileSystem, MemoryFileSystem
-from storage.checkpoint.committed import ReadModels, Siblings, open_committed
+from storage.checkpoint.committed import ReadModels, open_committed
+from storage.checkpoint.siblings import Siblings
 
 
 def _state(value: float) -> dict[str, Any]:
