@@ -27,9 +27,9 @@ from storage.checkpoint import frames, incremental
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget, cancellable, note
 from storage.checkpoint.decode import (
-    OBJECT_RATIO,
     decode_tensor,
     direct_offset,
+    plain_limit,
     plain_value,
     read_bounded,
 )
@@ -224,7 +224,7 @@ def _read_item(
     try:
         decoded = stored.decoded(load.registry, info)
         if target is None:
-            limit = max(load.max_object_bytes, OBJECT_RATIO * item.length)
+            limit = plain_limit(None, item.length, load.max_object_bytes)
             payload = read_bounded(decoded, limit, where, "pass a larger max_object_bytes=")
         else:
             decoded_tensor = decode_tensor(decoded, item.req, item.info, chunk, target, where)
@@ -290,10 +290,12 @@ def _copy_into(decoded: torch.Tensor, req: ReadItem, target: torch.Tensor, where
 
 def _item_info(load: LoadContext, item: _PlannedRead, keys: KeyLookup | None) -> ItemInfo:
     chunk = load.chunks.get(item.req.storage_index)
+    tensor = item.req.type != LoadItemType.BYTE_IO
     return ItemInfo(
         checkpoint=load.url,
         item=fmt.item_label(item.req.storage_index),
         dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
         element_size=chunk[1].itemsize if chunk else None,
         keys=keys,
+        plain_bytes=plain_limit(chunk if tensor else None, item.length, load.max_object_bytes),
     )

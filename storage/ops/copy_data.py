@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
-import math
 import threading
 import uuid
 from collections.abc import Callable, Collection, Sequence
@@ -39,7 +38,7 @@ from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.committed import open_committed
-from storage.checkpoint.decode import ARCHIVE_ALLOWANCE, MAX_OBJECT_BYTES, OBJECT_RATIO
+from storage.checkpoint.decode import plain_limit
 from storage.checkpoint.incremental import (
     check_bases,
     item_directory,
@@ -326,11 +325,7 @@ def _plain_limit(part: Part, index: MetadataIndex, stored: int) -> int:
     """The most plain bytes the item at ``index`` (``stored`` bytes) may decode to: what
     the reader allows it (``storage.checkpoint.decode``), so a transcoding copy never
     writes out what no load would accept."""
-    facts = chunk_facts(part.metadata, index)
-    if facts is None:
-        return max(MAX_OBJECT_BYTES, OBJECT_RATIO * stored)
-    sizes, dtype = facts
-    return math.prod(sizes) * max(8, dtype.itemsize) + 2 * ARCHIVE_ALLOWANCE
+    return plain_limit(chunk_facts(part.metadata, index), stored)
 
 
 def _copy_item(
@@ -358,7 +353,9 @@ def _copy_item(
             pump(stored.raw, encoder.plain)
         else:
             encoder = ItemEncoder(out, chain, item)
-            decoded = stored.decoded(registry or ExtensionRegistry(), item)
+            decoded = stored.decoded(
+                registry or ExtensionRegistry(), replace(item, plain_bytes=limit)
+            )
             if pump(decoded, encoder.plain, limit=limit + 1) > limit:
                 raise UnsafeCheckpointError(
                     f"{stored.where}: the item decodes to more than {limit} bytes, more than "
