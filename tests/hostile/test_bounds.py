@@ -122,6 +122,42 @@ def test_zstd_bomb_in_a_non_tensor_item_is_refused_within_the_bound(
     assert peak() < 40 * MiB
 
 
+def test_a_stored_length_the_file_does_not_hold_does_not_raise_the_bomb_bound(
+    tmp_path: Path, peak: Peak
+) -> None:
+    # A non-tensor item may decode to 64 times its stored size: without counting only the
+    # bytes its data file holds, this 8 KiB bomb claiming 2**40 stored bytes was allowed
+    # 64 TiB and decoded whole (256 MiB here, +517 MB with the copies; 32 GiB a MiB of
+    # stored bomb) before the read noticed the file was shorter.
+    storage.save({"blob": b"small", "t": torch.ones(4)}, tmp_path, transforms=[ZStandard()])
+    _plant(tmp_path, "blob", _zstd_bomb(256 * MiB))
+    metadata = _meta(tmp_path)
+    _info(metadata, "blob").length = 1 << 40
+    _write_meta(tmp_path, metadata)
+    peak.reset()
+    with pytest.raises(UnsafeCheckpointError, match="'blob'.*decodes to more than 16777216"):
+        storage.load({"blob": b"", "t": torch.zeros(4)}, tmp_path)
+    assert peak() < 40 * MiB
+
+
+def test_a_transcoding_copy_bounds_a_value_by_the_bytes_its_file_holds(tmp_path: Path) -> None:
+    # The same claim through `cp --transforms`: without the check the copy decoded the
+    # whole bomb into the new chain.
+    from storage.backends import LocalFileSystem
+    from storage.ops.copy import copy_checkpoint
+
+    src = tmp_path / "src"
+    storage.save({"blob": b"small", "t": torch.ones(4)}, src, transforms=[ZStandard()])
+    _plant(src, "blob", _zstd_bomb(256 * MiB))
+    metadata = _meta(src)
+    _info(metadata, "blob").length = 1 << 40
+    _write_meta(src, metadata)
+    fs = LocalFileSystem()
+    with pytest.raises(UnsafeCheckpointError, match="'blob'.*decodes to more than 16777216"):
+        copy_checkpoint(fs, str(src), fs, str(tmp_path / "dst"), transforms=[ZStandard()])
+    assert not (tmp_path / "dst" / ".metadata").exists()
+
+
 def test_zstd_bomb_in_a_tensor_item_without_layout_facts_is_refused(
     tmp_path: Path, peak: Peak
 ) -> None:
