@@ -721,6 +721,22 @@ def test_cli_escapes_item_names(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "\x1b" not in captured.out + captured.err and "w\\x1b" in captured.out
 
 
+def test_cli_inspect_prints_in_proportion_to_its_items_whatever_one_name_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without the bound every row of the table was padded to its widest cell: one name
+    # of 100,000 characters among 300 items printed 30 MB (a name of 100 MB, as many
+    # gigabytes, built in memory before the first line).
+    state = {f"t{i}": torch.ones(1) for i in range(300)}
+    state["x" * 100_000] = torch.ones(1)
+    storage.save(state, tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert len(out) < 300 * 1000 and "x" * 400 + "..." in out
+    assert main(["inspect", "--json", str(tmp_path)]) == 0  # JSON keeps the whole name
+    assert "x" * 100_000 in capsys.readouterr().out
+
+
 def test_quote_is_bounded_and_escaped() -> None:
     # The helper every message uses for checkpoint values: bounded work and length.
     assert len(quote(_shared_reference_bomb(1000))) < 200
