@@ -239,6 +239,19 @@ def test_a_transcoding_copy_refuses_a_zstd_bomb_instead_of_writing_it_out(
     assert not (tmp_path / "dst" / ".metadata").exists()
 
 
+@pytest.mark.parametrize("offset", [1 << 40, 1 << 61])
+def test_an_item_past_the_end_of_its_file_fails_naming_it(tmp_path: Path, offset: int) -> None:
+    # Without the check an offset past the largest one the file system allows (2**61
+    # here, within the metadata's 2**62) failed the load with a bare "OSError: [Errno 22]
+    # Invalid argument" from the seek, naming neither the checkpoint nor the item.
+    storage.save({"t": torch.ones(4)}, tmp_path)
+    metadata = _meta(tmp_path)
+    _info(metadata, "t").offset = offset
+    _write_meta(tmp_path, metadata)
+    with pytest.raises(IntegrityError, match=f"{re.escape(str(tmp_path))}: item 't'.*truncated"):
+        storage.load({"t": torch.zeros(4)}, tmp_path)
+
+
 def test_chunk_declared_larger_than_its_tensor_is_refused(tmp_path: Path) -> None:
     # Without the check a chunk claiming 64 Mi elements for a 16-element tensor made
     # the reader allocate 256 MiB and then load successfully from the stored archive.
