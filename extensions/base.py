@@ -120,8 +120,9 @@ class ItemInfo:
     its item; ``dtype`` (e.g. ``"bfloat16"``) and ``element_size`` are set for tensor
     items and ``None`` for opaque bytes; ``keys`` resolves a key id to key bytes.
     ``plain_bytes``, set by a reader, is the most plain bytes it accepts from the item
-    (from the request, never from what the checkpoint claims; ``None`` when unknown):
-    a decoder may size what a stored header asks for by it (zstd's window).
+    once every stage is undone (from the request, never from what the checkpoint
+    claims; ``None`` when unknown): a decoder may size what a stored header asks for by
+    it (zstd's window), allowing that a stage feeding another may produce a little more.
     """
 
     checkpoint: str = ""
