@@ -669,6 +669,30 @@ def test_malformed_metadata_value_raises_a_named_error(tmp_path: Path, case: str
         storage.load({"t": torch.zeros(4)}, tmp_path)
 
 
+def test_an_empty_tensor_whose_sizes_multiply_past_the_bound_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Sizes (2**62, 2**62, 0) hold no element, so their product (0) passed the bound:
+    # inspect listed the tensor, verify reported torch's "Storage size calculation
+    # overflowed" as the item's damage and export called it more than the machine can
+    # allocate. No tensor of that shape can be made: the metadata is refused, naming it.
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    storage.save({"t": torch.ones(4)}, tmp_path)
+    metadata = _meta(tmp_path)
+    size = torch.Size([1 << 62, 1 << 62, 0])
+    entry = metadata.state_dict_metadata["t"]
+    entry.size, entry.chunks[0].sizes, entry.chunks[0].offsets = size, size, torch.Size([0] * 3)
+    ((index, info),) = metadata.storage_data.items()
+    metadata.storage_data = {MetadataIndex("t", torch.Size([0] * 3), index.index): info}
+    _write_meta(tmp_path, metadata)
+    for command in ("inspect", "verify"):
+        assert main([command, str(tmp_path)]) == 1
+        assert "'t': its size is" in capsys.readouterr().err
+    with pytest.raises(UnsafeCheckpointError, match="'t'.*its non-zero sizes multiplied"):
+        fmt.load_metadata((tmp_path / ".metadata").read_bytes(), str(tmp_path))
+
+
 def test_a_chain_of_thousands_of_transforms_is_refused_before_any_decoder_is_built(
     tmp_path: Path,
 ) -> None:
