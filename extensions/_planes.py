@@ -95,16 +95,14 @@ class _Codecs(threading.local):
         self.fast = zstandard.ZstdCompressor(compression_params=fast)
         general = zstandard.ZstdCompressionParameters.from_level(3, **bare)
         self.general = zstandard.ZstdCompressor(compression_params=general)
-        # A window no larger than a block, in both formats (a plane is at most a block,
-        # so no frame either wrote needs more): a frame without a content size cannot
-        # make zstd allocate more, and keep it, in the thread's context.
-        window = 2 * BLOCK_BYTES
-        self.v1 = zstandard.ZstdDecompressor(max_window_size=window)
-        self.v2 = zstandard.ZstdDecompressor(
-            format=zstandard.FORMAT_ZSTD1_MAGICLESS, max_window_size=window
-        )
         self.content_size = zstandard.frame_content_size
         self.error = zstandard.ZstdError
+
+
+#: The window a zstd plane may declare, in both formats: a plane is at most a block, so
+#: no frame either wrote needs more, and a frame without a content size cannot make
+#: zstd allocate more, and keep it, in the thread's context.
+WINDOW = 2 * BLOCK_BYTES
 
 
 _codecs = _Codecs()

@@ -35,7 +35,8 @@ from extensions._layout import (
     PlaneHead,
     seven_size,
 )
-from extensions._planes import _ESCAPE, _MAGIC, _UINT, LOW_PAIR, SIGN_MOVED, _codecs
+from extensions._planes import _ESCAPE, _MAGIC, _UINT, LOW_PAIR, SIGN_MOVED, WINDOW, _codecs
+from extensions._zstd_window import decompressor, refused
 
 _native: ModuleType | None = _planes._native  # None: numpy passes (tests set it)
 
@@ -159,7 +160,7 @@ def _unzstd(frame: memoryview, size: int, version: int) -> bytes:
                 raise CorruptBlock(
                     f"a zstd plane declares {declared} bytes, expected {size}; refused unread"
                 )
-            data = _codecs.v1.decompress(frame, max_output_size=size)
+            data = decompressor(WINDOW).decompress(frame, max_output_size=size)
         else:
             # A magicless frame starts with its header descriptor: a content size field
             # (bits 6-7) or a single segment (bit 5, then the size is always there).
@@ -169,9 +170,9 @@ def _unzstd(frame: memoryview, size: int, version: int) -> bytes:
                     f"a zstd plane declares {declared} bytes (format 2 frames declare none, "
                     f"expected {size}); refused unread"
                 )
-            data = _codecs.v2.decompress(frame, max_output_size=size)
+            data = decompressor(WINDOW, magicless=True).decompress(frame, max_output_size=size)
     except _codecs.error as exc:
-        raise CorruptBlock(f"zstd: {exc}") from None
+        raise CorruptBlock(refused(exc, WINDOW)) from None
     if len(data) != size:
         raise CorruptBlock(f"zstd plane of {len(data)} bytes, expected {size}")
     return data

@@ -119,6 +119,10 @@ class ItemInfo:
     ``checkpoint`` and ``item`` are for error messages and for binding ciphertext to
     its item; ``dtype`` (e.g. ``"bfloat16"``) and ``element_size`` are set for tensor
     items and ``None`` for opaque bytes; ``keys`` resolves a key id to key bytes.
+    ``plain_bytes``, set by a reader, is the most plain bytes it accepts from the item
+    once every stage is undone (from the request, never from what the checkpoint
+    claims; ``None`` when unknown): a decoder may size what a stored header asks for by
+    it (zstd's window), allowing that a stage feeding another may produce a little more.
     """
 
     checkpoint: str = ""
@@ -126,6 +130,7 @@ class ItemInfo:
     dtype: str | None = None
     element_size: int | None = None
     keys: KeyLookup | None = None
+    plain_bytes: int | None = None
 
 
 class StreamTransformExtension(TorchStreamTransform):  # type: ignore[misc,valid-type]

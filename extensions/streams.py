@@ -17,6 +17,7 @@ next ``length`` bytes of a forward-only stream (one item inside a coalesced rang
 from __future__ import annotations
 
 import abc
+import errno
 import io
 import os
 from typing import IO, Any
@@ -60,7 +61,12 @@ class SliceView(io.RawIOBase):
         want = min(len(view), self._length - self._pos)
         if want <= 0:
             return 0
-        self._base.seek(self._offset + self._pos)
+        try:
+            self._base.seek(self._offset + self._pos)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            return 0  # past the largest offset the file system allows: nothing is there
         got = readinto_exact(self._base, view[:want])
         self._pos += got
         return got

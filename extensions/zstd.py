@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import io
 import struct
-import threading
 from dataclasses import dataclass, field, replace
 from typing import IO, Any, cast
 
+from extensions._zstd_window import WINDOW_FLOOR, open_reader, window_for
 from extensions.base import (
     Frame,
     FrameDecoder,
@@ -47,6 +47,12 @@ _DEFAULT_LEVEL = 3
 
 #: Input bytes per frame: a frame decodes in ~2-3 ms on one core.
 FRAME = 4 << 20
+#: The levels ``ZStandard`` accepts: zstd's fastest through its highest (ultra) level.
+MIN_LEVEL, MAX_LEVEL = -(1 << 17), 22
+#: log2 of the largest window a frame we write declares: a frame holds at most FRAME
+#: input bytes, so the larger windows of levels 10 and up (up to 128 MiB at level 22)
+#: would find no match a FRAME-sized one misses, and would only make readers allow them.
+WINDOW_LOG = FRAME.bit_length() - 1
 _SKIPPABLE = 0x184D2A5E  # the seek table's skippable frame magic (zstd seekable format)
 _SEEKABLE = 0x8F92EAB1  # the seek table footer's magic
 FOOTER = 9  # footer bytes: frame count, descriptor, magic
@@ -69,18 +75,26 @@ class ZStandard(StreamTransformExtension):
     parallel. Settings only affect encoding: the output is standard zstd frames, one per
     :data:`FRAME` bytes (a write of at least that much, such as a tensor's storage,
     starts and ends frames of its own) and, when there are several, a seek table in a
-    skippable frame; stock torch and the ``zstd`` tool read it. ``dtype`` (the item's,
-    which picks the settings when ``level`` is ``None``) is filled in by ``for_item``.
+    skippable frame; stock torch and the ``zstd`` tool read it. Every frame declares a
+    window of at most :data:`WINDOW_LOG` (a frame's input), at any level. ``dtype`` (the
+    item's, which picks the settings when ``level`` is ``None``) and ``plain_bytes``
+    (the reader's bound on the item's plain size, which bounds the window a frame may
+    ask a decoder for: :func:`window_for`) are filled in by ``for_item``.
     """
 
     level: int | None = None
     threads: int = field(default=0, kw_only=True)
     dtype: str | None = field(default=None, kw_only=True)
+    plain_bytes: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         level, threads = self.level, self.threads
         if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
             raise TypeError(f"ZStandard level must be an int or None, got {level!r}")
+        if level is not None and not MIN_LEVEL <= level <= MAX_LEVEL:
+            raise ValueError(
+                f"ZStandard level must be {MIN_LEVEL} to {MAX_LEVEL} (zstd's levels), got {level}"
+            )
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
             raise TypeError(f"ZStandard threads must be an int >= 0, got {threads!r}")
 
@@ -103,9 +117,10 @@ class ZStandard(StreamTransformExtension):
         return "stream.zstd/1"
 
     def for_item(self, item: ItemInfo) -> ZStandard:
-        if self.level is not None or item.dtype == self.dtype:
+        dtype = self.dtype if self.level is not None else item.dtype
+        if (dtype, item.plain_bytes) == (self.dtype, self.plain_bytes):
             return self
-        return replace(self, dtype=item.dtype)
+        return replace(self, dtype=dtype, plain_bytes=item.plain_bytes)
 
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
         zstd = _zstandard()
@@ -116,12 +131,18 @@ class ZStandard(StreamTransformExtension):
             compressor = zstd.ZstdCompressor(compression_params=params)
         else:
             level = _DEFAULT_LEVEL if self.level is None else self.level
-            compressor = zstd.ZstdCompressor(level=level, threads=self.threads)
+            params = zstd.ZstdCompressionParameters.from_level(level, threads=self.threads)
+            if params.window_log > WINDOW_LOG:
+                params = zstd.ZstdCompressionParameters.from_level(
+                    level, window_log=WINDOW_LOG, threads=self.threads
+                )
+            compressor = zstd.ZstdCompressor(compression_params=params)
         return cast(IO[bytes], _FramedWriter(compressor, output))
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
-        decompressor = _zstandard().ZstdDecompressor()
-        return cast(IO[bytes], decompressor.stream_reader(input, read_across_frames=True))
+        _zstandard()  # says which package is missing
+        window = window_for(self.plain_bytes)
+        return open_reader(input, window, across_frames=True, shared=False)
 
     # Splittable: every zstd frame decodes on its own, and the seek table lists them.
 
@@ -233,17 +254,13 @@ def parse_seek_table(table: bytes, stored: int) -> list[tuple[int, int]] | None:
     return [(int(c), int(d)) for c, d in frames]
 
 
-_local = threading.local()
-
-
 def frame_reader(source: Any, *, across_frames: bool) -> IO[bytes]:
     """A reader of the zstd stream in ``source`` (a buffer, decoded in place), stopping
     at the end of the first frame unless ``across_frames``; one decompression context
-    per thread, reused."""
-    decompressor = getattr(_local, "decompressor", None)
-    if decompressor is None:
-        decompressor = _local.decompressor = _zstandard().ZstdDecompressor()
-    return cast(IO[bytes], decompressor.stream_reader(source, read_across_frames=across_frames))
+    per thread, reused, allowing a frame :data:`WINDOW_FLOOR` (every frame a seek table
+    of ours lists holds at most :data:`FRAME` plain bytes, and so does every frame of an
+    item without one but ours or torch's, which declares 2 MiB)."""
+    return open_reader(source, WINDOW_FLOOR, across_frames=across_frames, shared=True)
 
 
 def _decode_frame(source: memoryview, whole: bool) -> IO[bytes]:

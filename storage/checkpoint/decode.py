@@ -28,6 +28,22 @@ OBJECT_RATIO = 64
 ARCHIVE_ALLOWANCE = 64 << 10
 
 
+def plain_limit(
+    chunk: tuple[Sequence[int], torch.dtype] | None,
+    stored: int,
+    max_object_bytes: int = MAX_OBJECT_BYTES,
+) -> int:
+    """The most plain bytes a reader takes from an item of ``stored`` bytes: a tensor
+    item's archive, of its ``chunk`` (sizes, dtype: checked against the request), in up
+    to 8 bytes an element (a planner that cast), with header and trailer; a non-tensor
+    item, ``max_object_bytes`` or :data:`OBJECT_RATIO` times its stored size. Decoders
+    learn it (``ItemInfo.plain_bytes``) to bound what a stored header asks for."""
+    if chunk is None:
+        return max(max_object_bytes, OBJECT_RATIO * stored)
+    sizes, dtype = chunk
+    return math.prod(sizes) * max(8, dtype.itemsize) + 2 * ARCHIVE_ALLOWANCE
+
+
 def decode_tensor(
     decoded: IO[bytes],
     req: ReadItem,

@@ -12,8 +12,8 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import IO
 
 import torch
@@ -27,9 +27,9 @@ from storage.checkpoint import frames, incremental
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget, cancellable, note
 from storage.checkpoint.decode import (
-    OBJECT_RATIO,
     decode_tensor,
     direct_offset,
+    plain_limit,
     plain_value,
     read_bounded,
 )
@@ -165,6 +165,7 @@ def _read_run(
     start = run[0].offset
     length = run[-1].offset + run[-1].length - start
     note(fmt.item_label(run[0].req.storage_index), load.fs.url(path))
+    file_size = functools.cache(lambda: load.fs.size(path))
     try:
         with load.fs.open_slice(path, start, length) as opened:
             stream = cancellable(opened)
@@ -173,7 +174,7 @@ def _read_run(
             if not load.fs.local_reads:
                 decoders = None
             for item in run:
-                _read_item(load, stream, path, item, planner, lock, keys, decoders)
+                _read_item(load, stream, path, item, planner, lock, keys, decoders, file_size)
     except FileNotFoundError as exc:
         if isinstance(exc, CheckpointStorageError):
             raise
@@ -192,7 +193,8 @@ def _read_item(
     planner: LoadPlanner,
     lock: threading.Lock,
     keys: KeyLookup | None,
-    decoders: frames.Decoders | None = None,
+    decoders: frames.Decoders | None,
+    file_size: Callable[[], int],
 ) -> None:
     label = fmt.item_label(item.req.storage_index)
     note(label, load.fs.url(path))
@@ -206,8 +208,12 @@ def _read_item(
         block=load.fs.read_block,
     )
     chunk = load.chunks.get(item.req.storage_index)
-    info = _item_info(load, item, keys)
     target: torch.Tensor | None = None
+    if item.req.type == LoadItemType.BYTE_IO:
+        limit = _object_limit(load, item, file_size)
+    else:
+        limit = plain_limit(chunk, item.length)
+    info = replace(_item_info(load, item, keys), plain_bytes=limit)
     if item.req.type != LoadItemType.BYTE_IO:
         with lock:
             target = planner.resolve_tensor(item.req).detach()
@@ -224,7 +230,6 @@ def _read_item(
     try:
         decoded = stored.decoded(load.registry, info)
         if target is None:
-            limit = max(load.max_object_bytes, OBJECT_RATIO * item.length)
             payload = read_bounded(decoded, limit, where, "pass a larger max_object_bytes=")
         else:
             decoded_tensor = decode_tensor(decoded, item.req, item.info, chunk, target, where)
@@ -286,6 +291,18 @@ def _copy_into(decoded: torch.Tensor, req: ReadItem, target: torch.Tensor, where
             "not match the shape the metadata records; the checkpoint is damaged"
         )
     target.copy_(narrowed)
+
+
+def _object_limit(load: LoadContext, item: _PlannedRead, file_size: Callable[[], int]) -> int:
+    """The most plain bytes the non-tensor ``item`` may decode to (``decode.plain_limit``),
+    by the stored bytes its data file holds: a length the metadata merely claims (2**40
+    for a zstd bomb of 8 KiB) raises the bound only as far as the file backs it. The
+    file's size is asked for once, only when an item's claim is past the floor."""
+    limit = plain_limit(None, item.length, load.max_object_bytes)
+    if limit > load.max_object_bytes:
+        held = min(item.length, max(0, file_size() - item.offset))
+        limit = plain_limit(None, held, load.max_object_bytes)
+    return limit
 
 
 def _item_info(load: LoadContext, item: _PlannedRead, keys: KeyLookup | None) -> ItemInfo:

@@ -195,6 +195,13 @@ def _bad(where: str, item: str, what: str, value: object, expected: str) -> NoRe
     )
 
 
+def multiplied_out(sizes: Sequence[int]) -> int:
+    """The product of ``sizes``' non-zero dimensions: what torch's stride and storage
+    computations multiply out, also for a tensor with no element (no tensor of shape
+    ``(2**62, 2**62, 0)`` can be made: "Storage size calculation overflowed")."""
+    return math.prod(s for s in sizes if s)
+
+
 def _is_size(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SIZE
 
@@ -216,8 +223,8 @@ def _check_entry(md: object, where: str, fqn: str) -> None:
     ):
         _bad(where, fqn, "its tensor properties", properties, "TensorProperties with a dtype")
     size = _sizes(_attr(md, "size", where, fqn), where, fqn, "its size")
-    if math.prod(size) * properties.dtype.itemsize > MAX_SIZE:
-        _bad(where, fqn, "its size", size, "a tensor of at most 2**62 bytes")
+    if multiplied_out(size) * properties.dtype.itemsize > MAX_SIZE:
+        _bad(where, fqn, "its size", size, "at most 2**62 bytes (its non-zero sizes multiplied)")
     chunks = _attr(md, "chunks", where, fqn)
     if not isinstance(chunks, list):
         _bad(where, fqn, "its chunk list", chunks, "a list")

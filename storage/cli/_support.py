@@ -183,9 +183,16 @@ def human_age(modified: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
+#: The most characters a table cell shows (``--json`` shows all): every row is padded
+#: to its column's widest cell, so one name of 100,000 characters among 300 items would
+#: print 30 MB.
+CELL_LIMIT = 500
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
-    # Cells quote the checkpoint (item names, descriptors): escaped before widths are taken.
-    rows = [[printable(str(c)) for c in r] for r in rows]
+    # Cells quote the checkpoint (item names, shapes, descriptors): escaped and cut to
+    # CELL_LIMIT before widths are taken, so the table is linear in its rows.
+    rows = [[printable(str(c), CELL_LIMIT) for c in r] for r in rows]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: Sequence[str]) -> str:

@@ -14,8 +14,8 @@ it by name.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import io
-import math
 import threading
 import uuid
 from collections.abc import Callable, Collection, Sequence
@@ -39,7 +39,7 @@ from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.committed import open_committed
-from storage.checkpoint.decode import ARCHIVE_ALLOWANCE, MAX_OBJECT_BYTES, OBJECT_RATIO
+from storage.checkpoint.decode import MAX_OBJECT_BYTES, plain_limit
 from storage.checkpoint.incremental import (
     check_bases,
     item_directory,
@@ -202,10 +202,11 @@ class _FileCopy:
             pace = self.pace
             source = opened if pace is None else cast(IO[bytes], _Paced(opened, pace))
             position = start
+            file_size = functools.cache(lambda: self.src_fs.size(src_file))
             for (index, info), item in zip(items, item_infos):
                 _skip(source, int(info.offset) - position, src_url, src_name)
                 position = int(info.offset) + int(info.length)
-                limit = _plain_limit(self.part, index, int(info.length))
+                limit = _plain_limit(self.part, index, info, file_size)
                 count, crc, descriptors = _copy_item(
                     source, out, info, item, self.chain, self.registry, limit
                 )
@@ -323,15 +324,16 @@ def _skip(source: IO[bytes], n: int, url: str, name: str) -> None:
     skip(source, n)
 
 
-def _plain_limit(part: Part, index: MetadataIndex, stored: int) -> int:
-    """The most plain bytes the item at ``index`` (``stored`` bytes) may decode to: what
-    the reader allows it (``storage.checkpoint.decode``), so a transcoding copy never
+def _plain_limit(part: Part, index: MetadataIndex, info: Any, file_size: Callable[[], int]) -> int:
+    """The most plain bytes the item at ``index`` (stored as ``info`` says) may decode
+    to: what the reader allows it (``storage.checkpoint.decode``, a non-tensor item by
+    the stored bytes its file holds, as ``fetch`` does), so a transcoding copy never
     writes out what no load would accept."""
     facts = chunk_facts(part.metadata, index)
-    if facts is None:
-        return max(MAX_OBJECT_BYTES, OBJECT_RATIO * stored)
-    sizes, dtype = facts
-    return math.prod(sizes) * max(8, dtype.itemsize) + 2 * ARCHIVE_ALLOWANCE
+    stored = int(info.length)
+    if facts is None and plain_limit(None, stored) > MAX_OBJECT_BYTES:
+        stored = min(stored, max(0, file_size() - int(info.offset)))
+    return plain_limit(facts, stored)
 
 
 def _copy_item(
@@ -359,7 +361,9 @@ def _copy_item(
             pump(stored.raw, encoder.plain)
         else:
             encoder = ItemEncoder(out, chain, item)
-            decoded = stored.decoded(registry or ExtensionRegistry(), item)
+            decoded = stored.decoded(
+                registry or ExtensionRegistry(), replace(item, plain_bytes=limit)
+            )
             if pump(decoded, encoder.plain, limit=limit + 1) > limit:
                 raise UnsafeCheckpointError(
                     f"{stored.where}: the item decodes to more than {limit} bytes, more than "

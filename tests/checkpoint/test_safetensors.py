@@ -351,6 +351,13 @@ HOSTILE_FILES = {
         IntegrityError,
         "'w'.*shape",
     ),
+    # So may dimensions that multiply out past what torch can make a tensor of ("Storage
+    # size calculation overflowed"): such a file used to verify as sound.
+    "an empty shape whose other dimensions multiply past 2**62": (
+        _raw_file({"w": _entry("F32", [2**62, 2**62, 0], 0, 0)}),
+        IntegrityError,
+        "'w'.*multiplies out past",
+    ),
     "a file shorter than a header length": (b"\x01\x02", IntegrityError, "too short"),
     # Offsets of 4000 digits (JSON's limit is 4300) each went into the message whole.
     "offsets of 4000 digits": (

@@ -122,6 +122,42 @@ def test_zstd_bomb_in_a_non_tensor_item_is_refused_within_the_bound(
     assert peak() < 40 * MiB
 
 
+def test_a_stored_length_the_file_does_not_hold_does_not_raise_the_bomb_bound(
+    tmp_path: Path, peak: Peak
+) -> None:
+    # A non-tensor item may decode to 64 times its stored size: without counting only the
+    # bytes its data file holds, this 8 KiB bomb claiming 2**40 stored bytes was allowed
+    # 64 TiB and decoded whole (256 MiB here, +517 MB with the copies; 32 GiB a MiB of
+    # stored bomb) before the read noticed the file was shorter.
+    storage.save({"blob": b"small", "t": torch.ones(4)}, tmp_path, transforms=[ZStandard()])
+    _plant(tmp_path, "blob", _zstd_bomb(256 * MiB))
+    metadata = _meta(tmp_path)
+    _info(metadata, "blob").length = 1 << 40
+    _write_meta(tmp_path, metadata)
+    peak.reset()
+    with pytest.raises(UnsafeCheckpointError, match="'blob'.*decodes to more than 16777216"):
+        storage.load({"blob": b"", "t": torch.zeros(4)}, tmp_path)
+    assert peak() < 40 * MiB
+
+
+def test_a_transcoding_copy_bounds_a_value_by_the_bytes_its_file_holds(tmp_path: Path) -> None:
+    # The same claim through `cp --transforms`: without the check the copy decoded the
+    # whole bomb into the new chain.
+    from storage.backends import LocalFileSystem
+    from storage.ops.copy import copy_checkpoint
+
+    src = tmp_path / "src"
+    storage.save({"blob": b"small", "t": torch.ones(4)}, src, transforms=[ZStandard()])
+    _plant(src, "blob", _zstd_bomb(256 * MiB))
+    metadata = _meta(src)
+    _info(metadata, "blob").length = 1 << 40
+    _write_meta(src, metadata)
+    fs = LocalFileSystem()
+    with pytest.raises(UnsafeCheckpointError, match="'blob'.*decodes to more than 16777216"):
+        copy_checkpoint(fs, str(src), fs, str(tmp_path / "dst"), transforms=[ZStandard()])
+    assert not (tmp_path / "dst" / ".metadata").exists()
+
+
 def test_zstd_bomb_in_a_tensor_item_without_layout_facts_is_refused(
     tmp_path: Path, peak: Peak
 ) -> None:
@@ -201,6 +237,19 @@ def test_a_transcoding_copy_refuses_a_zstd_bomb_instead_of_writing_it_out(
     with pytest.raises(UnsafeCheckpointError, match="'t'.*decodes to more than"):
         copy_checkpoint(fs, str(src), fs, str(tmp_path / "dst"), transforms=[ZStandard()])
     assert not (tmp_path / "dst" / ".metadata").exists()
+
+
+@pytest.mark.parametrize("offset", [1 << 40, 1 << 61])
+def test_an_item_past_the_end_of_its_file_fails_naming_it(tmp_path: Path, offset: int) -> None:
+    # Without the check an offset past the largest one the file system allows (2**61
+    # here, within the metadata's 2**62) failed the load with a bare "OSError: [Errno 22]
+    # Invalid argument" from the seek, naming neither the checkpoint nor the item.
+    storage.save({"t": torch.ones(4)}, tmp_path)
+    metadata = _meta(tmp_path)
+    _info(metadata, "t").offset = offset
+    _write_meta(tmp_path, metadata)
+    with pytest.raises(IntegrityError, match=f"{re.escape(str(tmp_path))}: item 't'.*truncated"):
+        storage.load({"t": torch.zeros(4)}, tmp_path)
 
 
 def test_chunk_declared_larger_than_its_tensor_is_refused(tmp_path: Path) -> None:
@@ -620,6 +669,30 @@ def test_malformed_metadata_value_raises_a_named_error(tmp_path: Path, case: str
         storage.load({"t": torch.zeros(4)}, tmp_path)
 
 
+def test_an_empty_tensor_whose_sizes_multiply_past_the_bound_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Sizes (2**62, 2**62, 0) hold no element, so their product (0) passed the bound:
+    # inspect listed the tensor, verify reported torch's "Storage size calculation
+    # overflowed" as the item's damage and export called it more than the machine can
+    # allocate. No tensor of that shape can be made: the metadata is refused, naming it.
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    storage.save({"t": torch.ones(4)}, tmp_path)
+    metadata = _meta(tmp_path)
+    size = torch.Size([1 << 62, 1 << 62, 0])
+    entry = metadata.state_dict_metadata["t"]
+    entry.size, entry.chunks[0].sizes, entry.chunks[0].offsets = size, size, torch.Size([0] * 3)
+    ((index, info),) = metadata.storage_data.items()
+    metadata.storage_data = {MetadataIndex("t", torch.Size([0] * 3), index.index): info}
+    _write_meta(tmp_path, metadata)
+    for command in ("inspect", "verify"):
+        assert main([command, str(tmp_path)]) == 1
+        assert "'t': its size is" in capsys.readouterr().err
+    with pytest.raises(UnsafeCheckpointError, match="'t'.*its non-zero sizes multiplied"):
+        fmt.load_metadata((tmp_path / ".metadata").read_bytes(), str(tmp_path))
+
+
 def test_a_chain_of_thousands_of_transforms_is_refused_before_any_decoder_is_built(
     tmp_path: Path,
 ) -> None:
@@ -683,6 +756,22 @@ def test_cli_escapes_item_names(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["verify", str(tmp_path)]) == 1
     captured = capsys.readouterr()
     assert "\x1b" not in captured.out + captured.err and "w\\x1b" in captured.out
+
+
+def test_cli_inspect_prints_in_proportion_to_its_items_whatever_one_name_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without the bound every row of the table was padded to its widest cell: one name
+    # of 100,000 characters among 300 items printed 30 MB (a name of 100 MB, as many
+    # gigabytes, built in memory before the first line).
+    state = {f"t{i}": torch.ones(1) for i in range(300)}
+    state["x" * 100_000] = torch.ones(1)
+    storage.save(state, tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert len(out) < 300 * 1000 and "x" * 400 + "..." in out
+    assert main(["inspect", "--json", str(tmp_path)]) == 0  # JSON keeps the whole name
+    assert "x" * 100_000 in capsys.readouterr().out
 
 
 def test_quote_is_bounded_and_escaped() -> None:

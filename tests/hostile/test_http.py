@@ -219,3 +219,57 @@ def test_endless_interim_answers_fail_the_request(backend: str) -> None:
         with pytest.raises(OSError, match="interim"):
             fs.open_slice(f"{BUCKET}/obj", 0, 1000)
         answer.stopped.set()
+
+
+_S3_XML = 'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
+#: Pages a looping listing answers before it ends (so a test of the unfixed code ends).
+_PAGES = 300
+
+
+class _Looping:
+    """Answers every listing with the same truncated page (the same marker to go on
+    from, up to :data:`_PAGES` times, then a last page) and anything else with 404."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.pages = 0
+
+    def __call__(self, request: Request, sock: socket.socket) -> bool:
+        self.pages += 1
+        more = "true" if self.pages < _PAGES else "false"
+        if self.kind == "objects":
+            body = (
+                f"<ListBucketResult {_S3_XML}><Name>{BUCKET}</Name><Prefix>root/</Prefix>"
+                f"<Delimiter>/</Delimiter><MaxKeys>1000</MaxKeys><KeyCount>1</KeyCount>"
+                f"<IsTruncated>{more}</IsTruncated><Contents><Key>root/a</Key><Size>1</Size>"
+                "</Contents><NextContinuationToken>same</NextContinuationToken></ListBucketResult>"
+            )
+        else:
+            body = (
+                f"<ListMultipartUploadsResult {_S3_XML}><Bucket>{BUCKET}</Bucket>"
+                "<NextKeyMarker>root/a</NextKeyMarker><NextUploadIdMarker>u1</NextUploadIdMarker>"
+                f"<MaxUploads>1000</MaxUploads><IsTruncated>{more}</IsTruncated><Upload>"
+                "<Key>root/a</Key><UploadId>u1</UploadId><Initiated>2024-01-01T00:00:00.000Z"
+                "</Initiated></Upload></ListMultipartUploadsResult>"
+            )
+        data = body.encode()
+        headers = {"Content-Type": "application/xml", "Content-Length": str(len(data))}
+        sock.sendall(head("200 OK", headers) + data)
+        return True
+
+
+@pytest.mark.parametrize("kind", ["objects", "uploads"])
+def test_a_listing_that_does_not_move_on_is_refused(kind: str) -> None:
+    """Before, an S3 listing went on from whatever marker the store gave: one that gave
+    the same truncated page again and again kept ``ls`` (and ``gc``'s look for
+    incomplete uploads, each page's uploads appended again) going as long as it did,
+    here 300 pages, without end for a store that never stops."""
+    answer = _Looping(kind)
+    with HostileServer(answer) as server:
+        fs = _s3(server.url)
+        with pytest.raises(OSError, match="already used marker"):
+            if kind == "objects":
+                fs.ls(f"{BUCKET}/root")
+            else:
+                fs.pending_uploads(f"{BUCKET}/root")
+    assert answer.pages == 2

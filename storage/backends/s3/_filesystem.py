@@ -314,6 +314,7 @@ class S3FileSystem(FsspecFileSystem):
         prefix = key.rstrip("/") + "/" if key else ""
         names: set[str] = set()
         token: dict[str, str] = {}
+        seen: set[object] = set()
         while True:
             page = self._call(
                 "list_objects_v2",
@@ -331,7 +332,8 @@ class S3FileSystem(FsspecFileSystem):
             )
             if limit and names or not page.get("IsTruncated"):
                 return sorted(n for n in names if n)
-            token = {"ContinuationToken": page["NextContinuationToken"]}
+            marker = _uploads.next_page(page.get("NextContinuationToken"), seen, path)
+            token = {"ContinuationToken": marker}
 
     def ls(self, path: str) -> list[str]:
         names = self._list(path)

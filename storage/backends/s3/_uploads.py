@@ -11,12 +11,27 @@ from storage.backends.s3._client import S3Client, split_path
 from storage.backends.s3._http import error_code
 
 
+def next_page(marker: object, seen: set[object], path: str) -> Any:
+    """``marker``, where a truncated listing of ``path`` goes on from: refused when the
+    store gave none or one it gave before (no progress: listing on would never end, and
+    what a page lists would pile up without end)."""
+    if marker is None or marker == "" or marker in seen:
+        what = "no" if marker is None or marker == "" else "an already used"
+        raise OSError(
+            f"s3://{path}: the store answered a truncated listing with {what} marker to go on "
+            "from; refusing to list on (the listing would not end): check the store"
+        )
+    seen.add(marker)
+    return marker
+
+
 def pending(client: S3Client, path: str) -> list[PendingUpload]:
     """Every incomplete multipart upload under ``path``, oldest first."""
     bucket, key = split_path(path)
     prefix = key.rstrip("/") + "/" if key else ""
     found: list[PendingUpload] = []
     markers: dict[str, Any] = {}
+    seen: set[object] = set()
     while True:
         page = client.call(
             "list_multipart_uploads",
@@ -32,10 +47,9 @@ def pending(client: S3Client, path: str) -> list[PendingUpload]:
             found.append(PendingUpload(f"{bucket}/{upload['Key']}", upload["UploadId"], started))
         if not page.get("IsTruncated"):
             break
-        markers = {
-            "KeyMarker": page["NextKeyMarker"],
-            "UploadIdMarker": page["NextUploadIdMarker"],
-        }
+        key_marker, upload_marker = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
+        next_page((key_marker, upload_marker) if key_marker else None, seen, path)
+        markers = {"KeyMarker": key_marker, "UploadIdMarker": upload_marker or ""}
     return sorted(found, key=lambda u: (u.started is None, u.started or 0.0, u.path))
 
 

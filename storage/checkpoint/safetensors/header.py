@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
-from storage.checkpoint.validate import MAX_SIZE, is_plain_name
+from storage.checkpoint.validate import MAX_SIZE, is_plain_name, multiplied_out
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -264,6 +264,8 @@ def _entry(
             f"dtype {dtype} and shape {quote(shape)} need {quote(expected)} bytes but its "
             f"data_offsets {offsets} span {offsets[1] - offsets[0]}",
         )
+    if nbytes(DTYPES[dtype], [multiplied_out(shape)]) > MAX_SIZE:  # one of them 0
+        raise _bad(file, name, f"shape {quote(shape)} multiplies out past 2**62 bytes")
     crc = None
     if crcs is not None:
         if name not in crcs:
