@@ -7,7 +7,10 @@ conjugate and negative bits (``x.conj()``, ``x.conj().imag``: views whose values
 only resolved by torch's ops), so the staged tensor would hold the unconjugated
 values and the checkpoint the wrong numbers. :class:`ValueStager` stages such a tensor
 as its resolved values instead (a copy made at the save: such views are rare in a
-state dict). ``None`` where torch has no ``StateDictStager`` (2.7)."""
+state dict). And where torch's cache of buffers (kept between saves) holds one for a
+storage resized in place since (``tensor.resize_``), torch refuses the stage with an
+``AssertionError``; this stager makes that storage a new buffer. ``None`` where torch
+has no ``StateDictStager`` (2.7)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,13 @@ class _ValueStager(StateDictStager or object):  # type: ignore[misc]
         staged = super()._offload_tensor(values, memo, non_blocking)  # type: ignore[misc]
         memo[id(x)] = staged
         return staged
+
+    def _stage_untyped_storage(self, storage: Any, non_blocking: bool = False) -> Any:
+        cache = getattr(self, "_cached_storage_mapping", None)
+        kept = None if cache is None else cache.get(storage)
+        if kept is not None and kept.nbytes() != storage.nbytes():
+            del cache[storage]  # type: ignore[union-attr]  # resized in place since
+        return super()._stage_untyped_storage(storage, non_blocking)  # type: ignore[misc]
 
 
 ValueStager: type[Any] | None = _ValueStager if StateDictStager is not None else None

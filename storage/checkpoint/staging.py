@@ -151,11 +151,6 @@ class LocalStaging:
         try:
             try:
                 staged = self._kept().stage(state_dict)
-            except AssertionError:
-                # torch's cache refuses a storage resized in place since it was copied
-                # (``tensor.resize_``): start the buffers afresh, once.
-                self._stager = None
-                staged = self._kept().stage(state_dict)
             except RuntimeError as exc:
                 if not self._pin:
                     raise

@@ -14,6 +14,7 @@ from typing import IO, Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import extensions
 import storage
@@ -187,6 +188,19 @@ def test_a_tensor_resized_in_place_between_saves_is_staged_whole(
     storage.async_save(state, tmp_path / "2").result()
     assert_tree_equal(state, loaded(tmp_path / "2", state))
     assert cores_full._free.is_set()
+
+
+def test_a_writer_s_cached_buffers_take_a_tensor_resized_in_place(tmp_path: Path) -> None:
+    """The same with ``cache_staged_state_dict`` (the writer keeps its own buffers): the
+    second save raised torch's AssertionError."""
+    state = big_state()
+    writer = storage.CheckpointWriter(
+        tmp_path / "1", persist="thread", cache_staged_state_dict=True
+    )
+    dcp.async_save(state, storage_writer=writer).result()
+    state["w"].resize_(512, 256).normal_()
+    dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / "2").result()
+    assert_tree_equal(state, loaded(tmp_path / "2", state))
 
 
 def test_buffers_that_cannot_be_pinned_are_kept_unpinned(
