@@ -260,9 +260,8 @@ class StorageTransport:
             coordinator=True,  # each replica prunes its own directory
             **writer_options,
         )
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"dcp-storage-send-{rank}"
-        )
+        self._pid = os.getpid()
+        self._executor = self._new_executor()
         self._lock = threading.Lock()
         self._inflight: concurrent.futures.Future[None] | None = None
         self._closed = False
@@ -292,6 +291,7 @@ class StorageTransport:
                 f"sending step {step} to {url}: the state dict has a top-level key "
                 f"{SHAPE_KEY!r}, which the transport reserves; rename that key"
             )
+        self._in_this_process()
         with self._lock:
             future = self._executor.submit(self._write, step, state_dict)
             self._inflight = future
@@ -306,6 +306,7 @@ class StorageTransport:
 
     def disallow_checkpoint(self) -> None:
         """Wait for the write in flight; then the state dict is no longer read."""
+        self._in_this_process()
         with self._lock:
             future = self._inflight
         if future is not None:
@@ -342,6 +343,21 @@ class StorageTransport:
         self._executor.shutdown(wait=wait)
 
     # --- internals ------------------------------------------------------------------
+
+    def _new_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"dcp-storage-send-{self.rank}"
+        )
+
+    def _in_this_process(self) -> None:
+        """A child made with ``fork`` sends with its own thread: the parent's pool
+        thread is not in the child (a send submitted to it would never run, and wait
+        out its timeout), nor is the parent's write in flight (the parent finishes it)."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._executor = self._new_executor()
+            self._lock = threading.Lock()
+            self._inflight = None
 
     def _check_open(self) -> None:
         if self._closed:
