@@ -157,7 +157,7 @@ def export_safetensors(
         checksum(src_fs, src, metadata, tensors, load_batch, pool)
         # The source read back so far: a model being replaced is uncommitted only now,
         # so an export refused for its source (damaged, keys missing) leaves it.
-        clear_destination(dst_fs, dst, overwrite=overwrite)
+        clear_destination(dst_fs, dst, overwrite=overwrite, single=len(names) == 1)
         try:  # what a killed export or save left here, as a SafetensorsWriter save does
             sweep(dst_fs, dst, STALE_AFTER)
         except Exception as exc:  # the export does not depend on it; gc sweeps too

@@ -223,6 +223,15 @@ def test_a_refused_state_dict_leaves_the_model_it_would_overwrite(
     _equal(_load(str(tmp_path), {"w": torch.empty(2)}), {"w": torch.ones(2)})
 
 
+def test_an_empty_state_dict_leaves_the_model_it_would_overwrite(tmp_path: Path) -> None:
+    """The save found it held no tensors only after it had removed the old model's file:
+    overwrite=True with an empty state dict destroyed the model and saved nothing."""
+    save_safetensors({"w": torch.ones(2)}, tmp_path)
+    with pytest.raises(ValueError, match="holds no tensors; nothing to save"):
+        save_safetensors({}, tmp_path, overwrite=True)
+    _equal(_load(str(tmp_path), {"w": torch.empty(2)}), {"w": torch.ones(2)})
+
+
 def test_a_tensor_named_like_the_header_metadata_is_refused(tmp_path: Path) -> None:
     """A tensor named "__metadata__" replaced the header's metadata map: the save
     committed a model that no reader (ours, the safetensors library) could open."""

@@ -92,11 +92,17 @@ def refuse_existing(fs: FileSystemBase, root: str, *, overwrite: bool) -> list[s
     return found
 
 
-def clear_destination(fs: FileSystemBase, root: str, *, overwrite: bool) -> None:
+def clear_destination(
+    fs: FileSystemBase, root: str, *, overwrite: bool, single: bool = False
+) -> None:
     """Refuse a committed model at ``root`` unless ``overwrite``; with it, uncommit the
-    model (index first) before any of the new one's files is written."""
+    model (index first) before any of the new one's files is written. An old single
+    file stays when the new model is ``single`` (one file) too: publishing the new one
+    replaces it whole, so a write that stops half way (killed, failed) leaves the old
+    model rather than none."""
     for name in refuse_existing(fs, root, overwrite=overwrite):
-        fs.rm_file(fs.concat_path(root, name))
+        if not (single and name == SINGLE_NAME):
+            fs.rm_file(fs.concat_path(root, name))
 
 
 @contextlib.contextmanager
