@@ -353,6 +353,13 @@ HOSTILE_FILES = {
         "names 'w' twice",
     ),
     "a header that is not JSON": (_raw_file(b"[" * 100000), IntegrityError, "not valid JSON"),
+    # JSON in UTF-16 (json.loads detects it in bytes) loaded here, while the safetensors
+    # library, transformers and vLLM refuse the file: a header is UTF-8.
+    "a header in UTF-16": (
+        _raw_file(json.dumps({"w": _entry("F32", [1], 0, 4)}).encode("utf-16-le"), b"\0" * 4),
+        IntegrityError,
+        "not valid JSON",
+    ),
     # An empty tensor may have any other dimension: one past what torch.Size holds used
     # to pass the checks and fail as torch's "Overflow when unpacking long long".
     "an empty shape with a dimension of 2**64": (
