@@ -217,8 +217,16 @@ def emit(args: argparse.Namespace, data: Any, lines: Sequence[str]) -> None:
 
 
 def not_a_checkpoint_hint(fs: FileSystemBase, path: str, exc: Exception) -> Exception:
+    """``exc`` with what ``path`` holds instead of a checkpoint, where that says what to
+    run: step directories, or a safetensors model (only ``verify`` reads those)."""
+    from storage.checkpoint.safetensors.verify import is_model
     from storage.ops.manager import CheckpointManager
 
+    if is_model(fs, path):
+        return CheckpointNotFoundError(
+            f"{exc}; it holds a safetensors model, which `dcp-storage verify {fs.url(path)}` "
+            "checks and storage.load_safetensors loads (this command reads DCP checkpoints)"
+        )
     steps = CheckpointManager(fs.url(path), filesystem=fs, persist="thread").entries()
     if steps:
         names = ", ".join(s.name for s in steps[-3:])
