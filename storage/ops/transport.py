@@ -337,6 +337,14 @@ class StorageTransport:
         fs, path = self._location(replica_url)
         return self._receive(fs, path, src_rank, step, seconds)
 
+    def forget_sent(self) -> None:
+        """Delete the committed steps in this replica's directory: what an earlier
+        process of this rank sent. A receiver polls for the step it is told to heal
+        from, so one such step of the same number, left by the run before a restart,
+        would be taken for the send it waits for and loaded in its place."""
+        for step in self._manager.steps():
+            self._manager.delete(step)
+
     def shutdown(self, wait: bool = True) -> None:
         """Stop accepting work; with ``wait``, finish the write in flight first."""
         self._closed = True
