@@ -94,3 +94,20 @@ def test_a_write_killed_over_a_single_file_model_leaves_the_old_model(
     assert main(argv) == 0
     assert torch.equal(load_file(out / "model.safetensors")["w"], torch.zeros(4096))
     assert main(["verify", str(out)]) == 0
+
+
+def test_verify_of_a_killed_export_says_it_did_not_finish(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder holding the files of an export killed before its index: verify said it
+    had no .metadata ("an interrupted save, or not a checkpoint directory")."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    storage.save({"a": torch.zeros(4096), "b": torch.ones(4096)}, str(src))
+    argv = ["export", str(src), str(out), "--format", "safetensors", "--max-shard-size", "20000"]
+    assert main(argv) == 0
+    (out / "model.safetensors.index.json").unlink()  # what a kill before the index leaves
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "safetensors files but no model.safetensors.index.json" in err, err
+    assert "export or save it again" in err
