@@ -53,17 +53,33 @@ class FsspecFileSystem(FileSystemBase):
         self._fs: fsspec.AbstractFileSystem | None = None
         # The first callers may come from many reader/writer threads at once: one client.
         self._fs_lock = threading.Lock()
+        self._pid = os.getpid()  # the process whose clients these are
 
     # --- the fsspec client ---------------------------------------------------------
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
-        """The underlying fsspec filesystem, created on first use (and after unpickling)."""
+        """The underlying fsspec filesystem, created on first use (and after unpickling,
+        and in a child made with ``fork``)."""
+        self._in_this_process()
         client = self._fs
         if client is None:
             with self._fs_lock:
                 client = self._fs = self._fs or self._new_client()
         return client
+
+    def _in_this_process(self) -> None:
+        """A child made with ``fork`` drops the clients it inherited (their event loop,
+        sockets, threads and locks are the parent's: fsspec refuses its loop there, "not
+        fork-safe") and builds its own on first use, as the client caches do per process."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._fs_lock = threading.Lock()
+            self._fs = None
+            self._forget_clients()
+
+    def _forget_clients(self) -> None:
+        """Drop what a backend built on :attr:`fs` (a child made with ``fork`` rebuilds it)."""
 
     def _new_client(self) -> fsspec.AbstractFileSystem:
         if self._protocol is None:
@@ -109,6 +125,7 @@ class FsspecFileSystem(FileSystemBase):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fs_lock = threading.Lock()
+        self._pid = os.getpid()
 
     # --- paths ---------------------------------------------------------------------
 

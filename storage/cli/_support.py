@@ -224,8 +224,27 @@ def emit(args: argparse.Namespace, data: Any, lines: Sequence[str]) -> None:
 
 
 def not_a_checkpoint_hint(fs: FileSystemBase, path: str, exc: Exception) -> Exception:
+    """``exc`` with what ``path`` holds instead of a checkpoint, where that says what to
+    run: step directories, a safetensors model (only ``verify`` reads those), or the
+    files of one whose write did not finish."""
+    from storage.checkpoint.safetensors.header import INDEX_NAME
+    from storage.checkpoint.safetensors.verify import is_model
     from storage.ops.manager import CheckpointManager
 
+    if is_model(fs, path):
+        return CheckpointNotFoundError(
+            f"{exc}; it holds a safetensors model, which `dcp-storage verify {fs.url(path)}` "
+            "checks and storage.load_safetensors loads (this command reads DCP checkpoints)"
+        )
+    try:
+        held = fs.ls(path)
+    except FileNotFoundError:
+        held = []
+    if any(n.endswith(".safetensors") for n in held):
+        return CheckpointNotFoundError(
+            f"{exc}; it holds safetensors files but no {INDEX_NAME}: an export or save that "
+            "did not finish, which no reader takes for a model: export or save it again"
+        )
     steps = CheckpointManager(fs.url(path), filesystem=fs, persist="thread").entries()
     if steps:
         names = ", ".join(s.name for s in steps[-3:])

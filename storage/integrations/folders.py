@@ -94,6 +94,7 @@ class FolderCheckpoints:
         )
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[None] | None = None
+        self._pid = os.getpid()
 
     @property
     def url(self) -> str:
@@ -128,6 +129,10 @@ class FolderCheckpoints:
 
     def wait(self) -> None:
         """Wait for the upload in flight, if any; raise its error."""
+        if self._pid != os.getpid():
+            # A child made with fork: the parent's upload thread is not here (an upload
+            # queued to it never ran), and its upload in flight is the parent's.
+            self._pid, self._executor, self._pending = os.getpid(), None, None
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()

@@ -17,7 +17,9 @@ transforms and checksums of every dcp-storage checkpoint::
 
 Worker ``group_rank`` of replica group ``replica_id`` writes the steps it sends to
 ``root/<replica_id>/replica-<group_rank>/step-<step>`` and keeps the newest ``keep_last``
-of them (healing needs only the step in flight). Its ``metadata()`` is that directory,
+of them (healing needs only the step in flight); a new transport deletes the steps it
+finds there, sent before a restart (a receiver waiting for step N would otherwise load
+the previous run's step N before this run's send of it lands). Its ``metadata()`` is that directory,
 so a receiver reads from it whatever replica rank the sender has in the current quorum.
 A timeout raises ``TimeoutError`` saying "timed out", as torchft expects.
 """
@@ -106,6 +108,9 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
             poll_interval=poll_interval,
             **writer_options,
         )
+        # A restarted group's directory holds what it sent before: a receiver told to
+        # heal from step N at this worker would load that run's step N if one is there.
+        self.transport.forget_sent()
 
     def metadata(self) -> str:
         """This worker's directory; torchft hands it to the workers that heal from it."""

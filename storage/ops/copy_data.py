@@ -188,6 +188,19 @@ class _FileCopy:
         self.lock = threading.Lock()
 
     def copy(self, src_file: str, dst_name: str, items: Items) -> None:
+        try:
+            self._copy(src_file, dst_name, items)
+        except FileNotFoundError as exc:
+            if isinstance(exc, CheckpointStorageError) or self.src_fs.exists(src_file):
+                raise  # ours says what is missing; else not the source's file
+            first = min(items, key=lambda it: int(it[1].offset))[0]
+            raise CheckpointNotFoundError(
+                f"{self.src_url}: data file {quote(src_file.rpartition('/')[2])} (item "
+                f"{quote(fmt.item_label(first))}) is missing; the checkpoint is incomplete: "
+                "restore the file or re-save the checkpoint"
+            ) from exc
+
+    def _copy(self, src_file: str, dst_name: str, items: Items) -> None:
         items = sorted(items, key=lambda it: int(it[1].offset))
         src_url, src_name = self.src_url, items[0][1].relative_path
         dst_file = self.attempt.record(dst_name)

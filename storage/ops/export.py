@@ -46,7 +46,7 @@ from storage.checkpoint.safetensors.header import (
 )
 from storage.checkpoint.safetensors.staging import STALE_AFTER, sweep
 from storage.checkpoint.tensors import empty_stored, tensor_bytes
-from storage.ops.export_source import Run, Tensor, checksum, damaged, plan_tensor
+from storage.ops.export_source import Run, Tensor, checksum, damaged, missing, plan_tensor
 
 #: The Hub's customary largest file.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
@@ -157,7 +157,7 @@ def export_safetensors(
         checksum(src_fs, src, metadata, tensors, load_batch, pool)
         # The source read back so far: a model being replaced is uncommitted only now,
         # so an export refused for its source (damaged, keys missing) leaves it.
-        clear_destination(dst_fs, dst, overwrite=overwrite)
+        clear_destination(dst_fs, dst, overwrite=overwrite, single=len(names) == 1)
         try:  # what a killed export or save left here, as a SafetensorsWriter save does
             sweep(dst_fs, dst, STALE_AFTER)
         except Exception as exc:  # the export does not depend on it; gc sweeps too
@@ -305,8 +305,11 @@ class _Stream:
 
     def _read(self, run: Run, at: int, length: int, buffer: bytearray) -> memoryview:
         view = memoryview(buffer)[:length]
-        with installed(self.stop), self.fs.open_slice(run.path, at, length) as stream:
-            got = readinto_exact(stream, view)
+        try:
+            with installed(self.stop), self.fs.open_slice(run.path, at, length) as stream:
+                got = readinto_exact(stream, view)
+        except FileNotFoundError as exc:  # removed since its archive's ends were read
+            raise missing(self.checkpoint, run, exc) from exc
         if got < length:
             raise damaged(self.checkpoint, run, "the data file ends inside the item (truncated)")
         return view

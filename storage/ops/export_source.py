@@ -29,7 +29,12 @@ import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from extensions.errors import IntegrityError, quote
+from extensions.errors import (
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+    IntegrityError,
+    quote,
+)
 from extensions.streams import read_all
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import incremental
@@ -196,12 +201,27 @@ def damaged(checkpoint: str, run: Run, detail: str) -> IntegrityError:
     )
 
 
+def missing(checkpoint: str, run: Run, exc: FileNotFoundError) -> Exception:
+    """What a read of ``run``'s data file that found no file raises: the checkpoint, the
+    file, the item and the fix (an error of ours already says what is missing)."""
+    if isinstance(exc, CheckpointStorageError):
+        return exc
+    return CheckpointNotFoundError(
+        f"{checkpoint}: data file {quote(run.path.rpartition('/')[2])} (item "
+        f"{quote(run.label)}) is missing; the checkpoint is incomplete: restore the file or "
+        "re-save the checkpoint"
+    )
+
+
 def _run_crc(fs: FileSystemBase, checkpoint: str, run: Run) -> None:
     head_length = run.start - run.item_start
     tail_start = run.start + run.length
     tail_length = run.item_start + run.item_length - tail_start
-    head = _read(fs, run.path, run.item_start, head_length)
-    tail = _read(fs, run.path, tail_start, tail_length)
+    try:
+        head = _read(fs, run.path, run.item_start, head_length)
+        tail = _read(fs, run.path, tail_start, tail_length)
+    except FileNotFoundError as exc:
+        raise missing(checkpoint, run, exc) from exc
     if len(head) != head_length or len(tail) != tail_length:
         raise damaged(checkpoint, run, "the data file ends inside the item (truncated)")
     run.crc32c = crc32c_middle(run.item_crc, head, tail, run.length)

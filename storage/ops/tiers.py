@@ -87,6 +87,7 @@ class LocalTier:
         self.replicated_bytes = 0  # bytes this rank sent to its peer
         self.restored_bytes = 0  # bytes this rank sent to restore other nodes' files (loads)
         self.last_commit: int | None = None  # the step this manager committed locally last
+        self._pid = os.getpid()  # whose threads and process groups these are
         self._lock = threading.Lock()
         self._saves = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-tier-save")
         self._committing: concurrent.futures.Future[None] | None = None
@@ -167,6 +168,7 @@ class LocalTier:
         Either way, the previous save's local commit is waited for first (at most one
         save in flight), and a paced drain in flight goes on at full speed: this step's
         drain queues behind it. This step's drain is paced (:mod:`storage.ops.pace`)."""
+        self._check_process()
         persist.hurry()
         self.finish_commit()
         local_save.refuse_links(self.group, self.local, self.root, step, pg=None)
@@ -222,6 +224,7 @@ class LocalTier:
         pass queued after the commit prunes): a tier over ``keep_local`` still takes
         this step."""
 
+        self._check_process()
         persist.hurry()  # the job is ending: no drain waits for a deadline
 
         def run() -> None:
@@ -248,6 +251,17 @@ class LocalTier:
                 if self._committing is committing:
                     self._committing = None
         return True
+
+    def _check_process(self) -> None:
+        """A child made with ``fork`` has none of the save and drain threads, nor the
+        process groups, of the manager it copied: its saves would wait for ever."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"{self.root.url}: this tiered CheckpointManager was made in process "
+                f"{self._pid}, and this process is a child forked from it: its save and "
+                "drain threads and process groups are the parent's; make a CheckpointManager "
+                "in the child"
+            )
 
     def pause(self) -> None:
         """Block while a save of this manager writes to the local tier (the drain's
@@ -384,6 +398,7 @@ class LocalTier:
         """Wait for the local commit of an asynchronous save in flight, then until every
         queued drain has finished (at full speed: a paced one is hurried); raise the
         error of a drain that failed."""
+        self._check_process()
         self.finish_commit()
         persist.hurry()
         self.drains.wait()
@@ -394,6 +409,7 @@ class LocalTier:
         tier that holds it (:func:`storage.ops.restore.load`), once the local commit of
         an asynchronous save in flight is done; then queue a drain pass (a node restored
         from a peer drains)."""
+        self._check_process()
         self.finish_commit()
         return restore.load(
             self.group,

@@ -260,9 +260,8 @@ class StorageTransport:
             coordinator=True,  # each replica prunes its own directory
             **writer_options,
         )
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"dcp-storage-send-{rank}"
-        )
+        self._pid = os.getpid()
+        self._executor = self._new_executor()
         self._lock = threading.Lock()
         self._inflight: concurrent.futures.Future[None] | None = None
         self._closed = False
@@ -294,6 +293,7 @@ class StorageTransport:
                 f"{SHAPE_KEY!r}, which the transport reserves; rename that key"
             )
         self._manager.location.refuse_link(step, "remove the link; a replica's steps are its own")
+        self._in_this_process()
         with self._lock:
             future = self._executor.submit(self._write, step, state_dict)
             self._inflight = future
@@ -308,6 +308,7 @@ class StorageTransport:
 
     def disallow_checkpoint(self) -> None:
         """Wait for the write in flight; then the state dict is no longer read."""
+        self._in_this_process()
         with self._lock:
             future = self._inflight
         if future is not None:
@@ -338,12 +339,35 @@ class StorageTransport:
         fs, path = self._location(replica_url)
         return self._receive(fs, path, src_rank, step, seconds)
 
+    def forget_sent(self) -> None:
+        """Delete the committed steps in this replica's directory: what an earlier
+        process of this rank sent. A receiver polls for the step it is told to heal
+        from, so one such step of the same number, left by the run before a restart,
+        would be taken for the send it waits for and loaded in its place."""
+        for step in self._manager.steps():
+            self._manager.delete(step)
+
     def shutdown(self, wait: bool = True) -> None:
         """Stop accepting work; with ``wait``, finish the write in flight first."""
         self._closed = True
         self._executor.shutdown(wait=wait)
 
     # --- internals ------------------------------------------------------------------
+
+    def _new_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"dcp-storage-send-{self.rank}"
+        )
+
+    def _in_this_process(self) -> None:
+        """A child made with ``fork`` sends with its own thread: the parent's pool
+        thread is not in the child (a send submitted to it would never run, and wait
+        out its timeout), nor is the parent's write in flight (the parent finishes it)."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._executor = self._new_executor()
+            self._lock = threading.Lock()
+            self._inflight = None
 
     def _check_open(self) -> None:
         if self._closed:

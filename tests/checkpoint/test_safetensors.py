@@ -223,6 +223,15 @@ def test_a_refused_state_dict_leaves_the_model_it_would_overwrite(
     _equal(_load(str(tmp_path), {"w": torch.empty(2)}), {"w": torch.ones(2)})
 
 
+def test_an_empty_state_dict_leaves_the_model_it_would_overwrite(tmp_path: Path) -> None:
+    """The save found it held no tensors only after it had removed the old model's file:
+    overwrite=True with an empty state dict destroyed the model and saved nothing."""
+    save_safetensors({"w": torch.ones(2)}, tmp_path)
+    with pytest.raises(ValueError, match="holds no tensors; nothing to save"):
+        save_safetensors({}, tmp_path, overwrite=True)
+    _equal(_load(str(tmp_path), {"w": torch.empty(2)}), {"w": torch.ones(2)})
+
+
 def test_a_tensor_named_like_the_header_metadata_is_refused(tmp_path: Path) -> None:
     """A tensor named "__metadata__" replaced the header's metadata map: the save
     committed a model that no reader (ours, the safetensors library) could open."""
@@ -344,6 +353,13 @@ HOSTILE_FILES = {
         "names 'w' twice",
     ),
     "a header that is not JSON": (_raw_file(b"[" * 100000), IntegrityError, "not valid JSON"),
+    # JSON in UTF-16 (json.loads detects it in bytes) loaded here, while the safetensors
+    # library, transformers and vLLM refuse the file: a header is UTF-8.
+    "a header in UTF-16": (
+        _raw_file(json.dumps({"w": _entry("F32", [1], 0, 4)}).encode("utf-16-le"), b"\0" * 4),
+        IntegrityError,
+        "not valid JSON",
+    ),
     # An empty tensor may have any other dimension: one past what torch.Size holds used
     # to pass the checks and fail as torch's "Overflow when unpacking long long".
     "an empty shape with a dimension of 2**64": (

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,61 @@ def test_an_index_whose_write_id_is_not_a_string_is_refused(tmp_path: Path) -> N
     (tmp_path / INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(IntegrityError, match="not a string"):
         load_safetensors(_empty(), tmp_path)
+
+
+class _OverlappedAtTheIndex(LocalFileSystem):
+    """Runs ``other()`` (another write to the folder, to its end) just before this
+    write's index, or just after it (``after``)."""
+
+    def __init__(self, other: Callable[[], object], after: bool) -> None:
+        super().__init__()
+        self.other: Callable[[], object] | None = other
+        self.after = after
+
+    def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        other = self.other if path.endswith(INDEX_NAME) else None
+        self.other = None if other is not None else self.other
+        if other is not None and not self.after:
+            other()
+        super().write_atomic(path, data, exclusive=exclusive)
+        if other is not None and self.after:
+            other()
+
+
+@pytest.mark.parametrize("how", ["export", "save"])
+@pytest.mark.parametrize(
+    ("after", "error"),
+    [
+        (False, "two writes to this folder overlapped"),  # its index over the other's files
+        (True, "published its index while this one was written"),  # the other's model
+    ],
+    ids=["before-its-index", "after-its-index"],
+)
+def test_a_write_overlapped_by_another_fails_instead_of_saying_it_succeeded(
+    tmp_path: Path, how: str, after: bool, error: str
+) -> None:
+    """Both writes returned, each as if its model were at DEST, while the folder held
+    the first's index over the second's files (which every other reader loads) or the
+    second's model: the write that publishes its index now reads the folder back."""
+    out = tmp_path / "out"
+    storage.save(_model(1), str(tmp_path / "one"))
+    storage.save(_model(2), str(tmp_path / "two"))
+    fs = LocalFileSystem()
+
+    def second() -> None:
+        export_safetensors(
+            fs, str(tmp_path / "two"), fs, str(out), max_shard_size=600, overwrite=True
+        )
+
+    overlapped = _OverlappedAtTheIndex(second, after)
+    with pytest.raises(IntegrityError, match=error):
+        if how == "export":
+            source = str(tmp_path / "one")
+            export_safetensors(overlapped, source, overlapped, str(out), max_shard_size=600)
+        else:
+            writer = storage.SafetensorsWriter(out, max_shard_size=600)
+            writer.fs = overlapped
+            storage.checkpoint.api.save_with(writer, _model(1))
+    if not after:
+        with pytest.raises(IntegrityError, match="two writes to this folder overlapped"):
+            load_safetensors(_empty(), out)

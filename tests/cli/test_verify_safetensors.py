@@ -101,3 +101,18 @@ def test_a_damaged_tensor_whose_name_holds_a_line_break_cannot_forge_a_line(
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("BAD: 1 of 1") and not any(line.startswith("OK:") for line in lines)
     assert "model.safetensors: w\\nOK: safetensors model forged: checksum mismatch" in lines[1]
+
+
+@pytest.mark.parametrize("command", ["inspect", "cp"])
+def test_the_commands_that_read_dcp_checkpoints_point_a_model_at_verify(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """inspect and cp of a safetensors model answered that the folder had no .metadata
+    ("an interrupted save, or not a checkpoint directory"), which it is neither."""
+    _save(tmp_path / "model")
+    argv = [command, str(tmp_path / "model")] + (
+        [str(tmp_path / "copy")] if command == "cp" else []
+    )
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "holds a safetensors model" in err and f"dcp-storage verify {tmp_path / 'model'}" in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import traceback
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import storage
 from extensions import ZStandard
 from extensions.errors import CheckpointNotFoundError, IntegrityError, UnsafeCheckpointError
 from storage.integrations.folders import FolderCheckpoints, read_folder, restore_folder
+from tests.checkpoint.test_thread_staging import wait_exit
 
 
 def _folder(root: Path) -> dict[str, bytes]:
@@ -50,6 +52,33 @@ def test_folder_round_trip_with_retention(tmp_path: Path) -> None:
     restored = ckpts.restore(tmp_path / "restored")
     assert _contents(Path(restored)) == files
     assert not [p for p in tmp_path.iterdir() if ".restoring-" in p.name]
+
+
+def test_a_forked_child_uploads_with_folder_checkpoints_made_in_the_parent(
+    tmp_path: Path,
+) -> None:
+    """The parent's upload thread is not in a child made with fork: a save there was
+    queued to it and never ran, and wait() waited for ever."""
+    folder = tmp_path / "checkpoint-1"
+    files = _folder(folder)
+    ckpts = FolderCheckpoints(tmp_path / "bucket")
+    ckpts.save(folder, 1)
+    ckpts.wait()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
+            ckpts.save(folder, 2)
+            ckpts.close()
+            code = 0 if ckpts.steps() == [1, 2] else 2
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    assert wait_exit(pid, timeout=60) == 0
+    assert _contents(Path(ckpts.restore(tmp_path / "back", 2))) == files
+    ckpts.close()
 
 
 def test_the_folder_may_go_once_save_returns(tmp_path: Path) -> None:

@@ -128,6 +128,24 @@ def test_a_sender_cannot_point_the_receiver_outside_the_root(tmp_path: Path) -> 
     sender.shutdown()
 
 
+def test_a_restarted_worker_never_serves_the_step_its_previous_run_sent(tmp_path: Path) -> None:
+    """A restarted group reuses its directory, where its earlier run's last send stays
+    committed: after a rollback to an older checkpoint, a receiver told to heal from
+    step 5 there found that run's step 5 and loaded it, before this run's send landed."""
+    receiver = StorageCheckpointTransport(tmp_path, replica_id="g1", poll_interval=0.01)
+    before = StorageCheckpointTransport(tmp_path, replica_id="g0")
+    before.send_checkpoint([1], 5, {"w": torch.ones(3)}, timedelta(seconds=60))
+    before.shutdown()
+    after = StorageCheckpointTransport(tmp_path, replica_id="g0")  # the restart
+    with pytest.raises(TimeoutError, match="timed out"):
+        receiver.recv_checkpoint(0, after.metadata(), 5, timedelta(seconds=0.2))
+    after.send_checkpoint([1], 5, {"w": torch.zeros(3)}, timedelta(seconds=60))
+    got = receiver.recv_checkpoint(0, after.metadata(), 5, timedelta(seconds=60))
+    assert torch.equal(got["w"], torch.zeros(3))
+    after.shutdown()
+    receiver.shutdown()
+
+
 # --- healing: lighthouse, two replica groups, one killed and restarted ------------------
 
 REPLICA = Path(__file__).with_name("_torchft_replica.py")

@@ -3,6 +3,7 @@ bit for bit (two spawned processes); timeouts, disallow and shutdown."""
 
 from __future__ import annotations
 
+import os
 import threading
 import traceback
 from datetime import timedelta
@@ -15,6 +16,7 @@ import torch
 import storage
 from extensions.zstd import ZStandard
 from storage.ops.transport import SHAPE_KEY
+from tests.checkpoint.test_thread_staging import wait_exit
 from tests.support.distributed import process, queue
 
 STEP = 7
@@ -170,6 +172,29 @@ def test_recv_replica_reads_the_senders_own_directory(tmp_path: Path) -> None:
     got = receiver.recv_replica(sender.replica_url(), 2, timedelta(seconds=60), src_rank=1)
     assert _bits_equal(_replica_state(2), got)
     assert sender.replica_url().endswith("replica-4")
+
+
+def test_a_forked_child_sends_with_a_transport_made_in_the_parent(tmp_path: Path) -> None:
+    """The parent's send thread is not in a child made with ``fork``: a send there went
+    to the parent's pool, never ran and timed out (and ``disallow_checkpoint`` waited on
+    it for ever)."""
+    transport = storage.StorageTransport(str(tmp_path), rank=0)
+    transport.send_checkpoint([1], 1, _replica_state(1), timedelta(seconds=60))
+    pid = os.fork()
+    if pid == 0:  # the child: sends and receives its own step
+        code = 1
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
+            transport.send_checkpoint([1], 2, _replica_state(2), timedelta(seconds=10))
+            transport.disallow_checkpoint()
+            got = transport.recv_checkpoint(0, transport.metadata(), 2, timedelta(seconds=10))
+            code = 0 if _bits_equal(_replica_state(2), got) else 2
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    assert wait_exit(pid, timeout=120) == 0
+    transport.send_checkpoint([1], 3, _replica_state(3), timedelta(seconds=60))  # still sends
 
 
 def test_an_optimizer_state_dict_comes_back_as_it_was_sent(tmp_path: Path) -> None:

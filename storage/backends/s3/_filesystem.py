@@ -140,7 +140,8 @@ class S3FileSystem(FsspecFileSystem):
 
     @property
     def client(self) -> S3Client:
-        """Where this filesystem's requests go (built on first use, once)."""
+        """Where this filesystem's requests go (built on first use, once per process)."""
+        self._in_this_process()
         with self._client_lock:
             if self._client is None:
                 self._client = S3Client(
@@ -154,6 +155,11 @@ class S3FileSystem(FsspecFileSystem):
                     direct=self.direct,
                 )
             return self._client
+
+    def _forget_clients(self) -> None:
+        # Its upload slots, pool threads and direct path are the parent's.
+        self._client = None
+        self._client_lock = threading.Lock()
 
     @property
     def max_attempts(self) -> int:

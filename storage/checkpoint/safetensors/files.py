@@ -92,11 +92,17 @@ def refuse_existing(fs: FileSystemBase, root: str, *, overwrite: bool) -> list[s
     return found
 
 
-def clear_destination(fs: FileSystemBase, root: str, *, overwrite: bool) -> None:
+def clear_destination(
+    fs: FileSystemBase, root: str, *, overwrite: bool, single: bool = False
+) -> None:
     """Refuse a committed model at ``root`` unless ``overwrite``; with it, uncommit the
-    model (index first) before any of the new one's files is written."""
+    model (index first) before any of the new one's files is written. An old single
+    file stays when the new model is ``single`` (one file) too: publishing the new one
+    replaces it whole, so a write that stops half way (killed, failed) leaves the old
+    model rather than none."""
     for name in refuse_existing(fs, root, overwrite=overwrite):
-        fs.rm_file(fs.concat_path(root, name))
+        if not (single and name == SINGLE_NAME):
+            fs.rm_file(fs.concat_path(root, name))
 
 
 @contextlib.contextmanager
@@ -149,6 +155,25 @@ def publish_index(
     text = json.dumps(index, indent=2, sort_keys=True) + "\n"
     fs.write_atomic(fs.concat_path(root, INDEX_NAME), text.encode())
     fs.sync_dir(root)
+    _confirm_write(fs, root, write_id)
+
+
+def _confirm_write(fs: FileSystemBase, root: str, write_id: str) -> None:
+    """Raise unless ``root`` now holds this write's model whole: its index, and every
+    file the index names carrying ``write_id``. Two writes to a folder at once publish
+    the same names, each file whole, so the folder may end with one's index over files
+    of both, or with the other's model; the write that checks last sees the folder as
+    it stays, so at least one of the two fails instead of both saying they succeeded."""
+    path = fs.concat_path(root, INDEX_NAME)
+    found = parse_index(_read_limited(fs, path), fs.url(path)).write_id
+    if found != write_id:
+        raise IntegrityError(
+            f"{fs.url(root)}: another save or export to this folder published its index "
+            f"while this one was written (write id {_id(found)}, this one's "
+            f"{quote(write_id)}); the folder holds that write's model, or a mix: export or "
+            "save the model again, one writer at a time"
+        )
+    read_model(fs, root, threads=8)  # every file the index names carries its write id
 
 
 def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, TensorEntry]:

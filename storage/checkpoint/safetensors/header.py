@@ -324,7 +324,10 @@ def parse_index(text: bytes, index: str) -> Index:
 
 def _load_json(text: bytes, file: str, what: str) -> Any:
     try:
-        return json.loads(text, object_pairs_hook=lambda pairs: _unique(pairs, file, what))
+        # UTF-8 only, as the safetensors library reads it: json.loads would take bytes
+        # in UTF-16 or UTF-32 too, and load a file every other reader refuses.
+        decoded = text.decode("utf-8")
+        return json.loads(decoded, object_pairs_hook=lambda pairs: _unique(pairs, file, what))
     except (ValueError, RecursionError) as exc:
         if isinstance(exc, (IntegrityError, UnsafeCheckpointError)):
             raise

@@ -130,19 +130,7 @@ class SafetensorsWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Every rank's prepare_local_plan passed: a state dict refused there (an item
         # that is no tensor, a dtype or name safetensors cannot hold) left the old model.
-        clear_destination(self.fs, self.path, overwrite=self.overwrite)
-        # One id per save, the coordinator's, in every file and the index (files.py).
-        self.write_id = new_write_id()
-        try:
-            sweep(self.fs, self.path, STALE_AFTER)
-        except Exception as exc:  # the save does not depend on it; gc sweeps too
-            log.warning("%s: staging areas not swept: %s", self.fs.url(self.path), exc)
-        if any(_is_shard(i) for plan in plans for i in plan.items):
-            area = new_area()
-            return [
-                dataclasses.replace(plan, storage_data=Staged(object_name(area, rank)))
-                for rank, plan in enumerate(plans)
-            ]
+        shards = any(_is_shard(i) for plan in plans for i in plan.items)
         groups = [
             split(
                 [(i.index.fqn, _size(i)) for i in plan.items if i.tensor_data is not None],
@@ -151,10 +139,25 @@ class SafetensorsWriter(StorageWriter):
             for plan in plans
         ]
         count = sum(len(g) for g in groups)
-        if not count:
+        if not count:  # before the old model is touched: a refused save leaves it
             raise ValueError(
                 f"{self.fs.url(self.path)}: the state dict holds no tensors; nothing to save"
             )
+        # Consolidation cuts files from the whole tensors: one file unless a size is set.
+        single = self.max_shard_size is None if shards else count == 1
+        clear_destination(self.fs, self.path, overwrite=self.overwrite, single=single)
+        # One id per save, the coordinator's, in every file and the index (files.py).
+        self.write_id = new_write_id()
+        try:
+            sweep(self.fs, self.path, STALE_AFTER)
+        except Exception as exc:  # the save does not depend on it; gc sweeps too
+            log.warning("%s: staging areas not swept: %s", self.fs.url(self.path), exc)
+        if shards:
+            area = new_area()
+            return [
+                dataclasses.replace(plan, storage_data=Staged(object_name(area, rank)))
+                for rank, plan in enumerate(plans)
+            ]
         names = iter(file_names(count))
         out = []
         for plan, rank_groups in zip(plans, groups):
