@@ -16,10 +16,8 @@ import storage
 from storage.backends.registry import filesystem_from_url
 from tests.checkpoint.test_thread_staging import wait_exit
 from tests.support.servers import (
-    ServerUnavailable,
     endpoint_with_bucket,
-    fake_gcs_endpoint,
-    gcs_create_bucket,
+    gcs_endpoint_with_bucket,
     gcs_options,
     s3_options,
 )
@@ -32,12 +30,7 @@ def location(request: Any) -> tuple[str, dict[str, Any]]:
     run = uuid.uuid4().hex[:8]
     if request.param == "moto":
         return f"s3://{BUCKET}/{run}", s3_options(endpoint_with_bucket(request, BUCKET))
-    try:
-        endpoint = fake_gcs_endpoint()
-    except ServerUnavailable as exc:
-        pytest.skip(str(exc))
-    gcs_create_bucket(endpoint, BUCKET)
-    return f"gs://{BUCKET}/{run}", gcs_options(endpoint)
+    return f"gs://{BUCKET}/{run}", gcs_options(gcs_endpoint_with_bucket(BUCKET))
 
 
 def test_a_forked_child_saves_and_loads_through_its_parents_filesystem(

@@ -21,6 +21,7 @@ import storage
 from extensions.errors import CheckpointInUseError
 from storage import CheckpointManager, LocalFileSystem
 from storage.ops.describe import describe
+from tests.support.rank_local import RankWriter
 
 FROZEN = torch.arange(4096.0)
 
@@ -47,18 +48,6 @@ def _load(path: Path, state: dict[str, Any]) -> None:
 # --- rank-local metadata (``use_collectives=False``) a listing misses ------------------
 
 
-class _RankWriter(storage.CheckpointWriter):
-    """A writer that saves as ``rank`` would under ``use_collectives=False``."""
-
-    def __init__(self, rank: int, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.fixed_rank = rank
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        kwargs["rank"] = self.fixed_rank  # as torch passes it on that rank
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-
-
 @pytest.fixture
 def two_rank_user(tmp_path: Path) -> tuple[Path, dict[int, dict[str, Any]]]:
     """``root/step-1`` (full) and ``root/step-2``, committed by ``__0.metadata`` and
@@ -67,7 +56,7 @@ def two_rank_user(tmp_path: Path) -> tuple[Path, dict[int, dict[str, Any]]]:
     storage.save({"frozen": FROZEN.clone(), "step": 1}, str(root / "step-1"), fingerprint=True)
     states = {0: {"frozen": FROZEN + 1, "step": 2}, 1: {"frozen": FROZEN.clone(), "step": 2}}
     for rank, state in states.items():
-        writer = _RankWriter(rank, root / "step-2", base=str(root / "step-1"))
+        writer = RankWriter(rank, root / "step-2", base=str(root / "step-1"))
         dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=False)
     names = os.listdir(root / "step-2")
     assert {"__0.metadata", "__1.metadata"} <= set(names) and ".metadata" not in names
@@ -115,7 +104,7 @@ def test_gc_keeps_the_files_of_a_rank_local_metadata_the_listing_misses(
     # data files named by no metadata gc could see, and gc removed them as orphans.
     step = tmp_path / "root" / "step-3"
     storage.save({"w": torch.ones(4)}, str(step))
-    writer = _RankWriter(1, step)
+    writer = RankWriter(1, step)
     dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=writer, no_dist=True,
              use_collectives=False)  # fmt: skip
     rank1 = sorted(n for n in os.listdir(step) if n.startswith("__1_"))

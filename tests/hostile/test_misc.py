@@ -317,16 +317,7 @@ def _rank_local_checkpoint(path: Path) -> dict[int, dict[str, Any]]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    import storage
-
-    class RankWriter(storage.CheckpointWriter):
-        def __init__(self, rank: int, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.fixed_rank = rank
-
-        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-            kwargs["rank"] = self.fixed_rank  # as torch passes it on that rank
-            super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+    from tests.support.rank_local import RankWriter
 
     states = {}
     for rank in (0, 1):

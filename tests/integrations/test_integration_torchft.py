@@ -34,10 +34,8 @@ from extensions import ZStandard  # noqa: E402
 from extensions.errors import UnsafeCheckpointError  # noqa: E402
 from storage.integrations.torchft import StorageCheckpointTransport  # noqa: E402
 from tests.support.servers import (  # noqa: E402
-    ServerUnavailable,
     endpoint_with_bucket,
-    fake_gcs_endpoint,
-    gcs_create_bucket,
+    gcs_endpoint_with_bucket,
     gcs_options,
     s3_options,
 )
@@ -56,12 +54,7 @@ def location(request: Any, tmp_path: Path) -> Iterator[tuple[str, dict[str, Any]
         endpoint = endpoint_with_bucket(request, BUCKET)
         yield f"s3://{BUCKET}/{run}", s3_options(endpoint)
     else:
-        try:
-            endpoint = fake_gcs_endpoint()
-        except ServerUnavailable as exc:
-            pytest.skip(str(exc))
-        gcs_create_bucket(endpoint, BUCKET)
-        yield f"gs://{BUCKET}/{run}", gcs_options(endpoint)
+        yield f"gs://{BUCKET}/{run}", gcs_options(gcs_endpoint_with_bucket(BUCKET))
 
 
 def _transports(

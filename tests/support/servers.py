@@ -292,6 +292,18 @@ def gcs_options(endpoint: str, **extra: Any) -> dict[str, Any]:
     return {"endpoint_url": endpoint, "token": "anon", "project": "test", **extra}
 
 
+def gcs_endpoint_with_bucket(bucket: str) -> str:
+    """fake-gcs-server with ``bucket`` created; the test is skipped without it."""
+    import pytest
+
+    try:
+        endpoint = fake_gcs_endpoint()
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    gcs_create_bucket(endpoint, bucket)
+    return endpoint
+
+
 def gcs_create_bucket(endpoint: str, name: str) -> None:
     body = json.dumps({"name": name}).encode()
     req = urllib.request.Request(
