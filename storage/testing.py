@@ -34,7 +34,7 @@ import pytest
 
 from extensions.testing import ConformanceSuite
 from storage.backends.base import FileSystemBase
-from storage.backends.cancel import Cancel, installed
+from storage.testing_cancel import CancellationTests
 
 _SIZES = {"empty": 0, "small": 1, "block": 64 * 1024 + 3, "multi_mb": 5 * 1024 * 1024 + 17}
 
@@ -44,8 +44,9 @@ def _payload(n: int) -> bytes:
     return (bytes(range(251)) * (n // 251 + 1))[:n]
 
 
-class FileSystemTests(ConformanceSuite):
-    """Conformance checks; see the module docstring for the fixtures to provide."""
+class FileSystemTests(CancellationTests, ConformanceSuite):
+    """Conformance checks (those of cancelled requests in :mod:`storage.testing_cancel`);
+    see the module docstring for the fixtures to provide."""
 
     # --- hooks a subclass provides ---------------------------------------------------
 
@@ -333,66 +334,6 @@ class FileSystemTests(ConformanceSuite):
         assert f"{scheme}://{scheme}://" not in str(info.value)
 
     # --- pickling ----------------------------------------------------------------------
-
-    # --- cancellation (a save or load past its deadline) ------------------------------
-
-    def test_a_live_cancel_changes_nothing(self, fs: FileSystemBase, root: str) -> None:
-        """Requests of a thread with a Cancel installed and not cancelled behave as
-        without one, and the thread's previous Cancel comes back after the block."""
-        path = fs.concat_path(root, "obj.bin")
-        data = _payload(100_000)
-        with installed(Cancel()):
-            with fs.create_stream(path, "wb") as stream:
-                stream.write(data)
-            with fs.open_slice(path, 10, 1000) as view:
-                assert view.read() == data[10:1010]
-        assert self.bypass_read(fs, path) == data
-
-    def test_a_write_cancelled_midway_publishes_nothing(
-        self, fs: FileSystemBase, root: str
-    ) -> None:
-        """A write whose task is cancelled between two writes (another thread, past the
-        deadline) raises ``InterruptedError`` on an interruptible backend, and leaves
-        what was at the path before; a backend that is not interruptible completes it."""
-        path = fs.concat_path(root, "obj.bin")
-        self.bypass_write(fs, path, b"before")
-        data = _payload(200_000)
-        task = Cancel()
-        raised = False
-        with installed(task):
-            try:
-                with fs.create_stream(path, "wb") as stream:
-                    stream.write(data[:100_000])
-                    task.cancel()
-                    stream.write(data[100_000:])
-            except InterruptedError:
-                raised = True
-        if fs.interruptible:
-            assert raised, f"{type(fs).__name__} is interruptible but finished a cancelled write"
-        assert self.bypass_read(fs, path) == (b"before" if raised else data)
-        assert fs.pending_uploads(root) == []
-
-    def test_a_read_under_a_cancelled_task_raises_or_reads_everything(
-        self, fs: FileSystemBase, root: str
-    ) -> None:
-        """A cancelled task's read never returns short or wrong bytes: it raises
-        ``InterruptedError`` (interruptible backends must) or returns them all."""
-        path = fs.concat_path(root, "obj.bin")
-        data = _payload(300_000)
-        self.bypass_write(fs, path, data)
-        task = Cancel()
-        task.cancel()
-        got: bytes | None = None
-        with installed(task):
-            try:
-                with fs.open_slice(path, 1000, 250_000) as view:
-                    got = view.read()
-            except InterruptedError:
-                got = None
-        if fs.interruptible:
-            assert got is None, f"{type(fs).__name__} is interruptible but read when cancelled"
-        else:
-            assert got == data[1000:251_000]
 
     def test_pickle_round_trip(self, fs: FileSystemBase, root: str) -> None:
         path = fs.concat_path(root, "obj.bin")

@@ -145,7 +145,10 @@ def _add_export(add: Add) -> None:
         help="export only the items whose names start with PREFIX (repeatable), e.g. model.",
     )
     export.add_argument(
-        "--strip", default="", metavar="PREFIX", help="remove PREFIX from the tensor names"
+        "--strip",
+        default="",
+        metavar="PREFIX",
+        help="remove PREFIX, as given, from the tensor names that start with it, e.g. model.",
     )
     export.add_argument(
         "--overwrite", action="store_true", help="replace a safetensors model at DEST"

@@ -88,7 +88,8 @@ def export_safetensors(
     """Write the tensors of the checkpoint at ``src`` as a safetensors model at ``dst``.
 
     ``only``: keep the items whose names start with one of these prefixes (all when
-    empty); ``strip``: remove this prefix from the names that have it (``model.``);
+    empty); ``strip``: remove this prefix, as given, from the names that have it
+    (``model.``; an item it would leave nameless is refused before anything is written);
     ``dtype``: convert floating-point tensors (integer and bool ones keep theirs);
     ``max_shard_size``: bytes per file (``None``: one file). Items that are not
     tensors are skipped and listed. ``keys`` decrypt encrypted items.
@@ -117,6 +118,14 @@ def export_safetensors(
             skipped.append(fqn)
             continue
         name = fqn[len(strip) :] if strip and fqn.startswith(strip) else fqn
+        if not name:
+            under = f"{quote(strip + '.')}: the names under it"
+            narrower = "less" if strip.endswith(".") else under
+            raise ValueError(
+                f"{checkpoint}: item {quote(fqn)} would be named '' once {quote(strip)} is "
+                f"stripped (no model loader can look it up); strip {narrower}, or leave the "
+                "item out with --only"
+            )
         if name in chosen:
             raise ValueError(
                 f"{checkpoint}: items {quote(chosen[name][0])} and {quote(fqn)} are both "

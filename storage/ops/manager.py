@@ -28,7 +28,6 @@ from storage.backends.base import FileSystemBase, PendingUpload
 from storage.checkpoint import api, persist
 from storage.checkpoint.layout import StepInfo
 from storage.checkpoint.options import resolve_location
-from storage.checkpoint.safetensors.staging import sweep
 from storage.ops.manager_options import check_options, check_pace
 from storage.ops.retention import Retention
 from storage.ops.root_tier import RootTier
@@ -135,8 +134,22 @@ class CheckpointManager:
         )
         self.tiers: LocalTier | None = None
         if local is not None:
-            self.tiers = self._local_tier(
-                local, keep_local, replicate, local_storage_options, local_filesystem, pace
+            from storage.ops.tiers import LocalTier  # imported only when a tier is asked for
+
+            self.tiers = LocalTier(
+                self.location,
+                local,
+                transforms=self.transforms,
+                settings=self.settings,
+                incremental=incremental,
+                full_every=full_every,
+                reader=self.reader_options,
+                keep_local=keep_local,
+                replicate=replicate,
+                storage_options=local_storage_options,
+                filesystem=local_filesystem,
+                on_durable=self.retention.after_save,
+                pace=pace,
             )
         elif keep_local is not None or replicate:
             raise ValueError("keep_local and replicate need a local tier (local=PATH_OR_URL)")
@@ -145,33 +158,6 @@ class CheckpointManager:
         # The worker starts now (its imports take seconds): the first asynchronous save
         # then neither waits for it nor shares the cores with its start.
         persist.start(self.settings, self.tier.saves_to.fs)
-
-    def _local_tier(
-        self,
-        local: str | os.PathLike[str],
-        keep_local: int | None,
-        replicate: bool | Callable[[int], int],
-        storage_options: dict[str, Any] | None,
-        filesystem: FileSystemBase | None,
-        pace: float | None,
-    ) -> LocalTier:
-        from storage.ops.tiers import LocalTier  # imported only when a tier is asked for
-
-        return LocalTier(
-            self.location,
-            local,
-            transforms=self.transforms,
-            settings=self.settings,
-            incremental=self.incremental,
-            full_every=self.full_every,
-            reader=self.reader_options,
-            keep_local=keep_local,
-            replicate=replicate,
-            storage_options=storage_options,
-            filesystem=filesystem,
-            on_durable=self.retention.after_save,
-            pace=pace,
-        )
 
     # --- locations ------------------------------------------------------------------
 
@@ -377,16 +363,7 @@ class CheckpointManager:
         rule (no live heartbeat, every object older than ``grace_seconds``), removed
         unless ``dry_run`` (only where this process deletes); their URLs. See
         :mod:`storage.checkpoint.safetensors.staging`."""
-        if not self.may_delete():
-            return []
-        root = self.location
-        linked = set(root.linked_steps())
-        places = [root.fs.concat_path(root.path, n) for s, n in root.step_dirs() if s not in linked]
-        if not root.fs.is_link(root.path):
-            places.append(root.path)
-        return [
-            url for place in places for url in sweep(root.fs, place, grace_seconds, dry_run=dry_run)
-        ]
+        return self.retention.stale_staging(grace_seconds, dry_run=dry_run)
 
     def stale_uploads(
         self, grace_seconds: float = 3600.0, *, abort: bool = False

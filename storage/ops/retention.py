@@ -31,6 +31,7 @@ from storage.checkpoint.layout import (
     present_metadata,
 )
 from storage.checkpoint.prefixes import expand, is_linked, is_prefix, split
+from storage.checkpoint.safetensors.staging import sweep
 from storage.checkpoint.siblings import Siblings
 from storage.ops.steps import StepRoot
 
@@ -254,16 +255,8 @@ class Retention:
         if not self.may_delete():
             return []
         fs = self.root.fs
-        skip = {self.root.in_flight.step, *self.root.linked_steps()}
-        places = [
-            fs.concat_path(self.root.path, name)
-            for step, name in self.root.step_dirs()
-            if step not in skip
-        ]
-        if not fs.is_link(self.root.path):
-            places.append(self.root.path)
         found: list[str] = []
-        for path in places:
+        for path in self._places(skip={self.root.in_flight.step, *self.root.linked_steps()}):
             doomed = self._orphans_in(path, grace_seconds, horizon)
             for name in doomed:
                 log.info("%s: %s is not named by its metadata", fs.url(path), name)
@@ -271,6 +264,29 @@ class Retention:
             if not dry_run:
                 remove_quietly(fs, [fs.concat_path(path, n) for n in doomed])
         return found
+
+    def stale_staging(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
+        """The staging areas that consolidating safetensors saves killed mid-save left
+        in the root or a step directory not linked in, stale by
+        :func:`storage.checkpoint.safetensors.staging.sweep`'s rule, removed unless
+        ``dry_run`` (only where this process deletes); their URLs."""
+        if not self.may_delete():
+            return []
+        places = self._places(skip=set(self.root.linked_steps()))
+        return [
+            url for p in places for url in sweep(self.root.fs, p, grace_seconds, dry_run=dry_run)
+        ]
+
+    def _places(self, skip: set[int | None]) -> list[str]:
+        """Where checkpoints' files lie under the root: each ``step-<N>`` directory not
+        in ``skip``, and the root itself unless it is a link."""
+        fs, root = self.root.fs, self.root.path
+        places = [
+            fs.concat_path(root, name) for step, name in self.root.step_dirs() if step not in skip
+        ]
+        if not fs.is_link(root):
+            places.append(root)
+        return places
 
     def _orphans_in(self, path: str, grace_seconds: float, horizon: float) -> list[str]:
         fs = self.root.fs

@@ -13,7 +13,8 @@ the lowest rank of each node publishes the metadata there, and only then does th
 count as committed (:mod:`storage.ops.local_save`). Drains run one at a time, in a
 thread of their own, with collectives on a process group of their own; loads are
 planned and run in :mod:`storage.ops.restore`; ``keep_local`` is
-:class:`storage.ops.local_retention.LocalRetention`. Guarantees and limits: docs/operations.md
+:class:`storage.ops.local_retention.LocalRetention`, and a save waits for room under it
+in :mod:`storage.ops.local_room`. Guarantees and limits: docs/operations.md
 ("Tiered checkpoints").
 """
 
@@ -27,7 +28,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from extensions.errors import TierFullError
 from storage.checkpoint import api, persist
 from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.layout import StepInfo
@@ -37,6 +37,7 @@ from storage.ops import local_save, restore
 from storage.ops._peers import Group, make_group
 from storage.ops.drain import Drains
 from storage.ops.local_retention import LocalRetention
+from storage.ops.local_room import make_room
 from storage.ops.pace import UploadPace
 from storage.ops.restore import LoadedStep
 from storage.ops.steps import StepRoot
@@ -174,7 +175,7 @@ class LocalTier:
         local_save.refuse_links(self.group, self.local, self.root, step, pg=None)
         if not blocking:
             self.drains.raise_error()
-        self._make_room(step)
+        make_room(self.group, self.retention, self.drains, self.root, step)
         in_worker = self.settings.persist_mode(self.local.fs, self.root.fs).name == "process"
         self.pace.begin(self.root.step_url(step), in_worker=in_worker)
         writer = self._start(step, None)
@@ -281,7 +282,7 @@ class LocalTier:
                 pg=pg,
             )
             self.local.in_flight.begin(step, base)  # local retention leaves both alone
-        self._idle.clear()  # after _make_room, which may wait for the drain
+        self._idle.clear()  # after make_room, which may wait for the drain
         persist.worker().foreground(True)  # a drain copying in the worker pauses too
         try:
             settings = dataclasses.replace(
@@ -337,55 +338,6 @@ class LocalTier:
         self.replicated_bytes += sent
 
     # --- retention --------------------------------------------------------------------
-
-    def _make_room(self, step: int) -> None:
-        """Keep at most ``keep_local`` committed steps besides the one being written: the
-        oldest go once durable. While some node's tier is over that bound (its drain is
-        behind or failing), queue a drain pass and wait for it (the one case where a
-        save waits for a drain), then raise :class:`TierFullError` if the tier is still
-        over. It waits for the oldest steps' drains only (those beyond ``keep_local``), not
-        for the steps queued after them. Collective: every rank takes the same path."""
-        if self.keep_local is None:
-            return
-        self.retention.prune(exclude=step)
-        held = self._fullest(step)
-        if held is None:
-            return
-        log.warning(
-            "local tier %s holds more than keep_local=%d steps not yet durable; "
-            "draining before saving step %d",
-            self.local.url,
-            self.keep_local,
-            step,
-        )
-        self.drains.schedule()
-        persist.hurry()  # this save waits for the drain: no pace holds it back
-        self.drains.wait_durable(set(held[: len(held) - self.keep_local]))  # the oldest
-        self.retention.prune(exclude=step)
-        held = self._fullest(step)
-        if held is None:
-            return
-        failed = self.drains.take_error()  # reported here, as the cause
-        kept = [s for s in held if self.retention.durable_quietly(s)]
-        waiting = [s for s in held if s not in kept]
-        why = " and ".join(
-            ([f"steps {waiting} are not durable yet"] if waiting else [])
-            + ([f"steps {kept} are durable but could not be deleted (see the log)"] if kept else [])
-        )
-        raise TierFullError(
-            f"the local tier {self.local.url} holds steps {held}, more than "
-            f"keep_local={self.keep_local}: {why} (last drain error: "
-            f"{self.drains.last_error or 'none'}); nothing was deleted. Fix the root "
-            f"{self.root.url} and save again, or delete_local() what you can lose"
-        ) from failed
-
-    def _fullest(self, step: int) -> list[int] | None:
-        """The committed local steps besides ``step`` of the fullest node's tier, if it
-        holds more than ``keep_local`` (collective; node leaders report, after pruning).
-        A durable step kept only because a step there references it does not count."""
-        mine = self.retention.restorable(exclude=step) if self.group.leader else []
-        fullest = max(self.group.all_gather(mine), key=len)
-        return fullest if self.keep_local is not None and len(fullest) > self.keep_local else None
 
     def delete_local(self, step: int) -> None:
         """Delete the local copy of ``step`` now, durable or not (the user's call)."""

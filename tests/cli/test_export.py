@@ -260,6 +260,31 @@ def test_export_refuses_an_existing_model_and_an_empty_selection(
     assert "--max-shard-size takes a size" in capsys.readouterr().err
 
 
+def test_export_refuses_a_strip_that_leaves_an_item_nameless_before_writing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--strip a`` on a checkpoint holding an item named exactly ``a`` wrote a tensor
+    named "" (which no loader can look up); it is refused naming the item and the
+    narrower prefix, and nothing is written. ``--strip a.`` strips the names under it."""
+    state = {"a": torch.ones(2), "a.b": torch.zeros(3), "w": torch.full((4,), 2.0)}
+    storage.save(state, str(tmp_path / "src"))
+    out = tmp_path / "out"
+    argv = ["export", str(tmp_path / "src"), str(out), "--format", "safetensors"]
+    assert main([*argv, "--strip", "a"]) == 1
+    err = capsys.readouterr().err
+    assert "item 'a' would be named ''" in err and "strip 'a.'" in err and "--only" in err
+    assert not out.exists()
+    storage.save({"a.": torch.ones(2)}, str(tmp_path / "dotted"))
+    fs = LocalFileSystem()
+    with pytest.raises(ValueError, match=r"item 'a\.' would be named ''.*strip less"):
+        export_safetensors(fs, str(tmp_path / "dotted"), fs, str(out), strip="a.")
+    assert not out.exists()
+    assert main([*argv, "--strip", "a."]) == 0
+    files = _model_files(out)
+    assert sorted(files) == ["a", "b", "w"]
+    assert torch.equal(files["a"], state["a"]) and torch.equal(files["b"], state["a.b"])
+
+
 def test_an_export_refused_for_its_source_leaves_the_model_it_would_overwrite(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
