@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import storage
-from extensions.errors import UnsafeCheckpointError
+from extensions.errors import IntegrityError, UnsafeCheckpointError
 from storage import CheckpointManager, CheckpointWriter, FsspecFileSystem, LocalFileSystem
 from storage.cli import main
 from storage.integrations.folders import FolderCheckpoints
@@ -179,6 +179,37 @@ def _quietly(call: Any, *args: Any) -> None:
         call(*args)
     except OSError:
         pass  # the root is down: the drain fails, the step stays local
+
+
+# --- a tiered load ---------------------------------------------------------------------------
+
+
+def test_tiered_load_prefers_the_local_step_over_a_linked_root_step(tmp_path: Path) -> None:
+    # Before: the job's own step-3, local only (the root was down), next to a root step-3
+    # linked in meanwhile to another run's checkpoint: the save ids differ, so the load
+    # took the root's copy and restored the other run's state as the job's step 3.
+    (tmp_path / "durable").write_text("down")
+    crashed = tiered(tmp_path)
+    crashed.save(3, step_state(3))
+    _quietly(crashed.wait)
+    (tmp_path / "durable").unlink()
+    CheckpointManager(tmp_path / "elsewhere").save(3, step_state(30))
+    _link(tmp_path / "durable" / "step-3", tmp_path / "elsewhere" / "step-3")
+    for step in (3, None):
+        target = blank_state()
+        mgr = tiered(tmp_path)
+        loaded = mgr.load(target, step)
+        assert (loaded, loaded.tier, target["meta"]["step"]) == (3, "local", 3)  # type: ignore[attr-defined]
+        assert "symbolic link to a checkpoint elsewhere" in loaded.note  # type: ignore[attr-defined]
+        with pytest.raises(UnsafeCheckpointError, match="step-3 is a symbolic link"):
+            mgr.wait()  # the drain pass the load queued leaves it local, as before
+    # The local copy damaged: the load fails rather than take the linked step instead.
+    data = next((tmp_path / "local" / "step-3").glob("*.distcp"))
+    data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))
+    target = blank_state()
+    with pytest.raises(IntegrityError):
+        tiered(tmp_path).load(target, 3)
+    assert target["meta"]["step"] != 30
 
 
 # --- a restore from the peers ----------------------------------------------------------------
