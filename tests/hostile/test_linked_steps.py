@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 import storage
 from extensions.errors import IntegrityError, UnsafeCheckpointError
 from storage import CheckpointManager, CheckpointWriter, FsspecFileSystem, LocalFileSystem
+from storage.checkpoint.committed import open_committed
 from storage.cli import main
 from storage.integrations.folders import FolderCheckpoints
 from tests.support.distributed import gloo_group, spawn
@@ -172,6 +173,37 @@ def test_drain_leaves_a_step_linked_at_the_root_local_and_drains_the_others(
     assert (tmp_path / "durable" / "step-8" / ".metadata").is_file()  # the others drain
     target = blank_state()
     assert restarted.load(target, 8) == 8 and target["meta"]["step"] == 8
+
+
+def test_drain_copies_the_bytes_a_linked_root_step_holds_rather_than_reference_it(
+    tmp_path: Path,
+) -> None:
+    # Before: the root's step-1, drained, then moved to a shared place and linked back,
+    # held the same bytes as the local base of step 2: the drain recorded step 2's
+    # unchanged items as references into the link, so the job's durable step 2 broke
+    # once the link's owner deleted their checkpoint.
+    frozen = torch.arange(4096, dtype=torch.float32)
+    mgr = tiered(tmp_path, incremental=True)
+    mgr.save(1, {"frozen": frozen.clone(), **step_state(1)})
+    mgr.wait()
+    shared = tmp_path / "shared" / "step-1"
+    shared.parent.mkdir()
+    shutil.move(tmp_path / "durable" / "step-1", shared)
+    before = _link(tmp_path / "durable" / "step-1", shared)
+    mgr.save(2, {"frozen": frozen.clone(), **step_state(2)})
+    with pytest.raises(UnsafeCheckpointError, match="step-1 is a symbolic link"):
+        mgr.wait()  # step 1 stays local; step 2 drains
+    local = open_committed(LocalFileSystem(), str(tmp_path / "local" / "step-2"))
+    assert local.references() == {"step-1"}  # an incremental save in the local tier
+    assert (
+        open_committed(LocalFileSystem(), str(tmp_path / "durable" / "step-2")).references()
+        == set()
+    )
+    assert _snapshot(shared) == before
+    shutil.rmtree(shared)  # the owner deletes theirs: the job's durable step 2 still loads
+    target = {"frozen": torch.zeros(4096), **blank_state()}
+    storage.load(target, str(tmp_path / "durable" / "step-2"))
+    assert torch.equal(target["frozen"], frozen) and target["meta"]["step"] == 2
 
 
 def _quietly(call: Any, *args: Any) -> None:
