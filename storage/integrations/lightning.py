@@ -30,11 +30,13 @@ from typing import Any
 from extensions.base import Keys
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from extensions.registry import ExtensionRegistry
+from storage.backends.base import FileSystemBase
 from storage.checkpoint import api
 from storage.checkpoint.deletion import delete_checkpoint
 from storage.checkpoint.layout import is_committed, is_metadata_name, metadata_names
 from storage.checkpoint.options import WriterSettings, resolve_location
 from storage.checkpoint.reader import CheckpointReader
+from storage.checkpoint.siblings import names_under
 from storage.checkpoint.writer import CheckpointWriter
 from storage.integrations import _tree
 from storage.integrations._deps import require
@@ -157,8 +159,9 @@ class StorageModelCheckpoint(ModelCheckpoint):
     without the scheme (``bucket/run1/last.ckpt``): it finds no local path of that name,
     warns, and the fit starts from step 0; and fsspec cannot date a prefix. This lists
     the committed ``last*.ckpt`` of a URL ``dirpath`` with the Trainer's
-    :class:`StorageCheckpointIO` settings and offers each by its metadata file (dated;
-    loads here take it for its checkpoint, and the Trainer's ``ckpt_path`` names it).
+    :class:`StorageCheckpointIO` settings, asking by name for those a listing that lags
+    misses (so it never resumes from an older one), and offers each by its metadata
+    file (dated; loads here take it for its checkpoint, and ``ckpt_path`` names it).
     Committed checkpoints but no last one (``save_last`` unset) raise
     :class:`CheckpointNotFoundError` rather than a fit from step 0 beside them. A local
     ``dirpath`` keeps Lightning's lookup.
@@ -171,13 +174,10 @@ class StorageModelCheckpoint(ModelCheckpoint):
         io = trainer.strategy.checkpoint_io
         io = io if isinstance(io, StorageCheckpointIO) else StorageCheckpointIO()
         fs, location = resolve_location(dirpath, io.options_for(dirpath), None)
-        try:
-            names = fs.ls(location)
-        except FileNotFoundError:
-            return set()
+        names = names_under(fs, location)
         last = re.compile(rf"{re.escape(self.CHECKPOINT_NAME_LAST)}(-\d+)?")
         found, others = set(), []
-        for name in names:
+        for name in [*names, *self._unlisted_last(fs, location, names)]:
             stem, ext = os.path.splitext(name)
             if ext != self.FILE_EXTENSION:
                 continue
@@ -195,6 +195,27 @@ class StorageModelCheckpoint(ModelCheckpoint):
                 "of the one to resume from, and save with StorageModelCheckpoint(save_last=True)"
             )
         return found
+
+    def _unlisted_last(self, fs: FileSystemBase, location: str, names: list[str]) -> list[str]:
+        """The committed last checkpoints (``last.ckpt``, ``last-v1.ckpt``, ...) that
+        ``names``, a listing that lags or misses objects, does not show, asked for by
+        name: each version through the highest listed, and on while each is found. A
+        templated last name (``{epoch}-last``) is not asked for."""
+        base, ext, join = self.CHECKPOINT_NAME_LAST, self.FILE_EXTENSION, self.CHECKPOINT_JOIN_CHAR
+        if "{" in base:
+            return []
+        version = re.compile(rf"{re.escape(base + join)}v(\d+){re.escape(ext)}")
+        top = max((int(m[1]) for n in names if (m := version.fullmatch(n))), default=0)
+        listed, found = set(names), []
+        v = self.STARTING_VERSION - 1  # last.ckpt, then last-v1.ckpt, ...
+        while True:
+            name = f"{base}{ext}" if v < self.STARTING_VERSION else f"{base}{join}v{v}{ext}"
+            if name not in listed:
+                if is_committed(fs, fs.concat_path(location, name)):
+                    found.append(name)
+                elif v >= max(top, self.STARTING_VERSION):
+                    return found
+            v += 1
 
 
 class _ShardedStorage:

@@ -88,8 +88,8 @@ def copy_data_files(
     (incremental saves) are read from their base, so the copy holds every byte it
     needs, unless ``keep_references``: then an item that references a base is
     recorded as a reference to the base of the same name beside ``dst_path`` when that
-    one is committed and holds the same stored bytes there (same index, transform
-    chain, length and checksum), and only copied otherwise, so a copy of an
+    one is committed, not a symbolic link, and holds the same stored bytes there (same
+    index, transform chain, length and checksum), and only copied otherwise, so a copy of an
     incremental checkpoint made after its bases' copies stays incremental. ``ranks``
     limits the copy to the data files those ranks wrote
     (``__{rank}_*``), so each rank of a job can copy its own files from a node-local
@@ -280,8 +280,11 @@ def _kept_references(
 ) -> dict[MetadataIndex, Any]:
     """For the items of ``infos`` that reference a base: the storage info referencing
     the destination's sibling of that name, where it is committed and holds the same
-    stored bytes (see :func:`copy_data_files`)."""
+    stored bytes (see :func:`copy_data_files`). Never a reference into a sibling that
+    is a symbolic link (a checkpoint from elsewhere, whose owner may replace or delete
+    it): those bytes are copied."""
     bases: dict[str, dict[MetadataIndex, Any]] = {}
+    linked = functools.cache(lambda name: _linked_sibling(dst_fs, dst_path, name))
     kept: dict[MetadataIndex, Any] = {}
     for index, info in infos:
         record = fmt.stored_item(info)
@@ -289,7 +292,9 @@ def _kept_references(
         if ref is None or record.crc32c is None:
             continue
         if ref not in bases:
-            bases[ref] = _committed_items(dst_fs, dst_path, ref)
+            # empty where there is none, or unreadable: its items are then copied
+            base = None if linked(ref) else sibling_path(dst_fs, dst_path, ref)
+            bases[ref] = {} if base is None else open_committed(dst_fs, base).items()
         theirs = bases[ref].get(index)
         if theirs is None:
             continue
@@ -298,21 +303,20 @@ def _kept_references(
             their.descriptors != record.descriptors
             or their.length != record.length
             or their.crc32c != record.crc32c
+            or (their.ref is not None and linked(their.ref))
         ):
             continue
         kept[index] = fmt.new_storage_info(replace(their, ref=their.ref or ref))
     return kept
 
 
-def _committed_items(fs: FileSystemBase, path: str, name: str) -> dict[MetadataIndex, Any]:
-    """The storage index of the committed checkpoint ``name`` beside ``path`` (empty
-    when there is none, or it cannot be read: its items are then copied, not kept as
-    references)."""
+def _linked_sibling(fs: FileSystemBase, path: str, name: str) -> bool:
+    """Whether the checkpoint ``name`` beside ``path`` is a symbolic link (or there can
+    be none: nothing to reference either)."""
     try:
-        base = sibling_path(fs, path, name)
+        return fs.is_link(sibling_path(fs, path, name))
     except CheckpointNotFoundError:
-        return {}
-    return open_committed(fs, base).items()
+        return True
 
 
 class _Paced(io.RawIOBase):

@@ -13,7 +13,9 @@ them, each step's metadata after its files. Replicas a lost node kept for its pe
 are not sent back unless read: its redundancy returns with the next save.
 
 A local copy is used only when it is the same save as the durable one (or the
-manager's own save whose drain has not landed, or the root has no such step); when the
+manager's own save whose drain has not landed, or the root has no such step, or the
+root's is a symbolic link to a checkpoint elsewhere, which never overrides the job's
+own copy, nor stands in for it when its load fails); when the
 root cannot be listed, the newest local step is used and the :class:`LoadedStep` says
 the root was not consulted. Every rank then loads the same
 copy; a local load that fails for any reason (a checksum, a missing file) falls back to
@@ -136,7 +138,7 @@ def _decide(g: Group, root: StepRoot, reports: list[Report], step: int | None) -
         unreachable = None
     except Exception as exc:
         durable, unreachable = None, exc
-    chosen = plan(g, reports, durable, step, lambda s: _durable_save(root, s))
+    chosen = plan(g, reports, durable, step, lambda s: _durable_save(root, s), root.is_link)
     if isinstance(chosen, str) and unreachable is not None:
         unreachable.add_note(f"{chosen}; the root {root.url} could not be listed")
         raise unreachable

@@ -62,10 +62,15 @@ def plan(
     durable: list[int] | None,
     step: int | None,
     durable_save: Callable[[int], str | None],
+    linked: Callable[[int], bool] | None = None,
 ) -> Choice | str:
     """Rank 0's choice: the newest step that every rank can read from its node's tier
     (fetching missing files from a node that holds them) and may (:func:`_same_save`),
-    else from the root. ``durable`` is ``None`` when the root could not be listed."""
+    else from the root. ``durable`` is ``None`` when the root could not be listed.
+    ``linked(step)``: whether the root's ``step`` is a symbolic link, a checkpoint from
+    elsewhere (a shared pretrained one): it never overrides the nodes' own copy of that
+    step, one save, which is loaded instead, with a note and no fallback to the linked
+    one (:func:`_over_link`); it is loaded where no node holds the step."""
     known = durable or []
     local_steps = set().union(*(set(r) for r in reports))
     candidates = [step] if step is not None else sorted(local_steps | set(known), reverse=True)
@@ -76,6 +81,9 @@ def plan(
             why = _same_save(reports, s, s in known, durable_save)
             if why is None:
                 return Choice(s, LOCAL, moves, s in known)
+            over = _over_link(reports, s) if s in known and linked and linked(s) else None
+            if over is not None:
+                return Choice(s, LOCAL, moves, False, note=over)
         if s in known:
             return Choice(s, DURABLE, [], True, note=why)
         if why is not None:
@@ -110,6 +118,21 @@ def _same_save(
             "never drained); using the durable copy"
         )
     return None
+
+
+def _over_link(reports: list[Report], step: int) -> str | None:
+    """The note of a load of the nodes' own copy of ``step`` over the root's, a symbolic
+    link to another save; ``None`` when the nodes' copies are different saves (none is
+    theirs to prefer: the root's is loaded, with :func:`_same_save`'s note)."""
+    saves = {r[step].save for r in reports if step in r}
+    if len(saves) != 1:
+        return None
+    return (
+        f"the root's step {step} is a symbolic link to a checkpoint elsewhere, another save "
+        f"than the local copy ({quote(saves.pop())}); loading the local copy, this job's own "
+        "(a linked step is loaded only where no local copy is: remove the link, or this "
+        "step's local copy, to change that)"
+    )
 
 
 def _local_moves(g: Group, reports: list[Report], step: int) -> list[StepMoves] | None:

@@ -24,8 +24,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import storage
-from extensions.errors import UnsafeCheckpointError
+from extensions.errors import IntegrityError, UnsafeCheckpointError
 from storage import CheckpointManager, CheckpointWriter, FsspecFileSystem, LocalFileSystem
+from storage.checkpoint.committed import open_committed
 from storage.cli import main
 from storage.integrations.folders import FolderCheckpoints
 from tests.support.distributed import gloo_group, spawn
@@ -174,11 +175,73 @@ def test_drain_leaves_a_step_linked_at_the_root_local_and_drains_the_others(
     assert restarted.load(target, 8) == 8 and target["meta"]["step"] == 8
 
 
+def test_drain_copies_the_bytes_a_linked_root_step_holds_rather_than_reference_it(
+    tmp_path: Path,
+) -> None:
+    # Before: the root's step-1, drained, then moved to a shared place and linked back,
+    # held the same bytes as the local base of step 2: the drain recorded step 2's
+    # unchanged items as references into the link, so the job's durable step 2 broke
+    # once the link's owner deleted their checkpoint.
+    frozen = torch.arange(4096, dtype=torch.float32)
+    mgr = tiered(tmp_path, incremental=True)
+    mgr.save(1, {"frozen": frozen.clone(), **step_state(1)})
+    mgr.wait()
+    shared = tmp_path / "shared" / "step-1"
+    shared.parent.mkdir()
+    shutil.move(tmp_path / "durable" / "step-1", shared)
+    before = _link(tmp_path / "durable" / "step-1", shared)
+    mgr.save(2, {"frozen": frozen.clone(), **step_state(2)})
+    with pytest.raises(UnsafeCheckpointError, match="step-1 is a symbolic link"):
+        mgr.wait()  # step 1 stays local; step 2 drains
+    local = open_committed(LocalFileSystem(), str(tmp_path / "local" / "step-2"))
+    assert local.references() == {"step-1"}  # an incremental save in the local tier
+    assert (
+        open_committed(LocalFileSystem(), str(tmp_path / "durable" / "step-2")).references()
+        == set()
+    )
+    assert _snapshot(shared) == before
+    shutil.rmtree(shared)  # the owner deletes theirs: the job's durable step 2 still loads
+    target = {"frozen": torch.zeros(4096), **blank_state()}
+    storage.load(target, str(tmp_path / "durable" / "step-2"))
+    assert torch.equal(target["frozen"], frozen) and target["meta"]["step"] == 2
+
+
 def _quietly(call: Any, *args: Any) -> None:
     try:
         call(*args)
     except OSError:
         pass  # the root is down: the drain fails, the step stays local
+
+
+# --- a tiered load ---------------------------------------------------------------------------
+
+
+def test_tiered_load_prefers_the_local_step_over_a_linked_root_step(tmp_path: Path) -> None:
+    # Before: the job's own step-3, local only (the root was down), next to a root step-3
+    # linked in meanwhile to another run's checkpoint: the save ids differ, so the load
+    # took the root's copy and restored the other run's state as the job's step 3.
+    (tmp_path / "durable").write_text("down")
+    crashed = tiered(tmp_path)
+    crashed.save(3, step_state(3))
+    _quietly(crashed.wait)
+    (tmp_path / "durable").unlink()
+    CheckpointManager(tmp_path / "elsewhere").save(3, step_state(30))
+    _link(tmp_path / "durable" / "step-3", tmp_path / "elsewhere" / "step-3")
+    for step in (3, None):
+        target = blank_state()
+        mgr = tiered(tmp_path)
+        loaded = mgr.load(target, step)
+        assert (loaded, loaded.tier, target["meta"]["step"]) == (3, "local", 3)  # type: ignore[attr-defined]
+        assert "symbolic link to a checkpoint elsewhere" in loaded.note  # type: ignore[attr-defined]
+        with pytest.raises(UnsafeCheckpointError, match="step-3 is a symbolic link"):
+            mgr.wait()  # the drain pass the load queued leaves it local, as before
+    # The local copy damaged: the load fails rather than take the linked step instead.
+    data = next((tmp_path / "local" / "step-3").glob("*.distcp"))
+    data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))
+    target = blank_state()
+    with pytest.raises(IntegrityError):
+        tiered(tmp_path).load(target, 3)
+    assert target["meta"]["step"] != 30
 
 
 # --- a restore from the peers ----------------------------------------------------------------

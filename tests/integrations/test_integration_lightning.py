@@ -14,6 +14,7 @@ import importlib
 import io
 import os
 import sys
+import types
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -33,7 +34,8 @@ from extensions.errors import (  # noqa: E402
     MissingDependencyError,
     UnsafeCheckpointError,
 )
-from storage import filesystem_from_url  # noqa: E402
+from storage import FsspecFileSystem, filesystem_from_url  # noqa: E402
+from storage.checkpoint import siblings  # noqa: E402
 from storage.checkpoint.layout import is_committed  # noqa: E402
 from storage.integrations import _tree  # noqa: E402
 from storage.integrations.lightning import (  # noqa: E402
@@ -193,6 +195,39 @@ def test_ckpt_path_last_without_a_last_checkpoint_in_the_bucket_raises(
     with pytest.raises(CheckpointNotFoundError, match=r"epoch=0-step=4\.ckpt.*save_last=True"):
         later.fit(TinyModule(), _data(), ckpt_path="last")
     assert later.global_step == 0
+
+
+@pytest.mark.parametrize(
+    "hidden",
+    [
+        pytest.param({"last.ckpt", "last-v2.ckpt"}, id="the-newest-missed"),
+        pytest.param({"last.ckpt", "last-v1.ckpt", "last-v2.ckpt"}, id="every-last-missed"),
+    ],
+)
+def test_ckpt_path_last_asks_for_the_last_checkpoints_a_listing_misses(
+    monkeypatch: pytest.MonkeyPatch, hidden: set[str]
+) -> None:
+    """A listing of the dirpath that lags or misses objects (an eventually consistent
+    LIST) in a resumed job, which never saw those saves: the last checkpoints it missed
+    were not offered, so the fit resumed from an older last-v1.ckpt, or was refused for
+    want of a last checkpoint with every last one missed. Each is asked for by name now;
+    an uncommitted one (a save that did not finish) is never offered."""
+    root = f"memory://{uuid.uuid4().hex}/run"  # fsspec's: Lightning checks the dirpath too
+    plugin = StorageCheckpointIO()
+    fs, location = filesystem_from_url(root)
+    for name in ("last.ckpt", "last-v1.ckpt", "last-v2.ckpt", "epoch=0-step=4.ckpt"):
+        plugin.save_checkpoint({"epoch": 0, "w": torch.ones(2)}, f"{root}/{name}")
+        siblings.forget(fs, fs.concat_path(location, name))  # as a resumed job knows them
+    fs.write_atomic(fs.concat_path(location, "last-v3.ckpt/__0_0.distcp"), b"unfinished")
+    listing = FsspecFileSystem.ls
+    monkeypatch.setattr(
+        FsspecFileSystem,
+        "ls",
+        lambda self, path: [n for n in listing(self, path) if n not in hidden],
+    )
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(checkpoint_io=plugin))
+    found = StorageModelCheckpoint(dirpath=root)._find_last_checkpoints(trainer)
+    assert found == {f"{root}/{n}/.metadata" for n in ("last.ckpt", "last-v1.ckpt", "last-v2.ckpt")}
 
 
 def test_checkpoint_dict_round_trips_with_its_types(tmp_path: Any) -> None:
