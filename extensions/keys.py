@@ -13,8 +13,10 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import os
 import re
+import stat
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,8 @@ from extensions.errors import MissingKeyError, printable, quote
 
 if TYPE_CHECKING:
     from extensions.base import ItemInfo
+
+log = logging.getLogger(__name__)
 
 KEY_SIZE = 32
 ENV_VAR = "DCP_STORAGE_KEYS"
@@ -150,15 +154,23 @@ def keys_from_environment(environ: Mapping[str, str] | None = None) -> dict[str,
 def keys_from_file(path: str | os.PathLike[str]) -> dict[str, bytes]:
     """Keys from a JSON file holding ``{"key_id": "64 hex digits or base64", ...}``.
 
-    Keep the file readable by its owner only (``chmod 600``).
+    Keep the file readable by its owner only (``chmod 600``): a file that other users
+    can read or write (any group or other permission bit) is read with a logged warning.
     """
     where = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
+            _warn_if_others_can_reach(f.fileno(), where)
             data = json.load(f)
     except json.JSONDecodeError as exc:
         # The decoder's message quotes no key material, only a position.
         raise ValueError(f"{where}: not a JSON key file (line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        # Its message quotes the byte it choked on: one byte of a raw binary key.
+        raise ValueError(
+            f"{where}: not a JSON key file (not UTF-8 text: a raw binary key?); write "
+            '{"key_id": "<64 hex digits or base64>"}, e.g. from `openssl rand -hex 32`'
+        ) from None
     if not isinstance(data, dict):
         raise ValueError(f"{where}: a key file must hold a JSON object {{key_id: key}}")
     keys: dict[str, bytes] = {}
@@ -167,3 +179,18 @@ def keys_from_file(path: str | os.PathLike[str]) -> dict[str, bytes]:
             raise ValueError(f"{where}: the key of {_named(key_id, number)} must be a string")
         keys[key_id] = _decode_key_text(value, key_id, number, where)
     return keys
+
+
+def _warn_if_others_can_reach(fd: int, where: str) -> None:
+    """Warn (as ssh does of a private key) when users other than the owner may read the
+    key file (and decrypt every checkpoint) or write it (and swap in a key they know)."""
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    if os.name == "posix" and mode & 0o077:
+        log.warning(
+            "%s: the key file is open to other users (mode %04o): whoever can read it can "
+            "decrypt your checkpoints, whoever can write it can swap in a key they know; "
+            "make it private: chmod 600 %s",
+            where,
+            mode,
+            where,
+        )

@@ -327,6 +327,7 @@ def test_key_file_and_gc_nothing_to_do(
     monkeypatch.delenv("DCP_STORAGE_KEYS", raising=False)
     key_file = tmp_path / "keys.json"
     key_file.write_text(json.dumps({"k1": KEY.hex()}))
+    key_file.chmod(0o600)  # private, as documented
     enc = tmp_path / "enc"
     args = ["cp", str(root / "step-1"), str(enc), "--transform", "aes:k1"]
     assert main([*args, "--key-file", str(key_file)]) == 0

@@ -232,6 +232,7 @@ def test_export_of_an_encrypted_checkpoint_with_keys_loads_in_transformers(
     )
     key_file = tmp_path / "keys.json"
     key_file.write_text(json.dumps({"k1": KEY.hex()}))
+    key_file.chmod(0o600)  # private, as documented
     out = tmp_path / "hub"
     argv = ["export", str(src), str(out), "--format", "safetensors", "--strip", "model."]
     assert main(argv) == 1  # no key

@@ -33,7 +33,6 @@ from extensions import (
     UnknownTransformError,
     ZStandard,
     keys_from_environment,
-    keys_from_file,
 )
 from extensions.encryption import TAG_SIZE
 from extensions.testing import FlushOnlyClose
@@ -338,60 +337,6 @@ def test_memory_stays_within_a_few_chunks() -> None:
         tracemalloc.stop()
     assert got == size and out == data
     assert decode_peak < 4 * chunk
-
-
-# --- keys helpers ---------------------------------------------------------------------
-
-
-def test_keys_from_environment_formats() -> None:
-    env = {
-        "DCP_STORAGE_KEYS": (
-            f" hexkey={KEY.hex().upper()} , b64={base64.b64encode(KEY).decode()},"
-            f"url={base64.urlsafe_b64encode(OTHER_KEY).decode()},"
-        )
-    }
-    assert keys_from_environment(env) == {"hexkey": KEY, "b64": KEY, "url": OTHER_KEY}
-    assert keys_from_environment({}) == {}
-    assert keys_from_environment({"DCP_STORAGE_KEYS": ""}) == {}
-
-
-@pytest.mark.parametrize(
-    "value", [f"k1={KEY.hex()[:-2]}", "k1", f"k1={base64.b64encode(KEY[:16]).decode()}", "k1=zz"]
-)
-def test_keys_from_environment_rejects_bad_entries(value: str) -> None:
-    with pytest.raises(ValueError, match="DCP_STORAGE_KEYS") as info:
-        keys_from_environment({"DCP_STORAGE_KEYS": value})
-    assert value.partition("=")[2] not in str(info.value) or "=" not in value
-
-
-@pytest.mark.parametrize("entry", [f"{KEY.hex()}=k1", KEY.hex(), f"{KEY.hex()}=", "k1=" + "A" * 44])
-def test_key_source_errors_never_echo_key_material(tmp_path: Path, entry: str) -> None:
-    with pytest.raises(ValueError) as info:
-        keys_from_environment({"DCP_STORAGE_KEYS": f"ok={OTHER_KEY.hex()},{entry}"})
-    assert KEY.hex() not in str(info.value) and "A" * 16 not in str(info.value)
-    assert "entry 2" in str(info.value) or "'k1'" in str(info.value)
-    key_id, _, value = entry.partition("=")
-    path = tmp_path / "keys.json"
-    path.write_text(json.dumps({key_id: value}))
-    with pytest.raises(ValueError) as info:
-        keys_from_file(path)
-    assert KEY.hex() not in str(info.value) and "A" * 16 not in str(info.value)
-
-
-def test_keys_from_file(tmp_path: Path) -> None:
-    path = tmp_path / "keys.json"
-    path.write_text(json.dumps({"k1": KEY.hex(), "k2": base64.b64encode(OTHER_KEY).decode()}))
-    assert keys_from_file(path) == {"k1": KEY, "k2": OTHER_KEY}
-    path.write_text(json.dumps({"k1": KEY.hex()[:40]}))
-    with pytest.raises(ValueError, match=r"keys\.json.*'k1'") as info:
-        keys_from_file(path)
-    assert KEY.hex()[:40] not in str(info.value)
-    path.write_text("[1, 2]")
-    with pytest.raises(ValueError, match="JSON object"):
-        keys_from_file(path)
-    path.write_text("{not json")
-    with pytest.raises(ValueError, match="not a JSON key file"):
-        keys_from_file(path)
 
 
 # --- goldens --------------------------------------------------------------------------

@@ -419,6 +419,7 @@ def test_cp_transcodes_an_encrypted_rank_local_checkpoint(
     key = bytes(range(32))
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"k": key.hex()}))
+    keys.chmod(0o600)  # private, as documented
     ckpt, copy = tmp_path / "step-4", tmp_path / "copy"
     state = {"w": torch.arange(16.0), "n": 3}
     writer = storage.CheckpointWriter(ckpt, transforms=[AES256GCM(key=key, key_id="k")])
