@@ -30,7 +30,6 @@ from typing import Any
 from extensions.base import Keys
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError
 from extensions.registry import ExtensionRegistry
-from storage.backends.base import FileSystemBase
 from storage.checkpoint import api
 from storage.checkpoint.deletion import delete_checkpoint
 from storage.checkpoint.layout import is_committed, is_metadata_name, metadata_names
@@ -41,6 +40,7 @@ from storage.checkpoint.writer import CheckpointWriter
 from storage.integrations import _tree
 from storage.integrations._deps import require
 from storage.integrations._solo import empty_targets, load_alone, reader_alone, save_alone
+from storage.integrations._versions import unlisted_versions
 
 require("lightning.pytorch.plugins.io", "lightning")
 
@@ -177,7 +177,14 @@ class StorageModelCheckpoint(ModelCheckpoint):
         names = names_under(fs, location)
         last = re.compile(rf"{re.escape(self.CHECKPOINT_NAME_LAST)}(-\d+)?")
         found, others = set(), []
-        for name in [*names, *self._unlisted_last(fs, location, names)]:
+        unlisted = unlisted_versions(
+            fs,
+            location,
+            names,
+            (self.CHECKPOINT_NAME_LAST, self.FILE_EXTENSION, self.CHECKPOINT_JOIN_CHAR),
+            self.STARTING_VERSION,
+        )
+        for name in [*names, *unlisted]:
             stem, ext = os.path.splitext(name)
             if ext != self.FILE_EXTENSION:
                 continue
@@ -195,27 +202,6 @@ class StorageModelCheckpoint(ModelCheckpoint):
                 "of the one to resume from, and save with StorageModelCheckpoint(save_last=True)"
             )
         return found
-
-    def _unlisted_last(self, fs: FileSystemBase, location: str, names: list[str]) -> list[str]:
-        """The committed last checkpoints (``last.ckpt``, ``last-v1.ckpt``, ...) that
-        ``names``, a listing that lags or misses objects, does not show, asked for by
-        name: each version through the highest listed, and on while each is found. A
-        templated last name (``{epoch}-last``) is not asked for."""
-        base, ext, join = self.CHECKPOINT_NAME_LAST, self.FILE_EXTENSION, self.CHECKPOINT_JOIN_CHAR
-        if "{" in base:
-            return []
-        version = re.compile(rf"{re.escape(base + join)}v(\d+){re.escape(ext)}")
-        top = max((int(m[1]) for n in names if (m := version.fullmatch(n))), default=0)
-        listed, found = set(names), []
-        v = self.STARTING_VERSION - 1  # last.ckpt, then last-v1.ckpt, ...
-        while True:
-            name = f"{base}{ext}" if v < self.STARTING_VERSION else f"{base}{join}v{v}{ext}"
-            if name not in listed:
-                if is_committed(fs, fs.concat_path(location, name)):
-                    found.append(name)
-                elif v >= max(top, self.STARTING_VERSION):
-                    return found
-            v += 1
 
 
 class _ShardedStorage:
