@@ -23,7 +23,10 @@ class _ValueStager(StateDictStager or object):  # type: ignore[misc]
     def _offload_tensor(self, x: Any, memo: dict[int, Any], non_blocking: bool = False) -> Any:
         if not (x.is_conj() or x.is_neg()):
             return super()._offload_tensor(x, memo, non_blocking)  # type: ignore[misc]
-        values = x.resolve_conj().resolve_neg()
+        # Resolved in CPU memory: the stage copies from there before it returns, where a
+        # device temporary could be freed (and its memory reused) while a non-blocking
+        # copy from it on a side stream was still in flight.
+        values = x.cpu().resolve_conj().resolve_neg()
         # Alive as long as the memo: it is keyed by the ids of the objects it copied.
         memo.setdefault(id(memo), []).append(values)
         staged = super()._offload_tensor(values, memo, non_blocking)  # type: ignore[misc]
