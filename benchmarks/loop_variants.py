@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -92,8 +93,13 @@ class StagingFloor:
     def __init__(self, ctx: Context) -> None:
         # Parameters and optimizer state are updated in place: the same tensors all run.
         self.sources = tensors_of(ctx.state())
+        t0 = time.perf_counter()
         self.buffers = [torch.empty_like(t) for t in self.sources]
         self.save(0, ctx.state)
+        #: The first copy, into memory never touched (each page faulted in as it is
+        #: written): the least a job's first checkpoint can block, where nothing was
+        #: staged before it.
+        self.cold_copy = time.perf_counter() - t0
 
     def save(self, step: int, state: State) -> None:
         for src, dst in zip(self.sources, self.buffers):

@@ -146,6 +146,7 @@ def child(args: argparse.Namespace) -> None:
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     result = {"rank": rank, "wall": wall, "steps": steps, "stalls": stalls, "starts": starts}
     result["state_bytes"] = state_bytes
+    result["cold_copy"] = getattr(variant, "cold_copy", None)
     print("@result", json.dumps(result), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -321,6 +322,7 @@ def summarize(
         "step_times": first["steps"],
         "checkpoint_steps": [int(s) for s in checkpoints],
         "state_bytes": first["state_bytes"],
+        "cold_copy": max((r["cold_copy"] or 0.0) for r in results) or None,
         "stalls": stalls,
         "durable": durable,
         "step_p50": statistics.median(steps),
