@@ -23,10 +23,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from extensions._compat import load_state_dict_without_collectives
 from extensions.base import Keys
-from extensions.errors import UnsafeCheckpointError
+from extensions.errors import UnsafeCheckpointError, quote
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.api import unwrap_checkpoint_exception
@@ -34,6 +35,7 @@ from storage.checkpoint.layout import is_committed
 from storage.checkpoint.options import resolve_location
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
+from storage.ops import transport_dtensor
 from storage.ops.manager import CheckpointManager
 from storage.ops.transport_load import PlainDataPlanner
 
@@ -45,19 +47,38 @@ _PLAIN_KEYS = (str, int, float, bool, type(None))
 Shape = tuple[str, list[Any]] | None
 
 
-def _shape(value: Any) -> Shape:
+def _shape(value: Any, path: str) -> Shape:
     """What DCP's flattening loses: keys that are not strings (an optimizer's parameter
-    ids), empty dicts and lists (its state before the first step), lists of containers.
-    ``("d", [(key, shape), ...])`` for a mapping, ``("l", [shape, ...])`` for a list DCP
-    walks into, ``None`` for a value DCP stores whole."""
+    ids), empty dicts and lists (its state before the first step), lists of containers,
+    a DTensor's layout. ``("d", [(key, shape), ...])`` for a mapping, ``("l", [shape,
+    ...])`` for a list DCP walks into, ``("t", layout)`` for a DTensor (sent as its local
+    shard, see :mod:`~storage.ops.transport_dtensor`), ``None`` for a value DCP stores
+    whole. ``path`` names the value in errors."""
+    if isinstance(value, DTensor):
+        return ("t", transport_dtensor.describe(value, f"item {quote(path)}"))
     if isinstance(value, Mapping):
         return (
             "d",
-            [(k if isinstance(k, _PLAIN_KEYS) else str(k), _shape(v)) for k, v in value.items()],
+            [
+                (k if isinstance(k, _PLAIN_KEYS) else str(k), _shape(v, _join(path, k)))
+                for k, v in value.items()
+            ],
         )
     if isinstance(value, list) and _walked(value):
-        return ("l", [_shape(v) for v in value])
+        return ("l", [_shape(v, f"{path}[{i}]") for i, v in enumerate(value)])
     return None
+
+
+def _local(value: Any) -> Any:
+    """``value`` with each DTensor :func:`_shape` walks to replaced by its local shard
+    (containers copied, every other value as it is)."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, Mapping):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, list) and _walked(value):
+        return [_local(v) for v in value]
+    return value
 
 
 def _walked(values: list[Any]) -> bool:
@@ -73,14 +94,20 @@ MAX_NESTING = 100
 
 
 def _rebuild(
-    loaded: Any, shape: Shape, where: str, depth: int = 0, seen: set[int] | None = None
+    loaded: Any,
+    shape: Shape,
+    where: str,
+    depth: int = 0,
+    seen: set[int] | None = None,
+    path: str = "",
 ) -> Any:
     """``loaded`` in the containers ``shape`` records; the record is the sender's, so
     it is checked as it is walked: a malformed one, one nesting deeper than
     :data:`MAX_NESTING` (each level a recursion here), or one that holds a container
     record twice, is refused naming ``where``. :func:`_shape` never shares a record, and
     a shared one (the pickle's memo makes that cheap) would unfold exponentially: 4 KiB
-    holding 40 levels of ``("l", [x, x])`` asked for 2**40 containers."""
+    holding 40 levels of ``("l", [x, x])`` asked for 2**40 containers. ``path`` names
+    the value in errors."""
     if shape is None:
         return loaded
     seen = set() if seen is None else seen
@@ -88,9 +115,9 @@ def _rebuild(
         depth < MAX_NESTING
         and isinstance(shape, tuple)
         and len(shape) == 2
-        and shape[0] in ("d", "l")
+        and shape[0] in ("d", "l", "t")
         and isinstance(shape[1], list)
-        and (shape[0] == "l" or all(isinstance(c, tuple) and len(c) == 2 for c in shape[1]))
+        and (shape[0] != "d" or all(isinstance(c, tuple) and len(c) == 2 for c in shape[1]))
         and id(shape) not in seen
         and id(shape[1]) not in seen
     ):
@@ -102,19 +129,26 @@ def _rebuild(
         )
     seen.update((id(shape), id(shape[1])))
     kind, children = shape
+    if kind == "t":
+        return transport_dtensor.rebuild(loaded, children, f"{where}: item {quote(path)}")
     if kind == "d":
         found = loaded if isinstance(loaded, Mapping) else {}
-        # A value DCP did not store (a DTensor with no shard on this rank) stays absent.
+        # A value DCP did not store (a DTensor with no shard on this rank, as sent
+        # before DTensors travelled as their local shards) stays absent.
         return {
-            k: _rebuild(found.get(str(k)), child, where, depth + 1, seen)
+            k: _rebuild(found.get(str(k)), child, where, depth + 1, seen, _join(path, k))
             for k, child in children
             if child is not None or str(k) in found
         }
     items = loaded if isinstance(loaded, list) else []
     return [
-        _rebuild(items[i] if i < len(items) else None, c, where, depth + 1, seen)
+        _rebuild(items[i] if i < len(items) else None, c, where, depth + 1, seen, f"{path}[{i}]")
         for i, c in enumerate(children)
     ]
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
 
 
 def _seconds(timeout: timedelta | float) -> float:
@@ -207,10 +241,14 @@ class StorageTransport:
                 f"sending step {step} to {url}: the state dict has a top-level key "
                 f"{SHAPE_KEY!r}, which the transport reserves; rename that key"
             )
+        try:
+            shape = _shape(state_dict, "")
+        except ValueError as exc:
+            raise ValueError(f"sending step {step} to {url}: {exc}") from None
         self._manager.location.refuse_link(step, "remove the link; a replica's steps are its own")
         self._in_this_process()
         with self._lock:
-            future = self._executor.submit(self._write, step, state_dict)
+            future = self._executor.submit(self._write, step, state_dict, shape)
             self._inflight = future
         try:
             future.result(timeout=seconds)
@@ -331,7 +369,7 @@ class StorageTransport:
             self._resolved[url] = resolve_location(url, self.storage_options, self._explicit_fs)
         return self._resolved[url]
 
-    def _write(self, step: int, state_dict: Any) -> None:
+    def _write(self, step: int, state_dict: Any, shape: Shape) -> None:
         mgr = self._manager
         writer = CheckpointWriter(
             mgr.step_url(step),
@@ -341,7 +379,7 @@ class StorageTransport:
         )
         try:
             dcp.save(
-                {**state_dict, SHAPE_KEY: _shape(state_dict)},
+                {**_local(state_dict), SHAPE_KEY: shape},
                 storage_writer=writer,
                 no_dist=True,
             )

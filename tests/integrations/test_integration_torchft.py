@@ -27,10 +27,16 @@ import torch.distributed as dist
 
 pytest.importorskip("torchft", reason="pip install 'dcp-storage[torchft]'")
 
-from torchft.checkpointing.transport_test import run_multi_recovery_test  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+from torchft.checkpointing.transport_test import (  # noqa: E402
+    assertStateDictEqual,
+    make_state_dict,
+    run_multi_recovery_test,
+)
 
 import storage  # noqa: E402
 from extensions import ZStandard  # noqa: E402
+from extensions._compat import mesh_without_groups  # noqa: E402
 from extensions.errors import UnsafeCheckpointError  # noqa: E402
 from storage.integrations.torchft import StorageCheckpointTransport  # noqa: E402
 from tests.support.servers import (  # noqa: E402
@@ -83,6 +89,44 @@ def test_torchft_transport_harness(location: tuple[str, dict[str, Any] | None]) 
     finally:
         if dist.is_initialized():  # the harness leaves its group behind when it fails
             dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A gloo group of this process alone, as torchft's harness makes (DTensors need one)."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensors_come_back_as_dtensors_holding_the_senders_shard(
+    tmp_path: Path, one_rank_group: None
+) -> None:
+    """torchft's transports hand back a DTensor with the sender's spec around the sender's
+    local shard (the healing worker has the sender's rank in an identical group). Ours
+    gave back a plain tensor of the global shape, zero where other ranks' shards go; and
+    the DTensor of torchft's own harness state (a mesh without dimensions) not at all,
+    which that harness, comparing only the keys it got back, did not notice."""
+    # This rank's half of a tensor sharded over 2 ranks (the mesh makes no groups).
+    mesh = mesh_without_groups("cpu", [[0, 1]], ("replicate", "shard"))
+    half = torch.arange(4, dtype=torch.bfloat16)
+    sharded = DTensor.from_local(
+        half, mesh, [Replicate(), Shard(0)], run_check=False, shape=(8,), stride=(1,)
+    )
+    state = {**make_state_dict(torch.device("cpu")), "sharded": sharded, "in": [{"x": sharded}]}
+    sender = StorageCheckpointTransport(tmp_path, replica_id="a")
+    receiver = StorageCheckpointTransport(tmp_path, replica_id="b")
+    sender.send_checkpoint([1], 1, state, timedelta(seconds=60))
+    got = receiver.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=60))
+    assert got.keys() == state.keys()
+    assertStateDictEqual(unittest.TestCase(), {**state, "in": None}, {**got, "in": None})
+    for value in (got["sharded"], got["in"][0]["x"]):
+        assert isinstance(value, DTensor) and value._spec == sharded._spec
+        assert torch.equal(value.to_local().view(torch.int16), half.view(torch.int16))
+    sender.shutdown()
+    receiver.shutdown()
 
 
 def test_metadata_is_the_workers_own_directory(tmp_path: Path) -> None:
