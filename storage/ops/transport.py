@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from extensions._compat import load_state_dict_without_collectives
 from extensions.base import Keys
-from extensions.errors import UnsafeCheckpointError, quote
+from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError, quote
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.api import unwrap_checkpoint_exception
@@ -149,6 +149,10 @@ def _rebuild(
 
 def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
+
+
+def _data_files(storage_data: Mapping[Any, Any]) -> set[Any]:
+    return {getattr(info, "relative_path", None) for info in storage_data.values()}
 
 
 def _seconds(timeout: timedelta | float) -> float:
@@ -346,7 +350,21 @@ class StorageTransport:
             # Backs off to a quarter second: a heal waits on the commit it polls for (at
             # 1 s, a receiver noticed a commit 0.76 s late in the healing benchmark).
             delay = min(delay * 2, max(self.poll_interval, _POLL_CAP))
-        reader = CheckpointReader(url, keys=self.keys, registry=self.registry, filesystem=fs)
+        while True:
+            reader = self._reader(fs, url)
+            try:
+                return self._load(reader, url)
+            except CheckpointNotFoundError:
+                # torchft sends a step again when its commit failed (the heal did): the
+                # files of the save being read go once the new one commits, and the
+                # same race would fail every later try. Read the new save instead.
+                if time.monotonic() >= deadline or not self._sent_again(fs, url, reader):
+                    raise
+
+    def _reader(self, fs: FileSystemBase, url: str) -> CheckpointReader:
+        return CheckpointReader(url, keys=self.keys, registry=self.registry, filesystem=fs)
+
+    def _load(self, reader: CheckpointReader, url: str) -> dict[str, Any]:
         state: dict[str, Any] = {}
         try:
             # dcp.load would fill a copy of ``state``; this fills ``state`` itself.
@@ -361,6 +379,15 @@ class StorageTransport:
         shape = state.pop(SHAPE_KEY)
         rebuilt: dict[str, Any] = _rebuild(state, shape, url)
         return rebuilt
+
+    def _sent_again(self, fs: FileSystemBase, url: str, reader: CheckpointReader) -> bool:
+        """Whether ``url`` is now committed by another save than the one ``reader``
+        read (its data files differ: each save names its own)."""
+        try:
+            now = self._reader(fs, url).read_metadata()
+        except Exception:
+            return False  # gone, or unreadable: the error being handled stands
+        return _data_files(now.storage_data or {}) != _data_files(reader.storage_data)
 
     def _location(self, url: str) -> tuple[FileSystemBase, str]:
         if url == self.metadata():

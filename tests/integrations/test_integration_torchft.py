@@ -183,6 +183,34 @@ def test_a_restarted_worker_never_serves_the_step_its_previous_run_sent(tmp_path
     receiver.shutdown()
 
 
+def test_a_step_sent_again_while_it_is_read_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchft sends the same step again after a commit that failed (say, a heal that
+    timed out): the healing worker's next receive started on the committed save, whose
+    files went when the new one committed, and failed with a missing data file; each
+    retry met the same race, and no group could commit again."""
+    from storage.ops import transport as module
+
+    sender = StorageCheckpointTransport(tmp_path, replica_id="a")
+    receiver = StorageCheckpointTransport(tmp_path, replica_id="b")
+    sender.send_checkpoint([1], 5, {"w": torch.ones(3)}, timedelta(seconds=60))
+    sent_again: list[int] = []
+
+    class SendAgainOnce(module.PlainDataPlanner):
+        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            super().set_up_planner(*args, **kwargs)  # the metadata is read, the data not
+            if not sent_again:
+                sent_again.append(5)
+                sender.send_checkpoint([1], 5, {"w": torch.ones(3)}, timedelta(seconds=60))
+
+    monkeypatch.setattr(module, "PlainDataPlanner", SendAgainOnce)
+    got = receiver.recv_checkpoint(0, sender.metadata(), 5, timedelta(seconds=60))
+    assert sent_again and torch.equal(got["w"], torch.ones(3))
+    sender.shutdown()
+    receiver.shutdown()
+
+
 # --- healing: lighthouse, two replica groups, one killed and restarted ------------------
 
 REPLICA = Path(__file__).with_name("_torchft_replica.py")
