@@ -218,6 +218,7 @@ class StorageTransport:
         self._lock = threading.Lock()
         self._inflight: concurrent.futures.Future[None] | None = None
         self._closed = False
+        self._closing = threading.Event()  # wakes the receives waiting for a commit
         self._resolved: dict[str, tuple[FileSystemBase, str]] = {}
 
     @staticmethod
@@ -305,8 +306,10 @@ class StorageTransport:
             self._manager.delete(step)
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop accepting work; with ``wait``, finish the write in flight first."""
+        """Stop accepting work; with ``wait``, finish the write in flight first. A receive
+        waiting for a commit stops waiting and raises ``RuntimeError``."""
         self._closed = True
+        self._closing.set()
         self._executor.shutdown(wait=wait)
 
     # --- internals ------------------------------------------------------------------
@@ -346,7 +349,11 @@ class StorageTransport:
                     f"no committed checkpoint at {url}; the sender has not committed it "
                     "(is it alive, and writing to the same root?)"
                 )
-            time.sleep(min(delay, left))
+            if self._closing.wait(min(delay, left)):
+                raise RuntimeError(
+                    f"receiving step {step} from {sender}: the transport for "
+                    f"{self.metadata()} was shut down while it waited for {url}"
+                )
             # Backs off to a quarter second: a heal waits on the commit it polls for (at
             # 1 s, a receiver noticed a commit 0.76 s late in the healing benchmark).
             delay = min(delay * 2, max(self.poll_interval, _POLL_CAP))

@@ -211,6 +211,41 @@ def test_a_step_sent_again_while_it_is_read_is_read_again(
     receiver.shutdown()
 
 
+def test_shutdown_ends_a_receive_waiting_for_a_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchft's Manager.shutdown shuts the transport down, then waits for its quorum
+    thread: a receive polling for a step that never comes kept it (and the process's
+    exit) waiting out the whole heal timeout."""
+    import threading
+
+    from storage.ops import transport as module
+
+    polling = threading.Event()
+
+    def is_committed(fs: Any, path: str) -> bool:
+        polling.set()
+        return False
+
+    monkeypatch.setattr(module, "is_committed", is_committed)
+    receiver = StorageCheckpointTransport(tmp_path, replica_id="b")
+    outcome: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            receiver.recv_checkpoint(0, f"{tmp_path}/a/replica-0", 5, timedelta(hours=1))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    assert polling.wait(60)
+    receiver.shutdown(wait=False)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], RuntimeError) and "shut down while it waited" in str(outcome[0])
+
+
 # --- healing: lighthouse, two replica groups, one killed and restarted ------------------
 
 REPLICA = Path(__file__).with_name("_torchft_replica.py")
