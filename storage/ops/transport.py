@@ -16,7 +16,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -100,6 +100,7 @@ def _rebuild(
     depth: int = 0,
     seen: set[int] | None = None,
     path: str = "",
+    own: Any = None,
 ) -> Any:
     """``loaded`` in the containers ``shape`` records; the record is the sender's, so
     it is checked as it is walked: a malformed one, one nesting deeper than
@@ -107,7 +108,8 @@ def _rebuild(
     record twice, is refused naming ``where``. :func:`_shape` never shares a record, and
     a shared one (the pickle's memo makes that cheap) would unfold exponentially: 4 KiB
     holding 40 levels of ``("l", [x, x])`` asked for 2**40 containers. ``path`` names
-    the value in errors."""
+    the value in errors; ``own`` is the value at the same place in the receiver's own
+    state, if it gave one (a DTensor is rebuilt on the mesh of its own there)."""
     if shape is None:
         return loaded
     seen = set() if seen is None else seen
@@ -130,21 +132,40 @@ def _rebuild(
     seen.update((id(shape), id(shape[1])))
     kind, children = shape
     if kind == "t":
-        return transport_dtensor.rebuild(loaded, children, f"{where}: item {quote(path)}")
+        return transport_dtensor.rebuild(loaded, children, f"{where}: item {quote(path)}", own)
     if kind == "d":
         found = loaded if isinstance(loaded, Mapping) else {}
         # A value DCP did not store (a DTensor with no shard on this rank, as sent
         # before DTensors travelled as their local shards) stays absent.
+        mine = own if isinstance(own, Mapping) else {}
         return {
-            k: _rebuild(found.get(str(k)), child, where, depth + 1, seen, _join(path, k))
+            k: _rebuild(
+                found.get(str(k)), child, where, depth + 1, seen, _join(path, k), _get(mine, k)
+            )
             for k, child in children
             if child is not None or str(k) in found
         }
     items = loaded if isinstance(loaded, list) else []
+    own_items = own if isinstance(own, (list, tuple)) else ()
     return [
-        _rebuild(items[i] if i < len(items) else None, c, where, depth + 1, seen, f"{path}[{i}]")
+        _rebuild(
+            items[i] if i < len(items) else None,
+            c,
+            where,
+            depth + 1,
+            seen,
+            f"{path}[{i}]",
+            own_items[i] if i < len(own_items) else None,
+        )
         for i, c in enumerate(children)
     ]
+
+
+def _get(mapping: Mapping[Any, Any], key: Any) -> Any:
+    try:
+        return mapping.get(key)
+    except TypeError:  # a key the receiver's mapping cannot hash or compare
+        return None
 
 
 def _join(path: str, key: Any) -> str:
@@ -180,6 +201,11 @@ class StorageTransport:
     ``disallow_checkpoint`` waits for that write, after which the caller may change the
     state dict. ``recv_checkpoint`` polls until the sender's checkpoint is committed
     (``TimeoutError`` after ``timeout``) and returns a new state dict.
+
+    ``state_dict``, if given, returns this replica's own state, laid out as the sender
+    sends it; a received DTensor is rebuilt on the device mesh of the DTensor at the same
+    place in it (else on a mesh rebuilt from the sender's ranks, which a DTensor on a
+    slice of a mesh cannot be: see :mod:`~storage.ops.transport_dtensor`).
     """
 
     def __init__(
@@ -194,11 +220,13 @@ class StorageTransport:
         registry: ExtensionRegistry | None = None,
         filesystem: FileSystemBase | None = None,
         poll_interval: float = 0.05,
+        state_dict: Callable[[], Any] | None = None,
         **writer_options: Any,
     ) -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"rank must be an int >= 0, got {rank!r}")
         self.rank = rank
+        self.state_dict = state_dict
         self.storage_options = storage_options
         self.keys = keys
         self.registry = registry
@@ -384,7 +412,8 @@ class StorageTransport:
         if SHAPE_KEY not in state:  # written before the shape was recorded
             return state
         shape = state.pop(SHAPE_KEY)
-        rebuilt: dict[str, Any] = _rebuild(state, shape, url)
+        own = None if self.state_dict is None else self.state_dict()
+        rebuilt: dict[str, Any] = _rebuild(state, shape, url, own=own)
         return rebuilt
 
     def _sent_again(self, fs: FileSystemBase, url: str, reader: CheckpointReader) -> bool:

@@ -8,6 +8,12 @@ and local shard): the worker that heals holds the sender's rank in an identical 
 group, so the shard is its own. DCP would store the shard under the global shape instead
 (and nothing for a tensor on a mesh without dimensions), and the receiver would get a
 plain, zero-filled global tensor.
+
+The mesh is the receiver's own where the caller hands one (the ``DTensor`` at the same
+place in a state dict of its own); else it is rebuilt from the sender's ranks, which
+gives a mesh equal to the receiver's own only for a whole (root or flattened) mesh: a
+``DTensor`` on a slice of one (HSDP's or FSDP with tensor parallelism's ``mesh["dp"]``)
+is then refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ _DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 def describe(value: DTensor, where: str) -> list[Any]:
     """``value``'s layout as plain data: ``[device_type, ranks, dim_names, placements,
-    shape, stride]``. A layout it cannot carry whole (a placement other than shard,
-    strided shard, replicate or partial; a shard order other than the default) is
-    refused naming ``where``, rather than arriving changed."""
+    shape, stride, whole]``, ``whole`` saying whether a mesh rebuilt from the ranks
+    equals ``value``'s (not so for a slice of a mesh). A layout it cannot carry whole
+    (a placement other than shard, strided shard, replicate or partial; a shard order
+    other than the default) is refused naming ``where``, rather than arriving changed."""
     mesh = value.device_mesh
     names = mesh.mesh_dim_names
     record = [
@@ -43,6 +50,11 @@ def describe(value: DTensor, where: str) -> list[Any]:
         list(value.shape),
         list(value.stride()),
     ]
+    try:
+        whole = _rebuilt_mesh(record) == mesh
+    except Exception:
+        whole = False
+    record.append(whole)
     if _spec(mesh, record, value.dtype) != value._spec:
         raise ValueError(
             f"{where} is a DTensor whose layout {value._spec} the transport cannot carry "
@@ -82,26 +94,36 @@ _PLACEMENTS: dict[str, Any] = {
 _ARITY = {"S": 1, "SS": 2, "R": 0, "P": 1}
 
 
-def rebuild(local: Any, record: Any, where: str) -> DTensor:
+def rebuild(local: Any, record: Any, where: str, own: Any = None) -> DTensor:
     """The ``DTensor`` the sender described by ``record``, around ``local``, its loaded
-    shard (kept where it was loaded: on the CPU, as the transport's plain tensors). The
-    record is the sender's, so it is checked first; a malformed one is refused naming
-    ``where`` (the checkpoint and the item)."""
+    shard (kept where it was loaded: on the CPU, as the transport's plain tensors), on
+    the mesh of ``own`` where that is a ``DTensor`` (the receiver's at the same place),
+    else on one rebuilt from the sender's ranks. The record is the sender's, so it is
+    checked first; a malformed one is refused naming ``where`` (the checkpoint and the
+    item), and so is one whose mesh is not ``own``'s."""
     if not (isinstance(local, torch.Tensor) and _well_formed(record)):
         raise UnsafeCheckpointError(
             f"{where}: the record of this DTensor's layout is malformed, or its local shard "
             "is missing; the checkpoint is damaged or not written by StorageTransport: have "
             "the sender send it again"
         )
-    device_type, ranks, names, _, _, _ = record
-    if not dist.is_initialized():
+    if isinstance(own, DTensor):
+        _check_own_mesh(own.device_mesh, record, where)
+    elif not record[6]:
+        raise RuntimeError(
+            f"{where} is a DTensor on a slice of a device mesh (ranks {record[1]}, named "
+            f"{record[2]}), which cannot be rebuilt from its ranks alone: pass state_dict= "
+            "to the transport (a function returning this worker's own state, as the sender "
+            "sends it) so the DTensor is rebuilt on this worker's mesh"
+        )
+    elif not dist.is_initialized():
         raise RuntimeError(
             f"{where} is a DTensor: receiving it rebuilds its device mesh on this process's "
             "ranks, which needs torch.distributed initialized (init_process_group) before "
             "recv_checkpoint"
         )
     try:
-        mesh = mesh_without_groups(device_type, ranks, None if names is None else tuple(names))
+        mesh = own.device_mesh if isinstance(own, DTensor) else _rebuilt_mesh(record)
         return DTensor(local, _spec(mesh, record, local.dtype), requires_grad=False)
     except (ValueError, TypeError, IndexError, AssertionError, RuntimeError) as exc:
         raise UnsafeCheckpointError(
@@ -111,13 +133,29 @@ def rebuild(local: Any, record: Any, where: str) -> DTensor:
         ) from exc
 
 
+def _check_own_mesh(mesh: Any, record: list[Any], where: str) -> None:
+    names = None if mesh.mesh_dim_names is None else list(mesh.mesh_dim_names)
+    if [mesh.device_type, mesh.mesh.tolist(), names] != record[:3]:
+        raise UnsafeCheckpointError(
+            f"{where}: the sender's DTensor is on a {record[0]} mesh of ranks {record[1]} "
+            f"named {record[2]}, this worker's on a {mesh.device_type} mesh of ranks "
+            f"{mesh.mesh.tolist()} named {names}; give the replica groups the same mesh"
+        )
+
+
+def _rebuilt_mesh(record: list[Any]) -> Any:
+    device_type, ranks, names = record[:3]
+    return mesh_without_groups(device_type, ranks, None if names is None else tuple(names))
+
+
 def _well_formed(record: Any) -> bool:
-    if not (isinstance(record, list) and len(record) == 6):
+    if not (isinstance(record, list) and len(record) == 7):
         return False
-    device_type, ranks, names, placements, shape, stride = record
+    device_type, ranks, names, placements, shape, stride, whole = record
     dims = _mesh_dims(ranks, 0)
     return (
-        isinstance(device_type, str)
+        type(whole) is bool
+        and isinstance(device_type, str)
         and _DEVICE_TYPE.fullmatch(device_type) is not None
         and dims is not None
         and math.prod(dims) <= MAX_MESH_RANKS

@@ -129,6 +129,52 @@ def test_dtensors_come_back_as_dtensors_holding_the_senders_shard(
     receiver.shutdown()
 
 
+def test_a_dtensor_on_a_slice_of_a_mesh_heals_onto_the_receivers_own_mesh(
+    tmp_path: Path, one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FSDP2 with HSDP or tensor parallelism shards over a slice of a device mesh
+    (mesh["dp"]), which a mesh rebuilt from the sender's ranks does not equal (checked
+    with four gloo ranks and a (2, 2) mesh while this was written; here the rebuild is
+    made to fail instead). Given its own state (state_dict=, as torchft's PGTransport
+    takes it), the receiver rebuilds each DTensor on its own mesh; without it, the
+    receive names the item and the fix; a mesh of other ranks is refused."""
+    from storage.ops import transport_dtensor
+
+    def slice_only(record: list[Any]) -> Any:
+        raise RuntimeError("a slice: not rebuilt from its ranks")
+
+    mine = mesh_without_groups("cpu", [0, 1], ("dp",))
+    sent = DTensor.from_local(
+        torch.ones(2), mine, [Shard(0)], run_check=False, shape=(4,), stride=(1,)
+    )
+    sender = StorageCheckpointTransport(tmp_path, replica_id="a")
+    with monkeypatch.context() as patch:
+        patch.setattr(transport_dtensor, "_rebuilt_mesh", slice_only)
+        sender.send_checkpoint([1], 1, {"user": {"default": {"w": sent}}}, timedelta(seconds=60))
+    without = StorageCheckpointTransport(tmp_path, replica_id="b")
+    with pytest.raises(RuntimeError, match="'user.default.w' is a DTensor on a slice.*state_dict="):
+        without.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=60))
+    own = DTensor.from_local(
+        torch.zeros(2), mine, [Shard(0)], run_check=False, shape=(4,), stride=(1,)
+    )
+    healing = StorageCheckpointTransport(
+        tmp_path, replica_id="c", state_dict=lambda: {"user": {"default": {"w": own}}}
+    )
+    got = healing.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=60))["user"]
+    assert got["default"]["w"].device_mesh is mine and got["default"]["w"]._spec == sent._spec
+    other = mesh_without_groups("cpu", [0, 2], ("dp",))
+    elsewhere = DTensor.from_local(
+        torch.zeros(2), other, [Shard(0)], run_check=False, shape=(4,), stride=(1,)
+    )
+    wrong = StorageCheckpointTransport(
+        tmp_path, replica_id="d", state_dict=lambda: {"user": {"default": {"w": elsewhere}}}
+    )
+    with pytest.raises(UnsafeCheckpointError, match="mesh of ranks \\[0, 1\\].*\\[0, 2\\]"):
+        wrong.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=60))
+    for transport in (sender, without, healing, wrong):
+        transport.shutdown()
+
+
 def test_metadata_is_the_workers_own_directory(tmp_path: Path) -> None:
     transport = StorageCheckpointTransport(tmp_path, replica_id="train_0", group_rank=3)
     assert transport.metadata() == str(tmp_path / "train_0" / "replica-3")
