@@ -71,10 +71,10 @@ from torch.distributed.checkpoint.state_dict_loader import (  # noqa: E402
     _load_state_dict as load_state_dict_without_collectives,
 )
 
-# DTensorSpec and TensorMeta (torch.distributed.tensor._dtensor_spec, since 2.4), and
-# _StridedShard (placement_types, since 2.5; FSDP2 with tensor parallelism shards so):
-# what the recovery transport rebuilds a received DTensor from. DeviceMesh's
-# ``_init_backend`` keyword (since 2.6) is used by ``mesh_without_groups`` below.
+# DTensorSpec and TensorMeta (torch.distributed.tensor._dtensor_spec), and _StridedShard
+# (placement_types; FSDP2 with tensor parallelism shards so): what the recovery transport
+# rebuilds a received DTensor from. DeviceMesh's ``_init_backend`` keyword is used by
+# ``mesh_without_groups`` below. All three are in 2.7 (the oldest release supported).
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
 from torch.distributed.tensor.placement_types import (  # noqa: E402
