@@ -71,7 +71,18 @@ from torch.distributed.checkpoint.state_dict_loader import (  # noqa: E402
     _load_state_dict as load_state_dict_without_collectives,
 )
 
+# DTensorSpec and TensorMeta (torch.distributed.tensor._dtensor_spec), and _StridedShard
+# (placement_types; FSDP2 with tensor parallelism shards so): what the recovery transport
+# rebuilds a received DTensor from. DeviceMesh's ``_init_backend`` keyword is used by
+# ``mesh_without_groups`` below. All three are in 2.7 (the oldest release supported).
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
+from torch.distributed.tensor.placement_types import (  # noqa: E402
+    _StridedShard as StridedShard,
+)
+
 __all__ = [
+    "DTensorSpec",
     "EmptyStateDictLoadPlanner",
     "LegacyTensorProperties",
     "StorageInfo",
@@ -81,9 +92,24 @@ __all__ = [
     "load_state_dict_without_collectives",
     "narrow_tensor_by_index",
     "StateDictStager",
+    "StridedShard",
+    "TensorMeta",
+    "mesh_without_groups",
     "save_tensor_archive",
     "set_element",
 ]
+
+
+def mesh_without_groups(
+    device_type: str, ranks: list[Any], dim_names: tuple[str, ...] | None
+) -> DeviceMesh:
+    """A ``DeviceMesh`` of these global ``ranks`` that creates no process group
+    (``_init_backend=False``): creating groups is a collective, which one receiving
+    worker cannot run alone. It equals a mesh of the same ranks, layout and names that
+    the process built itself (DeviceMesh compares those), so a DTensor on it loads into
+    one on the process's own mesh; a collective on it (``full_tensor``) may need the
+    groups it lacks."""
+    return DeviceMesh(device_type, ranks, mesh_dim_names=dim_names, _init_backend=False)
 
 
 def save_tensor_archive(tensor: torch.Tensor, out: IO[bytes]) -> None:

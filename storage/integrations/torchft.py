@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -71,6 +71,13 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
     ``filesystem``, ``poll_interval`` and the writer options are
     :class:`~storage.StorageTransport`'s. Every replica group needs the same root, the
     same ``storage_options`` and the keys of the transforms used.
+
+    ``state_dict`` (as torchft's ``PGTransport`` takes it) returns this worker's own
+    state as the Manager sends it, ``{"user": {"default": <the Manager's state_dict()>},
+    "torchft": ...}`` (one entry per key registered with ``register_state_dict_fn``):
+    a received DTensor is rebuilt on the mesh of this worker's DTensor at the same place.
+    It is needed for DTensors on a slice of a device mesh (HSDP, FSDP with tensor
+    parallelism); one on a whole mesh is rebuilt from the sender's ranks without it.
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
         registry: ExtensionRegistry | None = None,
         filesystem: FileSystemBase | None = None,
         poll_interval: float = 0.05,
+        state_dict: Callable[[], Any] | None = None,
         **writer_options: Any,
     ) -> None:
         if not _is_group_name(replica_id):
@@ -106,6 +114,7 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
             registry=registry,
             filesystem=filesystem,
             poll_interval=poll_interval,
+            state_dict=state_dict,
             **writer_options,
         )
         # A restarted group's directory holds what it sent before: a receiver told to

@@ -16,17 +16,18 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from extensions._compat import load_state_dict_without_collectives
 from extensions.base import Keys
-from extensions.errors import UnsafeCheckpointError
+from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError, quote
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.api import unwrap_checkpoint_exception
@@ -34,6 +35,7 @@ from storage.checkpoint.layout import is_committed
 from storage.checkpoint.options import resolve_location
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
+from storage.ops import transport_dtensor
 from storage.ops.manager import CheckpointManager
 from storage.ops.transport_load import PlainDataPlanner
 
@@ -45,19 +47,38 @@ _PLAIN_KEYS = (str, int, float, bool, type(None))
 Shape = tuple[str, list[Any]] | None
 
 
-def _shape(value: Any) -> Shape:
+def _shape(value: Any, path: str) -> Shape:
     """What DCP's flattening loses: keys that are not strings (an optimizer's parameter
-    ids), empty dicts and lists (its state before the first step), lists of containers.
-    ``("d", [(key, shape), ...])`` for a mapping, ``("l", [shape, ...])`` for a list DCP
-    walks into, ``None`` for a value DCP stores whole."""
+    ids), empty dicts and lists (its state before the first step), lists of containers,
+    a DTensor's layout. ``("d", [(key, shape), ...])`` for a mapping, ``("l", [shape,
+    ...])`` for a list DCP walks into, ``("t", layout)`` for a DTensor (sent as its local
+    shard, see :mod:`~storage.ops.transport_dtensor`), ``None`` for a value DCP stores
+    whole. ``path`` names the value in errors."""
+    if isinstance(value, DTensor):
+        return ("t", transport_dtensor.describe(value, f"item {quote(path)}"))
     if isinstance(value, Mapping):
         return (
             "d",
-            [(k if isinstance(k, _PLAIN_KEYS) else str(k), _shape(v)) for k, v in value.items()],
+            [
+                (k if isinstance(k, _PLAIN_KEYS) else str(k), _shape(v, _join(path, k)))
+                for k, v in value.items()
+            ],
         )
     if isinstance(value, list) and _walked(value):
-        return ("l", [_shape(v) for v in value])
+        return ("l", [_shape(v, f"{path}[{i}]") for i, v in enumerate(value)])
     return None
+
+
+def _local(value: Any) -> Any:
+    """``value`` with each DTensor :func:`_shape` walks to replaced by its local shard
+    (containers copied, every other value as it is)."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, Mapping):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, list) and _walked(value):
+        return [_local(v) for v in value]
+    return value
 
 
 def _walked(values: list[Any]) -> bool:
@@ -73,14 +94,22 @@ MAX_NESTING = 100
 
 
 def _rebuild(
-    loaded: Any, shape: Shape, where: str, depth: int = 0, seen: set[int] | None = None
+    loaded: Any,
+    shape: Shape,
+    where: str,
+    depth: int = 0,
+    seen: set[int] | None = None,
+    path: str = "",
+    own: Any = None,
 ) -> Any:
     """``loaded`` in the containers ``shape`` records; the record is the sender's, so
     it is checked as it is walked: a malformed one, one nesting deeper than
     :data:`MAX_NESTING` (each level a recursion here), or one that holds a container
     record twice, is refused naming ``where``. :func:`_shape` never shares a record, and
     a shared one (the pickle's memo makes that cheap) would unfold exponentially: 4 KiB
-    holding 40 levels of ``("l", [x, x])`` asked for 2**40 containers."""
+    holding 40 levels of ``("l", [x, x])`` asked for 2**40 containers. ``path`` names
+    the value in errors; ``own`` is the value at the same place in the receiver's own
+    state, if it gave one (a DTensor is rebuilt on the mesh of its own there)."""
     if shape is None:
         return loaded
     seen = set() if seen is None else seen
@@ -88,9 +117,9 @@ def _rebuild(
         depth < MAX_NESTING
         and isinstance(shape, tuple)
         and len(shape) == 2
-        and shape[0] in ("d", "l")
+        and shape[0] in ("d", "l", "t")
         and isinstance(shape[1], list)
-        and (shape[0] == "l" or all(isinstance(c, tuple) and len(c) == 2 for c in shape[1]))
+        and (shape[0] != "d" or all(isinstance(c, tuple) and len(c) == 2 for c in shape[1]))
         and id(shape) not in seen
         and id(shape[1]) not in seen
     ):
@@ -102,19 +131,49 @@ def _rebuild(
         )
     seen.update((id(shape), id(shape[1])))
     kind, children = shape
+    if kind == "t":
+        return transport_dtensor.rebuild(loaded, children, f"{where}: item {quote(path)}", own)
     if kind == "d":
         found = loaded if isinstance(loaded, Mapping) else {}
-        # A value DCP did not store (a DTensor with no shard on this rank) stays absent.
+        # A value DCP did not store (a DTensor with no shard on this rank, as sent
+        # before DTensors travelled as their local shards) stays absent.
+        mine = own if isinstance(own, Mapping) else {}
         return {
-            k: _rebuild(found.get(str(k)), child, where, depth + 1, seen)
+            k: _rebuild(
+                found.get(str(k)), child, where, depth + 1, seen, _join(path, k), _get(mine, k)
+            )
             for k, child in children
             if child is not None or str(k) in found
         }
     items = loaded if isinstance(loaded, list) else []
+    own_items = own if isinstance(own, (list, tuple)) else ()
     return [
-        _rebuild(items[i] if i < len(items) else None, c, where, depth + 1, seen)
+        _rebuild(
+            items[i] if i < len(items) else None,
+            c,
+            where,
+            depth + 1,
+            seen,
+            f"{path}[{i}]",
+            own_items[i] if i < len(own_items) else None,
+        )
         for i, c in enumerate(children)
     ]
+
+
+def _get(mapping: Mapping[Any, Any], key: Any) -> Any:
+    try:
+        return mapping.get(key)
+    except TypeError:  # a key the receiver's mapping cannot hash or compare
+        return None
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _data_files(storage_data: Mapping[Any, Any]) -> set[Any]:
+    return {getattr(info, "relative_path", None) for info in storage_data.values()}
 
 
 def _seconds(timeout: timedelta | float) -> float:
@@ -142,6 +201,11 @@ class StorageTransport:
     ``disallow_checkpoint`` waits for that write, after which the caller may change the
     state dict. ``recv_checkpoint`` polls until the sender's checkpoint is committed
     (``TimeoutError`` after ``timeout``) and returns a new state dict.
+
+    ``state_dict``, if given, returns this replica's own state, laid out as the sender
+    sends it; a received DTensor is rebuilt on the device mesh of the DTensor at the same
+    place in it (else on a mesh rebuilt from the sender's ranks, which a DTensor on a
+    slice of a mesh cannot be: see :mod:`~storage.ops.transport_dtensor`).
     """
 
     def __init__(
@@ -156,11 +220,13 @@ class StorageTransport:
         registry: ExtensionRegistry | None = None,
         filesystem: FileSystemBase | None = None,
         poll_interval: float = 0.05,
+        state_dict: Callable[[], Any] | None = None,
         **writer_options: Any,
     ) -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"rank must be an int >= 0, got {rank!r}")
         self.rank = rank
+        self.state_dict = state_dict
         self.storage_options = storage_options
         self.keys = keys
         self.registry = registry
@@ -180,6 +246,7 @@ class StorageTransport:
         self._lock = threading.Lock()
         self._inflight: concurrent.futures.Future[None] | None = None
         self._closed = False
+        self._closing = threading.Event()  # wakes the receives waiting for a commit
         self._resolved: dict[str, tuple[FileSystemBase, str]] = {}
 
     @staticmethod
@@ -207,10 +274,14 @@ class StorageTransport:
                 f"sending step {step} to {url}: the state dict has a top-level key "
                 f"{SHAPE_KEY!r}, which the transport reserves; rename that key"
             )
+        try:
+            shape = _shape(state_dict, "")
+        except ValueError as exc:
+            raise ValueError(f"sending step {step} to {url}: {exc}") from None
         self._manager.location.refuse_link(step, "remove the link; a replica's steps are its own")
         self._in_this_process()
         with self._lock:
-            future = self._executor.submit(self._write, step, state_dict)
+            future = self._executor.submit(self._write, step, state_dict, shape)
             self._inflight = future
         try:
             future.result(timeout=seconds)
@@ -263,8 +334,10 @@ class StorageTransport:
             self._manager.delete(step)
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop accepting work; with ``wait``, finish the write in flight first."""
+        """Stop accepting work; with ``wait``, finish the write in flight first. A receive
+        waiting for a commit stops waiting and raises ``RuntimeError``."""
         self._closed = True
+        self._closing.set()
         self._executor.shutdown(wait=wait)
 
     # --- internals ------------------------------------------------------------------
@@ -304,11 +377,29 @@ class StorageTransport:
                     f"no committed checkpoint at {url}; the sender has not committed it "
                     "(is it alive, and writing to the same root?)"
                 )
-            time.sleep(min(delay, left))
+            if self._closing.wait(min(delay, left)):
+                raise RuntimeError(
+                    f"receiving step {step} from {sender}: the transport for "
+                    f"{self.metadata()} was shut down while it waited for {url}"
+                )
             # Backs off to a quarter second: a heal waits on the commit it polls for (at
             # 1 s, a receiver noticed a commit 0.76 s late in the healing benchmark).
             delay = min(delay * 2, max(self.poll_interval, _POLL_CAP))
-        reader = CheckpointReader(url, keys=self.keys, registry=self.registry, filesystem=fs)
+        while True:
+            reader = self._reader(fs, url)
+            try:
+                return self._load(reader, url)
+            except CheckpointNotFoundError:
+                # torchft sends a step again when its commit failed (the heal did): the
+                # files of the save being read go once the new one commits, and the
+                # same race would fail every later try. Read the new save instead.
+                if time.monotonic() >= deadline or not self._sent_again(fs, url, reader):
+                    raise
+
+    def _reader(self, fs: FileSystemBase, url: str) -> CheckpointReader:
+        return CheckpointReader(url, keys=self.keys, registry=self.registry, filesystem=fs)
+
+    def _load(self, reader: CheckpointReader, url: str) -> dict[str, Any]:
         state: dict[str, Any] = {}
         try:
             # dcp.load would fill a copy of ``state``; this fills ``state`` itself.
@@ -321,8 +412,18 @@ class StorageTransport:
         if SHAPE_KEY not in state:  # written before the shape was recorded
             return state
         shape = state.pop(SHAPE_KEY)
-        rebuilt: dict[str, Any] = _rebuild(state, shape, url)
+        own = None if self.state_dict is None else self.state_dict()
+        rebuilt: dict[str, Any] = _rebuild(state, shape, url, own=own)
         return rebuilt
+
+    def _sent_again(self, fs: FileSystemBase, url: str, reader: CheckpointReader) -> bool:
+        """Whether ``url`` is now committed by another save than the one ``reader``
+        read (its data files differ: each save names its own)."""
+        try:
+            now = self._reader(fs, url).read_metadata()
+        except Exception:
+            return False  # gone, or unreadable: the error being handled stands
+        return _data_files(now.storage_data or {}) != _data_files(reader.storage_data)
 
     def _location(self, url: str) -> tuple[FileSystemBase, str]:
         if url == self.metadata():
@@ -331,7 +432,7 @@ class StorageTransport:
             self._resolved[url] = resolve_location(url, self.storage_options, self._explicit_fs)
         return self._resolved[url]
 
-    def _write(self, step: int, state_dict: Any) -> None:
+    def _write(self, step: int, state_dict: Any, shape: Shape) -> None:
         mgr = self._manager
         writer = CheckpointWriter(
             mgr.step_url(step),
@@ -341,7 +442,7 @@ class StorageTransport:
         )
         try:
             dcp.save(
-                {**state_dict, SHAPE_KEY: _shape(state_dict)},
+                {**_local(state_dict), SHAPE_KEY: shape},
                 storage_writer=writer,
                 no_dist=True,
             )

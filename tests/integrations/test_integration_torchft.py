@@ -27,10 +27,16 @@ import torch.distributed as dist
 
 pytest.importorskip("torchft", reason="pip install 'dcp-storage[torchft]'")
 
-from torchft.checkpointing.transport_test import run_multi_recovery_test  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+from torchft.checkpointing.transport_test import (  # noqa: E402
+    assertStateDictEqual,
+    make_state_dict,
+    run_multi_recovery_test,
+)
 
 import storage  # noqa: E402
 from extensions import ZStandard  # noqa: E402
+from extensions._compat import mesh_without_groups  # noqa: E402
 from extensions.errors import UnsafeCheckpointError  # noqa: E402
 from storage.integrations.torchft import StorageCheckpointTransport  # noqa: E402
 from tests.support.servers import (  # noqa: E402
@@ -85,6 +91,90 @@ def test_torchft_transport_harness(location: tuple[str, dict[str, Any] | None]) 
             dist.destroy_process_group()
 
 
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A gloo group of this process alone, as torchft's harness makes (DTensors need one)."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensors_come_back_as_dtensors_holding_the_senders_shard(
+    tmp_path: Path, one_rank_group: None
+) -> None:
+    """torchft's transports hand back a DTensor with the sender's spec around the sender's
+    local shard (the healing worker has the sender's rank in an identical group). Ours
+    gave back a plain tensor of the global shape, zero where other ranks' shards go; and
+    the DTensor of torchft's own harness state (a mesh without dimensions) not at all,
+    which that harness, comparing only the keys it got back, did not notice."""
+    # This rank's half of a tensor sharded over 2 ranks (the mesh makes no groups).
+    mesh = mesh_without_groups("cpu", [[0, 1]], ("replicate", "shard"))
+    half = torch.arange(4, dtype=torch.bfloat16)
+    sharded = DTensor.from_local(
+        half, mesh, [Replicate(), Shard(0)], run_check=False, shape=(8,), stride=(1,)
+    )
+    state = {**make_state_dict(torch.device("cpu")), "sharded": sharded, "in": [{"x": sharded}]}
+    sender = StorageCheckpointTransport(tmp_path, replica_id="a")
+    receiver = StorageCheckpointTransport(tmp_path, replica_id="b")
+    sender.send_checkpoint([1], 1, state, timedelta(seconds=60))
+    got = receiver.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=60))
+    assert got.keys() == state.keys()
+    assertStateDictEqual(unittest.TestCase(), {**state, "in": None}, {**got, "in": None})
+    for value in (got["sharded"], got["in"][0]["x"]):
+        assert isinstance(value, DTensor) and value._spec == sharded._spec
+        assert torch.equal(value.to_local().view(torch.int16), half.view(torch.int16))
+    sender.shutdown()
+    receiver.shutdown()
+
+
+def test_a_dtensor_on_a_slice_of_a_mesh_heals_onto_the_receivers_own_mesh(
+    tmp_path: Path, one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FSDP2 with HSDP or tensor parallelism shards over a slice of a device mesh
+    (mesh["dp"]), which a mesh rebuilt from the sender's ranks does not equal (checked
+    with four gloo ranks and a (2, 2) mesh while this was written; here the rebuild is
+    made to fail instead). Given its own state (state_dict=, as torchft's PGTransport
+    takes it), the receiver rebuilds each DTensor on its own mesh; without it, the
+    receive names the item and the fix; a mesh of other ranks is refused."""
+    from storage.ops import transport_dtensor
+
+    def slice_only(record: list[Any]) -> Any:
+        raise RuntimeError("a slice: not rebuilt from its ranks")
+
+    mine = mesh_without_groups("cpu", [0, 1], ("dp",))
+    sent = DTensor.from_local(
+        torch.ones(2), mine, [Shard(0)], run_check=False, shape=(4,), stride=(1,)
+    )
+    sender = StorageCheckpointTransport(tmp_path, replica_id="a")
+    with monkeypatch.context() as patch:
+        patch.setattr(transport_dtensor, "_rebuilt_mesh", slice_only)
+        sender.send_checkpoint([1], 1, {"user": {"default": {"w": sent}}}, timedelta(seconds=60))
+    without = StorageCheckpointTransport(tmp_path, replica_id="b")
+    with pytest.raises(RuntimeError, match="'user.default.w' is a DTensor on a slice.*state_dict="):
+        without.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=60))
+    own = DTensor.from_local(
+        torch.zeros(2), mine, [Shard(0)], run_check=False, shape=(4,), stride=(1,)
+    )
+    healing = StorageCheckpointTransport(
+        tmp_path, replica_id="c", state_dict=lambda: {"user": {"default": {"w": own}}}
+    )
+    got = healing.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=60))["user"]
+    assert got["default"]["w"].device_mesh is mine and got["default"]["w"]._spec == sent._spec
+    other = mesh_without_groups("cpu", [0, 2], ("dp",))
+    elsewhere = DTensor.from_local(
+        torch.zeros(2), other, [Shard(0)], run_check=False, shape=(4,), stride=(1,)
+    )
+    wrong = StorageCheckpointTransport(
+        tmp_path, replica_id="d", state_dict=lambda: {"user": {"default": {"w": elsewhere}}}
+    )
+    with pytest.raises(UnsafeCheckpointError, match="mesh of ranks \\[0, 1\\].*\\[0, 2\\]"):
+        wrong.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=60))
+    for transport in (sender, without, healing, wrong):
+        transport.shutdown()
+
+
 def test_metadata_is_the_workers_own_directory(tmp_path: Path) -> None:
     transport = StorageCheckpointTransport(tmp_path, replica_id="train_0", group_rank=3)
     assert transport.metadata() == str(tmp_path / "train_0" / "replica-3")
@@ -137,6 +227,69 @@ def test_a_restarted_worker_never_serves_the_step_its_previous_run_sent(tmp_path
     assert torch.equal(got["w"], torch.zeros(3))
     after.shutdown()
     receiver.shutdown()
+
+
+def test_a_step_sent_again_while_it_is_read_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchft sends the same step again after a commit that failed (say, a heal that
+    timed out): the healing worker's next receive started on the committed save, whose
+    files went when the new one committed, and failed with a missing data file; each
+    retry met the same race, and no group could commit again."""
+    from storage.ops import transport as module
+
+    sender = StorageCheckpointTransport(tmp_path, replica_id="a")
+    receiver = StorageCheckpointTransport(tmp_path, replica_id="b")
+    sender.send_checkpoint([1], 5, {"w": torch.ones(3)}, timedelta(seconds=60))
+    sent_again: list[int] = []
+
+    class SendAgainOnce(module.PlainDataPlanner):
+        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            super().set_up_planner(*args, **kwargs)  # the metadata is read, the data not
+            if not sent_again:
+                sent_again.append(5)
+                sender.send_checkpoint([1], 5, {"w": torch.ones(3)}, timedelta(seconds=60))
+
+    monkeypatch.setattr(module, "PlainDataPlanner", SendAgainOnce)
+    got = receiver.recv_checkpoint(0, sender.metadata(), 5, timedelta(seconds=60))
+    assert sent_again and torch.equal(got["w"], torch.ones(3))
+    sender.shutdown()
+    receiver.shutdown()
+
+
+def test_shutdown_ends_a_receive_waiting_for_a_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchft's Manager.shutdown shuts the transport down, then waits for its quorum
+    thread: a receive polling for a step that never comes kept it (and the process's
+    exit) waiting out the whole heal timeout."""
+    import threading
+
+    from storage.ops import transport as module
+
+    polling = threading.Event()
+
+    def is_committed(fs: Any, path: str) -> bool:
+        polling.set()
+        return False
+
+    monkeypatch.setattr(module, "is_committed", is_committed)
+    receiver = StorageCheckpointTransport(tmp_path, replica_id="b")
+    outcome: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            receiver.recv_checkpoint(0, f"{tmp_path}/a/replica-0", 5, timedelta(hours=1))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    assert polling.wait(60)
+    receiver.shutdown(wait=False)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], RuntimeError) and "shut down while it waited" in str(outcome[0])
 
 
 # --- healing: lighthouse, two replica groups, one killed and restarted ------------------

@@ -312,9 +312,43 @@ def test_a_malformed_shape_record_is_refused_naming_it(
         shape = None
         for _ in range(40):
             shape = ("l", [shape, shape])
-    monkeypatch.setattr(module, "_shape", lambda value: shape)  # a sender that lies
+    monkeypatch.setattr(module, "_shape", lambda value, path: shape)  # a sender that lies
     transport = storage.StorageTransport(str(tmp_path), rank=0)
     transport.send_checkpoint([1], 1, {"w": torch.ones(2)}, timedelta(seconds=60))
     monkeypatch.undo()
     with pytest.raises(UnsafeCheckpointError, match=f"{SHAPE_KEY}.*malformed, nests deeper"):
         transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["cpu", [0], None, [["S", 0]], [4], [1], "extra"],
+        ["cpu", [0, [1]], None, [["S", 0]], [4], [1]],
+        ["cpu", [[0, 1]], None, [["S", 0]], [4], [1]],
+        ["cpu", [0], None, [["X", 0]], [4], [1]],
+        ["../x", [0], None, [["S", 0]], [4], [1]],
+        ["cpu", [0], None, [["S", 5]], [4], [1]],
+    ],
+    ids=["arity", "ragged", "placements", "placement", "device", "dim"],
+)
+def test_a_malformed_dtensor_layout_is_refused_naming_the_item(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: list[Any]
+) -> None:
+    """A DTensor's layout record is the sender's: one that is malformed, or names a
+    mesh or placement this process cannot build, is refused naming the item."""
+    import torch.distributed as dist
+
+    from extensions.errors import UnsafeCheckpointError
+    from storage.ops import transport as module
+
+    monkeypatch.setattr(module, "_shape", lambda value, path: ("d", [("w", ("t", layout))]))
+    transport = storage.StorageTransport(str(tmp_path), rank=0)
+    transport.send_checkpoint([1], 1, {"w": torch.ones(4)}, timedelta(seconds=60))
+    monkeypatch.undo()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="item 'w'.*DTensor"):
+            transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
+    finally:
+        dist.destroy_process_group()
