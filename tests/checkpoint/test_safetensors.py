@@ -352,7 +352,13 @@ HOSTILE_FILES = {
         IntegrityError,
         "names 'w' twice",
     ),
-    "a header that is not JSON": (_raw_file(b"[" * 100000), IntegrityError, "not valid JSON"),
+    "a header that is not JSON": (_raw_file(b"{" * 100000), IntegrityError, "not valid JSON"),
+    # A list of `{}` cost some 25x its bytes once parsed, before anything was checked.
+    "a header that is a list": (
+        _raw_file(b"[" + b",".join([b"{}"] * 1000) + b"]"),
+        IntegrityError,
+        "not a JSON object",
+    ),
     # JSON in UTF-16 (json.loads detects it in bytes) loaded here, while the safetensors
     # library, transformers and vLLM refuse the file: a header is UTF-8.
     "a header in UTF-16": (

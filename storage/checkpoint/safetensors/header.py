@@ -217,7 +217,7 @@ def parse_header(text: bytes, file: str, size: int) -> Header:
     decoded = _utf8(text, file, "header")
     _check_structure(text, file)
     raw = _load_json(decoded, file, "header", _compact)
-    if not isinstance(raw, dict):
+    if not isinstance(raw, dict):  # "{}" around a value: json refuses it unless "{}"
         raise _bad(file, None, "the header is not a JSON object")
     meta = raw.pop("__metadata__", None)
     crcs = _crcs(meta, file, len(raw))
@@ -266,7 +266,7 @@ def _check_structure(text: bytes, file: str) -> None:
     length. The strings are blanked first, so nothing in a name counts."""
     skeleton = _skeleton(text)
     if not (skeleton.startswith(b"{") and skeleton.endswith(b"}")):
-        return  # not an object: json's parse or the caller's check says what it is
+        raise _bad(file, None, "its header is not a JSON object (not valid JSON, or another value)")
     body = skeleton[1:-1]
     del skeleton
     if _NOT_NUMBERS.search(body):
