@@ -17,8 +17,8 @@ reading it. Python's JSON objects cost many times the text they come from (a dic
 ``{}``, some 50 bytes per short string), so before ``json`` builds any of them the
 header's structure is checked on its bytes (:func:`_check_structure`): only what a
 header holds, each tensor's entry at least as long as the shortest real one. A header
-then costs about what a real one of its size does (a few times its length), not the
-25x a crafted one took.
+then costs about what a real one of its size does (6-12x its length), not the 25x a
+crafted one took.
 """
 
 from __future__ import annotations
