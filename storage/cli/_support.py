@@ -207,8 +207,11 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int])
 
 def bad_lines(bad: dict[str, str]) -> list[str]:
     """A verify report's failures, one line each: a name's line break (the checkpoint
-    chooses its names) is escaped, never a line of its own."""
-    return [f"  {printable(name)}: {printable(why)}" for name, why in sorted(bad.items())]
+    chooses its names) is escaped, never a line of its own, and a name longer than
+    :data:`CELL_LIMIT` is cut (the ``--json`` report holds it whole)."""
+    return [
+        f"  {printable(name, CELL_LIMIT)}: {printable(why)}" for name, why in sorted(bad.items())
+    ]
 
 
 def emit(args: argparse.Namespace, data: Any, lines: Sequence[str]) -> None:

@@ -22,6 +22,7 @@ e.g. through ``AWS_ENDPOINT_URL``); ``trainer.fit(ckpt_path=URL)`` resumes.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -50,6 +51,8 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # 
 
 # The item holding everything but the tensors (storage.integrations._tree).
 PREFIX = "lightning"
+
+log = logging.getLogger(__name__)
 
 
 class StorageCheckpointIO(CheckpointIO):
@@ -111,7 +114,21 @@ class StorageCheckpointIO(CheckpointIO):
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         _refuse_call_options(storage_options, type(self).__name__)
+        self.replace_link(_location(path))
         save_alone(self.writer(_location(path)), _tree.pack(checkpoint, PREFIX))
+
+    def replace_link(self, path: str) -> None:
+        """Remove ``path`` if it is a symbolic link (the link only, never what it points
+        to), before a save there. ``ModelCheckpoint(save_last="link")`` makes
+        ``last.ckpt`` a link to the newest checkpoint; a later save to that name
+        (``save_last=True`` on resuming, or "link" before any top-k save) went through
+        the link into the checkpoint it points to and replaced it. Lightning's own
+        saves replace the link (fsspec renames its file over it): so do these, with a
+        checkpoint of their own."""
+        fs, location = resolve_location(path, self.options_for(path), None)
+        if fs.is_link(location):
+            log.info("%s is a symbolic link: replaced by this save's checkpoint", fs.url(location))
+            fs.rm_file(location)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -144,10 +161,13 @@ class StorageCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the committed checkpoint at ``path`` the safe way (metadata first, then
-        only the data files it names; storage.checkpoint.layout); nothing if there is none."""
+        only the data files it names; storage.checkpoint.layout); nothing if there is
+        none. A symbolic link (``save_last="link"``'s) is removed itself, never through."""
         url = _location(path)
         fs, location = resolve_location(url, self.options_for(url), None)
-        if is_committed(fs, location):
+        if fs.is_link(location):
+            fs.rm_file(location)
+        elif is_committed(fs, location):
             delete_checkpoint(fs, location)
 
 
@@ -351,6 +371,8 @@ def _save_sharded(
     """A sharded Lightning checkpoint in one collective commit: ``model_key`` and
     ``optimizer_<i>`` (as Lightning names them) from every rank, the rest from rank 0."""
     _refuse_call_options(storage_options, type(strategy).__name__)
+    if strategy.global_rank == 0:  # before any rank writes there (broadcast waits)
+        strategy.storage_io.replace_link(_location(filepath))
     url = strategy.broadcast(_location(filepath))  # rank 0's path for every rank
     state: dict[str, Any] = {model_key: checkpoint.pop("state_dict")}
     for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):

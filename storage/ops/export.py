@@ -29,15 +29,13 @@ from storage.checkpoint.api import load
 from storage.checkpoint.items import encryption_required
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.safetensors.files import (
-    clear_destination,
-    file_names,
+    commit_model,
+    new_names,
     publish_file,
-    publish_index,
     refuse_existing,
     split,
 )
 from storage.checkpoint.safetensors.header import (
-    INDEX_NAME,
     check_name,
     dtype_name,
     encode_header,
@@ -101,8 +99,10 @@ def export_safetensors(
     written is never published); other tensors are loaded once for their CRC-32C and
     again to be written, a batch or one tensor at a time. The index is written last
     (the commit: see ``storage.checkpoint.safetensors.files``), and a model already
-    at ``dst`` is refused unless ``overwrite``. Up to :data:`FILES` files are written
-    at once; when one fails, the others are interrupted and none of them is published.
+    at ``dst`` is refused unless ``overwrite``; a model replaced stays whole until
+    then (new files take other names), and its files are removed after. Up to
+    :data:`FILES` files are written at once; when one fails, the others are
+    interrupted and none of them is published.
     ``progress(done, total)`` is called with the bytes of tensor data written so far
     and in all after each tensor (from the threads writing the files, one call at a
     time)."""
@@ -153,7 +153,6 @@ def export_safetensors(
     by_name = {t.name: t for t in tensors}
     everything = sum(t.nbytes for t in tensors)
     groups = split([(t.name, t.nbytes) for t in tensors], max_shard_size)
-    names = file_names(len(groups))
     refuse_existing(dst_fs, dst, overwrite=overwrite)
 
     def load_batch(batch: list[Tensor]) -> dict[str, torch.Tensor]:
@@ -161,26 +160,23 @@ def export_safetensors(
         load(state, checkpoint, filesystem=src_fs, **reader_options)
         return {t.name: state.pop(t.fqn).to(t.dtype).contiguous() for t in batch}
 
-    files = [(dst_fs.concat_path(dst, n), [by_name[t] for t in g]) for g, n in zip(groups, names)]
     with ThreadPoolExecutor(AHEAD * FILES) as pool:
         checksum(src_fs, src, metadata, tensors, load_batch, pool)
-        # The source read back so far: a model being replaced is uncommitted only now,
-        # so an export refused for its source (damaged, keys missing) leaves it.
-        clear_destination(dst_fs, dst, overwrite=overwrite, single=len(names) == 1)
         try:  # what a killed export or save left here, as a SafetensorsWriter save does
             sweep(dst_fs, dst, STALE_AFTER)
         except Exception as exc:  # the export does not depend on it; gc sweeps too
             log.warning("%s: leftovers of interrupted saves not swept: %s", dst_fs.url(dst), exc)
         write_id = new_write_id()  # in every file and the index: a mix with another is refused
+        # Names the model being replaced does not use: it stays whole until the commit.
+        names = new_names(dst_fs, dst, len(groups), write_id)
+        files = [
+            (dst_fs.concat_path(dst, n), [by_name[t] for t in g]) for g, n in zip(groups, names)
+        ]
         stream = _Stream(src_fs, checkpoint, pool, load_batch, Cancel(current()), write_id)
         total = stream.write_all(dst_fs, files, everything, progress)
     weight_map = {t.name: name for (_, group), name in zip(files, names) for t in group}
-    if len(names) > 1:
-        publish_index(dst_fs, dst, weight_map, total, write_id)
-        names.append(INDEX_NAME)
-    else:
-        dst_fs.sync_dir(dst)
-    return ExportResult(checkpoint, dst_fs.url(dst), names, len(chosen), total, skipped)
+    written = commit_model(dst_fs, dst, weight_map, total, write_id)
+    return ExportResult(checkpoint, dst_fs.url(dst), written, len(chosen), total, skipped)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from storage.checkpoint.safetensors import (
     load_safetensors,
     save_safetensors,
 )
-from storage.checkpoint.safetensors.header import encode_header, layout
+from storage.checkpoint.safetensors.header import CRC_KEY, encode_header, layout
 from tests.support.distributed import gloo_group, spawn
 from tests.support.servers import boto3_client, endpoint_with_bucket, s3_options
 from tests.support.trees import tiny_llama
@@ -352,7 +352,13 @@ HOSTILE_FILES = {
         IntegrityError,
         "names 'w' twice",
     ),
-    "a header that is not JSON": (_raw_file(b"[" * 100000), IntegrityError, "not valid JSON"),
+    "a header that is not JSON": (_raw_file(b"{" * 100000), IntegrityError, "not valid JSON"),
+    # A list of `{}` cost some 25x its bytes once parsed, before anything was checked.
+    "a header that is a list": (
+        _raw_file(b"[" + b",".join([b"{}"] * 1000) + b"]"),
+        IntegrityError,
+        "not a JSON object",
+    ),
     # JSON in UTF-16 (json.loads detects it in bytes) loaded here, while the safetensors
     # library, transformers and vLLM refuse the file: a header is UTF-8.
     "a header in UTF-16": (
@@ -385,6 +391,49 @@ HOSTILE_FILES = {
         _raw_file({"w": _entry("U8", [2**62] * 64, 0, 1)}, b"\0"),
         IntegrityError,
         "'w'.*need",
+    ),
+    # Python objects cost many times the JSON they come from (some 25x for `{}` in a
+    # list): the structure is refused from the header's bytes before json builds them.
+    "objects in a shape": (
+        _raw_file(b'{"w":{"dtype":"U8","shape":[' + b",".join([b"{}"] * 1000) + b"]}}"),
+        IntegrityError,
+        "an array in its header holds something other than numbers",
+    ),
+    "an object nested in an entry": (
+        _raw_file(b'{"w":{"dtype":"U8","shape":{"a":{}},"data_offsets":[0,0]}}'),
+        IntegrityError,
+        "not one object per tensor",
+    ),
+    "values that are not entries": (
+        _raw_file(b'{"w":"' + b"x" * 100 + b'","v":1}'),
+        IntegrityError,
+        "not one object per tensor",
+    ),
+    "more entries than the header's length holds": (
+        _raw_file(b"{" + b",".join(b'"%d":{}' % i for i in range(1000)) + b"}"),
+        IntegrityError,
+        "1000 objects, more than it can hold",
+    ),
+    "a metadata map of 5000 members": (
+        _raw_file({"__metadata__": {str(i): "" for i in range(5000)}}),
+        IntegrityError,
+        "__metadata__ has over 4096 members",
+    ),
+    "two objects of four members": (
+        _raw_file({name: dict.fromkeys("abcd", "") for name in "ab"}),
+        IntegrityError,
+        "more than one object in its header has over three members",
+    ),
+    "a checksum table of more names than tensors": (
+        _raw_file(
+            {
+                "__metadata__": {CRC_KEY: json.dumps({str(i): "00000000" for i in range(50)})},
+                "w": _entry("U8", [1], 0, 1),
+            },
+            b"\0",
+        ),
+        IntegrityError,
+        "not a flat map of at most 1 names",
     ),
 }
 
@@ -427,6 +476,32 @@ def test_index_whose_files_escape_the_model_is_refused_before_reading(
         UnsafeCheckpointError, match="'w' is mapped to .*not a \\*.safetensors file beside"
     ):
         _load(str(model), {"w": torch.zeros(4)})
+
+
+def test_names_full_of_json_punctuation_load(tmp_path: Path) -> None:
+    """The structure checked before parsing is the header's, not its names': strings
+    (escaped quotes and backslashes included) are blanked before anything is counted."""
+    names = ['a{"b":[{}]},\\"', "c:{[", "\\", 'x"y}}}}', "{}" * 40]
+    tensors = {name: torch.arange(i + 1, dtype=torch.float32) for i, name in enumerate(names)}
+    save_safetensors(tensors, str(tmp_path / "ours"), max_shard_size=8)
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "model.safetensors").write_bytes(
+        save(tensors, metadata={str(i): "{[:," for i in range(10)})
+    )
+    for where in ("ours", "theirs"):
+        _equal(_load(str(tmp_path / where), tensors), tensors)
+
+
+def test_an_index_of_more_values_than_its_length_holds_is_refused(tmp_path: Path) -> None:
+    """A list of short strings in an index cost about 15x its bytes once parsed; an index
+    is refused, from its bytes, when it has more values than a weight_map of that length."""
+    junk = ",".join(['"ab"'] * 20000)
+    text = '{"metadata":{"x":[' + junk + ']},"weight_map":{"w":"model.safetensors"}}'
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    (tmp_path / "model.safetensors").write_bytes(save({"w": torch.zeros(4)}))
+    with pytest.raises(IntegrityError, match="not a safetensors index .* JSON values") as info:
+        _load(str(tmp_path), {"w": torch.zeros(4)})
+    assert "model.safetensors.index.json" in str(info.value)
 
 
 def test_an_index_over_the_size_limit_is_refused(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""A save or export killed while it writes a model over a single-file one: the folder
-holds the old model or the new one, never neither, and the next try succeeds."""
+"""A save or export killed while it writes a model over another: the folder holds the
+old model or the new one, never neither, and the next try succeeds."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from tests.support.gated_fs import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: Run in a child: our local backend holds the second write of any model file (its
-#: header went through), marks ``started`` and sleeps until the test kills the child.
+#: Run in a child: our local backend holds the second write of a model file whose name
+#: holds ``argv[6]`` (its header went through), marks ``started`` and sleeps until the
+#: test kills the child. ``argv[5]``: the largest file, in bytes ("": one file).
 _HELD = textwrap.dedent(
     """
     import contextlib, sys, time
@@ -49,24 +50,33 @@ _HELD = textwrap.dedent(
     @contextlib.contextmanager
     def held(self, path, mode, *, sync=False):
         with create_stream(self, path, mode, sync=sync) as stream:
-            yield Held(stream) if ".safetensors" in path else stream
+            yield Held(stream) if sys.argv[6] in path else stream
 
     LocalFileSystem.create_stream = held
+    size = int(sys.argv[5]) if sys.argv[5] else None
     if sys.argv[2] == "export":
         from storage.cli import main
-        main(["export", sys.argv[3], sys.argv[4], "--format", "safetensors", "--overwrite"])
+        cut = ["--max-shard-size", sys.argv[5]] if size else []
+        main(["export", sys.argv[3], sys.argv[4], "--format", "safetensors", "--overwrite", *cut])
     else:
-        storage.save_safetensors({"w": torch.zeros(4096)}, sys.argv[4], overwrite=True)
+        state = torch.load(sys.argv[3] + ".pt", weights_only=True)
+        storage.save_safetensors(state, sys.argv[4], overwrite=True, max_shard_size=size)
     """
 )
 
 
-def _kill_while_writing(tmp_path: Path, how: str, src: Path, out: Path) -> None:
+def _kill_while_writing(
+    tmp_path: Path,
+    how: str,
+    src: Path,
+    out: Path,
+    size: int | None = None,
+    hold: str = ".safetensors",
+) -> None:
     gate = tmp_path / "started"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    child = subprocess.Popen(
-        [sys.executable, "-c", _HELD, str(gate), how, str(src), str(out)], env=env, cwd=REPO
-    )
+    argv = [str(gate), how, str(src), str(out), str(size or ""), hold]
+    child = subprocess.Popen([sys.executable, "-c", _HELD, *argv], env=env, cwd=REPO)
     try:
         wait_for(gate)
     finally:
@@ -83,6 +93,7 @@ def test_a_write_killed_over_a_single_file_model_leaves_the_old_model(
     one: keeping the old until then costs nothing)."""
     src, out = tmp_path / "src", tmp_path / "out"
     storage.save({"w": torch.zeros(4096)}, str(src))
+    torch.save({"w": torch.zeros(4096)}, f"{src}.pt")
     storage.save_safetensors({"w": torch.ones(4096)}, str(out))
     _kill_while_writing(tmp_path, how, src, out)
     assert torch.equal(load_file(out / "model.safetensors")["w"], torch.ones(4096))
@@ -94,6 +105,36 @@ def test_a_write_killed_over_a_single_file_model_leaves_the_old_model(
     assert main(argv) == 0
     assert torch.equal(load_file(out / "model.safetensors")["w"], torch.zeros(4096))
     assert main(["verify", str(out)]) == 0
+
+
+@pytest.mark.parametrize("how", ["export", "save"])
+def test_a_write_killed_between_files_over_a_sharded_model_leaves_the_old_model(
+    tmp_path: Path, how: str
+) -> None:
+    """Replacing a model in several files removed its index, then wrote the new files
+    over the old ones' names: killed between two files, it left no model. The new files
+    take other names and the index is replaced last, so the old model stays whole."""
+    names = [f"w{i}" for i in range(4)]
+    src, out = tmp_path / "src", tmp_path / "out"
+    state = {n: torch.zeros(1024) for n in names}
+    storage.save(state, str(src))
+    torch.save(state, f"{src}.pt")
+    old = {n: torch.full((1024,), float(i)) for i, n in enumerate(names)}
+    storage.save_safetensors(old, str(out), max_shard_size=4096)
+    before = sorted(os.listdir(out))
+    _kill_while_writing(tmp_path, how, src, out, 4096, "-00003-of-00004")
+    target = {n: torch.empty(1024) for n in names}
+    storage.load_safetensors(target, str(out))
+    assert all(torch.equal(target[n], old[n]) for n in names)
+    assert main(["verify", str(out)]) == 0
+    # The next try replaces it, and removes the old files and those of the killed write.
+    argv = ["export", str(src), str(out), "--format", "safetensors", "--overwrite"]
+    assert main([*argv, "--max-shard-size", "4096"]) == 0
+    storage.load_safetensors(target, str(out))
+    assert all(torch.equal(target[n], state[n]) for n in names)
+    # (The killed write's temporary stays until it is an hour old: `gc` and writes sweep it.)
+    after = sorted(n for n in os.listdir(out) if ".tmp-" not in n)
+    assert len(after) == 5 and not set(after) & (set(before) - {"model.safetensors.index.json"})
 
 
 def test_verify_of_a_killed_export_says_it_did_not_finish(

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 import storage
 from extensions import AES256GCM, ZStandard
+from extensions.errors import IntegrityError
 from storage.backends import LocalFileSystem
 from storage.backends.registry import filesystem_from_url
 from storage.checkpoint.safetensors import load_safetensors
@@ -455,8 +456,6 @@ def test_export_refuses_a_plain_item_claiming_more_bytes_than_it_stores_before_a
 
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 
-    from extensions.errors import IntegrityError
-
     src = tmp_path / "src"
     if stock:
         dcp.save({"w": torch.ones(4)}, checkpoint_id=str(src), no_dist=True)
@@ -507,3 +506,78 @@ def test_export_reads_no_more_of_an_item_than_its_archive_around_the_tensor(
     finally:
         tracemalloc.stop()
     assert peak < 8 << 20
+
+
+def _damage(src: Path, fqn: str) -> None:
+    path, start, length = _item_bytes(src, fqn)
+    data = bytearray(path.read_bytes())
+    data[start + length // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _loaded(url: str, names: Any, **options: Any) -> dict[str, torch.Tensor]:
+    target = {name: torch.zeros(1024) for name in names}
+    load_safetensors(target, url, **options)
+    return target
+
+
+@pytest.mark.parametrize("old", [None, 4096], ids=["over-one-file", "over-four-files"])
+@pytest.mark.parametrize("new", [None, 4096], ids=["as-one-file", "as-four-files"])
+def test_an_export_that_fails_over_a_model_leaves_it_and_the_next_replaces_it_whole(
+    tmp_path: Path, old: int | None, new: int | None
+) -> None:
+    """Replacing a model in several files (or with several) removed its index before
+    the new files were written over the old ones' names: an export that failed between
+    files left no model. The new files take other names and the old model's go only
+    once the new one is committed, so a failed export leaves the old model whole."""
+    names = [f"w{i}" for i in range(4)]
+    out = tmp_path / "out"
+    storage.save({n: torch.full((1024,), float(i)) for i, n in enumerate(names)}, tmp_path / "a")
+    export_safetensors(
+        LocalFileSystem(), str(tmp_path / "a"), LocalFileSystem(), str(out), max_shard_size=old
+    )
+    storage.save({n: torch.full((1024,), -1.0) for n in names}, tmp_path / "b")
+    _damage(tmp_path / "b", "w3")  # in the last file: the others are written first
+    fs = LocalFileSystem()
+    with pytest.raises(IntegrityError, match="'w3'"):
+        export_safetensors(
+            fs, str(tmp_path / "b"), fs, str(out), max_shard_size=new, overwrite=True
+        )
+    loaded = _loaded(str(out), names)
+    assert all(torch.equal(loaded[n], torch.full((1024,), float(i))) for i, n in enumerate(names))
+    storage.save({n: torch.full((1024,), -2.0) for n in names}, tmp_path / "b", overwrite=True)
+    result = export_safetensors(
+        fs, str(tmp_path / "b"), fs, str(out), max_shard_size=new, overwrite=True
+    )
+    assert all(torch.equal(t, torch.full((1024,), -2.0)) for t in _loaded(str(out), names).values())
+    assert sorted(os.listdir(out)) == sorted(result.files)  # nothing of the old model left
+    assert not verify_model(fs, str(out)).bad
+
+
+def test_an_export_that_fails_over_a_sharded_model_in_a_bucket_leaves_it(
+    endpoint: str, tmp_path: Path
+) -> None:
+    """As on local disk: the old model in the bucket loads until the new one's index is
+    published, then only the new model's objects are there."""
+    names = [f"w{i}" for i in range(4)]
+    options = s3_options(endpoint)
+    url = f"s3://{BUCKET}/replaced-{uuid.uuid4().hex[:8]}"
+    fs, root = filesystem_from_url(url, options)
+    storage.save({n: torch.full((1024,), float(i)) for i, n in enumerate(names)}, tmp_path / "a")
+    local = LocalFileSystem()
+    export_safetensors(local, str(tmp_path / "a"), fs, root, max_shard_size=4096)
+    storage.save({n: torch.full((1024,), -1.0) for n in names}, tmp_path / "b")
+    _damage(tmp_path / "b", "w3")
+    with pytest.raises(IntegrityError, match="'w3'"):
+        export_safetensors(
+            local, str(tmp_path / "b"), fs, root, max_shard_size=4096, overwrite=True
+        )
+    loaded = _loaded(url, names, storage_options=options)
+    assert all(torch.equal(loaded[n], torch.full((1024,), float(i))) for i, n in enumerate(names))
+    storage.save({n: torch.full((1024,), -2.0) for n in names}, tmp_path / "b", overwrite=True)
+    result = export_safetensors(
+        local, str(tmp_path / "b"), fs, root, max_shard_size=4096, overwrite=True
+    )
+    loaded = _loaded(url, names, storage_options=options)
+    assert all(torch.equal(t, torch.full((1024,), -2.0)) for t in loaded.values())
+    assert sorted(fs.ls(root)) == sorted(result.files)

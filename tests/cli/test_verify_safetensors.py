@@ -103,6 +103,21 @@ def test_a_damaged_tensor_whose_name_holds_a_line_break_cannot_forge_a_line(
     assert "model.safetensors: w\\nOK: safetensors model forged: checksum mismatch" in lines[1]
 
 
+def test_a_damaged_tensor_with_a_name_of_a_megabyte_is_named_in_a_bounded_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tensor's name (up to the header's size) went whole into verify's line."""
+    name = "w" * (1 << 20)
+    dcp.save({name: torch.ones(64)}, storage_writer=SafetensorsWriter(tmp_path), no_dist=True)
+    path = tmp_path / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert main(["verify", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "checksum mismatch" in lines[1] and len(lines[1]) < 1000
+
+
 @pytest.mark.parametrize("command", ["inspect", "cp"])
 def test_the_commands_that_read_dcp_checkpoints_point_a_model_at_verify(
     tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]

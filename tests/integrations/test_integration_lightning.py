@@ -312,6 +312,47 @@ def test_a_payload_in_the_rest_is_refused_without_torchs_advice(
     assert not marker.exists()
 
 
+def test_a_save_to_a_linked_last_checkpoint_replaces_the_link_not_its_target(
+    tmp_path: Any,
+) -> None:
+    """``save_last="link"`` makes last.ckpt a symbolic link to the newest checkpoint (and
+    a fit resumes through it); a run resumed with ``save_last=True`` then saved last.ckpt
+    through the link, into epoch=1's checkpoint: the link is replaced now, as Lightning's
+    own saves replace it, and a removal takes the link, never what it points to."""
+    plugin = StorageCheckpointIO()
+    linked = ModelCheckpoint(dirpath=tmp_path, save_last="link", save_top_k=-1)
+    _trainer(2, plugins=[plugin], callbacks=[linked]).fit(TinyModule(), _data())
+    last, kept = tmp_path / "last.ckpt", tmp_path / "epoch=1-step=8.ckpt"
+    assert last.is_symlink() and os.readlink(last) == kept.name
+    again = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=-1)
+    later = _trainer(3, plugins=[plugin], callbacks=[again])
+    later.fit(TinyModule(seed=5), _data(), ckpt_path=str(last))  # through the link
+    assert later.global_step == 12
+    assert plugin.load_checkpoint(kept)["global_step"] == 8
+    assert not last.is_symlink() and plugin.load_checkpoint(last)["global_step"] == 12
+    link = tmp_path / "link.ckpt"
+    link.symlink_to(kept.name)
+    plugin.remove_checkpoint(link)
+    assert not link.exists() and plugin.load_checkpoint(kept)["global_step"] == 8
+
+
+def test_a_sharded_save_to_a_linked_path_replaces_the_link(tmp_path: Any) -> None:
+    """The sharded strategies' saves (every rank writes) replace a link at the path
+    on rank 0 before any rank writes, as StorageCheckpointIO's do."""
+    from storage.integrations.lightning import _save_sharded
+
+    plugin = StorageCheckpointIO()
+    plugin.save_checkpoint({"global_step": 8, "w": torch.ones(2)}, tmp_path / "kept.ckpt")
+    (tmp_path / "last.ckpt").symlink_to("kept.ckpt")
+    strategy = types.SimpleNamespace(
+        global_rank=0, broadcast=lambda value: value, storage_io=plugin
+    )
+    checkpoint = {"state_dict": {"w": torch.zeros(2)}, "global_step": 12}
+    _save_sharded(strategy, "state_dict", checkpoint, tmp_path / "last.ckpt", None)
+    assert not (tmp_path / "last.ckpt").is_symlink()
+    assert plugin.load_checkpoint(tmp_path / "kept.ckpt")["global_step"] == 8
+
+
 def test_without_lightning_the_import_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "lightning.pytorch.plugins.io", None)
     monkeypatch.delitem(sys.modules, "storage.integrations.lightning")

@@ -10,7 +10,7 @@ The design, the same on every backend (object stores cannot write at offsets):
    tensor's dtype and full shape), combines the shards' CRC-32Cs into each tensor's,
    writes every file as header + each tensor's shards in order, copied from the
    staging objects in bounded ranged reads (``thread_count`` files at once), then the
-   index (the commit), then removes the staging area.
+   index (the commit, ``files.commit_model``), then removes the staging area.
 
 Each rank and the coordinator keep a heartbeat in the area while they use it; an area a
 killed save left is swept later (``staging``).
@@ -37,7 +37,7 @@ from extensions.errors import IntegrityError, quote
 from extensions.streams import readinto_exact
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.safetensors.crcs import crc32c_combine
-from storage.checkpoint.safetensors.files import file_names, publish_file, publish_index, split
+from storage.checkpoint.safetensors.files import commit_model, new_names, publish_file, split
 from storage.checkpoint.safetensors.header import encode_header, layout, nbytes
 
 _COPY = 8 << 20  # bytes per ranged read while assembling a file
@@ -109,7 +109,7 @@ def consolidate(
         tensor.crc32c = _check_tiling(fs.url(root), fqn, tensor)
         tensors[fqn] = tensor
     groups = split([(f, nbytes(t.dtype, t.shape)) for f, t in tensors.items()], max_shard_size)
-    names = file_names(len(groups))
+    names = new_names(fs, root, len(groups), write_id)
 
     def write(job: tuple[list[str], str]) -> None:
         group, name = job
@@ -117,12 +117,9 @@ def consolidate(
 
     with ThreadPoolExecutor(max(1, min(threads, len(groups)))) as pool:
         list(pool.map(write, zip(groups, names)))
-    if len(names) > 1:
-        weight_map = {f: name for group, name in zip(groups, names) for f in group}
-        total = sum(nbytes(t.dtype, t.shape) for t in tensors.values())
-        publish_index(fs, root, weight_map, total, write_id)
-    else:
-        fs.sync_dir(root)
+    weight_map = {f: name for group, name in zip(groups, names) for f in group}
+    total = sum(nbytes(t.dtype, t.shape) for t in tensors.values())
+    commit_model(fs, root, weight_map, total, write_id)
 
 
 def _at(piece: Piece) -> int:

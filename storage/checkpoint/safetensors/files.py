@@ -5,8 +5,13 @@ The commit protocol: a model is committed when ``model.safetensors.index.json`` 
 there (several files) or, for one file, when ``model.safetensors`` is. Shard files are
 written first and the index last, so an export that stopped half way has no index and
 is never taken for a model; a single file is published whole (object stores publish an
-upload whole, local disk writes a temporary name and renames it). Replacing a model
-removes its index (or single file) before anything else is written.
+upload whole, local disk writes a temporary name and renames it); the index is
+published whole too. Replacing a model keeps it whole until the new one is committed:
+the new files never take the old ones' names (:func:`new_names`), the commit
+(:func:`commit_model`) replaces the index in one step (or, for a single file, removes
+the old index once the file is there), and only then are the old model's files, and
+those of a write killed half way, removed. A write that stops half way leaves the old
+model, plus unreferenced files the next write removes.
 
 Each write (a save, an export) records one random id in every file's header and in the
 index (:data:`~storage.checkpoint.safetensors.header.WRITE_KEY`): two writes to one
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,16 +56,73 @@ from storage.checkpoint.safetensors.header import (
     parse_header,
     parse_index,
 )
+from storage.checkpoint.safetensors.staging import is_model_file_name
 from storage.checkpoint.tensors import tensor_bytes
 
 _PREFETCH = 64 << 10  # the first read of a file: its header length and most headers
+_TAG = 8  # hex digits of the write id in the names of a model written beside another
+
+log = logging.getLogger(__name__)
 
 
-def file_names(count: int) -> list[str]:
-    """The names of a model's ``count`` files, as transformers and torch name them."""
+def file_names(count: int, tag: str = "") -> list[str]:
+    """The names of a model's ``count`` files, as transformers and torch name them
+    (several: ``tag`` after ``model-`` where given, see :func:`new_names`)."""
     if count == 1:
         return [SINGLE_NAME]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    prefix = f"model-{tag}-" if tag else "model-"
+    return [f"{prefix}{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def new_names(fs: FileSystemBase, root: str, count: int, write_id: str) -> list[str]:
+    """The names of the ``count`` files of a new model at ``root``: transformers' names
+    unless one of them is there already (the model being replaced, or what a killed
+    write left), then those names tagged with the start of ``write_id``
+    (``model-1a2b3c4d-00001-of-00004.safetensors``), so no file of the model there is
+    written over before the new one is committed. One file is ``model.safetensors``:
+    it is published whole over the old one."""
+    names = file_names(count)
+    if count == 1 or not any(fs.exists(fs.concat_path(root, n)) for n in names):
+        return names
+    return file_names(count, write_id[:_TAG])
+
+
+def commit_model(
+    fs: FileSystemBase, root: str, weight_map: dict[str, str], total: int, write_id: str
+) -> list[str]:
+    """Commit the model whose files (the values of ``weight_map``, tensor -> file) are
+    written at ``root``, then remove the files of the model it replaces; its files,
+    the commit (index or single file) last. Several files: the index is published (and
+    the folder read back, :func:`publish_index`); one: the index of a model it replaces
+    is removed, which makes ``model.safetensors`` the model."""
+    files = sorted(set(weight_map.values()))
+    if len(files) > 1:
+        publish_index(fs, root, weight_map, total, write_id)
+        files.append(INDEX_NAME)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(fs.concat_path(root, INDEX_NAME))
+        fs.sync_dir(root)
+    _remove_replaced(fs, root, set(files))
+    return files
+
+
+def _remove_replaced(fs: FileSystemBase, root: str, keep: set[str]) -> None:
+    """Remove the model files (named as a save or export names them) at ``root`` that
+    are not in ``keep``: the replaced model's, and those of writes killed before their
+    commit. Quietly: one left behind is unreferenced, and the next write removes it."""
+    try:
+        names = fs.ls(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    doomed = [n for n in names if is_model_file_name(n) and n not in keep]
+    for name in doomed:
+        try:
+            fs.rm_file(fs.concat_path(root, name))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("%s: a file of the replaced model is left: %s", fs.url(root), exc)
 
 
 def split(sizes: Sequence[tuple[str, int]], max_size: int | None) -> list[list[str]]:
@@ -79,9 +142,8 @@ def split(sizes: Sequence[tuple[str, int]], max_size: int | None) -> list[list[s
 
 def refuse_existing(fs: FileSystemBase, root: str, *, overwrite: bool) -> list[str]:
     """Refuse a committed model at ``root`` unless ``overwrite``; the names of its
-    commit (index, single file) found there. Removes nothing: a save or export checks
-    this first, and uncommits the old model (:func:`clear_destination`) only once what
-    it can check before writing has passed, so a refused one leaves the old model."""
+    commit (index, single file) found there. Removes nothing: the old model stays
+    until the new one is committed (:func:`commit_model`)."""
     found = [n for n in (INDEX_NAME, SINGLE_NAME) if fs.exists(fs.concat_path(root, n))]
     if found and not overwrite:
         raise CheckpointExistsError(
@@ -90,19 +152,6 @@ def refuse_existing(fs: FileSystemBase, root: str, *, overwrite: bool) -> list[s
             "destination"
         )
     return found
-
-
-def clear_destination(
-    fs: FileSystemBase, root: str, *, overwrite: bool, single: bool = False
-) -> None:
-    """Refuse a committed model at ``root`` unless ``overwrite``; with it, uncommit the
-    model (index first) before any of the new one's files is written. An old single
-    file stays when the new model is ``single`` (one file) too: publishing the new one
-    replaces it whole, so a write that stops half way (killed, failed) leaves the old
-    model rather than none."""
-    for name in refuse_existing(fs, root, overwrite=overwrite):
-        if not (single and name == SINGLE_NAME):
-            fs.rm_file(fs.concat_path(root, name))
 
 
 @contextlib.contextmanager
@@ -173,7 +222,14 @@ def _confirm_write(fs: FileSystemBase, root: str, write_id: str) -> None:
             f"{quote(write_id)}); the folder holds that write's model, or a mix: export or "
             "save the model again, one writer at a time"
         )
-    read_model(fs, root, threads=8)  # every file the index names carries its write id
+    try:
+        read_model(fs, root, threads=8)  # every file the index names carries its write id
+    except CheckpointNotFoundError as exc:  # the other write removed them, replacing us
+        raise IntegrityError(
+            f"{fs.url(root)}: another save or export to this folder removed files of this "
+            f"one while it was written ({exc}); two writes to this folder overlapped: export "
+            "or save the model again, one writer at a time"
+        ) from exc
 
 
 def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, TensorEntry]:

@@ -13,7 +13,12 @@ readers ignore them, ours checks them.
 
 Hostile headers are refused by :func:`parse_header` with an error naming the file, the
 tensor and the fix; the caller bounds the header's length (:data:`MAX_HEADER`) before
-reading it.
+reading it. Python's JSON objects cost many times the text they come from (a dict per
+``{}``, some 50 bytes per short string), so before ``json`` builds any of them the
+header's structure is checked on its bytes (:func:`_check_structure`): only what a
+header holds, each tensor's entry at least as long as the shortest real one. A header
+then costs about what a real one of its size does (6-12x its length), not the 25x a
+crafted one took.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import math
 import re
 import struct
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +45,14 @@ CRC_KEY = "dcp_storage.crc32c"
 #: the index's ``metadata``: every file an index names must carry the index's.
 WRITE_KEY = "dcp_storage.write_id"
 METADATA_KEY = "__metadata__"
-#: Longest header (and index) accepted: far above any real model's, far below memory.
+#: Longest header (and index) accepted: the safetensors library's limit (100 MB).
 MAX_HEADER = 100 << 20
+#: The shortest entry a tensor can have, its name empty:
+#: ``"":{"dtype":"U8","shape":[],"data_offsets":[0,0]}``.
+MIN_ENTRY = 49
+#: Most members of the one map of strings a header may hold (``__metadata__``) and of an
+#: index's ``metadata``: real ones hold a few.
+MAX_METADATA = 4096
 _ALIGN = 8
 
 #: safetensors' dtype names, in the order of its ``Dtype`` enum (the library writes the
@@ -68,7 +79,7 @@ _RANK = {name: i for i, name in enumerate(DTYPES)}
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One tensor of a safetensors file: where its bytes are (absolute offsets in the
     file), what they are, and the CRC-32C our writer recorded (``None`` otherwise)."""
@@ -203,16 +214,18 @@ def parse_header(text: bytes, file: str, size: int) -> Header:
     prefix), each checked: a known dtype, a shape whose bytes are its extent, extents
     inside the file that tile its data region in order with no overlap or gap, names
     unique, and our CRC-32C metadata well formed where present; and its write id."""
-    raw = _load_json(text, file, "header")
-    if not isinstance(raw, dict):
+    decoded = _utf8(text, file, "header")
+    _check_structure(text, file)
+    raw = _load_json(decoded, file, "header", _compact)
+    if not isinstance(raw, dict):  # "{}" around a value: json refuses it unless "{}"
         raise _bad(file, None, "the header is not a JSON object")
     meta = raw.pop("__metadata__", None)
-    crcs = _crcs(meta, file)
+    crcs = _crcs(meta, file, len(raw))
     write_id = meta.get(WRITE_KEY) if isinstance(meta, dict) else None
     data_start = 8 + len(text)
     entries: dict[str, TensorEntry] = {}
-    for name, info in raw.items():
-        entries[name] = _entry(name, info, file, data_start, crcs)
+    for name in list(raw):  # each entry freed once checked: never both forms of all
+        entries[name] = _entry(name, raw.pop(name), file, data_start, crcs)
     cursor = data_start
     for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
         if entry.begin != cursor:
@@ -233,12 +246,100 @@ def parse_header(text: bytes, file: str, size: int) -> Header:
     return Header(entries, write_id)
 
 
+# JSON strings (escapes included), an array holding anything but numbers, an object
+# holding none, and one with more than three members (its first four colons).
+_STRING = re.compile(rb'"[^"]*"')
+_WINDOW = 1 << 20
+_NOT_NUMBERS = re.compile(rb'\[[^\[\]{}"]*[\[{"]')
+_FLAT_OBJECT = re.compile(rb"\{[^{}]*\}")
+_FOUR_MEMBERS = re.compile(rb"\{[^{}:]*:[^{}:]*:[^{}:]*:[^{}:]*:")
+_TENSOR_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+_DTYPE_NAMES = {name: name for name in DTYPES}
+
+
+def _check_structure(text: bytes, file: str) -> None:
+    """Refuse, from its bytes alone, a header that is not an object of objects (each
+    tensor's entry, and ``__metadata__``) whose arrays hold numbers, with more of
+    them than its length can hold as entries of :data:`MIN_ENTRY` bytes, or more than
+    one object of over three members (``__metadata__``; at most :data:`MAX_METADATA`):
+    what makes ``json`` build far more Python objects than a real header of that
+    length. The strings are blanked first, so nothing in a name counts."""
+    skeleton = _skeleton(text)
+    if not (skeleton.startswith(b"{") and skeleton.endswith(b"}")):
+        raise _bad(file, None, "its header is not a JSON object (not valid JSON, or another value)")
+    body = skeleton[1:-1]
+    del skeleton
+    if _NOT_NUMBERS.search(body):
+        raise _bad(file, None, "an array in its header holds something other than numbers")
+    flat = _FLAT_OBJECT.sub(b"o", body)
+    if flat.replace(b'"":o,', b"") not in (b"", b'"":o'):
+        raise _bad(
+            file,
+            None,
+            "its header is not one object per tensor (and one for __metadata__) under the "
+            "tensors' names: it holds other values or deeper objects",
+        )
+    objects = flat.count(b"o")
+    del flat
+    if (objects - 1) * MIN_ENTRY > len(text):
+        raise _bad(
+            file,
+            None,
+            f"its header of {len(text)} bytes holds {objects} objects, more than it can hold "
+            f"as tensors' entries (each at least {MIN_ENTRY} bytes)",
+        )
+    many = _FOUR_MEMBERS.search(body)
+    if many is None:
+        return
+    if _FOUR_MEMBERS.search(body, many.end()):
+        raise _bad(file, None, "more than one object in its header has over three members")
+    if body.count(b":", many.start(), body.index(b"}", many.start())) > MAX_METADATA:
+        raise _bad(file, None, f"its __metadata__ has over {MAX_METADATA} members")
+
+
+def _skeleton(text: bytes) -> bytes:
+    """``text`` with every JSON string emptied (``""``) and no whitespace: its structure.
+    Escapes go first (``\\\\``, then ``\\"``), so every quote left delimits a string;
+    strings are emptied :data:`_WINDOW` bytes at a time (each window ends outside a
+    string), as ``re.sub`` keeps two objects per match until it joins them."""
+    plain = text.replace(b"\\\\", b"").replace(b'\\"', b"")
+    out = bytearray()
+    start = 0
+    while start < len(plain):
+        end = min(len(plain), start + _WINDOW)
+        if plain.count(b'"', start, end) % 2:  # inside a string: end after it
+            close = plain.find(b'"', end)
+            end = len(plain) if close < 0 else close + 1
+        out += _STRING.sub(b'""', plain[start:end]).translate(None, b" \t\n\r")
+        start = end
+    return bytes(out)
+
+
+def _compact(info: dict[str, Any]) -> Any:
+    """A tensor's entry as a :class:`_Raw`, its dtype the known name's own string: a
+    dict per entry costs more than the entry's text."""
+    if len(info) == 3 and info.keys() == _TENSOR_KEYS:
+        dtype = info["dtype"]
+        dtype = _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        return _Raw(dtype, info["shape"], info["data_offsets"])
+    return info
+
+
+@dataclass(frozen=True, slots=True)
+class _Raw:
+    """A tensor's entry as the header has it, before it is checked."""
+
+    dtype: object
+    shape: object
+    data_offsets: object
+
+
 def _entry(
     name: str, info: object, file: str, data_start: int, crcs: dict[str, int] | None
 ) -> TensorEntry:
-    if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
+    if not isinstance(info, _Raw):
         raise _bad(file, name, f"its entry {quote(info)} is not {{dtype, shape, data_offsets}}")
-    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    dtype, shape, offsets = info.dtype, info.shape, info.data_offsets
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _bad(file, name, f"unknown dtype {quote(dtype)} (known: {', '.join(DTYPES)})")
     if (
@@ -276,7 +377,7 @@ def _entry(
     )
 
 
-def _crcs(meta: object, file: str) -> dict[str, int] | None:
+def _crcs(meta: object, file: str, tensors: int) -> dict[str, int] | None:
     if meta is None:
         return None
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
@@ -284,12 +385,27 @@ def _crcs(meta: object, file: str) -> dict[str, int] | None:
     text = meta.get(CRC_KEY)
     if text is None:
         return None
-    table = _load_json(text.encode(), file, f"__metadata__[{CRC_KEY!r}]")
+    what = f"__metadata__[{CRC_KEY!r}]"
+    raw = text.encode()
+    _check_map(raw, file, what, tensors)
+    table = _load_json(_utf8(raw, file, what), file, what)
     if not isinstance(table, dict) or not all(
         isinstance(v, str) and re.fullmatch(r"[0-9a-f]{8}", v) for v in table.values()
     ):
-        raise _bad(file, None, f"__metadata__[{CRC_KEY!r}] is not a map of names to CRC-32Cs")
+        raise _bad(file, None, f"{what} is not a map of names to CRC-32Cs")
     return {name: int(value, 16) for name, value in table.items()}
+
+
+def _check_map(text: bytes, file: str, what: str, most: int) -> None:
+    """Refuse, from its bytes alone, JSON that is an object of more than ``most``
+    members or holds an object or array: what a map of names to strings never is."""
+    skeleton = _skeleton(text)
+    if skeleton.count(b"{") > 1 or b"[" in skeleton or skeleton.count(b":") > most:
+        raise _bad(
+            file,
+            None,
+            f"its {what} is not a flat map of at most {most} names (one per tensor) to strings",
+        )
 
 
 def parse_index(text: bytes, index: str) -> Index:
@@ -297,13 +413,16 @@ def parse_index(text: bytes, index: str) -> Index:
     plain ``*.safetensors`` name beside the index (at most 255 printable characters, as
     a checkpoint's file names): one that climbs out (``../``), is absolute or names
     another location (``s3://...``) is refused; and the write id in its ``metadata``."""
-    raw = _load_json(text, index, "index")
+    decoded = _utf8(text, index, "index")
+    _check_index_structure(text, index)
+    raw = _load_json(decoded, index, "index")
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise IntegrityError(
             f'{index}: not a safetensors index (no "weight_map" of tensor names to files); '
             "export the model again or load its files without the index"
         )
+    files: dict[str, str] = {}
     for name, file in weight_map.items():
         if not (is_plain_name(file) and file.endswith(SUFFIX) and len(file) > len(SUFFIX)):
             raise UnsafeCheckpointError(
@@ -312,6 +431,7 @@ def parse_index(text: bytes, index: str) -> Index:
                 "characters); refused (nothing outside the checkpoint "
                 "is read): fix the index's weight_map"
             )
+        weight_map[name] = files.setdefault(file, file)  # one string per file, not per tensor
     meta = raw.get("metadata")
     write_id = meta.get(WRITE_KEY) if isinstance(meta, dict) else None
     if write_id is not None and not isinstance(write_id, str):
@@ -322,12 +442,53 @@ def parse_index(text: bytes, index: str) -> Index:
     return Index(weight_map, write_id)
 
 
-def _load_json(text: bytes, file: str, what: str) -> Any:
+#: Bytes per JSON value an index has at least: a weight_map entry, ``"":"x.safetensors",``,
+#: is two values (its name and its file) in 19 bytes.
+_INDEX_VALUE = 9
+
+
+def _check_index_structure(text: bytes, index: str) -> None:
+    """Refuse, from its bytes alone, an index of more JSON values (past
+    :data:`MAX_METADATA`) than one per :data:`_INDEX_VALUE` bytes: what makes ``json``
+    build far more Python objects than a real index of that length. Only structure
+    counts (the strings are blanked first)."""
+    skeleton = _skeleton(text)
+    values = sum(skeleton.count(c) for c in (b":", b",", b"{", b"["))
+    if (values - MAX_METADATA) * _INDEX_VALUE > len(text):
+        raise IntegrityError(
+            f"{index}: not a safetensors index ({values} JSON values in {len(text)} bytes, "
+            f"more than a weight_map of tensor names to files has, each entry at least 19 "
+            "bytes); export the model again or load its files without the index"
+        )
+
+
+def _utf8(text: bytes, file: str, what: str) -> str:
+    # UTF-8 only, as the safetensors library reads it: json.loads would take bytes
+    # in UTF-16 or UTF-32 too, and load a file every other reader refuses.
     try:
-        # UTF-8 only, as the safetensors library reads it: json.loads would take bytes
-        # in UTF-16 or UTF-32 too, and load a file every other reader refuses.
-        decoded = text.decode("utf-8")
-        return json.loads(decoded, object_pairs_hook=lambda pairs: _unique(pairs, file, what))
+        return text.decode("utf-8")
+    except ValueError as exc:
+        raise IntegrityError(
+            f"{file}: its {what} is not valid JSON ({str(exc)[:200]}); the file is damaged: "
+            "export or download it again"
+        ) from None
+
+
+def _load_json(
+    text: str,
+    file: str,
+    what: str,
+    build: Callable[[dict[str, Any]], Any] | None = None,
+) -> Any:
+    """``text`` parsed, each object refused when it names a key twice (then made by
+    ``build`` from its dict, where given)."""
+
+    def made(pairs: list[tuple[str, Any]]) -> Any:
+        out = _unique(pairs, file, what)
+        return out if build is None else build(out)
+
+    try:
+        return json.loads(text, object_pairs_hook=made)
     except (ValueError, RecursionError) as exc:
         if isinstance(exc, (IntegrityError, UnsafeCheckpointError)):
             raise

@@ -38,7 +38,7 @@ STAGING_PREFIX = ".dcp-staging-"
 STALE_AFTER = 3600.0
 _AREA = re.compile(re.escape(STAGING_PREFIX) + r"[0-9a-f]+")
 _OBJECT = re.compile(r"rank-[0-9]{5}\.bin")
-_MODEL_FILE = re.compile(r"model(-[0-9]{5}-of-[0-9]{5})?\.safetensors")
+_MODEL_FILE = re.compile(r"model(-([0-9a-f]{8}-)?[0-9]{5}-of-[0-9]{5})?\.safetensors")
 _TEMPORARY = re.compile(_MODEL_FILE.pattern + r"\.tmp-[0-9a-f]{12}")
 
 
@@ -58,7 +58,8 @@ def is_area_name(name: str) -> bool:
 
 def is_model_file_name(name: str) -> bool:
     """Whether ``name`` is a model file an export or a save writes (``model.safetensors``,
-    ``model-00001-of-00004.safetensors``): what ``gc`` lists the open uploads of."""
+    ``model-00001-of-00004.safetensors``, ``model-1a2b3c4d-00001-of-00004.safetensors``):
+    what ``gc`` lists the open uploads of, and what replacing a model removes."""
     return _MODEL_FILE.fullmatch(name) is not None
 
 

@@ -22,9 +22,8 @@ from storage.backends.registry import filesystem_from_url
 from storage.checkpoint.hook_errors import records_error
 from storage.checkpoint.safetensors.consolidate import Piece, Staged, byte_range, consolidate
 from storage.checkpoint.safetensors.files import (
-    clear_destination,
-    file_names,
-    publish_index,
+    commit_model,
+    new_names,
     refuse_existing,
     split,
     write_file,
@@ -73,8 +72,9 @@ class SafetensorsWriter(StorageWriter):
     saves left at ``path``: those without a live heartbeat whose objects are all older
     than an hour (``staging``; ``dcp-storage gc`` does the same with its ``--grace``).
     Files are cut at ``max_shard_size`` bytes. A committed model already at ``path`` is
-    refused unless ``overwrite``. ``transforms`` are refused. ``thread_count`` files are
-    written at once (each holds a file's tensors on the CPU while it writes).
+    refused unless ``overwrite``; one replaced stays whole until the new one is
+    committed, its files removed after. ``transforms`` are refused. ``thread_count``
+    files are written at once (each holds a file's tensors on the CPU while it writes).
     """
 
     def __init__(
@@ -114,7 +114,7 @@ class SafetensorsWriter(StorageWriter):
     @records_error
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-        if is_coordinator:  # the old model is removed once every rank's items passed
+        if is_coordinator:  # the old model stays until the new one is committed
             refuse_existing(self.fs, self.path, overwrite=self.overwrite)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -139,13 +139,13 @@ class SafetensorsWriter(StorageWriter):
             for plan in plans
         ]
         count = sum(len(g) for g in groups)
-        if not count:  # before the old model is touched: a refused save leaves it
+        if not count:
             raise ValueError(
                 f"{self.fs.url(self.path)}: the state dict holds no tensors; nothing to save"
             )
-        # Consolidation cuts files from the whole tensors: one file unless a size is set.
-        single = self.max_shard_size is None if shards else count == 1
-        clear_destination(self.fs, self.path, overwrite=self.overwrite, single=single)
+        # A model committed since set_up_storage_writer is refused too; the one this
+        # replaces stays whole until the commit (finish: files.commit_model).
+        refuse_existing(self.fs, self.path, overwrite=self.overwrite)
         # One id per save, the coordinator's, in every file and the index (files.py).
         self.write_id = new_write_id()
         try:
@@ -158,7 +158,7 @@ class SafetensorsWriter(StorageWriter):
                 dataclasses.replace(plan, storage_data=Staged(object_name(area, rank)))
                 for rank, plan in enumerate(plans)
             ]
-        names = iter(file_names(count))
+        names = iter(new_names(self.fs, self.path, count, self.write_id))
         out = []
         for plan, rank_groups in zip(plans, groups):
             mapping = {fqn: name for group, name in zip(rank_groups, names) for fqn in group}
@@ -236,11 +236,9 @@ class SafetensorsWriter(StorageWriter):
                 remove_staging(self.fs, self.path, [p.object for _, p in pieces])
             return
         weight_map = {r.index.fqn: str(r.storage_data) for r in flat}
-        if len(set(weight_map.values())) > 1:
-            total = sum(r.size_in_bytes for r in flat)
-            publish_index(self.fs, self.path, weight_map, total, self.write_id)
-        else:
-            self.fs.sync_dir(self.path)
+        commit_model(
+            self.fs, self.path, weight_map, sum(r.size_in_bytes for r in flat), self.write_id
+        )
 
 
 @dataclasses.dataclass(frozen=True)
