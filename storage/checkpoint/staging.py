@@ -47,9 +47,10 @@ class WriterStaging(AsyncStager):
         the default ``persist=None`` in threads, the copy goes into this process's
         :class:`LocalStaging` buffers; with ``persist="thread"`` named, through DCP's
         stager as stock torch does. With ``async_staging`` this returns a future of the
-        copy instead (see the writer). Where ``/dev/shm`` has no room for the buffers,
-        the default (not a named ``"process"``) copies and writes this save here, and
-        every later one in threads (:func:`storage.checkpoint.persist.shm_full`).
+        copy instead (see the writer). Where there is no room for the buffers (memory,
+        or descriptors: :class:`~storage.checkpoint.persist.SharedMemoryFull`), the
+        default (not a named ``"process"``) copies and writes this save here, and every
+        later one in threads (:func:`storage.checkpoint.persist.shm_full`).
 
         A writer saves once at a time (wait for one save's future before the next): a
         lease it still holds here is its previous save's, which failed before its
@@ -64,7 +65,7 @@ class WriterStaging(AsyncStager):
                     if self.persist_mode.explicit:
                         raise
                     _persist.shm_full(exc)
-            # The default, and /dev/shm has no room: a copy here, written here (no lease).
+            # The default, and no room for the buffers: a copy here, written here (no lease).
             staged = _fresh_copy(state_dict)
             return _when_copied(None, staged) if self.async_staging else staged
         staged = self._stage_in_thread_mode(state_dict)
