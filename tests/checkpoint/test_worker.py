@@ -1016,7 +1016,7 @@ def test_a_default_save_with_no_room_in_shm_is_written_here_and_later_ones_in_th
 ) -> None:
     """Before, no room for the staging buffers (then a /dev/shm too small: docker's
     default --shm-size) failed every asynchronous save of the default mode, which never
-    asked for the worker, and so stopped training."""
+    asked for the worker, and so stopped training. The error names the checkpoint."""
     _default_picks_the_worker(monkeypatch)
     storage.async_save(big_state(0), tmp_path / "warm", persist="process").result()
     assert worker.pool is not None and worker.pool.live()  # buffers in shared memory now
@@ -1027,7 +1027,8 @@ def test_a_default_save_with_no_room_in_shm_is_written_here_and_later_ones_in_th
     dcp.async_save(state, storage_writer=writer).result()
     assert_tree_equal(state, loaded(tmp_path / "a", state))
     assert "stage in this process's memory and write in threads" in caplog.text
-    assert "give the job more memory" in caplog.text  # the fix, named once
+    assert f"saving {tmp_path / 'a'}: cannot reserve" in caplog.text  # the checkpoint,
+    assert "give the job more memory" in caplog.text  # and the fix, named once
     # The buffers it could not fill are dropped, and their room given back.
     assert worker.pool is None
     # Later saves of the default persist in threads from the start, the writer's too.
@@ -1039,8 +1040,10 @@ def test_a_default_save_with_no_room_in_shm_is_written_here_and_later_ones_in_th
     storage.async_save(state, tmp_path / "c").result()
     assert_tree_equal(state, loaded(tmp_path / "c", state))
     assert "cannot reserve" not in caplog.text  # warned once
-    # persist="process" by name still fails, naming the fix.
-    with pytest.raises(CheckpointStorageError, match=r"cannot reserve.*persist='thread'"):
+    # persist="process" by name still fails, naming the checkpoint and the fix.
+    with pytest.raises(
+        CheckpointStorageError, match=r"saving .*d: cannot reserve.*persist='thread'"
+    ):
         storage.async_save(state, tmp_path / "d", persist="process").result()
 
 
@@ -1051,7 +1054,7 @@ def test_a_managers_prepare_with_no_room_in_shm_leaves_the_default_to_threads(
     _no_room_in_shm(monkeypatch)
     state = big_state(3)
     named = storage.CheckpointManager(str(tmp_path / "named"), persist="process")
-    with pytest.raises(CheckpointStorageError, match=r"more memory"):
+    with pytest.raises(CheckpointStorageError, match=r"preparing saves to .*named: .*more memory"):
         named.prepare(state)
     mgr = storage.CheckpointManager(str(tmp_path / "default"))
     mgr.prepare(state)  # the default: no error
