@@ -44,8 +44,8 @@ def _run(script: str, *args: str, timeout: float = 180) -> str:
 
 
 def _segments_of(pid: int) -> list[str]:
-    """The ``/proc/PID/map_files`` entries of process ``pid``'s staging segments: the one
-    way to reach a segment from outside (``ptrace`` access: this user or root)."""
+    """The ``/proc/PID/map_files`` entries of process ``pid``'s staging segments: a way
+    to reach a segment from outside (root; ``/proc/PID/fd`` is the other)."""
     with open(f"/proc/{pid}/maps") as maps:
         return [
             f"/proc/{pid}/map_files/{line.split()[0]}"
@@ -137,16 +137,22 @@ def test_a_truncation_during_a_save_fails_and_the_save_commits_what_was_staged(
 
 def test_another_user_cannot_reach_the_segments() -> None:
     """Before, another user could list ``/dev/shm``, learn the pool's name and take the
-    names of its segments in advance. Segments now have no name: the only way in is
-    ``/proc/PID/map_files`` of the owning process, which the kernel refuses to another
-    user (its ``/proc/PID/maps`` too)."""
+    names of its segments in advance. Segments now have no name: the only ways in are
+    ``/proc/PID/fd`` and ``/proc/PID/map_files`` of a process that holds one, which the
+    kernel refuses to another user (its ``/proc/PID/maps`` too)."""
     if os.getuid() != 0:
         pytest.skip("needs root to act as a second user")
     nobody = pwd.getpwnam("nobody").pw_uid
     pool = _pool.StagingPool()
     try:
         pool.stage(BIG)
-        paths = [*_segments_of(os.getpid()), f"/proc/{os.getpid()}/maps"]
+        fds = [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")]
+        memfds = [p for p in fds if os.path.exists(p) and "/memfd:" in os.readlink(p)]
+        paths = [
+            *_segments_of(os.getpid()),
+            *(p.replace("self", str(os.getpid())) for p in memfds),
+            f"/proc/{os.getpid()}/maps",
+        ]
         assert len(paths) >= 2
         child = os.fork()
         if child == 0:  # only system calls here, then _exit: safe in a forked child

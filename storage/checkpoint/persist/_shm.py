@@ -10,12 +10,16 @@ both close the descriptor and keep only their mappings. So:
 - nothing else can find a segment: there is no name to list, open, take in advance,
   replace or remove, and no cleaner of ``/dev/shm`` (systemd-logind's ``RemoveIPC``)
   sees one. Only a process that may already read this one's memory (``ptrace``: this
-  user, or root) can reach it, through ``/proc/PID/map_files``;
+  user, or root) can reach it, through ``/proc/PID/fd`` while a descriptor of it is
+  open, or ``/proc/PID/map_files`` (root);
 - nothing can resize one: ``ftruncate`` on it fails with ``EPERM``, so no copy into or
   out of a mapping ever reads past the end of its file (``SIGBUS``);
 - the kernel frees a segment when the last mapping goes: a training process or a worker
   killed with ``kill -9`` leaves nothing behind, and a child made with ``fork`` shares
   its parent's mappings and removes nothing.
+
+Each segment holds a descriptor until it is sent; before Python 3.13 (``mmap``'s
+``trackfd``) each mapping holds one too, in both processes, for its whole life.
 
 A segment's memory is reserved before a byte is copied into it (:meth:`Segment.reserve`:
 ``MADV_POPULATE_WRITE``, which allocates every page of the range or fails, never a
@@ -37,6 +41,7 @@ import logging
 import mmap
 import os
 import socket
+import sys
 
 import torch
 
@@ -83,6 +88,15 @@ def _populates() -> bool:
     return True
 
 
+def _map(fd: int, size: int) -> mmap.mmap:
+    """``fd`` mapped read-write, shared. Python's ``mmap`` keeps a duplicate of the
+    descriptor for the mapping's life unless told not to (Python >= 3.13): before
+    that, every segment holds a descriptor in each process that maps it."""
+    if sys.version_info >= (3, 13):
+        return mmap.mmap(fd, size, trackfd=False)  # type: ignore[call-arg, unused-ignore]
+    return mmap.mmap(fd, size)
+
+
 def _populate(mapping: mmap.mmap, offset: int, length: int) -> None:
     """Allocate (and map) every page of ``mapping[offset:offset + length]``; raises
     ``OSError`` where there is no memory for them."""
@@ -109,7 +123,7 @@ class Segment:
             self.reserved = not _populates()  # every page's space: set once all is reserved
             if self.reserved:
                 os.posix_fallocate(fd, 0, size)
-            self.map = mmap.mmap(fd, size)
+            self.map = _map(fd, size)
         except OSError as exc:
             os.close(fd)
             raise no_room(size, exc) from exc
@@ -193,7 +207,7 @@ def receive_segments(sock: int, names: list[str]) -> dict[str, mmap.mmap]:
             if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
                 log.warning("staging segment %s arrived unsealed: not mapped", name)
                 continue
-            maps[name] = mmap.mmap(fd, os.fstat(fd).st_size)
+            maps[name] = _map(fd, os.fstat(fd).st_size)
         return maps
     finally:
         for fd in fds:
@@ -207,7 +221,7 @@ class SharedMemoryFull(CheckpointStorageError):
 
 def no_room(size: int, exc: OSError) -> SharedMemoryFull:
     if exc.errno in OUT_OF_DESCRIPTORS:
-        fix = "raise the open-file limit (ulimit -n; one descriptor per staged tensor)"
+        fix = "raise the open-file limit (ulimit -n: a descriptor per staged tensor)"
     else:
         fix = "give the job more memory, or stage less at once"
     return SharedMemoryFull(
