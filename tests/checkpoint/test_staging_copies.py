@@ -213,3 +213,26 @@ def test_segments_that_cannot_reach_the_worker(error: int) -> None:
     finally:
         pool.close()
     assert pool._unsent == []
+
+
+def test_where_the_kernel_cannot_populate_a_segment_is_reserved_whole_when_made(
+    monkeypatch: pytest.MonkeyPatch, one_torch_thread: None
+) -> None:
+    """Before Linux 5.14 there is no ``MADV_POPULATE_WRITE``: a segment's memory is
+    reserved whole with ``posix_fallocate`` when it is made (its descriptor is gone
+    once sent to the worker), and a stage or a prepare copies exactly."""
+    monkeypatch.setattr(_shm, "_populates", lambda: False)
+
+    def never(mapping: mmap.mmap, offset: int, length: int) -> None:
+        raise AssertionError("populated")
+
+    monkeypatch.setattr(_shm, "_populate", never)
+    pool = _pool.StagingPool(copy_threads=2)
+    try:
+        state = _state(5)
+        pool.reserve(state)
+        assert all(s.reserved for s in pool._segments.values())
+        staged, _ = pool.stage(state)
+        _assert_staged(staged, state)
+    finally:
+        pool.close()
