@@ -32,6 +32,11 @@ class WriterStaging(AsyncStager):
     _lease: _persist.Lease | None
     _stager: Any
 
+    @property
+    def url(self) -> str:
+        """The checkpoint saved (the writer's)."""
+        raise NotImplementedError
+
     # stage returns once the copy is complete, or a future of it: nothing to wait for.
     _synchronize_after_execute: bool = False
 
@@ -47,9 +52,11 @@ class WriterStaging(AsyncStager):
         the default ``persist=None`` in threads, the copy goes into this process's
         :class:`LocalStaging` buffers; with ``persist="thread"`` named, through DCP's
         stager as stock torch does. With ``async_staging`` this returns a future of the
-        copy instead (see the writer). Where ``/dev/shm`` has no room for the buffers,
-        the default (not a named ``"process"``) copies and writes this save here, and
-        every later one in threads (:func:`storage.checkpoint.persist.shm_full`).
+        copy instead (see the writer). Where there is no room for the buffers (memory,
+        or descriptors: :class:`~storage.checkpoint.persist.SharedMemoryFull`, naming
+        the checkpoint), the default (not a named ``"process"``) copies and writes this
+        save here, and every later one in threads
+        (:func:`storage.checkpoint.persist.shm_full`).
 
         A writer saves once at a time (wait for one save's future before the next): a
         lease it still holds here is its previous save's, which failed before its
@@ -61,10 +68,11 @@ class WriterStaging(AsyncStager):
                 try:
                     return self._stage_in_worker(state_dict)
                 except _persist.SharedMemoryFull as exc:
+                    named = _persist.SharedMemoryFull(f"saving {self.url}: {exc}")
                     if self.persist_mode.explicit:
-                        raise
-                    _persist.shm_full(exc)
-            # The default, and /dev/shm has no room: a copy here, written here (no lease).
+                        raise named from exc
+                    _persist.shm_full(named)
+            # The default, and no room for the buffers: a copy here, written here (no lease).
             staged = _fresh_copy(state_dict)
             return _when_copied(None, staged) if self.async_staging else staged
         staged = self._stage_in_thread_mode(state_dict)

@@ -268,9 +268,10 @@ class CheckpointManager:
             try:
                 w.reserve(api.plain_state_dict(state_dict))
             except persist.SharedMemoryFull as exc:
+                named = persist.SharedMemoryFull(f"preparing saves to {self.url}: {exc}")
                 if self.settings.persist is not None:  # "process", named
-                    raise
-                persist.shm_full(exc)  # the default: saves persist in threads instead
+                    raise named from exc
+                persist.shm_full(named)  # the default: saves persist in threads instead
 
     def save_on_signal(
         self,

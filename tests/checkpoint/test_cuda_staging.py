@@ -4,7 +4,6 @@ contract's plumbing), and, marked ``gpu``, the real thing on a CUDA device."""
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from pathlib import Path
@@ -17,7 +16,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import storage
 from storage.checkpoint import CheckpointWriter, persist
-from storage.checkpoint.persist import _pool, _shm
+from storage.checkpoint.persist import _pool
 from storage.checkpoint.persist._cuda import InFlight, Pins
 from storage.checkpoint.persist._worker import Lease
 from tests.support.trees import assert_tree_equal, zeros_like_tree
@@ -26,16 +25,13 @@ BIG = 4 * _pool.SMALL
 
 
 class _Calls:
-    """A register/unregister pair that records each call and whether the segment's
-    file still existed when it was made."""
+    """A register/unregister pair that records each call and whether the pool still
+    held the segment (by address) when it was made."""
 
-    def __init__(self, pool_dir: str) -> None:
-        self.dir = pool_dir
+    def __init__(self) -> None:
+        self.pool: _pool.StagingPool | None = None
         self.log: list[tuple[str, int, bool]] = []
         self.fail = False
-
-    def files(self) -> set[str]:
-        return set(os.listdir(self.dir))
 
     def register(self, address: int, nbytes: int) -> None:
         if self.fail:
@@ -43,20 +39,25 @@ class _Calls:
         self.log.append(("register", address, nbytes > 0))
 
     def unregister(self, address: int) -> None:
-        self.log.append(("unregister", address, bool(self.files())))
+        assert self.pool is not None
+        self.log.append(("unregister", address, address in self.pool._segments))
+
+
+def _pinned_pool(calls: _Calls) -> _pool.StagingPool:
+    calls.pool = _pool.StagingPool(pins=Pins(calls.register, calls.unregister))
+    return calls.pool
 
 
 def _segment_exists(pool: _pool.StagingPool, storage: torch.UntypedStorage) -> bool:
-    where = pool.locate(torch.empty(0, dtype=torch.uint8).set_(storage))
-    return where is not None and Path(_shm.shm_dir(), where[0]).exists()
+    return pool.locate(torch.empty(0, dtype=torch.uint8).set_(storage)) is not None
 
 
 def test_a_pinned_segment_is_registered_once_and_unregistered_before_it_goes() -> None:
     """Guards the registration bookkeeping: each segment staging a CUDA storage is
-    registered with the host allocator once, and unregistered while its file still
-    exists, before it is unlinked (a segment dropped by the next stage, or at close)."""
-    calls = _Calls(_shm.shm_dir())
-    pool = _pool.StagingPool(pins=Pins(calls.register, calls.unregister))
+    registered with the host allocator once, and unregistered before the pool lets it
+    go (a segment dropped by the next stage, or at close)."""
+    calls = _Calls()
+    pool = _pinned_pool(calls)
     try:
         kept = pool.new_storage(BIG, pin=True)
         address = kept.data_ptr()
@@ -82,15 +83,13 @@ def test_a_pinned_segment_is_registered_once_and_unregistered_before_it_goes() -
 
 def test_a_segment_that_cannot_be_pinned_is_removed() -> None:
     """A failed registration leaves no segment behind (and the error reaches the save)."""
-    calls = _Calls(_shm.shm_dir())
+    calls = _Calls()
     calls.fail = True
-    pool = _pool.StagingPool(pins=Pins(calls.register, calls.unregister))
+    pool = _pinned_pool(calls)
     try:
-        before = {n for n in os.listdir(_shm.shm_dir()) if n.startswith(pool.name + "-")}
         with pytest.raises(RuntimeError, match="cudaHostRegister"):
             pool.new_storage(BIG, pin=True)
-        after = {n for n in os.listdir(_shm.shm_dir()) if n.startswith(pool.name + "-")}
-        assert after == before and pool.live() == {}
+        assert pool.live() == {} and pool._unsent == []
     finally:
         pool.close()
 

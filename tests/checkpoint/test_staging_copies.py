@@ -1,10 +1,11 @@
 """The persist worker's staging pool copying a state dict from CPU: spread over threads
-where torch runs on one, space reserved before a byte is copied, and a ``/dev/shm``
-that is full answered with an error naming the fix, never a ``SIGBUS``."""
+where torch runs on one, memory reserved before a byte is copied, and no room for it
+answered with an error naming the fix, never a ``SIGBUS``."""
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -94,22 +95,22 @@ def test_with_several_torch_threads_copies_run_inline() -> None:
 def test_a_full_shared_memory_fails_the_stage_by_name_and_the_next_stage_reserves_again(
     monkeypatch: pytest.MonkeyPatch, one_torch_thread: None, threads: int
 ) -> None:
-    """Space is reserved before anything is copied into it: when ``/dev/shm`` has no
-    room (here the kernel's ENOSPC from ``posix_fallocate``), the stage raises naming
+    """Memory is reserved before anything is copied into it: when there is no room
+    (here the kernel's ENOMEM from ``MADV_POPULATE_WRITE``), the stage raises naming
     the fix, and a stage once there is room reserves what was not and copies exactly."""
-    real = os.posix_fallocate
+    real = _shm._populate
     full = {"on": True}
 
-    def fallocate(fd: int, offset: int, length: int) -> None:
+    def populate(mapping: mmap.mmap, offset: int, length: int) -> None:
         if full["on"]:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(fd, offset, length)
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        real(mapping, offset, length)
 
-    monkeypatch.setattr(_shm.os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(_shm, "_populate", populate)
     pool = _pool.StagingPool(copy_threads=threads)
     try:
         state = _state(2)
-        with pytest.raises(CheckpointStorageError, match=r"--shm-size.*persist='thread'"):
+        with pytest.raises(CheckpointStorageError, match=r"more memory.*persist='thread'"):
             pool.stage(state)
         full["on"] = False
         staged, _ = pool.stage(state)
@@ -124,20 +125,21 @@ def test_a_piece_whose_space_cannot_be_reserved_is_never_written(
     monkeypatch: pytest.MonkeyPatch, one_torch_thread: None
 ) -> None:
     """Each piece of a new segment is reserved before its bytes are copied: a write
-    into a page of a full ``/dev/shm`` that was never reserved kills the process with
-    ``SIGBUS``. Here only the second piece of the large tensor finds no room."""
-    real = os.posix_fallocate
+    into a page that was never reserved, where there is no room for it, kills the
+    process (``SIGBUS`` under strict overcommit). Here only the second piece of the
+    large tensor finds no room."""
+    real = _shm._populate
 
-    def fallocate(fd: int, offset: int, length: int) -> None:
+    def populate(mapping: mmap.mmap, offset: int, length: int) -> None:
         if offset == _copies.PIECE:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(fd, offset, length)
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        real(mapping, offset, length)
 
-    monkeypatch.setattr(_shm.os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(_shm, "_populate", populate)
     pool = _pool.StagingPool(copy_threads=2)
     try:
         state = _state(3)
-        with pytest.raises(CheckpointStorageError, match="--shm-size"):
+        with pytest.raises(CheckpointStorageError, match="cannot reserve"):
             pool.stage(state)
         big = max(pool._segments.values(), key=lambda segment: len(segment.map))
         assert not big.reserved
@@ -182,3 +184,55 @@ def test_copy_threads_are_this_processs_share_of_the_cores(
     monkeypatch.setattr(_cores.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(_cores.os, "cpu_count", lambda: 96)
     assert persist.copy_threads() == 2
+
+
+@pytest.mark.parametrize("error", [errno.ETOOMANYREFS, errno.EPIPE])
+def test_segments_that_cannot_reach_the_worker(error: int) -> None:
+    """A stage hands its new segments' descriptors to the worker. Too many in flight for
+    the open-file limit (ETOOMANYREFS) fails the stage naming the fix (the default then
+    persists in threads); a worker that is gone (EPIPE) is not this stage's error: its
+    handle reports the death, and makes a new pool for the next worker."""
+    sent: list[list[str]] = []
+
+    def share(names: list[str], fds: list[int], dropped: list[str]) -> None:
+        sent.append(names)
+        raise OSError(error, os.strerror(error))
+
+    pool = _pool.StagingPool(share=share)
+    try:
+        state = _state(4)
+        if error == errno.ETOOMANYREFS:
+            with pytest.raises(CheckpointStorageError, match=r"ulimit -n.*persist='thread'"):
+                pool.stage(state)
+            assert len(pool._unsent) == len(pool.live()) > 0  # kept, for the next try
+        else:
+            staged, _ = pool.stage(state)
+            _assert_staged(staged, state)
+            assert pool._unsent == []
+        assert sent and all(sent)
+    finally:
+        pool.close()
+    assert pool._unsent == []
+
+
+def test_where_the_kernel_cannot_populate_a_segment_is_reserved_whole_when_made(
+    monkeypatch: pytest.MonkeyPatch, one_torch_thread: None
+) -> None:
+    """Before Linux 5.14 there is no ``MADV_POPULATE_WRITE``: a segment's memory is
+    reserved whole with ``posix_fallocate`` when it is made (its descriptor is gone
+    once sent to the worker), and a stage or a prepare copies exactly."""
+    monkeypatch.setattr(_shm, "_populates", lambda: False)
+
+    def never(mapping: mmap.mmap, offset: int, length: int) -> None:
+        raise AssertionError("populated")
+
+    monkeypatch.setattr(_shm, "_populate", never)
+    pool = _pool.StagingPool(copy_threads=2)
+    try:
+        state = _state(5)
+        pool.reserve(state)
+        assert all(s.reserved for s in pool._segments.values())
+        staged, _ = pool.stage(state)
+        _assert_staged(staged, state)
+    finally:
+        pool.close()

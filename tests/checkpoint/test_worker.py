@@ -375,7 +375,7 @@ def test_a_worker_that_died_idle_fails_the_next_save_once(
 ) -> None:
     state = big_state()
     storage.async_save(state, tmp_path / "1", persist="process").result()
-    pid = worker.pid
+    pid, pool = worker.pid, worker.pool
     assert pid is not None
     kill_worker(worker)
     deadline = time.monotonic() + 30
@@ -387,6 +387,30 @@ def test_a_worker_that_died_idle_fails_the_next_save_once(
     assert not (tmp_path / "2" / ".metadata").exists()
     storage.async_save(state, tmp_path / "3", persist="process").result()
     assert_tree_equal(state, loaded(tmp_path / "3", state))
+    # The same tensors: the new worker never received the old buffers (their
+    # descriptors went to the dead one), so they were made anew for it.
+    assert worker.pool is not pool
+
+
+def test_a_stage_of_more_segments_than_one_message_carries_reaches_the_worker(
+    tmp_path: Path, worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The segments' descriptors go to the worker in messages of a bounded number
+    (the kernel takes at most 253 in one), also while a stage makes them, so that a
+    stage of thousands holds few at once: every one must arrive, in step with the
+    messages after it."""
+    from storage.checkpoint.persist import _pool
+
+    monkeypatch.setattr(_pool, "FDS_PER_MESSAGE", 2)
+    gen = torch.Generator().manual_seed(7)
+    state = {f"t{i}": torch.randn(128, 128 + i, generator=gen) for i in range(5)}
+    storage.async_save(state, tmp_path / "a", persist="process").result()
+    assert_tree_equal(state, loaded(tmp_path / "a", state))
+    assert worker.pool is not None and len(worker.pool.live()) >= 5
+    state["t0"].add_(1.0)
+    del state["t4"]  # its buffer is dropped, in the worker too, at the next stage
+    storage.async_save(state, tmp_path / "b", persist="process").result()
+    assert_tree_equal(state, loaded(tmp_path / "b", state))
 
 
 def test_an_error_in_the_worker_keeps_its_type_and_message_and_no_key(
@@ -866,10 +890,8 @@ def test_prepare_stages_nothing_and_the_first_save_copies_into_its_buffers(
     segments = worker.pool.live()
     assert len(segments) == 1  # "w"; "b" is small and goes by value
     assert not (tmp_path / "root").exists() or list((tmp_path / "root").iterdir()) == []
-    ((name, identity),) = segments.items()
-    mapped = persist._shm.map_segment(name, identity)
-    assert mapped[:] == bytes(len(mapped))  # made and touched, nothing copied
-    mapped.close()
+    (segment,) = worker.pool._segments.values()
+    assert segment.map[:] == bytes(len(segment.map))  # made and touched, nothing copied
     state["w"].add_(1.0)
     fut = mgr.save(1, state, blocking=False)
     assert fut is not None
@@ -964,18 +986,20 @@ def test_a_writer_whose_save_failed_in_planning_does_not_hold_the_buffers(
     assert failed._lease is None
 
 
-# --- a /dev/shm with no room -----------------------------------------------------------
+# --- no room for the staging buffers -------------------------------------------------
 
 
 def _no_room_in_shm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel's answer of a full /dev/shm (docker's 64 MB default, or a neighbour
-    that filled it) to every reservation of staging space."""
+    """The kernel's answer to every reservation of staging memory where the job has no
+    more (its memory cgroup's limit, strict overcommit)."""
     import errno
 
-    def full(fd: int, offset: int, length: int) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    from storage.checkpoint.persist import _shm
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    def full(mapping: object, offset: int, length: int) -> None:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(_shm, "_populate", full)
 
 
 def _default_picks_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -984,28 +1008,18 @@ def _default_picks_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(persist, "_shm_full", False)  # restored after the test
 
 
-def _our_segments(handle: persist.Worker) -> list[str]:
-    from storage.checkpoint.persist import _shm
-
-    return [
-        n
-        for n in os.listdir(_shm.shm_dir())
-        if n.startswith(f"dcp-storage-{os.getuid()}-{os.getpid()}-")
-    ]
-
-
 def test_a_default_save_with_no_room_in_shm_is_written_here_and_later_ones_in_threads(
     tmp_path: Path,
     worker: persist.Worker,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Before, a /dev/shm too small for the staging buffers failed every asynchronous
-    save of the default mode, which never asked for the worker: a docker container
-    with the default --shm-size, or a neighbour filling /dev/shm, stopped training."""
+    """Before, no room for the staging buffers (then a /dev/shm too small: docker's
+    default --shm-size) failed every asynchronous save of the default mode, which never
+    asked for the worker, and so stopped training. The error names the checkpoint."""
     _default_picks_the_worker(monkeypatch)
     storage.async_save(big_state(0), tmp_path / "warm", persist="process").result()
-    assert worker.pool is not None and worker.pool.live()  # buffers in /dev/shm now
+    assert worker.pool is not None and worker.pool.live()  # buffers in shared memory now
     _no_room_in_shm(monkeypatch)
     state = big_state(1)
     writer = storage.CheckpointWriter(tmp_path / "a")
@@ -1013,9 +1027,10 @@ def test_a_default_save_with_no_room_in_shm_is_written_here_and_later_ones_in_th
     dcp.async_save(state, storage_writer=writer).result()
     assert_tree_equal(state, loaded(tmp_path / "a", state))
     assert "stage in this process's memory and write in threads" in caplog.text
-    assert "--shm-size" in caplog.text  # the fix, named once
-    # The buffers it could not fill are removed, and their room given back.
-    assert worker.pool is None and _our_segments(worker) == []
+    assert f"saving {tmp_path / 'a'}: cannot reserve" in caplog.text  # the checkpoint,
+    assert "give the job more memory" in caplog.text  # and the fix, named once
+    # The buffers it could not fill are dropped, and their room given back.
+    assert worker.pool is None
     # Later saves of the default persist in threads from the start, the writer's too.
     assert persist.default_mode() == "thread"
     caplog.clear()
@@ -1024,9 +1039,11 @@ def test_a_default_save_with_no_room_in_shm_is_written_here_and_later_ones_in_th
     assert_tree_equal(state, loaded(tmp_path / "b", state))
     storage.async_save(state, tmp_path / "c").result()
     assert_tree_equal(state, loaded(tmp_path / "c", state))
-    assert "--shm-size" not in caplog.text  # warned once
-    # persist="process" by name still fails, naming the fix.
-    with pytest.raises(CheckpointStorageError, match=r"--shm-size.*persist='thread'"):
+    assert "cannot reserve" not in caplog.text  # warned once
+    # persist="process" by name still fails, naming the checkpoint and the fix.
+    with pytest.raises(
+        CheckpointStorageError, match=r"saving .*d: cannot reserve.*persist='thread'"
+    ):
         storage.async_save(state, tmp_path / "d", persist="process").result()
 
 
@@ -1037,7 +1054,7 @@ def test_a_managers_prepare_with_no_room_in_shm_leaves_the_default_to_threads(
     _no_room_in_shm(monkeypatch)
     state = big_state(3)
     named = storage.CheckpointManager(str(tmp_path / "named"), persist="process")
-    with pytest.raises(CheckpointStorageError, match="--shm-size"):
+    with pytest.raises(CheckpointStorageError, match=r"preparing saves to .*named: .*more memory"):
         named.prepare(state)
     mgr = storage.CheckpointManager(str(tmp_path / "default"))
     mgr.prepare(state)  # the default: no error

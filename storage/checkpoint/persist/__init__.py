@@ -45,6 +45,7 @@ from storage.checkpoint.persist._cores import copy_threads, local_ranks, usable_
 from storage.checkpoint.persist._messages import NotSendable
 from storage.checkpoint.persist._pool import StagingPool
 from storage.checkpoint.persist._shm import SharedMemoryFull
+from storage.checkpoint.persist._shm import available as _segments_available
 from storage.checkpoint.persist._worker import Lease, Worker
 from storage.checkpoint.tensors import tensor_bytes
 
@@ -84,7 +85,7 @@ def check_mode(persist: object, max_bandwidth: object) -> Mode:
         raise ValueError(f"persist must be one of {MODES} or None, got {persist!r}")
     if persist == "process" and not available():
         raise ValueError(
-            "persist='process' needs os.posix_fallocate (Linux) and torch >= 2.8; "
+            "persist='process' needs memfd_create and file seals (Linux) and torch >= 2.8; "
             "use persist='thread'"
         )
     if max_bandwidth is not None:
@@ -100,8 +101,9 @@ def check_mode(persist: object, max_bandwidth: object) -> Mode:
 
 
 def available() -> bool:
-    """Whether a persist worker can run here (``os.posix_fallocate``, torch >= 2.8)."""
-    return hasattr(os, "posix_fallocate") and StateDictStager is not None
+    """Whether a persist worker can run here: staging segments can be made and handed
+    to it (``memfd_create`` and file seals: Linux; :mod:`._shm`), and torch >= 2.8."""
+    return _segments_available() and StateDictStager is not None
 
 
 def default_mode() -> str:
@@ -122,19 +124,19 @@ def default_mode() -> str:
     return "process" if usable_cpus() > local_ranks() else "thread"
 
 
-#: Set once ``/dev/shm`` had no room for the default's staging buffers: the default
-#: persists in threads from then on (a small ``/dev/shm``, docker's 64 MB, or one that
-#: something else filled, must not fail saves that never asked for the worker).
+#: Set once there was no room for the default's staging buffers: the default persists
+#: in threads from then on (a job short of memory, or of descriptors, must not fail
+#: saves that never asked for the worker).
 _shm_full = False
 
 
 def shm_room() -> bool:
-    """Whether the default's staging buffers may go to ``/dev/shm`` (see :func:`shm_full`)."""
+    """Whether the default's staging buffers may go to shared memory (see :func:`shm_full`)."""
     return not _shm_full
 
 
 def shm_full(exc: SharedMemoryFull) -> None:
-    """Record that ``/dev/shm`` had no room for a default-mode save's staging buffers
+    """Record that there was no room for a default-mode save's staging buffers
     (``exc``): this save and every later one that did not name a mode persist in
     threads, in this process's memory; warns once."""
     global _shm_full

@@ -2,15 +2,16 @@
 
 It runs the calls the training process sends over the socket ``FD`` (a save's data
 writes, a drain's copy), each on a thread of its own, reading staged tensors straight
-from the shared-memory segments it maps by name. It runs niced, with one thread for
-torch, and every write it makes to storage waits for the bandwidth cap, when one is set,
-and for a paced save's schedule (until the training process says ``hurry``). It exits
-when the training process closes the socket or dies.
+from the shared-memory segments the training process sent it (:mod:`._mapped`). It
+runs niced, with one thread for torch, and every write it makes to storage waits for
+the bandwidth cap, when one is set, and for a paced save's schedule (until the training
+process says ``hurry``). It exits when the training process closes the socket or dies.
 
 Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
-``("init", sys_path, foreground, pool)``, ``("call", id)`` followed by the call's body
+``("init", sys_path, foreground)``, ``("call", id)`` followed by the call's body
 ``(fn, args, kwargs, options)`` pickled apart, ``("foreground", busy)``, ``("hurry",)``,
-``("pool", name)`` (the training process's staging pool, made after the worker started),
+``("segments", names, dropped)`` followed, when ``names`` is not empty, by one byte
+carrying the new segments' descriptors (``SCM_RIGHTS``; :mod:`._shm`), and
 ``("close",)``. Each reply is a header ``("ok", id)``, ``("error", id)`` or
 ``("unreceived", id)`` followed by its body pickled apart: the call's result, the
 error's payload, or why the call's body does not unpickle here (a class the training
@@ -38,8 +39,8 @@ import torch
 from extensions.errors import CheckpointStorageError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import deadline
-from storage.checkpoint.persist._mapped import keep_mapped, rebuild
-from storage.checkpoint.persist._shm import remove_pool, sweep
+from storage.checkpoint.persist._mapped import forget, keep, rebuild
+from storage.checkpoint.persist._shm import receive_segments
 
 # --- what the training process sends in place of staged data ---------------------------
 
@@ -287,8 +288,13 @@ class _Server:
             if message[0] == "hurry":
                 _bucket.hurry()
                 continue
-            if message[0] == "pool":
-                _set_pool(message[1])
+            if message[0] == "segments":
+                _, names, dropped = message
+                try:
+                    keep(receive_segments(self._conn.fileno(), names) if names else {})
+                except OSError:
+                    _trainer_gone()
+                forget(dropped)
                 continue
             call_id = message[1]
             _count_calls(1)  # before its objects exist: a freeze meanwhile would take them
@@ -312,7 +318,6 @@ class _Server:
         _call.owner = call_id
         try:
             _set_environ(options.get("environ"))
-            keep_mapped(options.get("live", {}))
             rank = options.get("rank")
             deadline.distributed_rank = lambda: rank  # errors name the trainer's rank
             for value in (*args, *kwargs.values()):
@@ -330,29 +335,11 @@ class _Server:
         _count_calls(-1)
 
 
-#: The training process's staging pool (the name of its files in ``/dev/shm``), if any.
-_pool: str | None = None
-
-
-def _set_pool(name: str | None) -> None:
-    global _pool
-    _pool = name
-
-
 def _trainer_gone() -> NoReturn:
     """The training process is gone (the socket closes when the last process holding it
-    does), and so is every save it asked for: remove the staging files of its pool, then
-    those of every other pool whose owner is gone, and exit. Its own pool's go by name,
-    whoever holds its lock: the lock may not be released yet (the kernel closes a dead
-    process's files in no set order), or a child it made with ``fork`` holds it, and the
-    sweep would leave them, and a lock file with no segments younger than a minute,
-    behind. A normal exit closes the socket only after removing them itself."""
-    try:
-        if _pool is not None:
-            remove_pool(_pool)
-        sweep()
-    finally:
-        os._exit(0)
+    does), and so is every save it asked for: exit. The staging segments go with the
+    last mapping of each (the kernel frees them)."""
+    os._exit(0)
 
 
 _environ_lock = threading.Lock()
@@ -385,9 +372,8 @@ def _error_payload(exc: BaseException) -> tuple[bytes | None, str, str, str]:
 
 def main(fd: int) -> None:
     conn = Connection(fd)
-    tag, sys_path, foreground, pool = pickle.loads(conn.recv_bytes())
+    tag, sys_path, foreground = pickle.loads(conn.recv_bytes())
     assert tag == "init"
-    _set_pool(pool)
     _set_foreground(foreground)
     sys.path[:] = sys_path  # the training process's imports (user transforms) resolve here
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from storage.checkpoint.persist._shm import _Segment
+    from storage.checkpoint.persist._shm import Segment
 
 #: A stage's copies from CPU are spread over threads in pieces of at most this many bytes.
 PIECE = 16 << 20
@@ -35,9 +35,9 @@ class Copies:
         self.threads = threads
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
-        self._fresh: list[_Segment] = []
+        self._fresh: list[Segment] = []
 
-    def add(self, segment: _Segment, source: torch.UntypedStorage) -> None:
+    def add(self, segment: Segment, source: torch.UntypedStorage) -> None:
         if self.threads == 1 or torch.get_num_threads() > 1 or source.device.type != "cpu":
             if not segment.reserved:
                 segment.reserve()
@@ -90,7 +90,7 @@ class Copies:
 
 
 def _copy_piece(
-    segment: _Segment, source: torch.UntypedStorage, start: int, end: int, fresh: bool
+    segment: Segment, source: torch.UntypedStorage, start: int, end: int, fresh: bool
 ) -> None:
     if fresh:
         segment.reserve(start, end - start)

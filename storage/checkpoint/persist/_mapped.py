@@ -1,6 +1,6 @@
-"""The persist worker's side of the staging segments: the data a write item's reference
-stands for (:func:`rebuild`), read straight from the segments it maps by name, each
-checked against what the training process staged into it (:mod:`._shm`)."""
+"""The persist worker's side of the staging segments: the mappings of those the
+training process sent it (:func:`keep`, :func:`forget`; :mod:`._shm`), and the data a
+write item's reference stands for (:func:`rebuild`), read straight from them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from extensions.errors import CheckpointStorageError
-from storage.checkpoint.persist._shm import check_mapped, map_segment
 
 
 def rebuild(ref: tuple[Any, ...]) -> object:
@@ -35,34 +34,30 @@ def rebuild(ref: tuple[Any, ...]) -> object:
 
 
 _maps: dict[str, mmap.mmap] = {}
-#: Each live segment's inode and size in the training process (``options["live"]``).
-_staged: dict[str, tuple[int, int]] = {}
 _maps_lock = threading.Lock()
 
 
 def _mapping(name: str) -> mmap.mmap:
-    """The segment ``name`` mapped, checked against what the training process staged
-    into (a file truncated since would read as zeros, or kill this process)."""
     with _maps_lock:
-        identity = _staged.get(name)
-        if identity is None:
-            raise CheckpointStorageError(
-                f"staging segment {name} is not one the training process stages into"
-            )
         found = _maps.get(name)
-        if found is None:
-            found = _maps[name] = map_segment(name, identity)
-        else:
-            check_mapped(name, identity)
-        return found
+    if found is None:
+        raise CheckpointStorageError(
+            f"staging segment {name} never reached this persist worker (it started after "
+            "the stage, or a process had no descriptor left for it: ulimit -n); this "
+            "save fails, the next one stages afresh"
+        )
+    return found
 
 
-def keep_mapped(live: dict[str, tuple[int, int]]) -> None:
-    """Keep mapped the segments in use, ``live`` (each one's inode and size), and no
-    other (sent with every call: the training process removes segments between saves)."""
+def keep(maps: dict[str, mmap.mmap]) -> None:
+    """Keep the segments the training process just sent, mapped, by name."""
     with _maps_lock:
-        _staged.update(live)
-        for name in set(_staged) - set(live):
-            del _staged[name]
-        for name in set(_maps) - set(live):
-            del _maps[name]  # unmapped once no tensor of a running call uses it
+        _maps.update(maps)
+
+
+def forget(names: list[str]) -> None:
+    """Forget segments the training process dropped: each is unmapped once no tensor of
+    a running call uses it (none does: it drops them only between saves)."""
+    with _maps_lock:
+        for name in names:
+            _maps.pop(name, None)

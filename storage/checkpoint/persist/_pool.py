@@ -1,27 +1,26 @@
-"""Staging buffers in named shared memory, reused from one save to the next.
+"""Staging buffers in shared memory, reused from one save to the next.
 
 The training process copies its state into these buffers (the only work an
 asynchronous save does on the training thread) and the persist worker maps the same
-pages by name, so the bytes cross processes without another copy. The buffers are
-segments, files in ``/dev/shm`` with their names, locks and sweeping in :mod:`._shm`.
+pages, so the bytes cross processes without another copy. The buffers are segments,
+sealed anonymous memory (:mod:`._shm`), each handed to the worker once, by descriptor,
+over the socket that the pool's ``share`` callback writes to; a pool shares with one
+worker process (its handle makes a new pool for a new worker).
 
 A stage's copies from CPU, reservations of new segments included, run on the pool's
 ``copy_threads`` where torch runs on one thread (:mod:`._copies`).
-
-Files removed from under a live pool (systemd-logind's ``RemoveIPC`` at logout, a
-cleaner of old files) are made again at the next stage: a segment (the worker maps it
-by name) and the lock file (without it, another pool's sweep would take the pool for a
-dead one).
 """
 
 from __future__ import annotations
 
 import atexit
 import bisect
+import itertools
 import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,13 +28,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from storage.checkpoint.persist._copies import Copies
 from storage.checkpoint.persist._cuda import InFlight, Pins, SideCopies
-from storage.checkpoint.persist._shm import _Owner, _Segment, shm_dir, sweep
+from storage.checkpoint.persist._shm import FDS_PER_MESSAGE, OUT_OF_DESCRIPTORS, Segment, no_room
 from storage.checkpoint.stager import ValueStager
 
 log = logging.getLogger(__name__)
 
 #: Storages smaller than this are staged in private memory and sent by value.
 SMALL = 64 << 10
+
+#: How a pool hands segments to its worker: ``share(names, fds, dropped)`` sends the
+#: descriptors of new segments (at most :data:`._shm.FDS_PER_MESSAGE`) and the names of
+#: segments the pool no longer uses; raises ``OSError`` when it cannot.
+Share = Callable[[list[str], list[int], list[str]], None]
 
 
 class StagingPool:
@@ -46,17 +50,24 @@ class StagingPool:
     a staged tensor's bytes are. Not thread-safe: the persist client serializes stages.
     A buffer staging a CUDA storage is pinned (``pins``, :mod:`._cuda`) and copied into
     without blocking, on a side stream; copies from CPU run on ``copy_threads`` threads
-    (:class:`._copies.Copies`).
+    (:class:`._copies.Copies`). New segments (and the names of dropped ones) go to the
+    worker through ``share`` by the end of the stage that made them; without ``share``
+    (no worker) their descriptors are closed then.
     """
 
-    def __init__(self, pins: Pins | None = None, copy_threads: int = 1) -> None:
-        sweep()
+    def __init__(
+        self, pins: Pins | None = None, copy_threads: int = 1, share: Share | None = None
+    ) -> None:
         self.pins = pins if pins is not None else Pins()
         self.side = SideCopies()
         self._copies = Copies(copy_threads)
-        self._owner = _Owner()
-        self._segments: dict[int, _Segment] = {}  # by address
+        self._share = share
+        self._pid = os.getpid()
+        self._names = itertools.count()
+        self._segments: dict[int, Segment] = {}  # by address
         self._addresses: list[int] = []  # sorted
+        self._unsent: list[Segment] = []  # made, their descriptors not yet shared
+        self._dropped: list[str] = []  # shared, then dropped: the worker forgets them
         self._stager = _Stager(self)
         self._lock = threading.Lock()
         _POOLS.add(self)
@@ -72,6 +83,7 @@ class StagingPool:
             try:
                 staged = self._stager.stage(state_dict)
                 self._copies.finish()
+                self._flush()
                 failed = False
             finally:
                 if failed:  # no copy may outlive a failed stage: the next one reuses
@@ -91,12 +103,12 @@ class StagingPool:
                 self._stager.stage(state_dict)
             finally:
                 self._stager.copying = True
+            self._flush()
 
-    def live(self) -> dict[str, tuple[int, int]]:
-        """The segments in use (what the worker keeps mapped), by name: each one's inode
-        and size, which the worker checks the file it maps against."""
+    def live(self) -> dict[str, int]:
+        """The segments in use, by name: each one's size."""
         with self._lock:
-            return {s.name: s.shared for s in self._segments.values()}
+            return {s.name: len(s.map) for s in self._segments.values()}
 
     def locate(self, tensor: torch.Tensor) -> tuple[str, int] | None:
         """``(segment, byte offset)`` of a contiguous staged tensor's bytes, or ``None``
@@ -121,9 +133,12 @@ class StagingPool:
             if pin:
                 return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
             return torch.UntypedStorage(nbytes)
-        segment = _Segment(self._owner, nbytes)
+        if len(self._unsent) >= FDS_PER_MESSAGE:
+            self._flush()  # a stage of thousands of segments holds few descriptors at once
+        segment = Segment(str(next(self._names)), nbytes)
         self._segments[segment.address] = segment
         bisect.insort(self._addresses, segment.address)
+        self._unsent.append(segment)
         if touch or pin:  # pages that are mapped (or locked) now: reserved first
             try:
                 segment.reserve()
@@ -149,65 +164,60 @@ class StagingPool:
         else:
             self._copies.add(segment, source)
 
+    def _flush(self) -> None:
+        """Hand the new segments' descriptors to the worker, and the names of the
+        dropped ones, then close the descriptors (call with the lock). A worker that is
+        gone is not an error here: its handle reports it, and makes a new pool for the
+        next worker. No descriptor for one (the open-file limit) is
+        :class:`._shm.SharedMemoryFull`."""
+        while self._unsent or self._dropped:
+            batch = self._unsent[:FDS_PER_MESSAGE]
+            dropped, self._dropped = self._dropped, []
+            try:
+                if self._share is not None:
+                    self._share([s.name for s in batch], [s.fd for s in batch], dropped)
+            except OSError as exc:
+                if exc.errno in OUT_OF_DESCRIPTORS:
+                    self._dropped = dropped + self._dropped
+                    raise no_room(sum(len(s.map) for s in batch), exc) from exc
+                log.debug("cannot share staging segments with the persist worker: %s", exc)
+            del self._unsent[: len(batch)]
+            for segment in batch:
+                segment.close()
+
     def _drop(self, address: int) -> None:
-        """Forget a segment: unregistered from CUDA first, then unlinked."""
+        """Forget a segment: unregistered from CUDA first; the worker forgets it at the
+        next flush (the kernel frees its memory once neither maps it)."""
         self.pins.unpin(address)
-        self._segments.pop(address).unlink()
+        segment = self._segments.pop(address)
         self._addresses.remove(address)
+        if segment.fd >= 0:  # never shared
+            self._unsent.remove(segment)
+            segment.close()
+        else:
+            self._dropped.append(segment.name)
 
     def _collect(self) -> None:
-        # Segments whose source storage is gone (the cache dropped them) are removed
+        # Segments whose source storage is gone (the cache dropped them) are dropped
         # before the next stage; no save reads them then (the client waits for that).
         live = {s.data_ptr() for s in self._stager.cached()}
         for address in [a for a in self._addresses if a not in live]:
             self._drop(address)
-        # Segments whose file something else removed (systemd-logind's RemoveIPC, a
-        # cleaner of /dev/shm), replaced or truncated: the worker maps segments by name,
-        # so it could never read them again, and a copy into a truncated one kills this
-        # process with SIGBUS; forgotten here, they are made afresh by this stage.
-        # Judged by inode, not by name: anyone may list the directory and take the name
-        # of a removed segment (the worker would map that file in its place).
-        try:
-            with os.scandir(shm_dir()) as entries:
-                present = {e.name: e for e in entries}
-        except OSError:
-            return
-        if f"{self.name}.lock" not in present:
-            self._owner.relock()
-        gone = {
-            a
-            for a in self._addresses
-            if not self._segments[a].is_at(_found(present.get(self._segments[a].name)))
-        }
-        if gone:
-            log.warning(
-                "%d staging buffers of %s were removed or truncated in %s by something else; "
-                "making them again",
-                len(gone),
-                self.name,
-                shm_dir(),
-            )
-            self._stager.forget(gone)
-            for address in gone:
-                self._drop(address)
-
-    @property
-    def name(self) -> str:
-        """The pool's name: every segment's name starts with it."""
-        return self._owner.name
 
     def close(self) -> None:
-        """Remove every segment (mappings stay valid until their tensors are gone); in a
-        child made with ``fork``, only forget them: they are its parent's."""
+        """Forget every segment (mappings stay valid until their tensors are gone; the
+        kernel frees a segment with its last mapping). In a child made with ``fork``,
+        the CUDA registrations are its parent's: left alone."""
         with self._lock:
             self._copies.close()
-            if os.getpid() == self._owner.pid:
-                for address, segment in self._segments.items():
+            for address, segment in self._segments.items():
+                if os.getpid() == self._pid:
                     self.pins.unpin(address)
-                    segment.unlink()
-            self._owner.close()
+                segment.close()
             self._segments.clear()
             self._addresses.clear()
+            self._unsent.clear()
+            self._dropped.clear()
             self._stager.reset()
         _POOLS.discard(self)
 
@@ -248,16 +258,6 @@ class _Stager(ValueStager or object):  # type: ignore[misc]
         elif self.copying:
             self._pool.copy_into(staged, storage)
         return staged
-
-
-def _found(entry: os.DirEntry[str] | None) -> tuple[int, int] | None:
-    """The inode and size of the file ``entry`` names (``None``: none, or gone since)."""
-    if entry is None:
-        return None
-    try:
-        return entry.inode(), entry.stat(follow_symlinks=False).st_size
-    except OSError:
-        return None
 
 
 _POOLS: weakref.WeakSet[StagingPool] = weakref.WeakSet()

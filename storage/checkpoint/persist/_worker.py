@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import math
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -35,7 +35,7 @@ from storage.checkpoint.persist._messages import (
     unreadable,
 )
 from storage.checkpoint.persist._pool import StagingPool
-from storage.checkpoint.persist._shm import SharedMemoryFull, shm_dir
+from storage.checkpoint.persist._shm import SharedMemoryFull, send_segments
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class Worker:
         self._pace_for: str | None = None  # the checkpoint that save writes, if given
         self._paced = False  # a paced call went out and no hurry since
         self.pool: StagingPool | None = None
+        self._pool_conn: Connection | None = None  # the worker the pool shares with
 
     # --- the process ------------------------------------------------------------------
 
@@ -115,8 +116,7 @@ class Worker:
         finally:
             theirs.close()  # the worker's end lives only in the worker: its death is EOF here
         conn = Connection(ours.detach())
-        pool = self.pool.name if self.pool is not None else None  # a restarted worker's
-        conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0, pool)))
+        conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0)))
         self._proc, self._conn = proc, conn
         threading.Thread(
             target=self._read, args=(proc, conn), name="dcp-persist-reader", daemon=True
@@ -219,7 +219,6 @@ class Worker:
         options: dict[str, Any] = {
             "max_bandwidth": max_bandwidth,
             "pace": None,
-            "live": self.pool.live() if self.pool is not None else {},
             "rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else None,
             # As a thread would, the call sees the environment as it is now (credentials
             # the clients read from it may have been set after the worker started).
@@ -319,19 +318,33 @@ class Worker:
 
     def start(self) -> StagingPool:
         """Start the worker process and make the staging pool, if not yet done (a
-        dead worker's error is raised here once); returns the pool."""
+        dead worker's error is raised here once); returns the pool, which may be a
+        dead worker's (see :meth:`_stale`)."""
         with self._lock:
             conn = self._start()
             if self.pool is None:
-                self.pool = StagingPool(copy_threads=self.copy_threads)
-                # The worker removes this pool's files if this process dies (it alone
-                # knows then that they are dead: a child made with fork may hold the lock).
-                try:
-                    with self._send_lock:
-                        conn.send_bytes(pickle.dumps(("pool", self.pool.name)))
-                except OSError:
-                    pass  # a dead worker: the reader reports it
+                share = functools.partial(self._share, conn)
+                self.pool = StagingPool(copy_threads=self.copy_threads, share=share)
+                self._pool_conn = conn
             return self.pool
+
+    def _stale(self, pool: StagingPool) -> bool:
+        """Whether ``pool`` shared its segments with a worker that is gone: a new worker
+        never received them (their descriptors are closed once sent), so a new pool
+        stages for it."""
+        with self._lock:
+            return self.pool is not pool or self._pool_conn is not self._conn
+
+    def _share(
+        self, conn: Connection, names: list[str], fds: list[int], dropped: list[str]
+    ) -> None:
+        """Send the worker behind ``conn`` new segments (their descriptors) and the names
+        of dropped ones (the pool's ``share``): a message, then the descriptors."""
+        message = pickle.dumps(("segments", names, dropped))
+        with self._send_lock:
+            conn.send_bytes(message)
+            if names:
+                send_segments(conn.fileno(), fds)
 
     def warm(self, fn: Callable[[Any], None], filesystem: Any) -> None:
         """Send ``fn(filesystem)`` to the worker without waiting for it, once per worker
@@ -349,6 +362,11 @@ class Worker:
         """Start the worker and make the staging buffers for ``state_dict``'s tensors,
         their pages touched (:meth:`StagingPool.reserve`); stages nothing."""
         pool = self.start()
+        if self._stale(pool):
+            if not self._free.is_set():
+                return  # a save holds the dead worker's buffers: the next stage replaces them
+            self._drop_pool(pool)
+            pool = self.start()
         try:
             pool.reserve(state_dict)
         except SharedMemoryFull:
@@ -357,8 +375,9 @@ class Worker:
             raise
 
     def _drop_pool(self, pool: StagingPool) -> None:
-        """Remove the staging buffers (``/dev/shm`` had no room for more): their room
-        goes back to the host; a later stage here makes a new pool."""
+        """Drop the staging buffers (no room for more, or their worker is gone): their
+        memory goes back to the host once no staged tensor maps it; a later stage here
+        makes a new pool."""
         with self._lock:
             if self.pool is pool:
                 self.pool = None
@@ -378,6 +397,9 @@ class Worker:
                 log.warning("a checkpoint save waits for the previous one to release its buffers")
             self._free.clear()
         try:
+            if self._stale(pool):  # no save holds its buffers now: this stage took them
+                self._drop_pool(pool)
+                pool = self.start()
             staged, copies = pool.stage(state_dict)
         except SharedMemoryFull:
             self._drop_pool(pool)  # no save holds the buffers: this stage waited for them
@@ -390,9 +412,4 @@ class Worker:
 
 
 def _exit_text(code: int) -> str:
-    if code == -signal.SIGBUS:  # what reading a mapping past its file's end does
-        return (
-            f"killed by signal {-code}, SIGBUS: a staging segment in {shm_dir()} was "
-            "truncated while the worker read it"
-        )
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
