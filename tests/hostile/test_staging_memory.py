@@ -340,3 +340,36 @@ def test_warming_the_worker_while_a_save_runs_freezes_none_of_its_objects(
         assert gone() is None
     finally:
         gc.unfreeze()
+
+
+_MANY_TENSORS = """
+import resource, sys, torch, storage
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if hard != resource.RLIM_INFINITY and hard < 1024:
+    print("skip")
+    sys.exit(0)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # a launcher's low soft limit
+state = {f"t{i}": torch.full((64, 256), float(i)) for i in range(400)}  # 64 KiB each
+storage.async_save(state, sys.argv[1], persist="process").result()
+print("ok")
+"""
+
+
+def test_a_state_of_more_tensors_than_the_soft_open_file_limit_stages_through_the_worker(
+    tmp_path: Path,
+) -> None:
+    """Before Python 3.13 each mapped segment holds a descriptor, in the training process
+    and in the worker: with a soft limit of 256 (the hard one far above, as most hosts
+    set them), a state of 400 tensors failed to stage. The limit is raised to the hard
+    one where it is met, in both."""
+    out = _run(_MANY_TENSORS, str(tmp_path / "ckpt")).split()
+    if out == ["skip"]:
+        pytest.skip("the hard open-file limit is below 1024 here")
+    assert out == ["ok"]
+    import storage
+
+    loaded = {f"t{i}": torch.zeros(64, 256) for i in range(400)}
+    storage.load(loaded, tmp_path / "ckpt")
+    assert all(
+        torch.equal(t, torch.full((64, 256), float(i))) for i, t in enumerate(loaded.values())
+    )

@@ -40,7 +40,7 @@ from extensions.errors import CheckpointStorageError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import deadline
 from storage.checkpoint.persist._mapped import forget, keep, rebuild
-from storage.checkpoint.persist._shm import receive_segments
+from storage.checkpoint.persist._shm import more_descriptors, receive_segments
 
 # --- what the training process sends in place of staged data ---------------------------
 
@@ -377,6 +377,8 @@ def main(fd: int) -> None:
     _set_foreground(foreground)
     sys.path[:] = sys_path  # the training process's imports (user transforms) resolve here
     torch.set_num_threads(1)
+    if sys.version_info < (3, 13):  # a descriptor per mapped segment: as many as it is sent
+        more_descriptors()
     # What was imported lives as long as the worker: frozen, the cyclic collector's full
     # passes (several per save of thousands of items) no longer walk its ~10^5 objects.
     gc.freeze()

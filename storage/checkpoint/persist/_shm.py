@@ -40,14 +40,18 @@ import functools
 import logging
 import mmap
 import os
+import resource
 import socket
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from extensions.errors import CheckpointStorageError
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: What ``/proc/PID/maps`` (and ``map_files``) show for a segment.
 MEMFD_NAME = "dcp-storage-staging"
@@ -103,6 +107,35 @@ def _populate(mapping: mmap.mmap, offset: int, length: int) -> None:
     mapping.madvise(_MADV_POPULATE_WRITE, offset, length)
 
 
+def more_descriptors() -> bool:
+    """Raise this process's soft open-file limit to its hard limit (at most 2^20); true
+    if it rose. Before Python 3.13 each mapping holds a descriptor of its own, so a
+    state of more tensors than the soft limit (often 1024, where the hard one is far
+    above) would stage only in part: the limit is raised the first time it is met,
+    as a job's launcher raising ``ulimit -n`` would."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = 1 << 20
+    target = ceiling if hard == resource.RLIM_INFINITY else min(hard, ceiling)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return False
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError):
+        return False
+    log.info("raised the open-file limit from %d to %d for staging segments", soft, target)
+    return True
+
+
+def _retry_for_descriptors(call: Callable[[], _T]) -> _T:
+    """``call()``, once more after raising the open-file limit where it ran out."""
+    try:
+        return call()
+    except OSError as exc:
+        if exc.errno not in OUT_OF_DESCRIPTORS or not more_descriptors():
+            raise
+    return call()
+
+
 class Segment:
     """One sealed memfd holding one staged storage (see the module docstring).
 
@@ -114,7 +147,9 @@ class Segment:
 
     def __init__(self, name: str, size: int) -> None:
         try:
-            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            fd = _retry_for_descriptors(
+                lambda: os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            )
         except OSError as exc:
             raise no_room(size, exc) from exc
         try:
@@ -123,7 +158,7 @@ class Segment:
             self.reserved = not _populates()  # every page's space: set once all is reserved
             if self.reserved:
                 os.posix_fallocate(fd, 0, size)
-            self.map = _map(fd, size)
+            self.map = _retry_for_descriptors(lambda: _map(fd, size))
         except OSError as exc:
             os.close(fd)
             raise no_room(size, exc) from exc
