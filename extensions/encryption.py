@@ -143,7 +143,7 @@ class AES256GCM(StreamTransformExtension):
             object.__setattr__(self, "key", check_key(self.key))
         check_key_id(self.key_id)
         _check_chunk_size(self.chunk_size)
-        if self.format not in _FORMATS:
+        if isinstance(self.format, bool) or self.format not in _FORMATS:
             raise ValueError(f"format must be one of {_FORMATS}, got {self.format!r}")
 
     def __repr__(self) -> str:
@@ -285,10 +285,10 @@ class _Decryptor(io.RawIOBase):
             raise self._fail("the encrypted item is truncated inside its header")
         magic, version, salt, prefix, check = _HEADER.unpack(header)
         if magic == _MAGIC and version in _FORMATS and version != self._format:
+            legacy = " (never checked under the legacy binding)" if self._format == 1 else ""
             raise self._fail(
                 f"the item's header says format {version} but its descriptor says format "
-                f"{self._format}: the metadata or the item was altered (a descriptor changed "
-                "to the legacy format is refused, never checked under its weaker binding)"
+                f"{self._format}: the metadata or the item was altered{legacy}"
             )
         if magic != _MAGIC or version != self._format:
             raise self._fail(f"the bytes are not an AES-256-GCM item of format {self._format}")
