@@ -29,8 +29,8 @@ hook and four capabilities, each with a default that keeps a version-1 transform
 working as it did:
 
 ``for_item(item)``
-    Given what is known of the item (an :class:`ItemInfo`: its name, dtype, element
-    size, the reader's keys), the transform to use for that item, built from this
+    Given what is known of the item (an :class:`ItemInfo`: its name, its identity,
+    dtype, element size, the reader's keys), the transform to use for that item, built from this
     one; default: ``self``. The framework calls it for every item before it asks for
     the descriptor, the writer or the reader, on both sides: a filter learns the
     element size, a compressor the dtype, a cipher the item it binds and the keys it
