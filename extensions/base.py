@@ -29,8 +29,8 @@ hook and four capabilities, each with a default that keeps a version-1 transform
 working as it did:
 
 ``for_item(item)``
-    Given what is known of the item (an :class:`ItemInfo`: its name, dtype, element
-    size, the reader's keys), the transform to use for that item, built from this
+    Given what is known of the item (an :class:`ItemInfo`: its name, its identity,
+    dtype, element size, the reader's keys), the transform to use for that item, built from this
     one; default: ``self``. The framework calls it for every item before it asks for
     the descriptor, the writer or the reader, on both sides: a filter learns the
     element size, a compressor the dtype, a cipher the item it binds and the keys it
@@ -116,9 +116,13 @@ ReadAt = Callable[[int, int], bytes]
 class ItemInfo:
     """What the framework knows about the item being encoded or decoded.
 
-    ``checkpoint`` and ``item`` are for error messages and for binding ciphertext to
-    its item; ``dtype`` (e.g. ``"bfloat16"``) and ``element_size`` are set for tensor
-    items and ``None`` for opaque bytes; ``keys`` resolves a key id to key bytes.
+    ``checkpoint`` and ``item`` (the item's name) are for error messages; ``identity``,
+    set by the framework for an item of a checkpoint, is its key there, the state-dict
+    key and the chunk offsets (``()`` for a whole tensor or an object), the
+    unambiguous name a cipher binds ciphertext to (``None`` outside a checkpoint: then
+    ``item`` is the name, with no offsets); ``dtype`` (e.g. ``"bfloat16"``) and
+    ``element_size`` are set for tensor items and ``None`` for opaque bytes; ``keys``
+    resolves a key id to key bytes.
     ``plain_bytes``, set by a reader, is the most plain bytes it accepts from the item
     once every stage is undone (from the request, never from what the checkpoint
     claims; ``None`` when unknown): a decoder may size what a stored header asks for by
@@ -127,6 +131,7 @@ class ItemInfo:
 
     checkpoint: str = ""
     item: str = ""
+    identity: tuple[str, tuple[int, ...]] | None = None
     dtype: str | None = None
     element_size: int | None = None
     keys: KeyLookup | None = None

@@ -200,6 +200,7 @@ def item_info(url: str, item: WriteItem, tensor: torch.Tensor | None) -> ItemInf
     return ItemInfo(
         checkpoint=url,
         item=fmt.item_label(item.index),
+        identity=fmt.item_identity(item.index),
         dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else None,
         element_size=tensor.element_size() if tensor is not None else None,
     )

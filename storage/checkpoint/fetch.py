@@ -310,6 +310,7 @@ def _item_info(load: LoadContext, item: _PlannedRead, keys: KeyLookup | None) ->
     return ItemInfo(
         checkpoint=load.url,
         item=fmt.item_label(item.req.storage_index),
+        identity=fmt.item_identity(item.req.storage_index),
         dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
         element_size=chunk[1].itemsize if chunk else None,
         keys=keys,

@@ -71,10 +71,20 @@ def file_rank(relative_path: str) -> int:
 
 
 def item_label(index: MetadataIndex) -> str:
-    """The item's name in messages and in the associated data of encrypted items."""
+    """The item's name in messages (and in the associated data of encrypted items of
+    the legacy format 1). Not unambiguous: the key ``w@[4]`` and the chunk of ``w`` at
+    offset 4 share it; :func:`item_identity` is what encryption binds now."""
     if index.offset is not None and any(index.offset):
         return f"{index.fqn}@{list(index.offset)}"
     return index.fqn
+
+
+def item_identity(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
+    """The item's key, as encryption binds it (``ItemInfo.identity``): the state-dict
+    key and the chunk offsets, ``()`` where :func:`item_label` shows none (a whole
+    tensor, an object), so the two name the same items, this one unambiguously."""
+    offsets = tuple(int(o) for o in index.offset) if index.offset is not None else ()
+    return index.fqn, offsets if any(offsets) else ()
 
 
 # --- the per-item record --------------------------------------------------------------

@@ -44,11 +44,12 @@ class Part:
         """What a transform needs to know about the item at ``index`` of the checkpoint
         at ``url`` (its name, dtype and element size; ``keys`` to decrypt it)."""
         facts = chunk_facts(self.metadata, index)
-        # ``item`` is what encryption binds the ciphertext to: the writer's name for it,
-        # which never holds the rank (messages get the rank through ``checkpoint``).
+        # ``identity`` is what encryption binds the ciphertext to: the writer's key for
+        # it, which never holds the rank (messages get the rank through ``checkpoint``).
         return ItemInfo(
             checkpoint=url if self.rank is None else f"{url} (rank {self.rank})",
             item=fmt.item_label(index),
+            identity=fmt.item_identity(index),
             dtype=str(facts[1]).removeprefix("torch.") if facts else None,
             element_size=facts[1].itemsize if facts else None,
             keys=keys,

@@ -34,7 +34,7 @@ from extensions import (
     ZStandard,
     keys_from_environment,
 )
-from extensions.encryption import TAG_SIZE
+from extensions.encryption import TAG_SIZE, _associated_prefix
 from extensions.testing import FlushOnlyClose
 from storage.checkpoint import storage_format as fmt
 from tests.support.trees import assert_tree_equal, zeros_like_tree
@@ -43,7 +43,9 @@ KEY = hashlib.sha256(b"dcp-storage test key").digest()
 OTHER_KEY = hashlib.sha256(b"another key").digest()
 HEADER = 37
 CHUNK = 4096
-GOLDEN = Path(__file__).parents[1] / "golden" / "transforms"
+GOLDENS = Path(__file__).parents[1] / "golden"
+# AES format 1 (written by an earlier release) and format 2, each with its manifest.
+GOLDEN_SETS = [GOLDENS / "transforms", GOLDENS / "transforms-aes2"]
 GOLDEN_KEY = bytes(range(32))  # the golden items' key; test-only, never a real secret
 
 
@@ -142,7 +144,7 @@ def test_compression_happens_before_encryption(tmp_path: Path) -> None:
     metadata = fmt.load_metadata((tmp_path / ".metadata").read_bytes(), str(tmp_path))
     (info,) = metadata.storage_data.values()
     assert info.transform_descriptors[0] == "stream.zstd/1"
-    assert info.transform_descriptors[1].startswith("dcp_storage.aes256gcm/1;key_id=k1;")
+    assert info.transform_descriptors[1].startswith("dcp_storage.aes256gcm/2;key_id=k1;")
     assert info.length < 10_000
 
 
@@ -280,10 +282,10 @@ def test_unknown_descriptor_version_names_the_item(tmp_path: Path) -> None:
     metadata = fmt.load_metadata(meta_path.read_bytes(), str(tmp_path))
     for info in metadata.storage_data.values():
         info.transform_descriptors = [
-            d.replace("aes256gcm/1", "aes256gcm/2") for d in info.transform_descriptors
+            d.replace("aes256gcm/2", "aes256gcm/3") for d in info.transform_descriptors
         ]
     meta_path.write_bytes(fmt.dump_metadata(metadata))
-    with pytest.raises(UnknownTransformError, match=r"item '(a|b)'.*aes256gcm/2"):
+    with pytest.raises(UnknownTransformError, match=r"item '(a|b)'.*aes256gcm/3"):
         load_into(tmp_path, state, keys={"k1": KEY})
 
 
@@ -342,9 +344,10 @@ def test_memory_stays_within_a_few_chunks() -> None:
 # --- goldens --------------------------------------------------------------------------
 
 
-def test_golden_items_keep_decoding() -> None:
-    manifest = json.loads((GOLDEN / "manifest.json").read_text())
-    plain = (GOLDEN / manifest["plain"]).read_bytes()
+@pytest.mark.parametrize("golden", GOLDEN_SETS, ids=lambda p: p.name)
+def test_golden_items_keep_decoding(golden: Path) -> None:
+    manifest = json.loads((golden / "manifest.json").read_text())
+    plain = (golden / manifest["plain"]).read_bytes()
     assert hashlib.sha256(plain).hexdigest() == manifest["plain_sha256"]
     assert len(manifest["items"]) >= 3
     for entry in manifest["items"]:
@@ -354,18 +357,68 @@ def test_golden_items_keep_decoding() -> None:
             element_size=entry["element_size"],
             keys={"golden": GOLDEN_KEY}.__getitem__,
         )
-        raw = io.BytesIO((GOLDEN / entry["file"]).read_bytes())
+        raw = io.BytesIO((golden / entry["file"]).read_bytes())
         decoded = ExtensionRegistry().decoding_stream(entry["descriptors"], raw, item)
         assert decoded.read() == plain, entry["file"]
 
 
+@pytest.mark.parametrize("golden", GOLDEN_SETS, ids=lambda p: p.name)
 @pytest.mark.parametrize("name", ["ckpt-zstd-aes", "ckpt-shuffle-zstd-aes"])
-def test_golden_checkpoints_keep_loading(name: str) -> None:
-    expected = torch.load(GOLDEN / "expected.pt", weights_only=True)
-    loaded = load_into(GOLDEN / name, expected, keys={"golden": GOLDEN_KEY})
+def test_golden_checkpoints_keep_loading(golden: Path, name: str) -> None:
+    expected = torch.load(golden / "expected.pt", weights_only=True)
+    loaded = load_into(golden / name, expected, keys={"golden": GOLDEN_KEY})
     assert_tree_equal(expected, loaded)
     with pytest.raises(MissingKeyError):
-        load_into(GOLDEN / name, expected)
+        load_into(golden / name, expected)
+
+
+def test_golden_sets_hold_both_formats() -> None:
+    # Guards the goldens themselves: format 1 must stay covered once format 2 is written.
+    for golden, version in zip(GOLDEN_SETS, ("1", "2"), strict=True):
+        metadata = fmt.load_metadata((golden / "ckpt-zstd-aes" / ".metadata").read_bytes(), "g")
+        for info in metadata.storage_data.values():
+            assert info.transform_descriptors[-1].startswith(f"dcp_storage.aes256gcm/{version};")
+
+
+# --- what the associated data binds -----------------------------------------------------
+
+
+def test_the_item_binding_is_unambiguous_and_pinned() -> None:
+    # Before (format 1): the name "w@[4]" was bound for both the key "w@[4]" and the
+    # chunk of "w" at offset 4, so either item's bytes authenticated as the other's.
+    def bound(fqn: str, offsets: tuple[int, ...]) -> bytes:
+        return _associated_prefix(ItemInfo(item="shown", identity=(fqn, offsets)), 2)
+
+    assert bound("w", (4,)) == (
+        b"dcp_storage.aes256gcm/2\x00"
+        + b"\x00\x00\x00\x01w"
+        + b"\x00\x00\x00\x01"
+        + (4).to_bytes(8)
+    )
+    pairs = [
+        (("w", (4,)), ("w@[4]", ())),
+        (("w", (4, 0)), ("w", (4,))),
+        (("a\x00", ()), ("a", (0,))),
+        (("w", (1, 2)), ("w", (258,))),
+    ]
+    for one, other in pairs:
+        assert bound(*one) != bound(*other), (one, other)
+    # Outside a checkpoint (no identity) the name is bound, with no offsets.
+    assert _associated_prefix(ItemInfo(item="w"), 2) == bound("w", ())
+    # Format 1's binding is kept, byte for byte, for the items earlier releases wrote.
+    assert _associated_prefix(ItemInfo(item="w@[4]", identity=("w", (4,))), 1) == (
+        b"dcp_storage.aes256gcm/1\x00w@[4]\x00"
+    )
+
+
+def test_format_1_is_read_only() -> None:
+    legacy = AES256GCM.from_descriptor("1;key_id=k1;chunk=4096")
+    assert legacy.format == 1 and legacy.get_descriptor().startswith("dcp_storage.aes256gcm/1;")
+    assert AES256GCM(key=KEY).get_descriptor().startswith("dcp_storage.aes256gcm/2;")
+    with pytest.raises(ValueError, match="format 1 is read only"):
+        AES256GCM(key=KEY, format=1).transform_to(io.BytesIO())
+    with pytest.raises(ValueError, match="format must be one of"):
+        AES256GCM(key=KEY, format=3)
 
 
 def test_writer_with_aes_pickles_for_process_based_async_save(tmp_path: Path) -> None:

@@ -2,14 +2,18 @@
 
     python tests/golden/make_transform_goldens.py             # both sets
     python tests/golden/make_transform_goldens.py weights     # tests/golden/weights only
+    python tests/golden/make_transform_goldens.py aes2        # tests/golden/transforms-aes2 only
 
 Run it only when a transform's format changes on purpose (with a new descriptor
 version): the committed files prove that what older releases wrote keeps decoding.
 
-``transforms/``: AES, zstd and shuffle chains. Encryption is randomised per item, so
-every run writes different bytes. The key is a fixed test key, ``bytes(range(32))``
-under key_id ``golden``; it protects nothing. ``tests/extensions/test_encryption.py`` decodes
-every item in ``manifest.json`` and loads both checkpoints.
+``transforms/`` (AES format 1, ``dcp_storage.aes256gcm/1``) and ``transforms-aes2/``
+(format 2): AES, zstd and shuffle chains. ``transforms/`` was written by an earlier
+release and is kept as it is: AES256GCM no longer writes format 1, so this script writes
+``transforms-aes2/`` only. Encryption is randomised per item, so every run writes
+different bytes. The key is a fixed test key, ``bytes(range(32))`` under key_id
+``golden``; it protects nothing. ``tests/extensions/test_encryption.py`` decodes every
+item in each ``manifest.json`` and loads each set's checkpoints.
 
 ``weights/``: ``dcp_storage.weights/1`` items covering each plane mode (raw, constant,
 one bit, zstd, packed pairs and quads with escapes; sign moved or not; a tail; several
@@ -32,7 +36,7 @@ import storage
 from extensions import AES256GCM, ByteShuffle, ItemInfo, WeightCodec, ZStandard
 from extensions.testing import encode
 
-OUT = Path(__file__).parent / "transforms"
+OUT = Path(__file__).parent / "transforms-aes2"
 WEIGHTS = Path(__file__).parent / "weights"
 KEY = bytes(range(32))
 
@@ -108,10 +112,13 @@ def make_weights() -> None:
 
 
 def main() -> None:
-    if sys.argv[1:] == ["weights"]:
+    if sys.argv[1:] != ["aes2"]:
         make_weights()
-        return
-    make_weights()
+    if sys.argv[1:] != ["weights"]:
+        make_aes()
+
+
+def make_aes() -> None:
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)

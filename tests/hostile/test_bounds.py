@@ -315,7 +315,7 @@ def test_aes_chunk_claim_does_not_size_the_buffers(tmp_path: Path, peak: Peak) -
     storage.save({"t": torch.ones(16)}, tmp_path, transforms=chain)
     metadata = _meta(tmp_path)
     _info(metadata, "t").transform_descriptors = [
-        f"dcp_storage.aes256gcm/1;key_id=k;chunk={256 * MiB}"
+        f"dcp_storage.aes256gcm/2;key_id=k;chunk={256 * MiB}"
     ]
     _write_meta(tmp_path, metadata)
     peak.reset()
@@ -324,7 +324,7 @@ def test_aes_chunk_claim_does_not_size_the_buffers(tmp_path: Path, peak: Peak) -
     assert peak() < 4 * MiB
 
 
-_AES = "dcp_storage.aes256gcm/1;key_id=k;chunk="
+_AES = "dcp_storage.aes256gcm/2;key_id=k;chunk="
 _NUMBERS = {"superscript": "\u00b2", "arabic-indic": "\u0663", "5000 digits": "9" * 5000}
 
 
