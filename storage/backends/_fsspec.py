@@ -267,12 +267,26 @@ class FsspecFileSystem(FileSystemBase):
         if self._empty_slice(path, offset, length):
             return contextlib.nullcontext(io.BytesIO())
         reader = WindowReader(self._fetch_range, path, offset, length)
-        with self._errors(path, "reading"):
-            reader.prefetch()
+        reader.prefetch()
         return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
 
+    @contextlib.contextmanager
+    def _reading(self, path: str) -> Iterator[None]:
+        """:meth:`_errors` of a read, and a client's own error that is no ``OSError``
+        (aiohttp's body cut short of its ``Content-Length``, botocore's checksum that
+        did not match) as an ``OSError`` naming the URL: raised raw, it named no object,
+        and one raised while an item decodes read as damage to the item."""
+        try:
+            with self._errors(path, "reading"):
+                yield
+        except OSError:
+            raise
+        except Exception as exc:
+            raise OSError(f"{self.url(path)}: reading failed: {self._describe(exc)}") from exc
+
     def _fetch_range(self, path: str, start: int, end: int) -> bytes:
-        data: bytes = self._request("cat_file", path, start=start, end=end)
+        with self._reading(path):
+            data: bytes = self._request("cat_file", path, start=start, end=end)
         # fsspec hands back the body alone: a server that ignored the range (the whole
         # object) shows as more bytes than asked for, which are the range only from byte
         # 0; the S3 and GCS backends check the status and Content-Range of every answer.
@@ -288,9 +302,9 @@ class FsspecFileSystem(FileSystemBase):
 
     def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
         length = self._read_length(limit)
-        with self._errors(path, "reading"):
-            if length is not None:  # one ranged request
-                return self._fetch_range(path, 0, length)
+        if length is not None:  # one ranged request
+            return self._fetch_range(path, 0, length)
+        with self._reading(path):
             data: bytes = self._request("cat_file", path)
         return data
 

@@ -23,6 +23,7 @@ from extensions._compat import narrow_tensor_by_index
 from extensions.base import ItemInfo, KeyLookup, cached_key_lookup
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError, quote
 from extensions.registry import Framing
+from storage.backends import RangeMismatchError
 from storage.checkpoint import frames, incremental
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget, cancellable, note
@@ -166,6 +167,7 @@ def _read_run(
     length = run[-1].offset + run[-1].length - start
     note(fmt.item_label(run[0].req.storage_index), load.fs.url(path))
     file_size = functools.cache(lambda: load.fs.size(path))
+    label = fmt.item_label(run[0].req.storage_index)  # the item being read
     try:
         with load.fs.open_slice(path, start, length) as opened:
             stream = cancellable(opened)
@@ -174,7 +176,11 @@ def _read_run(
             if not load.fs.local_reads:
                 decoders = None
             for item in run:
+                label = fmt.item_label(item.req.storage_index)
                 _read_item(load, stream, path, item, planner, lock, keys, decoders, file_size)
+    except RangeMismatchError as exc:
+        # The store answered with other bytes than those asked for: say for which item.
+        raise RangeMismatchError(f"{load.url}: item {quote(label)}: {exc}") from exc
     except FileNotFoundError as exc:
         if isinstance(exc, CheckpointStorageError):
             raise

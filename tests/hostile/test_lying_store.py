@@ -1,0 +1,178 @@
+"""A store that lies about its answers: real servers (moto, fake-gcs-server) behind the
+fault proxy (``tests.support.servers.FaultProxy``), whose ``"rewrite"`` fault changes
+what the server said before the client sees it.
+
+Each test says what happened before the fix it guards. The checkpoints are written
+once per module, by stock DCP (no checksums: wrong bytes would load silently) unless a
+test says otherwise; each test loads one item, ``b``, whose bytes start past byte 0."""
+
+from __future__ import annotations
+
+import gzip
+import re
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+import storage
+from storage.backends.gcs import _direct as gcs_direct
+from tests.support.servers import (
+    Asked,
+    FaultProxy,
+    Reply,
+    create_bucket,
+    gcs_endpoint_with_bucket,
+    gcs_options,
+    moto_endpoint,
+    s3_options,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+BUCKET = "dcp-liar"
+FAST = {"retries": {"mode": "standard", "total_max_attempts": 2}, "read_timeout": 10}
+STATE = {"a": torch.full((256,), 1.0), "b": torch.full((256,), 2.0)}
+
+# How each backend reads: the S3 direct path, S3 through s3fs, GCS over pooled
+# connections, GCS through gcsfs's aiohttp session.
+READERS = ["s3-direct", "s3-s3fs", "gcs-direct", "gcs-streamed"]
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, Any]]:
+    """The stock checkpoint on each server, and a proxy in front of each."""
+    s3 = moto_endpoint()
+    create_bucket(s3, BUCKET)
+    gcs = gcs_endpoint_with_bucket(BUCKET)
+    prefix = uuid.uuid4().hex
+    dcp.save(STATE, storage_writer=FsspecWriter(f"s3://{BUCKET}/{prefix}/ckpt", **s3_options(s3)))
+    dcp.save(STATE, storage_writer=FsspecWriter(f"gs://{BUCKET}/{prefix}/ckpt", **gcs_options(gcs)))
+    with FaultProxy(s3) as s3_proxy, FaultProxy(gcs) as gcs_proxy:
+        yield {"s3": s3_proxy, "gs": gcs_proxy, "prefix": prefix}
+
+
+def _reader(servers: dict[str, Any], reader: str) -> tuple[FaultProxy, Any, str]:
+    """The proxy, a filesystem reading through it as ``reader`` does, and the URL."""
+    scheme = "gs" if reader.startswith("gcs") else "s3"
+    proxy: FaultProxy = servers[scheme]
+    proxy.clear()
+    fs: Any
+    if scheme == "gs":
+        extra = {"session_kwargs": {"trust_env": False}} if reader == "gcs-streamed" else {}
+        fs = storage.GCSFileSystem(storage_options=gcs_options(proxy.url, **extra))
+        fs.fs.retries = 2
+        assert (gcs_direct.direct_get(fs.fs) is not None) == (reader == "gcs-direct")
+    else:
+        opts = s3_options(proxy.url, config_kwargs=FAST)
+        fs = storage.S3FileSystem(storage_options=opts, direct=reader == "s3-direct")
+    return proxy, fs, f"{scheme}://{BUCKET}/{servers['prefix']}/ckpt"
+
+
+def _load_b(fs: Any, url: str) -> torch.Tensor:
+    target = {"b": torch.zeros(256)}
+    storage.load(target, url, filesystem=fs)
+    return target["b"]
+
+
+def _data_get(asked: Asked) -> bool:
+    return asked.method == "GET" and "range" in asked.headers
+
+
+def _gzipped(asked: Asked, reply: Reply) -> Reply:
+    """A proxy that compresses answers (as ``Accept-Encoding`` allows)."""
+    if reply.status in (200, 206):
+        reply.body = gzip.compress(reply.body)
+        reply.headers["Content-Encoding"] = "gzip"
+    return reply
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_body_with_a_content_encoding_is_refused_naming_the_item(
+    servers: dict[str, Any], reader: str
+) -> None:
+    """Before, every reader took a gzipped body as the stored bytes: a stock item was
+    refused as "not plain data ... it could run code", an item written here as
+    "truncated: restore the file", neither naming what the store did. gcsfs's session
+    decodes gzip itself: there the item loads."""
+    proxy, fs, url = _reader(servers, reader)
+    proxy.add("rewrite", path=r"\.distcp", rewrite=_gzipped)
+    if reader == "gcs-streamed":
+        assert torch.equal(_load_b(fs, url), STATE["b"])
+        return
+    with pytest.raises(storage.RangeMismatchError, match="Content-Encoding 'gzip'") as caught:
+        _load_b(fs, url)
+    assert f"{url}: item 'b" in str(caught.value)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_body_shorter_than_its_content_range_is_resumed(
+    servers: dict[str, Any], reader: str
+) -> None:
+    """A ``206`` whose ``Content-Length`` (and body) holds half the range its
+    ``Content-Range`` names. Before, the reader took the end of the body for the end of
+    the object: the load failed with "data file is truncated; restore the file", the
+    object whole and unharmed. Now the rest is asked for again."""
+    proxy, fs, url = _reader(servers, reader)
+
+    def halved(asked: Asked, reply: Reply) -> Reply:
+        reply.body = reply.body[: len(reply.body) // 2]
+        return reply
+
+    proxy.add("rewrite", path=r"\.distcp", rewrite=halved, count=1)
+    assert torch.equal(_load_b(fs, url), STATE["b"])
+    gets = [r for r in proxy.settle() if r.method == "GET" and ".distcp" in r.target]
+    assert len(gets) == 2
+
+
+def test_a_body_that_never_reaches_its_content_range_fails_saying_so(
+    servers: dict[str, Any],
+) -> None:
+    """Every answer ends before its range does (an empty body): the reader asks again a
+    bounded number of times, then fails saying what the answers did."""
+    proxy, fs, url = _reader(servers, "s3-direct")
+
+    def empty(asked: Asked, reply: Reply) -> Reply:
+        reply.body = b""
+        return reply
+
+    proxy.add("rewrite", path=r"\.distcp", rewrite=empty)
+    with pytest.raises(OSError, match="though its Content-Range runs to byte"):
+        _load_b(fs, url)
+
+
+def test_a_length_far_past_the_body_allocates_nothing_and_loads(
+    servers: dict[str, Any],
+) -> None:
+    """A ``Content-Length`` of 1 TiB on answers whose bodies hold the bytes asked for
+    (then the connection closes): the direct path reads into the target, never into a
+    buffer of the announced size, and takes what it asked for."""
+    proxy, fs, url = _reader(servers, "s3-direct")
+
+    def huge(asked: Asked, reply: Reply) -> Reply:
+        reply.length = 1 << 40
+        return reply
+
+    proxy.add("rewrite", method="GET", rewrite=huge)
+    assert torch.equal(_load_b(fs, url), STATE["b"])
+
+
+def test_an_fsspec_clients_own_error_names_the_object(servers: dict[str, Any]) -> None:
+    """Through ``FsspecFileSystem`` (s3fs's ``cat_file``), a body short of its
+    ``Content-Length``. Before, aiohttp's ``ClientPayloadError`` came out of the load
+    raw, naming no object (and, past a slice's first window, it was reported as damage
+    to the item being decoded)."""
+    proxy, _, url = _reader(servers, "s3-s3fs")
+    fs = storage.FsspecFileSystem(storage_options=s3_options(proxy.url), protocol="s3")
+
+    def huge(asked: Asked, reply: Reply) -> Reply:
+        reply.length = len(reply.body) + 100
+        return reply
+
+    proxy.add("rewrite", path=r"\.distcp", rewrite=huge)
+    with pytest.raises(OSError, match=re.escape(f"{url}/__0_0.distcp: reading failed")):
+        _load_b(fs, url)
