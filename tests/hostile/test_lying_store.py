@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 import storage
+from extensions.errors import UnsafeCheckpointError
 from storage.backends.gcs import _direct as gcs_direct
 from tests.support.servers import (
     Asked,
@@ -176,3 +177,20 @@ def test_an_fsspec_clients_own_error_names_the_object(servers: dict[str, Any]) -
     proxy.add("rewrite", path=r"\.distcp", rewrite=huge)
     with pytest.raises(OSError, match=re.escape(f"{url}/__0_0.distcp: reading failed")):
         _load_b(fs, url)
+
+
+@pytest.mark.parametrize("reader", ["s3-direct", "gcs-direct"])
+def test_an_html_page_for_the_metadata_says_so(servers: dict[str, Any], reader: str) -> None:
+    """A proxy's error page answered ``200`` for ``.metadata``. Before: "not a readable
+    DCP metadata file (invalid pickle opcode 0x3c); the checkpoint is damaged", sending
+    the user to restore a checkpoint that was never touched."""
+    proxy, fs, url = _reader(servers, reader)
+    page = b"<!DOCTYPE html><html><body><h1>502 Bad Gateway</h1></body></html>"
+
+    def error_page(asked: Asked, reply: Reply) -> Reply:
+        return Reply(200, {"Content-Type": "text/html"}, page)
+
+    proxy.add("rewrite", method="GET", path=r"metadata", rewrite=error_page)
+    with pytest.raises(UnsafeCheckpointError, match="HTML/XML page") as caught:
+        _load_b(fs, url)
+    assert f"{url}/.metadata" in str(caught.value)
