@@ -374,7 +374,8 @@ class FsspecFileSystem(FileSystemBase):
                 continue  # some filesystems list a file as itself
             name = entry[len(prefix) :] if entry.startswith(prefix) else posixpath.basename(entry)
             names.add(name.split("/", 1)[0])
-        return sorted(n for n in names if n)
+        # "." or "..", joined to the path, would name the directory or its parent.
+        return sorted(n for n in names if n not in ("", ".", ".."))
 
     def mkdir(self, path: str) -> None:
         with self._errors(path, "creating the directory"):

@@ -9,6 +9,7 @@ test says otherwise; each test loads one item, ``b``, whose bytes start past byt
 from __future__ import annotations
 
 import gzip
+import logging
 import re
 import uuid
 from collections.abc import Iterator
@@ -194,3 +195,35 @@ def test_an_html_page_for_the_metadata_says_so(servers: dict[str, Any], reader: 
     with pytest.raises(UnsafeCheckpointError, match="HTML/XML page") as caught:
         _load_b(fs, url)
     assert f"{url}/.metadata" in str(caught.value)
+
+
+def test_a_listing_names_only_what_is_under_the_prefix(
+    servers: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listing page that also names keys outside the prefix asked for, a deeper key,
+    ``..`` and duplicates. Before, ``ls`` cut every key at the prefix's length: a key
+    of another checkpoint became a name here (``ckpt-other/x`` -> ``-other/x``),
+    ``..`` a name that joined to the path names its parent, each then open to a
+    deletion."""
+    proxy, fs, url = _reader(servers, "s3-direct")
+    prefix = f"{servers['prefix']}/ckpt/"
+    lies = [
+        f"{servers['prefix']}/ckpt-other/x",
+        "elsewhere/.metadata",
+        f"{prefix}..",
+        prefix + "a/b",
+    ]
+    lies.append(f"{prefix}.metadata")  # a duplicate
+
+    def listing(asked: Asked, reply: Reply) -> Reply:
+        extra = "".join(f"<Contents><Key>{key}</Key><Size>1</Size></Contents>" for key in lies)
+        reply.body = reply.body.replace(
+            b"</ListBucketResult>", extra.encode() + b"</ListBucketResult>"
+        )
+        return reply
+
+    proxy.add("rewrite", method="GET", path=r"list-type=2", rewrite=listing)
+    with caplog.at_level(logging.WARNING, logger="storage.backends.s3._filesystem"):
+        names = fs.ls(url)
+    assert names == [".metadata", "__0_0.distcp"]
+    assert "not right under the prefix" in caplog.text
