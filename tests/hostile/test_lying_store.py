@@ -9,6 +9,7 @@ test says otherwise; each test loads one item, ``b``, whose bytes start past byt
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import re
 import uuid
@@ -197,33 +198,38 @@ def test_an_html_page_for_the_metadata_says_so(servers: dict[str, Any], reader: 
     assert f"{url}/.metadata" in str(caught.value)
 
 
+@pytest.mark.parametrize("reader", ["s3-direct", "gcs-direct"])
 def test_a_listing_names_only_what_is_under_the_prefix(
-    servers: dict[str, Any], caplog: pytest.LogCaptureFixture
+    servers: dict[str, Any], reader: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A listing page that also names keys outside the prefix asked for, a deeper key,
-    ``..`` and duplicates. Before, ``ls`` cut every key at the prefix's length: a key
-    of another checkpoint became a name here (``ckpt-other/x`` -> ``-other/x``),
-    ``..`` a name that joined to the path names its parent, each then open to a
-    deletion."""
-    proxy, fs, url = _reader(servers, "s3-direct")
-    prefix = f"{servers['prefix']}/ckpt/"
-    lies = [
-        f"{servers['prefix']}/ckpt-other/x",
-        "elsewhere/.metadata",
-        f"{prefix}..",
-        prefix + "a/b",
-    ]
-    lies.append(f"{prefix}.metadata")  # a duplicate
+    """A listing that also names keys outside the prefix asked for, ``..`` and a
+    duplicate. Before, S3's ``ls`` cut every key at the prefix's length (a key of
+    another checkpoint, ``ckpt-other/x``, became the name ``-other``) and the fsspec
+    one (GCS) took a stray key's last part (``elsewhere/.metadata`` -> ``.metadata``,
+    ``ckpt-other/x`` -> ``x``); ``..``, joined to the path, names its parent. Each
+    name is then open to a deletion."""
+    proxy, fs, url = _reader(servers, reader)
+    base = f"{servers['prefix']}/ckpt"
+    lies = [f"{base}-other/x", "elsewhere/__1_0.distcp", f"{base}/..", f"{base}/.metadata"]
 
-    def listing(asked: Asked, reply: Reply) -> Reply:
+    def s3_listing(asked: Asked, reply: Reply) -> Reply:
         extra = "".join(f"<Contents><Key>{key}</Key><Size>1</Size></Contents>" for key in lies)
-        reply.body = reply.body.replace(
-            b"</ListBucketResult>", extra.encode() + b"</ListBucketResult>"
-        )
+        end = b"</ListBucketResult>"
+        reply.body = reply.body.replace(end, extra.encode() + end)
         return reply
 
-    proxy.add("rewrite", method="GET", path=r"list-type=2", rewrite=listing)
-    with caplog.at_level(logging.WARNING, logger="storage.backends.s3._filesystem"):
+    def gcs_listing(asked: Asked, reply: Reply) -> Reply:
+        page = json.loads(reply.body)
+        item = page["items"][0]
+        page["items"] += [{**item, "name": key} for key in lies]
+        reply.body = json.dumps(page).encode()
+        return reply
+
+    if reader == "s3-direct":
+        proxy.add("rewrite", method="GET", path=r"list-type=2", rewrite=s3_listing)
+    else:
+        proxy.add("rewrite", method="GET", path=r"/o\?", rewrite=gcs_listing)
+    with caplog.at_level(logging.WARNING):
         names = fs.ls(url)
     assert names == [".metadata", "__0_0.distcp"]
-    assert "not right under the prefix" in caplog.text
+    assert "not under it, left out" in caplog.text

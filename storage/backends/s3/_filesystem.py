@@ -18,8 +18,8 @@ from typing import IO, Any, ClassVar
 
 import s3fs  # noqa: F401 - first, so a missing extra is reported as s3fs (registry.py)
 
-from extensions.errors import CheckpointNotFoundError, printable
-from storage.backends._fsspec import FsspecFileSystem
+from extensions.errors import CheckpointNotFoundError
+from storage.backends._fsspec import FsspecFileSystem, listed_names
 from storage.backends.base import PendingUpload
 from storage.backends.s3 import _uploads
 from storage.backends.s3._client import (
@@ -334,7 +334,7 @@ class S3FileSystem(FsspecFileSystem):
             )
             keys = [o["Key"] for o in page.get("Contents", [])]
             keys += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
-            names.update(_listed_names(keys, prefix, self.url(path)))
+            names.update(listed_names(keys, prefix, self.url(path)))
             if limit and names or not page.get("IsTruncated"):
                 return sorted(names)
             marker = _uploads.next_page(page.get("NextContinuationToken"), seen, path)
@@ -377,27 +377,3 @@ class S3FileSystem(FsspecFileSystem):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return os.fspath(checkpoint_id).startswith(("s3://", "s3a://"))
-
-
-def _listed_names(keys: list[str], prefix: str, url: str) -> set[str]:
-    """The names right under ``prefix`` that a listing page's ``keys`` (objects and
-    common prefixes) give. A store (or proxy) may list keys outside the prefix asked
-    for, deeper ones, or ``.`` and ``..``: cut to a name, each would stand for some
-    other object (and a deletion remove it); they are left out, with a warning."""
-    names: set[str] = set()
-    strays = []
-    for key in keys:
-        name = key[len(prefix) :].removesuffix("/") if key.startswith(prefix) else None
-        if name is None or "/" in name or name in (".", ".."):
-            strays.append(key)
-        elif name:
-            names.add(name)
-    if strays:
-        log.warning(
-            "%s: the listing named %d key(s) that are not right under the prefix, left out "
-            "(the store or a proxy answers listings wrongly): %s",
-            url,
-            len(strays),
-            printable(repr(strays[:3]), 200),
-        )
-    return names
