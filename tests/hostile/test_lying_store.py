@@ -11,9 +11,12 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import pickle
 import re
+import tracemalloc
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,8 +25,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 import storage
+from extensions import ZStandard
 from extensions.errors import UnsafeCheckpointError
+from storage.backends import LocalFileSystem
 from storage.backends.gcs import _direct as gcs_direct
+from storage.checkpoint import storage_format as fmt
+from storage.ops.copy import copy_checkpoint
+from tests.hostile.test_bounds import MiB, _zstd_bomb
 from tests.support.servers import (
     Asked,
     FaultProxy,
@@ -56,7 +64,7 @@ def servers() -> Iterator[dict[str, Any]]:
     dcp.save(STATE, storage_writer=FsspecWriter(f"s3://{BUCKET}/{prefix}/ckpt", **s3_options(s3)))
     dcp.save(STATE, storage_writer=FsspecWriter(f"gs://{BUCKET}/{prefix}/ckpt", **gcs_options(gcs)))
     with FaultProxy(s3) as s3_proxy, FaultProxy(gcs) as gcs_proxy:
-        yield {"s3": s3_proxy, "gs": gcs_proxy, "prefix": prefix}
+        yield {"s3": s3_proxy, "gs": gcs_proxy, "prefix": prefix, "s3-server": s3}
 
 
 def _reader(servers: dict[str, Any], reader: str) -> tuple[FaultProxy, Any, str]:
@@ -233,3 +241,56 @@ def test_a_listing_names_only_what_is_under_the_prefix(
         names = fs.ls(url)
     assert names == [".metadata", "__0_0.distcp"]
     assert "not under it, left out" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def bomb_checkpoint(servers: dict[str, Any]) -> str:
+    """A checkpoint (ours, zstd) whose non-tensor item ``blob`` is a zstd bomb of 2 KiB
+    (64 MiB of zeros) claiming 2**40 stored bytes, on the S3 server itself."""
+    fs = storage.S3FileSystem(storage_options=s3_options(servers["s3-server"]))
+    url = f"s3://{BUCKET}/{servers['prefix']}/bomb"
+    storage.save(
+        {"blob": b"small", "t": torch.ones(4)}, url, filesystem=fs, transforms=[ZStandard()]
+    )
+    path = url.removeprefix("s3://")
+    metadata = pickle.loads(fs.read_bytes(f"{path}/.metadata"))
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == "blob")
+    data_file = f"{path}/{info.relative_path}"
+    data = fs.read_bytes(data_file)
+    info.offset, info.length = len(data), 1 << 40
+    getattr(info, fmt.EXTRA).pop("crc32c", None)
+    fs.write_atomic(data_file, data + _zstd_bomb(64 * MiB))
+    fs.write_atomic(f"{path}/.metadata", pickle.dumps(metadata))
+    return url
+
+
+def _overstated(asked: Asked, reply: Reply) -> Reply:
+    """A HEAD that says the object holds 2 TiB."""
+    reply.length = 1 << 41
+    return reply
+
+
+@pytest.mark.parametrize("what", ["load", "transcoding copy"])
+def test_a_size_the_store_overstates_does_not_raise_the_bomb_bound(
+    servers: dict[str, Any], bomb_checkpoint: str, what: str, tmp_path: Path
+) -> None:
+    """A non-tensor item may decode to 64 times the stored bytes its file holds; the
+    reader took that from the store's HEAD. Before, a HEAD that said 2 TiB let the
+    2 KiB bomb claiming 2**40 bytes decode whole (64 MiB here, +140 MB peak; 32 GiB a
+    MiB of stored bomb) before the read found the file shorter; a transcoding copy
+    wrote it all out."""
+    proxy, fs, _ = _reader(servers, "s3-direct")
+    proxy.add("rewrite", method="HEAD", rewrite=_overstated)
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="'blob'.*decodes to more than 16777216"):
+            if what == "load":
+                storage.load({"blob": b"", "t": torch.zeros(4)}, bomb_checkpoint, filesystem=fs)
+            else:
+                src = bomb_checkpoint.removeprefix("s3://")
+                local = LocalFileSystem()
+                copy_checkpoint(fs, src, local, str(tmp_path / "dst"), transforms=[ZStandard()])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 48 * MiB
