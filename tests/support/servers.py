@@ -7,7 +7,8 @@
   a wheel). Each starts once per test session and stops at exit.
 * :class:`FaultProxy` is a threaded stdlib reverse proxy in front of either: it counts
   the body bytes of GET responses and answers with faults (503 SlowDown, 500, a GCS
-  JSON error, a connection reset, a truncated body, a delay) for requests matched by
+  JSON error, a connection reset, a truncated body, a delay, an answer rewritten by the
+  test: a store that lies) for requests matched by
   method and path regex, a count and a probability drawn from a seeded RNG.
 * :class:`tests.support.capped_proxy.CappedProxy` (a module of its own) is a TCP relay that caps
   bandwidth and adds latency per request: a bucket shared by many ranks.
