@@ -141,6 +141,8 @@ class PooledResponse:
         self._pool = pool
         self._cancel = cancel
         self.status = response.status
+        #: The body's ``Content-Encoding``: ``http.client`` decodes none.
+        self.encoding = response.getheader("Content-Encoding")
         if cancel is not None:
             cancel.track(conn, True)
 

@@ -20,6 +20,7 @@ import fsspec
 from fsspec.core import split_protocol
 from fsspec.spec import AbstractBufferedFile
 
+from extensions.errors import printable
 from storage.backends._ranges import RangeMismatchError, WindowReader
 from storage.backends._secrets import Redactor, secret_values
 from storage.backends.base import FileSystemBase
@@ -267,12 +268,26 @@ class FsspecFileSystem(FileSystemBase):
         if self._empty_slice(path, offset, length):
             return contextlib.nullcontext(io.BytesIO())
         reader = WindowReader(self._fetch_range, path, offset, length)
-        with self._errors(path, "reading"):
-            reader.prefetch()
+        reader.prefetch()
         return contextlib.closing(reader)  # type: ignore[return-value,arg-type]
 
+    @contextlib.contextmanager
+    def _reading(self, path: str) -> Iterator[None]:
+        """:meth:`_errors` of a read, and a client's own error that is no ``OSError``
+        (aiohttp's body cut short of its ``Content-Length``, botocore's checksum that
+        did not match) as an ``OSError`` naming the URL: raised raw, it named no object,
+        and one raised while an item decodes read as damage to the item."""
+        try:
+            with self._errors(path, "reading"):
+                yield
+        except OSError:
+            raise
+        except Exception as exc:
+            raise OSError(f"{self.url(path)}: reading failed: {self._describe(exc)}") from exc
+
     def _fetch_range(self, path: str, start: int, end: int) -> bytes:
-        data: bytes = self._request("cat_file", path, start=start, end=end)
+        with self._reading(path):
+            data: bytes = self._request("cat_file", path, start=start, end=end)
         # fsspec hands back the body alone: a server that ignored the range (the whole
         # object) shows as more bytes than asked for, which are the range only from byte
         # 0; the S3 and GCS backends check the status and Content-Range of every answer.
@@ -288,9 +303,9 @@ class FsspecFileSystem(FileSystemBase):
 
     def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
         length = self._read_length(limit)
-        with self._errors(path, "reading"):
-            if length is not None:  # one ranged request
-                return self._fetch_range(path, 0, length)
+        if length is not None:  # one ranged request
+            return self._fetch_range(path, 0, length)
+        with self._reading(path):
             data: bytes = self._request("cat_file", path)
         return data
 
@@ -352,15 +367,10 @@ class FsspecFileSystem(FileSystemBase):
     def ls(self, path: str) -> list[str]:
         with self._errors(path, "listing"):
             entries = self._request("ls", path, detail=False, refresh=True)
-        prefix = path.rstrip("/") + "/"
-        names = set()
-        for entry in entries:
-            entry = str(entry).rstrip("/")
-            if entry == path.rstrip("/"):
-                continue  # some filesystems list a file as itself
-            name = entry[len(prefix) :] if entry.startswith(prefix) else posixpath.basename(entry)
-            names.add(name.split("/", 1)[0])
-        return sorted(n for n in names if n)
+        strip = type(self.fs)._strip_protocol  # entries in the form paths have here
+        # Some filesystems list a file as itself.
+        keys = [k for e in entries if (k := str(strip(str(e)))).rstrip("/") != path.rstrip("/")]
+        return sorted(listed_names(keys, path.rstrip("/") + "/" if path else "", self.url(path)))
 
     def mkdir(self, path: str) -> None:
         with self._errors(path, "creating the directory"):
@@ -377,3 +387,28 @@ class FsspecFileSystem(FileSystemBase):
         if protocol is None:
             return False
         return cls.protocol is None or protocol == cls.protocol
+
+
+def listed_names(keys: list[str], prefix: str, url: str) -> set[str]:
+    """The names right under ``prefix`` (it ends with ``/``, or is empty) that listed
+    ``keys`` give: the part after the prefix, up to the next ``/``. A store (or proxy)
+    may list keys outside the prefix, or ``.`` and ``..``: cut to a name, each would
+    stand for some other object (and a deletion remove it); they are left out, with a
+    warning naming ``url``."""
+    names: set[str] = set()
+    strays = []
+    for key in keys:
+        name = key[len(prefix) :].split("/", 1)[0] if key.startswith(prefix) else None
+        if name is None or name in (".", ".."):
+            strays.append(key)
+        elif name:
+            names.add(name)
+    if strays:
+        log.warning(
+            "%s: the listing named %d key(s) that are not under it, left out (the store or "
+            "a proxy answers listings wrongly): %s",
+            url,
+            len(strays),
+            printable(repr(strays[:3]), 200),
+        )
+    return names

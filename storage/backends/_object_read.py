@@ -19,7 +19,12 @@ from typing import Any, Protocol
 
 from extensions.streams import read_all
 from storage.backends._connections import BodyBroken
-from storage.backends._ranges import RangeMismatchError, check_range, read_pieces
+from storage.backends._ranges import (
+    RangeMismatchError,
+    check_encoding,
+    check_range,
+    read_pieces,
+)
 from storage.backends._retry import Retry
 from storage.backends.cancel import Cancel, StreamCancelled, current
 
@@ -46,12 +51,15 @@ class Body(Protocol):
 class Opened:
     """A GET's answer: ``status`` and ``content_range`` (checked against the range
     asked for before a byte is read), the ``version`` it served (an ETag, a
-    generation; ``None``: not said), and the ``body``."""
+    generation; ``None``: not said), the ``body``, and the ``encoding`` its body still
+    has (a ``Content-Encoding`` the client did not undo; only ``None`` or
+    ``"identity"`` is read)."""
 
     status: int
     content_range: str | None
     version: str | None
     body: Body
+    encoding: str | None = None
 
 
 class VersionGone(Exception):
@@ -94,15 +102,17 @@ class ObjectReader(io.RawIOBase):
     a time) while the current GET is read; when a piece fails, the others are
     cancelled and awaited before the error is raised, so none writes into the buffer
     afterwards. Every byte of the range is fetched once, and every ranged answer must
-    be the range asked for (``_ranges.check_range``).
+    be the range asked for (``_ranges.check_range``), its body the bytes as stored (no
+    ``Content-Encoding``: ``_ranges.check_encoding``).
 
-    Opening a GET is retried by the source's policy; a body that breaks off is resumed
-    with a ranged GET from the next byte, up to the policy's attempts in a row without
-    a byte received. Every GET after the first is pinned to the version the first one
-    answered: an object replaced or deleted meanwhile fails the read (an ``OSError``
-    that says so), as does an answer that says it served another version (a store or
-    proxy that ignored the pin); it is never stitched together from two versions. A range that
-    starts past the end reads as empty (a short read). Cancelling the calling thread's
+    Opening a GET is retried by the source's policy; a body that breaks off (or ends
+    before the end its ``Content-Range`` names) is resumed with a ranged GET from the
+    next byte, up to the policy's attempts in a row without a byte received. Every GET
+    after the first is pinned to the version the first one answered: an object replaced
+    or deleted meanwhile fails the read (an ``OSError`` that says so), as does an answer
+    that says it served another version (a store or proxy that ignored the pin); it is
+    never stitched together from two versions. A range that starts past the end reads
+    as empty (a short read). Cancelling the calling thread's
     ``Cancel`` (or ``cancel``) interrupts its requests and reads."""
 
     def __init__(
@@ -122,6 +132,7 @@ class ObjectReader(io.RawIOBase):
         self._window = window
         self._stop = offset  # end of the current window's GET
         self._body: Body | None = None
+        self._promised = 0  # where the current GET's body ends, as its Content-Range says
         self._version = version
         self._eof = length == 0
         self._cancel = cancel or Cancel(current())
@@ -184,6 +195,13 @@ class ObjectReader(io.RawIOBase):
             room = view if self._end is None else view[: self._stop - self._pos]
             try:
                 n = self._body.readinto(room)
+                if not n and self._pos < self._promised:
+                    # Its Content-Length said less than its Content-Range: what is
+                    # missing is asked for again, never read as the object's end.
+                    raise BodyBroken(
+                        f"the body ended before byte {self._pos}, though its "
+                        f"Content-Range runs to byte {self._promised - 1}"
+                    )
             except BodyBroken as exc:
                 self._drop()
                 breaks += 1
@@ -236,11 +254,14 @@ class ObjectReader(io.RawIOBase):
         if answer is None:  # the range starts past the end
             self._eof = True
             return
+        promised = 0
         try:
             if first is not None:
-                check_range(answer.status, answer.content_range, first, last, source.url)
+                end = check_range(answer.status, answer.content_range, first, last, source.url)
+                promised = end or 0
             elif answer.status != 200:
                 raise OSError(f"{source.url}: unexpected answer {answer.status}")
+            check_encoding(answer.encoding, source.url)
             # A store or proxy may ignore the pin: what it says it served must match.
             if None not in (self._version, answer.version) and answer.version != self._version:
                 raise VersionGone
@@ -249,6 +270,7 @@ class ObjectReader(io.RawIOBase):
             raise
         self._version = answer.version or self._version
         self._body = answer.body
+        self._promised = promised
 
     def _drop(self) -> None:
         body, self._body = self._body, None

@@ -96,15 +96,17 @@ class RangeMismatchError(OSError):
 
 def check_range(
     status: int, content_range: str | None, first: int, last: int | None, url: str
-) -> None:
+) -> int | None:
     """Raise :class:`RangeMismatchError` unless a GET of ``url`` for bytes ``first`` to
     ``last`` (inclusive; ``None``: to the end of the object) answered with ``status`` and
     ``content_range`` (the header, if any) delivers a body that starts at ``first`` and
-    holds nothing past ``last`` (see the module docstring)."""
+    holds nothing past ``last`` (see the module docstring). Returns the offset past
+    the last byte a ``206`` says it holds (a body that ends before it broke off), else
+    ``None``."""
     asked = f"bytes={first}-{'' if last is None else last}"
     if status == 200:
         if first == 0:
-            return
+            return None
         raise RangeMismatchError(
             f"{url}: the server ignored the range of a GET ({asked}) and sent the whole "
             "object (200, not 206); reading it as the range would load other bytes. The "
@@ -117,11 +119,27 @@ def check_range(
         # The end asked for, or earlier where the object ends (unknown: trust it).
         ends_well = end == last or (end == total - 1 if total is not None else last is None)
         if start == first and start <= end and (last is None or end <= last) and ends_well:
-            return
+            return end + 1
     raise RangeMismatchError(
         f"{url}: a GET for {asked} was answered with {status} and Content-Range "
         f"{printable(repr(content_range), 120)}, not the bytes asked for; reading them "
         "would load other bytes. A proxy or the store mangles range requests"
+    )
+
+
+def check_encoding(encoding: str | None, url: str) -> None:
+    """Raise :class:`RangeMismatchError` unless a GET of ``url`` answered with
+    ``Content-Encoding: encoding`` (``None``: no such header) carries the stored bytes
+    as they are. A ``gzip`` (or any other) encoding the client does not undo would be
+    read as the object's bytes: the CRC-32C of an item written here fails (as damage),
+    an item of stock DCP loads as whatever its decoder makes of the compressed bytes."""
+    if encoding is None or encoding.strip().lower() in ("", "identity"):
+        return
+    raise RangeMismatchError(
+        f"{url}: a GET was answered with Content-Encoding {printable(repr(encoding), 60)}: "
+        "its body is not the object's bytes as stored, and reading it as them would load "
+        "other bytes. A proxy compresses answers, or the object was uploaded with a "
+        "Content-Encoding; read it through a path that leaves bodies as stored"
     )
 
 

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from extensions.errors import IntegrityError, UnsafeCheckpointError, printable
-from extensions.streams import pump, read_all, readinto_exact, skip
+from extensions.streams import BoundedReader, pump, read_all, readinto_exact, skip
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.tensors import holds_its_bytes, tensor_bytes
 
@@ -42,6 +42,22 @@ def plain_limit(
         return max(max_object_bytes, OBJECT_RATIO * stored)
     sizes, dtype = chunk
     return math.prod(sizes) * max(8, dtype.itemsize) + 2 * ARCHIVE_ALLOWANCE
+
+
+def backed_value(stream: IO[bytes], stored: int, max_object_bytes: int) -> tuple[IO[bytes], int]:
+    """Where to read a non-tensor item of ``stored`` bytes (as its record claims) from
+    ``stream``, and the most plain bytes it may decode to (:func:`plain_limit`).
+
+    Past ``max_object_bytes`` the bound grows with the stored size, so it counts only
+    stored bytes that arrived: those are read first (held, as its decoded value is)
+    and the bound taken from their count. A size the metadata or the store merely
+    claims never raises it: a HEAD that overstated the data file let an 8 KiB zstd bomb
+    claiming 2**40 bytes decode whole before the read found the file shorter."""
+    limit = plain_limit(None, stored, max_object_bytes)
+    if limit <= max_object_bytes:
+        return stream, limit
+    held = read_all(BoundedReader(stream, stored))
+    return io.BytesIO(held), plain_limit(None, len(held), max_object_bytes)
 
 
 def decode_tensor(

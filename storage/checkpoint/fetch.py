@@ -12,7 +12,7 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import IO
 
@@ -23,10 +23,12 @@ from extensions._compat import narrow_tensor_by_index
 from extensions.base import ItemInfo, KeyLookup, cached_key_lookup
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError, quote
 from extensions.registry import Framing
+from storage.backends import RangeMismatchError
 from storage.checkpoint import frames, incremental
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget, cancellable, note
 from storage.checkpoint.decode import (
+    backed_value,
     decode_tensor,
     direct_offset,
     plain_limit,
@@ -165,7 +167,7 @@ def _read_run(
     start = run[0].offset
     length = run[-1].offset + run[-1].length - start
     note(fmt.item_label(run[0].req.storage_index), load.fs.url(path))
-    file_size = functools.cache(lambda: load.fs.size(path))
+    label = fmt.item_label(run[0].req.storage_index)  # the item being read
     try:
         with load.fs.open_slice(path, start, length) as opened:
             stream = cancellable(opened)
@@ -174,7 +176,11 @@ def _read_run(
             if not load.fs.local_reads:
                 decoders = None
             for item in run:
-                _read_item(load, stream, path, item, planner, lock, keys, decoders, file_size)
+                label = fmt.item_label(item.req.storage_index)
+                _read_item(load, stream, path, item, planner, lock, keys, decoders)
+    except RangeMismatchError as exc:
+        # The store answered with other bytes than those asked for: say for which item.
+        raise RangeMismatchError(f"{load.url}: item {quote(label)}: {exc}") from exc
     except FileNotFoundError as exc:
         if isinstance(exc, CheckpointStorageError):
             raise
@@ -194,25 +200,25 @@ def _read_item(
     lock: threading.Lock,
     keys: KeyLookup | None,
     decoders: frames.Decoders | None,
-    file_size: Callable[[], int],
 ) -> None:
     label = fmt.item_label(item.req.storage_index)
     note(label, load.fs.url(path))
     where = f"{load.url}: item {quote(label)} in {quote(os.path.basename(path))}"
+    chunk = load.chunks.get(item.req.storage_index)
+    target: torch.Tensor | None = None
+    source = stream
+    if item.req.type == LoadItemType.BYTE_IO:
+        source, limit = backed_value(stream, item.length, load.max_object_bytes)
+    else:
+        limit = plain_limit(chunk, item.length)
     stored = StoredItemReader(
-        stream,
+        source,
         item.length,
         item.info.descriptors,
         item.info.crc32c,
         where,
         block=load.fs.read_block,
     )
-    chunk = load.chunks.get(item.req.storage_index)
-    target: torch.Tensor | None = None
-    if item.req.type == LoadItemType.BYTE_IO:
-        limit = _object_limit(load, item, file_size)
-    else:
-        limit = plain_limit(chunk, item.length)
     info = replace(_item_info(load, item, keys), plain_bytes=limit)
     if item.req.type != LoadItemType.BYTE_IO:
         with lock:
@@ -291,18 +297,6 @@ def _copy_into(decoded: torch.Tensor, req: ReadItem, target: torch.Tensor, where
             "not match the shape the metadata records; the checkpoint is damaged"
         )
     target.copy_(narrowed)
-
-
-def _object_limit(load: LoadContext, item: _PlannedRead, file_size: Callable[[], int]) -> int:
-    """The most plain bytes the non-tensor ``item`` may decode to (``decode.plain_limit``),
-    by the stored bytes its data file holds: a length the metadata merely claims (2**40
-    for a zstd bomb of 8 KiB) raises the bound only as far as the file backs it. The
-    file's size is asked for once, only when an item's claim is past the floor."""
-    limit = plain_limit(None, item.length, load.max_object_bytes)
-    if limit > load.max_object_bytes:
-        held = min(item.length, max(0, file_size() - item.offset))
-        limit = plain_limit(None, held, load.max_object_bytes)
-    return limit
 
 
 def _item_info(load: LoadContext, item: _PlannedRead, keys: KeyLookup | None) -> ItemInfo:

@@ -281,7 +281,7 @@ def load_metadata(data: bytes, where: str) -> Metadata:
         except UnsafeCheckpointError:
             raise
         except Exception as exc:
-            raise _unreadable(where, exc) from exc
+            raise _unreadable(where, exc, data) from exc
         return check_metadata(metadata, where, len(data))
 
 
@@ -289,10 +289,23 @@ def _check_memo_refusing(data: bytes, where: str) -> None:
     try:
         pickle_scan.check(data)
     except Exception as exc:
-        raise _unreadable(where, exc) from exc
+        raise _unreadable(where, exc, data) from exc
 
 
-def _unreadable(where: str, exc: Exception) -> UnsafeCheckpointError:
+#: How a page of markup begins (an error page of a store or proxy): no pickle does.
+_MARKUP = re.compile(rb"\s*<(?:!doctype|\?xml|html|head|body|error)\b", re.IGNORECASE)
+
+
+def _unreadable(where: str, exc: Exception, data: bytes) -> UnsafeCheckpointError:
+    if _MARKUP.match(data[:256]):
+        # The store (or a proxy) answered a read with a page of its own, as if it were
+        # the file: that, not damage, is what the caller must hear.
+        return UnsafeCheckpointError(
+            f"{where}: what the store returned for the metadata is an HTML/XML page "
+            f"({printable(repr(data[:80]), 120)}), not a DCP metadata file: the store or a "
+            "proxy in front of it answered the read with a page of its own (an error or "
+            "login page) as if it were the file; check the endpoint and any proxy between"
+        )
     return UnsafeCheckpointError(
         f"{where}: metadata is not a readable DCP metadata file "
         f"({printable(str(exc), 200)}); the checkpoint is damaged or was not written by DCP"

@@ -39,7 +39,7 @@ from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.committed import open_committed
-from storage.checkpoint.decode import MAX_OBJECT_BYTES, plain_limit
+from storage.checkpoint.decode import MAX_OBJECT_BYTES, backed_value, plain_limit
 from storage.checkpoint.incremental import (
     check_bases,
     item_directory,
@@ -215,13 +215,17 @@ class _FileCopy:
             pace = self.pace
             source = opened if pace is None else cast(IO[bytes], _Paced(opened, pace))
             position = start
-            file_size = functools.cache(lambda: self.src_fs.size(src_file))
             for (index, info), item in zip(items, item_infos):
                 _skip(source, int(info.offset) - position, src_url, src_name)
                 position = int(info.offset) + int(info.length)
-                limit = _plain_limit(self.part, index, info, file_size)
+                facts = chunk_facts(self.part.metadata, index)
+                stored, limit = source, plain_limit(facts, int(info.length))
+                if facts is None and self.chain is not None:
+                    # What a load allows the value: past the floor, by the stored
+                    # bytes that arrive (a transcoding copy never writes out more).
+                    stored, limit = backed_value(source, int(info.length), MAX_OBJECT_BYTES)
                 count, crc, descriptors = _copy_item(
-                    source, out, info, item, self.chain, self.registry, limit
+                    stored, out, info, item, self.chain, self.registry, limit
                 )
                 self._record(index, info, dst_name, out_offset, count, crc, descriptors)
                 out_offset += count
@@ -339,18 +343,6 @@ def _skip(source: IO[bytes], n: int, url: str, name: str) -> None:
     if n < 0:
         raise IntegrityError(f"{url}: items in {quote(name)} overlap; the metadata is damaged")
     skip(source, n)
-
-
-def _plain_limit(part: Part, index: MetadataIndex, info: Any, file_size: Callable[[], int]) -> int:
-    """The most plain bytes the item at ``index`` (stored as ``info`` says) may decode
-    to: what the reader allows it (``storage.checkpoint.decode``, a non-tensor item by
-    the stored bytes its file holds, as ``fetch`` does), so a transcoding copy never
-    writes out what no load would accept."""
-    facts = chunk_facts(part.metadata, index)
-    stored = int(info.length)
-    if facts is None and plain_limit(None, stored) > MAX_OBJECT_BYTES:
-        stored = min(stored, max(0, file_size() - int(info.offset)))
-    return plain_limit(facts, stored)
 
 
 def _copy_item(

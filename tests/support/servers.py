@@ -7,7 +7,8 @@
   a wheel). Each starts once per test session and stops at exit.
 * :class:`FaultProxy` is a threaded stdlib reverse proxy in front of either: it counts
   the body bytes of GET responses and answers with faults (503 SlowDown, 500, a GCS
-  JSON error, a connection reset, a truncated body, a delay) for requests matched by
+  JSON error, a connection reset, a truncated body, a delay, an answer rewritten by the
+  test: a store that lies) for requests matched by
   method and path regex, a count and a probability drawn from a seeded RNG.
 * :class:`tests.support.capped_proxy.CappedProxy` (a module of its own) is a TCP relay that caps
   bandwidth and adds latency per request: a bucket shared by many ranks.
@@ -37,6 +38,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -344,6 +346,32 @@ def gcs_list(endpoint: str, bucket: str, prefix: str) -> list[str]:
 
 
 @dataclass
+class Reply:
+    """An answer as a ``"rewrite"`` fault sends it: ``length`` is the ``Content-Length``
+    announced (``None``: the body's); a body shorter than it is followed by a clean close
+    (the client gets every byte sent, then the end of the connection), a longer one is
+    sent whole, then the connection is closed."""
+
+    status: int
+    headers: dict[str, str]  # without Content-Length
+    body: bytes
+    length: int | None = None
+
+
+@dataclass
+class Asked:
+    """The request a ``"rewrite"`` fault answers."""
+
+    method: str
+    target: str
+    headers: dict[str, str]  # names lower-cased
+
+
+#: ``rewrite(request, reply)``: the reply to send instead of the server's.
+Rewrite = Callable[[Asked, Reply], Reply]
+
+
+@dataclass
 class Fault:
     """Answer matching requests with ``kind`` instead of (or on top of) the server's.
 
@@ -358,7 +386,9 @@ class Fault:
     socket read succeeds, so only a deadline stops the client), ``"whole"`` (a ranged
     GET forwarded without its ``Range``: ``200`` and the whole object), ``"shift"`` (a
     ranged GET forwarded as the range of the same length from byte 0: a ``206`` whose
-    ``Content-Range`` names other bytes than those asked for). ``count`` limits how many
+    ``Content-Range`` names other bytes than those asked for), ``"rewrite"`` (the
+    server's whole answer handed to ``rewrite(request, reply)``, which returns the
+    :class:`Reply` to send instead: a store that lies). ``count`` limits how many
     requests it hits (None: all); ``range`` (a regex) picks requests by their ``Range``
     header (one without the header reads as ``""``)."""
 
@@ -371,6 +401,7 @@ class Fault:
     rate: float = 2.0
     range: str = ""
     release: threading.Event | None = None
+    rewrite: Rewrite | None = None
     hits: int = 0
 
     def matches(self, method: str, target: str, range_: str | None = None) -> bool:
@@ -523,6 +554,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._reset()
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+        if kind == "rewrite":
+            assert fault is not None and fault.rewrite is not None
+            self._rewrite(fault.rewrite, headers, body)
+            return
         if kind in ("whole", "shift"):
             headers = _rewrite_range(headers, kind)
         if body or self.command in ("PUT", "POST"):
@@ -575,6 +610,37 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
         finally:
             upstream.close()
+
+    def _rewrite(self, rewrite: Rewrite, headers: dict[str, str], body: bytes) -> None:
+        """Forward the request, then send what ``rewrite`` makes of the whole answer."""
+        if body or self.command in ("PUT", "POST"):
+            headers["Content-Length"] = str(len(body))
+        host, port = self.server.state.upstream
+        upstream = http.client.HTTPConnection(host, port, timeout=120)
+        try:
+            upstream.request(self.command, self.path, body=body, headers=headers)
+            resp = upstream.getresponse()
+            got = Reply(
+                resp.status,
+                {k: v for k, v in resp.getheaders() if k.lower() not in _HOP | {"content-length"}},
+                resp.read(),
+            )
+        finally:
+            upstream.close()
+        asked = Asked(self.command, self.path, {k.lower(): v for k, v in self.headers.items()})
+        reply = rewrite(asked, got)
+        length = len(reply.body) if reply.length is None else reply.length
+        self.send_response(reply.status)
+        for k, v in reply.headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(reply.body)
+        self.wfile.flush()
+        self._record(reply.status, len(reply.body), "rewrite")
+        if length != len(reply.body):
+            self.close_connection = True
 
     def _trickle(self, payload: bytes, rate: float) -> int:
         """Send ``payload`` a byte at a time, ``rate`` bytes per second, until it is all

@@ -49,6 +49,7 @@ class GCSObject:
             content_range=answer.header("Content-Range"),
             version=answer.header("X-Goog-Generation"),
             body=answer,
+            encoding=answer.encoding,
         )
 
 

@@ -56,6 +56,9 @@ class Answer(Protocol):
     """The response to one GET, its body read into the caller's buffers."""
 
     status: int
+    #: The ``Content-Encoding`` its body still has (``None``: none, or the client
+    #: decoded it).
+    encoding: str | None
 
     def header(self, name: str) -> str | None: ...
 
@@ -186,6 +189,10 @@ class _StreamedAnswer:
         self._left = memoryview(b"")  # received beyond what the caller took
         self._broken: BaseException | None = None
         self.status = resp.status
+        # gcsfs's session decodes a gzip or deflate body (aiohttp's auto_decompress).
+        encoding = resp.headers.get("Content-Encoding")
+        decoded = (encoding or "").strip().lower() in ("gzip", "deflate")
+        self.encoding: str | None = None if decoded else encoding
 
     def header(self, name: str) -> str | None:
         assert self._resp is not None

@@ -19,7 +19,7 @@ from typing import IO, Any, ClassVar
 import s3fs  # noqa: F401 - first, so a missing extra is reported as s3fs (registry.py)
 
 from extensions.errors import CheckpointNotFoundError
-from storage.backends._fsspec import FsspecFileSystem
+from storage.backends._fsspec import FsspecFileSystem, listed_names
 from storage.backends.base import PendingUpload
 from storage.backends.s3 import _uploads
 from storage.backends.s3._client import (
@@ -332,12 +332,11 @@ class S3FileSystem(FsspecFileSystem):
                 **({"MaxKeys": limit} if limit else {}),
                 **token,
             )
-            names.update(o["Key"][len(prefix) :] for o in page.get("Contents", []))
-            names.update(
-                p["Prefix"][len(prefix) :].rstrip("/") for p in page.get("CommonPrefixes", [])
-            )
+            keys = [o["Key"] for o in page.get("Contents", [])]
+            keys += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+            names.update(listed_names(keys, prefix, self.url(path)))
             if limit and names or not page.get("IsTruncated"):
-                return sorted(n for n in names if n)
+                return sorted(names)
             marker = _uploads.next_page(page.get("NextContinuationToken"), seen, path)
             token = {"ContinuationToken": marker}
 

@@ -195,9 +195,9 @@ class DirectPath:
         cancel: Cancel | None = None,
     ) -> dict[str, Any]:
         """A GET of ``key`` (``byte_range``: a ``Range`` header value), pinned to
-        ``if_match``; ``ETag``, ``ContentRange``, ``Body`` (a ``PooledResponse``) and
-        the status in ``ResponseMetadata``, as botocore answers. ``cancel`` interrupts
-        the request and the reading of its body."""
+        ``if_match``; ``ETag``, ``ContentRange``, ``ContentEncoding``, ``Body`` (a
+        ``PooledResponse``) and the status in ``ResponseMetadata``, as botocore
+        answers. ``cancel`` interrupts the request and the reading of its body."""
         headers = {}
         if byte_range is not None:
             headers["Range"] = byte_range
@@ -209,6 +209,7 @@ class DirectPath:
         return {
             "ETag": response.getheader("ETag"),
             "ContentRange": response.getheader("Content-Range"),
+            "ContentEncoding": response.getheader("Content-Encoding"),
             "ResponseMetadata": {"HTTPStatusCode": response.status},
             "Body": PooledResponse(response, conn, self._pool, cancel),
         }

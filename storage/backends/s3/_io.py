@@ -94,6 +94,7 @@ class S3Object:
             content_range=resp.get("ContentRange"),
             version=resp.get("ETag"),
             body=_Body(self._client, resp["Body"], cancel),
+            encoding=resp.get("ContentEncoding"),  # botocore decodes none
         )
 
 

@@ -1,0 +1,296 @@
+"""A store that lies about its answers: real servers (moto, fake-gcs-server) behind the
+fault proxy (``tests.support.servers.FaultProxy``), whose ``"rewrite"`` fault changes
+what the server said before the client sees it.
+
+Each test says what happened before the fix it guards. The checkpoints are written
+once per module, by stock DCP (no checksums: wrong bytes would load silently) unless a
+test says otherwise; each test loads one item, ``b``, whose bytes start past byte 0."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import pickle
+import re
+import tracemalloc
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+import storage
+from extensions import ZStandard
+from extensions.errors import UnsafeCheckpointError
+from storage.backends import LocalFileSystem
+from storage.backends.gcs import _direct as gcs_direct
+from storage.checkpoint import storage_format as fmt
+from storage.ops.copy import copy_checkpoint
+from tests.hostile.test_bounds import MiB, _zstd_bomb
+from tests.support.servers import (
+    Asked,
+    FaultProxy,
+    Reply,
+    create_bucket,
+    gcs_endpoint_with_bucket,
+    gcs_options,
+    moto_endpoint,
+    s3_options,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+BUCKET = "dcp-liar"
+FAST = {"retries": {"mode": "standard", "total_max_attempts": 2}, "read_timeout": 10}
+STATE = {"a": torch.full((256,), 1.0), "b": torch.full((256,), 2.0)}
+
+# How each backend reads: the S3 direct path, S3 through s3fs, GCS over pooled
+# connections, GCS through gcsfs's aiohttp session.
+READERS = ["s3-direct", "s3-s3fs", "gcs-direct", "gcs-streamed"]
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, Any]]:
+    """The stock checkpoint on each server, and a proxy in front of each."""
+    s3 = moto_endpoint()
+    create_bucket(s3, BUCKET)
+    gcs = gcs_endpoint_with_bucket(BUCKET)
+    prefix = uuid.uuid4().hex
+    dcp.save(STATE, storage_writer=FsspecWriter(f"s3://{BUCKET}/{prefix}/ckpt", **s3_options(s3)))
+    dcp.save(STATE, storage_writer=FsspecWriter(f"gs://{BUCKET}/{prefix}/ckpt", **gcs_options(gcs)))
+    with FaultProxy(s3) as s3_proxy, FaultProxy(gcs) as gcs_proxy:
+        yield {"s3": s3_proxy, "gs": gcs_proxy, "prefix": prefix, "s3-server": s3}
+
+
+def _reader(servers: dict[str, Any], reader: str) -> tuple[FaultProxy, Any, str]:
+    """The proxy, a filesystem reading through it as ``reader`` does, and the URL."""
+    scheme = "gs" if reader.startswith("gcs") else "s3"
+    proxy: FaultProxy = servers[scheme]
+    proxy.clear()
+    fs: Any
+    if scheme == "gs":
+        extra = {"session_kwargs": {"trust_env": False}} if reader == "gcs-streamed" else {}
+        fs = storage.GCSFileSystem(storage_options=gcs_options(proxy.url, **extra))
+        fs.fs.retries = 2
+        assert (gcs_direct.direct_get(fs.fs) is not None) == (reader == "gcs-direct")
+    else:
+        opts = s3_options(proxy.url, config_kwargs=FAST)
+        fs = storage.S3FileSystem(storage_options=opts, direct=reader == "s3-direct")
+    return proxy, fs, f"{scheme}://{BUCKET}/{servers['prefix']}/ckpt"
+
+
+def _load_b(fs: Any, url: str) -> torch.Tensor:
+    target = {"b": torch.zeros(256)}
+    storage.load(target, url, filesystem=fs)
+    return target["b"]
+
+
+def _data_get(asked: Asked) -> bool:
+    return asked.method == "GET" and "range" in asked.headers
+
+
+def _gzipped(asked: Asked, reply: Reply) -> Reply:
+    """A proxy that compresses answers (as ``Accept-Encoding`` allows)."""
+    if reply.status in (200, 206):
+        reply.body = gzip.compress(reply.body)
+        reply.headers["Content-Encoding"] = "gzip"
+    return reply
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_body_with_a_content_encoding_is_refused_naming_the_item(
+    servers: dict[str, Any], reader: str
+) -> None:
+    """Before, every reader took a gzipped body as the stored bytes: a stock item was
+    refused as "not plain data ... it could run code", an item written here as
+    "truncated: restore the file", neither naming what the store did. gcsfs's session
+    decodes gzip itself: there the item loads."""
+    proxy, fs, url = _reader(servers, reader)
+    proxy.add("rewrite", path=r"\.distcp", rewrite=_gzipped)
+    if reader == "gcs-streamed":
+        assert torch.equal(_load_b(fs, url), STATE["b"])
+        return
+    with pytest.raises(storage.RangeMismatchError, match="Content-Encoding 'gzip'") as caught:
+        _load_b(fs, url)
+    assert f"{url}: item 'b" in str(caught.value)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_body_shorter_than_its_content_range_is_resumed(
+    servers: dict[str, Any], reader: str
+) -> None:
+    """A ``206`` whose ``Content-Length`` (and body) holds half the range its
+    ``Content-Range`` names. Before, the reader took the end of the body for the end of
+    the object: the load failed with "data file is truncated; restore the file", the
+    object whole and unharmed. Now the rest is asked for again."""
+    proxy, fs, url = _reader(servers, reader)
+
+    def halved(asked: Asked, reply: Reply) -> Reply:
+        reply.body = reply.body[: len(reply.body) // 2]
+        return reply
+
+    proxy.add("rewrite", path=r"\.distcp", rewrite=halved, count=1)
+    assert torch.equal(_load_b(fs, url), STATE["b"])
+    gets = [r for r in proxy.settle() if r.method == "GET" and ".distcp" in r.target]
+    assert len(gets) == 2
+
+
+def test_a_body_that_never_reaches_its_content_range_fails_saying_so(
+    servers: dict[str, Any],
+) -> None:
+    """Every answer ends before its range does (an empty body): the reader asks again a
+    bounded number of times, then fails saying what the answers did."""
+    proxy, fs, url = _reader(servers, "s3-direct")
+
+    def empty(asked: Asked, reply: Reply) -> Reply:
+        reply.body = b""
+        return reply
+
+    proxy.add("rewrite", path=r"\.distcp", rewrite=empty)
+    with pytest.raises(OSError, match="though its Content-Range runs to byte"):
+        _load_b(fs, url)
+
+
+def test_a_length_far_past_the_body_allocates_nothing_and_loads(
+    servers: dict[str, Any],
+) -> None:
+    """A ``Content-Length`` of 1 TiB on answers whose bodies hold the bytes asked for
+    (then the connection closes): the direct path reads into the target, never into a
+    buffer of the announced size, and takes what it asked for."""
+    proxy, fs, url = _reader(servers, "s3-direct")
+
+    def huge(asked: Asked, reply: Reply) -> Reply:
+        reply.length = 1 << 40
+        return reply
+
+    proxy.add("rewrite", method="GET", rewrite=huge)
+    assert torch.equal(_load_b(fs, url), STATE["b"])
+
+
+def test_an_fsspec_clients_own_error_names_the_object(servers: dict[str, Any]) -> None:
+    """Through ``FsspecFileSystem`` (s3fs's ``cat_file``), a body short of its
+    ``Content-Length``. Before, aiohttp's ``ClientPayloadError`` came out of the load
+    raw, naming no object (and, past a slice's first window, it was reported as damage
+    to the item being decoded)."""
+    proxy, _, url = _reader(servers, "s3-s3fs")
+    fs = storage.FsspecFileSystem(storage_options=s3_options(proxy.url), protocol="s3")
+
+    def huge(asked: Asked, reply: Reply) -> Reply:
+        reply.length = len(reply.body) + 100
+        return reply
+
+    proxy.add("rewrite", path=r"\.distcp", rewrite=huge)
+    with pytest.raises(OSError, match=re.escape(f"{url}/__0_0.distcp: reading failed")):
+        _load_b(fs, url)
+
+
+@pytest.mark.parametrize("reader", ["s3-direct", "gcs-direct"])
+def test_an_html_page_for_the_metadata_says_so(servers: dict[str, Any], reader: str) -> None:
+    """A proxy's error page answered ``200`` for ``.metadata``. Before: "not a readable
+    DCP metadata file (invalid pickle opcode 0x3c); the checkpoint is damaged", sending
+    the user to restore a checkpoint that was never touched."""
+    proxy, fs, url = _reader(servers, reader)
+    page = b"<!DOCTYPE html><html><body><h1>502 Bad Gateway</h1></body></html>"
+
+    def error_page(asked: Asked, reply: Reply) -> Reply:
+        return Reply(200, {"Content-Type": "text/html"}, page)
+
+    proxy.add("rewrite", method="GET", path=r"metadata", rewrite=error_page)
+    with pytest.raises(UnsafeCheckpointError, match="HTML/XML page") as caught:
+        _load_b(fs, url)
+    assert f"{url}/.metadata" in str(caught.value)
+
+
+@pytest.mark.parametrize("reader", ["s3-direct", "gcs-direct"])
+def test_a_listing_names_only_what_is_under_the_prefix(
+    servers: dict[str, Any], reader: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listing that also names keys outside the prefix asked for, ``..`` and a
+    duplicate. Before, S3's ``ls`` cut every key at the prefix's length (a key of
+    another checkpoint, ``ckpt-other/x``, became the name ``-other``) and the fsspec
+    one (GCS) took a stray key's last part (``elsewhere/.metadata`` -> ``.metadata``,
+    ``ckpt-other/x`` -> ``x``); ``..``, joined to the path, names its parent. Each
+    name is then open to a deletion."""
+    proxy, fs, url = _reader(servers, reader)
+    base = f"{servers['prefix']}/ckpt"
+    lies = [f"{base}-other/x", "elsewhere/__1_0.distcp", f"{base}/..", f"{base}/.metadata"]
+
+    def s3_listing(asked: Asked, reply: Reply) -> Reply:
+        extra = "".join(f"<Contents><Key>{key}</Key><Size>1</Size></Contents>" for key in lies)
+        end = b"</ListBucketResult>"
+        reply.body = reply.body.replace(end, extra.encode() + end)
+        return reply
+
+    def gcs_listing(asked: Asked, reply: Reply) -> Reply:
+        page = json.loads(reply.body)
+        item = page["items"][0]
+        page["items"] += [{**item, "name": key} for key in lies]
+        reply.body = json.dumps(page).encode()
+        return reply
+
+    if reader == "s3-direct":
+        proxy.add("rewrite", method="GET", path=r"list-type=2", rewrite=s3_listing)
+    else:
+        proxy.add("rewrite", method="GET", path=r"/o\?", rewrite=gcs_listing)
+    with caplog.at_level(logging.WARNING):
+        names = fs.ls(url)
+    assert names == [".metadata", "__0_0.distcp"]
+    assert "not under it, left out" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def bomb_checkpoint(servers: dict[str, Any]) -> str:
+    """A checkpoint (ours, zstd) whose non-tensor item ``blob`` is a zstd bomb of 2 KiB
+    (64 MiB of zeros) claiming 2**40 stored bytes, on the S3 server itself."""
+    fs = storage.S3FileSystem(storage_options=s3_options(servers["s3-server"]))
+    url = f"s3://{BUCKET}/{servers['prefix']}/bomb"
+    storage.save(
+        {"blob": b"small", "t": torch.ones(4)}, url, filesystem=fs, transforms=[ZStandard()]
+    )
+    path = url.removeprefix("s3://")
+    metadata = pickle.loads(fs.read_bytes(f"{path}/.metadata"))
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == "blob")
+    data_file = f"{path}/{info.relative_path}"
+    data = fs.read_bytes(data_file)
+    info.offset, info.length = len(data), 1 << 40
+    getattr(info, fmt.EXTRA).pop("crc32c", None)
+    fs.write_atomic(data_file, data + _zstd_bomb(64 * MiB))
+    fs.write_atomic(f"{path}/.metadata", pickle.dumps(metadata))
+    return url
+
+
+def _overstated(asked: Asked, reply: Reply) -> Reply:
+    """A HEAD that says the object holds 2 TiB."""
+    reply.length = 1 << 41
+    return reply
+
+
+@pytest.mark.parametrize("what", ["load", "transcoding copy"])
+def test_a_size_the_store_overstates_does_not_raise_the_bomb_bound(
+    servers: dict[str, Any], bomb_checkpoint: str, what: str, tmp_path: Path
+) -> None:
+    """A non-tensor item may decode to 64 times the stored bytes its file holds; the
+    reader took that from the store's HEAD. Before, a HEAD that said 2 TiB let the
+    2 KiB bomb claiming 2**40 bytes decode whole (64 MiB here, +140 MB peak; 32 GiB a
+    MiB of stored bomb) before the read found the file shorter; a transcoding copy
+    wrote it all out."""
+    proxy, fs, _ = _reader(servers, "s3-direct")
+    proxy.add("rewrite", method="HEAD", rewrite=_overstated)
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="'blob'.*decodes to more than 16777216"):
+            if what == "load":
+                storage.load({"blob": b"", "t": torch.zeros(4)}, bomb_checkpoint, filesystem=fs)
+            else:
+                src = bomb_checkpoint.removeprefix("s3://")
+                local = LocalFileSystem()
+                copy_checkpoint(fs, src, local, str(tmp_path / "dst"), transforms=[ZStandard()])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 48 * MiB
