@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -74,7 +74,8 @@ class CheckpointReader(StorageReader):
     and decoded by one of them and sent to the others over ``process_group`` (default:
     the default group; pass the group given to ``dcp.load``), so each byte is fetched
     once per job (storage/checkpoint/read_once.py; default: on for every backend but
-    local disk, see docs/scale.md). The exchange sends CPU tensors: over that group if
+    local disk, see docs/scale.md; never under rank-local metadata, where one key names
+    each rank's own item). The exchange sends CPU tensors: over that group if
     it has gloo; for an NCCL-only default group, over a gloo group made once for it;
     any other group needs a gloo group passed here (storage/checkpoint/share_groups.py).
     ``timeout`` (seconds) bounds this rank's storage work in a load, every request of
@@ -139,6 +140,8 @@ class CheckpointReader(StorageReader):
         self.last_error: BaseException | None = None
         # What this load's probe of .metadata listed, when the file was missing.
         self._absent: _Absent | None = None
+        # The rank whose rank-local metadata this load read (None: the global .metadata).
+        self._metadata_rank: int | None = None
         # One id per load, handed to planners and loggers in metadata.storage_meta (stock).
         self.load_id = str(uuid.uuid4())
 
@@ -148,6 +151,7 @@ class CheckpointReader(StorageReader):
         self._load = None
         self.last_error = None
         self._absent = None
+        self._metadata_rank = None
         self.load_id = str(uuid.uuid4())
         if checkpoint_id:
             self.fs, self.path = resolve_location(
@@ -228,6 +232,7 @@ class CheckpointReader(StorageReader):
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         self.last_error = None  # an earlier probe (global vs rank-local) may have failed
+        self._metadata_rank = rank
         return metadata
 
     def set_up_storage_reader(
@@ -247,13 +252,24 @@ class CheckpointReader(StorageReader):
         )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # Which process each of DCP's ranks is, for the coordinator (prepare_global_plan).
+        if plan.storage_data is None:
+            return replace(plan, storage_data=share_groups.member())
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if self.read_once and len(plans) > 1:
+        # Under rank-local metadata one key names each rank's own item: nothing is shared.
+        if self.read_once and len(plans) > 1 and self._metadata_rank is None:
             share_groups.check_can_share(self.process_group, self.url)
-            load = self._set_up()
-            return read_once.assign(plans, load.storage_data, load.chunks)
+            if share_groups.spans(self.process_group, [p.storage_data for p in plans]):
+                load = self._set_up()
+                return read_once.assign(plans, load.storage_data, load.chunks)
+            if self._read_once:
+                raise CheckpointStorageError(
+                    f"{self.url}: read_once=True exchanges over the reader's process_group, "
+                    "but dcp.load runs on another group; pass the group given to dcp.load "
+                    "as process_group= (a gloo one), or read_once=False"
+                )
         return plans
 
     @records_error

@@ -13,6 +13,7 @@ why ``use_local_synchronization`` is not used), so the caller passes a gloo grou
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -21,6 +22,29 @@ from extensions.errors import CheckpointStorageError
 
 #: The gloo group made for an NCCL-only default group: (that default group, the gloo one).
 _MADE: dict[str, tuple[Any, Any]] = {}
+
+
+@dataclass(frozen=True)
+class Member:
+    """A rank's local load plan's ``storage_data``: the global rank of its process."""
+
+    rank: int
+
+
+def member() -> Member | None:
+    """This process's :class:`Member` (``None`` outside a process group)."""
+    return Member(dist.get_rank()) if dist.is_available() and dist.is_initialized() else None
+
+
+def spans(group: dist.ProcessGroup | None, members: list[Any]) -> bool:
+    """Whether DCP's group for a load, whose ranks are in order the ``members`` of the
+    local plans, is ``group`` (the default group if ``None``): read-once addresses the
+    ranks of ``group`` by DCP's rank numbers, so it may share only then."""
+    try:
+        ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+    except Exception:  # a group this process is not in
+        return False
+    return [m.rank if isinstance(m, Member) else None for m in members] == ranks
 
 
 def can_share(group: dist.ProcessGroup | None) -> bool:

@@ -234,7 +234,9 @@ class CheckpointWriter(StorageWriter, WriterStaging):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         meta_path = self._metadata_path()
         # With collectives the coordinator alone asks (its error reaches every rank):
-        # one request per save, not one per rank.
+        # one request per save, not one per rank. Without, each rank asks for its own
+        # metadata only (stock asks for rank 0's, which a faster rank 0 of this very save
+        # may already have published).
         asks = self.is_coordinator or not self.use_collectives
 
         def prepare() -> None:

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan
 
 import extensions
 import storage
@@ -191,6 +192,28 @@ def test_overwrite_false_matches_stock(tmp_path: Any) -> None:
     ):
         with pytest.raises(CheckpointException, match="Checkpoint already exists"):
             dcp.save({"a": torch.ones(2)}, storage_writer=writer)
+
+
+def test_overwrite_false_without_collectives_asks_for_this_ranks_metadata(tmp_path: Any) -> None:
+    """Ranks saving without collectives do not wait for each other: rank 0 of a fresh
+    save may publish ``__0.metadata`` before rank 1 plans. Rank 1 with overwrite=False
+    then asks for its own ``__1.metadata``, not rank 0's (torch 2.13's writer asks for
+    rank 0's and so refuses its own save), and still refuses over an earlier save of
+    its own. The
+    planning hook is driven directly, as DCP calls it on rank 1."""
+    path = str(tmp_path)
+    dcp.save(
+        {"a": torch.ones(2)}, storage_writer=storage.CheckpointWriter(path), use_collectives=False
+    )
+
+    def plan_rank_1(writer: Any) -> None:
+        writer.set_up_storage_writer(False, rank=1, use_collectives=False)
+        writer.prepare_local_plan(SavePlan([]))
+
+    plan_rank_1(storage.CheckpointWriter(path, overwrite=False))
+    open(os.path.join(path, "__1.metadata"), "wb").close()
+    with pytest.raises(storage.CheckpointExistsError, match="Checkpoint already exists"):
+        plan_rank_1(storage.CheckpointWriter(path, overwrite=False))
 
 
 # --- 2. legacy ShardedTensor classes in the metadata ----------------------------------

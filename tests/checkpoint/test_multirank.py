@@ -109,6 +109,11 @@ def _missing_worker(rank: int, store: str, root: str) -> None:
         assert torch.equal(target["w"], torch.full((4,), float(rank)))
         mine = {k: fs.requests[k] for k in ("read_bytes", "ls")}
         assert mine == ({"read_bytes": 2, "ls": 1} if rank == 0 else {"read_bytes": 1, "ls": 0})
+        # Read-once (on by default on object stores) shares an item several ranks need;
+        # under rank-local metadata the same key names each rank's own item, never shared.
+        target["w"].zero_()
+        storage.load(target, os.path.join(root, "local"), read_once=True)
+        assert torch.equal(target["w"], torch.full((4,), float(rank)))
 
 
 def test_missing_checkpoint_is_listed_once(tmp_path: Path) -> None:

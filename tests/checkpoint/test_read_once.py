@@ -47,10 +47,17 @@ def _state() -> dict[str, torch.Tensor]:
     return {f"t{i:02d}": torch.randn(32, 64, generator=gen) for i in range(16)}
 
 
+class _RemoteProbe(ProbeFileSystem):
+    """Reads counted as an object store's: read-once is on by default."""
+
+    local_reads = False
+
+
 def _load(path: str, group: Any, **options: Any) -> tuple[dict[str, torch.Tensor], int]:
     """A load of the replicated state into zeros; the bytes all ranks fetched. One
     target is not contiguous, so its chunk travels through a buffer, not in place."""
-    fs = ProbeFileSystem(**options.pop("probe", {}))
+    probe = _RemoteProbe if options.pop("remote", False) else ProbeFileSystem
+    fs = probe(**options.pop("probe", {}))
     target = {k: torch.zeros_like(v) for k, v in _state().items()}
     target["t05"] = torch.zeros(64, 32).t()
     reader = storage.CheckpointReader(path, filesystem=fs, **options)
@@ -99,6 +106,14 @@ def _worker(rank: int, store: str, path: str) -> None:
             target, fetched = _load(path, sub_dcp, process_group=sub)
             assert all(torch.equal(target[k], v) for k, v in state.items())
             assert fetched == 2 * stored  # local disk: read_once is off by default
+            # dcp.load on a subgroup, the reader's group left at the default group: the
+            # exchange would wait for ranks 2 and 3, which are not in the load. Off by
+            # default (each rank reads for itself, as stock), refused when asked for.
+            target, fetched = _load(path, sub_dcp, remote=True)
+            assert all(torch.equal(target[k], v) for k, v in state.items())
+            assert fetched == 2 * stored
+            with pytest.raises(CheckpointException, match="dcp.load runs on another group"):
+                _load(path, sub_dcp, read_once=True)
         dist.barrier(dcp_group)
     except BaseException:
         dist.destroy_process_group()
