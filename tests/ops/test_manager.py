@@ -194,10 +194,11 @@ def test_delete_removes_metadata_first(tmp_path: Any) -> None:
     calls.clear()  # the save removed its heartbeat
     mgr.delete(1)
     # The metadata is moved aside (a temporary name: no longer a checkpoint), then,
-    # nothing referencing it, removed before any data file.
+    # nothing referencing it, removed before any data file; the root's latest pointer,
+    # which named it, goes with it.
     assert calls[0] == "mv .metadata" and calls[1].startswith(".metadata.tmp-")
-    assert calls[-1] == "<dir>"
-    assert len(calls) > 4 and all(c.endswith(".distcp") for c in calls[2:-1])
+    assert calls[2] == "latest" and calls[-1] == "<dir>"
+    assert len(calls) > 5 and all(c.endswith(".distcp") for c in calls[3:-1])
     assert mgr.steps() == [] and not fs.exists(mgr.step_path(1))
     with pytest.raises(CheckpointNotFoundError):
         mgr.delete(1)
