@@ -54,9 +54,9 @@ def parse(data: bytes, url: str) -> str:
         name = ""
     if parse_step(name) is None:
         raise UnsafeCheckpointError(
-            f"{url} is not a latest-step pointer of dcp-storage (it holds {quote(data[:MAX_SIZE])}"
-            f"{'...' if len(data) > MAX_SIZE else ''}; one holds `step-<N>`, at most "
-            f"{MAX_SIZE} bytes): it is ignored and never overwritten, and the listing "
+            f"{url} is not a latest-step pointer of dcp-storage (it holds {quote(data)}; one "
+            f"holds `step-<N>`, at most {MAX_SIZE} bytes): it is ignored and never "
+            "overwritten, and the listing "
             "alone finds the newest step. Remove or rename that object if it is not wanted"
         )
     return name
@@ -95,11 +95,16 @@ def unlisted(fs: FileSystemBase, parent: str, names: list[str]) -> str | None:
         name = read(fs, parent)
     except IsADirectoryError:
         return None  # a directory of that name (a checkpoint called `latest`) is no pointer
+    except UnsafeCheckpointError as exc:
+        _warn_once(fs, parent, str(exc))
+        return None
     except Exception as exc:
-        _warn_once(fs, parent, f"{exc}" if isinstance(exc, UnsafeCheckpointError) else (
+        _warn_once(
+            fs,
+            parent,
             f"cannot read the latest-step pointer {url} ({type(exc).__name__}: {exc}); "
-            "the listing alone finds the newest step"
-        ))  # fmt: skip
+            "the listing alone finds the newest step",
+        )
         return None
     if name is None or name in names:
         return None
