@@ -65,7 +65,7 @@ def commit_checkpoint(
     ran out, since a publish left running may still land, nothing is removed and the
     error is marked (:func:`mark_may_have_landed`) so that no rank removes its files.
     Once committed, a ``.metadata`` in a ``step-<N>`` directory points its parent's
-    ``latest`` pointer at it (``latest.publish``; outside the deadline, and a failure
+    latest-step pointer at it (``latest.publish``; outside the deadline, and a failure
     there is logged, never raised: the checkpoint is committed)."""
     meta_path = fs.concat_path(directory, meta_name)
     infos = list(infos)

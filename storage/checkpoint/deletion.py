@@ -59,7 +59,7 @@ def delete_checkpoint(
     once), then the data files they named. Data files no metadata named (a save in
     flight, leftovers of a failed one) stay for :func:`remove_leftovers` after a grace
     period; so do files that are not checkpoint files, and the files of a metadata that
-    cannot be read. The directory goes once empty; a ``latest`` pointer beside it that
+    cannot be read. The directory goes once empty; a latest-step pointer beside it that
     names it goes too (``latest.withdraw``). Refuses, before removing anything, a
     checkpoint that is a symbolic link (:func:`refuse_link`) or whose named files lie
     under a linked prefix directory. Returns the names left in place.

@@ -1,13 +1,14 @@
-"""The ``latest`` pointer: a small object beside numbered checkpoints that names the
-newest one committed there, read by name, so that a listing that lags behind the store
-or misses objects cannot send a fresh process back to an older step.
+"""The latest-step pointer: a small object, ``.dcp-latest``, beside numbered
+checkpoints that names the newest one committed there, read by name, so that a listing
+that lags behind the store or misses objects cannot send a fresh process back to an
+older step.
 
 A listing of a root of ``step-<N>`` checkpoints is the store's index, and on some
 stores (an S3-compatible store whose index lags, an eventually consistent LIST) it can
 miss the newest step for a while; a process asks by name only for the steps it saw
 committed itself (``siblings``), and a restarted job saw none. So each commit of a
 checkpoint's ``.metadata`` into a directory named ``step-<N>`` then writes
-``<parent>/latest`` (:func:`publish`), atomically and by name, holding ``step-<N>\\n``:
+``<parent>/.dcp-latest`` (:func:`publish`), atomically and by name, holding ``step-<N>\\n``:
 after the commit marker, never before, and never naming a step below the one it already
 names while that one is committed. :func:`unlisted` reads it back (one request) for
 ``siblings.names_under``, so every step listing of a root (a manager's ``steps()``,
@@ -35,8 +36,9 @@ from storage.checkpoint.layout import is_committed, parse_step, split_location
 
 log = logging.getLogger(__name__)
 
-#: The pointer's name, beside the ``step-<N>`` directories.
-NAME = "latest"
+#: The pointer's name, beside the ``step-<N>`` directories: ours, hidden on local disk,
+#: never a user's ``latest`` (a link to the newest step, DeepSpeed's tag file).
+NAME = ".dcp-latest"
 #: Most bytes a pointer may hold (``step-`` and 20 digits, with room to spare).
 MAX_SIZE = 64
 
@@ -94,7 +96,7 @@ def unlisted(fs: FileSystemBase, parent: str, names: list[str]) -> str | None:
     try:
         name = read(fs, parent)
     except IsADirectoryError:
-        return None  # a directory of that name (a checkpoint called `latest`) is no pointer
+        return None  # a directory of that name (a checkpoint of that name) is no pointer
     except UnsafeCheckpointError as exc:
         _warn_once(fs, parent, str(exc))
         return None

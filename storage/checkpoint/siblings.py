@@ -6,7 +6,7 @@ at most once, and refuses a deletion that would break one of them.
 Which checkpoints lie beside one is :func:`names_under`: the parent's listing, the
 checkpoints this process saw committed there (:func:`saw`: it published their metadata,
 or a listing showed them committed) that the listing misses, asked for by name, and the
-newest step the parent's ``latest`` pointer names (``latest``: a fresh process learns
+newest step the parent's latest-step pointer names (``latest``: a fresh process learns
 the newest step so). A listing that lags behind the store or misses objects so hides no
 checkpoint this process knows of, nor the newest step, from a deletion, an overwrite,
 retention or a manager's steps. Another one this process never saw (another process
@@ -57,7 +57,7 @@ def names_under(fs: FileSystemBase, parent: str) -> list[str]:
     """The names under ``parent`` (empty when it does not exist): its listing, each
     checkpoint this process saw committed there (:func:`saw`) that the listing misses
     but that is still committed, asked for by name (those no longer committed are
-    forgotten), and the step the parent's ``latest`` pointer names when the listing
+    forgotten), and the step the parent's latest-step pointer names when the listing
     misses it and it is committed (``latest.unlisted``). Errors of the listing other
     than a missing directory propagate."""
     try:

@@ -3,7 +3,7 @@
 Layout: ``root/step-{N}`` for each saved step ``N`` (a non-negative integer, written
 without padding; steps sort as integers). A step exists once its ``.metadata`` does
 (docs/format.md, "Commit protocol"), so a crashed save is never listed. Beside them,
-``root/latest`` names the newest committed step, written by name after each commit, so
+``root/.dcp-latest`` names the newest committed step, written by name after each commit, so
 a listing that misses the newest step does not send a restarted job back to an older
 one (:mod:`storage.checkpoint.latest`).
 
@@ -11,7 +11,7 @@ The manager only ever deletes what it recognises as its own: directories named e
 ``step-<N>`` (``N`` in canonical decimal form: ``step-7``, not ``step-07``, ``step--1``,
 ``step-3.14`` or ``step-300_extra``), and inside them only checkpoint files (metadata,
 ``__{rank}_{n}[-{save_id}].distcp`` data files and the temporary files of an
-interrupted metadata write), and ``root/latest`` once it names a step deleted.
+interrupted metadata write), and ``root/.dcp-latest`` once it names a step deleted.
 Anything else under the root or inside a step directory is
 left alone, and so is a step that is a symbolic link (a checkpoint from elsewhere,
 linked in): it is listed and loaded like any step, but never deleted through.
@@ -226,7 +226,7 @@ class CheckpointManager:
 
     def latest(self) -> int | None:
         """The newest committed step, or ``None``: the listing's newest, or the step the
-        root's ``latest`` pointer names (once its metadata is found by name), whichever is
+        root's latest-step pointer names (once its metadata is found by name), whichever is
         higher, so a listing that lags does not send a restarted job back a step."""
         steps = self.steps()
         return steps[-1] if steps else None

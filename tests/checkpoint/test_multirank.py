@@ -177,7 +177,7 @@ def test_every_rank_references_the_base_rank_0_chose(tmp_path: Path) -> None:
     state = {f"r{r}": torch.full((256,), float(r)) for r in range(WORLD)}
     for step in (1, 2):
         storage.save(state, str(root / f"step-{step}"), fingerprint=True)
-    (root / "latest").unlink()
+    (root / ".dcp-latest").unlink()
     spawn(_incremental_worker, args=(str(tmp_path / "store"), str(root)), nprocs=WORLD)
     refs = {r.item: r.ref for r in describe(storage.LocalFileSystem(), str(root / "step-3")).items}
     assert refs == {"r0": "step-2", "r1": "step-2"}, refs

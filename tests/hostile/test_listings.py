@@ -298,7 +298,7 @@ def test_a_fresh_process_whose_listing_misses_the_newest_step_resumes_from_it(
     writer = CheckpointManager(root, incremental=True)
     for step in (2, 3):
         writer.save(step, _state(step))
-    assert (root / "latest").read_bytes() == b"step-3\n"
+    assert (root / ".dcp-latest").read_bytes() == b"step-3\n"
     _fresh_process(writer, (1, 2, 3))
     mgr = CheckpointManager(root, incremental=True, filesystem=_Hiding(_hides(root, {3})))
     assert mgr.steps() == [1, 2, 3] and mgr.latest() == 3
@@ -308,7 +308,7 @@ def test_a_fresh_process_whose_listing_misses_the_newest_step_resumes_from_it(
     mgr.save(4, {**_state(3), "step": 4})  # unchanged since step 3 but for "step"
     refs = {r.item: r.ref for r in describe(LocalFileSystem(), str(root / "step-4")).items}
     assert refs["w"] == "step-3", refs
-    assert (root / "latest").read_bytes() == b"step-4\n"
+    assert (root / ".dcp-latest").read_bytes() == b"step-4\n"
 
 
 def test_the_pointer_never_goes_back_and_goes_with_the_step_it_names(tmp_path: Path) -> None:
@@ -319,12 +319,12 @@ def test_the_pointer_never_goes_back_and_goes_with_the_step_it_names(tmp_path: P
     mgr = CheckpointManager(root)
     mgr.save(10, _state(10))
     mgr.save(5, _state(5))
-    assert (root / "latest").read_bytes() == b"step-10\n"
+    assert (root / ".dcp-latest").read_bytes() == b"step-10\n"
     mgr.delete(10)
-    assert not (root / "latest").exists()
+    assert not (root / ".dcp-latest").exists()
     mgr.save(6, _state(6))
-    assert (root / "latest").read_bytes() == b"step-6\n"
-    (root / "latest").unlink()
+    assert (root / ".dcp-latest").read_bytes() == b"step-6\n"
+    (root / ".dcp-latest").unlink()
     _fresh_process(mgr, (5, 6))
     assert CheckpointManager(root).latest() == 6
 
@@ -347,7 +347,7 @@ def test_a_pointer_to_a_step_that_is_not_committed_is_passed_over(
     mgr.save(2, _state(2))
     (root / "step-4").mkdir()
     (root / "step-4" / "__0_0-abc.distcp").write_bytes(b"interrupted")
-    (root / "latest").write_bytes(content)
+    (root / ".dcp-latest").write_bytes(content)
     _fresh_process(mgr, (2,))
     with caplog.at_level("WARNING", logger="storage.checkpoint.latest"):
         assert CheckpointManager(root, filesystem=_Hiding(_hides(root, {4}))).latest() == 2
@@ -369,7 +369,7 @@ def test_a_pointer_to_a_step_that_is_not_committed_is_passed_over(
 def test_a_pointer_that_is_not_ours_is_refused_and_never_overwritten(
     tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Whoever can write the root can write `latest`: its content names no step unless it
+    # Whoever can write the root can write `.dcp-latest`: its content names no step unless it
     # is exactly `step-<N>`, it is read only up to its bound, the warning quotes it
     # escaped, and a save leaves another tool's object alone.
     from storage.checkpoint import latest
@@ -377,7 +377,7 @@ def test_a_pointer_that_is_not_ours_is_refused_and_never_overwritten(
     root = tmp_path / "root"
     mgr = CheckpointManager(root)
     mgr.save(2, _state(2))
-    (root / "latest").write_bytes(content)
+    (root / ".dcp-latest").write_bytes(content)
     with pytest.raises(UnsafeCheckpointError, match="not a latest-step pointer"):
         latest.read(mgr.fs, str(root))
     _fresh_process(mgr, (2,))
@@ -389,4 +389,4 @@ def test_a_pointer_that_is_not_ours_is_refused_and_never_overwritten(
     (warning,) = _pointer_warnings(caplog)  # once, for the look and the save
     assert "not a latest-step pointer" in warning and "\x1b" not in warning
     assert len(warning) < 1024
-    assert (root / "latest").read_bytes() == content
+    assert (root / ".dcp-latest").read_bytes() == content
