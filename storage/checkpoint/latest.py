@@ -96,7 +96,7 @@ def unlisted(fs: FileSystemBase, parent: str, names: list[str]) -> str | None:
     try:
         name = read(fs, parent)
     except IsADirectoryError:
-        return None  # a directory of that name (a checkpoint of that name) is no pointer
+        return None  # a directory of that name is no pointer
     except UnsafeCheckpointError as exc:
         _warn_once(fs, parent, str(exc))
         return None
@@ -137,7 +137,7 @@ def publish(fs: FileSystemBase, directory: str) -> None:
         try:
             current = read(fs, parent)
         except (UnsafeCheckpointError, IsADirectoryError) as exc:
-            _warn_once(fs, parent, f"{exc}")  # what `unlisted` logs: once for both
+            _warn_once(fs, parent, str(exc))  # what `unlisted` logs: once for both
             return
         if current is not None:
             held = parse_step(current)
