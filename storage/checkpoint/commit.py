@@ -26,6 +26,7 @@ from storage.checkpoint.committed import own_files, read_metadata_file
 from storage.checkpoint.deadline import Budget, DeadlineExceededError
 from storage.checkpoint.deletion import remove_data_files
 from storage.checkpoint.incremental import check_referenced_files
+from storage.checkpoint.latest import publish as point_latest
 from storage.checkpoint.prefixes import absent
 from storage.checkpoint.siblings import refuse_if_referenced, saw
 
@@ -62,7 +63,10 @@ def commit_checkpoint(
     removed unless this save's metadata may have landed (:func:`metadata_may_name`);
     then, and when ``budget`` (the writer's deadline, which bounds the whole commit)
     ran out, since a publish left running may still land, nothing is removed and the
-    error is marked (:func:`mark_may_have_landed`) so that no rank removes its files."""
+    error is marked (:func:`mark_may_have_landed`) so that no rank removes its files.
+    Once committed, a ``.metadata`` in a ``step-<N>`` directory points its parent's
+    latest-step pointer at it (``latest.publish``; outside the deadline, and a failure
+    there is logged, never raised: the checkpoint is committed)."""
     meta_path = fs.concat_path(directory, meta_name)
     infos = list(infos)
     if new_files is None:
@@ -107,6 +111,8 @@ def commit_checkpoint(
         if landed or isinstance(exc, DeadlineExceededError):
             mark_may_have_landed(exc)
         raise
+    if meta_name == fmt.METADATA_NAME:
+        point_latest(fs, directory)  # after the commit marker, never before; never raises
 
 
 def recheck_bases(

@@ -23,6 +23,7 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.committed import CommittedCheckpoint, open_committed
+from storage.checkpoint.latest import withdraw as withdraw_latest
 from storage.checkpoint.layout import is_checkpoint_file_name, is_data_file_name, is_metadata_name
 from storage.checkpoint.prefixes import expand, linked_prefix, remove_empty_prefixes
 
@@ -58,7 +59,8 @@ def delete_checkpoint(
     once), then the data files they named. Data files no metadata named (a save in
     flight, leftovers of a failed one) stay for :func:`remove_leftovers` after a grace
     period; so do files that are not checkpoint files, and the files of a metadata that
-    cannot be read. The directory goes once empty. Refuses, before removing anything, a
+    cannot be read. The directory goes once empty; a latest-step pointer beside it that
+    names it goes too (``latest.withdraw``). Refuses, before removing anything, a
     checkpoint that is a symbolic link (:func:`refuse_link`) or whose named files lie
     under a linked prefix directory. Returns the names left in place.
 
@@ -90,6 +92,7 @@ def delete_checkpoint(
                 fs.rm_file(fs.concat_path(path, name))
     else:
         _uncommit_then_recheck(fs, path, metadata, recheck)
+    withdraw_latest(fs, path)  # a pointer naming it would name no checkpoint now
     for name in sorted(named):
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(fs.concat_path(path, name))

@@ -3,12 +3,14 @@ delete or overwrite it (retention, ``rm``, a save over it). Each sibling is read
 the one read model (``committed``); :class:`Siblings` holds them for one pass, each opened
 at most once, and refuses a deletion that would break one of them.
 
-Which checkpoints lie beside one is :func:`names_under`: the parent's listing, and the
+Which checkpoints lie beside one is :func:`names_under`: the parent's listing, the
 checkpoints this process saw committed there (:func:`saw`: it published their metadata,
-or a listing showed them committed) that the listing misses, asked for by name. A
-listing that lags behind the store or misses objects so hides no checkpoint this process
-knows of from a deletion, an overwrite, retention or a manager's steps. One this process
-never saw (another process saved it, and no listing here showed it yet) it cannot know.
+or a listing showed them committed) that the listing misses, asked for by name, and the
+newest step the parent's latest-step pointer names (``latest``: a fresh process learns
+the newest step so). A listing that lags behind the store or misses objects so hides no
+checkpoint this process knows of, nor the newest step, from a deletion, an overwrite,
+retention or a manager's steps. Another one this process never saw (another process
+saved it, and no listing here showed it yet) it cannot know.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from storage.checkpoint.committed import (
     metadata_stamp,
     open_committed,
 )
+from storage.checkpoint.latest import unlisted as pointed_unlisted
 from storage.checkpoint.layout import is_committed, split_location
 
 _lock = threading.Lock()
@@ -51,10 +54,12 @@ def forget(fs: FileSystemBase, path: str) -> None:
 
 
 def names_under(fs: FileSystemBase, parent: str) -> list[str]:
-    """The names under ``parent`` (empty when it does not exist): its listing, and each
+    """The names under ``parent`` (empty when it does not exist): its listing, each
     checkpoint this process saw committed there (:func:`saw`) that the listing misses
     but that is still committed, asked for by name (those no longer committed are
-    forgotten). Errors of the listing other than a missing directory propagate."""
+    forgotten), and the step the parent's latest-step pointer names when the listing
+    misses it and it is committed (``latest.unlisted``). Errors of the listing other
+    than a missing directory propagate."""
     try:
         names = list(fs.ls(parent))
     except FileNotFoundError:
@@ -69,6 +74,9 @@ def names_under(fs: FileSystemBase, parent: str) -> list[str]:
             names.append(name)
         else:
             forget(fs, path)
+    pointed = pointed_unlisted(fs, parent, names)
+    if pointed is not None:
+        names.append(pointed)
     return names
 
 

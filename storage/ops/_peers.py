@@ -215,9 +215,12 @@ def gather_errors(
     raise error
 
 
-def decided_by_rank_zero(decide: Callable[[], int | None]) -> int | None:
+def decided_by_rank_zero(
+    decide: Callable[[], int | None], what: str = "the step to load"
+) -> int | None:
     """``decide()`` on rank 0, broadcast to every rank (just ``decide()`` without a
-    process group)."""
+    process group): a choice made from a listing, which ranks may see differently.
+    ``what``: the choice, for the error the other ranks raise when rank 0 failed."""
     if not (dist.is_available() and dist.is_initialized()):
         return decide()
     choice: list[Any] = [None, None]  # the decision, or why rank 0 could not make it
@@ -231,5 +234,5 @@ def decided_by_rank_zero(decide: Callable[[], int | None]) -> int | None:
     if error is not None:
         raise error
     if choice[1] is not None:
-        raise CheckpointStorageError(f"rank 0 could not pick the step to load: {choice[1]}")
+        raise CheckpointStorageError(f"rank 0 could not pick {what}: {choice[1]}")
     return cast(int | None, choice[0])

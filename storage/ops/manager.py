@@ -2,13 +2,17 @@
 
 Layout: ``root/step-{N}`` for each saved step ``N`` (a non-negative integer, written
 without padding; steps sort as integers). A step exists once its ``.metadata`` does
-(docs/format.md, "Commit protocol"), so a crashed save is never listed.
+(docs/format.md, "Commit protocol"), so a crashed save is never listed. Beside them,
+``root/.dcp-latest`` names the newest committed step, written by name after each commit, so
+a listing that misses the newest step does not send a restarted job back to an older
+one (:mod:`storage.checkpoint.latest`).
 
 The manager only ever deletes what it recognises as its own: directories named exactly
 ``step-<N>`` (``N`` in canonical decimal form: ``step-7``, not ``step-07``, ``step--1``,
 ``step-3.14`` or ``step-300_extra``), and inside them only checkpoint files (metadata,
 ``__{rank}_{n}[-{save_id}].distcp`` data files and the temporary files of an
-interrupted metadata write). Anything else under the root or inside a step directory is
+interrupted metadata write), and ``root/.dcp-latest`` once it names a step deleted.
+Anything else under the root or inside a step directory is
 left alone, and so is a step that is a symbolic link (a checkpoint from elsewhere,
 linked in): it is listed and loaded like any step, but never deleted through.
 """
@@ -221,7 +225,9 @@ class CheckpointManager:
         return self.tier.durable_steps()
 
     def latest(self) -> int | None:
-        """The newest committed step, or ``None``."""
+        """The newest committed step, or ``None``: the listing's newest, or the step the
+        root's latest-step pointer names (once its metadata is found by name), whichever is
+        higher, so a listing that lags does not send a restarted job back a step."""
         steps = self.steps()
         return steps[-1] if steps else None
 

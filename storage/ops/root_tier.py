@@ -167,17 +167,28 @@ class RootTier:
     def incremental_base(self, step: int) -> tuple[int | None, CommittedCheckpoint | None]:
         """The step an incremental save of ``step`` references and its read model
         (:func:`~storage.ops.base_choice.choose_base`; a candidate that cannot be a base,
-        ``StepRoot.base_problem``, makes the save a full one, which is logged)."""
-        choice = choose_base(
-            step,
-            self.root.steps,
-            self._candidate,
-            incremental=self.incremental,
-            full_every=self.full_every,
-        )
-        if choice.note is not None:
-            log.info("%s", choice.note)
-        return choice.base, None if choice.base is None else self.root.model(choice.base)
+        ``StepRoot.base_problem``, makes the save a full one, which is logged). Under a
+        process group rank 0 chooses and every rank takes its choice: the choice lists
+        the root, and listings seen by different ranks may disagree (an eventually
+        consistent store, a listing that lags on one host), while one save must
+        reference one base. The save is collective, so every rank is here."""
+        if not self.incremental:
+            return None, None
+
+        def decide() -> int | None:
+            choice = choose_base(
+                step,
+                self.root.steps,
+                self._candidate,
+                incremental=self.incremental,
+                full_every=self.full_every,
+            )
+            if choice.note is not None:
+                log.info("%s", choice.note)
+            return choice.base
+
+        base = decided_by_rank_zero(decide, f"the base of the incremental save of step {step}")
+        return base, None if base is None else self.root.model(base)
 
     def _candidate(self, step: int) -> Candidate:
         why = self.root.base_problem(step)

@@ -155,3 +155,34 @@ def test_manager_async_saves_beside_the_jobs_collectives(tmp_path: Path) -> None
     loaded = {"rank0": torch.zeros(1 << 16), "rank1": torch.zeros(1 << 16)}
     assert storage.CheckpointManager(root).load(loaded) == 2
     assert torch.equal(loaded["rank1"], torch.ones(1 << 16)) and not loaded["rank0"].any()
+
+
+class _HidingStep2(storage.LocalFileSystem):
+    """Local disk whose listings miss ``step-2`` (one host's lagging listing)."""
+
+    def ls(self, path: str) -> list[str]:
+        return [n for n in super().ls(path) if n != "step-2"]
+
+
+def _incremental_worker(rank: int, store: str, root: str) -> None:
+    with gloo_group(rank, WORLD, store, timeout=datetime.timedelta(seconds=120)):
+        fs = _HidingStep2() if rank == 1 else None
+        manager = storage.CheckpointManager(root, incremental=True, filesystem=fs)
+        manager.save(3, {f"r{rank}": torch.full((256,), float(rank))})
+
+
+def test_every_rank_references_the_base_rank_0_chose(tmp_path: Path) -> None:
+    """Before: each rank chose the base of an incremental save from its own listing;
+    rank 1, whose listing missed step-2 (on a root without a latest pointer, written
+    before it existed), referenced step-1 while rank 0 referenced step-2, so one
+    save held two bases. Rank 0 chooses now and every rank takes its choice."""
+    from storage.ops.describe import describe
+
+    root = tmp_path / "run"
+    state = {f"r{r}": torch.full((256,), float(r)) for r in range(WORLD)}
+    for step in (1, 2):
+        storage.save(state, str(root / f"step-{step}"), fingerprint=True)
+    (root / ".dcp-latest").unlink()
+    spawn(_incremental_worker, args=(str(tmp_path / "store"), str(root)), nprocs=WORLD)
+    refs = {r.item: r.ref for r in describe(storage.LocalFileSystem(), str(root / "step-3")).items}
+    assert refs == {"r0": "step-2", "r1": "step-2"}, refs

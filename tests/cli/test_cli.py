@@ -174,7 +174,7 @@ def test_gc_prunes_and_cleans(root: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "removed step-1 (retention)" in proc.stdout
     assert "removed step-3 (interrupted save)" in proc.stdout
-    assert sorted(os.listdir(root)) == ["notes", "step-2"]
+    assert sorted(os.listdir(root)) == [".dcp-latest", "notes", "step-2"]
 
 
 def test_error_is_one_line(tmp_path: Path) -> None:

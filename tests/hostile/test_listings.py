@@ -18,8 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import storage
-from extensions.errors import CheckpointInUseError
+from extensions.errors import CheckpointInUseError, UnsafeCheckpointError
 from storage import CheckpointManager, LocalFileSystem
+from storage.checkpoint import siblings
 from storage.ops.describe import describe
 from tests.support.rank_local import RankWriter
 
@@ -265,3 +266,127 @@ def test_on_s3_a_step_the_listing_misses_stays_latest_and_keeps_its_base(
     out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1
            for k, v in _state(0).items()}  # fmt: skip
     assert mgr.load(out) == 3 and torch.equal(out["b"], _state(3)["b"])
+    # A restarted job, which never saw step-3, finds it through the root's latest
+    # pointer (a PUT, then a ranged GET by name): before, it resumed from step 2.
+    _fresh_process(mgr, (1, 2, 3))
+    fresh = CheckpointManager(root, filesystem=fs)
+    assert fresh.steps() == [1, 2, 3] and fresh.latest() == 3
+
+
+# --- a fresh process whose root listing misses the newest step: the latest pointer --------
+
+
+def _fresh_process(mgr: CheckpointManager, steps: Any) -> None:
+    """Forget that this process saw ``steps`` committed under ``mgr``'s root, as a
+    restarted job never saw them."""
+    for step in steps:
+        siblings.forget(mgr.fs, mgr.step_path(step))
+
+
+def _pointer_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "storage.checkpoint.latest"]
+
+
+def test_a_fresh_process_whose_listing_misses_the_newest_step_resumes_from_it(
+    tmp_path: Path,
+) -> None:
+    # Before: a restarted job (which never saw step-3 committed) whose listing missed
+    # step-3 resumed from step 2: latest() and load() said 2, and its next incremental
+    # save referenced step-2 instead of step-3.
+    root = tmp_path / "root"
+    CheckpointManager(root, incremental=True).save(1, _state(1))
+    writer = CheckpointManager(root, incremental=True)
+    for step in (2, 3):
+        writer.save(step, _state(step))
+    assert (root / ".dcp-latest").read_bytes() == b"step-3\n"
+    _fresh_process(writer, (1, 2, 3))
+    mgr = CheckpointManager(root, incremental=True, filesystem=_Hiding(_hides(root, {3})))
+    assert mgr.steps() == [1, 2, 3] and mgr.latest() == 3
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1
+           for k, v in _state(0).items()}  # fmt: skip
+    assert mgr.load(out) == 3 and out["step"] == 3
+    mgr.save(4, {**_state(3), "step": 4})  # unchanged since step 3 but for "step"
+    refs = {r.item: r.ref for r in describe(LocalFileSystem(), str(root / "step-4")).items}
+    assert refs["w"] == "step-3", refs
+    assert (root / ".dcp-latest").read_bytes() == b"step-4\n"
+
+
+def test_the_pointer_never_goes_back_and_goes_with_the_step_it_names(tmp_path: Path) -> None:
+    # Saving an older step after a newer one keeps the pointer on the newer one (it is
+    # still committed); deleting the step it names removes it, so the next save sets it
+    # afresh; a root without one (written before it existed) is listed as ever.
+    root = tmp_path / "root"
+    mgr = CheckpointManager(root)
+    mgr.save(10, _state(10))
+    mgr.save(5, _state(5))
+    assert (root / ".dcp-latest").read_bytes() == b"step-10\n"
+    mgr.delete(10)
+    assert not (root / ".dcp-latest").exists()
+    mgr.save(6, _state(6))
+    assert (root / ".dcp-latest").read_bytes() == b"step-6\n"
+    (root / ".dcp-latest").unlink()
+    _fresh_process(mgr, (5, 6))
+    assert CheckpointManager(root).latest() == 6
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(b"step-9\n", id="an-absent-step"),
+        pytest.param(b"step-4\n", id="an-uncommitted-step"),
+    ],
+)
+def test_a_pointer_to_a_step_that_is_not_committed_is_passed_over(
+    tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A pointer is trusted only for a step whose metadata is found by name: one naming a
+    # deleted step, or an interrupted save's directory the listing misses, must not make
+    # latest() a step that does not load. The listing decides, and a warning says why.
+    root = tmp_path / "root"
+    mgr = CheckpointManager(root)
+    mgr.save(2, _state(2))
+    (root / "step-4").mkdir()
+    (root / "step-4" / "__0_0-abc.distcp").write_bytes(b"interrupted")
+    (root / ".dcp-latest").write_bytes(content)
+    _fresh_process(mgr, (2,))
+    with caplog.at_level("WARNING", logger="storage.checkpoint.latest"):
+        assert CheckpointManager(root, filesystem=_Hiding(_hides(root, {4}))).latest() == 2
+    (warning,) = _pointer_warnings(caplog)
+    assert "is not a committed checkpoint" in warning and content.decode().strip() in warning
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(b"step-07\n", id="not-canonical"),
+        pytest.param(b"../step-3", id="a-path"),
+        pytest.param(b"step-3\x1b[2J", id="an-escape-sequence"),
+        pytest.param(b"global_step3", id="another-tools-latest"),
+        pytest.param(b"step-3\n" * 4096, id="oversized"),
+        pytest.param(b"\xff\xfe", id="not-text"),
+    ],
+)
+def test_a_pointer_that_is_not_ours_is_refused_and_never_overwritten(
+    tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Whoever can write the root can write `.dcp-latest`: its content names no step unless it
+    # is exactly `step-<N>`, it is read only up to its bound, the warning quotes it
+    # escaped, and a save leaves another tool's object alone.
+    from storage.checkpoint import latest
+
+    root = tmp_path / "root"
+    mgr = CheckpointManager(root)
+    mgr.save(2, _state(2))
+    (root / ".dcp-latest").write_bytes(content)
+    with pytest.raises(UnsafeCheckpointError, match="not a latest-step pointer"):
+        latest.read(mgr.fs, str(root))
+    _fresh_process(mgr, (2,))
+    fs = _Hiding(_hides(root, {3}))
+    with caplog.at_level("WARNING", logger="storage.checkpoint.latest"):
+        fresh = CheckpointManager(root, filesystem=fs)
+        assert fresh.latest() == 2
+        fresh.save(3, _state(3))
+    (warning,) = _pointer_warnings(caplog)  # once, for the look and the save
+    assert "not a latest-step pointer" in warning and "\x1b" not in warning
+    assert len(warning) < 1024
+    assert (root / ".dcp-latest").read_bytes() == content

@@ -58,8 +58,10 @@ def test_train_save_resume_bit_exact(endpoint: str, tmp_path: Any, async_mode: s
     job = {"url": url, "options": s3_options(endpoint), "async_mode": async_mode}
     _run({**job, "seed": 0, "load_step": -1, "until": 8, "out": str(tmp_path / "a.pt")})
     keys = list_keys(boto3_client(endpoint), BUCKET, url.split("/", 3)[3] + "/")
-    steps = sorted({k.split("/")[1] for k in keys})
-    assert steps == ["step-6", "step-8"], keys  # retention through our manager
+    names = sorted({k.split("/")[1] for k in keys})
+    # Retention through our manager; the latest-step pointer beside the steps.
+    assert names == [".dcp-latest", "step-6", "step-8"], keys
+    steps = names[1:]
     assert all(any(k.endswith(f"{s}/.metadata") for k in keys) for s in steps)
     fs, path = storage.filesystem_from_url(f"{url}/step-8", s3_options(endpoint))
     rows = describe(fs, path).items
@@ -88,7 +90,7 @@ def test_keep_latest_k_applies_after_the_last_step(endpoint: str, tmp_path: Any)
     assert checkpointer.save(curr_step=5, last_step=True)
     checkpointer.close()  # the purge thread drains its queue before it stops
     keys = list_keys(boto3_client(endpoint), BUCKET, url.split("/", 3)[3] + "/")
-    assert sorted({k.split("/")[1] for k in keys}) == ["step-4", "step-5"], keys
+    assert sorted({k.split("/")[1] for k in keys}) == [".dcp-latest", "step-4", "step-5"], keys
 
 
 def test_a_step_that_is_not_committed_is_refused(endpoint: str, tmp_path: Any) -> None:

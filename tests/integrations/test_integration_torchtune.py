@@ -50,7 +50,8 @@ def test_async_epochs_resume_bit_exact(endpoint: str, tmp_path: Any) -> None:
     client._get_dcp_checkpointer()._checkpoint_future.result()
 
     keys = list_keys(boto3_client(endpoint), BUCKET, f"{tmp_path.name}/")
-    assert sorted({k.split("/")[1] for k in keys}) == ["step-1", "step-2"], keys  # keep_last=2
+    names = sorted({k.split("/")[1] for k in keys})
+    assert names == [".dcp-latest", "step-1", "step-2"], keys  # keep_last=2, and the pointer
     fs, path = storage.filesystem_from_url(f"{url}/step-2", s3_options(endpoint))
     rows = describe(fs, path).items
     assert rows and all(row.transforms == ["stream.zstd/1"] for row in rows)

@@ -162,14 +162,16 @@ def test_strangers_are_left_alone(tmp_path: Any) -> None:
     (root / "latest").write_text("1")
     (root / "step-9").write_text("a plain file named like a step")
     (root / "notes.txt").write_text("hello")
-    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and "step-1" not in p.parts}
+    ours = {"step-1", ".dcp-latest"}  # the pointer at the newest step is the manager's
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and not ours & {*p.parts}}
 
     for step in (2, 3):
         mgr.save(step, _state(step))
     assert mgr.cleanup(grace_seconds=0) == []
     assert mgr.steps() == [3]
-    after = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and "step-3" not in p.parts}
-    assert after == before
+    ours = {"step-3", ".dcp-latest"}
+    after = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and not ours & {*p.parts}}
+    assert after == before and (root / ".dcp-latest").read_text() == "step-3\n"
 
 
 def test_delete_removes_metadata_first(tmp_path: Any) -> None:
@@ -194,10 +196,11 @@ def test_delete_removes_metadata_first(tmp_path: Any) -> None:
     calls.clear()  # the save removed its heartbeat
     mgr.delete(1)
     # The metadata is moved aside (a temporary name: no longer a checkpoint), then,
-    # nothing referencing it, removed before any data file.
+    # nothing referencing it, removed before any data file; the root's latest pointer,
+    # which named it, goes with it.
     assert calls[0] == "mv .metadata" and calls[1].startswith(".metadata.tmp-")
-    assert calls[-1] == "<dir>"
-    assert len(calls) > 4 and all(c.endswith(".distcp") for c in calls[2:-1])
+    assert calls[2] == ".dcp-latest" and calls[-1] == "<dir>"
+    assert len(calls) > 5 and all(c.endswith(".distcp") for c in calls[3:-1])
     assert mgr.steps() == [] and not fs.exists(mgr.step_path(1))
     with pytest.raises(CheckpointNotFoundError):
         mgr.delete(1)

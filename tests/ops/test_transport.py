@@ -227,7 +227,8 @@ def test_keeps_last_steps_and_shutdown(tmp_path: Path) -> None:
     sender = storage.StorageTransport(str(tmp_path), rank=2, keep_last=2)
     for step in (1, 2, 3):
         sender.send_checkpoint([0], step, _replica_state(step), timedelta(seconds=60))
-    assert sorted(p.name for p in (tmp_path / "replica-2").iterdir()) == ["step-2", "step-3"]
+    replica = sorted(p.name for p in (tmp_path / "replica-2").iterdir())
+    assert replica == [".dcp-latest", "step-2", "step-3"]  # and the pointer at the newest
     got = sender.recv_checkpoint(2, sender.metadata(), 3, timedelta(seconds=5))
     assert got["optim"] == {"lr": 0.25, "betas": [0.9, 0.95], "name": "adamw", "step": 3}
     sender.shutdown(wait=True)
