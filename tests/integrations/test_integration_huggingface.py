@@ -103,7 +103,8 @@ def test_trainer_drains_to_the_bucket_and_resumes_bit_exact(endpoint: str, tmp_p
     saved = _digests(run / "checkpoint-4")
     assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(saved)
     keys = list_keys(boto3_client(endpoint), BUCKET, root.split("/", 3)[3] + "/")
-    assert sorted({k.split("/")[1] for k in keys}) == ["step-4", "step-6"]  # keep_last=2
+    names = sorted({k.split("/")[1] for k in keys})
+    assert names == [".dcp-latest", "step-4", "step-6"]  # keep_last=2, and the pointer
 
     shutil.rmtree(run)  # the machine is gone: only the bucket remains
     callback = StorageTrainerCallback(root, **options)
