@@ -413,6 +413,29 @@ def test_a_stage_of_more_segments_than_one_message_carries_reaches_the_worker(
     assert_tree_equal(state, loaded(tmp_path / "b", state))
 
 
+def test_a_save_whose_segment_never_reached_the_worker_fails_and_the_next_stages_afresh(
+    tmp_path: Path, worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment whose descriptor did not reach the worker (its open-file limit) fails
+    the save that reads it. Before: the training process kept staging into that
+    segment, so every later save failed the same way, though the error said the next
+    one stages afresh."""
+    from storage.checkpoint.persist import _shm
+
+    monkeypatch.setattr(  # the byte goes, without the descriptors
+        sys.modules["storage.checkpoint.persist._worker"],
+        "send_segments",
+        lambda sock, fds: _shm.send_segments(sock, []),
+    )
+    state = big_state(3)
+    with pytest.raises(CheckpointStorageError, match="never reached this persist worker"):
+        storage.async_save(state, tmp_path / "a", persist="process").result()
+    monkeypatch.undo()
+    state["w"].add_(1.0)
+    storage.async_save(state, tmp_path / "b", persist="process").result()
+    assert_tree_equal(state, loaded(tmp_path / "b", state))
+
+
 def test_an_error_in_the_worker_keeps_its_type_and_message_and_no_key(
     tmp_path: Path, worker: persist.Worker
 ) -> None:

@@ -194,6 +194,37 @@ def test_the_worker_maps_only_sealed_segments() -> None:
         theirs.close()
 
 
+def test_a_segment_the_worker_cannot_map_is_left_out_and_the_worker_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before Python 3.13 each mapping holds a descriptor of its own: the worker may
+    receive a segment and have no descriptor left to map it. Before: that error left
+    the worker's serving loop as a lost socket, and the worker exited, failing every
+    save it was writing. Now the segment is left out (a save reading it fails, naming
+    it) and the others are mapped."""
+    ours, theirs = socket.socketpair()
+    segments = [_shm.Segment(name, mmap.PAGESIZE) for name in ("first", "second")]
+    real_map = _shm._map
+
+    def map_or_run_out(fd: int, size: int) -> mmap.mmap:
+        if len(maps_made) == 1:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        maps_made.append(fd)
+        return real_map(fd, size)
+
+    maps_made: list[int] = []
+    monkeypatch.setattr(_shm, "_map", map_or_run_out)
+    try:
+        _shm.send_segments(ours.fileno(), [s.fd for s in segments])
+        maps = _shm.receive_segments(theirs.fileno(), ["first", "second"])
+        assert sorted(maps) == ["first"]
+    finally:
+        for segment in segments:
+            segment.close()
+        ours.close()
+        theirs.close()
+
+
 _FORK = """
 import os, sys, torch, storage
 from storage.checkpoint import persist

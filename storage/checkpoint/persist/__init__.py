@@ -42,6 +42,7 @@ from storage.checkpoint import data_files, heartbeat
 from storage.checkpoint.encode import plain_cpu_tensor
 from storage.checkpoint.persist._child import Pause, warm
 from storage.checkpoint.persist._cores import copy_threads, local_ranks, usable_cpus
+from storage.checkpoint.persist._mapped import SegmentLost
 from storage.checkpoint.persist._messages import NotSendable
 from storage.checkpoint.persist._pool import StagingPool
 from storage.checkpoint.persist._shm import SharedMemoryFull
@@ -311,10 +312,11 @@ def write_staged(
     from storage.checkpoint.persist._child import write_files
 
     w = worker()
+    pool = w.pool
     mode: Mode = writer.persist_mode
     try:
         refs = {
-            item.index: item_ref(w.pool, item, planner.resolve_data(item))
+            item.index: item_ref(pool, item, planner.resolve_data(item))
             for _, items in files
             for item in items
         }
@@ -341,6 +343,10 @@ def write_staged(
         except WorkerDiedError:
             attempt.lost()  # the writer's abort removes what it left
             raise
+        except SegmentLost:
+            if pool is not None:
+                w.restage(pool)  # the worker lacks some of its segments: the next save
+            raise  # stages in new ones, sent afresh
     finally:
         lease.release()
     attempt.adopt(written, spent)

@@ -33,6 +33,12 @@ def rebuild(ref: tuple[Any, ...]) -> object:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
+class SegmentLost(CheckpointStorageError):
+    """A staging segment a save reads is not mapped in the persist worker: it never
+    arrived there, or could not be mapped. The save fails; the training process then
+    stages the next one in new segments, sent afresh (:meth:`._worker.Worker.restage`)."""
+
+
 _maps: dict[str, mmap.mmap] = {}
 _maps_lock = threading.Lock()
 
@@ -41,10 +47,10 @@ def _mapping(name: str) -> mmap.mmap:
     with _maps_lock:
         found = _maps.get(name)
     if found is None:
-        raise CheckpointStorageError(
-            f"staging segment {name} never reached this persist worker (it started after "
-            "the stage, or a process had no descriptor left for it: ulimit -n); this "
-            "save fails, the next one stages afresh"
+        raise SegmentLost(
+            f"staging segment {name} never reached this persist worker, or could not be "
+            "mapped there (a process had no descriptor left for it: ulimit -n, or no "
+            "memory); this save fails, the next one stages afresh"
         )
     return found
 

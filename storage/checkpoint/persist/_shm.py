@@ -221,8 +221,10 @@ def send_segments(sock: int, fds: list[int]) -> None:
 def receive_segments(sock: int, names: list[str]) -> dict[str, mmap.mmap]:
     """The segments ``names`` that :func:`send_segments` sent, mapped (the worker's
     side; their descriptors are closed). What did not arrive (the sender could not send
-    them, or this process had no descriptor left for them), or arrived unsealed, is
-    left out, logged: a save that reads it fails, naming it."""
+    them, or this process had no descriptor left for them), arrived unsealed, or cannot
+    be mapped (before Python 3.13 a mapping holds a descriptor too), is left out,
+    logged: a save that reads it fails, naming it, and the next one stages afresh
+    (:class:`._mapped.SegmentLost`). Only the socket's own failure is raised."""
     with socket.socket(fileno=sock) as channel:
         try:
             _, fds, flags, _ = socket.recv_fds(channel, 1, len(names))
@@ -239,10 +241,13 @@ def receive_segments(sock: int, names: list[str]) -> dict[str, mmap.mmap]:
             )
             return maps
         for name, fd in zip(names, fds, strict=True):
-            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
-                log.warning("staging segment %s arrived unsealed: not mapped", name)
-                continue
-            maps[name] = _map(fd, os.fstat(fd).st_size)
+            try:
+                if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+                    log.warning("staging segment %s arrived unsealed: not mapped", name)
+                    continue
+                maps[name] = _map(fd, os.fstat(fd).st_size)
+            except OSError as exc:  # no descriptor for its mapping (ulimit -n), or no memory
+                log.warning("staging segment %s arrived but cannot be mapped: %s", name, exc)
         return maps
     finally:
         for fd in fds:

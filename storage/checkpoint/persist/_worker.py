@@ -329,11 +329,19 @@ class Worker:
             return self.pool
 
     def _stale(self, pool: StagingPool) -> bool:
-        """Whether ``pool`` shared its segments with a worker that is gone: a new worker
-        never received them (their descriptors are closed once sent), so a new pool
-        stages for it."""
+        """Whether ``pool`` shared its segments with a worker that is gone, or that lost
+        some of them (:meth:`restage`): a new worker never received them (their
+        descriptors are closed once sent), so a new pool stages for it."""
         with self._lock:
             return self.pool is not pool or self._pool_conn is not self._conn
+
+    def restage(self, pool: StagingPool) -> None:
+        """The worker lost some of ``pool``'s segments (a save reading one failed with
+        :class:`._mapped.SegmentLost`): the next stage drops ``pool`` and stages in a
+        new one, whose segments go to the worker afresh (see :meth:`_stale`)."""
+        with self._lock:
+            if self.pool is pool:
+                self._pool_conn = None
 
     def _share(
         self, conn: Connection, names: list[str], fds: list[int], dropped: list[str]
