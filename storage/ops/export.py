@@ -168,14 +168,14 @@ def export_safetensors(
             log.warning("%s: leftovers of interrupted saves not swept: %s", dst_fs.url(dst), exc)
         write_id = new_write_id()  # in every file and the index: a mix with another is refused
         # Names the model being replaced does not use: it stays whole until the commit.
-        names = new_names(dst_fs, dst, len(groups), write_id)
+        names, replaced = new_names(dst_fs, dst, len(groups), write_id)
         files = [
             (dst_fs.concat_path(dst, n), [by_name[t] for t in g]) for g, n in zip(groups, names)
         ]
         stream = _Stream(src_fs, checkpoint, pool, load_batch, Cancel(current()), write_id)
         total = stream.write_all(dst_fs, files, everything, progress)
     weight_map = {t.name: name for (_, group), name in zip(files, names) for t in group}
-    written = commit_model(dst_fs, dst, weight_map, total, write_id)
+    written = commit_model(dst_fs, dst, weight_map, total, write_id, replaced)
     return ExportResult(checkpoint, dst_fs.url(dst), written, len(chosen), total, skipped)
 
 

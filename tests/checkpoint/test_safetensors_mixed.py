@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 import storage
 from extensions.errors import CheckpointNotFoundError, IntegrityError
 from storage.backends import LocalFileSystem
-from storage.checkpoint.safetensors import load_safetensors, save_safetensors
+from storage.checkpoint.safetensors import files, load_safetensors, save_safetensors
 from storage.checkpoint.safetensors.header import INDEX_NAME, WRITE_KEY
 from storage.checkpoint.safetensors.verify import verify_model
 from storage.cli import main
@@ -215,3 +215,39 @@ def test_a_write_overlapped_by_another_fails_instead_of_saying_it_succeeded(
     if not after:  # the second removed the first's files, replacing its model
         with pytest.raises(CheckpointNotFoundError, match="is missing"):
             load_safetensors(_empty(), out)
+
+
+@pytest.mark.parametrize("how", ["export", "save"])
+def test_a_write_committed_just_after_another_read_its_model_back_is_not_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The first write read its model back; the second then committed its own whole.
+    The first removed every model file not its own, found when it removed them: the
+    second's files, leaving an index naming files that are gone, and both returned as
+    if their model were there. It now removes only what was there before it began,
+    and only while the index is still its own."""
+    out = tmp_path / "out"
+    storage.save(_model(1), str(tmp_path / "one"))
+    storage.save(_model(2), str(tmp_path / "two"))
+    fs = LocalFileSystem()
+    confirm = files._confirm_write
+    pending: list[Callable[[], object]] = [
+        lambda: export_safetensors(
+            fs, str(tmp_path / "two"), fs, str(out), max_shard_size=600, overwrite=True
+        )
+    ]
+
+    def then_another(fs_: LocalFileSystem, root: str, write_id: str) -> None:
+        confirm(fs_, root, write_id)
+        if pending:
+            pending.pop()()
+
+    monkeypatch.setattr(files, "_confirm_write", then_another)
+    with pytest.raises(IntegrityError, match="published its index while this one was written"):
+        if how == "export":
+            export_safetensors(fs, str(tmp_path / "one"), fs, str(out), max_shard_size=600)
+        else:
+            storage.save_safetensors(_model(1), out, max_shard_size=600)
+    state = _empty()
+    load_safetensors(state, out)
+    assert all(torch.equal(state[k], v) for k, v in _model(2).items())

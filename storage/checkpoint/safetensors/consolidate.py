@@ -109,7 +109,7 @@ def consolidate(
         tensor.crc32c = _check_tiling(fs.url(root), fqn, tensor)
         tensors[fqn] = tensor
     groups = split([(f, nbytes(t.dtype, t.shape)) for f, t in tensors.items()], max_shard_size)
-    names = new_names(fs, root, len(groups), write_id)
+    names, replaced = new_names(fs, root, len(groups), write_id)
 
     def write(job: tuple[list[str], str]) -> None:
         group, name = job
@@ -119,7 +119,7 @@ def consolidate(
         list(pool.map(write, zip(groups, names)))
     weight_map = {f: name for group, name in zip(groups, names) for f in group}
     total = sum(nbytes(t.dtype, t.shape) for t in tensors.values())
-    commit_model(fs, root, weight_map, total, write_id)
+    commit_model(fs, root, weight_map, total, write_id, replaced)
 
 
 def _at(piece: Piece) -> int:

@@ -74,49 +74,64 @@ def file_names(count: int, tag: str = "") -> list[str]:
     return [f"{prefix}{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def new_names(fs: FileSystemBase, root: str, count: int, write_id: str) -> list[str]:
+def new_names(
+    fs: FileSystemBase, root: str, count: int, write_id: str
+) -> tuple[list[str], frozenset[str]]:
     """The names of the ``count`` files of a new model at ``root``: transformers' names
     unless one of them is there already (the model being replaced, or what a killed
     write left), then those names tagged with the start of ``write_id``
     (``model-1a2b3c4d-00001-of-00004.safetensors``), so no file of the model there is
     written over before the new one is committed. One file is ``model.safetensors``:
-    it is published whole over the old one."""
+    it is published whole over the old one. Also the model files at ``root`` now: the
+    only ones :func:`commit_model` may remove (never those another write to the folder
+    makes meanwhile)."""
+    present = _model_files(fs, root)
     names = file_names(count)
-    if count == 1 or not any(fs.exists(fs.concat_path(root, n)) for n in names):
-        return names
-    return file_names(count, write_id[:_TAG])
+    if count == 1 or present.isdisjoint(names):
+        return names, present
+    return file_names(count, write_id[:_TAG]), present
+
+
+def _model_files(fs: FileSystemBase, root: str) -> frozenset[str]:
+    try:
+        return frozenset(n for n in fs.ls(root) if is_model_file_name(n))
+    except (FileNotFoundError, NotADirectoryError):
+        return frozenset()
 
 
 def commit_model(
-    fs: FileSystemBase, root: str, weight_map: dict[str, str], total: int, write_id: str
+    fs: FileSystemBase,
+    root: str,
+    weight_map: dict[str, str],
+    total: int,
+    write_id: str,
+    replaced: frozenset[str],
 ) -> list[str]:
     """Commit the model whose files (the values of ``weight_map``, tensor -> file) are
-    written at ``root``, then remove the files of the model it replaces; its files,
-    the commit (index or single file) last. Several files: the index is published (and
-    the folder read back, :func:`publish_index`); one: the index of a model it replaces
+    written at ``root``, then remove the files of the model it replaces (``replaced``,
+    from :func:`new_names`); its files, the commit (index or single file) last. Several
+    files: the index is published (and the folder read back, :func:`publish_index`),
+    and read again before anything is removed; one: the index of a model it replaces
     is removed, which makes ``model.safetensors`` the model."""
     files = sorted(set(weight_map.values()))
     if len(files) > 1:
         publish_index(fs, root, weight_map, total, write_id)
         files.append(INDEX_NAME)
+        # Another write may have committed since: its files are not ours to remove.
+        _check_index_id(fs, root, write_id)
     else:
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(fs.concat_path(root, INDEX_NAME))
         fs.sync_dir(root)
-    _remove_replaced(fs, root, set(files))
+    _remove_replaced(fs, root, replaced - set(files))
     return files
 
 
-def _remove_replaced(fs: FileSystemBase, root: str, keep: set[str]) -> None:
-    """Remove the model files (named as a save or export names them) at ``root`` that
-    are not in ``keep``: the replaced model's, and those of writes killed before their
-    commit. Quietly: one left behind is unreferenced, and the next write removes it."""
-    try:
-        names = fs.ls(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    doomed = [n for n in names if is_model_file_name(n) and n not in keep]
-    for name in doomed:
+def _remove_replaced(fs: FileSystemBase, root: str, doomed: Iterable[str]) -> None:
+    """Remove ``doomed``: the files of the replaced model, and those of writes killed
+    before their commit, found before this write began. Quietly: one left behind is
+    unreferenced, and the next write removes it."""
+    for name in sorted(doomed):
         try:
             fs.rm_file(fs.concat_path(root, name))
         except FileNotFoundError:
@@ -213,6 +228,19 @@ def _confirm_write(fs: FileSystemBase, root: str, write_id: str) -> None:
     the same names, each file whole, so the folder may end with one's index over files
     of both, or with the other's model; the write that checks last sees the folder as
     it stays, so at least one of the two fails instead of both saying they succeeded."""
+    _check_index_id(fs, root, write_id)
+    try:
+        read_model(fs, root, threads=8)  # every file the index names carries its write id
+    except CheckpointNotFoundError as exc:  # the other write removed them, replacing us
+        raise IntegrityError(
+            f"{fs.url(root)}: another save or export to this folder removed files of this "
+            f"one while it was written ({exc}); two writes to this folder overlapped: export "
+            "or save the model again, one writer at a time"
+        ) from exc
+
+
+def _check_index_id(fs: FileSystemBase, root: str, write_id: str) -> None:
+    """Raise unless the index at ``root`` is this write's."""
     path = fs.concat_path(root, INDEX_NAME)
     found = parse_index(_read_limited(fs, path), fs.url(path)).write_id
     if found != write_id:
@@ -222,14 +250,6 @@ def _confirm_write(fs: FileSystemBase, root: str, write_id: str) -> None:
             f"{quote(write_id)}); the folder holds that write's model, or a mix: export or "
             "save the model again, one writer at a time"
         )
-    try:
-        read_model(fs, root, threads=8)  # every file the index names carries its write id
-    except CheckpointNotFoundError as exc:  # the other write removed them, replacing us
-        raise IntegrityError(
-            f"{fs.url(root)}: another save or export to this folder removed files of this "
-            f"one while it was written ({exc}); two writes to this folder overlapped: export "
-            "or save the model again, one writer at a time"
-        ) from exc
 
 
 def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, TensorEntry]:

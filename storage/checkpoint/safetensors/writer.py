@@ -101,6 +101,7 @@ class SafetensorsWriter(StorageWriter):
         self.last_error: BaseException | None = None
         self.is_coordinator = False
         self.write_id = new_write_id()
+        self.replaced: frozenset[str] = frozenset()  # model files commit_model may remove
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.last_error = None
@@ -158,10 +159,11 @@ class SafetensorsWriter(StorageWriter):
                 dataclasses.replace(plan, storage_data=Staged(object_name(area, rank)))
                 for rank, plan in enumerate(plans)
             ]
-        names = iter(new_names(self.fs, self.path, count, self.write_id))
+        names, self.replaced = new_names(self.fs, self.path, count, self.write_id)
+        named = iter(names)
         out = []
         for plan, rank_groups in zip(plans, groups):
-            mapping = {fqn: name for group, name in zip(rank_groups, names) for fqn in group}
+            mapping = {fqn: name for group, name in zip(rank_groups, named) for fqn in group}
             out.append(dataclasses.replace(plan, storage_data=_Files(mapping, self.write_id)))
         return out
 
@@ -236,9 +238,8 @@ class SafetensorsWriter(StorageWriter):
                 remove_staging(self.fs, self.path, [p.object for _, p in pieces])
             return
         weight_map = {r.index.fqn: str(r.storage_data) for r in flat}
-        commit_model(
-            self.fs, self.path, weight_map, sum(r.size_in_bytes for r in flat), self.write_id
-        )
+        total = sum(r.size_in_bytes for r in flat)
+        commit_model(self.fs, self.path, weight_map, total, self.write_id, self.replaced)
 
 
 @dataclasses.dataclass(frozen=True)
