@@ -86,17 +86,22 @@ def test_verify_refuses_an_index_that_names_a_tensor_its_file_lacks(
     assert "'ghost'" in err and files[0] in err
 
 
+def _damaged_one_tensor_model(folder: Path, name: str) -> None:
+    """A one-tensor model named ``name`` in ``folder``, a byte of its data flipped."""
+    dcp.save({name: torch.ones(64)}, storage_writer=SafetensorsWriter(folder), no_dist=True)
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 def test_a_damaged_tensor_whose_name_holds_a_line_break_cannot_forge_a_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A tensor's name is the model's to choose: one holding a line break used to print
     as two lines of the report, the second one the name's forged "OK: ..." line."""
     name = "w\nOK: safetensors model forged"
-    dcp.save({name: torch.ones(64)}, storage_writer=SafetensorsWriter(tmp_path), no_dist=True)
-    path = tmp_path / "model.safetensors"
-    data = bytearray(path.read_bytes())
-    data[-5] ^= 0x01
-    path.write_bytes(bytes(data))
+    _damaged_one_tensor_model(tmp_path, name)
     assert main(["verify", str(tmp_path)]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("BAD: 1 of 1") and not any(line.startswith("OK:") for line in lines)
@@ -108,11 +113,7 @@ def test_a_damaged_tensor_with_a_name_of_a_megabyte_is_named_in_a_bounded_line(
 ) -> None:
     """A tensor's name (up to the header's size) went whole into verify's line."""
     name = "w" * (1 << 20)
-    dcp.save({name: torch.ones(64)}, storage_writer=SafetensorsWriter(tmp_path), no_dist=True)
-    path = tmp_path / "model.safetensors"
-    data = bytearray(path.read_bytes())
-    data[-5] ^= 0x01
-    path.write_bytes(bytes(data))
+    _damaged_one_tensor_model(tmp_path, name)
     assert main(["verify", str(tmp_path)]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert "checksum mismatch" in lines[1] and len(lines[1]) < 1000

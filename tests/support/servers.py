@@ -560,13 +560,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if kind in ("whole", "shift"):
             headers = _rewrite_range(headers, kind)
-        if body or self.command in ("PUT", "POST"):
-            headers["Content-Length"] = str(len(body))
         host, port = self.server.state.upstream
-        upstream = http.client.HTTPConnection(host, port, timeout=120)
+        upstream, resp = self._forward(headers, body)
         try:
-            upstream.request(self.command, self.path, body=body, headers=headers)
-            resp = upstream.getresponse()
             length = resp.getheader("Content-Length")
             payload = None if length is not None else resp.read()
             total = int(length) if length is not None else len(payload or b"")
@@ -611,15 +607,25 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             upstream.close()
 
-    def _rewrite(self, rewrite: Rewrite, headers: dict[str, str], body: bytes) -> None:
-        """Forward the request, then send what ``rewrite`` makes of the whole answer."""
+    def _forward(
+        self, headers: dict[str, str], body: bytes
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send the request upstream: the connection (the caller closes it) and the answer."""
         if body or self.command in ("PUT", "POST"):
             headers["Content-Length"] = str(len(body))
         host, port = self.server.state.upstream
         upstream = http.client.HTTPConnection(host, port, timeout=120)
         try:
             upstream.request(self.command, self.path, body=body, headers=headers)
-            resp = upstream.getresponse()
+            return upstream, upstream.getresponse()
+        except BaseException:
+            upstream.close()
+            raise
+
+    def _rewrite(self, rewrite: Rewrite, headers: dict[str, str], body: bytes) -> None:
+        """Forward the request, then send what ``rewrite`` makes of the whole answer."""
+        upstream, resp = self._forward(headers, body)
+        try:
             got = Reply(
                 resp.status,
                 {k: v for k, v in resp.getheaders() if k.lower() not in _HOP | {"content-length"}},
