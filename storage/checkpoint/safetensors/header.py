@@ -15,9 +15,9 @@ Hostile headers are refused by :func:`parse_header` with an error naming the fil
 tensor and the fix; the caller bounds the header's length (:data:`MAX_HEADER`) before
 reading it. Python's JSON objects cost many times the text they come from (a dict per
 ``{}``, some 50 bytes per short string), so before ``json`` builds any of them the
-header's structure is checked on its bytes (:func:`_check_structure`): only what a
-header holds, each tensor's entry at least as long as the shortest real one. A header
-then costs about what a real one of its size does (6-12x its length), not the 25x a
+header's structure is checked on its bytes (:mod:`._structure`): only what a header
+holds, each tensor's entry at least as long as the shortest real one. A header then
+costs about what a real one of its size does (6-12x its length), not the 25x a
 crafted one took.
 """
 
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
+from storage.checkpoint.safetensors._structure import header_problem, index_problem, map_problem
 from storage.checkpoint.validate import MAX_SIZE, is_plain_name, multiplied_out
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -47,13 +48,8 @@ WRITE_KEY = "dcp_storage.write_id"
 METADATA_KEY = "__metadata__"
 #: Longest header (and index) accepted: the safetensors library's limit (100 MB).
 MAX_HEADER = 100 << 20
-#: The shortest entry a tensor can have, its name empty:
-#: ``"":{"dtype":"U8","shape":[],"data_offsets":[0,0]}``.
-MIN_ENTRY = 49
-#: Most members of the one map of strings a header may hold (``__metadata__``) and of an
-#: index's ``metadata``: real ones hold a few.
-MAX_METADATA = 4096
 _ALIGN = 8
+_TENSOR_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
 #: safetensors' dtype names, in the order of its ``Dtype`` enum (the library writes the
 #: tensors of the widest dtype first: it sorts by this order, descending, then by name).
@@ -76,6 +72,7 @@ DTYPES: dict[str, torch.dtype] = {
     "U64": torch.uint64,
 }
 _RANK = {name: i for i, name in enumerate(DTYPES)}
+_DTYPE_NAMES = {name: name for name in DTYPES}
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -215,7 +212,9 @@ def parse_header(text: bytes, file: str, size: int) -> Header:
     inside the file that tile its data region in order with no overlap or gap, names
     unique, and our CRC-32C metadata well formed where present; and its write id."""
     decoded = _utf8(text, file, "header")
-    _check_structure(text, file)
+    problem = header_problem(text)
+    if problem is not None:
+        raise _bad(file, None, problem)
     raw = _load_json(decoded, file, "header", _compact)
     if not isinstance(raw, dict):  # "{}" around a value: json refuses it unless "{}"
         raise _bad(file, None, "the header is not a JSON object")
@@ -244,75 +243,6 @@ def parse_header(text: bytes, file: str, size: int) -> Header:
             f"the tensors end at byte {cursor} but the file has {size} bytes",
         )
     return Header(entries, write_id)
-
-
-# JSON strings (escapes included), an array holding anything but numbers, an object
-# holding none, and one with more than three members (its first four colons).
-_STRING = re.compile(rb'"[^"]*"')
-_WINDOW = 1 << 20
-_NOT_NUMBERS = re.compile(rb'\[[^\[\]{}"]*[\[{"]')
-_FLAT_OBJECT = re.compile(rb"\{[^{}]*\}")
-_FOUR_MEMBERS = re.compile(rb"\{[^{}:]*:[^{}:]*:[^{}:]*:[^{}:]*:")
-_TENSOR_KEYS = frozenset(("dtype", "shape", "data_offsets"))
-_DTYPE_NAMES = {name: name for name in DTYPES}
-
-
-def _check_structure(text: bytes, file: str) -> None:
-    """Refuse, from its bytes alone, a header that is not an object of objects (each
-    tensor's entry, and ``__metadata__``) whose arrays hold numbers, with more of
-    them than its length can hold as entries of :data:`MIN_ENTRY` bytes, or more than
-    one object of over three members (``__metadata__``; at most :data:`MAX_METADATA`):
-    what makes ``json`` build far more Python objects than a real header of that
-    length. The strings are blanked first, so nothing in a name counts."""
-    skeleton = _skeleton(text)
-    if not (skeleton.startswith(b"{") and skeleton.endswith(b"}")):
-        raise _bad(file, None, "its header is not a JSON object (not valid JSON, or another value)")
-    body = skeleton[1:-1]
-    del skeleton
-    if _NOT_NUMBERS.search(body):
-        raise _bad(file, None, "an array in its header holds something other than numbers")
-    flat = _FLAT_OBJECT.sub(b"o", body)
-    if flat.replace(b'"":o,', b"") not in (b"", b'"":o'):
-        raise _bad(
-            file,
-            None,
-            "its header is not one object per tensor (and one for __metadata__) under the "
-            "tensors' names: it holds other values or deeper objects",
-        )
-    objects = flat.count(b"o")
-    del flat
-    if (objects - 1) * MIN_ENTRY > len(text):
-        raise _bad(
-            file,
-            None,
-            f"its header of {len(text)} bytes holds {objects} objects, more than it can hold "
-            f"as tensors' entries (each at least {MIN_ENTRY} bytes)",
-        )
-    many = _FOUR_MEMBERS.search(body)
-    if many is None:
-        return
-    if _FOUR_MEMBERS.search(body, many.end()):
-        raise _bad(file, None, "more than one object in its header has over three members")
-    if body.count(b":", many.start(), body.index(b"}", many.start())) > MAX_METADATA:
-        raise _bad(file, None, f"its __metadata__ has over {MAX_METADATA} members")
-
-
-def _skeleton(text: bytes) -> bytes:
-    """``text`` with every JSON string emptied (``""``) and no whitespace: its structure.
-    Escapes go first (``\\\\``, then ``\\"``), so every quote left delimits a string;
-    strings are emptied :data:`_WINDOW` bytes at a time (each window ends outside a
-    string), as ``re.sub`` keeps two objects per match until it joins them."""
-    plain = text.replace(b"\\\\", b"").replace(b'\\"', b"")
-    out = bytearray()
-    start = 0
-    while start < len(plain):
-        end = min(len(plain), start + _WINDOW)
-        if plain.count(b'"', start, end) % 2:  # inside a string: end after it
-            close = plain.find(b'"', end)
-            end = len(plain) if close < 0 else close + 1
-        out += _STRING.sub(b'""', plain[start:end]).translate(None, b" \t\n\r")
-        start = end
-    return bytes(out)
 
 
 def _compact(info: dict[str, Any]) -> Any:
@@ -387,7 +317,9 @@ def _crcs(meta: object, file: str, tensors: int) -> dict[str, int] | None:
         return None
     what = f"__metadata__[{CRC_KEY!r}]"
     raw = text.encode()
-    _check_map(raw, file, what, tensors)
+    problem = map_problem(raw, what, tensors)
+    if problem is not None:
+        raise _bad(file, None, problem)
     table = _load_json(_utf8(raw, file, what), file, what)
     if not isinstance(table, dict) or not all(
         isinstance(v, str) and re.fullmatch(r"[0-9a-f]{8}", v) for v in table.values()
@@ -396,25 +328,18 @@ def _crcs(meta: object, file: str, tensors: int) -> dict[str, int] | None:
     return {name: int(value, 16) for name, value in table.items()}
 
 
-def _check_map(text: bytes, file: str, what: str, most: int) -> None:
-    """Refuse, from its bytes alone, JSON that is an object of more than ``most``
-    members or holds an object or array: what a map of names to strings never is."""
-    skeleton = _skeleton(text)
-    if skeleton.count(b"{") > 1 or b"[" in skeleton or skeleton.count(b":") > most:
-        raise _bad(
-            file,
-            None,
-            f"its {what} is not a flat map of at most {most} names (one per tensor) to strings",
-        )
-
-
 def parse_index(text: bytes, index: str) -> Index:
     """The ``weight_map`` of an index (tensor name -> file name), every file name a
     plain ``*.safetensors`` name beside the index (at most 255 printable characters, as
     a checkpoint's file names): one that climbs out (``../``), is absolute or names
     another location (``s3://...``) is refused; and the write id in its ``metadata``."""
     decoded = _utf8(text, index, "index")
-    _check_index_structure(text, index)
+    problem = index_problem(text)
+    if problem is not None:
+        raise IntegrityError(
+            f"{index}: not a safetensors index ({problem}); export the model again or load "
+            "its files without the index"
+        )
     raw = _load_json(decoded, index, "index")
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -440,26 +365,6 @@ def parse_index(text: bytes, index: str) -> Index:
             "index is damaged: export the model again"
         )
     return Index(weight_map, write_id)
-
-
-#: Bytes per JSON value an index has at least: a weight_map entry, ``"":"x.safetensors",``,
-#: is two values (its name and its file) in 19 bytes.
-_INDEX_VALUE = 9
-
-
-def _check_index_structure(text: bytes, index: str) -> None:
-    """Refuse, from its bytes alone, an index of more JSON values (past
-    :data:`MAX_METADATA`) than one per :data:`_INDEX_VALUE` bytes: what makes ``json``
-    build far more Python objects than a real index of that length. Only structure
-    counts (the strings are blanked first)."""
-    skeleton = _skeleton(text)
-    values = sum(skeleton.count(c) for c in (b":", b",", b"{", b"["))
-    if (values - MAX_METADATA) * _INDEX_VALUE > len(text):
-        raise IntegrityError(
-            f"{index}: not a safetensors index ({values} JSON values in {len(text)} bytes, "
-            f"more than a weight_map of tensor names to files has, each entry at least 19 "
-            "bytes); export the model again or load its files without the index"
-        )
 
 
 def _utf8(text: bytes, file: str, what: str) -> str:
