@@ -20,14 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from extensions._compat import load_state_dict_without_collectives
 from extensions.base import Keys
-from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError, quote
+from extensions.errors import CheckpointNotFoundError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.api import unwrap_checkpoint_exception
@@ -35,141 +33,11 @@ from storage.checkpoint.layout import is_committed
 from storage.checkpoint.options import resolve_location
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
-from storage.ops import transport_dtensor
 from storage.ops.manager import CheckpointManager
 from storage.ops.transport_load import PlainDataPlanner
+from storage.ops.transport_shape import SHAPE_KEY, Shape, local, rebuild, record
 
 REPLICA_PREFIX = "replica-"
-# The item holding the state dict's container structure (see _shape).
-SHAPE_KEY = "_dcp_storage_transport_shape"
-_PLAIN_KEYS = (str, int, float, bool, type(None))
-
-Shape = tuple[str, list[Any]] | None
-
-
-def _shape(value: Any, path: str) -> Shape:
-    """What DCP's flattening loses: keys that are not strings (an optimizer's parameter
-    ids), empty dicts and lists (its state before the first step), lists of containers,
-    a DTensor's layout. ``("d", [(key, shape), ...])`` for a mapping, ``("l", [shape,
-    ...])`` for a list DCP walks into, ``("t", layout)`` for a DTensor (sent as its local
-    shard, see :mod:`~storage.ops.transport_dtensor`), ``None`` for a value DCP stores
-    whole. ``path`` names the value in errors."""
-    if isinstance(value, DTensor):
-        return ("t", transport_dtensor.describe(value, f"item {quote(path)}"))
-    if isinstance(value, Mapping):
-        return (
-            "d",
-            [
-                (k if isinstance(k, _PLAIN_KEYS) else str(k), _shape(v, _join(path, k)))
-                for k, v in value.items()
-            ],
-        )
-    if isinstance(value, list) and _walked(value):
-        return ("l", [_shape(v, f"{path}[{i}]") for i, v in enumerate(value)])
-    return None
-
-
-def _local(value: Any) -> Any:
-    """``value`` with each DTensor :func:`_shape` walks to replaced by its local shard
-    (containers copied, every other value as it is)."""
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if isinstance(value, Mapping):
-        return {k: _local(v) for k, v in value.items()}
-    if isinstance(value, list) and _walked(value):
-        return [_local(v) for v in value]
-    return value
-
-
-def _walked(values: list[Any]) -> bool:
-    # DCP's traverse_state_dict walks into a list holding a tensor, a mapping or such a list.
-    return any(
-        isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and _walked(v))
-        for v in values
-    )
-
-
-#: Deepest nesting of a received shape record (a state dict nests a handful of levels).
-MAX_NESTING = 100
-
-
-def _rebuild(
-    loaded: Any,
-    shape: Shape,
-    where: str,
-    depth: int = 0,
-    seen: set[int] | None = None,
-    path: str = "",
-    own: Any = None,
-) -> Any:
-    """``loaded`` in the containers ``shape`` records; the record is the sender's, so
-    it is checked as it is walked: a malformed one, one nesting deeper than
-    :data:`MAX_NESTING` (each level a recursion here), or one that holds a container
-    record twice, is refused naming ``where``. :func:`_shape` never shares a record, and
-    a shared one (the pickle's memo makes that cheap) would unfold exponentially: 4 KiB
-    holding 40 levels of ``("l", [x, x])`` asked for 2**40 containers. ``path`` names
-    the value in errors; ``own`` is the value at the same place in the receiver's own
-    state, if it gave one (a DTensor is rebuilt on the mesh of its own there)."""
-    if shape is None:
-        return loaded
-    seen = set() if seen is None else seen
-    if not (
-        depth < MAX_NESTING
-        and isinstance(shape, tuple)
-        and len(shape) == 2
-        and shape[0] in ("d", "l", "t")
-        and isinstance(shape[1], list)
-        and (shape[0] != "d" or all(isinstance(c, tuple) and len(c) == 2 for c in shape[1]))
-        and id(shape) not in seen
-        and id(shape[1]) not in seen
-    ):
-        raise UnsafeCheckpointError(
-            f"{where}: item {SHAPE_KEY!r}, the record of the state dict's containers, is "
-            f"malformed, nests deeper than {MAX_NESTING} levels or repeats a container's "
-            "record; the checkpoint is damaged or not written by StorageTransport: have the "
-            "sender send it again"
-        )
-    seen.update((id(shape), id(shape[1])))
-    kind, children = shape
-    if kind == "t":
-        return transport_dtensor.rebuild(loaded, children, f"{where}: item {quote(path)}", own)
-    if kind == "d":
-        found = loaded if isinstance(loaded, Mapping) else {}
-        # A value DCP did not store (a DTensor with no shard on this rank, as sent
-        # before DTensors travelled as their local shards) stays absent.
-        mine = own if isinstance(own, Mapping) else {}
-        return {
-            k: _rebuild(
-                found.get(str(k)), child, where, depth + 1, seen, _join(path, k), _get(mine, k)
-            )
-            for k, child in children
-            if child is not None or str(k) in found
-        }
-    items = loaded if isinstance(loaded, list) else []
-    own_items = own if isinstance(own, (list, tuple)) else ()
-    return [
-        _rebuild(
-            items[i] if i < len(items) else None,
-            c,
-            where,
-            depth + 1,
-            seen,
-            f"{path}[{i}]",
-            own_items[i] if i < len(own_items) else None,
-        )
-        for i, c in enumerate(children)
-    ]
-
-
-def _get(mapping: Mapping[Any, Any], key: Any) -> Any:
-    try:
-        return mapping.get(key)
-    except TypeError:  # a key the receiver's mapping cannot hash or compare
-        return None
-
-
-def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
 
 
 def _data_files(storage_data: Mapping[Any, Any]) -> set[Any]:
@@ -275,7 +143,7 @@ class StorageTransport:
                 f"{SHAPE_KEY!r}, which the transport reserves; rename that key"
             )
         try:
-            shape = _shape(state_dict, "")
+            shape = record(state_dict, "")
         except ValueError as exc:
             raise ValueError(f"sending step {step} to {url}: {exc}") from None
         self._manager.location.refuse_link(step, "remove the link; a replica's steps are its own")
@@ -413,7 +281,7 @@ class StorageTransport:
             return state
         shape = state.pop(SHAPE_KEY)
         own = None if self.state_dict is None else self.state_dict()
-        rebuilt: dict[str, Any] = _rebuild(state, shape, url, own=own)
+        rebuilt: dict[str, Any] = rebuild(state, shape, url, own=own)
         return rebuilt
 
     def _sent_again(self, fs: FileSystemBase, url: str, reader: CheckpointReader) -> bool:
@@ -442,7 +310,7 @@ class StorageTransport:
         )
         try:
             dcp.save(
-                {**_local(state_dict), SHAPE_KEY: shape},
+                {**local(state_dict), SHAPE_KEY: shape},
                 storage_writer=writer,
                 no_dist=True,
             )

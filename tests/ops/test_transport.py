@@ -313,7 +313,7 @@ def test_a_malformed_shape_record_is_refused_naming_it(
         shape = None
         for _ in range(40):
             shape = ("l", [shape, shape])
-    monkeypatch.setattr(module, "_shape", lambda value, path: shape)  # a sender that lies
+    monkeypatch.setattr(module, "record", lambda value, path: shape)  # a sender that lies
     transport = storage.StorageTransport(str(tmp_path), rank=0)
     transport.send_checkpoint([1], 1, {"w": torch.ones(2)}, timedelta(seconds=60))
     monkeypatch.undo()
@@ -343,7 +343,7 @@ def test_a_malformed_dtensor_layout_is_refused_naming_the_item(
     from extensions.errors import UnsafeCheckpointError
     from storage.ops import transport as module
 
-    monkeypatch.setattr(module, "_shape", lambda value, path: ("d", [("w", ("t", layout))]))
+    monkeypatch.setattr(module, "record", lambda value, path: ("d", [("w", ("t", layout))]))
     transport = storage.StorageTransport(str(tmp_path), rank=0)
     transport.send_checkpoint([1], 1, {"w": torch.ones(4)}, timedelta(seconds=60))
     monkeypatch.undo()
