@@ -370,6 +370,98 @@ def test_a_worker_killed_mid_save_fails_that_save_and_the_next_starts_a_new_one(
     assert_tree_equal(new, loaded(path, new))
 
 
+def test_signals_meant_for_the_training_process_leave_the_worker_writing(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """Ctrl-C in a terminal, or a scheduler preempting the job, signals the whole
+    process group, the worker too. Before: the worker died of it, and with it the save
+    in flight, the very one a training script's handler waits for before it exits."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    state = big_state(seed=4)
+    fut = storage.async_save(state, tmp_path / "a", transforms=[Gate(str(gate))], persist="process")
+    wait_for(gate / "started")
+    pid = worker.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGINT)
+    os.kill(pid, signal.SIGTERM)
+    (gate / "open").touch()
+    fut.result(timeout=60)
+    assert worker.pid == pid
+    assert_tree_equal(state, loaded(tmp_path / "a", state))
+
+
+_INTERRUPTED_MID_MESSAGE = """
+import os, pickle, signal, sys
+import torch
+import storage
+import importlib
+from storage.checkpoint import persist
+_worker = importlib.import_module("storage.checkpoint.persist._worker")
+
+root = sys.argv[1]
+where = sys.argv[2]
+state = {"w": torch.randn(256, 256), "b": torch.randn(4)}
+real_segments, real_send = _worker.send_segments, None
+
+def interrupt() -> None:
+    os.kill(os.getpid(), signal.SIGINT)  # its handler runs in the main thread, next step
+
+def segments(sock, fds):
+    interrupt()  # between the message naming the segments and the descriptors
+    real_segments(sock, fds)
+
+if where == "segments":
+    _worker.send_segments = segments
+else:  # between a call's header and its body
+    handle = persist.worker()
+    handle.call(os.getpid).result()
+    conn = handle._conn
+    cut = []
+    def send_bytes(data):
+        type(conn).send_bytes(conn, data)
+        if not cut and len(data) < 64 and pickle.loads(data)[:1] == ("call",):
+            cut.append(data)
+            interrupt()
+    conn.send_bytes = send_bytes
+try:
+    storage.async_save(state, root + "/a", persist="process").result(timeout=60)
+except KeyboardInterrupt:
+    print("interrupted")
+else:
+    print("not interrupted")
+_worker.send_segments = real_segments
+if where != "segments":
+    del conn.send_bytes
+state["w"].add_(1.0)
+storage.async_save(state, root + "/b", persist="process").result(timeout=60)
+out = {"w": torch.zeros(256, 256), "b": torch.zeros(4)}
+storage.load(out, root + "/b")
+print("next save", "ok" if torch.equal(out["w"], state["w"]) else "wrong")
+"""
+
+
+@pytest.mark.parametrize("where", ["segments", "call"])
+def test_a_handler_raising_mid_message_leaves_the_worker_in_step(
+    tmp_path: Path, where: str
+) -> None:
+    """A signal handler that raises (Ctrl-C's KeyboardInterrupt, a SIGTERM handler's
+    SystemExit) in the middle of a message to the worker: the message still goes
+    whole, the exception reaches the caller after it, and the next save works. Before:
+    cut between the message naming new segments and the byte carrying them, the worker
+    read the next message's first byte as that byte, was out of step for good, and
+    every later save waited forever."""
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_MID_MESSAGE, str(tmp_path), where],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[:2] == ["interrupted", "next save ok"], run.stderr[-3000:]
+
+
 def test_a_worker_that_died_idle_fails_the_next_save_once(
     tmp_path: Path, worker: persist.Worker
 ) -> None:

@@ -14,7 +14,14 @@ NICE = 10
 # Niced once its imports are done: a worker that imported torch at nice +10 on a host
 # whose cores the job keeps busy took tens of seconds to start, and the first async save,
 # or a preemption save waiting behind it, waited for that.
+# SIGINT and SIGTERM are ignored first thing: they are meant for the training process,
+# which gets them too when they go to its whole group (Ctrl-C in a terminal, a scheduler
+# preempting the job), and which may answer with a last save that this worker writes.
+# The worker's life is the training process's: it exits when that one closes its socket
+# or dies (SIGKILL still stops it).
 _COMMAND = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     "from storage.checkpoint.persist._child import main; import os; os.nice({nice}); main({fd})"
 )
 

@@ -36,6 +36,7 @@ from storage.checkpoint.persist._messages import (
 )
 from storage.checkpoint.persist._pool import StagingPool
 from storage.checkpoint.persist._shm import SharedMemoryFull, send_segments
+from storage.checkpoint.persist._whole import send_whole
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class Worker:
         if conn is not None:
             try:
                 with self._send_lock:
-                    conn.send_bytes(pickle.dumps(("close",)))
+                    self._send(conn, pickle.dumps(("close",)))
             except OSError:
                 pass
         if proc is not None:
@@ -243,8 +244,7 @@ class Worker:
             # Sent in the order the lock was taken: a hurry never overtakes the call.
             self._send_lock.acquire()
         try:
-            conn.send_bytes(header)
-            conn.send_bytes(body)
+            self._send(conn, header, body)
         except OSError:
             pass  # the reader sees the worker gone and fails the future
         finally:
@@ -295,7 +295,7 @@ class Worker:
                 return
             self._send_lock.acquire()
         try:
-            conn.send_bytes(pickle.dumps(("hurry",)))
+            self._send(conn, pickle.dumps(("hurry",)))
         except OSError:
             pass  # a dead worker: the reader reports it
         finally:
@@ -312,7 +312,7 @@ class Worker:
         if conn is not None:
             try:
                 with self._send_lock:
-                    conn.send_bytes(message)
+                    self._send(conn, message)
             except OSError:
                 pass  # a dead worker: the reader reports it
 
@@ -350,9 +350,26 @@ class Worker:
         of dropped ones (the pool's ``share``): a message, then the descriptors."""
         message = pickle.dumps(("segments", names, dropped))
         with self._send_lock:
-            conn.send_bytes(message)
-            if names:
+            self._send(conn, message, fds=fds if names else None)
+
+    def _send(self, conn: Connection, *messages: bytes, fds: list[int] | None = None) -> None:
+        """Send ``messages`` to the worker behind ``conn``, then ``fds`` (descriptors,
+        in one byte), whole (:func:`._whole.send_whole`; call with the send lock): a
+        send given up stops that worker."""
+
+        def send() -> None:
+            for message in messages:
+                conn.send_bytes(message)
+            if fds is not None:
                 send_segments(conn.fileno(), fds)
+
+        def give_up() -> None:
+            proc = self._proc
+            if self._conn is conn and proc is not None:
+                log.error("persist worker %d: a message to it is stuck; stopping it", proc.pid)
+                proc.kill()
+
+        send_whole(send, give_up)
 
     def warm(self, fn: Callable[[Any], None], filesystem: Any) -> None:
         """Send ``fn(filesystem)`` to the worker without waiting for it, once per worker
