@@ -1,17 +1,28 @@
 """A Hub-layout model on any backend: its files written, its commit, its headers read
 and its tensors' bytes read straight into their targets.
 
-The commit protocol: a model is committed when ``model.safetensors.index.json`` is
-there (several files) or, for one file, when ``model.safetensors`` is. Shard files are
-written first and the index last, so an export that stopped half way has no index and
-is never taken for a model; a single file is published whole (object stores publish an
-upload whole, local disk writes a temporary name and renames it); the index is
-published whole too. Replacing a model keeps it whole until the new one is committed:
-the new files never take the old ones' names (:func:`new_names`), the commit
-(:func:`commit_model`) replaces the index in one step (or, for a single file, removes
-the old index once the file is there), and only then are the old model's files, and
-those of a write killed half way, removed. A write that stops half way leaves the old
-model, plus unreferenced files the next write removes.
+The commit protocol: the model in a folder is ``model.safetensors`` where that file is
+there, else the files ``model.safetensors.index.json`` names, as transformers'
+``from_pretrained`` chooses; every reader here (:func:`read_model`, so ``load``,
+``verify`` and the CLI) chooses the same way. Shard files are written first and the
+index last, so an export that stopped half way has no index and is never taken for a
+model; a single file is published whole (object stores publish an upload whole, local
+disk writes a temporary name and renames it); the index is published whole too.
+Replacing a model keeps it whole until the new one is committed: the new files never
+take the old ones' names (:func:`new_names`), and the commit (:func:`commit_model`)
+is one step: a model in several files replacing several is committed by its index
+replacing the old one; replacing a single file, by that file's removal once the index
+is published (the old index, if any, is then stale); a single file, by its
+publication (over the old one, or beside an old index it makes stale, removed next).
+Only then are the old model's files, and those of a write killed half way, removed. A
+write that stops half way leaves the old model, plus unreferenced files (a stale index
+among them) the next write removes. Loaders that glob the folder's files and keep
+those an index names (vLLM's) follow the index wherever there is one, so they disagree
+in the two states a killed write leaves with both there, until the next write: several
+files over a single file, killed between the index and that file's removal (vLLM reads
+the new shards; transformers and our readers the old file), and a single file over
+several, killed before the old index's removal (vLLM the old shards; the others the
+new file).
 
 Each write (a save, an export) records one random id in every file's header and in the
 index (:data:`~storage.checkpoint.safetensors.header.WRITE_KEY`): two writes to one
@@ -49,6 +60,7 @@ from storage.checkpoint.safetensors.header import (
     SINGLE_NAME,
     WRITE_KEY,
     Header,
+    Index,
     TensorEntry,
     encode_header,
     header_length,
@@ -109,22 +121,51 @@ def commit_model(
 ) -> list[str]:
     """Commit the model whose files (the values of ``weight_map``, tensor -> file) are
     written at ``root``, then remove the files of the model it replaces (``replaced``,
-    from :func:`new_names`); its files, the commit (index or single file) last. Several
-    files: the index is published (and the folder read back, :func:`publish_index`),
-    and read again before anything is removed; one: the index of a model it replaces
-    is removed, which makes ``model.safetensors`` the model."""
+    from :func:`new_names`). Several files: the index is published (and the folder read
+    back, :func:`publish_index`) and read again; where a ``model.safetensors`` was there,
+    its removal is the commit (readers take that file over an index), then the index is
+    read once more and the folder must hold no ``model.safetensors`` (another write's).
+    One file: it was published whole, which committed it; the index of a model it
+    replaces is removed. Only then are the other replaced files removed."""
     files = sorted(set(weight_map.values()))
     if len(files) > 1:
         publish_index(fs, root, weight_map, total, write_id)
         files.append(INDEX_NAME)
         # Another write may have committed since: its files are not ours to remove.
         _check_index_id(fs, root, write_id)
+        if SINGLE_NAME in replaced:
+            _remove_single(fs, root)
+            _check_index_id(fs, root, write_id)
+        if fs.exists(fs.concat_path(root, SINGLE_NAME)):
+            raise IntegrityError(
+                f"{fs.url(root)}: another save or export to this folder published "
+                f"{SINGLE_NAME} while this one was written; the folder holds that write's "
+                "model: export or save the model again, one writer at a time"
+            )
     else:
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(fs.concat_path(root, INDEX_NAME))
         fs.sync_dir(root)
     _remove_replaced(fs, root, replaced - set(files))
     return files
+
+
+def _remove_single(fs: FileSystemBase, root: str) -> None:
+    """The commit of a model in several files replacing one file: the old
+    ``model.safetensors`` removed (gone already: another write removed it). A removal
+    that fails leaves the old model committed, and the write fails saying so."""
+    path = fs.concat_path(root, SINGLE_NAME)
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise OSError(
+            f"{fs.url(path)}: the replaced model's file could not be removed ({exc}); it is "
+            f"still the model that readers load (they take it over {INDEX_NAME}): remove it, "
+            "or export or save the model again"
+        ) from exc
+    fs.sync_dir(root)
 
 
 def _remove_replaced(fs: FileSystemBase, root: str, doomed: Iterable[str]) -> None:
@@ -159,7 +200,7 @@ def refuse_existing(fs: FileSystemBase, root: str, *, overwrite: bool) -> list[s
     """Refuse a committed model at ``root`` unless ``overwrite``; the names of its
     commit (index, single file) found there. Removes nothing: the old model stays
     until the new one is committed (:func:`commit_model`)."""
-    found = [n for n in (INDEX_NAME, SINGLE_NAME) if fs.exists(fs.concat_path(root, n))]
+    found = [n for n in (SINGLE_NAME, INDEX_NAME) if fs.exists(fs.concat_path(root, n))]
     if found and not overwrite:
         raise CheckpointExistsError(
             f"Checkpoint already exists: {fs.url(root)} holds a safetensors model "
@@ -229,8 +270,8 @@ def _confirm_write(fs: FileSystemBase, root: str, write_id: str) -> None:
     of both, or with the other's model; the write that checks last sees the folder as
     it stays, so at least one of the two fails instead of both saying they succeeded."""
     _check_index_id(fs, root, write_id)
-    try:
-        read_model(fs, root, threads=8)  # every file the index names carries its write id
+    try:  # every file the index names carries its write id (a single file may be beside)
+        _read_files(fs, root, _read_index(fs, root), threads=8)
     except CheckpointNotFoundError as exc:  # the other write removed them, replacing us
         raise IntegrityError(
             f"{fs.url(root)}: another save or export to this folder removed files of this "
@@ -242,7 +283,14 @@ def _confirm_write(fs: FileSystemBase, root: str, write_id: str) -> None:
 def _check_index_id(fs: FileSystemBase, root: str, write_id: str) -> None:
     """Raise unless the index at ``root`` is this write's."""
     path = fs.concat_path(root, INDEX_NAME)
-    found = parse_index(_read_limited(fs, path), fs.url(path)).write_id
+    try:
+        found = parse_index(_read_limited(fs, path), fs.url(path)).write_id
+    except FileNotFoundError as exc:
+        raise IntegrityError(
+            f"{fs.url(root)}: another save or export to this folder removed this one's "
+            f"{INDEX_NAME} while it was written (it published {SINGLE_NAME}); the folder holds "
+            "that write's model: export or save the model again, one writer at a time"
+        ) from exc
     if found != write_id:
         raise IntegrityError(
             f"{fs.url(root)}: another save or export to this folder published its index "
@@ -253,31 +301,37 @@ def _check_index_id(fs: FileSystemBase, root: str, write_id: str) -> None:
 
 
 def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, TensorEntry]:
-    """Every tensor of the committed model at ``root``: its index (else its single
-    file) read, then each file's header once, checked (see ``header``), and the files
-    an index names checked to come from the write that wrote it (:func:`_same_write`)."""
-    index_path = fs.concat_path(root, INDEX_NAME)
+    """Every tensor of the committed model at ``root``: ``model.safetensors`` where it is
+    there, else the files its index names (transformers' choice: a model in several
+    files replacing a single one is committed when that file is removed), each file's
+    header read once and checked (see ``header``), and the files an index names checked
+    to come from the write that wrote it (:func:`_same_write`)."""
+    if fs.exists(fs.concat_path(root, SINGLE_NAME)):
+        return _read_files(fs, root, None, threads)
+    return _read_files(fs, root, _read_index(fs, root), threads)
+
+
+def _read_index(fs: FileSystemBase, root: str) -> Index:
+    path = fs.concat_path(root, INDEX_NAME)
     try:
-        text = _read_limited(fs, index_path)
+        return parse_index(_read_limited(fs, path), fs.url(path))
     except FileNotFoundError:
-        text = None
-    weight_map: dict[str, str] | None = None
-    write_id: str | None = None
-    if text is not None:
-        index = parse_index(text, fs.url(index_path))
-        weight_map, write_id = index.weight_map, index.write_id
-        files = sorted(set(weight_map.values()))
-    elif fs.exists(fs.concat_path(root, SINGLE_NAME)):
-        files = [SINGLE_NAME]
-    else:
         raise CheckpointNotFoundError(
-            f"{fs.url(root)}: no safetensors model there (neither {INDEX_NAME} nor "
-            f"{SINGLE_NAME}); an export that did not finish has no index: export it again"
-        )
+            f"{fs.url(root)}: no safetensors model there (neither {SINGLE_NAME} nor "
+            f"{INDEX_NAME}); an export that did not finish has no index: export it again"
+        ) from None
+
+
+def _read_files(
+    fs: FileSystemBase, root: str, index: Index | None, threads: int
+) -> dict[str, TensorEntry]:
+    """The tensors of the files ``index`` names (``None``: of ``model.safetensors``)."""
+    weight_map = index.weight_map if index is not None else {}
+    files = sorted(set(weight_map.values())) if index is not None else [SINGLE_NAME]
     with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
         headers = list(pool.map(lambda f: read_header(fs, root, f), files))
-    if weight_map is not None:
-        _same_write(fs, root, write_id, zip(files, headers))
+    if index is not None:
+        _same_write(fs, root, index.write_id, zip(files, headers))
     entries: dict[str, TensorEntry] = {}
     for header in headers:
         for name, entry in header.entries.items():
@@ -287,12 +341,12 @@ def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, Ten
                     f"and {quote(entry.file)}; the model is damaged: export or download it again"
                 )
             entries[name] = entry
-    for name, file in (weight_map or {}).items():
+    for name, file in weight_map.items():
         if name not in entries or entries[name].file != file:
             raise IntegrityError(
-                f"{fs.url(index_path)}: tensor {quote(name)} is mapped to {quote(file)}, whose "
-                "header does not hold it; the model is incomplete or its index is stale: export "
-                "or download it again"
+                f"{fs.url(fs.concat_path(root, INDEX_NAME))}: tensor {quote(name)} is mapped to "
+                f"{quote(file)}, whose header does not hold it; the model is incomplete or its "
+                "index is stale: export or download it again"
             )
     return entries
 
