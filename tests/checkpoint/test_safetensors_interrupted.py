@@ -300,3 +300,24 @@ def test_transformers_and_our_reader_load_the_same_model_from_a_killed_replaceme
     for key, value in expected.items():
         assert torch.equal(theirs[key], value), key
         assert torch.equal(ours[key], value), key
+
+
+class _Undeletable(LocalFileSystem):
+    def rm_file(self, path: str) -> None:
+        if os.path.basename(path) == "model.safetensors":
+            raise PermissionError(path)
+        super().rm_file(path)
+
+
+def test_several_files_that_cannot_remove_the_single_file_fail_and_leave_the_old_model(
+    tmp_path: Path,
+) -> None:
+    """The removal of the replaced model.safetensors is the commit: where it fails, the
+    old file is still what every reader loads, so the write fails instead of returning
+    as if its model were there."""
+    out = tmp_path / "out"
+    storage.save_safetensors(OLD, str(out))
+    with pytest.raises(OSError, match="still the model that readers load"):
+        _write("export", _Undeletable(), NEW, out, 4096)
+    loaded = _loaded(out, NAMES)
+    assert all(torch.equal(loaded[n], OLD[n]) for n in NAMES)
