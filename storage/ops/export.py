@@ -97,8 +97,8 @@ def export_safetensors(
     imply it (see ``storage.ops.export_source``), and is checked against the bytes
     as they stream (a damaged item fails the export naming it, and the file being
     written is never published); other tensors are loaded once for their CRC-32C and
-    again to be written, a batch or one tensor at a time. The index is written last
-    (the commit: see ``storage.checkpoint.safetensors.files``), and a model already
+    again to be written, a batch or one tensor at a time. The index is written last,
+    then the model committed (see ``storage.checkpoint.safetensors.files``), and a model already
     at ``dst`` is refused unless ``overwrite``; a model replaced stays whole until
     then (new files take other names), and its files are removed after. Up to
     :data:`FILES` files are written at once; when one fails, the others are

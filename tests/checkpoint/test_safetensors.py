@@ -496,9 +496,10 @@ def test_an_index_of_more_values_than_its_length_holds_is_refused(tmp_path: Path
     """A list of short strings in an index cost about 15x its bytes once parsed; an index
     is refused, from its bytes, when it has more values than a weight_map of that length."""
     junk = ",".join(['"ab"'] * 20000)
-    text = '{"metadata":{"x":[' + junk + ']},"weight_map":{"w":"model.safetensors"}}'
+    shard = "model-00001-of-00001.safetensors"
+    text = '{"metadata":{"x":[' + junk + ']},"weight_map":{"w":"' + shard + '"}}'
     (tmp_path / "model.safetensors.index.json").write_text(text)
-    (tmp_path / "model.safetensors").write_bytes(save({"w": torch.zeros(4)}))
+    (tmp_path / shard).write_bytes(save({"w": torch.zeros(4)}))
     with pytest.raises(IntegrityError, match="not a safetensors index .* JSON values") as info:
         _load(str(tmp_path), {"w": torch.zeros(4)})
     assert "model.safetensors.index.json" in str(info.value)

@@ -3,6 +3,7 @@ old model or the new one, never neither, and the next try succeeds."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,8 +16,13 @@ import torch
 from safetensors.torch import load_file
 
 import storage
+from storage.backends import LocalFileSystem
+from storage.checkpoint.api import save_with
+from storage.checkpoint.safetensors.verify import verify_model
 from storage.cli import main
+from storage.ops.export import export_safetensors
 from tests.support.gated_fs import wait_for
+from tests.support.trees import tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,3 +158,166 @@ def test_verify_of_a_killed_export_says_it_did_not_finish(
     err = capsys.readouterr().err
     assert "safetensors files but no model.safetensors.index.json" in err, err
     assert "export or save it again" in err
+
+
+class _Killed(BaseException):
+    """A kill, as the write sees it: nothing after the step it stopped at runs."""
+
+
+class _KilledAtRemoval(LocalFileSystem):
+    """The local backend, the write killed as it removes the file named ``name``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.killed = False
+
+    def rm_file(self, path: str) -> None:
+        if os.path.basename(path) == self.name:
+            self.killed = True
+            raise _Killed(path)
+        super().rm_file(path)
+
+
+def _write(
+    how: str, fs: LocalFileSystem, state: dict[str, torch.Tensor], out: Path, size: int | None
+) -> None:
+    """Write ``state`` over the model at ``out`` through ``fs``: an export of its DCP
+    checkpoint (saved beside ``out``), or a ``SafetensorsWriter`` save."""
+    if how == "export":
+        src = out.parent / f"src-{len(os.listdir(out.parent))}"
+        storage.save(state, str(src))
+        export_safetensors(fs, str(src), fs, str(out), max_shard_size=size, overwrite=True)
+    else:
+        writer = storage.SafetensorsWriter(out, max_shard_size=size, overwrite=True)
+        writer.fs = fs
+        save_with(writer, state)
+
+
+def _killed_write(
+    how: str, at: str, state: dict[str, torch.Tensor], out: Path, size: int | None
+) -> None:
+    fs = _KilledAtRemoval(at)
+    with pytest.raises(BaseException):  # noqa: B017, PT011 (a save wraps it in DCP's error)
+        _write(how, fs, state, out, size)
+    assert fs.killed
+
+
+def _loaded(out: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    target = {n: torch.empty(1024) for n in names}
+    storage.load_safetensors(target, str(out))
+    return target
+
+
+NAMES = [f"w{i}" for i in range(4)]
+OLD = {n: torch.full((1024,), float(i)) for i, n in enumerate(NAMES)}
+NEW = {n: torch.full((1024,), -1.0 - i) for i, n in enumerate(NAMES)}
+NEXT = {n: torch.full((1024,), 10.0 + i) for i, n in enumerate(NAMES)}
+INDEX = "model.safetensors.index.json"
+
+
+def _only_the_model(out: Path, size: int | None) -> None:
+    """``out`` holds ``NEXT`` and nothing else: no file of the models it replaced."""
+    held = sorted(os.listdir(out))
+    if size is None:
+        assert held == ["model.safetensors"]
+    else:
+        index = json.loads((out / INDEX).read_text())
+        assert held == sorted({INDEX, *index["weight_map"].values()})
+        assert len(held) == 5
+    loaded = _loaded(out, NAMES)
+    assert all(torch.equal(loaded[n], NEXT[n]) for n in NAMES)
+    assert main(["verify", str(out)]) == 0
+
+
+@pytest.mark.parametrize("then", [None, 4096], ids=["then-one-file", "then-several"])
+@pytest.mark.parametrize("how", ["export", "save"])
+def test_several_files_killed_before_removing_the_single_file_leave_the_old_model(
+    tmp_path: Path, how: str, then: int | None
+) -> None:
+    """A model in several files replacing a single file, killed between publishing its
+    index and removing the old model.safetensors, left both: transformers loads that
+    file, while our reader and verify took the new index. The file's removal is the
+    commit now and every reader prefers it, so all read the old model until the next
+    write, which leaves one clean model."""
+    out = tmp_path / "out"
+    storage.save_safetensors(OLD, str(out))
+    _killed_write(how, "model.safetensors", NEW, out, 4096)
+    assert {"model.safetensors", INDEX} <= set(os.listdir(out))
+    assert len(os.listdir(out)) == 6  # the new index and its four shards are all there
+    loaded = _loaded(out, NAMES)
+    assert all(torch.equal(loaded[n], OLD[n]) for n in NAMES)
+    assert verify_model(LocalFileSystem(), str(out)).files == ["model.safetensors"]
+    assert main(["verify", str(out)]) == 0
+    _write(how, LocalFileSystem(), NEXT, out, then)
+    _only_the_model(out, then)
+
+
+@pytest.mark.parametrize("then", [None, 4096], ids=["then-one-file", "then-several"])
+@pytest.mark.parametrize("how", ["export", "save"])
+def test_one_file_killed_before_removing_the_old_index_is_the_new_model(
+    tmp_path: Path, how: str, then: int | None
+) -> None:
+    """A single file replacing a model in several files is committed when it is
+    published: killed before the old index is removed, every reader takes the new file
+    (as transformers does), and the next write removes the stale index and shards."""
+    out = tmp_path / "out"
+    storage.save_safetensors(OLD, str(out), max_shard_size=4096)
+    _killed_write(how, INDEX, NEW, out, None)
+    assert {"model.safetensors", INDEX} <= set(os.listdir(out))
+    loaded = _loaded(out, NAMES)
+    assert all(torch.equal(loaded[n], NEW[n]) for n in NAMES)
+    assert main(["verify", str(out)]) == 0
+    _write(how, LocalFileSystem(), NEXT, out, then)
+    _only_the_model(out, then)
+
+
+@pytest.mark.parametrize(
+    "sharded_first", [False, True], ids=["one-then-several", "several-then-one"]
+)
+def test_transformers_and_our_reader_load_the_same_model_from_a_killed_replacement(
+    tmp_path: Path, sharded_first: bool
+) -> None:
+    """Where a killed replacement left model.safetensors beside an index,
+    transformers' from_pretrained and our reader load the same model: the old one for
+    several files over one, the new one for one file over several."""
+    transformers = pytest.importorskip("transformers")
+    config, old_model = tiny_llama(0)
+    _, new_model = tiny_llama(1)
+    old = {k: v.detach().clone() for k, v in old_model.state_dict().items()}
+    new = {k: v.detach().clone() for k, v in new_model.state_dict().items()}
+    out = tmp_path / "out"
+    config.save_pretrained(out)
+    shard = 64 << 10
+    storage.save_safetensors(old, str(out), max_shard_size=shard if sharded_first else None)
+    killed_at = INDEX if sharded_first else "model.safetensors"
+    _killed_write("save", killed_at, new, out, None if sharded_first else shard)
+    assert {"model.safetensors", INDEX} <= set(os.listdir(out))
+    expected = new if sharded_first else old
+    theirs = transformers.LlamaForCausalLM.from_pretrained(out).state_dict()
+    ours = {k: torch.empty_like(v) for k, v in old.items()}
+    storage.load_safetensors(ours, str(out))
+    for key, value in expected.items():
+        assert torch.equal(theirs[key], value), key
+        assert torch.equal(ours[key], value), key
+
+
+class _Undeletable(LocalFileSystem):
+    def rm_file(self, path: str) -> None:
+        if os.path.basename(path) == "model.safetensors":
+            raise PermissionError(path)
+        super().rm_file(path)
+
+
+def test_several_files_that_cannot_remove_the_single_file_fail_and_leave_the_old_model(
+    tmp_path: Path,
+) -> None:
+    """The removal of the replaced model.safetensors is the commit: where it fails, the
+    old file is still what every reader loads, so the write fails instead of returning
+    as if its model were there."""
+    out = tmp_path / "out"
+    storage.save_safetensors(OLD, str(out))
+    with pytest.raises(OSError, match="still the model that readers load"):
+        _write("export", _Undeletable(), NEW, out, 4096)
+    loaded = _loaded(out, NAMES)
+    assert all(torch.equal(loaded[n], OLD[n]) for n in NAMES)

@@ -251,3 +251,44 @@ def test_a_write_committed_just_after_another_read_its_model_back_is_not_removed
     state = _empty()
     load_safetensors(state, out)
     assert all(torch.equal(state[k], v) for k, v in _model(2).items())
+
+
+@pytest.mark.parametrize(
+    ("whole", "error"),
+    [
+        (False, "published model.safetensors while this one was written"),
+        (True, "removed this one's model.safetensors.index.json"),
+    ],
+    ids=["published", "committed"],
+)
+def test_a_write_of_several_files_overlapped_by_a_single_file_fails(
+    tmp_path: Path, whole: bool, error: str
+) -> None:
+    """Readers take model.safetensors over an index: a write of several files that
+    finds one published meanwhile by another write (which then removes the index, or
+    has yet to) would return while every reader loads the other's model; it fails."""
+    out = tmp_path / "out"
+    _save(out, 0)
+    storage.save(_model(1), str(tmp_path / "one"))
+    storage.save(_model(2), str(tmp_path / "two"))
+    fs = LocalFileSystem()
+
+    def single() -> None:
+        if whole:
+            export_safetensors(fs, str(tmp_path / "two"), fs, str(out), overwrite=True)
+        else:
+            files.write_file(fs, str(out / "model.safetensors"), list(_model(2).items()))
+
+    overlapped = _OverlappedAtTheIndex(single, after=True)
+    with pytest.raises(IntegrityError, match=error):
+        export_safetensors(
+            overlapped,
+            str(tmp_path / "one"),
+            overlapped,
+            str(out),
+            max_shard_size=600,
+            overwrite=True,
+        )
+    state = _empty()
+    load_safetensors(state, out)
+    assert all(torch.equal(state[k], v) for k, v in _model(2).items())

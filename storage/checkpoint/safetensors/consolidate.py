@@ -10,7 +10,7 @@ The design, the same on every backend (object stores cannot write at offsets):
    tensor's dtype and full shape), combines the shards' CRC-32Cs into each tensor's,
    writes every file as header + each tensor's shards in order, copied from the
    staging objects in bounded ranged reads (``thread_count`` files at once), then the
-   index (the commit, ``files.commit_model``), then removes the staging area.
+   index, commits (``files.commit_model``), then removes the staging area.
 
 Each rank and the coordinator keep a heartbeat in the area while they use it; an area a
 killed save left is swept later (``staging``).

@@ -1,22 +1,33 @@
-"""A Hub-layout model on any backend: its files written, its commit, its headers read
-and its tensors' bytes read straight into their targets.
+"""A Hub-layout model on any backend: its files written and its commit (``reading``
+reads it).
 
-The commit protocol: a model is committed when ``model.safetensors.index.json`` is
-there (several files) or, for one file, when ``model.safetensors`` is. Shard files are
-written first and the index last, so an export that stopped half way has no index and
-is never taken for a model; a single file is published whole (object stores publish an
-upload whole, local disk writes a temporary name and renames it); the index is
-published whole too. Replacing a model keeps it whole until the new one is committed:
-the new files never take the old ones' names (:func:`new_names`), the commit
-(:func:`commit_model`) replaces the index in one step (or, for a single file, removes
-the old index once the file is there), and only then are the old model's files, and
-those of a write killed half way, removed. A write that stops half way leaves the old
-model, plus unreferenced files the next write removes.
+The commit protocol: the model in a folder is ``model.safetensors`` where that file is
+there, else the files ``model.safetensors.index.json`` names, as transformers'
+``from_pretrained`` chooses; every reader here (``reading.read_model``, so ``load``,
+``verify`` and the CLI) chooses the same way. Shard files are written first and the
+index last, so an export that stopped half way has no index and is never taken for a
+model; a single file is published whole (object stores publish an upload whole, local
+disk writes a temporary name and renames it); the index is published whole too.
+Replacing a model keeps it whole until the new one is committed: the new files never
+take the old ones' names (:func:`new_names`), and the commit (:func:`commit_model`)
+is one step: a model in several files replacing several is committed by its index
+replacing the old one; replacing a single file, by that file's removal once the index
+is published (the old index, if any, is then stale); a single file, by its
+publication (over the old one, or beside an old index it makes stale, removed next).
+Only then are the old model's files, and those of a write killed half way, removed. A
+write that stops half way leaves the old model, plus unreferenced files (a stale index
+among them) the next write removes. Loaders that glob the folder's files and keep
+those an index names (vLLM's) follow the index wherever there is one, so they disagree
+in the two states a killed write leaves with both there, until the next write: several
+files over a single file, killed between the index and that file's removal (vLLM reads
+the new shards; transformers and our readers the old file), and a single file over
+several, killed before the old index's removal (vLLM the old shards; the others the
+new file).
 
 Each write (a save, an export) records one random id in every file's header and in the
 index (:data:`~storage.checkpoint.safetensors.header.WRITE_KEY`): two writes to one
 folder at once publish the same names, each file whole, so the folder may end with
-files of both under one index; :func:`read_model` refuses such a mix (every reader and
+files of both under one index; ``reading.read_model`` refuses such a mix (every reader and
 ``verify`` go through it). Models that record no id (other writers, ours before ids)
 are not checked.
 """
@@ -28,7 +39,6 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
 import crc32c
@@ -38,28 +48,21 @@ from extensions.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     IntegrityError,
-    UnsafeCheckpointError,
     quote,
 )
-from extensions.streams import read_all, readinto_exact
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.safetensors.header import (
     INDEX_NAME,
-    MAX_HEADER,
     SINGLE_NAME,
     WRITE_KEY,
-    Header,
-    TensorEntry,
     encode_header,
-    header_length,
     layout,
-    parse_header,
     parse_index,
 )
+from storage.checkpoint.safetensors.reading import read_files, read_index, read_limited, show_id
 from storage.checkpoint.safetensors.staging import is_model_file_name
 from storage.checkpoint.tensors import tensor_bytes
 
-_PREFETCH = 64 << 10  # the first read of a file: its header length and most headers
 _TAG = 8  # hex digits of the write id in the names of a model written beside another
 
 log = logging.getLogger(__name__)
@@ -109,22 +112,51 @@ def commit_model(
 ) -> list[str]:
     """Commit the model whose files (the values of ``weight_map``, tensor -> file) are
     written at ``root``, then remove the files of the model it replaces (``replaced``,
-    from :func:`new_names`); its files, the commit (index or single file) last. Several
-    files: the index is published (and the folder read back, :func:`publish_index`),
-    and read again before anything is removed; one: the index of a model it replaces
-    is removed, which makes ``model.safetensors`` the model."""
+    from :func:`new_names`). Several files: the index is published (and the folder read
+    back, :func:`publish_index`) and read again; where a ``model.safetensors`` was there,
+    its removal is the commit (readers take that file over an index), then the index is
+    read once more and the folder must hold no ``model.safetensors`` (another write's).
+    One file: it was published whole, which committed it; the index of a model it
+    replaces is removed. Only then are the other replaced files removed."""
     files = sorted(set(weight_map.values()))
     if len(files) > 1:
         publish_index(fs, root, weight_map, total, write_id)
         files.append(INDEX_NAME)
         # Another write may have committed since: its files are not ours to remove.
         _check_index_id(fs, root, write_id)
+        if SINGLE_NAME in replaced:
+            _remove_single(fs, root)
+            _check_index_id(fs, root, write_id)
+        if fs.exists(fs.concat_path(root, SINGLE_NAME)):
+            raise IntegrityError(
+                f"{fs.url(root)}: another save or export to this folder published "
+                f"{SINGLE_NAME} while this one was written; the folder holds that write's "
+                "model: export or save the model again, one writer at a time"
+            )
     else:
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(fs.concat_path(root, INDEX_NAME))
         fs.sync_dir(root)
     _remove_replaced(fs, root, replaced - set(files))
     return files
+
+
+def _remove_single(fs: FileSystemBase, root: str) -> None:
+    """The commit of a model in several files replacing one file: the old
+    ``model.safetensors`` removed (gone already: another write removed it). A removal
+    that fails leaves the old model committed, and the write fails saying so."""
+    path = fs.concat_path(root, SINGLE_NAME)
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise OSError(
+            f"{fs.url(path)}: the replaced model's file could not be removed ({exc}); it is "
+            f"still the model that readers load (they take it over {INDEX_NAME}): remove it, "
+            "or export or save the model again"
+        ) from exc
+    fs.sync_dir(root)
 
 
 def _remove_replaced(fs: FileSystemBase, root: str, doomed: Iterable[str]) -> None:
@@ -159,7 +191,7 @@ def refuse_existing(fs: FileSystemBase, root: str, *, overwrite: bool) -> list[s
     """Refuse a committed model at ``root`` unless ``overwrite``; the names of its
     commit (index, single file) found there. Removes nothing: the old model stays
     until the new one is committed (:func:`commit_model`)."""
-    found = [n for n in (INDEX_NAME, SINGLE_NAME) if fs.exists(fs.concat_path(root, n))]
+    found = [n for n in (SINGLE_NAME, INDEX_NAME) if fs.exists(fs.concat_path(root, n))]
     if found and not overwrite:
         raise CheckpointExistsError(
             f"Checkpoint already exists: {fs.url(root)} holds a safetensors model "
@@ -229,8 +261,8 @@ def _confirm_write(fs: FileSystemBase, root: str, write_id: str) -> None:
     of both, or with the other's model; the write that checks last sees the folder as
     it stays, so at least one of the two fails instead of both saying they succeeded."""
     _check_index_id(fs, root, write_id)
-    try:
-        read_model(fs, root, threads=8)  # every file the index names carries its write id
+    try:  # every file the index names carries its write id (a single file may be beside)
+        read_files(fs, root, read_index(fs, root), threads=8)
     except CheckpointNotFoundError as exc:  # the other write removed them, replacing us
         raise IntegrityError(
             f"{fs.url(root)}: another save or export to this folder removed files of this "
@@ -242,175 +274,18 @@ def _confirm_write(fs: FileSystemBase, root: str, write_id: str) -> None:
 def _check_index_id(fs: FileSystemBase, root: str, write_id: str) -> None:
     """Raise unless the index at ``root`` is this write's."""
     path = fs.concat_path(root, INDEX_NAME)
-    found = parse_index(_read_limited(fs, path), fs.url(path)).write_id
+    try:
+        found = parse_index(read_limited(fs, path), fs.url(path)).write_id
+    except FileNotFoundError as exc:
+        raise IntegrityError(
+            f"{fs.url(root)}: another save or export to this folder removed this one's "
+            f"{INDEX_NAME} while it was written (it published {SINGLE_NAME}); the folder holds "
+            "that write's model: export or save the model again, one writer at a time"
+        ) from exc
     if found != write_id:
         raise IntegrityError(
             f"{fs.url(root)}: another save or export to this folder published its index "
-            f"while this one was written (write id {_id(found)}, this one's "
+            f"while this one was written (write id {show_id(found)}, this one's "
             f"{quote(write_id)}); the folder holds that write's model, or a mix: export or "
             "save the model again, one writer at a time"
         )
-
-
-def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, TensorEntry]:
-    """Every tensor of the committed model at ``root``: its index (else its single
-    file) read, then each file's header once, checked (see ``header``), and the files
-    an index names checked to come from the write that wrote it (:func:`_same_write`)."""
-    index_path = fs.concat_path(root, INDEX_NAME)
-    try:
-        text = _read_limited(fs, index_path)
-    except FileNotFoundError:
-        text = None
-    weight_map: dict[str, str] | None = None
-    write_id: str | None = None
-    if text is not None:
-        index = parse_index(text, fs.url(index_path))
-        weight_map, write_id = index.weight_map, index.write_id
-        files = sorted(set(weight_map.values()))
-    elif fs.exists(fs.concat_path(root, SINGLE_NAME)):
-        files = [SINGLE_NAME]
-    else:
-        raise CheckpointNotFoundError(
-            f"{fs.url(root)}: no safetensors model there (neither {INDEX_NAME} nor "
-            f"{SINGLE_NAME}); an export that did not finish has no index: export it again"
-        )
-    with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
-        headers = list(pool.map(lambda f: read_header(fs, root, f), files))
-    if weight_map is not None:
-        _same_write(fs, root, write_id, zip(files, headers))
-    entries: dict[str, TensorEntry] = {}
-    for header in headers:
-        for name, entry in header.entries.items():
-            if name in entries:
-                raise IntegrityError(
-                    f"{fs.url(root)}: tensor {quote(name)} is in both {quote(entries[name].file)} "
-                    f"and {quote(entry.file)}; the model is damaged: export or download it again"
-                )
-            entries[name] = entry
-    for name, file in (weight_map or {}).items():
-        if name not in entries or entries[name].file != file:
-            raise IntegrityError(
-                f"{fs.url(index_path)}: tensor {quote(name)} is mapped to {quote(file)}, whose "
-                "header does not hold it; the model is incomplete or its index is stale: export "
-                "or download it again"
-            )
-    return entries
-
-
-def _same_write(
-    fs: FileSystemBase, root: str, write_id: str | None, headers: Iterable[tuple[str, Header]]
-) -> None:
-    """Refuse a model whose index and files do not all carry one write id: two saves or
-    exports to the folder at once each published their own files under the same names
-    (each file whole), so the folder holds files of both. None carrying an id (other
-    writers, ours before ids) is not checked."""
-    for file, header in headers:
-        if header.write_id == write_id:
-            continue
-        raise IntegrityError(
-            f"{fs.url(root)}: {quote(file)} was written by another save or export than the "
-            f"index {INDEX_NAME} (write id {_id(header.write_id)}, the index's "
-            f"{_id(write_id)}); two writes to this folder overlapped and it mixes their "
-            "files: export or save the model again, one writer at a time"
-        )
-
-
-def _id(write_id: str | None) -> str:
-    return "none" if write_id is None else quote(write_id)
-
-
-def read_header(fs: FileSystemBase, root: str, file: str) -> Header:
-    """The checked header of ``file`` under ``root``: its length first (one read of
-    the file's start), the rest of the header only if that read did not cover it."""
-    path = fs.concat_path(root, file)
-    label = fs.url(path)
-    try:
-        size = fs.size(path)
-        with fs.open_slice(path, 0, min(size, _PREFETCH)) as stream:
-            head = read_all(stream, limit=_PREFETCH)
-        length = header_length(head, label, size)
-        text = head[8 : 8 + length]
-        if len(text) < length:
-            with fs.open_slice(path, len(head), length - len(text)) as stream:
-                text += read_all(stream, limit=length - len(text))
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(
-            f"{label} is missing; the model is incomplete: export or download it again"
-        ) from exc
-    if len(text) < length:
-        raise IntegrityError(f"{label}: the file ended inside its header; it is truncated")
-    header = parse_header(text, label, size)
-    entries = {name: _named(entry, file) for name, entry in header.entries.items()}
-    return Header(entries, header.write_id)
-
-
-def _named(entry: TensorEntry, file: str) -> TensorEntry:
-    return TensorEntry(
-        file, entry.name, entry.dtype, entry.shape, entry.begin, entry.end, entry.crc32c
-    )
-
-
-def _read_limited(fs: FileSystemBase, path: str) -> bytes:
-    with fs.open_slice(path, 0, MAX_HEADER + 1) as stream:
-        text = read_all(stream, limit=MAX_HEADER)
-    if len(text) > MAX_HEADER:
-        raise UnsafeCheckpointError(
-            f"{fs.url(path)} is over {MAX_HEADER >> 20} MiB, more than any safetensors index "
-            "needs; it is damaged or not an index: refused without reading the rest"
-        )
-    return text
-
-
-def read_region(
-    fs: FileSystemBase,
-    root: str,
-    entry: TensorEntry,
-    offsets: Sequence[int],
-    lengths: Sequence[int],
-    target: torch.Tensor,
-) -> None:
-    """Fill ``target`` with the region (``offsets``, ``lengths``) of the stored tensor:
-    one ranged read of the rows it spans, straight into ``target`` where it is the
-    whole rows (a CPU contiguous tensor of the stored dtype), else into a buffer of
-    those rows that is then copied. A whole tensor's CRC-32C is checked."""
-    shape = entry.shape
-    where = f"{fs.url(fs.concat_path(root, entry.file))}: tensor {quote(entry.name)}"
-    if len(offsets) != len(shape) or any(
-        o < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)
-    ):
-        raise ValueError(
-            f"{where}: region at {tuple(offsets)} of sizes {tuple(lengths)} is outside its shape "
-            f"{shape}; load into a state dict shaped like the model"
-        )
-    rows = (offsets[0], lengths[0]) if shape else (0, 1)
-    row_bytes = entry.length // shape[0] if shape and shape[0] else entry.length
-    inner_whole = all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:]))
-    direct = (
-        inner_whole
-        and target.device.type == "cpu"
-        and target.dtype == entry.torch_dtype
-        and target.is_contiguous()
-    )
-    stored = (rows[1], *shape[1:]) if shape else ()
-    buffer = target if direct else torch.empty(stored, dtype=entry.torch_dtype)
-    span = rows[1] * row_bytes if shape else entry.length
-    if span:
-        path = fs.concat_path(root, entry.file)
-        with fs.open_slice(path, entry.begin + rows[0] * row_bytes, span) as stream:
-            got = readinto_exact(stream, tensor_bytes(buffer))
-        if got < span:
-            raise IntegrityError(
-                f"{where}: the file ended {span - got} bytes early; it is truncated: export "
-                "or download it again"
-            )
-    whole = rows == (0, shape[0] if shape else 1) and inner_whole
-    if whole and entry.crc32c is not None:
-        crc = crc32c.crc32c(tensor_bytes(buffer))
-        if crc != entry.crc32c:
-            raise IntegrityError(
-                f"{where}: checksum mismatch (crc32c {crc:08x}, expected {entry.crc32c:08x}); "
-                "the stored bytes are damaged: export or download the model again"
-            )
-    if not direct:
-        inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))
-        target.copy_(buffer[(slice(None), *inner)] if shape else buffer)

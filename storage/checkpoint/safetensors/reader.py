@@ -24,8 +24,8 @@ from torch.futures import Future
 from extensions.errors import quote
 from storage.backends.registry import filesystem_from_url
 from storage.checkpoint.hook_errors import records_error
-from storage.checkpoint.safetensors.files import read_model, read_region
 from storage.checkpoint.safetensors.header import TensorEntry
+from storage.checkpoint.safetensors.reading import read_model, read_region
 
 
 class SafetensorsReader(StorageReader):

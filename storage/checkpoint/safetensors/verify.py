@@ -14,8 +14,8 @@ import crc32c
 
 from extensions.streams import readinto_exact
 from storage.backends.base import FileSystemBase
-from storage.checkpoint.safetensors.files import read_model
 from storage.checkpoint.safetensors.header import INDEX_NAME, SINGLE_NAME, TensorEntry
+from storage.checkpoint.safetensors.reading import read_model
 from storage.checkpoint.safetensors.staging import is_area_name
 
 _CHUNK = 8 << 20

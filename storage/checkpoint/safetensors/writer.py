@@ -63,18 +63,19 @@ class SafetensorsWriter(StorageWriter):
     ``dcp.save(state_dict, storage_writer=SafetensorsWriter(url))`` on one process or on
     N ranks. Whole tensors (replicated ones are saved once, by the planner's choice of
     rank): each rank writes its own files (default: one file per rank), the coordinator
-    the index last (the commit). DTensor/ShardedTensor shards along dimension 0 are
-    consolidated (see ``consolidate``): each rank stages its shards' bytes under
-    ``path``, the coordinator writes whole tensors into the files (default: one file)
-    from those, a bounded buffer at a time, then the index, and removes the staging
-    area; shards whose bytes are not one contiguous range (``Shard(1)`` of a matrix) are
-    refused with the fix. The coordinator first removes the staging areas that killed
-    saves left at ``path``: those without a live heartbeat whose objects are all older
-    than an hour (``staging``; ``dcp-storage gc`` does the same with its ``--grace``).
-    Files are cut at ``max_shard_size`` bytes. A committed model already at ``path`` is
-    refused unless ``overwrite``; one replaced stays whole until the new one is
-    committed, its files removed after. ``transforms`` are refused. ``thread_count``
-    files are written at once (each holds a file's tensors on the CPU while it writes).
+    the index last, then commits (``files.commit_model``). DTensor/ShardedTensor shards
+    along dimension 0 are consolidated (see ``consolidate``): each rank stages its
+    shards' bytes under ``path``, the coordinator writes whole tensors into the files
+    (default: one file) from those, a bounded buffer at a time, then the index, commits
+    and removes the staging area; shards whose bytes are not one contiguous range
+    (``Shard(1)`` of a matrix) are refused with the fix. The coordinator first removes
+    the staging areas that killed saves left at ``path``: those without a live heartbeat
+    whose objects are all older than an hour (``staging``; ``dcp-storage gc`` does the
+    same with its ``--grace``). Files are cut at ``max_shard_size`` bytes. A committed
+    model already at ``path`` is refused unless ``overwrite``; one replaced stays whole
+    until the new one is committed, its files removed after. ``transforms`` are refused.
+    ``thread_count`` files are written at once (each holds a file's tensors on the CPU
+    while it writes).
     """
 
     def __init__(
