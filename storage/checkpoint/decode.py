@@ -5,12 +5,14 @@ The reader and read-once sharing both decode through here."""
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
 import pickle
 from collections.abc import Sequence
 from typing import IO
 
+import crc32c
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
@@ -129,6 +131,50 @@ def decode_tensor(
             "decompression bomb?); refusing it: restore the file or re-save the checkpoint"
         )
     return dest
+
+
+def copy_held(
+    held: memoryview,
+    record: fmt.StoredItem,
+    chunk: tuple[torch.Size, torch.dtype] | None,
+    req: ReadItem,
+    target: torch.Tensor,
+) -> bool:
+    """Copy a plain (untransformed) tensor item whose stored bytes are ``held`` in
+    memory straight into ``target``, once its length and CRC-32C match the record;
+    ``False`` (nothing written) where anything does not fit the direct way: the caller
+    then decodes ``held`` as a stream, which names what is wrong. For many small
+    items, where per-item work is the cost, not bytes (:func:`decode_tensor` is the
+    general way, and the same checks)."""
+    offset = record.data_offset
+    if chunk is None or offset is None or record.descriptors or any(req.storage_offsets):
+        return False
+    sizes, dtype = chunk
+    if not (
+        target.dtype == dtype
+        and tuple(target.size()) == tuple(sizes)
+        and holds_its_bytes(target)
+        and _stored_as(record, dtype, sizes)
+    ):
+        return False
+    end = offset + math.prod(sizes) * dtype.itemsize
+    if (
+        len(held) != record.length
+        or offset > ARCHIVE_ALLOWANCE
+        or end > len(held)
+        or len(held) - end > ARCHIVE_ALLOWANCE
+        or (record.crc32c is not None and crc32c.crc32c(held) != record.crc32c)
+    ):
+        return False
+    if held.readonly:
+        tensor_bytes(target)[:] = held[offset:end]
+    elif end > offset:
+        # One memmove into the target's memory (contiguous, on the CPU: checked above),
+        # from the held bytes: a byte view of the target costs four torch calls, the
+        # most of a small item's time.
+        source = ctypes.addressof(ctypes.c_char.from_buffer(held)) + offset
+        ctypes.memmove(target.data_ptr(), source, end - offset)
+    return True
 
 
 def direct_offset(

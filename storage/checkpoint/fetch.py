@@ -4,12 +4,14 @@ items grouped by the file their bytes are in, adjacent ones coalesced into one r
 request of at most :data:`COALESCE_LIMIT` bytes, biggest runs first; every item checked
 before any byte is fetched (encryption required, keys at hand), then read, its CRC-32C
 verified and decoded into its target, frame by frame on every core where the item's
-transform splits into frames (zstd does)."""
+transform splits into frames (zstd does). A run of small plain items is read into
+memory a window at a time and each tensor copied from there (:func:`_read_held`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import os
 import threading
 from collections.abc import Sequence
@@ -23,12 +25,14 @@ from extensions._compat import narrow_tensor_by_index
 from extensions.base import ItemInfo, KeyLookup, cached_key_lookup
 from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError, quote
 from extensions.registry import Framing
+from extensions.streams import readinto_exact
 from storage.backends import RangeMismatchError
 from storage.checkpoint import frames, incremental
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget, cancellable, note
 from storage.checkpoint.decode import (
     backed_value,
+    copy_held,
     decode_tensor,
     direct_offset,
     plain_limit,
@@ -42,6 +46,11 @@ from storage.checkpoint.tensors import check_shapes, tensor_bytes
 
 # Adjacent items are fetched with one request up to this many bytes.
 COALESCE_LIMIT = 32 << 20
+#: A run of plain items of at most this many stored bytes each is read into memory a
+#: window of at most :data:`HELD_WINDOW` bytes at a time, and each item decoded from
+#: there: for small items the per-item work of a stream is the cost, not the bytes.
+HELD_ITEM = 256 << 10
+HELD_WINDOW = 4 << 20
 
 
 @dataclass
@@ -81,6 +90,8 @@ def read_items(
     for _, run in runs:
         for item in run:
             descriptors = item.info.descriptors
+            if not descriptors and not load.require_encryption:
+                continue  # nothing to refuse, no key to find
             info = _item_info(load, item, keys)
             check_before_read(
                 descriptors,
@@ -175,6 +186,11 @@ def _read_run(
             # local, a request each on object stores (their readers stream).
             if not load.fs.local_reads:
                 decoders = None
+            if len(run) > 1 and all(not i.info.descriptors and i.length <= HELD_ITEM for i in run):
+                for window in _windows(run):
+                    label = fmt.item_label(window[0].req.storage_index)
+                    _read_held(load, stream, path, window, planner, lock, keys)
+                return
             for item in run:
                 label = fmt.item_label(item.req.storage_index)
                 _read_item(load, stream, path, item, planner, lock, keys, decoders)
@@ -191,6 +207,43 @@ def _read_run(
         ) from exc
 
 
+def _windows(run: list[_PlannedRead]) -> list[list[_PlannedRead]]:
+    """``run`` (adjacent items, each at most :data:`HELD_ITEM` bytes) cut into windows
+    of adjacent items of at most :data:`HELD_WINDOW` bytes (or one item)."""
+    windows: list[list[_PlannedRead]] = [[]]
+    for item in run:
+        window = windows[-1]
+        if window and item.offset + item.length - window[0].offset > HELD_WINDOW:
+            windows.append(window := [])
+        window.append(item)
+    return windows
+
+
+def _read_held(
+    load: LoadContext,
+    stream: IO[bytes],
+    path: str,
+    window: list[_PlannedRead],
+    planner: LoadPlanner,
+    lock: threading.Lock,
+    keys: KeyLookup | None,
+) -> None:
+    """Read the window's stored bytes from ``stream`` (where its first item starts)
+    into memory, then each item from there: a tensor copied straight into its target
+    (:func:`~storage.checkpoint.decode.copy_held`) or, where that does not apply, its
+    bytes decoded as a stream, as a stream read from storage would be. A file cut short
+    leaves the items past its end short, which that way names."""
+    start = window[0].offset
+    held = bytearray(window[-1].offset + window[-1].length - start)
+    got = readinto_exact(stream, memoryview(held))
+    memory = memoryview(held)[:got]
+    for item in window:
+        begin = item.offset - start
+        _read_item(
+            load, stream, path, item, planner, lock, keys, None, memory[begin : begin + item.length]
+        )
+
+
 def _read_item(
     load: LoadContext,
     stream: IO[bytes],
@@ -200,15 +253,26 @@ def _read_item(
     lock: threading.Lock,
     keys: KeyLookup | None,
     decoders: frames.Decoders | None,
+    held: memoryview | None = None,
 ) -> None:
+    """Read ``item``, next in ``stream``, or from ``held``, its stored bytes read
+    already (:func:`_read_held`), and hand it to ``planner``."""
     label = fmt.item_label(item.req.storage_index)
     note(label, load.fs.url(path))
     where = f"{load.url}: item {quote(label)} in {quote(os.path.basename(path))}"
     chunk = load.chunks.get(item.req.storage_index)
     target: torch.Tensor | None = None
-    source = stream
+    if item.req.type != LoadItemType.BYTE_IO:
+        with lock:
+            target = planner.resolve_tensor(item.req).detach()
+        check_shapes(item.req, target, chunk, where)
+        if held is not None and copy_held(held, item.info, chunk, item.req, target):
+            with lock:
+                planner.commit_tensor(item.req, target)
+            return
+    source = stream if held is None else io.BytesIO(held)
     if item.req.type == LoadItemType.BYTE_IO:
-        source, limit = backed_value(stream, item.length, load.max_object_bytes)
+        source, limit = backed_value(source, item.length, load.max_object_bytes)
     else:
         limit = plain_limit(chunk, item.length)
     stored = StoredItemReader(
@@ -220,10 +284,7 @@ def _read_item(
         block=load.fs.read_block,
     )
     info = replace(_item_info(load, item, keys), plain_bytes=limit)
-    if item.req.type != LoadItemType.BYTE_IO:
-        with lock:
-            target = planner.resolve_tensor(item.req).detach()
-        check_shapes(item.req, target, chunk, where)
+    if target is not None:
         framing = None if decoders is None else load.registry.framing(stored.descriptors)
         if (
             framing is not None
