@@ -503,6 +503,20 @@ def test_shared_reference_metadata_is_refused(tmp_path: Path) -> None:
         storage.load({"t": torch.zeros(4)}, tmp_path)
 
 
+@pytest.mark.timeout(30)  # a safety net only: the assertions are on the error
+def test_shared_lists_of_plain_values_count_against_the_walk_budget(tmp_path: Path) -> None:
+    # The walk counts the plain values of a list where it finds them instead of
+    # visiting each: a list of 4,096 ints referenced 4,000 times (~30 KB pickled)
+    # unfolds into 16 million of them and must still be refused.
+    storage.save({"t": torch.ones(4)}, tmp_path)
+    metadata = _meta(tmp_path)
+    values = list(range(4096))
+    _info(metadata, "t").relative_path = [values] * 4000
+    _write_meta(tmp_path, metadata)
+    with pytest.raises(UnsafeCheckpointError, match="share references"):
+        storage.load({"t": torch.zeros(4)}, tmp_path)
+
+
 @pytest.fixture(params=["compiled", "python"])
 def memo_scan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each memo test on both scans: the compiled one (where it was built) and Python's."""
