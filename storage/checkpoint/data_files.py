@@ -182,6 +182,7 @@ def _write_file(
     ]
     results = []
     url = attempt.fs.url(path)
+    checkpoint = attempt.url  # once: it resolves the path through the backend
     if ordered:
         note(fmt.item_label(ordered[0].index), url)
     with attempt.fs.create_stream(path, "wb", sync=settings.sync) as opened:
@@ -189,7 +190,7 @@ def _write_file(
         offset = 0
         for item in ordered:
             note(fmt.item_label(item.index), url)
-            result = _write_item(attempt.url, settings, stream, name, offset, item, planner)
+            result = _write_item(checkpoint, settings, stream, name, offset, item, planner)
             offset += result.storage_data.length
             results.append(result)
     return results
