@@ -188,6 +188,23 @@ def async_save(
     writer = CheckpointWriter(
         url, transforms=transforms, storage_options=storage_options, **writer_options
     )
+    return async_save_with(
+        writer,
+        state_dict,
+        async_checkpointer_type=async_checkpointer_type,
+        process_group=process_group,
+    )
+
+
+def async_save_with(
+    writer: CheckpointWriter,
+    state_dict: dict[str, Any],
+    *,
+    async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+    process_group: Any = None,
+) -> Future[None]:
+    """:func:`async_save` through ``writer``, made by the caller (who may read what it
+    published once the future resolves)."""
     with _quiet_single_process():
         inner = dcp.async_save(
             state_dict,

@@ -121,14 +121,10 @@ class RootTier:
         with self._lock:
             self._pending = outer
         try:
-            inner = api.async_save(
-                state_dict,
-                url,
-                transforms=self.transforms,
-                process_group=self._background_group(),
-                filesystem=self.root.fs,
-                **settings.writer_kwargs(),
+            writer = CheckpointWriter(
+                url, transforms=self.transforms, filesystem=self.root.fs, **settings.writer_kwargs()
             )
+            inner = api.async_save_with(writer, state_dict, process_group=self._background_group())
         except BaseException:
             persist.hurry()  # its pace must not fall on a later, unrelated save
             self.root.in_flight.end()
@@ -140,6 +136,8 @@ class RootTier:
             error = fut.exception()
             self.root.in_flight.end()
             if error is None:
+                if writer.published is not None:  # retention need not read it back
+                    self.root.remember(step, writer.published)
                 self.retention.after_save(step)
                 outer.set_result(None)
             else:

@@ -502,3 +502,30 @@ def test_manager_on_s3() -> None:
     keys = list_keys(client, "manager-bucket", prefix)
     assert not any("/step-1/" in k or "/step-4/" in k for k in keys)
     assert f"{prefix}/step-3.14/.metadata" in keys
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_retention_does_not_read_back_what_this_manager_just_saved(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, blocking: bool
+) -> None:
+    """Retention opens the kept steps to find what they reference; the metadata a
+    save of this manager just published is known already. Before: an asynchronous
+    save read it back (0.6 s of the training process's CPU for 20,000 items)."""
+    from storage.checkpoint import committed
+
+    reads: list[str] = []
+    real = committed.read_metadata_file
+
+    def counting(fs: Any, path: str) -> Any:
+        reads.append(path)
+        return real(fs, path)
+
+    monkeypatch.setattr(committed, "read_metadata_file", counting)
+    mgr = CheckpointManager(tmp_path, keep_last=2, persist="thread")
+    state = {"w": torch.randn(64)}
+    for step in range(4):
+        fut = mgr.save(step, state, blocking=blocking)
+        if fut is not None:
+            fut.result()
+    assert mgr.steps() == [2, 3]
+    assert reads == []
