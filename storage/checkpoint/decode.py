@@ -151,7 +151,8 @@ def copy_held(
         return False
     sizes, dtype = chunk
     if not (
-        target.dtype == dtype
+        type(target) is torch.Tensor  # a subclass's data pointer may not be its values
+        and target.dtype == dtype
         and tuple(target.size()) == tuple(sizes)
         and holds_its_bytes(target)
         and _stored_as(record, dtype, sizes)
