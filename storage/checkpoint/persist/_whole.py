@@ -42,7 +42,11 @@ def send_whole(send: Callable[[], None], give_up: Callable[[], None]) -> None:
             failed.append(exc)
 
     sender = threading.Thread(target=run, name="dcp-persist-send", daemon=True)
-    sender.start()
+    try:
+        sender.start()
+    except RuntimeError:  # no new thread (the interpreter is shutting down): send here
+        send()
+        return
     interrupted: BaseException | None = None
     deadline = 0.0
     while sender.is_alive():
