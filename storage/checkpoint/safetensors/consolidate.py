@@ -70,7 +70,7 @@ def byte_range(
     partial = [d for d in range(len(shape)) if sizes[d] != shape[d]]
     if partial and any(sizes[d] != 1 for d in range(partial[-1])):
         return None
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     stride = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     start = sum(o * s for o, s in zip(offsets, stride))
     return start * itemsize, nbytes(dtype, sizes)

@@ -143,7 +143,7 @@ def check_name(name: str, where: str) -> None:
 
 
 def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def layout(tensors: Mapping[str, tuple[torch.dtype, Sequence[int]]]) -> list[str]:
