@@ -4,6 +4,9 @@ contract's plumbing), and, marked ``gpu``, the real thing on a CUDA device."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -306,3 +309,60 @@ def test_the_defaults_thread_staging_from_cuda_is_pinned_and_kept(
     assert pointers[0] == pointers[1]  # the same kept buffers
     local = staging.local_staging()
     assert local is not None and local._free.is_set()
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_failed_registration_leaves_no_cuda_error_for_the_next_kernel() -> None:
+    """A registration CUDA refuses (here: memory registered already) fails the save
+    only: torch checks each kernel launch with ``cudaGetLastError``, so an error left
+    pending would fail the training thread's next, unrelated kernel."""
+    from storage.checkpoint.persist._cuda import cuda_register, cuda_unregister
+    from storage.checkpoint.persist._shm import Segment
+
+    segment = Segment("twice", BIG)
+    cuda_register(segment.address, BIG)
+    try:
+        with pytest.raises(storage.CheckpointStorageError, match="cudaHostRegister"):
+            cuda_register(segment.address, BIG)
+        x = torch.ones(4, device="cuda")
+        x.add_(1)  # a kernel launch, checked
+        torch.cuda.synchronize()
+        assert x.sum().item() == 8
+    finally:
+        cuda_unregister(segment.address)
+        segment.close()
+    cuda_unregister(segment.address)  # not registered: reported quietly, no pending error
+    torch.ones(4, device="cuda").mul_(2)
+    torch.cuda.synchronize()
+
+
+_ON_SECOND_DEVICE = """
+import torch
+from storage.checkpoint.persist import _pool
+state = {"w": torch.randn(1 << 20, device="cuda:1"), "s": torch.randn(8, device="cuda:1")}
+pool = _pool.StagingPool()
+staged, copies = pool.stage(state)
+copies.wait()
+assert torch.equal(staged["w"], state["w"].cpu())
+pool.stage({})
+pool.close()
+assert torch.cuda.current_device() == 0
+assert not torch._C._cuda_hasPrimaryContext(0), "a CUDA context was made on cuda:0"
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_staging_from_one_device_makes_no_context_on_another() -> None:
+    """A process whose tensors live on cuda:1 (its current device left at 0, never
+    used) stages, pins, copies and unpins without making a CUDA context on cuda:0:
+    each costs hundreds of MB of that device's memory, once per process on the host."""
+    done = subprocess.run(
+        [sys.executable, "-c", _ON_SECOND_DEVICE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert done.returncode == 0, done.stderr

@@ -16,7 +16,10 @@ come here.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -37,19 +40,64 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
 
+#: The device whose context registered each address (see :func:`cuda_register`).
+_registered_on: dict[int, int] = {}
+
+
 def cuda_register(address: int, nbytes: int) -> None:
-    """Register ``nbytes`` at ``address`` with the CUDA host allocator (page-lock it)."""
+    """Register ``nbytes`` at ``address`` with the CUDA host allocator (page-lock it),
+    in the context of the current device: the caller makes that the device of the
+    tensors copied, so no context is made on a device the process does not use (as
+    torch's pinned allocator avoids). A failure leaves no pending CUDA error behind."""
+    device = torch.cuda.current_device()
     code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _PORTABLE))
     if code != 0:
+        _drain_pending_error()
         raise CheckpointStorageError(
             f"cannot pin {nbytes} bytes of checkpoint staging memory for CUDA copies "
             f"(cudaHostRegister error {code}); raise the locked-memory limit (ulimit -l) "
             "or save with persist='thread'"
         )
+    _registered_on[address] = device
 
 
 def cuda_unregister(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)
+    """Unregister ``address`` in the context of the device that registered it."""
+    device = _registered_on.pop(address, None)
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        code = int(torch.cuda.cudart().cudaHostUnregister(address))
+    if code != 0:
+        _drain_pending_error()
+        log.debug("cudaHostUnregister error %d for staging memory at %#x", code, address)
+
+
+@functools.cache
+def _runtimes() -> tuple[ctypes.CDLL, ...]:
+    """The CUDA runtime libraries mapped into this process (torch's among them)."""
+    paths: set[str] = set()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if "libcudart" in os.path.basename(path) and not path.endswith("(deleted)"):
+                    paths.add(path)
+    except OSError:
+        return ()
+    found = []
+    for path in sorted(paths):
+        with contextlib.suppress(OSError):
+            found.append(ctypes.CDLL(path))  # the loaded library, not a second copy
+    return tuple(found)
+
+
+def _drain_pending_error() -> None:
+    """Consume the error a failed runtime call left pending on this thread: torch checks
+    each kernel launch with ``cudaGetLastError``, so the training thread's next kernel
+    would fail with this unrelated error (torch's binding does not expose the call)."""
+    for runtime in _runtimes():
+        with contextlib.suppress(AttributeError):
+            runtime.cudaGetLastError()
 
 
 class Pins:
@@ -120,15 +168,19 @@ class SideCopies:
         the caller's current stream the first time in a stage."""
         assert self._used is not None, "a copy outside a stage"
         index = device.index if device.index is not None else torch.cuda.current_device()
-        side = self._used.get(index)
-        if side is None:
-            side = self._streams.get(index)
+        # On ``device`` for the block: leaving ``torch.cuda.stream`` for a stream of
+        # another device sets the caller's device back with ``cudaSetDevice``, which
+        # makes a context there if it had none; ``torch.cuda.device`` restores lazily.
+        with torch.cuda.device(index):
+            side = self._used.get(index)
             if side is None:
-                side = self._streams[index] = torch.cuda.Stream(index)
-            side.wait_stream(torch.cuda.current_stream(index))
-            self._used[index] = side
-        with torch.cuda.stream(side):
-            yield
+                side = self._streams.get(index)
+                if side is None:
+                    side = self._streams[index] = torch.cuda.Stream(index)
+                side.wait_stream(torch.cuda.current_stream(index))
+                self._used[index] = side
+            with torch.cuda.stream(side):
+                yield
 
     def finish(self, source: Any) -> InFlight | None:
         """The stage's copies (``None`` when it copied nothing from a device)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import contextlib
 import itertools
 import logging
 import os
@@ -250,7 +251,9 @@ class _Stager(ValueStager or object):  # type: ignore[misc]
         cuda = storage.device.type == "cuda"
         staged = self._cache.get(storage)
         if staged is None or staged.nbytes() != storage.nbytes():
-            staged = self._pool.new_storage(storage.nbytes(), touch=not self.copying, pin=cuda)
+            # Pinned in the context of the source's device, one the process uses.
+            with torch.cuda.device(storage.device) if cuda else contextlib.nullcontext():
+                staged = self._pool.new_storage(storage.nbytes(), touch=not self.copying, pin=cuda)
             self._cache[storage] = staged
         if self.copying and cuda:
             with self._pool.side.stream(storage.device):
