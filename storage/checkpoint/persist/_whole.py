@@ -25,6 +25,11 @@ from collections.abc import Callable
 
 #: Seconds a send may still take once a signal handler raised during it.
 GRACE = 10.0
+#: The largest message that ``Connection.send_bytes`` sends in one ``write(2)``, its
+#: length prefix and all (CPython's multiprocessing joins the two up to this size): a
+#: handler raises before that write or after it, never inside, so such a message needs
+#: no thread of its own (a control message on the stall's path: ``hurry``).
+ONE_WRITE = 16384
 
 
 def send_whole(send: Callable[[], None], give_up: Callable[[], None]) -> None:

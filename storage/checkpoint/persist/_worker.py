@@ -36,7 +36,7 @@ from storage.checkpoint.persist._messages import (
 )
 from storage.checkpoint.persist._pool import StagingPool
 from storage.checkpoint.persist._shm import SharedMemoryFull, send_segments
-from storage.checkpoint.persist._whole import send_whole
+from storage.checkpoint.persist._whole import ONE_WRITE, send_whole
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +356,9 @@ class Worker:
         """Send ``messages`` to the worker behind ``conn``, then ``fds`` (descriptors,
         in one byte), whole (:func:`._whole.send_whole`; call with the send lock): a
         send given up stops that worker."""
+        if fds is None and len(messages) == 1 and len(messages[0]) <= ONE_WRITE:
+            conn.send_bytes(messages[0])
+            return
 
         def send() -> None:
             for message in messages:
