@@ -517,7 +517,9 @@ def test_shared_lists_of_plain_values_count_against_the_walk_budget(tmp_path: Pa
         storage.load({"t": torch.zeros(4)}, tmp_path)
 
 
-@pytest.mark.parametrize("bottom", [0, "name", torch.float32, []], ids=["int", "str", "dtype", "list"])
+@pytest.mark.parametrize(
+    "bottom", [0, "name", torch.float32, []], ids=["int", "str", "dtype", "list"]
+)
 def test_the_nesting_bound_counts_plain_values_at_the_bottom(bottom: object) -> None:
     # The walk counts plain values where it finds them instead of visiting each: one
     # below the deepest level allowed is still a level too deep, as an empty list is.
