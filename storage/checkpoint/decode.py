@@ -152,6 +152,10 @@ def copy_held(
     sizes, dtype = chunk
     if not (
         type(target) is torch.Tensor  # a subclass's data pointer may not be its values
+        # Nor is the pointer of a tensor without strided memory of its own (a ZeroTensor's
+        # is null, an MKL-DNN tensor has none to give): the checked way refuses those.
+        and target.layout == torch.strided
+        and not target._is_zerotensor()
         and target.dtype == dtype
         and tuple(target.size()) == tuple(sizes)
         and holds_its_bytes(target)

@@ -166,10 +166,7 @@ def _check_graph(root: object, where: str, budget: int) -> None:
         if visits > budget:
             raise _too_many_nodes(where, budget)
         if depth > MAX_DEPTH:
-            raise UnsafeCheckpointError(
-                f"{where}: metadata is refused: it nests deeper than {MAX_DEPTH} levels; "
-                "the file is damaged or hostile"
-            )
+            raise _too_deep(where)
         if isinstance(obj, _LEAVES):
             continue
         if isinstance(obj, dict):
@@ -179,6 +176,8 @@ def _check_graph(root: object, where: str, budget: int) -> None:
         else:
             children = getattr(obj, "__dict__", {}).values()
         depth += 1
+        if depth > MAX_DEPTH and children:  # plain values are nodes too: not pushed
+            raise _too_deep(where)
         for child in children:
             if type(child) in _EXACT_LEAVES:
                 visits += 1  # checked against the budget at the next pop
@@ -186,6 +185,13 @@ def _check_graph(root: object, where: str, budget: int) -> None:
                 stack.append((child, depth))
     if visits > budget:  # leaves counted after the last pop
         raise _too_many_nodes(where, budget)
+
+
+def _too_deep(where: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{where}: metadata is refused: it nests deeper than {MAX_DEPTH} levels; "
+        "the file is damaged or hostile"
+    )
 
 
 def _too_many_nodes(where: str, budget: int) -> UnsafeCheckpointError:

@@ -111,3 +111,28 @@ def test_a_record_that_misplaces_the_tensor_is_refused_not_copied(tmp_path: Path
     (tmp_path / "c" / ".metadata").write_bytes(fmt.dump_metadata(meta))
     with pytest.raises(Exception, match=r"t03"):
         loaded(tmp_path / "c", state)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch._efficientzerotensor(64), lambda: torch.zeros(64).to_mkldnn()],
+    ids=["zero-tensor", "mkldnn"],
+)
+def test_targets_without_memory_of_their_own_fail_as_item_by_item(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make: object
+) -> None:
+    """A target whose data pointer is not its values (a ZeroTensor's is null: a copy to
+    it crashed the process) is never copied into straight: the load fails naming the
+    item, as it does item by item."""
+    state = small_state()
+    storage.save(state, tmp_path / "c")
+    errors = []
+    for held in (fetch.HELD_ITEM, 0):
+        monkeypatch.setattr(fetch, "HELD_ITEM", held)
+        out = zeros_like_tree(state)
+        assert isinstance(out, dict)
+        out["layers.3.scale"] = make()  # type: ignore[operator]
+        with pytest.raises(Exception, match=r"layers\.3\.scale") as caught:
+            storage.load(out, tmp_path / "c")
+        errors.append((caught.type, str(caught.value)))
+    assert errors[0] == errors[1]

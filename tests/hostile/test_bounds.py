@@ -30,7 +30,7 @@ from extensions.errors import (
     quote,
 )
 from extensions.registry import ExtensionRegistry
-from storage.checkpoint import pickle_scan
+from storage.checkpoint import pickle_scan, validate
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.items import ItemEncoder, StoredItemReader
 from storage.cli.main import main
@@ -515,6 +515,21 @@ def test_shared_lists_of_plain_values_count_against_the_walk_budget(tmp_path: Pa
     _write_meta(tmp_path, metadata)
     with pytest.raises(UnsafeCheckpointError, match="share references"):
         storage.load({"t": torch.zeros(4)}, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "bottom", [0, "name", torch.float32, []], ids=["int", "str", "dtype", "list"]
+)
+def test_the_nesting_bound_counts_plain_values_at_the_bottom(bottom: object) -> None:
+    # The walk counts plain values where it finds them instead of visiting each: one
+    # below the deepest level allowed is still a level too deep, as an empty list is.
+    nested: object = bottom
+    for _ in range(validate.MAX_DEPTH + 1):
+        nested = [nested]
+    with pytest.raises(UnsafeCheckpointError, match="nests deeper"):
+        validate.check_metadata(nested, "m", 1 << 20)
+    with pytest.raises(UnsafeCheckpointError, match="not DCP Metadata"):
+        validate.check_metadata(nested[0], "m", 1 << 20)  # type: ignore[index]
 
 
 @pytest.fixture(params=["compiled", "python"])

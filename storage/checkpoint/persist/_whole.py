@@ -34,34 +34,48 @@ ONE_WRITE = 16384
 
 def send_whole(send: Callable[[], None], give_up: Callable[[], None]) -> None:
     """Run ``send`` (the writes of one message) to its end, even where a signal
-    handler raises meanwhile (see the module docstring); its own error is raised."""
+    handler raises meanwhile (see the module docstring); its own error is raised.
+
+    A handler may also raise while the sender thread starts (``Thread.start`` waits for
+    it to run): whichever of that thread and the caller takes ``claim`` first decides
+    whether the message goes (then it goes whole) or not at all."""
     if threading.current_thread() is not threading.main_thread():
         send()  # signal handlers never run here
         return
     failed: list[BaseException] = []
+    claim = threading.Lock()
+    done = threading.Event()
 
     def run() -> None:
+        if not claim.acquire(blocking=False):
+            return  # given up before it began: the caller sends it, or nothing goes
         try:
             send()
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
             failed.append(exc)
+        finally:
+            done.set()
 
     sender = threading.Thread(target=run, name="dcp-persist-send", daemon=True)
-    try:
-        sender.start()
-    except RuntimeError:  # no new thread (the interpreter is shutting down): send here
-        send()
-        return
     interrupted: BaseException | None = None
     deadline = 0.0
-    while sender.is_alive():
+    try:
+        sender.start()
+    except BaseException as exc:  # noqa: BLE001 - a handler's: raised once sent
+        if claim.acquire(blocking=False):  # the thread had not begun, and never will
+            if not isinstance(exc, RuntimeError):
+                raise  # nothing of the message went out
+            send()  # no new thread (the interpreter is shutting down): sent from here
+            return
+        interrupted, deadline = exc, time.monotonic() + GRACE
+    while not done.is_set():
         try:
-            sender.join(None if interrupted is None else max(0.0, deadline - time.monotonic()))
+            done.wait(None if interrupted is None else max(0.0, deadline - time.monotonic()))
         except BaseException as exc:  # noqa: BLE001 - a handler's: raised once sent
             if interrupted is None:
                 interrupted, deadline = exc, time.monotonic() + GRACE
             continue
-        if interrupted is not None and sender.is_alive():
+        if interrupted is not None and not done.is_set():
             give_up()
             break
     if interrupted is not None:
