@@ -280,6 +280,15 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _RankPlan) else self.rank
         items: list[WriteItem] = list(plan.items)
         referenced: list[WriteResult] = []
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            # Nothing reads the staged buffers before their copies from a device are
+            # done: fingerprinting reads them too.
+            try:
+                lease.wait_copied()
+            except BaseException:
+                lease.release()
+                raise
         if self.fingerprint:
             items, referenced = data_files.fingerprint_items(
                 items, planner, self.transforms, self.url, self._base, self.fingerprints
@@ -292,18 +301,14 @@ class CheckpointWriter(StorageWriter, WriterStaging):
             single_file_per_rank=self.single_file_per_rank,
             key_prefixes=self.key_prefixes,
         )
-        lease, self._lease = self._lease, None
         if lease is not None and self.persist_mode.name == "process":
             try:  # staged in the persist worker's buffers: it writes
-                lease.wait_copied()  # nothing reads the buffers before the copy is done
                 per_file = _persist.write_staged(self, files, threads, planner, lease)
             except BaseException:
                 self.abort()
                 raise
         else:
             try:
-                if lease is not None:
-                    lease.wait_copied()
                 per_file = self.write_files(files, threads, planner)
             finally:
                 if lease is not None:  # staging buffers kept between saves: free again

@@ -164,6 +164,37 @@ def test_the_writes_wait_for_the_copies(tmp_path: Path, monkeypatch: pytest.Monk
     assert_tree_equal(target, state)
 
 
+def test_fingerprints_wait_for_the_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards the order for incremental saves: an item's fingerprint reads the staged
+    buffers, so it waits for the copies from the device too. Before: fingerprints were
+    taken of buffers still being copied into, and an item could be recorded as
+    unchanged from its base while its new values were on their way."""
+    from storage.checkpoint import data_files
+
+    log: list[str] = []
+    event = _Event(log)
+    fingerprint_items = data_files.fingerprint_items
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        log.append("fingerprint")
+        return fingerprint_items(*args, **kwargs)
+
+    monkeypatch.setattr(data_files, "fingerprint_items", recorded)
+    writer = CheckpointWriter(tmp_path / "ck", persist="process", fingerprint=True)
+    state = {"w": torch.arange(BIG // 4, dtype=torch.float32)}
+    staged = writer.stage(state)
+    assert writer._lease is not None
+    writer._lease.copies = InFlight([event], state)  # as if copied from a device
+    saving = threading.Thread(target=dcp.save, args=(staged,), kwargs={"storage_writer": writer})
+    saving.start()
+    event.done.set()
+    saving.join(120)
+    assert log[:2] == ["copied", "fingerprint"]
+    target = zeros_like_tree(state)
+    storage.load(target, tmp_path / "ck")
+    assert_tree_equal(target, state)
+
+
 @pytest.mark.parametrize("persist", ["process", "thread"])
 def test_async_staging_returns_torch_s_staging_future(tmp_path: Path, persist: str) -> None:
     """``async_staging=True`` makes ``stage`` return a future, so ``dcp.async_save``
