@@ -164,6 +164,36 @@ def test_the_writes_wait_for_the_copies(tmp_path: Path, monkeypatch: pytest.Monk
     assert_tree_equal(target, state)
 
 
+def test_closing_the_worker_waits_for_copies_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards the buffers' registration at close: closing the worker (at exit, or a
+    manager's close) right after a stage from a device waits for its copies before the
+    pool unpins and drops the buffers they are filling."""
+    log: list[str] = []
+    event = _Event(log)
+    stage, close = _pool.StagingPool.stage, _pool.StagingPool.close
+
+    def from_device(self: _pool.StagingPool, state_dict: Any) -> Any:
+        staged, _ = stage(self, state_dict)
+        return staged, InFlight([event], state_dict)  # as if copied from a device
+
+    def closing(self: _pool.StagingPool) -> None:
+        log.append("closed")
+        close(self)
+
+    monkeypatch.setattr(_pool.StagingPool, "stage", from_device)
+    monkeypatch.setattr(_pool.StagingPool, "close", closing)
+    worker = persist.Worker()
+    _, lease = worker.stage({"w": torch.arange(BIG // 4, dtype=torch.float32)})
+    closer = threading.Thread(target=worker.close)
+    closer.start()
+    closer.join(1.0)
+    assert log == []  # not closed while the copy runs
+    event.done.set()
+    closer.join(60)
+    assert log == ["copied", "closed"]
+    lease.release()
+
+
 def test_fingerprints_wait_for_the_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Guards the order for incremental saves: an item's fingerprint reads the staged
     buffers, so it waits for the copies from the device too. Before: fingerprints were

@@ -96,6 +96,7 @@ class Worker:
         self._paced = False  # a paced call went out and no hurry since
         self.pool: StagingPool | None = None
         self._pool_conn: Connection | None = None  # the worker the pool shares with
+        self._copies: InFlight | None = None  # the last stage's copies from a device
 
     # --- the process ------------------------------------------------------------------
 
@@ -198,6 +199,10 @@ class Worker:
                 proc.kill()
                 proc.wait()
         if self.pool is not None:
+            copies, self._copies = self._copies, None
+            if copies is not None:  # never unpin memory a copy from a device still fills
+                with contextlib.suppress(Exception):
+                    copies.wait()
             self.pool.close()
             self.pool = None
 
@@ -436,6 +441,7 @@ class Worker:
         except BaseException:
             self._free.set()
             raise
+        self._copies = copies
         return staged, Lease(self._free, copies)
 
 
