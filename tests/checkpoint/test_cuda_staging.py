@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import storage
-from storage.checkpoint import CheckpointWriter, persist
+from storage.checkpoint import CheckpointWriter, data_files, persist
 from storage.checkpoint.persist import _pool
 from storage.checkpoint.persist._cuda import InFlight, Pins
 from storage.checkpoint.persist._worker import Lease
@@ -137,19 +137,36 @@ def test_releasing_a_lease_waits_for_its_copies_first() -> None:
     assert gone() is None
 
 
-def test_the_writes_wait_for_the_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("module", "name", "options"),
+    [
+        (persist, "write_staged", {}),
+        (data_files, "fingerprint_items", {"fingerprint": True}),
+    ],
+    ids=["writes", "fingerprints"],
+)
+def test_what_reads_the_staged_buffers_waits_for_the_copies(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    module: Any,
+    name: str,
+    options: dict[str, Any],
+) -> None:
     """Guards the order on the read side: with the copies still in flight when the
-    save's writes begin, the writes wait for them before reading the staged buffers."""
+    save's data phase begins, what reads the staged buffers waits for them: the writes,
+    and an incremental save's fingerprints. Before, for the fingerprints: they were
+    taken of buffers still being copied into, and an item could be recorded as
+    unchanged from its base while its new values were on their way."""
     log: list[str] = []
     event = _Event(log)
-    write_staged = persist.write_staged
+    real = getattr(module, name)
 
-    def recorded(*args: Any) -> Any:
-        log.append("write")
-        return write_staged(*args)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        log.append(name)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(persist, "write_staged", recorded)
-    writer = CheckpointWriter(tmp_path / "ck", persist="process")
+    monkeypatch.setattr(module, name, recorded)
+    writer = CheckpointWriter(tmp_path / "ck", persist="process", **options)
     state = {"w": torch.arange(BIG // 4, dtype=torch.float32)}
     staged = writer.stage(state)
     assert writer._lease is not None
@@ -158,7 +175,7 @@ def test_the_writes_wait_for_the_copies(tmp_path: Path, monkeypatch: pytest.Monk
     saving.start()
     event.done.set()
     saving.join(120)
-    assert log[:2] == ["copied", "write"]
+    assert log[:2] == ["copied", name]
     target = zeros_like_tree(state)
     storage.load(target, tmp_path / "ck")
     assert_tree_equal(target, state)
@@ -192,37 +209,6 @@ def test_closing_the_worker_waits_for_copies_in_flight(monkeypatch: pytest.Monke
     closer.join(60)
     assert log == ["copied", "closed"]
     lease.release()
-
-
-def test_fingerprints_wait_for_the_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Guards the order for incremental saves: an item's fingerprint reads the staged
-    buffers, so it waits for the copies from the device too. Before: fingerprints were
-    taken of buffers still being copied into, and an item could be recorded as
-    unchanged from its base while its new values were on their way."""
-    from storage.checkpoint import data_files
-
-    log: list[str] = []
-    event = _Event(log)
-    fingerprint_items = data_files.fingerprint_items
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        log.append("fingerprint")
-        return fingerprint_items(*args, **kwargs)
-
-    monkeypatch.setattr(data_files, "fingerprint_items", recorded)
-    writer = CheckpointWriter(tmp_path / "ck", persist="process", fingerprint=True)
-    state = {"w": torch.arange(BIG // 4, dtype=torch.float32)}
-    staged = writer.stage(state)
-    assert writer._lease is not None
-    writer._lease.copies = InFlight([event], state)  # as if copied from a device
-    saving = threading.Thread(target=dcp.save, args=(staged,), kwargs={"storage_writer": writer})
-    saving.start()
-    event.done.set()
-    saving.join(120)
-    assert log[:2] == ["copied", "fingerprint"]
-    target = zeros_like_tree(state)
-    storage.load(target, tmp_path / "ck")
-    assert_tree_equal(target, state)
 
 
 @pytest.mark.parametrize("persist", ["process", "thread"])
