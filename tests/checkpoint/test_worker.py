@@ -391,6 +391,52 @@ def test_signals_meant_for_the_training_process_leave_the_worker_writing(
     assert_tree_equal(state, loaded(tmp_path / "a", state))
 
 
+def test_a_signal_handler_saving_inside_a_save_is_refused_not_hung(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """A training script's handler that saves runs in the thread it interrupts. Before:
+    interrupting a save that waited for the previous one's buffers (it holds a lock
+    while it waits, often for seconds), the handler's save took that lock again and
+    waited forever. Now the handler's save fails at once, naming the fix, and the
+    interrupted save goes on."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    first = storage.async_save(
+        big_state(5), tmp_path / "a", transforms=[Gate(str(gate))], persist="process"
+    )
+    wait_for(gate / "started")
+    refused: list[BaseException] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        (gate / "open").touch()
+        try:
+            storage.async_save(big_state(6), tmp_path / "c", persist="process")
+        except CheckpointStorageError as exc:
+            refused.append(exc)
+
+    main = threading.get_ident()
+
+    def interrupt_once_waiting() -> None:
+        deadline = time.monotonic() + 60
+        while worker._taking._owner != main and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        sender = threading.Thread(target=interrupt_once_waiting)
+        sender.start()
+        second = storage.async_save(big_state(7), tmp_path / "b", persist="process")
+        sender.join(60)
+        first.result(timeout=60)
+        second.result(timeout=60)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert len(refused) == 1 and "signal handler" in str(refused[0])
+    assert_tree_equal(big_state(7), loaded(tmp_path / "b", big_state(7)))
+    assert not (tmp_path / "c" / ".metadata").exists()
+
+
 _INTERRUPTED_MID_MESSAGE = """
 import os, pickle, signal, sys
 import torch

@@ -15,6 +15,11 @@ thread, and raises what a handler raised there once they are done. A send still 
 :data:`GRACE` seconds after that (a worker that does not read: stopped, or stuck) is
 given up: ``give_up`` stops the worker, since a stream cut mid-message cannot go on,
 and the handler's exception is raised.
+
+A handler that saves runs in the thread it interrupted: where that thread holds one of
+the worker handle's locks (a save waiting for the previous one's buffers holds one for
+seconds), taking it again would wait forever. :class:`OwnedLock` refuses that re-entry
+with an error naming the fix instead.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from types import TracebackType
+
+from extensions.errors import CheckpointStorageError
 
 #: Seconds a send may still take once a signal handler raised during it.
 GRACE = 10.0
@@ -82,3 +90,41 @@ def send_whole(send: Callable[[], None], give_up: Callable[[], None]) -> None:
         raise interrupted
     if failed:
         raise failed[0]
+
+
+class OwnedLock:
+    """A lock that knows the thread holding it and refuses to be taken again by that
+    thread (a signal handler's save while the interrupted code holds it: see the module
+    docstring) with :class:`~extensions.errors.CheckpointStorageError`, where a plain
+    lock would wait forever."""
+
+    def __init__(self, what: str) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._what = what
+
+    def acquire(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me:  # only this thread sets its own ident: no race to fear
+            raise CheckpointStorageError(
+                f"a checkpoint save began while this thread was inside another one "
+                f"({self._what}): a signal handler that saves? Let the handler set a flag "
+                "and save once it returns (CheckpointManager.save_on_signal does)"
+            )
+        self._lock.acquire()
+        self._owner = me
+
+    def release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.release()

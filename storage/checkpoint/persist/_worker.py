@@ -36,7 +36,7 @@ from storage.checkpoint.persist._messages import (
 )
 from storage.checkpoint.persist._pool import StagingPool
 from storage.checkpoint.persist._shm import SharedMemoryFull, send_segments
-from storage.checkpoint.persist._whole import ONE_WRITE, send_whole
+from storage.checkpoint.persist._whole import ONE_WRITE, OwnedLock, send_whole
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ class Worker:
     def __init__(self, copy_threads: int = 1) -> None:
         self.copy_threads = copy_threads  # its staging pool's (see StagingPool)
         self._warmed: set[tuple[int | None, type]] = set()  # (worker pid, storage type)
-        self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self._lock = OwnedLock("the persist worker's state")
+        self._send_lock = OwnedLock("a message to the persist worker")
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         # Each call in flight: its future, and its function's name for an error.
@@ -90,7 +90,8 @@ class Worker:
         self._foreground = 0  # saves in the foreground: the worker's pace pauses
         self._free = threading.Event()
         self._free.set()
-        self._taking = threading.Lock()  # a stage's wait for the buffers and its taking them
+        # A stage's wait for the buffers and its taking them.
+        self._taking = OwnedLock("staging, waiting for the previous save's buffers")
         self._pace_until: float | None = None  # the next save's deadline (pace_next)
         self._pace_for: str | None = None  # the checkpoint that save writes, if given
         self._paced = False  # a paced call went out and no hurry since
