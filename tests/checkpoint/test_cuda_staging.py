@@ -21,7 +21,7 @@ import storage
 from storage.checkpoint import CheckpointWriter, data_files, persist
 from storage.checkpoint.persist import _pool
 from storage.checkpoint.persist._cuda import InFlight, Pins
-from storage.checkpoint.persist._worker import Lease
+from storage.checkpoint.persist._lease import Lease
 from tests.support.trees import assert_tree_equal, zeros_like_tree
 
 BIG = 4 * _pool.SMALL

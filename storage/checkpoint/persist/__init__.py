@@ -42,12 +42,13 @@ from storage.checkpoint import data_files, heartbeat
 from storage.checkpoint.encode import plain_cpu_tensor
 from storage.checkpoint.persist._child import Pause, warm
 from storage.checkpoint.persist._cores import copy_threads, local_ranks, usable_cpus
+from storage.checkpoint.persist._lease import Lease
 from storage.checkpoint.persist._mapped import SegmentLost
 from storage.checkpoint.persist._messages import NotSendable
 from storage.checkpoint.persist._pool import StagingPool
 from storage.checkpoint.persist._shm import SharedMemoryFull
 from storage.checkpoint.persist._shm import available as _segments_available
-from storage.checkpoint.persist._worker import Lease, Worker
+from storage.checkpoint.persist._worker import Worker
 from storage.checkpoint.tensors import tensor_bytes
 
 if TYPE_CHECKING:

@@ -1,7 +1,8 @@
 """The training process's handle on its persist worker (:class:`Worker`): starts the
 worker process niced, sends it calls, hands each reply to its future and fails every
 call in flight when the worker dies (the failure semantics are in the package
-docstring). :class:`Lease` holds the staging buffers for one save."""
+docstring), and stages into its buffers, each save holding them by a
+:class:`._lease.Lease`."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from extensions.errors import WorkerDiedError
 from storage.checkpoint.persist._cuda import InFlight
 from storage.checkpoint.persist._launch import launch
+from storage.checkpoint.persist._lease import Lease
 from storage.checkpoint.persist._messages import (
     NotSendable,
     dumps_call,
@@ -44,33 +46,6 @@ PACE_MIN_SECONDS = 0.5  # a pace deadline closer than this: the writes go at ful
 PACE_MIN_BYTES = 1 << 20  # an upload smaller than this goes at full speed
 
 T = TypeVar("T")
-
-
-class Lease:
-    """The staging buffers, held by one save until the worker has read them (or the
-    save is given up: an unreleased lease is released when it is collected).
-    ``copies``: the stage's copies from CUDA still in flight, if any; nothing reads the
-    buffers before :meth:`wait_copied`, and releasing waits for them too (the buffers
-    and their CUDA registration must outlive every copy into them)."""
-
-    def __init__(self, free: threading.Event, copies: InFlight | None = None) -> None:
-        self._free: threading.Event | None = free
-        self.copies = copies
-
-    def wait_copied(self) -> None:
-        """Return once the staged copy is complete (at once when it was from CPU)."""
-        if self.copies is not None:
-            self.copies.wait()
-
-    def release(self) -> None:
-        free, self._free = self._free, None  # once: the next save may hold the event
-        if free is not None:
-            try:
-                self.wait_copied()
-            finally:
-                free.set()
-
-    __del__ = release
 
 
 class Worker:
@@ -420,7 +395,7 @@ class Worker:
     def stage(self, state_dict: Any) -> tuple[Any, Lease]:
         """Copy ``state_dict`` into the staging buffers, once the previous save that
         holds them is done reading; returns the staged copy and its lease. Copies from
-        CUDA are only enqueued when this returns: see :class:`Lease`."""
+        CUDA are only enqueued when this returns: see :class:`._lease.Lease`."""
         pool = self.start()  # a dead worker is reported here, before anything is staged
         if not self._free.is_set():
             # Held by a save still writing, which may be paced (another manager's): this
