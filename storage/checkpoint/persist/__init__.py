@@ -272,6 +272,18 @@ def item_ref(pool: StagingPool | None, item: WriteItem, data: object) -> tuple[A
     return ("value", raw, tensor.dtype, tuple(tensor.shape))
 
 
+def _as_sent(files: list[tuple[str, list[WriteItem]]]) -> list[tuple[str, list[WriteItem]]]:
+    """``files`` as the worker needs them: each item's key and type. Its tensor's
+    layout (chunk, properties, size) stays here: the worker writes the staged data as
+    it finds it, and pickling those took most of a call's body (0.3 s of the training
+    process's CPU for 20,000 items, every save)."""
+    return [(name, [_key_and_type(i) for i in items]) for name, items in files]
+
+
+def _key_and_type(item: WriteItem) -> WriteItem:
+    return WriteItem(index=item.index, type=item.type, bytes_io_data=item.bytes_io_data)
+
+
 def _ref_bytes(ref: tuple[Any, ...]) -> int:
     """The bytes an :func:`item_ref` stands for."""
     if ref[0] == "shm":
@@ -329,7 +341,7 @@ def write_staged(
             per_file, written, spent = w.call(
                 write_files,
                 writer,
-                files,
+                _as_sent(files),
                 threads,
                 refs,
                 max_bandwidth=mode.max_bandwidth,
