@@ -3,6 +3,7 @@ a fresh process.
 
     python benchmarks/small_items.py                      # 20,000 x 4 KB + 64 MB, 3 rounds
     python benchmarks/small_items.py --count 2000 --size 16384
+    python benchmarks/small_items.py --async-saves 4      # asynchronous saves instead
 
 Models with many small parameters (norms, biases, per-expert scales) make a save mostly
 per-item work: DCP's planning, torch.save's archive per tensor, the records. This runs
@@ -12,6 +13,12 @@ per-item work: DCP's planning, torch.save's archive per tensor, the records. Thi
 directory. Each timed call runs in a new interpreter; the state (and for a load its
 zeroed target) is built before the clock starts. A warm-up round, then ``--rounds``
 rounds alternating the sides; medians, ratio = stock s / ours s (> 1: we are faster).
+
+``--async-saves N``: instead, each side makes N asynchronous saves of the state in one
+process, as a training loop would (stock ``dcp.async_save`` with ``FileSystemWriter``,
+ours a ``CheckpointManager`` with ``save(blocking=False)``, defaults), each waited for
+before the next; the stall (the call's time) and the time to durable (its future
+resolved) of the saves after the first, medians; the first save's stall apart.
 """
 
 from __future__ import annotations
@@ -51,12 +58,69 @@ def _child(op: str, side: str, path: str, count: int, size: int) -> None:
     print(json.dumps(time.perf_counter() - start))
 
 
+def _async_child(side: str, path: str, count: int, size: int, saves: int) -> None:
+    sys.path.insert(0, ROOT)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import storage
+
+    torch.manual_seed(0)
+    state = {f"layers.{i}.scale": torch.randn(size // 4) for i in range(count)}
+    state.update({f"big.{i}": torch.randn(4 << 20) for i in range(4)})
+    manager = storage.CheckpointManager(path, keep_last=2) if side == "ours" else None
+    stalls, durable = [], []
+    for step in range(saves):
+        start = time.perf_counter()
+        if manager is not None:
+            future = manager.save(step, state, blocking=False)
+        else:
+            writer = dcp.FileSystemWriter(os.path.join(path, f"step-{step}"))
+            future = dcp.async_save(state, storage_writer=writer)
+        stalls.append(time.perf_counter() - start)
+        assert future is not None
+        future.result()
+        durable.append(time.perf_counter() - start)
+        if manager is None and step >= 2:  # stock keeps the last two, as ours does
+            shutil.rmtree(os.path.join(path, f"step-{step - 2}"), ignore_errors=True)
+    print(json.dumps({"stalls": stalls, "durable": durable}))
+
+
+def _async_main(args: argparse.Namespace) -> None:
+    work = tempfile.mkdtemp(prefix="dcp-small-items-")
+    found: dict[str, dict[str, list[float]]] = {}
+    try:
+        for side in ("stock", "ours"):
+            argv = [sys.executable, __file__, "--async-child", side, os.path.join(work, side)]
+            argv += [str(args.count), str(args.size), str(args.async_saves)]
+            done = subprocess.run(argv, capture_output=True, text=True, check=False)
+            if done.returncode:
+                raise SystemExit(f"{side} failed:\n{done.stderr[-3000:]}")
+            found[side] = json.loads(done.stdout.split("\n")[-2])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{args.count} tensors of {args.size} B + 4 x 16 MiB, {args.async_saves} saves")
+    print("| side | first stall s | stall s (median) | durable s (median) |")
+    print("|---|---|---|---|")
+    for side, got in found.items():
+        stalls, durable = got["stalls"], got["durable"]
+        later = stalls[1:] or stalls
+        print(
+            f"| {side} | {stalls[0]:.2f} | {statistics.median(later):.2f} | "
+            f"{statistics.median(durable[1:] or durable):.2f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--count", type=int, default=20000)
     parser.add_argument("--size", type=int, default=4096, help="bytes per small tensor")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--async-saves", type=int, default=0, help="see the module docstring")
     args = parser.parse_args()
+    if args.async_saves:
+        _async_main(args)
+        return
     work = tempfile.mkdtemp(prefix="dcp-small-items-")
     times: dict[tuple[str, str], list[float]] = {}
     try:
@@ -86,7 +150,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+    if len(sys.argv) > 1 and sys.argv[1] == "--async-child":
+        _async_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--child":
         _child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
     else:
         main()
