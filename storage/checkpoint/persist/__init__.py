@@ -34,11 +34,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from extensions._compat import StateDictStager
 from extensions.errors import WorkerDiedError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import data_files, heartbeat
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.encode import plain_cpu_tensor
 from storage.checkpoint.persist._child import Pause, warm
 from storage.checkpoint.persist._cores import copy_threads, local_ranks, usable_cpus
@@ -338,7 +340,7 @@ def write_staged(
         for name in [name for name, _ in files] + [beat]:
             attempt.record(name)
         try:
-            per_file, written, spent = w.call(
+            records, written, spent = w.call(
                 write_files,
                 writer,
                 _as_sent(files),
@@ -363,4 +365,10 @@ def write_staged(
     finally:
         lease.release()
     attempt.adopt(written, spent)
-    return per_file
+    return [
+        [
+            WriteResult(index=index, size_in_bytes=size, storage_data=fmt.new_storage_info(record))
+            for index, size, record in rs
+        ]
+        for rs in records
+    ]

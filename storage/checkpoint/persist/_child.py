@@ -39,6 +39,7 @@ import torch
 from extensions.errors import CheckpointStorageError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import deadline
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.persist._mapped import forget, keep, rebuild
 from storage.checkpoint.persist._shm import more_descriptors, receive_segments
 
@@ -70,11 +71,18 @@ def write_files(
     writer: Any, files: list[Any], threads: int, refs: dict[Any, tuple[Any, ...]]
 ) -> tuple[list[Any], list[str], float]:
     """A save's data writes, run here: the writer's own code with the staged data;
-    returns the results, the data files written (names in the checkpoint) and the
-    deadline budget spent, for the training process's ``SaveAttempt.adopt``."""
+    returns the results (each its key, size and record), the data files written (names
+    in the checkpoint) and the deadline budget spent, for the training process's
+    ``SaveAttempt.adopt``."""
     limit_writes(writer.fs)
     per_file = writer.write_files(files, threads, _Resolved(refs, writer.url))
-    return per_file, writer.attempt.names, writer.attempt.budget.spent
+    # Each result as its record (known here without parsing): the training process
+    # rebuilds the results from them instead of checking every record it gets back.
+    records = [
+        [(r.index, r.size_in_bytes, fmt.stored_item(r.storage_data)) for r in results]
+        for results in per_file
+    ]
+    return records, writer.attempt.names, writer.attempt.budget.spent
 
 
 def warm(fs: FileSystemBase) -> None:
@@ -159,6 +167,10 @@ class _Bucket:
 
     def take(self, n: int, owner: object = None) -> None:
         """Wait until ``n`` more bytes written by call ``owner`` fit under the limits."""
+        if self.rate is None and self.pace is None:
+            # Nothing limits writes (read without the lock: a limit set meanwhile holds
+            # from the next write on): a save of many small items makes ~3 writes each.
+            return
         with self._changed:
             if n <= 0 or (self.rate is None and not self._paced(owner)):
                 return
