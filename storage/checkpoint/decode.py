@@ -5,7 +5,6 @@ The reader and read-once sharing both decode through here."""
 
 from __future__ import annotations
 
-import ctypes
 import io
 import math
 import pickle
@@ -19,7 +18,12 @@ from torch.distributed.checkpoint.planner import ReadItem
 from extensions.errors import IntegrityError, UnsafeCheckpointError, printable
 from extensions.streams import BoundedReader, pump, read_all, readinto_exact, skip
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint.tensors import holds_its_bytes, tensor_bytes
+from storage.checkpoint.tensors import (
+    copy_into_memory,
+    has_plain_memory,
+    holds_its_bytes,
+    tensor_bytes,
+)
 
 #: Default floor of the decoded size of a non-tensor item (``max_object_bytes``).
 MAX_OBJECT_BYTES = 16 << 20
@@ -151,14 +155,9 @@ def copy_held(
         return False
     sizes, dtype = chunk
     if not (
-        type(target) is torch.Tensor  # a subclass's data pointer may not be its values
-        # Nor is the pointer of a tensor without strided memory of its own (a ZeroTensor's
-        # is null, an MKL-DNN tensor has none to give): the checked way refuses those.
-        and target.layout == torch.strided
-        and not target._is_zerotensor()
-        and target.dtype == dtype
+        target.dtype == dtype
         and tuple(target.size()) == tuple(sizes)
-        and holds_its_bytes(target)
+        and has_plain_memory(target)  # the checked way refuses the others, naming them
         and _stored_as(record, dtype, sizes)
     ):
         return False
@@ -173,12 +172,8 @@ def copy_held(
         return False
     if held.readonly:
         tensor_bytes(target)[:] = held[offset:end]
-    elif end > offset:
-        # One memmove into the target's memory (contiguous, on the CPU: checked above),
-        # from the held bytes: a byte view of the target costs four torch calls, the
-        # most of a small item's time.
-        source = ctypes.addressof(ctypes.c_char.from_buffer(held)) + offset
-        ctypes.memmove(target.data_ptr(), source, end - offset)
+    else:  # one call: a byte view of the target costs four, most of a small item's time
+        copy_into_memory(target, held[offset:end])
     return True
 
 

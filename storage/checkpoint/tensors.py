@@ -1,9 +1,12 @@
 """Tensors as the read path meets them: a target checked against the stored chunk
 before any byte is read, one allocated for a stored tensor only once its claim is
-checked, and a tensor's memory as writable bytes."""
+checked, and a tensor's memory as writable bytes; and the raw memory of a plain tensor,
+copied from or into in one call (many small items cost their per-item calls, not bytes).
+"""
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Any
 
@@ -47,6 +50,34 @@ def holds_its_bytes(tensor: torch.Tensor) -> bool:
         and not tensor.is_conj()
         and not tensor.is_neg()
     )
+
+
+def has_plain_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values are the ``numel * element_size`` bytes at its data
+    pointer: :func:`holds_its_bytes`, and no subclass (whose pointer need not be its
+    values), no other layout (MKL-DNN has no pointer to give) and no ZeroTensor (whose
+    pointer is null)."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.layout == torch.strided
+        and not tensor._is_zerotensor()
+        and holds_its_bytes(tensor)
+    )
+
+
+def copy_of_memory(tensor: torch.Tensor) -> bytes:
+    """The bytes of a tensor that :func:`has_plain_memory` (checked by the caller),
+    copied in one call."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
+
+
+def copy_into_memory(tensor: torch.Tensor, source: memoryview) -> None:
+    """Copy ``source`` (writable; exactly the tensor's bytes) into a tensor that
+    :func:`has_plain_memory` (checked by the caller), in one call."""
+    if len(source):
+        address = ctypes.addressof(ctypes.c_char.from_buffer(source))
+        ctypes.memmove(tensor.data_ptr(), address, len(source))
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:

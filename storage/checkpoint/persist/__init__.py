@@ -51,7 +51,7 @@ from storage.checkpoint.persist._pool import StagingPool
 from storage.checkpoint.persist._shm import SharedMemoryFull
 from storage.checkpoint.persist._shm import available as _segments_available
 from storage.checkpoint.persist._worker import Worker
-from storage.checkpoint.tensors import tensor_bytes
+from storage.checkpoint.tensors import copy_of_memory, has_plain_memory, tensor_bytes
 
 if TYPE_CHECKING:
     from storage.checkpoint.options import WriterSettings  # which imports this module
@@ -265,10 +265,13 @@ def item_ref(pool: StagingPool | None, item: WriteItem, data: object) -> tuple[A
     the bytes themselves (non-tensor values, small tensors)."""
     if item.type == WriteItemType.BYTE_IO:
         return ("bytes", data.getvalue())  # type: ignore[attr-defined]
-    if isinstance(data, torch.Tensor) and pool is not None:
-        where = pool.locate(data.detach())
+    if isinstance(data, torch.Tensor):
+        plain = data.detach()
+        where = None if pool is None else pool.locate(plain)
         if where is not None:
             return ("shm", where[0], where[1], data.dtype, tuple(data.shape))
+        if has_plain_memory(plain):  # one copy, in one call
+            return ("value", copy_of_memory(plain), plain.dtype, tuple(plain.shape))
     tensor = plain_cpu_tensor(data)
     raw = bytes(tensor_bytes(tensor))
     return ("value", raw, tensor.dtype, tuple(tensor.shape))
