@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import sys
 import time
 from typing import Any
 
@@ -140,6 +141,14 @@ def main() -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+        # Exit at once, as tests.support.distributed.gloo_group does: in the
+        # interpreter's own teardown, objects still holding the groups (the manager's
+        # own gloo group for asynchronous saves) destroy gloo's threads in no particular
+        # order, which now and then aborts the process ("terminate called without an
+        # active exception") after everything it was to do is done.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
