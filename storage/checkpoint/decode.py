@@ -145,7 +145,7 @@ def copy_held(
     target: torch.Tensor,
 ) -> bool:
     """Copy a plain (untransformed) tensor item whose stored bytes are ``held`` in
-    memory straight into ``target``, once its length and CRC-32C match the record;
+    (writable) memory straight into ``target``, once its length and CRC-32C match the record;
     ``False`` (nothing written) where anything does not fit the direct way: the caller
     then decodes ``held`` as a stream, which names what is wrong. For many small
     items, where per-item work is the cost, not bytes (:func:`decode_tensor` is the
@@ -170,10 +170,8 @@ def copy_held(
         or (record.crc32c is not None and crc32c.crc32c(held) != record.crc32c)
     ):
         return False
-    if held.readonly:
-        tensor_bytes(target)[:] = held[offset:end]
-    else:  # one call: a byte view of the target costs four, most of a small item's time
-        copy_into_memory(target, held[offset:end])
+    # One call: a byte view of the target costs four, most of a small item's time.
+    copy_into_memory(target, held[offset:end])
     return True
 
 
