@@ -25,7 +25,7 @@ Each item records the descriptors in that same order (``[A, B]``), which is also
 order torch records them in; a reader undoes them in reverse (B first, then A).
 
 **Version 2** adds, to subclasses of :class:`StreamTransformExtension`, one per-item
-hook and four capabilities, each with a default that keeps a version-1 transform
+hook and five capabilities, each with a default that keeps a version-1 transform
 working as it did:
 
 ``for_item(item)``
@@ -49,6 +49,15 @@ working as it did:
     A secret key, derived from the transform's own, under which incremental saves key
     the content fingerprints they record (so nobody without it can test a guess of the
     content); the first transform of a chain that returns one keys the fingerprints.
+``seal_key_ids(version)`` (classmethod) and ``seal_key()`` (default: none)
+    Sealed metadata. A keyed transform that binds each item to the save that wrote it
+    (``ItemInfo.save``) names, for the descriptor ``name/version``, the key ids under
+    which the metadata of a checkpoint holding such items must be sealed; for one
+    item, ``seal_key()`` gives that key id and the MAC key, derived from the
+    transform's key (a decoder looks its key up as it would to decode). Writers seal
+    the metadata under every such key of their chain; readers refuse such an item
+    unless the metadata it was found through carries a seal that verifies
+    (``storage.checkpoint.seal``), so no record of it can be changed or rolled back.
 ``frame_decoder(version)`` and ``frames(version, read_at, length)`` (classmethods, default: none)
     Splittable into independent frames. A transform whose output for an item is a
     sequence of pieces that each decode on their own offers, for the descriptor
@@ -122,7 +131,10 @@ class ItemInfo:
     unambiguous name a cipher binds ciphertext to (``None`` outside a checkpoint: then
     ``item`` is the name, with no offsets); ``dtype`` (e.g. ``"bfloat16"``) and
     ``element_size`` are set for tensor items and ``None`` for opaque bytes; ``keys``
-    resolves a key id to key bytes.
+    resolves a key id to key bytes. ``save`` is the id of the save that wrote the item
+    (set by the writer, and by a reader from the item's record; ``None`` outside a
+    checkpoint, or for an item recorded without one): what a cipher binds the item to
+    beside its identity, so the same item of another save does not authenticate.
     ``plain_bytes``, set by a reader, is the most plain bytes it accepts from the item
     once every stage is undone (from the request, never from what the checkpoint
     claims; ``None`` when unknown): a decoder may size what a stored header asks for by
@@ -136,6 +148,7 @@ class ItemInfo:
     element_size: int | None = None
     keys: KeyLookup | None = None
     plain_bytes: int | None = None
+    save: str | None = None
 
 
 class StreamTransformExtension(TorchStreamTransform):  # type: ignore[misc,valid-type]
@@ -173,6 +186,17 @@ class StreamTransformExtension(TorchStreamTransform):  # type: ignore[misc,valid
 
     def fingerprint_key(self) -> bytes | None:
         """The key of keyed content fingerprints (default: ``None``, not keyed)."""
+        return None
+
+    @classmethod
+    def seal_key_ids(cls, version: str) -> tuple[str, ...]:
+        """The key ids under which the metadata of a checkpoint holding an item stored
+        as ``name/version`` must be sealed (default: none, no seal required)."""
+        return ()
+
+    def seal_key(self) -> tuple[str, bytes] | None:
+        """The key id and MAC key of the metadata seal for this item's stage (default:
+        ``None``); a decoder looks its key up as it would to decode."""
         return None
 
     @classmethod

@@ -174,6 +174,25 @@ class ExtensionRegistry:
             found += [key_id for key_id in ids if key_id not in found]
         return found
 
+    def seal_keys(self, descriptors: Sequence[str], item: ItemInfo) -> dict[str, bytes]:
+        """The metadata seal keys, by key id, that an item recorded with ``descriptors``
+        requires (the contract's ``seal_key_ids`` and ``seal_key``): empty for a chain
+        with no stage that binds items to their save. Keys are looked up as decoding
+        would look them up (a missing one raises :class:`MissingKeyError`)."""
+        found: dict[str, bytes] = {}
+        for descriptor in descriptors:
+            name, version = parse_descriptor(descriptor)
+            cls = self._contract_class(name)
+            try:
+                if cls is None or not cls.seal_key_ids(version):
+                    continue
+            except ValueError:
+                continue  # decoding reports it, naming the item
+            sealed = stage_for(self.decoder(descriptor, item), item).seal_key()
+            if sealed is not None:
+                found.setdefault(*sealed)
+        return found
+
     def framing(self, descriptors: Sequence[str]) -> Framing | None:
         """The frames of items recorded with ``descriptors``, when the chain is one
         stage that offers them (the contract's ``frame_decoder`` and ``frames``), else
@@ -237,6 +256,18 @@ def chain_descriptors(transforms: Sequence[Any], item: ItemInfo) -> list[str]:
     """The descriptors ``transforms`` record for ``item``, in application order, without
     encoding anything (an incremental save compares them with a base item's)."""
     return [stage_for(transform, item).get_descriptor() for transform in transforms]
+
+
+def chain_seal_keys(transforms: Sequence[Any], item: ItemInfo) -> dict[str, bytes]:
+    """The metadata seal keys, by key id, under which a writer using ``transforms`` for
+    ``item`` (of a save: ``item.save`` set) seals its checkpoint's metadata."""
+    found: dict[str, bytes] = {}
+    for transform in transforms:
+        stage = stage_for(transform, item)
+        sealed = stage.seal_key() if isinstance(stage, StreamTransformExtension) else None
+        if sealed is not None:
+            found.setdefault(*sealed)
+    return found
 
 
 _global: dict[str, type] = {}

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from extensions._compat import item_size
 from extensions.base import ItemInfo
-from extensions.registry import chain_descriptors
+from extensions.registry import chain_descriptors, chain_seal_keys
 from storage.checkpoint import heartbeat, incremental
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
@@ -48,6 +48,15 @@ class FileSettings:
     rank: int
     sync: bool
     fingerprints: Mapping[Any, incremental.Fingerprint]
+    #: The save id each item records and its transforms bind (``recorded_save``).
+    save: str | None = None
+
+
+def recorded_save(transforms: Sequence[Any], save_id: str) -> str | None:
+    """The save id items written with ``transforms`` in save ``save_id`` record and are
+    bound to (``ItemInfo.save``): ``save_id`` when a stage of the chain seals the
+    metadata (AES-256-GCM with a key), else ``None`` (nothing would check it)."""
+    return save_id if chain_seal_keys(transforms, ItemInfo(save=save_id)) else None
 
 
 def split_into_files(
@@ -105,6 +114,7 @@ def fingerprint_items(
     url: str,
     base: incremental.Base | None,
     fingerprints: dict[Any, incremental.Fingerprint],
+    save: str | None,
 ) -> tuple[list[WriteItem], list[WriteResult]]:
     """Fingerprint every item into ``fingerprints``; returns the items to write and the
     references to ``base``'s bytes for those whose content and chain it holds already."""
@@ -117,7 +127,7 @@ def fingerprint_items(
         fingerprints[item.index] = content
         info = None
         if base is not None:
-            descriptors = chain_descriptors(transforms, item_info(url, item, tensor))
+            descriptors = chain_descriptors(transforms, item_info(url, item, tensor, save))
             info = base.reference(item.index, descriptors, content)
         if info is None:
             to_write.append(item)
@@ -196,14 +206,16 @@ def _write_file(
     return results
 
 
-def item_info(url: str, item: WriteItem, tensor: torch.Tensor | None) -> ItemInfo:
-    """What the transforms are told of ``item`` (of the checkpoint at ``url``)."""
+def item_info(url: str, item: WriteItem, tensor: torch.Tensor | None, save: str | None) -> ItemInfo:
+    """What the transforms are told of ``item`` (of the checkpoint at ``url``, written
+    by save ``save`` when its chain binds items to their save)."""
     return ItemInfo(
         checkpoint=url,
         item=fmt.item_label(item.index),
         identity=fmt.item_identity(item.index),
         dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else None,
         element_size=tensor.element_size() if tensor is not None else None,
+        save=save,
     )
 
 
@@ -221,8 +233,14 @@ def _write_item(
     if item.type != WriteItemType.BYTE_IO:
         tensor = plain_cpu_tensor(data)
     content = settings.fingerprints.get(item.index)
-    start = fmt.StoredItem(name, offset, 0, content=None if content is None else content.record())
-    info = item_info(url, item, tensor)
+    start = fmt.StoredItem(
+        name,
+        offset,
+        0,
+        content=None if content is None else content.record(),
+        save=settings.save,
+    )
+    info = item_info(url, item, tensor, settings.save)
     record = encode_item(stream, settings.transforms, info, data, tensor, start)
     return WriteResult(
         index=item.index,

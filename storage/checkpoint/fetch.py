@@ -16,9 +16,10 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import IO
+from typing import IO, Any
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from extensions._compat import narrow_tensor_by_index
@@ -39,7 +40,7 @@ from storage.checkpoint.decode import (
     plain_value,
     read_bounded,
 )
-from storage.checkpoint.items import StoredItemReader, check_before_read
+from storage.checkpoint.items import StoredItemReader, check_before_read, encryption_required
 from storage.checkpoint.load_context import LoadContext
 from storage.checkpoint.prefixes import refuse_linked_prefix
 from storage.checkpoint.tensors import check_shapes, tensor_bytes
@@ -86,7 +87,9 @@ def read_items(
     lock = threading.Lock()
     keys = cached_key_lookup(load.keys)
     # Before any byte is fetched: a plain item where encryption is required, a
-    # missing key or a failing key provider is reported as itself.
+    # missing key or a failing key provider is reported as itself; then, where keys
+    # were given, the seal of the whole metadata (every encrypted item of a sealed
+    # checkpoint needs a key, which the first check finds missing otherwise).
     for _, run in runs:
         for item in run:
             descriptors = item.info.descriptors
@@ -99,7 +102,12 @@ def read_items(
                 load.registry,
                 require_encryption=load.require_encryption,
                 decode=True,
+                seal=None,
             )
+    if encryption_required(None, load.keys):
+        load.seal.require_all(
+            load.registry, lambda index: _info_of(load, index, keys, load.storage_data[index])
+        )
     if not runs:
         return
     # Items in frames are decoded on every core while these threads read on (frames.py).
@@ -361,12 +369,20 @@ def _copy_into(decoded: torch.Tensor, req: ReadItem, target: torch.Tensor, where
 
 
 def _item_info(load: LoadContext, item: _PlannedRead, keys: KeyLookup | None) -> ItemInfo:
-    chunk = load.chunks.get(item.req.storage_index)
+    return _info_of(load, item.req.storage_index, keys, item.info)
+
+
+def _info_of(
+    load: LoadContext, index: MetadataIndex, keys: KeyLookup | None, record: Any
+) -> ItemInfo:
+    """What the transforms are told of the item at ``index`` (recorded as ``record``)."""
+    chunk = load.chunks.get(index)
     return ItemInfo(
         checkpoint=load.url,
-        item=fmt.item_label(item.req.storage_index),
-        identity=fmt.item_identity(item.req.storage_index),
+        item=fmt.item_label(index),
+        identity=fmt.item_identity(index),
         dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
         element_size=chunk[1].itemsize if chunk else None,
         keys=keys,
+        save=fmt.stored_item(record).save,
     )

@@ -22,6 +22,7 @@ from extensions.errors import IntegrityError, UnsafeCheckpointError, printable, 
 from extensions.keys import lookup_key
 from extensions.registry import ExtensionRegistry, encoding_stream
 from extensions.streams import BoundedReader, drain, read_all
+from storage.checkpoint.seal import SealCheck
 
 # Large writes are forwarded and checksummed a block at a time: the CRC then reads what
 # the write just read (from cache, not memory), which measured ~0.1 s of CPU per GB less
@@ -180,16 +181,22 @@ def check_before_read(
     *,
     require_encryption: bool,
     decode: bool,
+    seal: SealCheck | None,
 ) -> None:
     """Refuse what can be refused before an item's bytes are fetched, each as itself: a
     plain item where encryption is required and, for an item to be decoded, a missing
-    key or a key provider that fails. What counts as encrypted and which keys are
-    needed is what the chain's transforms say (``authenticated``, ``key_ids``)."""
+    key or a key provider that fails, and a metadata whose ``seal`` the item requires
+    but which is missing or does not verify (``None``: the caller checks the seal, for
+    the whole metadata). What counts as encrypted, which keys are needed and which
+    seals is what the chain's transforms say (``authenticated``, ``key_ids``,
+    ``seal_key_ids``)."""
     if require_encryption and not registry.authenticated(descriptors):
         raise _not_encrypted(f"{item.checkpoint}: item {quote(item.item)}", registry)
     if decode:
         for key_id in registry.key_ids(descriptors):
             lookup_key(key_id, item)
+        if seal is not None:
+            seal.require(descriptors, item, registry)
 
 
 def _not_encrypted(where: str, registry: ExtensionRegistry) -> UnsafeCheckpointError:

@@ -18,6 +18,7 @@ from extensions.errors import IntegrityError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.deadline import Budget
+from storage.checkpoint.seal import SealCheck
 
 #: A tensor item's stored chunk: its sizes and dtype, as the metadata records them.
 Chunk = tuple[torch.Size, torch.dtype]
@@ -42,10 +43,11 @@ class LoadContext:
     per load so registrations made before the load count; ``keys``, the caller's keys or
     key provider; ``require_encryption``), the bound on a non-tensor item's decoded size
     (``max_object_bytes``), the reader's ``thread_count``, the load's deadline
-    (``budget``, the reader's, restarted when the load reads its global metadata) and
-    the ``process_group`` read-once shares over. Nothing changes it once built (the
-    mappings are the load's and nobody writes them); it tracks nothing a load reads
-    (each read's progress lives in the read)."""
+    (``budget``, the reader's, restarted when the load reads its global metadata),
+    the ``process_group`` read-once shares over, and the check of the metadata's
+    ``seal`` (``storage.checkpoint.seal``, made once, by the first read that needs it).
+    Nothing else changes once built (the mappings are the load's and nobody writes
+    them); it tracks nothing a load reads (each read's progress lives in the read)."""
 
     fs: FileSystemBase
     path: str
@@ -59,6 +61,7 @@ class LoadContext:
     thread_count: int
     budget: Budget
     process_group: Any
+    seal: SealCheck = field(repr=False)
 
     @classmethod
     def for_metadata(
@@ -99,4 +102,5 @@ class LoadContext:
             thread_count=thread_count,
             budget=budget,
             process_group=process_group,
+            seal=SealCheck(metadata, url),
         )

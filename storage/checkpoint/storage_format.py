@@ -97,10 +97,12 @@ DTYPE = "dtype"  # the stored tensor bytes' dtype ...
 NBYTES = "nbytes"  # ... and size
 CONTENT = "content"  # the fingerprint of the item's plain content (incremental saves)
 REF = "ref"  # the sibling checkpoint holding a referenced item's bytes
+SAVE = "save"  # the save that wrote the item, for a transform that binds it (AES)
 # Keys of a checkpoint's facts (``Metadata.dcp_storage``):
 FORMAT = "format"
 ORIGIN = "origin"  # the save id of the save a copy was made from
 CHAIN = "chain"  # incremental saves since the last full one
+SEAL = "seal"  # the metadata's MACs by key id (``storage.checkpoint.seal``)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class StoredItem:
     nbytes: int | None = None
     content: str | None = None
     ref: str | None = None
+    save: str | None = None
     others: tuple[tuple[str, Any], ...] = ()
 
     def facts(self) -> dict[str, Any]:
@@ -133,13 +136,14 @@ class StoredItem:
             (NBYTES, self.nbytes),
             (CRC32C, self.crc32c),
             (REF, self.ref),
+            (SAVE, self.save),
         ):
             if value is not None:
                 facts[key] = value
         return facts
 
 
-_KNOWN = frozenset({CRC32C, DATA_OFFSET, DTYPE, NBYTES, CONTENT, REF})
+_KNOWN = frozenset({CRC32C, DATA_OFFSET, DTYPE, NBYTES, CONTENT, REF, SAVE})
 
 
 def parse_facts(info: Any, facts: dict[str, Any]) -> StoredItem:
@@ -156,6 +160,7 @@ def parse_facts(info: Any, facts: dict[str, Any]) -> StoredItem:
         nbytes=facts.get(NBYTES),
         content=facts.get(CONTENT) if isinstance(facts.get(CONTENT), str) else None,
         ref=facts.get(REF),
+        save=facts.get(SAVE),
         others=tuple((k, v) for k, v in facts.items() if k not in _KNOWN),
     )
     _keep(info, record)

@@ -23,6 +23,7 @@ carries terminal escape sequences into a message.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import PurePath
@@ -49,6 +50,7 @@ from storage.checkpoint.storage_format import (
     EXTRA,
     NBYTES,
     REF,
+    SAVE,
     StoredItem,
     item_label,
     parse_facts,
@@ -65,6 +67,8 @@ MAX_DEPTH = 32
 #: Most transforms one item's chain may list (a chain is 1-3 in practice): each stage is
 #: a decoder with its own buffers and a level of nesting in every read.
 MAX_CHAIN = 16
+#: What an item's ``save`` fact may hold: a save id (ours are 12 hex digits).
+_SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: Object-graph visits allowed per byte of metadata, plus a floor. Each node of a
 #: well-formed metadata costs at least one opcode byte, and its few shared objects
 #: (dtypes, a shared offsets tuple) a couple of visits each; measured: ~1 visit/byte.
@@ -320,5 +324,8 @@ def parse_item(info: object, where: str, label: str) -> StoredItem:
         _bad(where, label, f"its {DTYPE}", extra[DTYPE], "a str")
     if REF in extra:
         check_reference(extra[REF], where, label)
+    save = extra.get(SAVE)
+    if save is not None and not (isinstance(save, str) and _SAVE_ID.fullmatch(save)):
+        _bad(where, label, f"its {SAVE}", save, "a save id (1 to 64 letters, digits, '-' or '_')")
     # A fingerprint that is not a string matches nothing (the item is written again).
     return parse_facts(info, {k: v for k, v in extra.items() if k != CONTENT or isinstance(v, str)})

@@ -35,6 +35,7 @@ from storage.checkpoint.options import (
     stock_checkpoint_id,
     torch_alias,
 )
+from storage.checkpoint.seal import make_seals
 from storage.checkpoint.staging import WriterStaging
 
 DCP_VERSION = "1.0.0"
@@ -291,7 +292,13 @@ class CheckpointWriter(StorageWriter, WriterStaging):
                 raise
         if self.fingerprint:
             items, referenced = data_files.fingerprint_items(
-                items, planner, self.transforms, self.url, self._base, self.fingerprints
+                items,
+                planner,
+                self.transforms,
+                self.url,
+                self._base,
+                self.fingerprints,
+                data_files.recorded_save(self.transforms, self.attempt.save_id),
             )
         files, threads = data_files.split_into_files(
             items,
@@ -325,7 +332,11 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         ``planner.resolve_data`` gives; on failure remove what was written and raise.
         The persist worker runs this too, with the staged data (``data_files.py``)."""
         settings = data_files.FileSettings(
-            self.transforms, self.rank, self.sync_files, self.fingerprints
+            self.transforms,
+            self.rank,
+            self.sync_files,
+            self.fingerprints,
+            data_files.recorded_save(self.transforms, self.attempt.save_id),
         )
         return data_files.write_files(self.attempt, settings, files, threads, planner)
 
@@ -357,14 +368,18 @@ class CheckpointWriter(StorageWriter, WriterStaging):
     def metadata_payload(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
         """The serialized metadata :meth:`finish` publishes: ``metadata`` completed with
         the storage index of ``results``, this save's id and, for incremental saves, the
-        length of the chain since the last full save."""
+        length of the chain since the last full save, sealed under the chain's sealing
+        keys (``storage.checkpoint.seal``)."""
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
         metadata.storage_meta = StorageMeta(checkpoint_id=self.url, save_id=self.attempt.save_id)
         metadata.version = DCP_VERSION
-        extra = {}
+        extra: dict[str, Any] = {}
         if self.fingerprint:  # incremental saves since the last full one
             refs = any(fmt.stored_item(i).ref for i in metadata.storage_data.values())
             extra[fmt.CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
+        seals = make_seals(metadata, self.transforms, self.attempt.save_id)
+        if seals:
+            extra[fmt.SEAL] = seals
         return fmt.dump_metadata(metadata, **extra)
 
     def abort(self, error: BaseException | None = None) -> None:

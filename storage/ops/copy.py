@@ -10,6 +10,7 @@ metadata last, through the commit transaction (:func:`publish_copy`).
 from __future__ import annotations
 
 import copy
+import functools
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.items import check_before_read, encryption_required
 from storage.checkpoint.layout import metadata_names
 from storage.checkpoint.options import check_transforms
+from storage.checkpoint.seal import SealCheck, make_seals, seals_of
 from storage.ops.copy_data import CopiedFiles, copy_data_files
 from storage.ops.describe import Summary, describe
 from storage.ops.parts import Part, Progress, read_metadata
@@ -89,7 +91,9 @@ def copy_checkpoint(
             )
             attempt.adopt(copies[-1].names)
         for part, copied in zip(parts, copies):  # then each metadata, committed
-            publish_copy(dst_fs, dst_path, part, [copied], overwrite=overwrite)
+            publish_copy(
+                dst_fs, dst_path, part, [copied], overwrite=overwrite, transforms=transforms
+            )
             attempt.landed()  # a metadata names this save's files: they all stay
     except BaseException as exc:
         attempt.abort(exc)  # unless a commit may have landed
@@ -128,7 +132,13 @@ def _check_items(
             known,
             require_encryption=required,
             decode=transforms is not None,
+            seal=None,  # below, for the whole metadata
         )
+    if transforms is not None:  # re-encoded: nothing is sealed again unless it verifies
+        for part in parts:
+            SealCheck(part.metadata, src_url).require_all(
+                known, functools.partial(part.item_info, url=src_url, keys=key_lookup)
+            )
 
 
 def _check_destination(
@@ -161,20 +171,32 @@ def publish_copy(
     copies: Sequence[CopiedFiles],
     *,
     overwrite: bool,
+    transforms: Sequence[Any] | None = None,
 ) -> None:
     """The commit phase of :func:`copy_checkpoint`: publish ``part``'s metadata over the
-    data files of ``copies`` (every rank's share of one copy) under ``dst_path``. On
-    failure, removes those files unless the metadata may have landed, and raises."""
+    data files of ``copies`` (every rank's share of one copy, its items re-encoded with
+    ``transforms`` unless ``None``) under ``dst_path``. On failure, removes those files
+    unless the metadata may have landed, and raises. The source's seal carries over to
+    a copy of the stored bytes (it seals no location); a re-encoded copy is sealed
+    afresh under its chain's keys."""
     save_id = copies[0].save_id if copies else uuid.uuid4().hex[:12]
     new_meta = copy.copy(part.metadata)
     new_meta.storage_data = {i: info for c in copies for i, info in c.infos.items()}
     new_meta.storage_meta = StorageMeta(checkpoint_id=dst_fs.url(dst_path), save_id=save_id)
+    extra: dict[str, Any] = {}
     origin = fmt.save_of(part.metadata)  # the copy holds the same save's state
+    if origin is not None:
+        extra[fmt.ORIGIN] = origin
+    seals = seals_of(part.metadata) if transforms is None else None
+    if seals is None:
+        seals = make_seals(new_meta, transforms or [], save_id)
+    if seals:
+        extra[fmt.SEAL] = seals
     commit_checkpoint(
         dst_fs,
         dst_path,
         part.name,
-        lambda: fmt.dump_metadata(new_meta, **({} if origin is None else {fmt.ORIGIN: origin})),
+        lambda: fmt.dump_metadata(new_meta, **extra),
         save_id=save_id,
         infos=new_meta.storage_data.values(),
         new_files={n for c in copies for n in c.names},

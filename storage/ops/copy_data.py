@@ -39,6 +39,7 @@ from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.committed import open_committed
+from storage.checkpoint.data_files import recorded_save
 from storage.checkpoint.decode import MAX_OBJECT_BYTES, backed_value, plain_limit
 from storage.checkpoint.incremental import (
     check_bases,
@@ -184,6 +185,8 @@ class _FileCopy:
         self.attempt, self.dst_fs = attempt, attempt.fs
         self.part, self.copied = part, copied
         self.chain = None if transforms is None else list(transforms)
+        # A transcoded item is written by this copy, bound to it where the chain binds.
+        self.save = None if self.chain is None else recorded_save(self.chain, attempt.save_id)
         self.keys = cached_key_lookup(keys)
         self.lock = threading.Lock()
 
@@ -225,7 +228,7 @@ class _FileCopy:
                     # bytes that arrive (a transcoding copy never writes out more).
                     stored, limit = backed_value(source, int(info.length), MAX_OBJECT_BYTES)
                 count, crc, descriptors = _copy_item(
-                    stored, out, info, item, self.chain, self.registry, limit
+                    stored, out, info, item, self.chain, self.registry, limit, self.save
                 )
                 self._record(index, info, dst_name, out_offset, count, crc, descriptors)
                 out_offset += count
@@ -254,6 +257,7 @@ class _FileCopy:
             crc32c=crc,
             ref=None,
             content=content,
+            save=record.save if self.chain is None else self.save,
         )
         with self.lock:
             self.copied.infos[index] = fmt.new_storage_info(copied)
@@ -353,10 +357,11 @@ def _copy_item(
     chain: list[Any] | None,
     registry: ExtensionRegistry | None,
     limit: int,
+    save: str | None,
 ) -> tuple[int, int, list[str]]:
     """Stream one stored item into ``out`` (as stored when ``chain`` is None, else
-    decoded, at most ``limit`` plain bytes, and encoded with ``chain``); returns
-    (stored length, crc32c, descriptors)."""
+    decoded, at most ``limit`` plain bytes, and encoded with ``chain`` as an item of
+    the save ``save``); returns (stored length, crc32c, descriptors)."""
     stored = StoredItemReader(
         source,
         int(info.length),
@@ -369,7 +374,7 @@ def _copy_item(
             encoder = ItemEncoder(out, [], item)
             pump(stored.raw, encoder.plain)
         else:
-            encoder = ItemEncoder(out, chain, item)
+            encoder = ItemEncoder(out, chain, replace(item, save=save))
             decoded = stored.decoded(
                 registry or ExtensionRegistry(), replace(item, plain_bytes=limit)
             )

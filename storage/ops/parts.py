@@ -53,6 +53,7 @@ class Part:
             dtype=str(facts[1]).removeprefix("torch.") if facts else None,
             element_size=facts[1].itemsize if facts else None,
             keys=keys,
+            save=fmt.stored_item(self.metadata.storage_data[index]).save,
         )
 
 

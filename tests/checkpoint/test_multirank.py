@@ -14,11 +14,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import storage
-from extensions import ZStandard
+from extensions import AES256GCM, ZStandard
+from storage.checkpoint import storage_format as fmt
 from tests.support.distributed import gloo_group, spawn
 from tests.support.scale_fs import ProbeFileSystem
 
 WORLD = 2
+KEY = bytes(range(32))  # test-only
+
+
+def _transforms(chain: str) -> list[object]:
+    return {"none": [], "zstd": [ZStandard()], "zstd+aes": [ZStandard(), AES256GCM(key=KEY)]}[chain]
+
+
+def _keys(chain: str) -> dict[str, bytes] | None:
+    return {"default": KEY} if "aes" in chain else None
 
 
 def _full() -> dict[str, torch.Tensor]:
@@ -40,11 +50,10 @@ def _save_worker(rank: int, store: str, path: str, chain: str) -> None:
             "bias": full["bias"],  # replicated plain tensor: deduplicated across ranks
             "step": 5,
         }
-        transforms = [ZStandard()] if chain == "zstd" else []
-        storage.save(state, path, transforms=transforms)
+        storage.save(state, path, transforms=_transforms(chain))
 
 
-def _load_worker(rank: int, store: str, path: str) -> None:
+def _load_worker(rank: int, store: str, path: str, chain: str) -> None:
     with gloo_group(rank, WORLD, store):
         mesh = init_device_mesh("cpu", (WORLD,))
         full = _full()
@@ -55,7 +64,7 @@ def _load_worker(rank: int, store: str, path: str) -> None:
             "bias": torch.zeros(6),
             "step": 0,
         }
-        storage.load(state, path)
+        storage.load(state, path, keys=_keys(chain))
         for key in ("w", "emb"):
             local = state[key]
             assert isinstance(local, DTensor)
@@ -64,15 +73,23 @@ def _load_worker(rank: int, store: str, path: str) -> None:
         assert state["step"] == 5
 
 
-@pytest.mark.parametrize("chain", ["none", "zstd"])
+@pytest.mark.parametrize("chain", ["none", "zstd", "zstd+aes"])
 def test_two_rank_save_reload_on_two_and_one(tmp_path: Path, chain: str) -> None:
     path = str(tmp_path / "ckpt")
     spawn(_save_worker, args=(str(tmp_path / "store1"), path, chain), nprocs=WORLD)
     names = sorted(os.listdir(path))
     assert ".metadata" in names
     assert any(n.startswith("__0_") for n in names) and any(n.startswith("__1_") for n in names)
+    if "aes" in chain:  # both ranks' items bound to their save, one seal over them all
+        metadata = fmt.load_metadata((Path(path) / ".metadata").read_bytes(), path)
+        assert set(fmt.checkpoint_facts(metadata)[fmt.SEAL]) == {"default"}
+        saves = {
+            fmt.file_rank(i.relative_path): fmt.stored_item(i).save
+            for i in metadata.storage_data.values()
+        }
+        assert set(saves) == {0, 1} and None not in saves.values()
 
-    spawn(_load_worker, args=(str(tmp_path / "store2"), path), nprocs=WORLD)
+    spawn(_load_worker, args=(str(tmp_path / "store2"), path, chain), nprocs=WORLD)
 
     # One process, no process group: the full tensors are assembled from both shards.
     full = _full()
@@ -82,7 +99,7 @@ def test_two_rank_save_reload_on_two_and_one(tmp_path: Path, chain: str) -> None
         "bias": torch.zeros(6),
         "step": 0,
     }
-    storage.load(single, path)
+    storage.load(single, path, keys=_keys(chain))
     for key in ("w", "emb", "bias"):
         assert torch.equal(single[key], full[key]), key
     assert single["step"] == 5

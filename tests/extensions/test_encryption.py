@@ -8,6 +8,7 @@ stands between the change and the loaded tensors.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -34,9 +35,11 @@ from extensions import (
     ZStandard,
     keys_from_environment,
 )
-from extensions.encryption import TAG_SIZE, _associated_prefix
+from extensions._aes_stream import TAG_SIZE
+from extensions._aes_stream import associated_prefix as _associated_prefix
 from extensions.testing import FlushOnlyClose
 from storage.checkpoint import storage_format as fmt
+from tests.support.sealing import resealed
 from tests.support.trees import assert_tree_equal, zeros_like_tree
 
 KEY = hashlib.sha256(b"dcp-storage test key").digest()
@@ -45,7 +48,7 @@ HEADER = 37
 CHUNK = 4096
 GOLDENS = Path(__file__).parents[1] / "golden"
 # AES format 1 (written by an earlier release) and format 2, each with its manifest.
-GOLDEN_SETS = [GOLDENS / "transforms", GOLDENS / "transforms-aes2"]
+GOLDEN_SETS = [GOLDENS / "transforms", GOLDENS / "transforms-aes2", GOLDENS / "transforms-aes3"]
 GOLDEN_KEY = bytes(range(32))  # the golden items' key; test-only, never a real secret
 
 
@@ -88,7 +91,8 @@ def rewrite(ckpt: Path, edit: Callable[[dict[str, bytes]], None]) -> None:
             getattr(info, fmt.EXTRA)[fmt.CRC32C] = crc32c.crc32c(stored[fqn])
             layout += stored[fqn]
         (ckpt / name).write_bytes(bytes(layout))
-    meta_path.write_bytes(fmt.dump_metadata(metadata))
+    # Resealed, as its writer would: these tests reach the items' own checks.
+    meta_path.write_bytes(resealed(metadata, AES256GCM(key=KEY, key_id="k1")))
 
 
 def records(data: bytes) -> list[bytes]:
@@ -144,7 +148,7 @@ def test_compression_happens_before_encryption(tmp_path: Path) -> None:
     metadata = fmt.load_metadata((tmp_path / ".metadata").read_bytes(), str(tmp_path))
     (info,) = metadata.storage_data.values()
     assert info.transform_descriptors[0] == "stream.zstd/1"
-    assert info.transform_descriptors[1].startswith("dcp_storage.aes256gcm/2;key_id=k1;")
+    assert info.transform_descriptors[1].startswith("dcp_storage.aes256gcm/3;key_id=k1;")
     assert info.length < 10_000
 
 
@@ -282,10 +286,10 @@ def test_unknown_descriptor_version_names_the_item(tmp_path: Path) -> None:
     metadata = fmt.load_metadata(meta_path.read_bytes(), str(tmp_path))
     for info in metadata.storage_data.values():
         info.transform_descriptors = [
-            d.replace("aes256gcm/2", "aes256gcm/3") for d in info.transform_descriptors
+            d.replace("aes256gcm/3", "aes256gcm/4") for d in info.transform_descriptors
         ]
     meta_path.write_bytes(fmt.dump_metadata(metadata))
-    with pytest.raises(UnknownTransformError, match=r"item '(a|b)'.*aes256gcm/3"):
+    with pytest.raises(UnknownTransformError, match=r"item '(a|b)'.*aes256gcm/4"):
         load_into(tmp_path, state, keys={"k1": KEY})
 
 
@@ -356,6 +360,7 @@ def test_golden_items_keep_decoding(golden: Path) -> None:
             item=entry["item"],
             element_size=entry["element_size"],
             keys={"golden": GOLDEN_KEY}.__getitem__,
+            save=entry.get("save"),
         )
         raw = io.BytesIO((golden / entry["file"]).read_bytes())
         decoded = ExtensionRegistry().decoding_stream(entry["descriptors"], raw, item)
@@ -372,12 +377,14 @@ def test_golden_checkpoints_keep_loading(golden: Path, name: str) -> None:
         load_into(golden / name, expected)
 
 
-def test_golden_sets_hold_both_formats() -> None:
-    # Guards the goldens themselves: format 1 must stay covered once format 2 is written.
-    for golden, version in zip(GOLDEN_SETS, ("1", "2"), strict=True):
+def test_golden_sets_hold_every_format() -> None:
+    # Guards the goldens themselves: older formats must stay covered once a newer one
+    # is written, and format 3's checkpoints carry their seal.
+    for golden, version in zip(GOLDEN_SETS, ("1", "2", "3"), strict=True):
         metadata = fmt.load_metadata((golden / "ckpt-zstd-aes" / ".metadata").read_bytes(), "g")
         for info in metadata.storage_data.values():
             assert info.transform_descriptors[-1].startswith(f"dcp_storage.aes256gcm/{version};")
+        assert (fmt.SEAL in fmt.checkpoint_facts(metadata)) == (version == "3")
 
 
 # --- what the associated data binds -----------------------------------------------------
@@ -405,6 +412,14 @@ def test_the_item_binding_is_unambiguous_and_pinned() -> None:
         assert bound(*one) != bound(*other), (one, other)
     # Outside a checkpoint (no identity) the name is bound, with no offsets.
     assert _associated_prefix(ItemInfo(item="w"), 2) == bound("w", ())
+    # Format 3 binds the save after the identity, length-prefixed.
+    assert _associated_prefix(ItemInfo(item="w", identity=("w", (4,)), save="s1"), 3) == (
+        b"dcp_storage.aes256gcm/3\x00"
+        + b"\x00\x00\x00\x01w"
+        + b"\x00\x00\x00\x01"
+        + (4).to_bytes(8)
+        + b"\x00\x00\x00\x02s1"
+    )
     # Format 1's binding is kept, byte for byte, for the items earlier releases wrote.
     assert _associated_prefix(ItemInfo(item="w@[4]", identity=("w", (4,))), 1) == (
         b"dcp_storage.aes256gcm/1\x00w@[4]\x00"
@@ -414,11 +429,48 @@ def test_the_item_binding_is_unambiguous_and_pinned() -> None:
 def test_format_1_is_read_only() -> None:
     legacy = AES256GCM.from_descriptor("1;key_id=k1;chunk=4096")
     assert legacy.format == 1 and legacy.get_descriptor().startswith("dcp_storage.aes256gcm/1;")
-    assert AES256GCM(key=KEY).get_descriptor().startswith("dcp_storage.aes256gcm/2;")
     with pytest.raises(ValueError, match="format 1 is read only"):
         AES256GCM(key=KEY, format=1).transform_to(io.BytesIO())
     with pytest.raises(ValueError, match="format must be one of"):
-        AES256GCM(key=KEY, format=3)
+        AES256GCM(key=KEY, format=4)
+
+
+def test_an_item_of_a_save_is_bound_to_it_and_one_outside_any_is_not() -> None:
+    # Format 3 binds an item to the save that wrote it and asks for a sealed metadata;
+    # where no save is known (the transform used outside a checkpoint of ours, e.g. by
+    # stock DCP's writer) items are written in format 2, which needs neither.
+    aes = AES256GCM(key=KEY, key_id="k1")
+    assert aes.get_descriptor().startswith("dcp_storage.aes256gcm/2;")
+    bound = aes.for_item(ItemInfo(item="x", save="s1"))
+    assert bound.get_descriptor().startswith("dcp_storage.aes256gcm/3;")
+    assert AES256GCM.seal_key_ids(bound.get_descriptor().partition("/")[2]) == ("k1",)
+    assert AES256GCM.seal_key_ids(aes.get_descriptor().partition("/")[2]) == ()
+    sealed = bound.seal_key()
+    assert sealed is not None and sealed[0] == "k1" and KEY not in sealed[1]
+    assert sealed[1] != aes.fingerprint_key()  # a key of its own
+    assert aes.seal_key() is None
+    with pytest.raises(ValueError, match="names none"):
+        AES256GCM(key=KEY, format=3).transform_to(io.BytesIO())
+
+
+def test_an_item_read_as_another_saves_fails_authentication() -> None:
+    out = io.BytesIO()
+    aes = AES256GCM(key=KEY, key_id="k1", chunk_size=CHUNK)
+    item = ItemInfo(item="x", identity=("x", ()), save="s1")
+    stream = aes.for_item(item).transform_to(FlushOnlyClose(out))  # type: ignore[arg-type]
+    stream.write(b"payload" * 100)
+    stream.close()
+    version = aes.for_item(item).get_descriptor().partition("/")[2]
+    for save, told in (("s2", "another save's"), (None, "names no save")):
+        reader = AES256GCM.from_descriptor(version).for_item(
+            dataclasses.replace(item, save=save, keys={"k1": KEY}.__getitem__)
+        )
+        with pytest.raises(IntegrityError, match=told):
+            reader.transform_from(io.BytesIO(out.getvalue())).read()
+    reader = AES256GCM.from_descriptor(version).for_item(
+        dataclasses.replace(item, keys={"k1": KEY}.__getitem__)
+    )
+    assert reader.transform_from(io.BytesIO(out.getvalue())).read() == b"payload" * 100
 
 
 def test_writer_with_aes_pickles_for_process_based_async_save(tmp_path: Path) -> None:
@@ -451,3 +503,10 @@ def test_a_key_passed_as_key_id_is_never_echoed() -> None:
             assert secret not in told
     with pytest.raises(ValueError, match="got 'bad id'"):
         AES256GCM(key=key, key_id="bad id")  # a short one is still shown
+
+
+def test_a_save_with_a_keyless_cipher_names_the_fix(tmp_path: Path) -> None:
+    # The writer's message, not a reader's: the seal key is asked for before any item.
+    with pytest.raises(MissingKeyError, match=r"has no key; pass key=\.\.\. to encrypt"):
+        storage.save({"a": torch.ones(3)}, tmp_path / "c", transforms=[AES256GCM(key_id="x")])
+    assert not (tmp_path / "c" / ".metadata").exists()

@@ -2,15 +2,17 @@
 
     python tests/golden/make_transform_goldens.py             # both sets
     python tests/golden/make_transform_goldens.py weights     # tests/golden/weights only
-    python tests/golden/make_transform_goldens.py aes2        # tests/golden/transforms-aes2 only
+    python tests/golden/make_transform_goldens.py aes         # tests/golden/transforms-aes3 only
 
 Run it only when a transform's format changes on purpose (with a new descriptor
 version): the committed files prove that what older releases wrote keeps decoding.
 
-``transforms/`` (AES format 1, ``dcp_storage.aes256gcm/1``) and ``transforms-aes2/``
-(format 2): AES, zstd and shuffle chains. ``transforms/`` was written by an earlier
-release and is kept as it is: AES256GCM no longer writes format 1, so this script writes
-``transforms-aes2/`` only. Encryption is randomised per item, so every run writes
+``transforms/`` (AES format 1, ``dcp_storage.aes256gcm/1``), ``transforms-aes2/``
+(format 2) and ``transforms-aes3/`` (format 3: items bound to their save, checkpoints
+with sealed metadata): AES, zstd and shuffle chains. The first two were written by
+earlier releases and are kept as they are; this script writes ``transforms-aes3/``
+only (its items as items of the save ``golden-save``, recorded in the manifest).
+Encryption is randomised per item, so every run writes
 different bytes. The key is a fixed test key, ``bytes(range(32))`` under key_id
 ``golden``; it protects nothing. ``tests/extensions/test_encryption.py`` decodes every
 item in each ``manifest.json`` and loads each set's checkpoints.
@@ -36,7 +38,8 @@ import storage
 from extensions import AES256GCM, ByteShuffle, ItemInfo, WeightCodec, ZStandard
 from extensions.testing import encode
 
-OUT = Path(__file__).parent / "transforms-aes2"
+OUT = Path(__file__).parent / "transforms-aes3"
+SAVE = "golden-save"  # the save the manifest's items are bound to
 WEIGHTS = Path(__file__).parent / "weights"
 KEY = bytes(range(32))
 
@@ -112,7 +115,7 @@ def make_weights() -> None:
 
 
 def main() -> None:
-    if sys.argv[1:] != ["aes2"]:
+    if sys.argv[1:] != ["aes"]:
         make_weights()
     if sys.argv[1:] != ["weights"]:
         make_aes()
@@ -133,12 +136,20 @@ def make_aes() -> None:
     }
     items = []
     for name, chain in chains.items():
-        item = ItemInfo(checkpoint="golden", item="golden.item", dtype="bfloat16", element_size=2)
+        item = ItemInfo(
+            checkpoint="golden", item="golden.item", dtype="bfloat16", element_size=2, save=SAVE
+        )
         out = io.BytesIO()
         descriptors = encode(chain, data, item, out)
         (OUT / name).write_bytes(out.getvalue())
         items.append(
-            {"file": name, "item": item.item, "element_size": 2, "descriptors": descriptors}
+            {
+                "file": name,
+                "item": item.item,
+                "element_size": 2,
+                "save": SAVE,
+                "descriptors": descriptors,
+            }
         )
     manifest = {
         "plain": "plain.bin",

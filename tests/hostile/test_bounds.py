@@ -34,6 +34,7 @@ from storage.checkpoint import pickle_scan, validate
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.items import ItemEncoder, StoredItemReader
 from storage.cli.main import main
+from tests.support.sealing import resealed
 
 MiB = 1 << 20
 KEY = bytes(range(32))
@@ -315,9 +316,10 @@ def test_aes_chunk_claim_does_not_size_the_buffers(tmp_path: Path, peak: Peak) -
     storage.save({"t": torch.ones(16)}, tmp_path, transforms=chain)
     metadata = _meta(tmp_path)
     _info(metadata, "t").transform_descriptors = [
-        f"dcp_storage.aes256gcm/2;key_id=k;chunk={256 * MiB}"
+        f"dcp_storage.aes256gcm/3;key_id=k;chunk={256 * MiB}"
     ]
-    _write_meta(tmp_path, metadata)
+    # Resealed, so the claim reaches the decryptor (without the key the seal refuses it).
+    (tmp_path / ".metadata").write_bytes(resealed(metadata, *chain))
     peak.reset()
     with pytest.raises(IntegrityError, match="'t'.*failed authentication"):
         storage.load({"t": torch.zeros(16)}, tmp_path, keys={"k": KEY})

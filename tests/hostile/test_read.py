@@ -30,6 +30,7 @@ from storage.backends._local import LocalFileSystem
 from storage.checkpoint import storage_format as fmt
 from storage.cli import main
 from storage.ops.copy import copy_checkpoint
+from tests.support.sealing import resealed
 
 SECRET = torch.full((256,), 1234.5)
 
@@ -238,9 +239,11 @@ def test_a_target_of_another_shape_is_a_value_error_not_damage(tmp_path: Path) -
 FORGED = torch.full((64,), 666.0)
 
 
-def _swap_for_plain(ckpt: Path, fqn: str, tmp_path: Path) -> None:
+def _swap_for_plain(ckpt: Path, fqn: str, tmp_path: Path, *, reseal: bool = False) -> None:
     """What an attacker with write access and no key can do: replace an encrypted
-    item's record (and bytes) with a plain one holding values of their choosing."""
+    item's record (and bytes) with a plain one holding values of their choosing (the
+    seal left as it was, so it no longer verifies). ``reseal``: as only a key holder
+    could, making a checkpoint that mixes plain and encrypted items on purpose."""
     plain = tmp_path / "forged"
     storage.save({fqn: FORGED}, plain)
     meta = fmt.load_metadata((ckpt / ".metadata").read_bytes(), str(ckpt))
@@ -248,7 +251,11 @@ def _swap_for_plain(ckpt: Path, fqn: str, tmp_path: Path) -> None:
     for index, info in forged.storage_data.items():
         meta.storage_data[index] = info
         (ckpt / info.relative_path).write_bytes((plain / info.relative_path).read_bytes())
-    (ckpt / ".metadata").write_bytes(fmt.dump_metadata(meta))
+    if reseal:
+        (ckpt / ".metadata").write_bytes(resealed(meta, AES256GCM(key=KEY, key_id="k1")))
+    else:
+        facts = fmt.checkpoint_facts(meta)
+        (ckpt / ".metadata").write_bytes(fmt.dump_metadata(meta, **{fmt.SEAL: facts[fmt.SEAL]}))
 
 
 @pytest.fixture
@@ -267,11 +274,28 @@ def test_an_item_swapped_for_a_plain_one_is_refused_with_keys(downgraded: Path) 
     assert fs.slices == 0 and not torch.equal(target["w"], FORGED)
 
 
-def test_require_encryption_false_accepts_plain_items(downgraded: Path) -> None:
-    # The documented opt-out: the caller takes plain items for what they say.
+def test_require_encryption_false_accepts_plain_items(encrypted: Path, tmp_path: Path) -> None:
+    # The documented opt-out: the caller takes plain items of a checkpoint that mixes
+    # plain and encrypted items on purpose (sealed by its writer) for what they say.
+    _swap_for_plain(encrypted, "w", tmp_path, reseal=True)
     target = {"w": torch.zeros(64), "b": torch.zeros(3)}
-    storage.load(target, downgraded, keys={"k1": KEY}, require_encryption=False)
+    storage.load(target, encrypted, keys={"k1": KEY}, require_encryption=False)
     assert torch.equal(target["w"], FORGED) and torch.equal(target["b"], torch.ones(3))
+
+
+@pytest.mark.parametrize("read", [["w", "b"], ["w"]], ids=["with-an-encrypted-item", "alone"])
+def test_a_forged_plain_item_is_refused_by_the_seal_even_when_plain_is_allowed(
+    downgraded: Path, read: list[str]
+) -> None:
+    # Before sealed metadata, require_encryption=False loaded the forged item: nothing
+    # could tell a forged plain record from one its writer made. Now a reader holding
+    # keys checks the seal before it trusts any record, the plain item's too, even when
+    # it reads that item alone.
+    target = {"w": torch.zeros(64), "b": torch.zeros(3)}
+    target = {k: v for k, v in target.items() if k in read}
+    with pytest.raises(IntegrityError, match="seal does not verify"):
+        storage.load(target, downgraded, keys={"k1": KEY}, require_encryption=False)
+    assert not torch.equal(target["w"], FORGED)
 
 
 def test_no_keys_no_policy(tmp_path: Path) -> None:
@@ -293,8 +317,8 @@ def test_manager_load_refuses_a_downgraded_step(encrypted: Path, tmp_path: Path)
         manager.load({"w": torch.zeros(64)})
     relaxed = storage.CheckpointManager(root, keys={"k1": KEY}, require_encryption=False)
     target = {"w": torch.zeros(64)}
-    relaxed.load(target)
-    assert torch.equal(target["w"], FORGED)
+    with pytest.raises(IntegrityError, match="seal does not verify"):
+        relaxed.load(target)  # the metadata was altered: the seal tells
 
 
 def test_cli_verify_reports_a_downgraded_item(
@@ -304,7 +328,9 @@ def test_cli_verify_reports_a_downgraded_item(
     monkeypatch.setenv("DCP_STORAGE_KEYS", f"k1={KEY.hex()}")
     assert main(["verify", "-q", str(downgraded)]) == 1
     assert "'w' is not encrypted" in capsys.readouterr().out
-    assert main(["verify", "-q", "--no-require-encryption", str(downgraded)]) == 0
+    # Plain items allowed, the altered metadata still fails its seal.
+    assert main(["verify", "-q", "--no-require-encryption", str(downgraded)]) == 1
+    assert "seal does not verify" in capsys.readouterr().out
 
 
 def test_cli_cp_never_seals_a_forged_item(
@@ -320,8 +346,11 @@ def test_cli_cp_never_seals_a_forged_item(
     assert main(["cp", "-q", "--transform", "aes:k1", str(downgraded), str(dst)]) == 1
     assert "'w' is not encrypted" in capsys.readouterr().err
     assert not (dst / ".metadata").exists()
+    # Plain items allowed, the altered metadata still fails its seal: nothing resealed.
     args = ["cp", "-q", "--no-require-encryption", "--transform", "aes:k1"]
-    assert main([*args, str(downgraded), str(dst)]) == 0
+    assert main([*args, str(downgraded), str(dst)]) == 1
+    assert "seal does not verify" in capsys.readouterr().err
+    assert not (dst / ".metadata").exists()
 
 
 def test_a_swapped_key_id_fails_authentication(encrypted: Path) -> None:
@@ -333,7 +362,11 @@ def test_a_swapped_key_id_fails_authentication(encrypted: Path) -> None:
         info.transform_descriptors = [
             d.replace("key_id=k1", "key_id=k2") for d in info.transform_descriptors
         ]
-    meta_path.write_bytes(fmt.dump_metadata(meta))
+    meta_path.write_bytes(fmt.dump_metadata(meta))  # no seal under "k2": k2 fails its check
+    with pytest.raises(IntegrityError, match="no seal for this key id"):
+        storage.load({"w": torch.zeros(64)}, encrypted, keys={"k1": KEY, "k2": bytes(32)})
+    # Resealed under k2 by its holder: the item's own key check still refuses it.
+    meta_path.write_bytes(resealed(meta, AES256GCM(key=bytes(32), key_id="k2")))
     with pytest.raises(IntegrityError, match="not the key the item was encrypted with"):
         storage.load({"w": torch.zeros(64)}, encrypted, keys={"k1": KEY, "k2": bytes(32)})
 

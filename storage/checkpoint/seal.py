@@ -1,0 +1,251 @@
+"""Sealed metadata: a MAC over what a checkpoint's metadata says of its state.
+
+A transform that binds each item to the save that wrote it (AES-256-GCM format 3: the
+contract's ``seal_key_ids`` / ``seal_key``) makes its items depend on their records:
+the save an item names, its chain, its sizes, its checksum. Those records are only
+trustworthy when the metadata is, so the writer seals it: ``Metadata.dcp_storage``
+gets ``"seal": {key_id: {"check": ..., "mac": ...}}``, one per sealing key of its
+chain: a key-check value (8 bytes derived from the MAC key, hex), so a wrong key is
+told apart from an altered metadata, and the HMAC-SHA256 (hex) of the canonical form
+below. A reader that is about to decode such an item checks the seal under the item's
+key first (:class:`SealCheck`), once per key and metadata, and refuses the item when
+the seal is missing, made with another key, or does not verify.
+
+What is sealed is what the state means, not where its bytes are, so a copy that keeps
+each item's stored bytes (``cp`` without transforms, the tier drain) keeps the seal as
+it is, with no key: every item's key and chunk offsets, and of its record the
+transform descriptors, stored length, CRC-32C, data offset, dtype, byte count, content
+fingerprint and save; every state-dict entry (kind; for a tensor its dtype, size and
+chunks); and the planner's data (DCP's flattening map: which state-dict path each key
+loads into). Not sealed: the data file, offset and sibling (``ref``) an item's bytes
+are found at, facts this version does not know, the checkpoint's own facts and its
+``storage_meta``. Moving an item's bytes elsewhere changes nothing an attacker can
+use: the bytes found there must authenticate as that item of that save.
+
+Canonical form: a label, then each value tagged with its type and length-prefixed
+(integers in decimal), mappings in the order of their encoded keys, so two metadata
+that say the same thing encode the same whatever order pickle kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from enum import Enum
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from extensions.base import ItemInfo
+from extensions.errors import IntegrityError, quote
+from extensions.registry import ExtensionRegistry, chain_seal_keys
+from storage.checkpoint import storage_format as fmt
+
+_LABEL = b"dcp-storage sealed metadata v1\x00"
+_CHECK_LABEL = b"dcp-storage seal key check v1"
+_MAX_SEALS = 16  # key ids one metadata may carry seals for
+Seal = dict[str, str]  # {"check": 16 hex digits, "mac": 64 hex digits}
+
+
+def seals_of(metadata: Metadata) -> dict[str, Seal]:
+    """The seals ``metadata`` carries, by key id; malformed entries are left out (they
+    verify nothing)."""
+    seals = fmt.checkpoint_facts(metadata).get(fmt.SEAL)
+    if not isinstance(seals, dict) or len(seals) > _MAX_SEALS:
+        return {}
+    return {
+        k: {"check": v["check"], "mac": v["mac"]}
+        for k, v in seals.items()
+        if isinstance(k, str)
+        and isinstance(v, dict)
+        and isinstance(v.get("check"), str)
+        and isinstance(v.get("mac"), str)
+    }
+
+
+def make_seals(metadata: Metadata, transforms: Sequence[Any], save_id: str) -> dict[str, Seal]:
+    """The seals of ``metadata`` (complete, as it will be stored) written by save
+    ``save_id`` with ``transforms``: one per sealing key of the chain, ``{}`` for none."""
+    keys = chain_seal_keys(transforms, ItemInfo(save=save_id))
+    if not keys:
+        return {}
+    body = canonical(metadata)
+    return {
+        key_id: {"check": _check(key), "mac": _mac(key, key_id, body)}
+        for key_id, key in keys.items()
+    }
+
+
+def _check(key: bytes) -> str:
+    return hmac.new(key, _CHECK_LABEL, hashlib.sha256).hexdigest()[:16]
+
+
+def _mac(key: bytes, key_id: str, body: bytes) -> str:
+    name = key_id.encode("utf-8", "surrogatepass")
+    return hmac.new(key, _LABEL + _str(name) + body, hashlib.sha256).hexdigest()
+
+
+class SealCheck:
+    """The seal check of one loaded metadata (of the checkpoint ``where`` names): each
+    sealing key is checked once, however many items and threads ask."""
+
+    def __init__(self, metadata: Metadata, where: str) -> None:
+        self._metadata = metadata
+        self._where = where
+        self._seals = seals_of(metadata)
+        self._body: bytes | None = None
+        self._verified: set[tuple[str, bytes]] = set()
+        self._all_checked = False
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent with a reader to the persist worker (the tier drain): checked afresh there.
+        return {"metadata": self._metadata, "where": self._where}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["metadata"], state["where"])  # type: ignore[misc]
+
+    def require(self, descriptors: Any, item: ItemInfo, registry: ExtensionRegistry) -> None:
+        """Refuse ``item`` (recorded with ``descriptors``) unless every seal its chain
+        requires is present and verifies (:class:`IntegrityError`, naming the fix)."""
+        for key_id, key in registry.seal_keys(descriptors, item).items():
+            with self._lock:
+                if (key_id, key) in self._verified:
+                    continue
+                stored = self._seals.get(key_id)
+                if stored is None:
+                    raise self._refused(
+                        item, key_id, "the metadata carries no seal for this key id"
+                    )
+                if not hmac.compare_digest(_check(key), stored["check"]):
+                    raise IntegrityError(
+                        f"{self._where}: item {quote(item.item)}: wrong key for key_id "
+                        f"{quote(key_id)}: the key given is not the key the checkpoint was "
+                        "written with (its metadata's seal says so); pass the right key"
+                    )
+                if self._body is None:
+                    self._body = canonical(self._metadata)
+                if not hmac.compare_digest(_mac(key, key_id, self._body), stored["mac"]):
+                    raise self._refused(
+                        item,
+                        key_id,
+                        "the metadata's seal does not verify: the metadata was altered "
+                        "(an item's record, the state-dict entries or the planner data) "
+                        "or is not this checkpoint's",
+                    )
+                self._verified.add((key_id, key))
+
+    def require_all(
+        self, registry: ExtensionRegistry, info_of: Callable[[MetadataIndex], ItemInfo]
+    ) -> None:
+        """:meth:`require` for every chain the checkpoint's items were recorded with,
+        whichever items a load reads: a reader holding keys checks the whole metadata
+        before it trusts any record of it, a plain item's too (``info_of`` gives the
+        item info, keys included, of the first item of each chain)."""
+        if self._all_checked:
+            return
+        chains: dict[tuple[str, ...], MetadataIndex] = {}
+        for index, info in (self._metadata.storage_data or {}).items():
+            chains.setdefault(fmt.stored_item(info).descriptors, index)
+        for descriptors, index in chains.items():
+            if descriptors:
+                self.require(descriptors, info_of(index), registry)
+        self._all_checked = True
+
+    def _refused(self, item: ItemInfo, key_id: str, why: str) -> IntegrityError:
+        return IntegrityError(
+            f"{self._where}: item {quote(item.item)} is encrypted bound to its save (key_id "
+            f"{quote(key_id)}), which needs sealed metadata, and {why}; nothing of it is "
+            "loaded. Restore the checkpoint's .metadata from a good copy, or re-save it"
+        )
+
+
+# --- canonical form -------------------------------------------------------------------
+
+
+def canonical(metadata: Metadata) -> bytes:
+    """The sealed facts of ``metadata`` (see the module docstring), encoded."""
+    out = bytearray()
+    state = metadata.state_dict_metadata or {}
+    out += b"S" + _int(len(state))
+    for fqn in sorted(state):
+        out += _str(fqn.encode("utf-8", "surrogatepass")) + _entry(state[fqn])
+    out += b"P" + _value(getattr(metadata, "planner_data", None))
+    items = [
+        (fmt.item_identity(index), info) for index, info in (metadata.storage_data or {}).items()
+    ]
+    items.sort(key=lambda pair: pair[0])
+    out += b"D" + _int(len(items))
+    for (fqn, offsets), info in items:
+        record = fmt.stored_item(info)
+        out += _value(
+            (
+                fqn,
+                offsets,
+                record.descriptors,
+                record.length,
+                record.crc32c,
+                record.data_offset,
+                record.dtype,
+                record.nbytes,
+                record.content,
+                record.save,
+            )
+        )
+    return bytes(out)
+
+
+def _entry(md: Any) -> bytes:
+    if isinstance(md, BytesStorageMetadata):
+        return b"b"
+    assert isinstance(md, TensorStorageMetadata)  # validate checked every entry
+    chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+    return b"t" + _value((str(md.properties.dtype), tuple(md.size), chunks))
+
+
+def _int(n: int) -> bytes:
+    return str(n).encode() + b";"
+
+
+def _str(raw: bytes) -> bytes:
+    return _int(len(raw)) + raw
+
+
+def _value(value: Any, depth: int = 0) -> bytes:
+    """``value`` tagged and length-prefixed; containers in a canonical order."""
+    if depth > 64:  # validate bounds the metadata's nesting far below this
+        raise ValueError("the metadata nests too deeply to seal")
+    if value is None:
+        return b"N"
+    if isinstance(value, bool):
+        return b"T" if value else b"F"
+    if isinstance(value, int):
+        return b"I" + _int(value)
+    if isinstance(value, float):
+        return b"R" + _str(value.hex().encode())
+    if isinstance(value, str):
+        return b"U" + _str(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, (bytes, bytearray)):
+        return b"B" + _str(bytes(value))
+    if isinstance(value, (torch.dtype, Enum)):
+        return b"E" + _str(str(value).encode())
+    if isinstance(value, (list, tuple)):
+        return b"L" + _int(len(value)) + b"".join(_value(v, depth + 1) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return b"Z" + _int(len(value)) + b"".join(sorted(_value(v, depth + 1) for v in value))
+    if isinstance(value, Mapping):
+        pairs = sorted((_value(k, depth + 1), _value(v, depth + 1)) for k, v in value.items())
+        return b"M" + _int(len(pairs)) + b"".join(k + v for k, v in pairs)
+    fields = getattr(value, "__dict__", None)
+    name = f"{type(value).__module__}.{type(value).__qualname__}".encode()
+    if isinstance(fields, dict):
+        return b"O" + _str(name) + _value(fields, depth + 1)
+    return b"X" + _str(name) + _str(repr(value).encode("utf-8", "surrogatepass"))
