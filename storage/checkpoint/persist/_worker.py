@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from extensions.errors import WorkerDiedError
-from storage.checkpoint.persist._cuda import InFlight
 from storage.checkpoint.persist._launch import launch
 from storage.checkpoint.persist._lease import Lease
 from storage.checkpoint.persist._messages import (
@@ -72,7 +71,6 @@ class Worker:
         self._paced = False  # a paced call went out and no hurry since
         self.pool: StagingPool | None = None
         self._pool_conn: Connection | None = None  # the worker the pool shares with
-        self._copies: InFlight | None = None  # the last stage's copies from a device
 
     # --- the process ------------------------------------------------------------------
 
@@ -174,11 +172,7 @@ class Worker:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self.pool is not None:
-            copies, self._copies = self._copies, None
-            if copies is not None:  # never unpin memory a copy from a device still fills
-                with contextlib.suppress(Exception):
-                    copies.wait()
+        if self.pool is not None:  # after the copies from a device still filling it
             self.pool.close()
             self.pool = None
 
@@ -417,7 +411,6 @@ class Worker:
         except BaseException:
             self._free.set()
             raise
-        self._copies = copies
         return staged, Lease(self._free, copies)
 
 
