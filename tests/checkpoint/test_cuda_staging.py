@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 import storage
 from storage.checkpoint import CheckpointWriter, data_files, persist
 from storage.checkpoint.persist import _pool
-from storage.checkpoint.persist._cuda import InFlight, Pins
+from storage.checkpoint.persist._cuda import InFlight, Pins, SideCopies
 from storage.checkpoint.persist._lease import Lease
 from tests.support.trees import assert_tree_equal, zeros_like_tree
 
@@ -98,16 +98,19 @@ def test_a_segment_that_cannot_be_pinned_is_removed() -> None:
 
 
 class _Event:
-    """A fake CUDA event: complete once ``done`` is set; records who waited on it."""
+    """A fake CUDA event: complete once ``done`` is set; records who waited on it.
+    ``moved`` is set when a wait on it begins (and by whatever else a test records)."""
 
     def __init__(self, log: list[str]) -> None:
         self.done = threading.Event()
+        self.moved = threading.Event()
         self.log = log
 
     def query(self) -> bool:
         return self.done.is_set()
 
     def synchronize(self) -> None:
+        self.moved.set()
         assert self.done.wait(60)
         self.log.append("copied")
 
@@ -181,33 +184,64 @@ def test_what_reads_the_staged_buffers_waits_for_the_copies(
     assert_tree_equal(target, state)
 
 
+def _copies_in_flight_until(event: _Event, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every stage's copies look in flight from a device until ``event`` is done, and
+    each segment unpinned is logged (as "unpinned", setting ``event.moved``)."""
+    finish, unpin = SideCopies.finish, Pins.unpin
+
+    def in_flight(self: SideCopies, source: Any) -> InFlight:
+        finish(self, source)
+        return InFlight([event], source)
+
+    def unpinning(self: Pins, address: int) -> None:
+        event.log.append("unpinned")
+        event.moved.set()
+        unpin(self, address)
+
+    monkeypatch.setattr(SideCopies, "finish", in_flight)
+    monkeypatch.setattr(Pins, "unpin", unpinning)
+
+
+def _close_after_the_copies(close: Any, event: _Event) -> None:
+    """``close()`` on a thread: it waits for the copy in flight before it unpins any
+    segment, and finishes once the copy is done."""
+    closer = threading.Thread(target=close)
+    closer.start()
+    try:
+        assert event.moved.wait(60)  # it waits for the copy, or unpins: whichever is first
+        assert event.log == []  # waiting: nothing unpinned while the copy runs
+    finally:
+        event.done.set()  # the copy completes (a failed test leaves no wait behind)
+        closer.join(60)
+    assert not closer.is_alive()
+    assert event.log[0] == "copied" and set(event.log[1:]) == {"unpinned"}
+
+
 def test_closing_the_worker_waits_for_copies_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     """Guards the buffers' registration at close: closing the worker (at exit, or a
     manager's close) right after a stage from a device waits for its copies before the
     pool unpins and drops the buffers they are filling."""
-    log: list[str] = []
-    event = _Event(log)
-    stage, close = _pool.StagingPool.stage, _pool.StagingPool.close
-
-    def from_device(self: _pool.StagingPool, state_dict: Any) -> Any:
-        staged, _ = stage(self, state_dict)
-        return staged, InFlight([event], state_dict)  # as if copied from a device
-
-    def closing(self: _pool.StagingPool) -> None:
-        log.append("closed")
-        close(self)
-
-    monkeypatch.setattr(_pool.StagingPool, "stage", from_device)
-    monkeypatch.setattr(_pool.StagingPool, "close", closing)
+    event = _Event([])
+    _copies_in_flight_until(event, monkeypatch)
     worker = persist.Worker()
     _, lease = worker.stage({"w": torch.arange(BIG // 4, dtype=torch.float32)})
-    closer = threading.Thread(target=worker.close)
-    closer.start()
-    closer.join(1.0)
-    assert log == []  # not closed while the copy runs
-    event.done.set()
-    closer.join(60)
-    assert log == ["copied", "closed"]
+    _close_after_the_copies(worker.close, event)
+    lease.release()
+
+
+def test_closing_the_pool_waits_for_copies_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards the buffers' registration when the staging pool itself is closed (every
+    pool is, at interpreter exit) while a save still holds its buffers with copies from
+    a device in flight: the pool waits for those copies before it unpins the buffers
+    they are filling. Before, only the worker's close waited: a pool closed at exit
+    unregistered memory a device copy was still writing into."""
+    event = _Event([])
+    _copies_in_flight_until(event, monkeypatch)
+    pool = _pool.StagingPool()
+    _, copies = pool.stage({"w": torch.arange(BIG // 4, dtype=torch.float32)})
+    assert copies is not None
+    lease = Lease(threading.Event(), copies)  # the save still holds the buffers
+    _close_after_the_copies(pool.close, event)
     lease.release()
 
 

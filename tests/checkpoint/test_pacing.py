@@ -7,7 +7,6 @@ after the pace is lifted, and the first save or ``pace=None`` is never paced."""
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import math
 import threading
 import time
@@ -20,6 +19,7 @@ import torch
 import storage
 from extensions.errors import WorkerDiedError
 from storage.checkpoint import persist
+from storage.checkpoint.persist import _calls
 from storage.checkpoint.persist._child import _Bucket
 from storage.ops.pace import MAX_PACED_SECONDS, UploadPace
 from tests.checkpoint.test_worker import loaded
@@ -323,10 +323,8 @@ def test_a_hurry_before_the_paced_call_goes_out_cancels_its_pace() -> None:
 def test_a_pace_is_taken_with_one_read_of_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before, the clock was read twice: a second read at the deadline divided by zero,
     one past it gave a negative rate (a bucket that never lets a byte through)."""
-    # persist._worker is the package's worker handle: the module is taken by its name.
-    worker_module = importlib.import_module("storage.checkpoint.persist._worker")
     reads = iter([100.0, 101.0])  # the first read is 1 s before the deadline
-    monkeypatch.setattr(worker_module, "time", types.SimpleNamespace(monotonic=lambda: next(reads)))
+    monkeypatch.setattr(_calls, "time", types.SimpleNamespace(monotonic=lambda: next(reads)))
     w = persist.Worker()
     w.pace_next(101.0)
     with w._lock:

@@ -24,6 +24,7 @@ import storage
 from extensions import AES256GCM, StreamTransformExtension, ZStandard
 from extensions.errors import CheckpointStorageError, WorkerDiedError
 from storage.checkpoint import persist
+from storage.checkpoint.persist import _calls
 from tests.support.distributed import gloo_group, spawn
 from tests.support.servers import create_bucket, moto_endpoint, s3_options
 from tests.support.trees import assert_tree_equal, zeros_like_tree
@@ -441,14 +442,13 @@ _INTERRUPTED_MID_MESSAGE = """
 import os, pickle, signal, sys
 import torch
 import storage
-import importlib
 from storage.checkpoint import persist
-_worker = importlib.import_module("storage.checkpoint.persist._worker")
+from storage.checkpoint.persist import _calls
 
 root = sys.argv[1]
 where = sys.argv[2]
 state = {"w": torch.randn(256, 256), "b": torch.randn(4)}
-real_segments, real_send = _worker.send_segments, None
+real_segments, real_send = _calls.send_segments, None
 
 def interrupt() -> None:
     os.kill(os.getpid(), signal.SIGINT)  # its handler runs in the main thread, next step
@@ -458,7 +458,7 @@ def segments(sock, fds):
     real_segments(sock, fds)
 
 if where == "segments":
-    _worker.send_segments = segments
+    _calls.send_segments = segments
 else:  # between a call's header and its body
     handle = persist.worker()
     handle.call(os.getpid).result()
@@ -476,7 +476,7 @@ except KeyboardInterrupt:
     print("interrupted")
 else:
     print("not interrupted")
-_worker.send_segments = real_segments
+_calls.send_segments = real_segments
 if where != "segments":
     del conn.send_bytes
 state["w"].add_(1.0)
@@ -561,7 +561,7 @@ def test_a_save_whose_segment_never_reached_the_worker_fails_and_the_next_stages
     from storage.checkpoint.persist import _shm
 
     monkeypatch.setattr(  # the byte goes, without the descriptors
-        sys.modules["storage.checkpoint.persist._worker"],
+        _calls,
         "send_segments",
         lambda sock, fds: _shm.send_segments(sock, []),
     )

@@ -1,4 +1,4 @@
-"""PyTorch Lightning integration (storage/integrations/lightning.py) with the real Trainer.
+"""PyTorch Lightning integration (storage/integrations/lightning/) with the real Trainer.
 
 A tiny LightningModule trains on CPU with ``StorageCheckpointIO`` and ``ModelCheckpoint``
 writing to SeaweedFS; a fresh Trainer resumes from the bucket and must end bit-exact
@@ -339,7 +339,7 @@ def test_a_save_to_a_linked_last_checkpoint_replaces_the_link_not_its_target(
 def test_a_sharded_save_to_a_linked_path_replaces_the_link(tmp_path: Any) -> None:
     """The sharded strategies' saves (every rank writes) replace a link at the path
     on rank 0 before any rank writes, as StorageCheckpointIO's do."""
-    from storage.integrations.lightning import _save_sharded
+    from storage.integrations.lightning._sharded import _save_sharded
 
     plugin = StorageCheckpointIO()
     plugin.save_checkpoint({"global_step": 8, "w": torch.ones(2)}, tmp_path / "kept.ckpt")

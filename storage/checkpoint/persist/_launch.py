@@ -1,6 +1,6 @@
 """How the persist worker process is started: its command line, its niceness and its
 environment (the worker's side is :mod:`._child`; the handle that starts it,
-:class:`._worker.Worker`)."""
+:class:`._calls.WorkerCalls`)."""
 
 from __future__ import annotations
 

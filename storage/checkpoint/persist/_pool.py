@@ -70,6 +70,7 @@ class StagingPool:
         self._unsent: list[Segment] = []  # made, their descriptors not yet shared
         self._dropped: list[str] = []  # shared, then dropped: the worker forgets them
         self._stager = _Stager(self)
+        self._in_flight: InFlight | None = None  # the last stage's copies from a device
         self._lock = threading.Lock()
         _POOLS.add(self)
 
@@ -92,6 +93,7 @@ class StagingPool:
                 copies = self.side.finish(state_dict)  # is the one raised)
                 if failed and copies is not None:
                     copies.wait()
+                self._in_flight = copies
             return staged, copies
 
     def reserve(self, state_dict: Any) -> None:
@@ -207,9 +209,15 @@ class StagingPool:
 
     def close(self) -> None:
         """Forget every segment (mappings stay valid until their tensors are gone; the
-        kernel frees a segment with its last mapping). In a child made with ``fork``,
-        the CUDA registrations are its parent's: left alone."""
+        kernel frees a segment with its last mapping), once the last stage's copies from
+        a device are done: a save may still hold the buffers (the pools are closed at
+        exit), and no buffer is unpinned while a copy fills it. In a child made with
+        ``fork``, the copies and the CUDA registrations are its parent's: left alone."""
         with self._lock:
+            copies, self._in_flight = self._in_flight, None
+            if copies is not None and os.getpid() == self._pid:
+                with contextlib.suppress(Exception):  # CUDA torn down at exit
+                    copies.wait()
             self._copies.close()
             for address, segment in self._segments.items():
                 if os.getpid() == self._pid:

@@ -1,301 +1,46 @@
-"""The training process's handle on its persist worker (:class:`Worker`): starts the
-worker process niced, sends it calls, hands each reply to its future and fails every
-call in flight when the worker dies (the failure semantics are in the package
-docstring), and stages into its buffers, each save holding them by a
-:class:`._lease.Lease`."""
+"""The training process's handle on its persist worker (:class:`Worker`): the worker
+process and its calls (:class:`._calls.WorkerCalls`), and the staging into its buffers,
+each save holding them by a :class:`._lease.Lease`."""
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import functools
-import itertools
 import logging
-import math
-import os
 import pickle
-import socket
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
-from typing import Any, TypeVar
+from multiprocessing.connection import Connection
+from typing import Any
 
-import torch.distributed as dist
-
-from extensions.errors import WorkerDiedError
-from storage.checkpoint.persist._cuda import InFlight
-from storage.checkpoint.persist._launch import launch
+from storage.checkpoint.persist._calls import WorkerCalls
 from storage.checkpoint.persist._lease import Lease
-from storage.checkpoint.persist._messages import (
-    NotSendable,
-    dumps_call,
-    not_sendable,
-    remote_error,
-    unreadable,
-)
 from storage.checkpoint.persist._pool import StagingPool
-from storage.checkpoint.persist._shm import SharedMemoryFull, send_segments
-from storage.checkpoint.persist._whole import ONE_WRITE, OwnedLock, send_whole
+from storage.checkpoint.persist._shm import SharedMemoryFull
+from storage.checkpoint.persist._whole import OwnedLock
 
 log = logging.getLogger(__name__)
 
-PACE_MIN_SECONDS = 0.5  # a pace deadline closer than this: the writes go at full speed
-PACE_MIN_BYTES = 1 << 20  # an upload smaller than this goes at full speed
 
-T = TypeVar("T")
-
-
-class Worker:
+class Worker(WorkerCalls):
     """The training process's handle on its persist worker (see the module docstring)."""
 
     def __init__(self, copy_threads: int = 1) -> None:
+        super().__init__()
         self.copy_threads = copy_threads  # its staging pool's (see StagingPool)
-        self._warmed: set[tuple[int | None, type]] = set()  # (worker pid, storage type)
-        self._lock = OwnedLock("the persist worker's state")
-        self._send_lock = OwnedLock("a message to the persist worker")
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
-        # Each call in flight: its future, and its function's name for an error.
-        self._pending: dict[int, tuple[concurrent.futures.Future[Any], str]] = {}
-        self._ids = itertools.count()
-        self._unreported: WorkerDiedError | None = None
-        self._foreground = 0  # saves in the foreground: the worker's pace pauses
         self._free = threading.Event()
         self._free.set()
         # A stage's wait for the buffers and its taking them.
         self._taking = OwnedLock("staging, waiting for the previous save's buffers")
-        self._pace_until: float | None = None  # the next save's deadline (pace_next)
-        self._pace_for: str | None = None  # the checkpoint that save writes, if given
-        self._paced = False  # a paced call went out and no hurry since
         self.pool: StagingPool | None = None
         self._pool_conn: Connection | None = None  # the worker the pool shares with
-        self._copies: InFlight | None = None  # the last stage's copies from a device
-
-    # --- the process ------------------------------------------------------------------
-
-    @property
-    def pid(self) -> int | None:
-        proc = self._proc
-        return None if proc is None else proc.pid
-
-    def _start(self) -> Connection:
-        """The socket to a live worker, started if there is none (call with the lock)."""
-        if self._unreported is not None:
-            error, self._unreported = self._unreported, None
-            raise error
-        if self._conn is not None:
-            return self._conn
-        ours, theirs = socket.socketpair()
-        try:
-            proc = launch(theirs.fileno())
-        finally:
-            theirs.close()  # the worker's end lives only in the worker: its death is EOF here
-        conn = Connection(ours.detach())
-        conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0)))
-        self._proc, self._conn = proc, conn
-        threading.Thread(
-            target=self._read, args=(proc, conn), name="dcp-persist-reader", daemon=True
-        ).start()
-        return conn
-
-    def _read(self, proc: subprocess.Popen[bytes], conn: Connection) -> None:
-        """Hand each reply to its future until the worker is gone, then fail the rest."""
-        try:
-            while True:
-                if not wait([conn], timeout=1.0):
-                    if proc.poll() is None:
-                        continue
-                    if not conn.poll():
-                        break
-                kind, call_id = pickle.loads(conn.recv_bytes())
-                body = conn.recv_bytes()
-                with self._lock:
-                    call = self._pending.pop(call_id, None)
-                if call is None:
-                    continue
-                future, name = call
-                try:
-                    value = pickle.loads(body)
-                except BaseException as exc:  # noqa: BLE001 - fails this call, not the worker
-                    future.set_exception(unreadable(name, exc))
-                    continue
-                if kind == "ok":
-                    future.set_result(value)
-                elif kind == "unreceived":  # the call did not unpickle there
-                    why = f"it does not unpickle there ({value})"
-                    future.set_exception(not_sendable(name, why))
-                else:
-                    future.set_exception(remote_error(value))
-        except (EOFError, OSError):
-            pass
-        except BaseException as exc:  # a header we cannot read: the worker is unusable
-            log.error("persist worker %d: unreadable reply (%s); stopping it", proc.pid, exc)
-        with self._lock:
-            closed = self._proc is not proc  # close() let it go: no death to report
-        if closed:
-            conn.close()
-            return
-        if proc.poll() is None:
-            proc.kill()
-        code = proc.wait()
-        error = WorkerDiedError(
-            f"the checkpoint persist worker (pid {proc.pid}) died "
-            f"({_exit_text(code)}); the saves it was writing are not committed and "
-            "committed checkpoints are untouched. The next save starts a new worker"
-        )
-        with self._lock:
-            self._proc, self._conn = None, None
-            pending, self._pending = self._pending, {}
-            if not pending:
-                self._unreported = error
-        conn.close()
-        if code != 0:
-            log.error("%s", error)
-        for future, _ in pending.values():
-            future.set_exception(error)
 
     def close(self) -> None:
         """Stop the worker (after the calls in flight) and remove the staging buffers."""
-        with self._lock:
-            proc, conn = self._proc, self._conn
-            self._proc, self._conn, self._unreported = None, None, None
-        if conn is not None:
-            try:
-                with self._send_lock:
-                    self._send(conn, pickle.dumps(("close",)))
-            except OSError:
-                pass
-        if proc is not None:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self.pool is not None:
-            copies, self._copies = self._copies, None
-            if copies is not None:  # never unpin memory a copy from a device still fills
-                with contextlib.suppress(Exception):
-                    copies.wait()
+        super().close()
+        if self.pool is not None:  # after the copies from a device still filling it
             self.pool.close()
             self.pool = None
 
-    # --- calls ------------------------------------------------------------------------
-
-    def call(
-        self,
-        fn: Callable[..., T],
-        *args: Any,
-        max_bandwidth: int | None = None,
-        pace_bytes: int | None = None,
-        pace_for: str | None = None,
-        **kwargs: Any,
-    ) -> concurrent.futures.Future[T]:
-        """Run ``fn(*args, **kwargs)`` in the worker (``fn`` and the arguments must
-        pickle; ``pace=PAUSE`` stands for the worker's pause); its future holds the
-        result or the worker's exception. ``pace_bytes``: the bytes it writes, paced to
-        end by the deadline :meth:`pace_next` set, if one is pending for ``pace_for``
-        (the checkpoint it writes)."""
-        options: dict[str, Any] = {
-            "max_bandwidth": max_bandwidth,
-            "pace": None,
-            "rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else None,
-            # As a thread would, the call sees the environment as it is now (credentials
-            # the clients read from it may have been set after the worker started).
-            "environ": dict(os.environ),
-        }
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        name = str(getattr(fn, "__qualname__", fn))
-        with self._lock:
-            if pace_bytes is not None:  # taken first: a call that fails leaves no pace
-                options["pace"] = self._take_pace(pace_bytes, pace_for)
-            conn = self._start()
-            call_id = next(self._ids)
-            # The call's id goes apart from its body: a body the worker cannot unpickle
-            # fails this call there, not the worker or every call after it.
-            header = pickle.dumps(("call", call_id))
-            try:
-                body = dumps_call((fn, args, kwargs, options))
-            except Exception as exc:
-                raise not_sendable(name, f"{type(exc).__name__}: {exc}") from None
-            self._pending[call_id] = (future, name)
-            self._paced = self._paced or options["pace"] is not None
-            # Sent in the order the lock was taken: a hurry never overtakes the call.
-            self._send_lock.acquire()
-        try:
-            self._send(conn, header, body)
-        except OSError:
-            pass  # the reader sees the worker gone and fails the future
-        finally:
-            self._send_lock.release()
-        return future
-
-    def pace_next(self, deadline: float | None, for_url: str | None = None) -> None:
-        """Let the next save's data writes take until ``deadline`` (``time.monotonic``;
-        this host's clock, the worker's too) instead of the link's full speed, so that
-        its upload shares the cores with training over the time it has; ``None``: at
-        full speed. With ``for_url`` only a save of that checkpoint takes the pace (a
-        save another thread makes meanwhile, elsewhere, goes at full speed). A
-        :meth:`hurry` before that save's call goes out cancels it. Raises
-        ``ValueError`` for a deadline that is not a finite number."""
-        if deadline is not None and (
-            isinstance(deadline, bool)
-            or not isinstance(deadline, (int, float))
-            or not math.isfinite(deadline)
-        ):
-            raise ValueError(
-                f"a pace deadline must be a finite time.monotonic() value or None, got {deadline!r}"
-            )
-        with self._lock:
-            self._pace_until, self._pace_for = deadline, for_url
-
-    def _take_pace(self, nbytes: int, url: str | None = None) -> tuple[float, float] | None:
-        """The rate (bytes/s) that writes ``nbytes`` of checkpoint ``url`` by the
-        pending deadline, and that deadline, taken once; ``None`` when none is pending
-        for it, it is too close to matter, or the upload too small (call with the
-        lock). The clock is read once: a second read could fall past the deadline."""
-        deadline = self._pace_until
-        if deadline is None or self._pace_for not in (None, url):
-            return None  # none, or another checkpoint's: left for that one's save
-        self._pace_until = self._pace_for = None
-        left = deadline - time.monotonic()
-        if not left >= PACE_MIN_SECONDS or nbytes < PACE_MIN_BYTES:
-            return None
-        rate = nbytes / left
-        return (rate, deadline) if math.isfinite(rate) and rate > 0 else None
-
-    def hurry(self) -> None:
-        """Lift the pace of a paced save, and of one about to go out (its caller waits
-        for it now). Starts no worker."""
-        with self._lock:
-            self._pace_until = self._pace_for = None
-            conn, self._paced = (self._conn if self._paced else None), False
-            if conn is None:
-                return
-            self._send_lock.acquire()
-        try:
-            self._send(conn, pickle.dumps(("hurry",)))
-        except OSError:
-            pass  # a dead worker: the reader reports it
-        finally:
-            self._send_lock.release()
-
-    def foreground(self, busy: bool) -> None:
-        """Count a save in (``True``) or out of the foreground: while one is, calls
-        that pace themselves with :data:`PAUSE` wait (a tiered manager's drain while
-        its save writes the local tier). Starts no worker."""
-        with self._lock:
-            self._foreground += 1 if busy else -1
-            conn = self._conn
-            message = pickle.dumps(("foreground", self._foreground > 0))
-        if conn is not None:
-            try:
-                with self._send_lock:
-                    self._send(conn, message)
-            except OSError:
-                pass  # a dead worker: the reader reports it
+    # --- the staging buffers ----------------------------------------------------------
 
     def start(self) -> StagingPool:
         """Start the worker process and make the staging pool, if not yet done (a
@@ -332,40 +77,6 @@ class Worker:
         message = pickle.dumps(("segments", names, dropped))
         with self._send_lock:
             self._send(conn, message, fds=fds if names else None)
-
-    def _send(self, conn: Connection, *messages: bytes, fds: list[int] | None = None) -> None:
-        """Send ``messages`` to the worker behind ``conn``, then ``fds`` (descriptors,
-        in one byte), whole (:func:`._whole.send_whole`; call with the send lock): a
-        send given up stops that worker."""
-        if fds is None and len(messages) == 1 and len(messages[0]) <= ONE_WRITE:
-            conn.send_bytes(messages[0])
-            return
-
-        def send() -> None:
-            for message in messages:
-                conn.send_bytes(message)
-            if fds is not None:
-                send_segments(conn.fileno(), fds)
-
-        def give_up() -> None:
-            proc = self._proc
-            if self._conn is conn and proc is not None:
-                log.error("persist worker %d: a message to it is stuck; stopping it", proc.pid)
-                proc.kill()
-
-        send_whole(send, give_up)
-
-    def warm(self, fn: Callable[[Any], None], filesystem: Any) -> None:
-        """Send ``fn(filesystem)`` to the worker without waiting for it, once per worker
-        process and type of storage: it prepares the worker for the saves to come. Its
-        failure is the first save's to report (that save sends the same storage)."""
-        with self._lock:
-            key = (self.pid, type(filesystem))
-            if key in self._warmed:
-                return
-            self._warmed.add(key)
-        with contextlib.suppress(NotSendable, WorkerDiedError):
-            self.call(fn, filesystem)
 
     def reserve(self, state_dict: Any) -> None:
         """Start the worker and make the staging buffers for ``state_dict``'s tensors,
@@ -417,9 +128,4 @@ class Worker:
         except BaseException:
             self._free.set()
             raise
-        self._copies = copies
         return staged, Lease(self._free, copies)
-
-
-def _exit_text(code: int) -> str:
-    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"

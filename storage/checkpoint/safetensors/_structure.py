@@ -6,7 +6,7 @@ Python's JSON objects cost many times the text they come from (a dict per ``{}``
 it in memory. Each check here blanks the strings first (nothing in a name counts), then
 bounds what the structure may hold: only what a real header or index holds, each entry
 at least as long as the shortest real one. Each returns the problem in words, or None;
-:mod:`.header` names the file and the fix.
+:mod:`.parse` names the file and the fix.
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ from storage.checkpoint.safetensors.header import (
     WRITE_KEY,
     encode_header,
     layout,
-    parse_index,
 )
+from storage.checkpoint.safetensors.parse import parse_index
 from storage.checkpoint.safetensors.reading import read_files, read_index, read_limited, show_id
 from storage.checkpoint.safetensors.staging import is_model_file_name
 from storage.checkpoint.tensors import tensor_bytes

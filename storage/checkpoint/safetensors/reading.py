@@ -23,13 +23,10 @@ from extensions.errors import (
 )
 from extensions.streams import read_all, readinto_exact
 from storage.backends.base import FileSystemBase
-from storage.checkpoint.safetensors.header import (
-    INDEX_NAME,
-    MAX_HEADER,
-    SINGLE_NAME,
+from storage.checkpoint.safetensors.header import INDEX_NAME, MAX_HEADER, SINGLE_NAME, TensorEntry
+from storage.checkpoint.safetensors.parse import (
     Header,
     Index,
-    TensorEntry,
     header_length,
     parse_header,
     parse_index,
