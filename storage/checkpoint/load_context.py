@@ -77,8 +77,10 @@ class LoadContext:
         thread_count: int,
         budget: Budget,
         process_group: Any,
+        name: str = ".metadata",
     ) -> LoadContext:
-        """The context of a load of ``metadata`` at ``path`` on ``fs``; ``registry``
+        """The context of a load of ``metadata`` (stored as the file ``name``) at
+        ``path`` on ``fs``; ``registry``
         ``None`` is the default registry, built here. Raises :class:`IntegrityError`
         naming the checkpoint when the metadata has no storage index."""
         url = fs.url(path)
@@ -102,5 +104,5 @@ class LoadContext:
             thread_count=thread_count,
             budget=budget,
             process_group=process_group,
-            seal=SealCheck(metadata, url),
+            seal=SealCheck(metadata, url, name),
         )

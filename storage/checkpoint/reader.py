@@ -249,6 +249,7 @@ class CheckpointReader(StorageReader):
             thread_count=self.thread_count,
             budget=self.budget,
             process_group=self.process_group,
+            name=fmt.metadata_name(self._metadata_rank),
         )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

@@ -13,7 +13,9 @@ the seal is missing, made with another key, or does not verify.
 
 What is sealed is what the state means, not where its bytes are, so a copy that keeps
 each item's stored bytes (``cp`` without transforms, the tier drain) keeps the seal as
-it is, with no key: every item's key and chunk offsets, and of its record the
+it is, with no key: the metadata's own file name (``.metadata``, or a rank's
+``__{rank}.metadata``, so one rank's part cannot stand in for another's); every item's
+key and chunk offsets, and of its record the
 transform descriptors, stored length, CRC-32C, data offset, dtype, byte count, content
 fingerprint and save; every state-dict entry (kind; for a tensor its dtype, size and
 chunks); and the planner's data (DCP's flattening map: which state-dict path each key
@@ -71,13 +73,16 @@ def seals_of(metadata: Metadata) -> dict[str, Seal]:
     }
 
 
-def make_seals(metadata: Metadata, transforms: Sequence[Any], save_id: str) -> dict[str, Seal]:
-    """The seals of ``metadata`` (complete, as it will be stored) written by save
-    ``save_id`` with ``transforms``: one per sealing key of the chain, ``{}`` for none."""
+def make_seals(
+    metadata: Metadata, transforms: Sequence[Any], save_id: str, name: str
+) -> dict[str, Seal]:
+    """The seals of ``metadata`` (complete, as it will be stored as the file ``name``:
+    ``.metadata``, or a rank's ``__{rank}.metadata``) written by save ``save_id`` with
+    ``transforms``: one per sealing key of the chain, ``{}`` for none."""
     keys = chain_seal_keys(transforms, ItemInfo(save=save_id))
     if not keys:
         return {}
-    body = canonical(metadata)
+    body = canonical(metadata, name)
     return {
         key_id: {"check": _check(key), "mac": _mac(key, key_id, body)}
         for key_id, key in keys.items()
@@ -97,9 +102,10 @@ class SealCheck:
     """The seal check of one loaded metadata (of the checkpoint ``where`` names): each
     sealing key is checked once, however many items and threads ask."""
 
-    def __init__(self, metadata: Metadata, where: str) -> None:
+    def __init__(self, metadata: Metadata, where: str, name: str) -> None:
         self._metadata = metadata
         self._where = where
+        self._name = name
         self._seals = seals_of(metadata)
         self._body: bytes | None = None
         self._verified: set[tuple[str, bytes]] = set()
@@ -108,10 +114,10 @@ class SealCheck:
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent with a reader to the persist worker (the tier drain): checked afresh there.
-        return {"metadata": self._metadata, "where": self._where}
+        return {"metadata": self._metadata, "where": self._where, "name": self._name}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["metadata"], state["where"])  # type: ignore[misc]
+        self.__init__(state["metadata"], state["where"], state["name"])  # type: ignore[misc]
 
     def require(self, descriptors: Any, item: ItemInfo, registry: ExtensionRegistry) -> None:
         """Refuse ``item`` (recorded with ``descriptors``) unless every seal its chain
@@ -132,7 +138,7 @@ class SealCheck:
                         "written with (its metadata's seal says so); pass the right key"
                     )
                 if self._body is None:
-                    self._body = canonical(self._metadata)
+                    self._body = canonical(self._metadata, self._name)
                 if not hmac.compare_digest(_mac(key, key_id, self._body), stored["mac"]):
                     raise self._refused(
                         item,
@@ -171,12 +177,13 @@ class SealCheck:
 # --- canonical form -------------------------------------------------------------------
 
 
-def canonical(metadata: Metadata) -> bytes:
-    """The sealed facts of ``metadata`` (see the module docstring), encoded. The
+def canonical(metadata: Metadata, name: str) -> bytes:
+    """The sealed facts of ``metadata``, stored as the file ``name`` (see the module
+    docstring), encoded. The
     common shapes (ints, strings, flat sequences of them) take a direct path that
     writes the same bytes as the general :func:`_value`: ~9 us per item (a save or a
     load of 20,000 items seals or checks in ~0.2 s)."""
-    out = bytearray()
+    out = bytearray(b"F" + _text(name))
     state = metadata.state_dict_metadata or {}
     out += b"S" + _int(len(state))
     for fqn in sorted(state):

@@ -377,7 +377,8 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         if self.fingerprint:  # incremental saves since the last full one
             refs = any(fmt.stored_item(i).ref for i in metadata.storage_data.values())
             extra[fmt.CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
-        seals = make_seals(metadata, self.transforms, self.attempt.save_id)
+        name = fmt.metadata_name(None if self.use_collectives else self.rank)
+        seals = make_seals(metadata, self.transforms, self.attempt.save_id, name)
         if seals:
             extra[fmt.SEAL] = seals
         return fmt.dump_metadata(metadata, **extra)

@@ -136,7 +136,7 @@ def _check_items(
         )
     if transforms is not None:  # re-encoded: nothing is sealed again unless it verifies
         for part in parts:
-            SealCheck(part.metadata, src_url).require_all(
+            SealCheck(part.metadata, src_url, part.name).require_all(
                 known, functools.partial(part.item_info, url=src_url, keys=key_lookup)
             )
 
@@ -189,7 +189,7 @@ def publish_copy(
         extra[fmt.ORIGIN] = origin
     seals = seals_of(part.metadata) if transforms is None else None
     if seals is None:
-        seals = make_seals(new_meta, transforms or [], save_id)
+        seals = make_seals(new_meta, transforms or [], save_id, part.name)
     if seals:
         extra[fmt.SEAL] = seals
     commit_checkpoint(

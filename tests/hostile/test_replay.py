@@ -32,6 +32,7 @@ from extensions.encryption import AES256GCM
 from extensions.errors import IntegrityError
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.seal import make_seals, seals_of
+from tests.support.rank_local import RankWriter
 
 KEY = bytes(range(100, 132))
 
@@ -53,7 +54,7 @@ def reseal(request: pytest.FixtureRequest) -> bool:
 def _write_metadata(ckpt: Path, metadata: Metadata, reseal: bool) -> None:
     """Write ``metadata`` back: with the seal it had (which no longer verifies), or
     resealed under the key, so the items' own binding alone must refuse the change."""
-    seals = make_seals(metadata, [_aes()], "resealed") if reseal else seals_of(metadata)
+    seals = make_seals(metadata, [_aes()], "r", ".metadata") if reseal else seals_of(metadata)
     (ckpt / ".metadata").write_bytes(fmt.dump_metadata(metadata, **{fmt.SEAL: seals}))
 
 
@@ -277,3 +278,18 @@ def test_a_relabelled_older_descriptor_is_refused(
     )
     with pytest.raises(IntegrityError, match=rf"item 'a'.*{told}"):
         _load(ckpt, {"a": torch.zeros(64)})
+
+
+def test_one_ranks_part_cannot_stand_in_for_anothers(tmp_path: Path) -> None:
+    # Under rank-local metadata (use_collectives=False) each rank loads its own
+    # __{rank}.metadata. Before the seal named its file, rank 1's metadata copied over
+    # rank 0's (its data files are beside it already) loaded rank 1's state on rank 0.
+    ckpt = tmp_path / "ckpt"
+    for rank in (0, 1):
+        writer = RankWriter(rank, ckpt, transforms=[_aes()], thread_count=1)
+        state = {"a": torch.full((64,), float(rank)), "b": torch.full((64,), 10.0 + rank)}
+        dcp.save(state, storage_writer=writer, use_collectives=False, no_dist=True)
+    assert _load(ckpt, {"a": torch.zeros(64), "b": torch.zeros(64)})["a"][0] == 0.0
+    shutil.copy(ckpt / "__1.metadata", ckpt / "__0.metadata")
+    with pytest.raises(IntegrityError, match=r"item '(a|b)'.*seal does not verify"):
+        _load(ckpt, {"a": torch.zeros(64), "b": torch.zeros(64)})

@@ -13,10 +13,11 @@ from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.seal import make_seals
 
 
-def resealed(metadata: Metadata, *transforms: Any) -> bytes:
-    """``metadata`` serialized with its seal made afresh under ``transforms``' keys.
-    It is copied through pickle first, so changes made in place to its records count."""
+def resealed(metadata: Metadata, *transforms: Any, name: str = ".metadata") -> bytes:
+    """``metadata`` serialized with its seal made afresh under ``transforms``' keys, as
+    the file ``name``. It is copied through pickle first, so changes made in place to
+    its records count."""
     fresh = pickle.loads(pickle.dumps(metadata))  # the test's own objects: trusted
-    seals = make_seals(fresh, list(transforms), "resealed")
+    seals = make_seals(fresh, list(transforms), "resealed", name)
     setattr(fresh, fmt.EXTRA, {**fmt.checkpoint_facts(fresh), fmt.SEAL: seals})
     return pickle.dumps(fresh)
