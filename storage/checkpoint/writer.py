@@ -349,7 +349,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
             commit_checkpoint(
                 self.fs,
                 self.path,
-                fmt.metadata_name(None if self.use_collectives else self.rank),
+                self._metadata_name(),
                 lambda: self.metadata_payload(metadata, results),
                 save_id=self.attempt.save_id,
                 infos=[wr.storage_data for rs in results for wr in rs],
@@ -377,8 +377,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         if self.fingerprint:  # incremental saves since the last full one
             refs = any(fmt.stored_item(i).ref for i in metadata.storage_data.values())
             extra[fmt.CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
-        name = fmt.metadata_name(None if self.use_collectives else self.rank)
-        seals = make_seals(metadata, self.transforms, self.attempt.save_id, name)
+        seals = make_seals(metadata, self.transforms, self.attempt.save_id, self._metadata_name())
         if seals:
             extra[fmt.SEAL] = seals
         return fmt.dump_metadata(metadata, **extra)
@@ -418,6 +417,8 @@ class CheckpointWriter(StorageWriter, WriterStaging):
 
     # --- internals ------------------------------------------------------------------
 
+    def _metadata_name(self) -> str:
+        return fmt.metadata_name(None if self.use_collectives else self.rank)
+
     def _metadata_path(self) -> str:
-        rank = None if self.use_collectives else self.rank
-        return self.fs.concat_path(self.path, fmt.metadata_name(rank))
+        return self.fs.concat_path(self.path, self._metadata_name())
