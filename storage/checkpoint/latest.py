@@ -28,6 +28,7 @@ step it names removes it (:func:`withdraw`). Rank-local metadata
 from __future__ import annotations
 
 import logging
+import re
 import threading
 
 from extensions.errors import UnsafeCheckpointError, quote
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 #: The pointer's name, beside the ``step-<N>`` directories: ours, hidden on local disk,
 #: never a user's ``latest`` (a link to the newest step, DeepSpeed's tag file).
 NAME = ".dcp-latest"
+#: The pointer's temporary while it is written (local disk), left by a process killed
+#: there: ``gc`` removes it once stale.
+TEMPORARY = re.compile(re.escape(NAME) + r"\.tmp-[0-9a-zA-Z]+")
 #: Most bytes a pointer may hold (``step-`` and 20 digits, with room to spare).
 MAX_SIZE = 64
 

@@ -12,6 +12,7 @@ so while one is kept, every step is.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -23,10 +24,12 @@ from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.deletion import MOVED_ASIDE, delete_checkpoint, remove_leftovers
+from storage.checkpoint.latest import TEMPORARY as LATEST_TEMPORARY
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     is_checkpoint_file_name,
     is_data_file_name,
+    is_metadata_temporary,
     parse_step,
     present_metadata,
 )
@@ -213,7 +216,29 @@ class Retention:
                 if not dry_run:
                     remove_leftovers(self.root.fs, path, stale)
                 removed.append(step)
+        self._stale_pointer_temporaries(grace_seconds, dry_run)
         return removed
+
+    def _stale_pointer_temporaries(self, grace_seconds: float, dry_run: bool) -> None:
+        """Remove the latest-step pointer's temporaries in the root older than
+        ``grace_seconds``: what a process killed while writing the pointer left."""
+        fs, root, horizon = self.root.fs, self.root.path, _horizon(grace_seconds)
+        if fs.is_link(root):
+            return  # never deleted through a link, as :meth:`_places` says
+        try:
+            names = [n for n in fs.ls(root) if LATEST_TEMPORARY.fullmatch(n)]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        doomed = []
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                mtime = fs.modified(fs.concat_path(root, name))
+                if mtime is not None and mtime < horizon:
+                    doomed.append(fs.concat_path(root, name))
+        for path in doomed:
+            log.info("%s: a latest-step pointer a killed process left half-written", fs.url(path))
+        if not dry_run:
+            remove_quietly(fs, doomed)
 
     def _put_back_if_referenced(
         self, name: str, path: str, stale: list[str], dry_run: bool
@@ -311,7 +336,12 @@ class Retention:
         # checkpoint's: its files are not orphans here.
         foreign = {p for n in names if (p := split(n)[0]) is not None and not is_data_file_name(n)}
         for name in names:
-            if not is_data_file_name(name) or name in referenced or split(name)[0] in foreign:
+            # A metadata temporary beside committed metadata: a save over this checkpoint
+            # killed before its rename (the grace keeps one in flight).
+            temporary = is_metadata_temporary(name)
+            if not temporary and (
+                not is_data_file_name(name) or name in referenced or split(name)[0] in foreign
+            ):
                 continue
             try:
                 mtime = fs.modified(fs.concat_path(path, name))

@@ -13,6 +13,8 @@ import contextlib
 import os
 import re
 import stat
+import subprocess
+import sys
 import threading
 import types
 import uuid
@@ -187,3 +189,57 @@ def test_saved_files_follow_the_umask(tmp_path: Path) -> None:
     assert len(paths) > 4
     for path in paths:
         assert stat.S_IMODE(path.lstat().st_mode) & 0o077 == 0, path
+
+
+# --- a process killed in the middle of a save -------------------------------------------
+
+_KILLED_SAVE = """
+import os, sys, torch, storage
+real = os.replace
+def replace(src, dst, *args, **kwargs):
+    if dst.endswith(sys.argv[2]):
+        os._exit(9)  # kill -9 right before the rename that publishes it
+    return real(src, dst, *args, **kwargs)
+os.replace = replace
+storage.save({"w": torch.full((8,), 2.0)}, sys.argv[1], overwrite=True)
+"""
+
+
+def _kill_save(path: Path, at: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_SAVE, str(path), at], timeout=300, check=False
+    )
+    assert done.returncode == 9, "the save was not killed where the test meant"
+
+
+def _value(root: Path, step: int) -> float:
+    state = {"w": torch.zeros(8)}
+    CheckpointManager(root).load(state, step)
+    return float(state["w"][0])
+
+
+def test_a_save_killed_before_its_metadata_lands_keeps_the_old_checkpoint_and_gc_sweeps_it(
+    tmp_path: Path,
+) -> None:
+    # Before: the killed save's `.metadata.tmp-<id>` (a whole metadata file) stayed
+    # beside the committed one for good: gc removed only unnamed data files there.
+    root = tmp_path / "root"
+    CheckpointManager(root).save(1, {"w": torch.full((8,), 1.0)})
+    kept = sorted(p.name for p in (root / "step-1").iterdir())
+    _kill_save(root / "step-1", "/.metadata")
+    assert _value(root, 1) == 1.0  # the old checkpoint, whole
+    assert any(".metadata.tmp-" in p.name for p in (root / "step-1").iterdir())
+    CheckpointManager(root).cleanup(0)
+    assert sorted(p.name for p in (root / "step-1").iterdir()) == kept
+
+
+def test_a_pointer_half_written_by_a_killed_save_is_swept_by_gc(tmp_path: Path) -> None:
+    # Before: the `.dcp-latest.tmp-<id>` of a process killed while it updated the pointer
+    # stayed in the root for good.
+    root = tmp_path / "root"
+    CheckpointManager(root).save(1, {"w": torch.full((8,), 1.0)})
+    _kill_save(root / "step-2", "/.dcp-latest")
+    assert _value(root, 2) == 2.0  # committed before the pointer
+    assert any(p.name.startswith(".dcp-latest.tmp-") for p in root.iterdir())
+    CheckpointManager(root).cleanup(0)
+    assert sorted(p.name for p in root.iterdir()) == [".dcp-latest", "step-1", "step-2"]
