@@ -243,3 +243,61 @@ def test_a_pointer_half_written_by_a_killed_save_is_swept_by_gc(tmp_path: Path) 
     assert any(p.name.startswith(".dcp-latest.tmp-") for p in root.iterdir())
     CheckpointManager(root).cleanup(0)
     assert sorted(p.name for p in root.iterdir()) == [".dcp-latest", "step-1", "step-2"]
+
+
+# --- the tiered manager's local tier ----------------------------------------------------
+
+
+def _plant_step(tier: Path, step: int) -> None:
+    """The neighbour's own committed checkpoint, named like a step of ours."""
+    storage.save({"w": torch.full((8,), -666.0)}, str(tier / f"step-{step}"))
+
+
+def test_a_step_planted_in_a_world_writable_local_tier_is_never_loaded_or_drained(
+    tmp_path: Path,
+) -> None:
+    # Before: a manager whose local tier anyone could write (a `chmod 777` scratch
+    # directory on the node) listed the neighbour's step-999 as its newest step, loaded
+    # it on restart and drained it to the durable root as its own.
+    tier, root = tmp_path / "scratch" / "tier", tmp_path / "root"
+    tier.mkdir(parents=True)
+    tier.chmod(0o777)
+    _plant_step(tier, 999)
+    with pytest.raises(UnsafeCheckpointError, match="writable by every user"):
+        CheckpointManager(root, local=tier)
+    assert not (root / "step-999").exists()
+
+
+def test_a_local_tier_under_a_directory_anyone_can_rename_in_is_refused(tmp_path: Path) -> None:
+    # Before: a private tier under a world-writable directory without the sticky bit was
+    # used, though anyone could move it away and put a tier of theirs in its place.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UnsafeCheckpointError, match="no sticky"):
+        CheckpointManager(tmp_path / "root", local=shared / "tier")
+
+
+def test_a_private_local_tier_under_a_sticky_shared_directory_is_used(tmp_path: Path) -> None:
+    # /dev/shm and /tmp are world-writable with the sticky bit: a tier of one's own there
+    # is private (nobody else may rename or remove it), so it works as before.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    manager = CheckpointManager(tmp_path / "root", local=shm / "tier")
+    manager.save(1, {"w": torch.ones(8)})
+    manager.wait()
+    assert (tmp_path / "root" / "step-1" / ".metadata").is_file()
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="needs root to own a file as another user",
+)
+def test_a_local_tier_of_another_users_is_refused(tmp_path: Path) -> None:
+    # Before: a tier directory someone else made (and may rewrite at will) was used.
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    os.chown(tier, 65534, 65534)
+    with pytest.raises(UnsafeCheckpointError, match="user id 65534"):
+        CheckpointManager(tmp_path / "root", local=tier)
