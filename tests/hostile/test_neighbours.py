@@ -111,7 +111,7 @@ def test_save_refuses_a_fifo_planted_at_its_next_data_file(tmp_path: Path) -> No
 
 def test_write_refuses_a_link_at_the_name(tmp_path: Path, victim: Path) -> None:
     # Before: create_stream(path, "wb") on a link truncated and wrote its target; the
-    # heartbeat of a save is rewritten every few seconds under a name anyone listing the
+    # heartbeat of a save is rewritten every 30 s under a name anyone listing the
     # directory sees, so a neighbour could swap it for a link between two beats.
     link = tmp_path / "beat"
     link.symlink_to(victim)
