@@ -12,7 +12,6 @@ so while one is kept, every step is.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -24,7 +23,7 @@ from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.deletion import MOVED_ASIDE, delete_checkpoint, remove_leftovers
-from storage.checkpoint.latest import TEMPORARY as LATEST_TEMPORARY
+from storage.checkpoint.latest import stale_temporaries
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     is_checkpoint_file_name,
@@ -220,21 +219,10 @@ class Retention:
         return removed
 
     def _stale_pointer_temporaries(self, grace_seconds: float, dry_run: bool) -> None:
-        """Remove the latest-step pointer's temporaries in the root older than
-        ``grace_seconds``: what a process killed while writing the pointer left."""
-        fs, root, horizon = self.root.fs, self.root.path, _horizon(grace_seconds)
-        if fs.is_link(root):
-            return  # never deleted through a link, as :meth:`_places` says
-        try:
-            names = [n for n in fs.ls(root) if LATEST_TEMPORARY.fullmatch(n)]
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        doomed = []
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                mtime = fs.modified(fs.concat_path(root, name))
-                if mtime is not None and mtime < horizon:
-                    doomed.append(fs.concat_path(root, name))
+        """Remove the latest-step pointer's temporaries a killed process left in the root
+        (``latest.stale_temporaries``), never through a linked root (:meth:`_places`)."""
+        fs, root = self.root.fs, self.root.path
+        doomed = [] if fs.is_link(root) else stale_temporaries(fs, root, _horizon(grace_seconds))
         for path in doomed:
             log.info("%s: a latest-step pointer a killed process left half-written", fs.url(path))
         if not dry_run:
