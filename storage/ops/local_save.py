@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
-import stat
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +22,6 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from extensions.errors import TierFullError, UnsafeCheckpointError
-from storage.backends import LocalFileSystem
 from storage.checkpoint import api
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import commit_checkpoint
@@ -89,10 +86,10 @@ def refuse_links(g: Group, local: StepRoot, root: StepRoot, step: int, *, pg: An
 
 def refuse_shared_tier(g: Group, local: StepRoot) -> None:
     """Raise on every rank, before the tier is listed, drained or written, if some node's
-    ``local`` tier on local disk is open to other users (:func:`shared_tier_problem`).
+    ``local`` tier on local disk is open to other users (``StepRoot.open_to_others``).
     Collective."""
     error: UnsafeCheckpointError | None = None
-    why = shared_tier_problem(local)
+    why = local.open_to_others()
     if why is not None:
         error = UnsafeCheckpointError(
             f"the local tier {local.url} {why}: another user or job on this host could put a "
@@ -102,41 +99,6 @@ def refuse_shared_tier(g: Group, local: StepRoot) -> None:
             "start again"
         )
     gather_errors(g, error, f"opening the local tier {local.url}")
-
-
-def shared_tier_problem(local: StepRoot) -> str | None:
-    """Why ``local`` (a tier on local disk) is open to other users, or ``None``: it is
-    writable by others (even with the sticky bit: they may add a ``step-<N>`` of their
-    own), it is not owned by this user (nor root), or a directory above it is writable
-    by others without the sticky bit (they may move the tier away and put theirs in its
-    place). Group write is allowed (a user's private group, a team's shared disk)."""
-    if not isinstance(local.fs, LocalFileSystem) or not hasattr(os, "geteuid"):
-        return None
-    path = local.path
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        info = None  # created by this manager, with the umask
-    if info is not None:
-        if info.st_mode & stat.S_IWOTH:
-            return f"is writable by every user (mode {stat.S_IMODE(info.st_mode):04o})"
-        if info.st_uid not in (os.geteuid(), 0):
-            return f"belongs to user id {info.st_uid}, not to you"
-    above = os.path.dirname(os.path.realpath(path))
-    while True:
-        try:
-            mode = os.stat(above).st_mode
-        except OSError:
-            mode = 0
-        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
-            return (
-                f"lies under {above!r}, which every user can write and which has no sticky "
-                f"bit (mode {stat.S_IMODE(mode):04o})"
-            )
-        parent = os.path.dirname(above)
-        if parent == above:
-            return None
-        above = parent
 
 
 def commit_step(

@@ -10,6 +10,7 @@ comment, what happened before the fix.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import stat
@@ -301,3 +302,18 @@ def test_a_local_tier_of_another_users_is_refused(tmp_path: Path) -> None:
     os.chown(tier, 65534, 65534)
     with pytest.raises(UnsafeCheckpointError, match="user id 65534"):
         CheckpointManager(tmp_path / "root", local=tier)
+
+
+def test_a_world_writable_root_is_used_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: a manager on a root anyone could write said nothing, though a neighbour's
+    # step-999 there is what load() takes as the newest step. Warned, not refused: a
+    # team's root may be a shared disk whose mode bits say little (a FUSE mount).
+    root = tmp_path / "root"
+    root.mkdir()
+    root.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="storage.ops.manager"):
+        CheckpointManager(root)
+    assert "writable by every user (mode 0777)" in caplog.text
+    assert str(root) in caplog.text
