@@ -156,7 +156,7 @@ class StepRoot:
         user's private group, a team's shared disk)."""
         if not isinstance(self.fs, LocalFileSystem) or not hasattr(os, "geteuid"):
             return None
-        with contextlib.suppress(FileNotFoundError):  # else made by us, with the umask
+        with contextlib.suppress(OSError):  # missing: made by us, with the umask
             info = os.stat(self.path)
             if info.st_mode & stat.S_IWOTH:
                 return f"is writable by every user (mode {stat.S_IMODE(info.st_mode):04o})"
