@@ -155,7 +155,8 @@ def keys_from_file(path: str | os.PathLike[str]) -> dict[str, bytes]:
     """Keys from a JSON file holding ``{"key_id": "64 hex digits or base64", ...}``.
 
     Keep the file readable by its owner only (``chmod 600``): a file that other users
-    can read or write (any group or other permission bit) is read with a logged warning.
+    can read or write (any group or other permission bit), or that another user owns, is
+    read with a logged warning.
     """
     where = os.fspath(path)
     try:
@@ -183,9 +184,13 @@ def keys_from_file(path: str | os.PathLike[str]) -> dict[str, bytes]:
 
 def _warn_if_others_can_reach(fd: int, where: str) -> None:
     """Warn (as ssh does of a private key) when users other than the owner may read the
-    key file (and decrypt every checkpoint) or write it (and swap in a key they know)."""
-    mode = stat.S_IMODE(os.fstat(fd).st_mode)
-    if os.name == "posix" and mode & 0o077:
+    key file (and decrypt every checkpoint) or write it (and swap in a key they know),
+    and when its owner is another user (who may do both: root reading a user's file)."""
+    info = os.fstat(fd)
+    mode = stat.S_IMODE(info.st_mode)
+    if os.name != "posix":
+        return
+    if mode & 0o077:
         log.warning(
             "%s: the key file is open to other users (mode %04o): whoever can read it can "
             "decrypt your checkpoints, whoever can write it can swap in a key they know; "
@@ -193,4 +198,12 @@ def _warn_if_others_can_reach(fd: int, where: str) -> None:
             where,
             mode,
             where,
+        )
+    elif info.st_uid not in (os.geteuid(), 0):
+        log.warning(
+            "%s: the key file belongs to user id %d, not to you: they can swap in a key "
+            "they know (and read every checkpoint saved with it); use a copy of your own, "
+            "chmod 600",
+            where,
+            info.st_uid,
         )

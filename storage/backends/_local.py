@@ -23,6 +23,17 @@ _READ_FLAGS = (
     | getattr(os, "O_CLOEXEC", 0)
     | getattr(os, "O_BINARY", 0)
 )
+_WRITE_FLAGS = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | getattr(os, "O_NOFOLLOW", 0)
+    | _NONBLOCK
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+# New files get 0o666 less the umask, as ``open(path, "wb")`` gives them.
+_FILE_MODE = 0o666
+_TEMP_TRIES = 8  # random names taken in a row before giving up (48 bits each)
 
 
 def _open_regular(path: str, buffering: int = -1) -> IO[bytes]:
@@ -64,9 +75,71 @@ def _open_regular(path: str, buffering: int = -1) -> IO[bytes]:
         raise
 
 
-def _refusal(path: str, what: str, fix: str) -> str:
+def _open_for_writing(path: str, *, exclusive: bool = False) -> IO[bytes]:
+    """``path`` opened for writing from its start, never through a symbolic link and only
+    into a regular file this call created or one of this user's (``exclusive``: only one
+    this call created, else ``FileExistsError``).
+
+    Whoever else can write the directory (a shared ``/scratch``, a group-writable root)
+    could otherwise put, at a name a save is about to write (the next data file of a save
+    is named after its first), a link that makes the save overwrite a file of their
+    choosing, a FIFO that blocks it forever, or a file of their own that stays theirs to
+    rewrite once it holds our checkpoint. ``O_NOFOLLOW`` and ``O_NONBLOCK`` refuse the
+    first two at the open; ``fstat`` on what was opened refuses the rest before anything
+    is truncated. A file of the directory's owner is accepted too: where the store maps
+    users (root on NFS with root squashing) what we write is not owned by us, and whoever
+    owns the directory can replace its files anyway."""
+    try:
+        try:
+            fd, created = os.open(path, _WRITE_FLAGS | os.O_EXCL, _FILE_MODE), True
+        except FileExistsError:
+            if exclusive:
+                raise
+            fd, created = os.open(path, _WRITE_FLAGS & ~os.O_CREAT), False
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+            what = f"a symbolic link to {quote(_target(path))}"
+            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write")) from None
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader, under O_NONBLOCK
+            what = "a FIFO (named pipe)"
+            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write")) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            what = _kind(info.st_mode)
+            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write"))
+        if not created and not _owned(info, path):
+            what = f"a file of user id {info.st_uid}'s (who could rewrite what we save in it)"
+            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write"))
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+        if not created:
+            os.ftruncate(fd, 0)
+        return open(fd, "wb", closefd=True)  # noqa: SIM115
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _owned(info: os.stat_result, path: str) -> bool:
+    if not hasattr(os, "geteuid") or info.st_uid == os.geteuid():
+        return True
+    try:
+        return info.st_uid == os.stat(os.path.dirname(path) or ".").st_uid
+    except OSError:
+        return False
+
+
+_WRITE_FIX = (
+    "Someone who can write that directory put it there; remove it (and make the directory "
+    "writable by you only), then save again."
+)
+
+
+def _refusal(path: str, what: str, fix: str, action: str = "read") -> str:
     return (
-        f"refusing to read {path!r}: it is {what}, not a regular file inside the checkpoint "
+        f"refusing to {action} {path!r}: it is {what}, not a regular file inside the checkpoint "
         f"{os.path.dirname(path)!r} (a checkpoint's files must be regular files; the "
         f"checkpoint directory itself may be a link). {fix}"
     )
@@ -89,6 +162,23 @@ def _kind(mode: int) -> str:
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
     return "not a regular file"
+
+
+def _create_temporary(path: str) -> tuple[str, IO[bytes]]:
+    """A new file next to ``path`` under a random name, created by this call (``O_EXCL``):
+    a name taken already (by a neighbour who guessed it and put a link or a file there)
+    is left alone and another drawn."""
+    for _ in range(_TEMP_TRIES):
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            return tmp, _open_for_writing(tmp, exclusive=True)
+        except FileExistsError:
+            continue
+    raise UnsafeCheckpointError(
+        f"could not create a temporary file next to {path!r}: {_TEMP_TRIES} random names "
+        "in a row were taken already, which only someone planting files there does; make "
+        f"the directory {os.path.dirname(path)!r} writable by you only, then save again"
+    )
 
 
 class LocalFileSystem(FileSystemBase):
@@ -124,7 +214,7 @@ class LocalFileSystem(FileSystemBase):
         if mode != "wb":
             raise ValueError(f"unsupported mode {mode!r}: use 'rb' or 'wb'")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        out = open(path, "wb")  # noqa: SIM115 - closed below on every path
+        out = _open_for_writing(path)
         try:
             yield out
             out.flush()
@@ -145,9 +235,9 @@ class LocalFileSystem(FileSystemBase):
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         directory = os.path.dirname(path) or "."
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp, opened = _create_temporary(path)
         try:
-            with open(tmp, "wb") as stream:
+            with opened as stream:
                 stream.write(data)
                 stream.flush()
                 os.fsync(stream.fileno())

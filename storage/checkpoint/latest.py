@@ -27,7 +27,9 @@ step it names removes it (:func:`withdraw`). Rank-local metadata
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import threading
 
 from extensions.errors import UnsafeCheckpointError, quote
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 #: The pointer's name, beside the ``step-<N>`` directories: ours, hidden on local disk,
 #: never a user's ``latest`` (a link to the newest step, DeepSpeed's tag file).
 NAME = ".dcp-latest"
+# The pointer's temporary while it is written (local disk).
+_TEMPORARY = re.compile(re.escape(NAME) + r"\.tmp-[0-9a-zA-Z]+")
 #: Most bytes a pointer may hold (``step-`` and 20 digits, with room to spare).
 MAX_SIZE = 64
 
@@ -180,3 +184,21 @@ def withdraw(fs: FileSystemBase, directory: str) -> None:
             type(exc).__name__,
             exc,
         )
+
+
+def stale_temporaries(fs: FileSystemBase, parent: str, horizon: float) -> list[str]:
+    """The paths of the pointer's temporaries in ``parent`` last changed before
+    ``horizon`` (a ``time.time()``): what a process killed while it wrote the pointer
+    left (``gc`` removes them)."""
+    try:
+        names = [n for n in fs.ls(parent) if _TEMPORARY.fullmatch(n)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    stale = []
+    for name in names:
+        path = fs.concat_path(parent, name)
+        with contextlib.suppress(FileNotFoundError):
+            mtime = fs.modified(path)
+            if mtime is not None and mtime < horizon:
+                stale.append(path)
+    return stale

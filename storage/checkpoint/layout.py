@@ -53,6 +53,12 @@ def is_data_file_name(name: str) -> bool:
     return _DATA_NAME.fullmatch(name) is not None
 
 
+def is_metadata_temporary(name: str) -> bool:
+    """A metadata file's temporary (``.metadata.tmp-<random>``): what a save killed
+    between writing it and renaming it into place leaves, and a deletion's move aside."""
+    return _METADATA_TMP.fullmatch(name) is not None
+
+
 def is_checkpoint_file_name(name: str) -> bool:
     """A file a checkpoint save writes: metadata, its temporaries, a data file, or the
     heartbeat of a writer (``heartbeat``)."""

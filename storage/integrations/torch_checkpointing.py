@@ -48,6 +48,7 @@ from typing import Any
 
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url
+from storage.checkpoint.deletion import refuse_link
 from storage.integrations._deps import require
 
 require("torch_checkpointing.storage.base_storage", "torch-checkpointing")
@@ -205,6 +206,7 @@ class ObjectStoreStorage(Storage):
 
     def rmdir(self, path: Path) -> None:
         directory = self._resolve(path)[0]
+        refuse_link(self.fs, directory)  # its files are someone else's checkpoint
         commit = self._marker(directory, COMMIT_NAME)
         if self.fs.exists(commit):  # uncommit first: a partial deletion stays invisible
             self.fs.write_atomic(self._marker(directory, PENDING_NAME), b"")
@@ -214,11 +216,14 @@ class ObjectStoreStorage(Storage):
         self.fs.rm_dir(directory)
 
     def _walk(self, directory: str) -> list[str]:
-        """Every file under ``directory``, relative to it (markers included)."""
+        """Every file under ``directory``, relative to it (markers included); a symbolic
+        link (to a file or a directory) counts as a file."""
         found = []
         for name in self.fs.ls(directory):
             child = self.fs.concat_path(directory, name)
-            if self._isdir(child):
+            # A link is a name of its own here, never walked into: ``rmdir`` removes the
+            # link, not the files of whatever directory it points at.
+            if not self.fs.is_link(child) and self._isdir(child):
                 found += [f"{name}/{sub}" for sub in self._walk(child)]
             else:
                 found.append(name)

@@ -84,6 +84,23 @@ def refuse_links(g: Group, local: StepRoot, root: StepRoot, step: int, *, pg: An
     gather_errors(g, error, f"saving step {step}", pg=pg)
 
 
+def refuse_shared_tier(g: Group, local: StepRoot) -> None:
+    """Raise on every rank, before the tier is listed, drained or written, if some node's
+    ``local`` tier on local disk is open to other users (``StepRoot.open_to_others``).
+    Collective."""
+    error: UnsafeCheckpointError | None = None
+    why = local.open_to_others()
+    if why is not None:
+        error = UnsafeCheckpointError(
+            f"the local tier {local.url} {why}: another user or job on this host could put a "
+            "step there that this manager would load, and drain to the root as its own, or "
+            "change a step it saved; nothing was read or written. Make it yours and "
+            "private (chmod o-w, or a directory of your own such as /local/$USER/run), then "
+            "start again"
+        )
+    gather_errors(g, error, f"opening the local tier {local.url}")
+
+
 def commit_step(
     g: Group,
     local: StepRoot,

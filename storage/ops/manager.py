@@ -122,6 +122,15 @@ class CheckpointManager:
         self.incremental = incremental
         self.full_every = full_every
         self.location = StepRoot(*resolve_location(root_url, storage_options, filesystem))
+        shared = self.location.open_to_others(owner=False)  # a team's root may be a colleague's
+        if shared is not None:
+            log.warning(
+                "the checkpoint root %s %s: another user or job on this host could put a step "
+                "there that load() takes as the newest, or change a saved one; make it "
+                "writable by you (and your group) only: chmod o-w",
+                self.location.url,
+                shared,
+            )
         self.retention = Retention(
             self.location, keep_last=keep_last, keep_every=keep_every, coordinator=coordinator
         )

@@ -23,10 +23,12 @@ from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import remove_quietly
 from storage.checkpoint.deletion import MOVED_ASIDE, delete_checkpoint, remove_leftovers
+from storage.checkpoint.latest import stale_temporaries
 from storage.checkpoint.layout import (
     STEP_PREFIX,
     is_checkpoint_file_name,
     is_data_file_name,
+    is_metadata_temporary,
     parse_step,
     present_metadata,
 )
@@ -213,7 +215,18 @@ class Retention:
                 if not dry_run:
                     remove_leftovers(self.root.fs, path, stale)
                 removed.append(step)
+        self._stale_pointer_temporaries(grace_seconds, dry_run)
         return removed
+
+    def _stale_pointer_temporaries(self, grace_seconds: float, dry_run: bool) -> None:
+        """Remove the latest-step pointer's temporaries a killed process left in the root
+        (``latest.stale_temporaries``), never through a linked root (:meth:`_places`)."""
+        fs, root = self.root.fs, self.root.path
+        doomed = [] if fs.is_link(root) else stale_temporaries(fs, root, _horizon(grace_seconds))
+        for path in doomed:
+            log.info("%s: a latest-step pointer a killed process left half-written", fs.url(path))
+        if not dry_run:
+            remove_quietly(fs, doomed)
 
     def _put_back_if_referenced(
         self, name: str, path: str, stale: list[str], dry_run: bool
@@ -311,7 +324,12 @@ class Retention:
         # checkpoint's: its files are not orphans here.
         foreign = {p for n in names if (p := split(n)[0]) is not None and not is_data_file_name(n)}
         for name in names:
-            if not is_data_file_name(name) or name in referenced or split(name)[0] in foreign:
+            # A metadata temporary beside committed metadata: a save over this checkpoint
+            # killed before its rename (the grace keeps one in flight).
+            temporary = is_metadata_temporary(name)
+            if not temporary and (
+                not is_data_file_name(name) or name in referenced or split(name)[0] in foreign
+            ):
                 continue
             try:
                 mtime = fs.modified(fs.concat_path(path, name))

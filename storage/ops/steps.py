@@ -12,12 +12,15 @@ does, through it).
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 import threading
 from collections.abc import Iterator
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from extensions.errors import UnsafeCheckpointError
+from storage.backends import LocalFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.committed import CommittedCheckpoint, ReadModels
 from storage.checkpoint.incremental import missing_file
@@ -143,6 +146,37 @@ class StepRoot:
                 "writing there would replace for everyone using it; nothing was written: "
                 f"{fix}"
             )
+
+    def open_to_others(self, *, owner: bool = True) -> str | None:
+        """Why this root, on local disk, is open to other users of the host, or ``None``:
+        it is writable by every user (even with the sticky bit: they may add a
+        ``step-<N>`` of their own), it is not owned by this user nor root (``owner``), or
+        a directory above it is writable by every user without the sticky bit (they may
+        move the root away and put theirs in its place). Group write is allowed (a
+        user's private group, a team's shared disk)."""
+        if not isinstance(self.fs, LocalFileSystem) or not hasattr(os, "geteuid"):
+            return None
+        with contextlib.suppress(OSError):  # missing: made by us, with the umask
+            info = os.stat(self.path)
+            if info.st_mode & stat.S_IWOTH:
+                return f"is writable by every user (mode {stat.S_IMODE(info.st_mode):04o})"
+            if owner and info.st_uid not in (os.geteuid(), 0):
+                return f"belongs to user id {info.st_uid}, not to you"
+        above = os.path.dirname(os.path.realpath(self.path))
+        while True:
+            try:
+                mode = os.stat(above).st_mode
+            except OSError:
+                mode = 0
+            if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+                return (
+                    f"lies under {above!r}, which every user can write and which has no "
+                    f"sticky bit (mode {stat.S_IMODE(mode):04o})"
+                )
+            parent = os.path.dirname(above)
+            if parent == above:
+                return None
+            above = parent
 
     def linked_steps(self) -> list[int]:
         """Steps whose directory is a symbolic link, ascending."""

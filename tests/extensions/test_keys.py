@@ -109,3 +109,22 @@ def test_a_private_key_file_is_read_quietly(
     with caplog.at_level(logging.DEBUG, logger="extensions.keys"):
         assert keys_from_file(path) == {"k1": KEY}
     assert not caplog.records
+
+
+@pytest.mark.skipif(
+    os.name != "posix" or os.geteuid() != 0, reason="needs root to read another user's 0600 file"
+)
+def test_a_key_file_of_another_users_is_read_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: root (a job's launcher, a CLI run with sudo) read a user's private key file
+    # quietly, though that user can swap in a key they know at any time.
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"k1": KEY.hex()}))
+    path.chmod(0o600)
+    os.chown(path, 65534, 65534)
+    with caplog.at_level(logging.WARNING, logger="extensions.keys"):
+        assert keys_from_file(path) == {"k1": KEY}
+    (record,) = caplog.records
+    assert "belongs to user id 65534" in record.getMessage()
+    assert KEY.hex() not in record.getMessage()

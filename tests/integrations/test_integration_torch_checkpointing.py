@@ -227,3 +227,40 @@ def job(spec: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     job(json.loads(sys.argv[1]))
+
+
+def _committed_on_local_disk(root: Any) -> Any:
+    from storage.integrations.torch_checkpointing import ObjectStoreConfig
+
+    storage = ObjectStoreConfig(str(root)).create_storage()
+    storage.write("tmp_step_1/model.bin", b"weights")
+    storage.rename("tmp_step_1", "step_1", is_directory=True)  # the writer's commit
+    return storage
+
+
+def test_rmdir_never_deletes_through_a_link_inside_the_checkpoint(tmp_path: Any) -> None:
+    # Before: torch_checkpointing's retention (rmdir) walked into `step_1/evil ->
+    # ~/project`, a link anyone who could write the checkpoint put there, and deleted
+    # every file of the project.
+    victim = tmp_path / "project"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("years of work")
+    storage = _committed_on_local_disk(tmp_path / "root")
+    (tmp_path / "root" / "step_1" / "evil").symlink_to(victim, target_is_directory=True)
+    storage.rmdir("step_1")
+    assert (victim / "thesis.tex").read_text() == "years of work"
+    assert not (tmp_path / "root" / "step_1").exists()
+
+
+def test_rmdir_refuses_a_checkpoint_that_is_a_link(tmp_path: Any) -> None:
+    # Before: rmdir of `step_0 -> /shared/pretrained` deleted the shared checkpoint's
+    # files through the link.
+    from extensions.errors import UnsafeCheckpointError
+
+    storage = _committed_on_local_disk(tmp_path / "shared")
+    (tmp_path / "shared" / "step_0").symlink_to(
+        tmp_path / "shared" / "step_1", target_is_directory=True
+    )
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+        storage.rmdir("step_0")
+    assert (tmp_path / "shared" / "step_1" / "model.bin").read_bytes() == b"weights"
