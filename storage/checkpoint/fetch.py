@@ -74,7 +74,11 @@ def read_items(
     load: LoadContext, reqs: Sequence[ReadItem], planner: LoadPlanner, budget: Budget
 ) -> None:
     """Fetch, verify and decode ``reqs`` into ``planner``, within ``budget``."""
+    keys = cached_key_lookup(load.keys)
     if not reqs:
+        # This rank planned with the metadata all the same (a partial load that found
+        # nothing it asked for, a read-once rank that only receives): it is checked.
+        _require_seal(load, keys)
         return
     first = fmt.item_label(reqs[0].storage_index)
     runs = budget.call(
@@ -85,7 +89,6 @@ def read_items(
         url=load.url,
     )
     lock = threading.Lock()
-    keys = cached_key_lookup(load.keys)
     # Before any byte is fetched: a plain item where encryption is required, a
     # missing key or a failing key provider is reported as itself; then, where keys
     # were given, the seal of the whole metadata (every encrypted item of a sealed
@@ -104,10 +107,7 @@ def read_items(
                 decode=True,
                 seal=None,
             )
-    if encryption_required(None, load.keys):
-        load.seal.require_all(
-            load.registry, lambda index: _info_of(load, index, keys, load.storage_data[index])
-        )
+    _require_seal(load, keys)
     if not runs:
         return
     # Items in frames are decoded on every core while these threads read on (frames.py).
@@ -123,6 +123,14 @@ def read_items(
             decoders.close()
         raise
     decoders.close()
+
+
+def _require_seal(load: LoadContext, keys: KeyLookup | None) -> None:
+    """Where keys were given, the seal of the whole metadata (checked once per load)."""
+    if encryption_required(None, load.keys):
+        load.seal.require_all(
+            load.registry, lambda index: _info_of(load, index, keys, load.storage_data[index])
+        )
 
 
 def _plan_runs(load: LoadContext, reqs: Sequence[ReadItem]) -> list[tuple[str, list[_PlannedRead]]]:

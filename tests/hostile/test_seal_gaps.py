@@ -1,0 +1,94 @@
+"""Sealed metadata against an attacker who edits storage only (no key), in the paths
+that trusted a metadata without its seal being checked: a load whose plan reads
+nothing (every state-dict entry dropped from a partial load; a rank of a read-once load
+that only receives what others read), and an incremental save that copies its base's
+records into its own metadata and seals them (docs/transforms.md, "Threat model")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan
+
+import storage
+from extensions.encryption import AES256GCM
+from extensions.errors import IntegrityError
+from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.api import unwrap_checkpoint_exception
+from storage.checkpoint.reader import CheckpointReader
+from storage.checkpoint.seal import seals_of
+
+KEY = bytes(range(40, 72))  # test-only
+KEYS = {"k1": KEY}
+
+
+def _aes() -> AES256GCM:
+    return AES256GCM(key=KEY, key_id="k1", chunk_size=1024)
+
+
+def _metadata(ckpt: Path) -> Metadata:
+    return fmt.load_metadata((ckpt / ".metadata").read_bytes(), str(ckpt))
+
+
+def _write_back(ckpt: Path, metadata: Metadata) -> None:
+    """``metadata`` written back as an attacker would: with the seal it had."""
+    facts = {k: v for k, v in fmt.checkpoint_facts(metadata).items() if k != fmt.FORMAT}
+    facts[fmt.SEAL] = seals_of(metadata)
+    (ckpt / ".metadata").write_bytes(fmt.dump_metadata(metadata, **facts))
+
+
+def test_a_partial_load_of_a_checkpoint_whose_entries_were_all_dropped_fails(
+    tmp_path: Path,
+) -> None:
+    # A partial load leaves the targets the checkpoint does not hold as they were. With
+    # every state-dict entry dropped, the plan read nothing, so the seal was never
+    # checked: the load "succeeded" with none of the checkpoint's values, as if it
+    # held none of them.
+    ckpt = tmp_path / "ckpt"
+    storage.save({"a": torch.full((64,), 1.0)}, ckpt, transforms=[_aes()])
+    metadata = _metadata(ckpt)
+    metadata.state_dict_metadata.clear()
+    _write_back(ckpt, metadata)
+    target = {"a": torch.zeros(64)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(
+            target,
+            storage_reader=CheckpointReader(ckpt, keys=KEYS),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+            no_dist=True,
+        )
+    real = unwrap_checkpoint_exception(info.value)
+    assert isinstance(real, IntegrityError) and "seal does not verify" in str(real)
+    assert str(ckpt) in str(real)
+
+
+def test_a_rank_that_reads_nothing_itself_checks_the_seal_of_its_metadata(
+    tmp_path: Path,
+) -> None:
+    # Under read-once, a rank whose items are all read by other ranks fetches nothing
+    # and only applies what it receives, through its own plan, made from its own read
+    # of .metadata: that metadata was never checked (one swapped in between the ranks'
+    # reads mapped the received values onto other entries). Every rank of a load
+    # holding keys checks the metadata it plans with.
+    ckpt = tmp_path / "ckpt"
+    storage.save(
+        {"a": torch.full((64,), 1.0), "b": torch.full((64,), 2.0)}, ckpt, transforms=[_aes()]
+    )
+    metadata = _metadata(ckpt)
+    metadata.state_dict_metadata["a"], metadata.state_dict_metadata["b"] = (
+        metadata.state_dict_metadata["b"],
+        metadata.state_dict_metadata["a"],
+    )
+    metadata.planner_data = {"a": ("b",), "b": ("a",)}
+    _write_back(ckpt, metadata)
+    reader = CheckpointReader(ckpt, keys=KEYS)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    planner = DefaultLoadPlanner()
+    with pytest.raises(IntegrityError, match="seal does not verify"):
+        reader.read_data(LoadPlan([]), planner).wait()
