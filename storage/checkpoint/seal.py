@@ -93,6 +93,36 @@ def _mac(key: bytes, key_id: str, body: bytes) -> str:
     return hmac.new(key, _LABEL + _str(name) + body, hashlib.sha256).hexdigest()
 
 
+def base_verifies(metadata: Metadata, transforms: Sequence[Any], where: str) -> bool:
+    """Whether a save with ``transforms`` may take records from ``metadata`` (its base,
+    the checkpoint ``where`` names) into its own metadata, which it then seals: always
+    for a chain that seals nothing; else only when ``metadata`` carries a seal under
+    every sealing key of the chain and each verifies. ``False`` where one is missing or
+    was made with another key (no item of such a checkpoint is stored as this chain
+    stores it, so nothing is lost); :class:`IntegrityError` where one made with the key
+    does not verify: sealed again, an altered record would load as genuine."""
+    keys = chain_seal_keys(transforms, ItemInfo(save=""))
+    if not keys:
+        return True
+    seals = seals_of(metadata)
+    body: bytes | None = None
+    for key_id, key in keys.items():
+        stored = seals.get(key_id)
+        if stored is None or not hmac.compare_digest(_check(key), stored["check"]):
+            return False
+        if body is None:
+            body = canonical(metadata)
+        if not hmac.compare_digest(_mac(key, key_id, body), stored["mac"]):
+            raise IntegrityError(
+                f"{where}: the metadata's seal (key_id {quote(key_id)}) does not verify: "
+                "the metadata was altered (an item's record, the state-dict entries or the "
+                "planner data) or is not this checkpoint's, so an incremental save cannot "
+                "take its records as its base. Restore its .metadata from a good copy, or "
+                "save in full (no base)"
+            )
+    return True
+
+
 class SealCheck:
     """The seal check of one loaded metadata (of the checkpoint ``where`` names): each
     sealing key is checked once, however many items and threads ask."""

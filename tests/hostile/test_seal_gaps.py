@@ -92,3 +92,46 @@ def test_a_rank_that_reads_nothing_itself_checks_the_seal_of_its_metadata(
     planner = DefaultLoadPlanner()
     with pytest.raises(IntegrityError, match="seal does not verify"):
         reader.read_data(LoadPlan([]), planner).wait()
+
+
+def test_an_incremental_save_does_not_seal_records_altered_in_its_base(
+    tmp_path: Path,
+) -> None:
+    # A save with a base copies the base's record of each unchanged item (its layout
+    # facts included) into its own metadata, then seals it. The base's metadata was
+    # not checked: a record altered there (the tensor's offset in its archive moved by
+    # 16 bytes) was sealed into the new checkpoint under the key, whose loads then
+    # accepted it and read shifted values.
+    value = {"w": torch.arange(256.0)}
+    storage.save(value, tmp_path / "step-1", transforms=[_aes()], fingerprint=True)
+    metadata = _metadata(tmp_path / "step-1")
+    info = next(iter(metadata.storage_data.values()))
+    facts = dict(getattr(info, fmt.EXTRA))
+    facts[fmt.DATA_OFFSET] += 16
+    setattr(info, fmt.EXTRA, facts)
+    _write_back(tmp_path / "step-1", metadata)
+    with pytest.raises(IntegrityError, match="step-1") as raised:
+        storage.save(value, tmp_path / "step-2", transforms=[_aes()], base=str(tmp_path / "step-1"))
+    assert "does not verify" in str(raised.value) and "save in full" in str(raised.value)
+    assert not (tmp_path / "step-2" / ".metadata").exists()
+
+
+def test_an_incremental_save_over_a_base_whose_seal_was_removed_is_saved_in_full(
+    tmp_path: Path,
+) -> None:
+    # With the seal removed as well, the base cannot be told from one never sealed:
+    # nothing of it is referenced, so nothing altered in it is sealed again.
+    value = {"w": torch.arange(256.0)}
+    storage.save(value, tmp_path / "step-1", transforms=[_aes()], fingerprint=True)
+    metadata = _metadata(tmp_path / "step-1")
+    info = next(iter(metadata.storage_data.values()))
+    facts = dict(getattr(info, fmt.EXTRA))
+    facts[fmt.DATA_OFFSET] += 16
+    setattr(info, fmt.EXTRA, facts)
+    (tmp_path / "step-1" / ".metadata").write_bytes(fmt.dump_metadata(metadata))
+    storage.save(value, tmp_path / "step-2", transforms=[_aes()], base=str(tmp_path / "step-1"))
+    records = _metadata(tmp_path / "step-2").storage_data.values()
+    assert all(fmt.stored_item(i).ref is None for i in records)
+    target = {"w": torch.zeros(256)}
+    storage.load(target, tmp_path / "step-2", keys=KEYS)
+    assert torch.equal(target["w"], value["w"])
