@@ -6,6 +6,7 @@ records into its own metadata and seals them (docs/transforms.md, "Threat model"
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.api import unwrap_checkpoint_exception
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.seal import seals_of
+from tests.support.distributed import gloo_group, spawn
 
 KEY = bytes(range(40, 72))  # test-only
 KEYS = {"k1": KEY}
@@ -135,3 +137,35 @@ def test_an_incremental_save_over_a_base_whose_seal_was_removed_is_saved_in_full
     target = {"w": torch.zeros(256)}
     storage.load(target, tmp_path / "step-2", keys=KEYS)
     assert torch.equal(target["w"], value["w"])
+
+
+class _ReadAfterTheSwap(CheckpointReader):
+    """A reader whose read of .metadata comes after an attacker swapped it (one more
+    state-dict entry), as a rank reading it later than another may: the race made
+    deterministic."""
+
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
+        metadata = super().read_metadata(*args, **kwargs)
+        metadata.state_dict_metadata["forged"] = metadata.state_dict_metadata["a"]
+        return metadata
+
+
+def _receiving_rank_worker(rank: int, store: str, path: str) -> None:
+    with gloo_group(rank, 2, store, timeout=timedelta(seconds=120)):
+        kind = CheckpointReader if rank == 0 else _ReadAfterTheSwap
+        target = {"a": torch.zeros(64)}
+        # One item both ranks need: rank 0 owns it, rank 1 only receives it.
+        with pytest.raises(CheckpointException) as info:
+            dcp.load(target, storage_reader=kind(path, keys=KEYS, read_once=True))
+        # Rank 1 refuses its metadata; rank 0 hears it, naming rank 1.
+        failures = info.value.failures
+        assert set(failures) == {0, 1} and "IntegrityError" in repr(failures[1]), failures
+        assert all("seal does not verify" in str(e) for e in failures.values()), failures
+
+
+def test_a_read_once_rank_that_only_receives_checks_its_own_metadata(tmp_path: Path) -> None:
+    # The 2-rank form of the test above: rank 1 planned with a metadata nobody checked
+    # and loaded what rank 0 sent through it.
+    ckpt = tmp_path / "ckpt"
+    storage.save({"a": torch.full((64,), 1.0)}, ckpt, transforms=[_aes()])
+    spawn(_receiving_rank_worker, (str(tmp_path / "store"), str(ckpt)))
