@@ -9,7 +9,9 @@ chain: a key-check value (8 bytes derived from the MAC key, hex), so a wrong key
 told apart from an altered metadata, and the HMAC-SHA256 (hex) of the canonical form
 below. A reader that is about to decode such an item checks the seal under the item's
 key first (:class:`SealCheck`), once per key and metadata, and refuses the item when
-the seal is missing, made with another key, or does not verify.
+the seal is missing, made with another key, or does not verify. A save that takes
+records from its base (an incremental save) checks the base's seal under its own key
+first (:func:`base_verifies`), since it seals what it takes.
 
 What is sealed is what the state means, not where its bytes are, so a copy that keeps
 each item's stored bytes (``cp`` without transforms, the tier drain) keeps the seal as
