@@ -24,7 +24,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from extensions._compat import narrow_tensor_by_index
 from extensions.base import ItemInfo, KeyLookup, cached_key_lookup
-from extensions.errors import CheckpointNotFoundError, CheckpointStorageError, IntegrityError, quote
+from extensions.errors import (
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+    IntegrityError,
+    UnsafeCheckpointError,
+    quote,
+)
 from extensions.registry import Framing
 from extensions.streams import readinto_exact
 from storage.backends import RangeMismatchError
@@ -74,7 +80,14 @@ def read_items(
     load: LoadContext, reqs: Sequence[ReadItem], planner: LoadPlanner, budget: Budget
 ) -> None:
     """Fetch, verify and decode ``reqs`` into ``planner``, within ``budget``."""
+    keys = cached_key_lookup(load.keys)
     if not reqs:
+        # This rank planned with the metadata all the same (a partial load that found
+        # nothing it asked for, a read-once rank that only receives, a planner that
+        # takes whatever the checkpoint holds): it is checked.
+        _require_seal(load, keys)
+        if load.require_encryption:
+            _require_an_encrypted_item(load)
         return
     first = fmt.item_label(reqs[0].storage_index)
     runs = budget.call(
@@ -85,7 +98,6 @@ def read_items(
         url=load.url,
     )
     lock = threading.Lock()
-    keys = cached_key_lookup(load.keys)
     # Before any byte is fetched: a plain item where encryption is required, a
     # missing key or a failing key provider is reported as itself; then, where keys
     # were given, the seal of the whole metadata (every encrypted item of a sealed
@@ -104,10 +116,7 @@ def read_items(
                 decode=True,
                 seal=None,
             )
-    if encryption_required(None, load.keys):
-        load.seal.require_all(
-            load.registry, lambda index: _info_of(load, index, keys, load.storage_data[index])
-        )
+    _require_seal(load, keys)
     if not runs:
         return
     # Items in frames are decoded on every core while these threads read on (frames.py).
@@ -123,6 +132,30 @@ def read_items(
             decoders.close()
         raise
     decoders.close()
+
+
+def _require_seal(load: LoadContext, keys: KeyLookup | None) -> None:
+    """Where keys were given, the seal of the whole metadata (checked once per load)."""
+    if encryption_required(None, load.keys):
+        load.seal.require_all(
+            load.registry, lambda index: _info_of(load, index, keys, load.storage_data[index])
+        )
+
+
+def _require_an_encrypted_item(load: LoadContext) -> None:
+    """Where encryption is required and the load reads nothing, the checkpoint must hold
+    an encrypted item all the same: one forged to hold none (no item, or only plain
+    ones) would otherwise load as nothing, which a planner that takes what the
+    checkpoint holds (the torchft transport's) accepts as a state."""
+    for info in load.storage_data.values():
+        if load.registry.authenticated(fmt.stored_item(info).descriptors):
+            return
+    raise UnsafeCheckpointError(
+        f"{load.url} holds no encrypted item, but keys were given, so its items must be: "
+        "its metadata may have been replaced to load nothing (or forged plain values). If "
+        "this checkpoint is meant to be unencrypted (or empty), pass "
+        "require_encryption=False (--no-require-encryption on the command line)"
+    )
 
 
 def _plan_runs(load: LoadContext, reqs: Sequence[ReadItem]) -> list[tuple[str, list[_PlannedRead]]]:

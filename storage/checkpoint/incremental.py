@@ -51,6 +51,7 @@ from storage.checkpoint.committed import (
 )
 from storage.checkpoint.layout import is_committed, split_location
 from storage.checkpoint.prefixes import absent
+from storage.checkpoint.seal import base_verifies
 from storage.checkpoint.tensors import tensor_bytes
 from storage.checkpoint.validate import MAX_NAME, is_plain_name
 
@@ -210,14 +211,21 @@ class Base:
         return fmt.new_storage_info(replace(record, ref=ref))
 
 
-def open_base(fs: FileSystemBase, path: str, base: str | CommittedCheckpoint) -> Base:
+def open_base(
+    fs: FileSystemBase,
+    path: str,
+    base: str | CommittedCheckpoint,
+    transforms: Sequence[Any] = (),
+) -> Base:
     """Read the base ``base`` (a path or URL, or its read model already opened: then
     its metadata is not read again) of a save to ``path``. It must be a
     committed checkpoint beside ``path`` (same parent directory or prefix) with a
     ``.metadata`` (rank-local metadata never makes a base), and not the checkpoint being
     written. Links are resolved where the backend has them (``root/latest -> step-5``
     is recorded as ``step-5``, the name whose files hold the bytes); a base or a
-    destination that resolves outside the parent directory is refused."""
+    destination that resolves outside the parent directory is refused. A save whose
+    ``transforms`` seal its metadata takes references only from a base whose seal under
+    the same keys verifies (``seal.base_verifies``): it seals the records it takes."""
     opened = base if isinstance(base, CommittedCheckpoint) else None
     base_path = opened.path if opened is not None else fs.init_path(base)  # type: ignore[arg-type]
     check_base_name(fs, base_path)
@@ -255,7 +263,9 @@ def open_base(fs: FileSystemBase, path: str, base: str | CommittedCheckpoint) ->
             f"base {fs.url(base_path)} of the save to {fs.url(path)} is {state}; save a "
             "full checkpoint (no base) or name a committed one"
         )
-    return Base(name, fs.url(base_path), dict(metadata.storage_data or {}), chain_of(metadata), own)
+    url = fs.url(base_path)
+    items = dict(metadata.storage_data or {}) if base_verifies(metadata, transforms, url) else {}
+    return Base(name, url, items, chain_of(metadata), own)
 
 
 def _canonical_name(fs: FileSystemBase, path: str, parent: str) -> str:

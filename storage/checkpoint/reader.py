@@ -238,6 +238,9 @@ class CheckpointReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        # ``metadata_name`` (ours): the file ``metadata`` was read from, when it was not
+        # read by read_metadata (the copy and verify tools); its seal names it.
+        name = kwargs.get("metadata_name") or fmt.metadata_name(self._metadata_rank)
         self._load = LoadContext.for_metadata(
             metadata,
             fs=self.fs,
@@ -249,7 +252,7 @@ class CheckpointReader(StorageReader):
             thread_count=self.thread_count,
             budget=self.budget,
             process_group=self.process_group,
-            name=fmt.metadata_name(self._metadata_rank),
+            name=name,
         )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

@@ -9,18 +9,23 @@ chain: a key-check value (8 bytes derived from the MAC key, hex), so a wrong key
 told apart from an altered metadata, and the HMAC-SHA256 (hex) of the canonical form
 below. A reader that is about to decode such an item checks the seal under the item's
 key first (:class:`SealCheck`), once per key and metadata, and refuses the item when
-the seal is missing, made with another key, or does not verify.
+the seal is missing, made with another key, or does not verify. A save that takes
+records from its base (an incremental save) checks the base's seal under its own key
+first (:func:`base_verifies`), since it seals what it takes.
 
 What is sealed is what the state means, not where its bytes are, so a copy that keeps
 each item's stored bytes (``cp`` without transforms, the tier drain) keeps the seal as
 it is, with no key: the metadata's own file name (``.metadata``, or a rank's
-``__{rank}.metadata``, so one rank's part cannot stand in for another's); every item's
+``__{rank}.metadata``, so one rank's part cannot stand in for another's); the id of the
+save whose state it holds (``storage_format.save_of``: a copy's ``origin``, else its own
+``storage_meta.save_id``, so an older checkpoint cannot be relabelled as a newer one
+for those who compare ids, as the tiered restore does); every item's
 key and chunk offsets, and of its record the
 transform descriptors, stored length, CRC-32C, data offset, dtype, byte count, content
 fingerprint and save; every state-dict entry (kind; for a tensor its dtype, size and
 chunks); and the planner's data (DCP's flattening map: which state-dict path each key
 loads into). Not sealed: the data file, offset and sibling (``ref``) an item's bytes
-are found at, facts this version does not know, the checkpoint's own facts and its
+are found at, facts this version does not know, the checkpoint's other facts and the rest of its
 ``storage_meta``. Moving an item's bytes elsewhere changes nothing an attacker can
 use: the bytes found there must authenticate as that item of that save.
 
@@ -96,6 +101,36 @@ def _check(key: bytes) -> str:
 def _mac(key: bytes, key_id: str, body: bytes) -> str:
     name = key_id.encode("utf-8", "surrogatepass")
     return hmac.new(key, _LABEL + _str(name) + body, hashlib.sha256).hexdigest()
+
+
+def base_verifies(metadata: Metadata, transforms: Sequence[Any], where: str) -> bool:
+    """Whether a save with ``transforms`` may take records from ``metadata`` (its base,
+    the checkpoint ``where`` names) into its own metadata, which it then seals: always
+    for a chain that seals nothing; else only when ``metadata`` carries a seal under
+    every sealing key of the chain and each verifies. ``False`` where one is missing or
+    was made with another key (no item of such a checkpoint is stored as this chain
+    stores it, so nothing is lost); :class:`IntegrityError` where one made with the key
+    does not verify: sealed again, an altered record would load as genuine."""
+    keys = chain_seal_keys(transforms, ItemInfo(save=""))
+    if not keys:
+        return True
+    seals = seals_of(metadata)
+    body: bytes | None = None
+    for key_id, key in keys.items():
+        stored = seals.get(key_id)
+        if stored is None or not hmac.compare_digest(_check(key), stored["check"]):
+            return False
+        if body is None:
+            body = canonical(metadata, fmt.METADATA_NAME)  # only .metadata makes a base
+        if not hmac.compare_digest(_mac(key, key_id, body), stored["mac"]):
+            raise IntegrityError(
+                f"{where}: the metadata's seal (key_id {quote(key_id)}) does not verify: "
+                "the metadata was altered (an item's record, the state-dict entries or the "
+                "planner data) or is not this checkpoint's, so an incremental save cannot "
+                "take its records as its base. Restore its .metadata from a good copy, or "
+                "save in full (no base)"
+            )
+    return True
 
 
 class SealCheck:
@@ -183,7 +218,7 @@ def canonical(metadata: Metadata, name: str) -> bytes:
     common shapes (ints, strings, flat sequences of them) take a direct path that
     writes the same bytes as the general :func:`_value`: ~9 us per item (a save or a
     load of 20,000 items seals or checks in ~0.2 s)."""
-    out = bytearray(b"F" + _text(name))
+    out = bytearray(b"F" + _text(name) + b"V" + _field(fmt.save_of(metadata)))
     state = metadata.state_dict_metadata or {}
     out += b"S" + _int(len(state))
     for fqn in sorted(state):

@@ -250,7 +250,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
                 base = self.base
                 if not isinstance(base, CommittedCheckpoint):
                     base = os.fspath(base)
-                self._base = incremental.open_base(self.fs, self.path, base)
+                self._base = incremental.open_base(self.fs, self.path, base, self.transforms)
             make_directory(self.fs, self.path)
 
         try:

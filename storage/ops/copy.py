@@ -187,6 +187,7 @@ def publish_copy(
     origin = fmt.save_of(part.metadata)  # the copy holds the same save's state
     if origin is not None:
         extra[fmt.ORIGIN] = origin
+    setattr(new_meta, fmt.EXTRA, dict(extra))  # as stored, for the seal (it names the save)
     seals = seals_of(part.metadata) if transforms is None else None
     if seals is None:
         seals = make_seals(new_meta, transforms or [], save_id, part.name)

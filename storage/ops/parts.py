@@ -77,7 +77,7 @@ def read_metadata(
     for name in checkpoint.committing:
         reader = CheckpointReader(fs.url(path), filesystem=fs, **reader_options)
         metadata = checkpoint.metadata[name]
-        reader.set_up_storage_reader(metadata, True)
+        reader.set_up_storage_reader(metadata, True, metadata_name=name)
         parts.append(Part(name, metadata_rank(name), reader, metadata))
     return parts
 
