@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -41,6 +41,7 @@ def base_for(
     *,
     incremental: bool,
     full_every: int | None,
+    transforms: Sequence[Any] = (),
     pg: Any = None,
 ) -> int | None:
     """The base of an incremental save of ``step``
@@ -55,7 +56,7 @@ def base_for(
         return set.intersection(*(set(v) for v in views))
 
     def facts(base: int) -> Candidate:
-        why = local.base_problem(base)
+        why = local.base_problem(base, transforms)
         verdicts = g.all_gather((why, None if why else local.save_id(base)), pg=pg)
         problems = [(rank, w) for rank, (w, _) in enumerate(verdicts) if w is not None]
         if problems:

@@ -189,7 +189,7 @@ class RootTier:
         return base, None if base is None else self.root.model(base)
 
     def _candidate(self, step: int) -> Candidate:
-        why = self.root.base_problem(step)
+        why = self.root.base_problem(step, self.transforms)
         return Candidate(why, 0 if why is not None else self.root.model(step).chain)
 
     def load(self, state_dict: dict[str, Any], step: int | None) -> int:

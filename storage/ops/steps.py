@@ -12,14 +12,16 @@ does, through it).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from extensions.errors import UnsafeCheckpointError
+from extensions.errors import IntegrityError, UnsafeCheckpointError
 from storage.backends import LocalFileSystem
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.committed import CommittedCheckpoint, ReadModels
@@ -31,7 +33,10 @@ from storage.checkpoint.layout import (
     is_committed,
     parse_step,
 )
+from storage.checkpoint.seal import base_verifies
 from storage.checkpoint.siblings import names_under, saw
+
+log = logging.getLogger("storage.ops.manager")
 
 _SAVE_ELSEWHERE = "save under another step, or remove the link itself if it is no longer wanted"
 
@@ -197,13 +202,15 @@ class StepRoot:
         """The read model of ``step`` (read once while its metadata files are unchanged)."""
         return self.models.open(self.fs, self.step_path(step))
 
-    def base_problem(self, step: int) -> str | None:
-        """Why ``step`` cannot be the base of an incremental save here, or ``None``: the
-        one rule of the root and of a local tier, whose saves are then full ones. A
-        base must not be a symbolic link (a reference names the step holding the
-        bytes), its ``.metadata`` must commit it and be readable (rank-local metadata
-        never makes a base), and every data file its items keep bytes in must be there
-        (its own and its own base's)."""
+    def base_problem(self, step: int, transforms: Sequence[Any] = ()) -> str | None:
+        """Why ``step`` cannot be the base of an incremental save with ``transforms``
+        here, or ``None``: the one rule of the root and of a local tier, whose saves are
+        then full ones. A base must not be a symbolic link (a reference names the step
+        holding the bytes), its ``.metadata`` must commit it and be readable (rank-local
+        metadata never makes a base), every data file its items keep bytes in must be
+        there (its own and its own base's), and where the chain seals its metadata, the
+        base's seal must not fail (``seal.base_verifies``: an altered base is logged as
+        a warning, and the save made in full rather than failed)."""
         if self.is_link(step):
             return "it is a symbolic link"
         checkpoint = self.model(step)
@@ -217,6 +224,11 @@ class StepRoot:
         missing = missing_file(self.fs, checkpoint.path, (metadata.storage_data or {}).values())
         if missing is not None:
             return f"{self.fs.url(missing[0])} lacks its file {missing[1]}"
+        try:
+            base_verifies(metadata, transforms, self.fs.url(checkpoint.path))
+        except IntegrityError as exc:
+            log.warning("%s", exc)
+            return "its metadata's seal does not verify (see the warning before)"
         return None
 
     def save_id(self, step: int) -> str | None:

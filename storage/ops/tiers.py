@@ -280,6 +280,7 @@ class LocalTier:
                 step,
                 incremental=self.incremental,
                 full_every=self.full_every,
+                transforms=self.transforms,
                 pg=pg,
             )
             self.local.in_flight.begin(step, base)  # local retention leaves both alone

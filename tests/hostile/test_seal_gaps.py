@@ -6,6 +6,7 @@ records into its own metadata and seals them (docs/transforms.md, "Threat model"
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from pathlib import Path
 
@@ -223,3 +224,31 @@ def test_a_checkpoint_forged_to_hold_nothing_is_refused_where_encryption_is_requ
         planner=DefaultLoadPlanner(allow_partial_load=True),
         no_dist=True,
     )
+
+
+def test_a_manager_saves_in_full_over_an_altered_base_and_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An incremental manager must neither seal records copied from an altered base nor
+    # stop checkpointing because of it: the next step is saved in full, with a warning
+    # naming the base.
+    manager = storage.CheckpointManager(
+        tmp_path, incremental=True, transforms=[_aes()], keys=KEYS, persist="thread"
+    )
+    state = {"a": torch.arange(64.0), "b": torch.ones(8)}
+    manager.save(1, state)
+    step1 = tmp_path / "step-1"
+    metadata = _metadata(step1)
+    (index,) = [i for i in metadata.storage_data if i.fqn == "a"]
+    record = fmt.stored_item(metadata.storage_data[index])
+    metadata.storage_data[index] = fmt.new_storage_info(
+        dataclasses.replace(record, data_offset=(record.data_offset or 0) + 16)
+    )
+    _write_back(step1, metadata)
+    with caplog.at_level("WARNING", logger="storage.ops.manager"):
+        manager.save(2, state)
+    assert any("seal" in r.getMessage() and "step-1" in r.getMessage() for r in caplog.records)
+    step2 = _metadata(tmp_path / "step-2")
+    assert all(fmt.stored_item(i).ref is None for i in step2.storage_data.values())
+    target = {"a": torch.zeros(64), "b": torch.zeros(8)}
+    assert manager.load(target) == 2 and torch.equal(target["a"], state["a"])
