@@ -29,7 +29,7 @@ import torch
 import storage
 from extensions.errors import UnsafeCheckpointError
 from storage import CheckpointManager, LocalFileSystem
-from storage.backends import _local
+from storage.backends import _local_files
 
 _VICTIM_TEXT = b"someone else's file\n"
 
@@ -171,7 +171,7 @@ def test_atomic_write_never_goes_through_a_link_at_its_guessed_temporary_name(
     guess = "0123456789ab"
     pointer = tmp_path / ".dcp-latest"
     (tmp_path / f".dcp-latest.tmp-{guess}").symlink_to(victim)
-    monkeypatch.setattr(_local, "uuid", _guessed_uuid(guess))
+    monkeypatch.setattr(_local_files, "uuid", _guessed_uuid(guess))
     LocalFileSystem().write_atomic(str(pointer), b"step-2\n", exclusive=exclusive)
     assert victim.read_bytes() == _VICTIM_TEXT
     assert not pointer.is_symlink() and pointer.read_bytes() == b"step-2\n"

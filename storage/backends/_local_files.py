@@ -1,0 +1,244 @@
+"""Files on local disk opened so that nobody else who can write the directory decides
+what a save writes or a load reads: no symbolic link is followed at a checkpoint's own
+names, no FIFO blocks, no file of another user's is written into. Every backend that
+writes local files goes through here: :class:`~storage.backends._local.LocalFileSystem`,
+``FsspecFileSystem`` on ``file://`` and ``TorchFileSystem`` over torch's local or
+``file://`` filesystem."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import uuid
+from collections.abc import Callable, Iterator
+from typing import IO
+
+from extensions.errors import UnsafeCheckpointError, quote
+
+# Where the platform lacks a flag, opening without it is the best it offers.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_READ_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | _NONBLOCK
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+_WRITE_FLAGS = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | getattr(os, "O_NOFOLLOW", 0)
+    | _NONBLOCK
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+# New files get 0o666 less the umask, as ``open(path, "wb")`` gives them.
+_FILE_MODE = 0o666
+_TEMP_TRIES = 8  # random names taken in a row before giving up (48 bits each)
+
+
+def open_regular(path: str, buffering: int = -1) -> IO[bytes]:
+    """``path`` opened for reading, only if it is a regular file and not a symbolic link.
+
+    ``O_NOFOLLOW`` refuses a link in the last component (a checkpoint's files are plain
+    names, so that is every link inside the checkpoint; the directories above it may be
+    links). ``O_NONBLOCK`` keeps a FIFO from blocking the open; ``fstat`` on what was
+    opened then refuses FIFOs, devices, sockets and directories with no race."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        # Linux and macOS say ELOOP for a link under O_NOFOLLOW, FreeBSD EMLINK.
+        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+            raise UnsafeCheckpointError(
+                _refusal(
+                    path,
+                    f"a symbolic link to {quote(_target(path))}",
+                    "If you trust its target, replace the link with a copy of the file: "
+                    f'cp --remove-destination "$(readlink -f {path})" {path}',
+                )
+            ) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafeCheckpointError(
+                _refusal(
+                    path,
+                    _kind(mode),
+                    "Put the checkpoint's own file back, or re-save the checkpoint.",
+                )
+            )
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+        return open(fd, "rb", buffering=buffering, closefd=True)  # noqa: SIM115
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_for_writing(path: str, *, exclusive: bool = False) -> IO[bytes]:
+    """``path`` opened for writing from its start, never through a symbolic link and only
+    into a regular file this call created or one of this user's (``exclusive``: only one
+    this call created, else ``FileExistsError``).
+
+    Whoever else can write the directory (a shared ``/scratch``, a group-writable root)
+    could otherwise put, at a name a save is about to write (the next data file of a save
+    is named after its first), a link that makes the save overwrite a file of their
+    choosing, a FIFO that blocks it forever, or a file of their own that stays theirs to
+    rewrite once it holds our checkpoint. ``O_NOFOLLOW`` and ``O_NONBLOCK`` refuse the
+    first two at the open; ``fstat`` on what was opened refuses the rest before anything
+    is truncated. A file of the directory's owner is accepted too: where the store maps
+    users (root on NFS with root squashing) what we write is not owned by us, and whoever
+    owns the directory can replace its files anyway."""
+    try:
+        try:
+            fd, created = os.open(path, _WRITE_FLAGS | os.O_EXCL, _FILE_MODE), True
+        except FileExistsError:
+            if exclusive:
+                raise
+            fd, created = os.open(path, _WRITE_FLAGS & ~os.O_CREAT), False
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+            what = f"a symbolic link to {quote(_target(path))}"
+            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write")) from None
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader, under O_NONBLOCK
+            what = "a FIFO (named pipe)"
+            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write")) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            what = _kind(info.st_mode)
+            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write"))
+        if not created and not _owned(info, path):
+            what = f"a file of user id {info.st_uid}'s (who could rewrite what we save in it)"
+            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write"))
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+        if not created:
+            os.ftruncate(fd, 0)
+        return open(fd, "wb", closefd=True)  # noqa: SIM115
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _owned(info: os.stat_result, path: str) -> bool:
+    if not hasattr(os, "geteuid") or info.st_uid == os.geteuid():
+        return True
+    try:
+        return info.st_uid == os.stat(os.path.dirname(path) or ".").st_uid
+    except OSError:
+        return False
+
+
+_WRITE_FIX = (
+    "Someone who can write that directory put it there; remove it (and make the directory "
+    "writable by you only), then save again."
+)
+
+
+def _refusal(path: str, what: str, fix: str, action: str = "read") -> str:
+    return (
+        f"refusing to {action} {path!r}: it is {what}, not a regular file inside the checkpoint "
+        f"{os.path.dirname(path)!r} (a checkpoint's files must be regular files; the "
+        f"checkpoint directory itself may be a link). {fix}"
+    )
+
+
+def _target(path: str) -> str:
+    try:
+        return os.readlink(path)[:200]
+    except OSError:
+        return "?"
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def create_temporary(path: str) -> tuple[str, IO[bytes]]:
+    """A new file next to ``path`` under a random name, created by this call (``O_EXCL``):
+    a name taken already (by a neighbour who guessed it and put a link or a file there)
+    is left alone and another drawn."""
+    for _ in range(_TEMP_TRIES):
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            return tmp, open_for_writing(tmp, exclusive=True)
+        except FileExistsError:
+            continue
+    raise UnsafeCheckpointError(
+        f"could not create a temporary file next to {path!r}: {_TEMP_TRIES} random names "
+        "in a row were taken already, which only someone planting files there does; make "
+        f"the directory {os.path.dirname(path)!r} writable by you only, then save again"
+    )
+
+
+@contextlib.contextmanager
+def write_stream(path: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+    """``path`` written from its start through :func:`open_for_writing` (its directory
+    made first); fsynced with ``sync``; removed if the body raises."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    out = open_for_writing(path)
+    try:
+        yield out
+        out.flush()
+        if sync:
+            os.fsync(out.fileno())
+    except BaseException:
+        out.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    out.close()
+
+
+def write_atomic(
+    path: str,
+    data: bytes,
+    *,
+    exclusive: bool = False,
+    sync_directory: Callable[[str], None] | None = None,
+) -> None:
+    """``data`` at ``path`` whole or not at all: written to a new temporary file of ours
+    (:func:`create_temporary`), fsynced, then renamed over ``path`` (``exclusive``:
+    hard-linked to it, ``FileExistsError`` if it exists); the directory is then fsynced
+    by ``sync_directory`` (a backend's own ``sync_dir``), :func:`sync_dir` if none."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp, opened = create_temporary(path)
+    try:
+        with opened as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        if exclusive:
+            os.link(tmp, path)  # fails with FileExistsError, atomically
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    (sync_directory or sync_dir)(directory)
+
+
+def sync_dir(path: str) -> None:
+    """fsync ``path`` and its parent: a directory created by this save is itself a name."""
+    for directory in (path, os.path.dirname(path.rstrip(os.sep)) or os.sep):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
