@@ -17,9 +17,11 @@ from typing import IO, Any
 
 import fsspec
 from fsspec.core import split_protocol
+from fsspec.implementations.local import LocalFileSystem as FsspecLocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from extensions.errors import printable
+from storage.backends import _local_files
 from storage.backends._fsspec_client import FsspecClientBackend
 from storage.backends._ranges import RangeMismatchError, WindowReader
 
@@ -89,6 +91,10 @@ class FsspecFileSystem(FsspecClientBackend):
             return
         if mode != "wb":
             raise ValueError(f"unsupported mode {mode!r}: use 'rb' or 'wb'")
+        if self.local_disk:
+            with _local_files.write_stream(path, sync=sync) as stream:
+                yield stream
+            return
         self._prepare_parent(path)
         with self._errors(path, "opening for writing"):
             stream = self._open_for_write(path)
@@ -99,6 +105,14 @@ class FsspecFileSystem(FsspecClientBackend):
             raise
         with self._errors(path, "writing"):
             stream.close()  # commits; sync=True needs nothing more: close completes the upload
+
+    @property
+    def local_disk(self) -> bool:
+        """Whether this is fsspec's local filesystem (``file://``): its files are written
+        as the local backend writes them (:mod:`~storage.backends._local_files`), never
+        through a link, into a FIFO or into another user's file planted at the name,
+        where fsspec's own ``open(path, "wb")`` would."""
+        return isinstance(self.fs, FsspecLocalFileSystem)
 
     def _open_for_write(self, path: str) -> Any:
         return self.fs.open(path, "wb")
@@ -210,6 +224,9 @@ class FsspecFileSystem(FsspecClientBackend):
         return data
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        if self.local_disk:  # fsspec's pipe_file writes the file in place, through a link
+            _local_files.write_atomic(path, bytes(data), exclusive=exclusive)
+            return
         self._prepare_parent(path)
         payload = bytes(data)
         try:

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any, cast
 
+from storage.backends import _local_files
 from storage.backends.base import FileSystemBase
 
 # torch.distributed.checkpoint.filesystem.FileSystemBase's abstract methods (torch 2.x).
@@ -84,6 +85,24 @@ class TorchFileSystem(FileSystemBase):
 
         return type(self.torch_fs) is FileSystem  # torch's local disk, not a subclass
 
+    def _local_file(self, path: str) -> str | None:
+        """``path`` on local disk where the wrapped filesystem writes there (torch's own
+        ``FileSystem``, torch's fsspec ``FileSystem`` on ``file://``), else ``None``: its
+        files are then written as the local backend writes them, never through a link,
+        into a FIFO or into another user's file planted at the name (torch opens with
+        ``open(path, "wb")``)."""
+        if self._local():
+            return path
+        if not _is_torch_fsspec(self.torch_fs):
+            return None
+        # fsspec is optional here; torch's fsspec filesystem has imported it already.
+        from fsspec.implementations.local import LocalFileSystem as FsspecLocalFileSystem
+
+        client = getattr(self.torch_fs, "fs", None)
+        if isinstance(client, FsspecLocalFileSystem):
+            return str(client._strip_protocol(path))
+        return None
+
     def concat_path(self, path: str, suffix: str) -> str:
         return os.fspath(self.torch_fs.concat_path(path, suffix))
 
@@ -95,6 +114,11 @@ class TorchFileSystem(FileSystemBase):
             return
         if mode != "wb":
             raise ValueError(f"unsupported mode {mode!r}: use 'rb' or 'wb'")
+        local = self._local_file(path)
+        if local is not None:
+            with _local_files.write_stream(local, sync=sync) as stream:
+                yield stream
+            return
         parent = os.path.dirname(path)
         if parent:
             self.torch_fs.mkdir(parent)
@@ -141,6 +165,16 @@ class TorchFileSystem(FileSystemBase):
 
     def mkdir(self, path: str) -> None:
         self.torch_fs.mkdir(path)
+
+
+def _is_torch_fsspec(torch_fs: Any) -> bool:
+    """``torch_fs`` is torch's fsspec ``FileSystem`` itself (not a subclass, whose
+    ``create_stream`` may do something else): named by its module, which is private."""
+    cls = type(torch_fs)
+    return (cls.__module__, cls.__qualname__) == (
+        "torch.distributed.checkpoint._fsspec_filesystem",
+        "FileSystem",
+    )
 
 
 def _fsync(stream: Any) -> None:

@@ -30,6 +30,7 @@ import storage
 from extensions.errors import UnsafeCheckpointError
 from storage import CheckpointManager, LocalFileSystem
 from storage.backends import _local_files
+from storage.backends.base import FileSystemBase
 
 _VICTIM_TEXT = b"someone else's file\n"
 
@@ -152,6 +153,147 @@ def test_a_rewrite_of_our_own_file_still_works(tmp_path: Path) -> None:
         with fs.create_stream(str(path), "wb") as out:
             out.write(body)
     assert path.read_bytes() == b"second"
+
+
+# --- every backend that writes local disk ----------------------------------------------
+
+
+def _local_writers() -> list[Any]:
+    """The backends whose writes land on local disk, each as (make, name) where
+    ``make(directory)`` gives the backend and its path for ``directory``."""
+
+    def plain(directory: Path) -> tuple[FileSystemBase, str]:
+        fs = LocalFileSystem()
+        return fs, fs.init_path(str(directory))
+
+    def fsspec_file(directory: Path) -> tuple[FileSystemBase, str]:
+        fs = storage.FsspecFileSystem()
+        return fs, fs.init_path(f"file://{directory}")
+
+    def torch_local(directory: Path) -> tuple[FileSystemBase, str]:
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        fs = storage.TorchFileSystem(FileSystem())
+        return fs, fs.init_path(str(directory))
+
+    def torch_fsspec_file(directory: Path) -> tuple[FileSystemBase, str]:
+        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+        fs = storage.TorchFileSystem(FileSystem())
+        return fs, fs.init_path(f"file://{directory}")
+
+    return [
+        pytest.param(plain, id="path"),
+        pytest.param(fsspec_file, id="fsspec-file"),
+        pytest.param(torch_local, id="torch-local"),
+        pytest.param(torch_fsspec_file, id="torch-fsspec-file"),
+    ]
+
+
+_LOCAL_WRITERS = _local_writers()
+
+
+@pytest.mark.parametrize("make", _LOCAL_WRITERS)
+def test_no_local_backend_writes_through_a_link_at_the_name(
+    tmp_path: Path, victim: Path, make: Any
+) -> None:
+    # Before (fsspec on file://, TorchFileSystem over torch's local or file:// one): the
+    # write opened the name with open(path, "wb"), which followed a neighbour's link and
+    # overwrote its target (here the user's ~/.bashrc) with checkpoint bytes.
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "__0_1-abc.distcp").symlink_to(victim)
+    fs, root = make(tmp_path / "ck")
+    with (
+        pytest.raises(UnsafeCheckpointError, match="symbolic link"),
+        fs.create_stream(fs.concat_path(root, "__0_1-abc.distcp"), "wb") as out,
+    ):
+        out.write(b"checkpoint bytes")
+    assert victim.read_bytes() == _VICTIM_TEXT
+    assert (tmp_path / "ck" / "__0_1-abc.distcp").is_symlink()
+
+
+@pytest.mark.parametrize("make", _LOCAL_WRITERS)
+def test_no_local_backend_blocks_on_a_fifo_at_the_name(tmp_path: Path, make: Any) -> None:
+    # Before (the same backends): open(path, "wb") on a neighbour's FIFO blocked until
+    # someone read it, and the save with it, for good.
+    fifo = tmp_path / "__0_1-abc.distcp"
+    os.mkfifo(fifo)
+    fs, root = make(tmp_path)
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            with fs.create_stream(fs.concat_path(root, fifo.name), "wb") as out:
+                out.write(b"checkpoint bytes")
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=write, daemon=True)
+    worker.start()
+    worker.join(120)  # generous: the fixed write fails at once
+    hung = worker.is_alive()
+    if hung:  # free the old code's blocked open so the thread ends
+        with contextlib.suppress(OSError):
+            reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+            worker.join(60)
+            os.close(reader)
+    assert not hung, "the write blocked on a FIFO at its name"
+    assert len(errors) == 1 and isinstance(errors[0], UnsafeCheckpointError), errors
+    assert "FIFO" in str(errors[0])
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="needs root to own a file as another user",
+)
+@pytest.mark.parametrize("make", _LOCAL_WRITERS)
+def test_no_local_backend_writes_into_another_users_file_at_the_name(
+    tmp_path: Path, make: Any
+) -> None:
+    # Before (the same backends): the save wrote into the neighbour's file, which stayed
+    # theirs to rewrite once it held our committed checkpoint.
+    planted = tmp_path / "__0_1-abc.distcp"
+    planted.write_bytes(b"")
+    planted.chmod(0o666)
+    os.chown(planted, 65534, 65534)
+    fs, root = make(tmp_path)
+    with (
+        pytest.raises(UnsafeCheckpointError, match="user id 65534"),
+        fs.create_stream(fs.concat_path(root, planted.name), "wb") as out,
+    ):
+        out.write(b"checkpoint bytes")
+    assert planted.read_bytes() == b""
+
+
+@pytest.mark.parametrize("exclusive", [False, True], ids=["replace", "exclusive"])
+@pytest.mark.parametrize("make", _LOCAL_WRITERS)
+def test_no_local_backend_publishes_through_a_link_at_the_name(
+    tmp_path: Path, victim: Path, make: Any, exclusive: bool
+) -> None:
+    # Before (fsspec on file://): write_atomic wrote `.metadata` or the `.dcp-latest`
+    # pointer with pipe_file, in place through a neighbour's link at that name: the
+    # link's target got the bytes. A link there is now replaced (or, exclusive, refused).
+    pointer = tmp_path / ".dcp-latest"
+    pointer.symlink_to(victim)
+    fs, root = make(tmp_path)
+    target = fs.concat_path(root, pointer.name)
+    if exclusive:
+        with pytest.raises(FileExistsError):
+            fs.write_atomic(target, b"step-2\n", exclusive=True)
+    else:
+        fs.write_atomic(target, b"step-2\n")
+        assert not pointer.is_symlink() and pointer.read_bytes() == b"step-2\n"
+    assert victim.read_bytes() == _VICTIM_TEXT
+
+
+@pytest.mark.parametrize("make", _LOCAL_WRITERS)
+def test_a_save_through_each_local_backend_still_round_trips(tmp_path: Path, make: Any) -> None:
+    # The guarded open is every write of these backends now: a whole save and load.
+    fs, root = make(tmp_path / "ck")
+    storage.save(_two_files(), root, filesystem=fs)
+    state = {"a": torch.zeros(8), "b": torch.zeros(8)}
+    storage.load(state, root, filesystem=fs)
+    assert torch.equal(state["b"], torch.full((8,), 2.0))
 
 
 def _guessed_uuid(guess: str) -> types.SimpleNamespace:
