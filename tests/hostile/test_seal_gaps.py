@@ -46,6 +46,17 @@ def _write_back(ckpt: Path, metadata: Metadata) -> None:
     (ckpt / ".metadata").write_bytes(fmt.dump_metadata(metadata, **facts))
 
 
+def _shifted(metadata: Metadata, fqn: str) -> Metadata:
+    """``metadata`` with item ``fqn``'s tensor offset in its archive moved by 16 bytes:
+    a record altered without the key, whose loads would read shifted values."""
+    (index,) = [i for i in metadata.storage_data if i.fqn == fqn]
+    record = fmt.stored_item(metadata.storage_data[index])
+    metadata.storage_data[index] = fmt.new_storage_info(
+        dataclasses.replace(record, data_offset=(record.data_offset or 0) + 16)
+    )
+    return metadata
+
+
 def test_a_partial_load_of_a_checkpoint_whose_entries_were_all_dropped_fails(
     tmp_path: Path,
 ) -> None:
@@ -107,12 +118,7 @@ def test_an_incremental_save_does_not_seal_records_altered_in_its_base(
     # accepted it and read shifted values.
     value = {"w": torch.arange(256.0)}
     storage.save(value, tmp_path / "step-1", transforms=[_aes()], fingerprint=True)
-    metadata = _metadata(tmp_path / "step-1")
-    info = next(iter(metadata.storage_data.values()))
-    facts = dict(getattr(info, fmt.EXTRA))
-    facts[fmt.DATA_OFFSET] += 16
-    setattr(info, fmt.EXTRA, facts)
-    _write_back(tmp_path / "step-1", metadata)
+    _write_back(tmp_path / "step-1", _shifted(_metadata(tmp_path / "step-1"), "w"))
     with pytest.raises(IntegrityError, match="step-1") as raised:
         storage.save(value, tmp_path / "step-2", transforms=[_aes()], base=str(tmp_path / "step-1"))
     assert "does not verify" in str(raised.value) and "save in full" in str(raised.value)
@@ -126,11 +132,7 @@ def test_an_incremental_save_over_a_base_whose_seal_was_removed_is_saved_in_full
     # nothing of it is referenced, so nothing altered in it is sealed again.
     value = {"w": torch.arange(256.0)}
     storage.save(value, tmp_path / "step-1", transforms=[_aes()], fingerprint=True)
-    metadata = _metadata(tmp_path / "step-1")
-    info = next(iter(metadata.storage_data.values()))
-    facts = dict(getattr(info, fmt.EXTRA))
-    facts[fmt.DATA_OFFSET] += 16
-    setattr(info, fmt.EXTRA, facts)
+    metadata = _shifted(_metadata(tmp_path / "step-1"), "w")
     (tmp_path / "step-1" / ".metadata").write_bytes(fmt.dump_metadata(metadata))
     storage.save(value, tmp_path / "step-2", transforms=[_aes()], base=str(tmp_path / "step-1"))
     records = _metadata(tmp_path / "step-2").storage_data.values()
@@ -238,13 +240,7 @@ def test_a_manager_saves_in_full_over_an_altered_base_and_warns(
     state = {"a": torch.arange(64.0), "b": torch.ones(8)}
     manager.save(1, state)
     step1 = tmp_path / "step-1"
-    metadata = _metadata(step1)
-    (index,) = [i for i in metadata.storage_data if i.fqn == "a"]
-    record = fmt.stored_item(metadata.storage_data[index])
-    metadata.storage_data[index] = fmt.new_storage_info(
-        dataclasses.replace(record, data_offset=(record.data_offset or 0) + 16)
-    )
-    _write_back(step1, metadata)
+    _write_back(step1, _shifted(_metadata(step1), "a"))
     with caplog.at_level("WARNING", logger="storage.ops.manager"):
         manager.save(2, state)
     assert any("seal" in r.getMessage() and "step-1" in r.getMessage() for r in caplog.records)
