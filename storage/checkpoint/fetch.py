@@ -16,10 +16,9 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import IO, Any
+from typing import IO
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from extensions._compat import narrow_tensor_by_index
@@ -28,7 +27,6 @@ from extensions.errors import (
     CheckpointNotFoundError,
     CheckpointStorageError,
     IntegrityError,
-    UnsafeCheckpointError,
     quote,
 )
 from extensions.registry import Framing
@@ -46,7 +44,11 @@ from storage.checkpoint.decode import (
     plain_value,
     read_bounded,
 )
-from storage.checkpoint.items import StoredItemReader, check_before_read, encryption_required
+from storage.checkpoint.items import (
+    StoredItemReader,
+    check_before_read,
+    require_an_encrypted_item,
+)
 from storage.checkpoint.load_context import LoadContext
 from storage.checkpoint.prefixes import refuse_linked_prefix
 from storage.checkpoint.tensors import check_shapes, tensor_bytes
@@ -85,9 +87,9 @@ def read_items(
         # This rank planned with the metadata all the same (a partial load that found
         # nothing it asked for, a read-once rank that only receives, a planner that
         # takes whatever the checkpoint holds): it is checked.
-        _require_seal(load, keys)
+        load.check_seal(keys)
         if load.require_encryption:
-            _require_an_encrypted_item(load)
+            require_an_encrypted_item(load.storage_data.values(), load.registry, load.url)
         return
     first = fmt.item_label(reqs[0].storage_index)
     runs = budget.call(
@@ -116,7 +118,7 @@ def read_items(
                 decode=True,
                 seal=None,
             )
-    _require_seal(load, keys)
+    load.check_seal(keys)
     if not runs:
         return
     # Items in frames are decoded on every core while these threads read on (frames.py).
@@ -132,30 +134,6 @@ def read_items(
             decoders.close()
         raise
     decoders.close()
-
-
-def _require_seal(load: LoadContext, keys: KeyLookup | None) -> None:
-    """Where keys were given, the seal of the whole metadata (checked once per load)."""
-    if encryption_required(None, load.keys):
-        load.seal.require_all(
-            load.registry, lambda index: _info_of(load, index, keys, load.storage_data[index])
-        )
-
-
-def _require_an_encrypted_item(load: LoadContext) -> None:
-    """Where encryption is required and the load reads nothing, the checkpoint must hold
-    an encrypted item all the same: one forged to hold none (no item, or only plain
-    ones) would otherwise load as nothing, which a planner that takes what the
-    checkpoint holds (the torchft transport's) accepts as a state."""
-    for info in load.storage_data.values():
-        if load.registry.authenticated(fmt.stored_item(info).descriptors):
-            return
-    raise UnsafeCheckpointError(
-        f"{load.url} holds no encrypted item, but keys were given, so its items must be: "
-        "its metadata may have been replaced to load nothing (or forged plain values). If "
-        "this checkpoint is meant to be unencrypted (or empty), pass "
-        "require_encryption=False (--no-require-encryption on the command line)"
-    )
 
 
 def _plan_runs(load: LoadContext, reqs: Sequence[ReadItem]) -> list[tuple[str, list[_PlannedRead]]]:
@@ -402,20 +380,4 @@ def _copy_into(decoded: torch.Tensor, req: ReadItem, target: torch.Tensor, where
 
 
 def _item_info(load: LoadContext, item: _PlannedRead, keys: KeyLookup | None) -> ItemInfo:
-    return _info_of(load, item.req.storage_index, keys, item.info)
-
-
-def _info_of(
-    load: LoadContext, index: MetadataIndex, keys: KeyLookup | None, record: Any
-) -> ItemInfo:
-    """What the transforms are told of the item at ``index`` (recorded as ``record``)."""
-    chunk = load.chunks.get(index)
-    return ItemInfo(
-        checkpoint=load.url,
-        item=fmt.item_label(index),
-        identity=fmt.item_identity(index),
-        dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
-        element_size=chunk[1].itemsize if chunk else None,
-        keys=keys,
-        save=fmt.stored_item(record).save,
-    )
+    return load.item_info(item.req.storage_index, keys, item.info)

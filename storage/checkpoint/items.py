@@ -12,7 +12,7 @@ damaged item is reported as an :class:`IntegrityError` that names it.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import IO, Any, cast
 
 import crc32c
@@ -23,6 +23,7 @@ from extensions.keys import lookup_key
 from extensions.registry import ExtensionRegistry, encoding_stream
 from extensions.streams import BoundedReader, drain, read_all
 from storage.checkpoint.seal import SealCheck
+from storage.checkpoint.storage_format import stored_item
 
 # Large writes are forwarded and checksummed a block at a time: the CRC then reads what
 # the write just read (from cache, not memory), which measured ~0.1 s of CPU per GB less
@@ -197,6 +198,23 @@ def check_before_read(
             lookup_key(key_id, item)
         if seal is not None:
             seal.require(descriptors, item, registry)
+
+
+def require_an_encrypted_item(
+    records: Iterable[Any], registry: ExtensionRegistry, url: str
+) -> None:
+    """Where encryption is required and a load reads nothing, the checkpoint at ``url``
+    must hold an encrypted item all the same (one of ``records``): one forged to hold
+    none (no item, or only plain ones) would otherwise load as nothing, which a planner
+    that takes what the checkpoint holds (the torchft transport's) accepts as a state."""
+    if any(registry.authenticated(stored_item(info).descriptors) for info in records):
+        return
+    raise UnsafeCheckpointError(
+        f"{url} holds no encrypted item, but keys were given, so its items must be: its "
+        "metadata may have been replaced to load nothing (or forged plain values). If "
+        "this checkpoint is meant to be unencrypted (or empty), pass "
+        "require_encryption=False (--no-require-encryption on the command line)"
+    )
 
 
 def _not_encrypted(where: str, registry: ExtensionRegistry) -> UnsafeCheckpointError:

@@ -13,11 +13,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from extensions.base import Keys
+from extensions.base import ItemInfo, KeyLookup, Keys
 from extensions.errors import IntegrityError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget
+from storage.checkpoint.items import encryption_required
 from storage.checkpoint.seal import SealCheck
 
 #: A tensor item's stored chunk: its sizes and dtype, as the metadata records them.
@@ -62,6 +64,28 @@ class LoadContext:
     budget: Budget
     process_group: Any
     seal: SealCheck = field(repr=False)
+
+    def item_info(self, index: MetadataIndex, keys: KeyLookup | None, record: Any) -> ItemInfo:
+        """What the transforms are told of the item at ``index`` (recorded as
+        ``record``): its name, identity, dtype, the save it is bound to, ``keys``."""
+        chunk = self.chunks.get(index)
+        return ItemInfo(
+            checkpoint=self.url,
+            item=fmt.item_label(index),
+            identity=fmt.item_identity(index),
+            dtype=str(chunk[1]).removeprefix("torch.") if chunk else None,
+            element_size=chunk[1].itemsize if chunk else None,
+            keys=keys,
+            save=fmt.stored_item(record).save,
+        )
+
+    def check_seal(self, keys: KeyLookup | None) -> None:
+        """Where keys were given, the seal of the whole metadata (checked once per load,
+        whichever items it reads: ``seal.SealCheck.require_all``)."""
+        if encryption_required(None, self.keys):
+            self.seal.require_all(
+                self.registry, lambda index: self.item_info(index, keys, self.storage_data[index])
+            )
 
     @classmethod
     def for_metadata(
