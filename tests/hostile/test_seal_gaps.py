@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,6 +58,16 @@ def _shifted(metadata: Metadata, fqn: str) -> Metadata:
     return metadata
 
 
+def _partial_load(ckpt: Path, target: dict[str, torch.Tensor], **reader: Any) -> None:
+    """``dcp.load`` into ``target`` with keys, allowing what the checkpoint lacks."""
+    dcp.load(
+        target,
+        storage_reader=CheckpointReader(ckpt, keys=KEYS, **reader),
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+        no_dist=True,
+    )
+
+
 def test_a_partial_load_of_a_checkpoint_whose_entries_were_all_dropped_fails(
     tmp_path: Path,
 ) -> None:
@@ -71,12 +82,7 @@ def test_a_partial_load_of_a_checkpoint_whose_entries_were_all_dropped_fails(
     _write_back(ckpt, metadata)
     target = {"a": torch.zeros(64)}
     with pytest.raises(CheckpointException) as info:
-        dcp.load(
-            target,
-            storage_reader=CheckpointReader(ckpt, keys=KEYS),
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-            no_dist=True,
-        )
+        _partial_load(ckpt, target)
     real = unwrap_checkpoint_exception(info.value)
     assert isinstance(real, IntegrityError) and "seal does not verify" in str(real)
     assert str(ckpt) in str(real)
@@ -209,23 +215,12 @@ def test_a_checkpoint_forged_to_hold_nothing_is_refused_where_encryption_is_requ
     metadata.state_dict_metadata.clear()
     metadata.storage_data.clear()
     (ckpt / ".metadata").write_bytes(fmt.dump_metadata(metadata))  # no seal either
-    planner = DefaultLoadPlanner(allow_partial_load=True)
     with pytest.raises(CheckpointException) as info:
-        dcp.load(
-            {"a": torch.zeros(64)},
-            storage_reader=CheckpointReader(ckpt, keys=KEYS),
-            planner=planner,
-            no_dist=True,
-        )
+        _partial_load(ckpt, {"a": torch.zeros(64)})
     real = unwrap_checkpoint_exception(info.value)
     assert "holds no encrypted item" in str(real) and "require_encryption=False" in str(real)
     # Asked for, an unencrypted (here empty) checkpoint loads as what it is.
-    dcp.load(
-        {"a": torch.zeros(64)},
-        storage_reader=CheckpointReader(ckpt, keys=KEYS, require_encryption=False),
-        planner=DefaultLoadPlanner(allow_partial_load=True),
-        no_dist=True,
-    )
+    _partial_load(ckpt, {"a": torch.zeros(64)}, require_encryption=False)
 
 
 def test_a_manager_saves_in_full_over_an_altered_base_and_warns(
