@@ -84,6 +84,10 @@ class FsspecFileSystem(FsspecClientBackend):
     @contextlib.contextmanager
     def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
         if mode == "rb":
+            if self.local_disk:
+                with _local_files.open_regular(path) as stream:
+                    yield stream
+                return
             with self._errors(path, "opening for reading"):
                 stream = self.fs.open(path, "rb")
             with stream:
@@ -109,9 +113,10 @@ class FsspecFileSystem(FsspecClientBackend):
     @property
     def local_disk(self) -> bool:
         """Whether this is fsspec's local filesystem (``file://``): its files are written
-        as the local backend writes them (:mod:`~storage.backends._local_files`), never
-        through a link, into a FIFO or into another user's file planted at the name,
-        where fsspec's own ``open(path, "wb")`` would."""
+        and read as the local backend writes and reads them
+        (:mod:`~storage.backends._local_files`): never through a link, never into or from
+        a FIFO (which would block), never into another user's file planted at the name,
+        where fsspec's own ``open`` and ``cat_file`` would."""
         return isinstance(self.fs, FsspecLocalFileSystem)
 
     def _open_for_write(self, path: str) -> Any:
@@ -179,6 +184,8 @@ class FsspecFileSystem(FsspecClientBackend):
     def open_slice(
         self, path: str, offset: int, length: int
     ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        if self.local_disk:
+            return _local_files.open_slice(path, offset, length)
         if self._empty_slice(path, offset, length):
             return contextlib.nullcontext(io.BytesIO())
         reader = WindowReader(self._fetch_range, path, offset, length)
@@ -216,6 +223,8 @@ class FsspecFileSystem(FsspecClientBackend):
         return data
 
     def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
+        if self.local_disk:  # through create_stream: the guarded open
+            return super().read_bytes(path, limit=limit)
         length = self._read_length(limit)
         if length is not None:  # one ranged request
             return self._fetch_range(path, 0, length)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import IO, ClassVar, cast
+from typing import IO, ClassVar
 
-from extensions.streams import SliceView
 from storage.backends import _local_files
 from storage.backends.base import FileSystemBase
 
@@ -49,8 +48,8 @@ class LocalFileSystem(FileSystemBase):
 
     @contextlib.contextmanager
     def open_slice(self, path: str, offset: int, length: int) -> Iterator[IO[bytes]]:
-        with _local_files.open_regular(path, buffering=0) as stream:
-            yield cast(IO[bytes], SliceView(stream, offset, length))
+        with _local_files.open_slice(path, offset, length) as stream:
+            yield stream
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         _local_files.write_atomic(path, data, exclusive=exclusive, sync_directory=self.sync_dir)

@@ -13,9 +13,10 @@ import os
 import stat
 import uuid
 from collections.abc import Callable, Iterator
-from typing import IO
+from typing import IO, cast
 
 from extensions.errors import UnsafeCheckpointError, quote
+from extensions.streams import SliceView
 
 # Where the platform lacks a flag, opening without it is the best it offers.
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -76,6 +77,14 @@ def open_regular(path: str, buffering: int = -1) -> IO[bytes]:
     except BaseException:
         os.close(fd)
         raise
+
+
+@contextlib.contextmanager
+def open_slice(path: str, offset: int, length: int) -> Iterator[IO[bytes]]:
+    """``[offset, offset + length)`` of ``path``, opened as :func:`open_regular` opens
+    it, unbuffered (the view reads what is asked, where it is asked)."""
+    with open_regular(path, buffering=0) as stream:
+        yield cast(IO[bytes], SliceView(stream, offset, length))
 
 
 def open_for_writing(path: str, *, exclusive: bool = False) -> IO[bytes]:

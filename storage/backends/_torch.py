@@ -89,8 +89,9 @@ class TorchFileSystem(FileSystemBase):
         """``path`` on local disk where the wrapped filesystem writes there (torch's own
         ``FileSystem``, torch's fsspec ``FileSystem`` on ``file://``), else ``None``: its
         files are then written as the local backend writes them, never through a link,
-        into a FIFO or into another user's file planted at the name (torch opens with
-        ``open(path, "wb")``)."""
+        into a FIFO or into another user's file planted at the name, and read never
+        through a link or from a FIFO (torch opens with ``open(path, "wb")`` and
+        ``open(path, "rb")``)."""
         if self._local():
             return path
         if not _is_torch_fsspec(self.torch_fs):
@@ -108,13 +109,17 @@ class TorchFileSystem(FileSystemBase):
 
     @contextlib.contextmanager
     def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
+        local = self._local_file(path)
         if mode == "rb":
+            if local is not None:
+                with _local_files.open_regular(local) as stream:
+                    yield stream
+                return
             with self.torch_fs.create_stream(path, "rb") as stream:
                 yield cast(IO[bytes], stream)
             return
         if mode != "wb":
             raise ValueError(f"unsupported mode {mode!r}: use 'rb' or 'wb'")
-        local = self._local_file(path)
         if local is not None:
             with _local_files.write_stream(local, sync=sync) as stream:
                 yield stream
@@ -146,8 +151,16 @@ class TorchFileSystem(FileSystemBase):
                 self.torch_fs.rm_file(temporary)
             raise
 
+    def open_slice(
+        self, path: str, offset: int, length: int
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        local = self._local_file(path)
+        if local is not None:
+            return _local_files.open_slice(local, offset, length)
+        return super().open_slice(path, offset, length)
+
     def size(self, path: str) -> int:
-        with self.torch_fs.create_stream(path, "rb") as stream:
+        with self.create_stream(path, "rb") as stream:
             stream.seek(0, os.SEEK_END)
             return int(stream.tell())
 

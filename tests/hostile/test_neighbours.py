@@ -459,3 +459,71 @@ def test_a_world_writable_root_is_used_with_a_warning(
         CheckpointManager(root)
     assert "writable by every user (mode 0777)" in caplog.text
     assert str(root) in caplog.text
+
+
+def _read_each_way(fs: FileSystemBase, path: str) -> list[tuple[str, BaseException | None]]:
+    """Every read a load makes of a data or metadata file, each tried on its own."""
+
+    def stream() -> None:
+        with fs.create_stream(path, "rb") as src:
+            src.read()
+
+    def window() -> None:
+        with fs.open_slice(path, 0, 4) as src:
+            src.read()
+
+    outcomes: list[tuple[str, BaseException | None]] = []
+    for name, read in (
+        ("stream", stream),
+        ("slice", window),
+        ("bytes", lambda: fs.read_bytes(path)),
+    ):
+        try:
+            read()
+        except BaseException as exc:  # noqa: BLE001 - the outcome is what is asserted
+            outcomes.append((name, exc))
+        else:
+            outcomes.append((name, None))
+    return outcomes
+
+
+@pytest.mark.parametrize("make", _LOCAL_WRITERS)
+def test_no_local_backend_reads_through_a_link_at_a_checkpoints_name(
+    tmp_path: Path, victim: Path, make: Any
+) -> None:
+    # Before (fsspec on file://, TorchFileSystem over torch's local or file:// one): a
+    # load opened the name with open(path, "rb"), which followed a neighbour's link and
+    # read whatever file of the user's it pointed at, where the plain-path backend refused.
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "__0_0-abc.distcp").symlink_to(victim)
+    fs, root = make(tmp_path / "ck")
+    for way, error in _read_each_way(fs, fs.concat_path(root, "__0_0-abc.distcp")):
+        assert isinstance(error, UnsafeCheckpointError), (way, error)
+        assert "symbolic link" in str(error), way
+
+
+@pytest.mark.parametrize("make", _LOCAL_WRITERS)
+def test_no_local_backend_blocks_reading_a_fifo_at_a_checkpoints_name(
+    tmp_path: Path, make: Any
+) -> None:
+    # Before (the same backends): open(path, "rb") of a neighbour's FIFO blocked until
+    # someone wrote to it, and the load with it, for good.
+    fifo = tmp_path / "__0_0-abc.distcp"
+    os.mkfifo(fifo)
+    fs, root = make(tmp_path)
+    outcomes: list[tuple[str, BaseException | None]] = []
+    reader = threading.Thread(
+        target=lambda: outcomes.extend(_read_each_way(fs, fs.concat_path(root, fifo.name))),
+        daemon=True,
+    )
+    reader.start()
+    reader.join(120)  # generous: the fixed reads fail at once
+    hung = reader.is_alive()
+    while reader.is_alive():  # free the old code's blocked opens so the thread ends
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(1)
+    assert not hung, "a read blocked on a FIFO at a checkpoint's name"
+    for way, error in outcomes:
+        assert isinstance(error, UnsafeCheckpointError), (way, error)
+        assert "FIFO" in str(error), way
