@@ -278,6 +278,9 @@ class FsspecFileSystem(FsspecClientBackend):
             self._request("rm_file", path)
 
     def rename(self, path: str, new_path: str) -> None:
+        if self.local_disk:  # fsspec's mv moves into a directory planted at new_path
+            os.replace(path, new_path)
+            return
         with self._errors(path, f"renaming to {self.url(new_path)}"):
             self.size(path)  # FileNotFoundError (or IsADirectoryError) before anything
             self._request("mv", path, new_path)  # the client's copy (server-side where it can)

@@ -41,7 +41,8 @@ class TorchFileSystem(FileSystemBase):
       stream must be seekable); nothing is fetched by byte range;
     * atomic publish: ``write_atomic`` writes a temporary object and renames it over
       the target, as stock DCP commits its metadata; ``exclusive=True`` checks
-      ``exists`` first, so two concurrent saves with ``overwrite=False`` can both win;
+      ``exists`` first, so two concurrent saves with ``overwrite=False`` can both win
+      (on local disk it publishes as the local backend does, with no such race);
     * durability: ``sync=True`` fsyncs streams that have a file descriptor; directory
       entries are not synced, and ``rm_dir`` does nothing;
     * writes create parent directories with ``mkdir``, and a failed write removes
@@ -49,7 +50,8 @@ class TorchFileSystem(FileSystemBase):
     * ``ls`` needs the wrapped filesystem's ``ls`` (not in torch's abstract contract);
       ``rm_file`` of a missing path raises whatever the wrapped filesystem raises;
     * ``rename`` is the wrapped filesystem's, its atomicity unknown (``atomic_rename``
-      is ``False``);
+      is ``False``), except on local disk: ``os.replace``, which never moves a file
+      into a directory found at the new name;
     * symbolic links: told (``is_link``, ``realpath``) for torch's own local
       ``FileSystem``, so deletion never goes through one there; other wrapped
       filesystems are taken to have none.
@@ -72,6 +74,10 @@ class TorchFileSystem(FileSystemBase):
         return os.fspath(path)  # the wrapped filesystem's own forms, URLs included
 
     def rename(self, path: str, new_path: str) -> None:
+        local, new_local = self._local_file(path), self._local_file(new_path)
+        if local is not None and new_local is not None:  # fsspec's mv moves into a directory
+            os.replace(local, new_local)
+            return
         self.torch_fs.rename(path, new_path)
 
     def is_link(self, path: str) -> bool:
@@ -139,6 +145,10 @@ class TorchFileSystem(FileSystemBase):
             raise
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        local = self._local_file(path)
+        if local is not None:  # as the local backend publishes: no race on exclusive
+            _local_files.write_atomic(local, bytes(data), exclusive=exclusive)
+            return
         if exclusive and self.exists(path):
             raise FileExistsError(path)
         temporary = f"{path}.{uuid.uuid4().hex[:12]}.tmp"

@@ -527,3 +527,21 @@ def test_no_local_backend_blocks_reading_a_fifo_at_a_checkpoints_name(
     for way, error in outcomes:
         assert isinstance(error, UnsafeCheckpointError), (way, error)
         assert "FIFO" in str(error), way
+
+
+@pytest.mark.parametrize("make", _LOCAL_WRITERS)
+def test_no_local_backend_renames_into_a_directory_planted_at_the_new_name(
+    tmp_path: Path, make: Any
+) -> None:
+    # Before (fsspec on file://, TorchFileSystem over torch's fsspec file:// one): the
+    # rename was fsspec's mv, which moved the file into a directory a neighbour made at
+    # the new name and reported success: the file sat in the neighbour's directory, and
+    # nothing was at the name the caller published.
+    fs, root = make(tmp_path)
+    src, dst = fs.concat_path(root, "part.tmp"), fs.concat_path(root, "part")
+    (tmp_path / "part.tmp").write_bytes(b"ours")
+    (tmp_path / "part").mkdir()
+    with pytest.raises(OSError):
+        fs.rename(src, dst)
+    assert (tmp_path / "part.tmp").read_bytes() == b"ours"
+    assert list((tmp_path / "part").iterdir()) == []
