@@ -168,9 +168,9 @@ class SealCheck:
                     )
                 if not hmac.compare_digest(_check(key), stored["check"]):
                     raise IntegrityError(
-                        f"{self._where}: item {quote(item.item)}: wrong key for key_id "
-                        f"{quote(key_id)}: the key given is not the key the checkpoint was "
-                        "written with (its metadata's seal says so); pass the right key"
+                        f"{self._where}: wrong key for key_id {quote(key_id)}: the key given "
+                        "is not the key the checkpoint was written with (its metadata's seal "
+                        "says so, for every item under that key id); pass the right key"
                     )
                 if self._body is None:
                     self._body = canonical(self._metadata, self._name)
@@ -203,9 +203,10 @@ class SealCheck:
 
     def _refused(self, item: ItemInfo, key_id: str, why: str) -> IntegrityError:
         return IntegrityError(
-            f"{self._where}: item {quote(item.item)} is encrypted bound to its save (key_id "
-            f"{quote(key_id)}), which needs sealed metadata, and {why}; nothing of it is "
-            "loaded. Restore the checkpoint's .metadata from a good copy, or re-save it"
+            f"{self._where}: its items encrypted under key_id {quote(key_id)} (item "
+            f"{quote(item.item)} among them) are bound to their save, which needs sealed "
+            f"metadata, and {why}; nothing of the checkpoint is loaded. Restore its "
+            ".metadata from a good copy, or re-save it"
         )
 
 

@@ -19,6 +19,7 @@ from extensions import AES256GCM, ZStandard
 from extensions.errors import IntegrityError
 from storage.checkpoint import storage_format as fmt
 from storage.ops.copy import copy_checkpoint
+from storage.ops.verify import verify
 from tests.support.tiers import tiered
 
 KEY = bytes(range(7, 39))  # test-only
@@ -157,3 +158,16 @@ def test_a_wrong_key_is_named_as_such(tmp_path: Path) -> None:
     storage.save(_state(1.0), tmp_path / "c", transforms=[_aes()])
     with pytest.raises(IntegrityError, match=r"wrong key for key_id 'k1'.*pass the right key"):
         _load(tmp_path / "c", keys={"k1": bytes(32)})
+
+
+def test_verify_with_a_wrong_key_names_no_other_item_in_each_items_report(
+    tmp_path: Path,
+) -> None:
+    # The seal is checked once for the whole metadata; its refusal used to name the item
+    # it happened to check with, so verify reported every item as failing "item 'a'".
+    storage.save(_state(1.0), tmp_path / "c", transforms=[_aes()])
+    report = verify(storage.LocalFileSystem(), str(tmp_path / "c"), keys={"k1": bytes(32)})
+    assert sorted(report.bad) and not report.ok
+    for label, why in report.bad.items():
+        assert "wrong key for key_id 'k1'" in why, (label, why)
+        assert "item '" not in why, (label, why)
