@@ -168,9 +168,10 @@ class SealCheck:
                     )
                 if not hmac.compare_digest(_check(key), stored["check"]):
                     raise IntegrityError(
-                        f"{self._where}: wrong key for key_id {quote(key_id)}: the key given "
-                        "is not the key the checkpoint was written with (its metadata's seal "
-                        "says so, for every item under that key id); pass the right key"
+                        f"{self._where}: wrong key for key_id {quote(key_id)} (item "
+                        f"{quote(item.item)} and every other item under that key id): the key "
+                        "given is not the key the checkpoint was written with (its metadata's "
+                        "seal says so); pass the right key"
                     )
                 if self._body is None:
                     self._body = canonical(self._metadata, self._name)
