@@ -2,6 +2,7 @@
 
     pip install -e '.[bench]'       # zipnn
     flock -x /work/helpers/machine.lock python benchmarks/compression_trained.py
+    python benchmarks/compression_trained.py --compact    # ours: WeightCodec(compact=True)
 
 No download: the script trains a small causal transformer language model (vocabulary
 512, width 256, 2 pre-norm layers of 4 heads, feed-forward 1024, context 64; 1.9M
@@ -15,8 +16,9 @@ trainer keeps is then compared, tensor by tensor: the fp32 master weights
 
 Both sides as a user would call them: ZipNN 0.5.4 ``ZipNN(input_format="byte",
 bytearray_dtype=<dtype>, threads=1)`` (method AUTO, its default 256 KiB chunks), and
-ours ``[WeightCodec()]`` through the framework (``encoding_stream`` into a sink,
-``ExtensionRegistry.decoding_stream`` read into a preallocated buffer). Ratio is
+ours ``[WeightCodec()]`` (``--compact``: ``compact=True``) through the framework
+(``encoding_stream`` into a sink, ``ExtensionRegistry.decoding_stream`` read into a
+preallocated buffer). Ratio is
 logical / stored bytes. Decompression: one thread on both sides, warm (one untimed
 run first), the best of ``--repeat`` runs of each, every decode checked byte for byte.
 The totals row sums bytes and the best times over every tensor.
@@ -132,6 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--compact", action="store_true", help="ours as WeightCodec(compact=True)")
     args = parser.parse_args()
     state = train(args.steps)
     torch.set_num_threads(1)
@@ -146,7 +149,7 @@ def main() -> None:
         raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
         dtype = str(tensor.dtype).removeprefix("torch.")
         item = ItemInfo(checkpoint="bench", item=name, dtype=dtype, element_size=tensor.itemsize)
-        theirs, mine = zipnn(dtype), ours([WeightCodec()], item)
+        theirs, mine = zipnn(dtype), ours([WeightCodec(compact=args.compact)], item)
         stored_z = theirs[0](bytearray(raw))  # ZipNN reorders its input in place
         stored_o = mine[0](raw)
         size_z, size_o = stored_size(stored_z), stored_size(stored_o)

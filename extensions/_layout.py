@@ -1,4 +1,4 @@
-"""The record headers of :class:`~extensions.weights.WeightCodec` streams, formats 1 and 2.
+"""The record headers of :class:`~extensions.weights.WeightCodec` streams, formats 1 to 3.
 
 A stream is a run of block records and one end record. A block's header gives its
 decoded size, its flags and one head per byte plane: ``(mode, a, b, length, extra)``
@@ -7,12 +7,14 @@ decoded size, its flags and one head per byte plane: ``(mode, a, b, length, extr
 Format 1, fixed sizes: block ``u8 tag=1, u32 nbytes, u8 flags``, then per plane ``u8
 mode, u8 a, u8 b, u8 0, u32 length, u32 extra``; end ``u8 tag=0, u64 total``.
 
-Format 2, compact (a small tensor's headers cost what its data does): every record is
+Format 2, compact (a small tensor's headers cost what its data does; format 3 is format
+2 with two more plane modes, for its JOINT blocks): every record is
 ``u8 tag, u8 size`` and ``size`` bytes of body. A block's body is ``varint nbytes, u8
 flags``, then per plane ``u8 mode`` and only what the mode needs: RAW nothing (its
 length is the plane's), CONST ``a``, BIT ``a, b`` (length: a bit per element), ZSTD
 ``varint length``, PACK ``a, b, varint length, varint extra``, SEVEN ``a`` (length:
-:func:`seven_size`). The end record's body is
+:func:`seven_size`); format 3 adds SIX nothing (length: :func:`six_size`) and JOINT
+``a, varint length, varint extra``. The end record's body is
 ``varint total``. Varints are LEB128, at most 5 bytes (a value below 2**35).
 
 Parsing checks every field against the block it describes and raises
@@ -25,7 +27,7 @@ import struct
 
 BLOCK_TAG = 1
 END_TAG = 0
-RAW, CONST, BIT, ZSTD, PACK, SEVEN = range(6)
+RAW, CONST, BIT, ZSTD, PACK, SEVEN, SIX, JOINT = range(8)
 V1_HEAD = struct.Struct("<BIB")
 V1_PLANE = struct.Struct("<BBBBII")
 V1_END = struct.Struct("<BQ")
@@ -34,6 +36,11 @@ V2_PREFIX = struct.Struct("<BB")
 _MAX_VARINT = 5
 
 PlaneHead = tuple[int, int, int, int, int]
+
+
+def six_size(n: int) -> int:
+    """Stored bytes of a SIX plane of ``n`` elements: 3 per 4 (``extensions/_joint.py``)."""
+    return -(-n // 4) * 3
 
 
 def seven_size(n: int) -> int:
@@ -79,6 +86,10 @@ def _pack_head(body: bytearray, head: PlaneHead) -> None:
         _varint(body, length)
     elif mode == PACK:
         body += bytes((a, b))
+        _varint(body, length)
+        _varint(body, extra)
+    elif mode == JOINT:
+        body.append(a)
         _varint(body, length)
         _varint(body, extra)
 
@@ -143,6 +154,10 @@ def parse_v2_block(body: memoryview, es: int, limit: int) -> tuple[int, int, lis
             heads.append((PACK, a, b, cursor.varint(), cursor.varint()))
         elif mode == SEVEN:
             heads.append((SEVEN, cursor.byte(), 0, seven_size(n), 0))
+        elif mode == SIX:
+            heads.append((SIX, 0, 0, six_size(n), 0))
+        elif mode == JOINT:
+            heads.append((JOINT, cursor.byte(), 0, cursor.varint(), cursor.varint()))
         else:
             raise CorruptBlock(f"unknown plane mode {mode}")
     if cursor.at != len(body):
@@ -160,4 +175,4 @@ def v1_heads(head: memoryview, es: int) -> list[PlaneHead]:
 
 
 def payload_size(heads: list[PlaneHead]) -> int:
-    return sum(h[3] + (h[4] if h[0] == PACK else 0) for h in heads)
+    return sum(h[3] + (h[4] if h[0] in (PACK, JOINT) else 0) for h in heads)

@@ -23,19 +23,31 @@ from typing import Any
 
 import numpy as np
 
-from extensions import _planes
+from extensions import _joint, _planes
 from extensions._layout import (
     BIT,
     CONST,
+    JOINT,
     PACK,
     RAW,
     SEVEN,
+    SIX,
     ZSTD,
     CorruptBlock,
     PlaneHead,
     seven_size,
+    six_size,
 )
-from extensions._planes import _ESCAPE, _MAGIC, _UINT, LOW_PAIR, SIGN_MOVED, WINDOW, _codecs
+from extensions._planes import (
+    _ESCAPE,
+    _MAGIC,
+    _UINT,
+    JOINT_BLOCK,
+    LOW_PAIR,
+    SIGN_MOVED,
+    WINDOW,
+    _codecs,
+)
 from extensions._zstd_window import decompressor, refused
 
 _native: ModuleType | None = _planes._native  # None: numpy passes (tests set it)
@@ -67,6 +79,9 @@ def decode_block(
 ) -> None:
     """Decode one block of format ``version`` into ``out`` (its ``nbytes``); raises
     :class:`CorruptBlock`."""
+    if flags & JOINT_BLOCK and version >= 3:
+        _decode_joint(heads, flags, payload, out, es)
+        return
     paired = flags & LOW_PAIR
     if (
         flags & ~(SIGN_MOVED | LOW_PAIR)
@@ -101,6 +116,28 @@ def decode_block(
         elements = np.frombuffer(out, np.uint8, count=whole).reshape(n, es)
         for j, plane in enumerate(planes):
             elements[:, j] = plane
+
+
+def _decode_joint(
+    heads: list[PlaneHead], flags: int, payload: memoryview, out: memoryview, es: int
+) -> None:
+    """A JOINT block (``extensions/_joint.py``): a SIX plane, then a JOINT plane (a zstd
+    frame and the escaped exponents), then the tail, if any."""
+    n = len(out) // es
+    if flags != SIGN_MOVED | JOINT_BLOCK or es != 2:
+        raise CorruptBlock(f"unknown block flags {flags:#x} for element size {es}")
+    if [h[0] for h in heads] != [SIX, JOINT]:
+        raise CorruptBlock(f"a JOINT block with plane modes {[h[0] for h in heads]}")
+    _, base, _, length, nesc = heads[1]
+    sixes = six_size(n)
+    tail = payload[sixes + length + nesc :]
+    if len(tail) != len(out) - 2 * n:
+        raise CorruptBlock(f"a JOINT block of {len(payload)} bytes does not hold {n} elements")
+    joint = np.frombuffer(_unzstd(payload[sixes : sixes + length], n, 3), np.uint8)
+    words = np.frombuffer(out, _UINT[2], count=n)
+    found = _joint.join(words, joint, payload[:sixes], base, payload[sixes + length :][:nesc])
+    _check_escapes(found, nesc)
+    out[2 * n :] = tail
 
 
 def _plane(mode: int, a: int, b: int, piece: memoryview, n: int, version: int, role: str) -> Any:

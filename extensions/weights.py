@@ -11,8 +11,10 @@ the stream format and the element size (``dcp_storage.weights/2;es=2``); everyth
 a reader needs is in the stream.
 
 A stream: blocks of at most :data:`~extensions._planes.BLOCK_BYTES` decoded bytes, then
-an end record with the total decoded bytes, and nothing after it. Format 2 (written
-since the compact headers) and format 1 (fixed-size headers) are both read.
+an end record with the total decoded bytes, and nothing after it. Format 3 (format 2
+and, for bfloat16, the JOINT blocks of ``extensions/_joint.py``: written for bfloat16
+items with ``compact=True``), format 2 (written for every other item) and format 1
+(fixed-size headers) are all read.
 """
 
 from __future__ import annotations
@@ -50,8 +52,11 @@ from extensions.errors import quote
 from extensions.streams import BlockWriter, fill, read_all, readinto_exact
 
 MAX_ELEMENT_SIZE = 16
-#: The stream format this codec writes; readers know every one up to it.
-FORMAT = 2
+#: The newest stream format; readers know every one up to it. Format 3 (format 2 and the
+#: JOINT blocks of ``extensions/_joint.py``) is written for bfloat16 items with
+#: ``compact=True`` only; everything else is written in format 2.
+FORMAT = 3
+_JOINT_DTYPE = "bfloat16"
 #: Dtypes whose planes get the float treatment (sign moved, packing by sampled histogram).
 FLOAT_DTYPES = frozenset(
     {"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
@@ -67,6 +72,12 @@ class WeightCodec(StreamTransformExtension):
     codec; integer tensors get byte planes with zstd level 3 per plane; opaque items
     (pickled values) get zstd level 3. It is built in: readers need no registration.
 
+    ``compact=True`` stores bfloat16 tensors whose values are bell-shaped (weights,
+    first moments) 0.5-0.9% smaller, in format 3 (``dcp_storage.weights/3``: the top
+    two mantissa bits coded with the exponent), at a cost in speed: decoding one such
+    tensor takes ~1.7x as long (about ZipNN's speed), encoding ~2x (docs/benchmarks.md);
+    other dtypes are stored as without it. Readers decode either way with no setting.
+
     ``element_size`` is what a descriptor records, for decoding; leave it ``None`` when
     saving, and each item uses its own tensor's element size. ``dtype`` (the item's,
     which tells floats from integers) is filled in by ``for_item``; ``stream_format``
@@ -76,6 +87,7 @@ class WeightCodec(StreamTransformExtension):
     element_size: int | None = field(default=None, kw_only=True)
     dtype: str | None = field(default=None, kw_only=True)
     stream_format: int = field(default=FORMAT, kw_only=True)
+    compact: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         size = self.element_size
@@ -87,7 +99,8 @@ class WeightCodec(StreamTransformExtension):
             )
 
     def __repr__(self) -> str:
-        return f"WeightCodec(element_size={self.element_size})"
+        compact = ", compact=True" if self.compact else ""
+        return f"WeightCodec(element_size={self.element_size}{compact})"
 
     @staticmethod
     def registry_name() -> str:
@@ -109,7 +122,8 @@ class WeightCodec(StreamTransformExtension):
         )
 
     def get_descriptor(self) -> str:
-        return f"{self.registry_name()}/{FORMAT};es={self.element_size or 1}"
+        version = FORMAT if self._joint() else 2
+        return f"{self.registry_name()}/{version};es={self.element_size or 1}"
 
     def for_item(self, item: ItemInfo) -> WeightCodec:
         es = self.element_size
@@ -118,26 +132,38 @@ class WeightCodec(StreamTransformExtension):
             es = size if isinstance(size, int) and 1 <= size <= MAX_ELEMENT_SIZE else 1
         if es == self.element_size and item.dtype == self.dtype:
             return self
-        return WeightCodec(element_size=es, dtype=item.dtype, stream_format=self.stream_format)
+        return WeightCodec(
+            element_size=es,
+            dtype=item.dtype,
+            stream_format=self.stream_format,
+            compact=self.compact,
+        )
+
+    def _joint(self) -> bool:
+        """Whether this item's blocks may be JOINT blocks (format 3)."""
+        return self.compact and self.dtype == _JOINT_DTYPE and self.element_size == 2
 
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
         floating = self.dtype in FLOAT_DTYPES
-        return cast(IO[bytes], _Writer(output, self.element_size or 1, floating))
+        return cast(IO[bytes], _Writer(output, self.element_size or 1, floating, self._joint()))
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         return cast(IO[bytes], _Reader(input, self.element_size or 1, self.stream_format))
 
 
 class _Writer(BlockWriter):
-    def __init__(self, out: IO[bytes], es: int, floating: bool) -> None:
+    def __init__(self, out: IO[bytes], es: int, floating: bool, joint: bool) -> None:
         super().__init__(out, BLOCK_BYTES // es * es)
         self._es = es
         self._floating = floating
+        self._joint = joint
         self._splits = SignSplits()  # this item's
         self._total = 0
 
     def emit(self, block: memoryview) -> None:
-        flags, heads, payloads = encode_block(block, self._es, self._floating, self._splits)
+        flags, heads, payloads = encode_block(
+            block, self._es, self._floating, self._splits, self._joint
+        )
         self._out.write(pack_v2_block(len(block), flags, heads))
         for piece in payloads:
             self._out.write(piece)

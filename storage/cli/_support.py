@@ -17,7 +17,7 @@ from extensions.errors import CheckpointNotFoundError, printable
 from storage.backends.base import FileSystemBase, PendingUpload
 from storage.backends.registry import filesystem_from_url, url_scheme
 
-TRANSFORM_SPECS = "weights, zstd, zstd:LEVEL, shuffle, aes:KEY_ID, none"
+TRANSFORM_SPECS = "weights, weights:compact, zstd, zstd:LEVEL, shuffle, aes:KEY_ID, none"
 
 
 def option_value(text: str) -> Any:
@@ -72,8 +72,8 @@ def parse_transforms(specs: Sequence[str], keys: dict[str, bytes]) -> list[Any]:
             chain.append(ZStandard(level=int(value)) if value else ZStandard())
         elif name == "shuffle" and not value:
             chain.append(ByteShuffle())
-        elif name == "weights" and not value:
-            chain.append(WeightCodec())
+        elif name == "weights" and value in ("", "compact"):
+            chain.append(WeightCodec(compact=value == "compact"))
         elif name in ("aes", "aes256gcm") and value:
             if value not in keys:
                 # The value is not echoed whole: a key typed in place of its id is one.

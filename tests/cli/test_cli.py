@@ -148,9 +148,10 @@ def test_cp_transcodes_to_zstd_and_aes(root: Path, tmp_path: Path) -> None:
         storage.load(_blank(), str(dst))  # really encrypted
 
 
-def test_cp_transcodes_to_the_weight_codec(root: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("spec", ["weights", "weights:compact"])
+def test_cp_transcodes_to_the_weight_codec(root: Path, tmp_path: Path, spec: str) -> None:
     dst = tmp_path / "weights"
-    proc = cli("cp", str(root / "step-2"), str(dst), "--transform", "weights")
+    proc = cli("cp", str(root / "step-2"), str(dst), "--transform", spec)
     assert proc.returncode == 0, proc.stderr
     assert "dcp_storage.weights" in proc.stdout
     out = _blank()

@@ -27,6 +27,7 @@ from extensions import (
     WeightCodec,
     ZStandard,
 )
+from extensions import _joint as joint
 from extensions import _layout as layout
 from extensions import _planes as planes
 from extensions import _unplanes as unplanes
@@ -34,7 +35,8 @@ from extensions.testing import TransformTests, encode, read_all
 from tests.extensions.test_encryption import rewrite
 from tests.support.trees import zeros_like_tree
 
-GOLDEN = Path(__file__).parents[1] / "golden" / "weights"
+#: Format 1 (an earlier release's), and the formats the codec writes now.
+GOLDENS = [Path(__file__).parents[1] / "golden" / name for name in ("weights", "weights-3")]
 KEY = bytes(range(32))
 
 
@@ -93,6 +95,7 @@ def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "numpy":
         monkeypatch.setattr(unplanes, "_native", None)
         monkeypatch.setattr(planes, "_native", None)
+        monkeypatch.setattr(joint, "_native", None)
     return str(request.param)
 
 
@@ -145,6 +148,18 @@ def test_the_compiled_loops_check_every_size_before_writing() -> None:
     codes = bytearray(3)
     assert native.pack(codes, b"\x0a\xff\x0b\xfe\xfd", 2, 10, room) == 3  # 3 escapes
     assert room == b"\xff\xfe" and codes == b"\xf0\xf1\x0f"  # 2 kept; a 0 code pads
+    with pytest.raises(ValueError, match="do not split"):
+        native.joint_split(bytearray(5), bytearray(3), bytes(10), 0, bytearray(1))  # rest: 6
+    with pytest.raises(ValueError, match="do not split"):
+        native.joint_split(bytearray(4), bytearray(3), bytes(10), 0, bytearray(1))  # 5 words
+    with pytest.raises(ValueError, match="do not make"):
+        native.joint_join(bytearray(10), bytes(5), bytes(3), 0, b"")  # 5 words need 6
+    with pytest.raises(ValueError, match="do not make"):
+        native.joint_join(bytearray(8), bytes(4), bytes(3), 256, b"")  # no such base
+    words = bytearray(4)
+    assert native.joint_join(words, b"\xfc\xfc", bytes(3), 0, b"a") == 2  # 2 escapes, 1 kept
+    assert native.joint_join(words, b"\x04\x09", b"\x3f\x00\x00", 10, b"") == 0
+    assert words == bytes([0x9F, 0x85, 0x20, 0x06])  # sign, exponent 11 and 12, mantissas
 
 
 @pytest.mark.skipif("compiled" not in DECODERS, reason="extensions._native is not built")
@@ -154,23 +169,28 @@ def test_both_encoders_store_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> 
     every dtype, odd sizes, both splits of the sign, packed planes with escapes."""
     gen = torch.Generator().manual_seed(5)
     outliers = torch.rand(BLOCK // 2 + 3, generator=gen) < 0.02  # 2% escape the window
+    rare = torch.rand(BLOCK // 2 + 3, generator=gen) < 0.005  # JOINT blocks with escapes
     tensors = list(every_dtype(BLOCK // 4 + 33).values()) + [
         second_moment(BLOCK // 2 + 7),
         (weights(BLOCK // 2 + 3, torch.float32) * torch.where(outliers, 2.0**30, 1.0)),
         (weights(BLOCK // 2 + 3) * torch.where(outliers, 2.0**-30, 1.0)).to(torch.bfloat16),
+        (weights(BLOCK // 2 + 3) * torch.where(rare, 2.0**-60, 1.0)).to(torch.bfloat16),
     ]
-    escaped = 0
+    escaped = joint_escapes = 0
     for tensor in tensors:
         item = item_of(tensor)
         data = raw_bytes(tensor)
-        monkeypatch.setattr(planes, "_native", NATIVE)
-        compiled = encoded(data, item)
-        monkeypatch.setattr(planes, "_native", None)
-        assert encoded(data, item) == compiled, item.dtype
+        for module in (planes, joint):
+            monkeypatch.setattr(module, "_native", NATIVE)
+        compiled = encoded(data, item, [WeightCodec(compact=True)])
+        for module in (planes, joint):
+            monkeypatch.setattr(module, "_native", None)
+        assert encoded(data, item, [WeightCodec(compact=True)]) == compiled, item.dtype
         if tensor.dtype in (torch.bfloat16, torch.float32) and tensor.numel():
             _, heads = block_modes(compiled[0], tensor.element_size())
-            escaped += sum(h[4] for h in heads if h[0] == layout.PACK)
-    assert escaped  # packed planes with escapes were among them
+            escaped += sum(h[4] for h in heads if h[0] in (layout.PACK, layout.JOINT))
+            joint_escapes += sum(h[4] for h in heads if h[0] == layout.JOINT)
+    assert escaped and joint_escapes  # packed and JOINT planes with escapes among them
 
 
 @pytest.mark.skipif("compiled" not in DECODERS, reason="extensions._native is not built")
@@ -179,8 +199,13 @@ def test_both_decoders_agree_on_every_damaged_stream(monkeypatch: pytest.MonkeyP
     or fail alike, whether the compiled loops or numpy join them: the compiled path may
     not accept (or write) what the numpy path refuses."""
     rng = np.random.default_rng(7)
+    codec = WeightCodec(compact=True)  # bfloat16 in JOINT blocks, the rest as without it
     cases = [
-        weights(BLOCK // 2 + 301),  # bf16: moved sign, packed exponents
+        weights(BLOCK // 2 + 301),  # bf16: JOINT blocks
+        (
+            weights(BLOCK // 4 + 9, seed=5)
+            * torch.where(torch.arange(BLOCK // 4 + 9) % 97 == 0, 2.0**-40, 1.0)
+        ).to(torch.bfloat16),  # JOINT, escapes
         second_moment(BLOCK // 4 + 77),  # fp32: a low pair, a constant sign
         weights(BLOCK // 4 + 5, torch.float32, seed=3),
         weights(3000, torch.float16, seed=4),
@@ -188,17 +213,16 @@ def test_both_decoders_agree_on_every_damaged_stream(monkeypatch: pytest.MonkeyP
 
     def outcome(stored: bytes, item: ItemInfo, native: Any) -> str:
         monkeypatch.setattr(unplanes, "_native", native)
+        monkeypatch.setattr(joint, "_native", native)
         try:
-            return hashlib.sha256(
-                decoded(stored, [WeightCodec().descriptor_for(item)], item)
-            ).hexdigest()
+            return hashlib.sha256(decoded(stored, [codec.descriptor_for(item)], item)).hexdigest()
         except ValueError as exc:
             return f"error: {exc}"
 
     seen: set[str] = set()
     for tensor in cases:
         item = item_of(tensor)
-        stored, _ = encoded(raw_bytes(tensor), item)
+        stored, _ = encoded(raw_bytes(tensor), item, [codec])
         for _ in range(60):
             damaged = bytearray(stored)
             for at in rng.integers(0, min(len(stored), 400), 2):  # mostly headers, escapes
@@ -334,12 +358,61 @@ def test_save_and_load_every_dtype(tmp_path: Path) -> None:
 
 
 def test_float_weights_move_the_sign_and_pack_exponents_in_pairs() -> None:
-    tensor = weights(1 << 16)
-    stored, _ = encoded(raw_bytes(tensor), item_of(tensor))
+    tensor = weights(1 << 16)  # byte planes (compact=True takes JOINT blocks, below)
+    stored, descriptors = encoded(raw_bytes(tensor), item_of(tensor))
+    assert descriptors == ["dcp_storage.weights/2;es=2"]
     flags, (low, high) = block_modes(stored, 2)
     assert flags == planes.SIGN_MOVED
     assert low[0] == planes.RAW  # sign and mantissa: noise
     assert high[0] == planes.PACK and high[2] == 2  # exponents, two to a byte
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bfloat16_weights_code_the_top_mantissa_bits_with_the_exponent(seed: int) -> None:
+    """``compact=True``, format 3's JOINT block: smaller than byte planes on bell-shaped
+    weights, whose sign-and-mantissa plane zstd stores raw (ZipNN's Huffman took its
+    0.3-0.4%); other dtypes are stored as without it."""
+    data = memoryview(raw_bytes(weights(1 << 17, seed=seed)))
+    flags, heads, pieces = planes.encode_block(data, 2, True, joint=True)
+    assert flags == planes.SIGN_MOVED | planes.JOINT_BLOCK
+    assert [h[0] for h in heads] == [layout.SIX, layout.JOINT]
+    _, byte_heads, byte_pieces = planes.encode_block(data, 2, True)
+    assert planes._size(heads, pieces) < planes._size(byte_heads, byte_pieces) * 0.997
+    stored, descriptors = encoded(bytes(data), ITEMS["bfloat16"], [WeightCodec(compact=True)])
+    assert descriptors == ["dcp_storage.weights/3;es=2"]
+    assert decoded(stored, descriptors, ITEMS["bfloat16"], "read") == bytes(data)
+    fp32 = raw_bytes(weights(1 << 12, torch.float32, seed=seed))
+    assert encoded(fp32, ITEMS["float32"], [WeightCodec(compact=True)]) == encoded(
+        fp32, ITEMS["float32"]
+    )
+
+
+def test_bfloat16_with_structured_mantissas_keeps_byte_planes() -> None:
+    """Six raw bits an element would store a compressible sign-and-mantissa plane (small
+    integers, values rounded to few bits) larger than its byte plane does."""
+    gen = torch.Generator().manual_seed(0)
+    tensor = torch.randint(-8, 8, (1 << 17,), generator=gen).to(torch.bfloat16)
+    flags, _, _ = planes.encode_block(memoryview(raw_bytes(tensor)), 2, True, joint=True)
+    assert not flags & planes.JOINT_BLOCK
+
+
+def test_bfloat16_with_exponents_beyond_the_window_codes_the_smaller_way() -> None:
+    """Exponents over more than 63 values escape; past 1/100 of the elements both ways
+    are coded and the smaller kept, past 1/20 the block keeps byte planes. Below 1/100
+    the JOINT block is taken uncompared: on exponents this spread it is within 0.1%."""
+    gen = torch.Generator().manual_seed(0)
+    for spread in (4.0, 12.0, 40.0):
+        values = torch.randn(1 << 17, generator=gen) * torch.exp(
+            torch.randn(1 << 17, generator=gen) * spread
+        )
+        data = memoryview(raw_bytes(values.to(torch.bfloat16)))
+        flags, heads, pieces = planes.encode_block(data, 2, True, joint=True)
+        _, byte_heads, byte_pieces = planes.encode_block(data, 2, True)
+        ours, bytewise = planes._size(heads, pieces), planes._size(byte_heads, byte_pieces)
+        assert ours <= bytewise * 1.001, spread
+        compact = [WeightCodec(compact=True)]
+        stored, descriptors = encoded(bytes(data), ITEMS["bfloat16"], compact)
+        assert decoded(stored, descriptors, ITEMS["bfloat16"], "read") == bytes(data)
 
 
 def test_positive_floats_take_the_smaller_of_both_splits() -> None:
@@ -465,7 +538,7 @@ def test_compresses_better_than_shuffle_and_zstd(tensor: torch.Tensor) -> None:
 
 @pytest.mark.parametrize(
     "descriptor",
-    ["dcp_storage.weights/3;es=2", "dcp_storage.weights/2", "dcp_storage.weights/1;es=0"],
+    ["dcp_storage.weights/4;es=2", "dcp_storage.weights/2", "dcp_storage.weights/1;es=0"],
 )
 def test_bad_descriptor_names_the_item(descriptor: str) -> None:
     with pytest.raises(UnknownTransformError, match=r"item 'w'.*cannot decode"):
@@ -607,7 +680,7 @@ def test_a_zstd_plane_cannot_ask_for_a_window_larger_than_a_block(version: int) 
 
 def test_damaged_format_1_streams_raise_a_clear_error() -> None:
     """The format-1 reader keeps its checks (a golden item, cut and altered)."""
-    stored = (GOLDEN / "bf16-weights.bin").read_bytes()
+    stored = (GOLDENS[0] / "bf16-weights.bin").read_bytes()
     item = ItemInfo(item="bf16-weights.bin", dtype="bfloat16", element_size=2)
     descriptors = ["dcp_storage.weights/1;es=2"]
 
@@ -653,29 +726,31 @@ def test_flipped_byte_fails_the_load_naming_it(tmp_path: Path) -> None:
         storage.load(zeros_like_tree(state), tmp_path / "c")
 
 
-# --- golden items of format 1 -----------------------------------------------------------
+# --- golden items ----------------------------------------------------------------------
 
 
-def test_golden_items_decode() -> None:
-    """What format 1 wrote keeps decoding (tests/golden/make_transform_goldens.py)."""
-    manifest = json.loads((GOLDEN / "manifest.json").read_text())
+@pytest.mark.parametrize("golden", GOLDENS, ids=lambda p: p.name)
+def test_golden_items_decode(golden: Path) -> None:
+    """What each format wrote keeps decoding (tests/golden/make_transform_goldens.py)."""
+    manifest = json.loads((golden / "manifest.json").read_text())
     assert len(manifest["items"]) >= 6
     for entry in manifest["items"]:
         plain = (
-            (GOLDEN / entry["plain"]).read_bytes()
+            (golden / entry["plain"]).read_bytes()
             if "plain" in entry
             else np.arange(entry["arange_int64"], dtype=np.int64).tobytes()
         )
         assert hashlib.sha256(plain).hexdigest() == entry["plain_sha256"], entry["file"]
         item = ItemInfo(item=entry["file"], dtype=entry["dtype"], element_size=entry["es"])
-        stored = (GOLDEN / entry["file"]).read_bytes()
+        stored = (golden / entry["file"]).read_bytes()
         assert decoded(stored, entry["descriptors"], item, "readinto") == plain, entry["file"]
 
 
-def test_golden_checkpoint_loads() -> None:
-    expected = torch.load(GOLDEN / "expected.pt", weights_only=True)
+@pytest.mark.parametrize("golden", GOLDENS, ids=lambda p: p.name)
+def test_golden_checkpoint_loads(golden: Path) -> None:
+    expected = torch.load(golden / "expected.pt", weights_only=True)
     target = zeros_like_tree(expected)
-    storage.load(target, GOLDEN / "ckpt")
+    storage.load(target, golden / "ckpt")
     assert isinstance(target, dict)
     for name, value in expected.items():
         if isinstance(value, torch.Tensor):
@@ -787,3 +862,37 @@ def test_tiny_empty_and_odd_element_size_items_round_trip(seed: int, es: int) ->
             item = ItemInfo(item="x", dtype=dtype, element_size=es)
             stored, descriptors = encoded(data, item)
             assert decoded(stored, descriptors, item, "readinto") == data, (es, n)
+
+
+def test_damaged_joint_blocks_raise_a_clear_error() -> None:
+    """A JOINT block is refused where its flags, plane modes, sizes or escapes disagree
+    with each other or with the stream's format, before anything is written past them."""
+    n = 1 << 15
+    rare = torch.arange(n) % 1000 == 0
+    tensor = (weights(n) * torch.where(rare, 2.0**-60, 1.0)).to(torch.bfloat16)
+    item = item_of(tensor)
+    stored, descriptors = encoded(raw_bytes(tensor), item, [WeightCodec(compact=True)])
+    assert descriptors == ["dcp_storage.weights/3;es=2"]
+    head = 2 + stored[1]
+    flags, heads = block_modes(stored, 2)
+    assert flags == planes.SIGN_MOVED | planes.JOINT_BLOCK and heads[1][4] > 0
+    payload = stored[head:]
+
+    def rebuilt(flags: int, heads: list[Any], body: bytes = payload) -> bytes:
+        return layout.pack_v2_block(2 * n, flags, heads) + body
+
+    def damaged(data: bytes, version: int = 3) -> str:
+        with pytest.raises(ValueError) as info:
+            decoded(data, [f"dcp_storage.weights/{version};es=2"], item, "readinto")
+        return str(info.value)
+
+    assert decoded(rebuilt(flags, heads), descriptors, item) == raw_bytes(tensor)
+    six, joint_head = heads
+    fewer = (*joint_head[:4], joint_head[4] - 1)
+    assert "escapes in a" in damaged(rebuilt(flags, [six, fewer]))  # one escape unstored
+    assert "escapes in a" in damaged(rebuilt(flags, [six, (*joint_head[:4], joint_head[4] + 1)]))
+    assert "unknown block flags" in damaged(stored, version=2)  # format 2 has no JOINT
+    assert "unknown block flags" in damaged(rebuilt(planes.JOINT_BLOCK, heads))  # sign kept?
+    assert "JOINT block with plane modes" in damaged(rebuilt(flags, [joint_head, six]))
+    exponents = (planes.ZSTD, 0, 0, joint_head[3], 0)  # byte planes, the first one SIX
+    assert "unknown plane mode" in damaged(rebuilt(planes.SIGN_MOVED, [six, exponents]))

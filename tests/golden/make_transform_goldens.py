@@ -1,7 +1,7 @@
 """Regenerate the golden encoded items and checkpoints under ``tests/golden``.
 
     python tests/golden/make_transform_goldens.py             # both sets
-    python tests/golden/make_transform_goldens.py weights     # tests/golden/weights only
+    python tests/golden/make_transform_goldens.py weights     # tests/golden/weights-3 only
     python tests/golden/make_transform_goldens.py aes         # tests/golden/transforms-aes3 only
 
 Run it only when a transform's format changes on purpose (with a new descriptor
@@ -19,7 +19,11 @@ item in each ``manifest.json`` and loads each set's checkpoints.
 
 ``weights/``: ``dcp_storage.weights/1`` items covering each plane mode (raw, constant,
 one bit, zstd, packed pairs and quads with escapes; sign moved or not; a tail; several
-blocks) and a checkpoint. ``tests/extensions/test_weights.py`` decodes and loads them.
+blocks) and a checkpoint, written by an earlier release and kept as they are.
+``weights-3/``: the same cases as ``WeightCodec(compact=True)`` writes them now (this
+script): format 3 for bfloat16 (JOINT blocks, with escapes), format 2 for the rest
+(with the seven-bit and 16-bit low planes of fp32). ``tests/extensions/test_weights.py``
+decodes and loads both.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from extensions.testing import encode
 
 OUT = Path(__file__).parent / "transforms-aes3"
 SAVE = "golden-save"  # the save the manifest's items are bound to
-WEIGHTS = Path(__file__).parent / "weights"
+WEIGHTS = Path(__file__).parent / "weights-3"
 KEY = bytes(range(32))
 
 
@@ -65,9 +69,11 @@ def weights_items() -> dict[str, tuple[torch.Tensor | bytes, str | None]]:
     odd = (torch.randn(5000, generator=gen) * 0.02).to(torch.bfloat16)
     second_moment = torch.randn(8192, 16, generator=gen).pow(2).mean(1) * 1e-6
     second_moment[5::2999] *= 1e4  # rare outliers, away from the sampled positions: escapes
+    bf16 = torch.randn(16384, generator=gen) * 0.02
+    bf16[7::4001] = 3e30  # exponents outside the JOINT window: escapes
     return {
-        # sign moved; exponents packed in pairs (with escapes); mantissa raw
-        "bf16-weights": ((torch.randn(16384, generator=gen) * 0.02).to(torch.bfloat16), None),
+        # format 3: a JOINT block (with escapes); format 1: sign moved, exponents in pairs
+        "bf16-weights": (bf16.to(torch.bfloat16), None),
         # sign kept; exponents packed in quads (with escapes)
         "fp32-second-moment": (second_moment, None),
         # a float plane in zstd (five exponent bits and three mantissa bits)
@@ -97,7 +103,7 @@ def make_weights() -> None:
             data, es = value, 2 if dtype == "bfloat16" else 1
         item = ItemInfo(checkpoint="golden", item=name, dtype=dtype, element_size=es)
         out = io.BytesIO()
-        descriptors = encode([WeightCodec()], data, item, out)
+        descriptors = encode([WeightCodec(compact=True)], data, item, out)
         (WEIGHTS / f"{name}.bin").write_bytes(out.getvalue())
         entry: dict[str, Any] = {"file": f"{name}.bin", "dtype": dtype, "es": es}
         if name == "int64-arange":
@@ -111,7 +117,7 @@ def make_weights() -> None:
     (WEIGHTS / "manifest.json").write_text(json.dumps({"items": items}, indent=1) + "\n")
     state = golden_state_dict()
     torch.save(state, WEIGHTS / "expected.pt")
-    storage.save(state, WEIGHTS / "ckpt", transforms=[WeightCodec()], thread_count=1)
+    storage.save(state, WEIGHTS / "ckpt", transforms=[WeightCodec(compact=True)], thread_count=1)
 
 
 def main() -> None:
