@@ -197,14 +197,28 @@ def receiving_name(path: str) -> str:
 
 
 def gather_errors(
-    group: Group, error: BaseException | None, what: str, *, pg: Any = None, landed: bool = False
+    group: Group,
+    error: BaseException | None,
+    what: str,
+    *,
+    pg: Any = None,
+    landed: bool = False,
+    commit_follows: bool = False,
 ) -> None:
     """Raise on every rank if ``error`` was raised on any: this rank's own error, or a
     ``RuntimeError`` naming the first failing rank's. A commit that landed on some rank
     (``landed``) or may have (``commit.commit_may_have_landed``) marks the error raised
-    on every rank, so that none removes its files."""
+    on every rank, so that none removes its files. ``commit_follows``: a rank that gets
+    through this gather may commit this rank's files (or has committed them): when the
+    gather itself fails here (a rank died in it, and the ranks no longer share one
+    outcome), its error is marked the same way."""
     text = None if error is None else f"{type(error).__name__}: {error}"
-    gathered = group.all_gather((text, landed or commit_may_have_landed(error)), pg=pg)
+    try:
+        gathered = group.all_gather((text, landed or commit_may_have_landed(error)), pg=pg)
+    except Exception as exc:
+        if commit_follows:
+            mark_may_have_landed(exc)
+        raise
     failed = [(r, t) for r, (t, _) in enumerate(gathered) if t is not None]
     if error is None and failed:
         error = RuntimeError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")

@@ -8,7 +8,8 @@ peer (``replicate``), and once every rank is done, the lowest rank of each node 
 that node's copy with the commit transaction (``commit.commit_checkpoint``: its ranks'
 files and the replicas it holds, under the writer's deadline). An error on any rank
 fails the save on every rank, each removing what it wrote unless a commit may have
-landed somewhere.
+landed somewhere: also when a gather after the writes fails in the collective itself (a
+rank died in it), as a leader that got through it may have committed this rank's files.
 """
 
 from __future__ import annotations
@@ -140,7 +141,10 @@ def commit_step(
                 )
         except Exception as exc:
             error = exc
-        gather_errors(g, error, f"writing and replicating step {step}", pg=pg)
+        # A leader that gets through this gather commits: a rank whose gather fails in
+        # the collective keeps its files, which that commit may name.
+        what = f"writing and replicating step {step}"
+        gather_errors(g, error, what, pg=pg, commit_follows=error is None)
         committed = False
         if g.leader:
             try:
@@ -150,7 +154,7 @@ def commit_step(
                 error = full_or(exc, local.url)
         # A node whose commit landed keeps every rank's files when another node's failed.
         what = f"committing step {step} in the local tier"
-        gather_errors(g, error, what, pg=pg, landed=committed)
+        gather_errors(g, error, what, pg=pg, landed=committed, commit_follows=True)
     except BaseException as exc:
         writer.abort(exc)  # unless the commit may have landed on some node
         raise

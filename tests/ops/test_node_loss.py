@@ -111,3 +111,68 @@ def test_a_peer_announcing_an_impossible_size_is_refused_before_anything_is_writ
         "__0_0-x.distcp.error",
         "store",
     }
+
+
+def _dies_after_commit_worker(rank: int, store: str, base: str) -> None:
+    import datetime
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from storage.ops import local_save
+    from storage.ops.manager import CheckpointManager
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=3,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    node0 = Path(base, "node0", "step-1")
+    if rank == 2:  # node 1 dies once its copy and node 0's are committed
+        commit_node = local_save._commit_node
+
+        def then_die(*args: object, **kwargs: object) -> None:
+            commit_node(*args, **kwargs)  # type: ignore[arg-type]
+            deadline = time.monotonic() + 60  # a test that went wrong ends by itself
+            while not (node0 / ".metadata").exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os._exit(0)  # before the gather that ends the save on every rank
+
+        local_save._commit_node = then_die  # type: ignore[assignment]
+    mgr = CheckpointManager(
+        f"{base}/durable", local=f"{base}/node{rank // 2}", replicate=True, pace=None
+    )
+    try:
+        mgr.save(1, {f"rank{rank}": torch.full((1000,), float(rank))})
+        Path(base, f"rank{rank}.saved").touch()
+    except Exception as exc:
+        Path(base, f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
+    os._exit(0)  # the group lost a rank: nothing may wait on it
+
+
+def test_a_rank_whose_last_gather_fails_keeps_the_files_its_node_committed(
+    tmp_path: Path,
+) -> None:
+    """A peer that dies after the node commits and before the gather ending the save
+    fails that gather on the surviving ranks; their saves raise, but the copy their
+    node's leader committed is theirs too: no rank removes its files from it, so the
+    surviving node still loads the step (it did not, and a restarted job went back to
+    an older step, when each rank removed its own data files from its committed node)."""
+    import torch
+
+    import storage
+    from tests.support.distributed import spawn
+
+    spawn(_dies_after_commit_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=3)
+    for rank in (0, 1):  # the gather failed there: the save raised
+        assert (tmp_path / f"rank{rank}.error").exists(), rank
+    node0 = tmp_path / "node0" / "step-1"
+    assert committed_steps(node0.parent) == [1]
+    target = {f"rank{r}": torch.zeros(1000) for r in range(3)}
+    storage.load(target, str(node0))  # every rank's bytes, node 1's replica included
+    for r in range(3):
+        assert torch.equal(target[f"rank{r}"], torch.full((1000,), float(r)))
