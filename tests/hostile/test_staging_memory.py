@@ -404,3 +404,42 @@ def test_a_state_of_more_tensors_than_the_soft_open_file_limit_stages_through_th
     assert all(
         torch.equal(t, torch.full((64, 256), float(i))) for i, t in enumerate(loaded.values())
     )
+
+
+def test_a_module_planted_in_the_trainers_working_directory_is_never_imported(
+    tmp_path: Path,
+) -> None:
+    """Before, the worker was started as ``python -c``, which puts the working directory
+    first on ``sys.path``, before the package and the standard library: a neighbour who
+    can write the directory the job runs in (a shared scratch or project directory)
+    planted ``traceback.py`` there, and the worker ran it as the training user at its
+    first save, though the training script itself (``python train.py``: its own
+    directory first) never looked there."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    marker = tmp_path / "ran"
+    (shared / "traceback.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import torch
+            import storage
+            storage.async_save({"w": torch.ones(256, 256)}, sys.argv[1], persist="process").result()
+            print("saved")
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        cwd=shared,
+        env=env,
+        timeout=180,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert not marker.exists(), "the worker imported a module from the working directory"
+    assert (tmp_path / "ckpt" / ".metadata").exists()
