@@ -112,9 +112,11 @@ def _stamp(fs: FileSystemBase, marker: str) -> float | None:
     not a heartbeat we wrote; ``None`` when neither says."""
     if fs.size(marker) <= _MAX_SIZE:
         # Whoever can write the directory can write this file: 3 KiB of "[" raises
-        # RecursionError in the JSON decoder, which failed every gc of the root.
+        # RecursionError in the JSON decoder, which failed every gc of the root. The
+        # size may understate it (a lying HEAD, a file replaced since): read within it.
         with contextlib.suppress(ValueError, TypeError, KeyError, RecursionError):
-            stamp = json.loads(fs.read_bytes(marker))["time"]
+            data = fs.read_bytes(marker, limit=_MAX_SIZE)
+            stamp = json.loads(data)["time"] if len(data) <= _MAX_SIZE else None
             if isinstance(stamp, (int, float)) and not isinstance(stamp, bool):
                 return float(stamp)
     return fs.modified(marker)

@@ -36,7 +36,12 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from extensions.base import Keys
-from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError, quote
+from extensions.errors import (
+    CheckpointNotFoundError,
+    IntegrityError,
+    UnsafeCheckpointError,
+    quote,
+)
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.writer import CheckpointWriter
@@ -256,9 +261,9 @@ def _mapped(path: str, size: int, *, writable: bool = False) -> torch.Tensor:
 
 def _listed_files(metadata: Metadata, where: str) -> dict[str, int]:
     """The files a folder checkpoint lists, ``{name: size}``; refuses items that are not
-    files, names that would land outside the destination, and names with control
+    files, names that would land outside the destination, names with control
     characters (escape sequences or line breaks, which whoever lists the folder later
-    would see as such)."""
+    would see as such), and files whose stored chunks do not cover them exactly once."""
     sizes: dict[str, int] = {}
     for name, md in metadata.state_dict_metadata.items():
         if not (
@@ -283,6 +288,13 @@ def _listed_files(metadata: Metadata, where: str) -> dict[str, int]:
                 "restore it (nothing was written)"
             )
         sizes[name] = int(md.size[0])
+        if not _tiled(md):
+            raise IntegrityError(
+                f"{where}: item {quote(name)} is listed as {sizes[name]} bytes but its stored "
+                "chunks do not cover them exactly once; its metadata is damaged or forged (the "
+                "file would be restored with zeros where no chunk is): nothing was written. "
+                "Restore the checkpoint from a good copy, or save the folder again"
+            )
     dirs = {"/".join(name.split("/")[:i]) for name in sizes for i in range(1, name.count("/") + 1)}
     clash = sorted(dirs & set(sizes))
     if clash:
@@ -291,6 +303,16 @@ def _listed_files(metadata: Metadata, where: str) -> dict[str, int]:
             "refusing to restore it (nothing was written)"
         )
     return sizes
+
+
+def _tiled(md: TensorStorageMetadata) -> bool:
+    """Whether the chunks of the 1-D item ``md`` cover each of its bytes exactly once."""
+    cursor = 0
+    for offsets, sizes in sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks):
+        if len(offsets) != 1 or len(sizes) != 1 or offsets[0] != cursor:
+            return False
+        cursor += sizes[0]
+    return cursor == md.size[0]
 
 
 def _sync_tree(root: str) -> None:

@@ -20,7 +20,10 @@ Worker ``group_rank`` of replica group ``replica_id`` writes the steps it sends 
 of them (healing needs only the step in flight); a new transport deletes the steps it
 finds there, sent before a restart (a receiver waiting for step N would otherwise load
 the previous run's step N before this run's send of it lands). Its ``metadata()`` is that directory,
-so a receiver reads from it whatever replica rank the sender has in the current quorum.
+so a receiver reads from it whatever replica rank the sender has in the current quorum;
+it also carries the sending transport's id (``<dir>#sender=<id>``), recorded in every
+step it sends, and a receiver refuses a step there that another transport wrote
+(another job given the same root and replica ids, a run before a restart).
 A timeout raises ``TimeoutError`` saying "timed out", as torchft expects.
 """
 
@@ -47,6 +50,8 @@ from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
 __all__ = ["StorageCheckpointTransport"]
 
 _REPLICA = re.compile(r"replica-[0-9]{1,9}")
+_SENDER = "#sender="
+_METADATA = re.compile(r"(.*)" + _SENDER + r"([0-9a-f]{32})", re.DOTALL)
 
 
 def _is_group_name(name: object) -> bool:
@@ -122,8 +127,9 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
         self.transport.forget_sent()
 
     def metadata(self) -> str:
-        """This worker's directory; torchft hands it to the workers that heal from it."""
-        return self.transport.replica_url()
+        """This worker's directory and this transport's id (``<dir>#sender=<id>``);
+        torchft hands it to the workers that heal from it."""
+        return f"{self.transport.replica_url()}{_SENDER}{self.transport.sender_id}"
 
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: dict[str, Any], timeout: timedelta
@@ -140,26 +146,31 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
         :meth:`metadata` returned, which the quorum relays from the sender: it must be a
         worker's directory under this transport's root, or it is refused before anything
         is read (a sender could otherwise have this worker read, with its credentials,
-        any location they reach, and send that state on at its next heal)."""
-        self._check_sender(src_rank, metadata)
-        return self.transport.recv_replica(metadata, step, timeout, src_rank=src_rank)
+        any location they reach, and send that state on at its next heal). A step
+        there that another transport wrote than the one ``metadata`` names is refused."""
+        url, sender_id = self._check_sender(src_rank, metadata)
+        return self.transport.recv_replica(
+            url, step, timeout, src_rank=src_rank, sender_id=sender_id
+        )
 
-    def _check_sender(self, src_rank: int, metadata: object) -> None:
+    def _check_sender(self, src_rank: int, metadata: object) -> tuple[str, str]:
+        """The directory and the sender's id in ``metadata``, refused unless the
+        directory is a worker's under this transport's root."""
         base = self._root_url.rstrip("/") + "/"
-        rest = metadata[len(base) :] if isinstance(metadata, str) else ""
-        group, _, replica = rest.partition("/")
+        found = _METADATA.fullmatch(metadata) if isinstance(metadata, str) else None
+        url = found[1] if found else ""
+        group, _, replica = url[len(base) :].partition("/")
         if not (
-            isinstance(metadata, str)
-            and metadata.startswith(base)
-            and _is_group_name(group)
-            and _REPLICA.fullmatch(replica)
+            found and url.startswith(base) and _is_group_name(group) and _REPLICA.fullmatch(replica)
         ):
             raise UnsafeCheckpointError(
                 f"replica {src_rank} sent {quote(metadata)} as where to heal from, which is "
                 f"not a worker's directory under this transport's root {self._root_url} "
-                "(<root>/<replica_id>/replica-<group_rank>); nothing was read: give every "
-                "replica group the same root URL"
+                f"with its transport's id (<root>/<replica_id>/replica-<group_rank>{_SENDER}"
+                "<id>, what metadata() returns); nothing was read: give every replica group "
+                "the same root URL and the same dcp-storage version"
             )
+        return url, found[2]
 
     def shutdown(self, wait: bool = True) -> None:
         self.transport.shutdown(wait=wait)

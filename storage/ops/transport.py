@@ -16,6 +16,7 @@ import concurrent.futures
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from extensions._compat import load_state_dict_without_collectives
 from extensions.base import Keys
-from extensions.errors import CheckpointNotFoundError
+from extensions.errors import CheckpointNotFoundError, IntegrityError, quote
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.api import unwrap_checkpoint_exception
@@ -35,7 +36,14 @@ from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops.manager import CheckpointManager
 from storage.ops.transport_load import PlainDataPlanner
-from storage.ops.transport_shape import SHAPE_KEY, Shape, local, rebuild, record
+from storage.ops.transport_shape import (
+    SENDER_KEY,
+    SHAPE_KEY,
+    Shape,
+    local,
+    rebuild,
+    record,
+)
 
 REPLICA_PREFIX = "replica-"
 
@@ -109,6 +117,9 @@ class StorageTransport:
             coordinator=True,  # each replica prunes its own directory
             **writer_options,
         )
+        #: Recorded in every step this transport sends: a receiver given it (see
+        #: :meth:`recv_replica`) refuses a step of the same number another sender wrote.
+        self.sender_id = uuid.uuid4().hex
         self._pid = os.getpid()
         self._executor = self._new_executor()
         self._lock = threading.Lock()
@@ -137,11 +148,12 @@ class StorageTransport:
         seconds = _seconds(timeout)
         self._check_open()
         url = self._manager.step_url(step)
-        if SHAPE_KEY in state_dict:
-            raise ValueError(
-                f"sending step {step} to {url}: the state dict has a top-level key "
-                f"{SHAPE_KEY!r}, which the transport reserves; rename that key"
-            )
+        for reserved in (SHAPE_KEY, SENDER_KEY):
+            if reserved in state_dict:
+                raise ValueError(
+                    f"sending step {step} to {url}: the state dict has a top-level key "
+                    f"{reserved!r}, which the transport reserves; rename that key"
+                )
         try:
             shape = record(state_dict, "")
         except ValueError as exc:
@@ -184,14 +196,23 @@ class StorageTransport:
         return self.fs.url(self._replica_path(self.fs, self.root, self.rank))
 
     def recv_replica(
-        self, replica_url: str, step: int, timeout: timedelta, *, src_rank: int | None = None
+        self,
+        replica_url: str,
+        step: int,
+        timeout: timedelta,
+        *,
+        src_rank: int | None = None,
+        sender_id: str | None = None,
     ) -> dict[str, Any]:
         """As :meth:`recv_checkpoint`, from the sender's :meth:`replica_url` rather than
-        from a root and a rank (``src_rank`` only names the sender in errors)."""
+        from a root and a rank (``src_rank`` only names the sender in errors). With
+        ``sender_id`` (the sender's :attr:`sender_id`), a step there that another
+        sender wrote (another job given the same directory, a run before a restart) is
+        refused rather than loaded as the sender's."""
         seconds = _seconds(timeout)
         self._check_open()
         fs, path = self._location(replica_url)
-        return self._receive(fs, path, src_rank, step, seconds)
+        return self._receive(fs, path, src_rank, step, seconds, sender_id)
 
     def forget_sent(self) -> None:
         """Delete the committed steps in this replica's directory: what an earlier
@@ -230,7 +251,13 @@ class StorageTransport:
             raise RuntimeError(f"the transport for {self.metadata()} is shut down")
 
     def _receive(
-        self, fs: FileSystemBase, replica: str, src_rank: int | None, step: int, seconds: float
+        self,
+        fs: FileSystemBase,
+        replica: str,
+        src_rank: int | None,
+        step: int,
+        seconds: float,
+        sender_id: str | None = None,
     ) -> dict[str, Any]:
         path = fs.concat_path(replica, f"step-{step}")
         url = fs.url(path)
@@ -256,7 +283,7 @@ class StorageTransport:
         while True:
             reader = self._reader(fs, url)
             try:
-                return self._load(reader, url)
+                return self._load(reader, url, sender, sender_id)
             except CheckpointNotFoundError:
                 # torchft sends a step again when its commit failed (the heal did): the
                 # files of the save being read go once the new one commits, and the
@@ -267,7 +294,9 @@ class StorageTransport:
     def _reader(self, fs: FileSystemBase, url: str) -> CheckpointReader:
         return CheckpointReader(url, keys=self.keys, registry=self.registry, filesystem=fs)
 
-    def _load(self, reader: CheckpointReader, url: str) -> dict[str, Any]:
+    def _load(
+        self, reader: CheckpointReader, url: str, sender: str, sender_id: str | None
+    ) -> dict[str, Any]:
         state: dict[str, Any] = {}
         try:
             # dcp.load would fill a copy of ``state``; this fills ``state`` itself.
@@ -277,6 +306,14 @@ class StorageTransport:
         except CheckpointException as exc:
             real = unwrap_checkpoint_exception(exc, reader)
             raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
+        sent_by = state.pop(SENDER_KEY, None)
+        if sender_id is not None and sent_by != sender_id:
+            raise IntegrityError(
+                f"{url}: this step was written by another sender than {sender} (item "
+                f"{SENDER_KEY!r} is {quote(sent_by)}, {sender}'s transport is "
+                f"{quote(sender_id)}): another job or worker sends to the same directory; "
+                "nothing received was used: give each job its own root URL (or replica ids)"
+            )
         if SHAPE_KEY not in state:  # written before the shape was recorded
             return state
         shape = state.pop(SHAPE_KEY)
@@ -310,7 +347,7 @@ class StorageTransport:
         )
         try:
             dcp.save(
-                {**local(state_dict), SHAPE_KEY: shape},
+                {**local(state_dict), SHAPE_KEY: shape, SENDER_KEY: self.sender_id},
                 storage_writer=writer,
                 no_dist=True,
             )

@@ -22,6 +22,8 @@ from storage.ops import transport_dtensor
 
 # The item holding the state dict's container structure (see record).
 SHAPE_KEY = "_dcp_storage_transport_shape"
+#: The item holding the id of the transport that sent a step (``StorageTransport.sender_id``).
+SENDER_KEY = "_dcp_storage_transport_sender"
 _PLAIN_KEYS = (str, int, float, bool, type(None))
 
 Shape = tuple[str, list[Any]] | None

@@ -29,6 +29,7 @@ from extensions import ZStandard
 from extensions.errors import UnsafeCheckpointError
 from storage.backends import LocalFileSystem
 from storage.backends.gcs import _direct as gcs_direct
+from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.ops.copy import copy_checkpoint
 from tests.hostile.test_bounds import MiB, _zstd_bomb
@@ -294,3 +295,51 @@ def test_a_size_the_store_overstates_does_not_raise_the_bomb_bound(
     finally:
         tracemalloc.stop()
     assert peak < 48 * MiB
+
+
+def _understated(asked: Asked, reply: Reply) -> Reply:
+    """A HEAD that says the object holds 60 bytes."""
+    reply.length = 60
+    return reply
+
+
+def _whole_gets(proxy: FaultProxy, key: str) -> list[int]:
+    """The bytes of each GET of ``key`` through ``proxy`` that asked for all of it."""
+    return [
+        r.body_bytes for r in proxy.records if r.method == "GET" and key in r.target and not r.range
+    ]
+
+
+@pytest.mark.parametrize("reader", ["s3-direct", "s3-s3fs"])
+def test_a_heartbeat_the_store_understates_is_read_within_its_bound(
+    servers: dict[str, Any], reader: str
+) -> None:
+    """``gc`` reads each heartbeat in a checkpoint directory to age it, if its HEAD says
+    it is small. Before, that read had no bound: a HEAD that understated the object (or
+    one replaced between the two requests) had ``gc`` fetch the whole object, here 8
+    MiB, into memory."""
+    proxy, fs, url = _reader(servers, reader)
+    directory = f"{BUCKET}/{uuid.uuid4().hex}"
+    name = ".heartbeat-abc"
+    fs.write_atomic(f"{directory}/{name}", b" " * (8 * MiB))
+    proxy.add("rewrite", method="HEAD", rewrite=_understated)
+    fresh, stale = heartbeat.live(fs, directory, 3600)
+    assert name in fresh + stale
+    assert not _whole_gets(proxy, name)
+
+
+@pytest.mark.parametrize("reader", ["s3-direct", "s3-s3fs"])
+def test_an_exclusive_publish_refused_by_the_store_reads_what_is_there_within_its_bound(
+    servers: dict[str, Any], reader: str
+) -> None:
+    """An exclusive publish the store refuses (412: the name is taken) reads the object
+    there to tell a retried PUT of its own from another's object. Before, it read that
+    object whole: whoever took the name first with a large object (here 8 MiB; a
+    ``.metadata`` a commit is racing for) had the committing process fetch all of it
+    into memory."""
+    proxy, fs, url = _reader(servers, reader)
+    path = f"{BUCKET}/{uuid.uuid4().hex}/.metadata"
+    fs.write_atomic(path, b" " * (8 * MiB))
+    with pytest.raises(FileExistsError):
+        fs.write_atomic(path, b"small payload", exclusive=True)
+    assert not _whole_gets(proxy, ".metadata")

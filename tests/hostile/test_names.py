@@ -115,3 +115,25 @@ def test_a_transforms_own_error_is_quoted_bounded(tmp_path: Path) -> None:
     with pytest.raises(UnknownTransformError, match="cannot decode descriptor") as info:
         storage.load(_target(), tmp_path / "c", registry=ExtensionRegistry([_Strict]))
     _assert_quoted(str(info.value))
+
+
+def test_an_item_name_a_safetensors_header_cannot_hold_is_refused_before_the_export(
+    tmp_path: Path,
+) -> None:
+    # Before: a key holding a lone surrogate (pickle keeps one, so a checkpoint can) was
+    # read, checksummed and loaded, then the export failed encoding the header with a
+    # bare UnicodeEncodeError that named neither the checkpoint nor the item.
+    from storage import LocalFileSystem
+    from storage.ops.export import export_safetensors
+
+    name = "bad\ud800" + ESCAPE
+    storage.save({"ok": torch.ones(2), name: torch.ones(3)}, tmp_path / "ckpt")
+    fs = LocalFileSystem()
+    with pytest.raises(ValueError, match="not UTF-8 text .* --only") as info:
+        export_safetensors(fs, str(tmp_path / "ckpt"), fs, str(tmp_path / "model"))
+    assert str(tmp_path / "ckpt") in str(info.value) and "bad\\ud800" in str(info.value)
+    _assert_quoted(str(info.value))
+    assert not (tmp_path / "model").exists()
+    writer = storage.SafetensorsWriter(tmp_path / "saved")
+    with pytest.raises(BaseException, match="not UTF-8 text"):
+        torch.distributed.checkpoint.save({name: torch.ones(3)}, storage_writer=writer)

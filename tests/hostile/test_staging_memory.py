@@ -404,3 +404,78 @@ def test_a_state_of_more_tensors_than_the_soft_open_file_limit_stages_through_th
     assert all(
         torch.equal(t, torch.full((64, 256), float(i))) for i, t in enumerate(loaded.values())
     )
+
+
+def test_a_module_planted_in_the_trainers_working_directory_is_never_imported(
+    tmp_path: Path,
+) -> None:
+    """Before, the worker was started as ``python -c``, which puts the working directory
+    first on ``sys.path``, before the package and the standard library: a neighbour who
+    can write the directory the job runs in (a shared scratch or project directory)
+    planted ``traceback.py`` there, and the worker ran it as the training user at its
+    first save, though the training script itself (``python train.py``: its own
+    directory first) never looked there."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    marker = tmp_path / "ran"
+    (shared / "traceback.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import torch
+            import storage
+            storage.async_save({"w": torch.ones(256, 256)}, sys.argv[1], persist="process").result()
+            print("saved")
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        cwd=shared,
+        env=env,
+        timeout=180,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert not marker.exists(), "the worker imported a module from the working directory"
+    assert (tmp_path / "ckpt" / ".metadata").exists()
+
+
+_FORKER = """
+import os, signal, sys, time, torch, storage
+from storage.checkpoint import persist
+storage.async_save({"w": torch.ones(256, 256)}, sys.argv[1], persist="process").result()
+worker = persist.worker().pid
+child = os.fork()
+if child == 0:  # a child of the trainer's that outlives it (the test ends it)
+    time.sleep(300)
+    os._exit(0)
+print(worker, child, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_worker_stops_with_its_trainer_whatever_children_the_trainer_forked(
+    tmp_path: Path,
+) -> None:
+    """Before, a child the training process made with ``fork`` kept its copy of the
+    socket to the worker: the training process killed, the worker went on (writing a
+    save no one would commit, holding its mappings) for as long as that child lived."""
+    out = tmp_path / "out"
+    with out.open("w") as stdout:
+        argv = [sys.executable, "-c", textwrap.dedent(_FORKER), str(tmp_path / "ckpt")]
+        proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.DEVNULL, cwd=ROOT)
+        assert proc.wait(timeout=180) == -signal.SIGKILL
+    worker_pid, child_pid = (int(field) for field in out.read_text().split())
+    try:
+        deadline = time.monotonic() + 60  # bounds a failure only
+        while Path(f"/proc/{worker_pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{worker_pid}").exists(), "the worker outlived its trainer"
+        assert Path(f"/proc/{child_pid}").exists()  # the child lived on all along
+    finally:
+        os.kill(child_pid, signal.SIGKILL)

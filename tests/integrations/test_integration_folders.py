@@ -165,3 +165,30 @@ def test_a_damaged_file_fails_the_restore_and_leaves_nothing(tmp_path: Path) -> 
     with pytest.raises(IntegrityError):
         ckpts.restore(tmp_path / "out" / "dest")
     assert os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("damage", ["longer", "gap"])
+def test_a_file_its_stored_chunks_do_not_cover_is_refused_not_zero_filled(
+    tmp_path: Path, damage: str
+) -> None:
+    # Before: restore_folder sized each file by the metadata's claim and loaded the
+    # chunks it has into it, so a file listed 1 MiB longer than what was stored (or with
+    # a chunk left out) was restored padded with zeros, checksums passing, no error.
+    from storage.checkpoint import storage_format as fmt
+
+    folder = tmp_path / "f"
+    _folder(folder)
+    FolderCheckpoints(tmp_path / "bucket", blocking=True).save(folder, 1)
+    path = tmp_path / "bucket" / "step-1" / ".metadata"
+    meta = fmt.load_metadata(path.read_bytes(), str(path))
+    item = meta.state_dict_metadata["optimizer.pt"]
+    if damage == "longer":
+        item.size = torch.Size([item.size[0] + (1 << 20)])
+    else:  # the one chunk listed twice: its bytes twice as many as the file's, half missing
+        item.size = torch.Size([item.size[0] * 2])
+        item.chunks = [item.chunks[0], item.chunks[0]]
+    path.write_bytes(fmt.dump_metadata(meta))
+    with pytest.raises(IntegrityError, match="'optimizer.pt'.*cover.*damaged") as info:
+        restore_folder(tmp_path / "bucket" / "step-1", tmp_path / "out" / "dest")
+    assert "step-1" in str(info.value)
+    assert not (tmp_path / "out").exists()

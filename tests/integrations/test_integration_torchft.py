@@ -37,7 +37,7 @@ from torchft.checkpointing.transport_test import (  # noqa: E402
 import storage  # noqa: E402
 from extensions import ZStandard  # noqa: E402
 from extensions._compat import mesh_without_groups  # noqa: E402
-from extensions.errors import UnsafeCheckpointError  # noqa: E402
+from extensions.errors import IntegrityError, UnsafeCheckpointError  # noqa: E402
 from storage.integrations.torchft import StorageCheckpointTransport  # noqa: E402
 from tests.support.servers import (  # noqa: E402
     endpoint_with_bucket,
@@ -177,7 +177,8 @@ def test_a_dtensor_on_a_slice_of_a_mesh_heals_onto_the_receivers_own_mesh(
 
 def test_metadata_is_the_workers_own_directory(tmp_path: Path) -> None:
     transport = StorageCheckpointTransport(tmp_path, replica_id="train_0", group_rank=3)
-    assert transport.metadata() == str(tmp_path / "train_0" / "replica-3")
+    directory = str(tmp_path / "train_0" / "replica-3")
+    assert transport.metadata() == f"{directory}#sender={transport.transport.sender_id}"
     transport.shutdown()
     with pytest.raises(ValueError, match="replica_id must be .* got 'a/b'"):
         StorageCheckpointTransport(tmp_path, replica_id="a/b")
@@ -198,6 +199,8 @@ def test_a_sender_cannot_point_the_receiver_outside_the_root(tmp_path: Path) -> 
         str(tmp_path / "ft" / "g0" / "replica-0" / ".." / ".." / ".." / "private"),
         "s3://another-bucket/g0/replica-0",
         str(tmp_path / "ft" / "g0"),
+        str(tmp_path / "ft" / "g0" / "replica-0"),  # no sender's id
+        sender.metadata().replace("replica-0#", "#"),
     ]
     for url in hostile:
         with pytest.raises(UnsafeCheckpointError, match="not a worker's directory under"):
@@ -227,6 +230,25 @@ def test_a_restarted_worker_never_serves_the_step_its_previous_run_sent(tmp_path
     assert torch.equal(got["w"], torch.zeros(3))
     after.shutdown()
     receiver.shutdown()
+
+
+def test_a_step_another_job_sent_to_the_same_directory_is_refused(tmp_path: Path) -> None:
+    # Before: two jobs given the same root and replica ids (torchft's examples name
+    # groups "train_ddp_<n>") write the same step directories; a worker told to heal
+    # from step 5 of its group loaded the other job's step 5 there, weights and all,
+    # and trained on as if healed.
+    ours = StorageCheckpointTransport(tmp_path, replica_id="g0")
+    other_job = StorageCheckpointTransport(tmp_path, replica_id="g0")
+    receiver = StorageCheckpointTransport(tmp_path, replica_id="g1")
+    other_job.send_checkpoint([1], 5, {"w": torch.zeros(3)}, timedelta(seconds=60))
+    with pytest.raises(IntegrityError, match="another sender .* replica 0 .* own root") as info:
+        receiver.recv_checkpoint(0, ours.metadata(), 5, timedelta(seconds=60))
+    assert "step-5" in str(info.value)
+    ours.send_checkpoint([1], 5, {"w": torch.ones(3)}, timedelta(seconds=60))
+    got = receiver.recv_checkpoint(0, ours.metadata(), 5, timedelta(seconds=60))
+    assert torch.equal(got["w"], torch.ones(3)) and list(got) == ["w"]
+    for transport in (ours, other_job, receiver):
+        transport.shutdown()
 
 
 def test_a_step_sent_again_while_it_is_read_is_read_again(
@@ -279,7 +301,8 @@ def test_shutdown_ends_a_receive_waiting_for_a_commit(
 
     def receive() -> None:
         try:
-            receiver.recv_checkpoint(0, f"{tmp_path}/a/replica-0", 5, timedelta(hours=1))
+            sender = f"{tmp_path}/a/replica-0#sender={'0' * 32}"
+            receiver.recv_checkpoint(0, sender, 5, timedelta(hours=1))
         except BaseException as exc:
             outcome.append(exc)
 

@@ -284,7 +284,7 @@ class S3FileSystem(FsspecFileSystem):
                 raise
             # A retried PUT whose first attempt landed also gets 412: that object is ours.
             with contextlib.suppress(OSError):
-                if self.read_bytes(path) == payload:
+                if self.read_bytes(path, limit=len(payload)) == payload:  # another's may be huge
                     return
             raise FileExistsError(f"{self.url(path)} already exists") from exc
 

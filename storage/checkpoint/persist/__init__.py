@@ -188,8 +188,12 @@ def worker() -> Worker:
 
 def _forget_worker_in_child() -> None:
     """A child made with ``fork`` starts with no worker: the parent's socket, reader
-    thread and staging buffers are the parent's (its own first save starts its own)."""
+    thread and staging buffers are the parent's (its own first save starts its own).
+    Its copy of the parent's socket is closed, or the parent's worker outlived the
+    parent for as long as the child lived."""
     global _worker, _worker_lock
+    if _worker is not None:
+        _worker.drop_in_child()
     _worker, _worker_lock = None, threading.Lock()
 
 

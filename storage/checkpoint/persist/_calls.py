@@ -65,6 +65,15 @@ class WorkerCalls:
 
     # --- the process ------------------------------------------------------------------
 
+    def drop_in_child(self) -> None:
+        """In a child made with ``fork``: close its copy of the socket to the parent's
+        worker (nothing is sent), which then ends with the parent, not with the last
+        such child to exit."""
+        conn = self._conn
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.close()
+
     @property
     def pid(self) -> int | None:
         proc = self._proc

@@ -19,7 +19,12 @@ NICE = 10
 # preempting the job), and which may answer with a last save that this worker writes.
 # The worker's life is the training process's: it exits when that one closes its socket
 # or dies (SIGKILL still stops it).
+# ``python -c`` puts the working directory ('') first on sys.path, before the package and
+# the standard library, where the training script (``python train.py``) has its own
+# directory: it goes before any import, or a neighbour who can write the directory the job
+# runs in (shared scratch) had the worker import their ``traceback.py`` as this user.
 _COMMAND = (
+    "import sys; sys.path[:1] = [p for p in sys.path[:1] if p != '']; "
     "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
     "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     "from storage.checkpoint.persist._child import main; import os; os.nice({nice}); main({fd})"

@@ -100,7 +100,17 @@ def dtype_name(dtype: torch.dtype, where: str) -> str:
 
 def check_name(name: str, where: str) -> None:
     """Refuse a tensor name a safetensors file cannot hold: ``__metadata__`` is the
-    header's metadata map (a tensor of that name wrote a file no reader can open)."""
+    header's metadata map (a tensor of that name wrote a file no reader can open), and
+    the header is UTF-8 (a name holding a lone surrogate, which a pickled checkpoint key
+    can, has none: the header could not be written)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{where}: the name is not UTF-8 text (it holds a lone surrogate), and a "
+            "safetensors header is UTF-8; rename the item, or leave it out (export: --only, "
+            "--strip)"
+        ) from None
     if name == METADATA_KEY:
         raise ValueError(
             f"{where}: a tensor cannot be named {METADATA_KEY!r} in a safetensors file (the "
