@@ -413,6 +413,7 @@ def test_golden_checkpoints_keep_loading() -> None:
             "transforms-aes2",
             "transforms-aes3",
             "weights",
+            "weights-3",
             "safetensors-v1",
         ):
             continue
