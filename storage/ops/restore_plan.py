@@ -77,6 +77,14 @@ def plan(
     for s in candidates:
         moves = _local_moves(g, reports, s)
         why = None
+        if moves is None and s in local_steps:
+            # A save failed after a node committed its copy, or a node's files were
+            # removed: said, since the older step loaded instead looks like lost work.
+            log.warning(
+                "step %d is committed in the local tier but some of its files (or its "
+                "bases') are on no node; not loading it from there",
+                s,
+            )
         if moves is not None:
             why = _same_save(reports, s, s in known, durable_save)
             if why is None:

@@ -129,3 +129,15 @@ def test_a_root_that_cannot_be_listed_still_loads_locally() -> None:
     choice = plan(GROUP, both_nodes({5: held()}), None, None, durable_is("s"))
     assert isinstance(choice, Choice)
     assert (choice.step, choice.where, choice.is_durable) == (5, LOCAL, False)
+
+
+def test_a_local_step_with_files_on_no_node_is_skipped_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # An older step loaded silently in place of the newest one looked like lost work
+    # (a save failed after node 0 committed, and rank 3's files went with node 1).
+    reports = [{6: held(NAMES[:3]), 4: held()}, {6: held(NAMES[:3]), 4: held()}, {}, {}]
+    with caplog.at_level("WARNING", logger="storage.ops.tiers"):
+        choice = plan(GROUP, reports, [], None, durable_is(None))
+    assert isinstance(choice, Choice) and (choice.step, choice.where) == (4, LOCAL)
+    assert "step 6 is committed in the local tier but some of its files" in caplog.text
