@@ -26,10 +26,8 @@ six modes, chosen from a histogram of a sample (planes of up to 16 KiB: by tryin
             mantissa plane of a second moment: zstd's Huffman gains no more, and this
             decodes in a few word-wide passes).
 
-Format 3 (bfloat16 items only) adds the JOINT block: where the sign varies and the
-mantissas look like noise, two planes that are not byte planes (``extensions/_joint.py``).
-
-In format 2, a block of 4- or 8-byte elements whose two low planes are both raw is
+Format 3 (bfloat16 only) adds JOINT blocks, not byte planes: ``extensions/_joint.py``. In
+format 2, a block of 4- or 8-byte elements whose two low planes are both raw is
 flagged ``LOW_PAIR`` and stores them as one piece, the two low bytes of each element in
 element order (their heads stay RAW): the decoder widens it into the words in one pass
 instead of joining two byte planes.
@@ -217,9 +215,8 @@ def _with_tail(
 
 
 def _noisy_mantissas(words: np.ndarray) -> bool:
-    """Whether the sign-and-mantissa plane of 16-bit ``words`` (the sign moved) would be
-    stored raw, as a sample of it says: of 8192 values or more (a plane that gains
-    ~0.4% is told from one that gains 1.5% only by a large one)."""
+    """Whether the sign-and-mantissa plane of 16-bit ``words`` would be stored raw, as a
+    sample of 8192 or more says (only a large one tells a 0.4% gain from 1.5%)."""
     sample = words[:: max(1, len(words) >> 13)]
     low = ((sample >> 8) & 0x80) | (sample & 0x7F)
     return _choose(np.bincount(low, minlength=256)) is None
