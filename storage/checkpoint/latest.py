@@ -48,6 +48,9 @@ MAX_SIZE = 64
 
 _lock = threading.Lock()
 _warned: set[tuple[str, str]] = set()  # (pointer URL, what was wrong): logged once
+#: Past this many, what was warned about is forgotten (a pointer rewritten with new
+#: content again and again would otherwise grow the set for as long as the process runs).
+_MAX_WARNED = 1024
 
 
 def parse(data: bytes, url: str) -> str:
@@ -86,6 +89,8 @@ def _warn_once(fs: FileSystemBase, parent: str, why: str) -> None:
     with _lock:
         if key in _warned:
             return
+        if len(_warned) >= _MAX_WARNED:
+            _warned.clear()
         _warned.add(key)
     log.warning("%s", why)
 

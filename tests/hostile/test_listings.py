@@ -390,3 +390,22 @@ def test_a_pointer_that_is_not_ours_is_refused_and_never_overwritten(
     assert "not a latest-step pointer" in warning and "\x1b" not in warning
     assert len(warning) < 1024
     assert (root / ".dcp-latest").read_bytes() == content
+
+
+def test_pointer_warnings_remembered_are_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each distinct bad content of `.dcp-latest` was remembered (to warn once) for as long
+    # as the process ran: whoever can write the root could grow that memory at will.
+    from storage.checkpoint import latest
+
+    monkeypatch.setattr(latest, "_warned", set())
+    root = tmp_path / "root"
+    mgr = CheckpointManager(root)
+    mgr.save(2, _state(2))
+    fs = _Hiding(_hides(root, {3}))
+    fresh = CheckpointManager(root, filesystem=fs)
+    for i in range(latest._MAX_WARNED + 50):
+        (root / ".dcp-latest").write_bytes(f"junk-{i}".encode())
+        assert fresh.latest() == 2
+    assert 0 < len(latest._warned) <= latest._MAX_WARNED
