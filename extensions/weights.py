@@ -116,9 +116,12 @@ class WeightCodec(StreamTransformExtension):
                 f"expected ';es=<element size 1-{MAX_ELEMENT_SIZE}>' in the descriptor, "
                 f"got {quote(version)}"
             )
+        stream_format = descriptor_number(name, "version", version.split(";")[0], 1, FORMAT)
+        # A format-3 decoder describes itself as its writer did (``get_descriptor``).
         return WeightCodec(
             element_size=descriptor_number(name, "es", value, 1, MAX_ELEMENT_SIZE),
-            stream_format=descriptor_number(name, "version", version.split(";")[0], 1, FORMAT),
+            stream_format=stream_format,
+            compact=stream_format >= 3,
         )
 
     def get_descriptor(self) -> str:

@@ -260,6 +260,19 @@ class TestWeightCodec(TransformTests):
         return ITEMS[request.param]
 
 
+class TestCompactWeightCodec(TransformTests):
+    """``compact=True``: format 3 for bfloat16 (its decoder describes it as written),
+    format 2 for the rest."""
+
+    @pytest.fixture
+    def transform(self) -> Any:
+        return WeightCodec(compact=True)
+
+    @pytest.fixture(params=["bfloat16", "float32"])
+    def item(self, request: pytest.FixtureRequest) -> ItemInfo:
+        return ITEMS[request.param]
+
+
 class TestWeightCodecThenAES(TransformTests):
     @pytest.fixture
     def transform(self) -> Any:
