@@ -438,19 +438,21 @@ static PyObject *joint_join(PyObject *Py_UNUSED(self), PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) found += joint[i] >= 0xFC;
     if (found == stored) {
         const uint8_t *r0 = rest, *r1 = rest + q, *r2 = rest + 2 * q;
-        for (int k = 0; k < 3; k++) {
+        for (int k = 0; k < 3 && k * q < n; k++) {
             const uint8_t *row = rest + k * q, *c = joint + k * q;
             uint8_t *o = out + 2 * k * q;
-            Py_ssize_t size = n - k * q < q ? (n - k * q > 0 ? n - k * q : 0) : q;
+            Py_ssize_t size = n - k * q < q ? n - k * q : q;
             for (Py_ssize_t i = 0; i < size; i++)
                 store16(o + 2 * i, joint_word(c[i], row[i], (c[i] >> 2) + b));
         }
-        const uint8_t *c = joint + 3 * q;
-        uint8_t *o = out + 6 * q;
-        for (Py_ssize_t i = 0; i < n - 3 * q; i++) {
-            uint32_t six = (uint32_t)(r0[i] >> 6) | (uint32_t)(r1[i] >> 6) << 2 |
-                           (uint32_t)(r2[i] >> 6) << 4;
-            store16(o + 2 * i, joint_word(c[i], six, (c[i] >> 2) + b));
+        if (n > 3 * q) { /* a fourth quarter (pointers past the end are never formed) */
+            const uint8_t *c = joint + 3 * q;
+            uint8_t *o = out + 6 * q;
+            for (Py_ssize_t i = 0; i < n - 3 * q; i++) {
+                uint32_t six = (uint32_t)(r0[i] >> 6) | (uint32_t)(r1[i] >> 6) << 2 |
+                               (uint32_t)(r2[i] >> 6) << 4;
+                store16(o + 2 * i, joint_word(c[i], six, (c[i] >> 2) + b));
+            }
         }
         Py_ssize_t k = 0;
         for (Py_ssize_t i = 0; k < stored && i < n; i++)

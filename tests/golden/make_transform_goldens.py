@@ -22,7 +22,8 @@ one bit, zstd, packed pairs and quads with escapes; sign moved or not; a tail; s
 blocks) and a checkpoint, written by an earlier release and kept as they are.
 ``weights-3/``: the same cases as ``WeightCodec(compact=True)`` writes them now (this
 script): format 3 for bfloat16 (JOINT blocks, with escapes), format 2 for the rest
-(with the seven-bit and 16-bit low planes of fp32). ``tests/extensions/test_weights.py``
+(with the seven-bit and 16-bit low planes of fp32), and one bfloat16 item as the
+default ``WeightCodec()`` writes it (format 2). ``tests/extensions/test_weights.py``
 decodes and loads both.
 """
 
@@ -74,6 +75,8 @@ def weights_items() -> dict[str, tuple[torch.Tensor | bytes, str | None]]:
     return {
         # format 3: a JOINT block (with escapes); format 1: sign moved, exponents in pairs
         "bf16-weights": (bf16.to(torch.bfloat16), None),
+        # the same as the default writes it (format 2: byte planes)
+        "bf16-weights-format2": (bf16.to(torch.bfloat16), None),
         # sign kept; exponents packed in quads (with escapes)
         "fp32-second-moment": (second_moment, None),
         # a float plane in zstd (five exponent bits and three mantissa bits)
@@ -103,7 +106,8 @@ def make_weights() -> None:
             data, es = value, 2 if dtype == "bfloat16" else 1
         item = ItemInfo(checkpoint="golden", item=name, dtype=dtype, element_size=es)
         out = io.BytesIO()
-        descriptors = encode([WeightCodec(compact=True)], data, item, out)
+        codec = WeightCodec(compact=not name.endswith("-format2"))
+        descriptors = encode([codec], data, item, out)
         (WEIGHTS / f"{name}.bin").write_bytes(out.getvalue())
         entry: dict[str, Any] = {"file": f"{name}.bin", "dtype": dtype, "es": es}
         if name == "int64-arange":
