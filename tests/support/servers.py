@@ -444,6 +444,7 @@ class _State:
     faults: list[Fault] = field(default_factory=list)
     records: list[Record] = field(default_factory=list)
     arrivals: list[tuple[str, str]] = field(default_factory=list)
+    generation: int = 0  # bumped by clear(): a request that arrived before is not recorded
     lock: threading.Lock = field(default_factory=threading.Lock)
     rng: random.Random = field(default_factory=random.Random)
     closed: threading.Event = field(default_factory=threading.Event)
@@ -501,7 +502,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.headers.get("Authorization"),
         )
         with state.lock:
-            state.records.append(record)
+            # A request that arrived before the last clear() is answered, not recorded: a
+            # late record of it would stand in, in settle()'s count, for one still coming.
+            if getattr(self, "_generation", state.generation) == state.generation:
+                state.records.append(record)
 
     def _reset(self) -> None:
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -535,6 +539,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._start = time.monotonic()
         body = self._body()
         with self.server.state.lock:
+            self._generation = self.server.state.generation
             self.server.state.arrivals.append((self.command, self.path))
         fault = self._pick_fault()
         kind = fault.kind if fault else None
@@ -715,6 +720,7 @@ class FaultProxy:
 
     def clear(self) -> None:
         with self._server.state.lock:
+            self._server.state.generation += 1
             self._server.state.faults.clear()
             self._server.state.records.clear()
             self._server.state.arrivals.clear()
