@@ -20,11 +20,13 @@ skew is coded together with the exponent it depends on:
            element ``3 * q + i``'s (0 past the end): every pass over it is a pass over
            contiguous bytes (plane mode ``SIX``, stored as is).
 
-The base is the start of the 63 exponents that hold most of a sample. The encoder uses a
-JOINT block where at most 1/20 of the elements escape and keeps the byte planes where
-escapes pass 1/100 and those code smaller; the block flags say which (``JOINT``). Split
-and join are compiled loops (``extensions/_native.c``) or numpy passes that store the
-same bytes.
+Written only for ``WeightCodec(compact=True)``. The base is the start of the 63 exponents
+that hold most of a sample. The encoder (``extensions/_planes.py``) uses a JOINT block
+where the sign varies, a sample says the sign-and-mantissa plane is noise, and at most
+1/20 of the elements escape; a small block, or one where escapes pass 1/100, is coded
+both ways and the smaller kept. The block flags say which (``JOINT_BLOCK``). Split and
+join are compiled loops (``extensions/_native.c``) or numpy passes that store the same
+bytes.
 """
 
 from __future__ import annotations
