@@ -277,6 +277,25 @@ class FsspecFileSystem(FsspecClientBackend):
                 raise IsADirectoryError(f"{self.url(path)} is a directory")
             self._request("rm_file", path)
 
+    def rm_file_in(self, directory: str, name: str) -> None:
+        if self.local_disk:  # never through a link (_local_files.remove_file)
+            _local_files.remove_file(directory, name)
+            return
+        super().rm_file_in(directory, name)
+
+    def rm_dir_in(self, directory: str, name: str = "") -> None:
+        if self.local_disk:
+            with contextlib.suppress(OSError):  # as rm_dir: only an empty directory goes
+                _local_files.remove_dir(directory, name)
+            return
+        super().rm_dir_in(directory, name)
+
+    def rename_in(self, directory: str, name: str, new_name: str) -> None:
+        if self.local_disk:
+            _local_files.rename_in(directory, name, new_name)
+            return
+        super().rename_in(directory, name, new_name)
+
     def rename(self, path: str, new_path: str) -> None:
         if self.local_disk:  # fsspec's mv moves into a directory planted at new_path
             os.replace(path, new_path)

@@ -66,6 +66,16 @@ class LocalFileSystem(FileSystemBase):
     def rm_file(self, path: str) -> None:
         os.unlink(path)
 
+    def rm_file_in(self, directory: str, name: str) -> None:
+        _local_files.remove_file(directory, name)
+
+    def rm_dir_in(self, directory: str, name: str = "") -> None:
+        with contextlib.suppress(FileNotFoundError):
+            _local_files.remove_dir(directory, name)
+
+    def rename_in(self, directory: str, name: str, new_name: str) -> None:
+        _local_files.rename_in(directory, name, new_name)
+
     def is_link(self, path: str) -> bool:
         return os.path.islink(path)
 

@@ -80,6 +80,20 @@ class TorchFileSystem(FileSystemBase):
             return
         self.torch_fs.rename(path, new_path)
 
+    def rm_file_in(self, directory: str, name: str) -> None:
+        local = self._local_file(directory)
+        if local is not None:  # never through a link (_local_files.remove_file)
+            _local_files.remove_file(local, name)
+            return
+        super().rm_file_in(directory, name)
+
+    def rename_in(self, directory: str, name: str, new_name: str) -> None:
+        local = self._local_file(directory)
+        if local is not None:
+            _local_files.rename_in(local, name, new_name)
+            return
+        super().rename_in(directory, name, new_name)
+
     def is_link(self, path: str) -> bool:
         return self._local() and os.path.islink(path)
 

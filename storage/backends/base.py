@@ -198,6 +198,27 @@ class FileSystemBase(abc.ABC):
     def rm_file(self, path: str) -> None:
         """Delete one object; ``FileNotFoundError`` if it does not exist."""
 
+    def rm_file_in(self, directory: str, name: str) -> None:
+        """Delete the object ``name`` (relative to ``directory``, ``/``-separated):
+        what every deletion of a checkpoint's files uses. Where the backend has symbolic
+        links (local disk), nothing is deleted through one: ``directory`` and each
+        directory below it are opened without following a link, so one there (swapped in
+        by whoever can write its parent, even after a check) raises
+        ``UnsafeCheckpointError`` and removes nothing, while a link at ``name`` is removed
+        itself; the directories above ``directory`` are taken as given. This default
+        deletes by path (backends without links). ``FileNotFoundError`` if missing."""
+        self.rm_file(self.concat_path(directory, name))
+
+    def rm_dir_in(self, directory: str, name: str = "") -> None:
+        """:meth:`rm_dir` of ``directory/name`` (``directory`` itself when ``name`` is
+        empty), never through a link, as :meth:`rm_file_in`."""
+        self.rm_dir(self.concat_path(directory, name) if name else directory)
+
+    def rename_in(self, directory: str, name: str, new_name: str) -> None:
+        """:meth:`rename` of ``directory/name`` to ``directory/new_name``, never through
+        a link, as :meth:`rm_file_in`."""
+        self.rename(self.concat_path(directory, name), self.concat_path(directory, new_name))
+
     def is_link(self, path: str) -> bool:
         """Whether ``path`` is a symbolic link (``False`` where the backend has none).
         Deletion paths never delete through one."""
@@ -282,6 +303,9 @@ _PATH_ARGUMENTS = {
     "exists": 1,
     "modified": 1,
     "rm_file": 1,
+    "rm_file_in": 1,
+    "rm_dir_in": 1,
+    "rename_in": 1,
     "is_link": 1,
     "ls": 1,
     "mkdir": 1,

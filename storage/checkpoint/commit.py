@@ -89,7 +89,7 @@ def commit_checkpoint(
                 sync=sync,
             )
             if referencing:
-                recheck_bases(fs, directory, meta_path, save_id, infos)
+                recheck_bases(fs, directory, meta_name, save_id, infos)
         except BaseException:
             landed = metadata_may_name(fs, meta_path, save_id)
             if not landed:
@@ -116,7 +116,7 @@ def commit_checkpoint(
 
 
 def recheck_bases(
-    fs: FileSystemBase, directory: str, meta_path: str, save_id: str, infos: list[Any]
+    fs: FileSystemBase, directory: str, meta_name: str, save_id: str, infos: list[Any]
 ) -> None:
     """After an incremental save's metadata landed: its bases are checked again, and
     when one lost a file the metadata is withdrawn (only while it is still this save's)
@@ -128,9 +128,9 @@ def recheck_bases(
     try:
         check_referenced_files(fs, directory, infos)
     except CheckpointNotFoundError as exc:
-        if metadata_may_name(fs, meta_path, save_id):
+        if metadata_may_name(fs, fs.concat_path(directory, meta_name), save_id):
             with contextlib.suppress(FileNotFoundError):
-                fs.rm_file(meta_path)
+                fs.rm_file_in(directory, meta_name)
         raise CheckpointNotFoundError(
             f"{exc}; its metadata had landed and was withdrawn, so no checkpoint refers "
             "to the lost bytes"
@@ -232,12 +232,13 @@ def commit_may_have_landed(error: BaseException | None) -> bool:
     return False
 
 
-def remove_quietly(fs: FileSystemBase, paths: list[str]) -> None:
-    """Best-effort removal for cleanup paths: a failure is logged, never raised."""
-    for path in paths:
+def remove_quietly(fs: FileSystemBase, directory: str, names: list[str]) -> None:
+    """Best-effort removal of ``names`` under ``directory`` for cleanup paths, never
+    through a link (``rm_file_in``): a failure is logged, never raised."""
+    for name in names:
         try:
-            fs.rm_file(path)
+            fs.rm_file_in(directory, name)
         except FileNotFoundError:
             pass
         except Exception as exc:
-            log.warning("could not remove %s: %s", fs.url(path), exc)
+            log.warning("could not remove %s: %s", fs.url(fs.concat_path(directory, name)), exc)

@@ -6,7 +6,11 @@ committed checkpoint loses only the data files its metadata names (never those o
 in flight), read through the one read model (``committed``): the files of metadata that
 cannot be read stay for ``gc``. Nothing is deleted through a symbolic link: not a linked
 checkpoint directory (:func:`refuse_link`), not a linked key-prefix directory inside one
-(``prefixes.is_linked``, the check every read, write and copy path makes too).
+(``prefixes.is_linked``, the check every read, write and copy path makes too). Those
+checks give a clear refusal before anything is removed; every removal itself then goes
+through ``rm_file_in``/``rm_dir_in``/``rename_in`` under the checkpoint directory, which
+on local disk never follows a link at the checkpoint directory or below it, so a link
+swapped in after the checks makes the removal fail, never land outside the checkpoint.
 """
 
 from __future__ import annotations
@@ -89,13 +93,13 @@ def delete_checkpoint(
     if recheck is None:
         for name in metadata:
             with contextlib.suppress(FileNotFoundError):
-                fs.rm_file(fs.concat_path(path, name))
+                fs.rm_file_in(path, name)
     else:
         _uncommit_then_recheck(fs, path, metadata, recheck)
     withdraw_latest(fs, path)  # a pointer naming it would name no checkpoint now
     for name in sorted(named):
         with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(fs.concat_path(path, name))
+            fs.rm_file_in(path, name)
     return _remove_dir_or_report(fs, path)
 
 
@@ -108,9 +112,9 @@ def _uncommit_then_recheck(
     moved: list[tuple[str, str]] = []
     try:
         for name in metadata:
-            aside = fs.concat_path(path, f"{name}.tmp-{token}")
+            aside = f"{name}.tmp-{token}"
             try:
-                fs.rename(fs.concat_path(path, name), aside)
+                fs.rename_in(path, name, aside)
             except FileNotFoundError:
                 continue
             moved.append((name, aside))
@@ -118,44 +122,33 @@ def _uncommit_then_recheck(
     except BaseException:
         for name, aside in moved:
             try:
-                fs.rename(aside, fs.concat_path(path, name))
+                fs.rename_in(path, aside, name)
             except Exception as exc:
                 log.error(
                     "could not put back the metadata of %s, moved to %s while checking "
                     "that nothing references it (%s): rename it back to %s",
                     fs.url(path),
-                    fs.url(aside),
+                    fs.url(fs.concat_path(path, aside)),
                     exc,
                     quote(name),
                 )
         raise
     for _, aside in moved:
         with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(aside)
+            fs.rm_file_in(path, aside)
 
 
 def remove_data_files(fs: FileSystemBase, path: str, names: set[str] | frozenset[str]) -> None:
     """Best-effort removal of the data files ``names`` of the checkpoint at ``path`` (the
     files of the checkpoint a save replaced): a failure is logged, never raised, and a
-    file under a linked prefix directory stays (and is logged)."""
+    file under a linked directory stays (``rm_file_in`` refuses it, and that is logged)."""
     for name in sorted(names):
-        prefix = linked_prefix(fs, path, name)
-        if prefix is not None:
-            log.warning(
-                "%s: kept %s, which lies under %s, a symbolic link: nothing is deleted "
-                "through a link",
-                fs.url(path),
-                quote(name),
-                quote(prefix),
-            )
-            continue
-        file_path = fs.concat_path(path, name)
         try:
-            fs.rm_file(file_path)
+            fs.rm_file_in(path, name)
         except FileNotFoundError:
             pass
         except Exception as exc:
-            log.warning("could not remove %s: %s", fs.url(file_path), exc)
+            log.warning("could not remove %s: %s", fs.url(fs.concat_path(path, name)), exc)
 
 
 def remove_save(fs: FileSystemBase, path: str, save_id: str) -> None:
@@ -178,8 +171,8 @@ def remove_save(fs: FileSystemBase, path: str, save_id: str) -> None:
     remove_data_files(fs, path, {n for n in names if is_data_file_name(n) and n.endswith(suffix)})
     for name in names:
         if heartbeat.is_heartbeat_name(name) and name.startswith(heartbeat.PREFIX + save_id):
-            with contextlib.suppress(OSError):
-                fs.rm_file(fs.concat_path(path, name))
+            with contextlib.suppress(OSError, UnsafeCheckpointError):
+                fs.rm_file_in(path, name)
     for upload in uploads:
         if posixpath.basename(upload.path).endswith(suffix):
             try:
@@ -191,15 +184,14 @@ def remove_save(fs: FileSystemBase, path: str, save_id: str) -> None:
 def remove_leftovers(fs: FileSystemBase, path: str, names: list[str]) -> list[str]:
     """Remove ``names``, the checkpoint files of an uncommitted directory that the
     caller found stale, then the directory once empty. Refuses symbolic links; a file
-    under a linked prefix directory stays. Returns the names left in place."""
+    under a linked prefix directory stays (``rm_file_in`` refuses it; it is reported
+    with what else stays). Returns the names left in place."""
     refuse_link(fs, path)
     for name in names:
         if not is_checkpoint_file_name(name) or is_metadata_name(name):
             continue
-        if linked_prefix(fs, path, name) is not None:
-            continue  # reported below with what else stays
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(fs.concat_path(path, name))
+        with contextlib.suppress(FileNotFoundError, UnsafeCheckpointError):
+            fs.rm_file_in(path, name)
     return _remove_dir_or_report(fs, path)
 
 
@@ -212,6 +204,6 @@ def _remove_dir_or_report(fs: FileSystemBase, path: str) -> list[str]:
     if kept:
         log.warning("%s: left %s in place", fs.url(path), kept)
         return kept
-    with contextlib.suppress(OSError):  # a save may start writing here meanwhile
-        fs.rm_dir(path)
+    with contextlib.suppress(OSError, UnsafeCheckpointError):  # a save may start writing here
+        fs.rm_dir_in(path)
     return []

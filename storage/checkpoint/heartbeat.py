@@ -69,11 +69,12 @@ def beating(fs: FileSystemBase, path: str, token: str, *, guard: Guard = _direct
     ``guard(request)`` runs those two requests (a save's deadline: one that cannot be
     removed in time stays for ``gc``). A failed rewrite is logged and retried at the next
     beat, never raised: the protection it buys is gc's, not the write's."""
-    marker = fs.concat_path(path, name_of(token))
+    name = name_of(token)
+    marker = fs.concat_path(path, name)
     guard(lambda: _beat(fs, marker))  # a write creates its parents: no mkdir request
     stop = threading.Event()
     thread = threading.Thread(
-        target=_keep_beating, args=(fs, marker, stop), daemon=True, name="dcp-heartbeat"
+        target=_keep_beating, args=(fs, path, name, stop), daemon=True, name="dcp-heartbeat"
     )
     thread.start()
     try:
@@ -81,7 +82,7 @@ def beating(fs: FileSystemBase, path: str, token: str, *, guard: Guard = _direct
     finally:
         stop.set()  # a beat in flight removes the marker itself once it lands
         try:
-            guard(lambda: fs.rm_file(marker))
+            guard(lambda: fs.rm_file_in(path, name))
         except FileNotFoundError:
             pass
         except Exception as exc:
@@ -128,7 +129,8 @@ def _beat(fs: FileSystemBase, marker: str) -> None:
         out.write(json.dumps({"time": time.time(), "interval": INTERVAL}).encode())
 
 
-def _keep_beating(fs: FileSystemBase, marker: str, stop: threading.Event) -> None:
+def _keep_beating(fs: FileSystemBase, path: str, name: str, stop: threading.Event) -> None:
+    marker = fs.concat_path(path, name)
     while not stop.wait(INTERVAL):
         try:
             _beat(fs, marker)
@@ -137,13 +139,14 @@ def _keep_beating(fs: FileSystemBase, marker: str, stop: threading.Event) -> Non
                 "could not refresh %s (retried in %.0f s): %s", fs.url(marker), INTERVAL, exc
             )
         if stop.is_set():  # the holder finished while this beat was in flight
-            _remove(fs, marker)
+            _remove(fs, path, name)
 
 
-def _remove(fs: FileSystemBase, marker: str) -> None:
+def _remove(fs: FileSystemBase, path: str, name: str) -> None:
     try:
-        fs.rm_file(marker)
+        fs.rm_file_in(path, name)
     except FileNotFoundError:
         pass
     except Exception as exc:
-        log.warning("could not remove %s (gc removes it once stale): %s", fs.url(marker), exc)
+        marker = fs.url(fs.concat_path(path, name))
+        log.warning("could not remove %s (gc removes it once stale): %s", marker, exc)

@@ -192,7 +192,7 @@ def withdraw(fs: FileSystemBase, directory: str) -> None:
 
 
 def stale_temporaries(fs: FileSystemBase, parent: str, horizon: float) -> list[str]:
-    """The paths of the pointer's temporaries in ``parent`` last changed before
+    """The names of the pointer's temporaries in ``parent`` last changed before
     ``horizon`` (a ``time.time()``): what a process killed while it wrote the pointer
     left (``gc`` removes them)."""
     try:
@@ -201,9 +201,8 @@ def stale_temporaries(fs: FileSystemBase, parent: str, horizon: float) -> list[s
         return []
     stale = []
     for name in names:
-        path = fs.concat_path(parent, name)
         with contextlib.suppress(FileNotFoundError):
-            mtime = fs.modified(path)
+            mtime = fs.modified(fs.concat_path(parent, name))
             if mtime is not None and mtime < horizon:
-                stale.append(path)
+                stale.append(name)
     return stale

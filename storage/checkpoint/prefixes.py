@@ -19,7 +19,9 @@ A prefix directory is a checkpoint's own directory, never a symbolic link: no pa
 a checkpoint is followed through a link, on any read, write, copy, drain or delete path.
 :func:`is_linked` is the one check they all make (the backends refuse a link as the last
 component of a path they read; removing a link removes only the link). It is made just
-before the path is used: a link swapped in between is not caught.
+before the path is used: a link swapped in between is not caught there, but every
+deletion removes through ``rm_file_in``/``rm_dir_in``, which on local disk never follows
+a link below the checkpoint directory and so fails instead.
 """
 
 from __future__ import annotations
@@ -127,7 +129,6 @@ def remove_empty_prefixes(fs: FileSystemBase, path: str) -> None:
     for name in fs.ls(path):
         if not is_prefix(name) or is_linked(fs, path, name):
             continue
-        with contextlib.suppress(OSError):
-            sub = fs.concat_path(path, name)
-            if not fs.ls(sub):
-                fs.rm_dir(sub)
+        with contextlib.suppress(OSError, UnsafeCheckpointError):
+            if not fs.ls(fs.concat_path(path, name)):
+                fs.rm_dir_in(path, name)  # never through a link swapped in meanwhile

@@ -212,8 +212,8 @@ class ObjectStoreStorage(Storage):
             self.fs.write_atomic(self._marker(directory, PENDING_NAME), b"")
             self.fs.rm_file(commit)
         for name in sorted(self._walk(directory), key=lambda n: n == PENDING_NAME):
-            self.fs.rm_file(self.fs.concat_path(directory, name))
-        self.fs.rm_dir(directory)
+            self.fs.rm_file_in(directory, name)  # never through a link swapped in meanwhile
+        self.fs.rm_dir_in(directory)
 
     def _walk(self, directory: str) -> list[str]:
         """Every file under ``directory``, relative to it (markers included); a symbolic

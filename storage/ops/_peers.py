@@ -123,11 +123,10 @@ def transfer(
         if group.rank not in (src, dst) or src == dst:
             continue
         for name in names:
-            path = fs.concat_path(directory, name)
             if group.rank == src:
-                sent += _send_file(fs, path, dst, pg)
+                sent += _send_file(fs, fs.concat_path(directory, name), dst, pg)
             else:
-                _recv_file(fs, path, src, pg, sync=sync)
+                _recv_file(fs, directory, name, src, pg, sync=sync)
     return sent
 
 
@@ -147,12 +146,15 @@ def _send_file(fs: FileSystemBase, path: str, dst: int, pg: Any) -> int:
     return size
 
 
-def _recv_file(fs: FileSystemBase, path: str, src: int, pg: Any, *, sync: bool) -> None:
-    """Receive ``path`` whole or not at all: a data file is written under a name of its
+def _recv_file(
+    fs: FileSystemBase, directory: str, name: str, src: int, pg: Any, *, sync: bool
+) -> None:
+    """Receive ``directory/name`` whole or not at all: a data file is written under a name of its
     own that no metadata names (:func:`receiving_name`), then renamed into place, so a
     receive that fails is removed here and one killed mid-file is an unnamed data file
     that ``gc`` sweeps, never a truncated file under a name the metadata trusts; the
     metadata is received in memory and published atomically."""
+    path = fs.concat_path(directory, name)
     header = torch.zeros(1, dtype=torch.int64)
     dist.recv(header, src, group=pg)
     left = int(header.item())
@@ -173,17 +175,17 @@ def _recv_file(fs: FileSystemBase, path: str, src: int, pg: Any, *, sync: bool) 
             left -= chunk.numel()
         fs.write_atomic(path, bytes(received))
         return
-    partial = receiving_name(path)
+    partial = receiving_name(name)
     try:
-        with fs.create_stream(partial, "wb", sync=sync) as out:
+        with fs.create_stream(fs.concat_path(directory, partial), "wb", sync=sync) as out:
             while left:
                 chunk = buffer[: min(_CHUNK, left)]
                 dist.recv(chunk, src, group=pg)
                 out.write(chunk.numpy().data)
                 left -= chunk.numel()
-        fs.rename(partial, path)
+        fs.rename_in(directory, partial, name)
     except BaseException:
-        remove_quietly(fs, [partial])
+        remove_quietly(fs, directory, [partial])
         raise
 
 

@@ -223,10 +223,11 @@ class Retention:
         (``latest.stale_temporaries``), never through a linked root (:meth:`_places`)."""
         fs, root = self.root.fs, self.root.path
         doomed = [] if fs.is_link(root) else stale_temporaries(fs, root, _horizon(grace_seconds))
-        for path in doomed:
-            log.info("%s: a latest-step pointer a killed process left half-written", fs.url(path))
+        for name in doomed:
+            where = fs.url(fs.concat_path(root, name))
+            log.info("%s: a latest-step pointer a killed process left half-written", where)
         if not dry_run:
-            remove_quietly(fs, doomed)
+            remove_quietly(fs, root, doomed)
 
     def _put_back_if_referenced(
         self, name: str, path: str, stale: list[str], dry_run: bool
@@ -250,9 +251,7 @@ class Retention:
         )
         if not dry_run:
             for moved, original in aside.items():
-                self.root.fs.rename(
-                    self.root.fs.concat_path(path, moved), self.root.fs.concat_path(path, original)
-                )
+                self.root.fs.rename_in(path, moved, original)
         return True
 
     def orphans(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
@@ -275,7 +274,7 @@ class Retention:
                 log.info("%s: %s is not named by its metadata", fs.url(path), name)
             found += [fs.url(fs.concat_path(path, n)) for n in doomed]
             if not dry_run:
-                remove_quietly(fs, [fs.concat_path(path, n) for n in doomed])
+                remove_quietly(fs, path, doomed)
         return found
 
     def stale_staging(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:

@@ -29,10 +29,10 @@ class _StalledRemoval(LocalFileSystem):
         self.removing = threading.Event()
         self.removed = threading.Event()
 
-    def rm_file(self, path: str) -> None:
+    def rm_file_in(self, directory: str, name: str) -> None:
         self.removing.set()
         assert self.release.wait(DEADLINE), "the removal was never released"
-        super().rm_file(path)
+        super().rm_file_in(directory, name)
         self.removed.set()
 
 

@@ -192,19 +192,20 @@ def kill_when_marked(code: str, args: list[str], mark: Path, waiting_for: str) -
 
 
 def park_on_rm_file(fragment: str, mark: str) -> None:
-    """In a script run by :func:`kill_when_marked`: the first ``LocalFileSystem.rm_file``
-    of a path containing ``fragment`` creates ``mark``, then waits to be killed (for 60 s
-    at most, so a script whose test died ends by itself)."""
+    """In a script run by :func:`kill_when_marked`: the first ``LocalFileSystem``
+    removal (``rm_file_in``, what every deletion uses) of a path containing ``fragment``
+    creates ``mark``, then waits to be killed (for 60 s at most, so a script whose test
+    died ends by itself)."""
     from storage.backends._local import LocalFileSystem
 
-    rm_file = LocalFileSystem.rm_file
+    rm_file_in = LocalFileSystem.rm_file_in
 
-    def parked(self: LocalFileSystem, path: str) -> None:
-        if fragment in path:
+    def parked(self: LocalFileSystem, directory: str, name: str) -> None:
+        if fragment in os.path.join(directory, name):
             open(mark, "w").close()
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 time.sleep(0.05)
-        rm_file(self, path)
+        rm_file_in(self, directory, name)
 
-    LocalFileSystem.rm_file = parked  # type: ignore[method-assign]
+    LocalFileSystem.rm_file_in = parked  # type: ignore[method-assign]

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 
+from extensions.errors import UnsafeCheckpointError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import heartbeat
 from storage.checkpoint.commit import remove_quietly
@@ -83,12 +84,12 @@ def remove_staging(fs: FileSystemBase, root: str, objects: Iterable[str]) -> Non
     areas = set()
     for name in set(objects):
         areas.add(name.rsplit("/", 1)[0])
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(fs.concat_path(root, name))
+        with contextlib.suppress(FileNotFoundError, UnsafeCheckpointError):
+            fs.rm_file_in(root, name)  # a link swapped in is refused; the sweep reports it
     for area in areas:
         try:
-            fs.rm_dir(fs.concat_path(root, area))
-        except OSError as exc:
+            fs.rm_dir_in(root, area)
+        except (OSError, UnsafeCheckpointError) as exc:
             log.warning("could not remove %s (swept later): %s", fs.url(root) + "/" + area, exc)
 
 
@@ -119,8 +120,8 @@ def sweep(
         try:
             for entry in doomed:
                 with contextlib.suppress(FileNotFoundError):
-                    fs.rm_file(fs.concat_path(area, entry))
-            fs.rm_dir(area)
+                    fs.rm_file_in(root, f"{name}/{entry}")
+            fs.rm_dir_in(root, name)
         except Exception as exc:
             log.warning("could not remove %s: %s", fs.url(area), exc)
     return found
@@ -147,7 +148,7 @@ def _sweep_temporaries(
         if dry_run:
             continue
         log.info("%s: removing the temporary of an interrupted safetensors write", fs.url(path))
-        remove_quietly(fs, [path])
+        remove_quietly(fs, root, [name])
     return found
 
 
