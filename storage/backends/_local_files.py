@@ -271,20 +271,27 @@ _DIR_FLAGS = (
 )
 
 
-def _walks_safely() -> bool:
-    return (
-        hasattr(os, "O_DIRECTORY")
-        and hasattr(os, "O_NOFOLLOW")
-        and {os.open, os.unlink, os.rmdir, os.rename, os.stat} <= os.supports_dir_fd
-    )
+#: Whether this platform opens and removes names inside an open directory without
+#: following links; where it does not, local deletion refuses instead of racing.
+WALKS_SAFELY = (
+    hasattr(os, "O_DIRECTORY")
+    and hasattr(os, "O_NOFOLLOW")
+    and {os.open, os.unlink, os.rmdir, os.rename, os.stat} <= os.supports_dir_fd
+)
 
 
-def _components(directory: str, name: str) -> list[str]:
+def _components(directory: str, name: str, itself: bool) -> list[str]:
     """The names to walk below ``directory``'s parent: ``directory``'s own, then those of
-    ``name`` (``/``-separated, relative). Refuses what would leave the directory."""
+    ``name`` (``/``-separated, relative; empty only where ``itself`` allows acting on
+    ``directory`` itself). Refuses what would leave the directory."""
     head = os.path.basename(directory.rstrip(os.sep))
-    parts = [p for p in name.split("/") if p] if name else []
-    if name.startswith("/") or any(p in (".", "..") or os.sep in p or "\0" in p for p in parts):
+    parts = [p for p in name.split("/") if p]
+    if (
+        name.startswith("/")
+        or head in (".", "..")
+        or (not parts and not itself)
+        or any(p in (".", "..") or os.sep in p or "\0" in p for p in parts)
+    ):
         raise UnsafeCheckpointError(
             f"refusing to remove {name!r} under {directory!r}: it is not a plain relative "
             "name inside that directory (a checkpoint's names never hold '..', '.', an "
@@ -294,17 +301,19 @@ def _components(directory: str, name: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _opened_parent(directory: str, name: str) -> Iterator[tuple[int, str]]:
+def _opened_parent(
+    directory: str, name: str, *, itself: bool = False
+) -> Iterator[tuple[int, str]]:
     """``(fd, last)``: the directory that holds ``directory/name``, opened by walking
     from ``directory``'s parent (taken as given: the place the user chose) with no link
     followed at ``directory`` or below it, and the last name to act on there."""
-    if not _walks_safely():
+    if not WALKS_SAFELY:
         raise UnsafeCheckpointError(
             f"refusing to remove {name or directory!r}: this platform cannot open "
             "directories without following symbolic links (os.supports_dir_fd), so a "
             "removal could land outside the checkpoint; remove the files by hand"
         )
-    parts = _components(directory, name)
+    parts = _components(directory, name, itself)
     if not parts:
         raise UnsafeCheckpointError(f"refusing to remove the file system root {directory!r}")
     top = os.path.dirname(directory.rstrip(os.sep)) or os.sep
@@ -356,7 +365,7 @@ def remove_dir(directory: str, name: str = "") -> None:
     """Remove the empty directory ``directory/name`` (``directory`` itself when ``name``
     is empty), walking as :func:`remove_file` does; a link there is never removed as a
     directory (``NotADirectoryError``)."""
-    with _opened_parent(directory, name) as (fd, last):
+    with _opened_parent(directory, name, itself=True) as (fd, last):
         os.rmdir(last, dir_fd=fd)
 
 

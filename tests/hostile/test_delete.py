@@ -6,6 +6,7 @@ Every test names, in a comment, what happened before the fix it guards.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -344,3 +345,225 @@ def test_retention_killed_mid_deletion_leaves_an_interrupted_save_for_cleanup(
     _assert_loads(root / "step-2", 2.0)
     mgr.save(1, _state(3.0))
     _assert_loads(root / "step-1", 3.0)
+
+
+# --- 3. a directory swapped for a link after the checks --------------------------------
+#
+# Whoever can write the root (a shared directory) can rename a step directory away and
+# put a link in its place, or (where they can write the step) do so with a key-prefix
+# directory, after a deletion checked that neither is a link and before it removes the
+# files by name. The swaps below happen at fixed points inside the deletion (a hook), so
+# no test depends on a timing window.
+
+
+def _local_deleters() -> list[Any]:
+    """The backends that delete on local disk, each as ``make(directory) -> (fs, path)``."""
+
+    def plain(directory: Path) -> tuple[Any, str]:
+        fs = LocalFileSystem()
+        return fs, fs.init_path(str(directory))
+
+    def fsspec_file(directory: Path) -> tuple[Any, str]:
+        fs = FsspecFileSystem()
+        return fs, fs.init_path(f"file://{directory}")
+
+    def torch_local(directory: Path) -> tuple[Any, str]:
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        fs = storage.TorchFileSystem(FileSystem())
+        return fs, fs.init_path(str(directory))
+
+    return [
+        pytest.param(plain, id="path"),
+        pytest.param(fsspec_file, id="fsspec-file"),
+        pytest.param(torch_local, id="torch-local"),
+    ]
+
+
+_OLD = 1_000_000_000  # 2001: older than any grace period
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def swappable(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
+    """``root/step-1`` saved with key prefixes, and ``victim``: a directory outside the
+    root holding files at the very names of step 1's (someone's copy of it), with its
+    contents as they must stay."""
+    root, victim = tmp_path / "root", tmp_path / "victim"
+    CheckpointManager(root, key_prefixes=2).save(1, _state(1.0))
+    shutil.copytree(root / "step-1", victim)
+    before = _snapshot(victim)
+    assert any(name.endswith(".distcp") and "/" in name for name in before)
+    return root, victim, before
+
+
+def _swap(place: Path, target: Path) -> None:
+    place.rename(place.with_name(place.name + ".moved"))
+    place.symlink_to(target, target_is_directory=True)
+
+
+@pytest.mark.parametrize("make", _local_deleters())
+@pytest.mark.parametrize("what", ["step", "prefix"])
+@pytest.mark.parametrize("hook", ["recheck", "after-metadata"])
+def test_delete_never_follows_a_directory_swapped_for_a_link_after_its_checks(
+    swappable: tuple[Path, Path, dict[str, bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+    make: Any,
+    what: str,
+    hook: str,
+) -> None:
+    # Before the fix: the deletion checked for links, then removed each file by its path;
+    # the step (or its prefix directory 00) swapped for a link in between, it removed
+    # the victim's files at those names (the metadata moved aside, the data files).
+    from storage.checkpoint import deletion
+
+    root, victim, before = swappable
+    step = root / "step-1"
+
+    def swap() -> None:
+        if what == "step":
+            _swap(step, victim)
+        else:
+            _swap(step / "00", victim / "00")
+
+    fs, path = make(step)
+    recheck = None
+    if hook == "recheck":  # the metadata moved aside, nothing removed yet
+        recheck = swap
+    else:  # the metadata removed, the data files not yet
+        monkeypatch.setattr(deletion, "withdraw_latest", lambda fs, path: swap())
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link where a directory was"):
+        deletion.delete_checkpoint(fs, path, recheck=recheck)
+    assert _snapshot(victim) == before
+
+
+def test_retention_never_follows_a_step_swapped_for_a_link_after_its_checks(
+    swappable: tuple[Path, Path, dict[str, bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before the fix: retention's deletion of step 1 removed the victim's files.
+    from storage.checkpoint import deletion
+
+    root, victim, before = swappable
+    monkeypatch.setattr(deletion, "withdraw_latest", lambda fs, path: _swap(root / "step-1", victim))
+    mgr = CheckpointManager(root, keep_last=1, key_prefixes=2)
+    mgr.save(2, _state(2.0))  # retention deletes step 1
+    assert _snapshot(victim) == before
+    assert "symbolic link where a directory was" in caplog.text
+    _assert_loads(root / "step-2", 2.0)
+
+
+def test_removal_fails_closed_when_a_directory_is_swapped_mid_walk(
+    swappable: tuple[Path, Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk itself: the step directory opened, its prefix directory is swapped for a
+    link just before the walk opens it; the removal must refuse, removing nothing."""
+    root, victim, before = swappable
+    step = root / "step-1"
+    name = next(n for n in _snapshot(step) if n.startswith("00/"))
+    real_open = os.open
+
+    def open_then_swap(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if path == "00" and kwargs.get("dir_fd") is not None:
+            _swap(step / "00", victim / "00")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_then_swap)
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link where a directory was"):
+        LocalFileSystem().rm_file_in(str(step), name)
+    monkeypatch.undo()
+    assert _snapshot(victim) == before
+    assert (step.with_name("step-1") / "00.moved" / name.split("/")[1]).is_file()
+
+
+def test_a_step_swapped_after_the_walk_opened_it_loses_only_its_own_file(
+    swappable: tuple[Path, Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the walk holds the step directory open, swapping the name for a link
+    changes nothing: the file removed is the step's own (under its new name)."""
+    root, victim, before = swappable
+    step = root / "step-1"
+    name = next(n for n in _snapshot(step) if n.startswith("00/"))
+    real_open = os.open
+
+    def open_then_swap(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(path, flags, *args, **kwargs)
+        if path == "step-1" and kwargs.get("dir_fd") is not None:
+            _swap(step, victim)
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_swap)
+    LocalFileSystem().rm_file_in(str(step), name)
+    monkeypatch.undo()
+    assert _snapshot(victim) == before
+    assert not (root / "step-1.moved" / name).exists()
+
+
+def test_removal_refuses_where_the_platform_cannot_walk_without_following_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``dir_fd`` support a removal could only go by path, racing a swap: it
+    refuses, saying so, and removes nothing."""
+    from storage.backends import _local_files
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("x")
+    monkeypatch.setattr(_local_files, "WALKS_SAFELY", False)
+    with pytest.raises(UnsafeCheckpointError, match="supports_dir_fd"):
+        LocalFileSystem().rm_file_in(str(tmp_path / "d"), "f")
+    assert (tmp_path / "d" / "f").exists()
+
+
+@pytest.mark.parametrize("bad", ["../x", "00/../../x", "/etc/passwd", "a/./b", "a\0b", ""])
+def test_a_removal_never_leaves_its_directory_by_name(tmp_path: Path, bad: str) -> None:
+    """A name that climbs out (``..``), is absolute, holds ``.`` or a NUL is refused
+    before anything is opened."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "x").write_text("outside")
+    with pytest.raises(UnsafeCheckpointError, match="not a plain relative name"):
+        LocalFileSystem().rm_file_in(str(tmp_path / "d"), bad)
+    assert (tmp_path / "x").read_text() == "outside"
+
+
+def test_links_planted_in_a_step_are_removed_as_links_and_their_targets_survive(
+    tmp_path: Path,
+) -> None:
+    """Links a neighbour planted in a committed step and in an interrupted one, at the
+    names gc, retention and delete remove (an unnamed data file, a heartbeat, a data
+    file of a leftover step, a prefix directory): the links go or stay, their targets
+    are never touched."""
+    root, victim = tmp_path / "root", tmp_path / "victim"
+    (victim / "dir").mkdir(parents=True)
+    target = victim / "file"
+    target.write_bytes(b"keep me")
+    (victim / "dir" / "__0_0.distcp").write_bytes(b"keep me too")
+    mgr = CheckpointManager(root, key_prefixes=2)
+    mgr.save(1, _state(1.0))
+    mgr.save(2, _state(2.0))
+    planted = [
+        root / "step-1" / "__9_0-0123456789ab.distcp",
+        root / "step-1" / "00" / "__9_1-0123456789ab.distcp",
+        root / "step-1" / ".heartbeat-0123456789ab",
+        root / "step-3" / "__0_0-0123456789ab.distcp",
+    ]
+    for link in planted:
+        link.parent.mkdir(exist_ok=True)
+        link.symlink_to(target)
+    (root / "step-2" / "0f").symlink_to(victim / "dir", target_is_directory=True)
+    for p in [*planted, target]:
+        os.utime(p, (_OLD, _OLD), follow_symlinks=False)
+    mgr.cleanup(grace_seconds=60)
+    assert not any(os.path.lexists(p) for p in planted)
+    mgr.delete(2)
+    mgr.delete(1)
+    assert (root / "step-2" / "0f").is_symlink()
+    assert target.read_bytes() == b"keep me"
+    assert (victim / "dir" / "__0_0.distcp").read_bytes() == b"keep me too"
