@@ -17,18 +17,26 @@ bucket root as ``root/step-N``, one dcp-storage checkpoint per folder:
 :func:`restore_folder` downloads one into a new local directory: the files are written
 in a temporary directory beside it, each item's checksum verified as it streams in, then
 made durable and renamed into place, so the directory appears complete or not at all.
-Item names are checked before anything is written: a plain relative path, no ``..``,
-no absolute path. Only regular files are saved; a link or special file in the folder is
-refused, and empty directories are not kept.
+The listing is checked before anything is written (:func:`_listed_files`,
+:func:`_check_room`): a plain relative path, no ``..``, no absolute path, no control
+character, no component longer than the destination's file system takes; no two names
+that a case-insensitive or normalizing file system (macOS, Windows) would take for one
+(``A.txt`` and ``a.txt``, ``é`` composed and decomposed), nor a file and a directory at
+one name, so a folder restores the same everywhere; and files that fit in the space free
+at the destination. :func:`read_folder` refuses such names on the way up too. Only
+regular files are saved; a link or special file in the folder is refused, and empty
+directories are not kept.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import shutil
 import stat
 import tempfile
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
@@ -201,6 +209,13 @@ def read_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             files[rel] = _mapped(path, mode.st_size)
     if not files:
         raise FileNotFoundError(f"{root} holds no files; nothing to save")
+    clash = _clash(list(files))
+    if clash is not None:
+        raise ValueError(
+            f"{root}: {quote(clash[0])} and {quote(clash[1])} differ only in letter case or "
+            "Unicode normalization, and a case-insensitive or normalizing file system "
+            "(macOS, Windows) restores them as one file; rename one of them, then save again"
+        )
     return files
 
 
@@ -221,7 +236,10 @@ def restore_folder(
     ``dest`` last, so a failed restore leaves nothing there. Returns ``dest``."""
     dest = os.path.abspath(os.fspath(dest))
     if os.path.lexists(dest):
-        raise FileExistsError(f"{dest} exists; restore into a new directory (nothing was written)")
+        raise FileExistsError(
+            f"{dest} exists; restoring {os.fspath(url)} needs a new directory: restore into "
+            "one that does not exist (nothing was written)"
+        )
     options: dict[str, Any] = {
         "storage_options": storage_options,
         "filesystem": filesystem,
@@ -231,6 +249,7 @@ def restore_folder(
     }
     reader = reader_alone(url, **options)
     sizes = _listed_files(reader.read_metadata(), reader.url)
+    _check_room(sizes, dest, reader.url)
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.restoring-", dir=parent)
@@ -245,12 +264,31 @@ def restore_folder(
         load_alone(reader_alone(url, **options), targets)
         del targets  # unmapped: the bytes are in the files
         _sync_tree(staging)
-        os.rename(staging, dest)
+        _publish(staging, dest, reader.url)
         _sync_dir(parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return dest
+
+
+def _publish(staging: str, dest: str, where: str) -> None:
+    """Rename the restored ``staging`` to ``dest``, which must still not exist: one made
+    meanwhile (a directory, a file, a link) is kept, never replaced."""
+    if os.path.lexists(dest):
+        raise FileExistsError(
+            f"{dest} appeared while {where} was restored into a temporary directory beside "
+            "it; it is left as it is and the restore removed: restore into a new directory"
+        )
+    try:
+        os.rename(staging, dest)  # an empty directory made since the look above is replaced
+    except (FileExistsError, NotADirectoryError, IsADirectoryError, OSError) as exc:
+        if not os.path.lexists(dest):
+            raise
+        raise FileExistsError(
+            f"{dest} appeared while {where} was restored ({exc}); it is left as it is and "
+            "the restore removed: restore into a new directory"
+        ) from None
 
 
 def _mapped(path: str, size: int, *, writable: bool = False) -> torch.Tensor:
@@ -280,14 +318,14 @@ def _listed_files(metadata: Metadata, where: str) -> dict[str, int]:
             not name
             or name.startswith("/")
             or "\\" in name
-            or not name.isprintable()  # control characters: a terminal's, a script's
+            or not name.isprintable()  # control characters (NUL too): a terminal's, a script's
             or any(p in ("", ".", "..") for p in parts)
         ):
             raise UnsafeCheckpointError(
                 f"{where}: item {quote(name)} is not a plain relative file path; refusing to "
-                "restore it (nothing was written)"
+                f"restore it (nothing was written): {_FORGED}"
             )
-        sizes[name] = int(md.size[0])
+        sizes[name] = int(md.size[0])  # in [0, 2**62]: the metadata's reader checks
         if not _tiled(md):
             raise IntegrityError(
                 f"{where}: item {quote(name)} is listed as {sizes[name]} bytes but its stored "
@@ -300,9 +338,87 @@ def _listed_files(metadata: Metadata, where: str) -> dict[str, int]:
     if clash:
         raise UnsafeCheckpointError(
             f"{where}: {quote(clash[0])} is listed both as a file and as a directory; "
-            "refusing to restore it (nothing was written)"
+            f"refusing to restore it (nothing was written): {_FORGED}"
+        )
+    same = _clash([*sizes, *dirs])
+    if same is not None:
+        raise UnsafeCheckpointError(
+            f"{where}: items {quote(same[0])} and {quote(same[1])} differ only in letter "
+            "case or Unicode normalization: a case-insensitive or normalizing file system "
+            "(macOS, Windows) would restore one over the other, so the folder is restored "
+            "nowhere (nothing was written). FolderCheckpoints.save refuses such names; "
+            "load the items with storage.load and write them under names of your own"
         )
     return sizes
+
+
+#: The fix for a listing FolderCheckpoints.save never writes.
+_FORGED = (
+    "its metadata is damaged or forged (FolderCheckpoints.save never lists that); "
+    "restore the checkpoint from a good copy, or save the folder again"
+)
+#: Bytes a name may take, and a path, where the file system does not say (Linux's).
+_NAME_MAX, _PATH_MAX = 255, 4096
+#: What the temporary directory beside the destination adds to its name at most.
+_STAGING_EXTRA = len(".restoring-") + 1 + 16
+
+
+def _clash(names: list[str]) -> tuple[str, str] | None:
+    """Two of ``names`` that differ only in letter case or Unicode normalization (the
+    same name on macOS and Windows), if any."""
+    seen: dict[str, str] = {}
+    for name in sorted(names):
+        key = unicodedata.normalize("NFC", name).casefold()
+        if seen.setdefault(key, name) != name:
+            return seen[key], name
+    return None
+
+
+def _check_room(sizes: dict[str, int], dest: str, where: str) -> None:
+    """Refuse, before anything is written, a listing the destination cannot take: a
+    name component or a path longer than its file system allows (``ENAMETOOLONG``
+    half-way through), or files that need more bytes than are free there (a forged size
+    would otherwise be allocated first: a huge sparse file, then a read that fails)."""
+    existing = dest
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    name_max = _limit(existing, "PC_NAME_MAX", _NAME_MAX)
+    room = _limit(existing, "PC_PATH_MAX", _PATH_MAX) - len(os.fsencode(dest)) - _STAGING_EXTRA
+    for name in sorted(sizes):
+        long = max(name.split("/"), key=lambda p: len(os.fsencode(p)))
+        if len(os.fsencode(long)) > name_max:
+            raise UnsafeCheckpointError(
+                f"{where}: item {quote(name)} has a name component of "
+                f"{len(os.fsencode(long))} bytes, more than the {name_max} the file system "
+                f"at {existing} takes; nothing was written. Restore onto a file system that "
+                "takes longer names, or load the items with storage.load"
+            )
+        if len(os.fsencode(name)) >= room:
+            raise UnsafeCheckpointError(
+                f"{where}: item {quote(name)} would be a path longer than the file system "
+                f"at {existing} takes under {dest}; nothing was written. Restore into a "
+                "shorter destination path"
+            )
+    total = sum(sizes.values())
+    usage = os.statvfs(existing)
+    free = usage.f_bavail * usage.f_frsize
+    if total > free:
+        largest = max(sizes, key=lambda n: sizes[n])
+        raise OSError(
+            errno.ENOSPC,
+            f"{where}: its files take {total} bytes (the largest, item {quote(largest)}, "
+            f"{sizes[largest]}), more than the {free} bytes free at {existing}; nothing was "
+            "written. Free space there or restore elsewhere; a size far beyond what the "
+            f"checkpoint stores means {_FORGED}",
+        )
+
+
+def _limit(path: str, name: str, default: int) -> int:
+    try:
+        value = os.pathconf(path, name)
+    except (OSError, ValueError):
+        return default
+    return value if value > 0 else default
 
 
 def _tiled(md: TensorStorageMetadata) -> bool:

@@ -4,10 +4,12 @@ tests/integrations/test_integration_huggingface.py."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -130,7 +132,10 @@ def test_restore_refuses_an_existing_destination_and_a_missing_step(tmp_path: Pa
 
 @pytest.mark.parametrize(
     "name",
-    ["../evil", "/etc/evil", "a/../../evil", "a//b", "a\\..\\b", ".", "a\nb", "x\x1b[2Jy", "z\x7f"],
+    [
+        *("../evil", "/etc/evil", "a/../../evil", "a//b", "a\\..\\b", ".", "a\nb"),
+        *("x\x1b[2Jy", "z\x7f", "nul\x00byte"),
+    ],
 )
 def test_item_names_that_leave_the_destination_are_refused(tmp_path: Path, name: str) -> None:
     # Also names with control characters: restored, a line break or an escape sequence
@@ -192,3 +197,128 @@ def test_a_file_its_stored_chunks_do_not_cover_is_refused_not_zero_filled(
         restore_folder(tmp_path / "bucket" / "step-1", tmp_path / "out" / "dest")
     assert "step-1" in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+def _forge(tmp_path: Path, edit: Any) -> Path:
+    """A folder checkpoint saved from ``_folder``, its metadata then edited by
+    ``edit(metadata)``; its path."""
+    from storage.checkpoint import storage_format as fmt
+
+    folder = tmp_path / "f"
+    _folder(folder)
+    FolderCheckpoints(tmp_path / "bucket", blocking=True).save(folder, 1)
+    path = tmp_path / "bucket" / "step-1" / ".metadata"
+    meta = fmt.load_metadata(path.read_bytes(), str(path))
+    edit(meta)
+    path.write_bytes(fmt.dump_metadata(meta))
+    return path.parent
+
+
+def _rename(meta: Any, old: str, new: str) -> None:
+    """Item ``old`` listed as ``new`` (its chunks' indexes renamed with it)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    meta.state_dict_metadata[new] = meta.state_dict_metadata.pop(old)
+    for index in [i for i in meta.storage_data if i.fqn == old]:
+        meta.storage_data[MetadataIndex(new, index.offset, index.index)] = (
+            meta.storage_data.pop(index)
+        )
+
+
+def test_a_file_listed_with_a_huge_size_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    # Before: the restore created the file and truncated it to the listed size first,
+    # failing with a bare OSError ("File too large") or leaving a huge sparse file to a
+    # read that then failed; the error named neither the checkpoint nor the item.
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    def huge(meta: Any) -> None:
+        item = meta.state_dict_metadata["optimizer.pt"]
+        item.size = torch.Size([1 << 60])
+        item.chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([1 << 60]))]
+
+    ckpt = _forge(tmp_path, huge)
+    with pytest.raises(OSError, match=r"step-1.*'optimizer.pt'.*free.*forged") as info:
+        restore_folder(ckpt, tmp_path / "out" / "dest")
+    assert info.value.errno == errno.ENOSPC
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "clash",
+    [
+        ("trainer_state.json", "OPTIMIZER.pt"),  # letter case
+        ("optimizer.pt", "caf\u00e9.pt"),  # then "cafe\u0301.pt" below: normalization
+        ("optimizer.pt", "Sub/x.bin"),  # a directory "Sub" beside "sub"
+    ],
+    ids=["case", "normalization", "directory-case"],
+)
+def test_names_one_on_a_case_insensitive_or_normalizing_file_system_are_refused(
+    tmp_path: Path, clash: tuple[str, str]
+) -> None:
+    # Before: restored on macOS (or Windows), the second file was written over the
+    # first, or its exclusive create failed half-way with a bare FileExistsError.
+    old, new = clash
+
+    def edit(meta: Any) -> None:
+        _rename(meta, old, new)
+        if new.startswith("caf"):
+            _rename(meta, "trainer_state.json", "cafe\u0301.pt")
+
+    ckpt = _forge(tmp_path, edit)
+    with pytest.raises(UnsafeCheckpointError, match=r"step-1.*differ only in letter case"):
+        restore_folder(ckpt, tmp_path / "out" / "dest")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_with_names_one_elsewhere_is_refused_on_save(tmp_path: Path) -> None:
+    folder = tmp_path / "f"
+    _folder(folder)
+    (folder / "Empty.txt").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"'Empty.txt' and 'empty.txt'.*rename one"):
+        read_folder(folder)
+
+
+@pytest.mark.parametrize("where", ["component", "path"])
+def test_names_too_long_for_the_destination_are_refused_before_anything_is_written(
+    tmp_path: Path, where: str
+) -> None:
+    # Before: the restore failed half-way with a bare "File name too long" (ENAMETOOLONG).
+    long = "x" * 300 if where == "component" else "/".join(["d" * 200] * 21)
+
+    ckpt = _forge(tmp_path, lambda meta: _rename(meta, "optimizer.pt", long))
+    match = "name component of 300 bytes" if where == "component" else "shorter destination"
+    with pytest.raises(UnsafeCheckpointError, match=rf"step-1.*{match}"):
+        restore_folder(ckpt, tmp_path / "out" / "dest")
+    assert not (tmp_path / "out").exists()
+
+
+def test_restore_names_the_checkpoint_when_the_destination_exists(tmp_path: Path) -> None:
+    ckpt = _forge(tmp_path, lambda meta: None)
+    (tmp_path / "dest").mkdir()
+    (tmp_path / "dest" / "mine").write_text("keep")
+    with pytest.raises(FileExistsError, match=r"dest exists; restoring .*step-1.*new directory"):
+        restore_folder(ckpt, tmp_path / "dest")
+    assert os.listdir(tmp_path / "dest") == ["mine"]
+
+
+def test_a_destination_made_during_the_restore_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: an empty directory made at the destination while the files were written
+    # was replaced by the rename without a word.
+    from storage.integrations import folders
+
+    ckpt = _forge(tmp_path, lambda meta: None)
+    dest = tmp_path / "out" / "dest"
+    real_sync = folders._sync_tree
+
+    def sync_then_make(root: str) -> None:
+        real_sync(root)
+        dest.mkdir()
+
+    monkeypatch.setattr(folders, "_sync_tree", sync_then_make)
+    with pytest.raises(FileExistsError, match="appeared while"):
+        restore_folder(ckpt, dest)
+    assert os.listdir(dest) == [] and os.listdir(tmp_path / "out") == ["dest"]
