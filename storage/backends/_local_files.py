@@ -301,9 +301,7 @@ def _components(directory: str, name: str, itself: bool) -> list[str]:
 
 
 @contextlib.contextmanager
-def _opened_parent(
-    directory: str, name: str, *, itself: bool = False
-) -> Iterator[tuple[int, str]]:
+def _opened_parent(directory: str, name: str, *, itself: bool = False) -> Iterator[tuple[int, str]]:
     """``(fd, last)``: the directory that holds ``directory/name``, opened by walking
     from ``directory``'s parent (taken as given: the place the user chose) with no link
     followed at ``directory`` or below it, and the last name to act on there."""
@@ -372,7 +370,8 @@ def remove_dir(directory: str, name: str = "") -> None:
 def rename_in(directory: str, name: str, new_name: str) -> None:
     """Move ``directory/name`` to ``directory/new_name`` (replacing what is there),
     walking to each as :func:`remove_file` does."""
-    with _opened_parent(directory, name) as (src, old), _opened_parent(
-        directory, new_name
-    ) as (dst, new):
+    with (
+        _opened_parent(directory, name) as (src, old),
+        _opened_parent(directory, new_name) as (dst, new),
+    ):
         os.replace(old, new, src_dir_fd=src, dst_dir_fd=dst)

@@ -453,7 +453,9 @@ def test_retention_never_follows_a_step_swapped_for_a_link_after_its_checks(
     from storage.checkpoint import deletion
 
     root, victim, before = swappable
-    monkeypatch.setattr(deletion, "withdraw_latest", lambda fs, path: _swap(root / "step-1", victim))
+    monkeypatch.setattr(
+        deletion, "withdraw_latest", lambda fs, path: _swap(root / "step-1", victim)
+    )
     mgr = CheckpointManager(root, keep_last=1, key_prefixes=2)
     mgr.save(2, _state(2.0))  # retention deletes step 1
     assert _snapshot(victim) == before

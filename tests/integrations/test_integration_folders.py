@@ -220,8 +220,8 @@ def _rename(meta: Any, old: str, new: str) -> None:
 
     meta.state_dict_metadata[new] = meta.state_dict_metadata.pop(old)
     for index in [i for i in meta.storage_data if i.fqn == old]:
-        meta.storage_data[MetadataIndex(new, index.offset, index.index)] = (
-            meta.storage_data.pop(index)
+        meta.storage_data[MetadataIndex(new, index.offset, index.index)] = meta.storage_data.pop(
+            index
         )
 
 
