@@ -280,11 +280,15 @@ WALKS_SAFELY = (
 )
 
 
-def _components(directory: str, name: str, itself: bool) -> list[str]:
-    """The names to walk below ``directory``'s parent: ``directory``'s own, then those of
-    ``name`` (``/``-separated, relative; empty only where ``itself`` allows acting on
-    ``directory`` itself). Refuses what would leave the directory."""
-    head = os.path.basename(directory.rstrip(os.sep))
+def _walk_plan(directory: str, name: str, itself: bool) -> tuple[str, list[str]]:
+    """``(top, parts)``: where the walk starts (``directory``'s parent, taken as given:
+    the place the user chose; ``directory`` itself when it is ``/``) and the names to
+    walk from there: ``directory``'s own, then those of ``name`` (``/``-separated,
+    relative; empty only where ``itself`` allows acting on ``directory`` itself).
+    Refuses what would leave the directory."""
+    stripped = directory.rstrip(os.sep) or os.sep
+    head = os.path.basename(stripped)
+    top = (os.path.dirname(stripped) or os.curdir) if head else stripped
     parts = [p for p in name.split("/") if p]
     if (
         name.startswith("/")
@@ -297,26 +301,24 @@ def _components(directory: str, name: str, itself: bool) -> list[str]:
             "name inside that directory (a checkpoint's names never hold '..', '.', an "
             "absolute path or a NUL); nothing was removed"
         )
-    return ([head] if head else []) + parts
+    parts = ([head] if head else []) + parts
+    if not parts:
+        raise UnsafeCheckpointError(f"refusing to remove the file system root {directory!r}")
+    return top, parts
 
 
 @contextlib.contextmanager
 def _opened_parent(directory: str, name: str, *, itself: bool = False) -> Iterator[tuple[int, str]]:
     """``(fd, last)``: the directory that holds ``directory/name``, opened by walking
-    from ``directory``'s parent (taken as given: the place the user chose) with no link
-    followed at ``directory`` or below it, and the last name to act on there."""
+    from ``directory``'s parent with no link followed at ``directory`` or below it
+    (:func:`_walk_plan`), and the last name to act on there."""
     if not WALKS_SAFELY:
         raise UnsafeCheckpointError(
             f"refusing to remove {name or directory!r}: this platform cannot open "
             "directories without following symbolic links (os.supports_dir_fd), so a "
             "removal could land outside the checkpoint; remove the files by hand"
         )
-    parts = _components(directory, name, itself)
-    if not parts:
-        raise UnsafeCheckpointError(f"refusing to remove the file system root {directory!r}")
-    top = os.path.dirname(directory.rstrip(os.sep)) or os.sep
-    if not os.path.basename(directory.rstrip(os.sep)):
-        top = directory  # the directory is "/" itself: only names below it are walked
+    top, parts = _walk_plan(directory, name, itself)
     fd = os.open(top, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         walked = top

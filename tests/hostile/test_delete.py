@@ -569,3 +569,18 @@ def test_links_planted_in_a_step_are_removed_as_links_and_their_targets_survive(
     assert (root / "step-2" / "0f").is_symlink()
     assert target.read_bytes() == b"keep me"
     assert (victim / "dir" / "__0_0.distcp").read_bytes() == b"keep me too"
+
+
+def test_a_relative_directory_is_walked_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``step-1`` (a relative path, as torch's local filesystem may hand it) is walked
+    from the working directory, never from ``/``."""
+    (tmp_path / "step-1" / "00").mkdir(parents=True)
+    (tmp_path / "step-1" / "00" / "f").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    fs = LocalFileSystem()
+    fs.rm_file_in("step-1", "00/f")
+    fs.rm_dir_in("step-1", "00")
+    fs.rm_dir_in("step-1")
+    assert os.listdir(tmp_path) == []
