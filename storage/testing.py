@@ -155,6 +155,30 @@ class FileSystemTests(CancellationTests, ConformanceSuite):
         assert fs.ls(root) == ["b.bin", "sub"]
         assert not fs.exists(fs.concat_path(root, "a.bin"))
 
+    def test_removal_inside_a_directory(self, fs: FileSystemBase, root: str) -> None:
+        """What deletion uses: ``rm_file_in`` removes a name (nested ones too) under a
+        directory, ``FileNotFoundError`` for a missing one; ``rename_in`` moves one
+        there; ``rm_dir_in`` removes an empty directory and never a file."""
+        step = fs.concat_path(root, "step")
+        self.bypass_write(fs, fs.concat_path(step, "a.bin"), b"a")
+        self.bypass_write(fs, fs.concat_path(fs.concat_path(step, "0a"), "b.bin"), b"b")
+        fs.rename_in(step, "a.bin", "moved.bin")
+        assert self.bypass_read(fs, fs.concat_path(step, "moved.bin")) == b"a"
+        fs.rm_file_in(step, "moved.bin")
+        fs.rm_file_in(step, "0a/b.bin")
+        with pytest.raises(FileNotFoundError):
+            fs.rm_file_in(step, "0a/b.bin")
+        fs.rm_dir_in(step, "0a")
+        fs.rm_dir_in(step)
+        assert not fs.exists(fs.concat_path(step, "moved.bin"))
+        if type(fs).rm_dir is FileSystemBase.rm_dir:
+            return  # a backend without directories (or that cannot remove them)
+        try:
+            names = fs.ls(root)
+        except FileNotFoundError:
+            names = []  # an object store: nothing is left under the prefix
+        assert "step" not in names
+
     def test_modified_is_the_writes_time_or_unknown(self, fs: FileSystemBase, root: str) -> None:
         """``gc`` deletes leftovers by age: a backend tells the time of the last write
         (this machine's clock, within the store's skew) or ``None``, never a guess."""
