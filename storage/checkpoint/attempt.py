@@ -10,7 +10,7 @@ from extensions.errors import CheckpointStorageError
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.commit import commit_may_have_landed
 from storage.checkpoint.deadline import Budget
-from storage.checkpoint.deletion import remove_data_files, remove_save
+from storage.checkpoint.deletion import remove_own_files, remove_save
 
 
 class SaveAttempt:
@@ -129,6 +129,6 @@ class SaveAttempt:
         cleanup.join(left)
 
     def _remove(self, names: list[str], lost: bool) -> None:
-        remove_data_files(self.fs, self.path, set(names))
+        remove_own_files(self.fs, self.path, set(names))
         if lost:
             remove_save(self.fs, self.path, self.save_id)

@@ -24,7 +24,7 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.committed import own_files, read_metadata_file
 from storage.checkpoint.deadline import Budget, DeadlineExceededError
-from storage.checkpoint.deletion import remove_data_files
+from storage.checkpoint.deletion import remove_data_files, remove_own_files
 from storage.checkpoint.incremental import check_referenced_files
 from storage.checkpoint.latest import publish as point_latest
 from storage.checkpoint.prefixes import absent
@@ -93,7 +93,7 @@ def commit_checkpoint(
         except BaseException:
             landed = metadata_may_name(fs, meta_path, save_id)
             if not landed:
-                remove_data_files(fs, directory, set(new_files))  # never through a link
+                remove_own_files(fs, directory, set(new_files))  # never through a link below
             raise
 
     try:

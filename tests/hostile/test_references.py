@@ -278,9 +278,9 @@ class _Gate(LocalFileSystem):
         self._hold("publish", path)
         super().write_atomic(path, data, exclusive=exclusive)
 
-    def rename(self, path: str, new_path: str) -> None:
-        self._hold("rename", path)
-        super().rename(path, new_path)
+    def rename_in(self, directory: str, name: str, new_name: str) -> None:
+        self._hold("rename", os.path.join(directory, name))
+        super().rename_in(directory, name, new_name)
 
 
 def _two_steps(root: Path) -> CheckpointManager:
@@ -372,13 +372,13 @@ def test_rm_that_decided_before_a_save_chose_its_base_keeps_the_base(
     saver = CheckpointManager(str(root), incremental=True, persist="thread")
     saver.save(9, _state(9))
     gate = _Gate("rename", "step-9/.metadata")
-    rename = LocalFileSystem.rename
+    rename_in = LocalFileSystem.rename_in
 
-    def held(self: LocalFileSystem, path: str, new_path: str) -> None:
-        gate._hold("rename", path)  # the CLI makes its own backend: held in the class
-        rename(self, path, new_path)
+    def held(self: LocalFileSystem, directory: str, name: str, new_name: str) -> None:
+        gate._hold("rename", os.path.join(directory, name))  # the CLI makes its own backend
+        rename_in(self, directory, name, new_name)
 
-    monkeypatch.setattr(LocalFileSystem, "rename", held)
+    monkeypatch.setattr(LocalFileSystem, "rename_in", held)
     codes: list[int] = []
     thread, errors = _run(lambda: codes.append(main(["rm", str(root / "step-9")])))
     assert gate.parked.wait(10)
@@ -395,20 +395,20 @@ _PRUNE_KILLED_AFTER_THE_MOVE = """
 import os, sys, time
 from storage import CheckpointManager, LocalFileSystem
 root, decided, go, moved = sys.argv[1:5]
-rename = LocalFileSystem.rename
+rename_in = LocalFileSystem.rename_in
 def wait_for(path):
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.02)
-def held(self, path, new_path):
-    if path.endswith("step-9/.metadata"):
+def held(self, directory, name, new_name):
+    if os.path.join(directory, name).endswith("step-9/.metadata"):
         open(decided, "w").close()  # nothing referenced step 9 when it looked
         wait_for(go)
-        rename(self, path, new_path)
+        rename_in(self, directory, name, new_name)
         open(moved, "w").close()  # killed here, before it looks again
         wait_for(go + ".never")
-    rename(self, path, new_path)
-LocalFileSystem.rename = held
+    rename_in(self, directory, name, new_name)
+LocalFileSystem.rename_in = held
 CheckpointManager(root, keep_last=1, persist="thread").apply_retention()
 """
 
