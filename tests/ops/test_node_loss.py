@@ -86,7 +86,7 @@ def _announce_worker(rank: int, store: str, root: str, sizes: list[int]) -> None
                 dist.send(torch.tensor([size], dtype=torch.int64), 1)
                 continue
             try:
-                _peers._recv_file(fs, f"{root}/{name}", 0, None, sync=False)
+                _peers._recv_file(fs, root, name, 0, None, sync=False)
             except CheckpointStorageError as exc:
                 Path(root, f"{name}.error").write_text(str(exc))
 
