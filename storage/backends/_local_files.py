@@ -332,10 +332,10 @@ def _opened_parent(directory: str, name: str, *, itself: bool = False) -> Iterat
                 ):
                     raise UnsafeCheckpointError(
                         f"refusing to remove {os.path.join(directory, name)!r}: {walked!r} "
-                        "is a symbolic link where a directory was, and nothing is removed "
-                        "through a link (someone who can write its parent swapped it); "
-                        "nothing was removed there. Remove the link itself, and make that "
-                        "directory writable by you only"
+                        "is a symbolic link where the checkpoint has a directory, and "
+                        "nothing is removed through a link; nothing was removed there. "
+                        "Whoever can write its parent may have swapped it in: remove the "
+                        "link itself, and make that directory writable by you only"
                     ) from None
                 raise
             os.close(fd)

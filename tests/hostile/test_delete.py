@@ -404,6 +404,9 @@ def swappable(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
     return root, victim, before
 
 
+_SWAPPED = "symbolic link where the checkpoint has a directory"
+
+
 def _swap(place: Path, target: Path) -> None:
     place.rename(place.with_name(place.name + ".moved"))
     place.symlink_to(target, target_is_directory=True)
@@ -439,7 +442,7 @@ def test_delete_never_follows_a_directory_swapped_for_a_link_after_its_checks(
         recheck = swap
     else:  # the metadata removed, the data files not yet
         monkeypatch.setattr(deletion, "withdraw_latest", lambda fs, path: swap())
-    with pytest.raises(UnsafeCheckpointError, match="symbolic link where a directory was"):
+    with pytest.raises(UnsafeCheckpointError, match=_SWAPPED):
         deletion.delete_checkpoint(fs, path, recheck=recheck)
     assert _snapshot(victim) == before
 
@@ -459,7 +462,7 @@ def test_retention_never_follows_a_step_swapped_for_a_link_after_its_checks(
     mgr = CheckpointManager(root, keep_last=1, key_prefixes=2)
     mgr.save(2, _state(2.0))  # retention deletes step 1
     assert _snapshot(victim) == before
-    assert "symbolic link where a directory was" in caplog.text
+    assert _SWAPPED in caplog.text
     _assert_loads(root / "step-2", 2.0)
 
 
@@ -479,7 +482,7 @@ def test_removal_fails_closed_when_a_directory_is_swapped_mid_walk(
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", open_then_swap)
-    with pytest.raises(UnsafeCheckpointError, match="symbolic link where a directory was"):
+    with pytest.raises(UnsafeCheckpointError, match=_SWAPPED):
         LocalFileSystem().rm_file_in(str(step), name)
     monkeypatch.undo()
     assert _snapshot(victim) == before
