@@ -282,7 +282,7 @@ def _publish(staging: str, dest: str, where: str) -> None:
         )
     try:
         os.rename(staging, dest)  # an empty directory made since the look above is replaced
-    except (FileExistsError, NotADirectoryError, IsADirectoryError, OSError) as exc:
+    except OSError as exc:  # ENOTEMPTY, EEXIST, ENOTDIR: something is there now
         if not os.path.lexists(dest):
             raise
         raise FileExistsError(
