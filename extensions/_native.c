@@ -68,7 +68,7 @@ static inline uint32_t top16(uint32_t second, uint32_t top, int moved) {
     return (top << 8) | second;
 }
 
-static void join2(uint8_t *restrict out, const uint8_t *restrict lo,
+WIDE static void join2(uint8_t *restrict out, const uint8_t *restrict lo,
                   const uint8_t *restrict hi, Py_ssize_t n, int moved) {
     if (moved)
         for (Py_ssize_t i = 0; i < n; i++) store16(out + 2 * i, (uint16_t)top16(lo[i], hi[i], 1));

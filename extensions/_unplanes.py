@@ -288,7 +288,7 @@ def _join(planes: list[Any], words: np.ndarray, moved: bool) -> None:
     if _native is not None and es in (2, 4):
         n = len(words)
         arrays = [
-            _scratch.array(f"const{j}", np.uint8, n) if np.ndim(p) == 0 and p is not None else p
+            _scratch.array(f"const{j}", np.uint8, n) if isinstance(p, np.generic) else p
             for j, p in enumerate(planes)
         ]
         for array, plane in zip(arrays, planes):

@@ -620,6 +620,28 @@ def test_damaged_format_2_headers_are_refused() -> None:
     assert "claims" in _damaged(_block(bytes(huge)), item)
 
 
+def test_every_cut_of_a_block_header_is_refused_as_cut_short() -> None:
+    """A block header cut anywhere inside a field (a varint, a plane's bytes) is refused
+    as cut short, never read past its end, whatever the plane modes."""
+    heads = [
+        (layout.PACK, 3, 2, 300, 200),
+        (layout.JOINT, 7, 0, 1 << 20, 130),
+        (layout.BIT, 1, 2, 0, 0),
+        (layout.CONST, 9, 0, 0, 0),
+        (layout.SEVEN, 0x80, 0, 0, 0),
+        (layout.ZSTD, 0, 0, 1 << 14, 0),
+    ]
+    body = layout.pack_v2_block(1 << 19, 0, heads)[layout.V2_PREFIX.size :]
+    for cut in range(len(body)):
+        with pytest.raises(layout.CorruptBlock, match="cut short"):
+            layout.parse_v2_block(memoryview(body[:cut]), len(heads), 1 << 19)
+    assert [h[0] for h in layout.parse_v2_block(memoryview(body), len(heads), 1 << 19)[2]] == [
+        h[0] for h in heads
+    ]
+    with pytest.raises(layout.CorruptBlock, match="cut short"):
+        layout.parse_v2_end(memoryview(b""))
+
+
 def _packed_block(codes: bytes, escapes: bytes) -> bytes:
     """A format-2 float8 stream of one block: one PACK plane (two codes to a byte, base
     0) of ``codes``, the ``escapes`` stored after it, and the end record."""
