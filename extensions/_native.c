@@ -375,7 +375,61 @@ static inline uint16_t joint_word(uint8_t c, uint8_t six, uint16_t base7) {
     return (uint16_t)((((v >> 3) + base7) & 0x7FE0u) | (v & 0x1Fu) | ((v << 10) & 0x8000u));
 }
 
-static inline uint8_t six_of(uint32_t w) { return (uint8_t)(((w >> 10) & 0x20u) | (w & 0x1Fu)); }
+static inline uint8_t six_of(uint16_t w) { return (uint8_t)(((w >> 10) & 0x20u) | (w & 0x1Fu)); }
+
+#define ESCAPE_CHUNK 256
+
+/* The joint plane and the six-bit rows of n words (escaped exponents coded 63). */
+WIDE static void joint_planes(uint8_t *restrict joint, uint8_t *restrict rest,
+                              const uint8_t *restrict in, Py_ssize_t n, uint8_t base) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint16_t w = load16(in + 2 * i);
+        uint8_t code = (uint8_t)((uint8_t)(w >> 7) - base);
+        joint[i] = (uint8_t)((code < 63 ? code : 63) << 2 | ((w >> 5) & 3));
+    }
+    Py_ssize_t q = (n + 3) / 4, fourth = n - 3 * q; /* words in the fourth quarter */
+    Py_ssize_t start = fourth > 0 ? fourth : 0;
+    if (fourth > 0) { /* then rows 0-2 are whole: one pass over the four quarters */
+        uint8_t *r0 = rest, *r1 = rest + q, *r2 = rest + 2 * q;
+        const uint8_t *w0 = in, *w1 = in + 2 * q, *w2 = in + 4 * q, *w3 = in + 6 * q;
+        for (Py_ssize_t i = 0; i < fourth; i++) {
+            uint8_t s3 = six_of(load16(w3 + 2 * i));
+            r0[i] = (uint8_t)(six_of(load16(w0 + 2 * i)) | (uint8_t)(s3 << 6));
+            r1[i] = (uint8_t)(six_of(load16(w1 + 2 * i)) | (uint8_t)((s3 >> 2) << 6));
+            r2[i] = (uint8_t)(six_of(load16(w2 + 2 * i)) | (uint8_t)((s3 >> 4) << 6));
+        }
+    }
+    for (Py_ssize_t k = 0; k < 3; k++) { /* past the fourth quarter: six bits, then 0 */
+        uint8_t *row = rest + k * q;
+        Py_ssize_t size = n - k * q < q ? (n - k * q > 0 ? n - k * q : 0) : q;
+        for (Py_ssize_t i = start; i < size; i++) row[i] = six_of(load16(in + 2 * (k * q + i)));
+        for (Py_ssize_t i = size > start ? size : start; i < q; i++) row[i] = 0;
+    }
+}
+
+/* The exponents of the words joint codes as escapes, in order, into escapes (as many
+ * as room holds); returns how many there are. Chunks without an escape code (most) are
+ * passed by one vectorized test. */
+static Py_ssize_t joint_escaped(uint8_t *restrict escapes, Py_ssize_t room,
+                                const uint8_t *restrict joint, const uint8_t *restrict in,
+                                Py_ssize_t n) {
+    Py_ssize_t found = 0;
+    for (Py_ssize_t at = 0; at < n; at += ESCAPE_CHUNK) {
+        const uint8_t *c = joint + at;
+        Py_ssize_t size = n - at < ESCAPE_CHUNK ? n - at : ESCAPE_CHUNK;
+        uint8_t any = 0;
+        for (Py_ssize_t i = 0; i < size; i++) any |= c[i] >= 0xFC;
+        if (!any)
+            continue;
+        for (Py_ssize_t i = 0; i < size; i++)
+            if (c[i] >= 0xFC) {
+                if (found < room)
+                    escapes[found] = (uint8_t)(load16(in + 2 * (at + i)) >> 7);
+                found++;
+            }
+    }
+    return found;
+}
 
 PyDoc_STRVAR(joint_split_doc,
 "joint_split(joint, rest, words, base, escapes) -> int\n\n"
@@ -401,29 +455,10 @@ static PyObject *joint_split(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     uint8_t *joint = v[0].buf, *rest = v[1].buf, *escapes = v[3].buf;
     const uint8_t *in = v[2].buf;
-    const uint32_t b = (uint32_t)base;
-    Py_ssize_t found = 0;
+    Py_ssize_t found;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t w = load16(in + 2 * i), code = ((w >> 7) - b) & 0xFFu;
-        found += code >= 63;
-        joint[i] = (uint8_t)((code < 63 ? code : 63u) << 2 | ((w >> 5) & 3u));
-    }
-    for (Py_ssize_t i = 0, k = 0; k < found && i < n; i++)
-        if (joint[i] >= 0xFC) {
-            if (k < room)
-                escapes[k] = (uint8_t)(load16(in + 2 * i) >> 7);
-            k++;
-        }
-    Py_ssize_t last = n - 3 * q; /* words in the fourth quarter: 0 to q */
-    for (int k = 0; k < 3; k++) {
-        uint8_t *row = rest + k * q;
-        Py_ssize_t size = n - k * q < q ? (n - k * q > 0 ? n - k * q : 0) : q;
-        for (Py_ssize_t i = 0; i < size; i++) row[i] = six_of(load16(in + 2 * (k * q + i)));
-        for (Py_ssize_t i = size; i < q; i++) row[i] = 0;
-        for (Py_ssize_t i = 0; i < last; i++)
-            row[i] |= (uint8_t)(((six_of(load16(in + 2 * (3 * q + i))) >> (2 * k)) & 3u) << 6);
-    }
+    joint_planes(joint, rest, in, n, (uint8_t)base);
+    found = joint_escaped(escapes, room, joint, in, n);
     Py_END_ALLOW_THREADS
     release_all(v, 4);
     return PyLong_FromSsize_t(found);
@@ -454,8 +489,6 @@ WIDE static void joint_words(uint8_t *restrict out, const uint8_t *restrict join
                                base7));
     }
 }
-
-#define ESCAPE_CHUNK 256
 
 /* Each escaped word of out takes its exponent from escapes, in order, as far as the
  * stored ones go; returns how many escape codes joint holds, at most stored + 1. The
