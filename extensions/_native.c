@@ -470,24 +470,32 @@ PyDoc_STRVAR(joint_join_doc,
 "escapes the codes hold, 0 to len(escapes) + 1: the caller refuses any count but\n"
 "len(escapes), and words is then incomplete.");
 
-/* The words of a JOINT block, escapes aside (their words get the code's exponent). */
-WIDE static void joint_words(uint8_t *restrict out, const uint8_t *restrict joint,
-                             const uint8_t *restrict rest, Py_ssize_t n, uint16_t base7) {
+/* The words of a JOINT block, escapes aside (their words get the code's exponent);
+ * returns whether joint holds an escape code. */
+WIDE static int joint_words(uint8_t *restrict out, const uint8_t *restrict joint,
+                            const uint8_t *restrict rest, Py_ssize_t n, uint16_t base7) {
+    uint8_t any = 0;
     Py_ssize_t q = (n + 3) / 4;
     for (Py_ssize_t k = 0; k < 3 && k * q < n; k++) {
         const uint8_t *row = rest + k * q, *c = joint + k * q;
         uint8_t *o = out + 2 * k * q;
         Py_ssize_t size = n - k * q < q ? n - k * q : q;
-        for (Py_ssize_t i = 0; i < size; i++) store16(o + 2 * i, joint_word(c[i], row[i], base7));
+        for (Py_ssize_t i = 0; i < size; i++) {
+            store16(o + 2 * i, joint_word(c[i], row[i], base7));
+            any |= c[i] >= 0xFC;
+        }
     }
     if (n > 3 * q) { /* a fourth quarter (pointers past the end are never formed) */
         const uint8_t *r0 = rest, *r1 = rest + q, *r2 = rest + 2 * q, *c = joint + 3 * q;
         uint8_t *o = out + 6 * q;
-        for (Py_ssize_t i = 0; i < n - 3 * q; i++)
+        for (Py_ssize_t i = 0; i < n - 3 * q; i++) {
             store16(o + 2 * i,
                     joint_word(c[i], (uint8_t)(r0[i] >> 6 | (r1[i] >> 6) << 2 | (r2[i] >> 6) << 4),
                                base7));
+            any |= c[i] >= 0xFC;
+        }
     }
+    return any;
 }
 
 /* Each escaped word of out takes its exponent from escapes, in order, as far as the
@@ -532,8 +540,9 @@ static PyObject *joint_join(PyObject *Py_UNUSED(self), PyObject *args) {
     const uint8_t *joint = v[1].buf, *rest = v[2].buf, *escapes = v[3].buf;
     Py_ssize_t found;
     Py_BEGIN_ALLOW_THREADS
-    joint_words(out, joint, rest, n, (uint16_t)(base << 7));
-    found = joint_escapes(out, joint, n, escapes, stored);
+    found = joint_words(out, joint, rest, n, (uint16_t)(base << 7))
+                ? joint_escapes(out, joint, n, escapes, stored)
+                : 0;
     Py_END_ALLOW_THREADS
     release_all(v, 4);
     return PyLong_FromSsize_t(found);
