@@ -379,12 +379,15 @@ static inline uint8_t six_of(uint16_t w) { return (uint8_t)(((w >> 10) & 0x20u) 
 
 #define ESCAPE_CHUNK 256
 
-/* The joint plane and the six-bit rows of n words (escaped exponents coded 63). */
-WIDE static void joint_planes(uint8_t *restrict joint, uint8_t *restrict rest,
-                              const uint8_t *restrict in, Py_ssize_t n, uint8_t base) {
+/* The joint plane and the six-bit rows of n words (escaped exponents coded 63);
+ * returns whether an exponent escapes. */
+WIDE static int joint_planes(uint8_t *restrict joint, uint8_t *restrict rest,
+                             const uint8_t *restrict in, Py_ssize_t n, uint8_t base) {
+    uint8_t any = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint16_t w = load16(in + 2 * i);
         uint8_t code = (uint8_t)((uint8_t)(w >> 7) - base);
+        any |= code >= 63;
         joint[i] = (uint8_t)((code < 63 ? code : 63) << 2 | ((w >> 5) & 3));
     }
     Py_ssize_t q = (n + 3) / 4, fourth = n - 3 * q; /* words in the fourth quarter */
@@ -405,6 +408,7 @@ WIDE static void joint_planes(uint8_t *restrict joint, uint8_t *restrict rest,
         for (Py_ssize_t i = start; i < size; i++) row[i] = six_of(load16(in + 2 * (k * q + i)));
         for (Py_ssize_t i = size > start ? size : start; i < q; i++) row[i] = 0;
     }
+    return any;
 }
 
 /* The exponents of the words joint codes as escapes, in order, into escapes (as many
@@ -457,8 +461,9 @@ static PyObject *joint_split(PyObject *Py_UNUSED(self), PyObject *args) {
     const uint8_t *in = v[2].buf;
     Py_ssize_t found;
     Py_BEGIN_ALLOW_THREADS
-    joint_planes(joint, rest, in, n, (uint8_t)base);
-    found = joint_escaped(escapes, room, joint, in, n);
+    found = joint_planes(joint, rest, in, n, (uint8_t)base)
+                ? joint_escaped(escapes, room, joint, in, n)
+                : 0;
     Py_END_ALLOW_THREADS
     release_all(v, 4);
     return PyLong_FromSsize_t(found);
