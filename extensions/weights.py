@@ -76,8 +76,9 @@ class WeightCodec(StreamTransformExtension):
     ``compact=True`` stores bfloat16 tensors whose values are bell-shaped (weights,
     first moments) 0.5-0.9% smaller, in format 3 (``dcp_storage.weights/3``: the top
     two mantissa bits coded with the exponent), at a cost in speed: decoding one such
-    tensor takes ~1.7x as long (about ZipNN's speed), encoding ~2x (docs/benchmarks.md);
-    other dtypes are stored as without it. Readers decode either way with no setting.
+    tensor takes ~1.3x as long (about ZipNN's speed), encoding ~1.15x
+    (docs/benchmarks.md); other dtypes are stored as without it. Readers decode either
+    way with no setting.
 
     ``element_size`` is what a descriptor records, for decoding; leave it ``None`` when
     saving, and each item uses its own tensor's element size. ``dtype`` (the item's,
