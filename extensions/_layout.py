@@ -52,7 +52,7 @@ class CorruptBlock(ValueError):
     """The stored block cannot be decoded (the message says what is wrong)."""
 
 
-def _varint(out: bytearray, value: int) -> None:
+def _put_varint(out: bytearray, value: int) -> None:
     while value >= 0x80:
         out.append(value & 0x7F | 0x80)
         value >>= 7
@@ -61,7 +61,7 @@ def _varint(out: bytearray, value: int) -> None:
 
 def pack_v2_block(nbytes: int, flags: int, heads: list[PlaneHead]) -> bytes:
     body = bytearray()
-    _varint(body, nbytes)
+    _put_varint(body, nbytes)
     body.append(flags)
     for head in heads:
         _pack_head(body, head)
@@ -83,48 +83,44 @@ def _pack_head(body: bytearray, head: PlaneHead) -> None:
     elif mode == BIT:
         body += bytes((a, b))
     elif mode == ZSTD:
-        _varint(body, length)
+        _put_varint(body, length)
     elif mode == PACK:
         body += bytes((a, b))
-        _varint(body, length)
-        _varint(body, extra)
+        _put_varint(body, length)
+        _put_varint(body, extra)
     elif mode == JOINT:
         body.append(a)
-        _varint(body, length)
-        _varint(body, extra)
+        _put_varint(body, length)
+        _put_varint(body, extra)
 
 
 def pack_v2_end(total: int) -> bytes:
     body = bytearray()
-    _varint(body, total)
+    _put_varint(body, total)
     return V2_PREFIX.pack(END_TAG, len(body)) + body
 
 
-class _Cursor:
-    def __init__(self, body: memoryview) -> None:
-        self.body = body
-        self.at = 0
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """The varint at ``data[at]`` and where it ends (``IndexError`` past the end)."""
+    value = 0
+    for shift in range(0, 7 * _MAX_VARINT, 7):
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+    raise CorruptBlock(f"a block header holds a varint of more than {_MAX_VARINT} bytes")
 
-    def byte(self) -> int:
-        if self.at >= len(self.body):
-            raise CorruptBlock("a block header is cut short")
-        self.at += 1
-        return self.body[self.at - 1]
 
-    def varint(self) -> int:
-        value = 0
-        for shift in range(0, 7 * _MAX_VARINT, 7):
-            byte = self.byte()
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                return value
-        raise CorruptBlock(f"a block header holds a varint of more than {_MAX_VARINT} bytes")
+_CUT_SHORT = "a block header is cut short"
 
 
 def parse_v2_end(body: memoryview) -> int:
-    cursor = _Cursor(body)
-    total = cursor.varint()
-    if cursor.at != len(body):
+    try:
+        total, at = _varint(bytes(body), 0)
+    except IndexError:
+        raise CorruptBlock(_CUT_SHORT) from None
+    if at != len(body):
         raise CorruptBlock("the end record has bytes after its total")
     return total
 
@@ -132,36 +128,50 @@ def parse_v2_end(body: memoryview) -> int:
 def parse_v2_block(body: memoryview, es: int, limit: int) -> tuple[int, int, list[PlaneHead]]:
     """``(nbytes, flags, heads)`` of a format-2 block body; ``nbytes`` is checked against
     ``limit`` before the plane lengths it implies are computed."""
-    cursor = _Cursor(body)
-    nbytes = cursor.varint()
-    if not 0 < nbytes <= limit:
-        raise CorruptBlock(f"a block of {nbytes} bytes (at most {limit})")
-    flags = cursor.byte()
-    n = nbytes // es
-    heads: list[PlaneHead] = []
-    for _ in range(es):
-        mode = cursor.byte()
-        if mode == RAW:
-            heads.append((RAW, 0, 0, n, 0))
-        elif mode == CONST:
-            heads.append((CONST, cursor.byte(), 0, 0, 0))
-        elif mode == BIT:
-            heads.append((BIT, cursor.byte(), cursor.byte(), -(-n // 8), 0))
-        elif mode == ZSTD:
-            heads.append((ZSTD, 0, 0, cursor.varint(), 0))
-        elif mode == PACK:
-            a, b = cursor.byte(), cursor.byte()
-            heads.append((PACK, a, b, cursor.varint(), cursor.varint()))
-        elif mode == SEVEN:
-            heads.append((SEVEN, cursor.byte(), 0, seven_size(n), 0))
-        elif mode == SIX:
-            heads.append((SIX, 0, 0, six_size(n), 0))
-        elif mode == JOINT:
-            heads.append((JOINT, cursor.byte(), 0, cursor.varint(), cursor.varint()))
-        else:
-            raise CorruptBlock(f"unknown plane mode {mode}")
-    if cursor.at != len(body):
-        raise CorruptBlock(f"a block header has {len(body) - cursor.at} bytes after its planes")
+    data = bytes(body)  # at most 255 bytes; indexing past its end: cut short
+    try:
+        nbytes, at = _varint(data, 0)
+        if not 0 < nbytes <= limit:
+            raise CorruptBlock(f"a block of {nbytes} bytes (at most {limit})")
+        flags = data[at]
+        at += 1
+        n = nbytes // es
+        heads: list[PlaneHead] = []
+        for _ in range(es):
+            mode = data[at]
+            at += 1
+            if mode == RAW:
+                heads.append((RAW, 0, 0, n, 0))
+            elif mode == CONST:
+                heads.append((CONST, data[at], 0, 0, 0))
+                at += 1
+            elif mode == BIT:
+                heads.append((BIT, data[at], data[at + 1], -(-n // 8), 0))
+                at += 2
+            elif mode == ZSTD:
+                length, at = _varint(data, at)
+                heads.append((ZSTD, 0, 0, length, 0))
+            elif mode == PACK:
+                a, b = data[at], data[at + 1]
+                length, at = _varint(data, at + 2)
+                extra, at = _varint(data, at)
+                heads.append((PACK, a, b, length, extra))
+            elif mode == SEVEN:
+                heads.append((SEVEN, data[at], 0, seven_size(n), 0))
+                at += 1
+            elif mode == SIX:
+                heads.append((SIX, 0, 0, six_size(n), 0))
+            elif mode == JOINT:
+                a = data[at]
+                length, at = _varint(data, at + 1)
+                extra, at = _varint(data, at)
+                heads.append((JOINT, a, 0, length, extra))
+            else:
+                raise CorruptBlock(f"unknown plane mode {mode}")
+    except IndexError:
+        raise CorruptBlock(_CUT_SHORT) from None
+    if at != len(data):
+        raise CorruptBlock(f"a block header has {len(data) - at} bytes after its planes")
     return nbytes, flags, heads
 
 

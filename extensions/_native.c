@@ -48,6 +48,17 @@ static inline void store32(uint8_t *p, uint32_t v) {
     memcpy(p, &v, 4);
 }
 
+/* Where the compiler can pick a function's version by the CPU it runs on (GCC or clang,
+ * x86-64, glibc: an ifunc), the loops that take most of a decode get an AVX2 version
+ * too (twice the elements a step); the build itself still needs only baseline x86-64,
+ * and elsewhere they are built once, for the target. Either version writes the same
+ * bytes. */
+#if defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
+#define WIDE __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE
+#endif
+
 /* The top 16 bits of an element from its two top planes; "moved": the second plane
  * from the top holds the sign in bit 7 above 7 bits, the top plane the 8 bits that
  * followed the sign (see extensions/_planes.py). */
@@ -57,7 +68,7 @@ static inline uint32_t top16(uint32_t second, uint32_t top, int moved) {
     return (top << 8) | second;
 }
 
-static void join2(uint8_t *restrict out, const uint8_t *restrict lo,
+WIDE static void join2(uint8_t *restrict out, const uint8_t *restrict lo,
                   const uint8_t *restrict hi, Py_ssize_t n, int moved) {
     if (moved)
         for (Py_ssize_t i = 0; i < n; i++) store16(out + 2 * i, (uint16_t)top16(lo[i], hi[i], 1));
@@ -353,12 +364,76 @@ static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *args) {
 /* JOINT blocks (extensions/_joint.py): every loop here runs over contiguous bytes with
  * no branch, so that it vectorizes; escapes are counted, then put in by a scan. */
 
-/* One JOINT element from its joint byte, its six bits and its exponent. */
-static inline uint16_t joint_word(uint32_t c, uint32_t six, uint32_t e) {
-    return (uint16_t)((six & 0x20u) << 10 | (e & 0xFFu) << 7 | (c & 3u) << 5 | (six & 0x1Fu));
+/* One JOINT element from its joint byte c, its six bits and the base (shifted to the
+ * exponent's place, base << 7): the two bytes side by side in a 16-bit lane, three
+ * shifts and masks put them in place, so that the loops that call it vectorize eight
+ * elements a vector at baseline x86-64 (SSE2). */
+static inline uint16_t joint_word(uint8_t c, uint8_t six, uint16_t base7) {
+    uint16_t v = (uint16_t)(six | c << 8);
+    /* c << 5: the code lands on the exponent's bits 7-12, m on bits 5-6 (the six bits
+     * shifted down below bit 5 are masked off, and base7 has none there to carry) */
+    return (uint16_t)((((v >> 3) + base7) & 0x7FE0u) | (v & 0x1Fu) | ((v << 10) & 0x8000u));
 }
 
-static inline uint8_t six_of(uint32_t w) { return (uint8_t)(((w >> 10) & 0x20u) | (w & 0x1Fu)); }
+static inline uint8_t six_of(uint16_t w) { return (uint8_t)(((w >> 10) & 0x20u) | (w & 0x1Fu)); }
+
+#define ESCAPE_CHUNK 256
+
+/* The joint plane and the six-bit rows of n words (escaped exponents coded 63);
+ * returns whether an exponent escapes. */
+WIDE static int joint_planes(uint8_t *restrict joint, uint8_t *restrict rest,
+                             const uint8_t *restrict in, Py_ssize_t n, uint8_t base) {
+    uint8_t any = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint16_t w = load16(in + 2 * i);
+        uint8_t code = (uint8_t)((uint8_t)(w >> 7) - base);
+        any |= code >= 63;
+        joint[i] = (uint8_t)((code < 63 ? code : 63) << 2 | ((w >> 5) & 3));
+    }
+    Py_ssize_t q = (n + 3) / 4, fourth = n - 3 * q; /* words in the fourth quarter */
+    Py_ssize_t start = fourth > 0 ? fourth : 0;
+    if (fourth > 0) { /* then rows 0-2 are whole: one pass over the four quarters */
+        uint8_t *r0 = rest, *r1 = rest + q, *r2 = rest + 2 * q;
+        const uint8_t *w0 = in, *w1 = in + 2 * q, *w2 = in + 4 * q, *w3 = in + 6 * q;
+        for (Py_ssize_t i = 0; i < fourth; i++) {
+            uint8_t s3 = six_of(load16(w3 + 2 * i));
+            r0[i] = (uint8_t)(six_of(load16(w0 + 2 * i)) | (uint8_t)(s3 << 6));
+            r1[i] = (uint8_t)(six_of(load16(w1 + 2 * i)) | (uint8_t)((s3 >> 2) << 6));
+            r2[i] = (uint8_t)(six_of(load16(w2 + 2 * i)) | (uint8_t)((s3 >> 4) << 6));
+        }
+    }
+    for (Py_ssize_t k = 0; k < 3; k++) { /* past the fourth quarter: six bits, then 0 */
+        uint8_t *row = rest + k * q;
+        Py_ssize_t size = n - k * q < q ? (n - k * q > 0 ? n - k * q : 0) : q;
+        for (Py_ssize_t i = start; i < size; i++) row[i] = six_of(load16(in + 2 * (k * q + i)));
+        for (Py_ssize_t i = size > start ? size : start; i < q; i++) row[i] = 0;
+    }
+    return any;
+}
+
+/* The exponents of the words joint codes as escapes, in order, into escapes (as many
+ * as room holds); returns how many there are. Chunks without an escape code (most) are
+ * passed by one vectorized test. */
+static Py_ssize_t joint_escaped(uint8_t *restrict escapes, Py_ssize_t room,
+                                const uint8_t *restrict joint, const uint8_t *restrict in,
+                                Py_ssize_t n) {
+    Py_ssize_t found = 0;
+    for (Py_ssize_t at = 0; at < n; at += ESCAPE_CHUNK) {
+        const uint8_t *c = joint + at;
+        Py_ssize_t size = n - at < ESCAPE_CHUNK ? n - at : ESCAPE_CHUNK;
+        uint8_t any = 0;
+        for (Py_ssize_t i = 0; i < size; i++) any |= c[i] >= 0xFC;
+        if (!any)
+            continue;
+        for (Py_ssize_t i = 0; i < size; i++)
+            if (c[i] >= 0xFC) {
+                if (found < room)
+                    escapes[found] = (uint8_t)(load16(in + 2 * (at + i)) >> 7);
+                found++;
+            }
+    }
+    return found;
+}
 
 PyDoc_STRVAR(joint_split_doc,
 "joint_split(joint, rest, words, base, escapes) -> int\n\n"
@@ -384,29 +459,11 @@ static PyObject *joint_split(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     uint8_t *joint = v[0].buf, *rest = v[1].buf, *escapes = v[3].buf;
     const uint8_t *in = v[2].buf;
-    const uint32_t b = (uint32_t)base;
-    Py_ssize_t found = 0;
+    Py_ssize_t found;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t w = load16(in + 2 * i), code = ((w >> 7) - b) & 0xFFu;
-        found += code >= 63;
-        joint[i] = (uint8_t)((code < 63 ? code : 63u) << 2 | ((w >> 5) & 3u));
-    }
-    for (Py_ssize_t i = 0, k = 0; k < found && i < n; i++)
-        if (joint[i] >= 0xFC) {
-            if (k < room)
-                escapes[k] = (uint8_t)(load16(in + 2 * i) >> 7);
-            k++;
-        }
-    Py_ssize_t last = n - 3 * q; /* words in the fourth quarter: 0 to q */
-    for (int k = 0; k < 3; k++) {
-        uint8_t *row = rest + k * q;
-        Py_ssize_t size = n - k * q < q ? (n - k * q > 0 ? n - k * q : 0) : q;
-        for (Py_ssize_t i = 0; i < size; i++) row[i] = six_of(load16(in + 2 * (k * q + i)));
-        for (Py_ssize_t i = size; i < q; i++) row[i] = 0;
-        for (Py_ssize_t i = 0; i < last; i++)
-            row[i] |= (uint8_t)(((six_of(load16(in + 2 * (3 * q + i))) >> (2 * k)) & 3u) << 6);
-    }
+    found = joint_planes(joint, rest, in, n, (uint8_t)base)
+                ? joint_escaped(escapes, room, joint, in, n)
+                : 0;
     Py_END_ALLOW_THREADS
     release_all(v, 4);
     return PyLong_FromSsize_t(found);
@@ -416,7 +473,61 @@ PyDoc_STRVAR(joint_join_doc,
 "joint_join(words, joint, rest, base, escapes) -> int\n\n"
 "The inverse of joint_split into ``words`` (n 2-byte elements). Returns how many\n"
 "escapes the codes hold, 0 to len(escapes) + 1: the caller refuses any count but\n"
-"len(escapes), and words is then not written.");
+"len(escapes), and words is then incomplete.");
+
+/* The words of a JOINT block, escapes aside (their words get the code's exponent);
+ * returns whether joint holds an escape code. */
+WIDE static int joint_words(uint8_t *restrict out, const uint8_t *restrict joint,
+                            const uint8_t *restrict rest, Py_ssize_t n, uint16_t base7) {
+    uint8_t any = 0;
+    Py_ssize_t q = (n + 3) / 4;
+    for (Py_ssize_t k = 0; k < 3 && k * q < n; k++) {
+        const uint8_t *row = rest + k * q, *c = joint + k * q;
+        uint8_t *o = out + 2 * k * q;
+        Py_ssize_t size = n - k * q < q ? n - k * q : q;
+        for (Py_ssize_t i = 0; i < size; i++) {
+            store16(o + 2 * i, joint_word(c[i], row[i], base7));
+            any |= c[i] >= 0xFC;
+        }
+    }
+    if (n > 3 * q) { /* a fourth quarter (pointers past the end are never formed) */
+        const uint8_t *r0 = rest, *r1 = rest + q, *r2 = rest + 2 * q, *c = joint + 3 * q;
+        uint8_t *o = out + 6 * q;
+        for (Py_ssize_t i = 0; i < n - 3 * q; i++) {
+            store16(o + 2 * i,
+                    joint_word(c[i], (uint8_t)(r0[i] >> 6 | (r1[i] >> 6) << 2 | (r2[i] >> 6) << 4),
+                               base7));
+            any |= c[i] >= 0xFC;
+        }
+    }
+    return any;
+}
+
+/* Each escaped word of out takes its exponent from escapes, in order, as far as the
+ * stored ones go; returns how many escape codes joint holds, at most stored + 1. The
+ * codes are tested a chunk at a time (one vectorized test passes most chunks). */
+static Py_ssize_t joint_escapes(uint8_t *restrict out, const uint8_t *restrict joint,
+                                Py_ssize_t n, const uint8_t *restrict escapes,
+                                Py_ssize_t stored) {
+    Py_ssize_t found = 0;
+    for (Py_ssize_t at = 0; at < n && found <= stored; at += ESCAPE_CHUNK) {
+        const uint8_t *c = joint + at;
+        Py_ssize_t size = n - at < ESCAPE_CHUNK ? n - at : ESCAPE_CHUNK;
+        uint8_t any = 0;
+        for (Py_ssize_t i = 0; i < size; i++) any |= c[i] >= 0xFC;
+        if (!any)
+            continue;
+        for (Py_ssize_t i = 0; i < size; i++)
+            if (c[i] >= 0xFC) {
+                if (found < stored) {
+                    uint8_t *o = out + 2 * (at + i);
+                    store16(o, (uint16_t)((load16(o) & 0x807Fu) | (uint32_t)escapes[found] << 7));
+                }
+                found++;
+            }
+    }
+    return found > stored ? stored + 1 : found;
+}
 
 static PyObject *joint_join(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer v[4];
@@ -432,37 +543,11 @@ static PyObject *joint_join(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     uint8_t *out = v[0].buf;
     const uint8_t *joint = v[1].buf, *rest = v[2].buf, *escapes = v[3].buf;
-    const uint32_t b = (uint32_t)base;
-    Py_ssize_t found = 0;
+    Py_ssize_t found;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) found += joint[i] >= 0xFC;
-    if (found == stored) {
-        const uint8_t *r0 = rest, *r1 = rest + q, *r2 = rest + 2 * q;
-        for (int k = 0; k < 3 && k * q < n; k++) {
-            const uint8_t *row = rest + k * q, *c = joint + k * q;
-            uint8_t *o = out + 2 * k * q;
-            Py_ssize_t size = n - k * q < q ? n - k * q : q;
-            for (Py_ssize_t i = 0; i < size; i++)
-                store16(o + 2 * i, joint_word(c[i], row[i], (c[i] >> 2) + b));
-        }
-        if (n > 3 * q) { /* a fourth quarter (pointers past the end are never formed) */
-            const uint8_t *c = joint + 3 * q;
-            uint8_t *o = out + 6 * q;
-            for (Py_ssize_t i = 0; i < n - 3 * q; i++) {
-                uint32_t six = (uint32_t)(r0[i] >> 6) | (uint32_t)(r1[i] >> 6) << 2 |
-                               (uint32_t)(r2[i] >> 6) << 4;
-                store16(o + 2 * i, joint_word(c[i], six, (c[i] >> 2) + b));
-            }
-        }
-        Py_ssize_t k = 0;
-        for (Py_ssize_t i = 0; k < stored && i < n; i++)
-            if (joint[i] >= 0xFC) {
-                uint16_t w = load16(out + 2 * i);
-                store16(out + 2 * i, (uint16_t)((w & 0x807Fu) | (uint32_t)escapes[k++] << 7));
-            }
-    } else if (found > stored) {
-        found = stored + 1; /* more escapes than stored: the count tells the caller so */
-    }
+    found = joint_words(out, joint, rest, n, (uint16_t)(base << 7))
+                ? joint_escapes(out, joint, n, escapes, stored)
+                : 0;
     Py_END_ALLOW_THREADS
     release_all(v, 4);
     return PyLong_FromSsize_t(found);

@@ -161,6 +161,7 @@ def encode_block(
     whole = n * es
     moved = varies = False
     flags = 0
+    planes: list[np.ndarray] | None = None  # words: split once the split is known
     if es == 1:
         planes = [np.frombuffer(data, np.uint8, count=n)]
     elif es in _UINT:
@@ -168,7 +169,6 @@ def encode_block(
         if floating and n:
             sign = words.dtype.type(1 << (8 * es - 1))
             moved = varies = bool(words.max() >= sign) and bool(words.min() < sign)
-        planes = _split(words, es, moved)
     else:  # an element size without a numpy word: plain strided planes
         elements = np.frombuffer(data, np.uint8, count=whole).reshape(n, es)
         planes = [np.ascontiguousarray(elements[:, j]) for j in range(es)]
@@ -184,7 +184,9 @@ def encode_block(
     constant_sign = bool(floating and n and es in _UINT and not varies)
     guess = splits.guess() if constant_sign and splits is not None else None
     if guess:
-        planes, moved = _split(words, es, True), True
+        moved = True
+    if planes is None:
+        planes = _split(words, es, moved)
     coded = [_encode_plane(plane, floating) for plane in planes]
     if constant_sign and guess is None:  # try both splits
         alternative = [_encode_plane(plane, True) for plane in _split(words, es, True)[-2:]]

@@ -19,6 +19,7 @@ items with ``compact=True``), format 2 (written for every other item) and format
 
 from __future__ import annotations
 
+import functools
 import io
 import threading
 from dataclasses import dataclass, field
@@ -75,8 +76,9 @@ class WeightCodec(StreamTransformExtension):
     ``compact=True`` stores bfloat16 tensors whose values are bell-shaped (weights,
     first moments) 0.5-0.9% smaller, in format 3 (``dcp_storage.weights/3``: the top
     two mantissa bits coded with the exponent), at a cost in speed: decoding one such
-    tensor takes ~1.7x as long (about ZipNN's speed), encoding ~2x (docs/benchmarks.md);
-    other dtypes are stored as without it. Readers decode either way with no setting.
+    tensor takes ~1.3x as long (about ZipNN's speed), encoding ~1.15x
+    (docs/benchmarks.md); other dtypes are stored as without it. Readers decode either
+    way with no setting.
 
     ``element_size`` is what a descriptor records, for decoding; leave it ``None`` when
     saving, and each item uses its own tensor's element size. ``dtype`` (the item's,
@@ -108,21 +110,7 @@ class WeightCodec(StreamTransformExtension):
 
     @staticmethod
     def from_descriptor(version: str) -> WeightCodec:
-        name = WeightCodec.registry_name()
-        known = tuple(str(v) for v in range(1, FORMAT + 1))
-        value = descriptor_settings(name, version, {"es"}, known).get("es")
-        if value is None:
-            raise ValueError(
-                f"expected ';es=<element size 1-{MAX_ELEMENT_SIZE}>' in the descriptor, "
-                f"got {quote(version)}"
-            )
-        stream_format = descriptor_number(name, "version", version.split(";")[0], 1, FORMAT)
-        # A format-3 decoder describes itself as its writer did (``get_descriptor``).
-        return WeightCodec(
-            element_size=descriptor_number(name, "es", value, 1, MAX_ELEMENT_SIZE),
-            stream_format=stream_format,
-            compact=stream_format >= 3,
-        )
+        return _from_descriptor(version)
 
     def get_descriptor(self) -> str:
         version = FORMAT if self._joint() else 2
@@ -152,6 +140,28 @@ class WeightCodec(StreamTransformExtension):
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         return cast(IO[bytes], _Reader(input, self.element_size or 1, self.stream_format))
+
+
+@functools.lru_cache(maxsize=64)
+def _from_descriptor(version: str) -> WeightCodec:
+    """``WeightCodec.from_descriptor``, once per descriptor (a load meets a few, item after
+    item: parsing one cost a small tensor's decode a sixth of its time; the codec is
+    immutable, and a descriptor refused is parsed, and refused, every time)."""
+    name = WeightCodec.registry_name()
+    known = tuple(str(v) for v in range(1, FORMAT + 1))
+    value = descriptor_settings(name, version, {"es"}, known).get("es")
+    if value is None:
+        raise ValueError(
+            f"expected ';es=<element size 1-{MAX_ELEMENT_SIZE}>' in the descriptor, "
+            f"got {quote(version)}"
+        )
+    stream_format = descriptor_number(name, "version", version.split(";")[0], 1, FORMAT)
+    # A format-3 decoder describes itself as its writer did (``get_descriptor``).
+    return WeightCodec(
+        element_size=descriptor_number(name, "es", value, 1, MAX_ELEMENT_SIZE),
+        stream_format=stream_format,
+        compact=stream_format >= 3,
+    )
 
 
 class _Writer(BlockWriter):

@@ -194,6 +194,36 @@ def test_both_encoders_store_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.skipif("compiled" not in DECODERS, reason="extensions._native is not built")
+def test_compiled_joint_loops_match_numpy_at_every_small_size() -> None:
+    """The compiled JOINT split and join (their vectorized passes, the pass over all four
+    quarters, the tails of a short block, the chunks scanned for escapes) give the numpy
+    passes' planes, escapes and words at every size up to a few chunks of escapes, and
+    count one escape more than stored where one is missing."""
+    rng = np.random.default_rng(3)
+    for n in [*range(1, 40), 255, 256, 257, 1021, 1024, 1027]:
+        words = rng.integers(0, 1 << 16, n, dtype=np.uint16).astype("<u2")
+        words[rng.random(n) < 0.7] &= 0x80FF  # most exponents near the base, some escape
+        words[rng.random(n) < 0.7] |= 0x3C00
+        base = (0x78 - int(rng.integers(0, 80))) % 256  # some exponents escape, some not
+        parts = []
+        for split in (NATIVE.joint_split, joint._split):
+            codes, rest = np.empty(n, np.uint8), np.empty(layout.six_size(n), np.uint8)
+            room = np.zeros(n, np.uint8)
+            found = split(codes, rest, words, base, room)
+            parts.append((found, bytes(codes), bytes(rest), bytes(room[:found])))
+        assert parts[0] == parts[1], n
+        found, codes, rest, escapes = parts[0]
+        for join in (NATIVE.joint_join, joint._join):
+            out = np.zeros(n, "<u2")
+            view = np.frombuffer(codes, np.uint8)
+            assert join(out, view, memoryview(rest), base, memoryview(escapes)) == found, n
+            assert bytes(out) == bytes(words), n
+            if found:
+                short = memoryview(escapes[1:])
+                assert join(out, view, memoryview(rest), base, short) == found, n
+
+
+@pytest.mark.skipif("compiled" not in DECODERS, reason="extensions._native is not built")
 def test_both_decoders_agree_on_every_damaged_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """Streams with bytes flipped in their headers and planes decode to the same bytes,
     or fail alike, whether the compiled loops or numpy join them: the compiled path may
@@ -620,6 +650,28 @@ def test_damaged_format_2_headers_are_refused() -> None:
     assert "claims" in _damaged(_block(bytes(huge)), item)
 
 
+def test_every_cut_of_a_block_header_is_refused_as_cut_short() -> None:
+    """A block header cut anywhere inside a field (a varint, a plane's bytes) is refused
+    as cut short, never read past its end, whatever the plane modes."""
+    heads = [
+        (layout.PACK, 3, 2, 300, 200),
+        (layout.JOINT, 7, 0, 1 << 20, 130),
+        (layout.BIT, 1, 2, 0, 0),
+        (layout.CONST, 9, 0, 0, 0),
+        (layout.SEVEN, 0x80, 0, 0, 0),
+        (layout.ZSTD, 0, 0, 1 << 14, 0),
+    ]
+    body = layout.pack_v2_block(1 << 19, 0, heads)[layout.V2_PREFIX.size :]
+    for cut in range(len(body)):
+        with pytest.raises(layout.CorruptBlock, match="cut short"):
+            layout.parse_v2_block(memoryview(body[:cut]), len(heads), 1 << 19)
+    assert [h[0] for h in layout.parse_v2_block(memoryview(body), len(heads), 1 << 19)[2]] == [
+        h[0] for h in heads
+    ]
+    with pytest.raises(layout.CorruptBlock, match="cut short"):
+        layout.parse_v2_end(memoryview(b""))
+
+
 def _packed_block(codes: bytes, escapes: bytes) -> bytes:
     """A format-2 float8 stream of one block: one PACK plane (two codes to a byte, base
     0) of ``codes``, the ``escapes`` stored after it, and the end record."""
@@ -875,6 +927,51 @@ def test_tiny_empty_and_odd_element_size_items_round_trip(seed: int, es: int) ->
             item = ItemInfo(item="x", dtype=dtype, element_size=es)
             stored, descriptors = encoded(data, item)
             assert decoded(stored, descriptors, item, "readinto") == data, (es, n)
+
+
+def test_zstd_planes_decode_in_one_pass_alike_and_leave_the_stored_bytes_as_they_were() -> None:
+    """A format-2 zstd plane with room before it is decoded after its header is swapped,
+    in place, for one declaring its size: the stored bytes are put back, success or
+    not, and it decodes, or is refused, exactly as the frame read as written (a read-only
+    payload): a frame of one byte more or less than the plane, cut short, whose last
+    block is not marked last, or whose window is over a block or under the plane is
+    refused either way."""
+    rng = np.random.default_rng(7)
+    data = bytes(rng.integers(0, 8, 5000, dtype=np.uint8))  # compressible: one zstd block
+    fast = planes._codecs.fast
+
+    def stored(frame: bytes) -> bytearray:
+        return bytearray(b"abc") + frame + b"xy"
+
+    def raw_block(window_log: int) -> bytes:  # 4096 zero bytes as one raw block
+        return (
+            bytes([0, (window_log - 10) << 3]) + (1 | 4096 << 3).to_bytes(3, "little") + bytes(4096)
+        )
+
+    good = fast.compress(data)
+    assert good[0] == 0  # the header as written: no size, no checksum, no dictionary
+    last = bytearray(good)
+    last[2] &= 0xFE  # the one block no longer marked last: the frame does not end
+    cases = {
+        "good": (good, len(data)),
+        "longer": (fast.compress(data + b"\x01"), len(data)),
+        "shorter": (fast.compress(data[:-1]), len(data)),
+        "cut": (good[:-1], len(data)),
+        "unended": (bytes(last), len(data)),
+        "wide window": (raw_block(27), 4096),  # 128 MiB: refused unread
+        "narrow window": (raw_block(10), 4096),  # 1 KiB for 4 KiB
+    }
+    for name, (frame, size) in cases.items():
+        outcomes = []
+        for payload in (stored(frame), bytes(stored(frame))):  # swapped, read as written
+            before = bytes(payload)
+            try:
+                outcome = bytes(unplanes._unzstd(memoryview(payload), 3, len(frame), size, 2))
+            except layout.CorruptBlock:
+                outcome = b"refused"
+            assert bytes(payload) == before, name
+            outcomes.append(outcome)
+        assert outcomes[0] == outcomes[1] == (data if name == "good" else b"refused"), name
 
 
 def test_damaged_joint_blocks_raise_a_clear_error() -> None:
