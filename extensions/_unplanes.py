@@ -17,7 +17,6 @@ by none. Both paths decode the same bytes.
 
 from __future__ import annotations
 
-import struct
 import threading
 from types import ModuleType
 from typing import Any
@@ -101,7 +100,7 @@ def decode_block(
             planes.append(None if j else _plane(RAW, 0, 0, payload[: 2 * n], 2 * n, version, ""))
         elif mode == PACK:
             escapes = payload[at : at + extra]
-            planes.append(_unpack(payload, at - length, length, escapes, n, a, b, version, j))
+            planes.append(_unpack(piece, escapes, n, a, b, version, f"plane{j}"))
             at += extra
         else:
             planes.append(_plane(mode, a, b, piece, n, version, f"plane{j}"))
@@ -134,7 +133,7 @@ def _decode_joint(
     tail = payload[sixes + length + nesc :]
     if len(tail) != len(out) - 2 * n:
         raise CorruptBlock(f"a JOINT block of {len(payload)} bytes does not hold {n} elements")
-    joint = _unzstd(payload, sixes, length, n, 3)
+    joint = np.frombuffer(_unzstd(payload[sixes : sixes + length], n, 3), np.uint8)
     words = np.frombuffer(out, _UINT[2], count=n)
     found = _joint.join(words, joint, payload[:sixes], base, payload[sixes + length :][:nesc])
     _check_escapes(found, nesc)
@@ -161,7 +160,7 @@ def _plane(mode: int, a: int, b: int, piece: memoryview, n: int, version: int, r
         bits |= np.uint8(a)
         return bits[:n]
     if mode == ZSTD:
-        return _unzstd(piece, 0, len(piece), n, version)
+        return np.frombuffer(_unzstd(piece, n, version), np.uint8)
     if mode == SEVEN and version > 1:
         if a & 0x7F or len(piece) != seven_size(n):
             raise CorruptBlock(f"7-bit plane of {len(piece)} bytes, top bit {a:#x}, for {n} bytes")
@@ -187,27 +186,10 @@ def _unseven(piece: memoryview, n: int, top: int, role: str) -> np.ndarray:
     return rows.view(np.uint8).reshape(-1)[:n]
 
 
-#: A zstd frame header that declares its content size (4 bytes) and a single segment.
-_SIZED = struct.Struct("<BI")
-_SIZED_FLAGS = 0xA0
-
-
-def _unzstd(payload: memoryview, at: int, length: int, size: int, version: int) -> np.ndarray:
-    """The ``size`` bytes that the zstd frame ``payload[at : at + length]`` decodes to.
-    zstd sizes its output by the content size a frame's header declares and ignores
-    ``max_output_size`` then, so a frame that declares any other size (format 2: any
-    size) is refused before a byte is allocated.
-
-    A format-2 frame as written (no checksum, no dictionary, a window of at least
-    ``size`` and at most :data:`WINDOW`) with 3 writable bytes before it is decoded as
-    declaring ``size``: its 2-byte header is swapped, in place, for one that declares
-    ``size`` over a single segment (over those 3 bytes, put back after), and zstd decodes
-    it in one pass, straight into its output, skipping its window's buffer and the
-    copy out of it (~2% of a bfloat16 decode). It decodes what the frame as written
-    does: no match can reach back past its start either way, and a frame that does not
-    end after exactly ``size`` bytes is refused."""
-    frame = payload[at : at + length]
-    swap, saved = False, b""
+def _unzstd(frame: memoryview, size: int, version: int) -> bytes:
+    """The ``size`` bytes that ``frame`` decodes to. zstd sizes its output by the content
+    size a frame's header declares and ignores ``max_output_size`` then, so a frame that
+    declares any other size (format 2: any size) is refused before a byte is allocated."""
     try:
         if version == 1:
             declared = _codecs.content_size(frame)
@@ -219,49 +201,29 @@ def _unzstd(payload: memoryview, at: int, length: int, size: int, version: int) 
         else:
             # A magicless frame starts with its header descriptor: a content size field
             # (bits 6-7) or a single segment (bit 5, then the size is always there).
-            if not length or frame[0] & 0xE0:
+            if not len(frame) or frame[0] & 0xE0:
                 declared = _codecs.content_size(_MAGIC + bytes(frame[:18]))
                 raise CorruptBlock(
                     f"a zstd plane declares {declared} bytes (format 2 frames declare none, "
                     f"expected {size}); refused unread"
                 )
-            if at >= 3 and length > 2 and size and frame[0] == 0 and not payload.readonly:
-                exponent, mantissa = frame[1] >> 3, frame[1] & 7
-                swap = size <= (8 + mantissa) << (7 + exponent) <= WINDOW  # the window
-            if swap:
-                saved = bytes(payload[at - 3 : at + 2])
-                payload[at - 3 : at + 2] = _SIZED.pack(_SIZED_FLAGS, size)
-                frame = payload[at - 3 : at + length]
             data = decompressor(WINDOW, magicless=True).decompress(frame, max_output_size=size)
     except _codecs.error as exc:
         raise CorruptBlock(refused(exc, WINDOW)) from None
-    finally:
-        if swap:
-            payload[at - 3 : at + 2] = saved
     if len(data) != size:
         raise CorruptBlock(f"zstd plane of {len(data)} bytes, expected {size}")
-    return np.frombuffer(data, np.uint8)
+    return data
 
 
 def _unpack(
-    payload: memoryview,
-    at: int,
-    length: int,
-    escapes: memoryview,
-    n: int,
-    base: int,
-    k: int,
-    version: int,
-    j: int,
+    frame: memoryview, escapes: memoryview, n: int, base: int, k: int, version: int, role: str
 ) -> np.ndarray:
-    """Plane ``j``, a PACK plane (its codes' zstd frame ``payload[at : at + length]``),
-    into the thread's array for it: the codes spread to a byte each in wide words (two
-    nibbles, or four 2-bit codes, per code byte), escapes put back."""
+    """A PACK plane, into the thread's ``role`` array: the codes spread to a byte each in
+    wide words (two nibbles, or four 2-bit codes, per code byte), escapes put back."""
     if k not in _ESCAPE:
         raise CorruptBlock(f"packed plane with {k} codes per byte")
-    role = f"plane{j}"
     count = -(-n // k)
-    codes = _unzstd(payload, at, length, count, version)
+    codes = np.frombuffer(_unzstd(frame, count, version), np.uint8)
     if _native is not None:
         plane = _scratch.array(role, np.uint8, n)
         found = _native.spread(plane, codes, k, base, escapes)

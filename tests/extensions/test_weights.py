@@ -929,51 +929,6 @@ def test_tiny_empty_and_odd_element_size_items_round_trip(seed: int, es: int) ->
             assert decoded(stored, descriptors, item, "readinto") == data, (es, n)
 
 
-def test_zstd_planes_decode_in_one_pass_alike_and_leave_the_stored_bytes_as_they_were() -> None:
-    """A format-2 zstd plane with room before it is decoded after its header is swapped,
-    in place, for one declaring its size: the stored bytes are put back, success or
-    not, and it decodes, or is refused, exactly as the frame read as written (a read-only
-    payload): a frame of one byte more or less than the plane, cut short, whose last
-    block is not marked last, or whose window is over a block or under the plane is
-    refused either way."""
-    rng = np.random.default_rng(7)
-    data = bytes(rng.integers(0, 8, 5000, dtype=np.uint8))  # compressible: one zstd block
-    fast = planes._codecs.fast
-
-    def stored(frame: bytes) -> bytearray:
-        return bytearray(b"abc") + frame + b"xy"
-
-    def raw_block(window_log: int) -> bytes:  # 4096 zero bytes as one raw block
-        return (
-            bytes([0, (window_log - 10) << 3]) + (1 | 4096 << 3).to_bytes(3, "little") + bytes(4096)
-        )
-
-    good = fast.compress(data)
-    assert good[0] == 0  # the header as written: no size, no checksum, no dictionary
-    last = bytearray(good)
-    last[2] &= 0xFE  # the one block no longer marked last: the frame does not end
-    cases = {
-        "good": (good, len(data)),
-        "longer": (fast.compress(data + b"\x01"), len(data)),
-        "shorter": (fast.compress(data[:-1]), len(data)),
-        "cut": (good[:-1], len(data)),
-        "unended": (bytes(last), len(data)),
-        "wide window": (raw_block(27), 4096),  # 128 MiB: refused unread
-        "narrow window": (raw_block(10), 4096),  # 1 KiB for 4 KiB
-    }
-    for name, (frame, size) in cases.items():
-        outcomes = []
-        for payload in (stored(frame), bytes(stored(frame))):  # swapped, read as written
-            before = bytes(payload)
-            try:
-                outcome = bytes(unplanes._unzstd(memoryview(payload), 3, len(frame), size, 2))
-            except layout.CorruptBlock:
-                outcome = b"refused"
-            assert bytes(payload) == before, name
-            outcomes.append(outcome)
-        assert outcomes[0] == outcomes[1] == (data if name == "good" else b"refused"), name
-
-
 def test_damaged_joint_blocks_raise_a_clear_error() -> None:
     """A JOINT block is refused where its flags, plane modes, sizes or escapes disagree
     with each other or with the stream's format, before anything is written past them."""
