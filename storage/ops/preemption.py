@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import signal
 import threading
 import time
@@ -95,6 +96,7 @@ class PreemptionGuard:
         self._stopped = False
         self._deadline: float | None = None
         self._pg: Any = None
+        self._pid = os.getpid()  # a child forked from it inherits the handlers, not the guard
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._pg = dist.new_group(backend="gloo")  # collective, like the manager
         self._previous: dict[int, Handler] = {}
@@ -104,6 +106,17 @@ class PreemptionGuard:
     # --- the handler: record, nothing else ---------------------------------------------
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:
+            # A child forked from the trainer (a DataLoader worker, a multiprocessing
+            # Process): no step boundary of its own ever reads the flag, so it handles
+            # the signal as before the guard (SIGTERM's default: it ends).
+            previous = self._previous.get(signum)
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous in (None, signal.SIG_DFL):
+                signal.raise_signal(signum)
+            return
         if self._signal is None:
             self._signal = (signum, time.monotonic())
 
