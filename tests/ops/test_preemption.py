@@ -268,6 +268,21 @@ def test_save_on_signal_needs_a_tiered_manager_and_sane_options(tmp_path: Path) 
         mgr.save_on_signal(dict, every=0)
 
 
+@pytest.mark.parametrize("bad", [signal.SIGKILL, signal.SIGSTOP, 0, 100000, True])
+def test_a_signal_no_handler_can_catch_is_refused_and_installs_nothing(
+    tmp_path: Path, bad: int
+) -> None:
+    """``signals=(SIGTERM, SIGKILL)`` is refused by name, before any handler is
+    installed. Without the check ``signal.signal`` raised a bare ``OSError`` for SIGKILL
+    after SIGTERM's handler was in place, held by a guard the caller never got: every
+    later SIGTERM was recorded there and never ended the process."""
+    mgr = tiered(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ValueError, match="not a signal a handler can catch; nothing was"):
+        mgr.save_on_signal(dict, signals=(signal.SIGTERM, bad))
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 # --- several ranks, in process --------------------------------------------------------------
 
 
