@@ -23,6 +23,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from extensions.errors import TierFullError, UnsafeCheckpointError
+from storage.backends import LocalFileSystem
 from storage.checkpoint import api
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import commit_checkpoint
@@ -87,11 +88,18 @@ def refuse_links(g: Group, local: StepRoot, root: StepRoot, step: int, *, pg: An
 
 
 def refuse_shared_tier(g: Group, local: StepRoot) -> None:
-    """Raise on every rank, before the tier is listed, drained or written, if some node's
-    ``local`` tier on local disk is open to other users (``StepRoot.open_to_others``).
-    Collective."""
-    error: UnsafeCheckpointError | None = None
-    why = local.open_to_others()
+    """Make ``local`` where it is on local disk (this user's from now on), then raise on
+    every rank, before the tier is listed, drained or written, if some node's tier is
+    open to other users (``StepRoot.open_to_others``). Collective."""
+    error: Exception | None = None
+    try:
+        if isinstance(local.fs, LocalFileSystem):
+            # Made now, before the check: left for the first save, its name in a shared
+            # sticky directory (/dev/shm/run) was anyone's to take with a link meanwhile.
+            local.fs.mkdir(local.path)
+        why = local.open_to_others()
+    except OSError as exc:
+        error, why = exc, None
     if why is not None:
         error = UnsafeCheckpointError(
             f"the local tier {local.url} {why}: another user or job on this host could put a "

@@ -155,12 +155,20 @@ class StepRoot:
     def open_to_others(self, *, owner: bool = True) -> str | None:
         """Why this root, on local disk, is open to other users of the host, or ``None``:
         it is writable by every user (even with the sticky bit: they may add a
-        ``step-<N>`` of their own), it is not owned by this user nor root (``owner``), or
-        a directory above it is writable by every user without the sticky bit (they may
-        move the root away and put theirs in its place). Group write is allowed (a
-        user's private group, a team's shared disk)."""
+        ``step-<N>`` of their own), it is not owned by this user nor root (``owner``), its
+        path goes through a symbolic link of another user's (``owner``: made first in a
+        sticky shared directory such as /dev/shm, it stays theirs to point elsewhere at
+        any time), or a directory above it is writable by every user without the sticky
+        bit (they may move the root away and put theirs in its place). Group write is
+        allowed (a user's private group, a team's shared disk)."""
         if not isinstance(self.fs, LocalFileSystem) or not hasattr(os, "geteuid"):
             return None
+        foreign = _foreign_link(self.path) if owner else None
+        if foreign is not None:
+            return (
+                f"is reached through {foreign[0]!r}, a symbolic link of user id {foreign[1]}'s, "
+                "who can point it elsewhere at any time"
+            )
         with contextlib.suppress(OSError):  # missing: made by us, with the umask
             info = os.stat(self.path)
             if info.st_mode & stat.S_IWOTH:
@@ -240,6 +248,33 @@ class StepRoot:
     def remember(self, step: int, metadata: Metadata) -> None:
         """``metadata`` was just published as ``step``'s ``.metadata`` by this process."""
         self.models.remember(self.fs, self.step_path(step), metadata)
+
+
+def _foreign_link(path: str) -> tuple[str, int] | None:
+    """The first symbolic link that resolving ``path`` goes through and that neither
+    this user nor root owns, with its owner; ``None`` when there is none."""
+    pending = os.path.abspath(path).split(os.sep)[1:]
+    current, hops = os.sep, 0
+    while pending and hops <= 40:  # past that, resolving the path fails anyway
+        name = pending.pop(0)
+        if name in ("", "."):
+            continue
+        candidate = os.path.dirname(current) if name == ".." else os.path.join(current, name)
+        try:
+            info = os.lstat(candidate)
+        except OSError:
+            return None  # missing from here on: made by us
+        if not stat.S_ISLNK(info.st_mode):
+            current = candidate
+            continue
+        if info.st_uid not in (os.geteuid(), 0):
+            return candidate, info.st_uid
+        hops += 1
+        target = os.readlink(candidate)
+        pending = target.split(os.sep) + pending
+        if os.path.isabs(target):
+            current = os.sep
+    return None
 
 
 def check_step(step: object) -> int:

@@ -446,6 +446,53 @@ def test_a_local_tier_of_another_users_is_refused(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "root", local=tier)
 
 
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="needs root to own a link as another user",
+)
+@pytest.mark.parametrize("where", ["tier", "above"])
+def test_a_local_tier_reached_through_another_users_link_is_refused(
+    tmp_path: Path, where: str
+) -> None:
+    # Before: the neighbour's link /dev/shm/tier, made before ours in the sticky shared
+    # directory, pointed at a private directory of ours (or their /dev/shm/jobs, above
+    # the tier, at a sticky directory of theirs), and the checks looked only at where the
+    # link led. The link stays theirs: once the manager was running they pointed it at a
+    # tier of their own, and it listed their step-999 as its newest, loaded it and
+    # drained it to the root as its own.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    theirs = shm / "theirs"  # a sticky directory of theirs, where we may make a tier
+    theirs.mkdir()
+    theirs.chmod(0o1777)
+    os.chown(theirs, 65534, 65534)
+    ours = tmp_path / "ours"  # a private directory of ours
+    ours.mkdir()
+    link = shm / ("tier" if where == "tier" else "jobs")
+    link.symlink_to(ours if where == "tier" else theirs)
+    os.lchown(link, 65534, 65534)
+    tier = link if where == "tier" else link / "tier"
+    with pytest.raises(UnsafeCheckpointError, match=r"symbolic link of user id 65534"):
+        CheckpointManager(tmp_path / "root", local=tier)
+    os.lchown(link, os.geteuid(), os.getegid())  # a link of one's own is fine
+    CheckpointManager(tmp_path / "root", local=tier).save(1, {"w": torch.ones(8)})
+
+
+def test_a_local_tier_is_made_before_anyone_can_take_its_name(tmp_path: Path) -> None:
+    # Before: a tier that did not exist yet was checked, then left for the first save
+    # to make, minutes later; meanwhile a neighbour could put their link at its name
+    # in the sticky shared directory (/dev/shm/run -> a tier of theirs), which that save
+    # followed, and the manager then loaded and drained their steps as its own.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    CheckpointManager(tmp_path / "root", local=shm / "run" / "tier")
+    made = shm / "run" / "tier"
+    assert made.is_dir() and not made.is_symlink() and not (shm / "run").is_symlink()
+    assert made.stat().st_uid == os.geteuid()
+
+
 def test_a_world_writable_root_is_used_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
