@@ -28,6 +28,7 @@ from storage.checkpoint import api
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.deadline import DeadlineExceededError
+from storage.checkpoint.layout import make_directory
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops._peers import Group, Move, gather_errors, transfer
 from storage.ops.base_choice import Candidate, choose_base
@@ -96,7 +97,7 @@ def refuse_shared_tier(g: Group, local: StepRoot) -> None:
         if isinstance(local.fs, LocalFileSystem):
             # Made now, before the check: left for the first save, its name in a shared
             # sticky directory (/dev/shm/run) was anyone's to take with a link meanwhile.
-            local.fs.mkdir(local.path)
+            make_directory(local.fs, local.path)
         why = local.open_to_others()
     except OSError as exc:
         error, why = exc, None

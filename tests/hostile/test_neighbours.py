@@ -491,6 +491,9 @@ def test_a_local_tier_is_made_before_anyone_can_take_its_name(tmp_path: Path) ->
     made = shm / "run" / "tier"
     assert made.is_dir() and not made.is_symlink() and not (shm / "run").is_symlink()
     assert made.stat().st_uid == os.geteuid()
+    (tmp_path / "file").write_text("not a tier")
+    with pytest.raises(FileExistsError, match="file, not a checkpoint directory; nothing was"):
+        CheckpointManager(tmp_path / "root", local=tmp_path / "file")
 
 
 def test_a_world_writable_root_is_used_with_a_warning(
