@@ -156,8 +156,8 @@ class StepRoot:
         """Why this root, on local disk, is open to other users of the host, or ``None``:
         it is writable by every user (even with the sticky bit: they may add a
         ``step-<N>`` of their own), it is not owned by this user nor root (``owner``), its
-        path goes through a symbolic link of another user's (``owner``: made first in a
-        sticky shared directory such as /dev/shm, it stays theirs to point elsewhere at
+        path goes through a symbolic link another user may replace (``owner``: made first
+        in a shared directory such as /dev/shm, it stays theirs to point elsewhere at
         any time), or a directory above it is writable by every user without the sticky
         bit (they may move the root away and put theirs in its place). Group write is
         allowed (a user's private group, a team's shared disk)."""
@@ -251,8 +251,10 @@ class StepRoot:
 
 
 def _foreign_link(path: str) -> tuple[str, int] | None:
-    """The first symbolic link that resolving ``path`` goes through and that neither
-    this user nor root owns, with its owner; ``None`` when there is none."""
+    """The first symbolic link that resolving ``path`` goes through that another user
+    (not root) owns and may replace, with its owner; ``None`` when there is none. Its
+    owner may replace it where they may remove names from the directory holding it:
+    one every user can write (sticky or not: the link is theirs), or one of theirs."""
     pending = os.path.abspath(path).split(os.sep)[1:]
     current, hops = os.sep, 0
     while pending and hops <= 40:  # past that, resolving the path fails anyway
@@ -267,10 +269,16 @@ def _foreign_link(path: str) -> tuple[str, int] | None:
         if not stat.S_ISLNK(info.st_mode):
             current = candidate
             continue
-        if info.st_uid not in (os.geteuid(), 0):
+        try:
+            holder = os.stat(current)
+            target = os.readlink(candidate)
+        except OSError:
+            return None  # changing under us: resolving it fails as it would have
+        if info.st_uid not in (os.geteuid(), 0) and (
+            holder.st_mode & stat.S_IWOTH or holder.st_uid == info.st_uid
+        ):
             return candidate, info.st_uid
         hops += 1
-        target = os.readlink(candidate)
         pending = target.split(os.sep) + pending
         if os.path.isabs(target):
             current = os.sep

@@ -477,6 +477,11 @@ def test_a_local_tier_reached_through_another_users_link_is_refused(
         CheckpointManager(tmp_path / "root", local=tier)
     os.lchown(link, os.geteuid(), os.getegid())  # a link of one's own is fine
     CheckpointManager(tmp_path / "root", local=tier).save(1, {"w": torch.ones(8)})
+    fixed = tmp_path / "fixed"  # and so is another user's where they cannot replace it
+    fixed.mkdir()
+    (fixed / "tier").symlink_to(ours)
+    os.lchown(fixed / "tier", 65534, 65534)
+    CheckpointManager(tmp_path / "root2", local=fixed / "tier").save(1, {"w": torch.ones(8)})
 
 
 def test_a_local_tier_is_made_before_anyone_can_take_its_name(tmp_path: Path) -> None:
