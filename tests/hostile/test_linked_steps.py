@@ -344,3 +344,17 @@ def test_copying_onto_a_file_names_it(
     assert main(["cp", str(shared), str(tmp_path / "notes")]) == 1
     assert "is a file, not a checkpoint directory" in capsys.readouterr().err
     assert (tmp_path / "notes").read_bytes() == b"notes"
+
+
+def test_copying_over_a_checkpoint_whose_metadata_is_a_directory_names_it(
+    tmp_path: Path, shared: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: `cp --overwrite` onto a directory whose `.metadata` is a directory (planted,
+    # or a tool's mistake) failed with `Is a directory: .../.metadata.tmp-<id>`, naming a
+    # temporary file of its own that no longer existed, and no fix.
+    (tmp_path / "dst" / ".metadata").mkdir(parents=True)
+    assert main(["cp", "--overwrite", str(shared), str(tmp_path / "dst")]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'dst' / '.metadata'} is a directory, so nothing can be published" in err
+    assert ".tmp-" not in err.splitlines()[-1]
+    assert (tmp_path / "dst" / ".metadata").is_dir()
