@@ -261,8 +261,9 @@ def test_a_data_file_its_committed_base_lost_is_named_in_the_base(
     base = f"of its base '{tmp_path / 'step-1'}'"
     with pytest.raises(CheckpointNotFoundError, match=f"data file '__0_0-.*' {base}"):
         storage.load(_blank(), tmp_path / "step-2")
-    assert main(["cp", str(tmp_path / "step-2"), str(tmp_path / "copy")]) == 1
-    assert re.search(f"data file '__0_0-.*' {base}", capsys.readouterr().err)
+    for command in (["cp"], ["export", "--format", "safetensors"]):
+        assert main([*command, str(tmp_path / "step-2"), str(tmp_path / "out")]) == 1
+        assert re.search(f"data file '__0_0-.*' {base}", capsys.readouterr().err)
 
 
 class _DeletesBase(DefaultSavePlanner):
