@@ -358,3 +358,30 @@ def test_copying_over_a_checkpoint_whose_metadata_is_a_directory_names_it(
     assert f"{tmp_path / 'dst' / '.metadata'} is a directory, so nothing can be published" in err
     assert ".tmp-" not in err.splitlines()[-1]
     assert (tmp_path / "dst" / ".metadata").is_dir()
+
+
+@pytest.mark.parametrize("alias", ["link", "file-url", "dot"])
+def test_a_local_tier_that_is_the_root_under_another_name_is_refused(
+    tmp_path: Path, alias: str
+) -> None:
+    # Before: `local=` naming the root through a symbolic link (or as file://..., or
+    # with a `.` in it) passed the check that the two differ; the manager then took the
+    # root's steps for its local copies, durable ones, and keep_local=1 deleted every
+    # durable step but the newest from the root.
+    root = tmp_path / "run"
+    saver = CheckpointManager(root)
+    for step in (1, 2, 3):
+        saver.save(step, step_state(step))
+    local: Any = {
+        "link": tmp_path / "alias",
+        "file-url": f"file://{root}",
+        "dot": f"{tmp_path}/./run",
+    }[alias]
+    (tmp_path / "alias").symlink_to(root)
+    with pytest.raises(ValueError, match="are one directory"):
+        CheckpointManager(root, local=local, keep_local=1)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        "step-1",
+        "step-2",
+        "step-3",
+    ]
