@@ -102,6 +102,11 @@ class StepRoot:
     def step_url(self, step: int) -> str:
         return self.fs.url(self.step_path(step))
 
+    def place(self) -> str:
+        """Where the steps really are: the URL once links are resolved, ``file://``
+        dropped (one directory under every spelling)."""
+        return self.fs.url(self.fs.realpath(self.path)).rstrip("/").removeprefix("file://")
+
     def names(self) -> list[str]:
         """The names under the root (empty when it does not exist): its listing and each
         step this process saw committed here that the listing misses, asked for by name

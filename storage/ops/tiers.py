@@ -74,13 +74,7 @@ class LocalTier:
         self.local = StepRoot(*resolve_location(local, storage_options, filesystem))
         self.group: Group = make_group(self.local.url, replicate, own_pg=True)
         local_save.refuse_shared_tier(self.group, self.local)  # before it is listed
-        if _place(self.local) == _place(root):
-            # Through an alias (a symbolic link, file://), too: the local tier's retention
-            # then deleted the durable steps beyond keep_local, its own being the root's.
-            raise ValueError(
-                f"the local tier {self.local.url} and the root {root.url} are one directory "
-                f"({_place(root)}): point local= at a directory of its own"
-            )
+        local_save.claim_tier(self.group, self.local, root)
         self.retention = LocalRetention(
             self.local,
             keep_local,
@@ -384,8 +378,3 @@ class LocalTier:
 
     def _count_restored(self, sent: int) -> None:
         self.restored_bytes += sent
-
-
-def _place(steps: StepRoot) -> str:
-    """Where ``steps`` really are: its URL once links are resolved, ``file://`` dropped."""
-    return steps.fs.url(steps.fs.realpath(steps.path)).rstrip("/").removeprefix("file://")

@@ -479,9 +479,9 @@ def test_a_local_tier_reached_through_another_users_link_is_refused(
     CheckpointManager(tmp_path / "root", local=tier).save(1, {"w": torch.ones(8)})
     fixed = tmp_path / "fixed"  # and so is another user's where they cannot replace it
     fixed.mkdir()
-    (fixed / "tier").symlink_to(ours)
+    (fixed / "tier").symlink_to(tier)
     os.lchown(fixed / "tier", 65534, 65534)
-    CheckpointManager(tmp_path / "root2", local=fixed / "tier").save(1, {"w": torch.ones(8)})
+    CheckpointManager(tmp_path / "root", local=fixed / "tier").save(2, {"w": torch.ones(8)})
 
 
 def test_a_local_tier_is_made_before_anyone_can_take_its_name(tmp_path: Path) -> None:
@@ -499,6 +499,23 @@ def test_a_local_tier_is_made_before_anyone_can_take_its_name(tmp_path: Path) ->
     (tmp_path / "file").write_text("not a tier")
     with pytest.raises(FileExistsError, match="file, not a checkpoint directory; nothing was"):
         CheckpointManager(tmp_path / "root", local=tmp_path / "file")
+
+
+def test_a_local_tier_draining_to_another_root_is_refused(tmp_path: Path) -> None:
+    # Before: two jobs of one user given the same local tier (a copied config's
+    # /dev/shm/run) drained each other's steps: job B's step 7 landed in job A's root,
+    # which then resumed from it, a model it never trained, and A's step 2 in B's root.
+    shm = tmp_path / "shm"
+    a = CheckpointManager(tmp_path / "rootA", local=shm, keep_local=1)
+    a.save(1, {"w": torch.full((8,), 1.0)})
+    a.wait()
+    with pytest.raises(ValueError, match=r"drains to another root, .*rootA.*a local directory of"):
+        CheckpointManager(tmp_path / "rootB", local=shm, keep_local=1)
+    assert not (tmp_path / "rootB").exists()
+    a.save(2, {"w": torch.full((8,), 2.0)})  # A goes on
+    a.wait()
+    again = CheckpointManager(tmp_path / "rootA", local=shm)  # A restarted: its own tier
+    assert again.steps() == [1, 2]
 
 
 def test_a_world_writable_root_is_used_with_a_warning(
