@@ -32,6 +32,7 @@ from storage.backends.gcs import _direct as gcs_direct
 from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.ops.copy import copy_checkpoint
+from storage.ops.uploads import stale_uploads
 from tests.hostile.test_bounds import MiB, _zstd_bomb
 from tests.support.servers import (
     Asked,
@@ -387,3 +388,36 @@ def test_a_drain_whose_metadata_the_store_acknowledges_but_loses_ends(
     mgr.save(3, {"w": torch.full((64,), 3.0)})
     mgr.wait()  # the next pass drains step 2 again, then step 3
     assert mgr.durable_steps() == [1, 2, 3]
+
+
+def test_a_listing_of_uploads_names_only_what_is_under_the_prefix(
+    servers: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listing of incomplete multipart uploads that also names another team's upload,
+    outside the prefix asked for (the store or a proxy answers wrongly). Before,
+    ``stale_uploads(..., abort=True)`` (``gc --abort-uploads``) took it for one of the
+    root's and aborted it: the other job's checkpoint upload in flight was lost."""
+    proxy: FaultProxy = servers["s3"]
+    proxy.clear()
+    server = boto3_client(servers["s3-server"])
+    prefix = f"{uuid.uuid4().hex}/run"
+    theirs = f"{uuid.uuid4().hex}/other/step-1/__0_0-0123456789ab.distcp"
+    upload = server.create_multipart_upload(Bucket=BUCKET, Key=theirs)["UploadId"]
+    stray = (
+        f"<Upload><Key>{theirs}</Key><UploadId>{upload}</UploadId>"
+        "<Initiated>2010-11-10T20:48:33.000Z</Initiated></Upload>"
+    )
+
+    def listing(asked: Asked, reply: Reply) -> Reply:
+        end = b"</ListMultipartUploadsResult>"
+        reply.body = reply.body.replace(end, stray.encode() + end)
+        return reply
+
+    proxy.add("rewrite", method="GET", path=r"\?uploads", rewrite=listing)
+    fs = storage.S3FileSystem(storage_options=s3_options(proxy.url, config_kwargs=FAST))
+    with caplog.at_level(logging.WARNING):
+        assert stale_uploads(fs, f"{BUCKET}/{prefix}", 0, abort=True) == []
+    assert "not under it, left out" in caplog.text
+    listed = server.list_multipart_uploads(Bucket=BUCKET, Prefix=theirs)
+    assert [u["UploadId"] for u in listed.get("Uploads", [])] == [upload]
+    server.abort_multipart_upload(Bucket=BUCKET, Key=theirs, UploadId=upload)
