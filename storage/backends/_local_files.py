@@ -236,9 +236,15 @@ def write_atomic(
             os.unlink(tmp)
         else:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, IsADirectoryError):  # it named our temporary file
+            raise IsADirectoryError(
+                exc.errno,
+                f"{path} is a directory, so nothing can be published there; nothing was "
+                "replaced: move or remove that directory",
+            ) from exc
         raise
     (sync_directory or sync_dir)(directory)
 

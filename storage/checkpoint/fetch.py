@@ -219,8 +219,14 @@ def _read_run(
     except FileNotFoundError as exc:
         if isinstance(exc, CheckpointStorageError):
             raise
+        ref = run[0].info.ref  # the file is a base's: say which, not this one's
+        where = (
+            ""
+            if ref is None
+            else f" of its base {incremental.sibling_url(load.fs, load.path, ref)}"
+        )
         raise CheckpointNotFoundError(
-            f"{load.url}: data file {quote(os.path.basename(path))} (item "
+            f"{load.url}: data file {quote(os.path.basename(path))}{where} (item "
             f"{quote(fmt.item_label(run[0].req.storage_index))}) is missing; the checkpoint "
             "is incomplete: restore the file or re-save the checkpoint"
         ) from exc

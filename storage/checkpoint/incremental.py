@@ -130,6 +130,12 @@ def sibling_path(fs: FileSystemBase, path: str, name: str) -> str:
     return fs.concat_path(location[0], name)
 
 
+def sibling_url(fs: FileSystemBase, path: str, name: str) -> str:
+    """The URL of the checkpoint ``name`` beside the one at ``path``, quoted (the name is
+    the checkpoint's to choose), for messages."""
+    return quote(fs.url(sibling_path(fs, path, name)))
+
+
 def check_base_name(fs: FileSystemBase, base_path: str) -> None:
     """Refuse a base whose name could not be read back as a reference: every checkpoint
     that references the base records its name, which loads check (``validate``)."""

@@ -46,6 +46,7 @@ from storage.checkpoint.incremental import (
     item_directory,
     item_path,
     sibling_path,
+    sibling_url,
 )
 from storage.checkpoint.items import ItemEncoder, StoredItemReader
 from storage.checkpoint.layout import make_directory
@@ -181,7 +182,7 @@ class _FileCopy:
         transforms: Sequence[Any] | None,
         keys: Keys | None,
     ) -> None:
-        self.src_fs, self.src_url = src_fs, src_fs.url(src_path)
+        self.src_fs, self.src_path, self.src_url = src_fs, src_path, src_fs.url(src_path)
         self.attempt, self.dst_fs = attempt, attempt.fs
         self.part, self.copied = part, copied
         self.chain = None if transforms is None else list(transforms)
@@ -196,9 +197,15 @@ class _FileCopy:
         except FileNotFoundError as exc:
             if isinstance(exc, CheckpointStorageError) or self.src_fs.exists(src_file):
                 raise  # ours says what is missing; else not the source's file
-            first = min(items, key=lambda it: int(it[1].offset))[0]
+            first, info = min(items, key=lambda it: int(it[1].offset))
+            ref = fmt.stored_item(info).ref  # the file is a base's: say which
+            where = (
+                ""
+                if ref is None
+                else f" of its base {sibling_url(self.src_fs, self.src_path, ref)}"
+            )
             raise CheckpointNotFoundError(
-                f"{self.src_url}: data file {quote(src_file.rpartition('/')[2])} (item "
+                f"{self.src_url}: data file {quote(src_file.rpartition('/')[2])}{where} (item "
                 f"{quote(fmt.item_label(first))}) is missing; the checkpoint is incomplete: "
                 "restore the file or re-save the checkpoint"
             ) from exc

@@ -120,6 +120,7 @@ class Drains:
         g = self.group
         self.prune()
         refused: set[int] = set()  # linked at the root: never drained through the link
+        landed: set[int] = set()  # drained by this pass: never again in it
         try:
             while True:
                 mine = self.pending()
@@ -127,7 +128,7 @@ class Drains:
                 held = {s for s in self.local.steps() if s not in linked}
                 refused |= {s for s in mine | held if self.root.is_link(s)}
                 mine |= {s for s in held if not self.root.is_committed(s)}
-                views = g.all_gather(sorted(mine - refused), pg=g.drain_pg)
+                views = g.all_gather(sorted(mine - refused - landed), pg=g.drain_pg)
                 common = sorted(set.intersection(*(set(v) for v in views)))
                 if not common:
                     break
@@ -140,6 +141,19 @@ class Drains:
                     pace=self.pace,
                 )
                 self.last_error = None
+                landed.add(common[0])
+                if not self.root.is_committed(common[0]):
+                    # Else the pass would drain it again, and again: a store that lost
+                    # or hides the metadata it acknowledged (a cached 404) re-uploaded
+                    # the whole step for ever, and no later pass ran.
+                    log.warning(
+                        "step %d was published at %s, but the root does not show it "
+                        "committed (a store whose reads lag behind its writes, or that "
+                        "acknowledged a write it did not keep): it stays local, and the "
+                        "next drain pass copies it again if the root still lacks it",
+                        common[0],
+                        self.root.step_url(common[0]),
+                    )
                 with self._changed:
                     self._pending.discard(common[0])
                     self._drained.add(common[0])

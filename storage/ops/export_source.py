@@ -63,6 +63,7 @@ class Run:
     item_length: int
     item_crc: int
     crc32c: int = 0
+    base: str | None = None  #: the base checkpoint whose file ``path`` is, quoted
 
 
 @dataclass
@@ -129,6 +130,8 @@ def plan_tensor(
         label = fmt.item_label(index)
         start = int(info.offset)
         run = Run(label, path, start + offset, size, start, record.length, record.crc32c)
+        if record.ref is not None:
+            run.base = incremental.sibling_url(fs, root, record.ref)
         spans.append((span[0], run))
     spans.sort(key=lambda s: s[0])
     cursor = 0
@@ -206,8 +209,9 @@ def missing(checkpoint: str, run: Run, exc: FileNotFoundError) -> Exception:
     file, the item and the fix (an error of ours already says what is missing)."""
     if isinstance(exc, CheckpointStorageError):
         return exc
+    where = "" if run.base is None else f" of its base {run.base}"
     return CheckpointNotFoundError(
-        f"{checkpoint}: data file {quote(run.path.rpartition('/')[2])} (item "
+        f"{checkpoint}: data file {quote(run.path.rpartition('/')[2])}{where} (item "
         f"{quote(run.label)}) is missing; the checkpoint is incomplete: restore the file or "
         "re-save the checkpoint"
     )

@@ -22,11 +22,13 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from extensions.errors import TierFullError, UnsafeCheckpointError
+from extensions.errors import TierFullError, UnsafeCheckpointError, printable
+from storage.backends import LocalFileSystem
 from storage.checkpoint import api
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.deadline import DeadlineExceededError
+from storage.checkpoint.layout import make_directory
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops._peers import Group, Move, gather_errors, transfer
 from storage.ops.base_choice import Candidate, choose_base
@@ -87,11 +89,18 @@ def refuse_links(g: Group, local: StepRoot, root: StepRoot, step: int, *, pg: An
 
 
 def refuse_shared_tier(g: Group, local: StepRoot) -> None:
-    """Raise on every rank, before the tier is listed, drained or written, if some node's
-    ``local`` tier on local disk is open to other users (``StepRoot.open_to_others``).
-    Collective."""
-    error: UnsafeCheckpointError | None = None
-    why = local.open_to_others()
+    """Make ``local`` where it is on local disk (this user's from now on), then raise on
+    every rank, before the tier is listed, drained or written, if some node's tier is
+    open to other users (``StepRoot.open_to_others``). Collective."""
+    error: Exception | None = None
+    try:
+        if isinstance(local.fs, LocalFileSystem):
+            # Made now, before the check: left for the first save, its name in a shared
+            # sticky directory (/dev/shm/run) was anyone's to take with a link meanwhile.
+            make_directory(local.fs, local.path)
+        why = local.open_to_others()
+    except OSError as exc:
+        error, why = exc, None
     if why is not None:
         error = UnsafeCheckpointError(
             f"the local tier {local.url} {why}: another user or job on this host could put a "
@@ -100,6 +109,44 @@ def refuse_shared_tier(g: Group, local: StepRoot) -> None:
             "private (chmod o-w, or a directory of your own such as /local/$USER/run), then "
             "start again"
         )
+    gather_errors(g, error, f"opening the local tier {local.url}")
+
+
+#: The file in a local tier that names the root it drains to.
+TIER_ROOT = ".dcp-tier-root"
+
+
+def claim_tier(g: Group, local: StepRoot, root: StepRoot) -> None:
+    """Raise on every rank, before the tier is listed, drained or written, unless
+    ``local`` is a tier of ``root``'s own: not the root itself under another name (a
+    link to it, ``file://``, a ``.``: the tier's retention would delete durable steps),
+    and not a tier that drains to another root, as its :data:`TIER_ROOT` file (written
+    by the first manager that opens the tier) says: two managers sharing one local tier
+    would load and drain each other's steps as their own. Collective."""
+    error: Exception | None = None
+    try:
+        if local.place() == root.place():
+            raise ValueError(
+                f"the local tier {local.url} and the root {root.url} are one directory "
+                f"({root.place()}): point local= at a directory of its own"
+            )
+        path = local.fs.concat_path(local.path, TIER_ROOT)
+        ours = f"{root.place()}\n".encode()
+        try:
+            local.fs.write_atomic(path, ours, exclusive=True)
+        except FileExistsError:
+            theirs = local.fs.read_bytes(path, limit=4096)
+            if theirs != ours:
+                recorded = printable(theirs.decode(errors="replace").strip(), 300)
+                raise ValueError(
+                    f"the local tier {local.url} drains to another root, {recorded} (its "
+                    f"{TIER_ROOT} says so), not to {root.place()}: managers sharing one "
+                    "local tier load and drain each other's steps as their own. Give this "
+                    "manager a local directory of its own (such as /dev/shm/$JOB_ID), or "
+                    f"remove {local.fs.url(path)} if that root is no longer used"
+                ) from None
+    except (OSError, ValueError) as exc:
+        error = exc
     gather_errors(g, error, f"opening the local tier {local.url}")
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import signal
 import threading
 import time
@@ -87,6 +88,14 @@ class PreemptionGuard:
             raise ValueError(f"every must be an int >= 1, got {every!r}")
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("save_on_signal must be called from the main thread (signals)")
+        signals = list(dict.fromkeys(signals))
+        uncatchable = {signal.SIGKILL, signal.SIGSTOP}
+        for sig in signals:
+            if isinstance(sig, bool) or sig not in signal.valid_signals() or sig in uncatchable:
+                raise ValueError(
+                    f"signals: {sig!r} is not a signal a handler can catch; nothing was "
+                    "installed. Pass signal numbers such as signal.SIGTERM or signal.SIGUSR1"
+                )
         self.tier, self.state_fn = tier, state_fn
         self.grace, self.every, self.chain = float(grace), every, chain
         self.saved: int | None = None
@@ -95,15 +104,33 @@ class PreemptionGuard:
         self._stopped = False
         self._deadline: float | None = None
         self._pg: Any = None
+        self._pid = os.getpid()  # a child forked from it inherits the handlers, not the guard
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._pg = dist.new_group(backend="gloo")  # collective, like the manager
         self._previous: dict[int, Handler] = {}
-        for sig in dict.fromkeys(signals):
-            self._previous[sig] = signal.signal(sig, self._record)
+        try:
+            for sig in signals:
+                self._previous[sig] = signal.signal(sig, self._record)
+        except BaseException:
+            # Else the handlers installed so far stay with a guard nobody holds: those
+            # signals would be recorded for ever and never end the process.
+            self.close()
+            raise
 
     # --- the handler: record, nothing else ---------------------------------------------
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:
+            # A child forked from the trainer (a DataLoader worker, a multiprocessing
+            # Process): no step boundary of its own ever reads the flag, so it handles
+            # the signal as before the guard (SIGTERM's default: it ends).
+            previous = self._previous.get(signum)
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous in (None, signal.SIG_DFL):
+                signal.raise_signal(signum)
+            return
         if self._signal is None:
             self._signal = (signum, time.monotonic())
 

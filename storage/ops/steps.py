@@ -102,6 +102,11 @@ class StepRoot:
     def step_url(self, step: int) -> str:
         return self.fs.url(self.step_path(step))
 
+    def place(self) -> str:
+        """Where the steps really are: the URL once links are resolved, ``file://``
+        dropped (one directory under every spelling)."""
+        return self.fs.url(self.fs.realpath(self.path)).rstrip("/").removeprefix("file://")
+
     def names(self) -> list[str]:
         """The names under the root (empty when it does not exist): its listing and each
         step this process saw committed here that the listing misses, asked for by name
@@ -155,12 +160,20 @@ class StepRoot:
     def open_to_others(self, *, owner: bool = True) -> str | None:
         """Why this root, on local disk, is open to other users of the host, or ``None``:
         it is writable by every user (even with the sticky bit: they may add a
-        ``step-<N>`` of their own), it is not owned by this user nor root (``owner``), or
-        a directory above it is writable by every user without the sticky bit (they may
-        move the root away and put theirs in its place). Group write is allowed (a
-        user's private group, a team's shared disk)."""
+        ``step-<N>`` of their own), it is not owned by this user nor root (``owner``), its
+        path goes through a symbolic link another user may replace (``owner``: made first
+        in a shared directory such as /dev/shm, it stays theirs to point elsewhere at
+        any time), or a directory above it is writable by every user without the sticky
+        bit (they may move the root away and put theirs in its place). Group write is
+        allowed (a user's private group, a team's shared disk)."""
         if not isinstance(self.fs, LocalFileSystem) or not hasattr(os, "geteuid"):
             return None
+        foreign = _foreign_link(self.path) if owner else None
+        if foreign is not None:
+            return (
+                f"is reached through {foreign[0]!r}, a symbolic link of user id {foreign[1]}'s, "
+                "who can point it elsewhere at any time"
+            )
         with contextlib.suppress(OSError):  # missing: made by us, with the umask
             info = os.stat(self.path)
             if info.st_mode & stat.S_IWOTH:
@@ -240,6 +253,41 @@ class StepRoot:
     def remember(self, step: int, metadata: Metadata) -> None:
         """``metadata`` was just published as ``step``'s ``.metadata`` by this process."""
         self.models.remember(self.fs, self.step_path(step), metadata)
+
+
+def _foreign_link(path: str) -> tuple[str, int] | None:
+    """The first symbolic link that resolving ``path`` goes through that another user
+    (not root) owns and may replace, with its owner; ``None`` when there is none. Its
+    owner may replace it where they may remove names from the directory holding it:
+    one every user can write (sticky or not: the link is theirs), or one of theirs."""
+    pending = os.path.abspath(path).split(os.sep)[1:]
+    current, hops = os.sep, 0
+    while pending and hops <= 40:  # past that, resolving the path fails anyway
+        name = pending.pop(0)
+        if name in ("", "."):
+            continue
+        candidate = os.path.dirname(current) if name == ".." else os.path.join(current, name)
+        try:
+            info = os.lstat(candidate)
+        except OSError:
+            return None  # missing from here on: made by us
+        if not stat.S_ISLNK(info.st_mode):
+            current = candidate
+            continue
+        try:
+            holder = os.stat(current)
+            target = os.readlink(candidate)
+        except OSError:
+            return None  # changing under us: resolving it fails as it would have
+        if info.st_uid not in (os.geteuid(), 0) and (
+            holder.st_mode & stat.S_IWOTH or holder.st_uid == info.st_uid
+        ):
+            return candidate, info.st_uid
+        hops += 1
+        pending = target.split(os.sep) + pending
+        if os.path.isabs(target):
+            current = os.sep
+    return None
 
 
 def check_step(step: object) -> int:

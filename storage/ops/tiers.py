@@ -74,8 +74,7 @@ class LocalTier:
         self.local = StepRoot(*resolve_location(local, storage_options, filesystem))
         self.group: Group = make_group(self.local.url, replicate, own_pg=True)
         local_save.refuse_shared_tier(self.group, self.local)  # before it is listed
-        if self.local.url.rstrip("/") == root.url.rstrip("/"):
-            raise ValueError(f"the local tier and the root are both {root.url}")
+        local_save.claim_tier(self.group, self.local, root)
         self.retention = LocalRetention(
             self.local,
             keep_local,

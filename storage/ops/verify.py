@@ -7,6 +7,7 @@ dropped, so memory stays bounded; nothing is unpickled.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from extensions.base import Keys
-from extensions.errors import CheckpointStorageError
+from extensions.errors import CheckpointStorageError, IntegrityError, printable
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
@@ -62,7 +63,14 @@ class _ScratchPlanner(LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         md = self.metadata.state_dict_metadata[read_item.dest_index.fqn]
         assert isinstance(md, TensorStorageMetadata)
-        return torch.empty(tuple(read_item.lengths), dtype=md.properties.dtype)
+        shape, dtype = tuple(read_item.lengths), md.properties.dtype
+        try:
+            return torch.empty(shape, dtype=dtype)
+        except (RuntimeError, MemoryError) as exc:
+            raise RuntimeError(
+                f"its chunk is a {shape} {dtype} tensor, more than this machine can allocate "
+                f"({printable(str(exc), 200)}); verify it where there is more memory"
+            ) from None
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass
@@ -82,6 +90,18 @@ def _missing(metadata: Metadata) -> list[MetadataIndex]:
         )
         missing += [index for index in expected if index not in storage_data]
     return missing
+
+
+def _refuse_unbacked_claim(metadata: Metadata, index: MetadataIndex, info: Any) -> None:
+    """Refuse, before its scratch tensor is allocated, a chunk stored untransformed that
+    claims more elements than it stores bytes (as a load refuses it: ``empty_stored``)."""
+    facts = chunk_facts(metadata, index)
+    elements = None if facts is None else math.prod(facts[0])
+    if elements is not None and not info.transform_descriptors and elements > int(info.length):
+        raise IntegrityError(
+            f"it claims {elements} elements but stores {int(info.length)} bytes, "
+            "untransformed; its metadata is damaged or forged: nothing was allocated for it"
+        )
 
 
 def _read_item_for(metadata: Metadata, index: MetadataIndex) -> ReadItem:
@@ -120,6 +140,7 @@ def verify(
     def check(part: Part, planner: _ScratchPlanner, index: MetadataIndex, info: Any) -> None:
         label = part.label(index)
         try:
+            _refuse_unbacked_claim(part.metadata, index, info)
             plan = LoadPlan([_read_item_for(part.metadata, index)])
             part.reader.read_data(plan, planner).wait()
         except (CheckpointStorageError, OSError, ValueError, KeyError, RuntimeError) as exc:

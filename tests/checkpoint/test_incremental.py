@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -244,6 +245,25 @@ def test_missing_or_uncommitted_base_is_a_named_error(tmp_path: Path) -> None:
         storage.load(_blank(), tmp_path / "step-2")
     report = verify(storage.LocalFileSystem(), str(tmp_path / "step-2"))
     assert set(report.bad) == set(FROZEN) and "lora.A" in report.ok
+
+
+def test_a_data_file_its_committed_base_lost_is_named_in_the_base(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A base still committed but missing the data file a referenced item is stored in
+    (removed by hand): the error names the base as the place the file is missing.
+    Before, it named only the loaded checkpoint, whose directory never held that file,
+    so a user looking there found nothing wrong."""
+    storage.save(_state(1), tmp_path / "step-1", fingerprint=True)
+    storage.save(_state(2), tmp_path / "step-2", base=str(tmp_path / "step-1"))
+    for data in (tmp_path / "step-1").glob("*.distcp"):
+        data.unlink()
+    base = f"of its base '{tmp_path / 'step-1'}'"
+    with pytest.raises(CheckpointNotFoundError, match=f"data file '__0_0-.*' {base}"):
+        storage.load(_blank(), tmp_path / "step-2")
+    for command in (["cp"], ["export", "--format", "safetensors"]):
+        assert main([*command, str(tmp_path / "step-2"), str(tmp_path / "out")]) == 1
+        assert re.search(f"data file '__0_0-.*' {base}", capsys.readouterr().err)
 
 
 class _DeletesBase(DefaultSavePlanner):

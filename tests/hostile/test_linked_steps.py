@@ -344,3 +344,44 @@ def test_copying_onto_a_file_names_it(
     assert main(["cp", str(shared), str(tmp_path / "notes")]) == 1
     assert "is a file, not a checkpoint directory" in capsys.readouterr().err
     assert (tmp_path / "notes").read_bytes() == b"notes"
+
+
+def test_copying_over_a_checkpoint_whose_metadata_is_a_directory_names_it(
+    tmp_path: Path, shared: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: `cp --overwrite` onto a directory whose `.metadata` is a directory (planted,
+    # or a tool's mistake) failed with `Is a directory: .../.metadata.tmp-<id>`, naming a
+    # temporary file of its own that no longer existed, and no fix.
+    (tmp_path / "dst" / ".metadata").mkdir(parents=True)
+    assert main(["cp", "--overwrite", str(shared), str(tmp_path / "dst")]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'dst' / '.metadata'} is a directory, so nothing can be published" in err
+    assert ".tmp-" not in err.splitlines()[-1]
+    assert (tmp_path / "dst" / ".metadata").is_dir()
+
+
+@pytest.mark.parametrize("alias", ["link", "file-url", "dot"])
+def test_a_local_tier_that_is_the_root_under_another_name_is_refused(
+    tmp_path: Path, alias: str
+) -> None:
+    # Before: `local=` naming the root through a symbolic link (or as file://..., or
+    # with a `.` in it) passed the check that the two differ; the manager then took the
+    # root's steps for its local copies, durable ones, and keep_local=1 deleted every
+    # durable step but the newest from the root.
+    root = tmp_path / "run"
+    saver = CheckpointManager(root)
+    for step in (1, 2, 3):
+        saver.save(step, step_state(step))
+    local: Any = {
+        "link": tmp_path / "alias",
+        "file-url": f"file://{root}",
+        "dot": f"{tmp_path}/./run",
+    }[alias]
+    (tmp_path / "alias").symlink_to(root)
+    with pytest.raises(ValueError, match="are one directory"):
+        CheckpointManager(root, local=local, keep_local=1)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        "step-1",
+        "step-2",
+        "step-3",
+    ]

@@ -32,11 +32,13 @@ from storage.backends.gcs import _direct as gcs_direct
 from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.ops.copy import copy_checkpoint
+from storage.ops.uploads import stale_uploads
 from tests.hostile.test_bounds import MiB, _zstd_bomb
 from tests.support.servers import (
     Asked,
     FaultProxy,
     Reply,
+    boto3_client,
     create_bucket,
     gcs_endpoint_with_bucket,
     gcs_options,
@@ -343,3 +345,79 @@ def test_an_exclusive_publish_refused_by_the_store_reads_what_is_there_within_it
     with pytest.raises(FileExistsError):
         fs.write_atomic(path, b"small payload", exclusive=True)
     assert not _whole_gets(proxy, ".metadata")
+
+
+def test_a_drain_whose_metadata_the_store_acknowledges_but_loses_ends(
+    servers: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store answers 200 to the PUT of a drained step's ``.metadata`` but keeps
+    nothing (or a cache keeps answering the 404 of the look before it). Before, the drain
+    pass saw the step still not committed at the root and drained it again, and again:
+    it re-uploaded the whole step for ever, ``wait()`` never returned and no later pass
+    ran (here the store gives up lying after a few PUTs, so the test ends: it did with
+    the lie's own error). Now each pass drains a step at most once, says that the root
+    does not show it, and keeps the local copy; a later pass drains it again."""
+    proxy: FaultProxy = servers["s3"]
+    proxy.clear()
+    server = boto3_client(servers["s3-server"])
+    prefix = f"{uuid.uuid4().hex}/run"
+    lies: list[str] = []
+
+    def lost(asked: Asked, reply: Reply) -> Reply:
+        lies.append(asked.target)
+        if len(lies) > 3:
+            return Reply(500, {}, b"enough")
+        server.delete_object(Bucket=BUCKET, Key=f"{prefix}/step-2/.metadata")
+        return reply
+
+    fs = storage.S3FileSystem(storage_options=s3_options(proxy.url, config_kwargs=FAST))
+    mgr = storage.CheckpointManager(
+        f"s3://{BUCKET}/{prefix}", filesystem=fs, local=tmp_path / "local", keep_local=1
+    )
+    mgr.save(1, {"w": torch.full((64,), 1.0)})
+    mgr.wait()
+    proxy.add("rewrite", method="PUT", path=r"/step-2/\.metadata(\?|$)", rewrite=lost)
+    with caplog.at_level(logging.WARNING, logger="storage.ops.tiers"):
+        mgr.save(2, {"w": torch.full((64,), 2.0)})
+        mgr.wait()
+    assert len(lies) == 1
+    assert "step 2 was published at" in caplog.text and "does not show it" in caplog.text
+    assert mgr.durable_steps() == [1]
+    assert mgr.tiers is not None and 2 in mgr.tiers.local.steps()  # kept: not durable
+    proxy.clear()
+    mgr.save(3, {"w": torch.full((64,), 3.0)})
+    mgr.wait()  # the next pass drains step 2 again, then step 3
+    assert mgr.durable_steps() == [1, 2, 3]
+
+
+def test_a_listing_of_uploads_names_only_what_is_under_the_prefix(
+    servers: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listing of incomplete multipart uploads that also names another team's upload,
+    outside the prefix asked for (the store or a proxy answers wrongly). Before,
+    ``stale_uploads(..., abort=True)`` (``gc --abort-uploads``) took it for one of the
+    root's and aborted it: the other job's checkpoint upload in flight was lost."""
+    proxy: FaultProxy = servers["s3"]
+    proxy.clear()
+    server = boto3_client(servers["s3-server"])
+    prefix = f"{uuid.uuid4().hex}/run"
+    theirs = f"{uuid.uuid4().hex}/other/step-1/__0_0-0123456789ab.distcp"
+    upload = server.create_multipart_upload(Bucket=BUCKET, Key=theirs)["UploadId"]
+    stray = (
+        f"<Upload><Key>{theirs}</Key><UploadId>{upload}</UploadId>"
+        "<Initiated>2010-11-10T20:48:33.000Z</Initiated></Upload>"
+    )
+
+    def listing(asked: Asked, reply: Reply) -> Reply:
+        end = b"</ListMultipartUploadsResult>"
+        reply.body = reply.body.replace(end, stray.encode() + end)
+        return reply
+
+    proxy.add("rewrite", method="GET", path=r"\?uploads", rewrite=listing)
+    fs = storage.S3FileSystem(storage_options=s3_options(proxy.url, config_kwargs=FAST))
+    with caplog.at_level(logging.WARNING):
+        assert stale_uploads(fs, f"{BUCKET}/{prefix}", 0, abort=True) == []
+    assert "not under it, left out" in caplog.text
+    listed = server.list_multipart_uploads(Bucket=BUCKET, Prefix=theirs)
+    assert [u["UploadId"] for u in listed.get("Uploads", [])] == [upload]
+    server.abort_multipart_upload(Bucket=BUCKET, Key=theirs, UploadId=upload)

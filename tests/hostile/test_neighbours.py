@@ -446,6 +446,78 @@ def test_a_local_tier_of_another_users_is_refused(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "root", local=tier)
 
 
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="needs root to own a link as another user",
+)
+@pytest.mark.parametrize("where", ["tier", "above"])
+def test_a_local_tier_reached_through_another_users_link_is_refused(
+    tmp_path: Path, where: str
+) -> None:
+    # Before: the neighbour's link /dev/shm/tier, made before ours in the sticky shared
+    # directory, pointed at a private directory of ours (or their /dev/shm/jobs, above
+    # the tier, at a sticky directory of theirs), and the checks looked only at where the
+    # link led. The link stays theirs: once the manager was running they pointed it at a
+    # tier of their own, and it listed their step-999 as its newest, loaded it and
+    # drained it to the root as its own.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    theirs = shm / "theirs"  # a sticky directory of theirs, where we may make a tier
+    theirs.mkdir()
+    theirs.chmod(0o1777)
+    os.chown(theirs, 65534, 65534)
+    ours = tmp_path / "ours"  # a private directory of ours
+    ours.mkdir()
+    link = shm / ("tier" if where == "tier" else "jobs")
+    link.symlink_to(ours if where == "tier" else theirs)
+    os.lchown(link, 65534, 65534)
+    tier = link if where == "tier" else link / "tier"
+    with pytest.raises(UnsafeCheckpointError, match=r"symbolic link of user id 65534"):
+        CheckpointManager(tmp_path / "root", local=tier)
+    os.lchown(link, os.geteuid(), os.getegid())  # a link of one's own is fine
+    CheckpointManager(tmp_path / "root", local=tier).save(1, {"w": torch.ones(8)})
+    fixed = tmp_path / "fixed"  # and so is another user's where they cannot replace it
+    fixed.mkdir()
+    (fixed / "tier").symlink_to(tier)
+    os.lchown(fixed / "tier", 65534, 65534)
+    CheckpointManager(tmp_path / "root", local=fixed / "tier").save(2, {"w": torch.ones(8)})
+
+
+def test_a_local_tier_is_made_before_anyone_can_take_its_name(tmp_path: Path) -> None:
+    # Before: a tier that did not exist yet was checked, then left for the first save
+    # to make, minutes later; meanwhile a neighbour could put their link at its name
+    # in the sticky shared directory (/dev/shm/run -> a tier of theirs), which that save
+    # followed, and the manager then loaded and drained their steps as its own.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    CheckpointManager(tmp_path / "root", local=shm / "run" / "tier")
+    made = shm / "run" / "tier"
+    assert made.is_dir() and not made.is_symlink() and not (shm / "run").is_symlink()
+    assert made.stat().st_uid == os.geteuid()
+    (tmp_path / "file").write_text("not a tier")
+    with pytest.raises(FileExistsError, match="file, not a checkpoint directory; nothing was"):
+        CheckpointManager(tmp_path / "root", local=tmp_path / "file")
+
+
+def test_a_local_tier_draining_to_another_root_is_refused(tmp_path: Path) -> None:
+    # Before: two jobs of one user given the same local tier (a copied config's
+    # /dev/shm/run) drained each other's steps: job B's step 7 landed in job A's root,
+    # which then resumed from it, a model it never trained, and A's step 2 in B's root.
+    shm = tmp_path / "shm"
+    a = CheckpointManager(tmp_path / "rootA", local=shm, keep_local=1)
+    a.save(1, {"w": torch.full((8,), 1.0)})
+    a.wait()
+    with pytest.raises(ValueError, match=r"drains to another root, .*rootA.*a local directory of"):
+        CheckpointManager(tmp_path / "rootB", local=shm, keep_local=1)
+    assert not (tmp_path / "rootB").exists()
+    a.save(2, {"w": torch.full((8,), 2.0)})  # A goes on
+    a.wait()
+    again = CheckpointManager(tmp_path / "rootA", local=shm)  # A restarted: its own tier
+    assert again.steps() == [1, 2]
+
+
 def test_a_world_writable_root_is_used_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -122,6 +122,55 @@ def test_chain_hands_the_signal_to_the_previous_handler_after_the_save(
     assert handlers == ([signal.SIGTERM] if chain else [])
 
 
+def _signal_in_a_forked_child(signum: int) -> int:
+    """Fork; the child raises ``signum`` on itself, then exits with 0 if it is still
+    alive: the child's exit code, or minus the signal that ended it."""
+    child = os.fork()
+    if child == 0:  # only the signal, then _exit: safe in a forked child
+        try:
+            signal.raise_signal(signum)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_child_forked_under_the_guard_keeps_the_previous_handling_of_the_signal(
+    tmp_path: Path,
+) -> None:
+    """A child forked by the trainer (a DataLoader worker, a multiprocessing Process)
+    inherits the guard's handler; the guard is its parent's, so the child must handle the
+    signal as before the guard: with SIGTERM's default action it dies. Without it the
+    handler only recorded the signal in the child, which nobody reads, so
+    ``Process.terminate()`` (SIGTERM) never ended the child and a ``join`` waited for ever."""
+    mgr = tiered(tmp_path)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with mgr.save_on_signal(lambda: {"w": torch.ones(3)}) as guard:
+            assert _signal_in_a_forked_child(signal.SIGTERM) == -signal.SIGTERM
+            assert not guard.requested and not guard.should_stop(1)  # the parent got none
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_child_forked_under_the_guard_hands_the_signal_to_the_previous_handler(
+    tmp_path: Path,
+) -> None:
+    """As above, with a handler the program installed before the guard: the child runs it."""
+    mgr = tiered(tmp_path)
+
+    def exit_3(signum: int, frame: object) -> None:
+        os._exit(3)
+
+    previous = signal.signal(signal.SIGTERM, exit_3)
+    try:
+        with mgr.save_on_signal(lambda: {"w": torch.ones(3)}) as guard:
+            assert _signal_in_a_forked_child(signal.SIGTERM) == 3
+            assert not guard.requested
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_save_in_flight_is_finished_first_and_the_same_step_is_not_saved_again(
     tmp_path: Path, handlers: list[int]
 ) -> None:
@@ -217,6 +266,21 @@ def test_save_on_signal_needs_a_tiered_manager_and_sane_options(tmp_path: Path) 
         mgr.save_on_signal(dict, grace=0)
     with pytest.raises(ValueError, match="every"):
         mgr.save_on_signal(dict, every=0)
+
+
+@pytest.mark.parametrize("bad", [signal.SIGKILL, signal.SIGSTOP, 0, 100000, True])
+def test_a_signal_no_handler_can_catch_is_refused_and_installs_nothing(
+    tmp_path: Path, bad: int
+) -> None:
+    """``signals=(SIGTERM, SIGKILL)`` is refused by name, before any handler is
+    installed. Without the check ``signal.signal`` raised a bare ``OSError`` for SIGKILL
+    after SIGTERM's handler was in place, held by a guard the caller never got: every
+    later SIGTERM was recorded there and never ended the process."""
+    mgr = tiered(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ValueError, match="not a signal a handler can catch; nothing was"):
+        mgr.save_on_signal(dict, signals=(signal.SIGTERM, bad))
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 # --- several ranks, in process --------------------------------------------------------------
