@@ -156,7 +156,7 @@ def remove_own_files(fs: FileSystemBase, path: str, names: set[str] | frozenset[
     then failed to commit, as :func:`remove_data_files`. A checkpoint path the user named
     may be a symbolic link (the save wrote through it): its files are then removed in
     the directory the link resolves to, still never through a link below it."""
-    remove_data_files(fs, fs.realpath(path) if fs.is_link(path) else path, names)
+    remove_data_files(fs, heartbeat.resolved(fs, path), names)
 
 
 def remove_save(fs: FileSystemBase, path: str, save_id: str) -> None:

@@ -68,10 +68,14 @@ def beating(fs: FileSystemBase, path: str, token: str, *, guard: Guard = _direct
     docstring): written before the block starts, removed when it ends, however it ends.
     ``guard(request)`` runs those two requests (a save's deadline: one that cannot be
     removed in time stays for ``gc``). A failed rewrite is logged and retried at the next
-    beat, never raised: the protection it buys is gc's, not the write's."""
+    beat, never raised: the protection it buys is gc's, not the write's. A ``path`` the
+    user named that is itself a symbolic link (written through, as the save writes) has
+    the marker removed in the directory the link resolves to: removals never go through
+    a link (``rm_file_in``)."""
     name = name_of(token)
     marker = fs.concat_path(path, name)
     guard(lambda: _beat(fs, marker))  # a write creates its parents: no mkdir request
+    path = resolved(fs, path)
     stop = threading.Event()
     thread = threading.Thread(
         target=_keep_beating, args=(fs, path, name, stop), daemon=True, name="dcp-heartbeat"
@@ -87,6 +91,13 @@ def beating(fs: FileSystemBase, path: str, token: str, *, guard: Guard = _direct
             pass
         except Exception as exc:
             log.warning("could not remove %s (gc removes it once stale): %s", fs.url(marker), exc)
+
+
+def resolved(fs: FileSystemBase, path: str) -> str:
+    """The directory a checkpoint path the user named resolves to where it is itself a
+    symbolic link (its files were written through it), else ``path``: what removals of
+    the files a save wrote there act on, never through a link below it."""
+    return fs.realpath(path) if fs.is_link(path) else path
 
 
 def live(fs: FileSystemBase, path: str, grace_seconds: float) -> tuple[list[str], list[str]]:

@@ -321,6 +321,27 @@ def test_a_linked_path_the_user_names_is_written(tmp_path: Path, shared: Path) -
     assert all(f.is_file() for f in data)
 
 
+def test_saving_or_copying_into_a_linked_path_the_user_names_leaves_no_heartbeat(
+    tmp_path: Path, shared: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save or ``cp`` into a checkpoint path the user named that is their own link to
+    a directory (scratch space reached through a link) removes its heartbeat marker from
+    the directory the link resolves to: removals never go through the link itself,
+    which left a ``.heartbeat-*`` behind after every save, with a warning."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "copied").mkdir()
+    _link(tmp_path / "mine", tmp_path / "real")
+    _link(tmp_path / "copy", tmp_path / "copied")
+    storage.save(_state(2.0), str(tmp_path / "mine"))
+    assert main(["cp", str(shared), str(tmp_path / "copy")]) == 0
+    for target in ("real", "copied"):
+        assert not [p for p in (tmp_path / target).iterdir() if p.name.startswith(".heartbeat")]
+    assert "could not remove" not in caplog.text
+    out = {"w": torch.zeros(16), "step": -1}
+    storage.load(out, str(tmp_path / "mine"))
+    assert out["step"] == 2
+
+
 @pytest.mark.parametrize("make_fs", _backends())
 @pytest.mark.parametrize("local", [False, True])
 def test_saving_a_step_whose_path_is_a_file_names_it(
