@@ -18,9 +18,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import storage
+from storage.backends import LocalFileSystem
 from storage.checkpoint import heartbeat
 from storage.checkpoint.safetensors import save_safetensors
-from storage.checkpoint.safetensors.staging import beating
+from storage.checkpoint.safetensors.staging import STAGING_PREFIX, beating, remove_staging
 from storage.cli import main
 from tests.support.servers import ServerUnavailable, boto3_client, create_bucket, s3_endpoint
 from tests.support.subprocess_jobs import kill_when_marked
@@ -268,3 +269,15 @@ def test_gc_in_a_bucket_aborts_the_upload_of_an_export_killed_mid_file(
     assert [u["url"] for u in out["uploads"]] == [f"s3://exports/{prefix}/model.safetensors"]
     assert out["uploads"][0]["aborted"] is True
     assert not s3.list_multipart_uploads(Bucket="exports", Prefix=prefix).get("Uploads")
+
+
+def test_a_saves_staging_is_removed_under_a_linked_path_the_user_names(tmp_path: Path) -> None:
+    """The staging objects a save wrote into a directory the user reaches through their
+    own link go once the save is done: removed in the directory the link resolves to
+    (never through the link itself, which kept them and warned)."""
+    real, area = tmp_path / "real", STAGING_PREFIX + "abc"
+    (real / area).mkdir(parents=True)
+    (real / area / "rank-00000.bin").write_bytes(b"x")
+    (tmp_path / "mine").symlink_to(real, target_is_directory=True)
+    remove_staging(LocalFileSystem(), str(tmp_path / "mine"), [f"{area}/rank-00000.bin"])
+    assert list(real.iterdir()) == []

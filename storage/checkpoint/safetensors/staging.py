@@ -80,7 +80,9 @@ def beating(fs: FileSystemBase, root: str, area: str) -> Iterator[None]:
 
 def remove_staging(fs: FileSystemBase, root: str, objects: Iterable[str]) -> None:
     """Remove the staging objects (relative to ``root``) and their areas, quietly (an
-    area left behind is swept later)."""
+    area left behind is swept later); in the directory ``root`` resolves to where the
+    user named a link to their own directory (:func:`heartbeat.resolved`)."""
+    root = heartbeat.resolved(fs, root)
     areas = set()
     for name in set(objects):
         areas.add(name.rsplit("/", 1)[0])
