@@ -21,6 +21,7 @@ from storage import CheckpointManager, FsspecFileSystem, GCSFileSystem, LocalFil
 from storage.checkpoint import storage_format as fmt
 from storage.cli import main
 from tests.support.distributed import gloo_group, spawn
+from tests.support.local_disk import snapshot
 from tests.support.subprocess_jobs import kill_when_marked
 
 
@@ -383,14 +384,6 @@ def _local_deleters() -> list[Any]:
 _OLD = 1_000_000_000  # 2001: older than any grace period
 
 
-def _snapshot(directory: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(directory)): p.read_bytes()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
 @pytest.fixture
 def swappable(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
     """``root/step-1`` saved with key prefixes, and ``victim``: a directory outside the
@@ -399,7 +392,7 @@ def swappable(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
     root, victim = tmp_path / "root", tmp_path / "victim"
     CheckpointManager(root, key_prefixes=2).save(1, _state(1.0))
     shutil.copytree(root / "step-1", victim)
-    before = _snapshot(victim)
+    before = snapshot(victim)
     assert any(name.endswith(".distcp") and "/" in name for name in before)
     return root, victim, before
 
@@ -444,7 +437,7 @@ def test_delete_never_follows_a_directory_swapped_for_a_link_after_its_checks(
         monkeypatch.setattr(deletion, "withdraw_latest", lambda fs, path: swap())
     with pytest.raises(UnsafeCheckpointError, match=_SWAPPED):
         deletion.delete_checkpoint(fs, path, recheck=recheck)
-    assert _snapshot(victim) == before
+    assert snapshot(victim) == before
 
 
 def test_retention_never_follows_a_step_swapped_for_a_link_after_its_checks(
@@ -461,7 +454,7 @@ def test_retention_never_follows_a_step_swapped_for_a_link_after_its_checks(
     )
     mgr = CheckpointManager(root, keep_last=1, key_prefixes=2)
     mgr.save(2, _state(2.0))  # retention deletes step 1
-    assert _snapshot(victim) == before
+    assert snapshot(victim) == before
     assert _SWAPPED in caplog.text
     _assert_loads(root / "step-2", 2.0)
 
@@ -473,7 +466,7 @@ def test_removal_fails_closed_when_a_directory_is_swapped_mid_walk(
     link just before the walk opens it; the removal must refuse, removing nothing."""
     root, victim, before = swappable
     step = root / "step-1"
-    name = next(n for n in _snapshot(step) if n.startswith("00/"))
+    name = next(n for n in snapshot(step) if n.startswith("00/"))
     real_open = os.open
 
     def open_then_swap(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
@@ -485,7 +478,7 @@ def test_removal_fails_closed_when_a_directory_is_swapped_mid_walk(
     with pytest.raises(UnsafeCheckpointError, match=_SWAPPED):
         LocalFileSystem().rm_file_in(str(step), name)
     monkeypatch.undo()
-    assert _snapshot(victim) == before
+    assert snapshot(victim) == before
     assert (step.with_name("step-1") / "00.moved" / name.split("/")[1]).is_file()
 
 
@@ -496,7 +489,7 @@ def test_a_step_swapped_after_the_walk_opened_it_loses_only_its_own_file(
     changes nothing: the file removed is the step's own (under its new name)."""
     root, victim, before = swappable
     step = root / "step-1"
-    name = next(n for n in _snapshot(step) if n.startswith("00/"))
+    name = next(n for n in snapshot(step) if n.startswith("00/"))
     real_open = os.open
 
     def open_then_swap(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
@@ -508,7 +501,7 @@ def test_a_step_swapped_after_the_walk_opened_it_loses_only_its_own_file(
     monkeypatch.setattr(os, "open", open_then_swap)
     LocalFileSystem().rm_file_in(str(step), name)
     monkeypatch.undo()
-    assert _snapshot(victim) == before
+    assert snapshot(victim) == before
     assert not (root / "step-1.moved" / name).exists()
 
 

@@ -30,6 +30,7 @@ from storage.checkpoint.committed import open_committed
 from storage.cli import main
 from storage.integrations.folders import FolderCheckpoints
 from tests.support.distributed import gloo_group, spawn
+from tests.support.local_disk import snapshot
 from tests.support.tiers import blank_state, step_state, tiered
 
 
@@ -44,15 +45,6 @@ def _state(value: float = 1.0) -> dict[str, Any]:
     return {"w": torch.full((16,), value), "step": int(value)}
 
 
-def _snapshot(directory: Path) -> dict[str, bytes]:
-    """Every file under ``directory`` with its bytes."""
-    return {
-        str(p.relative_to(directory)): p.read_bytes()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
 @pytest.fixture
 def shared(tmp_path: Path) -> Path:
     """A committed checkpoint of someone else's (the shared pretrained one)."""
@@ -65,11 +57,11 @@ def _link(step_dir: Path, target: Path) -> dict[str, bytes]:
     """Make ``step_dir`` a link to ``target``; the target's files as they are now."""
     step_dir.parent.mkdir(parents=True, exist_ok=True)
     step_dir.symlink_to(target, target_is_directory=True)
-    return _snapshot(target)
+    return snapshot(target)
 
 
 def _pretrained_intact(shared: Path, before: dict[str, bytes]) -> None:
-    assert _snapshot(shared) == before
+    assert snapshot(shared) == before
     out = {"w": torch.zeros(16), "step": -1}
     storage.load(out, str(shared))
     assert out["step"] == 1
@@ -199,7 +191,7 @@ def test_drain_copies_the_bytes_a_linked_root_step_holds_rather_than_reference_i
         open_committed(LocalFileSystem(), str(tmp_path / "durable" / "step-2")).references()
         == set()
     )
-    assert _snapshot(shared) == before
+    assert snapshot(shared) == before
     shutil.rmtree(shared)  # the owner deletes theirs: the job's durable step 2 still loads
     target = {"frozen": torch.zeros(4096), **blank_state()}
     storage.load(target, str(tmp_path / "durable" / "step-2"))
@@ -269,7 +261,7 @@ def _restore_worker(rank: int, store: str, base: str) -> None:
         assert step.tier == "durable"  # type: ignore[attr-defined]
         if rank == 1:
             assert step.note is not None and "symbolic link" in step.note  # type: ignore[attr-defined]
-            assert _snapshot(shared) == before
+            assert snapshot(shared) == before
 
 
 def test_restore_never_fetches_into_a_linked_local_step(tmp_path: Path) -> None:

@@ -4,10 +4,20 @@ suite's ground truth is read and written with plain ``open``)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from storage.backends.base import FileSystemBase
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` (relative name) with its bytes."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 class LocalDiskFixtures:
