@@ -155,6 +155,16 @@ class FileSystemTests(CancellationTests, ConformanceSuite):
         assert fs.ls(root) == ["b.bin", "sub"]
         assert not fs.exists(fs.concat_path(root, "a.bin"))
 
+    def _assert_directory_gone(self, fs: FileSystemBase, root: str, name: str) -> None:
+        """``root/name`` is no longer listed, where the backend removes directories."""
+        if type(fs).rm_dir is FileSystemBase.rm_dir:
+            return  # a backend without directories (or that cannot remove them)
+        try:
+            names = fs.ls(root)
+        except FileNotFoundError:
+            names = []  # an object store: nothing is left under the prefix
+        assert name not in names
+
     def test_removal_inside_a_directory(self, fs: FileSystemBase, root: str) -> None:
         """What deletion uses: ``rm_file_in`` removes a name (nested ones too) under a
         directory, ``FileNotFoundError`` for a missing one; ``rename_in`` moves one
@@ -171,13 +181,7 @@ class FileSystemTests(CancellationTests, ConformanceSuite):
         fs.rm_dir_in(step, "0a")
         fs.rm_dir_in(step)
         assert not fs.exists(fs.concat_path(step, "moved.bin"))
-        if type(fs).rm_dir is FileSystemBase.rm_dir:
-            return  # a backend without directories (or that cannot remove them)
-        try:
-            names = fs.ls(root)
-        except FileNotFoundError:
-            names = []  # an object store: nothing is left under the prefix
-        assert "step" not in names
+        self._assert_directory_gone(fs, root, "step")
 
     def test_modified_is_the_writes_time_or_unknown(self, fs: FileSystemBase, root: str) -> None:
         """``gc`` deletes leftovers by age: a backend tells the time of the last write
@@ -210,13 +214,7 @@ class FileSystemTests(CancellationTests, ConformanceSuite):
         assert self.bypass_read(fs, path) == b"kept"
         fs.rm_file(path)
         fs.rm_dir(sub)
-        if type(fs).rm_dir is FileSystemBase.rm_dir:
-            return  # a backend without directories (or that cannot remove them)
-        try:
-            names = fs.ls(root)
-        except FileNotFoundError:
-            names = []  # an object store: nothing is left under the prefix
-        assert "sub" not in names
+        self._assert_directory_gone(fs, root, "sub")
 
     def test_links_are_told_and_resolved(self, fs: FileSystemBase, root: str) -> None:
         """Deletion never goes through a link: ``is_link`` tells one, ``realpath``
