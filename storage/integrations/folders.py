@@ -19,13 +19,13 @@ in a temporary directory beside it, each item's checksum verified as it streams 
 made durable and renamed into place, so the directory appears complete or not at all.
 The listing is checked before anything is written (:func:`_listed_files`,
 :func:`_check_room`): a plain relative path, no ``..``, no absolute path, no control
-character, no component longer than the destination's file system takes; no two names
-that a case-insensitive or normalizing file system (macOS, Windows) would take for one
-(``A.txt`` and ``a.txt``, ``é`` composed and decomposed), nor a file and a directory at
-one name, so a folder restores the same everywhere; and files that fit in the space free
-at the destination. :func:`read_folder` refuses such names on the way up too. Only
-regular files are saved; a link or special file in the folder is refused, and empty
-directories are not kept.
+character, no component longer than the destination's file system takes, no file and
+directory at one name; where the destination's file system takes names that differ
+only in letter case or Unicode normalization for one (macOS, Windows, a casefolded
+ext4: probed there), no two such names (``A.txt`` and ``a.txt``, ``é`` composed and
+decomposed), which would restore one file over the other; and files that fit in the
+space free at the destination. Only regular files are saved; a link or special file in
+the folder is refused, and empty directories are not kept.
 """
 
 from __future__ import annotations
@@ -209,13 +209,6 @@ def read_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             files[rel] = _mapped(path, mode.st_size)
     if not files:
         raise FileNotFoundError(f"{root} holds no files; nothing to save")
-    clash = _clash(list(files))
-    if clash is not None:
-        raise ValueError(
-            f"{root}: {quote(clash[0])} and {quote(clash[1])} differ only in letter case or "
-            "Unicode normalization, and a case-insensitive or normalizing file system "
-            "(macOS, Windows) restores them as one file; rename one of them, then save again"
-        )
     return files
 
 
@@ -250,6 +243,7 @@ def restore_folder(
     reader = reader_alone(url, **options)
     sizes = _listed_files(reader.read_metadata(), reader.url)
     _check_room(sizes, dest, reader.url)
+    _check_folding(sizes, dest, reader.url)
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.restoring-", dir=parent)
@@ -333,23 +327,52 @@ def _listed_files(metadata: Metadata, where: str) -> dict[str, int]:
                 "file would be restored with zeros where no chunk is): nothing was written. "
                 "Restore the checkpoint from a good copy, or save the folder again"
             )
-    dirs = {"/".join(name.split("/")[:i]) for name in sizes for i in range(1, name.count("/") + 1)}
-    clash = sorted(dirs & set(sizes))
+    clash = sorted(_directories(sizes) & set(sizes))
     if clash:
         raise UnsafeCheckpointError(
             f"{where}: {quote(clash[0])} is listed both as a file and as a directory; "
             f"refusing to restore it (nothing was written): {_FORGED}"
         )
-    same = _clash([*sizes, *dirs])
+    return sizes
+
+
+def _directories(sizes: dict[str, int]) -> set[str]:
+    return {"/".join(name.split("/")[:i]) for name in sizes for i in range(1, name.count("/") + 1)}
+
+
+def _check_folding(sizes: dict[str, int], dest: str, where: str) -> None:
+    """Refuse, before anything is written, two names that the file system at ``dest``
+    takes for one (:func:`_folds`): one file would be restored over the other."""
+    existing = _existing(dest)
+    if not _folds(existing):
+        return
+    same = _clash([*sizes, *_directories(sizes)])
     if same is not None:
         raise UnsafeCheckpointError(
             f"{where}: items {quote(same[0])} and {quote(same[1])} differ only in letter "
-            "case or Unicode normalization: a case-insensitive or normalizing file system "
-            "(macOS, Windows) would restore one over the other, so the folder is restored "
-            "nowhere (nothing was written). FolderCheckpoints.save refuses such names; "
-            "load the items with storage.load and write them under names of your own"
+            f"case or Unicode normalization, and the file system at {existing} takes them "
+            "for one name: one would be restored over the other, so nothing was written. "
+            "Restore onto a case-sensitive file system, or load the items with "
+            "storage.load and write them under names of your own"
         )
-    return sizes
+
+
+def _folds(directory: str) -> bool:
+    """Whether the file system at ``directory`` takes names that differ only in letter
+    case or Unicode normalization for one (macOS, Windows, a casefolded ext4): a
+    temporary file made there is looked up under its twins. False where none can be
+    made (the restore then fails making its own)."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=".dcp-names-caf\u00e9-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    try:
+        name = os.path.basename(path)
+        twins = {name.swapcase(), unicodedata.normalize("NFD", name)} - {name}
+        return any(os.path.lexists(os.path.join(directory, twin)) for twin in twins)
+    finally:
+        os.unlink(path)
 
 
 #: The fix for a listing FolderCheckpoints.save never writes.
@@ -379,9 +402,7 @@ def _check_room(sizes: dict[str, int], dest: str, where: str) -> None:
     name component or a path longer than its file system allows (``ENAMETOOLONG``
     half-way through), or files that need more bytes than are free there (a forged size
     would otherwise be allocated first: a huge sparse file, then a read that fails)."""
-    existing = dest
-    while not os.path.isdir(existing):
-        existing = os.path.dirname(existing)
+    existing = _existing(dest)
     name_max = _limit(existing, "PC_NAME_MAX", _NAME_MAX)
     room = _limit(existing, "PC_PATH_MAX", _PATH_MAX) - len(os.fsencode(dest)) - _STAGING_EXTRA
     for name in sorted(sizes):
@@ -402,7 +423,7 @@ def _check_room(sizes: dict[str, int], dest: str, where: str) -> None:
     total = sum(sizes.values())
     usage = os.statvfs(existing)
     free = usage.f_bavail * usage.f_frsize
-    if total > free:
+    if usage.f_blocks and total > free:  # some FUSE mounts report no size at all: unknown
         largest = max(sizes, key=lambda n: sizes[n])
         raise OSError(
             errno.ENOSPC,
@@ -411,6 +432,14 @@ def _check_room(sizes: dict[str, int], dest: str, where: str) -> None:
             "written. Free space there or restore elsewhere; a size far beyond what the "
             f"checkpoint stores means {_FORGED}",
         )
+
+
+def _existing(dest: str) -> str:
+    """The nearest directory at or above ``dest`` that exists."""
+    existing = dest
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    return existing
 
 
 def _limit(path: str, name: str, default: int) -> int:

@@ -254,11 +254,14 @@ def test_a_file_listed_with_a_huge_size_is_refused_before_anything_is_written(
     ],
     ids=["case", "normalization", "directory-case"],
 )
-def test_names_one_on_a_case_insensitive_or_normalizing_file_system_are_refused(
-    tmp_path: Path, clash: tuple[str, str]
+def test_names_one_on_the_destinations_file_system_are_refused_there(
+    tmp_path: Path, clash: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Before: restored on macOS (or Windows), the second file was written over the
-    # first, or its exclusive create failed half-way with a bare FileExistsError.
+    # first, or its exclusive create failed half-way with a bare FileExistsError. This
+    # machine's file system keeps such names apart: the probe is told it folds them.
+    from storage.integrations import folders
+
     old, new = clash
 
     def edit(meta: Any) -> None:
@@ -267,17 +270,30 @@ def test_names_one_on_a_case_insensitive_or_normalizing_file_system_are_refused(
             _rename(meta, "trainer_state.json", "cafe\u0301.pt")
 
     ckpt = _forge(tmp_path, edit)
+    monkeypatch.setattr(folders, "_folds", lambda directory: True)
     with pytest.raises(UnsafeCheckpointError, match=r"step-1.*differ only in letter case"):
         restore_folder(ckpt, tmp_path / "out" / "dest")
     assert not (tmp_path / "out").exists()
 
 
-def test_a_folder_with_names_one_elsewhere_is_refused_on_save(tmp_path: Path) -> None:
+def test_names_that_differ_only_in_case_save_and_restore_where_the_file_system_keeps_them(
+    tmp_path: Path,
+) -> None:
+    # A folder holding A.txt and a.txt is an ordinary folder on Linux: it saves and
+    # restores byte for byte on a file system that keeps the names apart (refusing it
+    # everywhere stranded folders saved before on such a file system).
+    from storage.integrations.folders import _folds
+
+    assert not _folds(str(tmp_path))  # the probe leaves nothing behind either
+    assert list(tmp_path.iterdir()) == []
     folder = tmp_path / "f"
-    _folder(folder)
-    (folder / "Empty.txt").write_bytes(b"x")
-    with pytest.raises(ValueError, match=r"'Empty.txt' and 'empty.txt'.*rename one"):
-        read_folder(folder)
+    files = _folder(folder)
+    for name in ("Empty.txt", "cafe\u0301.pt", "caf\u00e9.pt"):
+        (folder / name).write_bytes(name.encode())
+        files[name] = name.encode()
+    FolderCheckpoints(tmp_path / "bucket", blocking=True).save(folder, 1)
+    restore_folder(tmp_path / "bucket" / "step-1", tmp_path / "dest")
+    assert _contents(tmp_path / "dest") == files
 
 
 @pytest.mark.parametrize("where", ["component", "path"])
