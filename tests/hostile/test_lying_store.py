@@ -523,3 +523,55 @@ def test_a_store_that_serves_another_saves_metadata_keeps_the_local_copy(
     assert mgr.tiers.local.steps() == [4]
     assert mgr.durable_steps() == [1, 2, 3, 4]
 
+
+def test_a_drained_reference_needs_the_content_fingerprint_of_the_roots_base(
+    servers: dict[str, Any], tmp_path: Path
+) -> None:
+    """An incremental step drained where the root holds its base keeps its references
+    to the base's bytes when the root's base records the same stored bytes for the
+    item. Before, "the same" was index, transform chain, length and CRC32C only: a
+    root whose base ``.metadata`` records another content fingerprint for the item (the
+    store serves another save's metadata at that name; here an edited copy) still got
+    the reference, to bytes it says hold other content. Now the fingerprint must match
+    too, else the item's bytes are copied into the step."""
+    proxy: FaultProxy = servers["s3"]
+    proxy.clear()
+    server = boto3_client(servers["s3-server"])
+    prefix = f"{uuid.uuid4().hex}/run"
+    mgr = _tiered_on(proxy, prefix, tmp_path, incremental=True)
+    same = torch.full((64,), 7.0)
+    mgr.save(1, {"w": same, "v": torch.full((64,), 1.0)})
+    mgr.wait()
+    key = f"{prefix}/step-1/.metadata"
+    metadata = pickle.loads(server.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == "w")
+    facts = getattr(info, fmt.EXTRA)
+    assert facts[fmt.CONTENT].startswith("xxh3_128:")
+    facts[fmt.CONTENT] = "xxh3_128:" + "0" * 32
+    other = pickle.dumps(metadata)
+
+    def another(asked: Asked, reply: Reply) -> Reply:
+        headers = {"Content-Type": "binary/octet-stream", "ETag": '"0"'}
+        if "range" in asked.headers:
+            headers["Content-Range"] = f"bytes 0-{len(other) - 1}/{len(other)}"
+            return Reply(206, headers, other)
+        return Reply(200, headers, other)
+
+    proxy.add("rewrite", method="GET", path=r"/step-1/\.metadata(\?|$)", rewrite=another)
+    mgr.save(2, {"w": same, "v": torch.full((64,), 2.0)})
+    assert mgr.tiers is not None
+    assert fmt.stored_item(_item(mgr.tiers.local.model(2), "w")).ref == "step-1"  # locally
+    mgr.wait()
+    proxy.clear()
+    drained = pickle.loads(
+        server.get_object(Bucket=BUCKET, Key=f"{prefix}/step-2/.metadata")["Body"].read()
+    )
+    w = next(v for k, v in drained.storage_data.items() if k.fqn == "w")
+    assert fmt.stored_item(w).ref is None  # its bytes copied into step-2
+    assert torch.equal(_load_root_step(servers, prefix, 2), same)
+
+
+def _item(checkpoint: Any, fqn: str) -> Any:
+    """The storage info of item ``fqn`` in ``checkpoint``'s ``.metadata``."""
+    metadata = checkpoint.global_metadata
+    return next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
