@@ -172,13 +172,13 @@ def publish_copy(
     *,
     overwrite: bool,
     transforms: Sequence[Any] | None = None,
-) -> None:
+) -> bytes:
     """The commit phase of :func:`copy_checkpoint`: publish ``part``'s metadata over the
     data files of ``copies`` (every rank's share of one copy, its items re-encoded with
-    ``transforms`` unless ``None``) under ``dst_path``. On failure, removes those files
-    unless the metadata may have landed, and raises. The source's seal carries over to
-    a copy of the stored bytes (it seals no location); a re-encoded copy is sealed
-    afresh under its chain's keys."""
+    ``transforms`` unless ``None``) under ``dst_path``; returns the metadata's bytes as
+    published. On failure, removes those files unless the metadata may have landed, and
+    raises. The source's seal carries over to a copy of the stored bytes (it seals no
+    location); a re-encoded copy is sealed afresh under its chain's keys."""
     save_id = copies[0].save_id if copies else uuid.uuid4().hex[:12]
     new_meta = copy.copy(part.metadata)
     new_meta.storage_data = {i: info for c in copies for i, info in c.infos.items()}
@@ -193,14 +193,21 @@ def publish_copy(
         seals = make_seals(new_meta, transforms or [], save_id, part.name)
     if seals:
         extra[fmt.SEAL] = seals
+    published: list[bytes] = []
+
+    def payload() -> bytes:  # serialized inside the commit: its failure rolls back too
+        published.append(fmt.dump_metadata(new_meta, **extra))
+        return published[-1]
+
     commit_checkpoint(
         dst_fs,
         dst_path,
         part.name,
-        lambda: fmt.dump_metadata(new_meta, **extra),
+        payload,
         save_id=save_id,
         infos=new_meta.storage_data.values(),
         new_files={n for c in copies for n in c.names},
         overwrite=overwrite,
         sync=True,
     )
+    return published[-1]

@@ -91,7 +91,8 @@ def copy_data_files(
     needs, unless ``keep_references``: then an item that references a base is
     recorded as a reference to the base of the same name beside ``dst_path`` when that
     one is committed, not a symbolic link, and holds the same stored bytes there (same
-    index, transform chain, length and checksum), and only copied otherwise, so a copy of an
+    index, transform chain, length and checksum, and the same content fingerprint where
+    the item records one), and only copied otherwise, so a copy of an
     incremental checkpoint made after its bases' copies stays incremental. ``ranks``
     limits the copy to the data files those ranks wrote
     (``__{rank}_*``), so each rank of a job can copy its own files from a node-local
@@ -318,6 +319,7 @@ def _kept_references(
             their.descriptors != record.descriptors
             or their.length != record.length
             or their.crc32c != record.crc32c
+            or (record.content is not None and their.content != record.content)
             or (their.ref is not None and linked(their.ref))
         ):
             continue

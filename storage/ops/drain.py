@@ -11,19 +11,33 @@ is never drained (through the link), and the pass fails with that after draining
 others. Rank 0 publishes the root's metadata once every
 rank reports its files there, or removes them all when any rank failed, so the durable
 copy exists only whole.
+
+Durable means more than "the root answers that ``.metadata`` exists": a store (or a
+cache in front of it) may say so of an object it lost, or hold another save's object at
+that name. Before a step counts as durable (:meth:`Drains.durable`, what lets the local
+tier prune its copy) the root's ``.metadata`` is read back, bounded, once per step: it
+must be the bytes the drain published (every rank learns their SHA-256 from rank 0), or,
+for a step drained before this process started, the copy of the local step's save
+(``format.save_of``). Missing, the step is drained again by the next pass; different,
+it stays local (one warning says what differs) and the next pass looks again.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import hashlib
 import logging
 import threading
 import uuid
 from collections.abc import Callable
+from typing import Literal
 
-from extensions.errors import CheckpointNotFoundError
+from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage.checkpoint import persist
+from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
+from storage.checkpoint.committed import read_metadata_bytes
 from storage.checkpoint.options import WriterSettings
 from storage.ops._peers import Group
 from storage.ops.copy import publish_copy
@@ -32,6 +46,27 @@ from storage.ops.parts import read_metadata
 from storage.ops.steps import StepRoot
 
 log = logging.getLogger("storage.ops.tiers")  # one logger for everything tiers say
+
+#: What the root holds of a local step: ``durable`` (the copy this tier drained there),
+#: ``missing`` (no ``.metadata``: drain it), ``differs`` (another ``.metadata``: keep the
+#: local copy), ``linked`` (a symbolic link: never drained, never durable).
+RootCopy = Literal["durable", "missing", "differs", "linked"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """The ``.metadata`` a drain published at the root: its size, SHA-256 and save id."""
+
+    size: int
+    sha256: str
+    save_id: str
+
+    @classmethod
+    def of(cls, data: bytes, save_id: str) -> Published:
+        return cls(len(data), hashlib.sha256(data).hexdigest(), save_id)
+
+    def __str__(self) -> str:
+        return f"{self.size} bytes, SHA-256 {self.sha256[:16]}..., save {self.save_id}"
 
 
 class Drains:
@@ -66,6 +101,9 @@ class Drains:
         self._drained: set[int] = set()  # made durable by a pass here
         self._queued = self._finished = 0  # passes
         self._pending: set[int] = set()  # saved here, not drained yet
+        self._published: dict[int, Published] = {}  # by the passes here
+        self._verified: set[int] = set()  # the root's .metadata read back and found ours
+        self._warned: set[int] = set()  # told once that the root's .metadata differs
         self._error: BaseException | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-drain")
         self._last: concurrent.futures.Future[None] | None = None
@@ -83,6 +121,72 @@ class Drains:
     def discard(self, step: int) -> None:
         with self._lock:
             self._pending.discard(step)
+
+    def durable(self, step: int) -> bool:
+        """Whether the root holds this tier's copy of ``step`` committed (see the module
+        docstring): what lets the local tier delete its own."""
+        return self.root_copy(step) == "durable"
+
+    def root_copy(self, step: int) -> RootCopy:
+        """What the root holds of ``step`` (:data:`RootCopy`). Its ``.metadata`` is read
+        (bounded) until it is found to be this tier's copy, then only looked for; a
+        different one is warned about once per step. Raises what reading the root
+        raises (the root cannot say)."""
+        if self.root.is_link(step):
+            return "linked"
+        with self._lock:
+            verified = step in self._verified
+        if verified:
+            return "durable" if self.root.is_committed(step) else "missing"
+        path = self.root.fs.concat_path(self.root.step_path(step), fmt.METADATA_NAME)
+        try:
+            data = read_metadata_bytes(self.root.fs, path)
+        except (FileNotFoundError, NotADirectoryError):
+            return "missing"
+        except UnsafeCheckpointError as exc:  # past the bound: not what we published
+            why: str | None = str(exc)
+        else:
+            why = self._differs(step, data)
+        if why is None:
+            with self._lock:
+                self._verified.add(step)
+            return "durable"
+        with self._lock:
+            warn = step not in self._warned
+            self._warned.add(step)
+        if warn:
+            log.warning(
+                "step %d at %s: the root's %s is not the copy this tier drained there (%s); "
+                "the local copy is kept, and each drain pass looks again",
+                step,
+                self.root.step_url(step),
+                fmt.METADATA_NAME,
+                why,
+            )
+        return "differs"
+
+    def _differs(self, step: int, data: bytes) -> str | None:
+        """How ``data``, the root's ``.metadata`` of ``step``, differs from this tier's
+        copy (``None``: it is that copy): the bytes a pass here published, else (drained
+        before this process started) a copy of the local step's save."""
+        with self._lock:
+            ours = self._published.get(step)
+        if ours is not None and Published.of(data, ours.save_id) == ours:
+            return None
+        try:
+            theirs = fmt.load_metadata(data, self.root.step_url(step))
+        except Exception as exc:  # unreadable: it differs, and says why
+            save_id, origin = f"unreadable ({exc})", None
+        else:
+            save_id = str(getattr(getattr(theirs, "storage_meta", None), "save_id", None))
+            origin = fmt.save_of(theirs)
+        if ours is not None:
+            return f"it holds {Published.of(data, save_id)}, the drain published {ours}"
+        local = self.local.model(step).global_metadata
+        mine = None if local is None else fmt.save_of(local)
+        if mine is not None and origin == mine:
+            return None
+        return f"it holds a copy of save {origin}, the local step is save {mine}"
 
     def schedule(self) -> None:
         """Queue a pass (every rank queues the same ones: their collectives pair up)."""
@@ -127,12 +231,15 @@ class Drains:
                 linked = set(self.local.linked_steps())
                 held = {s for s in self.local.steps() if s not in linked}
                 refused |= {s for s in mine | held if self.root.is_link(s)}
-                mine |= {s for s in held if not self.root.is_committed(s)}
+                # A step the root shows another .metadata for stays local: draining it
+                # again would replace a checkpoint that may not be ours (and a store
+                # that answers stale bytes serves them again), see root_copy.
+                mine |= {s for s in held - refused - mine if self.root_copy(s) == "missing"}
                 views = g.all_gather(sorted(mine - refused - landed), pg=g.drain_pg)
                 common = sorted(set.intersection(*(set(v) for v in views)))
                 if not common:
                     break
-                drain_step(
+                published = drain_step(
                     g,
                     self.local,
                     self.root,
@@ -140,9 +247,13 @@ class Drains:
                     settings=self.settings,
                     pace=self.pace,
                 )
+                with self._lock:
+                    self._published[common[0]] = published
+                    self._verified.discard(common[0])
+                    self._warned.discard(common[0])
                 self.last_error = None
                 landed.add(common[0])
-                if not self.root.is_committed(common[0]):
+                if self.root_copy(common[0]) == "missing":
                     # Else the pass would drain it again, and again: a store that lost
                     # or hides the metadata it acknowledged (a cached 404) re-uploaded
                     # the whole step for ever, and no later pass ran.
@@ -182,16 +293,17 @@ def drain_step(
     *,
     settings: WriterSettings,
     pace: Callable[[], None],
-) -> None:
+) -> Published:
     """Copy ``step`` from ``local`` to ``root``; collective (on the drains' group),
-    raises on every rank if it failed on any, and commits nothing then. Each rank's
+    raises on every rank if it failed on any, and commits nothing then; returns what
+    rank 0 published, on every rank. Each rank's
     copy is a ``SaveAttempt`` of its own save id: a rank whose copy died with nothing
     to show (the persist worker killed mid-copy) removes what that id left there
     (``SaveAttempt.lost``); rank 0's adopts every rank's files, which it publishes or,
     when any rank failed, removes."""
     fs = root.fs
     src, dst = local.step_path(step), root.step_path(step)
-    copied, error, part = None, None, None
+    copied, error, part, published = None, None, None, None
     attempt = SaveAttempt(fs, dst, uuid.uuid4().hex[:12])  # this rank's own save id
     try:
         root.refuse_link(step, _stays_local(local, step))  # linked since the pass looked
@@ -234,11 +346,12 @@ def drain_step(
         if outcome is None:
             assert part is not None
             try:
-                publish_copy(fs, dst, part, copies, overwrite=settings.overwrite)
+                data = publish_copy(fs, dst, part, copies, overwrite=settings.overwrite)
+                published = Published.of(data, attempt.save_id)
                 attempt.landed()
             except Exception as exc:
                 error, outcome = exc, _text(exc)
-    outcome = g.broadcast(outcome, pg=g.drain_pg)
+    outcome, published = g.broadcast((outcome, published), pg=g.drain_pg)
     if outcome is not None:
         attempt.abort(error)  # unless rank 0's publish may have landed
     if error is not None:
@@ -246,6 +359,8 @@ def drain_step(
     if outcome is not None:
         raise RuntimeError(f"draining step {step} to {root.url} failed: {outcome}")
     log.info("step %d is durable at %s", step, root.step_url(step))
+    assert published is not None  # rank 0 published: no outcome
+    return published
 
 
 def _stays_local(local: StepRoot, step: int) -> str:

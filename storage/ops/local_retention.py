@@ -20,12 +20,12 @@ class LocalRetention:
     """``keep_local``: which committed steps a node's local tier deletes, and when.
 
     Only the node's leader (``leader``) deletes. A local step goes only once durable
-    (``durable(step)``: the root holds it committed), never while it waits for its
-    drain (``pending()``), is being written or is the base of the save in flight
-    (``local.in_flight``), never while a step kept here references it, and never
-    through a symbolic link (linked steps are someone else's: not counted either).
-    ``lock`` is held by a save from choosing its base until it marks it in flight, so
-    no pruning runs in between.
+    (``durable(step)``: the root holds its copy, read back once: ``Drains.durable``),
+    never while it waits for its drain (``pending()``), is being written or is the base
+    of the save in flight (``local.in_flight``), never while a step kept here
+    references it, and never through a symbolic link (linked steps are someone else's:
+    not counted either). ``lock`` is held by a save from choosing its base until it
+    marks it in flight, so no pruning runs in between.
 
     The leader also removes what killed saves left in the tier (:meth:`Retention.cleanup`
     with a grace of :data:`LEFTOVER_GRACE`, at most every :data:`SWEEP_EVERY` seconds,

@@ -27,6 +27,14 @@ before the commit and all of them remove what they wrote if any is late). A save
 this manager in flight is waited for first (its commit and the preemption commit never
 race: one save thread runs them in turn); if it is the save of the same step and it
 committed, nothing is saved again.
+
+A second signal. Until the deadline, a signal again is only recorded (the save at the
+next step boundary is what the first one asked for). A job stuck in a step or in the
+save must still be stoppable without SIGKILL: the same signal again once the grace
+period is over (the agreed deadline, or ``grace`` after this rank's first signal before
+a step boundary agreed on one), and a second SIGINT (Ctrl-C) at any time, are handled as
+before the guard: the previous handler is put back and called (Python's SIGINT handler
+raises ``KeyboardInterrupt``), or the default action taken (SIGTERM: the process ends).
 """
 
 from __future__ import annotations
@@ -61,11 +69,13 @@ class PreemptionGuard:
 
     ``grace``: seconds from the first signal (on any rank) until the save is given up;
     choose a few seconds less than the platform's (torchrun and GKE 30 s by default,
-    AWS spot 120 s). ``every``: under a process group, the ranks compare notes every
-    ``every`` steps (one all-reduce of four numbers; a single process checks its flag
-    on every call for free). ``chain``: after the save, hand the signal on to the
-    handler that was installed before (the default action for SIGTERM ends the
-    process at once) instead of returning ``True`` to the loop.
+    AWS spot 120 s). The same signal again after that (a second SIGINT: at any time)
+    is handled as before the guard (see the module docstring). ``every``: under a
+    process group, the ranks compare notes every ``every`` steps (one all-reduce of four
+    numbers; a single process checks its flag on every call for free). ``chain``: after
+    the save, hand the signal on to the handler that was installed before (the default
+    action for SIGTERM ends the process at once) instead of returning ``True`` to the
+    loop.
 
     Attributes: ``saved``, the step committed locally (``None`` before a signal, or if
     the save failed or ran out of time); ``error``, why it was not; ``requested``,
@@ -101,6 +111,7 @@ class PreemptionGuard:
         self.saved: int | None = None
         self.error: BaseException | None = None
         self._signal: tuple[int, float] | None = None  # (signal number, monotonic time)
+        self._seen: set[int] = set()  # the signals received
         self._stopped = False
         self._deadline: float | None = None
         self._pg: Any = None
@@ -124,15 +135,42 @@ class PreemptionGuard:
             # A child forked from the trainer (a DataLoader worker, a multiprocessing
             # Process): no step boundary of its own ever reads the flag, so it handles
             # the signal as before the guard (SIGTERM's default: it ends).
-            previous = self._previous.get(signum)
-            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
-            if callable(previous):
-                previous(signum, frame)
-            elif previous in (None, signal.SIG_DFL):
-                signal.raise_signal(signum)
+            self._as_before(signum, frame)
             return
+        now = time.monotonic()
+        repeated = signum in self._seen
+        self._seen.add(signum)
         if self._signal is None:
-            self._signal = (signum, time.monotonic())
+            self._signal = (signum, now)
+        elif repeated and (signum == signal.SIGINT or now >= self._given_up_at()):
+            # A second Ctrl-C, or the same signal again once the grace period is over:
+            # the job is stuck in a step or in the save (no step boundary came, or the
+            # save outlived its deadline). Whoever sends it wants the process to act as
+            # before the guard, not to wait for a boundary that may never come.
+            log.warning(
+                "signal %d again%s: handled as before save_on_signal (the guard gives it up)",
+                signum,
+                "" if signum == signal.SIGINT else " after the grace period",
+            )
+            self._as_before(signum, frame)
+
+    def _given_up_at(self) -> float:
+        """When the preemption save is given up: the deadline the ranks agreed on, or,
+        before a step boundary did, ``grace`` after this rank's first signal."""
+        assert self._signal is not None
+        return self._deadline if self._deadline is not None else self._signal[1] + self.grace
+
+    def _as_before(self, signum: int, frame: FrameType | None) -> None:
+        """Handle ``signum`` as the process did before the guard, from now on: its
+        previous handler is put back and called, or its default action taken (SIGTERM,
+        SIGINT without Python's handler: the process ends); an ignored signal stays
+        ignored."""
+        previous = self._previous.get(signum)
+        signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous in (None, signal.SIG_DFL):
+            signal.raise_signal(signum)
 
     @property
     def requested(self) -> bool:

@@ -115,9 +115,10 @@ class LocalTier:
         return self.retention.keep_local
 
     def durable(self, step: int) -> bool:
-        """Whether the root holds ``step`` committed, and not as a symbolic link (a
-        checkpoint from elsewhere: this tier's copy of the step is not that one)."""
-        return self.root.is_committed(step) and not self.root.is_link(step)
+        """Whether the root holds this tier's copy of ``step`` committed, not as a
+        symbolic link (a checkpoint from elsewhere) nor with a ``.metadata`` other than
+        the one its drain published (:meth:`Drains.durable`)."""
+        return self.drains.durable(step)
 
     def linked(self) -> set[int]:
         """Local steps whose directory is a symbolic link: someone else's checkpoints,

@@ -421,3 +421,157 @@ def test_a_listing_of_uploads_names_only_what_is_under_the_prefix(
     listed = server.list_multipart_uploads(Bucket=BUCKET, Prefix=theirs)
     assert [u["UploadId"] for u in listed.get("Uploads", [])] == [upload]
     server.abort_multipart_upload(Bucket=BUCKET, Key=theirs, UploadId=upload)
+
+
+def _tiered_on(proxy: FaultProxy, prefix: str, tmp_path: Path, **options: Any) -> Any:
+    """A tiered manager (local tier under ``tmp_path``, ``keep_local=1``) whose root,
+    ``prefix`` in the bucket, is read and written through ``proxy``."""
+    fs = storage.S3FileSystem(storage_options=s3_options(proxy.url, config_kwargs=FAST))
+    return storage.CheckpointManager(
+        f"s3://{BUCKET}/{prefix}", filesystem=fs, local=tmp_path / "local", keep_local=1, **options
+    )
+
+
+def _load_root_step(servers: dict[str, Any], prefix: str, step: int) -> torch.Tensor:
+    """``w`` of ``step`` as the S3 server itself holds it (no proxy)."""
+    fs = storage.S3FileSystem(storage_options=s3_options(servers["s3-server"]))
+    target = {"w": torch.zeros(64)}
+    storage.load(target, f"s3://{BUCKET}/{prefix}/step-{step}", filesystem=fs)
+    return target["w"]
+
+
+def test_a_store_that_says_a_lost_metadata_exists_does_not_cost_the_local_copy(
+    servers: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store acknowledges the PUT of a drained step's ``.metadata`` but keeps
+    nothing, and its HEAD (or a cache in front of it) answers 200 for that name all the
+    same. Before, a HEAD was all that made a step durable: the next save's pass pruned
+    the local copy (``keep_local=1``) while the root held no metadata for it, the only
+    good copy lost. Now the root's ``.metadata`` is read back and compared with what the
+    drain published: missing, the step stays local and the next pass drains it again."""
+    proxy: FaultProxy = servers["s3"]
+    proxy.clear()
+    server = boto3_client(servers["s3-server"])
+    prefix = f"{uuid.uuid4().hex}/run"
+    key = f"{prefix}/step-2/.metadata"
+
+    def lost(asked: Asked, reply: Reply) -> Reply:
+        server.delete_object(Bucket=BUCKET, Key=key)
+        return reply
+
+    def there(asked: Asked, reply: Reply) -> Reply:
+        return Reply(200, {"Content-Type": "binary/octet-stream", "ETag": '"0"'}, b"", 100)
+
+    mgr = _tiered_on(proxy, prefix, tmp_path)
+    assert mgr.tiers is not None
+    mgr.save(1, {"w": torch.full((64,), 1.0)})
+    mgr.wait()
+    proxy.add("rewrite", method="PUT", path=r"/step-2/\.metadata(\?|$)", rewrite=lost, count=1)
+    proxy.add("rewrite", method="HEAD", path=r"/step-2/\.metadata(\?|$)", rewrite=there)
+    with caplog.at_level(logging.WARNING, logger="storage.ops.tiers"):
+        mgr.save(2, {"w": torch.full((64,), 2.0)})
+        mgr.wait()
+    assert "step 2 was published at" in caplog.text and "does not show it" in caplog.text
+    assert 2 in mgr.tiers.local.steps()
+    mgr.save(3, {"w": torch.full((64,), 3.0)})  # step 2 is drained again, then pruned
+    mgr.wait()
+    assert torch.equal(_load_root_step(servers, prefix, 2), torch.full((64,), 2.0))
+    assert mgr.tiers.local.steps() == [3]
+
+
+def test_a_store_that_serves_another_saves_metadata_keeps_the_local_copy(
+    servers: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store (a cache in front of it) answers the read of a drained step's
+    ``.metadata`` with another object's bytes: here step 1's, as a stale cache holding
+    an older save at that name would. Before, the HEAD that found the name made the
+    step durable and the local copy was pruned: had the store lost the object, the only
+    good copy was gone. Now the step stays local while the root's ``.metadata`` is not
+    the one the drain published, with one warning naming the step, the root and what
+    differs; the next pass looks again and prunes it once the root answers right."""
+    proxy: FaultProxy = servers["s3"]
+    proxy.clear()
+    server = boto3_client(servers["s3-server"])
+    prefix = f"{uuid.uuid4().hex}/run"
+    mgr = _tiered_on(proxy, prefix, tmp_path)
+    assert mgr.tiers is not None
+    mgr.save(1, {"w": torch.full((64,), 1.0)})
+    mgr.wait()
+    older = server.get_object(Bucket=BUCKET, Key=f"{prefix}/step-1/.metadata")["Body"].read()
+
+    def stale(asked: Asked, reply: Reply) -> Reply:
+        headers = {"Content-Type": "binary/octet-stream", "ETag": '"0"'}
+        if "range" in asked.headers:
+            headers["Content-Range"] = f"bytes 0-{len(older) - 1}/{len(older)}"
+            return Reply(206, headers, older)
+        return Reply(200, headers, older)
+
+    proxy.add("rewrite", method="GET", path=r"/step-2/\.metadata(\?|$)", rewrite=stale)
+    with caplog.at_level(logging.WARNING, logger="storage.ops.tiers"):
+        mgr.save(2, {"w": torch.full((64,), 2.0)})
+        mgr.wait()
+        mgr.save(3, {"w": torch.full((64,), 3.0)})
+        mgr.wait()
+    assert mgr.tiers.local.steps() == [2, 3]  # 2 kept: the root does not show our copy
+    warnings = [r.getMessage() for r in caplog.records if "step 2 at" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    assert f"s3://{BUCKET}/{prefix}/step-2" in warnings[0]
+    assert f"{len(older)} bytes" in warnings[0]
+    proxy.clear()
+    mgr.save(4, {"w": torch.full((64,), 4.0)})
+    mgr.wait()
+    assert mgr.tiers.local.steps() == [4]
+    assert mgr.durable_steps() == [1, 2, 3, 4]
+
+
+def test_a_drained_reference_needs_the_content_fingerprint_of_the_roots_base(
+    servers: dict[str, Any], tmp_path: Path
+) -> None:
+    """An incremental step drained where the root holds its base keeps its references
+    to the base's bytes when the root's base records the same stored bytes for the
+    item. Before, "the same" was index, transform chain, length and CRC32C only: a
+    root whose base ``.metadata`` records another content fingerprint for the item (the
+    store serves another save's metadata at that name; here an edited copy) still got
+    the reference, to bytes it says hold other content. Now the fingerprint must match
+    too, else the item's bytes are copied into the step."""
+    proxy: FaultProxy = servers["s3"]
+    proxy.clear()
+    server = boto3_client(servers["s3-server"])
+    prefix = f"{uuid.uuid4().hex}/run"
+    mgr = _tiered_on(proxy, prefix, tmp_path, incremental=True)
+    same = torch.full((64,), 7.0)
+    mgr.save(1, {"w": same, "v": torch.full((64,), 1.0)})
+    mgr.wait()
+    key = f"{prefix}/step-1/.metadata"
+    metadata = pickle.loads(server.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == "w")
+    facts = getattr(info, fmt.EXTRA)
+    assert facts[fmt.CONTENT].startswith("xxh3_128:")
+    facts[fmt.CONTENT] = "xxh3_128:" + "0" * 32
+    other = pickle.dumps(metadata)
+
+    def another(asked: Asked, reply: Reply) -> Reply:
+        headers = {"Content-Type": "binary/octet-stream", "ETag": '"0"'}
+        if "range" in asked.headers:
+            headers["Content-Range"] = f"bytes 0-{len(other) - 1}/{len(other)}"
+            return Reply(206, headers, other)
+        return Reply(200, headers, other)
+
+    proxy.add("rewrite", method="GET", path=r"/step-1/\.metadata(\?|$)", rewrite=another)
+    mgr.save(2, {"w": same, "v": torch.full((64,), 2.0)})
+    assert mgr.tiers is not None
+    assert fmt.stored_item(_item(mgr.tiers.local.model(2), "w")).ref == "step-1"  # locally
+    mgr.wait()
+    proxy.clear()
+    drained = pickle.loads(
+        server.get_object(Bucket=BUCKET, Key=f"{prefix}/step-2/.metadata")["Body"].read()
+    )
+    w = next(v for k, v in drained.storage_data.items() if k.fqn == "w")
+    assert fmt.stored_item(w).ref is None  # its bytes copied into step-2
+    assert torch.equal(_load_root_step(servers, prefix, 2), same)
+
+
+def _item(checkpoint: Any, fqn: str) -> Any:
+    """The storage info of item ``fqn`` in ``checkpoint``'s ``.metadata``."""
+    metadata = checkpoint.global_metadata
+    return next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)

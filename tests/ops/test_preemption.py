@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ from storage.ops.manager import CheckpointManager
 from tests.support.capped_proxy import CappedProxy
 from tests.support.distributed import gloo_group, spawn
 from tests.support.servers import boto3_client, create_bucket, list_keys, moto_endpoint
-from tests.support.subprocess_jobs import Job, committed_steps
+from tests.support.subprocess_jobs import REPO, Job, committed_steps
 from tests.support.tiers import tiered
 
 
@@ -256,6 +258,85 @@ def test_a_step_boundary_after_the_grace_period_writes_nothing(
     assert "timed out" in str(guard.error)  # a TimeoutError says so
     assert mgr.tiers is not None and mgr.tiers.finish_commit(timeout=0)  # nothing started
     assert disk.data_files == 0 and mgr.steps() == []
+
+
+# The second signal: a job whose first signal asked for a save and which is stuck (in a
+# step, in the save) must still be stoppable the way it was before the guard.
+_SIGNALLED_TWICE = """
+import os, signal, sys, time
+from pathlib import Path
+import torch
+from tests.support.tiers import tiered
+signum, grace = getattr(signal, sys.argv[2]), float(sys.argv[3])
+# As in a terminal (a shell's background job starts with SIGINT ignored).
+signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+mgr = tiered(Path(sys.argv[1]))
+guard = mgr.save_on_signal(lambda: {"w": torch.ones(3)}, signals=(signum,), grace=grace)
+os.kill(os.getpid(), signum)
+assert guard.requested
+time.sleep(0.05)  # a step that hangs: with grace=0.001 the grace period is over after it
+try:
+    os.kill(os.getpid(), signum)  # the second signal, still in that step
+except KeyboardInterrupt:
+    print("@interrupted", flush=True)
+    sys.exit(0)
+print("@alive", guard.should_stop(1), guard.saved, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "grace", "ends"),
+    [
+        ("SIGTERM", 0.001, "killed"),  # past the grace period: SIGTERM's default action
+        ("SIGTERM", 3600, "@alive True 1"),  # within it: the save at the step boundary
+        ("SIGINT", 3600, "@interrupted"),  # a second Ctrl-C: KeyboardInterrupt at once
+    ],
+)
+def test_a_second_signal_is_handled_as_before_the_guard_once_the_save_is_given_up(
+    tmp_path: Path, name: str, grace: float, ends: str
+) -> None:
+    """A job that got its first signal and then hangs in a step (or in the save) gets a
+    second one. Before, every signal after the first was only recorded until the next
+    step boundary, even past the grace period: a job stuck in a step could be stopped by
+    SIGKILL only, and a second Ctrl-C did nothing. Now the same signal again once the
+    grace period is over (SIGINT: at any time) gets the handling the process had before
+    the guard (here SIGTERM's default action, Python's KeyboardInterrupt); within the
+    grace period a repeated SIGTERM still waits for the step boundary's save."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED_TWICE, str(tmp_path), name, str(grace)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if ends == "killed":
+        assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr
+        assert "@alive" not in done.stdout
+        assert "signal 15 again after the grace period" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split("\n")[0] == ends
+
+
+def test_a_second_signal_past_the_grace_period_goes_to_the_previous_handler(
+    tmp_path: Path, handlers: list[int]
+) -> None:
+    """As above, in process, with a handler the program installed before the guard: the
+    second SIGTERM past the grace period is handed to it (and it stays installed); the
+    first one still made the step boundary act."""
+    mgr = tiered(tmp_path)
+    recorder = signal.getsignal(signal.SIGTERM)
+    guard = mgr.save_on_signal(lambda: {"w": torch.ones(3)}, grace=0.001)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert handlers == []
+    time.sleep(0.05)  # the grace period is over after it
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert handlers == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is recorder
+    assert guard.should_stop(1) and guard.saved is None  # given up: past the deadline
+    assert isinstance(guard.error, DeadlineExceededError)
 
 
 def test_save_on_signal_needs_a_tiered_manager_and_sane_options(tmp_path: Path) -> None:

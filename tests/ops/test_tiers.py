@@ -159,6 +159,29 @@ def test_restart_drains_what_is_only_local(tmp_path: Path) -> None:
     assert restarted.load(blank_state()) == 7
 
 
+def test_a_restarted_tier_prunes_a_step_only_where_the_root_holds_its_own_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a restart, the local steps drained by the process before are pruned once
+    the root's ``.metadata`` is read back and found to be a copy of the local step's
+    save. Before, the root's ``.metadata`` existing was enough: a root holding another
+    save's checkpoint at that step (here step 2's metadata put at step-1) let local
+    retention delete the only copy of step 1. Now step 1 stays local, with a warning
+    naming the step, the root and the saves; step 2, a copy of its save, goes."""
+    first = tiered(tmp_path)
+    for step in (1, 2, 3):
+        first.save(step, step_state(step))
+    first.wait()
+    durable = tmp_path / "durable"
+    shutil.copyfile(durable / "step-2" / ".metadata", durable / "step-1" / ".metadata")
+    with caplog.at_level(logging.WARNING, logger="storage.ops.tiers"):
+        restarted = tiered(tmp_path, keep_local=1)  # its first drain pass prunes
+        restarted.wait()
+    assert restarted.tiers is not None and restarted.tiers.local.steps() == [1, 3]
+    (warning,) = [r.getMessage() for r in caplog.records if "step 1 at" in r.getMessage()]
+    assert str(durable / "step-1") in warning and "it holds a copy of save" in warning
+
+
 _KILLED_AFTER_ITS_DATA = """
 import sys
 from pathlib import Path
