@@ -573,6 +573,43 @@ def test_replacing_a_model_never_removes_files_through_a_folder_swapped_for_a_li
     assert _SWAPPED in raised + caplog.text
 
 
+class _Failed(Exception):
+    """A write that failed half way (a full disk, a cancelled save)."""
+
+
+@pytest.mark.parametrize("make", _local_deleters())
+def test_a_failed_write_never_removes_its_file_through_a_directory_swapped_for_a_link(
+    swappable: tuple[Path, Path, dict[str, bytes]], make: Any
+) -> None:
+    # Before the fix: a write that failed removed its file by path, so the step swapped
+    # for a link while it wrote made it remove the victim's file of that name.
+    root, victim, before = swappable
+    step = root / "step-1"
+    name = next(n for n in before if n.endswith(".distcp"))  # in a prefix directory
+    fs, path = make(step)
+    with pytest.raises(_Failed), fs.create_stream(fs.concat_path(path, name), "wb") as out:
+        out.write(b"half")
+        _swap(step, victim)
+        raise _Failed
+    assert snapshot(victim) == before
+
+
+@pytest.mark.parametrize("make", _local_deleters())
+def test_a_failed_write_through_the_users_own_link_removes_its_file(
+    tmp_path: Path, make: Any
+) -> None:
+    """A directory the user reaches through their own link: a write that fails there
+    still removes its file, in the directory the link resolves to."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "mine").symlink_to(real, target_is_directory=True)
+    fs, path = make(tmp_path / "mine")
+    with pytest.raises(_Failed), fs.create_stream(fs.concat_path(path, "f.bin"), "wb") as out:
+        out.write(b"half")
+        raise _Failed
+    assert list(real.iterdir()) == []
+
+
 def test_removal_refuses_where_the_platform_cannot_walk_without_following_links(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
