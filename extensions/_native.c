@@ -411,26 +411,39 @@ WIDE static int joint_planes(uint8_t *restrict joint, uint8_t *restrict rest,
     return any;
 }
 
+/* The index of the first escape code (63, so >= 0xFC) of joint at or after i, or n.
+ * The codes are tested a chunk of ESCAPE_CHUNK at a time: a chunk entered at its start
+ * is passed by one vectorized test where it has none (most do), else searched. */
+static inline Py_ssize_t next_escape(const uint8_t *restrict joint, Py_ssize_t i, Py_ssize_t n) {
+    while (i < n) {
+        Py_ssize_t end = (i / ESCAPE_CHUNK + 1) * ESCAPE_CHUNK;
+        if (end > n)
+            end = n;
+        if (i % ESCAPE_CHUNK == 0) {
+            uint8_t any = 0;
+            for (Py_ssize_t k = i; k < end; k++) any |= joint[k] >= 0xFC;
+            if (!any) {
+                i = end;
+                continue;
+            }
+        }
+        for (; i < end; i++)
+            if (joint[i] >= 0xFC)
+                return i;
+    }
+    return n;
+}
+
 /* The exponents of the words joint codes as escapes, in order, into escapes (as many
- * as room holds); returns how many there are. Chunks without an escape code (most) are
- * passed by one vectorized test. */
+ * as room holds); returns how many there are. */
 static Py_ssize_t joint_escaped(uint8_t *restrict escapes, Py_ssize_t room,
                                 const uint8_t *restrict joint, const uint8_t *restrict in,
                                 Py_ssize_t n) {
     Py_ssize_t found = 0;
-    for (Py_ssize_t at = 0; at < n; at += ESCAPE_CHUNK) {
-        const uint8_t *c = joint + at;
-        Py_ssize_t size = n - at < ESCAPE_CHUNK ? n - at : ESCAPE_CHUNK;
-        uint8_t any = 0;
-        for (Py_ssize_t i = 0; i < size; i++) any |= c[i] >= 0xFC;
-        if (!any)
-            continue;
-        for (Py_ssize_t i = 0; i < size; i++)
-            if (c[i] >= 0xFC) {
-                if (found < room)
-                    escapes[found] = (uint8_t)(load16(in + 2 * (at + i)) >> 7);
-                found++;
-            }
+    for (Py_ssize_t i = next_escape(joint, 0, n); i < n; i = next_escape(joint, i + 1, n)) {
+        if (found < room)
+            escapes[found] = (uint8_t)(load16(in + 2 * i) >> 7);
+        found++;
     }
     return found;
 }
@@ -504,27 +517,18 @@ WIDE static int joint_words(uint8_t *restrict out, const uint8_t *restrict joint
 }
 
 /* Each escaped word of out takes its exponent from escapes, in order, as far as the
- * stored ones go; returns how many escape codes joint holds, at most stored + 1. The
- * codes are tested a chunk at a time (one vectorized test passes most chunks). */
+ * stored ones go; returns how many escape codes joint holds, at most stored + 1. */
 static Py_ssize_t joint_escapes(uint8_t *restrict out, const uint8_t *restrict joint,
                                 Py_ssize_t n, const uint8_t *restrict escapes,
                                 Py_ssize_t stored) {
     Py_ssize_t found = 0;
-    for (Py_ssize_t at = 0; at < n && found <= stored; at += ESCAPE_CHUNK) {
-        const uint8_t *c = joint + at;
-        Py_ssize_t size = n - at < ESCAPE_CHUNK ? n - at : ESCAPE_CHUNK;
-        uint8_t any = 0;
-        for (Py_ssize_t i = 0; i < size; i++) any |= c[i] >= 0xFC;
-        if (!any)
-            continue;
-        for (Py_ssize_t i = 0; i < size; i++)
-            if (c[i] >= 0xFC) {
-                if (found < stored) {
-                    uint8_t *o = out + 2 * (at + i);
-                    store16(o, (uint16_t)((load16(o) & 0x807Fu) | (uint32_t)escapes[found] << 7));
-                }
-                found++;
-            }
+    for (Py_ssize_t i = next_escape(joint, 0, n); i < n && found <= stored;
+         i = next_escape(joint, i + 1, n)) {
+        if (found < stored) {
+            uint8_t *o = out + 2 * i;
+            store16(o, (uint16_t)((load16(o) & 0x807Fu) | (uint32_t)escapes[found] << 7));
+        }
+        found++;
     }
     return found > stored ? stored + 1 : found;
 }

@@ -196,9 +196,11 @@ def create_temporary(path: str) -> tuple[str, IO[bytes]]:
 @contextlib.contextmanager
 def write_stream(path: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
     """``path`` written from its start through :func:`open_for_writing` (its directory
-    made first); fsynced with ``sync``; removed if the body raises."""
+    made first); fsynced with ``sync``; removed if the body raises, only while it is
+    still the file written (:func:`_remove_written`)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     out = open_for_writing(path)
+    written = os.fstat(out.fileno())
     try:
         yield out
         out.flush()
@@ -207,9 +209,29 @@ def write_stream(path: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
     except BaseException:
         out.close()
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+            _remove_written(path, written)
         raise
     out.close()
+
+
+def _remove_written(path: str, written: os.stat_result) -> None:
+    """Remove ``path`` if it is the file ``written`` (its ``fstat``). Its name is a
+    checkpoint's, which another checkpoint has too: a directory on the way swapped for
+    a link since the write opened it would make a removal by path land in that one.
+    The directory is opened once and the name looked up and removed inside it, so what
+    is compared is what is removed."""
+    if not WALKS_SAFELY:  # by path, as this platform allows
+        os.unlink(path)
+        return
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(os.path.dirname(path) or os.curdir, flags)
+    try:
+        name = os.path.basename(path)
+        found = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if (found.st_dev, found.st_ino) == (written.st_dev, written.st_ino):
+            os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def write_atomic(

@@ -48,6 +48,7 @@ from typing import Any
 
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url
+from storage.checkpoint import heartbeat
 from storage.checkpoint.deletion import refuse_link
 from storage.integrations._deps import require
 
@@ -179,6 +180,7 @@ class ObjectStoreStorage(Storage):
         self.fs.rm_file(src)
 
     def _commit(self, directory: str) -> None:
+        home = heartbeat.resolved(self.fs, directory)  # where the marker goes, from here
         files = sorted(self._walk(directory))
         record = {"format": _COMMIT_FORMAT, "files": files}
         try:
@@ -195,7 +197,7 @@ class ObjectStoreStorage(Storage):
         with self._lock:
             self._pending.discard(directory)
         try:
-            self.fs.rm_file(self._marker(directory, PENDING_NAME))
+            self.fs.rm_file_in(home, PENDING_NAME)  # never through a link swapped in since
         except FileNotFoundError:
             pass
 
@@ -210,7 +212,7 @@ class ObjectStoreStorage(Storage):
         commit = self._marker(directory, COMMIT_NAME)
         if self.fs.exists(commit):  # uncommit first: a partial deletion stays invisible
             self.fs.write_atomic(self._marker(directory, PENDING_NAME), b"")
-            self.fs.rm_file(commit)
+            self.fs.rm_file_in(directory, COMMIT_NAME)  # as every removal below
         for name in sorted(self._walk(directory), key=lambda n: n == PENDING_NAME):
             self.fs.rm_file_in(directory, name)  # never through a link swapped in meanwhile
         self.fs.rm_dir_in(directory)

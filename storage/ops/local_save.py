@@ -91,16 +91,22 @@ def refuse_links(g: Group, local: StepRoot, root: StepRoot, step: int, *, pg: An
 def refuse_shared_tier(g: Group, local: StepRoot) -> None:
     """Make ``local`` where it is on local disk (this user's from now on), then raise on
     every rank, before the tier is listed, drained or written, if some node's tier is
-    open to other users (``StepRoot.open_to_others``). Collective."""
+    open to other users (``StepRoot.open_to_others``); that refusal is raised even where
+    making the tier failed (another user's link may lead where we cannot write, and
+    the bare error of that never named the link). Collective."""
     error: Exception | None = None
+    why: str | None = None
     try:
         if isinstance(local.fs, LocalFileSystem):
             # Made now, before the check: left for the first save, its name in a shared
             # sticky directory (/dev/shm/run) was anyone's to take with a link meanwhile.
             make_directory(local.fs, local.path)
+    except OSError as exc:
+        error = exc
+    try:
         why = local.open_to_others()
     except OSError as exc:
-        error, why = exc, None
+        error = error or exc
     if why is not None:
         error = UnsafeCheckpointError(
             f"the local tier {local.url} {why}: another user or job on this host could put a "

@@ -172,11 +172,11 @@ class _KilledAtRemoval(LocalFileSystem):
         self.name = name
         self.killed = False
 
-    def rm_file(self, path: str) -> None:
-        if os.path.basename(path) == self.name:
+    def rm_file_in(self, directory: str, name: str) -> None:
+        if name == self.name:
             self.killed = True
-            raise _Killed(path)
-        super().rm_file(path)
+            raise _Killed(name)
+        super().rm_file_in(directory, name)
 
 
 def _write(
@@ -303,10 +303,10 @@ def test_transformers_and_our_reader_load_the_same_model_from_a_killed_replaceme
 
 
 class _Undeletable(LocalFileSystem):
-    def rm_file(self, path: str) -> None:
-        if os.path.basename(path) == "model.safetensors":
-            raise PermissionError(path)
-        super().rm_file(path)
+    def rm_file_in(self, directory: str, name: str) -> None:
+        if name == "model.safetensors":
+            raise PermissionError(name)
+        super().rm_file_in(directory, name)
 
 
 def test_several_files_that_cannot_remove_the_single_file_fail_and_leave_the_old_model(
@@ -321,3 +321,19 @@ def test_several_files_that_cannot_remove_the_single_file_fail_and_leave_the_old
         _write("export", _Undeletable(), NEW, out, 4096)
     loaded = _loaded(out, NAMES)
     assert all(torch.equal(loaded[n], OLD[n]) for n in NAMES)
+
+
+@pytest.mark.parametrize("then", [None, 4096], ids=["then-one-file", "then-several"])
+@pytest.mark.parametrize("how", ["export", "save"])
+def test_replacing_a_model_in_a_folder_the_user_links_to_removes_the_old_files(
+    tmp_path: Path, how: str, then: int | None
+) -> None:
+    """A model folder the user names through their own link: the replaced model's files
+    are removed in the folder the link resolves to (removals never go through a link)."""
+    real, out = tmp_path / "real", tmp_path / "mine"
+    real.mkdir()
+    out.symlink_to(real, target_is_directory=True)
+    storage.save_safetensors(OLD, str(out), max_shard_size=None if then else 4096)
+    _write(how, LocalFileSystem(), NEXT, out, then)
+    assert out.is_symlink()
+    _only_the_model(real, then)

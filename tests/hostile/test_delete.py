@@ -505,6 +505,111 @@ def test_a_step_swapped_after_the_walk_opened_it_loses_only_its_own_file(
     assert not (root / "step-1.moved" / name).exists()
 
 
+class _SwapOnCommit(LocalFileSystem):
+    """The local backend; the model folder ``folder`` is swapped for a link to ``victim``
+    once the new model is committed, before the replaced files are removed: right after
+    the new model.safetensors is published (one file), or after the last check of the
+    new index (several files: it asks whether a model.safetensors is there)."""
+
+    def __init__(self, folder: Path, victim: Path) -> None:
+        super().__init__()
+        self.folder, self.victim = folder, victim
+        self.swapped = self.indexed = False
+
+    def _swap_once(self) -> None:
+        if not self.swapped:
+            self.swapped = True
+            _swap(self.folder, self.victim)
+
+    def rename(self, path: str, new_path: str) -> None:
+        super().rename(path, new_path)
+        if os.path.basename(new_path) == "model.safetensors":
+            self._swap_once()
+
+    def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        super().write_atomic(path, data, exclusive=exclusive)
+        self.indexed |= path.endswith(".index.json")
+
+    def exists(self, path: str) -> bool:
+        found = super().exists(path)
+        if self.indexed and os.path.basename(path) == "model.safetensors":
+            self._swap_once()
+        return found
+
+
+@pytest.mark.parametrize("how", ["save", "export"])
+@pytest.mark.parametrize("size", [None, 4096], ids=["one-file", "several-files"])
+def test_replacing_a_model_never_removes_files_through_a_folder_swapped_for_a_link(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str, size: int | None
+) -> None:
+    # Before the fix: once the new model was committed, the replaced model's files (its
+    # index, its shards) were removed by path, so the folder swapped for a link in the
+    # meantime made the write remove them from the victim: another model's folder.
+    from storage.checkpoint.api import save_with
+    from storage.ops.export import export_safetensors
+
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    old = {f"w{i}": torch.full((1024,), float(i)) for i in range(4)}
+    storage.save_safetensors(old, str(out), max_shard_size=4096)
+    shutil.copytree(out, victim)
+    before = snapshot(victim)
+    new = {name: -t for name, t in old.items()}
+    fs = _SwapOnCommit(out, victim)
+    raised = ""
+    try:
+        if how == "export":
+            storage.save(new, str(tmp_path / "src"))
+            export_safetensors(
+                fs, str(tmp_path / "src"), fs, str(out), max_shard_size=size, overwrite=True
+            )
+        else:
+            writer = storage.SafetensorsWriter(out, max_shard_size=size, overwrite=True)
+            writer.fs = fs
+            save_with(writer, new)
+    except Exception as exc:  # one file: the stale index is not removed, and that raises
+        raised = repr(exc)
+    assert fs.swapped
+    assert snapshot(victim) == before
+    assert _SWAPPED in raised + caplog.text
+
+
+class _Failed(Exception):
+    """A write that failed half way (a full disk, a cancelled save)."""
+
+
+@pytest.mark.parametrize("make", _local_deleters())
+def test_a_failed_write_never_removes_its_file_through_a_directory_swapped_for_a_link(
+    swappable: tuple[Path, Path, dict[str, bytes]], make: Any
+) -> None:
+    # Before the fix: a write that failed removed its file by path, so the step swapped
+    # for a link while it wrote made it remove the victim's file of that name.
+    root, victim, before = swappable
+    step = root / "step-1"
+    name = next(n for n in before if n.endswith(".distcp"))  # in a prefix directory
+    fs, path = make(step)
+    with pytest.raises(_Failed), fs.create_stream(fs.concat_path(path, name), "wb") as out:
+        out.write(b"half")
+        _swap(step, victim)
+        raise _Failed
+    assert snapshot(victim) == before
+
+
+@pytest.mark.parametrize("make", _local_deleters())
+def test_a_failed_write_through_the_users_own_link_removes_its_file(
+    tmp_path: Path, make: Any
+) -> None:
+    """A directory the user reaches through their own link: a write that fails there
+    still removes its file, in the directory the link resolves to."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "mine").symlink_to(real, target_is_directory=True)
+    fs, path = make(tmp_path / "mine")
+    with pytest.raises(_Failed), fs.create_stream(fs.concat_path(path, "f.bin"), "wb") as out:
+        out.write(b"half")
+        raise _Failed
+    assert list(real.iterdir()) == []
+
+
 def test_removal_refuses_where_the_platform_cannot_walk_without_following_links(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,6 +10,7 @@ comment, what happened before the fix.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -482,6 +483,39 @@ def test_a_local_tier_reached_through_another_users_link_is_refused(
     (fixed / "tier").symlink_to(tier)
     os.lchown(fixed / "tier", 65534, 65534)
     CheckpointManager(tmp_path / "root", local=fixed / "tier").save(2, {"w": torch.ones(8)})
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="needs root to own a link as another user",
+)
+@pytest.mark.parametrize("failure", ["permission", "not-a-directory"])
+def test_a_tier_through_another_users_link_that_cannot_be_made_is_refused_as_such(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    # Before: the neighbour's link led where the tier directory could not be made (a
+    # directory of theirs we may not write, or a file), and the manager failed with the
+    # bare error of that mkdir, never saying that the path goes through their link.
+    from storage.ops import local_save
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    (tmp_path / "file").write_text("theirs")
+    link = shm / "jobs"
+    link.symlink_to(tmp_path / "file")
+    os.lchown(link, 65534, 65534)
+    if failure == "permission":  # root may write anywhere: the mkdir is refused here
+
+        def refused(fs: Any, path: str) -> None:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+
+        monkeypatch.setattr(local_save, "make_directory", refused)
+    with pytest.raises(UnsafeCheckpointError) as caught:
+        CheckpointManager(tmp_path / "root", local=link / "tier")
+    message = str(caught.value)
+    assert f"{str(link)!r}, a symbolic link of user id 65534" in message
+    assert "Make it yours and private" in message
 
 
 def test_a_local_tier_is_made_before_anyone_can_take_its_name(tmp_path: Path) -> None:

@@ -264,3 +264,31 @@ def test_rmdir_refuses_a_checkpoint_that_is_a_link(tmp_path: Any) -> None:
     with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
         storage.rmdir("step_0")
     assert (tmp_path / "shared" / "step_1" / "model.bin").read_bytes() == b"weights"
+
+
+def test_rmdir_never_uncommits_through_a_checkpoint_swapped_for_a_link(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: rmdir checked that the checkpoint is no link, marked it pending, then
+    # removed its commit marker by path: the directory swapped for a link in between
+    # (by whoever can write the root), it uncommitted the victim, a checkpoint elsewhere.
+    import shutil
+
+    from extensions.errors import UnsafeCheckpointError
+    from storage.integrations.torch_checkpointing import COMMIT_NAME
+
+    storage = _committed_on_local_disk(tmp_path / "root")
+    step, victim = tmp_path / "root" / "step_1", tmp_path / "victim"
+    shutil.copytree(step, victim)
+    write_atomic = storage.fs.write_atomic
+
+    def mark_then_swap(path: str, data: bytes, **kwargs: Any) -> None:
+        write_atomic(path, data, **kwargs)
+        step.rename(tmp_path / "moved")
+        step.symlink_to(victim, target_is_directory=True)
+
+    monkeypatch.setattr(storage.fs, "write_atomic", mark_then_swap)
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+        storage.rmdir("step_1")
+    assert (victim / COMMIT_NAME).exists()
+    assert (victim / "model.bin").read_bytes() == b"weights"

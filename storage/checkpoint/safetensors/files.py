@@ -35,6 +35,7 @@ are not checked.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import uuid
@@ -48,9 +49,11 @@ from extensions.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     IntegrityError,
+    UnsafeCheckpointError,
     quote,
 )
 from storage.backends.base import FileSystemBase
+from storage.checkpoint import heartbeat
 from storage.checkpoint.safetensors.header import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -77,22 +80,33 @@ def file_names(count: int, tag: str = "") -> list[str]:
     return [f"{prefix}{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Replaced:
+    """What a write to a folder may remove once committed (:func:`commit_model`): the
+    model files ``names`` in it when the write began, and ``home``, the folder itself,
+    resolved then where the user named their own link (:func:`heartbeat.resolved`):
+    removals walk from there, never through a link (``rm_file_in``)."""
+
+    home: str
+    names: frozenset[str]
+
+
 def new_names(
     fs: FileSystemBase, root: str, count: int, write_id: str
-) -> tuple[list[str], frozenset[str]]:
+) -> tuple[list[str], Replaced]:
     """The names of the ``count`` files of a new model at ``root``: transformers' names
     unless one of them is there already (the model being replaced, or what a killed
     write left), then those names tagged with the start of ``write_id``
     (``model-1a2b3c4d-00001-of-00004.safetensors``), so no file of the model there is
     written over before the new one is committed. One file is ``model.safetensors``:
-    it is published whole over the old one. Also the model files at ``root`` now: the
-    only ones :func:`commit_model` may remove (never those another write to the folder
-    makes meanwhile)."""
-    present = _model_files(fs, root)
+    it is published whole over the old one. Also what :func:`commit_model` may remove:
+    the model files at ``root`` now (never those another write to the folder makes
+    meanwhile), and where (``root`` resolved, now)."""
+    replaced = Replaced(heartbeat.resolved(fs, root), _model_files(fs, root))
     names = file_names(count)
-    if count == 1 or present.isdisjoint(names):
-        return names, present
-    return file_names(count, write_id[:_TAG]), present
+    if count == 1 or replaced.names.isdisjoint(names):
+        return names, replaced
+    return file_names(count, write_id[:_TAG]), replaced
 
 
 def _model_files(fs: FileSystemBase, root: str) -> frozenset[str]:
@@ -108,7 +122,7 @@ def commit_model(
     weight_map: dict[str, str],
     total: int,
     write_id: str,
-    replaced: frozenset[str],
+    replaced: Replaced,
 ) -> list[str]:
     """Commit the model whose files (the values of ``weight_map``, tensor -> file) are
     written at ``root``, then remove the files of the model it replaces (``replaced``,
@@ -117,15 +131,20 @@ def commit_model(
     its removal is the commit (readers take that file over an index), then the index is
     read once more and the folder must hold no ``model.safetensors`` (another write's).
     One file: it was published whole, which committed it; the index of a model it
-    replaces is removed. Only then are the other replaced files removed."""
+    replaces is removed. Only then are the other replaced files removed.
+
+    Every removal goes through ``rm_file_in`` under ``replaced.home``: the folder as
+    resolved when the write began, so one swapped for a link since makes a removal
+    fail, never remove another model's files."""
+    home = replaced.home
     files = sorted(set(weight_map.values()))
     if len(files) > 1:
         publish_index(fs, root, weight_map, total, write_id)
         files.append(INDEX_NAME)
         # Another write may have committed since: its files are not ours to remove.
         _check_index_id(fs, root, write_id)
-        if SINGLE_NAME in replaced:
-            _remove_single(fs, root)
+        if SINGLE_NAME in replaced.names:
+            _remove_single(fs, root, home)
             _check_index_id(fs, root, write_id)
         if fs.exists(fs.concat_path(root, SINGLE_NAME)):
             raise IntegrityError(
@@ -135,19 +154,20 @@ def commit_model(
             )
     else:
         with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(fs.concat_path(root, INDEX_NAME))
+            fs.rm_file_in(home, INDEX_NAME)
         fs.sync_dir(root)
-    _remove_replaced(fs, root, replaced - set(files))
+    _remove_replaced(fs, root, home, replaced.names - set(files))
     return files
 
 
-def _remove_single(fs: FileSystemBase, root: str) -> None:
+def _remove_single(fs: FileSystemBase, root: str, home: str) -> None:
     """The commit of a model in several files replacing one file: the old
-    ``model.safetensors`` removed (gone already: another write removed it). A removal
-    that fails leaves the old model committed, and the write fails saying so."""
+    ``model.safetensors`` removed from ``home`` (``root`` resolved; gone already: another
+    write removed it). A removal that fails leaves the old model committed, and the
+    write fails saying so."""
     path = fs.concat_path(root, SINGLE_NAME)
     try:
-        fs.rm_file(path)
+        fs.rm_file_in(home, SINGLE_NAME)
     except FileNotFoundError:
         pass
     except OSError as exc:
@@ -159,16 +179,16 @@ def _remove_single(fs: FileSystemBase, root: str) -> None:
     fs.sync_dir(root)
 
 
-def _remove_replaced(fs: FileSystemBase, root: str, doomed: Iterable[str]) -> None:
-    """Remove ``doomed``: the files of the replaced model, and those of writes killed
-    before their commit, found before this write began. Quietly: one left behind is
-    unreferenced, and the next write removes it."""
+def _remove_replaced(fs: FileSystemBase, root: str, home: str, doomed: Iterable[str]) -> None:
+    """Remove ``doomed`` from ``home`` (``root`` resolved): the files of the replaced
+    model, and those of writes killed before their commit, found before this write
+    began. Quietly: one left behind is unreferenced, and the next write removes it."""
     for name in sorted(doomed):
         try:
-            fs.rm_file(fs.concat_path(root, name))
+            fs.rm_file_in(home, name)
         except FileNotFoundError:
             pass
-        except OSError as exc:
+        except (OSError, UnsafeCheckpointError) as exc:
             log.warning("%s: a file of the replaced model is left: %s", fs.url(root), exc)
 
 

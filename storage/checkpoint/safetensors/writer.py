@@ -22,6 +22,7 @@ from storage.backends.registry import filesystem_from_url
 from storage.checkpoint.hook_errors import records_error
 from storage.checkpoint.safetensors.consolidate import Piece, Staged, byte_range, consolidate
 from storage.checkpoint.safetensors.files import (
+    Replaced,
     commit_model,
     new_names,
     refuse_existing,
@@ -102,7 +103,7 @@ class SafetensorsWriter(StorageWriter):
         self.last_error: BaseException | None = None
         self.is_coordinator = False
         self.write_id = new_write_id()
-        self.replaced: frozenset[str] = frozenset()  # model files commit_model may remove
+        self.replaced: Replaced | None = None  # what commit_model may remove (new_names)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.last_error = None
@@ -240,6 +241,7 @@ class SafetensorsWriter(StorageWriter):
             return
         weight_map = {r.index.fqn: str(r.storage_data) for r in flat}
         total = sum(r.size_in_bytes for r in flat)
+        assert self.replaced is not None  # prepare_global_plan ran on the coordinator
         commit_model(self.fs, self.path, weight_map, total, self.write_id, self.replaced)
 
 
