@@ -116,7 +116,9 @@ class RootTier:
     ) -> concurrent.futures.Future[None]:
         url = self.root.step_url(step)
         outer: concurrent.futures.Future[None] = _Hurried()
-        self.pace.begin(url, in_worker=settings.persist_mode(self.root.fs).name == "process")
+        began = self.pace.begin(
+            url, in_worker=settings.persist_mode(self.root.fs).name == "process"
+        )
         self.root.in_flight.begin(step, base)
         with self._lock:
             self._pending = outer
@@ -134,6 +136,7 @@ class RootTier:
 
         def finished(fut: concurrent.futures.Future[None]) -> None:
             error = fut.exception()
+            self.pace.ended(began)
             self.root.in_flight.end()
             if error is None:
                 if writer.published is not None:  # retention need not read it back

@@ -208,6 +208,49 @@ def test_the_first_save_and_pace_none_are_not_paced() -> None:
     assert w._pace_until is None
 
 
+def test_an_upload_after_one_the_link_limited_goes_at_full_speed() -> None:
+    """Where an upload took the whole window at full speed, or overran the window it was
+    paced to, the link or the cores are the limit: a pace spreads nothing there, and in
+    a loop on a capped bucket paced uploads ended ~0.4 s later than full-speed ones,
+    so the next save waited for them. Uploads short beside the interval stay paced."""
+    w = persist.worker()
+    w.pace_next(None)
+    now = [1000.0]
+    pace = UploadPace(0.8, clock=lambda: now[0])
+
+    def save(interval: float, took: float) -> float | None:
+        """A save ``interval`` after the previous began, its upload taking ``took``;
+        the window it was paced to, or None."""
+        w.pace_next(None)
+        now[0] += interval
+        began = pace.begin("s3://b/step", in_worker=True)
+        deadline = w._pace_until
+        now[0] += took
+        pace.ended(began)
+        now[0] -= took
+        return None if deadline is None else deadline - began
+
+    assert save(0.0, 3.4) is None  # the first: nothing to pace by
+    assert save(3.4, 3.0) is None  # the first took 3.4 s at full speed: > 0.8 x 3.4
+    assert save(3.3, 3.0) is None  # still the whole window at full speed
+    assert save(20.0, 3.0) == pytest.approx(16.0)  # short beside the interval: paced
+    assert save(20.0, 16.5) == pytest.approx(16.0)  # on its schedule: paced again
+    assert save(20.0, 18.0) == pytest.approx(16.0)  # this one overran its 16 s by 12%
+    assert save(20.0, 3.0) is None  # so this one goes at full speed
+    assert save(20.0, 3.0) == pytest.approx(16.0)  # and 3 s of 16: paced again
+    # An upload whose end was never told (a tiered manager's drain) leaves the pace as it was.
+    now[0] += 20.0
+    pace.begin("s3://b/step", in_worker=True)
+    now[0] += 20.0
+    w.pace_next(None)
+    began = pace.begin("s3://b/step", in_worker=True)
+    assert w._pace_until == pytest.approx(began + 16.0)
+    # An older save's end does not count as the latest's.
+    pace.ended(began - 20.0)
+    assert pace._took is None
+    w.pace_next(None)
+
+
 def test_a_manager_with_threads_sets_no_pace(tmp_path: Any) -> None:
     mgr = storage.CheckpointManager(str(tmp_path / "th"), pace=0.5, persist="thread")
     w = persist.worker()
