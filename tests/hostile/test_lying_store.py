@@ -15,7 +15,7 @@ import pickle
 import re
 import tracemalloc
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -499,14 +499,7 @@ def test_a_store_that_serves_another_saves_metadata_keeps_the_local_copy(
     mgr.wait()
     older = server.get_object(Bucket=BUCKET, Key=f"{prefix}/step-1/.metadata")["Body"].read()
 
-    def stale(asked: Asked, reply: Reply) -> Reply:
-        headers = {"Content-Type": "binary/octet-stream", "ETag": '"0"'}
-        if "range" in asked.headers:
-            headers["Content-Range"] = f"bytes 0-{len(older) - 1}/{len(older)}"
-            return Reply(206, headers, older)
-        return Reply(200, headers, older)
-
-    proxy.add("rewrite", method="GET", path=r"/step-2/\.metadata(\?|$)", rewrite=stale)
+    proxy.add("rewrite", method="GET", path=r"/step-2/\.metadata(\?|$)", rewrite=_serving(older))
     with caplog.at_level(logging.WARNING, logger="storage.ops.tiers"):
         mgr.save(2, {"w": torch.full((64,), 2.0)})
         mgr.wait()
@@ -550,14 +543,7 @@ def test_a_drained_reference_needs_the_content_fingerprint_of_the_roots_base(
     facts[fmt.CONTENT] = "xxh3_128:" + "0" * 32
     other = pickle.dumps(metadata)
 
-    def another(asked: Asked, reply: Reply) -> Reply:
-        headers = {"Content-Type": "binary/octet-stream", "ETag": '"0"'}
-        if "range" in asked.headers:
-            headers["Content-Range"] = f"bytes 0-{len(other) - 1}/{len(other)}"
-            return Reply(206, headers, other)
-        return Reply(200, headers, other)
-
-    proxy.add("rewrite", method="GET", path=r"/step-1/\.metadata(\?|$)", rewrite=another)
+    proxy.add("rewrite", method="GET", path=r"/step-1/\.metadata(\?|$)", rewrite=_serving(other))
     mgr.save(2, {"w": same, "v": torch.full((64,), 2.0)})
     assert mgr.tiers is not None
     assert fmt.stored_item(_item(mgr.tiers.local.model(2), "w")).ref == "step-1"  # locally
@@ -575,3 +561,17 @@ def _item(checkpoint: Any, fqn: str) -> Any:
     """The storage info of item ``fqn`` in ``checkpoint``'s ``.metadata``."""
     metadata = checkpoint.global_metadata
     return next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+
+
+def _serving(body: bytes) -> Callable[[Asked, Reply], Reply]:
+    """A rewrite that answers a GET (ranged or not) with ``body``: a store serving other
+    bytes than those it was given."""
+
+    def serve(asked: Asked, reply: Reply) -> Reply:
+        headers = {"Content-Type": "binary/octet-stream", "ETag": '"0"'}
+        if "range" in asked.headers:
+            headers["Content-Range"] = f"bytes 0-{len(body) - 1}/{len(body)}"
+            return Reply(206, headers, body)
+        return Reply(200, headers, body)
+
+    return serve
