@@ -260,7 +260,7 @@ def test_names_one_on_the_destinations_file_system_are_refused_there(
     # Before: restored on macOS (or Windows), the second file was written over the
     # first, or its exclusive create failed half-way with a bare FileExistsError. This
     # machine's file system keeps such names apart: the probe is told it folds them.
-    from storage.integrations import folders
+    from storage.integrations import _folder_listing
 
     old, new = clash
 
@@ -270,7 +270,7 @@ def test_names_one_on_the_destinations_file_system_are_refused_there(
             _rename(meta, "trainer_state.json", "cafe\u0301.pt")
 
     ckpt = _forge(tmp_path, edit)
-    monkeypatch.setattr(folders, "_folds", lambda directory: True)
+    monkeypatch.setattr(_folder_listing, "folds", lambda directory: True)
     with pytest.raises(UnsafeCheckpointError, match=r"step-1.*differ only in letter case"):
         restore_folder(ckpt, tmp_path / "out" / "dest")
     assert not (tmp_path / "out").exists()
@@ -282,9 +282,9 @@ def test_names_that_differ_only_in_case_save_and_restore_where_the_file_system_k
     # A folder holding A.txt and a.txt is an ordinary folder on Linux: it saves and
     # restores byte for byte on a file system that keeps the names apart (refusing it
     # everywhere stranded folders saved before on such a file system).
-    from storage.integrations.folders import _folds
+    from storage.integrations._folder_listing import folds
 
-    assert not _folds(str(tmp_path))  # the probe leaves nothing behind either
+    assert not folds(str(tmp_path))  # the probe leaves nothing behind either
     assert list(tmp_path.iterdir()) == []
     folder = tmp_path / "f"
     files = _folder(folder)
