@@ -21,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem as FsspecLocalFileSyste
 from fsspec.spec import AbstractBufferedFile
 
 from extensions.errors import printable
-from storage.backends import _local_files
+from storage.backends import _local_files, _local_removal
 from storage.backends._fsspec_client import FsspecClientBackend
 from storage.backends._ranges import RangeMismatchError, WindowReader
 
@@ -278,21 +278,21 @@ class FsspecFileSystem(FsspecClientBackend):
             self._request("rm_file", path)
 
     def rm_file_in(self, directory: str, name: str) -> None:
-        if self.local_disk:  # never through a link (_local_files.remove_file)
-            _local_files.remove_file(directory, name)
+        if self.local_disk:  # never through a link (_local_removal.remove_file)
+            _local_removal.remove_file(directory, name)
             return
         super().rm_file_in(directory, name)
 
     def rm_dir_in(self, directory: str, name: str = "") -> None:
         if self.local_disk:
             with contextlib.suppress(OSError):  # as rm_dir: only an empty directory goes
-                _local_files.remove_dir(directory, name)
+                _local_removal.remove_dir(directory, name)
             return
         super().rm_dir_in(directory, name)
 
     def rename_in(self, directory: str, name: str, new_name: str) -> None:
         if self.local_disk:
-            _local_files.rename_in(directory, name, new_name)
+            _local_removal.rename_in(directory, name, new_name)
             return
         super().rename_in(directory, name, new_name)
 

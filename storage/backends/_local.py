@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import IO, ClassVar
 
-from storage.backends import _local_files
+from storage.backends import _local_files, _local_removal
 from storage.backends.base import FileSystemBase
 
 
@@ -67,14 +67,14 @@ class LocalFileSystem(FileSystemBase):
         os.unlink(path)
 
     def rm_file_in(self, directory: str, name: str) -> None:
-        _local_files.remove_file(directory, name)
+        _local_removal.remove_file(directory, name)
 
     def rm_dir_in(self, directory: str, name: str = "") -> None:
         with contextlib.suppress(FileNotFoundError):
-            _local_files.remove_dir(directory, name)
+            _local_removal.remove_dir(directory, name)
 
     def rename_in(self, directory: str, name: str, new_name: str) -> None:
-        _local_files.rename_in(directory, name, new_name)
+        _local_removal.rename_in(directory, name, new_name)
 
     def is_link(self, path: str) -> bool:
         return os.path.islink(path)

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any, cast
 
-from storage.backends import _local_files
+from storage.backends import _local_files, _local_removal
 from storage.backends.base import FileSystemBase
 
 # torch.distributed.checkpoint.filesystem.FileSystemBase's abstract methods (torch 2.x).
@@ -82,15 +82,15 @@ class TorchFileSystem(FileSystemBase):
 
     def rm_file_in(self, directory: str, name: str) -> None:
         local = self._local_file(directory)
-        if local is not None:  # never through a link (_local_files.remove_file)
-            _local_files.remove_file(local, name)
+        if local is not None:  # never through a link (_local_removal.remove_file)
+            _local_removal.remove_file(local, name)
             return
         super().rm_file_in(directory, name)
 
     def rename_in(self, directory: str, name: str, new_name: str) -> None:
         local = self._local_file(directory)
         if local is not None:
-            _local_files.rename_in(local, name, new_name)
+            _local_removal.rename_in(local, name, new_name)
             return
         super().rename_in(directory, name, new_name)
 
