@@ -53,6 +53,10 @@ DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 BEGIN = "<!-- recorded ratios: begin"
 END = "<!-- recorded ratios: end -->"
 TOLERANCE = 0.10  # how much worse than the recorded ratio a run may read before it fails
+# A time within this factor of its physical limit (plain write+fsync, readinto, the raw
+# S3 ceiling) cannot have slipped: a ratio below the record then means the peer ran
+# faster than in the recorded run, not that ours got slower.
+AT_LIMIT = 1.25
 PARTS = ("local", "s3", "loop", "codec")
 BUCKET = "bench"  # the bucket both s3_peers.py and training_loop.py use
 
@@ -111,6 +115,7 @@ class Figure:
     peer: str
     ratio: float | None
     limit: str = ""
+    over_limit: float | None = None  # ours over the limit's time, where the limit is a time
 
 
 # --- the recorded table -----------------------------------------------------------------
@@ -157,9 +162,16 @@ def read_recorded(path: str = DOCS) -> dict[str, Recorded]:
     return rows
 
 
-def verdict(measure: Measure, recorded: Recorded, ratio: float | None) -> tuple[str, int]:
+def verdict(
+    measure: Measure, recorded: Recorded, ratio: float | None, over_limit: float | None = None
+) -> tuple[str, int]:
     """(what to print, severity): 0 passes; 1 misses a goal the recorded ratio misses too;
-    2 slipped (more than 10% worse than recorded, or below a goal the record met)."""
+    2 slipped (more than 10% worse than recorded, or below a goal the record met).
+
+    ``over_limit`` is ours' time over its physical limit's in this run: within
+    :data:`AT_LIMIT` of it, a ratio more than 10% under the record is the peer's
+    speed-up (stock's local save has read 0.42 s to 1.71 s on this VM), not a slip; a
+    goal still judges it."""
     if ratio is None:
         return "n/a", 0
 
@@ -171,12 +183,15 @@ def verdict(measure: Measure, recorded: Recorded, ratio: float | None) -> tuple[
             return "BELOW GOAL", 2
         return "ok (first record)", 0
     floor = recorded.ratio * (1 - TOLERANCE if measure.higher_is_better else 1 + TOLERANCE)
-    if worse(ratio, floor):
+    fell = worse(ratio, floor)
+    if fell and (over_limit is None or over_limit > AT_LIMIT):
         return f"FELL: >{TOLERANCE:.0%} worse than recorded", 2
     if recorded.goal is not None and worse(ratio, recorded.goal):
         if worse(recorded.ratio, recorded.goal):
             return "below goal (as recorded)", 1
         return "BELOW GOAL", 2
+    if fell:
+        return f"ok: ours at {over_limit:.2f}x the limit (the peer ran faster than recorded)", 0
     best = recorded.ratio * (1 + TOLERANCE if measure.higher_is_better else 1 - TOLERANCE)
     return ("ok, better than recorded" if worse(best, ratio) else "ok"), 0
 
@@ -216,7 +231,8 @@ def run_local(size_mb: float, repeat: int, work_dir: str | None) -> tuple[list[F
         else:
             limit = f"plain readinto {r['limit_s']:.3f} s"
         ours, stock = f"{r['ours_s']:.3f} s", f"{r['stock_s']:.3f} s"
-        figures.append(Figure(key, ours, stock, r["ratio"], limit))
+        over = r["ours_s"] / r["limit_s"]
+        figures.append(Figure(key, ours, stock, r["ratio"], limit, over))
     protocol = (
         f"local ({size_mb:.0f} MB, mostly bf16, 40 tensors; benchmarks/restart.py): every "
         "save and load in a fresh process (imports and thread pools inside it; the state "
@@ -263,6 +279,7 @@ def run_s3(
                     f"{other[op]:.2f} s",
                     other[op] / ours[op],
                     limit[op],
+                    ours[op] / ceiling[op],
                 )
             )
             figures.append(
@@ -485,7 +502,7 @@ def table(figures: list[Figure], recorded: dict[str, Recorded]) -> int:
     worst = 0
     for fig in figures:
         measure, rec = by_key[fig.key], recorded[fig.key]
-        text, severity = verdict(measure, rec, fig.ratio)
+        text, severity = verdict(measure, rec, fig.ratio, fig.over_limit)
         worst = max(worst, severity)
         sign = ">=" if measure.higher_is_better else "<="
         goal = f"{sign} {rec.goal:.2f}x" if rec.goal is not None else "-"

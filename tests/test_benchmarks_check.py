@@ -64,3 +64,20 @@ def test_verdicts(
 ) -> None:
     rec = check.Recorded("m", recorded, goal, "run")
     assert check.verdict(measure, rec, ratio)[1] == severity
+
+
+@pytest.mark.parametrize(
+    ("recorded", "goal", "ratio", "over_limit", "severity"),
+    [
+        (4.26, None, 1.50, 1.16, 0),  # ours at its limit: the peer ran faster than recorded
+        (4.26, None, 1.50, 1.60, 2),  # ours off its limit: a slip
+        (4.26, None, 1.50, None, 2),  # no limit to judge by: a slip
+        (3.83, 3.5, 3.20, 1.10, 2),  # at the limit, but under a goal the record met
+        (1.52, 1.5, 1.55, 1.60, 0),  # within the record: the limit does not matter
+    ],
+)
+def test_a_ratio_that_fell_with_ours_at_the_limit_is_the_peers_speed_up(
+    recorded: float, goal: float | None, ratio: float, over_limit: float | None, severity: int
+) -> None:
+    rec = check.Recorded("m", recorded, goal, "run")
+    assert check.verdict(HIGHER, rec, ratio, over_limit)[1] == severity
