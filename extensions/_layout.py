@@ -2,7 +2,7 @@
 
 A stream is a run of block records and one end record. A block's header gives its
 decoded size, its flags and one head per byte plane: ``(mode, a, b, length, extra)``
-(see ``extensions/_planes.py`` for the modes). Both formats carry the same heads:
+(see ``extensions/_plane_modes.py`` for the modes). Both formats carry the same heads:
 
 Format 1, fixed sizes: block ``u8 tag=1, u32 nbytes, u8 flags``, then per plane ``u8
 mode, u8 a, u8 b, u8 0, u32 length, u32 extra``; end ``u8 tag=0, u64 total``.

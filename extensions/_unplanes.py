@@ -1,5 +1,6 @@
-"""Decoding one block of :class:`~extensions.weights.WeightCodec` (the planes and their
-modes: ``extensions/_planes.py``; the headers: ``extensions/_layout.py``).
+"""Decoding one block of :class:`~extensions.weights.WeightCodec` (the planes:
+``extensions/_planes.py``; their modes: ``extensions/_plane_modes.py``; the headers:
+``extensions/_layout.py``).
 
 Every size is checked against the block before anything is allocated or decoded: a
 stored block cannot make the decoder allocate more than its decoded size allows.
@@ -38,16 +39,8 @@ from extensions._layout import (
     seven_size,
     six_size,
 )
-from extensions._planes import (
-    _ESCAPE,
-    _MAGIC,
-    _UINT,
-    JOINT_BLOCK,
-    LOW_PAIR,
-    SIGN_MOVED,
-    WINDOW,
-    _codecs,
-)
+from extensions._plane_modes import _ESCAPE, _UINT, _codecs
+from extensions._planes import _MAGIC, JOINT_BLOCK, LOW_PAIR, SIGN_MOVED, WINDOW
 from extensions._zstd_window import decompressor, refused
 
 _native: ModuleType | None = _planes._native  # None: numpy passes (tests set it)

@@ -5,7 +5,8 @@ elements into byte planes, moves the sign of floats out of the exponent byte, an
 stores each plane in the cheapest of a few modes (raw, constant, one packed bit, zstd,
 exponents packed two or four to a byte before zstd, or seven-bit bytes stored eight in
 seven; the two raw low planes of fp32/fp64 travel as one 16-bit piece); see
-``extensions/_planes.py`` for encoding, ``extensions/_unplanes.py`` for decoding and
+``extensions/_planes.py`` and ``extensions/_plane_modes.py`` for encoding,
+``extensions/_unplanes.py`` for decoding and
 ``extensions/_layout.py`` for the headers. The descriptor records
 the stream format and the element size (``dcp_storage.weights/2;es=2``); everything else
 a reader needs is in the stream.

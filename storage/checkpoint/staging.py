@@ -1,7 +1,9 @@
 """How a :class:`~storage.checkpoint.writer.CheckpointWriter` stages for
 ``dcp.async_save`` (torch's ``AsyncStager``): into the persist worker's shared buffers,
 into buffers of this process kept between saves (:class:`LocalStaging`), or through DCP's
-stager, and, from CUDA, without blocking the caller where asked to."""
+stager, and, from CUDA, without blocking the caller where asked to; and how the save's
+writes then take the staged state: once the copies into its buffers completed, in the
+persist worker that holds them or here, and the buffers freed again after."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager
+from torch.distributed.checkpoint.storage import WriteResult
 
 from storage.checkpoint import persist as _persist
 from storage.checkpoint.options import staging_options
@@ -35,6 +39,16 @@ class WriterStaging(AsyncStager):
     @property
     def url(self) -> str:
         """The checkpoint saved (the writer's)."""
+        raise NotImplementedError
+
+    def write_files(
+        self, files: list[tuple[str, list[WriteItem]]], threads: int, planner: Any
+    ) -> list[list[WriteResult]]:
+        """Write ``files`` here (the writer's)."""
+        raise NotImplementedError
+
+    def abort(self, error: BaseException | None = None) -> None:
+        """Remove what the current save wrote (the writer's)."""
         raise NotImplementedError
 
     # stage returns once the copy is complete, or a future of it: nothing to wait for.
@@ -105,6 +119,41 @@ class WriterStaging(AsyncStager):
         lease = self._lease
         if lease is not None:
             lease.wait_copied()
+
+    def _take_staged(self) -> _persist.Lease | None:
+        """The current save's hold on the buffers its state was staged into (``None``:
+        none are held), once the copies into them from a device completed: nothing
+        reads the staged buffers before (fingerprinting reads them too)."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                lease.wait_copied()
+            except BaseException:
+                lease.release()
+                raise
+        return lease
+
+    def _write_staged(
+        self,
+        lease: _persist.Lease | None,
+        files: list[tuple[str, list[WriteItem]]],
+        threads: int,
+        planner: Any,
+    ) -> list[list[WriteResult]]:
+        """Write ``files`` where the state was staged: in the persist worker, whose
+        buffers hold it (a failure there aborts the save), or here, then freeing the
+        buffers kept between saves (``lease``, from :meth:`_take_staged`)."""
+        if lease is not None and self.persist_mode.name == "process":
+            try:  # staged in the persist worker's buffers: it writes
+                return _persist.write_staged(self, files, threads, planner, lease)
+            except BaseException:
+                self.abort()
+                raise
+        try:
+            return self.write_files(files, threads, planner)
+        finally:
+            if lease is not None:  # staging buffers kept between saves: free again
+                lease.release()
 
     def close(self) -> None:
         """Release the cached staging buffers (``cache_staged_state_dict``)."""

@@ -21,6 +21,8 @@ from storage.backends.registry import serves
 from storage.checkpoint import data_files, incremental
 from storage.checkpoint import persist as _persist
 from storage.checkpoint import storage_format as fmt
+from storage.checkpoint._metadata_payload import DCP_VERSION as DCP_VERSION
+from storage.checkpoint._metadata_payload import metadata_payload
 from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.committed import CommittedCheckpoint
@@ -35,10 +37,7 @@ from storage.checkpoint.options import (
     stock_checkpoint_id,
     torch_alias,
 )
-from storage.checkpoint.seal import make_seals
 from storage.checkpoint.staging import WriterStaging
-
-DCP_VERSION = "1.0.0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,15 +280,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _RankPlan) else self.rank
         items: list[WriteItem] = list(plan.items)
         referenced: list[WriteResult] = []
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            # Nothing reads the staged buffers before their copies from a device are
-            # done: fingerprinting reads them too.
-            try:
-                lease.wait_copied()
-            except BaseException:
-                lease.release()
-                raise
+        lease = self._take_staged()  # its copies from a device done: fingerprints read it
         if self.fingerprint:
             items, referenced = data_files.fingerprint_items(
                 items,
@@ -308,18 +299,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
             single_file_per_rank=self.single_file_per_rank,
             key_prefixes=self.key_prefixes,
         )
-        if lease is not None and self.persist_mode.name == "process":
-            try:  # staged in the persist worker's buffers: it writes
-                per_file = _persist.write_staged(self, files, threads, planner, lease)
-            except BaseException:
-                self.abort()
-                raise
-        else:
-            try:
-                per_file = self.write_files(files, threads, planner)
-            finally:
-                if lease is not None:  # staging buffers kept between saves: free again
-                    lease.release()
+        per_file = self._write_staged(lease, files, threads, planner)
         results = list(referenced) + [result for rs in per_file for result in rs]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -366,21 +346,18 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         self.published = metadata
 
     def metadata_payload(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
-        """The serialized metadata :meth:`finish` publishes: ``metadata`` completed with
-        the storage index of ``results``, this save's id and, for incremental saves, the
-        length of the chain since the last full save, sealed under the chain's sealing
-        keys (``storage.checkpoint.seal``)."""
-        metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-        metadata.storage_meta = StorageMeta(checkpoint_id=self.url, save_id=self.attempt.save_id)
-        metadata.version = DCP_VERSION
-        extra: dict[str, Any] = {}
-        if self.fingerprint:  # incremental saves since the last full one
-            refs = any(fmt.stored_item(i).ref for i in metadata.storage_data.values())
-            extra[fmt.CHAIN] = (self._base.chain + 1 if self._base else 1) if refs else 0
-        seals = make_seals(metadata, self.transforms, self.attempt.save_id, self._metadata_name())
-        if seals:
-            extra[fmt.SEAL] = seals
-        return fmt.dump_metadata(metadata, **extra)
+        """The serialized metadata :meth:`finish` publishes: ``metadata`` completed and
+        sealed as :mod:`storage.checkpoint._metadata_payload` says."""
+        return metadata_payload(
+            metadata,
+            results,
+            url=self.url,
+            save_id=self.attempt.save_id,
+            name=self._metadata_name(),
+            transforms=self.transforms,
+            fingerprint=self.fingerprint,
+            base=self._base,
+        )
 
     def abort(self, error: BaseException | None = None) -> None:
         """Remove the data files this rank wrote in the current save, unless it was

@@ -29,6 +29,7 @@ from extensions import (
 )
 from extensions import _joint as joint
 from extensions import _layout as layout
+from extensions import _plane_modes as plane_modes
 from extensions import _planes as planes
 from extensions import _unplanes as unplanes
 from extensions.testing import TransformTests, encode, read_all
@@ -95,6 +96,7 @@ def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "numpy":
         monkeypatch.setattr(unplanes, "_native", None)
         monkeypatch.setattr(planes, "_native", None)
+        monkeypatch.setattr(plane_modes, "_native", None)
         monkeypatch.setattr(joint, "_native", None)
     return str(request.param)
 
@@ -180,10 +182,10 @@ def test_both_encoders_store_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> 
     for tensor in tensors:
         item = item_of(tensor)
         data = raw_bytes(tensor)
-        for module in (planes, joint):
+        for module in (planes, plane_modes, joint):
             monkeypatch.setattr(module, "_native", NATIVE)
         compiled = encoded(data, item, [WeightCodec(compact=True)])
-        for module in (planes, joint):
+        for module in (planes, plane_modes, joint):
             monkeypatch.setattr(module, "_native", None)
         assert encoded(data, item, [WeightCodec(compact=True)]) == compiled, item.dtype
         if tensor.dtype in (torch.bfloat16, torch.float32) and tensor.numel():
@@ -406,8 +408,8 @@ def test_float_weights_move_the_sign_and_pack_exponents_in_pairs() -> None:
     assert descriptors == ["dcp_storage.weights/2;es=2"]
     flags, (low, high) = block_modes(stored, 2)
     assert flags == planes.SIGN_MOVED
-    assert low[0] == planes.RAW  # sign and mantissa: noise
-    assert high[0] == planes.PACK and high[2] == 2  # exponents, two to a byte
+    assert low[0] == layout.RAW  # sign and mantissa: noise
+    assert high[0] == layout.PACK and high[2] == 2  # exponents, two to a byte
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -420,7 +422,7 @@ def test_bfloat16_weights_code_the_top_mantissa_bits_with_the_exponent(seed: int
     assert flags == planes.SIGN_MOVED | planes.JOINT_BLOCK
     assert [h[0] for h in heads] == [layout.SIX, layout.JOINT]
     _, byte_heads, byte_pieces = planes.encode_block(data, 2, True)
-    assert planes._size(heads, pieces) < planes._size(byte_heads, byte_pieces) * 0.997
+    assert plane_modes._size(heads, pieces) < plane_modes._size(byte_heads, byte_pieces) * 0.997
     stored, descriptors = encoded(bytes(data), ITEMS["bfloat16"], [WeightCodec(compact=True)])
     assert descriptors == ["dcp_storage.weights/3;es=2"]
     assert decoded(stored, descriptors, ITEMS["bfloat16"], "read") == bytes(data)
@@ -451,7 +453,10 @@ def test_bfloat16_with_exponents_beyond_the_window_codes_the_smaller_way() -> No
         data = memoryview(raw_bytes(values.to(torch.bfloat16)))
         flags, heads, pieces = planes.encode_block(data, 2, True, joint=True)
         _, byte_heads, byte_pieces = planes.encode_block(data, 2, True)
-        ours, bytewise = planes._size(heads, pieces), planes._size(byte_heads, byte_pieces)
+        ours, bytewise = (
+            plane_modes._size(heads, pieces),
+            plane_modes._size(byte_heads, byte_pieces),
+        )
         assert ours <= bytewise * 1.001, spread
         compact = [WeightCodec(compact=True)]
         stored, descriptors = encoded(bytes(data), ITEMS["bfloat16"], compact)
@@ -465,15 +470,15 @@ def test_positive_floats_take_the_smaller_of_both_splits() -> None:
     tensor = second_moment(1 << 15)
     words = np.frombuffer(raw_bytes(tensor), np.uint32)
     sizes = {
-        moved: planes._stored(
-            [planes._encode_plane(p, True) for p in planes._split(words, 4, moved)]
+        moved: plane_modes._stored(
+            [plane_modes._encode_plane(p, True) for p in planes._split(words, 4, moved)]
         )
         for moved in (False, True)
     }
     stored, _ = encoded(raw_bytes(tensor), item_of(tensor))
     flags, heads = block_modes(stored, 4)
     assert flags & planes.SIGN_MOVED == (planes.SIGN_MOVED if sizes[True] < sizes[False] else 0)
-    assert heads[3][0] == planes.PACK
+    assert heads[3][0] == layout.PACK
     assert len(stored) < min(sizes.values()) + 64  # the headers
 
 
@@ -531,10 +536,10 @@ def test_constant_planes_and_single_bits() -> None:
     # holds one varying bit; bf16 upcast to fp32: two constant zero bytes.
     words = weights(1 << 15, torch.float32).view(torch.int32) & ~0x7F
     stored, _ = encoded(raw_bytes(words.view(torch.float32)), item_of(words.view(torch.float32)))
-    assert block_modes(stored, 4)[1][0][:3] == (planes.BIT, 0, 7)
+    assert block_modes(stored, 4)[1][0][:3] == (layout.BIT, 0, 7)
     upcast = weights(1 << 15).float()
     stored, _ = encoded(raw_bytes(upcast), item_of(upcast))
-    assert [h[0] for h in block_modes(stored, 4)[1][:2]] == [planes.CONST, planes.CONST]
+    assert [h[0] for h in block_modes(stored, 4)[1][:2]] == [layout.CONST, layout.CONST]
 
 
 def test_a_sample_in_step_with_the_data_is_caught() -> None:
@@ -547,7 +552,7 @@ def test_a_sample_in_step_with_the_data_is_caught() -> None:
     tensor = values.to(torch.bfloat16)
     stored, _ = encoded(raw_bytes(tensor), item_of(tensor))
     exponent = block_modes(stored, 2)[1][1]
-    assert exponent[0] != planes.PACK or exponent[4] <= (1 << 16) // 61 + 1
+    assert exponent[0] != layout.PACK or exponent[4] <= (1 << 16) // 61 + 1
     # sign bits (one bit) and two exponents: ~8.5 KB; escaping all but the sample: ~70 KB
     assert len(stored) < len(raw_bytes(tensor)) / 10
 
@@ -556,7 +561,7 @@ def test_opaque_items_are_zstd_level_3() -> None:
     data = json.dumps({"step": list(range(5000))}).encode()
     stored, descriptors = encoded(data, ItemInfo(item="extra"))
     assert descriptors == ["dcp_storage.weights/2;es=1"]
-    assert block_modes(stored, 1)[1][0][0] == planes.ZSTD
+    assert block_modes(stored, 1)[1][0][0] == layout.ZSTD
     assert len(stored) < len(data) / 4
 
 
@@ -832,15 +837,15 @@ def test_fp32_low_planes_come_as_one_16_bit_piece_and_seven_bit_planes_8_in_7() 
         item = item_of(tensor)
         stored, descriptors = encoded(raw_bytes(tensor), item)
         flags, heads = block_modes(stored, 4)
-        assert flags & planes.LOW_PAIR and heads[0][0] == heads[1][0] == planes.RAW
+        assert flags & planes.LOW_PAIR and heads[0][0] == heads[1][0] == layout.RAW
         assert decoded(stored, descriptors, item, "readinto") == raw_bytes(tensor)
-    assert flags & planes.SIGN_MOVED and heads[2][:2] == (planes.SEVEN, 0)
+    assert flags & planes.SIGN_MOVED and heads[2][:2] == (layout.SEVEN, 0)
     n = tensor.numel()
     seven = np.frombuffer(raw_bytes(tensor), np.uint32) >> 16 & 0x7F
     assert (
         heads[2][3]
         == layout.seven_size(n)
-        <= len(planes._codecs.fast.compress(seven.astype(np.uint8)))
+        <= len(plane_modes._codecs.fast.compress(seven.astype(np.uint8)))
     )
     assert decoded(stored, descriptors, item, "small") == raw_bytes(tensor)
 
@@ -848,8 +853,8 @@ def test_fp32_low_planes_come_as_one_16_bit_piece_and_seven_bit_planes_8_in_7() 
 def test_a_seven_bit_plane_with_its_top_bit_set_round_trips() -> None:
     """A SEVEN plane records its constant top bit: a plane of bytes 128-255 decodes with it."""
     plane = np.random.default_rng(0).integers(128, 256, 1000, dtype=np.uint8)
-    (head, pieces) = planes._seven_plane(plane, 0x80)
-    assert head[:2] == (planes.SEVEN, 0x80) and head[3] == layout.seven_size(1000)
+    (head, pieces) = plane_modes._seven_plane(plane, 0x80)
+    assert head[:2] == (layout.SEVEN, 0x80) and head[3] == layout.seven_size(1000)
     item = ItemInfo(item="x", dtype="float8_e4m3fn", element_size=1)
     stream = layout.pack_v2_block(1000, 0, [head]) + pieces[0].tobytes() + layout.pack_v2_end(1000)
     assert decoded(stream, [WeightCodec().descriptor_for(item)], item) == plane.tobytes()
@@ -959,5 +964,5 @@ def test_damaged_joint_blocks_raise_a_clear_error() -> None:
     assert "unknown block flags" in damaged(stored, version=2)  # format 2 has no JOINT
     assert "unknown block flags" in damaged(rebuilt(planes.JOINT_BLOCK, heads))  # sign kept?
     assert "JOINT block with plane modes" in damaged(rebuilt(flags, [joint_head, six]))
-    exponents = (planes.ZSTD, 0, 0, joint_head[3], 0)  # byte planes, the first one SIX
+    exponents = (layout.ZSTD, 0, 0, joint_head[3], 0)  # byte planes, the first one SIX
     assert "unknown plane mode" in damaged(rebuilt(planes.SIGN_MOVED, [six, exponents]))
