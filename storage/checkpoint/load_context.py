@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,13 +14,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from extensions.base import ItemInfo, KeyLookup, Keys
-from extensions.errors import IntegrityError
+from extensions.errors import IntegrityError, quote
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.deadline import Budget
 from storage.checkpoint.items import encryption_required
 from storage.checkpoint.seal import SealCheck
+from storage.checkpoint.tensors import coverage_problem, uncovered
 
 #: A tensor item's stored chunk: its sizes and dtype, as the metadata records them.
 Chunk = tuple[torch.Size, torch.dtype]
@@ -41,21 +42,24 @@ class LoadContext:
 
     It holds the location (``fs``, ``path`` and its ``url``, which every error names),
     the metadata's read model (``storage_data``: each item's record; ``chunks``: each
-    tensor item's stored sizes and dtype), how items decode (``registry``, resolved once
-    per load so registrations made before the load count; ``keys``, the caller's keys or
-    key provider; ``require_encryption``), the bound on a non-tensor item's decoded size
-    (``max_object_bytes``), the reader's ``thread_count``, the load's deadline
-    (``budget``, the reader's, restarted when the load reads its global metadata),
-    the ``process_group`` read-once shares over, and the check of the metadata's
-    ``seal`` (``storage.checkpoint.seal``, made once, by the first read that needs it).
-    Nothing else changes once built (the mappings are the load's and nobody writes
-    them); it tracks nothing a load reads (each read's progress lives in the read)."""
+    tensor item's stored sizes and dtype; ``uncovered``: the tensor items whose chunks
+    leave elements without a stored value, ``tensors.uncovered``), how items decode
+    (``registry``, resolved once per load so registrations made before the load count;
+    ``keys``, the caller's keys or key provider; ``require_encryption``), the bound on
+    a non-tensor item's decoded size (``max_object_bytes``), the reader's
+    ``thread_count``, the load's deadline (``budget``, the reader's, restarted when the
+    load reads its global metadata), the ``process_group`` read-once shares over, and
+    the check of the metadata's ``seal`` (``storage.checkpoint.seal``, made once, by
+    the first read that needs it). Nothing else changes once built (the mappings are
+    the load's and nobody writes them); it tracks nothing a load reads (each read's
+    progress lives in the read)."""
 
     fs: FileSystemBase
     path: str
     url: str
     storage_data: Mapping[MetadataIndex, Any]
     chunks: Chunks
+    uncovered: Mapping[str, tuple[int, int]]
     registry: ExtensionRegistry
     keys: Keys | None = field(repr=False)  # key bytes: never in a repr
     require_encryption: bool
@@ -78,6 +82,22 @@ class LoadContext:
             keys=keys,
             save=fmt.stored_item(record).save,
         )
+
+    def check_covered(self, fqns: Iterable[str]) -> None:
+        """Refuse, before anything is read, a load of any of the items ``fqns`` (the
+        keys it asks for; those the checkpoint does not hold are passed over) whose
+        stored chunks leave some of the tensor without a value: DCP would read the
+        chunks there are and leave the rest of the target as it was, unsaid."""
+        if not self.uncovered:
+            return
+        for fqn in fqns:
+            found = self.uncovered.get(fqn)
+            if found is not None:
+                raise IntegrityError(
+                    f"{self.url}: item {quote(fqn)}: {coverage_problem(*found)}; nothing "
+                    "was read. Re-save the checkpoint, or load from another step (a load "
+                    "that leaves this item out still works)"
+                )
 
     def check_seal(self, keys: KeyLookup | None) -> None:
         """Where keys were given, the seal of the whole metadata (checked once per load,
@@ -121,6 +141,7 @@ class LoadContext:
             url=url,
             storage_data=metadata.storage_data,
             chunks=chunks,
+            uncovered=uncovered(metadata),
             registry=ExtensionRegistry() if registry is None else registry,
             keys=keys,
             require_encryption=require_encryption,

@@ -38,7 +38,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -132,9 +132,14 @@ def assign(
     ]
 
 
-def read_shared(load: LoadContext, plan: LoadPlan, planner: LoadPlanner) -> None:
+def read_shared(
+    load: LoadContext, plan: LoadPlan, planner: LoadPlanner, asked: Collection[str] = ()
+) -> None:
     """Carry out ``plan`` (whose ``storage_data`` is a :class:`SharePlan`) on this rank,
     with what ``load`` was set up with (its items read through ``fetch.read_items``).
+    ``asked``: the state-dict keys the caller asked for, refused (on every rank, at the
+    first agreement) where the checkpoint's chunks do not cover them
+    (``LoadContext.check_covered``).
 
     A collective over the load's process group: every rank of it calls this together
     (DCP's ``read_data``), and the first call may create the exchange group."""
@@ -156,6 +161,8 @@ def read_shared(load: LoadContext, plan: LoadPlan, planner: LoadPlanner) -> None
 
     def fetch(batch: int) -> tuple[_Batch | None, BaseException | None]:
         try:
+            if batch == 0:
+                load.check_covered(asked)
             held = _Batch(safe, load.chunks, batches[batch], wanted, me)
             read_items(
                 load,

@@ -27,6 +27,7 @@ from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.options import default_thread_count
+from storage.checkpoint.tensors import coverage_problem, uncovered
 from storage.ops.parts import Part, Progress, chunk_facts, read_metadata
 
 
@@ -90,6 +91,21 @@ def _missing(metadata: Metadata) -> list[MetadataIndex]:
         )
         missing += [index for index in expected if index not in storage_data]
     return missing
+
+
+def _report_uncovered(part: Part, report: VerifyReport) -> None:
+    """Report each tensor item whose chunks leave elements without a stored value as
+    bad, under the item's name (which its chunk at offset 0 shares: that chunk's own
+    verdict is kept after it, and the item is not counted good)."""
+    for fqn, (covered, total) in uncovered(part.metadata).items():
+        label = part.label(MetadataIndex(fqn))
+        problem = coverage_problem(covered, total)
+        earlier = report.bad.get(label)
+        report.bad[label] = problem if earlier is None else f"{problem}; and {earlier}"
+        if label in report.ok:
+            report.ok.remove(label)
+            if label in report.unchecksummed:
+                report.unchecksummed.remove(label)
 
 
 def _refuse_unbacked_claim(metadata: Metadata, index: MetadataIndex, info: Any) -> None:
@@ -166,6 +182,8 @@ def verify(
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dcp-verify") as pool:
         for fut in [pool.submit(check, *args) for args in work]:
             fut.result()
+    for part in parts:
+        _report_uncovered(part, report)
     report.ok.sort()
     report.unchecksummed.sort()
     return report
