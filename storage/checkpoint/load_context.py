@@ -12,16 +12,17 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from extensions.base import ItemInfo, KeyLookup, Keys
-from extensions.errors import IntegrityError, quote
+from extensions.errors import IntegrityError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.coverage import check_covered, uncovered
 from storage.checkpoint.deadline import Budget
 from storage.checkpoint.items import encryption_required
 from storage.checkpoint.seal import SealCheck
-from storage.checkpoint.tensors import coverage_problem, uncovered
 
 #: A tensor item's stored chunk: its sizes and dtype, as the metadata records them.
 Chunk = tuple[torch.Size, torch.dtype]
@@ -43,7 +44,7 @@ class LoadContext:
     It holds the location (``fs``, ``path`` and its ``url``, which every error names),
     the metadata's read model (``storage_data``: each item's record; ``chunks``: each
     tensor item's stored sizes and dtype; ``uncovered``: the tensor items whose chunks
-    leave elements without a stored value, ``tensors.uncovered``), how items decode
+    leave elements without a stored value, ``coverage.uncovered``), how items decode
     (``registry``, resolved once per load so registrations made before the load count;
     ``keys``, the caller's keys or key provider; ``require_encryption``), the bound on
     a non-tensor item's decoded size (``max_object_bytes``), the reader's
@@ -83,21 +84,11 @@ class LoadContext:
             save=fmt.stored_item(record).save,
         )
 
-    def check_covered(self, fqns: Iterable[str]) -> None:
-        """Refuse, before anything is read, a load of any of the items ``fqns`` (the
-        keys it asks for; those the checkpoint does not hold are passed over) whose
-        stored chunks leave some of the tensor without a value: DCP would read the
-        chunks there are and leave the rest of the target as it was, unsaid."""
-        if not self.uncovered:
-            return
-        for fqn in fqns:
-            found = self.uncovered.get(fqn)
-            if found is not None:
-                raise IntegrityError(
-                    f"{self.url}: item {quote(fqn)}: {coverage_problem(*found)}; nothing "
-                    "was read. Re-save the checkpoint, or load from another step (a load "
-                    "that leaves this item out still works)"
-                )
+    def check_covered(self, planner: LoadPlanner, reads: Iterable[ReadItem]) -> None:
+        """Refuse, before anything is read, a load whose ``reads`` leave part of a target
+        of ``planner`` without a value, where the item's stored chunks hold fewer
+        elements than the tensor has (``coverage.py``)."""
+        check_covered(self.url, self.uncovered, planner, reads)
 
     def check_seal(self, keys: KeyLookup | None) -> None:
         """Where keys were given, the seal of the whole metadata (checked once per load,

@@ -38,7 +38,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -132,14 +132,11 @@ def assign(
     ]
 
 
-def read_shared(
-    load: LoadContext, plan: LoadPlan, planner: LoadPlanner, asked: Collection[str] = ()
-) -> None:
+def read_shared(load: LoadContext, plan: LoadPlan, planner: LoadPlanner) -> None:
     """Carry out ``plan`` (whose ``storage_data`` is a :class:`SharePlan`) on this rank,
     with what ``load`` was set up with (its items read through ``fetch.read_items``).
-    ``asked``: the state-dict keys the caller asked for, refused (on every rank, at the
-    first agreement) where the checkpoint's chunks do not cover them
-    (``LoadContext.check_covered``).
+    A target the plan leaves partly without a value is refused
+    (``LoadContext.check_covered``) on every rank, at the first agreement.
 
     A collective over the load's process group: every rank of it calls this together
     (DCP's ``read_data``), and the first call may create the exchange group."""
@@ -162,7 +159,7 @@ def read_shared(
     def fetch(batch: int) -> tuple[_Batch | None, BaseException | None]:
         try:
             if batch == 0:
-                load.check_covered(asked)
+                load.check_covered(planner, plan.items)
             held = _Batch(safe, load.chunks, batches[batch], wanted, me)
             read_items(
                 load,

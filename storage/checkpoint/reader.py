@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
@@ -257,10 +256,6 @@ class CheckpointReader(StorageReader):
         )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        # A tensor item whose chunks leave part of it unsaved is refused here, before
-        # the plans are exchanged, so every rank hears of it and nothing waits.
-        if self._load is not None:
-            self._load.check_covered({req.storage_index.fqn for req in plan.items})
         # Which process each of DCP's ranks is, for the coordinator (prepare_global_plan).
         if plan.storage_data is None:
             return replace(plan, storage_data=share_groups.member())
@@ -284,13 +279,11 @@ class CheckpointReader(StorageReader):
     @records_error
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         load = self._set_up()
-        # An item with no stored chunk has no read in the plan (prepare_local_plan saw
-        # none): the keys the planner was set up with say that the caller asked for it.
-        asked = _asked_keys(planner)
         if isinstance(plan.storage_data, read_once.SharePlan):
-            read_once.read_shared(load, plan, planner, asked)
+            read_once.read_shared(load, plan, planner)
         else:
-            load.check_covered(asked)
+            # Before any byte: a target the plan leaves partly without a value.
+            load.check_covered(planner, plan.items)
             fetch.read_items(load, plan.items, planner, load.budget)
         done: Future[None] = Future()
         done.set_result(None)
@@ -337,13 +330,3 @@ class CheckpointReader(StorageReader):
             "(an interrupted save, or not a checkpoint directory); point at a checkpoint "
             "directory"
         )
-
-
-def _asked_keys(planner: LoadPlanner) -> list[str]:
-    """The state-dict keys ``planner`` was set up to load, where it keeps them where
-    torch's ``DefaultLoadPlanner`` (and its subclasses) does (flattened, as the
-    checkpoint names them); none for another planner, whose plan says all it asks."""
-    state_dict = getattr(planner, "state_dict", None)
-    if not isinstance(planner, DefaultLoadPlanner) or not isinstance(state_dict, Mapping):
-        return []
-    return [key for key in state_dict if isinstance(key, str)]

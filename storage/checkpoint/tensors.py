@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
 
 from extensions.errors import IntegrityError, printable, quote
@@ -96,34 +96,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(bytearray(0))
     return flat_bytes(tensor).numpy().data.cast("B")
-
-
-def uncovered(metadata: Metadata) -> dict[str, tuple[int, int]]:
-    """The tensor items of ``metadata`` whose chunks certainly leave elements without a
-    stored value, each with the elements its chunks hold (overlaps counted twice) and
-    the tensor's element count: those whose chunks hold fewer elements than the tensor
-    has. A sum above is not refused (a custom planner may save replicated chunks
-    without dedup); a 0-dim tensor has one element, so with no chunk it is uncovered.
-    A load of such an item would leave the rest of its target as it was (freshly
-    initialised weights, say) without a word: DCP plans reads for the stored chunks
-    only."""
-    found: dict[str, tuple[int, int]] = {}
-    for fqn, meta in metadata.state_dict_metadata.items():
-        if isinstance(meta, TensorStorageMetadata):
-            total = math.prod(meta.size)
-            covered = sum(math.prod(chunk.sizes) for chunk in meta.chunks)
-            if covered < total:
-                found[fqn] = (covered, total)
-    return found
-
-
-def coverage_problem(covered: int, total: int) -> str:
-    """What :func:`uncovered` found of an item, for a message that names the item."""
-    return (
-        f"its stored chunks cover {covered} of its {total} elements: the checkpoint is "
-        "damaged or incomplete (a rank's part missing), and a load would leave the rest "
-        "of the target as it was"
-    )
 
 
 def empty_stored(
