@@ -67,6 +67,13 @@ from torch.distributed.checkpoint.filesystem import (  # noqa: E402
 from torch.distributed.checkpoint.filesystem import (  # noqa: E402
     _StorageInfo as StorageInfo,
 )
+
+# _create_chunk_list (checkpoint.planner_helpers, since 2.0): the chunks of the global
+# tensor a state-dict value holds on this rank (a tensor's whole, a DTensor's or a
+# ShardedTensor's local shards), as DefaultLoadPlanner plans its reads for them.
+from torch.distributed.checkpoint.planner_helpers import (  # noqa: E402
+    _create_chunk_list as local_chunks,
+)
 from torch.distributed.checkpoint.state_dict_loader import (  # noqa: E402
     _load_state_dict as load_state_dict_without_collectives,
 )
@@ -90,6 +97,7 @@ __all__ = [
     "TorchStreamTransform",
     "item_size",
     "load_state_dict_without_collectives",
+    "local_chunks",
     "narrow_tensor_by_index",
     "StateDictStager",
     "StridedShard",

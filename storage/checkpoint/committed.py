@@ -126,8 +126,10 @@ def files_read(metadata: Metadata, state_dict: dict[str, Any]) -> set[tuple[str 
     planner.set_up_planner(plain, metadata, is_coordinator=False)
     out = set()
     for item in planner.create_local_plan().items:
-        record = fmt.stored_item((metadata.storage_data or {})[item.storage_index])
-        out.add((record.ref, record.relative_path))
+        info = (metadata.storage_data or {}).get(item.storage_index)
+        if info is not None:  # else the load refuses the item, naming it
+            record = fmt.stored_item(info)
+            out.add((record.ref, record.relative_path))
     return out
 
 

@@ -146,7 +146,8 @@ def _plan_runs(load: LoadContext, reqs: Sequence[ReadItem]) -> list[tuple[str, l
         if info is None:
             raise IntegrityError(
                 f"{load.url}: item {quote(fmt.item_label(req.storage_index))} is in the plan "
-                "but not in the checkpoint's storage index; the metadata is damaged"
+                "but not in the checkpoint's storage index; the metadata is damaged: "
+                "re-save the checkpoint, or load from another step"
             )
         record = fmt.stored_item(info)
         path = paths.get((record.ref, record.relative_path))

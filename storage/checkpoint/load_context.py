@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,12 +12,14 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from extensions.base import ItemInfo, KeyLookup, Keys
 from extensions.errors import IntegrityError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.coverage import check_covered, uncovered
 from storage.checkpoint.deadline import Budget
 from storage.checkpoint.items import encryption_required
 from storage.checkpoint.seal import SealCheck
@@ -41,21 +43,24 @@ class LoadContext:
 
     It holds the location (``fs``, ``path`` and its ``url``, which every error names),
     the metadata's read model (``storage_data``: each item's record; ``chunks``: each
-    tensor item's stored sizes and dtype), how items decode (``registry``, resolved once
-    per load so registrations made before the load count; ``keys``, the caller's keys or
-    key provider; ``require_encryption``), the bound on a non-tensor item's decoded size
-    (``max_object_bytes``), the reader's ``thread_count``, the load's deadline
-    (``budget``, the reader's, restarted when the load reads its global metadata),
-    the ``process_group`` read-once shares over, and the check of the metadata's
-    ``seal`` (``storage.checkpoint.seal``, made once, by the first read that needs it).
-    Nothing else changes once built (the mappings are the load's and nobody writes
-    them); it tracks nothing a load reads (each read's progress lives in the read)."""
+    tensor item's stored sizes and dtype; ``uncovered``: the tensor items whose chunks
+    leave elements without a stored value, ``coverage.uncovered``), how items decode
+    (``registry``, resolved once per load so registrations made before the load count;
+    ``keys``, the caller's keys or key provider; ``require_encryption``), the bound on
+    a non-tensor item's decoded size (``max_object_bytes``), the reader's
+    ``thread_count``, the load's deadline (``budget``, the reader's, restarted when the
+    load reads its global metadata), the ``process_group`` read-once shares over, and
+    the check of the metadata's ``seal`` (``storage.checkpoint.seal``, made once, by
+    the first read that needs it). Nothing else changes once built (the mappings are
+    the load's and nobody writes them); it tracks nothing a load reads (each read's
+    progress lives in the read)."""
 
     fs: FileSystemBase
     path: str
     url: str
     storage_data: Mapping[MetadataIndex, Any]
     chunks: Chunks
+    uncovered: Mapping[str, tuple[int, int]]
     registry: ExtensionRegistry
     keys: Keys | None = field(repr=False)  # key bytes: never in a repr
     require_encryption: bool
@@ -78,6 +83,12 @@ class LoadContext:
             keys=keys,
             save=fmt.stored_item(record).save,
         )
+
+    def check_covered(self, planner: LoadPlanner, reads: Iterable[ReadItem]) -> None:
+        """Refuse, before anything is read, a load whose ``reads`` leave part of a target
+        of ``planner`` without a value, where the item's stored chunks hold fewer
+        elements than the tensor has (``coverage.py``)."""
+        check_covered(self.url, self.uncovered, planner, reads)
 
     def check_seal(self, keys: KeyLookup | None) -> None:
         """Where keys were given, the seal of the whole metadata (checked once per load,
@@ -121,6 +132,7 @@ class LoadContext:
             url=url,
             storage_data=metadata.storage_data,
             chunks=chunks,
+            uncovered=uncovered(metadata),
             registry=ExtensionRegistry() if registry is None else registry,
             keys=keys,
             require_encryption=require_encryption,

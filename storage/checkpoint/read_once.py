@@ -135,6 +135,8 @@ def assign(
 def read_shared(load: LoadContext, plan: LoadPlan, planner: LoadPlanner) -> None:
     """Carry out ``plan`` (whose ``storage_data`` is a :class:`SharePlan`) on this rank,
     with what ``load`` was set up with (its items read through ``fetch.read_items``).
+    A target the plan leaves partly without a value is refused
+    (``LoadContext.check_covered``) on every rank, at the first agreement.
 
     A collective over the load's process group: every rank of it calls this together
     (DCP's ``read_data``), and the first call may create the exchange group."""
@@ -156,6 +158,8 @@ def read_shared(load: LoadContext, plan: LoadPlan, planner: LoadPlanner) -> None
 
     def fetch(batch: int) -> tuple[_Batch | None, BaseException | None]:
         try:
+            if batch == 0:
+                load.check_covered(planner, plan.items)
             held = _Batch(safe, load.chunks, batches[batch], wanted, me)
             read_items(
                 load,

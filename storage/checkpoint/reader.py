@@ -282,6 +282,8 @@ class CheckpointReader(StorageReader):
         if isinstance(plan.storage_data, read_once.SharePlan):
             read_once.read_shared(load, plan, planner)
         else:
+            # Before any byte: a target the plan leaves partly without a value.
+            load.check_covered(planner, plan.items)
             fetch.read_items(load, plan.items, planner, load.budget)
         done: Future[None] = Future()
         done.set_result(None)

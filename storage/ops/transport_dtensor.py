@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from extensions._compat import DTensorSpec, StridedShard, TensorMeta, mesh_without_groups
-from extensions.errors import UnsafeCheckpointError
+from extensions.errors import UnsafeCheckpointError, printable, quote
 
 #: Most ranks a received mesh may name (a record is the sender's: it is checked).
 MAX_MESH_RANKS = 1 << 20
@@ -111,10 +111,10 @@ def rebuild(local: Any, record: Any, where: str, own: Any = None) -> DTensor:
         _check_own_mesh(own.device_mesh, record, where)
     elif not record[6]:
         raise RuntimeError(
-            f"{where} is a DTensor on a slice of a device mesh (ranks {record[1]}, named "
-            f"{record[2]}), which cannot be rebuilt from its ranks alone: pass state_dict= "
-            "to the transport (a function returning this worker's own state, as the sender "
-            "sends it) so the DTensor is rebuilt on this worker's mesh"
+            f"{where} is a DTensor on a slice of a device mesh (ranks {quote(record[1])}, "
+            f"named {quote(record[2])}), which cannot be rebuilt from its ranks alone: pass "
+            "state_dict= to the transport (a function returning this worker's own state, as "
+            "the sender sends it) so the DTensor is rebuilt on this worker's mesh"
         )
     elif not dist.is_initialized():
         raise RuntimeError(
@@ -127,9 +127,9 @@ def rebuild(local: Any, record: Any, where: str, own: Any = None) -> DTensor:
         return DTensor(local, _spec(mesh, record, local.dtype), requires_grad=False)
     except (ValueError, TypeError, IndexError, AssertionError, RuntimeError) as exc:
         raise UnsafeCheckpointError(
-            f"{where}: the sender's DTensor layout {record!r} cannot be rebuilt here ({exc}); "
-            "the checkpoint is damaged, or the replica groups differ in layout: give them "
-            "the same device mesh"
+            f"{where}: the sender's DTensor layout {quote(record)} cannot be rebuilt here "
+            f"({printable(str(exc), 200)}); the checkpoint is damaged, or the replica groups "
+            "differ in layout: give them the same device mesh"
         ) from exc
 
 
@@ -137,9 +137,10 @@ def _check_own_mesh(mesh: Any, record: list[Any], where: str) -> None:
     names = None if mesh.mesh_dim_names is None else list(mesh.mesh_dim_names)
     if [mesh.device_type, mesh.mesh.tolist(), names] != record[:3]:
         raise UnsafeCheckpointError(
-            f"{where}: the sender's DTensor is on a {record[0]} mesh of ranks {record[1]} "
-            f"named {record[2]}, this worker's on a {mesh.device_type} mesh of ranks "
-            f"{mesh.mesh.tolist()} named {names}; give the replica groups the same mesh"
+            f"{where}: the sender's DTensor is on a {record[0]} mesh of ranks "
+            f"{quote(record[1])} named {quote(record[2])}, this worker's on a "
+            f"{mesh.device_type} mesh of ranks {quote(mesh.mesh.tolist())} named "
+            f"{quote(names)}; give the replica groups the same mesh"
         )
 
 

@@ -27,7 +27,13 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
     refused, a failed allocation names the item; zeroed, so what no chunk covers is
     never this process's old memory), and the list indices of the paths in
     ``planner_data`` may ask for at most :data:`MAX_OBJECT_BYTES` list slots in all
-    (torch's ``set_element`` grows a list to an index one ``None`` at a time)."""
+    (torch's ``set_element`` grows a list to an index one ``None`` at a time).
+
+    Its targets are made from the stored chunks (``targets_from_metadata``): a sender
+    stores only its own shards of a sharded tensor, so what no chunk covers is no
+    damage here (the reader does not refuse it; it stays zero)."""
+
+    targets_from_metadata = True
 
     def __init__(self, where: str) -> None:
         super().__init__()

@@ -26,6 +26,7 @@ from extensions.errors import CheckpointStorageError, IntegrityError, printable
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.coverage import uncovered
 from storage.checkpoint.options import default_thread_count
 from storage.ops.parts import Part, Progress, chunk_facts, read_metadata
 
@@ -90,6 +91,31 @@ def _missing(metadata: Metadata) -> list[MetadataIndex]:
         )
         missing += [index for index in expected if index not in storage_data]
     return missing
+
+
+def _report_uncovered(part: Part, report: VerifyReport) -> None:
+    """Report as bad, under the item's name, each tensor item of a metadata written by
+    several ranks together whose chunks hold fewer elements than the tensor has: torch
+    checked at save time that they cover it, so some are lost. (A save by one process,
+    or rank-local metadata, holds only that process's shards of a sharded tensor: no
+    damage, not reported.) The item's chunk at offset 0 shares its name: its own
+    verdict is kept after this one, and the item is not counted good."""
+    records = (part.metadata.storage_data or {}).values()
+    if part.rank is not None or len({fmt.file_rank(i.relative_path) for i in records}) < 2:
+        return
+    for fqn, (covered, total) in uncovered(part.metadata).items():
+        label = part.label(MetadataIndex(fqn))
+        problem = (
+            f"its stored chunks cover {covered} of its {total} elements, though the ranks "
+            "that saved it together covered it whole: the checkpoint is damaged or "
+            "incomplete (a rank's part missing); re-save it, or load from another step"
+        )
+        earlier = report.bad.get(label)
+        report.bad[label] = problem if earlier is None else f"{problem}; and {earlier}"
+        if label in report.ok:
+            report.ok.remove(label)
+            if label in report.unchecksummed:
+                report.unchecksummed.remove(label)
 
 
 def _refuse_unbacked_claim(metadata: Metadata, index: MetadataIndex, info: Any) -> None:
@@ -166,6 +192,8 @@ def verify(
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dcp-verify") as pool:
         for fut in [pool.submit(check, *args) for args in work]:
             fut.result()
+    for part in parts:
+        _report_uncovered(part, report)
     report.ok.sort()
     report.unchecksummed.sort()
     return report

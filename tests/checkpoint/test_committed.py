@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 import storage
 from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage import LocalFileSystem, MemoryFileSystem
-from storage.checkpoint.committed import ReadModels, open_committed
+from storage.checkpoint.committed import ReadModels, files_read, open_committed
 from storage.checkpoint.siblings import Siblings
 
 
@@ -153,3 +153,15 @@ def test_a_tiered_save_reads_no_local_metadata_it_knows(tmp_path: Path) -> None:
     out = {"frozen": torch.zeros(64), "w": torch.zeros(4)}
     assert mgr.load(out, 4).tier == "local"
     assert torch.equal(out["w"], torch.full((4,), 4.0))
+
+
+def test_the_files_a_load_reads_pass_over_a_chunk_without_its_record(tmp_path: Path) -> None:
+    # Without the check a tiered restore's planning failed on a raw KeyError; the load
+    # itself refuses such an item, naming it.
+    import pickle
+
+    storage.save({"a": torch.ones(4), "b": torch.zeros(4)}, tmp_path)
+    metadata = pickle.loads((tmp_path / ".metadata").read_bytes())  # the test's own file
+    del metadata.storage_data[next(k for k in metadata.storage_data if k.fqn == "a")]
+    files = files_read(metadata, {"a": torch.ones(4), "b": torch.zeros(4)})
+    assert [name for _, name in files] == [next(iter(metadata.storage_data.values())).relative_path]

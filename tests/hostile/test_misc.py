@@ -517,3 +517,21 @@ def test_load_waits_for_the_managers_own_async_save(
         real_wait()
     future.result()
     assert step == 2 and torch.equal(target["w"], torch.full((4,), 2.0))
+
+
+# --- a sender's DTensor layout in a receiver's messages -------------------------------
+
+
+def test_a_senders_mesh_record_enters_a_message_quoted_and_bounded() -> None:
+    # Without the quoting a received record's mesh ranks (up to 2**20 of them) and
+    # dimension names (any strings, any length) were formatted into the message whole.
+    import torch
+
+    from storage.ops.transport_dtensor import rebuild
+
+    names = ["\x1b[2J" + "n" * 100_000]
+    record = ["cpu", list(range(1 << 16)), names, [["R"]], [4], [1], False]
+    with pytest.raises(RuntimeError, match="slice of a device mesh") as info:
+        rebuild(torch.zeros(4), record, "ckpt: item 'w'")
+    message = str(info.value)
+    assert len(message) < 1000 and "\x1b" not in message
