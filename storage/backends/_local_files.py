@@ -17,7 +17,7 @@ from typing import IO, cast
 
 from extensions.errors import UnsafeCheckpointError, quote
 from extensions.streams import SliceView
-from storage.backends import _local_removal
+from storage.backends import _local_walk
 from storage.backends._local_walk import is_link_at
 
 # Where the platform lacks a flag, opening without it is the best it offers.
@@ -238,7 +238,7 @@ def _remove_written(path: str, written: os.stat_result) -> None:
     a link since the write opened it would make a removal by path land in that one.
     The directory is opened once and the name looked up and removed inside it, so what
     is compared is what is removed."""
-    if not _local_removal.WALKS_SAFELY:  # by path, as this platform allows
+    if not _local_walk.WALKS_SAFELY:  # by path, as this platform allows
         os.unlink(path)
         return
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 
-from storage.backends._local_walk import WALKS_SAFELY, opened_parent
-
-__all__ = ["WALKS_SAFELY", "remove_dir", "remove_file", "rename_in"]
+from storage.backends._local_walk import opened_parent
 
 
 def remove_file(directory: str, name: str) -> None:

@@ -23,8 +23,7 @@ import os
 from collections.abc import Iterator
 from typing import IO
 
-from storage.backends import _local_files
-from storage.backends._local_walk import WRITES_SAFELY, opened_parent
+from storage.backends import _local_files, _local_walk
 
 
 @contextlib.contextmanager
@@ -32,12 +31,12 @@ def write_stream_in(directory: str, name: str, *, sync: bool = False) -> Iterato
     """``directory/name`` written from its start as ``_local_files.write_stream`` writes
     it (its directories made first; fsynced with ``sync``; removed if the body raises,
     only while it is still the file written), reached by the walk (module docstring)."""
-    if not WRITES_SAFELY:
+    if not _local_walk.WRITES_SAFELY:
         with _local_files.write_stream(os.path.join(directory, name), sync=sync) as out:
             yield out
         return
     shown = os.path.join(directory, name)
-    with opened_parent(directory, name, create=True, action="write") as (fd, last):
+    with _local_walk.opened_parent(directory, name, create=True, action="write") as (fd, last):
         out = _local_files.open_for_writing(last, dir_fd=fd, shown=shown)
         written = os.fstat(out.fileno())
         try:
@@ -58,11 +57,11 @@ def write_atomic_in(directory: str, name: str, data: bytes, *, exclusive: bool =
     publishes it (a new temporary of ours under a random name, fsynced, renamed over
     ``name``; ``exclusive``: hard-linked to it, ``FileExistsError`` if it exists; the
     directory fsynced), every step inside the directory reached by the walk."""
-    if not WRITES_SAFELY:
+    if not _local_walk.WRITES_SAFELY:
         _local_files.write_atomic(os.path.join(directory, name), data, exclusive=exclusive)
         return
     shown = os.path.join(directory, name)
-    with opened_parent(directory, name, create=True, action="write") as (fd, last):
+    with _local_walk.opened_parent(directory, name, create=True, action="write") as (fd, last):
         tmp, opened = _local_files.create_temporary(last, dir_fd=fd, shown=shown)
         try:
             with opened as stream:
