@@ -526,6 +526,11 @@ class _SwapOnCommit(LocalFileSystem):
         if os.path.basename(new_path) == "model.safetensors":
             self._swap_once()
 
+    def rename_in(self, directory: str, name: str, new_name: str) -> None:
+        super().rename_in(directory, name, new_name)  # published inside the folder
+        if new_name == "model.safetensors":
+            self._swap_once()
+
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         super().write_atomic(path, data, exclusive=exclusive)
         self.indexed |= path.endswith(".index.json")
