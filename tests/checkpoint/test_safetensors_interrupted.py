@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Run in a child: our local backend holds the second write of a model file whose name
 #: holds ``argv[6]`` (written by path or inside its folder; its header went through),
-#: marks ``started`` and sleeps until the test kills the child. ``argv[5]``: the largest file, in bytes ("": one file).
+#: marks ``started`` and sleeps until the test kills the child. ``argv[5]``: the largest
+#: file, in bytes ("": one file).
 _HELD = textwrap.dedent(
     """
     import contextlib, sys, time
