@@ -56,7 +56,8 @@ def write_atomic_in(directory: str, name: str, data: bytes, *, exclusive: bool =
     """``data`` at ``directory/name`` whole or not at all, as ``_local_files.write_atomic``
     publishes it (a new temporary of ours under a random name, fsynced, renamed over
     ``name``; ``exclusive``: hard-linked to it, ``FileExistsError`` if it exists; the
-    directory fsynced), every step inside the directory reached by the walk."""
+    directory and its parent fsynced), every step inside the directory reached by the
+    walk."""
     if not _local_walk.WRITES_SAFELY:
         _local_files.write_atomic(os.path.join(directory, name), data, exclusive=exclusive)
         return
@@ -83,7 +84,20 @@ def write_atomic_in(directory: str, name: str, data: bytes, *, exclusive: bool =
                     "replaced: move or remove that directory",
                 ) from exc
             raise
-        os.fsync(fd)
+        _sync_with_parent(fd)
+
+
+def _sync_with_parent(fd: int) -> None:
+    """fsync the open directory ``fd`` and the directory holding it (as ``sync_dir`` does
+    by path: a directory this save made is itself a name), the latter reached through
+    ``fd`` itself."""
+    os.fsync(fd)
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+    parent = os.open(os.pardir, flags, dir_fd=fd)
+    try:
+        os.fsync(parent)
+    finally:
+        os.close(parent)
 
 
 def overridden(fs: object, backend: type, *names: str) -> bool:
