@@ -99,7 +99,10 @@ def opened_parent(
         walked = top
         for part in parts[:-1]:
             walked = os.path.join(walked, part)
-            below = _open_below(fd, part, walked, create)
+            try:
+                below = _open_below(fd, part, walked, create)
+            except OSError as exc:  # named by its full path, not the name in its parent
+                raise type(exc)(exc.errno, exc.strerror, walked) from None
             if below is None:
                 raise _linked(directory, name, walked, action)
             os.close(fd)
