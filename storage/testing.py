@@ -35,6 +35,7 @@ import pytest
 from extensions.testing import ConformanceSuite
 from storage.backends.base import FileSystemBase
 from storage.testing_cancel import CancellationTests
+from storage.testing_walks import DirectoryWriteTests
 
 _SIZES = {"empty": 0, "small": 1, "block": 64 * 1024 + 3, "multi_mb": 5 * 1024 * 1024 + 17}
 
@@ -44,8 +45,9 @@ def _payload(n: int) -> bytes:
     return (bytes(range(251)) * (n // 251 + 1))[:n]
 
 
-class FileSystemTests(CancellationTests, ConformanceSuite):
-    """Conformance checks (those of cancelled requests in :mod:`storage.testing_cancel`);
+class FileSystemTests(CancellationTests, DirectoryWriteTests, ConformanceSuite):
+    """Conformance checks (those of cancelled requests in :mod:`storage.testing_cancel`,
+    of writes inside a directory in :mod:`storage.testing_walks`);
     see the module docstring for the fixtures to provide."""
 
     # --- hooks a subclass provides ---------------------------------------------------

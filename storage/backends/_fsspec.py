@@ -21,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem as FsspecLocalFileSyste
 from fsspec.spec import AbstractBufferedFile
 
 from extensions.errors import printable
-from storage.backends import _local_files, _local_removal
+from storage.backends import _local_files, _local_removal, _local_writes
 from storage.backends._fsspec_client import FsspecClientBackend
 from storage.backends._ranges import RangeMismatchError, WindowReader
 
@@ -250,6 +250,26 @@ class FsspecFileSystem(FsspecClientBackend):
                 if self.read_bytes(path, limit=len(payload)) == payload:  # another's may be huge
                     return
             raise
+
+    def create_stream_in(
+        self, directory: str, name: str, mode: str = "wb", *, sync: bool = False
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        if mode == "wb" and self._walks("create_stream"):  # never through a link on the way
+            return _local_writes.write_stream_in(directory, name, sync=sync)
+        return super().create_stream_in(directory, name, mode, sync=sync)
+
+    def write_atomic_in(
+        self, directory: str, name: str, data: bytes, *, exclusive: bool = False
+    ) -> None:
+        if self._walks("write_atomic"):
+            _local_writes.write_atomic_in(directory, name, bytes(data), exclusive=exclusive)
+            return
+        super().write_atomic_in(directory, name, data, exclusive=exclusive)
+
+    def _walks(self, method: str) -> bool:
+        """Whether writes of ``method``'s kind walk directory handles: on local disk,
+        unless a subclass wraps ``method`` (it then sees them by path)."""
+        return self.local_disk and not _local_writes.overridden(self, FsspecFileSystem, method)
 
     # --- metadata and namespace ----------------------------------------------------
 

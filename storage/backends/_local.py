@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import IO, ClassVar
 
-from storage.backends import _local_files, _local_removal
+from storage.backends import _local_files, _local_removal, _local_writes
 from storage.backends.base import FileSystemBase
 
 
@@ -53,6 +53,21 @@ class LocalFileSystem(FileSystemBase):
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         _local_files.write_atomic(path, data, exclusive=exclusive, sync_directory=self.sync_dir)
+
+    def create_stream_in(
+        self, directory: str, name: str, mode: str = "wb", *, sync: bool = False
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        if mode != "wb" or _local_writes.overridden(self, LocalFileSystem, "create_stream"):
+            return super().create_stream_in(directory, name, mode, sync=sync)
+        return _local_writes.write_stream_in(directory, name, sync=sync)
+
+    def write_atomic_in(
+        self, directory: str, name: str, data: bytes, *, exclusive: bool = False
+    ) -> None:
+        if _local_writes.overridden(self, LocalFileSystem, "write_atomic", "sync_dir"):
+            super().write_atomic_in(directory, name, data, exclusive=exclusive)
+            return
+        _local_writes.write_atomic_in(directory, name, bytes(data), exclusive=exclusive)
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size

@@ -17,7 +17,8 @@ from typing import IO, cast
 
 from extensions.errors import UnsafeCheckpointError, quote
 from extensions.streams import SliceView
-from storage.backends import _local_removal
+from storage.backends import _local_walk
+from storage.backends._local_walk import is_link_at
 
 # Where the platform lacks a flag, opening without it is the best it offers.
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -88,10 +89,13 @@ def open_slice(path: str, offset: int, length: int) -> Iterator[IO[bytes]]:
         yield cast(IO[bytes], SliceView(stream, offset, length))
 
 
-def open_for_writing(path: str, *, exclusive: bool = False) -> IO[bytes]:
+def open_for_writing(
+    path: str, *, exclusive: bool = False, dir_fd: int | None = None, shown: str | None = None
+) -> IO[bytes]:
     """``path`` opened for writing from its start, never through a symbolic link and only
     into a regular file this call created or one of this user's (``exclusive``: only one
-    this call created, else ``FileExistsError``).
+    this call created, else ``FileExistsError``). With ``dir_fd``, ``path`` is a name
+    inside that open directory (``shown``: its full path, for messages).
 
     Whoever else can write the directory (a shared ``/scratch``, a group-writable root)
     could otherwise put, at a name a save is about to write (the next data file of a save
@@ -102,29 +106,31 @@ def open_for_writing(path: str, *, exclusive: bool = False) -> IO[bytes]:
     is truncated. A file of the directory's owner is accepted too: where the store maps
     users (root on NFS with root squashing) what we write is not owned by us, and whoever
     owns the directory can replace its files anyway."""
+    shown = shown or path
     try:
         try:
-            fd, created = os.open(path, _WRITE_FLAGS | os.O_EXCL, _FILE_MODE), True
+            flags = _WRITE_FLAGS | os.O_EXCL
+            fd, created = os.open(path, flags, _FILE_MODE, dir_fd=dir_fd), True
         except FileExistsError:
             if exclusive:
                 raise
-            fd, created = os.open(path, _WRITE_FLAGS & ~os.O_CREAT), False
+            fd, created = os.open(path, _WRITE_FLAGS & ~os.O_CREAT, dir_fd=dir_fd), False
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
-            what = f"a symbolic link to {quote(_target(path))}"
-            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write")) from None
+        if exc.errno in (errno.ELOOP, errno.EMLINK) and _is_link(path, dir_fd):
+            what = f"a symbolic link to {quote(_target(path, dir_fd))}"
+            raise UnsafeCheckpointError(_refusal(shown, what, _WRITE_FIX, "write")) from None
         if exc.errno == errno.ENXIO:  # a FIFO with no reader, under O_NONBLOCK
             what = "a FIFO (named pipe)"
-            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write")) from None
+            raise UnsafeCheckpointError(_refusal(shown, what, _WRITE_FIX, "write")) from None
         raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             what = _kind(info.st_mode)
-            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write"))
-        if not created and not _owned(info, path):
+            raise UnsafeCheckpointError(_refusal(shown, what, _WRITE_FIX, "write"))
+        if not created and not _owned(info, path, dir_fd):
             what = f"a file of user id {info.st_uid}'s (who could rewrite what we save in it)"
-            raise UnsafeCheckpointError(_refusal(path, what, _WRITE_FIX, "write"))
+            raise UnsafeCheckpointError(_refusal(shown, what, _WRITE_FIX, "write"))
         if _NONBLOCK:
             os.set_blocking(fd, True)
         if not created:
@@ -135,10 +141,16 @@ def open_for_writing(path: str, *, exclusive: bool = False) -> IO[bytes]:
         raise
 
 
-def _owned(info: os.stat_result, path: str) -> bool:
+def _is_link(path: str, dir_fd: int | None) -> bool:
+    return os.path.islink(path) if dir_fd is None else is_link_at(path, dir_fd)
+
+
+def _owned(info: os.stat_result, path: str, dir_fd: int | None = None) -> bool:
     if not hasattr(os, "geteuid") or info.st_uid == os.geteuid():
         return True
     try:
+        if dir_fd is not None:
+            return info.st_uid == os.fstat(dir_fd).st_uid
         return info.st_uid == os.stat(os.path.dirname(path) or ".").st_uid
     except OSError:
         return False
@@ -158,9 +170,9 @@ def _refusal(path: str, what: str, fix: str, action: str = "read") -> str:
     )
 
 
-def _target(path: str) -> str:
+def _target(path: str, dir_fd: int | None = None) -> str:
     try:
-        return os.readlink(path)[:200]
+        return os.readlink(path, dir_fd=dir_fd)[:200]
     except OSError:
         return "?"
 
@@ -177,20 +189,25 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def create_temporary(path: str) -> tuple[str, IO[bytes]]:
+def create_temporary(
+    path: str, *, dir_fd: int | None = None, shown: str | None = None
+) -> tuple[str, IO[bytes]]:
     """A new file next to ``path`` under a random name, created by this call (``O_EXCL``):
     a name taken already (by a neighbour who guessed it and put a link or a file there)
-    is left alone and another drawn."""
+    is left alone and another drawn. With ``dir_fd``, ``path`` and the name returned are
+    names inside that open directory (``shown``: ``path`` in full, for messages)."""
     for _ in range(_TEMP_TRIES):
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         try:
-            return tmp, open_for_writing(tmp, exclusive=True)
+            full = None if shown is None else os.path.join(os.path.dirname(shown), tmp)
+            return tmp, open_for_writing(tmp, exclusive=True, dir_fd=dir_fd, shown=full)
         except FileExistsError:
             continue
+    shown = shown or path
     raise UnsafeCheckpointError(
-        f"could not create a temporary file next to {path!r}: {_TEMP_TRIES} random names "
+        f"could not create a temporary file next to {shown!r}: {_TEMP_TRIES} random names "
         "in a row were taken already, which only someone planting files there does; make "
-        f"the directory {os.path.dirname(path)!r} writable by you only, then save again"
+        f"the directory {os.path.dirname(shown)!r} writable by you only, then save again"
     )
 
 
@@ -221,18 +238,23 @@ def _remove_written(path: str, written: os.stat_result) -> None:
     a link since the write opened it would make a removal by path land in that one.
     The directory is opened once and the name looked up and removed inside it, so what
     is compared is what is removed."""
-    if not _local_removal.WALKS_SAFELY:  # by path, as this platform allows
+    if not _local_walk.WALKS_SAFELY:  # by path, as this platform allows
         os.unlink(path)
         return
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(os.path.dirname(path) or os.curdir, flags)
     try:
-        name = os.path.basename(path)
-        found = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        if (found.st_dev, found.st_ino) == (written.st_dev, written.st_ino):
-            os.unlink(name, dir_fd=fd)
+        remove_written_at(fd, os.path.basename(path), written)
     finally:
         os.close(fd)
+
+
+def remove_written_at(dir_fd: int, name: str, written: os.stat_result) -> None:
+    """Remove ``name`` inside the open directory ``dir_fd`` if it is the file ``written``
+    (its ``fstat``): what is compared is what is removed."""
+    found = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if (found.st_dev, found.st_ino) == (written.st_dev, written.st_ino):
+        os.unlink(name, dir_fd=dir_fd)
 
 
 def write_atomic(

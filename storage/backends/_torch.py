@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any, cast
 
-from storage.backends import _local_files, _local_removal
+from storage.backends import _local_files, _local_removal, _local_writes
 from storage.backends.base import FileSystemBase
 
 # torch.distributed.checkpoint.filesystem.FileSystemBase's abstract methods (torch 2.x).
@@ -93,6 +93,30 @@ class TorchFileSystem(FileSystemBase):
             _local_removal.rename_in(local, name, new_name)
             return
         super().rename_in(directory, name, new_name)
+
+    def create_stream_in(
+        self, directory: str, name: str, mode: str = "wb", *, sync: bool = False
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        local = self._walked(directory, "create_stream")
+        if mode == "wb" and local is not None:  # never through a link on the way
+            return _local_writes.write_stream_in(local, name, sync=sync)
+        return super().create_stream_in(directory, name, mode, sync=sync)
+
+    def write_atomic_in(
+        self, directory: str, name: str, data: bytes, *, exclusive: bool = False
+    ) -> None:
+        local = self._walked(directory, "write_atomic")
+        if local is not None:
+            _local_writes.write_atomic_in(local, name, bytes(data), exclusive=exclusive)
+            return
+        super().write_atomic_in(directory, name, data, exclusive=exclusive)
+
+    def _walked(self, directory: str, method: str) -> str | None:
+        """``directory`` on local disk where writes there walk directory handles (unless
+        a subclass wraps ``method``: it then sees them by path), else ``None``."""
+        if _local_writes.overridden(self, TorchFileSystem, method):
+            return None
+        return self._local_file(directory)
 
     def is_link(self, path: str) -> bool:
         return self._local() and os.path.islink(path)

@@ -37,6 +37,10 @@ Semantics every backend guarantees (checked by ``storage.testing.FileSystemTests
 * ``write_atomic`` publishes small objects (metadata) atomically; with
   ``exclusive=True`` it fails with ``FileExistsError`` if the path already exists,
   using the store's conditional create where it has one.
+* ``create_stream_in(directory, name)`` and ``write_atomic_in`` write as
+  ``create_stream`` and ``write_atomic`` do, never through a symbolic link at
+  ``directory`` or below it where the backend has links (``UnsafeCheckpointError``,
+  nothing written); ``rm_file_in``, ``rm_dir_in`` and ``rename_in`` remove and move so.
 * ``rename(path, new_path)`` moves one object, replacing what is at ``new_path``:
   atomically where ``atomic_rename`` says so (local disk), elsewhere as fsspec does,
   a copy then a delete (object stores: another reader may see both, or neither if the
@@ -219,6 +223,32 @@ class FileSystemBase(abc.ABC):
         a link, as :meth:`rm_file_in`."""
         self.rename(self.concat_path(directory, name), self.concat_path(directory, new_name))
 
+    def create_stream_in(
+        self, directory: str, name: str, mode: str = "wb", *, sync: bool = False
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """:meth:`create_stream` of ``name`` (relative to ``directory``, ``/``-separated
+        plain names: a key prefix may come first): what every write of a checkpoint's
+        files uses, ``directory`` being the checkpoint directory as resolved once at the
+        start (``heartbeat.resolved``). Where the backend has symbolic links (local
+        disk), nothing is written through one: ``directory`` and each directory below it
+        are opened without following a link (missing ones made inside the one above), so
+        a link swapped in there (by whoever can write its parent, even after the save
+        made the directory) raises ``UnsafeCheckpointError`` and writes nothing, and the
+        file is opened inside the directory so reached, with every property of
+        :meth:`create_stream` (no link, FIFO or other user's file at ``name``); the
+        directories above ``directory`` are taken as given. Reads (``"rb"``) go by path.
+        This default writes by path (backends without links)."""
+        return self.create_stream(self.concat_path(directory, name), mode, sync=sync)
+
+    def write_atomic_in(
+        self, directory: str, name: str, data: bytes, *, exclusive: bool = False
+    ) -> None:
+        """:meth:`write_atomic` of ``directory/name``, never through a link, as
+        :meth:`create_stream_in`: on local disk the temporary is created, renamed (or
+        linked, ``exclusive``) and the directory made durable inside the directory
+        reached by the walk."""
+        self.write_atomic(self.concat_path(directory, name), data, exclusive=exclusive)
+
     def is_link(self, path: str) -> bool:
         """Whether ``path`` is a symbolic link (``False`` where the backend has none).
         Deletion paths never delete through one."""
@@ -304,6 +334,8 @@ _PATH_ARGUMENTS = {
     "modified": 1,
     "rm_file": 1,
     "rm_file_in": 1,
+    "create_stream_in": 1,
+    "write_atomic_in": 1,
     "rm_dir_in": 1,
     "rename_in": 1,
     "is_link": 1,

@@ -8,9 +8,10 @@ from typing import Any
 
 from extensions.errors import CheckpointStorageError
 from storage.backends.base import FileSystemBase
+from storage.checkpoint import heartbeat
 from storage.checkpoint.commit import commit_may_have_landed
 from storage.checkpoint.deadline import Budget
-from storage.checkpoint.deletion import remove_own_files, remove_save
+from storage.checkpoint.deletion import remove_data_files, remove_save
 
 
 class SaveAttempt:
@@ -21,7 +22,9 @@ class SaveAttempt:
 
     :meth:`record` notes a file (its name relative to ``path``) before the first byte
     of it goes out, so a save that fails or is killed at any point leaves nothing this
-    object does not know of; a name recorded but never created is no error. Work done
+    object does not know of; a name recorded but never created is no error. Files are
+    written and removed in :attr:`home` (``path`` resolved once, as the attempt begins),
+    never through a directory swapped for a link since. Work done
     in another process reports back with :meth:`adopt` (the names it wrote, the
     deadline it spent). :meth:`landed` says the commit published the metadata;
     :meth:`commit_failed` that it raised, keeping the files when the error says the
@@ -41,6 +44,10 @@ class SaveAttempt:
         self, fs: FileSystemBase, path: str, save_id: str, budget: Budget | None = None
     ) -> None:
         self.fs, self.path, self.save_id = fs, path, save_id
+        #: ``path`` as resolved once, now (``heartbeat.resolved``: a link the user named
+        #: there is followed, none below it): where this save's files are written and
+        #: removed, never through a directory swapped for a link since.
+        self.home = heartbeat.resolved(fs, path)
         self.budget = budget if budget is not None else Budget(None)
         self._lock = threading.Lock()
         self._names: list[str] = []
@@ -129,6 +136,6 @@ class SaveAttempt:
         cleanup.join(left)
 
     def _remove(self, names: list[str], lost: bool) -> None:
-        remove_own_files(self.fs, self.path, set(names))
+        remove_data_files(self.fs, self.home, set(names))
         if lost:
             remove_save(self.fs, self.path, self.save_id)

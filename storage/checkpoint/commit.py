@@ -21,10 +21,11 @@ from typing import Any
 
 from extensions.errors import CheckpointExistsError, CheckpointNotFoundError
 from storage.backends.base import FileSystemBase
+from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.committed import own_files, read_metadata_file
 from storage.checkpoint.deadline import Budget, DeadlineExceededError
-from storage.checkpoint.deletion import remove_data_files, remove_own_files
+from storage.checkpoint.deletion import remove_data_files
 from storage.checkpoint.incremental import check_referenced_files
 from storage.checkpoint.latest import publish as point_latest
 from storage.checkpoint.prefixes import absent
@@ -49,9 +50,15 @@ def commit_checkpoint(
     sync: bool,
     new_files: Collection[str] | None = None,
     budget: Budget | None = None,
+    home: str | None = None,
 ) -> None:
     """Commit the checkpoint in ``directory`` whose data files are all written, or
     roll back.
+
+    ``home``: ``directory`` as the save resolved it once at its start (``SaveAttempt.home``:
+    a link the user named at ``directory`` itself followed, nothing below it), where the
+    metadata is written and a rollback removes, never through a link swapped in since
+    (``write_atomic_in``, ``rm_file_in``); default: resolved now.
 
     ``infos``: the storage index the metadata records; ``payload``: that metadata,
     serialized (or the function that serializes it: a failure there rolls back too);
@@ -68,6 +75,7 @@ def commit_checkpoint(
     latest-step pointer at it (``latest.publish``; outside the deadline, and a failure
     there is logged, never raised: the checkpoint is committed)."""
     meta_path = fs.concat_path(directory, meta_name)
+    home = heartbeat.resolved(fs, directory) if home is None else home
     infos = list(infos)
     if new_files is None:
         new_files = {i.relative_path for i in infos if fmt.stored_item(i).ref is None}
@@ -87,13 +95,14 @@ def commit_checkpoint(
                 new_files=set(new_files),
                 overwrite=overwrite,
                 sync=sync,
+                home=home,
             )
             if referencing:
                 recheck_bases(fs, directory, meta_name, save_id, infos)
         except BaseException:
             landed = metadata_may_name(fs, meta_path, save_id)
             if not landed:
-                remove_own_files(fs, directory, set(new_files))  # never through a link below
+                remove_data_files(fs, home, set(new_files))  # never through a link below
             raise
 
     try:
@@ -146,12 +155,14 @@ def publish_metadata(
     new_files: set[str],
     overwrite: bool,
     sync: bool,
+    home: str | None = None,
 ) -> None:
     """Commit a checkpoint whose data files are all written: make them durable, check
     that they are all still there, publish the metadata atomically (a conditional create
-    unless ``overwrite``), then remove the files of the checkpoint it replaced that the
-    new one does not use (unless ``directory`` is a symbolic link: nothing is deleted
-    through one).
+    unless ``overwrite``; in ``home``, ``directory`` as resolved at the save's start, never
+    through a link swapped in below it: :func:`commit_checkpoint`), then remove the files
+    of the checkpoint it replaced that the new one does not use (unless ``directory`` is a
+    symbolic link: nothing is deleted through one).
 
     The check makes a save fail, rather than report success for a checkpoint that does
     not load, when something removed its files meanwhile (a ``gc`` whose grace is
@@ -179,7 +190,8 @@ def publish_metadata(
             "meanwhile (a gc with too short a grace?). Nothing was committed"
         )
     try:
-        fs.write_atomic(meta_path, payload, exclusive=not overwrite)
+        home = heartbeat.resolved(fs, directory) if home is None else home
+        fs.write_atomic_in(home, meta_path.rsplit("/", 1)[-1], payload, exclusive=not overwrite)
     except FileExistsError as exc:
         raise CheckpointExistsError(
             f"Checkpoint already exists at {fs.url(directory)}: another save committed "

@@ -164,7 +164,7 @@ def write_files(
 
     tasks = [functools.partial(write_one, name, items) for name, items in files]
     try:
-        with heartbeat.beating(fs, attempt.path, token, guard=guard):
+        with heartbeat.beating(fs, attempt.path, token, guard=guard, home=attempt.home):
             per_file = attempt.budget.run(tasks, workers=threads, action="saving", location=url)
     except BaseException:
         attempt.abort()
@@ -195,7 +195,9 @@ def _write_file(
     checkpoint = attempt.url  # once: it resolves the path through the backend
     if ordered:
         note(fmt.item_label(ordered[0].index), url)
-    with attempt.fs.create_stream(path, "wb", sync=settings.sync) as opened:
+    # In the checkpoint directory as resolved when the save began, never through a link
+    # swapped in since (create_stream_in).
+    with attempt.fs.create_stream_in(attempt.home, name, "wb", sync=settings.sync) as opened:
         stream = cancellable(opened)
         offset = 0
         for item in ordered:

@@ -63,19 +63,27 @@ def _direct(request: Callable[[], None]) -> None:
 
 
 @contextlib.contextmanager
-def beating(fs: FileSystemBase, path: str, token: str, *, guard: Guard = _direct) -> Iterator[None]:
+def beating(
+    fs: FileSystemBase,
+    path: str,
+    token: str,
+    *,
+    guard: Guard = _direct,
+    home: str | None = None,
+) -> Iterator[None]:
     """Keep ``path/.heartbeat-<token>`` live while the block runs (see the module
     docstring): written before the block starts, removed when it ends, however it ends.
     ``guard(request)`` runs those two requests (a save's deadline: one that cannot be
     removed in time stays for ``gc``). A failed rewrite is logged and retried at the next
-    beat, never raised: the protection it buys is gc's, not the write's. A ``path`` the
-    user named that is itself a symbolic link (written through, as the save writes) has
-    the marker removed in the directory the link resolves to: removals never go through
-    a link (``rm_file_in``)."""
+    beat, never raised: the protection it buys is gc's, not the write's. The marker is
+    written and removed in ``home``, ``path`` as the writer resolved it once at its start
+    (:func:`resolved`: a link the user named at ``path`` itself is followed, none below
+    it; default: resolved now), never through a link (``create_stream_in``,
+    ``rm_file_in``)."""
     name = name_of(token)
     marker = fs.concat_path(path, name)
-    guard(lambda: _beat(fs, marker))  # a write creates its parents: no mkdir request
-    path = resolved(fs, path)
+    path = resolved(fs, path) if home is None else home
+    guard(lambda: _beat(fs, path, name))  # a write creates its parents: no mkdir request
     stop = threading.Event()
     thread = threading.Thread(
         target=_keep_beating, args=(fs, path, name, stop), daemon=True, name="dcp-heartbeat"
@@ -134,21 +142,19 @@ def _stamp(fs: FileSystemBase, marker: str) -> float | None:
     return fs.modified(marker)
 
 
-def _beat(fs: FileSystemBase, marker: str) -> None:
+def _beat(fs: FileSystemBase, path: str, name: str) -> None:
     # Not durable, not atomic on local disk: a torn one is aged by its file time.
-    with fs.create_stream(marker, "wb") as out:
+    with fs.create_stream_in(path, name) as out:
         out.write(json.dumps({"time": time.time(), "interval": INTERVAL}).encode())
 
 
 def _keep_beating(fs: FileSystemBase, path: str, name: str, stop: threading.Event) -> None:
-    marker = fs.concat_path(path, name)
     while not stop.wait(INTERVAL):
         try:
-            _beat(fs, marker)
+            _beat(fs, path, name)
         except Exception as exc:
-            log.warning(
-                "could not refresh %s (retried in %.0f s): %s", fs.url(marker), INTERVAL, exc
-            )
+            marker = fs.url(fs.concat_path(path, name))
+            log.warning("could not refresh %s (retried in %.0f s): %s", marker, INTERVAL, exc)
         if stop.is_set():  # the holder finished while this beat was in flight
             _remove(fs, path, name)
 

@@ -34,6 +34,7 @@ import threading
 
 from extensions.errors import UnsafeCheckpointError, quote
 from storage.backends.base import FileSystemBase
+from storage.checkpoint import heartbeat
 from storage.checkpoint.layout import is_committed, parse_step, split_location
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,9 @@ def publish(fs: FileSystemBase, directory: str) -> None:
             newer = held is not None and held > step
             if newer and is_committed(fs, fs.concat_path(parent, current)):
                 return
-        fs.write_atomic(path, f"{name}\n".encode())
+        # In the root as the user named it (a link there followed), never through a link
+        # swapped in below it (write_atomic_in).
+        fs.write_atomic_in(heartbeat.resolved(fs, parent), NAME, f"{name}\n".encode())
     except Exception as exc:
         log.warning(
             "%s is committed, but the latest-step pointer %s was not updated (%s: %s); a "

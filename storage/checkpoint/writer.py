@@ -336,6 +336,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
                 overwrite=self.overwrite,
                 sync=self.sync_files,
                 budget=self.budget,
+                home=self.attempt.home,
             )
         except BaseException as exc:
             # Landed, may have (the answer was lost), or still may (a publish past the

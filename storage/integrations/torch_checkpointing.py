@@ -39,12 +39,13 @@ its commit protocol; files then land in place and nothing marks them committed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import threading
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import IO, Any
 
 from storage.backends.base import FileSystemBase
 from storage.backends.registry import filesystem_from_url
@@ -95,6 +96,8 @@ class ObjectStoreStorage(Storage):
         self.fs, self.root = filesystem_from_url(config.url, config.storage_options)
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # checkpoint directories this instance marked
+        # Each one as resolved when this instance first made or wrote it (_home).
+        self._homes: dict[str, str] = {}
 
     # --- paths ------------------------------------------------------------------------
 
@@ -117,6 +120,17 @@ class ObjectStoreStorage(Storage):
 
     def _marker(self, directory: str, name: str) -> str:
         return self.fs.concat_path(directory, name)
+
+    def _home(self, staged: str) -> str:
+        """``staged`` as resolved the first time this instance made or wrote it (a link
+        the user named there is followed then, none below it, never one swapped in
+        since): where its files and markers are written (``create_stream_in``,
+        ``write_atomic_in``)."""
+        with self._lock:
+            home = self._homes.get(staged)
+            if home is None:
+                home = self._homes[staged] = heartbeat.resolved(self.fs, staged)
+            return home
 
     def _hidden(self, directory: str) -> bool:
         """A save in progress or a failed one: pending and not committed."""
@@ -141,20 +155,31 @@ class ObjectStoreStorage(Storage):
                         "refused before anything is written. Save under a new name, or "
                         "delete it first (Storage.rmdir)"
                     )
-                self.fs.write_atomic(self._marker(staged, PENDING_NAME), b"")
+                self.fs.write_atomic_in(self._home(staged), PENDING_NAME, b"")
         return key
+
+    def _create(self, path: Path | str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """A write stream of ``path``: inside its checkpoint directory as first resolved
+        when it is staged into one (:meth:`_home`), else by path."""
+        key, staged = self._target(path), self._resolve(path)[1]
+        if staged is None or not key.startswith(staged + "/"):
+            return self.fs.create_stream(key, "wb")
+        return self.fs.create_stream_in(self._home(staged), key[len(staged) + 1 :], "wb")
 
     # --- writing ----------------------------------------------------------------------
 
     def stream_write(self, path: Path) -> io.IOBase:
-        return _Upload(self.fs, self._target(path))
+        return _Upload(self._create(path))
 
     def write(self, path: Path, data: Any) -> None:
-        with self.fs.create_stream(self._target(path), "wb") as out:
+        with self._create(path) as out:
             out.write(memoryview(data).cast("B"))
 
     def mkdir(self, path: Path, recursive: bool = True) -> None:
-        self.fs.mkdir(self._resolve(path)[0])
+        key, staged = self._resolve(path)
+        if staged is not None:
+            self._home(staged)  # resolved before it is made: a link swapped in is refused
+        self.fs.mkdir(key)
 
     def rename(
         self,
@@ -180,15 +205,11 @@ class ObjectStoreStorage(Storage):
         self.fs.rm_file(src)
 
     def _commit(self, directory: str) -> None:
-        home = heartbeat.resolved(self.fs, directory)  # where the marker goes, from here
+        home = self._home(directory)  # where the markers go, as resolved at the start
         files = sorted(self._walk(directory))
         record = {"format": _COMMIT_FORMAT, "files": files}
         try:
-            self.fs.write_atomic(
-                self._marker(directory, COMMIT_NAME),
-                json.dumps(record).encode(),
-                exclusive=True,
-            )
+            self.fs.write_atomic_in(home, COMMIT_NAME, json.dumps(record).encode(), exclusive=True)
         except FileExistsError as exc:
             raise FileExistsError(
                 f"{self.fs.url(directory)}: another save committed there first; this "
@@ -196,6 +217,7 @@ class ObjectStoreStorage(Storage):
             ) from exc
         with self._lock:
             self._pending.discard(directory)
+            self._homes.pop(directory, None)
         try:
             self.fs.rm_file_in(home, PENDING_NAME)  # never through a link swapped in since
         except FileNotFoundError:
@@ -211,7 +233,7 @@ class ObjectStoreStorage(Storage):
         refuse_link(self.fs, directory)  # its files are someone else's checkpoint
         commit = self._marker(directory, COMMIT_NAME)
         if self.fs.exists(commit):  # uncommit first: a partial deletion stays invisible
-            self.fs.write_atomic(self._marker(directory, PENDING_NAME), b"")
+            self.fs.write_atomic_in(directory, PENDING_NAME, b"")  # never through a link
             self.fs.rm_file_in(directory, COMMIT_NAME)  # as every removal below
         for name in sorted(self._walk(directory), key=lambda n: n == PENDING_NAME):
             self.fs.rm_file_in(directory, name)  # never through a link swapped in meanwhile
@@ -277,9 +299,9 @@ class _Upload(io.RawIOBase):
     object is published when the ``with`` block ends cleanly and discarded when it
     raises (the backend's contract)."""
 
-    def __init__(self, fs: FileSystemBase, key: str) -> None:
+    def __init__(self, context: contextlib.AbstractContextManager[IO[bytes]]) -> None:
         super().__init__()
-        self._context = fs.create_stream(key, "wb")
+        self._context = context
         self._out = self._context.__enter__()
 
     def writable(self) -> bool:

@@ -173,11 +173,11 @@ def _recv_file(
             dist.recv(chunk, src, group=pg)
             received += chunk.numpy().tobytes()
             left -= chunk.numel()
-        fs.write_atomic(path, bytes(received))
+        fs.write_atomic_in(directory, name, bytes(received))  # never through a link below
         return
     partial = receiving_name(name)
     try:
-        with fs.create_stream(fs.concat_path(directory, partial), "wb", sync=sync) as out:
+        with fs.create_stream_in(directory, partial, "wb", sync=sync) as out:
             while left:
                 chunk = buffer[: min(_CHUNK, left)]
                 dist.recv(chunk, src, group=pg)

@@ -92,7 +92,13 @@ def copy_checkpoint(
             attempt.adopt(copies[-1].names)
         for part, copied in zip(parts, copies):  # then each metadata, committed
             publish_copy(
-                dst_fs, dst_path, part, [copied], overwrite=overwrite, transforms=transforms
+                dst_fs,
+                dst_path,
+                part,
+                [copied],
+                overwrite=overwrite,
+                transforms=transforms,
+                home=attempt.home,
             )
             attempt.landed()  # a metadata names this save's files: they all stay
     except BaseException as exc:
@@ -172,10 +178,12 @@ def publish_copy(
     *,
     overwrite: bool,
     transforms: Sequence[Any] | None = None,
+    home: str | None = None,
 ) -> bytes:
     """The commit phase of :func:`copy_checkpoint`: publish ``part``'s metadata over the
     data files of ``copies`` (every rank's share of one copy, its items re-encoded with
-    ``transforms`` unless ``None``) under ``dst_path``; returns the metadata's bytes as
+    ``transforms`` unless ``None``) under ``dst_path`` (in ``home``, ``dst_path`` as
+    resolved when the copy began: ``SaveAttempt.home``); returns the metadata's bytes as
     published. On failure, removes those files unless the metadata may have landed, and
     raises. The source's seal carries over to a copy of the stored bytes (it seals no
     location); a re-encoded copy is sealed afresh under its chain's keys."""
@@ -209,5 +217,6 @@ def publish_copy(
         new_files={n for c in copies for n in c.names},
         overwrite=overwrite,
         sync=True,
+        home=home,
     )
     return published[-1]

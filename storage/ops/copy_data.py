@@ -122,7 +122,7 @@ def copy_data_files(
     workers = max(1, min(thread_count or default_thread_count(dst_fs), len(plan) or 1))
     try:
         with (
-            heartbeat.beating(dst_fs, dst_path, copied.save_id),
+            heartbeat.beating(dst_fs, dst_path, copied.save_id, home=attempt.home),
             concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dcp-copy") as pool,
         ):
             for fut in [pool.submit(files.copy, *p) for p in plan]:
@@ -214,14 +214,14 @@ class _FileCopy:
     def _copy(self, src_file: str, dst_name: str, items: Items) -> None:
         items = sorted(items, key=lambda it: int(it[1].offset))
         src_url, src_name = self.src_url, items[0][1].relative_path
-        dst_file = self.attempt.record(dst_name)
+        self.attempt.record(dst_name)  # before its stream opens
         start = int(items[0][1].offset)
         end = max(int(i.offset) + int(i.length) for _, i in items)
         item_infos = [self.part.item_info(index, src_url, self.keys) for index, _ in items]
         out_offset = 0
         with (
             self.src_fs.open_slice(src_file, start, end - start) as opened,
-            self.dst_fs.create_stream(dst_file, "wb", sync=True) as out,
+            self.dst_fs.create_stream_in(self.attempt.home, dst_name, "wb", sync=True) as out,
         ):
             pace = self.pace
             source = opened if pace is None else cast(IO[bytes], _Paced(opened, pace))

@@ -346,7 +346,9 @@ def drain_step(
         if outcome is None:
             assert part is not None
             try:
-                data = publish_copy(fs, dst, part, copies, overwrite=settings.overwrite)
+                data = publish_copy(
+                    fs, dst, part, copies, overwrite=settings.overwrite, home=attempt.home
+                )
                 published = Published.of(data, attempt.save_id)
                 attempt.landed()
             except Exception as exc:

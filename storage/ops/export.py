@@ -173,6 +173,7 @@ def export_safetensors(
             (dst_fs.concat_path(dst, n), [by_name[t] for t in g]) for g, n in zip(groups, names)
         ]
         stream = _Stream(src_fs, checkpoint, pool, load_batch, Cancel(current()), write_id)
+        stream.home = replaced.home
         total = stream.write_all(dst_fs, files, everything, progress)
     weight_map = {t.name: name for (_, group), name in zip(files, names) for t in group}
     written = commit_model(dst_fs, dst, weight_map, total, write_id, replaced)
@@ -191,6 +192,9 @@ class _Stream:
     load_batch: Callable[[list[Tensor]], dict[str, torch.Tensor]]
     stop: Cancel
     write_id: str
+    #: The destination as resolved when the export began (``files.Replaced.home``): the
+    #: files are written inside it, never through a link swapped in since.
+    home: str | None = None
 
     def write_all(
         self,
@@ -243,7 +247,10 @@ class _Stream:
         header = encode_header(shapes, [t.name for t in order], crcs, self.write_id)
         done = 0
         runs = [run for t in order for run in t.runs or ()]
-        with publish_file(fs, path) as out, contextlib.closing(self._chunks(runs)) as chunks:
+        with (
+            publish_file(fs, path, home=self.home) as out,
+            contextlib.closing(self._chunks(runs)) as chunks,
+        ):
             out.write(header)
             for tensor in order:
                 self.stop.check()

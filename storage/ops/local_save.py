@@ -233,6 +233,7 @@ def _commit_node(
         overwrite=writer.overwrite,
         sync=writer.sync_files,
         budget=writer.budget,
+        home=writer.attempt.home,  # the step as resolved when this node's save began
     )
     local.remember(step, meta)
 

@@ -27,8 +27,9 @@ from tests.support.trees import tiny_llama
 REPO = Path(__file__).resolve().parents[2]
 
 #: Run in a child: our local backend holds the second write of a model file whose name
-#: holds ``argv[6]`` (its header went through), marks ``started`` and sleeps until the
-#: test kills the child. ``argv[5]``: the largest file, in bytes ("": one file).
+#: holds ``argv[6]`` (written by path or inside its folder; its header went through),
+#: marks ``started`` and sleeps until the test kills the child. ``argv[5]``: the largest
+#: file, in bytes ("": one file).
 _HELD = textwrap.dedent(
     """
     import contextlib, sys, time
@@ -58,7 +59,15 @@ _HELD = textwrap.dedent(
         with create_stream(self, path, mode, sync=sync) as stream:
             yield Held(stream) if sys.argv[6] in path else stream
 
+    create_stream_in = LocalFileSystem.create_stream_in
+
+    @contextlib.contextmanager
+    def held_in(self, directory, name, mode="wb", *, sync=False):
+        with create_stream_in(self, directory, name, mode, sync=sync) as stream:
+            yield Held(stream) if sys.argv[6] in name else stream
+
     LocalFileSystem.create_stream = held
+    LocalFileSystem.create_stream_in = held_in
     size = int(sys.argv[5]) if sys.argv[5] else None
     if sys.argv[2] == "export":
         from storage.cli import main

@@ -153,14 +153,14 @@ _PARK_ON_PUBLISH = """
 import os, sys, time
 from storage.backends._local import LocalFileSystem
 from storage.cli import main
-rename = LocalFileSystem.rename
-def parked(self, path, new_path):  # the first shard is written whole, not yet published
+rename_in = LocalFileSystem.rename_in
+def parked(self, directory, name, new_name):  # the first shard written whole, unpublished
     open(sys.argv[3], "w").close()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # killed here; ends by itself if the test died
         time.sleep(0.05)
-    rename(self, path, new_path)
-LocalFileSystem.rename = parked
+    rename_in(self, directory, name, new_name)
+LocalFileSystem.rename_in = parked
 main(["export", sys.argv[1], sys.argv[2], "--format", "safetensors", "--max-shard-size", "300KB"])
 """
 

@@ -417,6 +417,11 @@ class _Watched(LocalFileSystem):
         with self.lock:
             self.published.append(os.path.basename(new_path))
 
+    def rename_in(self, directory: str, name: str, new_name: str) -> None:
+        super().rename_in(directory, name, new_name)  # a file published inside its folder
+        with self.lock:
+            self.published.append(os.path.basename(new_name))
+
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         super().write_atomic(path, data, exclusive=exclusive)
         with self.lock:

@@ -526,6 +526,11 @@ class _SwapOnCommit(LocalFileSystem):
         if os.path.basename(new_path) == "model.safetensors":
             self._swap_once()
 
+    def rename_in(self, directory: str, name: str, new_name: str) -> None:
+        super().rename_in(directory, name, new_name)  # published inside the folder
+        if new_name == "model.safetensors":
+            self._swap_once()
+
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         super().write_atomic(path, data, exclusive=exclusive)
         self.indexed |= path.endswith(".index.json")
@@ -615,11 +620,11 @@ def test_removal_refuses_where_the_platform_cannot_walk_without_following_links(
 ) -> None:
     """Without ``dir_fd`` support a removal could only go by path, racing a swap: it
     refuses, saying so, and removes nothing."""
-    from storage.backends import _local_removal
+    from storage.backends import _local_walk
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "f").write_text("x")
-    monkeypatch.setattr(_local_removal, "WALKS_SAFELY", False)
+    monkeypatch.setattr(_local_walk, "WALKS_SAFELY", False)
     with pytest.raises(UnsafeCheckpointError, match="supports_dir_fd"):
         LocalFileSystem().rm_file_in(str(tmp_path / "d"), "f")
     assert (tmp_path / "d" / "f").exists()

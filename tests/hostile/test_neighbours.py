@@ -341,7 +341,7 @@ _KILLED_SAVE = """
 import os, sys, torch, storage
 real = os.replace
 def replace(src, dst, *args, **kwargs):
-    if dst.endswith(sys.argv[2]):
+    if os.path.basename(dst) == sys.argv[2]:  # a path, or a name inside a directory handle
         os._exit(9)  # kill -9 right before the rename that publishes it
     return real(src, dst, *args, **kwargs)
 os.replace = replace
@@ -370,7 +370,7 @@ def test_a_save_killed_before_its_metadata_lands_keeps_the_old_checkpoint_and_gc
     root = tmp_path / "root"
     CheckpointManager(root).save(1, {"w": torch.full((8,), 1.0)})
     kept = sorted(p.name for p in (root / "step-1").iterdir())
-    _kill_save(root / "step-1", "/.metadata")
+    _kill_save(root / "step-1", ".metadata")
     assert _value(root, 1) == 1.0  # the old checkpoint, whole
     assert any(".metadata.tmp-" in p.name for p in (root / "step-1").iterdir())
     CheckpointManager(root).cleanup(0)
@@ -382,7 +382,7 @@ def test_a_pointer_half_written_by_a_killed_save_is_swept_by_gc(tmp_path: Path) 
     # stayed in the root for good.
     root = tmp_path / "root"
     CheckpointManager(root).save(1, {"w": torch.full((8,), 1.0)})
-    _kill_save(root / "step-2", "/.dcp-latest")
+    _kill_save(root / "step-2", ".dcp-latest")
     assert _value(root, 2) == 2.0  # committed before the pointer
     assert any(p.name.startswith(".dcp-latest.tmp-") for p in root.iterdir())
     CheckpointManager(root).cleanup(0)

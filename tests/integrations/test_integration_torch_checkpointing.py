@@ -280,15 +280,41 @@ def test_rmdir_never_uncommits_through_a_checkpoint_swapped_for_a_link(
     storage = _committed_on_local_disk(tmp_path / "root")
     step, victim = tmp_path / "root" / "step_1", tmp_path / "victim"
     shutil.copytree(step, victim)
-    write_atomic = storage.fs.write_atomic
+    write_atomic_in = storage.fs.write_atomic_in
 
-    def mark_then_swap(path: str, data: bytes, **kwargs: Any) -> None:
-        write_atomic(path, data, **kwargs)
+    def mark_then_swap(directory: str, name: str, data: bytes, **kwargs: Any) -> None:
+        write_atomic_in(directory, name, data, **kwargs)
         step.rename(tmp_path / "moved")
         step.symlink_to(victim, target_is_directory=True)
 
-    monkeypatch.setattr(storage.fs, "write_atomic", mark_then_swap)
+    monkeypatch.setattr(storage.fs, "write_atomic_in", mark_then_swap)
     with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
         storage.rmdir("step_1")
     assert (victim / COMMIT_NAME).exists()
     assert (victim / "model.bin").read_bytes() == b"weights"
+
+
+def test_a_save_never_writes_through_a_checkpoint_swapped_for_a_link_after_its_mkdir(
+    tmp_path: Any,
+) -> None:
+    # Before: the writer made `tmp_step_2`, then its files and markers were opened by
+    # path; the directory swapped for a link in between (by whoever can write the
+    # root), they landed in the victim's directory, and the commit marker with them.
+    from extensions.errors import UnsafeCheckpointError
+    from storage.integrations.torch_checkpointing import COMMIT_NAME
+
+    storage = _committed_on_local_disk(tmp_path / "root")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "model.bin").write_bytes(b"victim's")
+    step = tmp_path / "root" / "step_2"
+    storage.mkdir("tmp_step_2")
+    step.rename(tmp_path / "moved")
+    step.symlink_to(victim, target_is_directory=True)
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+        storage.write("tmp_step_2/model.bin", b"ours")
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+        storage.rename("tmp_step_2", "step_2", is_directory=True)
+    assert sorted(p.name for p in victim.iterdir()) == ["model.bin"]
+    assert (victim / "model.bin").read_bytes() == b"victim's"
+    assert not (victim / COMMIT_NAME).exists()

@@ -246,7 +246,8 @@ _call = threading.local()
 
 
 def limit_writes(fs: object) -> None:
-    """Make every write stream of this process's copy of ``fs`` take from the bucket,
+    """Make every write stream of this process's copy of ``fs`` (``create_stream`` and
+    ``create_stream_in``, each kept as the backend writes it) take from the bucket,
     as writes of the call this thread runs (the streams may be written by its threads)."""
     if not isinstance(fs, FileSystemBase) or "create_stream" in vars(fs):
         return
@@ -258,7 +259,18 @@ def limit_writes(fs: object) -> None:
         with create(path, mode, sync=sync) as stream:
             yield stream if "w" not in mode else _Throttled(stream, owner)  # type: ignore[misc]
 
+    create_in = fs.create_stream_in
+
+    @contextlib.contextmanager
+    def create_stream_in(
+        directory: str, name: str, mode: str = "wb", *, sync: bool = False
+    ) -> Iterator[IO[bytes]]:
+        with create_in(directory, name, mode, sync=sync) as stream:
+            paced = "w" not in mode or isinstance(stream, _Throttled)  # by create_stream
+            yield stream if paced else _Throttled(stream, owner)  # type: ignore[misc]
+
     fs.create_stream = create_stream  # type: ignore[method-assign]
+    fs.create_stream_in = create_stream_in  # type: ignore[method-assign]
 
 
 # --- serving ----------------------------------------------------------------------------

@@ -93,8 +93,10 @@ def consolidate(
     max_shard_size: int | None,
     threads: int,
     write_id: str,
+    home: str | None = None,
 ) -> None:
-    """Write the model at ``root`` from the staged ``pieces`` (fqn, piece) of every
+    """Write the model at ``root`` (in ``home``, ``root`` as the save resolved it when it
+    began; default: resolved now) from the staged ``pieces`` (fqn, piece) of every
     rank, as described in the module docstring; the index (or the single file) is
     published last. Raises ``IntegrityError`` naming the tensor when its shards do not
     tile it exactly. Every file and the index record ``write_id``."""
@@ -109,11 +111,11 @@ def consolidate(
         tensor.crc32c = _check_tiling(fs.url(root), fqn, tensor)
         tensors[fqn] = tensor
     groups = split([(f, nbytes(t.dtype, t.shape)) for f, t in tensors.items()], max_shard_size)
-    names, replaced = new_names(fs, root, len(groups), write_id)
+    names, replaced = new_names(fs, root, len(groups), write_id, home=home)
 
     def write(job: tuple[list[str], str]) -> None:
         group, name = job
-        _assemble(fs, root, name, {f: tensors[f] for f in group}, write_id)
+        _assemble(fs, root, name, {f: tensors[f] for f in group}, write_id, replaced.home)
 
     with ThreadPoolExecutor(max(1, min(threads, len(groups)))) as pool:
         list(pool.map(write, zip(groups, names)))
@@ -149,14 +151,19 @@ def _check_tiling(url: str, fqn: str, tensor: _Tensor) -> int:
 
 
 def _assemble(
-    fs: FileSystemBase, root: str, name: str, tensors: dict[str, _Tensor], write_id: str
+    fs: FileSystemBase,
+    root: str,
+    name: str,
+    tensors: dict[str, _Tensor],
+    write_id: str,
+    home: str,
 ) -> None:
     shapes = {fqn: (t.dtype, t.shape) for fqn, t in tensors.items()}
     order = layout(shapes)
     crcs = {fqn: tensors[fqn].crc32c for fqn in order}
     header = encode_header(shapes, order, crcs, write_id)
     buffer = bytearray(_COPY)
-    with publish_file(fs, fs.concat_path(root, name)) as out:
+    with publish_file(fs, fs.concat_path(root, name), home=home) as out:
         out.write(header)
         for fqn in order:
             for piece in tensors[fqn].pieces:

@@ -92,7 +92,7 @@ class Replaced:
 
 
 def new_names(
-    fs: FileSystemBase, root: str, count: int, write_id: str
+    fs: FileSystemBase, root: str, count: int, write_id: str, *, home: str | None = None
 ) -> tuple[list[str], Replaced]:
     """The names of the ``count`` files of a new model at ``root``: transformers' names
     unless one of them is there already (the model being replaced, or what a killed
@@ -101,8 +101,10 @@ def new_names(
     written over before the new one is committed. One file is ``model.safetensors``:
     it is published whole over the old one. Also what :func:`commit_model` may remove:
     the model files at ``root`` now (never those another write to the folder makes
-    meanwhile), and where (``root`` resolved, now)."""
-    replaced = Replaced(heartbeat.resolved(fs, root), _model_files(fs, root))
+    meanwhile), and where (``home``: ``root`` as the write resolved it when it began;
+    default: resolved now)."""
+    home = heartbeat.resolved(fs, root) if home is None else home
+    replaced = Replaced(home, _model_files(fs, root))
     names = file_names(count)
     if count == 1 or replaced.names.isdisjoint(names):
         return names, replaced
@@ -139,7 +141,7 @@ def commit_model(
     home = replaced.home
     files = sorted(set(weight_map.values()))
     if len(files) > 1:
-        publish_index(fs, root, weight_map, total, write_id)
+        publish_index(fs, root, weight_map, total, write_id, home=replaced.home)
         files.append(INDEX_NAME)
         # Another write may have committed since: its files are not ours to remove.
         _check_index_id(fs, root, write_id)
@@ -222,14 +224,25 @@ def refuse_existing(fs: FileSystemBase, root: str, *, overwrite: bool) -> list[s
 
 
 @contextlib.contextmanager
-def publish_file(fs: FileSystemBase, path: str) -> Iterator[IO[bytes]]:
+def publish_file(fs: FileSystemBase, path: str, *, home: str | None = None) -> Iterator[IO[bytes]]:
     """A stream whose content appears at ``path`` whole or not at all: object stores
-    publish an upload whole; local disk writes a temporary name, then renames it."""
-    target = f"{path}.tmp-{uuid.uuid4().hex[:12]}" if fs.atomic_rename else path
-    with fs.create_stream(target, "wb", sync=True) as out:
+    publish an upload whole; local disk writes a temporary name, then renames it. With
+    ``home`` (the folder holding ``path`` as the write resolved it when it began), both
+    happen inside it, never through a link swapped in since (``create_stream_in``,
+    ``rename_in``)."""
+    if home is None:
+        target = f"{path}.tmp-{uuid.uuid4().hex[:12]}" if fs.atomic_rename else path
+        with fs.create_stream(target, "wb", sync=True) as out:
+            yield out
+        if target != path:
+            fs.rename(target, path)
+        return
+    name = path.rsplit("/", 1)[-1]
+    target = f"{name}.tmp-{uuid.uuid4().hex[:12]}" if fs.atomic_rename else name
+    with fs.create_stream_in(home, target, "wb", sync=True) as out:
         yield out
-    if target != path:
-        fs.rename(target, path)
+    if target != name:
+        fs.rename_in(home, target, name)
 
 
 def write_file(
@@ -239,17 +252,18 @@ def write_file(
     *,
     write_id: str | None = None,
     progress: Callable[[int], object] | None = None,
+    home: str | None = None,
 ) -> int:
     """Write one safetensors file holding ``tensors`` (CPU, contiguous) with their
     CRC-32Cs and ``write_id``, in the library's byte layout; returns the bytes of
     tensor data. ``progress`` is called with the tensor bytes written so far after
-    each tensor."""
+    each tensor. ``home``: as :func:`publish_file`'s."""
     by_name = dict(tensors)
     shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors}
     order = layout(shapes)
     crcs = {name: crc32c.crc32c(tensor_bytes(by_name[name])) for name in order}
     header = encode_header(shapes, order, crcs, write_id)
-    with publish_file(fs, path) as out:
+    with publish_file(fs, path, home=home) as out:
         out.write(header)
         done = 0
         for name in order:
@@ -262,14 +276,23 @@ def write_file(
 
 
 def publish_index(
-    fs: FileSystemBase, root: str, weight_map: dict[str, str], total: int, write_id: str
+    fs: FileSystemBase,
+    root: str,
+    weight_map: dict[str, str],
+    total: int,
+    write_id: str,
+    *,
+    home: str | None = None,
 ) -> None:
     """The commit of a model in several files: the index, as transformers writes it,
-    with the ``write_id`` its files carry in its ``metadata``."""
+    with the ``write_id`` its files carry in its ``metadata``; published in ``home``
+    (``root`` as the write resolved it when it began; default: resolved now), never
+    through a link swapped in since (``write_atomic_in``)."""
     meta: dict[str, object] = {"total_size": total, WRITE_KEY: write_id}
     index = {"metadata": meta, "weight_map": weight_map}
     text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-    fs.write_atomic(fs.concat_path(root, INDEX_NAME), text.encode())
+    home = heartbeat.resolved(fs, root) if home is None else home
+    fs.write_atomic_in(home, INDEX_NAME, text.encode())
     fs.sync_dir(root)
     _confirm_write(fs, root, write_id)
 

@@ -71,10 +71,12 @@ def is_staging_object(path: str) -> bool:
 
 
 @contextlib.contextmanager
-def beating(fs: FileSystemBase, root: str, area: str) -> Iterator[None]:
+def beating(fs: FileSystemBase, root: str, area: str, *, home: str | None = None) -> Iterator[None]:
     """Keep a heartbeat in ``root/area`` while the block runs: the sweep's proof that
-    the save is alive, whatever the store's dates say."""
-    with heartbeat.beating(fs, fs.concat_path(root, area), uuid.uuid4().hex[:12]):
+    the save is alive, whatever the store's dates say; written in ``home/area`` where
+    given (``root`` as the save resolved it when it began)."""
+    where = None if home is None else fs.concat_path(home, area)
+    with heartbeat.beating(fs, fs.concat_path(root, area), uuid.uuid4().hex[:12], home=where):
         yield
 
 

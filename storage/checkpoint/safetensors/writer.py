@@ -19,6 +19,7 @@ from torch.futures import Future
 
 from extensions.errors import quote
 from storage.backends.registry import filesystem_from_url
+from storage.checkpoint import heartbeat
 from storage.checkpoint.hook_errors import records_error
 from storage.checkpoint.safetensors.consolidate import Piece, Staged, byte_range, consolidate
 from storage.checkpoint.safetensors.files import (
@@ -104,6 +105,9 @@ class SafetensorsWriter(StorageWriter):
         self.is_coordinator = False
         self.write_id = new_write_id()
         self.replaced: Replaced | None = None  # what commit_model may remove (new_names)
+        #: The folder as resolved when this rank's save began (``heartbeat.resolved``):
+        #: every file is written and removed inside it, never through a link swapped in.
+        self.home = self.path
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.last_error = None
@@ -117,6 +121,7 @@ class SafetensorsWriter(StorageWriter):
     @records_error
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self.home = heartbeat.resolved(self.fs, self.path)
         if is_coordinator:  # the old model stays until the new one is committed
             refuse_existing(self.fs, self.path, overwrite=self.overwrite)
 
@@ -161,7 +166,7 @@ class SafetensorsWriter(StorageWriter):
                 dataclasses.replace(plan, storage_data=Staged(object_name(area, rank)))
                 for rank, plan in enumerate(plans)
             ]
-        names, self.replaced = new_names(self.fs, self.path, count, self.write_id)
+        names, self.replaced = new_names(self.fs, self.path, count, self.write_id, home=self.home)
         named = iter(names)
         out = []
         for plan, rank_groups in zip(plans, groups):
@@ -184,7 +189,7 @@ class SafetensorsWriter(StorageWriter):
             items = by_file[name]
             tensors = [(i.index.fqn, _cpu(planner.resolve_data(i))) for i in items]
             path = self.fs.concat_path(self.path, name)
-            write_file(self.fs, path, tensors, write_id=files.write_id)
+            write_file(self.fs, path, tensors, write_id=files.write_id, home=self.home)
             return [
                 WriteResult(index=i.index, size_in_bytes=_size(i), storage_data=name) for i in items
             ]
@@ -202,8 +207,8 @@ class SafetensorsWriter(StorageWriter):
         at = 0
         area = name.rsplit("/", 1)[0]
         with (
-            beating(self.fs, self.path, area),
-            self.fs.create_stream(self.fs.concat_path(self.path, name), "wb", sync=True) as out,
+            beating(self.fs, self.path, area, home=self.home),
+            self.fs.create_stream_in(self.home, name, "wb", sync=True) as out,
         ):
             for item in plan.items:
                 assert item.tensor_data is not None
@@ -226,7 +231,7 @@ class SafetensorsWriter(StorageWriter):
         if pieces:
             area = pieces[0][1].object.rsplit("/", 1)[0]
             try:
-                with beating(self.fs, self.path, area):
+                with beating(self.fs, self.path, area, home=self.home):
                     consolidate(
                         self.fs,
                         self.path,
@@ -235,6 +240,7 @@ class SafetensorsWriter(StorageWriter):
                         max_shard_size=self.max_shard_size,
                         threads=self.thread_count,
                         write_id=self.write_id,
+                        home=self.home,
                     )
             finally:
                 remove_staging(self.fs, self.path, [p.object for _, p in pieces])

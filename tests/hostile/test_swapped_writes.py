@@ -1,0 +1,217 @@
+"""Writing through a directory swapped for a link after the save made it.
+
+Whoever can write a shared root (a group-writable ``/scratch/ckpts`` without the sticky
+bit) can rename a step directory a save just made and put a link to a directory of their
+choosing in its place (or, where they can write the step, do so with a key-prefix
+directory), between the save's ``mkdir`` and its opens. The swaps below happen at fixed
+points inside the save (a hook), so no test depends on a timing window. Every test
+names, in a comment, what happened before the fix it guards.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import storage
+from extensions.errors import UnsafeCheckpointError
+from storage import FsspecFileSystem
+from tests.support.local_disk import snapshot
+
+_SWAPPED = "symbolic link where the checkpoint has a directory"
+
+
+def _state(value: float = 1.0) -> dict[str, Any]:
+    return {"w": torch.full((4,), value), "b": torch.arange(3.0) + value, "step": int(value)}
+
+
+def _assert_loads(path: Path | str, value: float, **options: Any) -> None:
+    out = {"w": torch.zeros(4), "b": torch.zeros(3), "step": 0}
+    storage.load(out, str(path), **options)
+    assert torch.equal(out["w"], torch.full((4,), value)) and out["step"] == int(value)
+
+
+def _local_savers() -> list[Any]:
+    """The backends that save to local disk, each as ``make(directory) -> (location,
+    options)`` for ``storage.save``."""
+
+    def plain(directory: Path) -> tuple[str, dict[str, Any]]:
+        return str(directory), {}
+
+    def fsspec_file(directory: Path) -> tuple[str, dict[str, Any]]:
+        return f"file://{directory}", {"filesystem": FsspecFileSystem()}
+
+    def torch_local(directory: Path) -> tuple[str, dict[str, Any]]:
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        return str(directory), {"filesystem": storage.TorchFileSystem(FileSystem())}
+
+    return [
+        pytest.param(plain, id="path"),
+        pytest.param(fsspec_file, id="fsspec-file"),
+        pytest.param(torch_local, id="torch-local"),
+    ]
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """A directory outside the root holding a committed checkpoint of the user's own,
+    prefix directory ``00`` included (what a save would truncate or replace there: its
+    ``.metadata``), with its contents as they must stay."""
+    victim = tmp_path / "victim"
+    storage.save(_state(9.0), str(victim), key_prefixes=2)
+    before = snapshot(victim)
+    assert ".metadata" in before and any(n.startswith("00/") for n in before)
+    return victim, before
+
+
+def _swap(place: Path, target: Path) -> None:
+    place.rename(place.with_name(place.name + ".moved"))
+    place.symlink_to(target, target_is_directory=True)
+
+
+@pytest.mark.parametrize("make", _local_savers())
+def test_a_step_swapped_for_a_link_after_its_mkdir_is_never_written_through(
+    tmp_path: Path,
+    victim: tuple[Path, dict[str, bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+    make: Any,
+) -> None:
+    # Before the fix: the save made root/step-7, then opened its heartbeat, data files
+    # and metadata temporary by path; with the step swapped for a link in between, all
+    # of them landed in the victim's directory and the rename replaced its .metadata.
+    from storage.checkpoint import writer
+
+    target, before = victim
+    step = tmp_path / "root" / "step-7"
+    made = writer.make_directory
+
+    def make_then_swap(fs: Any, path: str) -> None:
+        made(fs, path)
+        _swap(step, target)
+
+    monkeypatch.setattr(writer, "make_directory", make_then_swap)
+    location, options = make(step)
+    with pytest.raises(UnsafeCheckpointError, match=_SWAPPED) as caught:
+        storage.save(_state(1.0), location, **options)
+    assert str(step) in str(caught.value) and "writable by you only" in str(caught.value)
+    assert snapshot(target) == before
+    assert ".metadata" not in snapshot(step.with_name("step-7.moved"))
+    _assert_loads(target, 9.0)
+
+
+@pytest.mark.parametrize("make", _local_savers())
+def test_a_step_swapped_for_a_link_before_its_metadata_is_never_published_through_it(
+    tmp_path: Path,
+    victim: tuple[Path, dict[str, bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+    make: Any,
+) -> None:
+    # Before the fix: with every data file written and checked, the step swapped for a
+    # link just before the publish, the metadata's temporary was written in the victim's
+    # directory and renamed over its .metadata: its own checkpoint no longer loaded.
+    from storage.checkpoint import commit
+
+    target, before = victim
+    step = tmp_path / "root" / "step-7"
+    checked = commit.absent
+
+    def check_then_swap(fs: Any, path: str, names: set[str]) -> list[str]:
+        missing = checked(fs, path, names)
+        _swap(step, target)
+        return missing
+
+    monkeypatch.setattr(commit, "absent", check_then_swap)
+    location, options = make(step)
+    with pytest.raises(UnsafeCheckpointError, match=_SWAPPED):
+        storage.save(_state(1.0), location, **options)
+    assert snapshot(target) == before
+    moved = snapshot(step.with_name("step-7.moved"))
+    assert ".metadata" not in moved and any(n.endswith(".distcp") for n in moved)
+    _assert_loads(target, 9.0)
+
+
+@pytest.mark.parametrize("make", _local_savers())
+def test_a_key_prefix_planted_as_a_link_after_its_check_is_never_written_through(
+    tmp_path: Path,
+    victim: tuple[Path, dict[str, bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+    make: Any,
+) -> None:
+    # Before the fix: the prefix directory 00 was checked not to be a link, then the data
+    # file opened by path under it; a link planted in between sent the file into the
+    # victim's 00.
+    from storage.checkpoint import data_files
+
+    target, before = victim
+    step = tmp_path / "root" / "step-7"
+    refused = data_files.refuse_linked_prefix
+
+    def check_then_plant(fs: Any, path: str, name: str) -> None:
+        refused(fs, path, name)
+        if not (step / "00").is_symlink():
+            (step / "00").symlink_to(target / "00", target_is_directory=True)
+
+    monkeypatch.setattr(data_files, "refuse_linked_prefix", check_then_plant)
+    location, options = make(step)
+    with pytest.raises(UnsafeCheckpointError, match=_SWAPPED):
+        storage.save(_state(1.0), location, key_prefixes=2, **options)
+    assert snapshot(target) == before
+
+
+@pytest.mark.parametrize("make", _local_savers())
+@pytest.mark.parametrize("key_prefixes", [0, 2])
+def test_a_link_the_user_named_as_the_checkpoint_is_still_written_through(
+    tmp_path: Path, make: Any, key_prefixes: int
+) -> None:
+    """A checkpoint path that is itself the user's link (``ckpt -> /big/disk/ckpt``) is
+    followed once, as the save begins: the save, its overwrite and its load work as they
+    did, every file in the directory it points at."""
+    real = tmp_path / "big" / "ckpt"
+    real.mkdir(parents=True)
+    link = tmp_path / "ckpt"
+    link.symlink_to(real, target_is_directory=True)
+    location, options = make(link)
+    storage.save(_state(1.0), location, key_prefixes=key_prefixes, **options)
+    storage.save(_state(2.0), location, key_prefixes=key_prefixes, **options)
+    _assert_loads(link, 2.0)
+    assert link.is_symlink() and ".metadata" in snapshot(real)
+    assert not any(name.startswith(".heartbeat-") for name in snapshot(real))
+
+
+def test_an_async_save_through_the_users_link_writes_where_it_points(tmp_path: Path) -> None:
+    """The persist worker writes in the directory the training process resolved."""
+    real = tmp_path / "big" / "ckpt"
+    real.mkdir(parents=True)
+    link = tmp_path / "ckpt"
+    link.symlink_to(real, target_is_directory=True)
+    storage.async_save(_state(3.0), str(link)).result()
+    _assert_loads(real, 3.0)
+
+
+def test_a_step_pointer_lands_beside_steps_under_a_linked_root(tmp_path: Path) -> None:
+    """The latest-step pointer is written in the root as the user named it, a link
+    there followed (the root is the place the user chose)."""
+    real = tmp_path / "big"
+    real.mkdir()
+    root = tmp_path / "root"
+    root.symlink_to(real, target_is_directory=True)
+    storage.CheckpointManager(root).save(3, _state(3.0))
+    assert (real / ".dcp-latest").read_bytes() == b"step-3\n"
+
+
+def test_writes_go_by_path_where_the_platform_cannot_walk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``dir_fd`` support for ``mkdir`` and ``link`` a save still works, its
+    directories followed by path as before (the file itself still never a link)."""
+    from storage.backends import _local_walk
+
+    monkeypatch.setattr(_local_walk, "WRITES_SAFELY", False)
+    storage.save(_state(4.0), str(tmp_path / "ckpt"), key_prefixes=2)
+    _assert_loads(tmp_path / "ckpt", 4.0)
+    shutil.rmtree(tmp_path / "ckpt")
