@@ -20,7 +20,7 @@ import storage
 from extensions.errors import WorkerDiedError
 from storage.checkpoint import persist
 from storage.checkpoint.persist import _calls
-from storage.checkpoint.persist._child import _Bucket
+from storage.checkpoint.persist._throttle import Bucket
 from storage.ops.pace import MAX_PACED_SECONDS, UploadPace
 from tests.checkpoint.test_worker import loaded
 from tests.support.trees import assert_tree_equal
@@ -29,14 +29,14 @@ from tests.support.trees import assert_tree_equal
 PROMPT = 60.0
 
 
-def _taker(bucket: _Bucket, n: int) -> threading.Thread:
+def _taker(bucket: Bucket, n: int) -> threading.Thread:
     thread = threading.Thread(target=bucket.take, args=(n,), daemon=True)
     thread.start()
     return thread
 
 
 def test_a_hurry_ends_the_wait_of_a_paced_write() -> None:
-    bucket = _Bucket()
+    bucket = Bucket()
     bucket.set_pace(1.0, math.inf)  # one byte a second: this write would wait ~11 days
     waiting = _taker(bucket, 1_000_000)
     bucket.hurry()
@@ -47,7 +47,7 @@ def test_a_hurry_ends_the_wait_of_a_paced_write() -> None:
 
 
 def test_a_hurry_leaves_the_bandwidth_cap_in_force() -> None:
-    bucket = _Bucket()
+    bucket = Bucket()
     bucket.rate = 1.0  # a cap of one byte a second, paced below it
     bucket.set_pace(0.5, math.inf)
     waiting = _taker(bucket, 1_000_000)
@@ -77,7 +77,7 @@ def test_a_paced_upload_that_fell_behind_catches_up_at_full_speed() -> None:
     the upload overran the deadline its rate was made for (the next save then waited for
     it). The pace is a schedule: bytes behind it go at once, bytes ahead of it wait."""
     clock = _Clock()
-    bucket = _Bucket(clock)
+    bucket = Bucket(clock)
     bucket.set_pace(100.0, math.inf)  # the save's bytes due at 100 a second from now
     clock.now += 10.0  # ten seconds in, 1000 bytes due, none written (a busy link)
     behind = _taker(bucket, 900)
@@ -96,7 +96,7 @@ def test_no_paced_write_waits_past_the_deadline() -> None:
     heartbeat, an upload that was nearly empty) waited on past the save's deadline, for
     as long as their share of a tiny rate said (minutes for a 45-byte heartbeat)."""
     clock = _Clock()
-    bucket = _Bucket(clock)
+    bucket = Bucket(clock)
     bucket.set_pace(1.0, clock.now + 5.0)  # one byte a second, due within 5 s
     clock.now += 5.0  # at the deadline: whatever is left goes now
     late = _taker(bucket, 1_000_000)
@@ -118,7 +118,7 @@ def test_a_cap_keeps_only_a_short_burst() -> None:
     """The cap (``max_bandwidth``) is a limit on the rate, not a schedule: time it went
     unused does not buy a burst above it."""
     clock = _Clock()
-    bucket = _Bucket(clock)
+    bucket = Bucket(clock)
     bucket.rate = 100.0
     clock.now += 10.0
     burst = _taker(bucket, 900)  # would be due by now on a schedule; the cap holds it
@@ -132,7 +132,7 @@ def test_a_cap_keeps_only_a_short_burst() -> None:
 
 
 def test_a_pace_that_is_no_limit_does_not_block() -> None:
-    bucket = _Bucket()
+    bucket = Bucket()
     bucket.take(1 << 30)  # neither a cap nor a pace
 
 
@@ -434,7 +434,7 @@ def test_a_call_without_a_cap_does_not_lift_the_cap_of_one_in_flight() -> None:
     """The worker's writes share one bucket; before, each call set its rate, so a call
     with no cap (an uncapped save, a healing transfer) lifted the cap of a capped save
     still writing, and a higher cap replaced a lower one."""
-    bucket = _Bucket()
+    bucket = Bucket()
     with bucket.capped(1000.0):
         with bucket.capped(None):
             assert bucket.rate == 1000.0
@@ -450,7 +450,7 @@ def test_a_pace_holds_only_the_writes_of_the_call_it_was_set_for() -> None:
     """The worker's writes share one bucket: before, a pace held every write it made
     while it was set, so a save running beside a paced one (another manager's, a
     ``storage.async_save`` elsewhere) waited for that save's deadline (up to a minute)."""
-    bucket = _Bucket()
+    bucket = Bucket()
     bucket.set_pace(1.0, math.inf, owner=1)  # call 1: one byte a second
     paced = threading.Thread(target=bucket.take, args=(1_000_000, 1), daemon=True)
     paced.start()
