@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -220,7 +221,7 @@ class Base:
 def open_base(
     fs: FileSystemBase,
     path: str,
-    base: str | CommittedCheckpoint,
+    base: str | os.PathLike[str] | CommittedCheckpoint,
     transforms: Sequence[Any] = (),
 ) -> Base:
     """Read the base ``base`` (a path or URL, or its read model already opened: then
@@ -232,8 +233,11 @@ def open_base(
     destination that resolves outside the parent directory is refused. A save whose
     ``transforms`` seal its metadata takes references only from a base whose seal under
     the same keys verifies (``seal.base_verifies``): it seals the records it takes."""
-    opened = base if isinstance(base, CommittedCheckpoint) else None
-    base_path = opened.path if opened is not None else fs.init_path(base)  # type: ignore[arg-type]
+    if isinstance(base, CommittedCheckpoint):
+        opened: CommittedCheckpoint | None = base
+        base_path = base.path
+    else:
+        opened, base_path = None, fs.init_path(os.fspath(base))
     check_base_name(fs, base_path)
     here, there = split_location(fs, path), split_location(fs, base_path)
     if here is None or there is None or here[0] != there[0]:

@@ -80,15 +80,14 @@ class CheckpointWriter(StorageWriter, WriterStaging):
     requests of a large save over N partitions (storage/checkpoint/prefixes.py,
     docs/scale.md); stock readers load such checkpoints too.
 
-    ``persist`` says where an asynchronous save (``dcp.async_save``, ``async_save``,
-    the manager's ``blocking=False`` and its drain) encodes and uploads:
-    ``"process"`` (the default where available and the host has a core beyond one per
-    training process on it: :func:`storage.checkpoint.persist.default_mode`) in a
-    persist worker process, niced, reading the state from shared staging buffers that
-    the training thread copies it into, so that the work does not compete with
-    training for the GIL; ``"thread"`` in
-    DCP's background thread, as stock torch. ``max_bandwidth`` (bytes/s) caps what the
-    worker writes to storage. Blocking saves always write in this process. See
+    ``persist`` says where an asynchronous save (``dcp.async_save``, ``async_save``, the
+    manager's ``blocking=False`` and its drain) encodes and uploads: ``"process"`` (the
+    default where available and the host has a core beyond one per training process on
+    it: :func:`storage.checkpoint.persist.default_mode`) in a persist worker process,
+    niced, reading the state from shared staging buffers that the training thread copies
+    it into, so that the work does not compete with training for the GIL; ``"thread"``
+    in DCP's background thread, as stock torch. ``max_bandwidth`` (bytes/s) caps what
+    the worker writes to storage. Blocking saves always write in this process. See
     :mod:`storage.checkpoint.persist` and docs/operations.md.
 
     Staging from CUDA (``persist="process"``): the staging buffers of CUDA tensors are
@@ -246,10 +245,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
                     "pick a new location or pass overwrite=True"
                 )
             if self.base is not None:
-                base = self.base
-                if not isinstance(base, CommittedCheckpoint):
-                    base = os.fspath(base)
-                self._base = incremental.open_base(self.fs, self.path, base, self.transforms)
+                self._base = incremental.open_base(self.fs, self.path, self.base, self.transforms)
             make_directory(self.fs, self.path)
 
         try:
