@@ -1,14 +1,13 @@
 """The data phase of a copy: a checkpoint's items streamed into new data files.
 
-Each item streams from the source file to the destination through the same item code
-the writer and the reader use (``storage.checkpoint.items``), kept as stored or decoded
-and re-encoded on the fly when the transform chain changes, so memory stays at a few
-buffers per file; its checksum is verified on the way. Nothing here commits: the files
-written are handed back (:class:`CopiedFiles`) for the caller's
-``storage.checkpoint.attempt.SaveAttempt`` to adopt and ``storage.ops.copy.publish_copy``
-to commit.
-The tier drain runs :func:`copy_data_files` in the persist worker process, which imports
-it by name.
+Each item streams from the source file to the destination through the same item code the
+writer and the reader use (``storage.checkpoint.items``), kept as stored or decoded and
+re-encoded on the fly when the transform chain changes, so memory stays at a few buffers
+per file; its checksum is verified on the way. Nothing here commits: the files written
+are handed back (:class:`CopiedFiles`) for the caller's
+``storage.checkpoint.attempt.SaveAttempt`` to adopt and
+``storage.ops.copy.publish_copy`` to commit. The tier drain runs :func:`copy_data_files`
+in the persist worker process, which imports it by name.
 """
 
 from __future__ import annotations
@@ -86,24 +85,23 @@ def copy_data_files(
     """The data phase of :func:`copy_checkpoint`: copy the items that ``part`` (one
     metadata of the checkpoint at ``src_path``) names into new data files under
     ``dst_path`` (under the key prefix directory each source file had), verifying
-    checksums on the way; nothing is committed. Referenced items
-    (incremental saves) are read from their base, so the copy holds every byte it
-    needs, unless ``keep_references``: then an item that references a base is
-    recorded as a reference to the base of the same name beside ``dst_path`` when that
-    one is committed, not a symbolic link, and holds the same stored bytes there (same
-    index, transform chain, length and checksum, and the same content fingerprint where
-    the item records one), and only copied otherwise, so a copy of an
-    incremental checkpoint made after its bases' copies stays incremental. ``ranks``
-    limits the copy to the data files those ranks wrote
-    (``__{rank}_*``), so each rank of a job can copy its own files from a node-local
-    tier; new files are numbered from ``first``. ``pace``, when given, is called before
-    each read of the source (at most ``streams.CHUNK`` bytes apart) and may block: a
-    background copy pauses there while something more urgent runs. It writes under a
-    heartbeat named by the save id (``heartbeat.beating``), so ``gc`` leaves its uploads
-    alone. Each file is recorded in a ``SaveAttempt`` before it opens; on failure, that
-    removes what it wrote. A process killed meanwhile leaves files named with the save
-    id, which no metadata names: the caller's attempt (``SaveAttempt.lost``) or ``gc``
-    removes them."""
+    checksums on the way; nothing is committed. Referenced items (incremental saves) are
+    read from their base, so the copy holds every byte it needs, unless
+    ``keep_references``: then an item that references a base is recorded as a reference
+    to the base of the same name beside ``dst_path`` when that one is committed, not a
+    symbolic link, and holds the same stored bytes there (same index, transform chain,
+    length and checksum, and the same content fingerprint where the item records one),
+    and only copied otherwise, so a copy of an incremental checkpoint made after its
+    bases' copies stays incremental. ``ranks`` limits the copy to the data files those
+    ranks wrote (``__{rank}_*``), so each rank of a job can copy its own files from a
+    node-local tier; new files are numbered from ``first``. ``pace``, when given, is
+    called before each read of the source (at most ``streams.CHUNK`` bytes apart) and
+    may block: a background copy pauses there while something more urgent runs. It
+    writes under a heartbeat named by the save id (``heartbeat.beating``), so ``gc``
+    leaves its uploads alone. Each file is recorded in a ``SaveAttempt`` before it
+    opens; on failure, that removes what it wrote. A process killed meanwhile leaves
+    files named with the save id, which no metadata names: the caller's attempt
+    (``SaveAttempt.lost``) or ``gc`` removes them."""
     copied = CopiedFiles(save_id or uuid.uuid4().hex[:12], set(), {})
     attempt = SaveAttempt(dst_fs, dst_path, copied.save_id)
     infos = list((part.metadata.storage_data or {}).items())
@@ -200,11 +198,8 @@ class _FileCopy:
                 raise  # ours says what is missing; else not the source's file
             first, info = min(items, key=lambda it: int(it[1].offset))
             ref = fmt.stored_item(info).ref  # the file is a base's: say which
-            where = (
-                ""
-                if ref is None
-                else f" of its base {sibling_url(self.src_fs, self.src_path, ref)}"
-            )
+            base = None if ref is None else sibling_url(self.src_fs, self.src_path, ref)
+            where = "" if base is None else f" of its base {base}"
             raise CheckpointNotFoundError(
                 f"{self.src_url}: data file {quote(src_file.rpartition('/')[2])}{where} (item "
                 f"{quote(fmt.item_label(first))}) is missing; the checkpoint is incomplete: "
