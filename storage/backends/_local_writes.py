@@ -78,11 +78,7 @@ def write_atomic_in(directory: str, name: str, data: bytes, *, exclusive: bool =
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=fd)
             if isinstance(exc, IsADirectoryError):  # it named our temporary file
-                raise IsADirectoryError(
-                    exc.errno,
-                    f"{shown} is a directory, so nothing can be published there; nothing was "
-                    "replaced: move or remove that directory",
-                ) from exc
+                raise _local_files.is_a_directory(exc, shown, "replaced") from exc
             raise
         _sync_with_parent(fd)
 
