@@ -68,7 +68,11 @@ class TorchFileSystem(FileSystemBase):
         self.torch_fs = torch_fs
 
     def init_path(self, path: str | os.PathLike[str]) -> str:
-        return os.fspath(self.torch_fs.init_path(path))
+        text = os.fspath(self.torch_fs.init_path(path))
+        # Torch's local disk keeps a relative path relative: resolved now, as the local
+        # backend resolves it, it names one directory for the whole save, whatever the
+        # process (or its persist worker, started elsewhere) takes as current meanwhile.
+        return os.path.abspath(text) if self._local() else text
 
     def own_path(self, path: str | os.PathLike[str]) -> str:
         return os.fspath(path)  # the wrapped filesystem's own forms, URLs included

@@ -7,13 +7,33 @@ Every test names, in a comment, what happened before the fix it guards.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+import storage
 from extensions.errors import UnsafeCheckpointError
 from storage import LocalFileSystem
 from storage.backends import _local_writes
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {"w": torch.full((4,), value), "step": int(value)}
+
+
+def _loaded(path: str, **options: Any) -> int:
+    out = {"w": torch.zeros(4), "step": 0}
+    storage.load(out, path, **options)
+    return int(out["step"])
+
+
+def _torch_local() -> storage.TorchFileSystem:
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    return storage.TorchFileSystem(FileSystem())
 
 
 @pytest.mark.parametrize("directory", ["", ".", "ck/..", "ck/."])
@@ -65,3 +85,52 @@ def test_a_directory_at_a_files_name_is_named_in_full_and_escaped(tmp_path: Path
         assert repr(str(step / "00" / "f.bin")) in shown and "move or remove" in shown
         assert "\x1b" not in shown and "\n" not in shown
     assert [p.name for p in (step / "00").iterdir()] == ["f.bin"]
+
+
+@pytest.mark.parametrize("directory", [".", "rel/sub/.."])
+def test_torch_local_disk_saves_to_a_dot_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, directory: str
+) -> None:
+    # Before: every write of such a save was refused ("not a plain relative name").
+    monkeypatch.chdir(tmp_path)
+    storage.save(_state(1.0), directory, filesystem=_torch_local())
+    assert _loaded(directory, filesystem=_torch_local()) == 1
+
+
+def test_a_relative_torch_path_names_one_directory_while_the_process_moves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: torch's local disk kept the path relative; with the process's current
+    # directory changed after the save made its directory, every file went to a
+    # directory of that name under the new one.
+    from storage.checkpoint import writer
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    made = writer.make_directory
+
+    def make_then_move(fs: Any, path: str) -> None:
+        made(fs, path)
+        os.chdir(tmp_path / "elsewhere")
+
+    monkeypatch.setattr(writer, "make_directory", make_then_move)
+    storage.save(_state(2.0), "ck", filesystem=_torch_local())
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    assert _loaded(str(tmp_path / "ck")) == 2
+
+
+def test_an_async_torch_save_to_a_relative_path_after_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: the persist worker, started in the first directory, wrote the second
+    # save's data files under it, and the commit (in the training process, now in the
+    # second) refused the save: its data files had "vanished".
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    monkeypatch.chdir(tmp_path / "one")
+    storage.async_save(_state(1.0), "ck", filesystem=_torch_local()).result()
+    os.chdir(tmp_path / "two")
+    storage.async_save(_state(2.0), "ck", filesystem=_torch_local()).result()
+    assert _loaded(str(tmp_path / "one" / "ck")) == 1
+    assert _loaded(str(tmp_path / "two" / "ck")) == 2
+    assert len(list((tmp_path / "one" / "ck").iterdir())) == 2
