@@ -119,8 +119,19 @@ def test_a_relative_torch_path_names_one_directory_while_the_process_moves(
     assert _loaded(str(tmp_path / "ck")) == 2
 
 
+def _torch_fsspec() -> storage.TorchFileSystem:
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    return storage.TorchFileSystem(FileSystem())
+
+
+@pytest.mark.parametrize(
+    ("location", "make"),
+    [("ck", _torch_local), ("file://ck", _torch_fsspec)],
+    ids=["torch-local", "torch-fsspec-file"],
+)
 def test_an_async_torch_save_to_a_relative_path_after_a_chdir(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, location: str, make: Any
 ) -> None:
     # Before: the persist worker, started in the first directory, wrote the second
     # save's data files under it, and the commit (in the training process, now in the
@@ -128,9 +139,9 @@ def test_an_async_torch_save_to_a_relative_path_after_a_chdir(
     for name in ("one", "two"):
         (tmp_path / name).mkdir()
     monkeypatch.chdir(tmp_path / "one")
-    storage.async_save(_state(1.0), "ck", filesystem=_torch_local()).result()
+    storage.async_save(_state(1.0), location, filesystem=make()).result()
     os.chdir(tmp_path / "two")
-    storage.async_save(_state(2.0), "ck", filesystem=_torch_local()).result()
+    storage.async_save(_state(2.0), location, filesystem=make()).result()
     assert _loaded(str(tmp_path / "one" / "ck")) == 1
     assert _loaded(str(tmp_path / "two" / "ck")) == 2
     assert len(list((tmp_path / "one" / "ck").iterdir())) == 2
