@@ -145,3 +145,24 @@ def test_an_async_torch_save_to_a_relative_path_after_a_chdir(
     assert _loaded(str(tmp_path / "one" / "ck")) == 1
     assert _loaded(str(tmp_path / "two" / "ck")) == 2
     assert len(list((tmp_path / "one" / "ck").iterdir())) == 2
+
+
+@pytest.mark.parametrize("name", ["../x", "{tmp}/x", "a\0b", "00/../../x", "sub/"])
+def test_names_are_refused_where_the_platform_writes_by_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    # Before: without dir_fd support the write went by path and a name climbing out of
+    # the directory (or absolute) was written wherever it pointed.
+    from storage.backends import _local_walk
+
+    monkeypatch.setattr(_local_walk, "WRITES_SAFELY", False)
+    (tmp_path / "d").mkdir()
+    name = name.format(tmp=tmp_path)  # absolute, outside "d"
+    with (
+        pytest.raises(UnsafeCheckpointError, match="not a plain relative name"),
+        _local_writes.write_stream_in(str(tmp_path / "d"), name) as out,
+    ):
+        out.write(b"x")
+    with pytest.raises(UnsafeCheckpointError, match="not a plain relative name"):
+        _local_writes.write_atomic_in(str(tmp_path / "d"), name, b"x")
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]
