@@ -7,7 +7,10 @@ Every test names, in a comment, what happened before the fix it guards.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +169,24 @@ def test_names_are_refused_where_the_platform_writes_by_path(
     with pytest.raises(UnsafeCheckpointError, match="not a plain relative name"):
         _local_writes.write_atomic_in(str(tmp_path / "d"), name, b"x")
     assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+def test_a_data_file_write_that_fails_names_the_file(tmp_path: Path) -> None:
+    # Before: a disk filling up mid-write failed the save with a bare "[Errno 28] No
+    # space left on device", naming neither the checkpoint nor the file.
+    class _Full(LocalFileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[Any]:
+            with super().create_stream(path, mode, sync=sync) as out:
+                if path.endswith(".distcp"):
+                    out.write = _no_space  # type: ignore[method-assign]
+                yield out
+
+    def _no_space(data: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError, match="No space left on device") as caught:
+        storage.save(_state(1.0), str(tmp_path / "ck"), filesystem=_Full())
+    assert caught.value.errno == errno.ENOSPC
+    assert f"{tmp_path / 'ck'}{os.sep}__0_" in str(caught.value)
+    assert not list((tmp_path / "ck").glob("*.distcp"))
