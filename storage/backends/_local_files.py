@@ -122,6 +122,10 @@ def open_for_writing(
         if exc.errno == errno.ENXIO:  # a FIFO with no reader, under O_NONBLOCK
             what = "a FIFO (named pipe)"
             raise UnsafeCheckpointError(_refusal(shown, what, _WRITE_FIX, "write")) from None
+        if exc.errno == errno.EISDIR:
+            raise is_a_directory(exc, shown, "written") from None
+        if dir_fd is not None and exc.filename == path:  # named in full, not inside dir_fd
+            raise type(exc)(exc.errno, exc.strerror, shown) from None
         raise
     try:
         info = os.fstat(fd)
@@ -139,6 +143,15 @@ def open_for_writing(
     except BaseException:
         os.close(fd)
         raise
+
+
+def is_a_directory(exc: OSError, path: str, done: str) -> IsADirectoryError:
+    """What a write or publish at ``path``, a directory, raises in place of ``exc``."""
+    return IsADirectoryError(
+        exc.errno,
+        f"{path!r} is a directory, so no file can be written or published there; nothing "
+        f"was {done}: move or remove that directory",
+    )
 
 
 def _is_link(path: str, dir_fd: int | None) -> bool:
@@ -285,11 +298,7 @@ def write_atomic(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(exc, IsADirectoryError):  # it named our temporary file
-            raise IsADirectoryError(
-                exc.errno,
-                f"{path} is a directory, so nothing can be published there; nothing was "
-                "replaced: move or remove that directory",
-            ) from exc
+            raise is_a_directory(exc, path, "replaced") from exc
         raise
     (sync_directory or sync_dir)(directory)
 

@@ -45,29 +45,36 @@ WRITES_SAFELY = WALKS_SAFELY and {os.mkdir, os.link} <= os.supports_dir_fd
 
 def walk_plan(directory: str, name: str, itself: bool, action: str) -> tuple[str, list[str]]:
     """``(top, parts)``: where the walk starts (``directory``'s parent, taken as given:
-    the place the user chose; ``directory`` itself when it is ``/``) and the names to
+    the place the user chose; ``directory`` itself where it ends in no name of its own:
+    ``/``, ``.``, ``..``, or empty for the current directory) and the names to
     walk from there: ``directory``'s own, then those of ``name`` (``/``-separated,
-    relative; empty only where ``itself`` allows acting on ``directory`` itself).
-    Refuses what would leave the directory (``action`` names what was refused)."""
-    stripped = directory.rstrip(os.sep) or os.sep
+    relative; empty only where ``itself`` allows acting on ``directory`` itself; never
+    ending in ``/`` for a write, which makes a file). Refuses what would leave the
+    directory (``action`` names what was refused)."""
+    stripped = directory.rstrip(os.sep) or (os.sep if directory else os.curdir)
     head = os.path.basename(stripped)
+    if head in (".", ".."):
+        head = ""
     top = (os.path.dirname(stripped) or os.curdir) if head else stripped
     parts = [p for p in name.split("/") if p]
     done = "written" if action == "write" else "removed"
     if (
         name.startswith("/")
-        or head in (".", "..")
         or (not parts and not itself)
+        or (action == "write" and name.endswith("/"))
         or any(p in (".", "..") or os.sep in p or "\0" in p for p in parts)
     ):
         raise UnsafeCheckpointError(
             f"refusing to {action} {name!r} under {directory!r}: it is not a plain relative "
             "name inside that directory (a checkpoint's names never hold '..', '.', an "
-            f"absolute path or a NUL); nothing was {done}"
+            f"absolute path or a NUL, nor a file's end in '/'); nothing was {done}"
         )
     parts = ([head] if head else []) + parts
     if not parts:
-        raise UnsafeCheckpointError(f"refusing to {action} the file system root {directory!r}")
+        raise UnsafeCheckpointError(
+            f"refusing to {action} {directory!r} itself: it names no directory inside a "
+            "parent (the file system root, '.' or '..'); nothing was " + done
+        )
     return top, parts
 
 

@@ -13,7 +13,8 @@ below it opened without following a link, missing ones made inside the one above
 file opened, published (renamed) and made durable through those handles. A link swapped
 in anywhere below the checkpoint directory fails the write before a byte lands
 (``UnsafeCheckpointError`` naming the path and the fix). Where the platform cannot walk
-(``WRITES_SAFELY`` false), writes go by path as before.
+(``WRITES_SAFELY`` false), writes go by path as before, their names refused as the walk
+refuses them (``..``, absolute, NUL).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def write_stream_in(directory: str, name: str, *, sync: bool = False) -> Iterato
     it (its directories made first; fsynced with ``sync``; removed if the body raises,
     only while it is still the file written), reached by the walk (module docstring)."""
     if not _local_walk.WRITES_SAFELY:
+        _local_walk.walk_plan(directory, name, False, "write")  # its names refused alike
         with _local_files.write_stream(os.path.join(directory, name), sync=sync) as out:
             yield out
         return
@@ -59,6 +61,7 @@ def write_atomic_in(directory: str, name: str, data: bytes, *, exclusive: bool =
     directory and its parent fsynced), every step inside the directory reached by the
     walk."""
     if not _local_walk.WRITES_SAFELY:
+        _local_walk.walk_plan(directory, name, False, "write")  # its names refused alike
         _local_files.write_atomic(os.path.join(directory, name), data, exclusive=exclusive)
         return
     shown = os.path.join(directory, name)
@@ -78,11 +81,7 @@ def write_atomic_in(directory: str, name: str, data: bytes, *, exclusive: bool =
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=fd)
             if isinstance(exc, IsADirectoryError):  # it named our temporary file
-                raise IsADirectoryError(
-                    exc.errno,
-                    f"{shown} is a directory, so nothing can be published there; nothing was "
-                    "replaced: move or remove that directory",
-                ) from exc
+                raise _local_files.is_a_directory(exc, shown, "replaced") from exc
             raise
         _sync_with_parent(fd)
 

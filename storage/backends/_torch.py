@@ -68,7 +68,16 @@ class TorchFileSystem(FileSystemBase):
         self.torch_fs = torch_fs
 
     def init_path(self, path: str | os.PathLike[str]) -> str:
-        return os.fspath(self.torch_fs.init_path(path))
+        text = os.fspath(self.torch_fs.init_path(path))
+        # Torch keeps a relative local path (or file:// URL) relative: resolved now, as
+        # the local backend resolves it, it names one directory for the whole save,
+        # whatever the process (or its persist worker, started elsewhere) takes as
+        # current meanwhile.
+        local = self._local_file(text)
+        scheme, sep, rest = text.rpartition("://")
+        if local is None or os.path.isabs(rest):
+            return text
+        return f"{scheme}{sep}{os.path.abspath(local)}"
 
     def own_path(self, path: str | os.PathLike[str]) -> str:
         return os.fspath(path)  # the wrapped filesystem's own forms, URLs included

@@ -11,7 +11,10 @@ what is checked here is what a load asks for, never the checkpoint as a whole: a
 (its elements on this rank, as the planner plans reads for them) that the planned
 reads do not fill, of a tensor whose chunks hold fewer elements than it has. Only a
 shortfall is refused: chunks holding more elements (replicated chunks a custom planner
-saved without dedup) are not damage.
+saved without dedup) are not damage. A chunk listed twice (the same offsets and sizes)
+counts once, in the metadata and in the reads, so a duplicate never stands in for a
+missing chunk; chunks that overlap only in part count whole, so such overlaps can still
+hide a gap (an exact union of boxes costs more than a load can spend on it).
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ from extensions.errors import IntegrityError, quote
 
 
 def uncovered(metadata: Metadata) -> dict[str, tuple[int, int]]:
-    """The tensor items of ``metadata`` whose chunks hold fewer elements (overlaps
-    counted twice) than the tensor has, each with those two counts. A 0-dim tensor has
-    one element: with no chunk it is uncovered; one with no element never is."""
+    """The tensor items of ``metadata`` whose chunks hold fewer elements than the tensor
+    has, each with those two counts: a chunk listed twice (same offsets and sizes)
+    counts once, chunks that partly overlap count whole. A 0-dim tensor has one
+    element: with no chunk it is uncovered; one with no element never is."""
     found: dict[str, tuple[int, int]] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata):
             total = math.prod(meta.size)
-            covered = sum(math.prod(chunk.sizes) for chunk in meta.chunks)
+            boxes = {(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in meta.chunks}
+            covered = sum(math.prod(sizes) for _, sizes in boxes)
             if covered < total:
                 found[fqn] = (covered, total)
     return found
@@ -85,10 +90,19 @@ def check_covered(
     if not wanted:
         return
     got = dict.fromkeys(wanted, 0)
+    seen: set[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = set()
     for req in reads:
         fqn = req.dest_index.fqn
         if fqn in got and req.type != LoadItemType.BYTE_IO:
-            got[fqn] += math.prod(req.lengths)
+            box = (
+                fqn,
+                tuple(req.dest_index.offset or ()),
+                tuple(req.dest_offsets),
+                tuple(req.lengths),
+            )
+            if box not in seen:  # a chunk listed twice is read twice into one place
+                seen.add(box)
+                got[fqn] += math.prod(req.lengths)
     for fqn in sorted(wanted):
         if got[fqn] < wanted[fqn]:
             covered, total = short[fqn]

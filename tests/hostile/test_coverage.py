@@ -185,6 +185,21 @@ def test_overlapping_chunks_that_hold_more_than_the_tensor_load(tmp_path: Path) 
     assert torch.equal(target["w"], torch.arange(128.0))
 
 
+def test_a_chunk_listed_twice_never_stands_in_for_a_missing_one(ckpt: Path) -> None:
+    # Before: w's chunk at 0 listed twice in place of the one at 64 summed to 128
+    # elements, so the load passed the check, read [0, 64) twice and left w[64:] at -1.
+    _drop_chunk(ckpt, "w", 64)
+    metadata = _meta(ckpt)
+    chunks = metadata.state_dict_metadata["w"].chunks
+    metadata.state_dict_metadata["w"].chunks = [chunks[0], chunks[0]]
+    _write_meta(ckpt, metadata)
+    target = _target()
+    with pytest.raises(IntegrityError, match=r"'w'.*cover 64 of the 128 elements"):
+        storage.load(target, ckpt)
+    assert (target["w"] == -1).all()
+    assert "cover 64 of its 128 elements" in verify(LocalFileSystem(), str(ckpt)).bad["w"]
+
+
 def test_verify_reports_the_uncovered_tensor_by_name(ckpt: Path) -> None:
     _drop_chunk(ckpt, "w", 64)
     report = verify(LocalFileSystem(), str(ckpt))

@@ -368,7 +368,7 @@ def test_copying_over_a_checkpoint_whose_metadata_is_a_directory_names_it(
     (tmp_path / "dst" / ".metadata").mkdir(parents=True)
     assert main(["cp", "--overwrite", str(shared), str(tmp_path / "dst")]) == 1
     err = capsys.readouterr().err
-    assert f"{tmp_path / 'dst' / '.metadata'} is a directory, so nothing can be published" in err
+    assert f"{str(tmp_path / 'dst' / '.metadata')!r} is a directory, so no file can" in err
     assert ".tmp-" not in err.splitlines()[-1]
     assert (tmp_path / "dst" / ".metadata").is_dir()
 
