@@ -32,7 +32,7 @@ _TOP_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXE
 _DIR_MODE = 0o777
 
 #: Whether this platform opens and removes names inside an open directory without
-#: following links; where it does not, local deletion refuses instead of racing.
+#: following links; where it does not, removals go by path after a check for links.
 WALKS_SAFELY = (
     hasattr(os, "O_DIRECTORY")
     and hasattr(os, "O_NOFOLLOW")
@@ -111,7 +111,7 @@ def opened_parent(
             except OSError as exc:  # named by its full path, not the name in its parent
                 raise type(exc)(exc.errno, exc.strerror, walked) from None
             if below is None:
-                raise _linked(directory, name, walked, action)
+                raise linked_error(directory, name, walked, action)
             os.close(fd)
             fd = below
         yield fd, parts[-1]
@@ -139,7 +139,9 @@ def _open_below(fd: int, part: str, walked: str, create: bool) -> int | None:
     return os.open(part, _DIR_FLAGS, dir_fd=fd)
 
 
-def _linked(directory: str, name: str, walked: str, action: str) -> UnsafeCheckpointError:
+def linked_error(directory: str, name: str, walked: str, action: str) -> UnsafeCheckpointError:
+    """The refusal of an ``action`` on ``directory/name`` because ``walked``, on the way
+    to it, is a symbolic link."""
     done = "written" if action == "write" else "removed"
     return UnsafeCheckpointError(
         f"refusing to {action} {os.path.join(directory, name)!r}: {walked!r} is a symbolic "

@@ -615,19 +615,35 @@ def test_a_failed_write_through_the_users_own_link_removes_its_file(
     assert list(real.iterdir()) == []
 
 
-def test_removal_refuses_where_the_platform_cannot_walk_without_following_links(
+def test_removal_goes_by_path_where_the_platform_cannot_walk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without ``dir_fd`` support a removal could only go by path, racing a swap: it
-    refuses, saying so, and removes nothing."""
+    """Without ``dir_fd`` support a removal goes by path (refusing, the heartbeats and
+    overwritten data files of every save stayed behind for good): files, directories and
+    renames still work, a link on the way is still refused when it is already there, and
+    a name that climbs out is refused as the walk refuses it."""
     from storage.backends import _local_walk
 
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "f").write_text("x")
+    fs = LocalFileSystem()
+    (tmp_path / "d" / "00").mkdir(parents=True)
+    (tmp_path / "d" / "00" / "f").write_text("x")
+    (tmp_path / "d" / "g").write_text("y")
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "f").write_text("theirs")
+    (tmp_path / "d" / "11").symlink_to(tmp_path / "victim", target_is_directory=True)
     monkeypatch.setattr(_local_walk, "WALKS_SAFELY", False)
-    with pytest.raises(UnsafeCheckpointError, match="supports_dir_fd"):
-        LocalFileSystem().rm_file_in(str(tmp_path / "d"), "f")
-    assert (tmp_path / "d" / "f").exists()
+    fs.rename_in(str(tmp_path / "d"), "g", "h")
+    assert (tmp_path / "d" / "h").read_text() == "y"
+    fs.rm_file_in(str(tmp_path / "d"), "00/f")
+    fs.rm_dir_in(str(tmp_path / "d"), "00")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["11", "h"]
+    with pytest.raises(UnsafeCheckpointError, match="symbolic"):
+        fs.rm_file_in(str(tmp_path / "d"), "11/f")
+    with pytest.raises(NotADirectoryError):
+        fs.rm_dir_in(str(tmp_path / "d"), "11")
+    with pytest.raises(UnsafeCheckpointError, match="not a plain relative name"):
+        fs.rm_file_in(str(tmp_path / "d"), "../victim/f")
+    assert (tmp_path / "victim" / "f").read_text() == "theirs"
 
 
 @pytest.mark.parametrize("bad", ["../x", "00/../../x", "/etc/passwd", "a/./b", "a\0b", ""])
