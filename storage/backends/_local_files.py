@@ -225,18 +225,34 @@ def create_temporary(
 
 
 @contextlib.contextmanager
+def named_errors(path: str) -> Iterator[None]:
+    """An ``OSError`` raised inside the block with an errno but no file name (a write or
+    an fsync that found the disk full, the quota spent, an I/O error) gets ``path`` as
+    its file name, as an open's error has: "No space left on device" alone names
+    neither the checkpoint nor the file."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno is not None and exc.filename is None:
+            exc.filename = path
+        raise
+
+
+@contextlib.contextmanager
 def write_stream(path: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
     """``path`` written from its start through :func:`open_for_writing` (its directory
     made first); fsynced with ``sync``; removed if the body raises, only while it is
-    still the file written (:func:`_remove_written`)."""
+    still the file written (:func:`_remove_written`); an error without a file name
+    names ``path`` (:func:`named_errors`)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     out = open_for_writing(path)
     written = os.fstat(out.fileno())
     try:
-        yield out
-        out.flush()
-        if sync:
-            os.fsync(out.fileno())
+        with named_errors(path):
+            yield out
+            out.flush()
+            if sync:
+                os.fsync(out.fileno())
     except BaseException:
         out.close()
         with contextlib.suppress(FileNotFoundError):
@@ -285,7 +301,7 @@ def write_atomic(
     os.makedirs(directory, exist_ok=True)
     tmp, opened = create_temporary(path)
     try:
-        with opened as stream:
+        with opened as stream, named_errors(path):
             stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())

@@ -42,10 +42,11 @@ def write_stream_in(directory: str, name: str, *, sync: bool = False) -> Iterato
         out = _local_files.open_for_writing(last, dir_fd=fd, shown=shown)
         written = os.fstat(out.fileno())
         try:
-            yield out
-            out.flush()
-            if sync:
-                os.fsync(out.fileno())
+            with _local_files.named_errors(shown):
+                yield out
+                out.flush()
+                if sync:
+                    os.fsync(out.fileno())
         except BaseException:
             out.close()
             with contextlib.suppress(FileNotFoundError):
@@ -68,7 +69,7 @@ def write_atomic_in(directory: str, name: str, data: bytes, *, exclusive: bool =
     with _local_walk.opened_parent(directory, name, create=True, action="write") as (fd, last):
         tmp, opened = _local_files.create_temporary(last, dir_fd=fd, shown=shown)
         try:
-            with opened as stream:
+            with opened as stream, _local_files.named_errors(shown):
                 stream.write(data)
                 stream.flush()
                 os.fsync(stream.fileno())

@@ -190,3 +190,54 @@ def test_a_data_file_write_that_fails_names_the_file(tmp_path: Path) -> None:
     assert caught.value.errno == errno.ENOSPC
     assert f"{tmp_path / 'ck'}{os.sep}__0_" in str(caught.value)
     assert not list((tmp_path / "ck").glob("*.distcp"))
+
+
+_FULL_CHILD = r"""
+import errno, os, resource, signal, sys
+from storage.backends._local import LocalFileSystem
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+fs, root = LocalFileSystem(), sys.argv[1]
+writes = {
+    "write_atomic_in": lambda: fs.write_atomic_in(root, "ck/.metadata", b"m" * 10000),
+    "write_atomic": lambda: fs.write_atomic(os.path.join(root, "ck2", "latest"), b"l" * 10000),
+    "create_stream_in": lambda: fs.create_stream_in(root, "ck3/.heartbeat-x", "wb"),
+}
+for what, write in writes.items():
+    try:
+        if what == "create_stream_in":
+            with write() as out:
+                out.write(b"h" * 10000)
+                out.flush()
+        else:
+            write()
+    except OSError as exc:
+        assert exc.errno == errno.EFBIG, exc
+        print(what, exc.filename)
+"""
+
+
+def test_a_write_past_what_the_disk_takes_names_its_file(tmp_path: Path) -> None:
+    # Before: only a data file's failed write was named; the metadata's publish, the
+    # latest-step pointer and a heartbeat failed with a bare "[Errno 27] File too large"
+    # (or "No space left on device"). A real limit of the OS (RLIMIT_FSIZE, in a child).
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    named = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert named == {
+        "write_atomic_in": os.path.join(str(tmp_path), "ck/.metadata"),
+        "write_atomic": os.path.join(str(tmp_path), "ck2", "latest"),
+        "create_stream_in": os.path.join(str(tmp_path), "ck3/.heartbeat-x"),
+    }
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # no temporary left
