@@ -197,19 +197,15 @@ def _write_file(
         note(fmt.item_label(ordered[0].index), url)
     # In the checkpoint directory as resolved when the save began, never through a link
     # swapped in since (create_stream_in).
-    try:
-        with attempt.fs.create_stream_in(attempt.home, name, "wb", sync=settings.sync) as opened:
-            stream = cancellable(opened)
-            offset = 0
-            for item in ordered:
-                note(fmt.item_label(item.index), url)
-                result = _write_item(checkpoint, settings, stream, name, offset, item, planner)
-                offset += result.storage_data.length
-                results.append(result)
-    except OSError as exc:
-        if exc.errno is not None and exc.filename is None:  # a write's (ENOSPC, EIO)
-            exc.filename = url  # named, as an open's error names its file
-        raise
+    # A write that fails for want of room names the file (the backend's doing).
+    with attempt.fs.create_stream_in(attempt.home, name, "wb", sync=settings.sync) as opened:
+        stream = cancellable(opened)
+        offset = 0
+        for item in ordered:
+            note(fmt.item_label(item.index), url)
+            result = _write_item(checkpoint, settings, stream, name, offset, item, planner)
+            offset += result.storage_data.length
+            results.append(result)
     return results
 
 
