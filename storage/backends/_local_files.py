@@ -246,17 +246,29 @@ def write_stream(path: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
     names ``path`` (:func:`named_errors`)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     out = open_for_writing(path)
+    with written_or_removed(out, path, lambda w: _remove_written(path, w), sync=sync):
+        yield out
+
+
+@contextlib.contextmanager
+def written_or_removed(
+    out: IO[bytes], shown: str, remove: Callable[[os.stat_result], None], *, sync: bool = False
+) -> Iterator[None]:
+    """The body writes ``out`` (a file just opened for writing, shown as ``shown`` in
+    errors: :func:`named_errors`); then it is flushed, fsynced with ``sync`` and closed.
+    If anything raises, it is closed and ``remove`` is given its ``fstat`` from before
+    the body, to remove the file only while it is still that one."""
     written = os.fstat(out.fileno())
     try:
-        with named_errors(path):
-            yield out
+        with named_errors(shown):
+            yield
             out.flush()
             if sync:
                 os.fsync(out.fileno())
     except BaseException:
         out.close()
         with contextlib.suppress(FileNotFoundError):
-            _remove_written(path, written)
+            remove(written)
         raise
     out.close()
 

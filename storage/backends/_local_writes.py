@@ -40,19 +40,12 @@ def write_stream_in(directory: str, name: str, *, sync: bool = False) -> Iterato
     shown = os.path.join(directory, name)
     with _local_walk.opened_parent(directory, name, create=True, action="write") as (fd, last):
         out = _local_files.open_for_writing(last, dir_fd=fd, shown=shown)
-        written = os.fstat(out.fileno())
-        try:
-            with _local_files.named_errors(shown):
-                yield out
-                out.flush()
-                if sync:
-                    os.fsync(out.fileno())
-        except BaseException:
-            out.close()
-            with contextlib.suppress(FileNotFoundError):
-                _local_files.remove_written_at(fd, last, written)
-            raise
-        out.close()
+
+        def remove(written: os.stat_result) -> None:
+            _local_files.remove_written_at(fd, last, written)
+
+        with _local_files.written_or_removed(out, shown, remove, sync=sync):
+            yield out
 
 
 def write_atomic_in(directory: str, name: str, data: bytes, *, exclusive: bool = False) -> None:
