@@ -19,7 +19,7 @@ from extensions.errors import IntegrityError
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
-from storage.checkpoint.coverage import check_covered, uncovered
+from storage.checkpoint.coverage import Shortfall, check_covered, uncovered
 from storage.checkpoint.deadline import Budget
 from storage.checkpoint.items import encryption_required
 from storage.checkpoint.seal import SealCheck
@@ -60,7 +60,7 @@ class LoadContext:
     url: str
     storage_data: Mapping[MetadataIndex, Any]
     chunks: Chunks
-    uncovered: Mapping[str, tuple[int, int]]
+    uncovered: Mapping[str, Shortfall]
     registry: ExtensionRegistry
     keys: Keys | None = field(repr=False)  # key bytes: never in a repr
     require_encryption: bool

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from extensions.errors import IntegrityError, printable, quote
 from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.coverage import stored_elements
 
 
 def check_shapes(
@@ -114,13 +115,15 @@ def empty_stored(
     tensor is refused naming the item (what they leave out has no stored value)."""
     meta: Any = metadata.state_dict_metadata[fqn]
     if whole:
-        covered = sum(math.prod(chunk.sizes) for chunk in meta.chunks)
+        covered = stored_elements(meta)
         if covered != math.prod(meta.size):
+            held = "an uncountable part" if covered is None else covered
             raise IntegrityError(
                 f"{checkpoint}: item {quote(fqn)} is a {quote(tuple(meta.size))} tensor but its "
-                f"{len(meta.chunks)} stored chunks hold {covered} of its "
+                f"{len(meta.chunks)} stored chunks hold {held} of its "
                 f"{math.prod(meta.size)} elements; its metadata is incomplete or damaged (a "
-                "rank's part missing): nothing was read. Restore the checkpoint from a good copy"
+                "rank's part missing, or chunks overlapping as no torch save makes): nothing "
+                "was read. Restore the checkpoint from a good copy"
             )
     for chunk in meta.chunks:
         index = MetadataIndex(fqn, chunk.offsets)

@@ -105,10 +105,15 @@ def _report_uncovered(part: Part, report: VerifyReport) -> None:
         return
     for fqn, (covered, total) in uncovered(part.metadata).items():
         label = part.label(MetadataIndex(fqn))
+        held = (
+            "overlap in a way no torch save makes (too irregularly to count what they hold)"
+            if covered is None
+            else f"cover {covered} of its {total} elements"
+        )
         problem = (
-            f"its stored chunks cover {covered} of its {total} elements, though the ranks "
-            "that saved it together covered it whole: the checkpoint is damaged or "
-            "incomplete (a rank's part missing); re-save it, or load from another step"
+            f"its stored chunks {held}, though the ranks that saved it together covered "
+            "it whole: the checkpoint is damaged or incomplete (a rank's part missing); "
+            "re-save it, or load from another step"
         )
         earlier = report.bad.get(label)
         report.bad[label] = problem if earlier is None else f"{problem}; and {earlier}"
