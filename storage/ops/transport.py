@@ -13,6 +13,7 @@ by :mod:`storage.ops.transport_load`.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import threading
 import time
@@ -81,7 +82,11 @@ class StorageTransport:
     ``state_dict``, if given, returns this replica's own state, laid out as the sender
     sends it; a received DTensor is rebuilt on the device mesh of the DTensor at the same
     place in it (else on a mesh rebuilt from the sender's ranks, which a DTensor on a
-    slice of a mesh cannot be: see :mod:`~storage.ops.transport_dtensor`).
+    slice of a mesh cannot be: see :mod:`~storage.ops.transport_dtensor`); and a
+    received tensor whose stored chunks hold less than the size its sender claims (a
+    tensor sharded over ranks, of which the sender stores its own shards) is allocated
+    only where this state has a tensor of that shape at the same place, else refused
+    (:class:`~storage.ops.transport_load.PlainDataPlanner`).
     """
 
     def __init__(
@@ -298,10 +303,13 @@ class StorageTransport:
         self, reader: CheckpointReader, url: str, sender: str, sender_id: str | None
     ) -> dict[str, Any]:
         state: dict[str, Any] = {}
+        # This worker's own state, asked for once, and only if needed.
+        own = functools.cache(lambda: None if self.state_dict is None else self.state_dict())
+
         try:
             # dcp.load would fill a copy of ``state``; this fills ``state`` itself.
             load_state_dict_without_collectives(
-                state, reader, planner=PlainDataPlanner(url), no_dist=True
+                state, reader, planner=PlainDataPlanner(url, sender, own), no_dist=True
             )
         except CheckpointException as exc:
             real = unwrap_checkpoint_exception(exc, reader)
@@ -317,8 +325,7 @@ class StorageTransport:
         if SHAPE_KEY not in state:  # written before the shape was recorded
             return state
         shape = state.pop(SHAPE_KEY)
-        own = None if self.state_dict is None else self.state_dict()
-        rebuilt: dict[str, Any] = rebuild(state, shape, url, own=own)
+        rebuilt: dict[str, Any] = rebuild(state, shape, url, own=own())
         return rebuilt
 
     def _sent_again(self, fs: FileSystemBase, url: str, reader: CheckpointReader) -> bool:

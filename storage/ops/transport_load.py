@@ -1,10 +1,12 @@
 """How :class:`~storage.ops.transport.StorageTransport` loads a received checkpoint:
-into an empty state dict rebuilt from the sender's metadata alone, which is checked
-before it sizes anything (the sender may be damaged or hostile)."""
+into an empty state dict rebuilt from the sender's metadata, which is checked before it
+sizes anything (the sender may be damaged or hostile), against the bytes stored and the
+receiver's own state where it gives one."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +15,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 
 from extensions._compat import EmptyStateDictLoadPlanner, set_element
-from extensions.errors import UnsafeCheckpointError, quote
+from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
+from storage.checkpoint.coverage import stored_elements
 from storage.checkpoint.decode import MAX_OBJECT_BYTES, refused_pickle
 from storage.checkpoint.tensors import empty_stored
 
@@ -29,15 +32,29 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
     ``planner_data`` may ask for at most :data:`MAX_OBJECT_BYTES` list slots in all
     (torch's ``set_element`` grows a list to an index one ``None`` at a time).
 
+    Each tensor is allocated at the global size the sender claims, so that claim is
+    bounded too: by what its stored chunks hold (each element once,
+    ``coverage.stored_elements``; an untransformed chunk holds a byte per element it
+    claims), or, where they hold less, by the receiver's own state (``own``: the
+    transport's ``state_dict=``), whose tensor at the same place must have that shape.
+    Else the tensor is refused before anything is allocated, naming the checkpoint,
+    ``sender``, the item and the sizes: 24 bytes of metadata claiming 2**40 elements
+    must not make the receiver allocate (or fail allocating) 4 TiB.
+
     Its targets are made from the stored chunks (``targets_from_metadata``): a sender
-    stores only its own shards of a sharded tensor, so what no chunk covers is no
-    damage here (the reader does not refuse it; it stays zero)."""
+    of a tensor sharded over ranks (a ``ShardedTensor``) stores only its own shards, so
+    what no chunk covers of a tensor the receiver's own state has is no damage here (the
+    reader does not refuse it; it stays zero)."""
 
     targets_from_metadata = True
 
-    def __init__(self, where: str) -> None:
+    def __init__(
+        self, where: str, sender: str = "the sender", own: Callable[[], Any] | None = None
+    ) -> None:
         super().__init__()
         self._where = where
+        self._sender = sender
+        self._own = own
 
     def set_up_planner(
         self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
@@ -47,16 +64,40 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
         paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         check_paths(paths, self._where)
         for fqn, stored in metadata.state_dict_metadata.items():
-            value = (
-                empty_stored(metadata, fqn, self._where, whole=False)
-                if isinstance(stored, TensorStorageMetadata)
-                else stored
-            )
+            if isinstance(stored, TensorStorageMetadata):
+                self._check_size(fqn, stored, paths.get(fqn, (fqn,)))
+                value = empty_stored(metadata, fqn, self._where, whole=False)
+            else:
+                value = stored
             if fqn in paths:
                 set_element(state_dict, paths[fqn], value)
             else:
                 state_dict[fqn] = value
         DefaultLoadPlanner.set_up_planner(self, state_dict, metadata, is_coordinator)
+
+    def _check_size(self, fqn: str, stored: TensorStorageMetadata, path: Sequence[Any]) -> None:
+        """Refuse a tensor whose claimed size its stored chunks do not hold, unless the
+        receiver's own tensor at ``path`` has that shape (see the class docstring)."""
+        total = math.prod(stored.size)
+        held = stored_elements(stored)
+        if held is not None and held >= total:
+            return
+        own = at_path(self._own(), path) if self._own is not None else None
+        if isinstance(own, torch.Tensor) and tuple(own.shape) == tuple(stored.size):
+            return
+        dtype = stored.properties.dtype
+        dtype_name = str(dtype).removeprefix("torch.")
+        raise IntegrityError(
+            f"{self._where}: item {quote(fqn)}: {self._sender}'s metadata claims a "
+            f"{quote(tuple(stored.size))} {dtype_name} tensor ({total * dtype.itemsize} bytes) "
+            f"but its stored chunks hold {'an uncountable part' if held is None else held} "
+            f"of its {total} elements, and this worker's own state has no tensor of that "
+            "shape there: allocating it would take memory no stored byte fills, so nothing "
+            "was allocated. The sender's metadata is damaged or hostile, or it stores only "
+            "its own shards of a tensor sharded over ranks: pass state_dict= to the "
+            "transport (this worker's own state, as the sender sends it), or have the "
+            "sender send it again"
+        )
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         fqn = read_item.dest_index.fqn
@@ -68,6 +109,24 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def at_path(state: Any, path: Sequence[Any]) -> Any:
+    """The value at ``path`` (a ``planner_data`` path: keys and list indices) in
+    ``state``, a key matching a path's string where the state's key is not one (an
+    optimizer's parameter ids); ``None`` where there is none."""
+    value = state
+    for part in path:
+        if isinstance(value, Mapping):
+            found = value.get(part) if isinstance(part, str) else None
+            if found is None:
+                found = next((v for k, v in value.items() if str(k) == str(part)), None)
+            value = found
+        elif isinstance(value, (list, tuple)) and type(part) is int and 0 <= part < len(value):
+            value = value[part]
+        else:
+            return None
+    return value
 
 
 def check_paths(paths: Mapping[str, Any], where: str) -> None:

@@ -353,3 +353,59 @@ def test_a_malformed_dtensor_layout_is_refused_naming_the_item(
             transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
     finally:
         dist.destroy_process_group()
+
+
+def _claiming(metadata: Any, size: int) -> None:
+    """``model.w`` (4 elements, stored whole) claimed to be a tensor of ``size``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = metadata.state_dict_metadata["model.w"]
+    metadata.state_dict_metadata["model.w"] = TensorStorageMetadata(
+        md.properties, torch.Size([size]), md.chunks
+    )
+
+
+def test_a_tensor_claiming_a_global_size_its_chunks_do_not_hold_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The receiver allocates a tensor at the global size the sender claims: a
+    4-element chunk of a tensor claimed to hold 2**40 elements made it ask for 4 TiB
+    (torch's MemoryError; a smaller claim was allocated and zeroed, page by page)."""
+    import pickle
+
+    from extensions.errors import IntegrityError
+
+    transport, path, metadata = _sent_metadata(tmp_path)
+    _claiming(metadata, 1 << 40)
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(IntegrityError) as info:
+        transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
+    message = str(info.value)
+    assert "item 'model.w': replica 0's metadata claims a (1099511627776) float32 tensor" in message
+    assert "(4398046511104 bytes) but its stored chunks hold 4 of its" in message
+    assert "pass state_dict= to the transport" in message
+
+
+def test_a_tensor_the_sender_stores_in_part_is_sized_by_the_receivers_own(
+    tmp_path: Path,
+) -> None:
+    """A tensor of which the sender stores only its own shards (claimed 8 elements, 4
+    stored) is allocated where the receiver's own state has it at that shape; the
+    elements no chunk holds are zero."""
+    import pickle
+
+    from extensions.errors import IntegrityError
+
+    transport, path, metadata = _sent_metadata(tmp_path)
+    _claiming(metadata, 8)
+    path.write_bytes(pickle.dumps(metadata))
+    shaped = storage.StorageTransport(
+        str(tmp_path), rank=1, state_dict=lambda: {"model": {"w": torch.zeros(8)}}
+    )
+    got = shaped.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
+    assert torch.equal(got["model"]["w"], torch.tensor([1.0] * 4 + [0.0] * 4))
+    other = storage.StorageTransport(
+        str(tmp_path), rank=2, state_dict=lambda: {"model": {"w": torch.zeros(9)}}
+    )
+    with pytest.raises(IntegrityError, match="'model.w'.*hold 4 of its 8 elements"):
+        other.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
