@@ -64,11 +64,10 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
         paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         check_paths(paths, self._where)
         for fqn, stored in metadata.state_dict_metadata.items():
+            value: Any = stored
             if isinstance(stored, TensorStorageMetadata):
                 self._check_size(fqn, stored, paths.get(fqn, (fqn,)))
                 value = empty_stored(metadata, fqn, self._where, whole=False)
-            else:
-                value = stored
             if fqn in paths:
                 set_element(state_dict, paths[fqn], value)
             else:
