@@ -109,13 +109,16 @@ def empty_stored(
     anything is allocated (a compressed item's claim is bounded only by what its codec
     can expand to); an allocation that fails names the item.
 
-    The tensor is zeroed: where the stored chunks leave part of it unread, that part
+    Where the stored chunks leave part of it unread, the tensor is zeroed: that part
     must not be whatever the allocator handed out (this process's old memory, which an
-    export would publish). ``whole``: the chunks must also hold every element, else the
-    tensor is refused naming the item (what they leave out has no stored value)."""
+    export would publish). Where they hold every element, a load of it writes each one
+    (or fails), so it is left untouched: its memory is touched only as decoded bytes
+    arrive, which the stored bytes bound, however much a transformed chunk (whose claim
+    nothing checks here) claims. ``whole``: the chunks must hold every element, else
+    the tensor is refused naming the item (what they leave out has no stored value)."""
     meta: Any = metadata.state_dict_metadata[fqn]
+    covered = stored_elements(meta)
     if whole:
-        covered = stored_elements(meta)
         if covered != math.prod(meta.size):
             held = "an uncountable part" if covered is None else covered
             raise IntegrityError(
@@ -139,8 +142,9 @@ def empty_stored(
                 "forged: nothing was allocated for it. Restore the checkpoint from a good copy"
             )
     size, dtype = torch.Size(meta.size), meta.properties.dtype
+    allocate = torch.empty if covered == math.prod(size) else torch.zeros
     try:
-        return torch.zeros(size, dtype=dtype)
+        return allocate(size, dtype=dtype)
     except (RuntimeError, MemoryError) as exc:
         raise MemoryError(
             f"{checkpoint}: item {quote(fqn)} is a {tuple(size)} {dtype} tensor, more than "

@@ -409,3 +409,53 @@ def test_a_tensor_the_sender_stores_in_part_is_sized_by_the_receivers_own(
     )
     with pytest.raises(IntegrityError, match="'model.w'.*hold 4 of its 8 elements"):
         other.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=5))
+
+
+_RECEIVE_PEAK = """
+import resource, sys
+from datetime import timedelta
+import storage
+from extensions.errors import IntegrityError
+
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    storage.StorageTransport(sys.argv[1], rank=1).recv_checkpoint(
+        0, sys.argv[1], 1, timedelta(seconds=5)
+    )
+except IntegrityError as exc:
+    print("refused:", exc)
+print("grew_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+def test_a_compressed_chunk_claiming_a_huge_tensor_is_not_zero_filled(tmp_path: Path) -> None:
+    """A compressed item's claim of elements has no stored size to be checked against:
+    a 4-element zstd item claiming 2**28 (1 GiB of float32) made the receiver allocate
+    and zero-fill the whole GiB before its bytes ran out. A tensor its chunks cover is
+    now left untouched (the load writes every element), so only decoded bytes touch
+    memory; measured in a fresh process, whose peak is the receive's alone."""
+    import pickle
+    import subprocess
+    import sys
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    sender = storage.StorageTransport(str(tmp_path), rank=0, transforms=[ZStandard()])
+    sender.send_checkpoint([1], 1, {"model": {"w": torch.ones(4)}}, timedelta(seconds=60))
+    path = tmp_path / "replica-0" / "step-1" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())  # the test's own file
+    big = torch.Size([1 << 28])
+    props = metadata.state_dict_metadata["model.w"].properties
+    chunk = ChunkStorageMetadata(torch.Size([0]), big)
+    metadata.state_dict_metadata["model.w"] = TensorStorageMetadata(props, big, [chunk])
+    path.write_bytes(pickle.dumps(metadata))
+    done = subprocess.run(
+        [sys.executable, "-c", _RECEIVE_PEAK, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(storage.__file__).parent.parent)},
+    )
+    assert "refused:" in done.stdout and "'model.w'" in done.stdout, done.stdout + done.stderr
+    grew = int(done.stdout.rsplit("grew_kib", 1)[1])
+    assert grew < 256 * 1024, done.stdout  # KiB: far below the claimed GiB
