@@ -50,6 +50,10 @@ def union_volume(boxes: Iterable[Box]) -> int:
         return 1
     if ndim == 1:
         return _merged_length(sorted((o[0], o[0] + s[0]) for o, s in distinct))
+    if all(_apart({(o[d], o[d] + s[d]) for o, s in distinct}) for d in range(ndim)):
+        # In each dimension the boxes' extents are the same or apart, so each box is one
+        # cell of the grid they cut, and no two distinct boxes are the same cell.
+        return sum(math.prod(sizes) for _, sizes in distinct)
     edges = [
         sorted({o[d] for o, _ in distinct} | {o[d] + s[d] for o, s in distinct})
         for d in range(ndim)
@@ -58,10 +62,13 @@ def union_volume(boxes: Iterable[Box]) -> int:
         [(bisect_left(edges[d], o[d]), bisect_left(edges[d], o[d] + s[d])) for d in range(ndim)]
         for o, s in distinct
     ]
-    if all(hi - lo == 1 for span in spans for lo, hi in span):
-        # Each box is one cell of the grid and no two are the same cell: disjoint.
-        return sum(math.prod(sizes) for _, sizes in distinct)
     return _marked_volume(edges, spans)
+
+
+def _apart(intervals: set[tuple[int, int]]) -> bool:
+    """Whether the distinct ``intervals`` overlap none of the others."""
+    ordered = sorted(intervals)
+    return all(a[1] <= b[0] for a, b in pairwise(ordered))
 
 
 def _merged_length(intervals: Sequence[tuple[int, int]]) -> int:
