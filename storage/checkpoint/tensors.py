@@ -118,16 +118,15 @@ def empty_stored(
     the tensor is refused naming the item (what they leave out has no stored value)."""
     meta: Any = metadata.state_dict_metadata[fqn]
     covered = stored_elements(meta)
-    if whole:
-        if covered != math.prod(meta.size):
-            held = "an uncountable part" if covered is None else covered
-            raise IntegrityError(
-                f"{checkpoint}: item {quote(fqn)} is a {quote(tuple(meta.size))} tensor but its "
-                f"{len(meta.chunks)} stored chunks hold {held} of its "
-                f"{math.prod(meta.size)} elements; its metadata is incomplete or damaged (a "
-                "rank's part missing, or chunks overlapping as no torch save makes): nothing "
-                "was read. Restore the checkpoint from a good copy"
-            )
+    if whole and covered != math.prod(meta.size):
+        held = "an uncountable part" if covered is None else covered
+        raise IntegrityError(
+            f"{checkpoint}: item {quote(fqn)} is a {quote(tuple(meta.size))} tensor but its "
+            f"{len(meta.chunks)} stored chunks hold {held} of its "
+            f"{math.prod(meta.size)} elements; its metadata is incomplete or damaged (a "
+            "rank's part missing, or chunks overlapping as no torch save makes): nothing "
+            "was read. Restore the checkpoint from a good copy"
+        )
     for chunk in meta.chunks:
         index = MetadataIndex(fqn, chunk.offsets)
         info = (metadata.storage_data or {}).get(index)
