@@ -101,10 +101,10 @@ def test_a_full_shared_memory_fails_the_stage_by_name_and_the_next_stage_reserve
     real = _shm._populate
     full = {"on": True}
 
-    def populate(mapping: mmap.mmap, offset: int, length: int) -> None:
+    def populate(mapping: mmap.mmap, address: int, offset: int, length: int) -> None:
         if full["on"]:
             raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
-        real(mapping, offset, length)
+        real(mapping, address, offset, length)
 
     monkeypatch.setattr(_shm, "_populate", populate)
     pool = _pool.StagingPool(copy_threads=threads)
@@ -130,10 +130,10 @@ def test_a_piece_whose_space_cannot_be_reserved_is_never_written(
     large tensor finds no room."""
     real = _shm._populate
 
-    def populate(mapping: mmap.mmap, offset: int, length: int) -> None:
+    def populate(mapping: mmap.mmap, address: int, offset: int, length: int) -> None:
         if offset == _copies.PIECE:
             raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
-        real(mapping, offset, length)
+        real(mapping, address, offset, length)
 
     monkeypatch.setattr(_shm, "_populate", populate)
     pool = _pool.StagingPool(copy_threads=2)
@@ -223,7 +223,7 @@ def test_where_the_kernel_cannot_populate_a_segment_is_reserved_whole_when_made(
     once sent to the worker), and a stage or a prepare copies exactly."""
     monkeypatch.setattr(_shm, "_populates", lambda: False)
 
-    def never(mapping: mmap.mmap, offset: int, length: int) -> None:
+    def never(mapping: mmap.mmap, address: int, offset: int, length: int) -> None:
         raise AssertionError("populated")
 
     monkeypatch.setattr(_shm, "_populate", never)
@@ -236,3 +236,40 @@ def test_where_the_kernel_cannot_populate_a_segment_is_reserved_whole_when_made(
         _assert_staged(staged, state)
     finally:
         pool.close()
+
+
+def _resident(address: int) -> int:
+    """Bytes of the mapping at ``address`` in this process's memory (``Rss`` in
+    ``/proc/self/smaps``)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping at that address")
+
+
+@pytest.mark.skipif(not _shm._populates(), reason="no MADV_POPULATE_WRITE")
+def test_reserving_a_range_maps_exactly_its_pages_and_refuses_one_outside() -> None:
+    """The reservation calls libc's madvise itself (Python's holds the GIL while the
+    host hands out pages, stopping the training thread): it must act on the segment's
+    own pages, those of the range asked for and no others, and a range past the
+    segment's end is refused before any call (it would reach another mapping)."""
+    page = mmap.PAGESIZE
+    segment = _shm.Segment("probe", 64 * page)
+    try:
+        assert _resident(segment.address) == 0
+        segment.reserve(8 * page, 16 * page)
+        assert _resident(segment.address) == 16 * page
+        with pytest.raises(ValueError, match="range"):
+            segment.reserve(60 * page, 8 * page)
+        with pytest.raises(ValueError, match="range"):
+            segment.reserve(page // 2, page)
+        segment.reserve()
+        assert _resident(segment.address) == 64 * page
+    finally:
+        segment.close()

@@ -1157,7 +1157,7 @@ def _no_room_in_shm(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from storage.checkpoint.persist import _shm
 
-    def full(mapping: object, offset: int, length: int) -> None:
+    def full(mapping: object, address: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
     monkeypatch.setattr(_shm, "_populate", full)
