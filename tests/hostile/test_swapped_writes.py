@@ -312,3 +312,29 @@ def test_a_link_replaced_while_it_is_read_is_not_followed(
     monkeypatch.setattr(os, "readlink", replace_then_read)
     with pytest.raises(UnsafeCheckpointError, match="was replaced while it was read"):
         storage.LocalFileSystem().resolve_link(str(link))
+
+
+def test_a_tier_swapped_for_a_link_never_gets_its_root_file_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before the fix: the tier's .dcp-tier-root was written by path; the tier directory
+    # swapped for a link after the manager resolved it (by whoever can write its
+    # parent), the file landed in the link's target, claiming a directory of their
+    # choosing as this manager's tier.
+    from storage.checkpoint import heartbeat
+
+    tier, victim = tmp_path / "tier", tmp_path / "victim"
+    tier.mkdir()
+    victim.mkdir()
+    resolve = heartbeat.resolved
+
+    def resolve_then_swap(fs: Any, path: str) -> str:
+        home = resolve(fs, path)
+        if path == str(tier) and not tier.is_symlink():
+            _swap(tier, victim)
+        return home
+
+    monkeypatch.setattr(heartbeat, "resolved", resolve_then_swap)
+    with pytest.raises(UnsafeCheckpointError, match=_SWAPPED):
+        storage.CheckpointManager(tmp_path / "root", local=tier)
+    assert list(victim.iterdir()) == []
