@@ -9,7 +9,8 @@ directory would follow a link swapped in meanwhile into a directory of their cho
 Here a link is followed only as the kernel's ``protected_symlinks`` follows one in a
 sticky world-writable directory: where it is owned by this process's effective user, by
 root, or by the owner of the directory that holds it (who could replace anything there
-anyway); each link of a chain so. Any other raises ``UnsafeCheckpointError`` naming the
+anyway), or where that directory is writable by its owner only (only they or root put a
+name there, whoever the link's owner); each link of a chain so. Any other raises ``UnsafeCheckpointError`` naming the
 link, its owner and the fix. The directories above the checkpoint path (and above each
 link's target) are taken as given, as the walk takes them; the last name the chain
 leads to is returned unresolved, so a link swapped in there later fails the walk.
@@ -25,6 +26,8 @@ from extensions.errors import UnsafeCheckpointError, quote
 
 # What the kernel follows before it says ELOOP.
 _MAX_LINKS = 40
+# A directory only its owner can write: only they (or root) put a name there.
+_SHARED_WRITE = stat.S_IWGRP | stat.S_IWOTH
 _HOLDER_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -69,7 +72,7 @@ def _trusted_link(path: str, link: str) -> str | None:
             return None
         target = os.readlink(name, dir_fd=holder)
         after = os.stat(name, dir_fd=holder, follow_symlinks=False)
-        owner = os.fstat(holder).st_uid
+        held_by = os.fstat(holder)
     except FileNotFoundError:
         return None
     finally:
@@ -81,16 +84,18 @@ def _trusted_link(path: str, link: str) -> str | None:
             f"nothing was written or removed. Make {holder_path or os.curdir!r} writable by "
             "you only, then save again"
         )
-    if before.st_uid in (os.geteuid(), 0, owner):
+    owner = held_by.st_uid
+    if before.st_uid in (os.geteuid(), 0, owner) or not held_by.st_mode & _SHARED_WRITE:
         return target
     through = "" if link == path else f" leads through {link!r}, which"
     raise UnsafeCheckpointError(
         f"refusing to follow the checkpoint path {path!r}: it{through} is a symbolic link "
         f"of user id {before.st_uid}'s (to {quote(target)}), in {holder_path or os.curdir!r}, "
-        f"a directory of user id {owner}'s; a link there is followed only where it is "
-        "yours, root's or the directory owner's (as the kernel's protected_symlinks "
-        "follows links), since anyone else who can write that directory may have put it "
-        "there to redirect the save; nothing was written or removed. Remove the link, or "
+        f"a directory of user id {owner}'s that others can write; a link there is "
+        "followed only where it is yours, root's or the directory owner's (as the "
+        "kernel's protected_symlinks follows links), since anyone else who can write that "
+        "directory may have put it there to redirect the save; nothing was written or "
+        "removed. Remove the link, or "
         "make it yourself (ln -sfn TARGET PATH) if you trust its target, and make that "
         "directory writable by you only"
     )

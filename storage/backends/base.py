@@ -43,7 +43,8 @@ Semantics every backend guarantees (checked by ``storage.testing.FileSystemTests
   nothing written); ``rm_file_in``, ``rm_dir_in`` and ``rename_in`` remove and move so.
   ``resolve_link(path)``, what those are given as ``directory``, follows a link at the
   checkpoint path itself only where it can be trusted (the user's own, root's, or the
-  owner's of the directory holding it), refusing a neighbour's.
+  owner's of the directory holding it, or any in a directory only its owner can write),
+  refusing a neighbour's.
 * ``rename(path, new_path)`` moves one object, replacing what is at ``new_path``:
   atomically where ``atomic_rename`` says so (local disk), elsewhere as fsspec does,
   a copy then a delete (object stores: another reader may see both, or neither if the
@@ -270,8 +271,9 @@ class FileSystemBase(abc.ABC):
         disk), one is followed only where it can be trusted, as the kernel's
         ``protected_symlinks`` follows a link in a sticky world-writable directory: it is
         owned by this process's effective user, by root, or by the owner of the directory
-        that holds it (each link of a chain so); anyone else's (put there by a neighbour
-        who can write that directory, to redirect the save) raises
+        that holds it, or that directory is writable by its owner only (each link of a
+        chain so); anyone else's (put there by a neighbour who can write that directory,
+        to redirect the save) raises
         ``UnsafeCheckpointError`` naming the path, the link's owner and the fix. The
         directories above ``path`` are taken as given. This default follows
         :meth:`is_link` and :meth:`realpath` (backends whose links have no owners)."""

@@ -263,8 +263,9 @@ def test_a_link_at_the_checkpoint_path_is_followed_only_where_it_is_trusted(
 ) -> None:
     # Before the fix: resolve_link did not exist and every link at the checkpoint path
     # was followed, whoever owned it. Now it is followed as the kernel's
-    # protected_symlinks follows one: the process's own (root's here), or the owner's
-    # of the directory holding it; anyone else's is refused, in a chain too.
+    # protected_symlinks follows one: the process's own (root's here), the owner's of
+    # the directory holding it, or anyone's in a directory only its owner can write;
+    # anyone else's is refused, in a chain too.
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     real = tmp_path / "real"
@@ -274,6 +275,10 @@ def test_a_link_at_the_checkpoint_path_is_followed_only_where_it_is_trusted(
     os.chown(theirs, 65534, 65534)
     (theirs / "ckpt").symlink_to(real, target_is_directory=True)
     os.lchown(theirs / "ckpt", 65534, 65534)
+    private = tmp_path / "private"  # root's, writable by root only: nobody else put it
+    private.mkdir(mode=0o755)
+    (private / "ckpt").symlink_to(real, target_is_directory=True)
+    os.lchown(private / "ckpt", 65534, 65534)
     neighbours = _neighbours_link(tmp_path, real)
     ours = tmp_path / "ours"
     ours.symlink_to(neighbours, target_is_directory=True)  # ours, leading to theirs
@@ -285,6 +290,7 @@ def test_a_link_at_the_checkpoint_path_is_followed_only_where_it_is_trusted(
         assert fs.resolve_link(str(real)) == str(real)
         assert fs.resolve_link(str(tmp_path / "missing")) == str(tmp_path / "missing")
         assert fs.resolve_link(str(theirs / "ckpt")) == str(real)
+        assert fs.resolve_link(str(private / "ckpt")) == str(real)
         with pytest.raises(UnsafeCheckpointError, match=r"symbolic link of user id 65534's"):
             fs.resolve_link(str(neighbours))
         with pytest.raises(UnsafeCheckpointError, match="leads through"):
