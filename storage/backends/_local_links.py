@@ -10,10 +10,11 @@ Here a link is followed only as the kernel's ``protected_symlinks`` follows one 
 sticky world-writable directory: where it is owned by this process's effective user, by
 root, or by the owner of the directory that holds it (who could replace anything there
 anyway), or where that directory is writable by its owner only (only they or root put a
-name there, whoever the link's owner); each link of a chain so. Any other raises ``UnsafeCheckpointError`` naming the
-link, its owner and the fix. The directories above the checkpoint path (and above each
-link's target) are taken as given, as the walk takes them; the last name the chain
-leads to is returned unresolved, so a link swapped in there later fails the walk.
+name there, whoever the link's owner); each link of a chain so. Any other raises
+``UnsafeCheckpointError`` naming the link, its owner and the fix. The directories above
+the checkpoint path (and above each link's target) are taken as given, as the walk takes
+them; the last name the chain leads to is returned unresolved, so a link swapped in
+there later fails the walk.
 """
 
 from __future__ import annotations

@@ -344,3 +344,29 @@ def test_a_tier_swapped_for_a_link_never_gets_its_root_file_through_it(
     with pytest.raises(UnsafeCheckpointError, match=_SWAPPED):
         storage.CheckpointManager(tmp_path / "root", local=tier)
     assert list(victim.iterdir()) == []
+
+
+def test_a_root_swapped_for_a_link_keeps_the_pointer_it_leads_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before the fix: the deletion of step-3 read the root's latest-step pointer, then
+    # removed it by path; the root swapped for a link in between (by whoever can write
+    # its parent), it removed the pointer in the link's target, another root's.
+    from storage.checkpoint import latest
+
+    root, victim = tmp_path / "root", tmp_path / "victim"
+    root.mkdir()
+    victim.mkdir()
+    for place in (root, victim):
+        (place / latest.NAME).write_bytes(b"step-3\n")
+    read = latest.read
+
+    def read_then_swap(fs: Any, parent: str) -> str | None:
+        held = read(fs, parent)
+        _swap(root, victim)
+        return held
+
+    monkeypatch.setattr(latest, "read", read_then_swap)
+    latest.withdraw(storage.LocalFileSystem(), str(root / "step-3"))
+    assert (victim / latest.NAME).read_bytes() == b"step-3\n"
+    assert _SWAPPED in caplog.text
