@@ -220,15 +220,19 @@ class FileSystemTests(CancellationTests, DirectoryWriteTests, ConformanceSuite):
 
     def test_links_are_told_and_resolved(self, fs: FileSystemBase, root: str) -> None:
         """Deletion never goes through a link: ``is_link`` tells one, ``realpath``
-        names where its files really are, and a plain path is neither."""
+        names where its files really are, and a plain path is neither; ``resolve_link``
+        leaves a plain path as it is and follows the user's own link (one of another
+        user's, refused, needs root to make: ``tests/hostile/test_swapped_writes.py``)."""
         real = fs.concat_path(root, "real")
         self.bypass_write(fs, fs.concat_path(real, "obj.bin"), b"x")
         assert not fs.is_link(real)
         assert fs.realpath(real) == fs.realpath(fs.realpath(real))
+        assert fs.resolve_link(real) == real
         link = fs.concat_path(root, "link")
         self.bypass_link(fs, real, link)
         assert fs.is_link(link)
         assert fs.realpath(link) == fs.realpath(real)
+        assert fs.resolve_link(link) == fs.realpath(real)
         assert fs.read_bytes(fs.concat_path(link, "obj.bin")) == b"x"
 
     def test_unfinished_uploads_are_listed_and_aborted(self, fs: FileSystemBase, root: str) -> None:

@@ -21,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem as FsspecLocalFileSyste
 from fsspec.spec import AbstractBufferedFile
 
 from extensions.errors import printable
-from storage.backends import _local_files, _local_removal, _local_writes
+from storage.backends import _local_files, _local_links, _local_removal, _local_writes
 from storage.backends._fsspec_client import FsspecClientBackend
 from storage.backends._ranges import RangeMismatchError, WindowReader
 
@@ -331,6 +331,11 @@ class FsspecFileSystem(FsspecClientBackend):
     def realpath(self, path: str) -> str:
         # fsspec's local filesystem (the one with links) takes plain absolute paths.
         return os.path.realpath(path) if callable(getattr(self.fs, "islink", None)) else path
+
+    def resolve_link(self, path: str) -> str:
+        if self.local_disk:
+            return _local_links.trusted_target(path)
+        return super().resolve_link(path)
 
     def ls(self, path: str) -> list[str]:
         with self._errors(path, "listing"):

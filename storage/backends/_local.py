@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import IO, ClassVar
 
-from storage.backends import _local_files, _local_removal, _local_writes
+from storage.backends import _local_files, _local_links, _local_removal, _local_writes
 from storage.backends.base import FileSystemBase
 
 
@@ -96,6 +96,9 @@ class LocalFileSystem(FileSystemBase):
 
     def realpath(self, path: str) -> str:
         return os.path.realpath(path)
+
+    def resolve_link(self, path: str) -> str:
+        return _local_links.trusted_target(path)
 
     def ls(self, path: str) -> list[str]:
         return sorted(os.listdir(path))

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any, cast
 
-from storage.backends import _local_files, _local_removal, _local_writes
+from storage.backends import _local_files, _local_links, _local_removal, _local_writes
 from storage.backends.base import FileSystemBase
 
 # torch.distributed.checkpoint.filesystem.FileSystemBase's abstract methods (torch 2.x).
@@ -132,6 +132,9 @@ class TorchFileSystem(FileSystemBase):
 
     def realpath(self, path: str) -> str:
         return os.path.realpath(path) if self._local() else path
+
+    def resolve_link(self, path: str) -> str:
+        return _local_links.trusted_target(path) if self._local() else path
 
     def _local(self) -> bool:
         from torch.distributed.checkpoint.filesystem import FileSystem

@@ -41,6 +41,10 @@ Semantics every backend guarantees (checked by ``storage.testing.FileSystemTests
   ``create_stream`` and ``write_atomic`` do, never through a symbolic link at
   ``directory`` or below it where the backend has links (``UnsafeCheckpointError``,
   nothing written); ``rm_file_in``, ``rm_dir_in`` and ``rename_in`` remove and move so.
+  ``resolve_link(path)``, what those are given as ``directory``, follows a link at the
+  checkpoint path itself only where it can be trusted (the user's own, root's, or the
+  owner's of the directory holding it, or any in a directory only its owner can write),
+  refusing a neighbour's.
 * ``rename(path, new_path)`` moves one object, replacing what is at ``new_path``:
   atomically where ``atomic_rename`` says so (local disk), elsewhere as fsspec does,
   a copy then a delete (object stores: another reader may see both, or neither if the
@@ -259,6 +263,22 @@ class FileSystemBase(abc.ABC):
         has none): the name under which its files are really stored."""
         return path
 
+    def resolve_link(self, path: str) -> str:
+        """The directory a checkpoint path the user named leads to where it is itself a
+        symbolic link (its files are written through it), else ``path``: what a save, a
+        deletion or a safetensors write resolves once as it begins, then acts on with the
+        ``*_in`` methods, never through a link below it. Where links have owners (local
+        disk), one is followed only where it can be trusted, as the kernel's
+        ``protected_symlinks`` follows a link in a sticky world-writable directory: it is
+        owned by this process's effective user, by root, or by the owner of the directory
+        that holds it, or that directory is writable by its owner only (each link of a
+        chain so); anyone else's (put there by a neighbour who can write that directory,
+        to redirect the save) raises
+        ``UnsafeCheckpointError`` naming the path, the link's owner and the fix. The
+        directories above ``path`` are taken as given. This default follows
+        :meth:`is_link` and :meth:`realpath` (backends whose links have no owners)."""
+        return self.realpath(path) if self.is_link(path) else path
+
     @abc.abstractmethod
     def ls(self, path: str) -> list[str]:
         """Sorted names (not paths) directly under ``path``, directories included."""
@@ -339,6 +359,7 @@ _PATH_ARGUMENTS = {
     "rm_dir_in": 1,
     "rename_in": 1,
     "is_link": 1,
+    "resolve_link": 1,
     "ls": 1,
     "mkdir": 1,
     "rm_dir": 1,

@@ -103,9 +103,11 @@ def beating(
 
 def resolved(fs: FileSystemBase, path: str) -> str:
     """The directory a checkpoint path the user named resolves to where it is itself a
-    symbolic link (its files were written through it), else ``path``: what removals of
-    the files a save wrote there act on, never through a link below it."""
-    return fs.realpath(path) if fs.is_link(path) else path
+    symbolic link the user may follow (its files were written through it), else
+    ``path``: what the writes and removals of a checkpoint's files act on, never through
+    a link below it. A neighbour's link there raises ``UnsafeCheckpointError``
+    (``FileSystemBase.resolve_link``: the one place that decides)."""
+    return fs.resolve_link(path)
 
 
 def live(fs: FileSystemBase, path: str, grace_seconds: float) -> tuple[list[str], list[str]]:

@@ -179,8 +179,10 @@ def withdraw(fs: FileSystemBase, directory: str) -> None:
         return
     path = fs.concat_path(location[0], NAME)
     try:
+        # In the root as the user named it, never through a link swapped in since.
+        home = heartbeat.resolved(fs, location[0])
         if read(fs, location[0]) == location[1]:
-            fs.rm_file(path)
+            fs.rm_file_in(home, NAME)
     except FileNotFoundError:
         pass
     except Exception as exc:

@@ -35,6 +35,11 @@ The commit protocol on any backend:
 
 With ``CheckpointWriterConfig(write_to_temp_dir=False)`` torch_checkpointing gives up
 its commit protocol; files then land in place and nothing marks them committed.
+
+On local disk no file is written, renamed or removed through a symbolic link below the
+checkpoint directory it is staged into, or below the root for the others (a directory
+swapped for one by whoever can write its parent is refused); the root, or a checkpoint
+directory, that is itself the user's link is followed, as resolved once.
 """
 
 from __future__ import annotations
@@ -104,16 +109,29 @@ class ObjectStoreStorage(Storage):
     def _resolve(self, path: Path | str) -> tuple[str, str | None]:
         """The backend path for ``path``, and the checkpoint directory it is staged into
         when ``path`` lies under a temporary directory (else None)."""
+        parts, staged = self._split(path)
+        return self._join(parts), None if staged is None else self._join(parts[: staged + 1])
+
+    def _split(self, path: Path | str) -> tuple[list[str], int | None]:
+        """The names of ``path`` below the root, its temporary directory's prefix
+        dropped, and the index of the checkpoint directory it is staged into (if any)."""
         parts = [p for p in PurePosixPath(path).parts if p != "/"]
         if ".." in parts:
             raise ValueError(f"{path}: '..' is not allowed in a checkpoint path")
-        prefix, staged = self.config.temp_dir_prefix, None
+        prefix = self.config.temp_dir_prefix
         for i, part in enumerate(parts):
             if part.startswith(prefix) and len(part) > len(prefix):
                 parts[i] = part[len(prefix) :]
-                staged = self._join(parts[: i + 1])
-                break
-        return self._join(parts), staged
+                return parts, i
+        return parts, None
+
+    def _place(self, path: Path | str) -> tuple[str, str]:
+        """Where a write, rename or removal of the file ``path`` walks from and its name
+        there: inside the checkpoint directory it is staged into, else inside the root,
+        either as first resolved (:meth:`_home`): never through a link below it."""
+        parts, staged = self._split(path)
+        cut = 0 if staged is None or staged + 1 == len(parts) else staged + 1
+        return self._home(self._join(parts[:cut])), "/".join(parts[cut:])
 
     def _join(self, parts: list[str]) -> str:
         return self.fs.concat_path(self.root, "/".join(parts)) if parts else self.root
@@ -122,10 +140,11 @@ class ObjectStoreStorage(Storage):
         return self.fs.concat_path(directory, name)
 
     def _home(self, staged: str) -> str:
-        """``staged`` as resolved the first time this instance made or wrote it (a link
-        the user named there is followed then, none below it, never one swapped in
-        since): where its files and markers are written (``create_stream_in``,
-        ``write_atomic_in``)."""
+        """``staged`` (a checkpoint directory, or the root) as resolved the first time
+        this instance made or wrote there (a link the user named there is followed then,
+        none below it, never one swapped in since): where its files and markers are
+        written and removed (``create_stream_in``, ``write_atomic_in``,
+        ``rm_file_in``)."""
         with self._lock:
             home = self._homes.get(staged)
             if home is None:
@@ -159,12 +178,9 @@ class ObjectStoreStorage(Storage):
         return key
 
     def _create(self, path: Path | str) -> contextlib.AbstractContextManager[IO[bytes]]:
-        """A write stream of ``path``: inside its checkpoint directory as first resolved
-        when it is staged into one (:meth:`_home`), else by path."""
-        key, staged = self._target(path), self._resolve(path)[1]
-        if staged is None or not key.startswith(staged + "/"):
-            return self.fs.create_stream(key, "wb")
-        return self.fs.create_stream_in(self._home(staged), key[len(staged) + 1 :], "wb")
+        """A write stream of ``path``, never through a link (:meth:`_place`)."""
+        self._target(path)
+        return self.fs.create_stream_in(*self._place(path), "wb")
 
     # --- writing ----------------------------------------------------------------------
 
@@ -177,8 +193,8 @@ class ObjectStoreStorage(Storage):
 
     def mkdir(self, path: Path, recursive: bool = True) -> None:
         key, staged = self._resolve(path)
-        if staged is not None:
-            self._home(staged)  # resolved before it is made: a link swapped in is refused
+        # Resolved before it is made: a link swapped in afterwards is refused.
+        self._home(self.root if staged is None else staged)
         self.fs.mkdir(key)
 
     def rename(
@@ -201,8 +217,9 @@ class ObjectStoreStorage(Storage):
             )
         if self._isdir(dst):
             raise IsADirectoryError(f"{self.fs.url(dst)} is a directory; not renaming onto it")
-        self.fs.write_atomic(dst, self.fs.read_bytes(src))
-        self.fs.rm_file(src)
+        data = self.fs.read_bytes(src)
+        self.fs.write_atomic_in(*self._place(dst_path), data)  # never through a link
+        self.fs.rm_file_in(*self._place(src_path))
 
     def _commit(self, directory: str) -> None:
         home = self._home(directory)  # where the markers go, as resolved at the start
@@ -226,7 +243,7 @@ class ObjectStoreStorage(Storage):
     # --- deleting ---------------------------------------------------------------------
 
     def delete(self, path: Path) -> None:
-        self.fs.rm_file(self._resolve(path)[0])
+        self.fs.rm_file_in(*self._place(path))  # never through a link swapped in
 
     def rmdir(self, path: Path) -> None:
         directory = self._resolve(path)[0]

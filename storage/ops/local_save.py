@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from extensions.errors import TierFullError, UnsafeCheckpointError, printable
 from storage.backends import LocalFileSystem
-from storage.checkpoint import api
+from storage.checkpoint import api, heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.commit import commit_checkpoint
 from storage.checkpoint.deadline import DeadlineExceededError
@@ -136,10 +136,13 @@ def claim_tier(g: Group, local: StepRoot, root: StepRoot) -> None:
                 f"the local tier {local.url} and the root {root.url} are one directory "
                 f"({root.place()}): point local= at a directory of its own"
             )
-        path = local.fs.concat_path(local.path, TIER_ROOT)
+        # In the tier as the user named it (a link there followed), never through a link
+        # swapped in since (write_atomic_in).
+        home = heartbeat.resolved(local.fs, local.path)
+        path = local.fs.concat_path(home, TIER_ROOT)
         ours = f"{root.place()}\n".encode()
         try:
-            local.fs.write_atomic(path, ours, exclusive=True)
+            local.fs.write_atomic_in(home, TIER_ROOT, ours, exclusive=True)
         except FileExistsError:
             theirs = local.fs.read_bytes(path, limit=4096)
             if theirs != ours:

@@ -10,6 +10,7 @@ names, in a comment, what happened before the fix it guards.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -215,3 +216,157 @@ def test_writes_go_by_path_where_the_platform_cannot_walk(
     storage.save(_state(4.0), str(tmp_path / "ckpt"), key_prefixes=2)
     _assert_loads(tmp_path / "ckpt", 4.0)
     shutil.rmtree(tmp_path / "ckpt")
+
+
+_ROOT_ONLY = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="needs root to own a link as another user",
+)
+
+
+def _neighbours_link(tmp_path: Path, target: Path) -> Path:
+    """``shared/ckpt``, a link to ``target`` that user 65534 put in a sticky directory
+    every user can write (a shared ``/scratch``), which is not theirs."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    link = shared / "ckpt"
+    link.symlink_to(target, target_is_directory=True)
+    os.lchown(link, 65534, 65534)
+    return link
+
+
+@_ROOT_ONLY
+@pytest.mark.parametrize("make", _local_savers())
+def test_a_neighbours_link_at_the_checkpoint_path_is_never_followed(
+    tmp_path: Path, victim: tuple[Path, dict[str, bytes]], make: Any
+) -> None:
+    # Before the fix: a rank resolved the checkpoint path as its save began and followed
+    # any link there, so one that began after a neighbour swapped in their link (on many
+    # ranks: after another rank made the directory) wrote its data files and metadata
+    # into the link's target, replacing the victim's .metadata.
+    target, before = victim
+    link = _neighbours_link(tmp_path, target)
+    location, options = make(link)
+    with pytest.raises(UnsafeCheckpointError, match="user id 65534") as caught:
+        storage.save(_state(1.0), location, **options)
+    assert str(link) in str(caught.value) and "ln -sfn" in str(caught.value)
+    with pytest.raises(UnsafeCheckpointError, match="user id 65534"):
+        storage.save_safetensors({"w": torch.ones(2)}, location)  # its own backend choice
+    assert snapshot(target) == before
+    _assert_loads(target, 9.0)
+
+
+@_ROOT_ONLY
+def test_a_link_at_the_checkpoint_path_is_followed_only_where_it_is_trusted(
+    tmp_path: Path,
+) -> None:
+    # Before the fix: resolve_link did not exist and every link at the checkpoint path
+    # was followed, whoever owned it. Now it is followed as the kernel's
+    # protected_symlinks follows one: the process's own (root's here), the owner's of
+    # the directory holding it, or anyone's in a directory only its owner can write;
+    # anyone else's is refused, in a chain too.
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real = tmp_path / "real"
+    real.mkdir()
+    theirs = tmp_path / "theirs"  # a directory of user 65534's, where their link is fine
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    (theirs / "ckpt").symlink_to(real, target_is_directory=True)
+    os.lchown(theirs / "ckpt", 65534, 65534)
+    private = tmp_path / "private"  # root's, writable by root only: nobody else put it
+    private.mkdir(mode=0o755)
+    (private / "ckpt").symlink_to(real, target_is_directory=True)
+    os.lchown(private / "ckpt", 65534, 65534)
+    neighbours = _neighbours_link(tmp_path, real)
+    ours = tmp_path / "ours"
+    ours.symlink_to(neighbours, target_is_directory=True)  # ours, leading to theirs
+    for fs in (
+        storage.LocalFileSystem(),
+        FsspecFileSystem(protocol="file"),
+        storage.TorchFileSystem(FileSystem()),
+    ):
+        assert fs.resolve_link(str(real)) == str(real)
+        assert fs.resolve_link(str(tmp_path / "missing")) == str(tmp_path / "missing")
+        assert fs.resolve_link(str(theirs / "ckpt")) == str(real)
+        assert fs.resolve_link(str(private / "ckpt")) == str(real)
+        with pytest.raises(UnsafeCheckpointError, match=r"symbolic link of user id 65534's"):
+            fs.resolve_link(str(neighbours))
+        with pytest.raises(UnsafeCheckpointError, match="leads through"):
+            fs.resolve_link(str(ours))
+    assert storage.MemoryFileSystem().resolve_link("bucket/ckpt") == "bucket/ckpt"
+
+
+def test_a_link_replaced_while_it_is_read_is_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without the check: the link's owner was read, then the link replaced (by whoever
+    # can write its directory) before its target was read, and the save followed the
+    # new link's target under the old link's owner.
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "ckpt"
+    link.symlink_to(real, target_is_directory=True)
+    read = os.readlink
+
+    def replace_then_read(path: Any, *, dir_fd: int | None = None) -> str:
+        (tmp_path / "other").symlink_to(tmp_path, target_is_directory=True)
+        os.replace(tmp_path / "other", link)
+        return read(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "readlink", replace_then_read)
+    with pytest.raises(UnsafeCheckpointError, match="was replaced while it was read"):
+        storage.LocalFileSystem().resolve_link(str(link))
+
+
+def test_a_tier_swapped_for_a_link_never_gets_its_root_file_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before the fix: the tier's .dcp-tier-root was written by path; the tier directory
+    # swapped for a link after the manager resolved it (by whoever can write its
+    # parent), the file landed in the link's target, claiming a directory of their
+    # choosing as this manager's tier.
+    from storage.checkpoint import heartbeat
+
+    tier, victim = tmp_path / "tier", tmp_path / "victim"
+    tier.mkdir()
+    victim.mkdir()
+    resolve = heartbeat.resolved
+
+    def resolve_then_swap(fs: Any, path: str) -> str:
+        home = resolve(fs, path)
+        if path == str(tier) and not tier.is_symlink():
+            _swap(tier, victim)
+        return home
+
+    monkeypatch.setattr(heartbeat, "resolved", resolve_then_swap)
+    with pytest.raises(UnsafeCheckpointError, match=_SWAPPED):
+        storage.CheckpointManager(tmp_path / "root", local=tier)
+    assert list(victim.iterdir()) == []
+
+
+def test_a_root_swapped_for_a_link_keeps_the_pointer_it_leads_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before the fix: the deletion of step-3 read the root's latest-step pointer, then
+    # removed it by path; the root swapped for a link in between (by whoever can write
+    # its parent), it removed the pointer in the link's target, another root's.
+    from storage.checkpoint import latest
+
+    root, victim = tmp_path / "root", tmp_path / "victim"
+    root.mkdir()
+    victim.mkdir()
+    for place in (root, victim):
+        (place / latest.NAME).write_bytes(b"step-3\n")
+    read = latest.read
+
+    def read_then_swap(fs: Any, parent: str) -> str | None:
+        held = read(fs, parent)
+        _swap(root, victim)
+        return held
+
+    monkeypatch.setattr(latest, "read", read_then_swap)
+    latest.withdraw(storage.LocalFileSystem(), str(root / "step-3"))
+    assert (victim / latest.NAME).read_bytes() == b"step-3\n"
+    assert _SWAPPED in caplog.text

@@ -318,3 +318,53 @@ def test_a_save_never_writes_through_a_checkpoint_swapped_for_a_link_after_its_m
     assert sorted(p.name for p in victim.iterdir()) == ["model.bin"]
     assert (victim / "model.bin").read_bytes() == b"victim's"
     assert not (victim / COMMIT_NAME).exists()
+
+
+def test_files_outside_a_staged_directory_never_go_through_a_link(tmp_path: Any) -> None:
+    # Before: with write_to_temp_dir=False (or any file torch_checkpointing writes,
+    # renames or deletes outside its temporary directory) files went by path: the
+    # checkpoint directory swapped for a link after its mkdir (by whoever can write the
+    # root), the write truncated the victim's model.bin, the rename replaced its file,
+    # and the deletion removed one.
+    from extensions.errors import UnsafeCheckpointError
+    from storage.integrations.torch_checkpointing import ObjectStoreConfig
+
+    storage = ObjectStoreConfig(str(tmp_path / "root")).create_storage()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in ("model.bin", "opt.tmp", "kept.bin"):
+        (victim / name).write_bytes(b"victim's")
+    storage.mkdir("step_3")
+    storage.write("step_3/opt.tmp", b"ours")
+    step = tmp_path / "root" / "step_3"
+    step.rename(tmp_path / "moved")
+    step.symlink_to(victim, target_is_directory=True)
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+        storage.write("step_3/model.bin", b"ours")
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+        storage.rename("step_3/opt.tmp", "step_3/kept.bin")
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+        storage.delete("step_3/kept.bin")
+    assert sorted(p.name for p in victim.iterdir()) == ["kept.bin", "model.bin", "opt.tmp"]
+    assert all(p.read_bytes() == b"victim's" for p in victim.iterdir())
+
+
+def test_files_outside_a_staged_directory_are_written_renamed_and_deleted(
+    tmp_path: Any,
+) -> None:
+    """Without a temporary directory, under a root that is the user's own link: files
+    land in place, a file rename replaces its target, a deletion removes one."""
+    from storage.integrations.torch_checkpointing import ObjectStoreConfig
+
+    real = tmp_path / "disk"
+    real.mkdir()
+    (tmp_path / "root").symlink_to(real, target_is_directory=True)
+    storage = ObjectStoreConfig(str(tmp_path / "root")).create_storage()
+    storage.mkdir("step_4")
+    storage.write("step_4/a.tmp", b"a")
+    storage.write("step_4/b", b"old")
+    storage.rename("step_4/a.tmp", "step_4/b")
+    storage.write("step_4/c", b"c")
+    storage.delete("step_4/c")
+    assert sorted(p.name for p in (real / "step_4").iterdir()) == ["b"]
+    assert (real / "step_4" / "b").read_bytes() == b"a"
