@@ -151,14 +151,6 @@ def remove_data_files(fs: FileSystemBase, path: str, names: set[str] | frozenset
             log.warning("could not remove %s: %s", fs.url(fs.concat_path(path, name)), exc)
 
 
-def remove_own_files(fs: FileSystemBase, path: str, names: set[str] | frozenset[str]) -> None:
-    """Best-effort removal of the data files ``names`` that a save wrote at ``path`` and
-    then failed to commit, as :func:`remove_data_files`. A checkpoint path the user named
-    may be a symbolic link (the save wrote through it): its files are then removed in
-    the directory the link resolves to, still never through a link below it."""
-    remove_data_files(fs, heartbeat.resolved(fs, path), names)
-
-
 def remove_save(fs: FileSystemBase, path: str, save_id: str) -> None:
     """Best-effort removal of what the writer of ``save_id`` left under ``path`` when it
     died before it could clean up (a persist worker killed mid-copy): the data files
