@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.tensor import DTensor
 
 from extensions._compat import EmptyStateDictLoadPlanner, set_element
 from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
@@ -36,8 +37,10 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
     bounded too: by what its stored chunks hold (each element once,
     ``coverage.stored_elements``; an untransformed chunk holds a byte per element it
     claims), or, where they hold less, by the receiver's own state (``own``: the
-    transport's ``state_dict=``), whose tensor at the same place must have that shape.
-    Else the tensor is refused before anything is allocated, naming the checkpoint,
+    transport's ``state_dict=``), whose tensor at the same place must have that shape and
+    dtype (a DTensor there: its local shard, which is what a sender sends of it; its
+    global shape would let a sender claim what the other ranks hold, and a wider dtype
+    up to 16 times the memory the receiver holds). Else the tensor is refused before anything is allocated, naming the checkpoint,
     ``sender``, the item and the sizes: 24 bytes of metadata claiming 2**40 elements
     must not make the receiver allocate (or fail allocating) 4 TiB.
 
@@ -76,23 +79,31 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
 
     def _check_size(self, fqn: str, stored: TensorStorageMetadata, path: Sequence[Any]) -> None:
         """Refuse a tensor whose claimed size its stored chunks do not hold, unless the
-        receiver's own tensor at ``path`` has that shape (see the class docstring)."""
+        receiver's own tensor at ``path`` has that shape and dtype (see the class
+        docstring)."""
         total = math.prod(stored.size)
         held = stored_elements(stored)
         if held is not None and held >= total:
             return
-        own = at_path(self._own(), path) if self._own is not None else None
-        if isinstance(own, torch.Tensor) and tuple(own.shape) == tuple(stored.size):
-            return
         dtype = stored.properties.dtype
+        own = at_path(self._own(), path) if self._own is not None else None
+        if isinstance(own, DTensor):
+            own = own.to_local()  # what the sender sends of it (transport_dtensor)
+        if (
+            isinstance(own, torch.Tensor)
+            and tuple(own.shape) == tuple(stored.size)
+            and own.dtype == dtype
+        ):
+            return
         dtype_name = str(dtype).removeprefix("torch.")
         raise IntegrityError(
             f"{self._where}: item {quote(fqn)}: {self._sender}'s metadata claims a "
             f"{quote(tuple(stored.size))} {dtype_name} tensor ({total * dtype.itemsize} bytes) "
             f"but its stored chunks hold {'an uncountable part' if held is None else held} "
-            f"of its {total} elements, and this worker's own state has no tensor of that "
-            "shape there: allocating it would take memory no stored byte fills, so nothing "
-            "was allocated. The sender's metadata is damaged or hostile, or it stores only "
+            f"of its {total} elements, and this worker's own state has no {dtype_name} tensor "
+            "of that shape there (of a DTensor, its local shard): allocating it would take "
+            "memory no stored byte fills, so nothing was allocated. The sender's metadata "
+            "is damaged or hostile, or it stores only "
             "its own shards of a tensor sharded over ranks: pass state_dict= to the "
             "transport (this worker's own state, as the sender sends it), or have the "
             "sender send it again"
