@@ -37,12 +37,13 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
     bounded too: by what its stored chunks hold (each element once,
     ``coverage.stored_elements``; an untransformed chunk holds a byte per element it
     claims), or, where they hold less, by the receiver's own state (``own``: the
-    transport's ``state_dict=``), whose tensor at the same place must have that shape and
-    dtype (a DTensor there: its local shard, which is what a sender sends of it; its
-    global shape would let a sender claim what the other ranks hold, and a wider dtype
-    up to 16 times the memory the receiver holds). Else the tensor is refused before anything is allocated, naming the checkpoint,
-    ``sender``, the item and the sizes: 24 bytes of metadata claiming 2**40 elements
-    must not make the receiver allocate (or fail allocating) 4 TiB.
+    transport's ``state_dict=``), whose tensor at the same place must have that shape
+    and dtype (of a DTensor there, its local shard, which is what a sender sends of it:
+    its global shape would let a sender claim what the other ranks hold, and a wider
+    dtype up to 16 times the memory the receiver holds). Else the tensor is refused
+    before anything is allocated, naming the checkpoint, ``sender``, the item and the
+    sizes: 24 bytes of metadata claiming 2**40 elements must not make the receiver
+    allocate (or fail allocating) 4 TiB.
 
     Its targets are made from the stored chunks (``targets_from_metadata``): a sender
     of a tensor sharded over ranks (a ``ShardedTensor``) stores only its own shards, so
@@ -58,6 +59,7 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
         self._where = where
         self._sender = sender
         self._own = own
+        self._names: dict[int, Any] = {}  # the own state's mappings indexed (at_path)
 
     def set_up_planner(
         self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
@@ -86,7 +88,7 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
         if held is not None and held >= total:
             return
         dtype = stored.properties.dtype
-        own = at_path(self._own(), path) if self._own is not None else None
+        own = at_path(self._own(), path, self._names) if self._own is not None else None
         if isinstance(own, DTensor):
             own = own.to_local()  # what the sender sends of it (transport_dtensor)
         if (
@@ -121,16 +123,29 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def at_path(state: Any, path: Sequence[Any]) -> Any:
+def at_path(state: Any, path: Sequence[Any], names: dict[int, Any] | None = None) -> Any:
     """The value at ``path`` (a ``planner_data`` path: keys and list indices) in
     ``state``, a key matching a path's string where the state's key is not one (an
-    optimizer's parameter ids); ``None`` where there is none."""
+    optimizer's parameter ids); ``None`` where there is none. ``names`` keeps each
+    mapping's keys by their strings from one call to the next (the first key of each
+    string, as the mapping orders them), so a mapping is indexed once, not walked for
+    each path into it: a sender's thousands of paths into a receiver's optimizer state
+    of thousands of parameters cost millions of key comparisons."""
+    names = {} if names is None else names
     value = state
     for part in path:
         if isinstance(value, Mapping):
-            found = value.get(part) if isinstance(part, str) else None
+            try:
+                found = value.get(part)
+            except TypeError:  # a mapping whose keys cannot be compared with the part
+                found = None
             if found is None:
-                found = next((v for k, v in value.items() if str(k) == str(part)), None)
+                if id(value) not in names:
+                    index: dict[str, Any] = {}
+                    for k, v in value.items():
+                        index.setdefault(str(k), v)
+                    names[id(value)] = (value, index)  # the mapping kept: its id stays its
+                found = names[id(value)][1].get(str(part))
             value = found
         elif isinstance(value, (list, tuple)) and type(part) is int and 0 <= part < len(value):
             value = value[part]
