@@ -6,7 +6,7 @@ receiver's own state where it gives one."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
 from storage.checkpoint.coverage import stored_elements
 from storage.checkpoint.decode import MAX_OBJECT_BYTES, refused_pickle
 from storage.checkpoint.tensors import empty_stored
+from storage.ops.transport_shape import MAX_NESTING
 
 
 class PlainDataPlanner(EmptyStateDictLoadPlanner):
@@ -67,7 +68,7 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
         if state_dict or metadata is None:
             raise ValueError("the transport's planner loads into an empty state dict")
         paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-        check_paths(paths, self._where)
+        check_paths(paths, self._where, metadata.state_dict_metadata)
         for fqn, stored in metadata.state_dict_metadata.items():
             value: Any = stored
             if isinstance(stored, TensorStorageMetadata):
@@ -154,15 +155,24 @@ def at_path(state: Any, path: Sequence[Any], names: dict[int, Any] | None = None
     return value
 
 
-def check_paths(paths: Mapping[str, Any], where: str) -> None:
-    """Refuse ``planner_data`` paths that are not a key then keys and list indices, or
-    whose indices would build lists of more than :data:`MAX_OBJECT_BYTES` slots in all
-    (a sent list's length is bounded so: the shape item records a byte per element)."""
+def check_paths(paths: Mapping[str, Any], where: str, keys: Iterable[str] = ()) -> None:
+    """Refuse ``planner_data`` paths that are not a key then keys and list indices, that
+    nest deeper than :data:`~storage.ops.transport_shape.MAX_NESTING` (a state dict
+    nests a handful of levels; building and flattening a deeper one recurses past
+    Python's limit), whose indices would build lists of more than
+    :data:`MAX_OBJECT_BYTES` slots in all (a sent list's length is bounded so: the
+    shape item records a byte per element), or that collide: an item's place inside or
+    at another's, or a place both a list's and a mapping's (each would fail with a raw
+    error, or lose an item without a word). An item of ``keys`` without a path is put
+    at its key."""
     longest: dict[tuple[Any, ...], int] = {}
-    for fqn, path in paths.items():
+    inner: dict[tuple[Any, ...], bool] = {}  # each container's place: a list's or not
+    places: set[tuple[Any, ...]] = set()
+    for fqn in [*paths, *(k for k in keys if k not in paths)]:
+        path = paths.get(fqn, (fqn,))
         if (
             not isinstance(path, (tuple, list))
-            or not path
+            or not 0 < len(path) <= MAX_NESTING
             or not isinstance(path[0], str)
             or not all(
                 isinstance(p, str) or (type(p) is int and 0 <= p < MAX_OBJECT_BYTES) for p in path
@@ -170,12 +180,21 @@ def check_paths(paths: Mapping[str, Any], where: str) -> None:
         ):
             raise UnsafeCheckpointError(
                 f"{where}: item {quote(fqn)}: its planner_data path {quote(path)} is not a key "
-                f"then keys and list indices below {MAX_OBJECT_BYTES}; the metadata is damaged "
-                "or hostile: send the checkpoint again"
+                f"then at most {MAX_NESTING - 1} keys and list indices below "
+                f"{MAX_OBJECT_BYTES}; the metadata is damaged or hostile: send the checkpoint "
+                "again"
             )
-        for at, part in enumerate(path):
+        place = tuple(path)
+        for at in range(1, len(place)):
+            listed = type(place[at]) is int
+            if place[:at] in places or inner.setdefault(place[:at], listed) != listed:
+                raise _colliding(where, fqn, path)
+        if place in places or place in inner:
+            raise _colliding(where, fqn, path)
+        places.add(place)
+        for at, part in enumerate(place):
             if type(part) is int:
-                prefix = tuple(path[:at])
+                prefix = place[:at]
                 longest[prefix] = max(longest.get(prefix, 0), part + 1)
     slots = sum(longest.values())
     if slots > MAX_OBJECT_BYTES:
@@ -184,3 +203,11 @@ def check_paths(paths: Mapping[str, Any], where: str) -> None:
             f"more than {MAX_OBJECT_BYTES}; the metadata is damaged or hostile: send the "
             "checkpoint again"
         )
+
+
+def _colliding(where: str, fqn: str, path: Any) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{where}: item {quote(fqn)}: its planner_data path {quote(path)} collides with "
+        "another item's (at its place, inside it, or a list's place as a mapping's); the "
+        "metadata is damaged or hostile: send the checkpoint again"
+    )
