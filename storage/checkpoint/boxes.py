@@ -7,17 +7,22 @@ cuts make, and their volumes add up. That case is recognised in O(n log n) and c
 so (:func:`union_volume`). Chunks that overlap (a chunk saved by two ranks without
 dedup, or a crafted metadata: two chunks overlapping in part can sum to the tensor's
 size while leaving a gap) are counted exactly too: one dimension by sorting and
-merging, several by marking the cells of that grid. The grid of chunks with many
-unshared edges in several dimensions grows as a power of their count, so marking is
-bounded (:data:`MAX_CELLS`, :data:`MAX_MARKS`): beyond that :class:`Irregular` is
-raised, for the caller to refuse naming the item.
+merging, several by marking the cells of that grid, all boxes at once. The grid of
+chunks with many unshared edges in several dimensions grows as a power of their count
+(and that of two chunks overlapping in part in each of ``d`` dimensions as ``3**d``),
+so marking is bounded, in all (:data:`MAX_CELLS`) and per box (:data:`CELLS_PER_BOX`):
+beyond that :class:`Irregular` is raised, for the caller to refuse naming the item.
+The bound per box keeps a count's cost in proportion to the chunks a metadata lists,
+each counted as often as a tensor lists it: a few chunks overlapping in a dozen
+dimensions, whose list a metadata's many tensors share for a few bytes each, must not
+make every load of it spend seconds per tensor.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from itertools import pairwise
 
 import torch
@@ -26,15 +31,18 @@ import torch
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 #: Most cells of the grid the chunks' edges cut a tensor into that an exact count marks
-#: (a byte each, and eight more while they are summed).
+#: (four bytes each, and eight more while they are summed).
 MAX_CELLS = 1 << 22
-#: Most cell marks an exact count makes, all chunks together.
-MAX_MARKS = 1 << 24
+#: Most cells of that grid, and most corners of a box (``2**d`` in ``d`` dimensions the
+#: grid cuts), an exact count spends per box it counts: overlapping layouts that are no
+#: damage (chunks of two shardings of a tensor, a whole replica beside its shards) cut
+#: a few cells per box, in a few dimensions.
+CELLS_PER_BOX = 1 << 10
 
 
 class Irregular(Exception):
     """Boxes that overlap over a grid too large to count exactly (:data:`MAX_CELLS`,
-    :data:`MAX_MARKS`): no torch save lays chunks out so."""
+    :data:`MAX_MARKS`, :data:`CELLS_PER_BOX`): no torch save lays chunks out so."""
 
 
 def union_volume(boxes: Iterable[Box]) -> int:
@@ -54,15 +62,7 @@ def union_volume(boxes: Iterable[Box]) -> int:
         # In each dimension the boxes' extents are the same or apart, so each box is one
         # cell of the grid they cut, and no two distinct boxes are the same cell.
         return sum(math.prod(sizes) for _, sizes in distinct)
-    edges = [
-        sorted({o[d] for o, _ in distinct} | {o[d] + s[d] for o, s in distinct})
-        for d in range(ndim)
-    ]
-    spans = [
-        [(bisect_left(edges[d], o[d]), bisect_left(edges[d], o[d] + s[d])) for d in range(ndim)]
-        for o, s in distinct
-    ]
-    return _marked_volume(edges, spans)
+    return _marked_volume(distinct)
 
 
 def _apart(intervals: set[tuple[int, int]]) -> bool:
@@ -84,21 +84,31 @@ def _merged_length(intervals: Sequence[tuple[int, int]]) -> int:
     return total + end - start
 
 
-def _marked_volume(
-    edges: Sequence[Sequence[int]], spans: Sequence[Sequence[tuple[int, int]]]
-) -> int:
-    """The volume of the grid cells (cut at ``edges``) the ``spans`` (each a range of
-    cell indices per dimension) mark, within :data:`MAX_CELLS` and :data:`MAX_MARKS`."""
-    shape = [len(e) - 1 for e in edges]
-    cells = math.prod(shape)
-    marks = sum(math.prod(hi - lo for lo, hi in span) for span in spans)
-    if cells > MAX_CELLS or marks > MAX_MARKS:
-        raise Irregular(f"{len(spans)} boxes over {cells} grid cells ({marks} marks)")
-    grid = torch.zeros(shape, dtype=torch.bool)
-    for span in spans:
-        grid[tuple(slice(lo, hi) for lo, hi in span)] = True
-    volume = grid.to(torch.int64)
-    for dim in reversed(range(len(edges))):
-        widths = torch.tensor([b - a for a, b in pairwise(edges[dim])], dtype=torch.int64)
-        volume = (volume * widths).sum(-1)
-    return int(volume)
+def _marked_volume(boxes: Collection[Box]) -> int:
+    """The volume of the grid cells (cut at the ``boxes``' edges in each dimension) that
+    the ``boxes`` mark, within :data:`MAX_CELLS` and :data:`CELLS_PER_BOX`. The cells
+    are marked all at once, never box by box: each box adds one at its first cell and
+    takes one past its last (its ``2**d`` corners, signed), and the running sums along
+    each dimension count the boxes holding each cell. A dimension the grid does not cut
+    (every box spans it whole) is left out of the grid."""
+    starts = torch.tensor([o for o, _ in boxes], dtype=torch.int64).T.contiguous()
+    ends = starts + torch.tensor([s for _, s in boxes], dtype=torch.int64).T
+    edges = [torch.unique(torch.cat(pair)) for pair in zip(starts, ends, strict=True)]
+    cut = [d for d, e in enumerate(edges) if len(e) > 2]
+    cells = math.prod(len(edges[d]) - 1 for d in cut)
+    if cells > min(MAX_CELLS, CELLS_PER_BOX * len(boxes)) or 2 ** len(cut) > CELLS_PER_BOX:
+        raise Irregular(f"{len(boxes)} boxes over {cells} grid cells in {len(cut)} dimensions")
+    first = [torch.searchsorted(edges[d], starts[d]) for d in cut]
+    last = [torch.searchsorted(edges[d], ends[d]) for d in cut]
+    held = torch.zeros([len(edges[d]) for d in cut], dtype=torch.int32)
+    signs = {odd: torch.full((len(boxes),), -1 if odd else 1, dtype=torch.int32) for odd in (0, 1)}
+    for corner in itertools.product((False, True), repeat=len(cut)):
+        index = tuple(b if past else a for a, b, past in zip(first, last, corner, strict=True))
+        held.index_put_(index, signs[sum(corner) % 2], accumulate=True)
+    for dim in range(len(cut)):
+        held = held.cumsum(dim, dtype=torch.int32)
+    volume = (held[(slice(-1),) * len(cut)] > 0).to(torch.int64)
+    for dim in reversed(cut):
+        volume = (volume * edges[dim].diff()).sum(-1)
+    whole = (int(e[1] - e[0]) for d, e in enumerate(edges) if d not in cut)
+    return int(volume) * math.prod(whole)

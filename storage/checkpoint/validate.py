@@ -12,7 +12,8 @@ references cannot make the graph an exponential tree for later code (a ~2 KB pic
 lists that each hold the previous one twice is a tree of 2**24 nodes at 24 levels): the
 walk stops after a budget proportional to the file size, and at a nesting depth no DCP
 metadata has. The second checks the schema: names are strings, offsets, lengths and
-sizes non-negative ints below :data:`MAX_SIZE`, every chunk inside its tensor, every
+sizes non-negative ints below :data:`MAX_SIZE`, at most :data:`MAX_DIMS` dimensions to
+a tensor, every chunk inside its tensor, every
 ``relative_path`` a file inside the checkpoint (a plain name, or one hex key prefix
 and a plain name) and every base reference the plain name of a sibling checkpoint.
 Such names are also bounded (:data:`MAX_NAME` printable characters, a file name's
@@ -59,6 +60,9 @@ from storage.checkpoint.storage_format import (
 #: Bound on every offset, length, dimension and byte count a metadata may state: no
 #: file or tensor is larger, and sums of two such values still fit in an int64.
 MAX_SIZE = 1 << 62
+#: Most dimensions a tensor may state: torch makes no tensor of more (its counts of
+#: chunks would fail with a raw ``RuntimeError``, in every load of the checkpoint).
+MAX_DIMS = 64
 #: Longest file or checkpoint name a metadata may state (a path component's limit on
 #: common filesystems; stock DCP's names are a few dozen characters).
 MAX_NAME = 255
@@ -251,6 +255,8 @@ def _check_entry(md: object, where: str, fqn: str) -> None:
     ):
         _bad(where, fqn, "its tensor properties", properties, "TensorProperties with a dtype")
     size = _sizes(_attr(md, "size", where, fqn), where, fqn, "its size")
+    if len(size) > MAX_DIMS:
+        _bad(where, fqn, "its size", size, f"at most {MAX_DIMS} dimensions (torch's limit)")
     if multiplied_out(size) * properties.dtype.itemsize > MAX_SIZE:
         _bad(where, fqn, "its size", size, "at most 2**62 bytes (its non-zero sizes multiplied)")
     chunks = _attr(md, "chunks", where, fqn)

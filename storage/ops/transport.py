@@ -85,7 +85,8 @@ class StorageTransport:
     slice of a mesh cannot be: see :mod:`~storage.ops.transport_dtensor`); and a
     received tensor whose stored chunks hold less than the size its sender claims (a
     tensor sharded over ranks, of which the sender stores its own shards) is allocated
-    only where this state has a tensor of that shape at the same place, else refused
+    only where this state has a tensor of that shape and dtype at the same place (of a
+    DTensor, its local shard), else refused
     (:class:`~storage.ops.transport_load.PlainDataPlanner`).
     """
 

@@ -6,19 +6,21 @@ receiver's own state where it gives one."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.tensor import DTensor
 
 from extensions._compat import EmptyStateDictLoadPlanner, set_element
 from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
 from storage.checkpoint.coverage import stored_elements
 from storage.checkpoint.decode import MAX_OBJECT_BYTES, refused_pickle
 from storage.checkpoint.tensors import empty_stored
+from storage.ops.transport_shape import MAX_NESTING
 
 
 class PlainDataPlanner(EmptyStateDictLoadPlanner):
@@ -36,10 +38,13 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
     bounded too: by what its stored chunks hold (each element once,
     ``coverage.stored_elements``; an untransformed chunk holds a byte per element it
     claims), or, where they hold less, by the receiver's own state (``own``: the
-    transport's ``state_dict=``), whose tensor at the same place must have that shape.
-    Else the tensor is refused before anything is allocated, naming the checkpoint,
-    ``sender``, the item and the sizes: 24 bytes of metadata claiming 2**40 elements
-    must not make the receiver allocate (or fail allocating) 4 TiB.
+    transport's ``state_dict=``), whose tensor at the same place must have that shape
+    and dtype (of a DTensor there, its local shard, which is what a sender sends of it:
+    its global shape would let a sender claim what the other ranks hold, and a wider
+    dtype up to 16 times the memory the receiver holds). Else the tensor is refused
+    before anything is allocated, naming the checkpoint, ``sender``, the item and the
+    sizes: 24 bytes of metadata claiming 2**40 elements must not make the receiver
+    allocate (or fail allocating) 4 TiB.
 
     Its targets are made from the stored chunks (``targets_from_metadata``): a sender
     of a tensor sharded over ranks (a ``ShardedTensor``) stores only its own shards, so
@@ -55,6 +60,7 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
         self._where = where
         self._sender = sender
         self._own = own
+        self._names: dict[int, Any] = {}  # the own state's mappings indexed (at_path)
 
     def set_up_planner(
         self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
@@ -62,7 +68,7 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
         if state_dict or metadata is None:
             raise ValueError("the transport's planner loads into an empty state dict")
         paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-        check_paths(paths, self._where)
+        check_paths(paths, self._where, metadata.state_dict_metadata)
         for fqn, stored in metadata.state_dict_metadata.items():
             value: Any = stored
             if isinstance(stored, TensorStorageMetadata):
@@ -76,23 +82,31 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
 
     def _check_size(self, fqn: str, stored: TensorStorageMetadata, path: Sequence[Any]) -> None:
         """Refuse a tensor whose claimed size its stored chunks do not hold, unless the
-        receiver's own tensor at ``path`` has that shape (see the class docstring)."""
+        receiver's own tensor at ``path`` has that shape and dtype (see the class
+        docstring)."""
         total = math.prod(stored.size)
         held = stored_elements(stored)
         if held is not None and held >= total:
             return
-        own = at_path(self._own(), path) if self._own is not None else None
-        if isinstance(own, torch.Tensor) and tuple(own.shape) == tuple(stored.size):
-            return
         dtype = stored.properties.dtype
+        own = at_path(self._own(), path, self._names) if self._own is not None else None
+        if isinstance(own, DTensor):
+            own = own.to_local()  # what the sender sends of it (transport_dtensor)
+        if (
+            isinstance(own, torch.Tensor)
+            and tuple(own.shape) == tuple(stored.size)
+            and own.dtype == dtype
+        ):
+            return
         dtype_name = str(dtype).removeprefix("torch.")
         raise IntegrityError(
             f"{self._where}: item {quote(fqn)}: {self._sender}'s metadata claims a "
             f"{quote(tuple(stored.size))} {dtype_name} tensor ({total * dtype.itemsize} bytes) "
             f"but its stored chunks hold {'an uncountable part' if held is None else held} "
-            f"of its {total} elements, and this worker's own state has no tensor of that "
-            "shape there: allocating it would take memory no stored byte fills, so nothing "
-            "was allocated. The sender's metadata is damaged or hostile, or it stores only "
+            f"of its {total} elements, and this worker's own state has no {dtype_name} tensor "
+            "of that shape there (of a DTensor, its local shard): allocating it would take "
+            "memory no stored byte fills, so nothing was allocated. The sender's metadata "
+            "is damaged or hostile, or it stores only "
             "its own shards of a tensor sharded over ranks: pass state_dict= to the "
             "transport (this worker's own state, as the sender sends it), or have the "
             "sender send it again"
@@ -110,16 +124,29 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def at_path(state: Any, path: Sequence[Any]) -> Any:
+def at_path(state: Any, path: Sequence[Any], names: dict[int, Any] | None = None) -> Any:
     """The value at ``path`` (a ``planner_data`` path: keys and list indices) in
     ``state``, a key matching a path's string where the state's key is not one (an
-    optimizer's parameter ids); ``None`` where there is none."""
+    optimizer's parameter ids); ``None`` where there is none. ``names`` keeps each
+    mapping's keys by their strings from one call to the next (the first key of each
+    string, as the mapping orders them), so a mapping is indexed once, not walked for
+    each path into it: a sender's thousands of paths into a receiver's optimizer state
+    of thousands of parameters cost millions of key comparisons."""
+    names = {} if names is None else names
     value = state
     for part in path:
         if isinstance(value, Mapping):
-            found = value.get(part) if isinstance(part, str) else None
+            try:
+                found = value.get(part)
+            except TypeError:  # a mapping whose keys cannot be compared with the part
+                found = None
             if found is None:
-                found = next((v for k, v in value.items() if str(k) == str(part)), None)
+                if id(value) not in names:
+                    index: dict[str, Any] = {}
+                    for k, v in value.items():
+                        index.setdefault(str(k), v)
+                    names[id(value)] = (value, index)  # the mapping kept: its id stays its
+                found = names[id(value)][1].get(str(part))
             value = found
         elif isinstance(value, (list, tuple)) and type(part) is int and 0 <= part < len(value):
             value = value[part]
@@ -128,15 +155,24 @@ def at_path(state: Any, path: Sequence[Any]) -> Any:
     return value
 
 
-def check_paths(paths: Mapping[str, Any], where: str) -> None:
-    """Refuse ``planner_data`` paths that are not a key then keys and list indices, or
-    whose indices would build lists of more than :data:`MAX_OBJECT_BYTES` slots in all
-    (a sent list's length is bounded so: the shape item records a byte per element)."""
+def check_paths(paths: Mapping[str, Any], where: str, keys: Iterable[str] = ()) -> None:
+    """Refuse ``planner_data`` paths that are not a key then keys and list indices, that
+    nest deeper than :data:`~storage.ops.transport_shape.MAX_NESTING` (a state dict
+    nests a handful of levels; building and flattening a deeper one recurses past
+    Python's limit), whose indices would build lists of more than
+    :data:`MAX_OBJECT_BYTES` slots in all (a sent list's length is bounded so: the
+    shape item records a byte per element), or that collide: an item's place inside or
+    at another's, or a place both a list's and a mapping's (each would fail with a raw
+    error, or lose an item without a word). An item of ``keys`` without a path is put
+    at its key."""
     longest: dict[tuple[Any, ...], int] = {}
-    for fqn, path in paths.items():
+    inner: dict[tuple[Any, ...], bool] = {}  # each container's place: a list's or not
+    places: set[tuple[Any, ...]] = set()
+    for fqn in [*paths, *(k for k in keys if k not in paths)]:
+        path = paths.get(fqn, (fqn,))
         if (
             not isinstance(path, (tuple, list))
-            or not path
+            or not 0 < len(path) <= MAX_NESTING
             or not isinstance(path[0], str)
             or not all(
                 isinstance(p, str) or (type(p) is int and 0 <= p < MAX_OBJECT_BYTES) for p in path
@@ -144,12 +180,21 @@ def check_paths(paths: Mapping[str, Any], where: str) -> None:
         ):
             raise UnsafeCheckpointError(
                 f"{where}: item {quote(fqn)}: its planner_data path {quote(path)} is not a key "
-                f"then keys and list indices below {MAX_OBJECT_BYTES}; the metadata is damaged "
-                "or hostile: send the checkpoint again"
+                f"then at most {MAX_NESTING - 1} keys and list indices below "
+                f"{MAX_OBJECT_BYTES}; the metadata is damaged or hostile: send the checkpoint "
+                "again"
             )
-        for at, part in enumerate(path):
+        place = tuple(path)
+        for at in range(1, len(place)):
+            listed = type(place[at]) is int
+            if place[:at] in places or inner.setdefault(place[:at], listed) != listed:
+                raise _colliding(where, fqn, path)
+        if place in places or place in inner:
+            raise _colliding(where, fqn, path)
+        places.add(place)
+        for at, part in enumerate(place):
             if type(part) is int:
-                prefix = tuple(path[:at])
+                prefix = place[:at]
                 longest[prefix] = max(longest.get(prefix, 0), part + 1)
     slots = sum(longest.values())
     if slots > MAX_OBJECT_BYTES:
@@ -158,3 +203,11 @@ def check_paths(paths: Mapping[str, Any], where: str) -> None:
             f"more than {MAX_OBJECT_BYTES}; the metadata is damaged or hostile: send the "
             "checkpoint again"
         )
+
+
+def _colliding(where: str, fqn: str, path: Any) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{where}: item {quote(fqn)}: its planner_data path {quote(path)} collides with "
+        "another item's (at its place, inside it, or a list's place as a mapping's); the "
+        "metadata is damaged or hostile: send the checkpoint again"
+    )

@@ -11,6 +11,7 @@ device.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,11 +30,17 @@ class Copies:
     segment's piece reserved just before it is copied. :meth:`finish` waits for every
     piece (interrupted or not: no piece outlives the stage) and raises the first
     failure; a segment is marked reserved only once all of its pieces were, so one whose
-    reservation failed is reserved again by the next stage that copies into it."""
+    reservation failed is reserved again by the next stage that copies into it.
+
+    A child made with ``fork`` has none of its parent's copy threads: it neither hands
+    them pieces (which would never run) nor shuts them down (which waits for a lock a
+    thread of the parent may have held at the fork, inside ``submit``): it forgets them,
+    and makes threads of its own where it copies."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pid = os.getpid()  # the process whose threads ``_executor`` runs
         self._pending: list[concurrent.futures.Future[None]] = []
         self._fresh: list[Segment] = []
 
@@ -44,6 +51,7 @@ class Copies:
                 segment.reserved = True
             segment.storage.copy_(source)
             return
+        self._forget_if_forked()
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 self.threads, thread_name_prefix="dcp-staging-copy"
@@ -84,9 +92,16 @@ class Copies:
 
     def close(self) -> None:
         """Stop the threads (no stage is running: the pool's lock is held)."""
+        self._forget_if_forked()
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
+
+    def _forget_if_forked(self) -> None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._executor = None
+            self._pending, self._fresh = [], []
 
 
 def _copy_piece(

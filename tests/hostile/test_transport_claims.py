@@ -1,0 +1,133 @@
+"""A recovery transport's sender claiming a tensor larger than its chunks hold, leaning
+on the receiver's own state (``state_dict=``) to be believed.
+
+The receiver allocates a claimed size its stored chunks do not hold only where its own
+state has a tensor of that size at the same place (a sender of a tensor sharded over
+ranks stores only its own shards). So the claim is bounded by memory the receiver
+already holds: the claim must match that tensor in dtype as well as shape, and a
+DTensor of its own, which travels as its local shard, bounds the claim by that shard,
+never by the global shape the other ranks hold the rest of. Finding that tensor costs a
+look-up per item, however many items and keys.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Shard
+
+import storage
+from extensions._compat import mesh_without_groups
+from extensions.errors import IntegrityError
+
+WAIT = timedelta(seconds=30)
+
+
+def _send(root: Path, state: dict[str, Any]) -> tuple[storage.StorageTransport, Path, Any]:
+    sender = storage.StorageTransport(str(root), rank=0)
+    sender.send_checkpoint([1], 1, state, timedelta(seconds=60))
+    path = root / "replica-0" / "step-1" / ".metadata"
+    return sender, path, pickle.loads(path.read_bytes())  # the test's own file
+
+
+def _claim(path: Path, metadata: Any, fqn: str, size: int, dtype: torch.dtype) -> None:
+    """Rewrite item ``fqn`` of the sent ``metadata`` to claim a 1-D ``dtype`` tensor of
+    ``size`` elements, its stored chunks unchanged."""
+    md = metadata.state_dict_metadata[fqn]
+    props = TensorProperties(dtype=dtype)
+    metadata.state_dict_metadata[fqn] = TensorStorageMetadata(props, torch.Size([size]), md.chunks)
+    path.write_bytes(pickle.dumps(metadata))
+
+
+def test_a_claim_of_the_receivers_shape_in_a_wider_dtype_is_refused(tmp_path: Path) -> None:
+    # The sender stores 4 bytes of a tensor it claims is a 64-element complex128 (1 KiB)
+    # where the receiver's own state has a 64-element bool mask (64 bytes). Before, the
+    # shape alone was compared: the receiver allocated 16 times its own tensor's memory
+    # (a 1 GiB mask claimed as complex128: 16 GiB) and handed back a tensor of the
+    # sender's dtype.
+    sender, path, metadata = _send(tmp_path, {"mask": torch.ones(4, dtype=torch.bool)})
+    _claim(path, metadata, "mask", 64, torch.complex128)
+    receiver = storage.StorageTransport(
+        str(tmp_path), rank=1, state_dict=lambda: {"mask": torch.zeros(64, dtype=torch.bool)}
+    )
+    with pytest.raises(IntegrityError, match=r"'mask'.*\(64\) complex128 tensor \(1024 bytes\)"):
+        receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
+    _claim(path, metadata, "mask", 64, torch.bool)  # the receiver's own dtype: believed
+    got = receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
+    assert got["mask"].dtype == torch.bool and int(got["mask"].sum()) == 4
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A gloo group of this process alone (a DTensor needs one)."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensors_shard_claimed_at_its_global_shape_is_refused(
+    tmp_path: Path, one_rank_group: None
+) -> None:
+    # A DTensor travels as its local shard: here 4 of the 64 elements of a tensor
+    # sharded over 16 ranks. The sender claims the shard's item is the whole 64-element
+    # tensor; before, the receiver's own DTensor, of that global shape, made the claim
+    # believed: it allocated the whole tensor on every rank (16 times its shard; on a
+    # 1024-rank mesh, 1024 times) and rebuilt a DTensor whose local shard was that.
+    mesh = mesh_without_groups("cpu", list(range(16)), None)
+
+    def sharded(local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=(64,), stride=(1,)
+        )
+
+    sender, path, metadata = _send(tmp_path, {"w": sharded(torch.ones(4))})
+    assert tuple(metadata.state_dict_metadata["w"].size) == (4,)  # sent as its shard
+    own = {"w": sharded(torch.zeros(4))}
+    receiver = storage.StorageTransport(str(tmp_path), rank=1, state_dict=lambda: own)
+    _claim(path, metadata, "w", 64, torch.float32)
+    with pytest.raises(IntegrityError, match=r"'w'.*\(64\) float32 tensor .* hold 4 of its 64"):
+        receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
+
+
+class _Key:
+    """A key of the receiver's own mapping that counts how often it is made a string."""
+
+    made = 0
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __str__(self) -> str:
+        _Key.made += 1
+        return str(self.n)
+
+
+def test_paths_into_the_receivers_own_mapping_index_it_once(tmp_path: Path) -> None:
+    # 500 items the sender claims are twice what it stores, each believed for the
+    # receiver's own tensor of that shape, found by its path into the receiver's own
+    # mapping, whose keys match the paths' parts only as strings (an optimizer's
+    # parameter ids; or a hostile sender's parts). Before, each path walked the mapping
+    # comparing strings: 500 items cost 125,000 (a sender of 100,000 items into a
+    # mapping of 10,000: a billion, minutes before a byte was read); now each key once.
+    n = 500
+    sender, path, metadata = _send(tmp_path, {"state": {i: torch.ones(1) for i in range(n)}})
+    for i in range(n):
+        md = metadata.state_dict_metadata[f"state.{i}"]
+        md.size = torch.Size([2])
+    path.write_bytes(pickle.dumps(metadata))
+    own = {"state": {_Key(i): torch.zeros(2) for i in range(n)}}
+    receiver = storage.StorageTransport(str(tmp_path), rank=1, state_dict=lambda: own)
+    _Key.made = 0
+    got = receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
+    assert _Key.made <= n
+    assert all(torch.equal(got["state"][i], torch.tensor([1.0, 0.0])) for i in range(n))
