@@ -81,9 +81,13 @@ from torch.distributed.checkpoint.state_dict_loader import (  # noqa: E402
 # DTensorSpec and TensorMeta (torch.distributed.tensor._dtensor_spec), and _StridedShard
 # (placement_types; FSDP2 with tensor parallelism shards so): what the recovery transport
 # rebuilds a received DTensor from. DeviceMesh's ``_init_backend`` keyword is used by
-# ``mesh_without_groups`` below. All three are in 2.7 (the oldest release supported).
+# ``mesh_without_groups`` below; ``compute_local_shape_and_global_offset`` (tensor._utils)
+# checks a received shard against its spec. All are in 2.7 (the oldest release supported).
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
+from torch.distributed.tensor._utils import (  # noqa: E402
+    compute_local_shape_and_global_offset as local_shape_and_offset,
+)
 from torch.distributed.tensor.placement_types import (  # noqa: E402
     _StridedShard as StridedShard,
 )
@@ -98,6 +102,7 @@ __all__ = [
     "item_size",
     "load_state_dict_without_collectives",
     "local_chunks",
+    "local_shape_and_offset",
     "narrow_tensor_by_index",
     "StateDictStager",
     "StridedShard",

@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from extensions._compat import DTensorSpec, StridedShard, TensorMeta, mesh_without_groups
+from extensions._compat import (
+    DTensorSpec,
+    StridedShard,
+    TensorMeta,
+    local_shape_and_offset,
+    mesh_without_groups,
+)
 from extensions.errors import UnsafeCheckpointError, printable, quote
 
 #: Most ranks a received mesh may name (a record is the sender's: it is checked).
@@ -124,13 +130,38 @@ def rebuild(local: Any, record: Any, where: str, own: Any = None) -> DTensor:
         )
     try:
         mesh = own.device_mesh if isinstance(own, DTensor) else _rebuilt_mesh(record)
-        return DTensor(local, _spec(mesh, record, local.dtype), requires_grad=False)
+        spec = _spec(mesh, record, local.dtype)
+        expected = _shard_shape(spec, mesh, local)
     except (ValueError, TypeError, IndexError, AssertionError, RuntimeError) as exc:
         raise UnsafeCheckpointError(
             f"{where}: the sender's DTensor layout {quote(record)} cannot be rebuilt here "
             f"({printable(str(exc), 200)}); the checkpoint is damaged, or the replica groups "
             "differ in layout: give them the same device mesh"
         ) from exc
+    if tuple(local.shape) != tuple(expected):
+        # A shard of another shape would make a DTensor whose local tensor disagrees with
+        # its spec: ops on it read past the shard, or leave part of the layout unset.
+        raise UnsafeCheckpointError(
+            f"{where}: the sender's shard here has shape {quote(list(local.shape))}, but its "
+            f"DTensor layout {quote(record)} gives this rank a shard of shape "
+            f"{quote(list(expected))}; the checkpoint is damaged or the replica groups "
+            "differ in layout: give them the same device mesh, and have the sender send it again"
+        )
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _shard_shape(spec: DTensorSpec, mesh: Any, local: torch.Tensor) -> tuple[int, ...]:
+    """The shape the sender's shard must have: this rank's under ``spec`` (the sender is
+    this rank of another replica group, laid out alike), or, where this process is not
+    in the mesh (so its place is not known), ``local``'s own where it fits inside the
+    global shape, rank for rank, else the global shape (which refuses it)."""
+    if mesh.get_coordinate() is not None:
+        shape, _ = local_shape_and_offset(spec.shape, mesh, spec.placements)
+        return tuple(shape)
+    fits = local.dim() == len(spec.shape) and all(
+        n <= whole for n, whole in zip(local.shape, spec.shape)
+    )
+    return tuple(local.shape) if fits else tuple(spec.shape)
 
 
 def _check_own_mesh(mesh: Any, record: list[Any], where: str) -> None:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import storage
 from extensions._compat import mesh_without_groups
-from extensions.errors import IntegrityError
+from extensions.errors import IntegrityError, UnsafeCheckpointError
 
 WAIT = timedelta(seconds=30)
 
@@ -131,3 +131,22 @@ def test_paths_into_the_receivers_own_mapping_index_it_once(tmp_path: Path) -> N
     got = receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
     assert _Key.made <= n
     assert all(torch.equal(got["state"][i], torch.tensor([1.0, 0.0])) for i in range(n))
+
+
+@pytest.mark.parametrize("shape", [(1000,), (3,), (2, 2)])
+def test_a_shard_of_another_shape_than_its_layout_gives_is_refused(
+    tmp_path: Path, one_rank_group: None, shape: tuple[int, ...]
+) -> None:
+    # The sender's layout record says rank 0 of 16 holds 4 elements of a 64-element
+    # tensor sharded on dim 0; the shard it sends has another shape. Before, the
+    # receiver wrapped it as given: a DTensor whose local tensor disagrees with its spec
+    # (ops on it read past a shard too small, or leave the rest of one too large unused)
+    # and no error.
+    mesh = mesh_without_groups("cpu", list(range(16)), None)
+    lying = DTensor.from_local(
+        torch.ones(shape), mesh, [Shard(0)], run_check=False, shape=(64,), stride=(1,)
+    )
+    sender, _, _ = _send(tmp_path, {"w": lying})
+    receiver = storage.StorageTransport(str(tmp_path), rank=1)
+    with pytest.raises(UnsafeCheckpointError, match=r"'w'.*shard here has shape.*shape \[4\]"):
+        receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
