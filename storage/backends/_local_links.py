@@ -81,9 +81,9 @@ def _trusted_link(path: str, link: str) -> str | None:
     if (after.st_dev, after.st_ino, after.st_uid) != (before.st_dev, before.st_ino, before.st_uid):
         raise UnsafeCheckpointError(
             f"refusing to follow the checkpoint path {path!r}: the symbolic link {link!r} "
-            "was replaced while it was read, which only someone racing the save does; "
-            f"nothing was written or removed. Make {holder_path or os.curdir!r} writable by "
-            "you only, then save again"
+            "was replaced while it was read, which only someone racing this process does; "
+            f"nothing was read, written or removed. Make {holder_path or os.curdir!r} "
+            "writable by you only, then try again"
         )
     owner = held_by.st_uid
     if before.st_uid in (os.geteuid(), 0, owner) or not held_by.st_mode & _SHARED_WRITE:
@@ -95,8 +95,8 @@ def _trusted_link(path: str, link: str) -> str | None:
         f"a directory of user id {owner}'s that others can write; a link there is "
         "followed only where it is yours, root's or the directory owner's (as the "
         "kernel's protected_symlinks follows links), since anyone else who can write that "
-        "directory may have put it there to redirect the save; nothing was written or "
-        "removed. Remove the link, or "
+        "directory may have put it there to redirect what is saved or loaded; nothing was "
+        "read, written or removed. Remove the link, or "
         "make it yourself (ln -sfn TARGET PATH) if you trust its target, and make that "
         "directory writable by you only"
     )

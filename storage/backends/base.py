@@ -267,13 +267,14 @@ class FileSystemBase(abc.ABC):
         """The directory a checkpoint path the user named leads to where it is itself a
         symbolic link (its files are written through it), else ``path``: what a save, a
         deletion or a safetensors write resolves once as it begins, then acts on with the
-        ``*_in`` methods, never through a link below it. Where links have owners (local
+        ``*_in`` methods, never through a link below it; a load asks it too before it
+        reads anything (its reads then go by path). Where links have owners (local
         disk), one is followed only where it can be trusted, as the kernel's
         ``protected_symlinks`` follows a link in a sticky world-writable directory: it is
         owned by this process's effective user, by root, or by the owner of the directory
         that holds it, or that directory is writable by its owner only (each link of a
         chain so); anyone else's (put there by a neighbour who can write that directory,
-        to redirect the save) raises
+        to redirect a save or a load) raises
         ``UnsafeCheckpointError`` naming the path, the link's owner and the fix. The
         directories above ``path`` are taken as given. This default follows
         :meth:`is_link` and :meth:`realpath` (backends whose links have no owners)."""

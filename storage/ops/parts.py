@@ -71,6 +71,8 @@ def read_metadata(
 
     Raises :class:`CheckpointNotFoundError` naming what is missing when ``path`` is not
     a committed checkpoint, and why its metadata cannot be read when it cannot."""
+    if opened is None:
+        fs.resolve_link(path)  # a checkpoint path that is a neighbour's link is not read
     checkpoint = opened or open_committed(fs, path)
     checkpoint.require()
     parts = []

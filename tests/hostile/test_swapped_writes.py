@@ -258,6 +258,38 @@ def test_a_neighbours_link_at_the_checkpoint_path_is_never_followed(
 
 
 @_ROOT_ONLY
+@pytest.mark.parametrize("make", _local_savers())
+def test_a_neighbours_link_at_the_checkpoint_path_is_never_read(
+    tmp_path: Path,
+    victim: tuple[Path, dict[str, bytes]],
+    make: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Before: a load followed any link at the checkpoint path, so a neighbour who put
+    # theirs at a name a job loads from in a shared sticky directory (before the job
+    # first saved there, or at a step it had not made yet) had the job load their
+    # weights: DCP loads, verify, copies and safetensors loads read what they put there.
+    from storage.cli import main
+
+    planted, _ = victim  # a committed checkpoint that is theirs
+    link = _neighbours_link(tmp_path, planted)
+    location, options = make(link)
+    out = {"w": torch.zeros(4), "b": torch.zeros(3), "step": 0}
+    with pytest.raises(UnsafeCheckpointError, match="user id 65534"):
+        storage.load(out, location, **options)
+    assert torch.equal(out["w"], torch.zeros(4))  # nothing read into the target
+    assert main(["verify", str(link)]) != 0
+    assert "user id 65534" in capsys.readouterr().err
+    storage.save_safetensors({"w": torch.ones(2)}, str(tmp_path / "model"))
+    served = tmp_path / "shared" / "model"
+    served.symlink_to(tmp_path / "model", target_is_directory=True)
+    os.lchown(served, 65534, 65534)
+    with pytest.raises(UnsafeCheckpointError, match="user id 65534"):
+        storage.load_safetensors({"w": torch.zeros(2)}, str(served))
+    _assert_loads(planted, 9.0)  # their own path, named as theirs, still loads
+
+
+@_ROOT_ONLY
 def test_a_link_at_the_checkpoint_path_is_followed_only_where_it_is_trusted(
     tmp_path: Path,
 ) -> None:

@@ -41,7 +41,9 @@ def read_model(fs: FileSystemBase, root: str, threads: int = 1) -> dict[str, Ten
     there, else the files its index names (transformers' choice: a model in several
     files replacing a single one is committed when that file is removed), each file's
     header read once and checked (see ``header``), and the files an index names checked
-    to come from the write that wrote it (:func:`_same_write`)."""
+    to come from the write that wrote it (:func:`_same_write`). A ``root`` that is a
+    neighbour's link is refused before anything is read (``resolve_link``)."""
+    fs.resolve_link(root)
     if fs.exists(fs.concat_path(root, SINGLE_NAME)):
         return read_files(fs, root, None, threads)
     return read_files(fs, root, read_index(fs, root), threads)
