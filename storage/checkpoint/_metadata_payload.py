@@ -4,7 +4,8 @@ DCP hands the writer's ``finish`` the global ``Metadata``; what makes it this sa
 checkpoint is added here: the storage index of every item (where its bytes are and how
 they were encoded: ``storage_format.StoredItem``), ``storage_meta`` naming the location
 and the save id (the data files' names carry it), torch's metadata version, and our
-facts (``storage_format.dump_metadata``): for a save that records fingerprints, the
+facts (``storage_format.dump_metadata``): for a global metadata, how many ranks saved
+together; for a save that records fingerprints, the
 length of its incremental chain (``0`` when no item references a base), and the seals
 of the chain's sealing keys (``storage.checkpoint.seal``), made over the complete
 metadata under its own file name. Publishing it, or handing it to the caller who does,
@@ -47,6 +48,8 @@ def metadata_payload(
     metadata.storage_meta = StorageMeta(checkpoint_id=url, save_id=save_id)
     metadata.version = DCP_VERSION
     extra: dict[str, Any] = {}
+    if name == fmt.METADATA_NAME:  # every rank's results: verify checks coverage by it
+        extra[fmt.RANKS] = len(results)
     if fingerprint:  # incremental saves since the last full one
         refs = any(fmt.stored_item(i).ref for i in metadata.storage_data.values())
         extra[fmt.CHAIN] = (base.chain + 1 if base else 1) if refs else 0

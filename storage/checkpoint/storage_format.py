@@ -103,6 +103,7 @@ FORMAT = "format"
 ORIGIN = "origin"  # the save id of the save a copy was made from
 CHAIN = "chain"  # incremental saves since the last full one
 SEAL = "seal"  # the metadata's MACs by key id (``storage.checkpoint.seal``)
+RANKS = "ranks"  # how many ranks saved a global metadata's checkpoint together
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,14 @@ def checkpoint_facts(metadata: Metadata | None) -> dict[str, Any]:
     """``Metadata.dcp_storage`` (checked by ``validate``), empty when absent."""
     facts = getattr(metadata, EXTRA, None)
     return facts if isinstance(facts, dict) else {}
+
+
+def ranks_of(metadata: Metadata) -> int | None:
+    """How many ranks saved the checkpoint of a global ``metadata`` together, as its
+    save recorded; ``None`` where it did not (older saves, copies of them, stock DCP's
+    checkpoints, rank-local metadata) or recorded no positive int."""
+    ranks = checkpoint_facts(metadata).get(RANKS)
+    return ranks if type(ranks) is int and ranks > 0 else None
 
 
 def save_of(metadata: Metadata) -> str | None:

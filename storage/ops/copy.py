@@ -195,6 +195,9 @@ def publish_copy(
     origin = fmt.save_of(part.metadata)  # the copy holds the same save's state
     if origin is not None:
         extra[fmt.ORIGIN] = origin
+    ranks = fmt.ranks_of(part.metadata)
+    if ranks is not None:  # the copy holds the same chunks
+        extra[fmt.RANKS] = ranks
     setattr(new_meta, fmt.EXTRA, dict(extra))  # as stored, for the seal (it names the save)
     seals = seals_of(part.metadata) if transforms is None else None
     if seals is None:

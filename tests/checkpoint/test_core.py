@@ -80,7 +80,7 @@ def test_writer_options(tmp_path: Path, state_dict: dict, options: dict) -> None
 def test_every_item_records_checksum_and_layout(tmp_path: Path, state_dict: dict) -> None:
     storage.save(state_dict, tmp_path / "c", transforms=[ZStandard()])
     md = _read_metadata(tmp_path / "c")
-    assert md.dcp_storage == {"format": fmt.FORMAT_VERSION}
+    assert md.dcp_storage == {"format": fmt.FORMAT_VERSION, "ranks": 1}  # one process saved
     for index, info in md.storage_data.items():
         extra = getattr(info, fmt.EXTRA)  # as stored
         assert isinstance(extra["crc32c"], int), index

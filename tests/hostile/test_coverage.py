@@ -36,6 +36,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import storage
 from extensions.errors import IntegrityError
 from storage.backends import LocalFileSystem
+from storage.checkpoint import storage_format as fmt
 from storage.cli.main import main
 from storage.ops.verify import verify
 from tests.support.distributed import gloo_group, spawn
@@ -214,6 +215,30 @@ def test_verify_reports_a_tensor_with_no_chunk(ckpt: Path, capsys: Any) -> None:
     assert "cover 0 of its 128 elements" in verify(LocalFileSystem(), str(ckpt)).bad["w"]
     assert main(["verify", str(ckpt)]) == 1
     assert "cover 0 of its 128 elements" in capsys.readouterr().out
+
+
+def test_verify_reports_a_lost_rank_whose_every_chunk_and_file_is_gone(ckpt: Path) -> None:
+    # Rank 1's chunks and records all gone from the metadata: every record left names
+    # rank 0's data file. Before the save recorded how many ranks saved, verify told a
+    # two-rank save from such data files alone, so it saw a save by one process (whose
+    # metadata may hold only its own shards) and called this checkpoint good.
+    assert fmt.ranks_of(_meta(ckpt)) == 2
+    metadata = _meta(ckpt)
+    lost = [
+        index
+        for index, info in metadata.storage_data.items()
+        if fmt.file_rank(info.relative_path) == 1
+    ]
+    assert {index.fqn for index in lost} >= {"w", "v"}
+    for index in lost:
+        del metadata.storage_data[index]
+        md = metadata.state_dict_metadata[index.fqn]
+        md.chunks = [c for c in md.chunks if c.offsets != index.offset]
+    _write_meta(ckpt, metadata)
+    (_,) = {info.relative_path for info in metadata.storage_data.values()}  # rank 0's alone
+    report = verify(LocalFileSystem(), str(ckpt))
+    assert "cover 64 of its 128 elements" in report.bad["w"]
+    assert "cover 4 of its 8 elements" in report.bad["v"]
 
 
 def test_a_chunk_without_its_record_is_refused_naming_it(ckpt: Path) -> None:
