@@ -2,7 +2,8 @@
 
 A save, a deletion or a safetensors write resolves the checkpoint path once as it
 begins (a user may make it a link: ``/scratch/ckpt -> /data/run``), then acts below what
-it resolved without following a link there (:mod:`~storage.backends._local_walk`).
+it resolved without following a link there (:mod:`~storage.backends._local_walk`); a
+load checks it the same way before it reads anything.
 Whoever else can write the directory that holds the path (a shared ``/scratch``) can put
 a link of their own there: on many ranks, a rank that begins after another made the
 directory would follow a link swapped in meanwhile into a directory of their choosing.
