@@ -284,6 +284,7 @@ def test_deadlines_cancel_stalled_uploads_and_reads(proxy: FaultProxy, transport
     (for the upload, inside torch's archive writer) in the request past the deadline,
     where it woke up when the process exited, and crashed it. Now both requests are
     cancelled and the workers joined before the deadline error is raised."""
+    before = set(threading.enumerate())
     fs = _fs(proxy, transport=transport)
     url = f"gs://{BUCKET}/{uuid.uuid4().hex}"
     storage.save(_state(), url + "/good", filesystem=fs)
@@ -291,10 +292,10 @@ def test_deadlines_cancel_stalled_uploads_and_reads(proxy: FaultProxy, transport
     proxy.add("delay", method="GET", path=r"\.distcp", delay=600.0)
     with pytest.raises(storage.DeadlineExceededError, match="saving item 'big"):
         storage.save(_state(), url + "/bad", filesystem=fs, timeout=2)
-    assert _workers() == []
+    assert _workers(before) == []
     with pytest.raises(storage.DeadlineExceededError, match="loading item"):
         storage.load(_state(), url + "/good", filesystem=fs, timeout=2)
-    assert _workers() == []
+    assert _workers(before) == []
     proxy.clear()
     assert not [k for k in gcs_list(proxy.url, BUCKET, _prefix(url) + "/bad") if "metadata" in k]
 
@@ -312,17 +313,20 @@ def test_deadlines_cancel_stalled_control_requests(proxy: FaultProxy, case: str)
     """The one-off requests of a save (an existence check, a listing) are interrupted at
     the deadline like its data requests, and no worker thread is left in them."""
     kind, method, target = GCS_STALLS[case]
+    before = set(threading.enumerate())
     fs = _fs(proxy)
     url = f"gs://{BUCKET}/{uuid.uuid4().hex}/ckpt"
     proxy.add(kind, method=method, path=target, delay=600.0)
     with pytest.raises(storage.DeadlineExceededError, match="within the 2 s deadline"):
         storage.save(_state(), url, filesystem=fs, timeout=2, overwrite=False)
-    assert _workers() == []
+    assert _workers(before) == []
 
 
-def _workers() -> list[str]:
+def _workers(before: set[threading.Thread]) -> list[str]:
+    """The deadline's worker threads alive now that were not in ``before``: those of the
+    calls since (a thread an earlier test of this process left is not theirs)."""
     names = ("dcp-storage-saving", "dcp-storage-loading")
-    return [t.name for t in threading.enumerate() if t.name.startswith(names)]
+    return [t.name for t in threading.enumerate() if t.name.startswith(names) and t not in before]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

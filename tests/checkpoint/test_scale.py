@@ -319,9 +319,11 @@ def test_s3_stalled_upload_fails_every_rank_naming_it(tmp_path: Path, proxy: Fau
 # --- a deadline, then the process exits ---------------------------------------------
 
 
-def _workers_left() -> list[str]:
-    """run_tasks's worker threads still alive in this process."""
-    return [t.name for t in threading.enumerate() if t.name.startswith(_WORKERS)]
+def _workers_left(before: set[threading.Thread] | None = None) -> list[str]:
+    """run_tasks's worker threads still alive in this process, other than those in
+    ``before`` (a thread an earlier test of this process left is not the call's)."""
+    known = before or set()
+    return [t.name for t in threading.enumerate() if t.name.startswith(_WORKERS) and t not in known]
 
 
 _WORKERS = ("dcp-storage-saving", "dcp-storage-loading")
@@ -338,6 +340,7 @@ def test_deadline_cancels_the_stalled_request_and_joins_its_thread(
     joined before the error is raised."""
     state = {"w": torch.randn(1 << 20)}
     storage.save(state, str(tmp_path / "good"))
+    before = set(threading.enumerate())
     for kind in ("write", "read"):
         fs = ProbeFileSystem(
             stall=(0, kind),
@@ -350,7 +353,7 @@ def test_deadline_cancels_the_stalled_request_and_joins_its_thread(
                     storage.save(state, str(tmp_path / "bad"), filesystem=fs, timeout=1)
                 else:
                     storage.load(state, str(tmp_path / "good"), filesystem=fs, timeout=1)
-            assert _workers_left() == []
+            assert _workers_left(before) == []
         finally:
             fs.release.set()
     assert not (tmp_path / "bad" / ".metadata").exists()

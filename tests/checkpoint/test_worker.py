@@ -26,6 +26,7 @@ from extensions.errors import CheckpointStorageError, WorkerDiedError
 from storage.checkpoint import persist
 from storage.checkpoint.persist import _calls
 from tests.support.distributed import gloo_group, spawn
+from tests.support.gated_fs import HOLD_AT_MOST
 from tests.support.servers import create_bucket, moto_endpoint, s3_options
 from tests.support.trees import assert_tree_equal, zeros_like_tree
 
@@ -52,7 +53,7 @@ class _Passthrough:
 
 class Gate(StreamTransformExtension):
     """Identity on the bytes; before its first item it marks ``dir/started`` and waits
-    until ``dir/open`` exists (at most 30 s), so a test holds the worker mid-save."""
+    until ``dir/open`` exists (at most ``HOLD_AT_MOST`` s), so a test holds the worker mid-save."""
 
     def __init__(self, gate_dir: str = "") -> None:
         self.gate_dir = gate_dir
@@ -71,7 +72,7 @@ class Gate(StreamTransformExtension):
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
         if self.gate_dir:
             Path(self.gate_dir, "started").touch()
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + HOLD_AT_MOST
             while not Path(self.gate_dir, "open").exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
         return _Passthrough(output)  # type: ignore[return-value]
@@ -140,9 +141,9 @@ def _returns_unloadable() -> _Unloadable:
 
 def _held(gate_dir: str) -> bool:
     """Run in the worker: mark ``gate_dir/started``, then wait until ``gate_dir/open``
-    exists (at most 30 s); whether it did."""
+    exists (at most ``HOLD_AT_MOST`` s); whether it did."""
     Path(gate_dir, "started").touch()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HOLD_AT_MOST
     while not Path(gate_dir, "open").exists():
         if time.monotonic() > deadline:
             return False
@@ -150,7 +151,7 @@ def _held(gate_dir: str) -> bool:
     return True
 
 
-def wait_for(path: Path, timeout: float = 60.0) -> None:
+def wait_for(path: Path, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} did not appear"
@@ -516,7 +517,7 @@ def test_a_worker_that_died_idle_fails_the_next_save_once(
     pid, pool = worker.pid, worker.pool
     assert pid is not None
     kill_worker(worker)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # bounds a failure only
     while worker.pid == pid:  # the handle notices within a second
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -888,26 +889,29 @@ def test_two_ranks_save_through_their_own_workers(tmp_path: Path) -> None:
 def test_tiered_drain_runs_in_the_worker_and_survives_its_death(
     tmp_path: Path, worker: persist.Worker
 ) -> None:
-    """The drain copies in the worker (capped here so it is slow); killed mid-copy, the
-    manager's wait() raises WorkerDiedError, the step stays committed locally, and the
-    next save's drain (in a new worker) makes both steps durable."""
+    """The drain copies in the worker (held there mid-file, so it is killed mid-copy
+    whatever the machine's load: a drain slowed by a cap could end before the kill);
+    the manager's wait() raises WorkerDiedError, the step stays committed locally, and
+    the next save's drain (in a new worker) makes both steps durable."""
+    from tests.support.gated_fs import GatedFileSystem
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
     mgr = storage.CheckpointManager(
         tmp_path / "root",
         local=tmp_path / "local",
         persist="process",
-        max_bandwidth=1 << 20,  # 1 MiB/s: the 2 MiB step drains for ~2 s
+        filesystem=GatedFileSystem(str(gate)),
     )
     state = {"w": torch.arange(1 << 19, dtype=torch.float32)}
     mgr.save(1, state)
-    deadline = time.monotonic() + 30
-    while not list((tmp_path / "root").glob("step-1/*.distcp")):
-        assert time.monotonic() < deadline, "the drain did not start"
-        time.sleep(0.01)
+    wait_for(gate / "started")  # the worker's drain, mid-copy
     kill_worker(worker)
     with pytest.raises(WorkerDiedError):
         mgr.wait()
     assert mgr.tiers is not None
     assert mgr.tiers.local.steps() == [1] and mgr.durable_steps() == []
+    (gate / "open").touch()
     state["w"].add_(1)
     mgr.save(2, state)
     mgr.wait()

@@ -262,7 +262,8 @@ def test_a_referencing_step_whose_listing_misses_its_metadata_still_keeps_its_ba
 
 class _Gate(LocalFileSystem):
     """Holds the first call of ``op`` whose path ends with ``suffix`` until ``go`` is set
-    (``parked`` says it arrived): a kill or race point that needs no sleep."""
+    (``parked`` says it arrived): a kill or race point that needs no sleep. The waits
+    only bound a failure: a loaded machine may hold the other side for seconds."""
 
     def __init__(self, op: str, suffix: str) -> None:
         super().__init__()
@@ -272,7 +273,7 @@ class _Gate(LocalFileSystem):
     def _hold(self, op: str, path: str) -> None:
         if op == self.op and path.endswith(self.suffix) and not self.parked.is_set():
             self.parked.set()
-            assert self.go.wait(10), "the test never released the gate"
+            assert self.go.wait(300), "the test never released the gate"
 
     def write_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         self._hold("publish", path)
@@ -320,11 +321,11 @@ def test_a_base_deleted_between_a_saves_check_and_its_publish_withdraws_the_save
     gate = _Gate("publish", "step-11/.metadata")
     saver = CheckpointManager(str(root), incremental=True, persist="thread", filesystem=gate)
     thread, errors = _run(lambda: saver.save(11, _state(11)))
-    assert gate.parked.wait(10)
+    assert gate.parked.wait(120)
     pruner = CheckpointManager(str(root), keep_last=1, persist="thread")
     pruner.save(12, _state(12))  # prunes 9 and 10: step 11 is not committed yet
     gate.go.set()
-    thread.join(10)
+    thread.join(120)
     assert not thread.is_alive()
     assert len(errors) == 1 and "withdrawn" in str(errors[0]), errors
     assert "step-9" in str(errors[0]) and "step-11" in str(errors[0])
@@ -347,11 +348,11 @@ def test_a_deletion_that_decided_before_a_save_chose_its_base_keeps_the_base(
     gate = _Gate("rename", "step-9/.metadata")
     pruner = CheckpointManager(str(root), keep_last=1, persist="thread", filesystem=gate)
     thread, errors = _run(lambda: pruner.save(12, _state(12)))
-    assert gate.parked.wait(10)  # step 10 is gone, step 9 is next
+    assert gate.parked.wait(120)  # step 10 is gone, step 9 is next
     saver.save(11, _state(11))  # its base is step 9 (10 is gone), still committed
     with caplog.at_level(logging.WARNING, logger="storage"):
         gate.go.set()
-        thread.join(10)
+        thread.join(120)
     assert not thread.is_alive() and not errors, errors
     assert "step-11" in caplog.text and "reference" in caplog.text
     assert pruner.steps() == [9, 11, 12]
@@ -381,10 +382,10 @@ def test_rm_that_decided_before_a_save_chose_its_base_keeps_the_base(
     monkeypatch.setattr(LocalFileSystem, "rename_in", held)
     codes: list[int] = []
     thread, errors = _run(lambda: codes.append(main(["rm", str(root / "step-9")])))
-    assert gate.parked.wait(10)
+    assert gate.parked.wait(120)
     saver.save(10, _state(10))
     gate.go.set()
-    thread.join(10)
+    thread.join(120)
     assert not thread.is_alive() and not errors and codes == [1], (codes, errors)
     assert "step-10" in capsys.readouterr().err
     assert saver.steps() == [9, 10]
@@ -397,7 +398,7 @@ from storage import CheckpointManager, LocalFileSystem
 root, decided, go, moved = sys.argv[1:5]
 rename_in = LocalFileSystem.rename_in
 def wait_for(path):
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.02)
 def held(self, directory, name, new_name):

@@ -336,17 +336,20 @@ def test_local_commit_is_bounded_by_the_save_timeout(tmp_path: Path) -> None:
 
 
 class _GatedDisk(LocalFileSystem):
-    """Our local backend, whose data file writes wait until ``gate`` is set."""
+    """Our local backend, whose data file writes wait until ``gate`` is set (``arrived``
+    is set once one got there)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gate = threading.Event()
         self.gate.set()
+        self.arrived = threading.Event()
 
     @contextlib.contextmanager
     def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
         if mode == "wb" and path.endswith(".distcp"):
-            assert self.gate.wait(30), "the test never opened the gate"
+            self.arrived.set()
+            assert self.gate.wait(300), "the test never opened the gate"
         with super().create_stream(path, mode, sync=sync) as stream:
             yield stream
 
@@ -419,8 +422,12 @@ class _CountingDisk(_GatedDisk):
             yield Counted()  # type: ignore[misc]
 
 
-class _SlowDisk(LocalFileSystem):
-    """A durable tier whose data file writes take 20 ms per call (a slow bucket)."""
+class _HeldDisk(LocalFileSystem):
+    """A durable tier whose data file writes wait while ``held`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = threading.Event()
 
     @contextlib.contextmanager
     def create_stream(self, path: str, mode: str, *, sync: bool = False) -> Iterator[IO[bytes]]:
@@ -428,28 +435,38 @@ class _SlowDisk(LocalFileSystem):
             if mode == "wb" and path.endswith(".distcp"):
                 write = stream.write
 
-                def slow(data: Any) -> int:
-                    time.sleep(0.02)
+                def held(data: Any) -> int:
+                    deadline = time.monotonic() + 300  # bounds a failure only
+                    while self.held.is_set() and time.monotonic() < deadline:
+                        time.sleep(0.01)
                     return write(data)
 
-                stream.write = slow  # type: ignore[method-assign]
+                stream.write = held  # type: ignore[method-assign]
             yield stream
 
 
 def test_the_drain_pauses_while_a_save_writes_locally(tmp_path: Path) -> None:
+    # The drain's writes are held until the save is at its gate: a drain slowed by a
+    # clock instead could finish before the save began where this thread was held a
+    # while (a loaded machine), and one left to run at full speed copies all 16 MiB.
     local = _CountingDisk()
+    durable = _HeldDisk()
+    durable.held.set()
     mgr = CheckpointManager(
         tmp_path / "durable",
-        filesystem=_SlowDisk(),
+        filesystem=durable,
         local=tmp_path / "local",
         local_filesystem=local,
     )
-    big = {"w": torch.randn(4 << 20), "meta": {"step": 1}}  # 16 MiB: 16 slow writes or more
-    mgr.save(1, big)  # its drain starts now, and takes a while
+    big = {"w": torch.randn(4 << 20), "meta": {"step": 1}}  # 16 MiB
+    mgr.save(1, big)  # its drain starts now, held at its first write
     local.gate.clear()
+    local.arrived.clear()
     future = mgr.save(2, step_state(2), blocking=False)  # writing: blocked at the gate
     assert future is not None
+    assert local.arrived.wait(120), "the save never wrote"  # the drain is paused now
     before = local.read
+    durable.held.clear()  # the drain may go on: it is paused only by the save
     time.sleep(0.5)
     # At most the read in progress when the save began (1 MiB per copy thread) lands.
     assert local.read - before <= 8 << 20

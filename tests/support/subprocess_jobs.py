@@ -170,8 +170,9 @@ def start_script(code: str, args: list[str]) -> subprocess.Popen[bytes]:
 
 def wait_for_mark(proc: subprocess.Popen[bytes], mark: Path, waiting_for: str) -> None:
     """Return once ``proc`` created ``mark``; fails naming ``waiting_for`` when it exits
-    first (with its stderr) or takes 30 s."""
-    deadline = time.monotonic() + 30
+    first (with its stderr) or takes 300 s (generous: a new interpreter imports torch
+    first, which a loaded machine can stretch past half a minute)."""
+    deadline = time.monotonic() + 300
     while not mark.exists():
         if proc.poll() is not None:
             error = proc.communicate()[1].decode()[-2000:]
@@ -194,7 +195,7 @@ def kill_when_marked(code: str, args: list[str], mark: Path, waiting_for: str) -
 def park_on_rm_file(fragment: str, mark: str) -> None:
     """In a script run by :func:`kill_when_marked`: the first ``LocalFileSystem``
     removal (``rm_file_in``, what every deletion uses) of a path containing ``fragment``
-    creates ``mark``, then waits to be killed (for 60 s at most, so a script whose test
+    creates ``mark``, then waits to be killed (for 300 s at most, so a script whose test
     died ends by itself)."""
     from storage.backends._local import LocalFileSystem
 
@@ -203,7 +204,7 @@ def park_on_rm_file(fragment: str, mark: str) -> None:
     def parked(self: LocalFileSystem, directory: str, name: str) -> None:
         if fragment in os.path.join(directory, name):
             open(mark, "w").close()
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
                 time.sleep(0.05)
         rm_file_in(self, directory, name)
