@@ -21,8 +21,10 @@ and whether all are at the same step. There is no variant that saves from inside
 handler: a caller cannot know what the main thread was doing when the signal landed.
 
 Deadline. ``grace`` seconds after the first rank's signal, the preemption save is
-given up: ``should_stop`` returns (``saved`` is ``None``, ``error`` says why), and the
-save, left behind in its thread, publishes nothing (every rank checks the deadline
+given up: ``should_stop`` returns (``saved`` is ``None``, ``error`` says why; the ranks
+agree before the save starts, so where one finds the deadline passed, or the save in
+flight not finished by it, none starts), and a save, left behind in its thread,
+publishes nothing (every rank checks the deadline
 before the commit and all of them remove what they wrote if any is late). A save of
 this manager in flight is waited for first (its commit and the preemption commit never
 race: one save thread runs them in turn); if it is the save of the same step and it
@@ -223,20 +225,27 @@ class PreemptionGuard:
             )
         return oldest if seen else None
 
+    def _everywhere(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (collective under a process group)."""
+        if self._pg is None:
+            return flag
+        notes = torch.tensor([flag], dtype=torch.int32)
+        dist.all_reduce(notes, op=dist.ReduceOp.MIN, group=self._pg)
+        return bool(notes.item())
+
     def _save(self, step: int) -> None:
         tier = self.tier
         assert self._deadline is not None
         started = time.monotonic()
         try:
-            if not self._left():  # the step boundary came too late: write nothing
+            ready = bool(self._left()) and tier.finish_commit(timeout=self._left())
+            if not self._everywhere(ready):
+                # Every rank decides alike (on its own clock, one could find time left
+                # and enter the save's collectives, which the others never join).
                 raise DeadlineExceededError(
-                    f"timed out: the first step boundary after the signal came {self.grace:g} s "
-                    f"or more after it (grace=); step {step} is not saved"
-                )
-            if not tier.finish_commit(timeout=self._left()):
-                raise DeadlineExceededError(
-                    f"the save in flight to {tier.local.url} timed out: it did not finish within "
-                    f"the {self.grace:g} s grace period; step {step} is not saved"
+                    f"timed out: the first step boundary after the signal, or the save in "
+                    f"flight to {tier.local.url} before it, ended {self.grace:g} s or more "
+                    f"after the signal on some rank (grace=); step {step} is not saved"
                 )
             if tier.last_commit != step:
                 future = tier.save_by(step, self.state_fn(), self._deadline)

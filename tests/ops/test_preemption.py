@@ -423,6 +423,38 @@ def test_a_rank_that_cannot_save_in_time_leaves_no_step_committed_anywhere(
     spawn(_late_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
 
 
+def _skewed_worker(rank: int, store: str, base: str) -> None:
+    import types
+
+    from storage.ops import preemption
+
+    with gloo_group(rank, 2, store):
+        mgr = CheckpointManager(f"{base}/durable", local=f"{base}/node{rank}")
+        guard = mgr.save_on_signal(lambda: {f"r{rank}": torch.ones(100)}, grace=30)
+        if rank == 1:
+            # Rank 1 stalls past the grace period right after the ranks agreed on the
+            # deadline (its clock jumps 60 s once the deadline is set), rank 0 does not.
+            preemption.time = types.SimpleNamespace(  # type: ignore[assignment]
+                monotonic=lambda: time.monotonic() + (60 if guard._deadline else 0)
+            )
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.should_stop(1)
+        # Before: each rank judged "too late" on its own clock, so rank 0 found time left
+        # and entered the save's collectives, which rank 1, giving up, never joined: its
+        # save thread hung there, and its error was the save's own timeout.
+        assert guard.saved is None and isinstance(guard.error, DeadlineExceededError)
+        assert "on some rank" in str(guard.error)
+        dist.barrier()
+        assert committed_steps(Path(base) / f"node{rank}") == []
+        assert list((Path(base) / f"node{rank}").rglob("*.distcp")) == []
+
+
+def test_ranks_whose_clocks_disagree_on_the_deadline_all_give_up_the_save(
+    tmp_path: Path,
+) -> None:
+    spawn(_skewed_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+
+
 # --- a job killed after SIGTERM, restarted ---------------------------------------------------
 
 BUCKET = "dcp-preempt"
