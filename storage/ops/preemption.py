@@ -225,13 +225,14 @@ class PreemptionGuard:
             )
         return oldest if seen else None
 
-    def _everywhere(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on every rank (collective under a process group)."""
+    def _everywhere(self, ready: bool, needed: bool) -> tuple[bool, bool]:
+        """Whether every rank is ``ready``, and whether any rank finds the save
+        ``needed`` (collective under a process group)."""
         if self._pg is None:
-            return flag
-        notes = torch.tensor([flag], dtype=torch.int32)
+            return ready, needed
+        notes = torch.tensor([ready, not needed], dtype=torch.int32)
         dist.all_reduce(notes, op=dist.ReduceOp.MIN, group=self._pg)
-        return bool(notes.item())
+        return bool(notes[0]), not bool(notes[1])
 
     def _save(self, step: int) -> None:
         tier = self.tier
@@ -239,7 +240,8 @@ class PreemptionGuard:
         started = time.monotonic()
         try:
             ready = bool(self._left()) and tier.finish_commit(timeout=self._left())
-            if not self._everywhere(ready):
+            ready, needed = self._everywhere(ready, tier.last_commit != step)
+            if not ready:
                 # Every rank decides alike (on its own clock, one could find time left
                 # and enter the save's collectives, which the others never join).
                 raise DeadlineExceededError(
@@ -247,7 +249,7 @@ class PreemptionGuard:
                     f"flight to {tier.local.url} before it, ended {self.grace:g} s or more "
                     f"after the signal on some rank (grace=); step {step} is not saved"
                 )
-            if tier.last_commit != step:
+            if needed:  # on every rank where any has not committed this step
                 future = tier.save_by(step, self.state_fn(), self._deadline)
                 if not concurrent.futures.wait([future], self._left()).done:
                     raise DeadlineExceededError(
