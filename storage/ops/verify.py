@@ -98,17 +98,15 @@ def _report_uncovered(part: Part, report: VerifyReport) -> None:
     several ranks together whose chunks hold fewer elements than the tensor has: torch
     checked at save time that they cover it, so some are lost. (A save by one process,
     or rank-local metadata, holds only that process's shards of a sharded tensor: no
-    damage, not reported.) How many ranks saved is what the save recorded; where it
-    did not (older saves), data files from two ranks or more say it. The item's chunk
+    damage, not reported.) Several ranks saved where the save recorded so, or where
+    data files come from two ranks or more (what older saves say). The item's chunk
     at offset 0 shares its name: its own verdict is kept after this one, and the item
     is not counted good."""
     if part.rank is not None:
         return
-    ranks = fmt.ranks_of(part.metadata)
-    if ranks is None:
-        records = (part.metadata.storage_data or {}).values()
-        ranks = len({fmt.file_rank(i.relative_path) for i in records})
-    if ranks < 2:
+    records = (part.metadata.storage_data or {}).values()
+    writers = len({fmt.file_rank(i.relative_path) for i in records})
+    if max(fmt.ranks_of(part.metadata) or 0, writers) < 2:
         return
     for fqn, (covered, total) in uncovered(part.metadata).items():
         label = part.label(MetadataIndex(fqn))
