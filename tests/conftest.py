@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -24,3 +26,14 @@ def state_dict() -> dict[str, object]:
         "nested": {"scale": torch.tensor(2.5), "name": "layer", "steps": [1, 2, 3]},
         "step": 7,
     }
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A gloo group of this process alone, as torchft's harness makes (a DTensor needs
+    one)."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -4,9 +4,10 @@ closes the pool (the parent's threads are not in the child)."""
 
 from __future__ import annotations
 
-from tests.hostile.test_staging_memory import _run
+from tests.hostile.test_staging_memory import FORK_AND_EXIT, _run
 
-_FORK_WHILE_SUBMITTING = """
+_FORK_WHILE_SUBMITTING = (
+    """
 import os, sys, threading, time, torch
 from storage.checkpoint.persist import _pool
 torch.set_num_threads(1)  # the copies run on the pool's copy threads
@@ -22,25 +23,13 @@ def submitting():  # a stage on another thread, handing a piece to a copy thread
 thread = threading.Thread(target=submitting)
 thread.start()
 held.wait()
-child = os.fork()
-if child == 0:
-    sys.exit(0)  # runs the atexit hooks it inherited: they close the pool
-done.set()
-thread.join()
-deadline = time.monotonic() + 60  # bounds a failure only
-while True:
-    pid, status = os.waitpid(child, os.WNOHANG)
-    if pid:
-        break
-    if time.monotonic() > deadline:
-        os.kill(child, 9)
-        sys.exit("the child hung at exit")
-    time.sleep(0.05)
-assert status == 0, status
-pool.stage({"w": torch.ones(1024, 1024)})  # the parent's copy threads still work
+"""
+    + FORK_AND_EXIT
+    + """pool.stage({"w": torch.ones(1024, 1024)})  # the parent's copy threads still work
 pool.close()
 print("ok")
 """
+)
 
 
 def test_a_child_forked_while_a_stage_hands_out_a_copy_exits() -> None:

@@ -261,20 +261,10 @@ def test_a_forked_child_that_exits_leaves_its_parents_buffers_alone(tmp_path: Pa
     assert torch.equal(loaded["w"], torch.full((256, 256), 2.0))
 
 
-_FORK_WHILE_LOCATING = """
-import os, sys, threading, time, torch
-from storage.checkpoint.persist import _pool
-torch.set_num_threads(1)  # as in DataLoader workers: OpenMP's pool does not survive fork
-pool = _pool.StagingPool()
-pool.stage({"w": torch.ones(256, 256)})
-held, done = threading.Event(), threading.Event()
-def locating():  # DCP's save thread, finding a staged tensor's segment (pool.locate)
-    with pool._lock:
-        held.set()
-        done.wait()
-thread = threading.Thread(target=locating)
-thread.start()
-held.wait()
+#: The end of a script whose thread holds a lock of the pool (it set ``held`` and waits
+#: for ``done``): fork, the child exits at once through the atexit hooks it inherited
+#: (they close the pool), and the parent checks it did, within a bound on a failure only.
+FORK_AND_EXIT = """
 child = os.fork()
 if child == 0:
     sys.exit(0)  # runs the atexit hooks it inherited: they close the pool
@@ -290,9 +280,29 @@ while True:
         sys.exit("the child hung at exit")
     time.sleep(0.05)
 assert status == 0, status
-pool.close()
+"""
+
+_FORK_WHILE_LOCATING = (
+    """
+import os, sys, threading, time, torch
+from storage.checkpoint.persist import _pool
+torch.set_num_threads(1)  # as in DataLoader workers: OpenMP's pool does not survive fork
+pool = _pool.StagingPool()
+pool.stage({"w": torch.ones(256, 256)})
+held, done = threading.Event(), threading.Event()
+def locating():  # DCP's save thread, finding a staged tensor's segment (pool.locate)
+    with pool._lock:
+        held.set()
+        done.wait()
+thread = threading.Thread(target=locating)
+thread.start()
+held.wait()
+"""
+    + FORK_AND_EXIT
+    + """pool.close()
 print("ok")
 """
+)
 
 
 def test_a_child_forked_while_a_save_thread_holds_the_pool_exits(tmp_path: Path) -> None:

@@ -13,14 +13,12 @@ look-up per item, however many items and keys.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
@@ -63,16 +61,6 @@ def test_a_claim_of_the_receivers_shape_in_a_wider_dtype_is_refused(tmp_path: Pa
     _claim(path, metadata, "mask", 64, torch.bool)  # the receiver's own dtype: believed
     got = receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
     assert got["mask"].dtype == torch.bool and int(got["mask"].sum()) == 4
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A gloo group of this process alone (a DTensor needs one)."""
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_dtensors_shard_claimed_at_its_global_shape_is_refused(

@@ -91,16 +91,6 @@ def test_torchft_transport_harness(location: tuple[str, dict[str, Any] | None]) 
             dist.destroy_process_group()
 
 
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A gloo group of this process alone, as torchft's harness makes (DTensors need one)."""
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_dtensors_come_back_as_dtensors_holding_the_senders_shard(
     tmp_path: Path, one_rank_group: None
 ) -> None:
