@@ -250,7 +250,17 @@ class PreemptionGuard:
                     f"after the signal on some rank (grace=); step {step} is not saved"
                 )
             if needed:  # on every rank where any has not committed this step
-                future = tier.save_by(step, self.state_fn(), self._deadline)
+                state: dict[str, Any] = {}
+                failure: Exception | None = None
+                try:
+                    state = self.state_fn()
+                except Exception as exc:  # every rank hears of it before any saves
+                    failure = exc
+                if not self._everywhere(failure is None, False)[0]:
+                    raise failure or RuntimeError(
+                        f"state_fn failed on another rank; step {step} is not saved"
+                    )
+                future = tier.save_by(step, state, self._deadline)
                 if not concurrent.futures.wait([future], self._left()).done:
                     raise DeadlineExceededError(
                         f"the preemption save of step {step} to {tier.local.url} timed out: it did "

@@ -455,6 +455,31 @@ def test_ranks_whose_clocks_disagree_on_the_deadline_all_give_up_the_save(
     spawn(_skewed_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
 
 
+def _failing_state_worker(rank: int, store: str, base: str) -> None:
+    with gloo_group(rank, 2, store):
+        mgr = CheckpointManager(f"{base}/durable", local=f"{base}/node{rank}")
+
+        def state() -> dict[str, torch.Tensor]:
+            if rank == 1:
+                raise ValueError("this rank's state cannot be built")
+            return {f"r{rank}": torch.ones(100)}
+
+        guard = mgr.save_on_signal(state, grace=30)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.should_stop(1)
+        # Before: rank 1's state_fn raised and it gave up, while rank 0 entered the
+        # save's collectives alone: its save thread waited there until the deadline.
+        assert guard.saved is None
+        expected = "cannot be built" if rank == 1 else "state_fn failed on another rank"
+        assert expected in str(guard.error)
+        dist.barrier()
+        assert committed_steps(Path(base) / f"node{rank}") == []
+
+
+def test_a_state_fn_that_fails_on_one_rank_starts_the_save_on_none(tmp_path: Path) -> None:
+    spawn(_failing_state_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+
+
 # --- a job killed after SIGTERM, restarted ---------------------------------------------------
 
 BUCKET = "dcp-preempt"
