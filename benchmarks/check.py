@@ -4,9 +4,12 @@
     python benchmarks/check.py --only local     # or s3, loop, codec; repeat --only for several
     python benchmarks/check.py --quick          # smoke run: small sizes, seconds to a minute each
     python benchmarks/check.py --plots docs/img # also draw the pictures docs/benchmarks.md shows
+    python benchmarks/check.py --wide           # also the earlier goals' parts: ~20 min more
+    python benchmarks/check.py --only gcs       # one of them (gcs, small, replicated,
+                                                # safetensors, incremental, node_loss)
 
-Four parts, each driven by the benchmark that owns its protocol (nothing is re-implemented
-here):
+Four parts by default, each driven by the benchmark that owns its protocol (nothing is
+re-implemented here):
 
 - ``local``: ``benchmarks/restart.py`` (every save and load in a fresh process; a load's
   target allocated and touched in that process before the clock; stock
@@ -21,6 +24,10 @@ here):
 - ``codec``: ``benchmarks/compression.py``: ``WeightCodec`` against ZipNN, one core each,
   on an initialised bf16 layer and AdamW's fp32 second moment; the worse tensor's ratio
   of each kind (stored size, compression and decompression speed).
+
+``--wide`` adds the side-by-side runs of earlier goals (GCS, many small tensors,
+replicated loads, safetensors, incremental checkpoints, node loss): see
+``benchmarks/check_wide.py``. A part whose peer is not installed says so and is skipped.
 
 The recorded ratios and goals live in ONE place, the table between the ``recorded ratios``
 markers of docs/benchmarks.md; this script reads it, and refuses to run if a measure here
@@ -49,6 +56,9 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import check_wide  # noqa: E402
+from benchmarks.check_types import Figure, Measure  # noqa: E402
+
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 BEGIN = "<!-- recorded ratios: begin"
 END = "<!-- recorded ratios: end -->"
@@ -59,13 +69,6 @@ TOLERANCE = 0.10  # how much worse than the recorded ratio a run may read before
 AT_LIMIT = 1.25
 PARTS = ("local", "s3", "loop", "codec")
 BUCKET = "bench"  # the bucket both s3_peers.py and training_loop.py use
-
-
-@dataclass(frozen=True)
-class Measure:
-    key: str
-    part: str
-    higher_is_better: bool
 
 
 MEASURES = [
@@ -95,6 +98,7 @@ MEASURES = [
     Measure("codec.ratio_vs_zipnn", "codec", True),
     Measure("codec.compress_vs_zipnn", "codec", True),
     Measure("codec.decompress_vs_zipnn", "codec", True),
+    *check_wide.MEASURES,
 ]
 
 
@@ -104,18 +108,6 @@ class Recorded:
     ratio: float | None  # None: a measure with no recorded run yet ("-")
     goal: float | None
     source: str
-
-
-@dataclass(frozen=True)
-class Figure:
-    """One measured ratio: ours and the peer as printed, the ratio, and the limit."""
-
-    key: str
-    ours: str
-    peer: str
-    ratio: float | None
-    limit: str = ""
-    over_limit: float | None = None  # ours over the limit's time, where the limit is a time
 
 
 # --- the recorded table -----------------------------------------------------------------
@@ -515,13 +507,23 @@ def table(figures: list[Figure], recorded: dict[str, Recorded]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", choices=PARTS, help="this part (repeatable)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=PARTS + check_wide.PARTS,
+        help="this part (repeatable)",
+    )
+    parser.add_argument(
+        "--wide", action="store_true", help="also every earlier goal's part (check_wide.py)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: small sizes")
     parser.add_argument("--local-mb", type=float, help="local state dict (default 512; quick 32)")
     parser.add_argument("--local-repeat", type=int, default=1, help="timed rounds (default 1)")
     parser.add_argument("--s3-mb", type=float, help="S3 state dict (default 268; quick 32)")
     parser.add_argument("--s3-repeat", type=int, help="rounds (default 3; quick 1)")
-    parser.add_argument("--dir", help="work directory for the local part (default: a temp dir)")
+    parser.add_argument(
+        "--dir", help="work directory for the local and incremental parts (default: a temp dir)"
+    )
     parser.add_argument(
         "--loop-rounds", type=int, help="rounds of each loop variant (default 2; quick 1)"
     )
@@ -530,7 +532,7 @@ def main() -> None:
         "--plots", metavar="DIR", help="draw the loop's step times and the S3 throughputs here"
     )
     args = parser.parse_args()
-    parts = args.only or list(PARTS)
+    parts = args.only or list(PARTS + check_wide.PARTS if args.wide else PARTS)
     recorded = read_recorded()  # before anything runs: a table that disagrees stops here
     if "s3" in parts or "loop" in parts:
         try:
@@ -597,6 +599,25 @@ def main() -> None:
         figures += got
         protocols.append(protocol)
         note("codec", began)
+
+    for part in check_wide.PARTS:
+        if part not in parts:
+            continue
+        why = check_wide.missing(part)
+        if why:
+            print(f"{part}: skipped: {why}", file=sys.stderr, flush=True)
+            protocols.append(f"{part}: skipped: {why}.")
+            continue
+        print(
+            f"{part}: {'smoke run' if args.quick else 'the recorded sizes'} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        began = time.monotonic()
+        got, protocol = check_wide.run(part, args.quick, args.dir)
+        figures += got
+        protocols.append(protocol)
+        note(part, began)
 
     print("\n" + "\n\n".join(protocols))
     worst = table(figures, recorded)

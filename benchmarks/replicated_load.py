@@ -216,6 +216,7 @@ def report(
         f"rank, {args.ranks * stored / rate:.2f} s. vs X = X's time / this row's (> 1: faster)."
     )
     print("raw samples:", json.dumps(results))
+    print("raw sizes:", json.dumps({"logical": logical, "stored": stored, "rate": rate}))
 
 
 def main() -> None:

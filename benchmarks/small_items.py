@@ -111,6 +111,29 @@ def _async_main(args: argparse.Namespace) -> None:
         )
 
 
+def measure(count: int, size: int, rounds: int) -> dict[tuple[str, str], list[float]]:
+    """Seconds of each (side, op) over ``rounds`` timed rounds after a warm-up, every call
+    in a fresh interpreter, the sides alternating; benchmarks/check.py --wide calls this."""
+    work = tempfile.mkdtemp(prefix="dcp-small-items-")
+    times: dict[tuple[str, str], list[float]] = {}
+    try:
+        for round_ in range(rounds + 1):  # the first warms up
+            for side in ("stock", "ours"):
+                path = os.path.join(work, f"{side}-{round_}")
+                for op in ("save", "load"):
+                    argv = [sys.executable, __file__, "--child", op, side, path]
+                    argv += [str(count), str(size)]
+                    subprocess.run(["sync"], check=False)
+                    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+                    if done.returncode:
+                        raise SystemExit(f"{side} {op} failed:\n{done.stderr[-3000:]}")
+                    if round_:
+                        times.setdefault((side, op), []).append(float(done.stdout.split()[-1]))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--count", type=int, default=20000)
@@ -121,23 +144,7 @@ def main() -> None:
     if args.async_saves:
         _async_main(args)
         return
-    work = tempfile.mkdtemp(prefix="dcp-small-items-")
-    times: dict[tuple[str, str], list[float]] = {}
-    try:
-        for round_ in range(args.rounds + 1):  # the first warms up
-            for side in ("stock", "ours"):
-                path = os.path.join(work, f"{side}-{round_}")
-                for op in ("save", "load"):
-                    argv = [sys.executable, __file__, "--child", op, side, path]
-                    argv += [str(args.count), str(args.size)]
-                    subprocess.run(["sync"], check=False)
-                    done = subprocess.run(argv, capture_output=True, text=True, check=False)
-                    if done.returncode:
-                        raise SystemExit(f"{side} {op} failed:\n{done.stderr[-3000:]}")
-                    if round_:
-                        times.setdefault((side, op), []).append(float(done.stdout.split()[-1]))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    times = measure(args.count, args.size, args.rounds)
     mb = (args.count * args.size + 4 * (16 << 20)) / 1e6
     print(f"{args.count} tensors of {args.size} B + 4 x 16 MiB ({mb:.0f} MB), ", end="")
     print(f"medians of {args.rounds}")
