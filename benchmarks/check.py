@@ -4,7 +4,7 @@
     python benchmarks/check.py --only local     # or s3, loop, codec; repeat --only for several
     python benchmarks/check.py --quick          # smoke run: small sizes, seconds to a minute each
     python benchmarks/check.py --plots docs/img # also draw the pictures docs/benchmarks.md shows
-    python benchmarks/check.py --wide           # also the earlier goals' parts: ~20 min more
+    python benchmarks/check.py --wide           # also the earlier goals' parts: ~7-9 min more
     python benchmarks/check.py --only gcs       # one of them (gcs, small, replicated,
                                                 # safetensors, incremental, node_loss)
 
