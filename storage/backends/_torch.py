@@ -52,9 +52,10 @@ class TorchFileSystem(FileSystemBase):
     * ``rename`` is the wrapped filesystem's, its atomicity unknown (``atomic_rename``
       is ``False``), except on local disk: ``os.replace``, which never moves a file
       into a directory found at the new name;
-    * symbolic links: told (``is_link``, ``realpath``) for torch's own local
-      ``FileSystem``, so deletion never goes through one there; other wrapped
-      filesystems are taken to have none.
+    * symbolic links: told (``is_link``, ``realpath``, ``resolve_link``) on local disk
+      (torch's own ``FileSystem``, torch's fsspec ``FileSystem`` on ``file://``), so
+      deletion never goes through one and a neighbour's link at the checkpoint path
+      is refused there; other wrapped filesystems are taken to have none.
     """
 
     def __init__(self, torch_fs: Any, *, storage_options: dict[str, Any] | None = None) -> None:
@@ -128,13 +129,25 @@ class TorchFileSystem(FileSystemBase):
         return self._local_file(directory)
 
     def is_link(self, path: str) -> bool:
-        return self._local() and os.path.islink(path)
+        local = self._local_file(path)
+        return local is not None and os.path.islink(local)
 
     def realpath(self, path: str) -> str:
-        return os.path.realpath(path) if self._local() else path
+        local = self._local_file(path)
+        return path if local is None else self._as_given(path, os.path.realpath(local))
 
     def resolve_link(self, path: str) -> str:
-        return _local_links.trusted_target(path) if self._local() else path
+        local = self._local_file(path)
+        if local is None:
+            return path
+        return self._as_given(path, _local_links.trusted_target(local))
+
+    @staticmethod
+    def _as_given(path: str, local: str) -> str:
+        """The local path ``local`` in the form ``path`` was given (a ``file://`` URL
+        stays one)."""
+        scheme, sep, _ = path.rpartition("://")
+        return f"{scheme}{sep}{local}" if sep else local
 
     def _local(self) -> bool:
         from torch.distributed.checkpoint.filesystem import FileSystem

@@ -51,10 +51,16 @@ def _local_savers() -> list[Any]:
 
         return str(directory), {"filesystem": storage.TorchFileSystem(FileSystem())}
 
+    def torch_fsspec_file(directory: Path) -> tuple[str, dict[str, Any]]:
+        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+        return f"file://{directory}", {"filesystem": storage.TorchFileSystem(FileSystem())}
+
     return [
         pytest.param(plain, id="path"),
         pytest.param(fsspec_file, id="fsspec-file"),
         pytest.param(torch_local, id="torch-local"),
+        pytest.param(torch_fsspec_file, id="torch-fsspec-file"),
     ]
 
 
