@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
@@ -309,6 +309,36 @@ class WorkerCalls:
                 proc.kill()
 
         send_whole(send, give_up)
+
+    @contextlib.contextmanager
+    def stopped_past(self, seconds: float | None) -> Iterator[threading.Event]:
+        """Within the block, the worker is killed once ``seconds`` passed and the block
+        has not ended (``None``: never); yields an event set when that happened. A
+        worker that has not answered by then is stopped (``SIGSTOP``, a debugger) or
+        stuck: killing it fails the calls in flight with
+        :class:`~extensions.errors.WorkerDiedError` and unblocks a send it does not
+        read, where the caller would otherwise wait for ever."""
+        killed = threading.Event()
+        if seconds is None:
+            yield killed
+            return
+
+        def kill() -> None:
+            with self._lock:
+                proc = self._proc  # the one the block's call waits on: a death ends it
+                if proc is None or proc.poll() is not None:
+                    return
+                log.error("persist worker %d: no answer within the deadline; stopping it", proc.pid)
+                proc.kill()
+                killed.set()
+
+        timer = threading.Timer(seconds, kill)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield killed
+        finally:
+            timer.cancel()
 
     def warm(self, fn: Callable[[Any], None], filesystem: Any) -> None:
         """Send ``fn(filesystem)`` to the worker without waiting for it, once per worker

@@ -1,0 +1,96 @@
+"""The persist worker held still: stopped with ``SIGSTOP`` (by this user, a debugger,
+a job scheduler's freezer) while a save with a deadline waits on it. The training
+process must not wait on it for ever: the save fails within its ``timeout`` (and a
+grace for the worker's own deadline), the worker is killed, the committed checkpoint
+stays as it was and the next save runs in a new worker.
+
+Each test says what happened before the fix it guards."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import storage
+from extensions.errors import WorkerDiedError
+from storage.checkpoint import persist
+from storage.checkpoint.deadline import DeadlineExceededError
+from storage.checkpoint.persist import _stuck
+
+#: Bounds the failure of a test whose save hangs: far past the save's own deadline.
+HANG = 120.0
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((256, 256), value)}  # 256 KiB: staged in a segment
+
+
+def _loaded(path: Path) -> torch.Tensor:
+    out = _state(0.0)
+    storage.load(out, path)
+    return out["w"]
+
+
+@contextlib.contextmanager
+def _stopped(pid: int) -> Iterator[None]:
+    """Process ``pid`` stopped for the block (continued after, if it still lives)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def worker() -> Iterator[persist.Worker]:
+    handle = persist.worker()
+    yield handle
+    handle.close()
+
+
+def test_a_stopped_worker_fails_a_save_with_a_deadline_instead_of_hanging_it(
+    tmp_path: Path, worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the training process waited for the worker's answer with no bound: a save
+    with ``timeout=2`` whose worker was stopped never returned (nor did every save after
+    it, waiting for its staging buffers). Now the worker is killed once the deadline and
+    its grace passed; the save fails with a deadline error naming the checkpoint and the
+    worker, leaves no file behind, and the next save starts a new worker."""
+    monkeypatch.setattr(_stuck, "STUCK_GRACE", 1.0)  # the worker's own deadline is moot here
+    path = tmp_path / "ckpt"
+    storage.async_save(_state(1.0), path, persist="process").result(timeout=HANG)
+    committed = sorted(os.listdir(path))
+    pid = worker.pid
+    assert pid is not None
+    with _stopped(pid):
+        future = storage.async_save(_state(2.0), path, persist="process", timeout=2)
+        with pytest.raises(DeadlineExceededError, match="persist worker did not answer") as info:
+            future.result(timeout=HANG)
+    assert isinstance(info.value, WorkerDiedError)
+    assert str(path) in str(info.value) and "timeout=" in str(info.value)
+    assert sorted(os.listdir(path)) == committed  # the failed save's files are gone
+    assert torch.equal(_loaded(path), _state(1.0)["w"])
+    storage.async_save(_state(3.0), path, persist="process", timeout=60).result(timeout=HANG)
+    assert worker.pid not in (None, pid)
+    assert torch.equal(_loaded(path), _state(3.0)["w"])
+
+
+def test_a_worker_that_answers_within_the_deadline_is_kept(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """The guard kills only a worker that outlives the deadline: saves with a deadline
+    whose worker answers in time keep their worker."""
+    path = tmp_path / "ckpt"
+    storage.async_save(_state(1.0), path, persist="process").result(timeout=HANG)
+    pid = worker.pid
+    for value in (2.0, 3.0):
+        storage.async_save(_state(value), path, persist="process", timeout=300).result(timeout=HANG)
+    assert worker.pid == pid
+    assert torch.equal(_loaded(path), _state(3.0)["w"])
