@@ -18,7 +18,7 @@ NICE = 10
 # which gets them too when they go to its whole group (Ctrl-C in a terminal, a scheduler
 # preempting the job), and which may answer with a last save that this worker writes.
 # The worker's life is the training process's: it exits when that one closes its socket
-# or dies (SIGKILL still stops it).
+# or dies, whoever else holds the socket (SIGKILL still stops it).
 # ``python -c`` puts the working directory ('') first on sys.path, before the package and
 # the standard library, where the training script (``python train.py``) has its own
 # directory: it goes before any import, or a neighbour who can write the directory the job
@@ -27,14 +27,15 @@ _COMMAND = (
     "import sys; sys.path[:1] = [p for p in sys.path[:1] if p != '']; "
     "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
     "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-    "from storage.checkpoint.persist._child import main; import os; os.nice({nice}); main({fd})"
+    "from storage.checkpoint.persist._child import main; import os; os.nice({nice}); "
+    "main({fd}, {trainer})"
 )
 
 
 def launch(fd: int) -> subprocess.Popen[bytes]:
     """Start the worker, serving the socket ``fd`` (passed to it, and to it only)."""
     return subprocess.Popen(
-        [sys.executable, "-c", _COMMAND.format(nice=NICE, fd=fd)],
+        [sys.executable, "-c", _COMMAND.format(nice=NICE, fd=fd, trainer=os.getpid())],
         pass_fds=[fd],
         stdin=subprocess.DEVNULL,
         env=_environ(),
