@@ -381,19 +381,17 @@ def _write_in(
     from storage.checkpoint.persist._child import write_files
 
     left = writer.budget.left()
-    with w.stopped_past(None if left is None else left + _stuck.STUCK_GRACE) as killed:
-        try:
-            return w.call(  # type: ignore[no-any-return]
-                write_files,
-                writer,
-                _as_sent(files),
-                threads,
-                refs,
-                max_bandwidth=writer.persist_mode.max_bandwidth,
-                pace_bytes=sum(_ref_bytes(ref) for ref in refs.values()),
-                pace_for=writer.url,
-            ).result()
-        except WorkerDiedError as exc:
-            if killed.is_set():
-                raise _stuck.stuck(writer.url, writer.budget.timeout, files) from exc
-            raise
+    try:
+        return w.call(  # type: ignore[no-any-return]
+            write_files,
+            writer,
+            _as_sent(files),
+            threads,
+            refs,
+            max_bandwidth=writer.persist_mode.max_bandwidth,
+            pace_bytes=sum(_ref_bytes(ref) for ref in refs.values()),
+            pace_for=writer.url,
+            kill_after=None if left is None else left + _stuck.STUCK_GRACE,
+        ).result()
+    except _stuck.Unanswered as exc:
+        raise _stuck.stuck(writer.url, writer.budget.timeout, files) from exc

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
@@ -34,6 +34,7 @@ from storage.checkpoint.persist._messages import (
     unreadable,
 )
 from storage.checkpoint.persist._shm import send_segments
+from storage.checkpoint.persist._stuck import Unanswered
 from storage.checkpoint.persist._whole import ONE_WRITE, OwnedLock, send_whole
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class WorkerCalls:
         self._pending: dict[int, tuple[concurrent.futures.Future[Any], str]] = {}
         self._ids = itertools.count()
         self._unreported: WorkerDiedError | None = None
+        self._killed: set[int] = set()  # calls unanswered by their kill_after
         self._foreground = 0  # saves in the foreground: the worker's pace pauses
         self._pace_until: float | None = None  # the next save's deadline (pace_next)
         self._pace_for: str | None = None  # the checkpoint that save writes, if given
@@ -147,13 +149,14 @@ class WorkerCalls:
         with self._lock:
             self._proc, self._conn = None, None
             pending, self._pending = self._pending, {}
+            killed, self._killed = self._killed, set()
             if not pending:
                 self._unreported = error
         conn.close()
         if code != 0:
             log.error("%s", error)
-        for future, _ in pending.values():
-            future.set_exception(error)
+        for call_id, (future, _) in pending.items():
+            future.set_exception(Unanswered(str(error)) if call_id in killed else error)
 
     def close(self) -> None:
         """Stop the worker (after the calls in flight)."""
@@ -182,13 +185,17 @@ class WorkerCalls:
         max_bandwidth: int | None = None,
         pace_bytes: int | None = None,
         pace_for: str | None = None,
+        kill_after: float | None = None,
         **kwargs: Any,
     ) -> concurrent.futures.Future[T]:
         """Run ``fn(*args, **kwargs)`` in the worker (``fn`` and the arguments must
         pickle; ``pace=PAUSE`` stands for the worker's pause); its future holds the
         result or the worker's exception. ``pace_bytes``: the bytes it writes, paced to
         end by the deadline :meth:`pace_next` set, if one is pending for ``pace_for``
-        (the checkpoint it writes)."""
+        (the checkpoint it writes). ``kill_after``: seconds after which the worker is
+        killed if it has not answered (it is stopped, ``SIGSTOP`` or a debugger, or
+        stuck; the call's sending too may wait on it): the call then fails with
+        :class:`._stuck.Unanswered`, every other call in flight as for any death."""
         options: dict[str, Any] = {
             "max_bandwidth": max_bandwidth,
             "pace": None,
@@ -212,6 +219,8 @@ class WorkerCalls:
             except Exception as exc:
                 raise not_sendable(name, f"{type(exc).__name__}: {exc}") from None
             self._pending[call_id] = (future, name)
+            if kill_after is not None:  # before the send, which a stopped worker may block
+                self._kill_unanswered(call_id, future, kill_after)
             self._paced = self._paced or options["pace"] is not None
             # Sent in the order the lock was taken: a hurry never overtakes the call.
             self._send_lock.acquire()
@@ -222,6 +231,23 @@ class WorkerCalls:
         finally:
             self._send_lock.release()
         return future
+
+    def _kill_unanswered(
+        self, call_id: int, future: concurrent.futures.Future[Any], seconds: float
+    ) -> None:
+        def kill() -> None:
+            with self._lock:
+                proc = self._proc  # the one the call went to: a death fails the call
+                if call_id not in self._pending or proc is None or proc.poll() is not None:
+                    return  # answered (or failed) meanwhile
+                self._killed.add(call_id)
+                log.error("persist worker %d: no answer in %g s; stopping it", proc.pid, seconds)
+                proc.kill()
+
+        timer = threading.Timer(seconds, kill)
+        timer.daemon = True
+        timer.start()
+        future.add_done_callback(lambda _: timer.cancel())
 
     def pace_next(self, deadline: float | None, for_url: str | None = None) -> None:
         """Let the next save's data writes take until ``deadline`` (``time.monotonic``;
@@ -309,36 +335,6 @@ class WorkerCalls:
                 proc.kill()
 
         send_whole(send, give_up)
-
-    @contextlib.contextmanager
-    def stopped_past(self, seconds: float | None) -> Iterator[threading.Event]:
-        """Within the block, the worker is killed once ``seconds`` passed and the block
-        has not ended (``None``: never); yields an event set when that happened. A
-        worker that has not answered by then is stopped (``SIGSTOP``, a debugger) or
-        stuck: killing it fails the calls in flight with
-        :class:`~extensions.errors.WorkerDiedError` and unblocks a send it does not
-        read, where the caller would otherwise wait for ever."""
-        killed = threading.Event()
-        if seconds is None:
-            yield killed
-            return
-
-        def kill() -> None:
-            with self._lock:
-                proc = self._proc  # the one the block's call waits on: a death ends it
-                if proc is None or proc.poll() is not None:
-                    return
-                log.error("persist worker %d: no answer within the deadline; stopping it", proc.pid)
-                proc.kill()
-                killed.set()
-
-        timer = threading.Timer(seconds, kill)
-        timer.daemon = True
-        timer.start()
-        try:
-            yield killed
-        finally:
-            timer.cancel()
 
     def warm(self, fn: Callable[[Any], None], filesystem: Any) -> None:
         """Send ``fn(filesystem)`` to the worker without waiting for it, once per worker

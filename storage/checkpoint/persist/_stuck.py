@@ -1,7 +1,7 @@
 """A save whose persist worker does not answer by the save's deadline: the worker is
 stopped (``SIGSTOP``, a debugger) or stuck, and the training process, which would wait
-on it for ever, kills it (``WorkerCalls.stopped_past``) and fails the save with
-:class:`WorkerStuckError`."""
+on it for ever, kills it (``WorkerCalls.call``'s ``kill_after``) and fails the save
+with :class:`WorkerStuckError`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from storage.checkpoint import deadline
 #: (cancelled, and joined for at most ``deadline.CANCEL_GRACE``), so one that has not
 #: answered is stopped or stuck.
 STUCK_GRACE = deadline.CANCEL_GRACE + 10.0
+
+
+class Unanswered(WorkerDiedError):
+    """A call the worker had not answered by its ``kill_after``: the worker was killed."""
 
 
 class WorkerStuckError(deadline.DeadlineExceededError, WorkerDiedError):
