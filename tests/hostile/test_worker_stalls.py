@@ -27,14 +27,18 @@ from storage.checkpoint.persist import _stuck
 HANG = 120.0
 
 
-def _state(value: float) -> dict[str, torch.Tensor]:
-    return {"w": torch.full((256, 256), value)}  # 256 KiB: staged in a segment
+def _state(value: float, kind: str = "staged") -> dict[str, torch.Tensor]:
+    if kind == "staged":
+        return {"w": torch.full((256, 256), value)}  # 256 KiB: staged in a segment
+    # 64 tensors of 16 KiB, sent by value in the call's body: 1 MiB, more than the
+    # socket holds, so the send itself waits on a stopped worker.
+    return {f"t{i}": torch.full((64, 64), value) for i in range(64)}
 
 
-def _loaded(path: Path) -> torch.Tensor:
-    out = _state(0.0)
+def _equal(path: Path, expected: dict[str, torch.Tensor]) -> bool:
+    out = {k: torch.zeros_like(v) for k, v in expected.items()}
     storage.load(out, path)
-    return out["w"]
+    return all(torch.equal(out[k], v) for k, v in expected.items())
 
 
 @contextlib.contextmanager
@@ -55,31 +59,33 @@ def worker() -> Iterator[persist.Worker]:
     handle.close()
 
 
+@pytest.mark.parametrize("kind", ["staged", "by value"])
 def test_a_stopped_worker_fails_a_save_with_a_deadline_instead_of_hanging_it(
-    tmp_path: Path, worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, worker: persist.Worker, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    """Before, the training process waited for the worker's answer with no bound: a save
-    with ``timeout=2`` whose worker was stopped never returned (nor did every save after
-    it, waiting for its staging buffers). Now the worker is killed once the deadline and
+    """Before, the training process waited for the worker's answer (or, for a call whose
+    body the socket could not hold, in the send) with no bound: a save with
+    ``timeout=2`` whose worker was stopped never returned (nor did every save after it,
+    waiting for its staging buffers). Now the worker is killed once the deadline and
     its grace passed; the save fails with a deadline error naming the checkpoint and the
     worker, leaves no file behind, and the next save starts a new worker."""
     monkeypatch.setattr(_stuck, "STUCK_GRACE", 1.0)  # the worker's own deadline is moot here
     path = tmp_path / "ckpt"
-    storage.async_save(_state(1.0), path, persist="process").result(timeout=HANG)
+    storage.async_save(_state(1.0, kind), path, persist="process").result(timeout=HANG)
     committed = sorted(os.listdir(path))
     pid = worker.pid
     assert pid is not None
     with _stopped(pid):
-        future = storage.async_save(_state(2.0), path, persist="process", timeout=2)
+        future = storage.async_save(_state(2.0, kind), path, persist="process", timeout=2)
         with pytest.raises(DeadlineExceededError, match="persist worker did not answer") as info:
             future.result(timeout=HANG)
     assert isinstance(info.value, WorkerDiedError)
     assert str(path) in str(info.value) and "timeout=" in str(info.value)
     assert sorted(os.listdir(path)) == committed  # the failed save's files are gone
-    assert torch.equal(_loaded(path), _state(1.0)["w"])
-    storage.async_save(_state(3.0), path, persist="process", timeout=60).result(timeout=HANG)
+    assert _equal(path, _state(1.0, kind))
+    storage.async_save(_state(3.0, kind), path, persist="process", timeout=60).result(timeout=HANG)
     assert worker.pid not in (None, pid)
-    assert torch.equal(_loaded(path), _state(3.0)["w"])
+    assert _equal(path, _state(3.0, kind))
 
 
 def test_a_worker_that_answers_within_the_deadline_is_kept(
@@ -93,4 +99,4 @@ def test_a_worker_that_answers_within_the_deadline_is_kept(
     for value in (2.0, 3.0):
         storage.async_save(_state(value), path, persist="process", timeout=300).result(timeout=HANG)
     assert worker.pid == pid
-    assert torch.equal(_loaded(path), _state(3.0)["w"])
+    assert _equal(path, _state(3.0))
