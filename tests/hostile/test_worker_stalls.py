@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ import storage
 from extensions.errors import WorkerDiedError
 from storage.checkpoint import persist
 from storage.checkpoint.deadline import DeadlineExceededError
-from storage.checkpoint.persist import _stuck
+from storage.checkpoint.persist import _calls, _stuck
 
 #: Bounds the failure of a test whose save hangs: far past the save's own deadline.
 HANG = 120.0
@@ -100,3 +100,37 @@ def test_a_worker_that_answers_within_the_deadline_is_kept(
         storage.async_save(_state(value), path, persist="process", timeout=300).result(timeout=HANG)
     assert worker.pid == pid
     assert _equal(path, _state(3.0))
+
+
+class _HeldTimer:
+    """Stands for ``threading.Timer``: holds its function for the test to fire."""
+
+    made: list[_HeldTimer] = []
+
+    def __init__(self, seconds: float, function: Callable[[], None]) -> None:
+        self.function = function
+        self.daemon = False
+        _HeldTimer.made.append(self)
+
+    def start(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_kill_timer_that_fires_after_the_answer_leaves_the_worker_alone(
+    worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timer that kills a worker past a call's ``kill_after`` may fire just as the
+    answer arrives. It must kill only for a call still unanswered: killing the idle
+    worker then would fail the next save with the death of a worker that did nothing
+    wrong."""
+    worker.call(os.getpid).result(timeout=HANG)  # started
+    pid = worker.pid
+    monkeypatch.setattr(_calls.threading, "Timer", _HeldTimer)
+    _HeldTimer.made.clear()
+    answer = worker.call(os.getpid, kill_after=1.0).result(timeout=HANG)
+    assert answer == pid and len(_HeldTimer.made) == 1
+    _HeldTimer.made[0].function()  # fires late, after the answer
+    assert worker.call(os.getpid).result(timeout=HANG) == pid  # alive, the same worker
