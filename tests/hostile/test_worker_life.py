@@ -1,5 +1,6 @@
 """The persist worker's life is its training process's: it must not outlive a trainer
-killed with ``kill -9``, whatever else of the trainer's still holds their socket.
+killed with ``kill -9``, whatever else of the trainer's still holds their socket, nor
+end before it, of a signal meant for the trainer.
 
 Each test says what happened before the fix it guards."""
 
@@ -12,6 +13,12 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+
+import pytest
+
+import storage
+from storage.checkpoint import persist
+from tests.support.trees import assert_tree_equal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,3 +73,34 @@ def test_a_worker_stops_with_its_trainer_whatever_child_forked_while_it_started(
         assert Path(f"/proc/{child_pid}").exists()  # the child lived on all along
     finally:
         os.kill(child_pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2])
+def test_a_signal_a_scheduler_sends_every_process_of_the_job_leaves_the_worker_writing(
+    tmp_path: Path, signum: int
+) -> None:
+    """A scheduler warns a job before preempting it by signalling every process of the
+    job (Slurm's ``--signal=USR1@90``, which ``save_on_signal(signals=[SIGUSR1])`` is
+    made to answer; a hangup reaches a whole session). The worker inherits none of the
+    training process's handlers, so before, it died of the signal's default action and
+    took the save in flight with it, the one the handler waits for. It now ignores
+    them, as it does SIGINT and SIGTERM."""
+    from tests.checkpoint.test_worker import Gate, big_state, loaded, wait_for
+
+    worker = persist.worker()
+    try:
+        gate = tmp_path / "gate"
+        gate.mkdir()
+        state = big_state(seed=5)
+        path = tmp_path / "ckpt"
+        future = storage.async_save(state, path, transforms=[Gate(str(gate))], persist="process")
+        wait_for(gate / "started")
+        pid = worker.pid
+        assert pid is not None
+        os.kill(pid, signum)
+        (gate / "open").touch()
+        future.result(timeout=120)
+        assert worker.pid == pid
+        assert_tree_equal(state, loaded(path, state))
+    finally:
+        worker.close()
