@@ -203,6 +203,9 @@ class WorkerCalls:
             # As a thread would, the call sees the environment as it is now (credentials
             # the clients read from it may have been set after the worker started).
             "environ": dict(os.environ),
+            # And the files it creates take this process's umask as it is now (a script
+            # that makes its files private once the worker runs: os.umask(0o077)).
+            "umask": umask(),
         }
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         name = str(getattr(fn, "__qualname__", fn))
@@ -347,6 +350,20 @@ class WorkerCalls:
             self._warmed.add(key)
         with contextlib.suppress(NotSendable, WorkerDiedError):
             self.call(fn, filesystem)
+
+
+def umask() -> int | None:
+    """This process's umask, read without changing it (``os.umask`` sets it to read it:
+    a file another thread created meanwhile would take the value set); ``None`` where
+    the kernel does not say (before Linux 4.7)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _exit_text(code: int) -> str:

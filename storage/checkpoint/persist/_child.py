@@ -196,6 +196,8 @@ class _Server:
         current_call.owner = call_id
         try:
             _set_environ(options.get("environ"))
+            if options.get("umask") is not None:  # the training process's, as it is now
+                os.umask(options["umask"])
             rank = options.get("rank")
             deadline.distributed_rank = lambda: rank  # errors name the trainer's rank
             for value in (*args, *kwargs.values()):
