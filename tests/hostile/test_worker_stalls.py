@@ -2,13 +2,15 @@
 a job scheduler's freezer) while a save with a deadline waits on it. The training
 process must not wait on it for ever: the save fails within its ``timeout`` (and a
 grace for the worker's own deadline), the worker is killed, the committed checkpoint
-stays as it was and the next save runs in a new worker.
+stays as it was and the next save runs in a new worker. And the deadline itself: one
+too far to wait for is none.
 
 Each test says what happened before the fix it guards."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -22,6 +24,7 @@ from extensions.errors import WorkerDiedError
 from storage.checkpoint import persist
 from storage.checkpoint.deadline import DeadlineExceededError
 from storage.checkpoint.persist import _calls, _stuck
+from storage.ops.manager import CheckpointManager
 
 #: Bounds the failure of a test whose save hangs: far past the save's own deadline.
 HANG = 120.0
@@ -134,3 +137,26 @@ def test_a_kill_timer_that_fires_after_the_answer_leaves_the_worker_alone(
     assert answer == pid and len(_HeldTimer.made) == 1
     _HeldTimer.made[0].function()  # fires late, after the answer
     assert worker.call(os.getpid).result(timeout=HANG) == pid  # alive, the same worker
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e10])
+def test_a_timeout_too_far_to_wait_for_is_no_deadline(
+    tmp_path: Path, worker: persist.Worker, timeout: float
+) -> None:
+    """``timeout=math.inf`` (or 1e10 s) was accepted, then every save and load with it
+    failed with ``OverflowError: timestamp out of range``, the first wait on the
+    deadline being past what a lock can wait for. Such a deadline is none: they
+    succeed, through the worker too. A preemption grace that long is refused up front
+    (the scheduler's kill comes sooner)."""
+    state = _state(4.0)
+    storage.save(state, tmp_path / "blocking", timeout=timeout)
+    storage.async_save(state, tmp_path / "async", persist="process", timeout=timeout).result(
+        timeout=HANG
+    )
+    for name in ("blocking", "async"):
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        storage.load(out, tmp_path / name, timeout=timeout)
+        assert all(torch.equal(out[k], v) for k, v in state.items())
+    manager = CheckpointManager(tmp_path / "root", local=tmp_path / "local")
+    with pytest.raises(ValueError, match="grace must be"):
+        manager.save_on_signal(dict, grace=timeout)
