@@ -14,6 +14,7 @@ import math
 import os
 import signal
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,19 @@ def test_a_timeout_too_far_to_wait_for_is_no_deadline(
     manager = CheckpointManager(tmp_path / "root", local=tmp_path / "local")
     with pytest.raises(ValueError, match="grace must be"):
         manager.save_on_signal(dict, grace=timeout)
+
+
+def test_a_transport_timeout_too_far_to_wait_for_is_no_deadline(tmp_path: Path) -> None:
+    """``send_checkpoint(..., timedelta.max)`` (torchft's timeouts are timedeltas) wrote
+    the step, then failed with ``OverflowError`` waiting for it. It now waits for as
+    long as the write takes, and the step is received."""
+    sender = storage.StorageTransport(tmp_path / "ft", rank=0)
+    receiver = storage.StorageTransport(tmp_path / "ft", rank=1)
+    try:
+        state = _state(5.0)
+        sender.send_checkpoint([1], 3, state, timedelta.max)
+        got = receiver.recv_checkpoint(0, sender.metadata(), 3, timedelta.max)
+        assert torch.equal(got["w"], state["w"])
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
