@@ -40,6 +40,7 @@ def _open_to_others(root: Path) -> list[str]:
 def private_later() -> Iterator[None]:
     """The worker started under umask 022, then the script makes its files private
     (umask 077), as a script does once its setup is done; restored after."""
+    persist.worker().close()  # a worker of an earlier test started under another umask
     previous = os.umask(0o022)
     try:
         persist.worker().start()
