@@ -13,6 +13,8 @@ import contextlib
 import math
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +29,7 @@ from storage.checkpoint.deadline import DeadlineExceededError
 from storage.checkpoint.persist import _calls, _stuck
 from storage.ops.manager import CheckpointManager
 
+ROOT = Path(__file__).resolve().parents[2]
 #: Bounds the failure of a test whose save hangs: far past the save's own deadline.
 HANG = 120.0
 
@@ -177,3 +180,59 @@ def test_a_transport_timeout_too_far_to_wait_for_is_no_deadline(tmp_path: Path) 
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+_STOPPED_WITH_A_FORKED_CHILD = """
+import os, signal, sys, time, torch, storage
+from storage.checkpoint import persist
+from storage.checkpoint.persist import _calls, _stuck
+
+_stuck.STUCK_GRACE = 1.0
+launch = _calls.launch
+children = []
+
+
+def launch_and_fork(fd):
+    proc = launch(fd)
+    child = os.fork()  # another thread's fork while the worker starts: holds its socket
+    if child == 0:
+        time.sleep(150)
+        os._exit(0)
+    children.append(child)
+    return proc
+
+
+_calls.launch = launch_and_fork
+state = {f"t{i}": torch.full((64, 64), 1.0) for i in range(64)}  # 1 MiB sent by value
+storage.async_save(state, sys.argv[1], persist="process").result(timeout=60)
+worker = persist.worker()
+os.kill(worker.pid, signal.SIGSTOP)
+try:
+    future = storage.async_save(state, sys.argv[1], persist="process", timeout=2)
+    future.result(timeout=60)
+    print("saved")
+except BaseException as exc:
+    print(type(exc).__name__)
+finally:
+    os.kill(children[0], signal.SIGKILL)
+"""
+
+
+def test_a_stopped_worker_whose_socket_a_forked_child_holds_fails_the_save_too(
+    tmp_path: Path,
+) -> None:
+    """The save's call is sent while the worker is stopped (its body more than the
+    socket holds), and a child forked while the worker started holds the worker's end
+    of the socket. Before, killing the worker at the deadline did not end the send: the
+    socket's peer was still open in the child, so the send waited for ever, and the
+    save with it. The socket is now shut down once the worker is gone, which ends any
+    send still writing to it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _STOPPED_WITH_A_FORKED_CHILD, str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=HANG,
+    )
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.split() == ["WorkerStuckError"], proc.stdout

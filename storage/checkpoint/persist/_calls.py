@@ -136,7 +136,7 @@ class WorkerCalls:
         with self._lock:
             closed = self._proc is not proc  # close() let it go: no death to report
         if closed:
-            conn.close()
+            self._close_conn(conn)
             return
         if proc.poll() is None:
             proc.kill()
@@ -152,11 +152,27 @@ class WorkerCalls:
             killed, self._killed = self._killed, set()
             if not pending:
                 self._unreported = error
-        conn.close()
+        self._close_conn(conn)
         if code != 0:
             log.error("%s", error)
         for call_id, (future, _) in pending.items():
             future.set_exception(Unanswered(str(error)) if call_id in killed else error)
+
+    def _close_conn(self, conn: Connection) -> None:
+        """Close the socket to a worker that is gone. A send in another thread may still
+        be writing to it (a large call's body): it is woken by a shutdown (a send into a
+        socket whose peer is gone may block for ever where a forked child still holds
+        that peer), and the descriptor is closed only once it let go of the send lock,
+        never under it (the sender's next write went to a closed descriptor, failing the
+        call with ``TypeError``, or to another file that took its number)."""
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=conn.fileno())
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.detach()
+        with self._send_lock:
+            conn.close()
 
     def close(self) -> None:
         """Stop the worker (after the calls in flight)."""
