@@ -76,12 +76,14 @@ def rank_error(cls: type[E], message: str, *, rank: int | None, item: str, url: 
 
 
 def check_timeout(timeout: object) -> float | None:
-    """``timeout`` (seconds, or ``None`` for no deadline) if valid."""
+    """``timeout`` (seconds, or ``None`` for no deadline) if valid. One too far to wait
+    for (``math.inf``, or past ``threading.TIMEOUT_MAX``, some 292 years) is no deadline:
+    every wait on it would fail with ``OverflowError``."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise TypeError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
-    return float(timeout)
+    return float(timeout) if timeout < threading.TIMEOUT_MAX else None
 
 
 def note(item: str, url: str) -> None:

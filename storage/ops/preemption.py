@@ -94,8 +94,15 @@ class PreemptionGuard:
         every: int = 1,
         chain: bool = False,
     ) -> None:
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0:
-            raise ValueError(f"grace must be a number of seconds > 0, got {grace!r}")
+        if (
+            isinstance(grace, bool)
+            or not isinstance(grace, (int, float))
+            or not 0 < grace < threading.TIMEOUT_MAX
+        ):
+            raise ValueError(
+                f"grace must be a number of seconds > 0 (the time the scheduler leaves "
+                f"between its signal and the kill), got {grace!r}"
+            )
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an int >= 1, got {every!r}")
         if threading.current_thread() is not threading.main_thread():

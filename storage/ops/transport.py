@@ -170,7 +170,9 @@ class StorageTransport:
             future = self._executor.submit(self._write, step, state_dict, shape)
             self._inflight = future
         try:
-            future.result(timeout=seconds)
+            # A timeout too far to wait for (timedelta.max) is none: waiting on it
+            # would raise OverflowError.
+            future.result(timeout=seconds if seconds < threading.TIMEOUT_MAX else None)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(
                 f"sending step {step} to replicas {list(dst_ranks)} timed out after "

@@ -15,7 +15,8 @@ Failure semantics: a worker that dies fails every call in flight with
 :class:`~extensions.errors.WorkerDiedError` (or, when none was in flight, the next
 :meth:`Worker.stage` or :meth:`Worker.call` raises it once); the call after that starts
 a new worker. Nothing waits on a dead worker: its socket closes when it dies, and its
-pid is checked every second besides. An exception raised in the worker reaches the
+pid is checked every second besides; one stopped or stuck past a save's ``timeout``
+is killed (:mod:`._stuck`). An exception raised in the worker reaches the
 caller with its own type and message (its traceback as ``__cause__``); one that cannot
 be pickled arrives as a :class:`~extensions.errors.CheckpointStorageError` naming it.
 Keys travel only inside the pickled transforms over the private socket, never in a
@@ -42,6 +43,7 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import data_files, heartbeat
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.encode import plain_cpu_tensor
+from storage.checkpoint.persist import _stuck
 from storage.checkpoint.persist._child import Pause, warm
 from storage.checkpoint.persist._cores import copy_threads, local_ranks, usable_cpus
 from storage.checkpoint.persist._lease import Lease
@@ -331,8 +333,6 @@ def write_staged(
     ``SaveAttempt`` before the call goes out, and what the worker reports back is
     adopted, so a worker that dies mid-save leaves nothing the writer's abort does not
     remove (it also sweeps what carries the save id: ``SaveAttempt.lost``)."""
-    from storage.checkpoint.persist._child import write_files
-
     w = worker()
     pool = w.pool
     mode: Mode = writer.persist_mode
@@ -347,16 +347,7 @@ def write_staged(
         for name in [name for name, _ in files] + [beat]:
             attempt.record(name)
         try:
-            records, written, spent = w.call(
-                write_files,
-                writer,
-                _as_sent(files),
-                threads,
-                refs,
-                max_bandwidth=mode.max_bandwidth,
-                pace_bytes=sum(_ref_bytes(ref) for ref in refs.values()),
-                pace_for=writer.url,
-            ).result()
+            records, written, spent = _write_in(w, writer, files, threads, refs)
         except NotSendable as exc:  # not pickled here, or not unpickled there: none written
             if mode.explicit:
                 raise NotSendable(f"saving {writer.url}: {exc}") from None
@@ -379,3 +370,28 @@ def write_staged(
         ]
         for rs in records
     ]
+
+
+def _write_in(
+    w: Worker, writer: Any, files: list[Any], threads: int, refs: dict[Any, tuple[Any, ...]]
+) -> tuple[list[Any], list[str], float]:
+    """:func:`._child.write_files` in the worker ``w``, which is killed when it has not
+    answered :data:`._stuck.STUCK_GRACE` seconds past the save's deadline (the error
+    is then a :class:`._stuck.WorkerStuckError`)."""
+    from storage.checkpoint.persist._child import write_files
+
+    left = writer.budget.left()
+    try:
+        return w.call(  # type: ignore[no-any-return]
+            write_files,
+            writer,
+            _as_sent(files),
+            threads,
+            refs,
+            max_bandwidth=writer.persist_mode.max_bandwidth,
+            pace_bytes=sum(_ref_bytes(ref) for ref in refs.values()),
+            pace_for=writer.url,
+            kill_after=None if left is None else left + _stuck.STUCK_GRACE,
+        ).result()
+    except _stuck.Unanswered as exc:
+        raise _stuck.stuck(writer.url, writer.budget.timeout, files) from exc

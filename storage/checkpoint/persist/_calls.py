@@ -34,6 +34,7 @@ from storage.checkpoint.persist._messages import (
     unreadable,
 )
 from storage.checkpoint.persist._shm import send_segments
+from storage.checkpoint.persist._stuck import Unanswered
 from storage.checkpoint.persist._whole import ONE_WRITE, OwnedLock, send_whole
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class WorkerCalls:
         self._pending: dict[int, tuple[concurrent.futures.Future[Any], str]] = {}
         self._ids = itertools.count()
         self._unreported: WorkerDiedError | None = None
+        self._killed: set[int] = set()  # calls unanswered by their kill_after
         self._foreground = 0  # saves in the foreground: the worker's pace pauses
         self._pace_until: float | None = None  # the next save's deadline (pace_next)
         self._pace_for: str | None = None  # the checkpoint that save writes, if given
@@ -134,7 +136,7 @@ class WorkerCalls:
         with self._lock:
             closed = self._proc is not proc  # close() let it go: no death to report
         if closed:
-            conn.close()
+            self._close_conn(conn)
             return
         if proc.poll() is None:
             proc.kill()
@@ -147,13 +149,30 @@ class WorkerCalls:
         with self._lock:
             self._proc, self._conn = None, None
             pending, self._pending = self._pending, {}
+            killed, self._killed = self._killed, set()
             if not pending:
                 self._unreported = error
-        conn.close()
+        self._close_conn(conn)
         if code != 0:
             log.error("%s", error)
-        for future, _ in pending.values():
-            future.set_exception(error)
+        for call_id, (future, _) in pending.items():
+            future.set_exception(Unanswered(str(error)) if call_id in killed else error)
+
+    def _close_conn(self, conn: Connection) -> None:
+        """Close the socket to a worker that is gone. A send in another thread may still
+        be writing to it (a large call's body): it is woken by a shutdown (a send into a
+        socket whose peer is gone may block for ever where a forked child still holds
+        that peer), and the descriptor is closed only once it let go of the send lock,
+        never under it (the sender's next write went to a closed descriptor, failing the
+        call with ``TypeError``, or to another file that took its number)."""
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=conn.fileno())
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.detach()
+        with self._send_lock:
+            conn.close()
 
     def close(self) -> None:
         """Stop the worker (after the calls in flight)."""
@@ -182,13 +201,17 @@ class WorkerCalls:
         max_bandwidth: int | None = None,
         pace_bytes: int | None = None,
         pace_for: str | None = None,
+        kill_after: float | None = None,
         **kwargs: Any,
     ) -> concurrent.futures.Future[T]:
         """Run ``fn(*args, **kwargs)`` in the worker (``fn`` and the arguments must
         pickle; ``pace=PAUSE`` stands for the worker's pause); its future holds the
         result or the worker's exception. ``pace_bytes``: the bytes it writes, paced to
         end by the deadline :meth:`pace_next` set, if one is pending for ``pace_for``
-        (the checkpoint it writes)."""
+        (the checkpoint it writes). ``kill_after``: seconds after which the worker is
+        killed if it has not answered (it is stopped, ``SIGSTOP`` or a debugger, or
+        stuck; the call's sending too may wait on it): the call then fails with
+        :class:`._stuck.Unanswered`, every other call in flight as for any death."""
         options: dict[str, Any] = {
             "max_bandwidth": max_bandwidth,
             "pace": None,
@@ -196,6 +219,9 @@ class WorkerCalls:
             # As a thread would, the call sees the environment as it is now (credentials
             # the clients read from it may have been set after the worker started).
             "environ": dict(os.environ),
+            # And the files it creates take this process's umask as it is now (a script
+            # that makes its files private once the worker runs: os.umask(0o077)).
+            "umask": umask(),
         }
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         name = str(getattr(fn, "__qualname__", fn))
@@ -212,6 +238,8 @@ class WorkerCalls:
             except Exception as exc:
                 raise not_sendable(name, f"{type(exc).__name__}: {exc}") from None
             self._pending[call_id] = (future, name)
+            if kill_after is not None:  # before the send, which a stopped worker may block
+                self._kill_unanswered(call_id, future, kill_after)
             self._paced = self._paced or options["pace"] is not None
             # Sent in the order the lock was taken: a hurry never overtakes the call.
             self._send_lock.acquire()
@@ -222,6 +250,23 @@ class WorkerCalls:
         finally:
             self._send_lock.release()
         return future
+
+    def _kill_unanswered(
+        self, call_id: int, future: concurrent.futures.Future[Any], seconds: float
+    ) -> None:
+        def kill() -> None:
+            with self._lock:
+                proc = self._proc  # the one the call went to: a death fails the call
+                if call_id not in self._pending or proc is None or proc.poll() is not None:
+                    return  # answered (or failed) meanwhile
+                self._killed.add(call_id)
+                log.error("persist worker %d: no answer in %g s; stopping it", proc.pid, seconds)
+                proc.kill()
+
+        timer = threading.Timer(seconds, kill)
+        timer.daemon = True
+        timer.start()
+        future.add_done_callback(lambda _: timer.cancel())
 
     def pace_next(self, deadline: float | None, for_url: str | None = None) -> None:
         """Let the next save's data writes take until ``deadline`` (``time.monotonic``;
@@ -321,6 +366,20 @@ class WorkerCalls:
             self._warmed.add(key)
         with contextlib.suppress(NotSendable, WorkerDiedError):
             self.call(fn, filesystem)
+
+
+def umask() -> int | None:
+    """This process's umask, read without changing it (``os.umask`` sets it to read it:
+    a file another thread created meanwhile would take the value set); ``None`` where
+    the kernel does not say (before Linux 4.7)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _exit_text(code: int) -> str:

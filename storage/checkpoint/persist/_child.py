@@ -6,7 +6,8 @@ from the shared-memory segments the training process sent it (:mod:`._mapped`). 
 runs niced, with one thread for torch, and every write it makes to storage waits for
 the bandwidth cap, when one is set, and for a paced save's schedule (until the training
 process says ``hurry``; :mod:`._throttle`). It exits when the training process closes
-the socket or dies.
+the socket or dies (seen through a ``pidfd`` too: the socket may live on in a child
+that process forked).
 
 Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
 ``("init", sys_path, foreground)``, ``("call", id)`` followed by the call's body
@@ -26,8 +27,10 @@ import concurrent.futures
 import gc
 import os
 import pickle
+import select
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
@@ -193,6 +196,8 @@ class _Server:
         current_call.owner = call_id
         try:
             _set_environ(options.get("environ"))
+            if options.get("umask") is not None:  # the training process's, as it is now
+                os.umask(options["umask"])
             rank = options.get("rank")
             deadline.distributed_rank = lambda: rank  # errors name the trainer's rank
             for value in (*args, *kwargs.values()):
@@ -245,7 +250,32 @@ def _error_payload(exc: BaseException) -> tuple[bytes | None, str, str, str]:
     return raw, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text
 
 
-def main(fd: int) -> None:
+def _exit_with(trainer: int) -> None:
+    """Exit once process ``trainer`` (this one's parent) is gone, whoever else still
+    holds the socket: a child the training process made with ``fork`` while it was
+    starting this worker (another thread's, before the handle knew the socket to close
+    in children) kept the socket open, and this worker running, for as long as it lived."""
+    try:
+        pidfd: int | None = os.pidfd_open(trainer)  # readable once the process exits
+    except (AttributeError, OSError):  # before Linux 5.3: the parent's pid is polled
+        pidfd = None
+    if os.getppid() != trainer:  # gone already (its pid may have been reused)
+        _trainer_gone()
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        else:
+            while os.getppid() == trainer:
+                time.sleep(1.0)
+        _trainer_gone()
+
+    threading.Thread(target=watch, name="dcp-persist-trainer", daemon=True).start()
+
+
+def main(fd: int, trainer: int | None = None) -> None:
+    if trainer is not None:
+        _exit_with(trainer)
     conn = Connection(fd)
     tag, sys_path, foreground = pickle.loads(conn.recv_bytes())
     assert tag == "init"

@@ -1,0 +1,43 @@
+"""A save whose persist worker does not answer by the save's deadline: the worker is
+stopped (``SIGSTOP``, a debugger) or stuck, and the training process, which would wait
+on it for ever, kills it (``WorkerCalls.call``'s ``kill_after``) and fails the save
+with :class:`WorkerStuckError`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from extensions.errors import WorkerDiedError
+from storage.checkpoint import deadline
+
+#: Seconds past a save's ``timeout`` that the training process waits for the worker's
+#: answer before it kills the worker: the worker's own deadline ends its writes by then
+#: (cancelled, and joined for at most ``deadline.CANCEL_GRACE``), so one that has not
+#: answered is stopped or stuck.
+STUCK_GRACE = deadline.CANCEL_GRACE + 10.0
+
+
+class Unanswered(WorkerDiedError):
+    """A call the worker had not answered by its ``kill_after``: the worker was killed."""
+
+
+class WorkerStuckError(deadline.DeadlineExceededError, WorkerDiedError):
+    """A save's persist worker had not answered by the save's deadline and was killed."""
+
+
+def stuck(url: str, timeout: float | None, files: list[Any]) -> WorkerStuckError:
+    """The error of a save of ``url`` (``timeout``; writing ``files``) whose worker was
+    killed for not answering."""
+    rank = deadline.distributed_rank()
+    who = f"rank {rank}" if rank is not None else "this process"
+    return deadline.rank_error(
+        WorkerStuckError,
+        f"{who}: saving {url} timed out: the checkpoint persist worker did not answer "
+        f"within the {timeout:g} s deadline (timeout=) and {STUCK_GRACE:g} s more, so it "
+        "was stopped (SIGSTOP, a debugger) or stuck, and it was killed. This save is not "
+        "committed and committed checkpoints are untouched; the next save starts a new "
+        "worker",
+        rank=rank,
+        item=files[0][0] if files else "?",
+        url=url,
+    )

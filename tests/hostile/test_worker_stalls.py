@@ -1,0 +1,238 @@
+"""The persist worker held still: stopped with ``SIGSTOP`` (by this user, a debugger,
+a job scheduler's freezer) while a save with a deadline waits on it. The training
+process must not wait on it for ever: the save fails within its ``timeout`` (and a
+grace for the worker's own deadline), the worker is killed, the committed checkpoint
+stays as it was and the next save runs in a new worker. And the deadline itself: one
+too far to wait for is none.
+
+Each test says what happened before the fix it guards."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+import storage
+from extensions.errors import WorkerDiedError
+from storage.checkpoint import persist
+from storage.checkpoint.deadline import DeadlineExceededError
+from storage.checkpoint.persist import _calls, _stuck
+from storage.ops.manager import CheckpointManager
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Bounds the failure of a test whose save hangs: far past the save's own deadline.
+HANG = 120.0
+
+
+def _state(value: float, kind: str = "staged") -> dict[str, torch.Tensor]:
+    if kind == "staged":
+        return {"w": torch.full((256, 256), value)}  # 256 KiB: staged in a segment
+    # 64 tensors of 16 KiB, sent by value in the call's body: 1 MiB, more than the
+    # socket holds, so the send itself waits on a stopped worker.
+    return {f"t{i}": torch.full((64, 64), value) for i in range(64)}
+
+
+def _equal(path: Path, expected: dict[str, torch.Tensor]) -> bool:
+    out = {k: torch.zeros_like(v) for k, v in expected.items()}
+    storage.load(out, path)
+    return all(torch.equal(out[k], v) for k, v in expected.items())
+
+
+@contextlib.contextmanager
+def _stopped(pid: int) -> Iterator[None]:
+    """Process ``pid`` stopped for the block (continued after, if it still lives)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def worker() -> Iterator[persist.Worker]:
+    handle = persist.worker()
+    yield handle
+    handle.close()
+
+
+@pytest.mark.parametrize("kind", ["staged", "by value"])
+def test_a_stopped_worker_fails_a_save_with_a_deadline_instead_of_hanging_it(
+    tmp_path: Path, worker: persist.Worker, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Before, the training process waited for the worker's answer (or, for a call whose
+    body the socket could not hold, in the send) with no bound: a save with
+    ``timeout=2`` whose worker was stopped never returned (nor did every save after it,
+    waiting for its staging buffers). Now the worker is killed once the deadline and
+    its grace passed; the save fails with a deadline error naming the checkpoint and the
+    worker, leaves no file behind, and the next save starts a new worker."""
+    monkeypatch.setattr(_stuck, "STUCK_GRACE", 1.0)  # the worker's own deadline is moot here
+    path = tmp_path / "ckpt"
+    storage.async_save(_state(1.0, kind), path, persist="process").result(timeout=HANG)
+    committed = sorted(os.listdir(path))
+    pid = worker.pid
+    assert pid is not None
+    with _stopped(pid):
+        future = storage.async_save(_state(2.0, kind), path, persist="process", timeout=2)
+        with pytest.raises(DeadlineExceededError, match="persist worker did not answer") as info:
+            future.result(timeout=HANG)
+    assert isinstance(info.value, WorkerDiedError)
+    assert str(path) in str(info.value) and "timeout=" in str(info.value)
+    assert sorted(os.listdir(path)) == committed  # the failed save's files are gone
+    assert _equal(path, _state(1.0, kind))
+    storage.async_save(_state(3.0, kind), path, persist="process", timeout=60).result(timeout=HANG)
+    assert worker.pid not in (None, pid)
+    assert _equal(path, _state(3.0, kind))
+
+
+def test_a_worker_that_answers_within_the_deadline_is_kept(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """The guard kills only a worker that outlives the deadline: saves with a deadline
+    whose worker answers in time keep their worker."""
+    path = tmp_path / "ckpt"
+    storage.async_save(_state(1.0), path, persist="process").result(timeout=HANG)
+    pid = worker.pid
+    for value in (2.0, 3.0):
+        storage.async_save(_state(value), path, persist="process", timeout=300).result(timeout=HANG)
+    assert worker.pid == pid
+    assert _equal(path, _state(3.0))
+
+
+class _HeldTimer:
+    """Stands for ``threading.Timer``: holds its function for the test to fire."""
+
+    made: list[_HeldTimer] = []
+
+    def __init__(self, seconds: float, function: Callable[[], None]) -> None:
+        self.function = function
+        self.daemon = False
+        _HeldTimer.made.append(self)
+
+    def start(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_kill_timer_that_fires_after_the_answer_leaves_the_worker_alone(
+    worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timer that kills a worker past a call's ``kill_after`` may fire just as the
+    answer arrives. It must kill only for a call still unanswered: killing the idle
+    worker then would fail the next save with the death of a worker that did nothing
+    wrong."""
+    worker.call(os.getpid).result(timeout=HANG)  # started
+    pid = worker.pid
+    monkeypatch.setattr(_calls.threading, "Timer", _HeldTimer)
+    _HeldTimer.made.clear()
+    answer = worker.call(os.getpid, kill_after=1.0).result(timeout=HANG)
+    assert answer == pid and len(_HeldTimer.made) == 1
+    _HeldTimer.made[0].function()  # fires late, after the answer
+    assert worker.call(os.getpid).result(timeout=HANG) == pid  # alive, the same worker
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e10])
+def test_a_timeout_too_far_to_wait_for_is_no_deadline(
+    tmp_path: Path, worker: persist.Worker, timeout: float
+) -> None:
+    """``timeout=math.inf`` (or 1e10 s) was accepted, then every save and load with it
+    failed with ``OverflowError: timestamp out of range``, the first wait on the
+    deadline being past what a lock can wait for. Such a deadline is none: they
+    succeed, through the worker too. A preemption grace that long is refused up front
+    (the scheduler's kill comes sooner)."""
+    state = _state(4.0)
+    storage.save(state, tmp_path / "blocking", timeout=timeout)
+    storage.async_save(state, tmp_path / "async", persist="process", timeout=timeout).result(
+        timeout=HANG
+    )
+    for name in ("blocking", "async"):
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        storage.load(out, tmp_path / name, timeout=timeout)
+        assert all(torch.equal(out[k], v) for k, v in state.items())
+    manager = CheckpointManager(tmp_path / "root", local=tmp_path / "local")
+    with pytest.raises(ValueError, match="grace must be"):
+        manager.save_on_signal(dict, grace=timeout)
+
+
+def test_a_transport_timeout_too_far_to_wait_for_is_no_deadline(tmp_path: Path) -> None:
+    """``send_checkpoint(..., timedelta.max)`` (torchft's timeouts are timedeltas) wrote
+    the step, then failed with ``OverflowError`` waiting for it. It now waits for as
+    long as the write takes, and the step is received."""
+    sender = storage.StorageTransport(tmp_path / "ft", rank=0)
+    receiver = storage.StorageTransport(tmp_path / "ft", rank=1)
+    try:
+        state = _state(5.0)
+        sender.send_checkpoint([1], 3, state, timedelta.max)
+        got = receiver.recv_checkpoint(0, sender.metadata(), 3, timedelta.max)
+        assert torch.equal(got["w"], state["w"])
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+_STOPPED_WITH_A_FORKED_CHILD = """
+import os, signal, sys, time, torch, storage
+from storage.checkpoint import persist
+from storage.checkpoint.persist import _calls, _stuck
+
+_stuck.STUCK_GRACE = 1.0
+launch = _calls.launch
+children = []
+
+
+def launch_and_fork(fd):
+    proc = launch(fd)
+    child = os.fork()  # another thread's fork while the worker starts: holds its socket
+    if child == 0:
+        time.sleep(150)
+        os._exit(0)
+    children.append(child)
+    return proc
+
+
+_calls.launch = launch_and_fork
+state = {f"t{i}": torch.full((64, 64), 1.0) for i in range(64)}  # 1 MiB sent by value
+storage.async_save(state, sys.argv[1], persist="process").result(timeout=60)
+worker = persist.worker()
+os.kill(worker.pid, signal.SIGSTOP)
+try:
+    future = storage.async_save(state, sys.argv[1], persist="process", timeout=2)
+    future.result(timeout=60)
+    print("saved")
+except BaseException as exc:
+    print(type(exc).__name__)
+finally:
+    os.kill(children[0], signal.SIGKILL)
+"""
+
+
+def test_a_stopped_worker_whose_socket_a_forked_child_holds_fails_the_save_too(
+    tmp_path: Path,
+) -> None:
+    """The save's call is sent while the worker is stopped (its body more than the
+    socket holds), and a child forked while the worker started holds the worker's end
+    of the socket. Before, killing the worker at the deadline did not end the send: the
+    socket's peer was still open in the child, so the send waited for ever, and the
+    save with it. The socket is now shut down once the worker is gone, which ends any
+    send still writing to it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _STOPPED_WITH_A_FORKED_CHILD, str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=HANG,
+    )
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.split() == ["WorkerStuckError"], proc.stdout
