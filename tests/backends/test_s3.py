@@ -413,13 +413,17 @@ def test_unreachable_endpoint_is_named(state_dict: dict) -> None:
     # client's bare connection error, which never said which endpoint it tried or why.
     import socket
 
-    with socket.socket() as sock:  # a port nothing listens on: refused at once
+    # A port bound here and never listened on: a connection is refused at once, and
+    # while the socket is held no other process can bind the port and answer instead.
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    opts = s3_options(dead)
-    opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"}}
-    with pytest.raises(ConnectionError, match=f"cannot reach the S3 endpoint {dead}.*endpoint_url"):
-        storage.load(zeros_like_tree(state_dict), "s3://bucket/ckpt", storage_options=opts)
+        opts = s3_options(dead)
+        opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"}}
+        with pytest.raises(
+            ConnectionError, match=f"cannot reach the S3 endpoint {dead}.*endpoint_url"
+        ):
+            storage.load(zeros_like_tree(state_dict), "s3://bucket/ckpt", storage_options=opts)
 
 
 def test_wrong_credentials(endpoint: str, state_dict: dict) -> None:
