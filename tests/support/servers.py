@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import http.client
 import json
@@ -304,6 +305,9 @@ class _State:
     records: list[Record] = field(default_factory=list)
     arrivals: list[tuple[str, str]] = field(default_factory=list)
     generation: int = 0  # bumped by clear(): a request that arrived before is not recorded
+    # Per generation: requests the handler is done with, and requests a "delay" holds.
+    finished: collections.Counter[int] = field(default_factory=collections.Counter)
+    held: collections.Counter[int] = field(default_factory=collections.Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
     rng: random.Random = field(default_factory=random.Random)
     closed: threading.Event = field(default_factory=threading.Event)
@@ -395,14 +399,33 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _proxy(self) -> None:
+        state = self.server.state
         self._start = time.monotonic()
         body = self._body()
-        with self.server.state.lock:
-            self._generation = self.server.state.generation
-            self.server.state.arrivals.append((self.command, self.path))
+        with state.lock:
+            self._generation = state.generation
+            state.arrivals.append((self.command, self.path))
+        try:
+            self._answer(body)
+        finally:  # answered, or failed (the client hung up): settle() waits for no more
+            with state.lock:
+                state.finished[self._generation] += 1
+
+    def _hold(self, fault: Fault) -> bool:
+        """``fault.hold``, counted as held meanwhile (settle() does not wait for it)."""
+        state = self.server.state
+        with state.lock:
+            state.held[self._generation] += 1
+        try:
+            return fault.hold(state.closed)
+        finally:
+            with state.lock:
+                state.held[self._generation] -= 1
+
+    def _answer(self, body: bytes) -> None:
         fault = self._pick_fault()
         kind = fault.kind if fault else None
-        if fault is not None and kind == "delay" and fault.hold(self.server.state.closed):
+        if fault is not None and kind == "delay" and self._hold(fault):
             self._reset()  # the proxy closed meanwhile: the request never reaches the server
             return
         if kind == "corrupt" and body:
@@ -586,8 +609,8 @@ class FaultProxy:
 
     @property
     def records(self) -> list[Record]:
-        with self._server.state.lock:
-            return list(self._server.state.records)
+        """What :meth:`settle` returns."""
+        return self.settle()
 
     @property
     def arrivals(self) -> list[tuple[str, str]]:
@@ -595,15 +618,19 @@ class FaultProxy:
         with self._server.state.lock:
             return list(self._server.state.arrivals)
 
-    def settle(self, timeout: float = 5.0) -> list[Record]:
-        """The records, once every request that arrived has one (or after ``timeout``):
-        a request is recorded after its answer is relayed, so a client can be done with
-        an answer a moment before its record exists."""
+    def settle(self, timeout: float = 60.0) -> list[Record]:
+        """The records, once the proxy is done with every request that arrived, but for
+        those a ``"delay"`` fault holds (or after ``timeout``, which bounds a failure
+        only): a request is recorded after its answer is relayed, so a client can be
+        done with an answer a moment (on a loaded machine, seconds) before its record
+        exists."""
         deadline = time.monotonic() + timeout
         state = self._server.state
         while True:
             with state.lock:
-                if len(state.records) >= len(state.arrivals) or time.monotonic() > deadline:
+                generation = state.generation
+                done = state.finished[generation] + state.held[generation]
+                if done >= len(state.arrivals) or time.monotonic() > deadline:
                     return list(state.records)
             time.sleep(0.01)
 
