@@ -97,6 +97,14 @@ def _socket_inodes(pid: int) -> set[str] | None:
     return inodes
 
 
+def listens(pid: int, port: int) -> bool:
+    """Process ``pid`` listens on ``port`` (any address); Linux only (``/proc``)."""
+    listening, mine = _listening([port]), _socket_inodes(pid)
+    if listening is None or mine is None:
+        raise RuntimeError("needs /proc/net/tcp and /proc/PID/fd (Linux)")
+    return bool(listening[port] & mine)
+
+
 class ServerProcess:
     """One server subprocess on ``len(names)`` ports picked free here.
 

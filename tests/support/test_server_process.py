@@ -30,10 +30,7 @@ def _first_pick(monkeypatch: pytest.MonkeyPatch, ports: dict[int, int]) -> None:
 def _listens(server: server_process.ServerProcess) -> bool:
     """Every port of ``server`` is listened on by its process."""
     assert server.proc is not None
-    listening = server_process._listening(list(server.ports.values()))
-    mine = server_process._socket_inodes(server.proc.pid)
-    assert listening is not None and mine is not None
-    return all(inodes & mine for inodes in listening.values())
+    return all(server_process.listens(server.proc.pid, p) for p in server.ports.values())
 
 
 def _fake_gcs() -> FakeGCS:
