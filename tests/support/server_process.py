@@ -99,7 +99,8 @@ def _socket_inodes(pid: int) -> set[str] | None:
 
 def listens(pid: int, port: int) -> bool:
     """Process ``pid`` listens on ``port`` (any address); Linux only (``/proc``)."""
-    listening, mine = _listening([port]), _socket_inodes(pid)
+    listening = _listening([port])
+    mine = _socket_inodes(pid)
     if listening is None or mine is None:
         raise RuntimeError("needs /proc/net/tcp and /proc/PID/fd (Linux)")
     return bool(listening[port] & mine)
@@ -171,10 +172,14 @@ class ServerProcess:
             # Checked first: until the child is reaped its pid cannot name another process.
             if self.proc.poll() is not None:
                 return f"the server exited ({self.proc.returncode})"
-            mine = _socket_inodes(self.proc.pid)
+            # Listeners first, then our descriptors: a socket the server opens between
+            # the two reads is then missing from the first, never from the second.
             listening = _listening(list(self.ports.values()))
-            if mine is None or listening is None:
-                owned = True  # no /proc: the probe alone decides
+            mine = _socket_inodes(self.proc.pid)
+            if listening is None:
+                owned = True  # no /proc/net (not Linux): the probe alone decides
+            elif mine is None:
+                owned = False  # its descriptors are gone: it is exiting (poll() says so)
             else:
                 taken = [p for p, inodes in listening.items() if inodes and not inodes & mine]
                 if taken:
