@@ -209,7 +209,7 @@ def main() -> None:
         print(f"fake-gcs-server {server.url}", flush=True)
         gcs_create_bucket(server.url, BUCKET)
         samples, logical = run(args, server.url)
-        rss, peak = server_rss_mb(server._process.pid)
+        rss, peak = server_rss_mb(server.proc.pid)
         report(samples, logical, args.repeat)
         print(f"fake-gcs-server RSS: {rss:.0f} MB now, {peak:.0f} MB peak")
     finally:

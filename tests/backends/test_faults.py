@@ -68,7 +68,10 @@ def _fs(proxy: FaultProxy, direct: bool = True, **config: Any) -> S3FileSystem:
 PATHS = pytest.mark.parametrize("direct", [True, False], ids=["direct", "s3fs"])
 
 
-def _round_trip(proxy: FaultProxy, fs: S3FileSystem, chain: str = "plain") -> None:
+def _round_trip(
+    proxy: FaultProxy, fs: S3FileSystem, chain: str = "plain", reader_fs: S3FileSystem | None = None
+) -> None:
+    """Save through ``fs`` and load through ``reader_fs`` (``fs`` if None), bit-exact."""
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}/ckpt"
     state = _state()
     transforms = [ZStandard()] if chain == "zstd" else []
@@ -78,7 +81,7 @@ def _round_trip(proxy: FaultProxy, fs: S3FileSystem, chain: str = "plain") -> No
     )
     dcp.save(state, storage_writer=writer)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
-    reader = storage.CheckpointReader(url, filesystem=fs)
+    reader = storage.CheckpointReader(url, filesystem=reader_fs or fs)
     dcp.load(target, storage_reader=reader)
     for k in state:
         assert torch.equal(target[k], state[k]), k
@@ -107,8 +110,15 @@ def test_each_transient_fault_is_retried(
 
 @PATHS
 def test_read_timeout_is_enforced_and_retried(proxy: FaultProxy, direct: bool) -> None:
-    fault = proxy.add("delay", method="GET", path=r"\.distcp", count=1, delay=3.0)
-    _round_trip(proxy, _fs(proxy, direct, read_timeout=1))
+    # One data GET is held and never answered (until the proxy closes): the load
+    # completes only if the client gives it up at its read timeout and asks again. The
+    # short timeout is the reader's alone, with attempts to spare: a loaded machine can
+    # stall moto past it on any request (before: 1 s on every request, the writes too).
+    fault = proxy.add("delay", method="GET", path=r"\.distcp", count=1, delay=600)
+    reader = _fs(
+        proxy, direct, read_timeout=5, retries={"mode": "standard", "total_max_attempts": 5}
+    )
+    _round_trip(proxy, _fs(proxy, direct), reader_fs=reader)
     assert fault.hits == 1
     gets = [t for m, t in proxy.arrivals if m == "GET" and ".distcp" in t]
     # The delayed request was abandoned by the client and asked again.

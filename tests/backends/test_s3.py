@@ -10,6 +10,8 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from typing import IO, Any
 
@@ -231,16 +233,37 @@ print(tracemalloc.get_traced_memory()[1])
 def test_parts_upload_concurrently_in_bounded_memory(endpoint: str, s3: Any) -> None:
     path = S3FileSystem().init_path(_url())
     with FaultProxy(endpoint) as proxy:
-        # Slow part uploads, so that parts would pile up in memory if nothing bounded them.
-        proxy.add("delay", method="PUT", path=r"partNumber=", delay=0.3)
+        # Part uploads are held until three are in flight (before: each was delayed
+        # 0.3 s, and a loaded machine could keep the writer from getting a third one out
+        # within that): parts would pile up in memory now if nothing bounded them.
+        release = threading.Event()
+        proxy.add("delay", method="PUT", path=r"partNumber=", delay=300, release=release)
+
+        def open_at_three() -> None:
+            deadline = time.monotonic() + 120  # bounds a failure only
+            while not release.is_set() and time.monotonic() < deadline:
+                parts = [t for m, t in proxy.arrivals if m == "PUT" and "partNumber=" in t]
+                if len(parts) >= 3:
+                    # A fourth would arrive now were the uploads not bounded.
+                    release.wait(0.5)
+                    break
+                release.wait(0.01)
+            release.set()
+
+        opener = threading.Thread(target=open_at_three, daemon=True)
+        opener.start()
         # A separate process: moto and the proxy live in this one and would be counted.
-        out = subprocess.run(
-            [sys.executable, "-c", _UPLOAD_40_MIB, proxy.url, path],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=120,
-        )
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", _UPLOAD_40_MIB, proxy.url, path],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=300,
+            )
+        finally:
+            release.set()
+            opener.join(60)
         assert proxy.max_concurrent("PUT", "partNumber=") == 3
     peak = int(out.stdout.split()[-1])
     bucket, _, key = path.partition("/")
@@ -413,13 +436,17 @@ def test_unreachable_endpoint_is_named(state_dict: dict) -> None:
     # client's bare connection error, which never said which endpoint it tried or why.
     import socket
 
-    with socket.socket() as sock:  # a port nothing listens on: refused at once
+    # A port bound here and never listened on: a connection is refused at once, and
+    # while the socket is held no other process can bind the port and answer instead.
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    opts = s3_options(dead)
-    opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"}}
-    with pytest.raises(ConnectionError, match=f"cannot reach the S3 endpoint {dead}.*endpoint_url"):
-        storage.load(zeros_like_tree(state_dict), "s3://bucket/ckpt", storage_options=opts)
+        opts = s3_options(dead)
+        opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"}}
+        with pytest.raises(
+            ConnectionError, match=f"cannot reach the S3 endpoint {dead}.*endpoint_url"
+        ):
+            storage.load(zeros_like_tree(state_dict), "s3://bucket/ckpt", storage_options=opts)
 
 
 def test_wrong_credentials(endpoint: str, state_dict: dict) -> None:

@@ -502,7 +502,7 @@ def test_cancel_reaches_children_hooks_waits_and_coroutines() -> None:
         time.sleep(0.2)  # let them block
         task.cancel()
         for thread in waiting:
-            thread.join(10)
+            thread.join(60)
     assert sorted(outcomes) == ["backoff", "coroutine", "slot"] and hooked == ["hook"]
     with pytest.raises(StreamCancelled):
         Cancel(task).check()  # a stream opened after the cancel

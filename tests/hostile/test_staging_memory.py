@@ -17,13 +17,13 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from storage.checkpoint.persist import _pool, _shm
+from tests.support.process_identity import kill, running, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 BIG = {"w": torch.ones(256, 256)}  # 256 KiB: staged in a segment, not by value
@@ -316,6 +316,7 @@ def test_a_child_forked_while_a_save_thread_holds_the_pool_exits(tmp_path: Path)
 _SAVER = """
 import os, signal, sys, torch, storage
 from storage.checkpoint import persist
+from tests.support.process_identity import start_time
 storage.async_save({"w": torch.ones(256, 256)}, sys.argv[1], persist="process").result()
 worker = persist.worker()
 # What this process and its worker map from /dev/shm (a listing of /dev/shm would also
@@ -324,7 +325,7 @@ made = 0
 for pid in ("self", worker.pid):
     with open(f"/proc/{pid}/maps") as maps:
         made += sum("/dev/shm/" in line for line in maps)
-print(worker.pid, made, flush=True)
+print(worker.pid, start_time(worker.pid), made, flush=True)
 if sys.argv[2] == "exit":
     sys.exit(0)
 os.kill(os.getpid(), signal.SIGKILL)
@@ -344,12 +345,10 @@ def test_a_trainer_that_exits_or_is_killed_leaves_nothing_and_its_worker_stops(
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=180)
     expected = 0 if how == "exit" else -signal.SIGKILL
     assert proc.returncode == expected, f"{proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    worker_pid, made = (int(field) for field in proc.stdout.split())
-    assert made == 0
-    deadline = time.monotonic() + 60  # bounds a failure only
-    while Path(f"/proc/{worker_pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not Path(f"/proc/{worker_pid}").exists()
+    pid, started, made = proc.stdout.split()
+    assert made == "0"
+    # The worker by pid and start time: its pid, once free, may soon name another process.
+    assert wait_gone(int(pid), started, timeout=60), "the worker outlived its trainer"
     import storage
 
     loaded = {"w": torch.zeros(256, 256)}
@@ -460,13 +459,14 @@ def test_a_module_planted_in_the_trainers_working_directory_is_never_imported(
 _FORKER = """
 import os, signal, sys, time, torch, storage
 from storage.checkpoint import persist
+from tests.support.process_identity import start_time
 storage.async_save({"w": torch.ones(256, 256)}, sys.argv[1], persist="process").result()
 worker = persist.worker().pid
 child = os.fork()
 if child == 0:  # a child of the trainer's that outlives it (the test ends it)
     time.sleep(300)
     os._exit(0)
-print(worker, child, flush=True)
+print(worker, start_time(worker), child, start_time(child), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -482,12 +482,12 @@ def test_a_worker_stops_with_its_trainer_whatever_children_the_trainer_forked(
         argv = [sys.executable, "-c", textwrap.dedent(_FORKER), str(tmp_path / "ckpt")]
         proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.DEVNULL, cwd=ROOT)
         assert proc.wait(timeout=180) == -signal.SIGKILL
-    worker_pid, child_pid = (int(field) for field in out.read_text().split())
+    # Each process by pid and start time: a pid, once free, may soon name another process.
+    worker_pid, worker_started, child_pid, child_started = out.read_text().split()
     try:
-        deadline = time.monotonic() + 60  # bounds a failure only
-        while Path(f"/proc/{worker_pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not Path(f"/proc/{worker_pid}").exists(), "the worker outlived its trainer"
-        assert Path(f"/proc/{child_pid}").exists()  # the child lived on all along
+        assert wait_gone(int(worker_pid), worker_started, timeout=60), (
+            "the worker outlived its trainer"
+        )
+        assert running(int(child_pid), child_started)  # the child lived on all along
     finally:
-        os.kill(child_pid, signal.SIGKILL)
+        kill(int(child_pid), child_started)

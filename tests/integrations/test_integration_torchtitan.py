@@ -208,14 +208,11 @@ def _components(model: torch.nn.Module, url: str, options: dict[str, Any], async
 
 
 def job(spec: dict[str, Any]) -> None:
-    import socket
-
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # A file rendezvous beside the job's output: no port another process could take.
+    store = spec["out"] + ".store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     if spec.get("probe"):
         _probe(spec)
         dist.destroy_process_group()

@@ -416,7 +416,7 @@ def test_bad_arguments(tmp_path: Any) -> None:
 
 
 _PROCESS_EXECUTOR = """
-import os, socket, sys, torch
+import os, sys, torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -425,11 +425,14 @@ from extensions.zstd import ZStandard
 
 
 def main():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # The store listens on a port of its own (0: the kernel picks), and the checkpoint
+    # daemon joins it (DCP_USE_PREFIX_STORE) instead of a port DCP picks by
+    # bind-and-close, which another process can take before the daemon listens on it.
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), DCP_USE_PREFIX_STORE="1"
+    )
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     path = sys.argv[1]
     state = {"w": torch.arange(4096, dtype=torch.float32), "step": 5}
     writer = storage.CheckpointWriter(path, transforms=[ZStandard(level=1)])

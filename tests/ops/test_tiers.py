@@ -365,7 +365,7 @@ def test_async_save_stages_commits_locally_then_drains(tmp_path: Path) -> None:
     state["w"].zero_()  # training goes on: the staged copy is what gets saved
     assert mgr.tiers is not None and mgr.tiers.local.steps() == []
     disk.gate.set()
-    future.result(timeout=30)
+    future.result(timeout=120)
     assert mgr.tiers.local.steps() == [1]
     mgr.wait()
     assert mgr.durable_steps() == [1]
@@ -388,9 +388,9 @@ def test_async_save_waits_for_the_previous_local_commit(tmp_path: Path) -> None:
     thread.join(0.5)
     assert thread.is_alive() and not second  # at most one save in flight
     disk.gate.set()
-    thread.join(30)
+    thread.join(120)
     assert first is not None and first.done() and first.exception() is None
-    second[0].result(timeout=30)
+    second[0].result(timeout=120)
     mgr.wait()
     assert mgr.durable_steps() == [1, 2]
     assert mgr.tiers is not None and mgr.tiers.local.steps() == [2]
@@ -472,7 +472,7 @@ def test_the_drain_pauses_while_a_save_writes_locally(tmp_path: Path) -> None:
     assert local.read - before <= 8 << 20
     assert not is_committed(mgr.fs, mgr.step_path(1))  # the drain is paused, not done
     local.gate.set()
-    future.result(timeout=30)
+    future.result(timeout=120)
     mgr.wait()
     assert mgr.durable_steps() == [1, 2]
     assert local.read >= 16 << 20
@@ -498,10 +498,10 @@ def test_async_save_errors_and_recovery(tmp_path: Path) -> None:
     failed = mgr.save(1, step_state(1), blocking=False)
     assert failed is not None
     with pytest.raises(TierFullError, match="local tier .* is full"):
-        failed.result(timeout=30)
+        failed.result(timeout=120)
     disk.full = False
     for step in (1, 2):
-        mgr.save(step, step_state(step), blocking=False).result(timeout=30)  # type: ignore[union-attr]
+        mgr.save(step, step_state(step), blocking=False).result(timeout=120)  # type: ignore[union-attr]
         _drained(mgr)
         with pytest.raises(OSError):
             mgr.save(step + 1, step_state(step + 1), blocking=False)  # before anything is staged
@@ -510,7 +510,7 @@ def test_async_save_errors_and_recovery(tmp_path: Path) -> None:
         mgr.save(3, step_state(3), blocking=False)
     assert mgr.tiers.local.steps() == [1, 2]
     (tmp_path / "durable").unlink()  # the bucket is back
-    mgr.save(3, step_state(3), blocking=False).result(timeout=30)  # type: ignore[union-attr]
+    mgr.save(3, step_state(3), blocking=False).result(timeout=120)  # type: ignore[union-attr]
     mgr.wait()
     assert mgr.durable_steps() == [1, 2, 3]
     assert mgr.tiers.local.steps() == [3]

