@@ -78,7 +78,7 @@ def test_stock_and_our_save_ids_still_load(tmp_path: Path) -> None:
     # 12 hex digits; a metadata with no storage_meta (older torch) has none.
     storage.save({"t": torch.ones(4)}, tmp_path)
     for value in ("0b5a2c9e-1f4d-4c3b-9a77-2f1e5d6c7b8a", None):
-        _rewrite(tmp_path, lambda metadata: setattr(metadata.storage_meta, "save_id", value))
+        _rewrite(tmp_path, lambda metadata, v=value: setattr(metadata.storage_meta, "save_id", v))
         target = torch.zeros(4)
         storage.load({"t": target}, tmp_path)
         assert torch.equal(target, torch.ones(4))
