@@ -7,6 +7,7 @@ copied from or into in one call (many small items cost their per-item calls, not
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from typing import Any
 
@@ -100,6 +101,14 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return flat_bytes(tensor).numpy().data.cast("B")
 
 
+@functools.lru_cache(maxsize=256)
+def _expansion(descriptors: tuple[str, ...]) -> int | None:
+    # Once per chain: a registry is built per call, and a load or an export meets a few
+    # chains over thousands of items. A name registered later, unknown when first met,
+    # only stays unchecked (no class replaces a registered one).
+    return ExtensionRegistry().max_expansion(descriptors)
+
+
 def unbacked_claim(record: fmt.StoredItem, elements: int) -> str | None:
     """Why a chunk of ``elements`` elements stored as ``record`` cannot be what its
     stored bytes hold (``None`` when it can be): at least a byte per element decoded,
@@ -107,7 +116,7 @@ def unbacked_claim(record: fmt.StoredItem, elements: int) -> str | None:
     transform). A chain whose bound is unknown (a user's transform offering none) is
     not checked here. Every reader that allocates a tensor at a chunk's claimed size
     asks this first."""
-    ratio = ExtensionRegistry().max_expansion(record.descriptors) if record.descriptors else 1
+    ratio = _expansion(record.descriptors) if record.descriptors else 1
     if ratio is None or elements <= record.length * ratio:
         return None
     if not record.descriptors:
