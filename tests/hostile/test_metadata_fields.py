@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import storage
-from extensions.errors import UnsafeCheckpointError
+from extensions import AES256GCM
+from extensions.errors import IntegrityError, UnsafeCheckpointError
 from storage.backends import LocalFileSystem
 from storage.ops.copy import copy_checkpoint
 
@@ -84,3 +85,25 @@ def test_stock_and_our_save_ids_still_load(tmp_path: Path) -> None:
         assert torch.equal(target, torch.ones(4))
     _rewrite(tmp_path, lambda metadata: setattr(metadata, "storage_meta", None))
     storage.load({"t": torch.zeros(4)}, tmp_path)
+
+
+@pytest.mark.parametrize("field", ["check", "mac"])
+def test_a_seal_that_is_not_hex_is_a_missing_seal(tmp_path: Path, field: str) -> None:
+    # Before: the seal's strings went to hmac.compare_digest as they were, which raises a
+    # raw TypeError ("comparing strings with non-ASCII characters is not supported") on
+    # any other character: every load with the key, and every incremental save on it,
+    # failed naming neither the checkpoint nor the seal. Now such a seal verifies
+    # nothing, as a missing one: the sealed items are refused naming the seal.
+    key = bytes(range(32))
+    chain = [AES256GCM(key=key, key_id="k")]
+    storage.save({"t": torch.ones(4)}, tmp_path / "c", transforms=chain)
+    _rewrite(
+        tmp_path / "c",
+        lambda metadata: metadata.dcp_storage["seal"]["k"].update({field: "\u00e9" * 16}),
+    )
+    with pytest.raises(IntegrityError, match="'t' among them.*needs sealed metadata"):
+        storage.load({"t": torch.zeros(4)}, tmp_path / "c", keys={"k": key})
+    storage.save({"t": torch.ones(4)}, tmp_path / "d", transforms=chain, base=tmp_path / "c")
+    target = torch.zeros(4)
+    storage.load({"t": target}, tmp_path / "d", keys={"k": key})  # saved in full
+    assert torch.equal(target, torch.ones(4))
