@@ -4,9 +4,10 @@ on the receiver's own state (``state_dict=``) to be believed.
 The receiver allocates a claimed size its stored chunks do not hold only where its own
 state has a tensor of that size at the same place (a sender of a tensor sharded over
 ranks stores only its own shards). So the claim is bounded by memory the receiver
-already holds: the claim must match that tensor in dtype as well as shape, and a
+already holds: the claim must match that tensor in dtype as well as shape, a
 DTensor of its own, which travels as its local shard, bounds the claim by that shard,
-never by the global shape the other ranks hold the rest of. Finding that tensor costs a
+never by the global shape the other ranks hold the rest of, and one tensor backs one
+claim, wherever else the receiver's state holds it. Finding that tensor costs a
 look-up per item, however many items and keys.
 """
 
