@@ -25,7 +25,7 @@ Each item records the descriptors in that same order (``[A, B]``), which is also
 order torch records them in; a reader undoes them in reverse (B first, then A).
 
 **Version 2** adds, to subclasses of :class:`StreamTransformExtension`, one per-item
-hook and five capabilities, each with a default that keeps a version-1 transform
+hook and six capabilities, each with a default that keeps a version-1 transform
 working as it did:
 
 ``for_item(item)``
@@ -58,6 +58,11 @@ working as it did:
     the metadata under every such key of their chain; readers refuse such an item
     unless the metadata it was found through carries a seal that verifies
     (``storage.checkpoint.seal``), so no record of it can be changed or rolled back.
+``max_expansion(version)`` (classmethod, default ``None``: unknown)
+    The most plain bytes one stored byte under ``name/version`` can decode to, a bound
+    of the format (a constant block from its shortest encoding); readers refuse a tensor
+    chunk claiming more elements than its stored bytes could decode to before
+    allocating it.
 ``frame_decoder(version)`` and ``frames(version, read_at, length)`` (classmethods, default: none)
     Splittable into independent frames. A transform whose output for an item is a
     sequence of pieces that each decode on their own offers, for the descriptor
@@ -197,6 +202,15 @@ class StreamTransformExtension(TorchStreamTransform):  # type: ignore[misc,valid
     def seal_key(self) -> tuple[str, bytes] | None:
         """The key id and MAC key of the metadata seal for this item's stage (default:
         ``None``); a decoder looks its key up as it would to decode."""
+        return None
+
+    @classmethod
+    def max_expansion(cls, version: str) -> int | None:
+        """The most plain bytes one stored byte of an item stored under ``name/version``
+        can decode to, as a bound the format itself sets (a constant block decoded from
+        its shortest encoding), not a typical ratio; ``None`` (the default): unknown.
+        Readers refuse a tensor claiming more elements than its stored bytes could
+        decode to before allocating it."""
         return None
 
     @classmethod

@@ -143,6 +143,10 @@ class AES256GCM(StreamTransformExtension):
         return AES256GCM(key_id=fields["key_id"], chunk_size=chunk, format=format)
 
     @classmethod
+    def max_expansion(cls, version: str) -> int | None:
+        return 1  # each chunk stored whole, with its tag
+
+    @classmethod
     def key_ids(cls, version: str) -> tuple[str, ...]:
         return (cls.from_descriptor(version).key_id,)
 

@@ -193,6 +193,24 @@ class ExtensionRegistry:
                 found.setdefault(*sealed)
         return found
 
+    def max_expansion(self, descriptors: Sequence[str]) -> int | None:
+        """The most plain bytes one stored byte of an item recorded with ``descriptors``
+        can decode to: the product of its stages' ``max_expansion`` (1 for no stage);
+        ``None`` where a stage's is unknown (a transform offering none, one not
+        registered, a descriptor it refuses)."""
+        bound = 1
+        for descriptor in descriptors:
+            name, version = parse_descriptor(descriptor)
+            cls = self._contract_class(name)
+            try:
+                stage = cls.max_expansion(version) if cls is not None else None
+            except ValueError:
+                stage = None
+            if not isinstance(stage, int) or stage < 1:
+                return None
+            bound *= stage
+        return bound
+
     def framing(self, descriptors: Sequence[str]) -> Framing | None:
         """The frames of items recorded with ``descriptors``, when the chain is one
         stage that offers them (the contract's ``frame_decoder`` and ``frames``), else

@@ -109,6 +109,10 @@ class ByteShuffle(StreamTransformExtension):
             )
         return ByteShuffle(element_size=descriptor_number(name, "es", value, 1, MAX_ELEMENT_SIZE))
 
+    @classmethod
+    def max_expansion(cls, version: str) -> int | None:
+        return 1  # a permutation of the bytes
+
     def get_descriptor(self) -> str:
         return f"{self.registry_name()}/1;es={self.element_size or 1}"
 

@@ -23,7 +23,8 @@ Every item goes through the framework path (``encoding_stream`` into a sink whos
 sizes around 64 KiB, with writes of 1 byte, 4093 bytes and whole, read back with
 ``read()``, small ``read(n)`` and ``readinto``, through a slice of a larger stream
 with junk on both sides. A transform's ``for_item`` (contract version 2) must leave the
-transform as it was and, applied again for the same item, describe the same encoding.
+transform as it was and, applied again for the same item, describe the same encoding;
+its ``max_expansion``, where it states one, must hold for zeros (its best case).
 This module imports ``pytest``; use it only from tests.
 """
 
@@ -287,3 +288,17 @@ class TransformTests(ConformanceSuite):
         out = io.BytesIO()
         encode(chain, data, item, out)
         assert out.getvalue() != data
+
+    @pytest.mark.parametrize("size", [0, 1, 8 << 20], ids=lambda s: f"{s}B")
+    def test_max_expansion_holds(
+        self, chain: list[Any], registry: ExtensionRegistry, item: ItemInfo, size: int
+    ) -> None:
+        # Readers refuse a tensor claiming more than its stored bytes times the chain's
+        # bound (max_expansion): a bound the encoder can beat would refuse real items.
+        # Zeros are every codec's best case.
+        out = io.BytesIO()
+        descriptors = encode(chain, bytes(size), item, out)
+        bound = registry.max_expansion(descriptors)
+        if bound is None:
+            pytest.skip("the chain states no max_expansion")
+        assert size <= len(out.getvalue()) * bound

@@ -113,6 +113,12 @@ class WeightCodec(StreamTransformExtension):
     def from_descriptor(version: str) -> WeightCodec:
         return _from_descriptor(version)
 
+    @classmethod
+    def max_expansion(cls, version: str) -> int | None:
+        # A block decodes to at most BLOCK_BYTES; its shortest record (tag and size, a
+        # 3-byte varint of its bytes, flags, one CONST plane's mode and byte) is 8 bytes.
+        return BLOCK_BYTES // 8
+
     def get_descriptor(self) -> str:
         version = FORMAT if self._joint() else 2
         return f"{self.registry_name()}/{version};es={self.element_size or 1}"

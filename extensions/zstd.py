@@ -53,6 +53,9 @@ MIN_LEVEL, MAX_LEVEL = -(1 << 17), 22
 #: input bytes, so the larger windows of levels 10 and up (up to 128 MiB at level 22)
 #: would find no match a FRAME-sized one misses, and would only make readers allow them.
 WINDOW_LOG = FRAME.bit_length() - 1
+#: The most plain bytes a stored byte decodes to: a block holds at most 128 KiB, and the
+#: shortest (an RLE block: a 3-byte header and the byte repeated) is 4 bytes.
+MAX_EXPANSION = (128 << 10) // 4
 _SKIPPABLE = 0x184D2A5E  # the seek table's skippable frame magic (zstd seekable format)
 _SEEKABLE = 0x8F92EAB1  # the seek table footer's magic
 FOOTER = 9  # footer bytes: frame count, descriptor, magic
@@ -143,6 +146,10 @@ class ZStandard(StreamTransformExtension):
         _zstandard()  # says which package is missing
         window = window_for(self.plain_bytes)
         return open_reader(input, window, across_frames=True, shared=False)
+
+    @classmethod
+    def max_expansion(cls, version: str) -> int | None:
+        return MAX_EXPANSION if version.partition(".")[0] == "1" else None
 
     # Splittable: every zstd frame decodes on its own, and the seek table lists them.
 

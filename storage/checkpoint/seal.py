@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
@@ -59,12 +60,16 @@ from storage.checkpoint import storage_format as fmt
 _LABEL = b"dcp-storage sealed metadata v1\x00"
 _CHECK_LABEL = b"dcp-storage seal key check v1"
 _MAX_SEALS = 16  # key ids one metadata may carry seals for
+_CHECK_HEX = re.compile(r"[0-9a-f]{16}")  # the seal's strings as _check and _mac write them
+_MAC_HEX = re.compile(r"[0-9a-f]{64}")
 Seal = dict[str, str]  # {"check": 16 hex digits, "mac": 64 hex digits}
 
 
 def seals_of(metadata: Metadata) -> dict[str, Seal]:
     """The seals ``metadata`` carries, by key id; malformed entries are left out (they
-    verify nothing)."""
+    verify nothing): each is hex digits of the length we write, which is also what
+    ``hmac.compare_digest`` takes (a string with any other character, a raw
+    ``TypeError``)."""
     seals = fmt.checkpoint_facts(metadata).get(fmt.SEAL)
     if not isinstance(seals, dict) or len(seals) > _MAX_SEALS:
         return {}
@@ -75,6 +80,8 @@ def seals_of(metadata: Metadata) -> dict[str, Seal]:
         and isinstance(v, dict)
         and isinstance(v.get("check"), str)
         and isinstance(v.get("mac"), str)
+        and _CHECK_HEX.fullmatch(v["check"]) is not None
+        and _MAC_HEX.fullmatch(v["mac"]) is not None
     }
 
 

@@ -7,6 +7,7 @@ copied from or into in one call (many small items cost their per-item calls, not
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
 
 from extensions.errors import IntegrityError, printable, quote
+from extensions.registry import ExtensionRegistry
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.coverage import stored_elements
 
@@ -99,22 +101,50 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return flat_bytes(tensor).numpy().data.cast("B")
 
 
+@functools.lru_cache(maxsize=256)
+def _expansion(descriptors: tuple[str, ...]) -> int | None:
+    # Once per chain: a registry is built per call, and a load or an export meets a few
+    # chains over thousands of items. A name registered later, unknown when first met,
+    # only stays unchecked (no class replaces a registered one).
+    return ExtensionRegistry().max_expansion(descriptors)
+
+
+def unbacked_claim(record: fmt.StoredItem, elements: int) -> str | None:
+    """Why a chunk of ``elements`` elements stored as ``record`` cannot be what its
+    stored bytes hold (``None`` when it can be): at least a byte per element decoded,
+    and at most the chain's ``max_expansion`` plain bytes per stored byte (one for no
+    transform). A chain whose bound is unknown (a user's transform offering none) is
+    not checked here. Every reader that allocates a tensor at a chunk's claimed size
+    asks this first."""
+    ratio = _expansion(record.descriptors) if record.descriptors else 1
+    if ratio is None or elements <= record.length * ratio:
+        return None
+    if not record.descriptors:
+        how = "untransformed"
+    else:
+        chain = quote(list(record.descriptors))
+        how = f"through {chain}, which decode to at most {record.length * ratio} bytes"
+    return (
+        f"claims {elements} elements but stores {record.length} bytes, {how}; its "
+        "metadata is damaged or forged: nothing was allocated for it"
+    )
+
+
 def empty_stored(
     metadata: Metadata, fqn: str, checkpoint: str, *, whole: bool = True
 ) -> torch.Tensor:
     """A zeroed CPU tensor shaped and typed as the stored tensor ``fqn``, for loading it
     whole where no caller gave one (export, the Lightning integration). Its size is the
-    checkpoint's claim: an item stored untransformed holds at least a byte per element
-    of its chunk, so one claiming more elements than it stores bytes is refused before
-    anything is allocated (a compressed item's claim is bounded only by what its codec
-    can expand to); an allocation that fails names the item.
+    checkpoint's claim: a chunk claiming more elements than its stored bytes could
+    decode to (:func:`unbacked_claim`: a byte per element untransformed, its codec's
+    bound compressed) is refused before anything is allocated; an allocation that
+    fails names the item.
 
     Where the stored chunks leave part of it unread, the tensor is zeroed: that part
     must not be whatever the allocator handed out (this process's old memory, which an
     export would publish). Where they hold every element, a load of it writes each one
     (or fails), so it is left untouched: its memory is touched only as decoded bytes
-    arrive, which the stored bytes bound, however much a transformed chunk (whose claim
-    nothing checks here) claims. ``whole``: the chunks must hold every element, else
+    arrive, which the stored bytes bound. ``whole``: the chunks must hold every element, else
     the tensor is refused naming the item (what they leave out has no stored value)."""
     meta: Any = metadata.state_dict_metadata[fqn]
     covered = stored_elements(meta)
@@ -132,13 +162,11 @@ def empty_stored(
         info = (metadata.storage_data or {}).get(index)
         if info is None:
             continue
-        record = fmt.stored_item(info)
-        elements = math.prod(chunk.sizes)
-        if not record.descriptors and elements > record.length:
+        problem = unbacked_claim(fmt.stored_item(info), math.prod(chunk.sizes))
+        if problem is not None:
             raise IntegrityError(
-                f"{checkpoint}: item {quote(fmt.item_label(index))} claims {elements} elements "
-                f"but stores {record.length} bytes, untransformed; its metadata is damaged or "
-                "forged: nothing was allocated for it. Restore the checkpoint from a good copy"
+                f"{checkpoint}: item {quote(fmt.item_label(index))} {problem}. Restore the "
+                "checkpoint from a good copy"
             )
     size, dtype = torch.Size(meta.size), meta.properties.dtype
     allocate = torch.empty if covered == math.prod(size) else torch.zeros

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -50,6 +51,7 @@ from storage.checkpoint.storage_format import (
     DTYPE,
     EXTRA,
     NBYTES,
+    ORIGIN,
     REF,
     SAVE,
     StoredItem,
@@ -158,7 +160,27 @@ def check_metadata(metadata: object, where: str, size: int) -> Metadata:
         _bad(where, "metadata", "storage_data", storage_data, "a dict")
     for index, info in (storage_data or {}).items():
         _check_storage_info(index, info, where)
+    _check_save_ids(metadata, where)
     return metadata
+
+
+def _check_save_ids(metadata: Metadata, where: str) -> None:
+    """Refuse a ``storage_meta`` that is not one, and a save id (its ``save_id``, a
+    copy's ``origin``) that is not one: readers set their load id on the first, and
+    copies, drains, restores and the seal compare the others and quote them."""
+    storage_meta = getattr(metadata, "storage_meta", None)
+    if storage_meta is not None and not isinstance(storage_meta, StorageMeta):
+        _bad(where, "metadata", "storage_meta", storage_meta, "a StorageMeta")
+    facts = getattr(metadata, EXTRA, None)
+    ids = (
+        ("storage_meta.save_id", getattr(storage_meta, "save_id", None)),
+        (f"{EXTRA}[{ORIGIN!r}]", facts.get(ORIGIN) if isinstance(facts, dict) else None),
+    )
+    for what, save_id in ids:
+        if save_id is not None and not (isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id)):
+            _bad(
+                where, "metadata", what, save_id, "a save id (1 to 64 letters, digits, '-' or '_')"
+            )
 
 
 def _check_graph(root: object, where: str, budget: int) -> None:

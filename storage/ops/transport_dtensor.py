@@ -184,13 +184,12 @@ def _well_formed(record: Any) -> bool:
     if not (isinstance(record, list) and len(record) == 7):
         return False
     device_type, ranks, names, placements, shape, stride, whole = record
-    dims = _mesh_dims(ranks, 0)
+    dims = _mesh_dims(ranks)
     return (
         type(whole) is bool
         and isinstance(device_type, str)
         and _DEVICE_TYPE.fullmatch(device_type) is not None
         and dims is not None
-        and math.prod(dims) <= MAX_MESH_RANKS
         and (
             names is None
             or (
@@ -208,16 +207,33 @@ def _well_formed(record: Any) -> bool:
     )
 
 
-def _mesh_dims(ranks: Any, depth: int) -> list[int] | None:
-    """The sizes of a rectangular nested list of ranks (``[]`` for a bare rank)."""
-    if type(ranks) is int:
-        return [] if 0 <= ranks < MAX_MESH_RANKS else None
-    if not (isinstance(ranks, list) and ranks and depth < 8 and len(ranks) <= MAX_MESH_RANKS):
+def _mesh_dims(ranks: Any) -> list[int] | None:
+    """The sizes of a rectangular nested list of at most :data:`MAX_MESH_RANKS` ranks
+    (``[]`` for a bare rank), ``None`` for anything else. The sizes are read off the
+    first element of each level and bounded before the rest is walked: the pickle's
+    memo makes a list of 64 references to one list cheap, and 8 levels of them a walk
+    of 64**8 calls."""
+    dims: list[int] = []
+    first = ranks
+    while isinstance(first, list):
+        if not first or len(dims) == 8:
+            return None
+        dims.append(len(first))
+        first = first[0]
+    if math.prod(dims) > MAX_MESH_RANKS or not _rectangular(ranks, dims):
         return None
-    inner = [_mesh_dims(r, depth + 1) for r in ranks]
-    if inner[0] is None or any(i != inner[0] for i in inner):
-        return None
-    return [len(ranks), *inner[0]]
+    return dims
+
+
+def _rectangular(ranks: Any, dims: list[int]) -> bool:
+    """Whether ``ranks`` is a nested list of ``dims`` sizes holding ranks."""
+    if not dims:
+        return type(ranks) is int and 0 <= ranks < MAX_MESH_RANKS
+    return (
+        isinstance(ranks, list)
+        and len(ranks) == dims[0]
+        and all(_rectangular(r, dims[1:]) for r in ranks)
+    )
 
 
 def _placement_ok(p: Any, ndim: int) -> bool:

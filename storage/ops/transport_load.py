@@ -41,7 +41,9 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
     transport's ``state_dict=``), whose tensor at the same place must have that shape
     and dtype (of a DTensor there, its local shard, which is what a sender sends of it:
     its global shape would let a sender claim what the other ranks hold, and a wider
-    dtype up to 16 times the memory the receiver holds). Else the tensor is refused
+    dtype up to 16 times the memory the receiver holds), and which backs no other claim
+    (one tensor at two places, as tied weights are, would back two allocations of its
+    size). Else the tensor is refused
     before anything is allocated, naming the checkpoint, ``sender``, the item and the
     sizes: 24 bytes of metadata claiming 2**40 elements must not make the receiver
     allocate (or fail allocating) 4 TiB.
@@ -61,6 +63,7 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
         self._sender = sender
         self._own = own
         self._names: dict[int, Any] = {}  # the own state's mappings indexed (at_path)
+        self._backing: dict[Any, str] = {}  # each own tensor believed: the item it backs
 
     def set_up_planner(
         self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
@@ -92,13 +95,24 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
         own = at_path(self._own(), path, self._names) if self._own is not None else None
         if isinstance(own, DTensor):
             own = own.to_local()  # what the sender sends of it (transport_dtensor)
+        dtype_name = str(dtype).removeprefix("torch.")
         if (
             isinstance(own, torch.Tensor)
             and tuple(own.shape) == tuple(stored.size)
             and own.dtype == dtype
         ):
-            return
-        dtype_name = str(dtype).removeprefix("torch.")
+            memory = _memory_of(own)
+            backed = self._backing.setdefault(memory, fqn)
+            if backed == fqn:
+                return
+            raise IntegrityError(
+                f"{self._where}: item {quote(fqn)}: {self._sender}'s metadata claims a "
+                f"{quote(tuple(stored.size))} {dtype_name} tensor its stored chunks do not "
+                f"hold, and this worker's own tensor there already backs item {quote(backed)}'s "
+                "claim (the same tensor at both places, as tied weights are): one tensor of "
+                "this worker's backs one claim, so nothing was allocated. The sender's "
+                "metadata is damaged or hostile: have the sender send it again"
+            )
         raise IntegrityError(
             f"{self._where}: item {quote(fqn)}: {self._sender}'s metadata claims a "
             f"{quote(tuple(stored.size))} {dtype_name} tensor ({total * dtype.itemsize} bytes) "
@@ -122,6 +136,15 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def _memory_of(tensor: torch.Tensor) -> Any:
+    """What identifies the memory ``tensor`` holds: views starting at the same element
+    (the same tensor at two places, a second view of it, its transpose) are one; a
+    tensor without storage (a meta tensor) is its own."""
+    if tensor.device.type == "meta" or tensor.data_ptr() == 0:
+        return id(tensor)
+    return (tensor.device, tensor.data_ptr())
 
 
 def at_path(state: Any, path: Sequence[Any], names: dict[int, Any] | None = None) -> Any:

@@ -86,12 +86,16 @@ def rebuild(
 ) -> Any:
     """``loaded`` in the containers ``shape`` records; the record is the sender's, so
     it is checked as it is walked: a malformed one, one nesting deeper than
-    :data:`MAX_NESTING` (each level a recursion here), or one that holds a container
-    record twice, is refused naming ``where``. :func:`record` never shares a record, and
-    a shared one (the pickle's memo makes that cheap) would unfold exponentially: 4 KiB
-    holding 40 levels of ``("l", [x, x])`` asked for 2**40 containers. ``path`` names
-    the value in errors; ``own`` is the value at the same place in the receiver's own
-    state, if it gave one (a DTensor is rebuilt on the mesh of its own there)."""
+    :data:`MAX_NESTING` (each level a recursion here), one that holds a container
+    record twice, or a mapping's key that is not one :func:`record` writes (a string,
+    number, bool or None), is refused naming ``where``. :func:`record` never shares a
+    record, and a shared one (the pickle's memo makes that cheap) would unfold
+    exponentially: 4 KiB holding 40 levels of ``("l", [x, x])`` asked for 2**40
+    containers, and a key of 30 levels of shared pairs made a string of 2**30 leaves.
+    ``path`` names the value in errors (bounded: one long key shared by every level
+    must not be copied into each level's path); ``own`` is the value at the same place
+    in the receiver's own state, if it gave one (a DTensor is rebuilt on the mesh of its
+    own there)."""
     if shape is None:
         return loaded
     seen = set() if seen is None else seen
@@ -101,7 +105,13 @@ def rebuild(
         and len(shape) == 2
         and shape[0] in ("d", "l", "t")
         and isinstance(shape[1], list)
-        and (shape[0] != "d" or all(isinstance(c, tuple) and len(c) == 2 for c in shape[1]))
+        and (
+            shape[0] != "d"
+            or all(
+                isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], _PLAIN_KEYS)
+                for c in shape[1]
+            )
+        )
         and id(shape) not in seen
         and id(shape[1]) not in seen
     ):
@@ -150,5 +160,10 @@ def _get(mapping: Mapping[Any, Any], key: Any) -> Any:
         return None
 
 
+#: Longest path :func:`rebuild` carries for its messages (they quote it bounded anyway).
+_PATH_CHARS = 1000
+
+
 def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
+    joined = f"{path}.{str(key)[:_PATH_CHARS]}" if path else str(key)[:_PATH_CHARS]
+    return joined if len(joined) <= _PATH_CHARS else joined[: _PATH_CHARS - 3] + "..."

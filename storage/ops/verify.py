@@ -28,6 +28,7 @@ from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.coverage import uncovered
 from storage.checkpoint.options import default_thread_count
+from storage.checkpoint.tensors import unbacked_claim
 from storage.ops.parts import Part, Progress, chunk_facts, read_metadata
 
 
@@ -129,15 +130,13 @@ def _report_uncovered(part: Part, report: VerifyReport) -> None:
 
 
 def _refuse_unbacked_claim(metadata: Metadata, index: MetadataIndex, info: Any) -> None:
-    """Refuse, before its scratch tensor is allocated, a chunk stored untransformed that
-    claims more elements than it stores bytes (as a load refuses it: ``empty_stored``)."""
+    """Refuse, before its scratch tensor is allocated, a chunk claiming more elements
+    than its stored bytes could hold (as a load refuses it: ``tensors.unbacked_claim``)."""
     facts = chunk_facts(metadata, index)
-    elements = None if facts is None else math.prod(facts[0])
-    if elements is not None and not info.transform_descriptors and elements > int(info.length):
-        raise IntegrityError(
-            f"it claims {elements} elements but stores {int(info.length)} bytes, "
-            "untransformed; its metadata is damaged or forged: nothing was allocated for it"
-        )
+    if facts is not None:
+        problem = unbacked_claim(fmt.stored_item(info), math.prod(facts[0]))
+        if problem is not None:
+            raise IntegrityError(f"it {problem}")
 
 
 def _read_item_for(metadata: Metadata, index: MetadataIndex) -> ReadItem:

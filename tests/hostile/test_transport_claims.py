@@ -4,9 +4,10 @@ on the receiver's own state (``state_dict=``) to be believed.
 The receiver allocates a claimed size its stored chunks do not hold only where its own
 state has a tensor of that size at the same place (a sender of a tensor sharded over
 ranks stores only its own shards). So the claim is bounded by memory the receiver
-already holds: the claim must match that tensor in dtype as well as shape, and a
+already holds: the claim must match that tensor in dtype as well as shape, a
 DTensor of its own, which travels as its local shard, bounds the claim by that shard,
-never by the global shape the other ranks hold the rest of. Finding that tensor costs a
+never by the global shape the other ranks hold the rest of, and one tensor backs one
+claim, wherever else the receiver's state holds it. Finding that tensor costs a
 look-up per item, however many items and keys.
 """
 
@@ -138,3 +139,25 @@ def test_a_shard_of_another_shape_than_its_layout_gives_is_refused(
     receiver = storage.StorageTransport(str(tmp_path), rank=1)
     with pytest.raises(UnsafeCheckpointError, match=r"'w'.*shard here has shape.*shape \[4\]"):
         receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
+
+
+@pytest.mark.parametrize("alias", ["same", "view"])
+def test_one_tensor_of_the_receivers_backs_one_claim(tmp_path: Path, alias: str) -> None:
+    # The receiver's own state holds one tensor at two places (tied weights: the
+    # embedding and the output layer; or the same memory through a second view). The
+    # sender stores 4 elements under each place and claims both are 2**20-element
+    # tensors. Before, each claim was believed for that one tensor: the receiver
+    # allocated (and zero-filled) it twice, and N places sharing it, N times.
+    n = 1 << 20
+    sender, path, metadata = _send(tmp_path, {"embed": torch.ones(4), "head": torch.ones(4)})
+    _claim(path, metadata, "embed", n, torch.float32)
+    _claim(path, metadata, "head", n, torch.float32)
+    tied = torch.zeros(n)
+    own = {"embed": tied, "head": tied if alias == "same" else tied[:]}
+    receiver = storage.StorageTransport(str(tmp_path), rank=1, state_dict=lambda: own)
+    with pytest.raises(IntegrityError, match=r"'head'.*already backs item 'embed'"):
+        receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
+    # Each place its own tensor: both believed.
+    own["head"] = torch.zeros(n)
+    got = receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
+    assert int(got["embed"].sum()) == int(got["head"].sum()) == 4
