@@ -90,7 +90,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
@@ -220,7 +220,7 @@ class StreamTransformExtension(TorchStreamTransform):  # type: ignore[misc,valid
         return None
 
     @classmethod
-    def frames(cls, version: str, read_at: ReadAt, length: int) -> list[Frame] | None:
+    def frames(cls, version: str, read_at: ReadAt, length: int) -> Sequence[Frame] | None:
         """The frames of one item of ``length`` stored bytes under ``name/version``,
         found with ``read_at`` (default: ``None``, no frame list)."""
         return None

@@ -40,7 +40,7 @@ class Framing:
     length)`` lists one item's frames (``None`` when it has no list), ``decode`` decodes
     one frame."""
 
-    frames: Callable[[ReadAt, int], list[Frame] | None]
+    frames: Callable[[ReadAt, int], Sequence[Frame] | None]
     decode: FrameDecoder
 
 

@@ -9,10 +9,14 @@ table: stock torch's reader, the ``zstd`` tool and readers of older dcp-storage 
 
 from __future__ import annotations
 
+import array
 import io
+import itertools
 import struct
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import IO, Any, cast
+from typing import IO, Any, cast, overload
 
 from extensions._zstd_window import WINDOW_FLOOR, open_reader, window_for
 from extensions.base import (
@@ -63,6 +67,12 @@ FOOTER = 9  # footer bytes: frame count, descriptor, magic
 #: averages at least: its densest one alternates a full frame of zeros (~146 bytes) and
 #: a 1-byte frame (10), 86 a frame. A table listing more frames is not read.
 _FRAME_SHARE = 64
+#: Plain bytes per frame that every seek table our writer makes averages at least: each
+#: write of FRAME bytes or more ends the frame before it and its own last piece, so a
+#: tensor's item is at worst [header, FRAME, 1 byte, trailer], just over FRAME / 4. A
+#: table of smaller frames (or of one over FRAME) is not ours: the item decodes as one
+#: stream, which is faster than thousands of tiny frames each set up on its own.
+_FRAME_PLAIN = FRAME // 8
 
 
 @dataclass(frozen=True, repr=False)
@@ -158,7 +168,7 @@ class ZStandard(StreamTransformExtension):
         return _decode_frame if version.partition(".")[0] == "1" else None
 
     @classmethod
-    def frames(cls, version: str, read_at: ReadAt, length: int) -> list[Frame] | None:
+    def frames(cls, version: str, read_at: ReadAt, length: int) -> Sequence[Frame] | None:
         if version.partition(".")[0] != "1" or length < 8 + 8 + FOOTER:
             return None
         size = table_size(read_at(length - FOOTER, FOOTER))
@@ -167,14 +177,15 @@ class ZStandard(StreamTransformExtension):
         # the item. Such an item decodes as one stream.
         if size is None or size >= length or (size - 8 - FOOTER) // 8 * _FRAME_SHARE > length:
             return None
-        listed = parse_seek_table(read_at(length - size, size), length)
+        listed = _entries(read_at(length - size, size), length)
         if listed is None:
             return None
-        found, stored, plain = [], 0, 0
-        for compressed, decompressed in listed:
-            found.append(Frame(stored, compressed, plain, decompressed))
-            stored, plain = stored + compressed, plain + decompressed
-        return found
+        compressed, decompressed = listed
+        if max(decompressed) > FRAME or (
+            len(decompressed) > 1 and sum(decompressed) < len(decompressed) * _FRAME_PLAIN
+        ):
+            return None
+        return SeekFrames(compressed, decompressed)
 
 
 class _FramedWriter(io.RawIOBase):
@@ -252,13 +263,57 @@ def parse_seek_table(table: bytes, stored: int) -> list[tuple[int, int]] | None:
     """The frames that ``table`` (the last bytes of an item of ``stored`` bytes) lists,
     ``None`` unless it is a well-formed seek table whose frames tile the rest of the
     item exactly. The sizes are claims: a decoder checks each frame against them."""
+    listed = _entries(table, stored)
+    return None if listed is None else list(zip(*listed))
+
+
+def _entries(table: bytes, stored: int) -> tuple[array.array[int], array.array[int]] | None:
+    """:func:`parse_seek_table`'s frames as two arrays (compressed, decompressed sizes):
+    4 bytes a number, where a tuple of two ints costs ~120 (a table may list a frame
+    for every 64 stored bytes)."""
     if len(table) < 8 + FOOTER or struct.unpack_from("<II", table) != (_SKIPPABLE, len(table) - 8):
         return None
-    count = (len(table) - 8 - FOOTER) // 8
-    frames = [struct.unpack_from("<II", table, 8 + 8 * i) for i in range(count)]
-    if any(c == 0 for c, _ in frames) or sum(c for c, _ in frames) + len(table) != stored:
+    words = array.array("I")
+    assert words.itemsize == 4, "seek table entries are 32-bit"
+    words.frombytes(table[8 : len(table) - FOOTER])
+    if sys.byteorder == "big":
+        words.byteswap()
+    compressed, decompressed = words[0::2], words[1::2]
+    if not compressed or min(compressed) == 0 or sum(compressed) + len(table) != stored:
         return None
-    return [(int(c), int(d)) for c, d in frames]
+    return compressed, decompressed
+
+
+class SeekFrames(Sequence[Frame]):
+    """The frames of a seek table, each made as it is asked for: the sizes are kept in
+    arrays, so a table listing a million frames costs ~24 MB, not the ~200 MB of as many
+    :class:`Frame` objects (which a reader refusing the table would pay first)."""
+
+    def __init__(self, compressed: array.array[int], decompressed: array.array[int]) -> None:
+        self._sizes = (compressed, decompressed)
+        self._starts = (
+            array.array("Q", itertools.accumulate(compressed, initial=0)),
+            array.array("Q", itertools.accumulate(decompressed, initial=0)),
+        )
+
+    def __len__(self) -> int:
+        return len(self._sizes[0])
+
+    @overload
+    def __getitem__(self, index: int) -> Frame: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Frame]: ...
+
+    def __getitem__(self, index: int | slice) -> Frame | Sequence[Frame]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("seek table frame index out of range")
+        (compressed, decompressed), (stored, plain) = self._sizes, self._starts
+        return Frame(stored[index], compressed[index], plain[index], decompressed[index])
 
 
 def frame_reader(source: Any, *, across_frames: bool) -> IO[bytes]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import IO
 
 from extensions.base import MAX_FRAME_BYTES, Frame, FrameDecoder
@@ -112,7 +112,7 @@ class _Countdown:
             self._done()
 
 
-def frame_list(framing: Framing, stream: IO[bytes], length: int) -> list[Frame] | None:
+def frame_list(framing: Framing, stream: IO[bytes], length: int) -> Sequence[Frame] | None:
     """The frames of the item of ``length`` stored bytes that starts at the current
     position of ``stream`` (seekable), as its transform lists them, or ``None``; the
     position is restored."""
@@ -133,7 +133,7 @@ def frame_list(framing: Framing, stream: IO[bytes], length: int) -> list[Frame] 
 def decode_framed(
     decoders: Decoders,
     stored: StoredItemReader,
-    frames: list[Frame] | None,
+    frames: Sequence[Frame] | None,
     decode: FrameDecoder,
     target: memoryview,
     data_offset: int,
@@ -186,7 +186,7 @@ def decode_framed(
     countdown.finished()
 
 
-def _check_frames(frames: list[Frame], stored: StoredItemReader, end: int) -> None:
+def _check_frames(frames: Sequence[Frame], stored: StoredItemReader, end: int) -> None:
     """Refuse a frame list that does not describe the archive of ``end`` plain bytes
     in frames of at most :data:`MAX_BUFFER` stored bytes, in order, inside the item."""
     plain = sum(f.decoded_length for f in frames)

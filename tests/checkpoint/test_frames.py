@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import threading
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from torch.distributed.checkpoint._extension import ZStandard as TorchZStandard
 
 import storage
 from extensions import ItemInfo, ZStandard
+from extensions.base import Frame
 from extensions.errors import IntegrityError
 from extensions.registry import ExtensionRegistry
 from extensions.zstd import FOOTER, FRAME, parse_seek_table, seek_table, table_size
@@ -142,3 +145,61 @@ def test_a_frame_that_decodes_to_another_size_than_listed_is_refused() -> None:
         frames._decode_part(
             frame, 0, len(plain) + 1, memoryview(bytearray(len(plain) + 1)), 0, "x", decode
         )
+
+
+def _frames_of(stored: bytes) -> Any:
+    return ZStandard.frames("1", lambda at, size: stored[at : at + size], len(stored))
+
+
+def test_a_seek_table_of_small_frames_decodes_as_one_stream() -> None:
+    """A table our writer did not make (frames of a few bytes each, at the density the
+    stored bytes allow) was listed frame by frame: ~240 MB of frame objects per 64 MB
+    stored before anything checked it, and each tiny frame decoded on its own. Frames
+    averaging under FRAME / 8 plain bytes, or one over FRAME, are not ours: the item
+    decodes as one stream, which still checks every byte."""
+    piece = bytes(torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(0)))
+    frame = zstandard.ZstdCompressor().compress(piece)  # 256 plain bytes, ~265 stored
+    count = 2000
+    small = frame * count + seek_table([(len(frame), len(piece))] * count)
+    assert _frames_of(small) is None
+    plain = piece * count
+    reader = zstandard.ZstdDecompressor().stream_reader(small, read_across_frames=True)
+    assert reader.read() == plain  # a valid archive: what the stream decoder reads
+    big = bytes(range(256)) * ((FRAME + 256) // 256)
+    oversized = zstandard.ZstdCompressor().compress(big)
+    over = oversized * 2 + seek_table([(len(oversized), len(big))] * 2)
+    assert _frames_of(over) is None
+
+
+def test_a_seek_table_is_listed_without_an_object_a_frame() -> None:
+    """A hostile table whose frames each claim FRAME plain bytes passes the average,
+    then fails the reader's check against the tensor's size: the frames it lists are
+    made one at a time as the check walks them, not all at once."""
+    count = 200_000
+    hostile = bytes(64 * count) + seek_table([(64, FRAME)] * count)
+    tracemalloc.start()
+    try:
+        listed = _frames_of(hostile)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert listed is not None and len(listed) == count
+    assert peak < 40 * count  # the table and arrays of sizes and offsets
+    assert listed[-1] == Frame(64 * (count - 1), 64, FRAME * (count - 1), FRAME)
+    assert listed[1:3] == [Frame(64, 64, FRAME, FRAME), Frame(128, 64, 2 * FRAME, FRAME)]
+
+
+def test_the_writers_frames_are_still_listed() -> None:
+    """Every table our writer makes stays splittable: a tensor just over FRAME (its
+    item at worst a header, a full frame, a 1-byte frame and a trailer) and the
+    alternating writes of the densest table."""
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 256, (FRAME + 1,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    for writes in ([b"h" * 300, noise, b"t" * 1000], [bytes(FRAME + 1)] * 3):
+        out = _Sink()
+        writer = ZStandard().encode(out, ItemInfo())
+        for part in writes:
+            writer.write(part)
+        writer.close()
+        listed = _frames_of(out.getvalue())
+        assert listed is not None and len(listed) in (4, 6)
