@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -26,7 +27,7 @@ import storage
 from extensions.errors import WorkerDiedError
 from storage.checkpoint import persist
 from storage.checkpoint.deadline import DeadlineExceededError
-from storage.checkpoint.persist import _calls, _stuck
+from storage.checkpoint.persist import _calls, _launch, _stuck
 from storage.ops.manager import CheckpointManager
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,7 +186,7 @@ def test_a_transport_timeout_too_far_to_wait_for_is_no_deadline(tmp_path: Path) 
 _STOPPED_WITH_A_FORKED_CHILD = """
 import os, signal, sys, time, torch, storage
 from storage.checkpoint import persist
-from storage.checkpoint.persist import _calls, _stuck
+from storage.checkpoint.persist import _calls, _launch, _stuck
 
 _stuck.STUCK_GRACE = 1.0
 launch = _calls.launch
@@ -236,3 +237,53 @@ def test_a_stopped_worker_whose_socket_a_forked_child_holds_fails_the_save_too(
     )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert proc.stdout.split() == ["WorkerStuckError"], proc.stdout
+
+
+def test_a_worker_still_starting_is_not_killed_for_its_start_up(
+    worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call's ``kill_after`` counts from when its worker serves, not from its launch:
+    a save with a short ``timeout=`` that started the worker (torch's import takes
+    seconds, tens of them on a host whose cores training keeps busy) had that worker
+    killed for its own start-up, and every later save started and killed a new one.
+    The worker here waits at a gate before it starts; the call's timer, fired while it
+    waits, must leave it alone."""
+    worker.close()
+    read, write = os.pipe()
+
+    def gated(fd: int) -> subprocess.Popen[bytes]:
+        command = _launch._COMMAND.format(
+            nice=0, fd=fd, trainer=os.getpid(), ignored=_launch.IGNORED
+        )
+        return subprocess.Popen(
+            [sys.executable, "-c", f"import os; os.read({read}, 1); {command}"],
+            pass_fds=[fd, read],
+            stdin=subprocess.DEVNULL,
+            env=_launch._environ(),
+        )
+
+    monkeypatch.setattr(_calls, "launch", gated)
+    monkeypatch.setattr(_calls.threading, "Timer", _HeldTimer)
+    _HeldTimer.made.clear()
+    try:
+        future = worker.call(os.getpid, kill_after=1.0)
+        for timer in list(_HeldTimer.made):
+            timer.function()  # the clock ran out while the worker was still starting
+    finally:
+        os.write(write, b"x")
+        os.close(write)
+        os.close(read)
+    assert future.result(timeout=HANG) == worker.pid  # answered by the worker it started
+
+
+def test_a_kill_after_too_far_for_a_timer_starts_none(
+    worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save's ``timeout=`` just under ``threading.TIMEOUT_MAX`` plus the grace made a
+    ``kill_after`` no timer can wait for: its thread failed with ``OverflowError``
+    (printed to stderr at every save). Such a call has no kill timer."""
+    worker.call(os.getpid).result(timeout=HANG)  # started
+    monkeypatch.setattr(_calls.threading, "Timer", _HeldTimer)
+    _HeldTimer.made.clear()
+    assert worker.call(os.getpid, kill_after=threading.TIMEOUT_MAX + 15).result(timeout=HANG)
+    assert _HeldTimer.made == []

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from extensions.errors import WorkerDiedError
-from storage.checkpoint.persist._launch import launch
+from storage.checkpoint.persist._launch import launch, umask
 from storage.checkpoint.persist._messages import (
     NotSendable,
     dumps_call,
@@ -34,7 +34,7 @@ from storage.checkpoint.persist._messages import (
     unreadable,
 )
 from storage.checkpoint.persist._shm import send_segments
-from storage.checkpoint.persist._stuck import Unanswered
+from storage.checkpoint.persist._stuck import Unanswered, unless_answered
 from storage.checkpoint.persist._whole import ONE_WRITE, OwnedLock, send_whole
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class WorkerCalls:
         self._ids = itertools.count()
         self._unreported: WorkerDiedError | None = None
         self._killed: set[int] = set()  # calls unanswered by their kill_after
+        self._ready = False  # the worker said it serves (its start-up is done)
+        # Calls with a kill_after sent before that: their clocks start when it does.
+        self._unarmed: list[tuple[int, concurrent.futures.Future[Any], float]] = []
         self._foreground = 0  # saves in the foreground: the worker's pace pauses
         self._pace_until: float | None = None  # the next save's deadline (pace_next)
         self._pace_for: str | None = None  # the checkpoint that save writes, if given
@@ -95,7 +98,7 @@ class WorkerCalls:
             theirs.close()  # the worker's end lives only in the worker: its death is EOF here
         conn = Connection(ours.detach())
         conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0)))
-        self._proc, self._conn = proc, conn
+        self._proc, self._conn, self._ready = proc, conn, False
         threading.Thread(
             target=self._read, args=(proc, conn), name="dcp-persist-reader", daemon=True
         ).start()
@@ -112,6 +115,9 @@ class WorkerCalls:
                         break
                 kind, call_id = pickle.loads(conn.recv_bytes())
                 body = conn.recv_bytes()
+                if kind == "ready":
+                    self._serving(proc)
+                    continue
                 with self._lock:
                     call = self._pending.pop(call_id, None)
                 if call is None:
@@ -150,6 +156,7 @@ class WorkerCalls:
             self._proc, self._conn = None, None
             pending, self._pending = self._pending, {}
             killed, self._killed = self._killed, set()
+            self._unarmed = []
             if not pending:
                 self._unreported = error
         self._close_conn(conn)
@@ -179,6 +186,7 @@ class WorkerCalls:
         with self._lock:
             proc, conn = self._proc, self._conn
             self._proc, self._conn, self._unreported = None, None, None
+            self._unarmed = []
         if conn is not None:
             try:
                 with self._send_lock:
@@ -210,7 +218,8 @@ class WorkerCalls:
         end by the deadline :meth:`pace_next` set, if one is pending for ``pace_for``
         (the checkpoint it writes). ``kill_after``: seconds after which the worker is
         killed if it has not answered (it is stopped, ``SIGSTOP`` or a debugger, or
-        stuck; the call's sending too may wait on it): the call then fails with
+        stuck; the call's sending too may wait on it), counted from the send or, for a
+        worker still starting, from when it serves: the call then fails with
         :class:`._stuck.Unanswered`, every other call in flight as for any death."""
         options: dict[str, Any] = {
             "max_bandwidth": max_bandwidth,
@@ -239,7 +248,10 @@ class WorkerCalls:
                 raise not_sendable(name, f"{type(exc).__name__}: {exc}") from None
             self._pending[call_id] = (future, name)
             if kill_after is not None:  # before the send, which a stopped worker may block
-                self._kill_unanswered(call_id, future, kill_after)
+                if self._ready:
+                    self._kill_unanswered(call_id, future, kill_after)
+                else:  # its start-up (importing torch on a busy host) is not the call's
+                    self._unarmed.append((call_id, future, kill_after))
             self._paced = self._paced or options["pace"] is not None
             # Sent in the order the lock was taken: a hurry never overtakes the call.
             self._send_lock.acquire()
@@ -251,9 +263,24 @@ class WorkerCalls:
             self._send_lock.release()
         return future
 
+    def _serving(self, proc: subprocess.Popen[bytes]) -> None:
+        """Worker ``proc`` finished starting: the clocks of the calls sent to it with a
+        ``kill_after`` start now."""
+        with self._lock:
+            if self._proc is not proc:
+                return
+            self._ready = True
+            unarmed, self._unarmed = self._unarmed, []
+            for call_id, future, seconds in unarmed:
+                if call_id in self._pending:
+                    self._kill_unanswered(call_id, future, seconds)
+
     def _kill_unanswered(
         self, call_id: int, future: concurrent.futures.Future[Any], seconds: float
     ) -> None:
+        """Kill the worker unless call ``call_id`` was answered within ``seconds`` (call
+        with the lock)."""
+
         def kill() -> None:
             with self._lock:
                 proc = self._proc  # the one the call went to: a death fails the call
@@ -263,10 +290,7 @@ class WorkerCalls:
                 log.error("persist worker %d: no answer in %g s; stopping it", proc.pid, seconds)
                 proc.kill()
 
-        timer = threading.Timer(seconds, kill)
-        timer.daemon = True
-        timer.start()
-        future.add_done_callback(lambda _: timer.cancel())
+        unless_answered(future, seconds, kill)
 
     def pace_next(self, deadline: float | None, for_url: str | None = None) -> None:
         """Let the next save's data writes take until ``deadline`` (``time.monotonic``;
@@ -366,20 +390,6 @@ class WorkerCalls:
             self._warmed.add(key)
         with contextlib.suppress(NotSendable, WorkerDiedError):
             self.call(fn, filesystem)
-
-
-def umask() -> int | None:
-    """This process's umask, read without changing it (``os.umask`` sets it to read it:
-    a file another thread created meanwhile would take the value set); ``None`` where
-    the kernel does not say (before Linux 4.7)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _exit_text(code: int) -> str:

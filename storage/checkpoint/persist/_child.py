@@ -14,7 +14,8 @@ Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
 ``(fn, args, kwargs, options)`` pickled apart, ``("foreground", busy)``, ``("hurry",)``,
 ``("segments", names, dropped)`` followed, when ``names`` is not empty, by one byte
 carrying the new segments' descriptors (``SCM_RIGHTS``; :mod:`._shm`), and
-``("close",)``. Each reply is a header ``("ok", id)``, ``("error", id)`` or
+``("close",)``. The worker's first message, once started, is ``("ready", -1)`` and an
+empty body (``None``). Each reply is a header ``("ok", id)``, ``("error", id)`` or
 ``("unreceived", id)`` followed by its body pickled apart: the call's result, the
 error's payload, or why the call's body does not unpickle here (a class the training
 script defines, a module this process cannot import). A body the training process
@@ -287,4 +288,6 @@ def main(fd: int, trainer: int | None = None) -> None:
     # What was imported lives as long as the worker: frozen, the cyclic collector's full
     # passes (several per save of thousands of items) no longer walk its ~10^5 objects.
     gc.freeze()
-    _Server(conn).serve()
+    server = _Server(conn)
+    server.send("ready", -1, None)  # started: the training process's kill clocks run now
+    server.serve()

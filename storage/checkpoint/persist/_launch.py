@@ -60,3 +60,17 @@ def _environ() -> dict[str, str]:
     paths = [*dict.fromkeys(roots), *filter(None, environ.get("PYTHONPATH", "").split(os.pathsep))]
     environ["PYTHONPATH"] = os.pathsep.join(paths)
     return environ
+
+
+def umask() -> int | None:
+    """This process's umask, read without changing it (``os.umask`` sets it to read it:
+    a file another thread created meanwhile would take the value set); ``None`` where
+    the kernel does not say (before Linux 4.7)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

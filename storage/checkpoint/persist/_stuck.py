@@ -5,6 +5,9 @@ with :class:`WorkerStuckError`."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from extensions.errors import WorkerDiedError
@@ -41,3 +44,17 @@ def stuck(url: str, timeout: float | None, files: list[Any]) -> WorkerStuckError
         item=files[0][0] if files else "?",
         url=url,
     )
+
+
+def unless_answered(
+    future: concurrent.futures.Future[Any], seconds: float, kill: Callable[[], None]
+) -> None:
+    """Run ``kill`` in ``seconds`` unless ``future`` is done by then (one timer thread,
+    gone with the answer). A wait too long for a timer (past ``threading.TIMEOUT_MAX``)
+    is none: the timer's thread would fail with ``OverflowError``."""
+    if seconds >= threading.TIMEOUT_MAX:
+        return
+    timer = threading.Timer(seconds, kill)
+    timer.daemon = True
+    timer.start()
+    future.add_done_callback(lambda _: timer.cancel())
