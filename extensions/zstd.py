@@ -273,6 +273,8 @@ def _entries(table: bytes, stored: int) -> tuple[array.array[int], array.array[i
     for every 64 stored bytes)."""
     if len(table) < 8 + FOOTER or struct.unpack_from("<II", table) != (_SKIPPABLE, len(table) - 8):
         return None
+    if (len(table) - 8 - FOOTER) % 8:  # not whole entries (a short read): no table
+        return None
     words = array.array("I")
     assert words.itemsize == 4, "seek table entries are 32-bit"
     words.frombytes(table[8 : len(table) - FOOTER])

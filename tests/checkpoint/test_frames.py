@@ -5,6 +5,7 @@ several cores, and every byte still checked."""
 from __future__ import annotations
 
 import io
+import struct
 import threading
 import tracemalloc
 from pathlib import Path
@@ -21,7 +22,7 @@ from extensions import ItemInfo, ZStandard
 from extensions.base import Frame
 from extensions.errors import IntegrityError
 from extensions.registry import ExtensionRegistry
-from extensions.zstd import FOOTER, FRAME, parse_seek_table, seek_table, table_size
+from extensions.zstd import _SKIPPABLE, FOOTER, FRAME, parse_seek_table, seek_table, table_size
 from storage.checkpoint import frames
 from storage.checkpoint import storage_format as fmt
 
@@ -203,3 +204,13 @@ def test_the_writers_frames_are_still_listed() -> None:
         writer.close()
         listed = _frames_of(out.getvalue())
         assert listed is not None and len(listed) in (4, 6)
+
+
+def test_a_seek_table_of_part_of_an_entry_is_none() -> None:
+    """A table whose entries do not come whole (a short read of its bytes) lists no
+    frames: half an entry was read as a frame with no plain size (a table of it came
+    back as an empty list, the item's frames failed with a raw ``ValueError``), and a
+    part not of 4 bytes failed ``array.frombytes`` the same way."""
+    for entry in (struct.pack("<I", 1), b"\x01\x00"):
+        table = struct.pack("<II", _SKIPPABLE, len(entry) + FOOTER) + entry + bytes(FOOTER)
+        assert parse_seek_table(table, len(table) + 1) is None
