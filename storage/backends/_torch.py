@@ -134,20 +134,13 @@ class TorchFileSystem(FileSystemBase):
 
     def realpath(self, path: str) -> str:
         local = self._local_file(path)
-        return path if local is None else self._as_given(path, os.path.realpath(local))
+        return path if local is None else _as_given(path, local, os.path.realpath(local))
 
     def resolve_link(self, path: str) -> str:
         local = self._local_file(path)
         if local is None:
             return path
-        return self._as_given(path, _local_links.trusted_target(local))
-
-    @staticmethod
-    def _as_given(path: str, local: str) -> str:
-        """The local path ``local`` in the form ``path`` was given (a ``file://`` URL
-        stays one)."""
-        scheme, sep, _ = path.rpartition("://")
-        return f"{scheme}{sep}{local}" if sep else local
+        return _as_given(path, local, _local_links.trusted_target(local))
 
     def _local(self) -> bool:
         from torch.distributed.checkpoint.filesystem import FileSystem
@@ -268,3 +261,12 @@ def _fsync(stream: Any) -> None:
         os.fsync(stream.fileno())
     except (AttributeError, OSError, io.UnsupportedOperation):
         pass  # no file descriptor: the wrapped filesystem's close is its commit
+
+
+def _as_given(path: str, local: str, found: str) -> str:
+    """``found`` (a local path found from ``local``, which ``path`` names on local disk)
+    in the form ``path`` was given: a ``file://`` URL stays one, and a plain path stays
+    plain even where a directory's name holds ``://``."""
+    if path == local or not path.endswith(local):
+        return found if path == local else f"file://{found}"
+    return path[: len(path) - len(local)] + found
