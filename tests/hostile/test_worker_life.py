@@ -11,13 +11,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 import storage
 from storage.checkpoint import persist
+from tests.support.process_identity import kill, running, wait_gone
 from tests.support.trees import assert_tree_equal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +26,7 @@ _FORK_DURING_START = """
 import os, signal, sys, time, torch, storage
 from storage.checkpoint import persist
 from storage.checkpoint.persist import _calls
+from tests.support.process_identity import start_time
 
 launch = _calls.launch
 children = []
@@ -46,7 +47,8 @@ def launch_and_fork(fd):
 
 _calls.launch = launch_and_fork
 storage.async_save({"w": torch.ones(256, 256)}, sys.argv[1], persist="process").result()
-print(persist.worker().pid, children[0], flush=True)
+pid = persist.worker().pid
+print(pid, start_time(pid), children[0], start_time(children[0]), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -64,15 +66,14 @@ def test_a_worker_stops_with_its_trainer_whatever_child_forked_while_it_started(
         argv = [sys.executable, "-c", script, str(tmp_path / "ckpt")]
         proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.DEVNULL, cwd=ROOT)
         assert proc.wait(timeout=180) == -signal.SIGKILL
-    worker_pid, child_pid = (int(field) for field in out.read_text().split())
+    # Each process by pid and start time: a pid freed meanwhile may be a stranger's.
+    worker_pid, worker_start, child_pid, child_start = out.read_text().split()
     try:
-        deadline = time.monotonic() + 60  # bounds a failure only
-        while Path(f"/proc/{worker_pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not Path(f"/proc/{worker_pid}").exists(), "the worker outlived its trainer"
-        assert Path(f"/proc/{child_pid}").exists()  # the child lived on all along
+        gone = wait_gone(int(worker_pid), worker_start, timeout=60)  # bounds a failure only
+        assert gone, "the worker outlived its trainer"
+        assert running(int(child_pid), child_start)  # the child lived on all along
     finally:
-        os.kill(child_pid, signal.SIGKILL)
+        kill(int(child_pid), child_start)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2])
