@@ -55,8 +55,8 @@ def _data_files(storage_data: Mapping[Any, Any]) -> set[Any]:
 
 def _seconds(timeout: timedelta | float) -> float:
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if seconds < 0:
-        raise ValueError(f"timeout must not be negative, got {timeout!r}")
+    if not seconds >= 0:  # NaN too: no wait ends at it (send's clamp made it none)
+        raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
     return seconds
 
 

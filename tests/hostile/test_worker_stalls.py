@@ -287,3 +287,18 @@ def test_a_kill_after_too_far_for_a_timer_starts_none(
     _HeldTimer.made.clear()
     assert worker.call(os.getpid, kill_after=threading.TIMEOUT_MAX + 15).result(timeout=HANG)
     assert _HeldTimer.made == []
+
+
+def test_a_transport_timeout_that_is_not_a_number_is_refused(tmp_path: Path) -> None:
+    """``float("nan")`` passed the check for a negative timeout: the send's wait (a
+    bound too far to wait for is none there) took it for none, whatever bound was
+    meant, and a receive's deadline never came, so one whose step was never sent polled
+    for ever. It is refused as a negative one is."""
+    transport = storage.StorageTransport(tmp_path / "ft", rank=0)
+    try:
+        with pytest.raises(ValueError, match="timeout must be"):
+            transport.send_checkpoint([1], 3, _state(6.0), math.nan)
+        with pytest.raises(ValueError, match="timeout must be"):
+            transport.recv_checkpoint(1, transport.metadata(), 3, math.nan)
+    finally:
+        transport.shutdown()
