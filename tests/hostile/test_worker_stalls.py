@@ -136,7 +136,7 @@ def test_a_kill_timer_that_fires_after_the_answer_leaves_the_worker_alone(
     wrong."""
     worker.call(os.getpid).result(timeout=HANG)  # started
     pid = worker.pid
-    monkeypatch.setattr(_calls.threading, "Timer", _HeldTimer)
+    monkeypatch.setattr(_stuck.threading, "Timer", _HeldTimer)
     _HeldTimer.made.clear()
     answer = worker.call(os.getpid, kill_after=1.0).result(timeout=HANG)
     assert answer == pid and len(_HeldTimer.made) == 1
@@ -263,7 +263,7 @@ def test_a_worker_still_starting_is_not_killed_for_its_start_up(
         )
 
     monkeypatch.setattr(_calls, "launch", gated)
-    monkeypatch.setattr(_calls.threading, "Timer", _HeldTimer)
+    monkeypatch.setattr(_stuck.threading, "Timer", _HeldTimer)
     _HeldTimer.made.clear()
     try:
         future = worker.call(os.getpid, kill_after=1.0)
@@ -283,7 +283,7 @@ def test_a_kill_after_too_far_for_a_timer_starts_none(
     ``kill_after`` no timer can wait for: its thread failed with ``OverflowError``
     (printed to stderr at every save). Such a call has no kill timer."""
     worker.call(os.getpid).result(timeout=HANG)  # started
-    monkeypatch.setattr(_calls.threading, "Timer", _HeldTimer)
+    monkeypatch.setattr(_stuck.threading, "Timer", _HeldTimer)
     _HeldTimer.made.clear()
     assert worker.call(os.getpid, kill_after=threading.TIMEOUT_MAX + 15).result(timeout=HANG)
     assert _HeldTimer.made == []
