@@ -24,7 +24,6 @@ carries terminal escape sequences into a message.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import PurePath
@@ -73,8 +72,25 @@ MAX_DEPTH = 32
 #: Most transforms one item's chain may list (a chain is 1-3 in practice): each stage is
 #: a decoder with its own buffers and a level of nesting in every read.
 MAX_CHAIN = 16
-#: What an item's ``save`` fact may hold: a save id (ours are 12 hex digits).
-_SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: Longest save id accepted (ours are 12 hex digits, torch's a 36-character uuid4).
+MAX_SAVE_ID = 128
+
+
+def is_save_id(value: object) -> bool:
+    """Whether ``value`` can be a save id: 1 to :data:`MAX_SAVE_ID` printable characters
+    and no path separator. Ours and torch's are letters, digits and dashes; another
+    writer's (a timestamp, say) loads too, but nothing that would retitle a terminal,
+    flood a message or name a path where data file names embed it."""
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= MAX_SAVE_ID
+        and value.isprintable()
+        and "/" not in value
+        and "\\" not in value
+    )
+
+
+_SAVE_ID_RULE = f"a save id (1 to {MAX_SAVE_ID} printable characters, no '/' or '\\')"
 #: Object-graph visits allowed per byte of metadata, plus a floor. Each node of a
 #: well-formed metadata costs at least one opcode byte, and its few shared objects
 #: (dtypes, a shared offsets tuple) a couple of visits each; measured: ~1 visit/byte.
@@ -177,10 +193,8 @@ def _check_save_ids(metadata: Metadata, where: str) -> None:
         (f"{EXTRA}[{ORIGIN!r}]", facts.get(ORIGIN) if isinstance(facts, dict) else None),
     )
     for what, save_id in ids:
-        if save_id is not None and not (isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id)):
-            _bad(
-                where, "metadata", what, save_id, "a save id (1 to 64 letters, digits, '-' or '_')"
-            )
+        if save_id is not None and not is_save_id(save_id):
+            _bad(where, "metadata", what, save_id, _SAVE_ID_RULE)
 
 
 def _check_graph(root: object, where: str, budget: int) -> None:
@@ -353,7 +367,7 @@ def parse_item(info: object, where: str, label: str) -> StoredItem:
     if REF in extra:
         check_reference(extra[REF], where, label)
     save = extra.get(SAVE)
-    if save is not None and not (isinstance(save, str) and _SAVE_ID.fullmatch(save)):
-        _bad(where, label, f"its {SAVE}", save, "a save id (1 to 64 letters, digits, '-' or '_')")
+    if save is not None and not is_save_id(save):
+        _bad(where, label, f"its {SAVE}", save, _SAVE_ID_RULE)
     # A fingerprint that is not a string matches nothing (the item is written again).
     return parse_facts(info, {k: v for k, v in extra.items() if k != CONTENT or isinstance(v, str)})

@@ -76,9 +76,10 @@ def test_a_save_id_that_is_no_save_id_is_refused_quoted_bounded(tmp_path: Path, 
 
 def test_stock_and_our_save_ids_still_load(tmp_path: Path) -> None:
     # torch's writer names a save with a uuid4 (36 characters with dashes), ours with
-    # 12 hex digits; a metadata with no storage_meta (older torch) has none.
+    # 12 hex digits, another writer perhaps with a timestamp; a metadata with no
+    # storage_meta (older torch) has none.
     storage.save({"t": torch.ones(4)}, tmp_path)
-    for value in ("0b5a2c9e-1f4d-4c3b-9a77-2f1e5d6c7b8a", None):
+    for value in ("0b5a2c9e-1f4d-4c3b-9a77-2f1e5d6c7b8a", "2026-12-07T17:00:00.123+00:00", None):
         _rewrite(tmp_path, lambda metadata, v=value: setattr(metadata.storage_meta, "save_id", v))
         target = torch.zeros(4)
         storage.load({"t": target}, tmp_path)
