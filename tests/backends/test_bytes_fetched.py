@@ -98,9 +98,9 @@ def test_large_item_is_fetched_by_parallel_ranged_gets_once(proxy: FaultProxy) -
     storage.save(state, url, filesystem=fs)
     data, _ = _stored(boto3_client(proxy.url), prefix)
     proxy.clear()
-    # Every GET held a second before its answer, so GETs in flight together overlap
-    # whatever the scheduling of this machine (not only while moto is slow to answer).
-    proxy.add("delay", method="GET", path=r"\.distcp", delay=1.0)
+    # GETs held until three are in flight, so those sent together overlap whatever
+    # the scheduling of this machine (not only while moto is slow to answer).
+    proxy.add("delay", method="GET", path=r"\.distcp", gather=3, skip=1, delay=60)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     storage.load(target, url, filesystem=fs)
     assert all(torch.equal(target[k], state[k]) for k in state)

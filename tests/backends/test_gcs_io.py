@@ -190,10 +190,10 @@ def test_large_item_is_fetched_by_parallel_ranged_gets_once(
     root = fs.init_path(url)
     data = sum(fs.size(f"{root}/{n}") for n in fs.ls(root) if n.endswith(".distcp"))
     proxy.clear()
-    # Every GET held a second before its answer, so GETs in flight together overlap
-    # whatever the scheduling of this machine (0.2 s was within what a loaded machine
-    # can hold a thread before it sends its GET).
-    proxy.add("delay", method="GET", path=r"\.distcp", delay=1.0)
+    # The GETs after the first window are held until three are in flight, so those
+    # sent together overlap whatever the scheduling of this machine (a hold of 0.2 s,
+    # then 1 s, was within what a loaded machine can keep a thread from sending).
+    proxy.add("delay", method="GET", path=r"\.distcp", gather=3, skip=1, delay=60)
     target = {"big": torch.zeros_like(state["big"])}
     storage.load(target, url, filesystem=fs)
     assert torch.equal(target["big"], state["big"])

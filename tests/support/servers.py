@@ -241,7 +241,11 @@ class Fault:
     response body cut at half, then the connection reset: the client may lose bytes it
     was sent), ``"cut"`` (the body cut at half, then the connection closed cleanly: the
     client gets every byte sent), ``"delay"`` (``delay`` seconds, then forwarded; with
-    ``release``, an event, until it is set or ``delay`` passes, whichever is first),
+    ``release``, an event, until it is set or ``delay`` passes, whichever is first;
+    with ``gather=N``, until N matching requests are held at once, after which every
+    one goes straight through, the first ``skip`` going through unheld: requests a
+    client must have in flight together are seen together whatever the machine's load,
+    and ``delay`` only bounds a failure),
     ``"trickle"`` (headers at once, then the body at ``rate`` bytes per second: every
     socket read succeeds, so only a deadline stops the client), ``"whole"`` (a ranged
     GET forwarded without its ``Range``: ``200`` and the whole object), ``"shift"`` (a
@@ -262,7 +266,13 @@ class Fault:
     range: str = ""
     release: threading.Event | None = None
     rewrite: Rewrite | None = None
+    gather: int = 0
+    skip: int = 0
     hits: int = 0
+    _gate: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _arrived: int = 0
+    _waiting: int = 0
+    _open: bool = False
 
     def matches(self, method: str, target: str, range_: str | None = None) -> bool:
         if self.method is not None and method != self.method:
@@ -275,6 +285,8 @@ class Fault:
 
     def hold(self, closed: threading.Event) -> bool:
         """Wait as a ``"delay"`` fault does; True if the proxy closed meanwhile."""
+        if self.gather:
+            return self._gathered(closed)
         if self.release is None:
             return closed.wait(self.delay)
         deadline = time.monotonic() + self.delay
@@ -282,6 +294,20 @@ class Fault:
             if closed.is_set() or time.monotonic() > deadline:
                 return closed.is_set()
         return False
+
+    def _gathered(self, closed: threading.Event) -> bool:
+        deadline = time.monotonic() + self.delay
+        with self._gate:
+            self._arrived += 1
+            if self._open or self._arrived <= self.skip:
+                return False
+            self._waiting += 1
+            if self._waiting >= self.gather:
+                self._open = True
+                self._gate.notify_all()
+            while not self._open and not closed.is_set() and time.monotonic() < deadline:
+                self._gate.wait(0.05)
+            return closed.is_set()
 
 
 @dataclass
