@@ -1,0 +1,226 @@
+"""Differential round trips: seeded, varied state dicts (tests/support/fuzz_states.py)
+through every save/load path of ours, each compared bit for bit with what stock DCP
+(``FileSystemWriter``/``FileSystemReader``, ``no_dist=True``) loads from the same state.
+
+The cases: every dtype torch has on CPU (float8 and complex32 included) as a matrix, a
+0-dim scalar, a zero-element (3, 0, 2) tensor and a strided view, with NaN payloads,
+signalling NaNs, -0.0, denormals and infinities in every float; random mixes of shapes and
+layouts (transposed, stepped slices, stride-0 expands, channels_last, storage offsets),
+tied views of one storage in several keys, nested dicts and lists, plain values (big
+ints, floats, unicode strings, bytes, None, tuples, lists), ``io.BytesIO`` values (empty
+too), long, dotted and unicode keys; an AdamW state after two steps (int keys, ``step``
+tensors); a multi-MB tensor. Load targets are blank, either contiguous or mirroring the
+source's strides, offsets and ties.
+
+What stock does, and so what we do: a load fills the caller's tensors in place, so ties
+come back as the target has them; non-tensor values are replaced. A plain value under a
+non-str key (``{0: "zero"}``) comes back under ``str(key)`` beside the original key (DCP
+flattens keys with ``str``): we match it. Where we deliberately differ: a pickled value
+that is not plain data (a user's class, ``datetime``, ``Fraction``) loads with stock's
+``weights_only=False`` but is refused by ours with ``UnsafeCheckpointError`` naming the
+item and ``add_safe_globals`` (tests/checkpoint/test_roundtrip_refusals.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+import storage
+from extensions import AES256GCM, WeightCodec, ZStandard
+from tests.support.fuzz_states import (
+    blank_tree,
+    every_dtype_case,
+    make_case,
+    optimizer_case,
+    tree_differences,
+)
+
+KEY = hashlib.sha256(b"dcp-storage fuzz key").digest()  # test-only
+KEYS = {"fz": KEY}
+REPO = Path(__file__).resolve().parents[2]
+
+# name -> (state dict maker, mirror the source's layout in the load target)
+CASES: dict[str, tuple[Callable[[], dict[str, Any]], bool]] = {
+    "every_dtype": (lambda: every_dtype_case(7), False),
+    "every_dtype_mirrored": (lambda: every_dtype_case(8), True),
+    "adamw": (lambda: optimizer_case(3), False),
+    **{f"random{seed}": (functools.partial(make_case, seed), seed % 2 == 1) for seed in range(8)},
+    "big": (lambda: make_case(100, big=True), True),
+}
+
+
+def _quiet() -> Any:
+    context = warnings.catch_warnings()
+    context.__enter__()
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    return context
+
+
+@functools.cache
+def _case(name: str) -> dict[str, Any]:
+    return CASES[name][0]()
+
+
+def _target(name: str) -> Any:
+    return blank_tree(_case(name), mirror=CASES[name][1])
+
+
+@functools.cache
+def _stock(name: str, root: str) -> Any:
+    """What stock DCP loads back of case ``name`` (saved under ``root``)."""
+    path = os.path.join(root, f"stock-{name}")
+    target = _target(name)
+    dcp.save(_case(name), storage_writer=FileSystemWriter(path), no_dist=True)
+    dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
+    return target
+
+
+@pytest.fixture(scope="module")
+def stock_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("stock"))
+
+
+# --- the paths: each saves ``state`` at ``path`` and loads it into ``target`` ----------
+
+
+def _one_call(transforms: list[Any]) -> Callable[[Any, Path, Any], None]:
+    def run(state: Any, path: Path, target: Any) -> None:
+        storage.save(state, path, transforms=transforms)
+        storage.load(target, path, keys=KEYS if _encrypted(transforms) else None)
+
+    return run
+
+
+def _encrypted(transforms: list[Any]) -> bool:
+    return any(isinstance(t, AES256GCM) for t in transforms)
+
+
+def _aes() -> AES256GCM:
+    return AES256GCM(key=KEY, key_id="fz", chunk_size=4096)
+
+
+def _dcp_ours(state: Any, path: Path, target: Any) -> None:
+    dcp.save(state, storage_writer=storage.CheckpointWriter(path), no_dist=True)
+    dcp.load(target, storage_reader=storage.CheckpointReader(path), no_dist=True)
+
+
+def _ours_then_stock(transforms: list[Any]) -> Callable[[Any, Path, Any], None]:
+    def run(state: Any, path: Path, target: Any) -> None:
+        storage.save(state, path, transforms=transforms)
+        dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
+
+    return run
+
+
+def _stock_then_ours(state: Any, path: Path, target: Any) -> None:
+    dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=True)
+    storage.load(target, path)
+
+
+def _async(persist: str, transforms: list[Any]) -> Callable[[Any, Path, Any], None]:
+    def run(state: Any, path: Path, target: Any) -> None:
+        storage.async_save(state, path, transforms=transforms, persist=persist).result(timeout=120)
+        storage.load(target, path, keys=KEYS if _encrypted(transforms) else None)
+
+    return run
+
+
+PATHS: dict[str, Callable[[Any, Path, Any], None]] = {
+    "save-load": _one_call([]),
+    "save-load-zstd": _one_call([ZStandard()]),
+    "save-load-weights": _one_call([WeightCodec()]),
+    "save-load-zstd-aes": _one_call([ZStandard(), _aes()]),
+    "save-load-weights-aes": _one_call([WeightCodec(), _aes()]),
+    "dcp-writer-reader": _dcp_ours,
+    "ours-then-stock": _ours_then_stock([]),
+    "ours-zstd-then-stock": _ours_then_stock([ZStandard()]),
+    "stock-then-ours": _stock_then_ours,
+    "async-thread": _async("thread", []),
+    "async-thread-weights-aes": _async("thread", [WeightCodec(), _aes()]),
+}
+
+
+def _check(name: str, path_name: str, run: Callable[..., None], where: Path, root: str) -> None:
+    target = _target(name)
+    quiet = _quiet()
+    try:
+        want = _stock(name, root)
+        run(_case(name), where, target)
+    finally:
+        quiet.__exit__(None, None, None)
+    differences = tree_differences(target, want)
+    assert not differences, f"{path_name} on {name}: {differences[:8]}"
+
+
+@pytest.mark.parametrize("path_name", sorted(PATHS))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_round_trip_matches_stock(
+    name: str, path_name: str, tmp_path: Path, stock_root: str
+) -> None:
+    _check(name, path_name, PATHS[path_name], tmp_path / "ckpt", stock_root)
+
+
+@pytest.mark.parametrize("transforms", [[], [WeightCodec(), _aes()]], ids=["plain", "weights-aes"])
+@pytest.mark.parametrize("name", ["every_dtype", "random1", "adamw"])
+def test_round_trip_through_the_persist_worker(
+    name: str, transforms: list[Any], tmp_path: Path, stock_root: str
+) -> None:
+    _check(name, "async-process", _async("process", transforms), tmp_path / "ckpt", stock_root)
+
+
+def test_stock_loads_back_what_it_saved(stock_root: str) -> None:
+    """The reference itself: stock DCP returns every case bit for bit (the cases hold no
+    plain value under a non-str key, which stock moves to ``str(key)``)."""
+    quiet = _quiet()
+    try:
+        for name in CASES:
+            assert not tree_differences(_stock(name, stock_root), _case(name)), name
+    finally:
+        quiet.__exit__(None, None, None)
+
+
+_FRESH = """
+import sys, warnings
+warnings.filterwarnings("ignore")
+import storage
+from tests.support.fuzz_states import blank_tree, every_dtype_case, make_case, tree_differences
+for path, state in ((sys.argv[1], every_dtype_case(7)), (sys.argv[2], make_case(5))):
+    target = blank_tree(state, mirror=True)
+    storage.load(target, path, keys={"fz": bytes.fromhex(sys.argv[3])} if sys.argv[3] else None)
+    print(path, tree_differences(target, state)[:8])
+"""
+
+
+@pytest.mark.parametrize("transforms", [[], [WeightCodec(), _aes()]], ids=["plain", "weights-aes"])
+def test_a_fresh_process_loads_what_this_one_saved(transforms: list[Any], tmp_path: Path) -> None:
+    """Nothing a load needs may live only in the saving process (caches, registries)."""
+    quiet = _quiet()
+    try:
+        storage.save(every_dtype_case(7), tmp_path / "a", transforms=transforms)
+        storage.save(make_case(5), tmp_path / "b", transforms=transforms)
+    finally:
+        quiet.__exit__(None, None, None)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    key = KEY.hex() if _encrypted(transforms) else ""
+    run = subprocess.run(
+        [sys.executable, "-c", _FRESH, str(tmp_path / "a"), str(tmp_path / "b"), key],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == [f"{tmp_path / n} []" for n in "ab"], run.stdout
