@@ -5,16 +5,19 @@ does not."""
 
 from __future__ import annotations
 
+import datetime
 import io
 import pickle
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 import storage
 from storage.checkpoint.storage_format import load_bytes_io
@@ -62,3 +65,119 @@ def test_the_bytes_io_loader_builds_no_bytes_from_a_count() -> None:
     archive = io.BytesIO()
     torch.save(_BytesOf(1 << 40), archive, pickle_protocol=pickle.HIGHEST_PROTOCOL)
     assert load_bytes_io(archive.getvalue()) is None
+
+
+# --- what stock refuses to save ---------------------------------------------------------
+
+
+def _unpicklable() -> Any:
+    return lambda: 1
+
+
+# name -> (the refused value, the key it sits under, words of the fix in our error)
+REFUSED: dict[str, tuple[Callable[[], Any], str, str]] = {
+    "sparse_coo": (lambda: torch.eye(3).to_sparse(), "w", "to_dense()"),
+    "sparse_csr": (lambda: torch.eye(3).to_sparse_csr(), "w", "to_dense()"),
+    "meta": (lambda: torch.empty(3, device="meta"), "w", "meta"),
+    "unpicklable": (_unpicklable, "fn", "pickle"),
+}
+
+
+def _refused_state(name: str) -> dict[str, Any]:
+    make, key, _ = REFUSED[name]
+    return {"ok": torch.arange(4.0), "layer": {key: make()}}
+
+
+def _stock_refuses(state: dict[str, Any], path: Path) -> None:
+    with pytest.raises(CheckpointException):
+        dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=True)
+
+
+def _save(state: dict[str, Any], path: Path) -> None:
+    storage.save(state, path)
+
+
+def _async(persist: str) -> Callable[[dict[str, Any], Path], None]:
+    def save(state: dict[str, Any], path: Path) -> None:
+        storage.async_save(state, path, persist=persist).result(timeout=120)
+
+    return save
+
+
+def _managed(state: dict[str, Any], path: Path) -> None:
+    manager = storage.CheckpointManager(path, keep_last=1)
+    manager.save(1, state)
+
+
+SAVES: dict[str, Callable[[dict[str, Any], Path], None]] = {
+    "save": _save,
+    "async-thread": _async("thread"),
+    "async-process": _async("process"),
+    "manager": _managed,
+}
+
+
+@pytest.mark.parametrize("save", sorted(SAVES))
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_stock_cannot_save_is_refused_naming_the_item(
+    name: str, save: str, tmp_path: Path
+) -> None:
+    """Before: a raw error from deep inside (``unsupported memory format option``,
+    ``Cannot copy out of meta tensor``, a pickler's ``Can't pickle <function>``), naming
+    neither the item nor what to do."""
+    state = _refused_state(name)
+    _stock_refuses(state, tmp_path / "stock")
+    with pytest.raises(TypeError) as caught:
+        SAVES[save](state, tmp_path / "ours")
+    message = str(caught.value)
+    key, fix = REFUSED[name][1:]
+    assert f"layer.{key}" in message and fix in message, message
+    assert not (tmp_path / "ours" / ".metadata").exists()
+
+
+@pytest.mark.parametrize("state", [
+    {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}},
+    {1: torch.ones(2), "1": torch.zeros(2)},
+], ids=["dotted", "int-and-str"])  # fmt: skip
+@pytest.mark.parametrize("save", sorted(SAVES))
+def test_keys_that_collide_once_flattened_are_refused_naming_them(
+    state: dict[Any, Any], save: str, tmp_path: Path
+) -> None:
+    """Stock and ours refuse two keys that DCP flattens to one name (torch's own
+    ValueError, which names it)."""
+    _stock_refuses(state, tmp_path / "stock")
+    with pytest.raises(ValueError, match="duplicated flatten key (a.b|1)"):
+        SAVES[save](state, tmp_path / "ours")
+
+
+# --- what we deliberately refuse to load -------------------------------------------------
+
+
+def test_a_value_that_is_not_plain_data_is_refused_naming_the_item_and_the_fix(
+    tmp_path: Path,
+) -> None:
+    """Stock loads any pickle (``weights_only=False``); ours loads plain data and the
+    classes the user allowed, never running code from the checkpoint."""
+    state = {"meta": {"when": datetime.datetime(2020, 1, 2)}}
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    target: dict[str, Any] = {"meta": {"when": None}}
+    dcp.load(target, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    assert target == state
+    with pytest.raises(storage.UnsafeCheckpointError) as caught:
+        storage.load({"meta": {"when": None}}, tmp_path)
+    assert "meta.when" in str(caught.value) and "add_safe_globals" in str(caught.value)
+    with torch.serialization.safe_globals([datetime.datetime]):
+        target = {"meta": {"when": None}}
+        storage.load(target, tmp_path)
+    assert target == state
+
+
+@pytest.mark.parametrize("name", ["sparse_coo", "sparse_csr", "meta"])
+def test_safetensors_refuses_what_no_checkpoint_holds_naming_the_item(
+    name: str, tmp_path: Path
+) -> None:
+    """The safetensors writer resolves its items on its own path: the same refusal."""
+    with pytest.raises(TypeError) as caught:
+        storage.save_safetensors(_refused_state(name), tmp_path)
+    key, fix = REFUSED[name][1:]
+    assert f"layer.{key}" in str(caught.value) and fix in str(caught.value)
