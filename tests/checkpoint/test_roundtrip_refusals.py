@@ -181,3 +181,30 @@ def test_safetensors_refuses_what_no_checkpoint_holds_naming_the_item(
         storage.save_safetensors(_refused_state(name), tmp_path)
     key, fix = REFUSED[name][1:]
     assert f"layer.{key}" in str(caught.value) and fix in str(caught.value)
+
+
+# --- load targets both refuse ------------------------------------------------------------
+
+
+def _expanded_target() -> dict[str, Any]:
+    return {"layer": {"w": torch.zeros(1, 3).expand(4, 3)}}
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "safetensors"])
+def test_an_expanded_load_target_is_refused_naming_the_item(fmt: str, tmp_path: Path) -> None:
+    """A target whose elements share memory (``expand``) cannot be filled; stock and
+    torch's copy refuse it with no item named. Before: that raw RuntimeError."""
+    state = {"layer": {"w": torch.randn(4, 3)}}
+    if fmt == "safetensors":
+        storage.save_safetensors(state, tmp_path)
+        with pytest.raises(ValueError, match="'layer.w'.*expanded view.*clone()"):
+            storage.load_safetensors(_expanded_target(), tmp_path)
+        return
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    with pytest.raises(CheckpointException, match="more than one element"):
+        dcp.load(_expanded_target(), storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    with pytest.raises(ValueError, match="'layer.w'.*expanded view.*clone()"):
+        storage.load(_expanded_target(), tmp_path)
+    target = {"layer": {"w": torch.zeros(1, 3).expand(4, 3).clone()}}  # the fix works
+    storage.load(target, tmp_path)
+    assert torch.equal(target["layer"]["w"], state["layer"]["w"])
