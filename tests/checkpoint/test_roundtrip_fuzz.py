@@ -36,9 +36,10 @@ from typing import Any
 import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._extension import ZStandard as TorchZStandard
 
 import storage
-from extensions import AES256GCM, WeightCodec, ZStandard
+from extensions import AES256GCM, ByteShuffle, WeightCodec, ZStandard
 from tests.support.fuzz_states import (
     blank_tree,
     every_dtype_case,
@@ -51,13 +52,18 @@ KEY = hashlib.sha256(b"dcp-storage fuzz key").digest()  # test-only
 KEYS = {"fz": KEY}
 REPO = Path(__file__).resolve().parents[2]
 
-# name -> (state dict maker, mirror the source's layout in the load target)
-CASES: dict[str, tuple[Callable[[], dict[str, Any]], bool]] = {
-    "every_dtype": (lambda: every_dtype_case(7), False),
-    "every_dtype_mirrored": (lambda: every_dtype_case(8), True),
-    "adamw": (lambda: optimizer_case(3), False),
-    **{f"random{seed}": (functools.partial(make_case, seed), seed % 2 == 1) for seed in range(8)},
-    "big": (lambda: make_case(100, big=True), True),
+# name -> (state dict maker, load target: "blank" contiguous, "mirror" the source's
+# layout and ties, or "cast" to another dtype)
+CASES: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
+    "every_dtype": (lambda: every_dtype_case(7), "blank"),
+    "every_dtype_mirrored": (lambda: every_dtype_case(8), "mirror"),
+    "every_dtype_cast": (lambda: every_dtype_case(9), "cast"),
+    "adamw": (lambda: optimizer_case(3), "blank"),
+    **{
+        f"random{seed}": (functools.partial(make_case, seed), ("blank", "mirror", "cast")[seed % 3])
+        for seed in range(9)
+    },
+    "big": (lambda: make_case(100, big=True), "mirror"),
 }
 
 
@@ -74,7 +80,8 @@ def _case(name: str) -> dict[str, Any]:
 
 
 def _target(name: str) -> Any:
-    return blank_tree(_case(name), mirror=CASES[name][1])
+    mode = CASES[name][1]
+    return blank_tree(_case(name), mirror=mode == "mirror", cast=mode == "cast")
 
 
 @functools.cache
@@ -95,9 +102,9 @@ def stock_root(tmp_path_factory: pytest.TempPathFactory) -> str:
 # --- the paths: each saves ``state`` at ``path`` and loads it into ``target`` ----------
 
 
-def _one_call(transforms: list[Any]) -> Callable[[Any, Path, Any], None]:
+def _one_call(transforms: list[Any], **options: Any) -> Callable[[Any, Path, Any], None]:
     def run(state: Any, path: Path, target: Any) -> None:
-        storage.save(state, path, transforms=transforms)
+        storage.save(state, path, transforms=transforms, **options)
         storage.load(target, path, keys=KEYS if _encrypted(transforms) else None)
 
     return run
@@ -124,9 +131,13 @@ def _ours_then_stock(transforms: list[Any]) -> Callable[[Any, Path, Any], None]:
     return run
 
 
-def _stock_then_ours(state: Any, path: Path, target: Any) -> None:
-    dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=True)
-    storage.load(target, path)
+def _stock_then_ours(transforms: list[Any]) -> Callable[[Any, Path, Any], None]:
+    def run(state: Any, path: Path, target: Any) -> None:
+        writer = FileSystemWriter(path, _extensions=transforms)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        storage.load(target, path)
+
+    return run
 
 
 def _async(persist: str, transforms: list[Any]) -> Callable[[Any, Path, Any], None]:
@@ -137,18 +148,31 @@ def _async(persist: str, transforms: list[Any]) -> Callable[[Any, Path, Any], No
     return run
 
 
+def _managed(state: Any, path: Path, target: Any) -> None:
+    manager = storage.CheckpointManager(path, keep_last=2, transforms=[ZStandard()])
+    future = manager.save(3, state, blocking=False)
+    assert future is not None
+    future.result(timeout=120)
+    assert manager.load(target) == 3
+
+
 PATHS: dict[str, Callable[[Any, Path, Any], None]] = {
     "save-load": _one_call([]),
     "save-load-zstd": _one_call([ZStandard()]),
     "save-load-weights": _one_call([WeightCodec()]),
+    "save-load-weights-compact": _one_call([WeightCodec(compact=True)]),
+    "save-load-shuffle-zstd-aes": _one_call([ByteShuffle(), ZStandard(), _aes()]),
+    "save-load-files-per-thread": _one_call([], thread_count=3, single_file_per_rank=False),
     "save-load-zstd-aes": _one_call([ZStandard(), _aes()]),
     "save-load-weights-aes": _one_call([WeightCodec(), _aes()]),
     "dcp-writer-reader": _dcp_ours,
     "ours-then-stock": _ours_then_stock([]),
     "ours-zstd-then-stock": _ours_then_stock([ZStandard()]),
-    "stock-then-ours": _stock_then_ours,
+    "stock-then-ours": _stock_then_ours([]),
+    "stock-zstd-then-ours": _stock_then_ours([TorchZStandard()]),
     "async-thread": _async("thread", []),
     "async-thread-weights-aes": _async("thread", [WeightCodec(), _aes()]),
+    "manager-async-zstd": _managed,
 }
 
 
@@ -181,11 +205,12 @@ def test_round_trip_through_the_persist_worker(
 
 
 def test_stock_loads_back_what_it_saved(stock_root: str) -> None:
-    """The reference itself: stock DCP returns every case bit for bit (the cases hold no
-    plain value under a non-str key, which stock moves to ``str(key)``)."""
+    """The reference itself: stock DCP returns every case bit for bit where the target
+    has the source's dtypes (the cases hold no plain value under a non-str key, which
+    stock moves to ``str(key)``)."""
     quiet = _quiet()
     try:
-        for name in CASES:
+        for name in [n for n, (_, mode) in CASES.items() if mode != "cast"]:
             assert not tree_differences(_stock(name, stock_root), _case(name)), name
     finally:
         quiet.__exit__(None, None, None)

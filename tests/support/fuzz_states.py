@@ -102,6 +102,17 @@ def _offset(rng: random.Random, gen: torch.Generator, dtype: torch.dtype) -> Any
     return base[start : start + rng.randint(0, 25)]
 
 
+def _lazy_view(rng: random.Random, gen: torch.Generator, dtype: torch.dtype) -> Any:
+    """A lazy conjugate (``x.conj()``) or negative (``x.conj().imag``) view, whose bytes
+    are its base's: only torch's ops resolve them."""
+    base = random_tensor(rng.choice([torch.complex64, torch.complex128]), (3, 4), gen)
+    return base.conj() if rng.random() < 0.5 else base.conj().imag
+
+
+def _parameter(rng: random.Random, gen: torch.Generator, dtype: torch.dtype) -> Any:
+    return torch.nn.Parameter(random_tensor(dtype, _shape(rng), gen), requires_grad=False)
+
+
 def _big(rng: random.Random, gen: torch.Generator, dtype: torch.dtype) -> Any:
     n = (rng.randint(1, 3) << 20) // dtype.itemsize + rng.randint(1, 99)  # a few MB, odd
     return random_tensor(dtype, (n,), gen)
@@ -114,6 +125,8 @@ TENSOR_MAKERS: dict[str, Maker] = {
     "expanded": _expanded,
     "channels_last": _channels_last,
     "offset": _offset,
+    "lazy_view": _lazy_view,
+    "parameter": _parameter,
 }
 
 
@@ -171,7 +184,7 @@ def make_case(seed: int, *, big: bool = False) -> dict[str, Any]:
     state["nested"] = nested
     state["list"] = [_plain(rng, gen, rng.choice(DTYPES)), {"x": _plain_value(rng)}]
     if big:
-        state["big"] = _big(rng, gen, rng.choice(DTYPES))
+        state["big"] = {str(d): _big(rng, gen, d) for d in rng.sample(DTYPES, 4)}
     return state
 
 
@@ -211,7 +224,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    resolved = [t.resolve_conj().resolve_neg().contiguous().reshape(-1) for t in (a, b)]
+    flat = [t.view(torch.uint8) for t in resolved]
     return torch.equal(flat[0], flat[1])
 
 
@@ -248,12 +262,25 @@ def _overlaps(t: torch.Tensor) -> bool:
     return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
 
 
-def blank_tree(tree: Any, *, mirror: bool, _memo: dict[int, torch.Tensor] | None = None) -> Any:
+def _cast_to(dtype: torch.dtype) -> torch.dtype:
+    if dtype.is_complex:
+        return torch.complex128 if dtype != torch.complex128 else torch.complex64
+    if dtype.is_floating_point:
+        return torch.float64 if dtype != torch.float64 else torch.bfloat16
+    return dtype if dtype == torch.bool else torch.int64
+
+
+def blank_tree(
+    tree: Any, *, mirror: bool, cast: bool = False, _memo: dict[int, torch.Tensor] | None = None
+) -> Any:
     """A load target of ``tree``'s structure: tensors blanked, plain values ``None``,
     BytesIO empty. ``mirror`` keeps each tensor's strides, storage offset and sharing
-    (tied views stay tied) where the layout has no self-overlap; else contiguous."""
+    (tied views stay tied) where the layout has no self-overlap; else contiguous.
+    ``cast`` gives every tensor target another dtype (a load casts, as ``copy_``)."""
     memo = {} if _memo is None else _memo
     if isinstance(tree, torch.Tensor):
+        if cast:
+            return torch.zeros(tree.shape, dtype=_cast_to(tree.dtype))
         if not mirror or _overlaps(tree) or tree.numel() == 0:
             return blank_like(tree)
         source = tree.untyped_storage()
@@ -264,9 +291,10 @@ def blank_tree(tree: Any, *, mirror: bool, _memo: dict[int, torch.Tensor] | None
         whole = flat.view(tree.dtype)
         return whole.as_strided(tree.shape, tree.stride(), tree.storage_offset())
     if isinstance(tree, dict):
-        return type(tree)((k, blank_tree(v, mirror=mirror, _memo=memo)) for k, v in tree.items())
+        pairs = ((k, blank_tree(v, mirror=mirror, cast=cast, _memo=memo)) for k, v in tree.items())
+        return type(tree)(pairs)
     if isinstance(tree, list):
-        return [blank_tree(v, mirror=mirror, _memo=memo) for v in tree]
+        return [blank_tree(v, mirror=mirror, cast=cast, _memo=memo) for v in tree]
     if isinstance(tree, io.BytesIO):
         return io.BytesIO()
     return None
