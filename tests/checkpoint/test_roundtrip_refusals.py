@@ -208,3 +208,27 @@ def test_an_expanded_load_target_is_refused_naming_the_item(fmt: str, tmp_path: 
     target = {"layer": {"w": torch.zeros(1, 3).expand(4, 3).clone()}}  # the fix works
     storage.load(target, tmp_path)
     assert torch.equal(target["layer"]["w"], state["layer"]["w"])
+
+
+@pytest.mark.parametrize("writer", ["stock", "ours"])
+def test_top_level_keys_of_mixed_types_are_refused_on_load_with_the_fix(
+    writer: str, tmp_path: Path
+) -> None:
+    """Both save ``{1: ..., "a": ...}``; dcp.load sorts the top-level keys and fails with
+    a bare ``'<' not supported``. Before: ours passed that on; now it says which keys and
+    that loading with ``str`` keys (the names the checkpoint has) works."""
+    state: dict[Any, Any] = {1: torch.arange(3.0), "a": torch.ones(2)}
+    if writer == "stock":
+        dcp.save(state, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    else:
+        storage.save(state, tmp_path)
+    stock_reader = FileSystemReader(tmp_path)
+    with pytest.raises(TypeError, match="not supported"):
+        dcp.load(
+            {1: torch.zeros(3), "a": torch.zeros(2)}, storage_reader=stock_reader, no_dist=True
+        )
+    with pytest.raises(TypeError, match=r"mix types \(int, str: \[1, 'a'\]\).*str\(k\)"):
+        storage.load({1: torch.zeros(3), "a": torch.zeros(2)}, tmp_path)
+    target = {"1": torch.zeros(3), "a": torch.zeros(2)}
+    storage.load(target, tmp_path)
+    assert torch.equal(target["1"], state[1]) and torch.equal(target["a"], state["a"])
