@@ -4,21 +4,24 @@ through every save/load path of ours, each compared bit for bit with what stock 
 
 The cases: every dtype torch has on CPU (float8 and complex32 included) as a matrix, a
 0-dim scalar, a zero-element (3, 0, 2) tensor and a strided view, with NaN payloads,
-signalling NaNs, -0.0, denormals and infinities in every float; random mixes of shapes and
-layouts (transposed, stepped slices, stride-0 expands, channels_last, storage offsets),
-tied views of one storage in several keys, nested dicts and lists, plain values (big
-ints, floats, unicode strings, bytes, None, tuples, lists), ``io.BytesIO`` values (empty
-too), long, dotted and unicode keys; an AdamW state after two steps (int keys, ``step``
-tensors); a multi-MB tensor. Load targets are blank, either contiguous or mirroring the
-source's strides, offsets and ties.
+signalling NaNs, -0.0, denormals and infinities in every float; random mixes of shapes
+and layouts (transposed, stepped slices, stride-0 expands, channels_last, storage
+offsets, lazy conj/neg views, Parameters), tied views of one storage in several keys,
+nested dicts and lists, plain values (big ints, floats, unicode strings, bytes, None,
+tuples, lists), ``io.BytesIO`` values (empty too), long, dotted and unicode keys; an
+AdamW state after two steps (int keys, ``step`` tensors); multi-MB tensors, one past
+two zstd frames. Load targets are blank and contiguous, or mirror the source's strides,
+offsets and ties, or have another dtype (a load casts, as ``copy_``).
 
-What stock does, and so what we do: a load fills the caller's tensors in place, so ties
-come back as the target has them; non-tensor values are replaced. A plain value under a
-non-str key (``{0: "zero"}``) comes back under ``str(key)`` beside the original key (DCP
-flattens keys with ``str``): we match it. Where we deliberately differ: a pickled value
-that is not plain data (a user's class, ``datetime``, ``Fraction``) loads with stock's
+What stock does, and so what we do: a save stores each key's tensor as its own item
+(tied views too: no deduplication); a load fills the caller's tensors in place, so ties
+come back as the target has them, and non-tensor values are replaced. A plain value
+under a non-str key (``{0: "zero"}``) comes back under ``str(key)`` beside the original
+key (DCP flattens keys with ``str``): we match it. What both refuse, and ours names:
+test_roundtrip_refusals.py. Where we deliberately differ: a pickled value that is not
+plain data (a user's class, ``datetime``, ``Fraction``) loads with stock's
 ``weights_only=False`` but is refused by ours with ``UnsafeCheckpointError`` naming the
-item and ``add_safe_globals`` (tests/checkpoint/test_roundtrip_refusals.py).
+item and ``add_safe_globals``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from extensions import AES256GCM, ByteShuffle, WeightCodec, ZStandard
 from tests.support.fuzz_states import (
     blank_tree,
     every_dtype_case,
+    half_changed,
     make_case,
     optimizer_case,
     tree_differences,
@@ -64,6 +68,7 @@ CASES: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
         for seed in range(9)
     },
     "big": (lambda: make_case(100, big=True), "mirror"),
+    "big2": (lambda: make_case(101, big=True), "blank"),
 }
 
 
@@ -148,6 +153,15 @@ def _async(persist: str, transforms: list[Any]) -> Callable[[Any, Path, Any], No
     return run
 
 
+def _incremental(state: Any, path: Path, target: Any) -> None:
+    """Half the items referenced in a base (bytes of the base's data files), half new."""
+    chain = [WeightCodec(), _aes()]
+    base = path.parent / "base"
+    storage.save(half_changed(state), base, transforms=chain, fingerprint=True)
+    storage.save(state, path, transforms=chain, base=str(base))
+    storage.load(target, path, keys=KEYS)
+
+
 def _managed(state: Any, path: Path, target: Any) -> None:
     manager = storage.CheckpointManager(path, keep_last=2, transforms=[ZStandard()])
     future = manager.save(3, state, blocking=False)
@@ -173,6 +187,7 @@ PATHS: dict[str, Callable[[Any, Path, Any], None]] = {
     "async-thread": _async("thread", []),
     "async-thread-weights-aes": _async("thread", [WeightCodec(), _aes()]),
     "manager-async-zstd": _managed,
+    "incremental-weights-aes": _incremental,
 }
 
 

@@ -185,6 +185,8 @@ def make_case(seed: int, *, big: bool = False) -> dict[str, Any]:
     state["list"] = [_plain(rng, gen, rng.choice(DTYPES)), {"x": _plain_value(rng)}]
     if big:
         state["big"] = {str(d): _big(rng, gen, d) for d in rng.sample(DTYPES, 4)}
+        wide = rng.choice(DTYPES)  # past a 4 MiB frame of zstd and the read window, twice
+        state["big"]["frames"] = random_tensor(wide, ((9 << 20) // wide.itemsize + 7,), gen)
     return state
 
 
@@ -256,6 +258,20 @@ def tree_differences(got: Any, want: Any, path: str = "") -> list[str]:
         same = struct.pack("<d", got) == struct.pack("<d", want)
         return [] if same else [f"{where}: {got!r} != {want!r}"]
     return [] if got == want else [f"{where}: {got!r:.80} != {want!r:.80}"]
+
+
+def half_changed(tree: Any, _count: list[int] | None = None) -> Any:
+    """``tree`` with every other tensor (in walk order) blanked: a base for an
+    incremental save of ``tree`` that holds half its items."""
+    count = [0] if _count is None else _count
+    if isinstance(tree, torch.Tensor):
+        count[0] += 1
+        return blank_like(tree) if count[0] % 2 else tree
+    if isinstance(tree, dict):
+        return type(tree)((k, half_changed(v, count)) for k, v in tree.items())
+    if isinstance(tree, list):
+        return [half_changed(v, count) for v in tree]
+    return tree
 
 
 def _overlaps(t: torch.Tensor) -> bool:
