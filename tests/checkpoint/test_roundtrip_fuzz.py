@@ -107,12 +107,19 @@ def stock_root(tmp_path_factory: pytest.TempPathFactory) -> str:
 # --- the paths: each saves ``state`` at ``path`` and loads it into ``target`` ----------
 
 
-def _one_call(transforms: list[Any], **options: Any) -> Callable[[Any, Path, Any], None]:
+def _one_call(
+    transforms: list[Any], *, url: Callable[[Path], str] = str, read: Any = None, **options: Any
+) -> Callable[[Any, Path, Any], None]:
     def run(state: Any, path: Path, target: Any) -> None:
-        storage.save(state, path, transforms=transforms, **options)
-        storage.load(target, path, keys=KEYS if _encrypted(transforms) else None)
+        storage.save(state, url(path), transforms=transforms, **options)
+        keys = KEYS if _encrypted(transforms) else None
+        storage.load(target, url(path), keys=keys, **(read or {}))
 
     return run
+
+
+def _in_memory(path: Path) -> str:
+    return f"memory://fuzz{path}"  # fsspec's in-memory store, one name per test
 
 
 def _encrypted(transforms: list[Any]) -> bool:
@@ -145,9 +152,12 @@ def _stock_then_ours(transforms: list[Any]) -> Callable[[Any, Path, Any], None]:
     return run
 
 
-def _async(persist: str, transforms: list[Any]) -> Callable[[Any, Path, Any], None]:
+def _async(
+    persist: str | None, transforms: list[Any], **options: Any
+) -> Callable[[Any, Path, Any], None]:
     def run(state: Any, path: Path, target: Any) -> None:
-        storage.async_save(state, path, transforms=transforms, persist=persist).result(timeout=120)
+        future = storage.async_save(state, path, transforms=transforms, persist=persist, **options)
+        future.result(timeout=120)
         storage.load(target, path, keys=KEYS if _encrypted(transforms) else None)
 
     return run
@@ -177,6 +187,10 @@ PATHS: dict[str, Callable[[Any, Path, Any], None]] = {
     "save-load-weights-compact": _one_call([WeightCodec(compact=True)]),
     "save-load-shuffle-zstd-aes": _one_call([ByteShuffle(), ZStandard(), _aes()]),
     "save-load-files-per-thread": _one_call([], thread_count=3, single_file_per_rank=False),
+    "save-load-fsspec-memory-zstd": _one_call([ZStandard()], url=_in_memory),
+    "save-load-key-prefixes": _one_call([], key_prefixes=4, single_file_per_rank=False),
+    "save-load-read-once-weights": _one_call([WeightCodec()], read={"read_once": True}),
+    "save-load-one-thread-zstd": _one_call([ZStandard()], read={"thread_count": 1}),
     "save-load-zstd-aes": _one_call([ZStandard(), _aes()]),
     "save-load-weights-aes": _one_call([WeightCodec(), _aes()]),
     "dcp-writer-reader": _dcp_ours,
@@ -186,6 +200,9 @@ PATHS: dict[str, Callable[[Any, Path, Any], None]] = {
     "stock-zstd-then-ours": _stock_then_ours([TorchZStandard()]),
     "async-thread": _async("thread", []),
     "async-thread-weights-aes": _async("thread", [WeightCodec(), _aes()]),
+    "async-default-staging": _async(None, [ZStandard()]),
+    "async-cached-staging": _async("thread", [], cache_staged_state_dict=True),
+    "async-staging-future": _async(None, [], async_staging=True),
     "manager-async-zstd": _managed,
     "incremental-weights-aes": _incremental,
 }
