@@ -191,7 +191,8 @@ def make_case(seed: int, *, big: bool = False) -> dict[str, Any]:
 
 
 def every_dtype_case(seed: int) -> dict[str, Any]:
-    """Each dtype as a matrix, a 0-dim scalar, a zero-element tensor and a strided view."""
+    """Each dtype as a matrix, a 0-dim scalar, a zero-element tensor and a strided view;
+    complex ones also as lazy conj and neg views."""
     gen = torch.Generator().manual_seed(seed)
     state: dict[str, Any] = {}
     for dtype in DTYPES:
@@ -202,6 +203,9 @@ def every_dtype_case(seed: int) -> dict[str, Any]:
             "e": random_tensor(dtype, (3, 0, 2), gen),
             "v": random_tensor(dtype, (6, 8), gen)[1::2, ::3].t(),
         }
+        if dtype in (torch.complex64, torch.complex128):  # lazy views (see _lazy_view)
+            state[name]["conj"] = random_tensor(dtype, (4, 3), gen).conj()
+            state[name]["neg"] = random_tensor(dtype, (4, 3), gen).conj().imag
     return state
 
 
@@ -292,11 +296,16 @@ def blank_tree(
     """A load target of ``tree``'s structure: tensors blanked, plain values ``None``,
     BytesIO empty. ``mirror`` keeps each tensor's strides, storage offset and sharing
     (tied views stay tied) where the layout has no self-overlap; else contiguous.
-    ``cast`` gives every tensor target another dtype (a load casts, as ``copy_``)."""
+    ``cast`` gives every tensor target another dtype (a load casts, as ``copy_``). A
+    mirrored lazy conj/neg view is a lazy view of a blank (which the load fills through)."""
     memo = {} if _memo is None else _memo
     if isinstance(tree, torch.Tensor):
         if cast:
             return torch.zeros(tree.shape, dtype=_cast_to(tree.dtype))
+        if mirror and tree.is_conj():  # lazy views as targets too: the load must resolve
+            return blank_like(tree).conj()
+        if mirror and tree.is_neg():
+            return torch.zeros(tree.shape, dtype=tree.dtype.to_complex()).conj().imag
         if not mirror or _overlaps(tree) or tree.numel() == 0:
             return blank_like(tree)
         source = tree.untyped_storage()
