@@ -153,12 +153,24 @@ def test_keys_that_collide_once_flattened_are_refused_naming_them(
 # --- what we deliberately refuse to load -------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("value", "allow"),
+    [
+        (datetime.datetime(2020, 1, 2), datetime.datetime),
+        (frozenset({"a"}), frozenset),
+        (range(3), range),
+        (slice(1, 5, 2), slice),
+    ],
+    ids=lambda v: type(v).__name__ if not isinstance(v, type) else "",
+)
 def test_a_value_that_is_not_plain_data_is_refused_naming_the_item_and_the_fix(
-    tmp_path: Path,
+    value: Any, allow: type, tmp_path: Path
 ) -> None:
-    """Stock loads any pickle (``weights_only=False``); ours loads plain data and the
-    classes the user allowed, never running code from the checkpoint."""
-    state = {"meta": {"when": datetime.datetime(2020, 1, 2)}}
+    """Stock loads any pickle (``weights_only=False``); ours loads what torch's
+    ``weights_only`` unpickler does (plain data: not even ``frozenset``, ``range`` or
+    ``slice``) and the classes the user allowed, never running code from the
+    checkpoint."""
+    state = {"meta": {"when": value}}
     dcp.save(state, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
     target: dict[str, Any] = {"meta": {"when": None}}
     dcp.load(target, storage_reader=FileSystemReader(tmp_path), no_dist=True)
@@ -166,7 +178,7 @@ def test_a_value_that_is_not_plain_data_is_refused_naming_the_item_and_the_fix(
     with pytest.raises(storage.UnsafeCheckpointError) as caught:
         storage.load({"meta": {"when": None}}, tmp_path)
     assert "meta.when" in str(caught.value) and "add_safe_globals" in str(caught.value)
-    with torch.serialization.safe_globals([datetime.datetime]):
+    with torch.serialization.safe_globals([allow]):
         target = {"meta": {"when": None}}
         storage.load(target, tmp_path)
     assert target == state
