@@ -26,6 +26,7 @@ item and ``add_safe_globals``.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import os
@@ -49,6 +50,7 @@ from tests.support.fuzz_states import (
     half_changed,
     make_case,
     optimizer_case,
+    tensors_of,
     tree_differences,
 )
 
@@ -172,12 +174,46 @@ def _incremental(state: Any, path: Path, target: Any) -> None:
     storage.load(target, path, keys=KEYS)
 
 
+def _loop(persist: str | None, **options: Any) -> Callable[[Any, Path, Any], None]:
+    """A training loop's saves: one writer saves the live state, the state changes in
+    place, the writer saves it again (its staging buffers reused); the second must hold
+    the new values."""
+
+    def run(state: Any, path: Path, target: Any) -> None:
+        live = copy.deepcopy(state)  # the same layouts, ties and storages, its own memory
+        pairs = list(zip(tensors_of(live), tensors_of(state), strict=True))
+        for mine, _ in pairs:
+            mine.untyped_storage().fill_(0)
+        # deepcopy resolves lazy conj/neg views: those take their values by copy_, the
+        # rest their storage's bytes (expanded views cannot be copied into)
+        lazy = [(m, s) for m, s in pairs if s.is_conj() or s.is_neg()]
+        pairs = [(m, s) for m, s in pairs if not (s.is_conj() or s.is_neg())]
+        writer = storage.CheckpointWriter(path / "1", persist=persist, **options)
+        for step in ("1", "2"):
+            future = dcp.async_save(
+                live, storage_writer=writer, checkpoint_id=path / step, no_dist=True
+            )
+            future.result(timeout=120)
+            for mine, source in pairs:  # the next step's values, in place
+                mine.untyped_storage().copy_(source.untyped_storage())
+            for mine, source in lazy:
+                mine.copy_(source)
+        storage.load(target, path / "2")
+
+    return run
+
+
 def _managed(state: Any, path: Path, target: Any) -> None:
-    manager = storage.CheckpointManager(path, keep_last=2, transforms=[ZStandard()])
-    future = manager.save(3, state, blocking=False)
-    assert future is not None
-    future.result(timeout=120)
-    assert manager.load(target) == 3
+    """The manager's asynchronous, incremental saves: step 4 (the same state) references
+    every item of step 3."""
+    manager = storage.CheckpointManager(
+        path, keep_last=2, transforms=[ZStandard()], incremental=True
+    )
+    for step in (3, 4):
+        future = manager.save(step, state, blocking=False)
+        assert future is not None
+        future.result(timeout=120)
+    assert manager.load(target) == 4
 
 
 PATHS: dict[str, Callable[[Any, Path, Any], None]] = {
@@ -203,6 +239,8 @@ PATHS: dict[str, Callable[[Any, Path, Any], None]] = {
     "async-default-staging": _async(None, [ZStandard()]),
     "async-cached-staging": _async("thread", [], cache_staged_state_dict=True),
     "async-staging-future": _async(None, [], async_staging=True),
+    "loop-default-staging": _loop(None, transforms=[WeightCodec()]),
+    "loop-cached-staging": _loop("thread", cache_staged_state_dict=True),
     "manager-async-zstd": _managed,
     "incremental-weights-aes": _incremental,
 }
@@ -234,6 +272,13 @@ def test_round_trip_through_the_persist_worker(
     name: str, transforms: list[Any], tmp_path: Path, stock_root: str
 ) -> None:
     _check(name, "async-process", _async("process", transforms), tmp_path / "ckpt", stock_root)
+
+
+@pytest.mark.parametrize("name", ["every_dtype_mirrored", "random4"])
+def test_a_loop_through_the_persist_worker(name: str, tmp_path: Path, stock_root: str) -> None:
+    """The worker's staging buffers, reused by the next save of the same tensors, hold
+    that save's values."""
+    _check(name, "loop-process", _loop("process"), tmp_path / "ckpt", stock_root)
 
 
 def test_stock_loads_back_what_it_saved(stock_root: str) -> None:

@@ -278,6 +278,17 @@ def half_changed(tree: Any, _count: list[int] | None = None) -> Any:
     return tree
 
 
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in ``tree`` (dicts and lists), in walk order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in tensors_of(v)]
+    if isinstance(tree, list):
+        return [t for v in tree for t in tensors_of(v)]
+    return []
+
+
 def _overlaps(t: torch.Tensor) -> bool:
     return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
 
