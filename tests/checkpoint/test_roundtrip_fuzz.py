@@ -174,10 +174,13 @@ def _incremental(state: Any, path: Path, target: Any) -> None:
     storage.load(target, path, keys=KEYS)
 
 
-def _loop(persist: str | None, **options: Any) -> Callable[[Any, Path, Any], None]:
+def _loop(
+    persist: str | None, *, growing: bool = False, **options: Any
+) -> Callable[[Any, Path, Any], None]:
     """A training loop's saves: one writer saves the live state, the state changes in
     place, the writer saves it again (its staging buffers reused); the second must hold
-    the new values."""
+    the new values. ``growing``: the first save holds every other top-level key only
+    (as an optimizer's state appears after its first step)."""
 
     def run(state: Any, path: Path, target: Any) -> None:
         live = copy.deepcopy(state)  # the same layouts, ties and storages, its own memory
@@ -189,9 +192,10 @@ def _loop(persist: str | None, **options: Any) -> Callable[[Any, Path, Any], Non
         lazy = [(m, s) for m, s in pairs if s.is_conj() or s.is_neg()]
         pairs = [(m, s) for m, s in pairs if not (s.is_conj() or s.is_neg())]
         writer = storage.CheckpointWriter(path / "1", persist=persist, **options)
-        for step in ("1", "2"):
+        half = {k: v for i, (k, v) in enumerate(live.items()) if i % 2}
+        for step, saved in (("1", half if growing else live), ("2", live)):
             future = dcp.async_save(
-                live, storage_writer=writer, checkpoint_id=path / step, no_dist=True
+                saved, storage_writer=writer, checkpoint_id=path / step, no_dist=True
             )
             future.result(timeout=120)
             for mine, source in pairs:  # the next step's values, in place
@@ -241,6 +245,8 @@ PATHS: dict[str, Callable[[Any, Path, Any], None]] = {
     "async-staging-future": _async(None, [], async_staging=True),
     "loop-default-staging": _loop(None, transforms=[WeightCodec()]),
     "loop-cached-staging": _loop("thread", cache_staged_state_dict=True),
+    "loop-growing-cached-staging": _loop("thread", growing=True, cache_staged_state_dict=True),
+    "loop-growing-default-staging": _loop(None, growing=True),
     "manager-async-zstd": _managed,
     "incremental-weights-aes": _incremental,
 }
@@ -279,6 +285,7 @@ def test_a_loop_through_the_persist_worker(name: str, tmp_path: Path, stock_root
     """The worker's staging buffers, reused by the next save of the same tensors, hold
     that save's values."""
     _check(name, "loop-process", _loop("process"), tmp_path / "ckpt", stock_root)
+    _check(name, "loop-growing-process", _loop("process", growing=True), tmp_path / "g", stock_root)
 
 
 def test_stock_loads_back_what_it_saved(stock_root: str) -> None:
