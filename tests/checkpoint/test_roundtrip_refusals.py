@@ -202,7 +202,7 @@ def _expanded_target() -> dict[str, Any]:
     return {"layer": {"w": torch.zeros(1, 3).expand(4, 3)}}
 
 
-@pytest.mark.parametrize("fmt", ["dcp", "safetensors"])
+@pytest.mark.parametrize("fmt", ["dcp", "dcp-read-once", "safetensors"])
 def test_an_expanded_load_target_is_refused_naming_the_item(fmt: str, tmp_path: Path) -> None:
     """A target whose elements share memory (``expand``) cannot be filled; stock and
     torch's copy refuse it with no item named. Before: that raw RuntimeError."""
@@ -215,8 +215,9 @@ def test_an_expanded_load_target_is_refused_naming_the_item(fmt: str, tmp_path: 
     dcp.save(state, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
     with pytest.raises(CheckpointException, match="more than one element"):
         dcp.load(_expanded_target(), storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    read_once = {"read_once": True} if fmt == "dcp-read-once" else {}
     with pytest.raises(ValueError, match="'layer.w'.*expanded view.*clone()"):
-        storage.load(_expanded_target(), tmp_path)
+        storage.load(_expanded_target(), tmp_path, **read_once)
     target = {"layer": {"w": torch.zeros(1, 3).expand(4, 3).clone()}}  # the fix works
     storage.load(target, tmp_path)
     assert torch.equal(target["layer"]["w"], state["layer"]["w"])
