@@ -33,7 +33,7 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from torch.distributed.checkpoint._extension import ZStandard as TorchZStandard
 
 import storage
 from extensions import AES256GCM, ByteShuffle, WeightCodec, ZStandard
+from storage.checkpoint import persist
 from tests.support.fuzz_states import (
     blank_tree,
     every_dtype_case,
@@ -99,6 +100,14 @@ def _stock(name: str, root: str) -> Any:
     dcp.save(_case(name), storage_writer=FileSystemWriter(path), no_dist=True)
     dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
     return target
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_worker() -> Iterator[None]:
+    """The persist worker and its staging segments are the process's: close what these
+    tests started, so later modules find none."""
+    yield
+    persist.worker().close()
 
 
 @pytest.fixture(scope="module")

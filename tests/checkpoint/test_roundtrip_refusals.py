@@ -9,7 +9,7 @@ import datetime
 import io
 import pickle
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,18 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 import storage
+from storage.checkpoint import persist
 from storage.checkpoint.storage_format import load_bytes_io
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_worker() -> Iterator[None]:
+    """The persist worker and its staging segments are the process's: close what these
+    tests started, so later modules find none."""
+    yield
+    persist.worker().close()
 
 
 # --- empty BytesIO values --------------------------------------------------------------
