@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from extensions.base import Keys
+from extensions.errors import quote
 from extensions.registry import ExtensionRegistry
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
@@ -148,12 +149,28 @@ def load(
 def load_with(reader: StorageReader, state_dict: dict[str, Any]) -> None:
     """``dcp.load`` through ``reader`` into ``state_dict`` in place (collective under a
     process group), raising the real error."""
+    _check_top_keys(state_dict)
     try:
         with _quiet_single_process():
             dcp.load(state_dict, storage_reader=reader, no_dist=_no_dist())
     except CheckpointException as exc:
         real = unwrap_checkpoint_exception(exc, reader)
         raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
+
+
+def _check_top_keys(state_dict: dict[Any, Any]) -> None:
+    # dcp.load sorts the top-level keys: {1: ..., "a": ...} saves, then fails to load
+    # with a bare "'<' not supported" (stock too).
+    try:
+        sorted(state_dict)
+    except TypeError:
+        kinds = ", ".join(sorted({type(k).__name__ for k in state_dict}))
+        raise TypeError(
+            f"the state dict's top-level keys mix types ({kinds}: "
+            f"{quote(list(state_dict)[:6])}), and dcp.load sorts them: load into "
+            "{str(k): v for k, v in state_dict.items()} instead (a checkpoint names every "
+            "key as str(key), so the same items load)"
+        ) from None
 
 
 def plain_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:

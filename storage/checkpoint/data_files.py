@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from extensions._compat import item_size
 from extensions.base import ItemInfo
 from extensions.registry import chain_descriptors, chain_seal_keys
-from storage.checkpoint import heartbeat, incremental
+from storage.checkpoint import heartbeat, incremental, savable
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.deadline import cancellable, note
@@ -120,7 +120,7 @@ def fingerprint_items(
     references to ``base``'s bytes for those whose content and chain it holds already."""
     to_write, referenced = [], []
     for item in items:
-        data = planner.resolve_data(item)
+        data = savable.resolve(planner, item, url)
         tensor = None if item.type == WriteItemType.BYTE_IO else plain_cpu_tensor(data)
         plain = tensor if tensor is not None else cast(io.BytesIO, data).getbuffer()
         content = incremental.fingerprint(plain, transforms)
@@ -231,7 +231,7 @@ def _write_item(
     item: WriteItem,
     planner: SavePlanner,
 ) -> WriteResult:
-    data = planner.resolve_data(item)
+    data = savable.resolve(planner, item, url)
     tensor: torch.Tensor | None = None
     if item.type != WriteItemType.BYTE_IO:
         tensor = plain_cpu_tensor(data)

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager
 from torch.distributed.checkpoint.storage import WriteResult
 
 from storage.checkpoint import persist as _persist
+from storage.checkpoint import savable
 from storage.checkpoint.options import staging_options
 from storage.checkpoint.persist._cuda import InFlight
 from storage.checkpoint.stager import ValueStager
@@ -75,8 +76,12 @@ class WriterStaging(AsyncStager):
         A writer saves once at a time (wait for one save's future before the next): a
         lease it still holds here is its previous save's, which failed before its
         writes (in planning, or on another rank) without DCP telling the writer, and
-        is released first, or the next save would wait for it for ever."""
+        is released first, or the next save would wait for it for ever.
+
+        A tensor no checkpoint can hold (sparse, on the meta device) is refused here,
+        naming it (:mod:`storage.checkpoint.savable`)."""
         self._release()
+        savable.check_state_dict(state_dict, self.url)
         if self.persist_mode.name == "process":
             if self.persist_mode.explicit or _persist.shm_room():
                 try:

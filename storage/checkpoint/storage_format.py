@@ -348,8 +348,8 @@ def _collector_paused() -> Iterator[None]:
 # DCP's planner stores an io.BytesIO value (its idiom for opaque blobs) as
 # torch.save(the BytesIO): a pickle that builds BytesIO from its bytes, which torch's
 # weights_only loader refuses. This loader accepts exactly that and nothing more: no
-# global but BytesIO and the latin-1 bytes constructor pickle protocol 2 uses, no storage
-# records, and a result that must be a BytesIO.
+# global but BytesIO and the bytes constructors pickle protocol 2 uses (latin-1 text; no
+# argument for an empty BytesIO), no storage records, and a result that must be a BytesIO.
 
 
 def _latin1_bytes(text: object, encoding: object = "latin1") -> bytes:
@@ -358,10 +358,19 @@ def _latin1_bytes(text: object, encoding: object = "latin1") -> bytes:
     return text.encode("latin1")
 
 
+def _no_bytes(*args: object) -> bytes:
+    # bytes(n) would allocate n zero bytes: an empty BytesIO pickles as bytes() alone.
+    if args:
+        raise pickle.UnpicklingError("only an empty bytes() is allowed")
+    return b""
+
+
 _BYTES_IO_GLOBALS: dict[tuple[str, str], Any] = {
     ("_io", "BytesIO"): io.BytesIO,
     ("io", "BytesIO"): io.BytesIO,
     ("_codecs", "encode"): _latin1_bytes,
+    ("__builtin__", "bytes"): _no_bytes,  # protocol 2 names Python 2's module
+    ("builtins", "bytes"): _no_bytes,
 }
 
 

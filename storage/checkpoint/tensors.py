@@ -25,7 +25,9 @@ def check_shapes(
     req: ReadItem, target: torch.Tensor, chunk: tuple[torch.Size, Any] | None, where: str
 ) -> None:
     """A target that does not fit the stored chunk is the caller's mismatch (a
-    ``ValueError``, as torch's planner says), found before any byte is read."""
+    ``ValueError``, as torch's planner says), found before any byte is read; so is one
+    no load can fill (:func:`check_writable`)."""
+    check_writable(target, where)
     requested, offsets = tuple(req.lengths), tuple(req.storage_offsets)
     stored = tuple(chunk[0]) if chunk is not None else None
     if tuple(target.size()) != requested or (
@@ -41,6 +43,20 @@ def check_shapes(
             f"{offsets} of sizes {requested}); load into a state dict shaped like the "
             "checkpoint (dcp-storage inspect lists its shapes)"
         )
+
+
+def check_writable(target: torch.Tensor, where: str) -> None:
+    """Refuse a load target whose elements share memory (an expanded view: stride 0
+    along a dimension of more than one element), which torch's copy into it would refuse
+    with no item named, before any byte is read."""
+    for dim, (size, stride) in enumerate(zip(target.shape, target.stride(), strict=True)):
+        if stride == 0 and size > 1:
+            raise ValueError(
+                f"{where}: the target is an expanded view (stride 0 along dimension {dim} "
+                f"of shape {tuple(target.shape)}): its elements share memory, so no load "
+                "can fill it; load into a tensor with memory of its own (target.clone(), "
+                "or torch.empty of its shape) and assign that back"
+            )
 
 
 def holds_its_bytes(tensor: torch.Tensor) -> bool:

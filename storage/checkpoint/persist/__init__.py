@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from extensions._compat import StateDictStager
 from extensions.errors import WorkerDiedError
 from storage.backends.base import FileSystemBase
-from storage.checkpoint import data_files, heartbeat
+from storage.checkpoint import data_files, heartbeat, savable
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.encode import plain_cpu_tensor
 from storage.checkpoint.persist import _stuck
@@ -338,7 +338,7 @@ def write_staged(
     mode: Mode = writer.persist_mode
     try:
         refs = {
-            item.index: item_ref(pool, item, planner.resolve_data(item))
+            item.index: item_ref(pool, item, savable.resolve(planner, item, writer.url))
             for _, items in files
             for item in items
         }

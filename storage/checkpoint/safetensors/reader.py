@@ -26,6 +26,7 @@ from storage.backends.registry import filesystem_from_url
 from storage.checkpoint.hook_errors import records_error
 from storage.checkpoint.safetensors.header import TensorEntry
 from storage.checkpoint.safetensors.reading import read_model, read_region
+from storage.checkpoint.tensors import check_writable
 
 
 class SafetensorsReader(StorageReader):
@@ -113,6 +114,7 @@ class SafetensorsReader(StorageReader):
                     f"{tuple(target.shape)}, the region read {tuple(req.lengths)}; load into a "
                     "state dict shaped like the model"
                 )
+            check_writable(target, f"{self.fs.url(self.path)}: tensor {quote(entry.name)}")
             read_region(self.fs, self.path, entry, req.storage_offsets, req.lengths, target)
             with lock:
                 planner.commit_tensor(req, target)

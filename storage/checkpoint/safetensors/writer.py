@@ -19,7 +19,7 @@ from torch.futures import Future
 
 from extensions.errors import quote
 from storage.backends.registry import filesystem_from_url
-from storage.checkpoint import heartbeat
+from storage.checkpoint import heartbeat, savable
 from storage.checkpoint.hook_errors import records_error
 from storage.checkpoint.safetensors.consolidate import Piece, Staged, byte_range, consolidate
 from storage.checkpoint.safetensors.files import (
@@ -185,9 +185,11 @@ class SafetensorsWriter(StorageWriter):
         for item in plan.items:
             by_file[files.names[item.index.fqn]].append(item)
 
+        url = self.fs.url(self.path)
+
         def write(name: str) -> list[WriteResult]:
             items = by_file[name]
-            tensors = [(i.index.fqn, _cpu(planner.resolve_data(i))) for i in items]
+            tensors = [(i.index.fqn, _cpu(savable.resolve(planner, i, url))) for i in items]
             path = self.fs.concat_path(self.path, name)
             write_file(self.fs, path, tensors, write_id=files.write_id, home=self.home)
             return [
@@ -217,7 +219,7 @@ class SafetensorsWriter(StorageWriter):
                     data.chunk.offsets, data.chunk.sizes, data.size, data.properties.dtype
                 )
                 assert span is not None  # prepare_local_plan refused the others
-                raw = tensor_bytes(_cpu(planner.resolve_data(item)))
+                raw = tensor_bytes(_cpu(savable.resolve(planner, item, self.fs.url(self.path))))
                 out.write(raw)
                 piece = Piece(name, at, span[0], span[1], crc32c.crc32c(raw))
                 results.append(WriteResult(item.index, span[1], piece))
