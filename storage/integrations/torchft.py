@@ -83,10 +83,10 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
     a received DTensor is rebuilt on the mesh of this worker's DTensor at the same place.
     It is needed for DTensors on a slice of a device mesh (HSDP, FSDP with tensor
     parallelism); one on a whole mesh is rebuilt from the sender's ranks without it.
-    It also sizes what a heal may allocate for the tensors it receives: 4 times this
-    state's bytes plus 64 MiB (a peer whose optimizer has stepped sends Adam's two
-    moments this worker's may not hold yet), else this machine's memory; ``max_bytes``
-    sets that budget explicitly (:class:`~storage.StorageTransport`).
+    It also sizes what a heal may allocate for what it receives: 4 times this state's
+    bytes plus 64 MiB (a peer whose optimizer has stepped sends Adam's two moments this
+    worker's may not hold yet); without it, this machine's memory. ``max_bytes`` sets
+    that budget explicitly (:class:`~storage.StorageTransport`).
     """
 
     def __init__(

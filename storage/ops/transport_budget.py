@@ -1,6 +1,7 @@
 """How much a :class:`~storage.ops.transport.StorageTransport` receive may allocate for
 the tensors a sender's metadata claims: its budget, checked from the claims before any
-tensor is allocated (:class:`~storage.ops.transport_load.PlainDataPlanner`).
+tensor is allocated (:class:`~storage.ops.transport_load.PlainDataPlanner`); the
+non-tensor values, whose sizes are known only as they are read, spend what is left.
 
 A claim is already bounded by what its stored bytes could decode to (its codec's
 ``max_expansion``: zstd's is 32768), but zeros compress about 25,000x: ~6 MB stored
@@ -116,15 +117,34 @@ def memory_of(tensor: torch.Tensor) -> Any:
 
 
 def over_budget(
-    where: str, sender: str, fqn: str, item: int, total: int, budget: Budget
+    where: str,
+    sender: str,
+    fqn: str,
+    item: int,
+    total: int,
+    budget: Budget,
+    *,
+    value: bool = False,
 ) -> UnsafeCheckpointError:
     """The refusal of item ``fqn`` (``item`` bytes), which brings the bytes of tensors
-    the sender's metadata claims to ``total``, past ``budget``."""
+    the sender's metadata claims (and, for a ``value``, of the values read so far) to
+    ``total``, past ``budget``."""
+    if value:
+        what = (
+            f"{sender}'s tensors and the values read so far come to {total} bytes with this "
+            f"value ({item} bytes), past this receive's budget of {budget.limit} bytes "
+            f"({budget.why}): the receive stopped here"
+        )
+    else:
+        what = (
+            f"{sender}'s metadata claims {total} bytes of tensors up to this one ({item} "
+            f"bytes), past this receive's budget of {budget.limit} bytes ({budget.why}): "
+            "nothing was allocated"
+        )
     return UnsafeCheckpointError(
-        f"{where}: item {quote(fqn)}: {sender}'s metadata claims {total} bytes of tensors up "
-        f"to this one ({item} bytes), past this receive's budget of {budget.limit} bytes "
-        f"({budget.why}): nothing was allocated. The sender's metadata is damaged or "
+        f"{where}: item {quote(fqn)}: {what}. The sender's metadata is damaged or "
         "hostile (a compression bomb decodes far past a healthy state's size), or the "
         "sender's state is that much larger than this worker's: if it is, pass max_bytes= "
-        "to the transport (the bytes a receive may allocate for tensors) to raise the budget"
+        "to the transport (the bytes a receive may allocate for what it receives) to raise "
+        "the budget"
     )

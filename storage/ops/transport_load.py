@@ -20,7 +20,7 @@ from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
 from storage.checkpoint.coverage import stored_elements
 from storage.checkpoint.decode import MAX_OBJECT_BYTES, refused_pickle
 from storage.checkpoint.tensors import stored_allocator
-from storage.ops.transport_budget import budget, memory_of, over_budget
+from storage.ops.transport_budget import Budget, budget, memory_of, over_budget
 from storage.ops.transport_shape import MAX_NESTING
 
 
@@ -72,6 +72,8 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
         self._sender = sender
         self._own = own
         self._max_bytes = max_bytes
+        self._budget = Budget(None, "")  # set up with the metadata (set_up_planner)
+        self._spent = 0
         self._names: dict[int, Any] = {}  # the own state's mappings indexed (at_path)
         self._backing: dict[Any, str] = {}  # each own tensor believed: the item it backs
 
@@ -96,6 +98,7 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
                 total += item
                 if limit.limit is not None and total > limit.limit:
                     raise over_budget(self._where, self._sender, fqn, item, total, limit)
+        self._budget, self._spent = limit, total
         for fqn, stored in metadata.state_dict_metadata.items():
             value: Any = allocators[fqn]() if fqn in allocators else stored
             if fqn in paths:
@@ -149,6 +152,15 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         fqn = read_item.dest_index.fqn
+        # A value's size is known only once read (each at most the reader's
+        # max_object_bytes): the values spend what the tensors left of the budget, so
+        # many small values that decode large stop at it too.
+        size = value.getbuffer().nbytes
+        self._spent += size
+        if self._budget.limit is not None and self._spent > self._budget.limit:
+            raise over_budget(
+                self._where, self._sender, fqn, size, self._spent, self._budget, value=True
+            )
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as exc:

@@ -100,8 +100,10 @@ def test_without_its_own_state_a_receive_is_bounded_by_this_machines_memory(
 
 def test_tensors_backed_by_the_receivers_own_count_their_real_size(tmp_path: Path) -> None:
     # A healthy send of the receiver's own state, a tensor of it sent only in part (a
-    # sharded tensor's own shards) included: it fits a budget of exactly its bytes,
-    # and one byte less refuses it naming the item that crossed it.
+    # sharded tensor's own shards) included: its tensors count 96 bytes (the partly
+    # sent one its real 64), so a budget one byte short refuses it naming the item that
+    # crossed it, before anything is allocated; one with room for them and for the
+    # values (the transport's shape record and sender id, ~1.3 KB) receives it.
     sender = storage.StorageTransport(str(tmp_path), rank=0)
     sender.send_checkpoint([1], 1, {"a": torch.ones(8), "b": torch.ones(4)}, WAIT)
     path = tmp_path / "replica-0" / "step-1" / ".metadata"
@@ -109,7 +111,9 @@ def test_tensors_backed_by_the_receivers_own_count_their_real_size(tmp_path: Pat
     metadata.state_dict_metadata["b"].size = torch.Size([16])  # stored: 4 of 16
     path.write_bytes(pickle.dumps(metadata))
     own = {"a": torch.zeros(8), "b": torch.zeros(16)}
-    fits = storage.StorageTransport(str(tmp_path), rank=1, state_dict=lambda: own, max_bytes=96)
+    fits = storage.StorageTransport(
+        str(tmp_path), rank=1, state_dict=lambda: own, max_bytes=96 + 4096
+    )
     got = fits.recv_checkpoint(0, sender.metadata(), 1, WAIT)
     assert int(got["b"].sum()) == 4 and got["b"].numel() == 16
     short = storage.StorageTransport(str(tmp_path), rank=2, state_dict=lambda: own, max_bytes=95)
@@ -124,3 +128,24 @@ def test_tensors_backed_by_the_receivers_own_count_their_real_size(tmp_path: Pat
 def test_max_bytes_must_be_a_count_of_bytes(tmp_path: Path, bad: Any) -> None:
     with pytest.raises(ValueError, match="max_bytes must be an int >= 0"):
         storage.StorageTransport(str(tmp_path), rank=0, max_bytes=bad)
+
+
+def test_values_spend_what_the_tensors_left_of_the_budget(tmp_path: Path) -> None:
+    # Each non-tensor value is bounded as it is read (max_object_bytes, 16 MiB), but not
+    # their sum: thousands of zstd'd 16 MiB strings (~600 bytes stored each) filled the
+    # receiver's memory one bounded value at a time. Here two 600 KB strings against a
+    # budget of 1 MiB: the second, read, crosses it and stops the receive.
+    sender = storage.StorageTransport(str(tmp_path), rank=0, transforms=[ZStandard()])
+    state = {"t": torch.ones(4), "a": "x" * 600_000, "b": "y" * 600_000}
+    sender.send_checkpoint([1], 1, state, WAIT)
+    receiver = storage.StorageTransport(str(tmp_path), rank=1, max_bytes=1 << 20)
+    with pytest.raises(
+        UnsafeCheckpointError,
+        match=r"item '[ab]': replica 0's tensors and the values read so far come to \d+ "
+        r"bytes with this value \(\d+ bytes\), past this receive's budget of 1048576 bytes "
+        r"\(max_bytes=\): the receive stopped here",
+    ):
+        receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
+    roomy = storage.StorageTransport(str(tmp_path), rank=2, max_bytes=2 << 20)
+    got = roomy.recv_checkpoint(0, sender.metadata(), 1, WAIT)
+    assert got["a"] == "x" * 600_000 and got["b"] == "y" * 600_000
