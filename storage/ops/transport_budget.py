@@ -110,10 +110,12 @@ def own_bytes(state: Any) -> int:
 def memory_of(tensor: torch.Tensor) -> Any:
     """What identifies the memory ``tensor`` holds: views starting at the same element
     (the same tensor at two places, a second view of it, its transpose) are one; a
-    tensor without storage (a meta tensor) is its own."""
-    if tensor.device.type == "meta" or tensor.data_ptr() == 0:
-        return id(tensor)
-    return (tensor.device, tensor.data_ptr())
+    tensor without storage (a meta tensor, a sparse one) is its own."""
+    try:
+        pointer = 0 if tensor.device.type == "meta" else tensor.data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage: sparse, or a subclass
+        pointer = 0
+    return id(tensor) if pointer == 0 else (tensor.device, pointer)
 
 
 def over_budget(

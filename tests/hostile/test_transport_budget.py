@@ -149,3 +149,15 @@ def test_values_spend_what_the_tensors_left_of_the_budget(tmp_path: Path) -> Non
     roomy = storage.StorageTransport(str(tmp_path), rank=2, max_bytes=2 << 20)
     got = roomy.recv_checkpoint(0, sender.metadata(), 1, WAIT)
     assert got["a"] == "x" * 600_000 and got["b"] == "y" * 600_000
+
+
+def test_a_receivers_own_tensor_without_storage_is_counted_by_its_shape(tmp_path: Path) -> None:
+    # Sizing the budget walks every tensor of the receiver's own state: a sparse one
+    # (no data pointer to tell its memory by) made the walk raise torch's "Cannot access
+    # data pointer", and no receive given that state could heal.
+    sender = storage.StorageTransport(str(tmp_path), rank=0)
+    sender.send_checkpoint([1], 1, {"w": torch.ones(4)}, WAIT)
+    sparse = torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (8,))
+    own = {"w": torch.zeros(4), "s": sparse, "m": torch.empty(2, device="meta")}
+    receiver = storage.StorageTransport(str(tmp_path), rank=1, state_dict=lambda: own)
+    assert torch.equal(receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)["w"], torch.ones(4))
