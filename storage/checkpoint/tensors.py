@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,8 +150,20 @@ def unbacked_claim(record: fmt.StoredItem, elements: int) -> str | None:
 def empty_stored(
     metadata: Metadata, fqn: str, checkpoint: str, *, whole: bool = True
 ) -> torch.Tensor:
-    """A zeroed CPU tensor shaped and typed as the stored tensor ``fqn``, for loading it
-    whole where no caller gave one (export, the Lightning integration). Its size is the
+    """A CPU tensor for the stored tensor ``fqn``, allocated once its claim is checked
+    (:func:`stored_allocator`)."""
+    return stored_allocator(metadata, fqn, checkpoint, whole=whole)()
+
+
+def stored_allocator(
+    metadata: Metadata, fqn: str, checkpoint: str, *, whole: bool = True
+) -> Callable[[], torch.Tensor]:
+    """Check the stored tensor ``fqn``'s claim, then return what allocates it: a
+    caller that bounds a load's claims in all checks each before allocating any.
+
+    It allocates a CPU tensor shaped and typed as the stored tensor ``fqn``, for loading
+    it whole where no caller gave one (export, the Lightning integration, the recovery
+    transport's receiver, which bounds its claims in all). Its size is the
     checkpoint's claim: a chunk claiming more elements than its stored bytes could
     decode to (:func:`unbacked_claim`: a byte per element untransformed, its codec's
     bound compressed) is refused before anything is allocated; an allocation that
@@ -160,8 +173,9 @@ def empty_stored(
     must not be whatever the allocator handed out (this process's old memory, which an
     export would publish). Where they hold every element, a load of it writes each one
     (or fails), so it is left untouched: its memory is touched only as decoded bytes
-    arrive, which the stored bytes bound. ``whole``: the chunks must hold every element, else
-    the tensor is refused naming the item (what they leave out has no stored value)."""
+    arrive, which the stored bytes bound. ``whole``: the chunks must hold every element,
+    else the tensor is refused naming the item (what they leave out has no stored
+    value)."""
     meta: Any = metadata.state_dict_metadata[fqn]
     covered = stored_elements(meta)
     if whole and covered != math.prod(meta.size):
@@ -185,12 +199,16 @@ def empty_stored(
                 "checkpoint from a good copy"
             )
     size, dtype = torch.Size(meta.size), meta.properties.dtype
-    allocate = torch.empty if covered == math.prod(size) else torch.zeros
-    try:
-        return allocate(size, dtype=dtype)
-    except (RuntimeError, MemoryError) as exc:
-        raise MemoryError(
-            f"{checkpoint}: item {quote(fqn)} is a {tuple(size)} {dtype} tensor, more than "
-            f"this machine can allocate ({printable(str(exc), 200)}); load it where there is "
-            "more memory, or leave it out"
-        ) from None
+    empty = torch.empty if covered == math.prod(size) else torch.zeros
+
+    def allocate() -> torch.Tensor:
+        try:
+            return empty(size, dtype=dtype)
+        except (RuntimeError, MemoryError) as exc:
+            raise MemoryError(
+                f"{checkpoint}: item {quote(fqn)} is a {tuple(size)} {dtype} tensor, more "
+                f"than this machine can allocate ({printable(str(exc), 200)}); load it where "
+                "there is more memory, or leave it out"
+            ) from None
+
+    return allocate

@@ -73,7 +73,7 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
     ``Manager``; one path segment, stable across restarts so a restarted group reuses
     and prunes its own directory) and ``group_rank`` this worker's rank in the group.
     ``keep_last``, ``storage_options``, ``transforms``, ``keys``, ``registry``,
-    ``filesystem``, ``poll_interval`` and the writer options are
+    ``filesystem``, ``poll_interval``, ``max_bytes`` and the writer options are
     :class:`~storage.StorageTransport`'s. Every replica group needs the same root, the
     same ``storage_options`` and the keys of the transforms used.
 
@@ -83,6 +83,10 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
     a received DTensor is rebuilt on the mesh of this worker's DTensor at the same place.
     It is needed for DTensors on a slice of a device mesh (HSDP, FSDP with tensor
     parallelism); one on a whole mesh is rebuilt from the sender's ranks without it.
+    It also sizes what a heal may allocate for what it receives: 4 times this state's
+    bytes plus 64 MiB (a peer whose optimizer has stepped sends Adam's two moments this
+    worker's may not hold yet); without it, this machine's memory. ``max_bytes`` sets
+    that budget explicitly (:class:`~storage.StorageTransport`).
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
         filesystem: FileSystemBase | None = None,
         poll_interval: float = 0.05,
         state_dict: Callable[[], Any] | None = None,
+        max_bytes: int | None = None,
         **writer_options: Any,
     ) -> None:
         if not _is_group_name(replica_id):
@@ -120,6 +125,7 @@ class StorageCheckpointTransport(CheckpointTransport[dict[str, Any]]):
             filesystem=filesystem,
             poll_interval=poll_interval,
             state_dict=state_dict,
+            max_bytes=max_bytes,
             **writer_options,
         )
         # A restarted group's directory holds what it sent before: a receiver told to

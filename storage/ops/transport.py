@@ -36,6 +36,7 @@ from storage.checkpoint.options import resolve_location
 from storage.checkpoint.reader import CheckpointReader
 from storage.checkpoint.writer import CheckpointWriter
 from storage.ops.manager import CheckpointManager
+from storage.ops.transport_budget import check_max_bytes
 from storage.ops.transport_load import PlainDataPlanner
 from storage.ops.transport_shape import (
     SENDER_KEY,
@@ -88,6 +89,13 @@ class StorageTransport:
     only where this state has a tensor of that shape and dtype at the same place (of a
     DTensor, its local shard), else refused
     (:class:`~storage.ops.transport_load.PlainDataPlanner`).
+
+    A receive allocates the tensors its sender's metadata claims only within a budget,
+    checked from the claims before any is allocated (a compression bomb's claim is
+    refused with ``UnsafeCheckpointError``): ``max_bytes`` where given, else
+    4 times the bytes of this replica's own state (``state_dict``) plus 64 MiB, at
+    most this machine's memory, else this machine's memory
+    (:mod:`~storage.ops.transport_budget`).
     """
 
     def __init__(
@@ -103,12 +111,15 @@ class StorageTransport:
         filesystem: FileSystemBase | None = None,
         poll_interval: float = 0.05,
         state_dict: Callable[[], Any] | None = None,
+        max_bytes: int | None = None,
         **writer_options: Any,
     ) -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+        check_max_bytes(max_bytes)
         self.rank = rank
         self.state_dict = state_dict
+        self.max_bytes = max_bytes
         self.storage_options = storage_options
         self.keys = keys
         self.registry = registry
@@ -312,7 +323,10 @@ class StorageTransport:
         try:
             # dcp.load would fill a copy of ``state``; this fills ``state`` itself.
             load_state_dict_without_collectives(
-                state, reader, planner=PlainDataPlanner(url, sender, own), no_dist=True
+                state,
+                reader,
+                planner=PlainDataPlanner(url, sender, own, self.max_bytes),
+                no_dist=True,
             )
         except CheckpointException as exc:
             real = unwrap_checkpoint_exception(exc, reader)

@@ -19,7 +19,8 @@ from extensions._compat import EmptyStateDictLoadPlanner, set_element
 from extensions.errors import IntegrityError, UnsafeCheckpointError, quote
 from storage.checkpoint.coverage import stored_elements
 from storage.checkpoint.decode import MAX_OBJECT_BYTES, refused_pickle
-from storage.checkpoint.tensors import empty_stored
+from storage.checkpoint.tensors import stored_allocator
+from storage.ops.transport_budget import Budget, budget, memory_of, over_budget
 from storage.ops.transport_shape import MAX_NESTING
 
 
@@ -46,7 +47,11 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
     size). Else the tensor is refused
     before anything is allocated, naming the checkpoint, ``sender``, the item and the
     sizes: 24 bytes of metadata claiming 2**40 elements must not make the receiver
-    allocate (or fail allocating) 4 TiB.
+    allocate (or fail allocating) 4 TiB. And the claims in all must fit the receive's
+    budget (:mod:`~storage.ops.transport_budget`: ``max_bytes``, else a multiple of
+    ``own``, else this machine's memory), checked before any tensor is allocated: a
+    compression bomb inside its codec's bound (zeros compress ~25,000x) must not make
+    the receiver fill more memory than a healthy peer's state takes.
 
     Its targets are made from the stored chunks (``targets_from_metadata``): a sender
     of a tensor sharded over ranks (a ``ShardedTensor``) stores only its own shards, so
@@ -56,12 +61,19 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
     targets_from_metadata = True
 
     def __init__(
-        self, where: str, sender: str = "the sender", own: Callable[[], Any] | None = None
+        self,
+        where: str,
+        sender: str = "the sender",
+        own: Callable[[], Any] | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self._where = where
         self._sender = sender
         self._own = own
+        self._max_bytes = max_bytes
+        self._budget = Budget(None, "")  # set up with the metadata (set_up_planner)
+        self._spent = 0
         self._names: dict[int, Any] = {}  # the own state's mappings indexed (at_path)
         self._backing: dict[Any, str] = {}  # each own tensor believed: the item it backs
 
@@ -72,11 +84,23 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
             raise ValueError("the transport's planner loads into an empty state dict")
         paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         check_paths(paths, self._where, metadata.state_dict_metadata)
+        # Every claim is checked, and the claims in all against the budget, before
+        # any tensor is allocated.
+        mine = self._own() if self._own is not None and self._max_bytes is None else None
+        limit = budget(self._max_bytes, mine)
+        allocators: dict[str, Callable[[], torch.Tensor]] = {}
+        total = 0
         for fqn, stored in metadata.state_dict_metadata.items():
-            value: Any = stored
             if isinstance(stored, TensorStorageMetadata):
                 self._check_size(fqn, stored, paths.get(fqn, (fqn,)))
-                value = empty_stored(metadata, fqn, self._where, whole=False)
+                allocators[fqn] = stored_allocator(metadata, fqn, self._where, whole=False)
+                item = math.prod(stored.size) * stored.properties.dtype.itemsize
+                total += item
+                if limit.limit is not None and total > limit.limit:
+                    raise over_budget(self._where, self._sender, fqn, item, total, limit)
+        self._budget, self._spent = limit, total
+        for fqn, stored in metadata.state_dict_metadata.items():
+            value: Any = allocators[fqn]() if fqn in allocators else stored
             if fqn in paths:
                 set_element(state_dict, paths[fqn], value)
             else:
@@ -101,7 +125,7 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
             and tuple(own.shape) == tuple(stored.size)
             and own.dtype == dtype
         ):
-            memory = _memory_of(own)
+            memory = memory_of(own)
             backed = self._backing.setdefault(memory, fqn)
             if backed == fqn:
                 return
@@ -128,6 +152,15 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         fqn = read_item.dest_index.fqn
+        # A value's size is known only once read (each at most the reader's
+        # max_object_bytes): the values spend what the tensors left of the budget, so
+        # many small values that decode large stop at it too.
+        size = value.getbuffer().nbytes
+        self._spent += size
+        if self._budget.limit is not None and self._spent > self._budget.limit:
+            raise over_budget(
+                self._where, self._sender, fqn, size, self._spent, self._budget, value=True
+            )
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as exc:
@@ -136,15 +169,6 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
-
-
-def _memory_of(tensor: torch.Tensor) -> Any:
-    """What identifies the memory ``tensor`` holds: views starting at the same element
-    (the same tensor at two places, a second view of it, its transpose) are one; a
-    tensor without storage (a meta tensor) is its own."""
-    if tensor.device.type == "meta" or tensor.data_ptr() == 0:
-        return id(tensor)
-    return (tensor.device, tensor.data_ptr())
 
 
 def at_path(state: Any, path: Sequence[Any], names: dict[int, Any] | None = None) -> Any:
