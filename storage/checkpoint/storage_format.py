@@ -359,8 +359,7 @@ def _latin1_bytes(text: object, encoding: object = "latin1") -> bytes:
 
 
 def _no_bytes(*args: object) -> bytes:
-    # bytes(n) would allocate n zero bytes: an empty BytesIO pickles as bytes() alone.
-    if args:
+    if args:  # an empty BytesIO pickles as bytes() alone; bytes(n) allocates n bytes
         raise pickle.UnpicklingError("only an empty bytes() is allowed")
     return b""
 
