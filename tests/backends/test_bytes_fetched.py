@@ -98,9 +98,10 @@ def test_large_item_is_fetched_by_parallel_ranged_gets_once(proxy: FaultProxy) -
     storage.save(state, url, filesystem=fs)
     data, _ = _stored(boto3_client(proxy.url), prefix)
     proxy.clear()
-    # GETs held until three are in flight, so those sent together overlap whatever
-    # the scheduling of this machine (not only while moto is slow to answer).
-    proxy.add("delay", method="GET", path=r"\.distcp", gather=3, skip=1, delay=60)
+    # After each item's first window (two, one per reader thread), GETs are held until
+    # three are in flight, so those sent together overlap whatever the scheduling of
+    # this machine; the two first windows alone overlapped even with one GET at a time.
+    proxy.add("delay", method="GET", path=r"\.distcp", gather=3, skip=2, delay=60)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     storage.load(target, url, filesystem=fs)
     assert all(torch.equal(target[k], state[k]) for k in state)
