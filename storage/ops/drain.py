@@ -39,6 +39,7 @@ from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.committed import read_metadata_bytes
 from storage.checkpoint.options import WriterSettings
+from storage.checkpoint.persist import _stuck
 from storage.ops._peers import Group
 from storage.ops.copy import publish_copy
 from storage.ops.copy_data import copy_data_files, stored_bytes
@@ -73,7 +74,7 @@ class Drains:
     """The drain passes of one local tier (see the module docstring).
 
     ``settings``: the manager's writer settings (``overwrite``, ``thread_count``,
-    ``persist``, ``max_bandwidth``);
+    ``persist``, ``max_bandwidth``; ``timeout`` bounds a step's copy in the worker);
     ``pace``: called before each read of the copy (it blocks while a save writes);
     ``prune``: the local tier's retention, run before and after each pass;
     ``on_durable(step)``: once ``step`` is durable (the root's retention). A failed
@@ -101,6 +102,7 @@ class Drains:
         self._drained: set[int] = set()  # made durable by a pass here
         self._queued = self._finished = 0  # passes
         self._pending: set[int] = set()  # saved here, not drained yet
+        self._current: int | None = None  # the step a pass drains now
         self._published: dict[int, Published] = {}  # by the passes here
         self._verified: set[int] = set()  # the root's .metadata read back and found ours
         self._warned: set[int] = set()  # told once that the root's .metadata differs
@@ -194,12 +196,17 @@ class Drains:
             self._queued += 1
             self._last = self._pool.submit(self._pass)
 
-    def wait(self) -> None:
-        """Wait until every queued pass has finished."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every queued pass has finished, at most ``timeout`` seconds;
+        returns whether they have."""
         with self._lock:
             last = self._last
-        if last is not None:
-            concurrent.futures.wait([last])
+        return last is None or bool(concurrent.futures.wait([last], timeout).done)
+
+    def draining(self) -> int | None:
+        """The step a pass drains now, else the oldest saved here and not drained."""
+        with self._lock:
+            return self._current if self._current is not None else min(self._pending, default=None)
 
     def wait_durable(self, steps: set[int]) -> None:
         """Wait until every one of ``steps`` is drained, or every queued pass has
@@ -239,6 +246,8 @@ class Drains:
                 common = sorted(set.intersection(*(set(v) for v in views)))
                 if not common:
                     break
+                with self._lock:
+                    self._current = common[0]
                 published = drain_step(
                     g,
                     self.local,
@@ -266,6 +275,7 @@ class Drains:
                         self.root.step_url(common[0]),
                     )
                 with self._changed:
+                    self._current = None
                     self._pending.discard(common[0])
                     self._drained.add(common[0])
                     self._changed.notify_all()
@@ -281,6 +291,7 @@ class Drains:
                 self._error, self.last_error = exc, _text(exc)
         finally:
             with self._changed:
+                self._current = None
                 self._finished += 1
                 self._changed.notify_all()
 
@@ -296,14 +307,15 @@ def drain_step(
 ) -> Published:
     """Copy ``step`` from ``local`` to ``root``; collective (on the drains' group),
     raises on every rank if it failed on any, and commits nothing then; returns what
-    rank 0 published, on every rank. Each rank's
-    copy is a ``SaveAttempt`` of its own save id: a rank whose copy died with nothing
-    to show (the persist worker killed mid-copy) removes what that id left there
-    (``SaveAttempt.lost``); rank 0's adopts every rank's files, which it publishes or,
-    when any rank failed, removes."""
+    rank 0 published, on every rank. Each rank's copy is a ``SaveAttempt`` of its own
+    save id: a rank whose copy died with nothing to show (the persist worker killed
+    mid-copy, or for not answering by ``settings.timeout`` and a grace) removes what
+    that id left there (``SaveAttempt.lost``); rank 0's adopts every rank's files,
+    which it publishes or, when any rank failed, removes."""
     fs = root.fs
     src, dst = local.step_path(step), root.step_path(step)
-    copied, error, part, published = None, None, None, None
+    copied, part, published = None, None, None
+    error: Exception | None = None
     attempt = SaveAttempt(fs, dst, uuid.uuid4().hex[:12])  # this rank's own save id
     try:
         root.refuse_link(step, _stays_local(local, step))  # linked since the pass looked
@@ -333,7 +345,15 @@ def drain_step(
             # the bytes it writes, its bases drained before it (a reference costs none).
             pace_bytes=stored_bytes(part, ranks, references=False),
             pace_for=root.step_url(step),
+            # Bounded as a save of the step is: a worker stopped or stuck is killed.
+            kill_after=None if settings.timeout is None else settings.timeout + _stuck.STUCK_GRACE,
         )
+    except _stuck.Unanswered:
+        fate = f"Step {step} stays in the local tier {local.url}; the next drain pass copies it"
+        url, item = root.step_url(step), f"step {step}"
+        doing = f"draining {item} to {url}"
+        error = _stuck.stuck(url, settings.timeout, [], item=item, doing=doing, fate=fate)
+        attempt.lost()
     except Exception as exc:
         error = exc
         attempt.lost()

@@ -315,10 +315,13 @@ class CheckpointManager:
             self.tiers, state_fn, signals=signals, grace=grace, every=every, chain=chain
         )
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Wait for the asynchronous save in flight, if any (its error is not raised);
-        on a tiered manager, wait for the drains and raise a failed drain's error."""
-        self.tier.wait()
+        on a tiered manager, wait for the drains and raise a failed drain's error.
+        ``timeout`` (seconds; default: none) bounds the wait: past it, raises
+        :class:`DeadlineExceededError` naming the step not done, and the work goes on
+        (a step not drained stays local; wait again, or a later save's drain takes it)."""
+        self.tier.wait(timeout)
 
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
         """Load ``step`` (default: the latest committed one) into ``state_dict`` in

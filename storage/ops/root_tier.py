@@ -23,6 +23,7 @@ from storage.checkpoint import api, persist
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.committed import CommittedCheckpoint
+from storage.checkpoint.deadline import check_timeout
 from storage.checkpoint.layout import STEP_PREFIX, StepInfo
 from storage.checkpoint.options import WriterSettings
 from storage.checkpoint.writer import CheckpointWriter
@@ -32,6 +33,7 @@ from storage.ops.pace import UploadPace
 from storage.ops.restore import durable_entries
 from storage.ops.retention import Retention
 from storage.ops.steps import StepRoot
+from storage.ops.tier import overdue
 
 log = logging.getLogger("storage.ops.manager")
 
@@ -73,6 +75,7 @@ class RootTier:
         self.pace = UploadPace(pace)  # of asynchronous saves
         self._lock = threading.Lock()
         self._pending: concurrent.futures.Future[None] | None = None
+        self._pending_step: int | None = None  # the step its save writes
         self._async_group: Any = None
 
     @property
@@ -121,7 +124,7 @@ class RootTier:
         )
         self.root.in_flight.begin(step, base)
         with self._lock:
-            self._pending = outer
+            self._pending, self._pending_step = outer, step
         try:
             writer = CheckpointWriter(
                 url, transforms=self.transforms, filesystem=self.root.fs, **settings.writer_kwargs()
@@ -215,13 +218,18 @@ class RootTier:
         )
         return step
 
-    def wait(self) -> None:
-        """Wait for the asynchronous save in flight, if any (its error is not raised)."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the asynchronous save in flight, if any (its error is not raised),
+        at most ``timeout`` seconds (see :meth:`CheckpointManager.wait`)."""
+        timeout = check_timeout(timeout)
         with self._lock:
-            pending = self._pending
+            pending, step = self._pending, self._pending_step
         if pending is not None:
             persist.hurry()
-            concurrent.futures.wait([pending])
+            if not concurrent.futures.wait([pending], timeout).done:
+                assert timeout is not None and step is not None
+                fate = "its save goes on, and its future says how it ends"
+                raise overdue(timeout, step, self.root.step_url(step), fate)
             with self._lock:
                 if self._pending is pending:
                     self._pending = None

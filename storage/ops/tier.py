@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any, Protocol
 
+from storage.checkpoint.deadline import DeadlineExceededError, distributed_rank, rank_error
 from storage.checkpoint.layout import StepInfo
 from storage.ops.steps import StepRoot
 
@@ -46,7 +47,24 @@ class Tier(Protocol):
         in flight is done; returns the step loaded."""
         ...
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Wait for the work in flight: the asynchronous save, and a local tier's
-        drains (raising a failed drain's error)."""
+        drains (raising a failed drain's error); at most ``timeout`` seconds, then
+        raise :func:`overdue`'s error (the work goes on)."""
         ...
+
+
+def overdue(timeout: float, step: int | None, url: str, fate: str) -> DeadlineExceededError:
+    """The error of a :meth:`Tier.wait` whose ``timeout`` ended before ``step`` (at
+    ``url``; ``None``: work on no step in particular) was done; ``fate`` says what
+    becomes of it."""
+    rank = distributed_rank()
+    who = f"rank {rank}" if rank is not None else "this process"
+    what = "the work in flight" if step is None else f"step {step}"
+    return rank_error(
+        DeadlineExceededError,
+        f"{who}: waited {timeout:g} s (wait(timeout=)) and {what} is not done at {url}; {fate}",
+        rank=rank,
+        item=what,
+        url=url,
+    )

@@ -25,11 +25,13 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from storage.checkpoint import api, persist
 from storage.checkpoint.api import ReaderOptions
+from storage.checkpoint.deadline import check_timeout
 from storage.checkpoint.layout import StepInfo
 from storage.checkpoint.options import WriterSettings, resolve_location
 from storage.checkpoint.writer import CheckpointWriter
@@ -41,6 +43,7 @@ from storage.ops.local_room import make_room
 from storage.ops.pace import UploadPace
 from storage.ops.restore import LoadedStep
 from storage.ops.steps import StepRoot
+from storage.ops.tier import overdue
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,7 @@ class LocalTier:
         self._lock = threading.Lock()
         self._saves = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-tier-save")
         self._committing: concurrent.futures.Future[None] | None = None
+        self._committing_step: int | None = None  # the step it commits
         # Cleared while a save writes to the local tier: the drain's copy waits on it, so
         # the foreground save gets the disk and the cores (benchmarks/NOTES.md, "Tiered
         # checkpoints").
@@ -207,7 +211,7 @@ class LocalTier:
                 outer.set_exception(error)
 
         with self._lock:
-            self._committing = inner
+            self._committing, self._committing_step = inner, step
         inner.add_done_callback(finished)
         return outer
 
@@ -236,7 +240,7 @@ class LocalTier:
 
         future = self._saves.submit(run)
         with self._lock:
-            self._committing = future
+            self._committing, self._committing_step = future, step
         return future
 
     def finish_commit(self, timeout: float | None = None) -> bool:
@@ -348,14 +352,28 @@ class LocalTier:
 
     # --- drain and load -----------------------------------------------------------------
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Wait for the local commit of an asynchronous save in flight, then until every
         queued drain has finished (at full speed: a paced one is hurried); raise the
-        error of a drain that failed."""
+        error of a drain that failed. Past ``timeout`` seconds, raise
+        :class:`DeadlineExceededError` naming the step not committed or not durable
+        yet: the commit and the drains go on (:func:`storage.ops.tier.overdue`)."""
         self._check_process()
-        self.finish_commit()
+        timeout = check_timeout(timeout)
+        until = None if timeout is None else time.monotonic() + timeout
+        if not self.finish_commit(timeout):
+            assert timeout is not None
+            with self._lock:
+                step = self._committing_step
+            fate = "its save goes on, and its future says how it ends"
+            raise overdue(timeout, step, self.local.url, fate)
         persist.hurry()
-        self.drains.wait()
+        if not self.drains.wait(None if until is None else max(0.0, until - time.monotonic())):
+            assert timeout is not None
+            step = self.drains.draining()
+            url = self.root.url if step is None else self.root.step_url(step)
+            fate = f"it stays in the local tier {self.local.url}; its drain goes on: wait() again"
+            raise overdue(timeout, step, url, fate)
         self.drains.raise_error()
 
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> LoadedStep:

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -116,7 +117,7 @@ class _HeldTimer:
     made: list[_HeldTimer] = []
 
     def __init__(self, seconds: float, function: Callable[[], None]) -> None:
-        self.function = function
+        self.seconds, self.function = seconds, function
         self.daemon = False
         _HeldTimer.made.append(self)
 
@@ -142,6 +143,45 @@ def test_a_kill_timer_that_fires_after_the_answer_leaves_the_worker_alone(
     assert answer == pid and len(_HeldTimer.made) == 1
     _HeldTimer.made[0].function()  # fires late, after the answer
     assert worker.call(os.getpid).result(timeout=HANG) == pid  # alive, the same worker
+
+
+def test_a_paused_call_is_not_killed_while_a_save_is_in_the_foreground(
+    worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiered manager's drain copies in the worker with ``pace=PAUSE``: it waits while
+    a save writes the local tier. Its kill clock must not run out on that wait (the
+    worker was killed under the save in the foreground, failing it too): while a save
+    is in the foreground the clock starts again; once none is, an unanswered call gets
+    the worker killed. The worker is stopped here, so the call stays unanswered."""
+    worker.call(os.getpid).result(timeout=HANG)  # started
+    pid = worker.pid
+    assert pid is not None
+    monkeypatch.setattr(_stuck.threading, "Timer", _HeldTimer)
+    _HeldTimer.made.clear()
+    with _stopped(pid):
+        worker.foreground(True)
+        future = worker.call(dict, pace=persist.PAUSE, kill_after=1.0)
+        _HeldTimer.made[0].function()  # runs out while the save is in the foreground
+        assert not future.done() and worker.pid == pid and len(_HeldTimer.made) == 2
+        worker.foreground(False)
+        _HeldTimer.made[1].function()  # runs out again, with no save in the foreground
+        with pytest.raises(_stuck.Unanswered):
+            future.result(timeout=HANG)
+    assert worker.call(os.getpid).result(timeout=HANG) not in (None, pid)  # a new worker
+
+
+def test_a_paced_call_is_given_its_pace_before_its_kill_clock_runs_out(
+    worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A paced call spreads its writes to the pace's deadline on purpose (a tiered
+    manager's drain, up to a minute): its ``kill_after`` counts from that deadline, or a
+    drain paced past the manager's ``timeout=`` had its worker killed mid-copy."""
+    worker.call(os.getpid).result(timeout=HANG)  # started
+    monkeypatch.setattr(_stuck.threading, "Timer", _HeldTimer)
+    _HeldTimer.made.clear()
+    worker.pace_next(time.monotonic() + 600.0, "there")
+    worker.call(dict, pace_bytes=1 << 30, pace_for="there", kill_after=1.0).result(timeout=HANG)
+    assert len(_HeldTimer.made) == 1 and _HeldTimer.made[0].seconds > 500.0
 
 
 @pytest.mark.parametrize("timeout", [math.inf, 1e10])

@@ -228,13 +228,15 @@ def run(
     *args: Any,
     pace_bytes: int | None = None,
     pace_for: str | None = None,
+    kill_after: float | None = None,
     **kwargs: Any,
 ) -> T:
     """``fn(*args, **kwargs)``: in the worker when ``mode`` says so (writes capped, a
     ``pace`` argument replaced by the worker's pause), else here; raises what it raised.
     In the worker, ``pace_bytes`` (the bytes it writes) are spread to the deadline
-    :func:`pace_next` set for ``pace_for``, if one is pending (:meth:`Worker.call`).
-    With the default mode, work the worker cannot receive runs here."""
+    :func:`pace_next` set for ``pace_for``, if one is pending, and a worker that has not
+    answered in ``kill_after`` seconds is killed (:meth:`Worker.call`). With the default
+    mode, work the worker cannot receive runs here."""
     if mode.name == "process":
         there = dict(kwargs, pace=PAUSE) if "pace" in kwargs else kwargs
         try:
@@ -244,6 +246,7 @@ def run(
                 max_bandwidth=mode.max_bandwidth,
                 pace_bytes=pace_bytes,
                 pace_for=pace_for,
+                kill_after=kill_after,
                 **there,
             )
             return future.result()

@@ -25,9 +25,9 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from extensions.errors import WorkerDiedError
+from storage.checkpoint.persist._child import Pause
 from storage.checkpoint.persist._launch import launch, umask
 from storage.checkpoint.persist._messages import (
-    NotSendable,
     dumps_call,
     not_sendable,
     remote_error,
@@ -50,7 +50,6 @@ class WorkerCalls:
     it (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._warmed: set[tuple[int | None, type]] = set()  # (worker pid, storage type)
         self._lock = OwnedLock("the persist worker's state")
         self._send_lock = OwnedLock("a message to the persist worker")
         self._proc: subprocess.Popen[bytes] | None = None
@@ -62,7 +61,7 @@ class WorkerCalls:
         self._killed: set[int] = set()  # calls unanswered by their kill_after
         self._ready = False  # the worker said it serves (its start-up is done)
         # Calls with a kill_after sent before that: their clocks start when it does.
-        self._unarmed: list[tuple[int, concurrent.futures.Future[Any], float]] = []
+        self._unarmed: list[tuple[int, concurrent.futures.Future[Any], float, bool]] = []
         self._foreground = 0  # saves in the foreground: the worker's pace pauses
         self._pace_until: float | None = None  # the next save's deadline (pace_next)
         self._pace_for: str | None = None  # the checkpoint that save writes, if given
@@ -219,7 +218,9 @@ class WorkerCalls:
         (the checkpoint it writes). ``kill_after``: seconds after which the worker is
         killed if it has not answered (it is stopped, ``SIGSTOP`` or a debugger, or
         stuck; the call's sending too may wait on it), counted from the send or, for a
-        worker still starting, from when it serves: the call then fails with
+        worker still starting, from when it serves, and for a paced call from its pace's
+        deadline; a call that pauses (``PAUSE``) is not killed while a save is in the
+        :meth:`foreground` (its clock starts again). The call then fails with
         :class:`._stuck.Unanswered`, every other call in flight as for any death."""
         options: dict[str, Any] = {
             "max_bandwidth": max_bandwidth,
@@ -234,6 +235,7 @@ class WorkerCalls:
         }
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         name = str(getattr(fn, "__qualname__", fn))
+        pauses = any(isinstance(v, Pause) for v in kwargs.values())
         with self._lock:
             if pace_bytes is not None:  # taken first: a call that fails leaves no pace
                 options["pace"] = self._take_pace(pace_bytes, pace_for)
@@ -248,10 +250,12 @@ class WorkerCalls:
                 raise not_sendable(name, f"{type(exc).__name__}: {exc}") from None
             self._pending[call_id] = (future, name)
             if kill_after is not None:  # before the send, which a stopped worker may block
+                if options["pace"] is not None:  # its writes are spread to that deadline
+                    kill_after += max(0.0, options["pace"][1] - time.monotonic())
                 if self._ready:
-                    self._kill_unanswered(call_id, future, kill_after)
+                    self._kill_unanswered(call_id, future, kill_after, pauses)
                 else:  # its start-up (importing torch on a busy host) is not the call's
-                    self._unarmed.append((call_id, future, kill_after))
+                    self._unarmed.append((call_id, future, kill_after, pauses))
             self._paced = self._paced or options["pace"] is not None
             # Sent in the order the lock was taken: a hurry never overtakes the call.
             self._send_lock.acquire()
@@ -271,15 +275,16 @@ class WorkerCalls:
                 return
             self._ready = True
             unarmed, self._unarmed = self._unarmed, []
-            for call_id, future, seconds in unarmed:
+            for call_id, future, seconds, pauses in unarmed:
                 if call_id in self._pending:
-                    self._kill_unanswered(call_id, future, seconds)
+                    self._kill_unanswered(call_id, future, seconds, pauses)
 
     def _kill_unanswered(
-        self, call_id: int, future: concurrent.futures.Future[Any], seconds: float
+        self, call_id: int, future: concurrent.futures.Future[Any], seconds: float, pauses: bool
     ) -> None:
-        """Kill the worker unless call ``call_id`` was answered within ``seconds`` (call
-        with the lock)."""
+        """Kill the worker unless call ``call_id`` was answered within ``seconds`` not
+        spent paused (``pauses``: it pauses while a save is in the foreground; call with
+        the lock)."""
 
         def kill() -> None:
             with self._lock:
@@ -290,7 +295,7 @@ class WorkerCalls:
                 log.error("persist worker %d: no answer in %g s; stopping it", proc.pid, seconds)
                 proc.kill()
 
-        unless_answered(future, seconds, kill)
+        unless_answered(future, seconds, kill, lambda: pauses and self._foreground > 0)
 
     def pace_next(self, deadline: float | None, for_url: str | None = None) -> None:
         """Let the next save's data writes take until ``deadline`` (``time.monotonic``;
@@ -378,18 +383,6 @@ class WorkerCalls:
                 proc.kill()
 
         send_whole(send, give_up)
-
-    def warm(self, fn: Callable[[Any], None], filesystem: Any) -> None:
-        """Send ``fn(filesystem)`` to the worker without waiting for it, once per worker
-        process and type of storage: it prepares the worker for the saves to come. Its
-        failure is the first save's to report (that save sends the same storage)."""
-        with self._lock:
-            key = (self.pid, type(filesystem))
-            if key in self._warmed:
-                return
-            self._warmed.add(key)
-        with contextlib.suppress(NotSendable, WorkerDiedError):
-            self.call(fn, filesystem)
 
 
 def _exit_text(code: int) -> str:

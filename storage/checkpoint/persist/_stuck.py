@@ -1,7 +1,7 @@
-"""A save whose persist worker does not answer by the save's deadline: the worker is
-stopped (``SIGSTOP``, a debugger) or stuck, and the training process, which would wait
-on it for ever, kills it (``WorkerCalls.call``'s ``kill_after``) and fails the save
-with :class:`WorkerStuckError`."""
+"""A save (or a tiered manager's drain of a step) whose persist worker does not answer
+by the save's deadline: the worker is stopped (``SIGSTOP``, a debugger) or stuck, and
+the training process, which would wait on it for ever, kills it (``WorkerCalls.call``'s
+``kill_after``) and fails the save with :class:`WorkerStuckError`."""
 
 from __future__ import annotations
 
@@ -28,33 +28,53 @@ class WorkerStuckError(deadline.DeadlineExceededError, WorkerDiedError):
     """A save's persist worker had not answered by the save's deadline and was killed."""
 
 
-def stuck(url: str, timeout: float | None, files: list[Any]) -> WorkerStuckError:
-    """The error of a save of ``url`` (``timeout``; writing ``files``) whose worker was
-    killed for not answering."""
+def stuck(
+    url: str,
+    timeout: float | None,
+    files: list[Any],
+    *,
+    item: str | None = None,
+    doing: str | None = None,
+    fate: str = "This save is not committed and committed checkpoints are untouched",
+) -> WorkerStuckError:
+    """The error of a save of ``url`` (``timeout``; writing ``files``, or ``item``;
+    ``doing`` names other work, ``fate`` says what became of it) whose worker was killed
+    for not answering."""
     rank = deadline.distributed_rank()
     who = f"rank {rank}" if rank is not None else "this process"
     return deadline.rank_error(
         WorkerStuckError,
-        f"{who}: saving {url} timed out: the checkpoint persist worker did not answer "
-        f"within the {timeout:g} s deadline (timeout=) and {STUCK_GRACE:g} s more, so it "
-        "was stopped (SIGSTOP, a debugger) or stuck, and it was killed. This save is not "
-        "committed and committed checkpoints are untouched; the next save starts a new "
-        "worker",
+        f"{who}: {doing or f'saving {url}'} timed out: the checkpoint persist worker did not "
+        f"answer within the {timeout:g} s deadline (timeout=) and {STUCK_GRACE:g} s more, "
+        f"so it was stopped (SIGSTOP, a debugger) or stuck, and it was killed. {fate}; the "
+        "next save starts a new worker",
         rank=rank,
-        item=files[0][0] if files else "?",
+        item=item or (files[0][0] if files else "?"),
         url=url,
     )
 
 
 def unless_answered(
-    future: concurrent.futures.Future[Any], seconds: float, kill: Callable[[], None]
+    future: concurrent.futures.Future[Any],
+    seconds: float,
+    kill: Callable[[], None],
+    held: Callable[[], bool] | None = None,
 ) -> None:
     """Run ``kill`` in ``seconds`` unless ``future`` is done by then (one timer thread,
     gone with the answer). A wait too long for a timer (past ``threading.TIMEOUT_MAX``)
-    is none: the timer's thread would fail with ``OverflowError``."""
+    is none: the timer's thread would fail with ``OverflowError``. When ``held()`` says
+    the call is held on purpose then (a drain's copy paused while a save writes), its
+    clock starts again instead."""
     if seconds >= threading.TIMEOUT_MAX:
         return
-    timer = threading.Timer(seconds, kill)
+
+    def fire() -> None:
+        if held is not None and held():
+            unless_answered(future, seconds, kill, held)
+        else:
+            kill()
+
+    timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
     future.add_done_callback(lambda _: timer.cancel())

@@ -1,18 +1,22 @@
 """The training process's handle on its persist worker (:class:`Worker`): the worker
-process and its calls (:class:`._calls.WorkerCalls`), and the staging into its buffers,
-each save holding them by a :class:`._lease.Lease`."""
+process and its calls (:class:`._calls.WorkerCalls`), its warming for the saves to come,
+and the staging into its buffers, each save holding them by a :class:`._lease.Lease`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import pickle
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from extensions.errors import WorkerDiedError
 from storage.checkpoint.persist._calls import WorkerCalls
 from storage.checkpoint.persist._lease import Lease
+from storage.checkpoint.persist._messages import NotSendable
 from storage.checkpoint.persist._pool import StagingPool
 from storage.checkpoint.persist._shm import SharedMemoryFull
 from storage.checkpoint.persist._whole import OwnedLock
@@ -32,6 +36,7 @@ class Worker(WorkerCalls):
         self._taking = OwnedLock("staging, waiting for the previous save's buffers")
         self.pool: StagingPool | None = None
         self._pool_conn: Connection | None = None  # the worker the pool shares with
+        self._warmed: set[tuple[int | None, type]] = set()  # (worker pid, storage type)
 
     def close(self) -> None:
         """Stop the worker (after the calls in flight) and remove the staging buffers."""
@@ -39,6 +44,18 @@ class Worker(WorkerCalls):
         if self.pool is not None:  # after the copies from a device still filling it
             self.pool.close()
             self.pool = None
+
+    def warm(self, fn: Callable[[Any], None], filesystem: Any) -> None:
+        """Send ``fn(filesystem)`` to the worker without waiting for it, once per worker
+        process and type of storage: it prepares the worker for the saves to come. Its
+        failure is the first save's to report (that save sends the same storage)."""
+        with self._lock:
+            key = (self.pid, type(filesystem))
+            if key in self._warmed:
+                return
+            self._warmed.add(key)
+        with contextlib.suppress(NotSendable, WorkerDiedError):
+            self.call(fn, filesystem)
 
     # --- the staging buffers ----------------------------------------------------------
 
