@@ -3,6 +3,7 @@ written by a worker, and what happens when that worker dies, fails or is slow.""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 import types
+import uuid
 from pathlib import Path
 from typing import IO, Any
 
@@ -22,6 +24,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import extensions
 import storage
 from extensions import AES256GCM, StreamTransformExtension, ZStandard
+from extensions import registry as registry_module
 from extensions.errors import CheckpointStorageError, WorkerDiedError
 from storage.checkpoint import persist
 from storage.checkpoint.persist import _calls
@@ -188,6 +191,71 @@ def kill_worker(handle: persist.Worker) -> None:
 
 
 # --- saves through the worker -----------------------------------------------------------
+
+
+_LATE_TRANSFORM = """
+from extensions import StreamTransformExtension
+
+
+class _Flipped:
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, data):
+        return self._stream.write(bytes(b ^ 0xA5 for b in bytes(data)))
+
+    def read(self, size=-1):
+        return bytes(b ^ 0xA5 for b in self._stream.read(size))
+
+    def flush(self):
+        self._stream.flush()
+
+    def close(self):
+        self._stream.close()
+
+
+class Late(StreamTransformExtension):
+    @staticmethod
+    def registry_name():
+        return "{name}"
+
+    @staticmethod
+    def from_descriptor(version):
+        return Late()
+
+    def get_descriptor(self):
+        return "{name}/1"
+
+    def transform_to(self, output):
+        return _Flipped(output)
+
+    def transform_from(self, input):
+        return _Flipped(input)
+"""
+
+
+def test_calls_see_a_sys_path_entry_added_after_the_worker_started(
+    tmp_path: Path, worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the worker took the training process's ``sys.path`` once, when it
+    started, so a transform imported from a directory the script appended later did not
+    unpickle there, and its save failed (``persist="process"``) or fell back to threads
+    (the default). Each call now carries ``sys.path`` where it changed."""
+    assert worker.call(os.getpid).result() != os.getpid()  # started before the change
+    module = f"late_transform_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / f"{module}.py").write_text(_LATE_TRANSFORM.format(name=module))
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "mods")])  # appended
+    late = importlib.import_module(module).Late
+    monkeypatch.setattr(registry_module, "_global", dict(registry_module._global))  # undone
+    extensions.register(late)
+    state = big_state(11)
+    storage.async_save(state, tmp_path / "ckpt", persist="process", transforms=[late()]).result(
+        timeout=120
+    )
+    assert_tree_equal(state, loaded(tmp_path / "ckpt", state))
+    raw = b"".join(p.read_bytes() for p in (tmp_path / "ckpt").glob("*.distcp"))
+    assert state["w"].numpy().tobytes()[:4096] not in raw  # the transform did run
 
 
 def test_calls_see_the_environment_as_it_is_now(

@@ -66,6 +66,7 @@ class WorkerCalls:
         self._pace_until: float | None = None  # the next save's deadline (pace_next)
         self._pace_for: str | None = None  # the checkpoint that save writes, if given
         self._paced = False  # a paced call went out and no hurry since
+        self._path: tuple[str, ...] = ()  # the sys.path the worker last got
 
     # --- the process ------------------------------------------------------------------
 
@@ -96,7 +97,8 @@ class WorkerCalls:
         finally:
             theirs.close()  # the worker's end lives only in the worker: its death is EOF here
         conn = Connection(ours.detach())
-        conn.send_bytes(pickle.dumps(("init", list(sys.path), self._foreground > 0)))
+        self._path = tuple(sys.path)  # the worker's, as of this message
+        conn.send_bytes(pickle.dumps(("init", list(self._path), self._foreground > 0)))
         self._proc, self._conn, self._ready = proc, conn, False
         threading.Thread(
             target=self._read, args=(proc, conn), name="dcp-persist-reader", daemon=True
@@ -241,13 +243,17 @@ class WorkerCalls:
                 options["pace"] = self._take_pace(pace_bytes, pace_for)
             conn = self._start()
             call_id = next(self._ids)
-            # The call's id goes apart from its body: a body the worker cannot unpickle
-            # fails this call there, not the worker or every call after it.
-            header = pickle.dumps(("call", call_id))
             try:
                 body = dumps_call((fn, args, kwargs, options))
             except Exception as exc:
                 raise not_sendable(name, f"{type(exc).__name__}: {exc}") from None
+            # The call's id goes apart from its body: a body the worker cannot unpickle
+            # fails this call there, not the worker or every call after it. With it goes
+            # this process's sys.path where it changed since the worker last got it (a
+            # transform's module found through a path added since), set there first.
+            path = tuple(sys.path)
+            header = pickle.dumps(("call", call_id, None if path == self._path else path))
+            self._path = path
             self._pending[call_id] = (future, name)
             if kill_after is not None:  # before the send, which a stopped worker may block
                 if options["pace"] is not None:  # its writes are spread to that deadline

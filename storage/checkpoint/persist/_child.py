@@ -10,10 +10,12 @@ the socket or dies (seen through a ``pidfd`` too: the socket may live on in a ch
 that process forked).
 
 Messages are pickled tuples (see :mod:`storage.checkpoint.persist`):
-``("init", sys_path, foreground)``, ``("call", id)`` followed by the call's body
-``(fn, args, kwargs, options)`` pickled apart, ``("foreground", busy)``, ``("hurry",)``,
-``("segments", names, dropped)`` followed, when ``names`` is not empty, by one byte
-carrying the new segments' descriptors (``SCM_RIGHTS``; :mod:`._shm`), and
+``("init", sys_path, foreground)``, ``("call", id, sys_path)`` followed by the call's
+body ``(fn, args, kwargs, options)`` pickled apart (``sys_path``: the training process's,
+where it changed since the worker last got it, else ``None``; set before the body
+unpickles, so the body's modules resolve as they do there), ``("foreground", busy)``,
+``("hurry",)``, ``("segments", names, dropped)`` followed, when ``names`` is not empty,
+by one byte carrying the new segments' descriptors (``SCM_RIGHTS``; :mod:`._shm`), and
 ``("close",)``. The worker's first message, once started, is ``("ready", -1)`` and an
 empty body (``None``). Each reply is a header ``("ok", id)``, ``("error", id)`` or
 ``("unreceived", id)`` followed by its body pickled apart: the call's result, the
@@ -175,7 +177,9 @@ class _Server:
                     _trainer_gone()
                 forget(dropped)
                 continue
-            call_id = message[1]
+            call_id, sys_path = message[1], message[2]
+            if sys_path is not None:  # before the body unpickles: its modules resolve here
+                sys.path[:] = sys_path
             _count_calls(1)  # before its objects exist: a freeze meanwhile would take them
             try:
                 fn, args, kwargs, options = pickle.loads(body)
