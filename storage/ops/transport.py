@@ -94,8 +94,8 @@ class StorageTransport:
     checked from the claims before any is allocated (a compression bomb's claim is
     refused with ``UnsafeCheckpointError``): ``max_bytes`` where given, else
     4 times the bytes of this replica's own state (``state_dict``) plus 64 MiB, at
-    most this machine's memory, else this machine's memory
-    (:mod:`~storage.ops.transport_budget`).
+    most the memory this process may use (the host's, or its cgroup's limit where
+    lower), else that memory (:mod:`~storage.ops.transport_budget`).
     """
 
     def __init__(

@@ -12,17 +12,18 @@ whole is bounded by what the receiver knows:
 - ``max_bytes=`` where the caller gives it;
 - else, with ``state_dict=`` (the receiver's own state, as torchft's transports pass
   it), :data:`OWN_STATE_MULTIPLE` times the bytes of that state plus
-  :data:`SLACK_BYTES`, at most this machine's memory: a healthy peer's state is about
-  as large as ours, and the multiple covers what ours may not hold yet (an optimizer's
-  state, made at its first step: Adam's two moments are twice the model; or a
-  ``state_dict=`` returning the model alone);
-- else this machine's memory (a receive past it could only end in the process being
-  killed), unbounded where that cannot be read.
+  :data:`SLACK_BYTES`, at most the memory this process may use: a healthy peer's state
+  is about as large as ours, and the multiple covers what ours may not hold yet (an
+  optimizer's state, made at its first step: Adam's two moments are twice the model; or
+  a ``state_dict=`` returning the model alone);
+- else the memory this process may use (a receive past it could only end in the
+  process being killed): the host's, or its cgroup's memory limit where lower (a
+  container's 4 GiB on a 512 GiB host; :func:`storage.checkpoint.cgroups.usable_memory`),
+  unbounded where neither can be read.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from extensions.errors import UnsafeCheckpointError, quote
+from storage.checkpoint.cgroups import usable_memory
 
 #: A receive given the receiver's own state may allocate this many times its bytes ...
 OWN_STATE_MULTIPLE = 4
@@ -57,23 +59,14 @@ def check_max_bytes(max_bytes: object) -> None:
         )
 
 
-def machine_memory() -> int | None:
-    """This machine's physical memory in bytes, ``None`` where it cannot be read."""
-    try:
-        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
-        return None
-    return pages * size if pages > 0 and size > 0 else None
-
-
 def budget(max_bytes: int | None, own: Any) -> Budget:
     """The budget of a receive: ``max_bytes`` where given; else from ``own`` (the
-    receiver's own state, ``None`` where it gave none), at most this machine's memory;
-    else this machine's memory."""
+    receiver's own state, ``None`` where it gave none), at most the memory this process
+    may use; else that memory."""
     if max_bytes is not None:
         return Budget(max_bytes, "max_bytes=")
-    memory = machine_memory()
-    machine = Budget(memory, "this machine's memory")
+    memory = usable_memory()
+    machine = Budget(memory, "the memory this process may use: the host's, or its cgroup's limit")
     if own is None:
         return machine
     mine = own_bytes(own)

@@ -49,7 +49,7 @@ class PlainDataPlanner(EmptyStateDictLoadPlanner):
     sizes: 24 bytes of metadata claiming 2**40 elements must not make the receiver
     allocate (or fail allocating) 4 TiB. And the claims in all must fit the receive's
     budget (:mod:`~storage.ops.transport_budget`: ``max_bytes``, else a multiple of
-    ``own``, else this machine's memory), checked before any tensor is allocated: a
+    ``own``, else the memory this process may use), checked before any tensor is allocated: a
     compression bomb inside its codec's bound (zeros compress ~25,000x) must not make
     the receiver fill more memory than a healthy peer's state takes.
 

@@ -6,8 +6,9 @@ fill, but zeros compress ~25,000x: ~6 MB stored made a receiver allocate and fil
 ~150 GB and be killed for memory, the replica that was healing taken down by the peer
 it healed from. The receive has a budget, checked from the metadata's claims before
 anything is allocated: with ``state_dict=``, a multiple of this worker's own state (a
-healthy peer's is about as large) plus a slack; without it, this machine's memory;
-``max_bytes=`` sets it explicitly.
+healthy peer's is about as large) plus a slack; without it, the memory this process may
+use (its cgroup's limit, where lower than the host's); ``max_bytes=`` sets it
+explicitly.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def test_without_its_own_state_a_receive_is_bounded_by_this_machines_memory(
     with pytest.raises(
         UnsafeCheckpointError,
         match=rf"item 'w'.*claims {claimed} bytes of tensors up to this one .*, past this "
-        r"receive's budget of \d+ bytes \(this machine's memory\)",
+        r"receive's budget of \d+ bytes \(the memory this process may use",
     ):
         receiver.recv_checkpoint(0, sender.metadata(), 1, WAIT)
 
