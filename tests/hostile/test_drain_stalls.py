@@ -46,7 +46,7 @@ def test_a_drain_whose_worker_is_stopped_fails_its_step_which_drains_later(
     naming the step, which stays local; the next save's drain pass copies it."""
     monkeypatch.setattr(_stuck, "STUCK_GRACE", 1.0)  # the worker's own deadline is moot here
     manager = CheckpointManager(
-        tmp_path / "root", local=tmp_path / "local", persist="process", timeout=2, pace=None
+        tmp_path / "root", local=tmp_path / "local", persist="process", timeout=10, pace=None
     )
     manager.save(1, _state(1.0))
     manager.wait(timeout=HANG)
