@@ -365,8 +365,8 @@ class LocalTier:
             assert timeout is not None
             with self._lock:
                 step = self._committing_step
-            fate = "its save goes on, and its future says how it ends"
-            raise overdue(timeout, step, self.local.url, fate)
+            url = self.local.url if step is None else self.local.step_url(step)
+            raise overdue(timeout, step, url, "its save goes on; its future says how it ends")
         persist.hurry()
         if not self.drains.wait(None if until is None else max(0.0, until - time.monotonic())):
             assert timeout is not None

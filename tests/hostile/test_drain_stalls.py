@@ -3,8 +3,8 @@ debugger, a scheduler's freezer): the drain's copy of a step runs in the worker,
 ``wait()`` waited on it with no bound, so a training script (and its exit, which joins
 the drain thread) hung. Now ``wait(timeout=)`` bounds the wait, and the manager's
 ``timeout=`` bounds each step's copy as it bounds a save; nothing is lost: a step not
-drained stays local and a later pass drains it. A manager without a local tier waits
-for its asynchronous save with the same bound.
+drained stays local and a later pass drains it. The same bound holds for the local
+commit of an asynchronous save, and for a manager without a local tier.
 
 Each test says what happened before the fix it guards."""
 
@@ -113,3 +113,26 @@ def test_wait_with_a_timeout_names_the_save_in_flight_without_a_local_tier(
     manager.wait(timeout=HANG)
     assert future is not None and future.result(timeout=HANG) is None
     assert manager.steps() == [1, 2]
+
+
+def test_wait_with_a_timeout_names_the_step_whose_local_commit_is_in_flight(
+    tmp_path: Path, worker: persist.Worker
+) -> None:
+    """A tiered manager's asynchronous save commits locally through the worker: with
+    the worker stopped, ``wait()`` waited for that commit with no bound. Now
+    ``wait(timeout=)`` raises a deadline error naming the step, and the save goes on
+    to commit and drain once the worker does."""
+    manager = CheckpointManager(
+        tmp_path / "root", local=tmp_path / "local", persist="process", pace=None
+    )
+    manager.save(1, _state(1.0))
+    manager.wait(timeout=HANG)
+    pid = worker.call(os.getpid).result(timeout=HANG)
+    with _stopped(pid):
+        future = manager.save(2, _state(2.0), blocking=False)
+        with pytest.raises(DeadlineExceededError, match="step 2 is not done") as info:
+            manager.wait(timeout=0.5)
+        assert "its future" in str(info.value)
+    manager.wait(timeout=HANG)
+    assert future is not None and future.result(timeout=HANG) is None
+    assert manager.durable_steps() == [1, 2]

@@ -25,7 +25,8 @@ class Unanswered(WorkerDiedError):
 
 
 class WorkerStuckError(deadline.DeadlineExceededError, WorkerDiedError):
-    """A save's persist worker had not answered by the save's deadline and was killed."""
+    """A save's (or a drain's) persist worker had not answered by the save's deadline
+    and was killed."""
 
 
 def stuck(
