@@ -19,7 +19,11 @@ import logging
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from extensions.errors import CheckpointExistsError, CheckpointNotFoundError
+from extensions.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+)
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import heartbeat
 from storage.checkpoint import storage_format as fmt
@@ -99,8 +103,8 @@ def commit_checkpoint(
             )
             if referencing:
                 recheck_bases(fs, directory, meta_name, save_id, infos)
-        except BaseException:
-            landed = metadata_may_name(fs, meta_path, save_id)
+        except BaseException as exc:
+            landed = commit_may_have_landed(exc) or metadata_may_name(fs, meta_path, save_id)
             if not landed:
                 remove_data_files(fs, home, set(new_files))  # never through a link below
             raise
@@ -207,7 +211,52 @@ def publish_metadata(
             fs.url(directory),
         )
         return
-    remove_data_files(fs, directory, replaced - new_files)
+    if replaced - new_files:
+        shown_back(fs, home, meta_path, payload)
+        remove_data_files(fs, directory, replaced - new_files)
+
+
+class NotShownError(CheckpointStorageError):
+    """The store acknowledged a checkpoint's metadata but serves other bytes at its name
+    (:func:`shown_back`); ``payload`` is the metadata that was published. Marked as a
+    commit that may have landed: no file of either checkpoint is removed."""
+
+    def __init__(self, payload: bytes, message: str) -> None:
+        super().__init__(message)
+        self.payload = payload
+
+    def __reduce__(self) -> Any:  # pickled across ranks and processes, its mark kept
+        return (type(self), (self.payload, str(self)), self.__dict__)
+
+
+def shown_back(fs: FileSystemBase, home: str, meta_path: str, payload: bytes) -> None:
+    """Before the files of a replaced checkpoint go: the metadata just published is
+    read back from ``home``. A store that acknowledged the write but serves the old
+    metadata (it kept the old object, a cache answers for it) would otherwise have the
+    old files removed while that metadata, naming them, is what every reader finds: the
+    checkpoint replaced lost, the new one not there. Raises :class:`NotShownError`,
+    marked as a commit that may have landed (:func:`mark_may_have_landed`), so that
+    neither checkpoint's files are removed: whichever metadata the store settles on
+    loads, and ``gc`` removes the other's files as orphans."""
+    name = meta_path.rsplit("/", 1)[-1]
+    url = fs.url(meta_path)
+    try:
+        found: bytes | None = fs.read_bytes(fs.concat_path(home, name), limit=len(payload))
+    except FileNotFoundError:
+        found = None
+    if found == payload:
+        return
+    seen = "no object" if found is None else f"{len(found)} bytes of other content"
+    error = NotShownError(
+        payload,
+        f"{url}: the store acknowledged this save's metadata but serves {seen} there (it kept "
+        "an older object, or a cache answers for it; or another save to this checkpoint "
+        "published meanwhile); the files of the checkpoint it replaces were kept, and so "
+        "were this save's: check the store's consistency, then save or copy again (gc "
+        "removes the files no metadata names)",
+    )
+    mark_may_have_landed(error)
+    raise error
 
 
 def metadata_may_name(fs: FileSystemBase, meta_path: str, save_id: str) -> bool:

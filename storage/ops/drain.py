@@ -37,6 +37,7 @@ from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
 from storage.checkpoint import persist
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
+from storage.checkpoint.commit import NotShownError
 from storage.checkpoint.committed import read_metadata_bytes
 from storage.checkpoint.options import WriterSettings
 from storage.checkpoint.persist import _stuck
@@ -370,6 +371,9 @@ def drain_step(
                     fs, dst, part, copies, overwrite=settings.overwrite, home=attempt.home
                 )
                 published = Published.of(data, attempt.save_id)
+                attempt.landed()
+            except NotShownError as exc:  # published; root_copy judges what the root shows
+                published = Published.of(exc.payload, attempt.save_id)
                 attempt.landed()
             except Exception as exc:
                 error, outcome = exc, _text(exc)

@@ -1,0 +1,110 @@
+"""A store that acknowledges the write that commits a checkpoint, then keeps
+serving the older object at that name (a PUT it lost, a cache in front of it): moto
+behind the fault proxy (``tests.support.servers.FaultProxy``), whose ``"rewrite"`` fault
+puts the old object back as the PUT is answered. Each test says what happened before
+the fix it guards."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import storage
+from extensions.errors import CheckpointStorageError
+from storage.backends import LocalFileSystem
+from storage.ops.copy import copy_checkpoint
+from tests.support.servers import (
+    Asked,
+    FaultProxy,
+    Reply,
+    boto3_client,
+    create_bucket,
+    moto_endpoint,
+    s3_options,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+BUCKET = "dcp-lost-puts"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, FaultProxy]]:
+    endpoint = moto_endpoint()
+    create_bucket(endpoint, BUCKET)
+    with FaultProxy(endpoint) as proxy:
+        yield endpoint, proxy
+
+
+def _keeping_old(endpoint: str, key: str) -> Any:
+    """A rewrite that lets the write of ``key`` through, then puts the object that was
+    there back: the store answered 200 and serves the old object."""
+    client = boto3_client(endpoint)
+    older = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+    def rewrite(asked: Asked, reply: Reply) -> Reply:
+        client.put_object(Bucket=BUCKET, Key=key, Body=older)
+        return reply
+
+    return rewrite
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"a": torch.full((64,), value), "b": torch.full((32,), value)}
+
+
+def test_a_copy_over_a_checkpoint_whose_metadata_the_store_keeps_old_removes_nothing(
+    server: tuple[str, FaultProxy], tmp_path: Path
+) -> None:
+    """``cp --overwrite``: the store acknowledged the new ``.metadata`` and kept the old.
+    Before, the copy then removed the old checkpoint's data files and reported success,
+    while the metadata every reader found named those files: the checkpoint replaced was
+    lost and the new one was not there. Now the metadata is read back before anything
+    is removed: the copy fails saying so and both checkpoints' files stay."""
+    endpoint, proxy = server
+    proxy.clear()
+    for value in (1.0, 2.0):
+        storage.save(_state(value), str(tmp_path / f"src-{value:g}"))
+    fs = storage.S3FileSystem(storage_options=s3_options(proxy.url))
+    prefix = uuid.uuid4().hex
+    dst = f"{BUCKET}/{prefix}/ckpt"
+    copy_checkpoint(LocalFileSystem(), str(tmp_path / "src-1"), fs, dst)
+    rewrite = _keeping_old(endpoint, f"{prefix}/ckpt/.metadata")
+    proxy.add("rewrite", method="PUT", path=r"/ckpt/\.metadata(\?|$)", rewrite=rewrite, count=1)
+    with pytest.raises(CheckpointStorageError, match="acknowledged this save's metadata"):
+        copy_checkpoint(LocalFileSystem(), str(tmp_path / "src-2"), fs, dst, overwrite=True)
+    proxy.clear()
+    state = _state(0.0)
+    storage.load(state, f"s3://{dst}", filesystem=fs)  # the old checkpoint, whole
+    assert all(torch.equal(v, _state(1.0)[k]) for k, v in state.items())
+    # Once the store answers right, the copy goes through.
+    copy_checkpoint(LocalFileSystem(), str(tmp_path / "src-2"), fs, dst, overwrite=True)
+    storage.load(state, f"s3://{dst}", filesystem=fs)
+    assert all(torch.equal(v, _state(2.0)[k]) for k, v in state.items())
+
+
+def test_a_save_over_a_step_whose_metadata_the_store_keeps_old_keeps_that_step(
+    server: tuple[str, FaultProxy],
+) -> None:
+    """The manager saving a step again (a job restarted from an older step): the same
+    lost PUT. Before, the save returned and the step's metadata named files it had just
+    removed; now the save fails and the step still loads as it was."""
+    endpoint, proxy = server
+    proxy.clear()
+    fs = storage.S3FileSystem(storage_options=s3_options(proxy.url))
+    prefix = uuid.uuid4().hex
+    mgr = storage.CheckpointManager(f"s3://{BUCKET}/{prefix}", filesystem=fs)
+    mgr.save(5, _state(1.0))
+    rewrite = _keeping_old(endpoint, f"{prefix}/step-5/.metadata")
+    proxy.add("rewrite", method="PUT", path=r"/step-5/\.metadata(\?|$)", rewrite=rewrite, count=1)
+    with pytest.raises(CheckpointStorageError, match="acknowledged this save's metadata"):
+        mgr.save(5, _state(2.0))
+    proxy.clear()
+    state = _state(0.0)
+    assert mgr.load(state) == 5
+    assert all(torch.equal(v, _state(1.0)[k]) for k, v in state.items())
