@@ -1,4 +1,4 @@
-"""A store that acknowledges the write that commits a checkpoint, then keeps
+"""A store that acknowledges the write that commits a checkpoint or a model, then keeps
 serving the older object at that name (a PUT it lost, a cache in front of it): moto
 behind the fault proxy (``tests.support.servers.FaultProxy``), whose ``"rewrite"`` fault
 puts the old object back as the PUT is answered. Each test says what happened before
@@ -15,9 +15,11 @@ import pytest
 import torch
 
 import storage
-from extensions.errors import CheckpointStorageError
+from extensions.errors import CheckpointStorageError, IntegrityError
 from storage.backends import LocalFileSystem
+from storage.checkpoint.safetensors import load_safetensors
 from storage.ops.copy import copy_checkpoint
+from storage.ops.export import export_safetensors
 from tests.support.servers import (
     Asked,
     FaultProxy,
@@ -107,4 +109,32 @@ def test_a_save_over_a_step_whose_metadata_the_store_keeps_old_keeps_that_step(
     proxy.clear()
     state = _state(0.0)
     assert mgr.load(state) == 5
+    assert all(torch.equal(v, _state(1.0)[k]) for k, v in state.items())
+
+
+def test_an_export_of_one_file_whose_publish_the_store_keeps_old_fails(
+    server: tuple[str, FaultProxy], tmp_path: Path
+) -> None:
+    """An export of one file (``model.safetensors``) over an earlier one: the store
+    acknowledged the upload and kept the old file. Before, the export returned as if
+    the new weights were there, and serving loaded the old ones (a model in several
+    files read its index back and failed); now it reads the file's header back."""
+    endpoint, proxy = server
+    proxy.clear()
+    for value in (1.0, 2.0):
+        storage.save(_state(value), str(tmp_path / f"src-{value:g}"))
+    fs = storage.S3FileSystem(storage_options=s3_options(proxy.url))
+    prefix = uuid.uuid4().hex
+    dst = f"{BUCKET}/{prefix}/hf"
+    export_safetensors(LocalFileSystem(), str(tmp_path / "src-1"), fs, dst)
+    rewrite = _keeping_old(endpoint, f"{prefix}/hf/model.safetensors")
+    # Small files go up in one PUT, large ones as a multipart upload completed by a POST.
+    for method in ("PUT", "POST"):
+        path = r"/hf/model\.safetensors(\?uploadId=[^&]*)?$"
+        proxy.add("rewrite", method=method, path=path, rewrite=rewrite)
+    with pytest.raises(IntegrityError, match="not the one this write published"):
+        export_safetensors(LocalFileSystem(), str(tmp_path / "src-2"), fs, dst, overwrite=True)
+    proxy.clear()
+    state = _state(0.0)
+    load_safetensors(state, f"s3://{dst}", storage_options=s3_options(endpoint))
     assert all(torch.equal(v, _state(1.0)[k]) for k, v in state.items())

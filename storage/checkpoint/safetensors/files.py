@@ -13,7 +13,8 @@ take the old ones' names (:func:`new_names`), and the commit (:func:`commit_mode
 is one step: a model in several files replacing several is committed by its index
 replacing the old one; replacing a single file, by that file's removal once the index
 is published (the old index, if any, is then stale); a single file, by its
-publication (over the old one, or beside an old index it makes stale, removed next).
+publication (over the old one, or beside an old index it makes stale, removed next,
+once the file is read back carrying the write's id).
 Only then are the old model's files, and those of a write killed half way, removed. A
 write that stops half way leaves the old model, plus unreferenced files (a stale index
 among them) the next write removes. Loaders that glob the folder's files and keep
@@ -62,7 +63,13 @@ from storage.checkpoint.safetensors.header import (
     layout,
 )
 from storage.checkpoint.safetensors.parse import parse_index
-from storage.checkpoint.safetensors.reading import read_files, read_index, read_limited, show_id
+from storage.checkpoint.safetensors.reading import (
+    read_files,
+    read_header,
+    read_index,
+    read_limited,
+    show_id,
+)
 from storage.checkpoint.safetensors.staging import is_model_file_name
 from storage.checkpoint.tensors import tensor_bytes
 
@@ -132,8 +139,9 @@ def commit_model(
     back, :func:`publish_index`) and read again; where a ``model.safetensors`` was there,
     its removal is the commit (readers take that file over an index), then the index is
     read once more and the folder must hold no ``model.safetensors`` (another write's).
-    One file: it was published whole, which committed it; the index of a model it
-    replaces is removed. Only then are the other replaced files removed.
+    One file: it was published whole, which committed it; it is read back (its header
+    must carry ``write_id``), then the index of a model it replaces is removed. Only
+    then are the other replaced files removed.
 
     Every removal goes through ``rm_file_in`` under ``replaced.home``: the folder as
     resolved when the write began, so one swapped for a link since makes a removal
@@ -155,6 +163,7 @@ def commit_model(
                 "model: export or save the model again, one writer at a time"
             )
     else:
+        _check_single_id(fs, root, write_id, home)  # before the old index goes: it may serve
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file_in(home, INDEX_NAME)
         fs.sync_dir(root)
@@ -331,4 +340,40 @@ def _check_index_id(fs: FileSystemBase, root: str, write_id: str) -> None:
             f"while this one was written (write id {show_id(found)}, this one's "
             f"{quote(write_id)}); the folder holds that write's model, or a mix: export or "
             "save the model again, one writer at a time"
+        )
+
+
+def _check_single_id(fs: FileSystemBase, root: str, write_id: str, home: str) -> None:
+    """Raise unless the ``model.safetensors`` at ``root`` is this write's: another write
+    may have published its own over it since, or the store may serve an older object
+    than the one it acknowledged (the old model's: the write would return while every
+    reader loads the model it replaced, and the old index would go). ``root`` leading
+    elsewhere than ``home`` (swapped for a link since the write began) is said so."""
+    try:
+        found = read_header(fs, root, SINGLE_NAME).write_id
+    except CheckpointNotFoundError as exc:
+        _refuse_swapped(fs, root, home)
+        raise IntegrityError(
+            f"{fs.url(root)}: {SINGLE_NAME} is gone right after this write published it "
+            f"({exc}); another save or export to this folder removed it: export or save the "
+            "model again, one writer at a time"
+        ) from exc
+    if found != write_id:
+        _refuse_swapped(fs, root, home)
+        raise IntegrityError(
+            f"{fs.url(root)}: the {SINGLE_NAME} there is not the one this write published "
+            f"(write id {show_id(found)}, this one's {quote(write_id)}): another save or "
+            "export to this folder published its own meanwhile, or the store serves an "
+            "older object than the one it acknowledged; nothing of the model there was "
+            "removed: export or save the model again, one writer at a time"
+        )
+
+
+def _refuse_swapped(fs: FileSystemBase, root: str, home: str) -> None:
+    if fs.resolve_link(root) != home:
+        raise UnsafeCheckpointError(
+            f"{fs.url(root)} is now a symbolic link where the checkpoint has a directory "
+            f"(it led to {fs.url(home)} when this write began); nothing of the model there "
+            "was removed. Whoever can write its parent may have swapped it in: remove the "
+            "link itself, and make that directory writable by you only"
         )
