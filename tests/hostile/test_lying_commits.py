@@ -1,11 +1,12 @@
-"""A store that acknowledges the write that commits a checkpoint or a model, then keeps
-serving the older object at that name (a PUT it lost, a cache in front of it): moto
-behind the fault proxy (``tests.support.servers.FaultProxy``), whose ``"rewrite"`` fault
-puts the old object back as the PUT is answered. Each test says what happened before
-the fix it guards."""
+"""A store that lies to a write replacing a checkpoint or a model: it acknowledges the
+write that commits it, then keeps serving the older object at that name (a PUT it lost,
+a cache in front of it), or its listing omits the files there. moto behind the fault
+proxy (``tests.support.servers.FaultProxy``), whose ``"rewrite"`` fault changes what
+the server did or said. Each test says what happened before the fix it guards."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,6 +135,43 @@ def test_an_export_of_one_file_whose_publish_the_store_keeps_old_fails(
         proxy.add("rewrite", method=method, path=path, rewrite=rewrite)
     with pytest.raises(IntegrityError, match="not the one this write published"):
         export_safetensors(LocalFileSystem(), str(tmp_path / "src-2"), fs, dst, overwrite=True)
+    proxy.clear()
+    state = _state(0.0)
+    load_safetensors(state, f"s3://{dst}", storage_options=s3_options(endpoint))
+    assert all(torch.equal(v, _state(1.0)[k]) for k, v in state.items())
+
+
+def _without_model_files(asked: Asked, reply: Reply) -> Reply:
+    """A listing that lags behind the store: the model's files are left out."""
+    entry = rb"<Contents>(?:(?!</Contents>).)*?</Contents>"
+    reply.body = re.sub(
+        entry, lambda m: b"" if b"model-" in m.group(0) else m.group(0), reply.body, flags=re.S
+    )
+    return reply
+
+
+def test_an_export_over_a_model_the_listing_omits_that_fails_leaves_it(
+    server: tuple[str, FaultProxy], tmp_path: Path
+) -> None:
+    """An export in two files over a model in two files, while the folder's listing
+    omits them; the upload of its second file then fails. Before, the export took the
+    names it did not see listed, so its first file replaced the old model's: the old
+    index then named a file of another write, and the model that a failed export
+    promises to leave no longer loaded. Each name is now also asked for by name."""
+    endpoint, proxy = server
+    proxy.clear()
+    for value in (1.0, 2.0):
+        storage.save(_state(value), str(tmp_path / f"src-{value:g}"))
+    fast = {"retries": {"mode": "standard", "total_max_attempts": 1}}
+    fs = storage.S3FileSystem(storage_options=s3_options(proxy.url, config_kwargs=fast))
+    dst = f"{BUCKET}/{uuid.uuid4().hex}/hf"
+    export_safetensors(LocalFileSystem(), str(tmp_path / "src-1"), fs, dst, max_shard_size=300)
+    proxy.add("rewrite", method="GET", path=r"list-type=2", rewrite=_without_model_files)
+    proxy.add("500", method="PUT", path=r"/hf/model-([0-9a-f]{8}-)?00002-of-00002\.")
+    with pytest.raises(OSError, match="00002-of-00002"):
+        export_safetensors(
+            LocalFileSystem(), str(tmp_path / "src-2"), fs, dst, max_shard_size=300, overwrite=True
+        )
     proxy.clear()
     state = _state(0.0)
     load_safetensors(state, f"s3://{dst}", storage_options=s3_options(endpoint))

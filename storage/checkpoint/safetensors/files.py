@@ -109,11 +109,17 @@ def new_names(
     it is published whole over the old one. Also what :func:`commit_model` may remove:
     the model files at ``root`` now (never those another write to the folder makes
     meanwhile), and where (``home``: ``root`` as the write resolved it when it began;
-    default: resolved now)."""
+    default: resolved now). Each of transformers' names the listing does not show is
+    asked for by name: a listing that lags or misses an object had a write take the
+    names of the model it replaced, which a write failed or killed then left broken."""
     home = heartbeat.resolved(fs, root) if home is None else home
-    replaced = Replaced(home, _model_files(fs, root))
+    listed = _model_files(fs, root)
     names = file_names(count)
-    if count == 1 or replaced.names.isdisjoint(names):
+    if count == 1:
+        return names, Replaced(home, listed)
+    there = {n for n in names if n in listed or fs.exists(fs.concat_path(root, n))}
+    replaced = Replaced(home, listed | there)
+    if not there:
         return names, replaced
     return file_names(count, write_id[:_TAG]), replaced
 
