@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import os
 import threading
 import time
@@ -63,6 +64,10 @@ def _seconds(timeout: timedelta | float) -> float:
 
 #: The longest wait between two checks for the sender's commit.
 _POLL_CAP = 0.25
+#: A later send removes what a send killed before its commit left once older than this
+#: (seconds), looking at most every _SWEEP_EVERY.
+_LEFTOVER_GRACE, _SWEEP_EVERY = 3600.0, 600.0
+log = logging.getLogger(__name__)
 
 
 class StorageTransport:
@@ -144,6 +149,7 @@ class StorageTransport:
         self._closed = False
         self._closing = threading.Event()  # wakes the receives waiting for a commit
         self._resolved: dict[str, tuple[FileSystemBase, str]] = {}
+        self._swept: float | None = None  # time.monotonic() of the last sweep
 
     @staticmethod
     def _replica_path(fs: FileSystemBase, root: str, rank: int) -> str:
@@ -379,3 +385,16 @@ class StorageTransport:
             real = unwrap_checkpoint_exception(exc, writer)
             raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
         mgr.retention.after_save(step)
+        self._sweep_when_due()
+
+    def _sweep_when_due(self) -> None:
+        """Remove what sends killed before their commit left in this replica's directory
+        (``cleanup``; each the state of a replica): nothing else looks there."""
+        now = time.monotonic()
+        if self._swept is None or now - self._swept >= _SWEEP_EVERY:
+            self._swept = now
+            try:
+                if removed := self._manager.cleanup(_LEFTOVER_GRACE):
+                    log.info("removed killed sends in %s: %s", self._manager.url, removed)
+            except Exception as exc:  # the send is committed: a failed sweep is no failure
+                log.warning("sweeping %s for killed sends failed: %s", self._manager.url, exc)
