@@ -102,7 +102,9 @@ def export_safetensors(
     at ``dst`` is refused unless ``overwrite``; a model replaced stays whole until
     then (new files take other names), and its files are removed after. Up to
     :data:`FILES` files are written at once; when one fails, the others are
-    interrupted and none of them is published.
+    interrupted and none of them is published. Each file is published only once the
+    source's metadata, read again, still names the data files the export was planned
+    from: a save over the source meanwhile could make the model mix both saves.
     ``progress(done, total)`` is called with the bytes of tensor data written so far
     and in all after each tensor (from the threads writing the files, one call at a
     time)."""
@@ -155,6 +157,15 @@ def export_safetensors(
     groups = split([(t.name, t.nbytes) for t in tensors], max_shard_size)
     refuse_existing(dst_fs, dst, overwrite=overwrite)
 
+    def unchanged() -> None:  # before each file is published: after every read of it
+        now = CheckpointReader(src, filesystem=src_fs, **reader_options).read_metadata()
+        if now.storage_data != metadata.storage_data:
+            raise IntegrityError(
+                f"{checkpoint} was saved again while it was exported (its metadata names "
+                "other data files now), so the model could mix tensors of both saves; no "
+                "model was committed: export it again once nothing writes to it"
+            )
+
     def load_batch(batch: list[Tensor]) -> dict[str, torch.Tensor]:
         state = {t.fqn: empty_stored(metadata, t.fqn, checkpoint) for t in batch}
         load(state, checkpoint, filesystem=src_fs, **reader_options)
@@ -173,7 +184,7 @@ def export_safetensors(
             (dst_fs.concat_path(dst, n), [by_name[t] for t in g]) for g, n in zip(groups, names)
         ]
         stream = _Stream(src_fs, checkpoint, pool, load_batch, Cancel(current()), write_id)
-        stream.home = replaced.home
+        stream.home, stream.unchanged = replaced.home, unchanged
         total = stream.write_all(dst_fs, files, everything, progress)
     weight_map = {t.name: name for (_, group), name in zip(files, names) for t in group}
     written = commit_model(dst_fs, dst, weight_map, total, write_id, replaced)
@@ -195,6 +206,9 @@ class _Stream:
     #: The destination as resolved when the export began (``files.Replaced.home``): the
     #: files are written inside it, never through a link swapped in since.
     home: str | None = None
+    #: Raises where the source changed since it was planned: called before each file
+    #: is published, once its bytes are all read.
+    unchanged: Callable[[], None] = lambda: None
 
     def write_all(
         self,
@@ -271,6 +285,7 @@ class _Stream:
                         )
                 done += tensor.nbytes
                 progress(done)
+            self.unchanged()  # a file published is the model where it is the only one
         return done
 
     def _write_loaded(self, out: Any, tensor: Tensor) -> None:

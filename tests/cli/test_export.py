@@ -34,6 +34,7 @@ from storage.ops import export as export_module
 from storage.ops.export import export_safetensors
 from tests.support.distributed import gloo_group
 from tests.support.servers import endpoint_with_bucket, s3_options
+from tests.support.subprocess_jobs import kill_when_marked
 from tests.support.trees import tiny_llama
 
 BUCKET = "export"
@@ -586,3 +587,51 @@ def test_an_export_that_fails_over_a_sharded_model_in_a_bucket_leaves_it(
     loaded = _loaded(url, names, storage_options=options)
     assert all(torch.equal(t, torch.full((1024,), -2.0)) for t in loaded.values())
     assert sorted(fs.ls(root)) == sorted(result.files)
+
+
+# Saves over sys.argv[1] and parks at the first removal of an old data file: killed
+# there, the save is committed and the files of the checkpoint it replaced remain.
+_SAVE_OVER_THEN_PARK = """
+import sys
+import torch
+import storage
+from tests.support.subprocess_jobs import park_on_rm_file
+park_on_rm_file(".distcp", sys.argv[2])
+storage.save({"f": torch.full((64,), 2.0), "i": torch.full((64,), 2)}, sys.argv[1])
+"""
+
+
+class _SavedOverOnFirstRead(LocalFileSystem):
+    """The export's source: at its first read of a data file, another process saves
+    over the checkpoint and is killed before it removed the old files."""
+
+    def __init__(self, src: Path, mark: Path) -> None:
+        super().__init__()
+        self.src, self.mark, self.fired = src, mark, False
+
+    def open_slice(self, path: str, offset: int, length: int) -> Any:
+        if not self.fired and path.endswith(".distcp"):
+            self.fired = True
+            args = [str(self.src), str(self.mark)]
+            kill_when_marked(_SAVE_OVER_THEN_PARK, args, self.mark, "the save's first removal")
+        return super().open_slice(path, offset, length)
+
+
+@pytest.mark.parametrize("size", [None, 300], ids=["one-file", "several-files"])
+def test_an_export_whose_source_is_saved_over_meanwhile_commits_no_model(
+    tmp_path: Path, size: int | None
+) -> None:
+    """A save over the source while it is exported, killed after its commit (the old
+    data files stay until ``gc``). Before, the export returned a model that mixed both
+    saves: ``i`` (streamed from the old files its plan named) of the first, ``f``
+    (converted, so loaded, from the metadata there then) of the second. Now each file
+    is published only while the source's metadata is still the one planned from."""
+    src, out = tmp_path / "src", tmp_path / "hf"
+    storage.save({"f": torch.full((64,), 1.0), "i": torch.full((64,), 1)}, str(src))
+    fs = _SavedOverOnFirstRead(src, tmp_path / "parked")
+    with pytest.raises(IntegrityError, match="was saved again while it was exported"):
+        export_safetensors(
+            fs, str(src), LocalFileSystem(), str(out), dtype=torch.bfloat16, max_shard_size=size
+        )
+    assert fs.fired
+    assert not [p.name for p in out.iterdir() if "index" in p.name or p.name == "model.safetensors"]
