@@ -256,7 +256,8 @@ class Retention:
 
     def orphans(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
         """Data files inside committed checkpoints (each ``step-<N>`` and the root itself,
-        when it is one) that no metadata names, older than ``grace_seconds``: what a
+        when it is one; or all of an uncommitted root's, by :meth:`_stale_leftover`'s
+        rule) that no metadata names, older than ``grace_seconds``: what a
         save, ``cp``, drain or peer restore killed mid-copy leaves beside the files a
         retry committed (and a multi-rank save that failed on another rank). Also the
         stale heartbeats of writers that died there. Removed unless ``dry_run``; returns
@@ -307,6 +308,9 @@ class Retention:
         except (FileNotFoundError, NotADirectoryError):
             return []
         checkpoint = self.root.models.open(fs, path)
+        if path == self.root.path and checkpoint.readable and not checkpoint.metadata:
+            # A save or cp killed into a root of its own: no step holds what it left.
+            return self._stale_leftover(path, grace_seconds) or []
         if not checkpoint.readable or list(checkpoint.metadata) != [fmt.METADATA_NAME]:
             # Unreadable metadata: touch nothing. Rank-local metadata: which files are
             # whose is not ours to guess.

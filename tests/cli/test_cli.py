@@ -600,6 +600,40 @@ def test_gc_lists_and_removes_the_partial_file_of_a_copy_killed_mid_file(
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
 
 
+def test_gc_removes_what_a_copy_killed_into_a_directory_of_its_own_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``cp`` to a directory not named ``step-<N>`` killed with kill -9 mid-file, and
+    not retried. Before, nothing removed its data files: ``rm`` refuses a directory
+    without metadata and points at ``gc``, and ``gc`` on that directory (or its parent)
+    found nothing to do. Now ``gc`` on it removes them, by the rule for interrupted
+    saves: only checkpoint files, no live heartbeat, all older than the grace."""
+    from storage.checkpoint import heartbeat
+    from tests.support.gated_fs import wait_for
+
+    src, gate, dst = tmp_path / "src", tmp_path / "gate", tmp_path / "exports" / "final"
+    gate.mkdir()
+    storage.save({"w": torch.randn(1 << 18)}, src)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    cp = subprocess.Popen([sys.executable, "-c", _KILLED_CP, src, dst, gate], env=env)
+    try:
+        wait_for(gate / "started")
+    finally:
+        cp.kill()  # SIGKILL: no cleanup runs
+        cp.wait()
+    (partial,) = [p.name for p in dst.glob("*.distcp")]
+    assert main(["rm", str(dst)]) != 0  # not a checkpoint: it points at gc
+    assert "dcp-storage gc" in capsys.readouterr().err
+    gc = ["gc", str(dst), "--keep-last", "1", "--json"]
+    assert main(gc) == 0  # within the grace: it may be a copy still running
+    assert json.loads(capsys.readouterr().out)["orphans"] == []
+    monkeypatch.setattr(heartbeat, "LIFETIME", 0.0)  # as if the heartbeat's life had passed
+    assert main([*gc, "--grace", "0"]) == 0
+    removed = [Path(u).name for u in json.loads(capsys.readouterr().out)["orphans"]]
+    assert partial in removed
+    assert list(dst.iterdir()) == []
+
+
 # --- gc --abort-uploads and a save in flight ----------------------------------------------
 
 
