@@ -346,8 +346,7 @@ def drain_step(
             # the bytes it writes, its bases drained before it (a reference costs none).
             pace_bytes=stored_bytes(part, ranks, references=False),
             pace_for=root.step_url(step),
-            # Bounded as a save of the step is: a worker stopped or stuck is killed.
-            kill_after=None if settings.timeout is None else settings.timeout + _stuck.STUCK_GRACE,
+            kill_after=_stuck.kill_after(settings.timeout),  # bounded as the step's save is
         )
     except _stuck.Unanswered:
         fate = f"Step {step} stays in the local tier {local.url}; the next drain pass copies it"

@@ -394,7 +394,7 @@ def _write_in(
             max_bandwidth=writer.persist_mode.max_bandwidth,
             pace_bytes=sum(_ref_bytes(ref) for ref in refs.values()),
             pace_for=writer.url,
-            kill_after=None if left is None else left + _stuck.STUCK_GRACE,
+            kill_after=_stuck.kill_after(left),
         ).result()
     except _stuck.Unanswered as exc:
         raise _stuck.stuck(writer.url, writer.budget.timeout, files) from exc

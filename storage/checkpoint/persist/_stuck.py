@@ -20,6 +20,12 @@ from storage.checkpoint import deadline
 STUCK_GRACE = deadline.CANCEL_GRACE + 10.0
 
 
+def kill_after(left: float | None) -> float | None:
+    """When a call with ``left`` seconds to its deadline (``None``: none) counts as
+    unanswered and its worker is killed: :data:`STUCK_GRACE` past it."""
+    return None if left is None else left + STUCK_GRACE
+
+
 class Unanswered(WorkerDiedError):
     """A call the worker had not answered by its ``kill_after``: the worker was killed."""
 
