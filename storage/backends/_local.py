@@ -9,6 +9,7 @@ from typing import IO, ClassVar
 
 from storage.backends import _local_files, _local_links, _local_removal, _local_writes
 from storage.backends.base import FileSystemBase
+from storage.backends.swap import directory_locked
 
 
 class LocalFileSystem(FileSystemBase):
@@ -68,6 +69,32 @@ class LocalFileSystem(FileSystemBase):
             super().write_atomic_in(directory, name, data, exclusive=exclusive)
             return
         _local_writes.write_atomic_in(directory, name, bytes(data), exclusive=exclusive)
+
+    # Compare and swap (``storage.backends.swap``): the version is the content, compared
+    # under the directory's flock, through this object's own reads and writes.
+    def read_versioned(self, path: str, *, limit: int) -> tuple[bytes, str]:
+        data = self.read_bytes(path, limit=limit)
+        return data, data.hex()
+
+    def replace_if(self, directory: str, name: str, data: bytes, version: str | None) -> bool:
+        with directory_locked(directory):
+            if self._version_in(directory, name, version) != version:
+                return False
+            self.write_atomic_in(directory, name, data)
+            return True
+
+    def remove_if(self, directory: str, name: str, version: str) -> bool:
+        with directory_locked(directory):
+            if self._version_in(directory, name, version) != version:
+                return False
+            self.rm_file_in(directory, name)
+            return True
+
+    def _version_in(self, directory: str, name: str, version: str | None) -> str | None:
+        limit = len(version or "") // 2  # as many bytes as that version, and one more
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            return self.read_versioned(self.concat_path(directory, name), limit=limit)[1]
+        return None
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size

@@ -154,6 +154,11 @@ class ObjectReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    @property
+    def version(self) -> str | None:
+        """The version (ETag, generation) the GETs so far served; ``None`` before one."""
+        return self._version
+
     def open(self) -> None:
         """Send the first GET now (errors such as a missing object surface here)."""
         if not self._eof and self._body is None:

@@ -10,10 +10,17 @@ committed itself (``siblings``), and a restarted job saw none. So each commit of
 checkpoint's ``.metadata`` into a directory named ``step-<N>`` then writes
 ``<parent>/.dcp-latest`` (:func:`publish`), atomically and by name, holding ``step-<N>\\n``:
 after the commit marker, never before, and never naming a step below the one it already
-names while that one is committed. :func:`unlisted` reads it back (one request) for
-``siblings.names_under``, so every step listing of a root (a manager's ``steps()``,
-``latest()``, its loads, retention, an incremental save's base) sees the pointed step
-when the listing misses it.
+names while that one is committed, whoever else publishes into that root at the same
+time (two managers, a manager and a ``dcp.save`` of a numbered step, two jobs). Where
+the backend can compare and swap (``storage.backends.swap``: local disk under a
+``flock`` of the root, S3 with ``If-Match``), the pointer is replaced only while it is
+still what was read, else read and decided again: no request more than a plain write
+(the condition rides on the PUT). Elsewhere (GCS, other fsspec URLs) it is read back
+after the write (one GET more) and written again where a concurrent publish of a lower
+step undid it, which leaves a window: that publish writing after the read-back.
+:func:`unlisted` reads it back (one request) for ``siblings.names_under``, so every
+step listing of a root (a manager's ``steps()``, ``latest()``, its loads, retention, an
+incremental save's base) sees the pointed step when the listing misses it.
 
 The pointer is a hint, never the commit: a step exists once its metadata does. A
 pointer is trusted only for a step that is committed, asked by name; one naming an
@@ -21,8 +28,10 @@ absent or uncommitted step, one that is not ours (anything but ``step-<N>`` and 
 optional line break, at most :data:`MAX_SIZE` bytes) or one that cannot be read is
 logged and passed over, and the listing decides, as at a root written before the
 pointer existed. A pointer that is not ours is never overwritten. A deletion of the
-step it names removes it (:func:`withdraw`). Rank-local metadata
-(``use_collectives=False``) writes no pointer: every rank commits its own.
+step it names removes it (:func:`withdraw`), where the backend swaps only while it
+still names that step, so a newer step published meanwhile keeps its pointer.
+Rank-local metadata (``use_collectives=False``) writes no pointer: every rank commits
+its own.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import threading
 
 from extensions.errors import UnsafeCheckpointError, quote
 from storage.backends.base import FileSystemBase
+from storage.backends.swap import Swapping
 from storage.checkpoint import heartbeat
 from storage.checkpoint.layout import is_committed, parse_step, split_location
 
@@ -46,6 +56,9 @@ NAME = ".dcp-latest"
 _TEMPORARY = re.compile(re.escape(NAME) + r"\.tmp-[0-9a-zA-Z]+")
 #: Most bytes a pointer may hold (``step-`` and 20 digits, with room to spare).
 MAX_SIZE = 64
+#: Most reads and writes of one publish: each round that does not settle it saw another
+#: publish settle in between, so more rounds than concurrent committers are never needed.
+_ROUNDS = 8
 
 _lock = threading.Lock()
 _warned: set[tuple[str, str]] = set()  # (pointer URL, what was wrong): logged once
@@ -132,33 +145,57 @@ def unlisted(fs: FileSystemBase, parent: str, names: list[str]) -> str | None:
     return None
 
 
+def _versioned(fs: FileSystemBase, parent: str) -> tuple[str | None, str | None]:
+    """What :func:`read` returns, and the version read where ``fs`` swaps (else ``None``;
+    ``None, None``: no pointer)."""
+    if not isinstance(fs, Swapping):
+        return read(fs, parent), None
+    path = fs.concat_path(parent, NAME)
+    try:
+        data, version = fs.read_versioned(path, limit=MAX_SIZE)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+    return parse(data, fs.url(path)), version
+
+
 def publish(fs: FileSystemBase, directory: str) -> None:
     """After ``.metadata`` was committed in ``directory``: when it is named ``step-<N>``,
     point its parent's pointer at it, unless the pointer names a higher step that is
-    still committed, or is not ours. Never raises: a failure is logged (the checkpoint
-    is committed whatever happens to the hint)."""
-    location = split_location(fs, directory)
+    still committed, or is not ours. Where ``fs`` swaps (``storage.backends.swap``) the
+    pointer is replaced only while it is still what was read, else read again and
+    decided again; elsewhere it is written, then read back and written again where a
+    concurrent publish of a lower step undid it (the window left: that publish writing
+    after this read-back). At most :data:`_ROUNDS` rounds. Never raises: a failure is
+    logged (the checkpoint is committed whatever happens to the hint)."""
+    location = split_location(fs, fs.own_path(directory))  # swaps take own paths only
     step = None if location is None else parse_step(location[1])
     if location is None or step is None:
         return
     parent, name = location
     path = fs.concat_path(parent, NAME)
     try:
-        try:
-            current = read(fs, parent)
-        except (UnsafeCheckpointError, IsADirectoryError) as exc:
-            _warn_once(fs, parent, str(exc))  # what `unlisted` logs: once for both
-            return
-        if current is not None:
-            held = parse_step(current)
-            if held == step:
-                return
-            newer = held is not None and held > step
-            if newer and is_committed(fs, fs.concat_path(parent, current)):
-                return
         # In the root as the user named it (a link there followed), never through a link
         # swapped in below it (write_atomic_in).
-        fs.write_atomic_in(heartbeat.resolved(fs, parent), NAME, f"{name}\n".encode())
+        home = heartbeat.resolved(fs, parent)
+        for _ in range(_ROUNDS):
+            try:
+                current, version = _versioned(fs, parent)
+            except (UnsafeCheckpointError, IsADirectoryError) as exc:
+                _warn_once(fs, parent, str(exc))  # what `unlisted` logs: once for both
+                return
+            if current is not None:
+                held = parse_step(current)
+                if held == step:
+                    return
+                newer = held is not None and held > step
+                if newer and is_committed(fs, fs.concat_path(parent, current)):
+                    return
+            data = f"{name}\n".encode()
+            if not isinstance(fs, Swapping):
+                fs.write_atomic_in(home, NAME, data)  # then read back: the next round
+            elif fs.replace_if(home, NAME, data, version):
+                return
+        raise RuntimeError(f"concurrent updates changed it {_ROUNDS} times in a row")
     except Exception as exc:
         log.warning(
             "%s is committed, but the latest-step pointer %s was not updated (%s: %s); a "
@@ -173,15 +210,22 @@ def publish(fs: FileSystemBase, directory: str) -> None:
 
 def withdraw(fs: FileSystemBase, directory: str) -> None:
     """After the checkpoint in ``directory`` was deleted: remove its parent's pointer if
-    it names it (the listing then decides, as at a root without one). Never raises."""
-    location = split_location(fs, directory)
+    it names it (the listing then decides, as at a root without one); where ``fs``
+    swaps, only while it is still what was read, so a newer step published meanwhile
+    keeps its pointer. Never raises."""
+    location = split_location(fs, fs.own_path(directory))  # swaps take own paths only
     if location is None or parse_step(location[1]) is None:
         return
     path = fs.concat_path(location[0], NAME)
     try:
         # In the root as the user named it, never through a link swapped in since.
         home = heartbeat.resolved(fs, location[0])
-        if read(fs, location[0]) == location[1]:
+        current, version = _versioned(fs, location[0])
+        if current != location[1]:
+            return
+        if isinstance(fs, Swapping) and version is not None:
+            fs.remove_if(home, NAME, version)  # False: published anew since, kept
+        else:
             fs.rm_file_in(home, NAME)
     except FileNotFoundError:
         pass

@@ -397,14 +397,14 @@ def test_a_root_swapped_for_a_link_keeps_the_pointer_it_leads_to(
     victim.mkdir()
     for place in (root, victim):
         (place / latest.NAME).write_bytes(b"step-3\n")
-    read = latest.read
+    read = latest._versioned
 
-    def read_then_swap(fs: Any, parent: str) -> str | None:
+    def read_then_swap(fs: Any, parent: str) -> tuple[str | None, str | None]:
         held = read(fs, parent)
         _swap(root, victim)
         return held
 
-    monkeypatch.setattr(latest, "read", read_then_swap)
+    monkeypatch.setattr(latest, "_versioned", read_then_swap)
     latest.withdraw(storage.LocalFileSystem(), str(root / "step-3"))
     assert (victim / latest.NAME).read_bytes() == b"step-3\n"
     assert _SWAPPED in caplog.text

@@ -21,7 +21,7 @@ import s3fs  # noqa: F401 - first, so a missing extra is reported as s3fs (regis
 from extensions.errors import CheckpointNotFoundError
 from storage.backends._fsspec import FsspecFileSystem, listed_names
 from storage.backends.base import PendingUpload
-from storage.backends.s3 import _uploads
+from storage.backends.s3 import _swap, _uploads
 from storage.backends.s3._client import (
     S3Client,
     shared_s3fs,
@@ -287,6 +287,16 @@ class S3FileSystem(FsspecFileSystem):
                 if self.read_bytes(path, limit=len(payload)) == payload:  # another's may be huge
                     return
             raise FileExistsError(f"{self.url(path)} already exists") from exc
+
+    # Compare and swap (``storage.backends.swap``): ETags and conditional requests.
+    def read_versioned(self, path: str, *, limit: int) -> tuple[bytes, str]:
+        return _swap.read_versioned(self, path, limit)
+
+    def replace_if(self, directory: str, name: str, data: bytes, version: str | None) -> bool:
+        return _swap.replace_if(self, self.concat_path(directory, name), data, version)
+
+    def remove_if(self, directory: str, name: str, version: str) -> bool:
+        return _swap.remove_if(self, self.concat_path(directory, name), version)
 
     # --- namespace -----------------------------------------------------------------
 

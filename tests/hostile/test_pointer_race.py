@@ -1,0 +1,226 @@
+"""Two committers publishing into one root at once (two managers, a manager and a
+``dcp.save`` of a numbered step, two jobs): the latest-step pointer ``.dcp-latest``
+never ends up naming a lower step than a committed one it named or was given, and the
+deletion of the step it names never removes the pointer to a newer step published
+meanwhile. On local disk and on real S3 servers (moto, SeaweedFS).
+
+Each race is played out with gates, no timing: one publisher is held right after it
+read the pointer (through a backend of ours that waits on an event there) while the
+other publishes in full; then it goes on. Every test names, in a comment, what happened
+before the fix.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import storage
+from storage import CheckpointManager, LocalFileSystem
+from storage.backends.base import FileSystemBase
+from storage.checkpoint import latest, siblings
+
+BUCKET = "dcp-pointer-race"
+WAIT = 60.0  # generous: the CI machine is loaded; nothing waits this long when it works
+
+
+class Gate:
+    """Holds ``thread`` after its first read of a latest-step pointer until ``go``."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.held = threading.Event()
+        self.go = threading.Event()
+
+    def hold(self, path: str) -> None:
+        mine = threading.current_thread() is self.thread
+        if path.endswith(latest.NAME) and mine and not self.held.is_set():
+            self.held.set()
+            assert self.go.wait(WAIT), "the gate was never opened"
+
+
+def gated(base: type[FileSystemBase], gate: Gate) -> type[FileSystemBase]:
+    """``base`` whose reads of a pointer (``read_bytes``, and ``read_versioned`` where
+    the backend swaps) pass through ``gate``."""
+
+    class Gated(base):  # type: ignore[valid-type,misc]
+        def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
+            data: bytes = super().read_bytes(path, limit=limit)
+            gate.hold(path)
+            return data
+
+        def read_versioned(self, path: str, *, limit: int) -> tuple[bytes, str]:
+            result: tuple[bytes, str] = super().read_versioned(path, limit=limit)
+            gate.hold(path)
+            return result
+
+    return Gated
+
+
+@dataclass
+class Place:
+    """A root on one store: ``make(gate)`` builds a backend (gated where a gate is
+    given); ``pointer()`` reads the pointer's bytes (``None``: none)."""
+
+    root: str
+    make: Callable[[Gate | None], FileSystemBase]
+    pointer: Callable[[], bytes | None]
+    set_pointer: Callable[[bytes], None]
+
+
+def _local_place(tmp_path: Path) -> Place:
+    root = tmp_path / "root"
+    root.mkdir()
+    path = root / latest.NAME
+
+    def make(gate: Gate | None) -> FileSystemBase:
+        return LocalFileSystem() if gate is None else gated(LocalFileSystem, gate)()
+
+    return Place(
+        str(root),
+        make,
+        lambda: path.read_bytes() if path.exists() else None,
+        path.write_bytes,
+    )
+
+
+def _s3_place(kind: str) -> Place:
+    from storage import S3FileSystem
+    from tests.support.servers import ServerUnavailable, boto3_client, create_bucket, s3_options
+    from tests.support.servers import s3_endpoint as endpoint_of
+
+    try:
+        endpoint = endpoint_of(kind)
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    create_bucket(endpoint, BUCKET)
+    client = boto3_client(endpoint)
+    prefix = uuid.uuid4().hex
+    key = f"{prefix}/{latest.NAME}"
+
+    def make(gate: Gate | None) -> FileSystemBase:
+        cls = S3FileSystem if gate is None else gated(S3FileSystem, gate)
+        return cls(storage_options=s3_options(endpoint))
+
+    def pointer() -> bytes | None:
+        try:
+            return bytes(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        except client.exceptions.NoSuchKey:
+            return None
+
+    def set_pointer(data: bytes) -> None:
+        client.put_object(Bucket=BUCKET, Key=key, Body=data)
+
+    return Place(f"s3://{BUCKET}/{prefix}", make, pointer, set_pointer)
+
+
+@pytest.fixture(params=["local", "moto", "seaweedfs"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+    if request.param == "local":
+        return _local_place(tmp_path)
+    return _s3_place(request.param)
+
+
+def _commit(place: Place, *steps: int) -> None:
+    """Commit ``step-<N>`` for each of ``steps`` under the root (each publishes)."""
+    fs = place.make(None)
+    for step in steps:
+        storage.save({"w": torch.full((4,), float(step)), "step": step},
+                     f"{place.root}/step-{step}", filesystem=fs)  # fmt: skip
+
+
+def _step(fs: FileSystemBase, place: Place, step: int) -> str:
+    """The directory of ``step-<step>`` in ``fs``'s own form, as a commit names it."""
+    return fs.own_path(f"{place.root}/step-{step}")
+
+
+def _race(held: Callable[[FileSystemBase], None], other: Callable[[], None], gate: Gate,
+          fs: FileSystemBase) -> None:  # fmt: skip
+    """Run ``held(fs)`` in a thread held by ``gate`` after its first pointer read, run
+    ``other()`` in full meanwhile, then let the held one finish."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            held(fs)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    gate.thread = threading.Thread(target=run, name="held-publisher")
+    gate.thread.start()
+    try:
+        assert gate.held.wait(WAIT), "the held publisher never read the pointer"
+        other()
+    finally:
+        gate.go.set()
+        gate.thread.join(WAIT)
+    assert not gate.thread.is_alive() and not errors, errors
+
+
+def test_a_lower_step_published_concurrently_never_replaces_a_higher_one(place: Place) -> None:
+    # Before: the commits of step-5 and step-6 both read the pointer naming step-4;
+    # step-6 wrote `step-6`, then step-5 wrote `step-5` over it, although step-6 was
+    # committed: a restarted job whose listing missed step-6 resumed from step-5.
+    _commit(place, 4, 5, 6)
+    place.set_pointer(b"step-4\n")
+    gate = Gate()
+    other = place.make(None)
+    _race(
+        lambda fs: latest.publish(fs, _step(fs, place, 5)),
+        lambda: latest.publish(other, _step(other, place, 6)),
+        gate,
+        place.make(gate),
+    )
+    assert place.pointer() == b"step-6\n"
+
+
+def test_a_lower_step_published_concurrently_leaves_the_pointer_resumable(
+    tmp_path: Path,
+) -> None:
+    # The same race seen by a restarted job whose root listing misses step-6: before,
+    # latest() said 5 though step-6 was committed.
+    place = _local_place(tmp_path)
+    _commit(place, 4, 5, 6)
+    place.set_pointer(b"step-4\n")
+    gate = Gate()
+    other = place.make(None)
+    _race(
+        lambda fs: latest.publish(fs, _step(fs, place, 5)),
+        lambda: latest.publish(other, _step(other, place, 6)),
+        gate,
+        place.make(gate),
+    )
+
+    class Lagging(LocalFileSystem):
+        def ls(self, path: str) -> list[str]:
+            return [n for n in super().ls(path) if n != "step-6"]
+
+    fresh = CheckpointManager(place.root, filesystem=Lagging())
+    for step in (4, 5, 6):
+        siblings.forget(fresh.fs, fresh.step_path(step))
+    assert fresh.latest() == 6
+
+
+def test_withdrawing_a_deleted_step_keeps_a_newer_step_published_meanwhile(
+    place: Place,
+) -> None:
+    # Before: the deletion of step-6 read the pointer naming step-6; the commit of
+    # step-7 then wrote `step-7`; the deletion removed the pointer anyway, so a job
+    # whose listing missed step-7 no longer found it.
+    _commit(place, 6, 7)
+    place.set_pointer(b"step-6\n")
+    gate = Gate()
+    other = place.make(None)
+    _race(
+        lambda fs: latest.withdraw(fs, _step(fs, place, 6)),
+        lambda: latest.publish(other, _step(other, place, 7)),
+        gate,
+        place.make(gate),
+    )
+    assert place.pointer() == b"step-7\n"
