@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,33 +32,49 @@ WAIT = 60.0  # generous: the CI machine is loaded; nothing waits this long when 
 
 
 class Gate:
-    """Holds ``thread`` after its first read of a latest-step pointer until ``go``."""
+    """Holds ``thread`` after (``before``: before) its ``at``-th read of a latest-step
+    pointer until ``go`` (a read inside another counts once: local disk's
+    ``read_versioned`` reads through ``read_bytes``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, at: int = 1, *, before: bool = False) -> None:
         self.thread: threading.Thread | None = None
+        self.at, self.before, self.reads = at, before, 0
         self.held = threading.Event()
         self.go = threading.Event()
 
-    def hold(self, path: str) -> None:
+    def hold(self, path: str, depth: int, before: bool) -> None:
         mine = threading.current_thread() is self.thread
-        if path.endswith(latest.NAME) and mine and not self.held.is_set():
+        if not path.endswith(latest.NAME) or not mine or depth or before != self.before:
+            return
+        self.reads += 1
+        if self.reads == self.at:
             self.held.set()
             assert self.go.wait(WAIT), "the gate was never opened"
 
 
-def gated(base: type[FileSystemBase], gate: Gate) -> type[FileSystemBase]:
+def gated(base: type[FileSystemBase], *gates: Gate) -> type[FileSystemBase]:
     """``base`` whose reads of a pointer (``read_bytes``, and ``read_versioned`` where
-    the backend swaps) pass through ``gate``."""
+    the backend swaps) pass through ``gates``."""
+    depth = threading.local()
 
     class Gated(base):  # type: ignore[valid-type,misc]
         def read_bytes(self, path: str, *, limit: int | None = None) -> bytes:
-            data: bytes = super().read_bytes(path, limit=limit)
-            gate.hold(path)
-            return data
+            return self._gated(path, super().read_bytes, path, limit=limit)  # type: ignore[no-any-return]
 
         def read_versioned(self, path: str, *, limit: int) -> tuple[bytes, str]:
-            result: tuple[bytes, str] = super().read_versioned(path, limit=limit)
-            gate.hold(path)
+            return self._gated(path, super().read_versioned, path, limit=limit)  # type: ignore[no-any-return]
+
+        def _gated(self, path: str, read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            level = getattr(depth, "level", 0)
+            for gate in gates:
+                gate.hold(path, level, True)
+            depth.level = level + 1
+            try:
+                result = read(*args, **kwargs)
+            finally:
+                depth.level = level
+            for gate in gates:
+                gate.hold(path, level, False)
             return result
 
     return Gated
@@ -224,3 +241,61 @@ def test_withdrawing_a_deleted_step_keeps_a_newer_step_published_meanwhile(
         place.make(gate),
     )
     assert place.pointer() == b"step-7\n"
+
+
+@pytest.fixture(params=["memory", "gcs"])
+def unswapping(request: pytest.FixtureRequest) -> tuple[str, Callable[..., FileSystemBase]]:
+    """A root on a backend that cannot compare and swap, and a maker of its backend
+    (given gates): the in-process memory store, or fake-gcs-server (which ignores
+    generation preconditions but ``0``, so GCS publishes without them)."""
+    from storage import MemoryFileSystem
+
+    if request.param == "memory":
+        name = uuid.uuid4().hex
+        return f"dcpmem://{name}/root", lambda *g: gated(MemoryFileSystem, *g)(name)
+    from storage import GCSFileSystem
+    from tests.support.servers import gcs_endpoint_with_bucket, gcs_options
+
+    options = gcs_options(gcs_endpoint_with_bucket(BUCKET))
+    return f"gs://{BUCKET}/{uuid.uuid4().hex}", lambda *g: gated(GCSFileSystem, *g)(
+        storage_options=options
+    )
+
+
+def test_without_swaps_a_publish_reads_back_and_restores_a_higher_step(
+    unswapping: tuple[str, Callable[..., FileSystemBase]],
+) -> None:
+    # Where the backend cannot swap, the pointer is read back after the write. Before:
+    # step-5 (held after reading `step-4`) wrote `step-5` after step-6 had written
+    # `step-6`, and nothing noticed: the pointer named step-5 though step-6 was committed.
+    root, make = unswapping
+    first, back = Gate(), Gate(at=2, before=True)  # step-5 after its read, step-6 after its write
+    fs = make(first, back)
+    place = Place(root, lambda gate: fs, lambda: None, lambda data: None)
+    _commit(place, 4, 5, 6)
+    fs.write_atomic(fs.own_path(f"{root}/{latest.NAME}"), b"step-4\n")
+    lower = threading.Thread(target=latest.publish, args=(fs, _step(fs, place, 5)))
+    higher = threading.Thread(target=latest.publish, args=(fs, _step(fs, place, 6)))
+    first.thread, back.thread = lower, higher
+    lower.start()
+    try:
+        assert first.held.wait(WAIT), "step-5 never read the pointer"
+        higher.start()
+        _held_or_done(back, higher)  # old code: no read-back, step-6 is done
+        first.go.set()
+        lower.join(WAIT)
+    finally:
+        first.go.set()
+        back.go.set()
+        lower.join(WAIT)
+        if higher.is_alive() or higher.ident is not None:
+            higher.join(WAIT)
+    assert fs.read_bytes(fs.own_path(f"{root}/{latest.NAME}")) == b"step-6\n"
+
+
+def _held_or_done(gate: Gate, thread: threading.Thread) -> None:
+    """Wait until ``thread`` is held by ``gate`` or has finished."""
+    for _ in range(int(WAIT * 100)):
+        if gate.held.wait(0.01) or not thread.is_alive():
+            return
+    raise AssertionError(f"{thread.name} was neither held nor done")
