@@ -13,9 +13,12 @@ A backend that can do so implements :class:`Swapping` (``isinstance`` tells):
 * S3 (``S3FileSystem``): the version is the ETag of the GET; the PUT carries
   ``If-Match`` (``If-None-Match: *`` for an object that was absent) and the DELETE
   ``If-Match``, which S3, moto and SeaweedFS enforce (412); a store that answers 501 to
-  the condition gets the unconditional request (as before this existed).
+  the condition, or sent no ETag, gets the unconditional request (as before this
+  existed). No request more than the plain read and write.
 
-Other backends (any fsspec URL, GCS, memory, torch-style filesystems) implement none;
+Other backends (any fsspec URL, GCS, memory, torch-style filesystems) implement none
+(GCS's ``ifGenerationMatch`` would serve, but fake-gcs-server enforces it only for
+``0`` and never on deletes, so nothing here could check it);
 callers then write unconditionally and read the object back to notice an update they
 undid (see ``storage.checkpoint.latest``).
 """

@@ -32,7 +32,7 @@ def replace_if(fs: S3FileSystem, path: str, data: bytes, version: str | None) ->
     """``data`` at ``path`` if its ETag is still ``version`` (``None``: no object)."""
     bucket, key = split_path(path)
     payload = bytes(data)
-    condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+    condition = {"IfNoneMatch": "*"} if version is None else _matching(version)
     args = {"Bucket": bucket, "Key": key, "Body": payload, **fs.client.checksum_args(payload)}
     return _conditional(fs, "put_object", path, "publishing", condition, args)
 
@@ -41,7 +41,11 @@ def remove_if(fs: S3FileSystem, path: str, version: str) -> bool:
     """Delete ``path`` if its ETag is still ``version``."""
     bucket, key = split_path(path)
     args = {"Bucket": bucket, "Key": key}
-    return _conditional(fs, "delete_object", path, "deleting", {"IfMatch": version}, args)
+    return _conditional(fs, "delete_object", path, "deleting", _matching(version), args)
+
+
+def _matching(version: str) -> dict[str, str]:
+    return {"IfMatch": version} if version else {}  # no ETag answered: nothing to match
 
 
 def _conditional(
