@@ -299,3 +299,41 @@ def _held_or_done(gate: Gate, thread: threading.Thread) -> None:
         if gate.held.wait(0.01) or not thread.is_alive():
             return
     raise AssertionError(f"{thread.name} was neither held nor done")
+
+
+def test_on_local_disk_a_publish_waits_for_one_that_decided_and_is_writing(
+    tmp_path: Path,
+) -> None:
+    # The comparison and the write are one step under the root's flock: step-5, held
+    # after it found the pointer still `step-4` and before it writes, keeps step-6 from
+    # comparing until it has written; step-6 then finds `step-5` and replaces it. Before:
+    # step-6 wrote `step-6` meanwhile and step-5 wrote `step-5` over it. (step-6 is given
+    # a bounded while to finish unheld before step-5 goes on: with the lock it cannot,
+    # and the outcome is the same however long that while is.)
+    place = _local_place(tmp_path)
+    _commit(place, 4, 5, 6)
+    place.set_pointer(b"step-4\n")
+    go, writing = threading.Event(), threading.Event()
+
+    class HeldWriter(LocalFileSystem):
+        def write_atomic_in(self, directory: str, name: str, data: bytes, **kw: Any) -> None:
+            if name == latest.NAME and threading.current_thread() is lower:
+                writing.set()
+                assert go.wait(WAIT), "the held writer was never let go"
+            super().write_atomic_in(directory, name, data, **kw)
+
+    fs = HeldWriter()
+    lower = threading.Thread(target=latest.publish, args=(fs, _step(fs, place, 5)))
+    higher = threading.Thread(target=latest.publish, args=(fs, _step(fs, place, 6)))
+    lower.start()
+    try:
+        assert writing.wait(WAIT), "step-5 never wrote"
+        higher.start()
+        higher.join(2.0)  # blocked on the lock (fixed) or done (before)
+    finally:
+        go.set()
+        lower.join(WAIT)
+        if higher.ident is not None:
+            higher.join(WAIT)
+    assert not lower.is_alive() and not higher.is_alive()
+    assert place.pointer() == b"step-6\n"
