@@ -463,6 +463,29 @@ def test_bfloat16_with_exponents_beyond_the_window_codes_the_smaller_way() -> No
         assert decoded(stored, descriptors, ITEMS["bfloat16"], "read") == bytes(data)
 
 
+@pytest.mark.parametrize("joint_first", [True, False])
+def test_a_bfloat16_stream_mixing_joint_and_byte_plane_blocks_decodes(joint_first: bool) -> None:
+    """``compact=True`` picks the layout per block: a tensor whose blocks differ (bell-shaped
+    weights, then small integers) is one format-3 stream of JOINT and byte-plane blocks,
+    which every way of reading decodes whole, each block no larger than coded alone."""
+    per_block = planes.BLOCK_BYTES // 2
+    bell = raw_bytes(weights(per_block, seed=3))
+    gen = torch.Generator().manual_seed(3)
+    steps = raw_bytes(torch.randint(-8, 8, (per_block,), generator=gen).to(torch.bfloat16))
+    flags = [planes.encode_block(memoryview(b), 2, True, joint=True)[0] for b in (bell, steps)]
+    assert [bool(f & planes.JOINT_BLOCK) for f in flags] == [True, False]
+    data = bell + steps + bell if joint_first else steps + bell + steps
+    stored, descriptors = encoded(data, ITEMS["bfloat16"], [WeightCodec(compact=True)])
+    assert descriptors == ["dcp_storage.weights/3;es=2"]
+    for mode in ("read", "small", "readinto"):
+        assert decoded(stored, descriptors, ITEMS["bfloat16"], mode) == data, mode
+    alone = {
+        b: len(encoded(b, ITEMS["bfloat16"], [WeightCodec(compact=True)])[0]) for b in (bell, steps)
+    }
+    blocks = (bell, steps, bell) if joint_first else (steps, bell, steps)
+    assert len(stored) <= sum(alone[b] for b in blocks)  # each block as it is coded alone
+
+
 def test_positive_floats_take_the_smaller_of_both_splits() -> None:
     """A constant sign (AdamW's exp_avg_sq): the exponent's low bit goes where it codes
     smaller. It used to stay beside the mantissa always, which stored some trained
