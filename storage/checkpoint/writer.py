@@ -286,6 +286,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
                 self._base,
                 self.fingerprints,
                 data_files.recorded_save(self.transforms, self.attempt.save_id),
+                threads=min(self.thread_count, _persist.copy_threads()),
             )
         files, threads = data_files.split_into_files(
             items,
