@@ -69,6 +69,34 @@ def test_a_drain_whose_worker_is_stopped_fails_its_step_which_drains_later(
     assert torch.equal(out["w"], _state(2.0)["w"])
 
 
+def test_a_drain_that_goes_on_past_the_deadline_is_not_killed(
+    tmp_path: Path, worker: persist.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manager's ``timeout=`` is a save's; a large step may take a slow root longer
+    to drain. Before, the worker was killed once a drain's copy outlived that deadline
+    and its grace, working or not: such a step never became durable, its worker killed
+    every pass. Now the clock starts again while the worker goes on (its CPU time or the
+    bytes it reads and writes grow): only a worker held still is killed."""
+    monkeypatch.setattr(_stuck, "STUCK_GRACE", 2.0)  # 3 s windows: room for a niced worker
+    state = {"w": torch.arange(2 << 20, dtype=torch.float32)}  # 8 MiB
+    manager = CheckpointManager(
+        tmp_path / "root",
+        local=tmp_path / "local",
+        persist="process",
+        timeout=1,  # the blocking save writes the local tier itself, unthrottled
+        pace=None,
+        max_bandwidth=1_000_000,  # the worker's drain: about 8 s, past 1 s + 2 s
+    )
+    manager.save(1, state)
+    pid = worker.pid
+    manager.wait(timeout=HANG)
+    assert manager.durable_steps() == [1]
+    assert worker.pid == pid is not None  # the same worker: never killed
+    out = {"w": torch.zeros(2 << 20)}
+    storage.load(out, tmp_path / "root" / "step-1")
+    assert torch.equal(out["w"], state["w"])
+
+
 def test_wait_with_a_timeout_names_the_step_not_drained_and_the_drain_goes_on(
     tmp_path: Path, worker: persist.Worker
 ) -> None:

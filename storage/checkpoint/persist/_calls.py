@@ -34,7 +34,7 @@ from storage.checkpoint.persist._messages import (
     unreadable,
 )
 from storage.checkpoint.persist._shm import send_segments
-from storage.checkpoint.persist._stuck import Unanswered, unless_answered
+from storage.checkpoint.persist._stuck import Progress, Unanswered, unless_answered
 from storage.checkpoint.persist._whole import ONE_WRITE, OwnedLock, send_whole
 
 log = logging.getLogger(__name__)
@@ -289,8 +289,10 @@ class WorkerCalls:
         self, call_id: int, future: concurrent.futures.Future[Any], seconds: float, pauses: bool
     ) -> None:
         """Kill the worker unless call ``call_id`` was answered within ``seconds`` not
-        spent paused (``pauses``: it pauses while a save is in the foreground; call with
-        the lock)."""
+        spent paused (``pauses``: a drain's copy, paused while a save is in the
+        foreground, and never killed while the worker goes on: a large step may take a
+        slow root longer than a save's deadline; call with the lock)."""
+        went_on = Progress(self._proc.pid) if pauses and self._proc else None
 
         def kill() -> None:
             with self._lock:
@@ -301,7 +303,10 @@ class WorkerCalls:
                 log.error("persist worker %d: no answer in %g s; stopping it", proc.pid, seconds)
                 proc.kill()
 
-        unless_answered(future, seconds, kill, lambda: pauses and self._foreground > 0)
+        def held() -> bool:
+            return pauses and (self._foreground > 0 or (went_on is not None and went_on()))
+
+        unless_answered(future, seconds, kill, held)
 
     def pace_next(self, deadline: float | None, for_url: str | None = None) -> None:
         """Let the next save's data writes take until ``deadline`` (``time.monotonic``;

@@ -61,6 +61,35 @@ def stuck(
     )
 
 
+class Progress:
+    """Whether the process ``pid`` went on since it was last asked (the first time:
+    since this was made): its CPU time (``/proc/PID/stat``) or the bytes it read and
+    wrote (``/proc/PID/io``) grew. A stopped process (``SIGSTOP``, a frozen cgroup) or
+    one blocked for good does neither; where ``/proc`` does not say, nothing counts as
+    going on."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self._last = self._now()
+
+    def __call__(self) -> bool:
+        now = self._now()
+        went_on, self._last = now is not None and now != self._last, now
+        return went_on
+
+    def _now(self) -> tuple[int, ...] | None:
+        try:
+            with open(f"/proc/{self._pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()  # after the command name
+            with open(f"/proc/{self._pid}/io", "rb") as io:
+                counts = dict(
+                    line.split(b":", 1) for line in io.read().splitlines() if b":" in line
+                )
+            return int(fields[11]), int(fields[12]), int(counts[b"rchar"]), int(counts[b"wchar"])
+        except (OSError, ValueError, IndexError, KeyError):
+            return None
+
+
 def unless_answered(
     future: concurrent.futures.Future[Any],
     seconds: float,
