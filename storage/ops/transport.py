@@ -186,6 +186,8 @@ class StorageTransport:
         with self._lock:
             future = self._executor.submit(self._write, step, state_dict, shape)
             self._inflight = future
+            # Apart from the write: the send is done once committed, whatever a sweep takes.
+            self._executor.submit(self._sweep_when_due, future)
         try:
             # A timeout too far to wait for (timedelta.max) is none: waiting on it
             # would raise OverflowError.
@@ -385,11 +387,15 @@ class StorageTransport:
             real = unwrap_checkpoint_exception(exc, writer)
             raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
         mgr.retention.after_save(step)
-        self._sweep_when_due()
 
-    def _sweep_when_due(self) -> None:
-        """Remove what sends killed before their commit left in this replica's directory
-        (``cleanup``; each the state of a replica): nothing else looks there."""
+    def _sweep_when_due(self, sent: concurrent.futures.Future[None]) -> None:
+        """Once ``sent`` (a send, done before this runs: one thread runs both) committed,
+        remove what sends killed before their commit left in this replica's directory
+        (``cleanup``; each the state of a replica): nothing else looks there. Not part of
+        the send, whose caller waits with a timeout: a store slow to answer it would fail
+        a committed send."""
+        if sent.cancelled() or sent.exception() is not None:
+            return
         now = time.monotonic()
         if self._swept is None or now - self._swept >= _SWEEP_EVERY:
             self._swept = now

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 import storage
+from storage import LocalFileSystem
 from storage.checkpoint import heartbeat
 from tests.support.subprocess_jobs import kill_when_marked
 
@@ -79,3 +81,36 @@ def test_a_fresh_leftover_is_kept_it_may_be_a_send_still_running(tmp_path: Path)
     sender.send_checkpoint([1], 5, {"w": torch.ones(8)}, timedelta(seconds=60))
     sender.shutdown(wait=True)
     assert (tmp_path / "replica-0" / "step-3").exists()
+
+
+class _StalledSweep(LocalFileSystem):
+    """Local disk whose file dates (what only a sweep asks for) wait on ``gate``: a store
+    that answers a sweep's looks slowly, or not for a while."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def modified(self, path: str) -> float | None:
+        self.gate.wait(300)  # bounds a failure only: the test opens it
+        return super().modified(path)
+
+
+def test_a_slow_sweep_never_fails_the_send_it_follows(tmp_path: Path) -> None:
+    """Before, the sweep ran inside the send's own write, which ``send_checkpoint``
+    waits on with the send's timeout: a sweep held by the store made a committed send
+    raise ``TimeoutError`` saying it was not committed (and a heal failed for it). The
+    send now returns once it is committed; the sweep follows on its own."""
+    leftover = tmp_path / "replica-0" / "step-1"
+    leftover.mkdir(parents=True)
+    (leftover / "__0_0-0123456789ab.distcp").write_bytes(b"x" * 64)
+    _age(leftover)
+    gate = threading.Event()
+    sender = storage.StorageTransport(str(tmp_path), rank=0, filesystem=_StalledSweep(gate))
+    try:
+        sender.send_checkpoint([1], 2, {"w": torch.ones(8)}, timedelta(seconds=30))
+        assert (tmp_path / "replica-0" / "step-2" / ".metadata").exists()
+    finally:
+        gate.set()
+        sender.shutdown(wait=True)
+    assert not leftover.exists()  # the sweep still ran, once the store answered
