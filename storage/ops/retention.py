@@ -257,9 +257,9 @@ class Retention:
     def orphans(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
         """Data files inside committed checkpoints (each ``step-<N>`` and the root itself,
         when it is one; or all of an uncommitted root's, by :meth:`_stale_leftover`'s
-        rule) that no metadata names, older than ``grace_seconds``: what a
-        save, ``cp``, drain or peer restore killed mid-copy leaves beside the files a
-        retry committed (and a multi-rank save that failed on another rank). Also the
+        rule) that no metadata names, older than ``grace_seconds``: what a save, ``cp``,
+        drain or peer restore killed mid-copy leaves beside the files a retry committed
+        (and a multi-rank save that failed on another rank). Also the
         stale heartbeats of writers that died there. Removed unless ``dry_run``; returns
         their URLs. Only data file names, never through a link, never in a checkpoint
         with a live heartbeat (a save in flight) or whose metadata cannot be read, never in a
@@ -309,8 +309,9 @@ class Retention:
             return []
         checkpoint = self.root.models.open(fs, path)
         if path == self.root.path and checkpoint.readable and not checkpoint.metadata:
-            # A save or cp killed into a root of its own: no step holds what it left.
-            return self._stale_leftover(path, grace_seconds) or []
+            # A save or cp killed into a root of its own (a root of steps holds no file of one)
+            ours = any(is_checkpoint_file_name(n) for n in names)
+            return (self._stale_leftover(path, grace_seconds) if ours else None) or []
         if not checkpoint.readable or list(checkpoint.metadata) != [fmt.METADATA_NAME]:
             # Unreadable metadata: touch nothing. Rank-local metadata: which files are
             # whose is not ours to guess.

@@ -314,6 +314,21 @@ def test_cleanup_keeps_leftovers_of_unknown_age() -> None:
         assert mgr.cleanup(grace_seconds=3600) == []
 
 
+def test_cleanup_of_a_root_of_steps_says_nothing_of_the_root(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A root of steps is no interrupted save of its own. Before, every ``cleanup`` and
+    ``gc`` of one (and each sweep of a recovery transport's replica directory) took the
+    root for one and logged that it was "not cleaned up, it holds files that are not
+    ours", a warning about nothing, after asking the store for metadata there."""
+    mgr = CheckpointManager(str(tmp_path), keep_last=2)
+    mgr.save(1, {"w": torch.ones(4)})
+    with caplog.at_level("INFO", logger="storage.ops.manager"):
+        assert mgr.cleanup(grace_seconds=0) == []
+    assert [r.getMessage() for r in caplog.records if "not cleaned up" in r.getMessage()] == []
+    assert mgr.steps() == [1]
+
+
 class _CountsMetadataReads:
     """Mixed into a backend: counts the reads of metadata files (``create_stream`` in
     ``"rb"``, which ``read_bytes`` goes through on local disk and in memory)."""
