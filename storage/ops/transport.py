@@ -391,7 +391,8 @@ class StorageTransport:
     def _sweep_when_due(self, sent: concurrent.futures.Future[None]) -> None:
         """Once ``sent`` (a send, done before this runs: one thread runs both) committed,
         remove what sends killed before their commit left in this replica's directory
-        (``cleanup``; each the state of a replica): nothing else looks there. Not part of
+        (``cleanup``; each the state of a replica) and abort the uploads they left open
+        (``stale_uploads``): nothing else looks there. Not part of
         the send, whose caller waits with a timeout: a store slow to answer it would fail
         a committed send."""
         if sent.cancelled() or sent.exception() is not None:
@@ -402,5 +403,8 @@ class StorageTransport:
             try:
                 if removed := self._manager.cleanup(_LEFTOVER_GRACE):
                     log.info("removed killed sends in %s: %s", self._manager.url, removed)
+                # Their open uploads (S3's multipart: billed, and in no listing) too.
+                for upload in self._manager.stale_uploads(_LEFTOVER_GRACE, abort=True):
+                    log.info("aborted the upload a killed send left: %s", self.fs.url(upload.path))
             except Exception as exc:  # the send is committed: a failed sweep is no failure
                 log.warning("sweeping %s for killed sends failed: %s", self._manager.url, exc)

@@ -114,3 +114,36 @@ def test_a_slow_sweep_never_fails_the_send_it_follows(tmp_path: Path) -> None:
         gate.set()
         sender.shutdown(wait=True)
     assert not leftover.exists()  # the sweep still ran, once the store answered
+
+
+def test_a_send_killed_mid_upload_leaves_no_upload_open_for_good() -> None:
+    """A send killed mid-upload on S3 leaves its multipart upload open: its parts billed
+    and invisible to every listing, so the sweep of its files never sees them. Before,
+    nothing in the transport aborted it (only ``gc --abort-uploads`` on the replica's
+    directory, which nothing told the user to run); a later send's sweep now aborts it
+    by ``gc``'s rule (begun over an hour ago, no live heartbeat beside it)."""
+    import uuid
+
+    import pytest
+
+    from tests.support.servers import (
+        ServerUnavailable,
+        boto3_client,
+        create_bucket,
+        open_uploads,
+        s3_endpoint,
+    )
+
+    try:
+        endpoint = s3_endpoint("moto")  # moto dates every upload 2010-11-10: long ago
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    create_bucket(endpoint, "sends")
+    prefix = f"{uuid.uuid4().hex}/job"
+    s3 = boto3_client(endpoint)
+    s3.create_multipart_upload(Bucket="sends", Key=f"{prefix}/replica-0/step-3/__0_0-dead.distcp")
+    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    sender = storage.StorageTransport(f"s3://sends/{prefix}", rank=0, storage_options=options)
+    sender.send_checkpoint([1], 5, {"w": torch.ones(8)}, timedelta(seconds=120))
+    sender.shutdown(wait=True)
+    assert open_uploads(s3, "sends", prefix) == []
