@@ -35,6 +35,7 @@ are not checked.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -117,7 +118,12 @@ def new_names(
     names = file_names(count)
     if count == 1:
         return names, Replaced(home, listed)
-    there = {n for n in names if n in listed or fs.exists(fs.concat_path(root, n))}
+    unlisted = [n for n in names if n not in listed]  # asked for at once: one look each
+    with concurrent.futures.ThreadPoolExecutor(
+        max(1, min(len(unlisted), fs.io_concurrency))
+    ) as pool:
+        found = pool.map(lambda n: fs.exists(fs.concat_path(root, n)), unlisted)
+        there = (listed & set(names)) | {n for n, hit in zip(unlisted, found) if hit}
     replaced = Replaced(home, listed | there)
     if not there:
         return names, replaced
