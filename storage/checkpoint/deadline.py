@@ -86,6 +86,15 @@ def check_timeout(timeout: object) -> float | None:
     return float(timeout) if timeout < threading.TIMEOUT_MAX else None
 
 
+def check_wait(timeout: object) -> float | None:
+    """``timeout`` of a wait for work in flight: as :func:`check_timeout`, and 0 too (a
+    look that does not wait: the work is done or the wait's deadline error says what
+    is not)."""
+    if timeout == 0 and isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        return 0.0
+    return check_timeout(timeout)
+
+
 def note(item: str, url: str) -> None:
     """Record that the calling task now works on ``item`` at ``url`` (used in the
     deadline's message and to attribute its errors); a no-op outside :func:`run_tasks`."""

@@ -23,7 +23,7 @@ from storage.checkpoint import api, persist
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.api import ReaderOptions
 from storage.checkpoint.committed import CommittedCheckpoint
-from storage.checkpoint.deadline import check_timeout
+from storage.checkpoint.deadline import check_wait
 from storage.checkpoint.layout import STEP_PREFIX, StepInfo
 from storage.checkpoint.options import WriterSettings
 from storage.checkpoint.writer import CheckpointWriter
@@ -221,7 +221,7 @@ class RootTier:
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the asynchronous save in flight, if any (its error is not raised),
         at most ``timeout`` seconds (see :meth:`CheckpointManager.wait`)."""
-        timeout = check_timeout(timeout)
+        timeout = check_wait(timeout)
         with self._lock:
             pending, step = self._pending, self._pending_step
         if pending is not None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from storage.checkpoint import api, persist
 from storage.checkpoint.api import ReaderOptions
-from storage.checkpoint.deadline import check_timeout
+from storage.checkpoint.deadline import check_wait
 from storage.checkpoint.layout import StepInfo
 from storage.checkpoint.options import WriterSettings, resolve_location
 from storage.checkpoint.writer import CheckpointWriter
@@ -359,7 +359,7 @@ class LocalTier:
         :class:`DeadlineExceededError` naming the step not committed or not durable
         yet: the commit and the drains go on (:func:`storage.ops.tier.overdue`)."""
         self._check_process()
-        timeout = check_timeout(timeout)
+        timeout = check_wait(timeout)
         until = None if timeout is None else time.monotonic() + timeout
         if not self.finish_commit(timeout):
             assert timeout is not None

@@ -118,8 +118,11 @@ def test_wait_with_a_timeout_names_the_step_not_drained_and_the_drain_goes_on(
         assert not isinstance(info.value, WorkerDiedError)
         assert str(tmp_path / "local") in str(info.value)
         assert manager.durable_steps() == [1]
+        with pytest.raises(DeadlineExceededError, match="step 2 is not done"):
+            manager.wait(timeout=0)  # a look that does not wait (it was refused before)
     manager.wait(timeout=HANG)  # the worker goes on: the drain lands
     assert manager.durable_steps() == [1, 2] and worker.pid == pid
+    manager.wait(timeout=0)  # nothing in flight: it returns
     with pytest.raises(TypeError, match="timeout must be"):
         manager.wait(timeout=-1)
 
