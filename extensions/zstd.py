@@ -89,7 +89,9 @@ class ZStandard(StreamTransformExtension):
     :data:`FRAME` bytes (a write of at least that much, such as a tensor's storage,
     starts and ends frames of its own) and, when there are several, a seek table in a
     skippable frame; stock torch and the ``zstd`` tool read it. Every frame declares a
-    window of at most :data:`WINDOW_LOG` (a frame's input), at any level. ``dtype`` (the
+    window of at most :data:`WINDOW_LOG` (a frame's input), at any level; a frame of a
+    tensor's storage declares its size instead (at most :data:`FRAME`), so a reader
+    decodes it in one pass into the target. ``dtype`` (the
     item's, which picks the settings when ``level`` is ``None``) and ``plain_bytes``
     (the reader's bound on the item's plain size, which bounds the window a frame may
     ask a decoder for: :func:`window_for`) are filled in by ``for_item``.

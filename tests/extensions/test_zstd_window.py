@@ -87,6 +87,26 @@ def test_a_checkpoint_at_the_highest_level_declares_small_windows_and_loads(
     assert torch.equal(target["w"], state["w"]) and target["v"] == state["v"]  # type: ignore[arg-type]
 
 
+def test_the_frames_of_a_tensors_storage_declare_their_size() -> None:
+    """A frame whose header declares its size decodes in one pass straight into the
+    target's slice (one of unknown size goes through zstd's window buffer and a copy):
+    every frame of a tensor's storage declares it, whatever the level."""
+    plain = torch.arange((2 * FRAME + MiB) // 4, dtype=torch.float32).numpy().tobytes()
+    for level in (1, 3, MAX_LEVEL):
+        out = io.BytesIO()
+        writer = _FramedWriter(zstandard.ZstdCompressor(level=level), FlushOnlyClose(out))
+        writer.write(b"header")
+        writer.write(plain)
+        writer.write(b"trailer")
+        writer.close()
+        stored = out.getvalue()
+        sizes = [zstandard.get_frame_parameters(f).content_size for f in _frames_of(stored)]
+        assert sizes[1:-1] == [FRAME, FRAME, MiB], level
+        assert zstandard.ZstdDecompressor().stream_reader(
+            stored, read_across_frames=True
+        ).read() == (b"header" + plain + b"trailer")
+
+
 def _as_before_the_bound(stored: bytes, level: int) -> bytes:
     """``stored`` (an item of ours) re-encoded as dcp-storage wrote it at ``level``
     before its frames' windows were bounded (the same writer, zstd's own windows)."""
