@@ -180,10 +180,9 @@ def _race(held: Callable[[FileSystemBase], None], other: Callable[[], None], gat
     assert not gate.thread.is_alive() and not errors, errors
 
 
-def test_a_lower_step_published_concurrently_never_replaces_a_higher_one(place: Place) -> None:
-    # Before: the commits of step-5 and step-6 both read the pointer naming step-4;
-    # step-6 wrote `step-6`, then step-5 wrote `step-5` over it, although step-6 was
-    # committed: a restarted job whose listing missed step-6 resumed from step-5.
+def _publish_5_and_6_at_once(place: Place) -> None:
+    """The commit of step-5 paused right after it read the pointer (naming step-4)
+    while the commit of step-6 publishes whole, then step-5's goes on."""
     _commit(place, 4, 5, 6)
     place.set_pointer(b"step-4\n")
     gate = Gate()
@@ -194,6 +193,13 @@ def test_a_lower_step_published_concurrently_never_replaces_a_higher_one(place: 
         gate,
         place.make(gate),
     )
+
+
+def test_a_lower_step_published_concurrently_never_replaces_a_higher_one(place: Place) -> None:
+    # Before: the commits of step-5 and step-6 both read the pointer naming step-4;
+    # step-6 wrote `step-6`, then step-5 wrote `step-5` over it, although step-6 was
+    # committed: a restarted job whose listing missed step-6 resumed from step-5.
+    _publish_5_and_6_at_once(place)
     assert place.pointer() == b"step-6\n"
 
 
@@ -203,16 +209,7 @@ def test_a_lower_step_published_concurrently_leaves_the_pointer_resumable(
     # The same race seen by a restarted job whose root listing misses step-6: before,
     # latest() said 5 though step-6 was committed.
     place = _local_place(tmp_path)
-    _commit(place, 4, 5, 6)
-    place.set_pointer(b"step-4\n")
-    gate = Gate()
-    other = place.make(None)
-    _race(
-        lambda fs: latest.publish(fs, _step(fs, place, 5)),
-        lambda: latest.publish(other, _step(other, place, 6)),
-        gate,
-        place.make(gate),
-    )
+    _publish_5_and_6_at_once(place)
 
     class Lagging(LocalFileSystem):
         def ls(self, path: str) -> list[str]:
