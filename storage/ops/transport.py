@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import logging
 import os
 import threading
 import time
@@ -47,6 +46,7 @@ from storage.ops.transport_shape import (
     rebuild,
     record,
 )
+from storage.ops.transport_sweep import Sweeper
 
 REPLICA_PREFIX = "replica-"
 
@@ -64,10 +64,6 @@ def _seconds(timeout: timedelta | float) -> float:
 
 #: The longest wait between two checks for the sender's commit.
 _POLL_CAP = 0.25
-#: A later send removes what a send killed before its commit left once older than this
-#: (seconds), looking at most every _SWEEP_EVERY.
-_LEFTOVER_GRACE, _SWEEP_EVERY = 3600.0, 600.0
-log = logging.getLogger(__name__)
 
 
 class StorageTransport:
@@ -149,7 +145,7 @@ class StorageTransport:
         self._closed = False
         self._closing = threading.Event()  # wakes the receives waiting for a commit
         self._resolved: dict[str, tuple[FileSystemBase, str]] = {}
-        self._swept: float | None = None  # time.monotonic() of the last sweep
+        self._sweeper = Sweeper(self._manager)  # what killed sends left (transport_sweep)
 
     @staticmethod
     def _replica_path(fs: FileSystemBase, root: str, rank: int) -> str:
@@ -187,7 +183,7 @@ class StorageTransport:
             future = self._executor.submit(self._write, step, state_dict, shape)
             self._inflight = future
             # Apart from the write: the send is done once committed, whatever a sweep takes.
-            self._executor.submit(self._sweep_when_due, future)
+            self._executor.submit(self._sweeper.after, future)
         try:
             # A timeout too far to wait for (timedelta.max) is none: waiting on it
             # would raise OverflowError.
@@ -387,24 +383,3 @@ class StorageTransport:
             real = unwrap_checkpoint_exception(exc, writer)
             raise real from real.__cause__  # its own cause kept, DCP's wrapper hidden
         mgr.retention.after_save(step)
-
-    def _sweep_when_due(self, sent: concurrent.futures.Future[None]) -> None:
-        """Once ``sent`` (a send, done before this runs: one thread runs both) committed,
-        remove what sends killed before their commit left in this replica's directory
-        (``cleanup``; each the state of a replica) and abort the uploads they left open
-        (``stale_uploads``): nothing else looks there. Not part of
-        the send, whose caller waits with a timeout: a store slow to answer it would fail
-        a committed send."""
-        if sent.cancelled() or sent.exception() is not None:
-            return
-        now = time.monotonic()
-        if self._swept is None or now - self._swept >= _SWEEP_EVERY:
-            self._swept = now
-            try:
-                if removed := self._manager.cleanup(_LEFTOVER_GRACE):
-                    log.info("removed killed sends in %s: %s", self._manager.url, removed)
-                # Their open uploads (S3's multipart: billed, and in no listing) too.
-                for upload in self._manager.stale_uploads(_LEFTOVER_GRACE, abort=True):
-                    log.info("aborted the upload a killed send left: %s", self.fs.url(upload.path))
-            except Exception as exc:  # the send is committed: a failed sweep is no failure
-                log.warning("sweeping %s for killed sends failed: %s", self._manager.url, exc)
