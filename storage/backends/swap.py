@@ -2,23 +2,28 @@
 still the version that was read, so that two processes updating it concurrently (a
 read, a decision, a write) never undo each other's update unseen.
 
-A backend that can do so implements :class:`Swapping` (``isinstance`` tells):
+A backend that replaces so implements :class:`Swapping`; one that removes so too
+implements :class:`SwappingRemovals` (``isinstance`` tells):
 
-* Local disk (``LocalFileSystem``): the version is the content read; the comparison and
-  the write (or removal) run under an exclusive ``flock`` of the directory holding the
-  object, which every swap in that directory takes, across processes and threads (no
-  lock file). Where the filesystem refuses ``flock`` (some network filesystems), the
-  comparison runs unlocked, right before the write: a narrow window, never a wrong
-  answer when no one else writes at that moment.
-* S3 (``S3FileSystem``): the version is the ETag of the GET; the PUT carries
+* Local disk (``LocalFileSystem``), both: the version is the content read; the
+  comparison and the write (or removal) run under an exclusive ``flock`` of the
+  directory holding the object, which every swap in that directory takes, across
+  processes and threads (no lock file). Where the filesystem refuses ``flock`` (some
+  network filesystems), the comparison runs unlocked, right before the write: a narrow
+  window, never a wrong answer when no one else writes at that moment.
+* S3 (``S3FileSystem``), both: the version is the ETag of the GET; the PUT carries
   ``If-Match`` (``If-None-Match: *`` for an object that was absent) and the DELETE
   ``If-Match``, which S3, moto and SeaweedFS enforce (412); a store that answers 501 to
   the condition, or sent no ETag, gets the unconditional request (as before this
   existed). No request more than the plain read and write.
+* GCS (``GCSFileSystem``), replacements only: the version is the generation of the
+  GET; the upload carries ``ifGenerationMatch`` (``0`` for an object that was absent),
+  which GCS and fake-gcs-server enforce (412). No request more than the plain read and
+  write. Removals are not swapped: GCS documents ``ifGenerationMatch`` on deletes too,
+  but fake-gcs-server ignores it there, so nothing here could check it; a removal is
+  unconditional, as on a backend that swaps nothing.
 
-Other backends (any fsspec URL, GCS, memory, torch-style filesystems) implement none
-(GCS's ``ifGenerationMatch`` would serve, but fake-gcs-server enforces it only for
-``0`` and never on deletes, so nothing here could check it);
+Other backends (any fsspec URL, memory, torch-style filesystems) implement neither;
 callers then write unconditionally and read the object back to notice an update they
 undid (see ``storage.checkpoint.latest``).
 """
@@ -38,7 +43,7 @@ except ImportError:  # pragma: no cover - not POSIX
 
 @runtime_checkable
 class Swapping(Protocol):
-    """A backend that replaces or removes an object only while it is the version read."""
+    """A backend that replaces an object only while it is the version read."""
 
     def read_versioned(self, path: str, *, limit: int) -> tuple[bytes, str]:
         """What ``read_bytes(path, limit=limit)`` returns, and the version it read (an
@@ -47,6 +52,11 @@ class Swapping(Protocol):
     def replace_if(self, directory: str, name: str, data: bytes, version: str | None) -> bool:
         """``write_atomic_in(directory, name, data)`` if the object is still ``version``
         (``None``: if there is none); ``False``, nothing written, where it changed."""
+
+
+@runtime_checkable
+class SwappingRemovals(Swapping, Protocol):
+    """A backend that also removes an object only while it is the version read."""
 
     def remove_if(self, directory: str, name: str, version: str) -> bool:
         """``rm_file_in(directory, name)`` if the object is still ``version``;

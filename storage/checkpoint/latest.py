@@ -13,11 +13,12 @@ after the commit marker, never before, and never naming a step below the one it 
 names while that one is committed, whoever else publishes into that root at the same
 time (two managers, a manager and a ``dcp.save`` of a numbered step, two jobs). Where
 the backend can compare and swap (``storage.backends.swap``: local disk under a
-``flock`` of the root, S3 with ``If-Match``), the pointer is replaced only while it is
-still what was read, else read and decided again: no request more than a plain write
-(the condition rides on the PUT). Elsewhere (GCS, other fsspec URLs) it is read back
-after the write (one GET more) and written again where a concurrent publish of a lower
-step undid it, which leaves a window: that publish writing after the read-back.
+``flock`` of the root, S3 with ``If-Match``, GCS with ``ifGenerationMatch``), the
+pointer is replaced only while it is still what was read, else read and decided again:
+no request more than a plain write (the condition rides on the upload). Elsewhere
+(other fsspec URLs) it is read back after the write (one GET more) and written again
+where a concurrent publish of a lower step undid it, which leaves a window: that
+publish writing after the read-back.
 :func:`unlisted` reads it back (one request) for ``siblings.names_under``, so every
 step listing of a root (a manager's ``steps()``, ``latest()``, its loads, retention, an
 incremental save's base) sees the pointed step when the listing misses it.
@@ -28,8 +29,9 @@ absent or uncommitted step, one that is not ours (anything but ``step-<N>`` and 
 optional line break, at most :data:`MAX_SIZE` bytes) or one that cannot be read is
 logged and passed over, and the listing decides, as at a root written before the
 pointer existed. A pointer that is not ours is never overwritten. A deletion of the
-step it names removes it (:func:`withdraw`), where the backend swaps only while it
-still names that step, so a newer step published meanwhile keeps its pointer.
+step it names removes it (:func:`withdraw`), where the backend swaps removals (local
+disk, S3; not GCS) only while it still names that step, so a newer step published
+meanwhile keeps its pointer.
 Rank-local metadata (``use_collectives=False``) writes no pointer: every rank commits
 its own.
 """
@@ -43,7 +45,7 @@ import threading
 
 from extensions.errors import UnsafeCheckpointError, quote
 from storage.backends.base import FileSystemBase
-from storage.backends.swap import Swapping
+from storage.backends.swap import Swapping, SwappingRemovals
 from storage.checkpoint import heartbeat
 from storage.checkpoint.layout import is_committed, parse_step, split_location
 
@@ -211,8 +213,8 @@ def publish(fs: FileSystemBase, directory: str) -> None:
 def withdraw(fs: FileSystemBase, directory: str) -> None:
     """After the checkpoint in ``directory`` was deleted: remove its parent's pointer if
     it names it (the listing then decides, as at a root without one); where ``fs``
-    swaps, only while it is still what was read, so a newer step published meanwhile
-    keeps its pointer. Never raises."""
+    swaps removals, only while it is still what was read, so a newer step published
+    meanwhile keeps its pointer. Never raises."""
     location = split_location(fs, fs.own_path(directory))  # swaps take own paths only
     if location is None or parse_step(location[1]) is None:
         return
@@ -223,7 +225,7 @@ def withdraw(fs: FileSystemBase, directory: str) -> None:
         current, version = _versioned(fs, location[0])
         if current != location[1]:
             return
-        if isinstance(fs, Swapping) and version is not None:
+        if isinstance(fs, SwappingRemovals) and version is not None:
             fs.remove_if(home, NAME, version)  # False: published anew since, kept
         else:
             fs.rm_file_in(home, NAME)

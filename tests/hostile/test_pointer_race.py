@@ -2,7 +2,8 @@
 ``dcp.save`` of a numbered step, two jobs): the latest-step pointer ``.dcp-latest``
 never ends up naming a lower step than a committed one it named or was given, and the
 deletion of the step it names never removes the pointer to a newer step published
-meanwhile. On local disk and on real S3 servers (moto, SeaweedFS).
+meanwhile. On local disk, on real S3 servers (moto, SeaweedFS) and, for publishes, on
+fake-gcs-server.
 
 Each race is played out with gates, no timing: one publisher is held right after it
 read the pointer (through a backend of ours that waits on an event there) while the
@@ -13,6 +14,7 @@ before the fix.
 from __future__ import annotations
 
 import threading
+import urllib.error
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,11 +139,51 @@ def _s3_place(kind: str) -> Place:
     return Place(f"s3://{BUCKET}/{prefix}", make, pointer, set_pointer)
 
 
-@pytest.fixture(params=["local", "moto", "seaweedfs"])
-def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
-    if request.param == "local":
+def _gcs_place() -> Place:
+    from storage import GCSFileSystem
+    from tests.support.servers import gcs_endpoint_with_bucket, gcs_get, gcs_options, gcs_put
+
+    endpoint = gcs_endpoint_with_bucket(BUCKET)
+    prefix = uuid.uuid4().hex
+    key = f"{prefix}/{latest.NAME}"
+
+    def make(gate: Gate | None) -> FileSystemBase:
+        cls = GCSFileSystem if gate is None else gated(GCSFileSystem, gate)
+        return cls(storage_options=gcs_options(endpoint))
+
+    def pointer() -> bytes | None:
+        try:
+            return gcs_get(endpoint, BUCKET, key)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
+
+    return Place(
+        f"gs://{BUCKET}/{prefix}", make, pointer, lambda data: gcs_put(endpoint, BUCKET, key, data)
+    )
+
+
+def _place(kind: str, tmp_path: Path) -> Place:
+    if kind == "local":
         return _local_place(tmp_path)
-    return _s3_place(request.param)
+    if kind == "gcs":
+        return _gcs_place()
+    return _s3_place(kind)
+
+
+@pytest.fixture(params=["local", "moto", "seaweedfs", "gcs"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+    """A root on a backend that replaces the pointer only while it is what was read."""
+    return _place(request.param, tmp_path)
+
+
+@pytest.fixture(params=["local", "moto", "seaweedfs"])
+def removing_place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+    """A root on a backend that removes the pointer only while it is what was read too
+    (not GCS: fake-gcs-server ignores preconditions on deletes, so its removal is not
+    conditional; see ``storage.backends.swap``)."""
+    return _place(request.param, tmp_path)
 
 
 def _commit(place: Place, *steps: int) -> None:
@@ -222,11 +264,12 @@ def test_a_lower_step_published_concurrently_leaves_the_pointer_resumable(
 
 
 def test_withdrawing_a_deleted_step_keeps_a_newer_step_published_meanwhile(
-    place: Place,
+    removing_place: Place,
 ) -> None:
     # Before: the deletion of step-6 read the pointer naming step-6; the commit of
     # step-7 then wrote `step-7`; the deletion removed the pointer anyway, so a job
     # whose listing missed step-7 no longer found it.
+    place = removing_place
     _commit(place, 6, 7)
     place.set_pointer(b"step-6\n")
     gate = Gate()
@@ -240,23 +283,14 @@ def test_withdrawing_a_deleted_step_keeps_a_newer_step_published_meanwhile(
     assert place.pointer() == b"step-7\n"
 
 
-@pytest.fixture(params=["memory", "gcs"])
-def unswapping(request: pytest.FixtureRequest) -> tuple[str, Callable[..., FileSystemBase]]:
-    """A root on a backend that cannot compare and swap, and a maker of its backend
-    (given gates): the in-process memory store, or fake-gcs-server (which ignores
-    generation preconditions but ``0``, so GCS publishes without them)."""
+@pytest.fixture
+def unswapping() -> tuple[str, Callable[..., FileSystemBase]]:
+    """A root on a backend that cannot compare and swap (the in-process memory store),
+    and a maker of its backend (given gates)."""
     from storage import MemoryFileSystem
 
-    if request.param == "memory":
-        name = uuid.uuid4().hex
-        return f"dcpmem://{name}/root", lambda *g: gated(MemoryFileSystem, *g)(name)
-    from storage import GCSFileSystem
-    from tests.support.servers import gcs_endpoint_with_bucket, gcs_options
-
-    options = gcs_options(gcs_endpoint_with_bucket(BUCKET))
-    return f"gs://{BUCKET}/{uuid.uuid4().hex}", lambda *g: gated(GCSFileSystem, *g)(
-        storage_options=options
-    )
+    name = uuid.uuid4().hex
+    return f"dcpmem://{name}/root", lambda *g: gated(MemoryFileSystem, *g)(name)
 
 
 def test_without_swaps_a_publish_reads_back_and_restores_a_higher_step(

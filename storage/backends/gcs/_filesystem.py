@@ -22,6 +22,7 @@ from gcsfs.retry import HttpError
 from extensions.errors import CheckpointNotFoundError
 from storage.backends._clients import Shared, options_key
 from storage.backends._fsspec import FsspecFileSystem
+from storage.backends.gcs import _swap
 from storage.backends.gcs._direct import direct_get
 from storage.backends.gcs._read import open_reader
 from storage.backends.gcs._session import Get, StreamedGet
@@ -63,7 +64,8 @@ class GCSFileSystem(FsspecFileSystem):
     Memory: one buffer per file being written plus at most the held budget. Bodies go
     to the socket as slices of the buffers, never copied whole. A failed write cancels
     its resumable session. ``write_atomic(..., exclusive=True)`` uses
-    ``ifGenerationMatch=0``.
+    ``ifGenerationMatch=0``; ``replace_if`` (``storage.backends.swap``) uses
+    ``ifGenerationMatch`` with the generation ``read_versioned`` answered.
 
     A slice is read in windows of ``part_size`` bytes, one ranged GET each, whose body
     lands straight in the caller's buffer (the target tensor); a read that reaches a
@@ -169,6 +171,14 @@ class GCSFileSystem(FsspecFileSystem):
         length = self._read_length(limit)
         with self._open_range(path, 0, length, window=length) as reader:
             return reader.read()
+
+    # Compare and swap of replacements (``storage.backends.swap``): generations and
+    # ``ifGenerationMatch``; removals stay unconditional (``_swap`` says why).
+    def read_versioned(self, path: str, *, limit: int) -> tuple[bytes, str]:
+        return _swap.read_versioned(self, path, limit)
+
+    def replace_if(self, directory: str, name: str, data: bytes, version: str | None) -> bool:
+        return _swap.replace_if(self, self.concat_path(directory, name), data, version)
 
     def _getter(self) -> Get:
         """How GETs are sent: the direct path where this client allows it."""
