@@ -12,63 +12,35 @@ others. Rank 0 publishes the root's metadata once every
 rank reports its files there, or removes them all when any rank failed, so the durable
 copy exists only whole.
 
-Durable means more than "the root answers that ``.metadata`` exists": a store (or a
-cache in front of it) may say so of an object it lost, or hold another save's object at
-that name. Before a step counts as durable (:meth:`Drains.durable`, what lets the local
-tier prune its copy) the root's ``.metadata`` is read back, bounded, once per step: it
-must be the bytes the drain published (every rank learns their SHA-256 from rank 0), or,
-for a step drained before this process started, the copy of the local step's save
-(``format.save_of``). Missing, the step is drained again by the next pass; different,
-it stays local (one warning says what differs) and the next pass looks again.
+Whether a step is durable, once drained, is :mod:`storage.ops.drain_root`'s to judge (the
+root's ``.metadata`` read back); a local step saved again or removed while its drain
+reads it is :mod:`storage.ops.drain_source`'s (the drain starts again on the new save,
+or leaves the removed step, and reports neither as a failure).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import hashlib
 import logging
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Literal
 
-from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError
+from extensions.errors import CheckpointNotFoundError
 from storage.checkpoint import persist
-from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.attempt import SaveAttempt
 from storage.checkpoint.commit import NotShownError
-from storage.checkpoint.committed import read_metadata_bytes
 from storage.checkpoint.options import WriterSettings
 from storage.checkpoint.persist import _stuck
 from storage.ops._peers import Group
 from storage.ops.copy import publish_copy
 from storage.ops.copy_data import copy_data_files, stored_bytes
+from storage.ops.drain_root import Published, RootCopies
+from storage.ops.drain_source import SourceChanged, changed, save_of
 from storage.ops.parts import read_metadata
 from storage.ops.steps import StepRoot
 
 log = logging.getLogger("storage.ops.tiers")  # one logger for everything tiers say
-
-#: What the root holds of a local step: ``durable`` (the copy this tier drained there),
-#: ``missing`` (no ``.metadata``: drain it), ``differs`` (another ``.metadata``: keep the
-#: local copy), ``linked`` (a symbolic link: never drained, never durable).
-RootCopy = Literal["durable", "missing", "differs", "linked"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Published:
-    """The ``.metadata`` a drain published at the root: its size, SHA-256 and save id."""
-
-    size: int
-    sha256: str
-    save_id: str
-
-    @classmethod
-    def of(cls, data: bytes, save_id: str) -> Published:
-        return cls(len(data), hashlib.sha256(data).hexdigest(), save_id)
-
-    def __str__(self) -> str:
-        return f"{self.size} bytes, SHA-256 {self.sha256[:16]}..., save {self.save_id}"
 
 
 class Drains:
@@ -104,9 +76,7 @@ class Drains:
         self._queued = self._finished = 0  # passes
         self._pending: set[int] = set()  # saved here, not drained yet
         self._current: int | None = None  # the step a pass drains now
-        self._published: dict[int, Published] = {}  # by the passes here
-        self._verified: set[int] = set()  # the root's .metadata read back and found ours
-        self._warned: set[int] = set()  # told once that the root's .metadata differs
+        self.copies = RootCopies(local, root)  # what the root holds of each step
         self._error: BaseException | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-drain")
         self._last: concurrent.futures.Future[None] | None = None
@@ -117,79 +87,20 @@ class Drains:
             return set(self._pending)
 
     def add(self, step: int) -> None:
-        """``step`` was committed locally by this manager: drain it."""
-        with self._lock:
+        """``step`` was committed locally by this manager: drain it (again, where an
+        earlier save of it was drained: the root's copy is then ``stale``)."""
+        with self._lock:  # under it: a pass that lands the step sees this save
             self._pending.add(step)
+            self._drained.discard(step)  # its new save is not
+            self.copies.saved(step)
 
     def discard(self, step: int) -> None:
         with self._lock:
             self._pending.discard(step)
 
     def durable(self, step: int) -> bool:
-        """Whether the root holds this tier's copy of ``step`` committed (see the module
-        docstring): what lets the local tier delete its own."""
-        return self.root_copy(step) == "durable"
-
-    def root_copy(self, step: int) -> RootCopy:
-        """What the root holds of ``step`` (:data:`RootCopy`). Its ``.metadata`` is read
-        (bounded) until it is found to be this tier's copy, then only looked for; a
-        different one is warned about once per step. Raises what reading the root
-        raises (the root cannot say)."""
-        if self.root.is_link(step):
-            return "linked"
-        with self._lock:
-            verified = step in self._verified
-        if verified:
-            return "durable" if self.root.is_committed(step) else "missing"
-        path = self.root.fs.concat_path(self.root.step_path(step), fmt.METADATA_NAME)
-        try:
-            data = read_metadata_bytes(self.root.fs, path)
-        except (FileNotFoundError, NotADirectoryError):
-            return "missing"
-        except UnsafeCheckpointError as exc:  # past the bound: not what we published
-            why: str | None = str(exc)
-        else:
-            why = self._differs(step, data)
-        if why is None:
-            with self._lock:
-                self._verified.add(step)
-            return "durable"
-        with self._lock:
-            warn = step not in self._warned
-            self._warned.add(step)
-        if warn:
-            log.warning(
-                "step %d at %s: the root's %s is not the copy this tier drained there (%s); "
-                "the local copy is kept, and each drain pass looks again",
-                step,
-                self.root.step_url(step),
-                fmt.METADATA_NAME,
-                why,
-            )
-        return "differs"
-
-    def _differs(self, step: int, data: bytes) -> str | None:
-        """How ``data``, the root's ``.metadata`` of ``step``, differs from this tier's
-        copy (``None``: it is that copy): the bytes a pass here published, else (drained
-        before this process started) a copy of the local step's save."""
-        with self._lock:
-            ours = self._published.get(step)
-        if ours is not None and Published.of(data, ours.save_id) == ours:
-            return None
-        try:
-            theirs = fmt.load_metadata(data, self.root.step_url(step))
-        except Exception as exc:  # unreadable: it differs, and says why
-            save_id, origin = f"unreadable ({exc})", None
-        else:
-            save_id = str(getattr(getattr(theirs, "storage_meta", None), "save_id", None))
-            origin = fmt.save_of(theirs)
-        if ours is not None:
-            return f"it holds {Published.of(data, save_id)}, the drain published {ours}"
-        local = self.local.model(step).global_metadata
-        mine = None if local is None else fmt.save_of(local)
-        if mine is not None and origin == mine:
-            return None
-        return f"it holds a copy of save {origin}, the local step is save {mine}"
+        """Whether the root holds this tier's copy of ``step`` (``RootCopies.durable``)."""
+        return self.copies.durable(step)
 
     def schedule(self) -> None:
         """Queue a pass (every rank queues the same ones: their collectives pair up)."""
@@ -232,7 +143,8 @@ class Drains:
         g = self.group
         self.prune()
         refused: set[int] = set()  # linked at the root: never drained through the link
-        landed: set[int] = set()  # drained by this pass: never again in it
+        landed: set[int] = set()  # drained by this pass (or removed): never again in it
+        gone: Exception | None = None  # a step removed while it drained, not by delete_local
         try:
             while True:
                 mine = self.pending()
@@ -242,28 +154,39 @@ class Drains:
                 # A step the root shows another .metadata for stays local: draining it
                 # again would replace a checkpoint that may not be ours (and a store
                 # that answers stale bytes serves them again), see root_copy.
-                mine |= {s for s in held - refused - mine if self.root_copy(s) == "missing"}
+                again = ("missing", "stale")
+                mine |= {s for s in held - refused - mine if self.copies.root_copy(s) in again}
                 views = g.all_gather(sorted(mine - refused - landed), pg=g.drain_pg)
                 common = sorted(set.intersection(*(set(v) for v in views)))
                 if not common:
                     break
+                step = common[0]
                 with self._lock:
-                    self._current = common[0]
-                published = drain_step(
-                    g,
-                    self.local,
-                    self.root,
-                    common[0],
-                    settings=self.settings,
-                    pace=self.pace,
-                )
-                with self._lock:
-                    self._published[common[0]] = published
-                    self._verified.discard(common[0])
-                    self._warned.discard(common[0])
+                    self._current = step
+                    commit = self.copies.current(step)  # the local save it starts on
+                try:
+                    published = drain_step(
+                        g, self.local, self.root, step, settings=self.settings, pace=self.pace
+                    )
+                except SourceChanged as exc:  # on every rank alike: saved again or removed
+                    lost = self._source_changed(exc)
+                    gone = gone or lost
+                    if exc.removed:
+                        landed.add(step)  # nothing left to drain
+                    continue  # saved again: still pending, drained again now
+                with self._changed:  # add() takes the lock: a save of it now is seen here
+                    newest = self.copies.published(step, published, commit)
+                    self._current = None
+                    if newest:
+                        self._pending.discard(step)
+                        self._drained.add(step)
+                    self._changed.notify_all()
+                if not newest:  # saved again while its copy was published: again, now
+                    log.info("step %d was saved again while it drained: draining it again", step)
+                    continue
                 self.last_error = None
-                landed.add(common[0])
-                if self.root_copy(common[0]) == "missing":
+                landed.add(step)
+                if self.copies.root_copy(step) == "missing":
                     # Else the pass would drain it again, and again: a store that lost
                     # or hides the metadata it acknowledged (a cached 404) re-uploaded
                     # the whole step for ever, and no later pass ran.
@@ -272,18 +195,15 @@ class Drains:
                         "committed (a store whose reads lag behind its writes, or that "
                         "acknowledged a write it did not keep): it stays local, and the "
                         "next drain pass copies it again if the root still lacks it",
-                        common[0],
-                        self.root.step_url(common[0]),
+                        step,
+                        self.root.step_url(step),
                     )
-                with self._changed:
-                    self._current = None
-                    self._pending.discard(common[0])
-                    self._drained.add(common[0])
-                    self._changed.notify_all()
-                self.on_durable(common[0])
+                self.on_durable(step)
                 self.prune()
             for step in sorted(refused):  # the other steps drained; this one stays local
                 self.root.refuse_link(step, _stays_local(self.local, step))
+            if gone is not None:
+                raise gone
         except Exception as exc:
             log.error(
                 "draining %s to %s failed (it stays local): %s", self.local.url, self.root.url, exc
@@ -296,6 +216,28 @@ class Drains:
                 self._finished += 1
                 self._changed.notify_all()
 
+    def _source_changed(self, exc: SourceChanged) -> Exception | None:
+        """A step's local copy changed under its drain (:mod:`storage.ops.drain_source`):
+        saved again, it stays pending and is drained again; removed by ``delete_local``
+        (no longer pending), nothing is left to drain. Removed otherwise, it is no longer
+        pending either (nothing can drain it), and the error returned says so."""
+        step = exc.step
+        with self._lock:
+            pending = step in self._pending
+            if exc.removed:
+                self._pending.discard(step)
+        if not exc.removed:
+            log.info("step %d: %s; draining its new save", step, exc.why)
+            return None
+        if not pending:
+            log.info("step %d: %s (delete_local): not drained", step, exc.why)
+            return None
+        return CheckpointNotFoundError(
+            f"{self.local.step_url(step)}: {exc.why}, not by delete_local(): step {step} is "
+            f"not durable, and no copy of it is left to drain to {self.root.url}; save it "
+            "again if it is still wanted"
+        )
+
 
 def drain_step(
     g: Group,
@@ -307,15 +249,17 @@ def drain_step(
     pace: Callable[[], None],
 ) -> Published:
     """Copy ``step`` from ``local`` to ``root``; collective (on the drains' group),
-    raises on every rank if it failed on any, and commits nothing then; returns what
-    rank 0 published, on every rank. Each rank's copy is a ``SaveAttempt`` of its own
+    raises on every rank if it failed on any, and commits nothing then (``SourceChanged``
+    where the local step was saved again or removed under it on some rank, whatever else
+    failed: :mod:`storage.ops.drain_source`); returns what rank 0 published, on every
+    rank. Each rank's copy is a ``SaveAttempt`` of its own
     save id: a rank whose copy died with nothing to show (the persist worker killed
     mid-copy, or for not answering by ``settings.timeout`` and a grace) removes what
     that id left there (``SaveAttempt.lost``); rank 0's adopts every rank's files,
     which it publishes or, when any rank failed, removes."""
     fs = root.fs
     src, dst = local.step_path(step), root.step_path(step)
-    copied, part, published = None, None, None
+    copied, part, published, read = None, None, None, None
     error: Exception | None = None
     attempt = SaveAttempt(fs, dst, uuid.uuid4().hex[:12])  # this rank's own save id
     try:
@@ -328,6 +272,7 @@ def drain_step(
                 ".metadata drains"
             )
         part = parts[0]
+        read = save_of(part.metadata)  # the save copied: the step may be saved again
         ranks = None if g.world == 1 else {g.rank}
         copied = persist.run(
             settings.persist_mode(local.fs, fs),
@@ -357,10 +302,13 @@ def drain_step(
     except Exception as exc:
         error = exc
         attempt.lost()
-    gathered = g.all_gather((copied, _text(error)), pg=g.drain_pg)
-    outcome = next((t for _, t in gathered if t is not None), None)
+    # Still the save that was read, on every rank? Else nothing of this copy is
+    # published: the step is drained again, or was removed (drain_source).
+    moves = g.all_gather((copied, _text(error), changed(local, step, read)), pg=g.drain_pg)
+    moved = next((m for _, _, m in moves if m is not None), None)
+    outcome = moved.why if moved else next((t for _, t, _ in moves if t is not None), None)
     if g.rank == 0:
-        copies = [c for c, _ in gathered if c is not None]
+        copies = [c for c, _, _ in moves if c is not None]
         for c in copies:
             attempt.adopt(c.names)
         if outcome is None:
@@ -379,6 +327,8 @@ def drain_step(
     outcome, published = g.broadcast((outcome, published), pg=g.drain_pg)
     if outcome is not None:
         attempt.abort(error)  # unless rank 0's publish may have landed
+    if moved is not None:
+        raise SourceChanged(step, moved.why, removed=moved.removed)
     if error is not None:
         raise error
     if outcome is not None:
