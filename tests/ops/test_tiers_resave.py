@@ -4,6 +4,7 @@ ends up holding one whole save of the step, and a real failure is still reported
 
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 import threading
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from extensions.errors import CheckpointNotFoundError
 from storage import S3FileSystem
@@ -21,6 +23,7 @@ from storage.checkpoint.api import load as storage_load
 from storage.checkpoint.committed import open_committed
 from storage.checkpoint.layout import is_committed
 from storage.ops.manager import CheckpointManager
+from tests.support.distributed import gloo_group, spawn
 from tests.support.servers import boto3_client, create_bucket, list_keys, moto_endpoint, s3_options
 from tests.support.tiers import blank_state, step_state
 
@@ -229,3 +232,35 @@ def test_a_step_saved_again_under_its_drain_to_s3_is_drained_whole(tmp_path: Pat
     keys = list_keys(boto3_client(endpoint), BUCKET, f"{prefix}/step-1/")
     data = {k.rsplit("/", 1)[-1] for k in keys if k.endswith(".distcp")}
     assert named and data == set(named)
+
+
+def _two_nodes_worker(rank: int, store: str, base: str) -> None:
+    with gloo_group(rank, 2, store, timeout=datetime.timedelta(seconds=120)):
+        disk = _HeldReads(1)
+        mgr = CheckpointManager(
+            f"{base}/durable", local=f"{base}/node{rank}", local_filesystem=disk, persist="thread"
+        )
+        name = f"rank{rank}"
+        if rank == 0:  # rank 1's copy of the first save may be done, or not, meanwhile
+            disk.arm()
+        mgr.save(1, {name: torch.full((4096,), 1.0 + rank)})
+        if rank == 0:
+            assert disk.reading.wait(120), "the drain never read step 1"
+        dist.barrier()
+        future = mgr.save(1, {name: torch.full((4096,), 10.0 + rank)}, blocking=False)
+        assert future is not None
+        future.result(timeout=120)  # committed on both nodes
+        disk.go.set()
+        mgr.wait()  # nothing to report, on either rank
+        assert mgr.durable_steps() == [1]
+        target = {name: torch.zeros(4096)}
+        storage_load(target, f"{base}/durable/step-1")
+        assert torch.equal(target[name], torch.full((4096,), 10.0 + rank))
+        if rank == 0:
+            _only_its_own_files(Path(base) / "durable" / "step-1")
+
+
+def test_two_nodes_drain_a_step_saved_again_under_one_ranks_drain(tmp_path: Path) -> None:
+    # Only rank 0 finds the step replaced: every rank must drop the copy alike, and
+    # drain the new save together.
+    spawn(_two_nodes_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
