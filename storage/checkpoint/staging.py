@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from storage.checkpoint import persist as _persist
 from storage.checkpoint import savable
 from storage.checkpoint.options import staging_options
-from storage.checkpoint.persist._cuda import InFlight
+from storage.checkpoint.persist._cuda import InFlight, drain_pending_error
 from storage.checkpoint.stager import ValueStager
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,10 @@ class LocalStaging:
                 if not self._pin:
                     raise
                 # Page-locking refused (locked-memory limit, ``ulimit -l``): the copies
-                # from CUDA are then slower, the save still made.
+                # from CUDA are then slower, the save still made. torch's pinning
+                # leaves CUDA's error pending on this thread: consumed, or the training
+                # thread's next kernel launch would fail with it.
+                drain_pending_error()
                 log.warning("pinning the staging buffers failed (%s); staging unpinned", exc)
                 self._pin, self._stager = False, None
                 staged = self._kept().stage(state_dict)

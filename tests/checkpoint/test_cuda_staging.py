@@ -38,7 +38,8 @@ class _Calls:
 
     def register(self, address: int, nbytes: int) -> None:
         if self.fail:
-            raise RuntimeError("cudaHostRegister failed")
+            self.log.append(("refused", address, nbytes > 0))
+            raise storage.CheckpointStorageError("cannot pin: cudaHostRegister error 2")
         self.log.append(("register", address, nbytes > 0))
 
     def unregister(self, address: int) -> None:
@@ -84,15 +85,44 @@ def test_a_pinned_segment_is_registered_once_and_unregistered_before_it_goes() -
     assert pool.pins.pinned() == {}
 
 
-def test_a_segment_that_cannot_be_pinned_is_removed() -> None:
-    """A failed registration leaves no segment behind (and the error reaches the save)."""
+def test_a_refused_registration_stages_in_pageable_memory_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Guards the fallback where CUDA refuses to page-lock a staging buffer (the
+    locked-memory limit): the buffer is kept, pageable, and the save goes on with one
+    warning; no later buffer asks CUDA again. Before, the refusal failed the save."""
     calls = _Calls()
     calls.fail = True
     pool = _pinned_pool(calls)
     try:
-        with pytest.raises(RuntimeError, match="cudaHostRegister"):
-            pool.new_storage(BIG, pin=True)
-        assert pool.live() == {} and pool._unsent == []
+        with caplog.at_level("WARNING", logger="storage.checkpoint.persist._cuda"):
+            first = pool.new_storage(BIG, pin=True)
+            second = pool.new_storage(BIG, pin=True)
+            small = pool.new_storage(100, pin=True)  # not pinned either: private, pageable
+        assert calls.log == [("refused", first.data_ptr(), True)]
+        assert _segment_exists(pool, first) and _segment_exists(pool, second)
+        assert pool.live().keys() == {"0", "1"} and pool.pins.pinned() == {}
+        assert not small.is_pinned() and small.nbytes() == 100
+        assert caplog.text.count("pageable memory") == 1 and "error 2" in caplog.text
+    finally:
+        pool.close()
+    assert [entry[0] for entry in calls.log] == ["refused"]  # nothing to unregister
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch refuses pinned memory without CUDA")
+def test_a_small_buffer_that_cannot_be_pinned_is_pageable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The small buffers (private memory, from torch's pinned allocator): where torch
+    cannot page-lock one (here: no CUDA), it is pageable, with the same one warning."""
+    pool = _pool.StagingPool()
+    try:
+        with caplog.at_level("WARNING", logger="storage.checkpoint.persist._cuda"):
+            small = pool.new_storage(100, pin=True)
+            again = pool.new_storage(200, pin=True)
+        assert not small.is_pinned() and (small.nbytes(), again.nbytes()) == (100, 200)
+        assert caplog.text.count("pageable memory") == 1
+        assert pool.pins.refused is not None
     finally:
         pool.close()
 
@@ -416,6 +446,55 @@ def test_a_failed_registration_leaves_no_cuda_error_for_the_next_kernel() -> Non
     cuda_unregister(segment.address)  # not registered: reported quietly, no pending error
     torch.ones(4, device="cuda").mul_(2)
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@cuda
+def test_staging_from_cuda_where_pinning_is_refused_is_pageable_and_exact(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CUDA refusing to register the staging buffers (here: a null address, as a
+    locked-memory limit would) makes the stage pageable, with a warning, not a failed
+    save; the copy is exact and no CUDA error is left for the next kernel."""
+    from storage.checkpoint.persist._cuda import cuda_register, cuda_unregister
+
+    state = _cuda_state()
+    refusing = Pins(lambda address, nbytes: cuda_register(0, nbytes), cuda_unregister)
+    pool = _pool.StagingPool(pins=refusing)
+    try:
+        with caplog.at_level("WARNING", logger="storage.checkpoint.persist._cuda"):
+            staged, copies = pool.stage(state)
+        assert copies is not None
+        copies.wait()
+        assert "pageable memory" in caplog.text and refusing.pinned() == {}
+        for key in ("w", "m"):
+            assert not staged[key].is_pinned() and torch.equal(staged[key], state[key].cpu())
+        assert torch.ones(4, device="cuda").mul_(2).sum().item() == 8  # a kernel, checked
+    finally:
+        pool.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_thread_staging_where_pinning_is_refused_leaves_no_cuda_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default's thread staging pins through torch, whose refused registration
+    leaves CUDA's error pending on the training thread: the fallback to pageable
+    buffers consumes it, or the next, unrelated kernel launch would fail with it."""
+    import torch.cuda._pin_memory_utils as pin_memory_utils
+
+    from storage.checkpoint import staging
+
+    real = pin_memory_utils.pin_memory
+    monkeypatch.setattr(pin_memory_utils, "pin_memory", lambda address, size: real(0, size))
+    state = _cuda_state()
+    with caplog.at_level("WARNING", logger="storage.checkpoint.staging"):
+        staged, lease = staging.LocalStaging().stage(state)
+    assert lease is not None and "staging unpinned" in caplog.text
+    assert torch.ones(4, device="cuda").mul_(2).sum().item() == 8  # a kernel, checked
+    assert torch.equal(staged["m"], state["m"].cpu()) and not staged["m"].is_pinned()
+    lease.release()
 
 
 _ON_SECOND_DEVICE = """

@@ -52,11 +52,10 @@ def cuda_register(address: int, nbytes: int) -> None:
     device = torch.cuda.current_device()
     code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _PORTABLE))
     if code != 0:
-        _drain_pending_error()
+        drain_pending_error()
         raise CheckpointStorageError(
             f"cannot pin {nbytes} bytes of checkpoint staging memory for CUDA copies "
-            f"(cudaHostRegister error {code}); raise the locked-memory limit (ulimit -l) "
-            "or save with persist='thread'"
+            f"(cudaHostRegister error {code}; the locked-memory limit, ulimit -l?)"
         )
     _registered_on[address] = device
 
@@ -67,7 +66,7 @@ def cuda_unregister(address: int) -> None:
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         code = int(torch.cuda.cudart().cudaHostUnregister(address))
     if code != 0:
-        _drain_pending_error()
+        drain_pending_error()
         log.debug("cudaHostUnregister error %d for staging memory at %#x", code, address)
 
 
@@ -91,7 +90,7 @@ def _runtimes() -> tuple[ctypes.CDLL, ...]:
     return tuple(found)
 
 
-def _drain_pending_error() -> None:
+def drain_pending_error() -> None:
     """Consume the error a failed runtime call left pending on this thread: torch checks
     each kernel launch with ``cudaGetLastError``, so the training thread's next kernel
     would fail with this unrelated error (torch's binding does not expose the call)."""
@@ -103,7 +102,12 @@ def _drain_pending_error() -> None:
 class Pins:
     """Which mappings are registered with the CUDA host allocator: each once, each
     unregistered (:meth:`unpin`) before its segment goes. ``register`` and
-    ``unregister`` are CUDA's unless given (tests give their own)."""
+    ``unregister`` are CUDA's unless given (tests give their own).
+
+    Where CUDA refuses a registration (page-locked memory is limited), pinning is
+    given up for good (:attr:`refused`), with one warning: the buffers stay pageable,
+    and the save goes on, its copies from the device slower and each one blocking the
+    stage until it is done (``cudaMemcpyAsync`` into pageable memory)."""
 
     def __init__(
         self,
@@ -113,11 +117,31 @@ class Pins:
         self._register = register
         self._unregister = unregister
         self._pinned: dict[int, int] = {}  # address -> bytes
+        self.refused: BaseException | None = None  # why pinning was given up
 
-    def pin(self, address: int, nbytes: int) -> None:
-        if address not in self._pinned:
+    def pin(self, address: int, nbytes: int) -> bool:
+        """Register ``nbytes`` at ``address`` once; false where pinning is refused."""
+        if address in self._pinned:
+            return True
+        if self.refused is not None:
+            return False
+        try:
             self._register(address, nbytes)
-            self._pinned[address] = nbytes
+        except (CheckpointStorageError, RuntimeError) as exc:
+            self.refuse(exc)
+            return False
+        self._pinned[address] = nbytes
+        return True
+
+    def refuse(self, error: BaseException) -> None:
+        """Give pinning up: ``error`` is CUDA's refusal of a registration."""
+        if self.refused is None:
+            self.refused = error
+            log.warning(
+                "%s; staging from CUDA goes on in pageable memory: slower copies, each "
+                "blocking the save until it is done",
+                error,
+            )
 
     def unpin(self, address: int) -> None:
         if self._pinned.pop(address, None) is None:

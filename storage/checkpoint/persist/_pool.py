@@ -131,10 +131,14 @@ class StagingPool:
     def new_storage(
         self, nbytes: int, *, touch: bool = False, pin: bool = False
     ) -> torch.UntypedStorage:
-        """A staging buffer of ``nbytes``; ``pin``: page-locked for CUDA copies."""
+        """A staging buffer of ``nbytes``; ``pin``: page-locked for CUDA copies, where
+        CUDA does not refuse it (pageable then: see :class:`._cuda.Pins`)."""
         if nbytes < SMALL:
-            if pin:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+            if pin and self.pins.refused is None:
+                try:
+                    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+                except RuntimeError as exc:  # no pinned memory left
+                    self.pins.refuse(exc)
             return torch.UntypedStorage(nbytes)
         if len(self._unsent) >= FDS_PER_MESSAGE:
             self._flush()  # a stage of thousands of segments holds few descriptors at once
@@ -152,11 +156,7 @@ class StagingPool:
         if touch:
             segment.touch()
         if pin:
-            try:
-                self.pins.pin(segment.address, nbytes)
-            except BaseException:
-                self._drop(segment.address)
-                raise
+            self.pins.pin(segment.address, nbytes)
         return segment.storage
 
     def copy_into(self, staged: torch.UntypedStorage, source: torch.UntypedStorage) -> None:
