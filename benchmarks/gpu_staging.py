@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         results = {k: _run(k, state, root, args.saves, args.every) for k in ("stock", "ours")}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"state {nbytes / 1e9:.2f} GB on {torch.cuda.get_device_name()}")
+    device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    print(f"state {nbytes / 1e9:.2f} GB on {device}")
     print(f"{'':22}{'stock':>10}{'ours':>10}{'ours/stock':>12}")
     for key, label in (("stall", "stall per checkpoint"), ("durable", "time-to-durable")):
         stock, ours = results["stock"][key], results["ours"][key]
