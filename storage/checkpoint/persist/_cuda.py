@@ -213,7 +213,9 @@ class SideCopies:
             return None
         events: list[Event] = []
         for side in used.values():
-            event = torch.cuda.Event()
+            # Blocking: a thread waiting for the copies sleeps (by default CUDA spins a
+            # core for as long as they take, beside training, in async staging).
+            event = torch.cuda.Event(blocking=True)
             event.record(side)
             events.append(event)
         return InFlight(events, source)
