@@ -354,13 +354,18 @@ def test_staging_a_cuda_state_dict_is_pinned() -> None:
 def test_an_async_staging_save_returns_before_the_copy_and_is_bit_exact(tmp_path: Path) -> None:
     """With the current stream busy, ``dcp.async_save`` returns while the copies queued
     behind it have not completed; the checkpoint still holds the tensors as they were
-    when the save was asked for, bit for bit (the writes waited for the copies)."""
+    when the save was asked for, bit for bit (the writes waited for the copies). A
+    first save makes and pins the buffers (and starts the worker), so the one timed
+    runs as every later save does, whatever those first steps cost or synchronize."""
     state = _cuda_state()
+    writer = CheckpointWriter(tmp_path / "first", persist="process", async_staging=True)
+    dcp.async_save(state, storage_writer=writer, no_dist=True).upload_completion.result(300)
     expected = _cpu(state)
     torch.cuda.synchronize()
     torch.cuda._sleep(_BUSY)
-    writer = CheckpointWriter(tmp_path / "ck", async_staging=True)
-    response = dcp.async_save(state, storage_writer=writer, no_dist=True)
+    response = dcp.async_save(
+        state, storage_writer=writer, checkpoint_id=tmp_path / "ck", no_dist=True
+    )
     assert isinstance(response, AsyncSaveResponse)
     assert not response.staging_completion.done()
     response.staging_completion.result(timeout=300)
