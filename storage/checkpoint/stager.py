@@ -9,12 +9,19 @@ values and the checkpoint the wrong numbers. :class:`ValueStager` stages such a 
 as its resolved values instead (a copy made at the save: such views are rare in a
 state dict). And where torch's cache of buffers (kept between saves) holds one for a
 storage resized in place since (``tensor.resize_``), torch refuses the stage with an
-``AssertionError``; this stager makes that storage a new buffer. ``None`` where torch
-has no ``StateDictStager`` (2.7)."""
+``AssertionError``; this stager makes that storage a new buffer. A buffer pinned for a
+CUDA storage is pinned in the context of that storage's device: torch's pinning
+(``cudaHostRegister``) runs in the current device's, and a process whose tensors live
+on another device than its current one would make a CUDA context there (hundreds of MB
+of that device's memory, on every process of the host). ``None`` where torch has no
+``StateDictStager`` (2.7)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
+
+import torch
 
 from extensions._compat import StateDictStager
 
@@ -38,7 +45,9 @@ class _ValueStager(StateDictStager or object):  # type: ignore[misc]
         kept = None if cache is None else cache.get(storage)
         if kept is not None and kept.nbytes() != storage.nbytes():
             del cache[storage]  # type: ignore[union-attr]  # resized in place since
-        return super()._stage_untyped_storage(storage, non_blocking)  # type: ignore[misc]
+        cuda = storage.device.type == "cuda"
+        with torch.cuda.device(storage.device) if cuda else contextlib.nullcontext():
+            return super()._stage_untyped_storage(storage, non_blocking)  # type: ignore[misc]
 
 
 ValueStager: type[Any] | None = _ValueStager if StateDictStager is not None else None

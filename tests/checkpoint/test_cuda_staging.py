@@ -512,6 +512,10 @@ copies.wait()
 assert torch.equal(staged["w"], state["w"].cpu())
 pool.stage({})
 pool.close()
+from storage.checkpoint.staging import LocalStaging
+kept, lease = LocalStaging().stage(state)  # the default's thread staging, pinned by torch
+assert kept["w"].is_pinned() and torch.equal(kept["w"], state["w"].cpu())
+lease.release()
 assert torch.cuda.current_device() == 0
 assert not torch._C._cuda_hasPrimaryContext(0), "a CUDA context was made on cuda:0"
 """
@@ -522,7 +526,8 @@ assert not torch._C._cuda_hasPrimaryContext(0), "a CUDA context was made on cuda
 def test_staging_from_one_device_makes_no_context_on_another() -> None:
     """A process whose tensors live on cuda:1 (its current device left at 0, never
     used) stages, pins, copies and unpins without making a CUDA context on cuda:0:
-    each costs hundreds of MB of that device's memory, once per process on the host."""
+    each costs hundreds of MB of that device's memory, once per process on the host.
+    Into the worker's buffers, and into the default's thread staging buffers."""
     done = subprocess.run(
         [sys.executable, "-c", _ON_SECOND_DEVICE],
         capture_output=True,
