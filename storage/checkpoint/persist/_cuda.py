@@ -55,9 +55,17 @@ def cuda_register(address: int, nbytes: int) -> None:
         drain_pending_error()
         raise CheckpointStorageError(
             f"cannot pin {nbytes} bytes of checkpoint staging memory for CUDA copies "
-            f"(cudaHostRegister error {code}; the locked-memory limit, ulimit -l?)"
+            f"(cudaHostRegister: {_described(code)})"
         )
     _registered_on[address] = device
+
+
+def _described(code: int) -> str:
+    """CUDA's words for error ``code``, and the code."""
+    try:
+        return str(torch.cuda.CudaError(code))  # "<CUDA's message> (<code>)"
+    except Exception:  # noqa: BLE001 - the code alone says enough
+        return f"error {code}"
 
 
 def cuda_unregister(address: int) -> None:
