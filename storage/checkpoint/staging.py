@@ -116,7 +116,11 @@ class WriterStaging(AsyncStager):
         if self.cache_staged_state_dict:
             if self._stager is None:
                 self._stager = _stager(pin=torch.cuda.is_available())
-            return cast(STATE_DICT_TYPE, self._stager.stage(state_dict))
+            try:
+                return cast(STATE_DICT_TYPE, self._stager.stage(state_dict))
+            except RuntimeError:  # pinning refused, as torch's stager raises it: its
+                drain_pending_error()  # CUDA error must not fail the next kernel too
+                raise
         return cast(STATE_DICT_TYPE, _fresh_copy(state_dict))
 
     def synchronize_staging(self) -> None:

@@ -482,11 +482,13 @@ def test_staging_from_cuda_where_pinning_is_refused_is_pageable_and_exact(
 @pytest.mark.gpu
 @cuda
 def test_thread_staging_where_pinning_is_refused_leaves_no_cuda_error(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The default's thread staging pins through torch, whose refused registration
     leaves CUDA's error pending on the training thread: the fallback to pageable
-    buffers consumes it, or the next, unrelated kernel launch would fail with it."""
+    buffers consumes it, or the next, unrelated kernel launch would fail with it. So
+    does ``cache_staged_state_dict``'s staging, whose refusal fails the save (as
+    torch's does) and nothing after it."""
     import torch.cuda._pin_memory_utils as pin_memory_utils
 
     from storage.checkpoint import staging
@@ -500,6 +502,10 @@ def test_thread_staging_where_pinning_is_refused_leaves_no_cuda_error(
     assert torch.ones(4, device="cuda").mul_(2).sum().item() == 8  # a kernel, checked
     assert torch.equal(staged["m"], state["m"].cpu()) and not staged["m"].is_pinned()
     lease.release()
+    cached = CheckpointWriter(tmp_path / "c", persist="thread", cache_staged_state_dict=True)
+    with pytest.raises(RuntimeError, match="Registering memory failed"):
+        cached.stage(state)
+    assert torch.ones(4, device="cuda").mul_(2).sum().item() == 8
 
 
 _ON_SECOND_DEVICE = """
