@@ -9,16 +9,18 @@ values and the checkpoint the wrong numbers. :class:`ValueStager` stages such a 
 as its resolved values instead (a copy made at the save: such views are rare in a
 state dict). And where torch's cache of buffers (kept between saves) holds one for a
 storage resized in place since (``tensor.resize_``), torch refuses the stage with an
-``AssertionError``; this stager makes that storage a new buffer. A buffer pinned for a
-CUDA storage is pinned in the context of that storage's device: torch's pinning
-(``cudaHostRegister``) runs in the current device's, and a process whose tensors live
-on another device than its current one would make a CUDA context there (hundreds of MB
-of that device's memory, on every process of the host). ``None`` where torch has no
+``AssertionError``; this stager makes that storage a new buffer.
+
+Pinning (``pin_memory``) applies to the buffers of CUDA storages only, each pinned in
+the context of its storage's device. torch pins every buffer, in the current device's
+context: a buffer of a CPU tensor gains nothing from it (nothing copies it to or from a
+device) and locked host memory for nothing, and a process whose tensors live on another
+device than its current one, or on none, made a CUDA context there (hundreds of MB of
+that device's memory, in every process of the host). ``None`` where torch has no
 ``StateDictStager`` (2.7)."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -27,6 +29,8 @@ from extensions._compat import StateDictStager
 
 
 class _ValueStager(StateDictStager or object):  # type: ignore[misc]
+    pin_memory: bool  # torch's: whether it pins the buffers it makes
+
     def _offload_tensor(self, x: Any, memo: dict[int, Any], non_blocking: bool = False) -> Any:
         if not (x.is_conj() or x.is_neg()):
             return super()._offload_tensor(x, memo, non_blocking)  # type: ignore[misc]
@@ -45,9 +49,14 @@ class _ValueStager(StateDictStager or object):  # type: ignore[misc]
         kept = None if cache is None else cache.get(storage)
         if kept is not None and kept.nbytes() != storage.nbytes():
             del cache[storage]  # type: ignore[union-attr]  # resized in place since
-        cuda = storage.device.type == "cuda"
-        with torch.cuda.device(storage.device) if cuda else contextlib.nullcontext():
+        if storage.device.type == "cuda":
+            with torch.cuda.device(storage.device):
+                return super()._stage_untyped_storage(storage, non_blocking)  # type: ignore[misc]
+        pin, self.pin_memory = self.pin_memory, False  # a copy from CPU: never pinned
+        try:
             return super()._stage_untyped_storage(storage, non_blocking)  # type: ignore[misc]
+        finally:
+            self.pin_memory = pin
 
 
 ValueStager: type[Any] | None = _ValueStager if StateDictStager is not None else None

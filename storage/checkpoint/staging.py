@@ -194,8 +194,8 @@ class LocalStaging:
     ``cache_staged_state_dict``) touches fresh memory each time: on a host that hands
     freed memory back, that is ~1 ms per MB of stall, where copying into buffers already
     touched costs a tenth of it. The buffers are torch's ``StateDictStager`` cache: one
-    per tensor storage of the state, held while that storage lives, pinned where CUDA
-    is available. One save holds them at a time (its :class:`~.persist.Lease`, released
+    per tensor storage of the state, held while that storage lives, those of CUDA
+    tensors pinned. One save holds them at a time (its :class:`~.persist.Lease`, released
     once its writes read them); a save that finds them held, because the previous save
     is still writing, gets a fresh copy instead: it never waits for another save."""
 

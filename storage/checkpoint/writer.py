@@ -57,7 +57,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
     a committed checkpoint is there), ``cache_staged_state_dict`` (``dcp.async_save``
     stages through this writer, as through torch's ``FileSystemWriter``: with ``True``
     the staging buffers are kept and reused by the next async save of the same tensors,
-    pinned where CUDA is available; wait for a save's future before the next one, as
+    those of CUDA tensors pinned; wait for a save's future before the next one, as
     with torch), ``serialization_format`` (only ``SerializationFormat.TORCH_SAVE``).
 
     Incremental saves (docs/format.md): ``fingerprint=True`` records a content

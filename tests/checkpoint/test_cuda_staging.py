@@ -496,11 +496,15 @@ def test_thread_staging_where_pinning_is_refused_leaves_no_cuda_error(
     real = pin_memory_utils.pin_memory
     monkeypatch.setattr(pin_memory_utils, "pin_memory", lambda address, size: real(0, size))
     state = _cuda_state()
+    local = staging.LocalStaging()
     with caplog.at_level("WARNING", logger="storage.checkpoint.staging"):
-        staged, lease = staging.LocalStaging().stage(state)
+        staged, lease = local.stage(state)
     assert lease is not None and "staging unpinned" in caplog.text
     assert torch.ones(4, device="cuda").mul_(2).sum().item() == 8  # a kernel, checked
     assert torch.equal(staged["m"], state["m"].cpu()) and not staged["m"].is_pinned()
+    lease.release()
+    again, lease = local.stage(state)  # unpinned from now on, the buffers kept
+    assert lease is not None and again["m"].data_ptr() == staged["m"].data_ptr()
     lease.release()
     cached = CheckpointWriter(tmp_path / "c", persist="thread", cache_staged_state_dict=True)
     with pytest.raises(RuntimeError, match="Registering memory failed"):
