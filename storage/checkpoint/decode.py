@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from extensions.errors import IntegrityError, UnsafeCheckpointError, printable
 from extensions.streams import BoundedReader, pump, read_all, readinto_exact, skip
 from storage.checkpoint import storage_format as fmt
+from storage.checkpoint.archives import check_archive
 from storage.checkpoint.tensors import (
     copy_into_memory,
     has_plain_memory,
@@ -104,6 +105,7 @@ def decode_tensor(
         # A planner that cast may have stored up to 8 bytes per element (16: complex).
         limit = math.prod(sizes) * max(8, dtype.itemsize) + ARCHIVE_ALLOWANCE
         payload = read_bounded(decoded, limit, where, "the metadata understates it")
+        check_archive(payload, where)
         try:
             loaded = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
@@ -233,6 +235,7 @@ def plain_value(payload: bytes, where: str) -> io.BytesIO:
     the planner's unpickler only ever sees our own pickle of those objects - never the
     checkpoint's bytes, whose opcodes might act differently under the two unpicklers."""
     value: object
+    check_archive(payload, where)
     try:
         value = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from extensions.errors import UnsafeCheckpointError, quote
+from storage.checkpoint.archives import check_archive
 from storage.checkpoint.decode import refused_pickle
 
 _FORMAT = 1
@@ -79,6 +80,7 @@ def unpack(
     (``storage.checkpoint.decode.refused_pickle``) or does not say where a stored tensor
     goes."""
     blob = items[prefix].numpy().tobytes()
+    check_archive(blob, f"{where}: item {quote(prefix)}")
     try:
         record = torch.load(io.BytesIO(blob), weights_only=weights_only, map_location=map_location)
     except pickle.UnpicklingError as exc:
