@@ -43,7 +43,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from extensions.base import StreamTransformExtension
-from extensions.errors import CheckpointNotFoundError, quote
+from extensions.errors import CheckpointNotFoundError, UnsafeCheckpointError, quote
 from storage.backends.base import FileSystemBase
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.committed import (
@@ -166,13 +166,26 @@ def item_path(fs: FileSystemBase, path: str, info: Any) -> str:
 def check_bases(fs: FileSystemBase, path: str, items: Iterable[tuple[str, Any]]) -> None:
     """Before reading ``items`` (``(label, _StorageInfo)`` pairs) of the checkpoint at
     ``path``: every base they reference must be a committed checkpoint, else
-    :class:`CheckpointNotFoundError` names the item, the base and the fix."""
+    :class:`CheckpointNotFoundError` names the item, the base and the fix; and not a
+    symbolic link, else :class:`UnsafeCheckpointError`: a save records its base by the
+    name its files really have (:func:`open_base`), so a reference never needs one, and
+    one planted at a base's name would read the bytes of any checkpoint it points at
+    (another user's private one) as this checkpoint's."""
     seen: set[str] = set()
     for label, info in items:
         ref = fmt.stored_item(info).ref
         if ref is None or ref in seen:
             continue
         base = sibling_path(fs, path, ref)
+        if fs.is_link(base):
+            raise UnsafeCheckpointError(
+                f"{fs.url(path)}: item {quote(label)} is stored in base checkpoint "
+                f"{fs.url(base)} ({quote(ref)}), which is a symbolic link; a base is read "
+                "only as the directory beside the checkpoint that a save recorded, never "
+                "through a link (it could point at any checkpoint on the machine): replace "
+                "the link with the base itself (move or `dcp-storage cp` it there), or load "
+                "a self-contained copy"
+            )
         if not is_committed(fs, base):
             state = "not committed" if fs.exists(base) else "missing"
             raise CheckpointNotFoundError(
