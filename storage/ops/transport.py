@@ -27,7 +27,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from extensions._compat import load_state_dict_without_collectives
 from extensions.base import Keys
-from extensions.errors import CheckpointNotFoundError, IntegrityError, quote
+from extensions.errors import (
+    CheckpointNotFoundError,
+    IntegrityError,
+    UnsafeCheckpointError,
+    quote,
+)
 from extensions.registry import ExtensionRegistry
 from storage.backends.base import FileSystemBase
 from storage.checkpoint.api import unwrap_checkpoint_exception
@@ -303,6 +308,12 @@ class StorageTransport:
             # Backs off to a quarter second: a heal waits on the commit it polls for (at
             # 1 s, a receiver noticed a commit 0.76 s late in the healing benchmark).
             delay = min(delay * 2, max(self.poll_interval, _POLL_CAP))
+        if fs.is_link(path):  # as a send refuses one: never the sender's
+            raise UnsafeCheckpointError(
+                f"receiving step {step} from {sender}: {url} is a symbolic link, which no "
+                "send writes (a send refuses one); it could point at any checkpoint on the "
+                "machine, so nothing was read: remove the link"
+            )
         while True:
             reader = self._reader(fs, url)
             try:

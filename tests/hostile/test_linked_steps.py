@@ -285,6 +285,20 @@ def test_transport_send_refuses_a_linked_step(tmp_path: Path, shared: Path) -> N
     _pretrained_intact(shared, before)
 
 
+def test_transport_receive_refuses_a_linked_step(tmp_path: Path, shared: Path) -> None:
+    # Before: a receiver healing from replica 0's step 3 loaded whatever checkpoint a
+    # link planted at root/replica-0/step-3 pointed at (here someone else's), which no
+    # send writes (a send refuses the link).
+    before = _link(tmp_path / "ft" / "replica-0" / "step-3", shared)
+    transport = storage.StorageTransport(tmp_path / "ft", rank=1)
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="step-3 is a symbolic link"):
+            transport.recv_checkpoint(0, transport.metadata(), 3, timedelta(seconds=60))
+    finally:
+        transport.shutdown()
+    _pretrained_intact(shared, before)
+
+
 def test_folder_upload_refuses_a_linked_step(tmp_path: Path, shared: Path) -> None:
     # Before: FolderCheckpoints.save(folder, 0) uploaded into the linked step-0.
     before = _link(tmp_path / "bucket" / "step-0", shared)
