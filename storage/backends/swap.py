@@ -10,7 +10,11 @@ implements :class:`SwappingRemovals` (``isinstance`` tells):
   directory holding the object, which every swap in that directory takes, across
   processes and threads (no lock file). Where the filesystem refuses ``flock`` (some
   network filesystems), the comparison runs unlocked, right before the write: a narrow
-  window, never a wrong answer when no one else writes at that moment.
+  window, never a wrong answer when no one else writes at that moment. So it does where
+  another process has held a lock of the directory for :data:`LOCK_WAIT` seconds:
+  anyone who can read the directory can lock it (``flock`` needs only a descriptor),
+  and a lock held for ever would otherwise hang every save that publishes into it,
+  after its commit.
 * S3 (``S3FileSystem``), both: the version is the ETag of the GET; the PUT carries
   ``If-Match`` (``If-None-Match: *`` for an object that was absent) and the DELETE
   ``If-Match``, which S3, moto and SeaweedFS enforce (412); a store that answers 501 to
@@ -31,7 +35,9 @@ undid (see ``storage.checkpoint.latest``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
@@ -39,6 +45,12 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+#: Longest a swap waits for a lock of its directory that another process holds (ours
+#: hold it for one small read and write) before it runs unlocked.
+LOCK_WAIT = 10.0
 
 
 @runtime_checkable
@@ -71,8 +83,36 @@ def directory_locked(directory: str) -> Iterator[None]:
     fd = os.open(directory, flags)
     try:
         if fcntl is not None:
-            with contextlib.suppress(OSError):  # ENOLCK, EBADF (NFS), EINVAL
-                fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock(fd, directory)
         yield  # closing the descriptor releases the lock
     finally:
         os.close(fd)
+
+
+def _lock(fd: int, directory: str) -> None:
+    """``flock(fd, LOCK_EX)``, waiting at most :data:`LOCK_WAIT` seconds for another
+    holder; past that, or where the filesystem refuses locks, ``fd`` stays unlocked."""
+    deadline = time.monotonic() + LOCK_WAIT
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass  # held by another descriptor: wait for it, within the bound
+        except OSError:  # ENOLCK, EBADF (NFS), EINVAL: no locks here
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log.warning(
+                "%s: another process has held a lock of this directory for %g s (anyone "
+                "who can read the directory can take one); updating the latest-step "
+                "pointer in it without the lock. Find the holder with `fuser -v %s`, or "
+                "make the directory readable by your jobs only",
+                directory,
+                LOCK_WAIT,
+                directory,
+            )
+            return
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 0.05)
