@@ -14,9 +14,10 @@ compared bit for bit. ``--repeat`` runs alternate; medians are reported.
 
 The limit beside the steps: a plain save of only the changed items (``storage.save`` into
 a new directory, each step) plus fingerprinting the whole state at the speed measured in
-the same run (xxHash3-128, on as many threads as a save spreads its fingerprints over:
-this process's share of the cores, at most 4); the goal is a step within 1.5x of it. Every timed
-save follows an ``os.sync()``.
+the same run (xxHash3-128, on this process's share of the cores, at most 4; a save takes
+its fingerprints on its writing threads, overlapping the changed items' writes, so a step
+can beat this sum); the goal is a step within 1.5x of it. Every timed save follows an
+``os.sync()``.
 
     PYTHONPATH=. python benchmarks/incremental.py --size-mb 128 --changed-mb 4 --repeat 5
     PYTHONPATH=. python benchmarks/incremental.py --size-mb 1024 --repeat 3
@@ -44,7 +45,7 @@ import storage  # noqa: E402
 from storage.checkpoint import incremental, persist  # noqa: E402
 
 MIB = 1 << 20
-#: The threads a save spreads an incremental save's fingerprints over.
+#: The threads the limit's fingerprints run on: this process's share of the cores.
 FINGERPRINT_THREADS = persist.copy_threads()
 
 
@@ -80,8 +81,8 @@ def step_bytes(mgr: storage.CheckpointManager, step: int) -> tuple[int, int]:
 
 
 def fingerprint_seconds(state: dict[str, Any]) -> float:
-    """Fingerprinting every item of ``state`` (what an incremental save adds) on the
-    threads a save spreads its fingerprints over (this process's share of the cores)."""
+    """Fingerprinting every item of ``state`` (what an incremental save adds) on this
+    process's share of the cores."""
     values = [v.contiguous() for v in state.values()]
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(FINGERPRINT_THREADS) as pool:

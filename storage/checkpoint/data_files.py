@@ -1,6 +1,9 @@
 """A save's data files: the items split into files (:func:`split_into_files`), then
 written on the writer's threads (:func:`write_files`), each item encoded through the
-transform chain with its checksum and, for incremental saves, its content fingerprint.
+transform chain with its checksum and, for incremental saves, its content fingerprint,
+taken on the thread that writes the item, just before it does (an item whose base holds
+the same content is referenced instead, and a file none of whose items is written is
+never created).
 ``CheckpointWriter.write_files`` runs this, in the training process or in the persist
 worker with the staged data, for the save's :class:`~storage.checkpoint.attempt.SaveAttempt`
 (which records every file before it opens and removes them when the save fails) with the
@@ -8,13 +11,11 @@ writer's :class:`FileSettings`."""
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
+import contextlib
 import dataclasses
 import functools
-import io
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
@@ -38,21 +39,20 @@ SMALL_ITEM = 1 << 20
 #: What the per-item work of one item costs, in bytes written (~170 us per item on one
 #: thread, where a thread writes ~1.5 GB/s): the weight of an item in the split.
 ITEM_COST = 256 << 10
-#: An incremental save's fingerprints are spread over threads (xxHash and BLAKE2 let go of
-#: the GIL) where the items hold at least this many bytes.
-SPREAD_FINGERPRINTS = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class FileSettings:
     """What writing a save's data files needs of its writer: the transform chain, the
-    rank writing, whether each file is made durable, and the content fingerprints of
-    its items (``fingerprint=True``)."""
+    rank writing, whether each file is made durable, whether each item records its
+    content fingerprint (``fingerprint``) and the base whose items of the same content
+    and chain are referenced instead of written (``base``)."""
 
     transforms: Sequence[Any]
     rank: int
     sync: bool
-    fingerprints: Mapping[Any, incremental.Fingerprint]
+    fingerprint: bool = False
+    base: incremental.Base | None = None
     #: The save id each item records and its transforms bind (``recorded_save``).
     save: str | None = None
 
@@ -112,73 +112,6 @@ def _split(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
     return buckets
 
 
-def fingerprint_items(
-    items: list[WriteItem],
-    planner: SavePlanner,
-    transforms: Sequence[Any],
-    url: str,
-    base: incremental.Base | None,
-    fingerprints: dict[Any, incremental.Fingerprint],
-    save: str | None,
-    threads: int = 1,
-) -> tuple[list[WriteItem], list[WriteResult]]:
-    """Fingerprint every item into ``fingerprints``; returns the items to write and the
-    references to ``base``'s bytes for those whose content and chain it holds already.
-    Items are resolved on this thread, one after another; where they hold at least
-    :data:`SPREAD_FINGERPRINTS` bytes their fingerprints run on up to ``threads``
-    threads, at most twice that many items resolved and not yet fingerprinted at once."""
-    to_write, referenced = [], []
-    for item, tensor, content in _fingerprinted(items, planner, transforms, url, threads):
-        fingerprints[item.index] = content
-        info = None
-        if base is not None:
-            descriptors = chain_descriptors(transforms, item_info(url, item, tensor, save))
-            info = base.reference(item.index, descriptors, content)
-        if info is None:
-            to_write.append(item)
-        else:
-            referenced.append(WriteResult(item.index, 0, info))
-    return to_write, referenced
-
-
-Fingerprinted = tuple[WriteItem, "torch.Tensor | None", incremental.Fingerprint]
-
-
-def _fingerprinted(
-    items: list[WriteItem],
-    planner: SavePlanner,
-    transforms: Sequence[Any],
-    url: str,
-    threads: int,
-) -> Iterator[Fingerprinted]:
-    """Each item with its plain tensor (``None`` for bytes) and fingerprint, in order."""
-
-    def resolved(item: WriteItem) -> tuple[torch.Tensor | None, torch.Tensor | memoryview]:
-        data = savable.resolve(planner, item, url)
-        tensor = None if item.type == WriteItemType.BYTE_IO else plain_cpu_tensor(data)
-        return tensor, tensor if tensor is not None else cast(io.BytesIO, data).getbuffer()
-
-    tensors = (i for i in items if i.type != WriteItemType.BYTE_IO)
-    if threads < 2 or sum(map(item_size, tensors)) < SPREAD_FINGERPRINTS:
-        for item in items:
-            tensor, plain = resolved(item)
-            yield item, tensor, incremental.fingerprint(plain, transforms)
-        return
-    pending: collections.deque[tuple[WriteItem, torch.Tensor | None, Any]] = collections.deque()
-    with concurrent.futures.ThreadPoolExecutor(
-        threads, thread_name_prefix="dcp-storage-fingerprint"
-    ) as pool:
-        for item in items:
-            tensor, plain = resolved(item)
-            pending.append((item, tensor, pool.submit(incremental.fingerprint, plain, transforms)))
-            if len(pending) >= 2 * threads:
-                done, tensor_done, future = pending.popleft()
-                yield done, tensor_done, future.result()
-        while pending:
-            done, tensor_done, future = pending.popleft()
-            yield done, tensor_done, future.result()
-
-
 def write_files(
     attempt: SaveAttempt,
     settings: FileSettings,
@@ -190,14 +123,10 @@ def write_files(
     ``planner.resolve_data`` gives, each recorded in ``attempt`` before it opens, under
     a heartbeat (``heartbeat.beating``: ``gc`` leaves this save's uploads and files
     alone while it writes); on failure remove what was written (``attempt.abort``:
-    past the deadline, in the background) and raise."""
+    past the deadline, in the background) and raise. An incremental save passes every
+    item: each file's thread fingerprints its items and writes those its base does
+    not hold, so one thread's writes overlap the others' fingerprints."""
     fs, url = attempt.fs, attempt.url
-
-    def write_one(name: str, items: list[WriteItem]) -> list[WriteResult]:
-        refuse_linked_prefix(fs, attempt.path, name)  # never write through a link
-        path = attempt.record(name)
-        return _write_file(attempt, settings, path, name, items, planner)
-
     token = heartbeat_token(attempt.save_id, settings.rank)
     marker = fs.url(fs.concat_path(attempt.path, heartbeat.name_of(token)))
 
@@ -205,7 +134,10 @@ def write_files(
         item = heartbeat.name_of(token)
         attempt.budget.call(request, action="saving", location=url, item=item, url=marker)
 
-    tasks = [functools.partial(write_one, name, items) for name, items in files]
+    tasks = [
+        functools.partial(_write_file, attempt, settings, name, items, planner)
+        for name, items in files
+    ]
     try:
         with heartbeat.beating(fs, attempt.path, token, guard=guard, home=attempt.home):
             per_file = attempt.budget.run(tasks, workers=threads, action="saving", location=url)
@@ -224,29 +156,39 @@ def heartbeat_token(save_id: str, rank: int) -> str:
 def _write_file(
     attempt: SaveAttempt,
     settings: FileSettings,
-    path: str,
     name: str,
     items: list[WriteItem],
     planner: SavePlanner,
 ) -> list[WriteResult]:
+    """Write the file ``name`` of ``items`` (those the base holds referenced instead),
+    opened at its first item to write: recorded in ``attempt`` first, in the checkpoint
+    directory as resolved when the save began, never through a link swapped in since
+    (``refuse_linked_prefix``, ``create_stream_in``). A write that fails for want of
+    room names the file (the backend's doing)."""
     # Opaque bytes first, then tensors (largest first), as torch orders them.
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
         i for i in items if i.type != WriteItemType.BYTE_IO
     ]
     results = []
-    url = attempt.fs.url(path)
+    fs = attempt.fs
+    url = fs.url(fs.concat_path(attempt.path, name))
     checkpoint = attempt.url  # once: it resolves the path through the backend
-    if ordered:
-        note(fmt.item_label(ordered[0].index), url)
-    # In the checkpoint directory as resolved when the save began, never through a link
-    # swapped in since (create_stream_in).
-    # A write that fails for want of room names the file (the backend's doing).
-    with attempt.fs.create_stream_in(attempt.home, name, "wb", sync=settings.sync) as opened:
-        stream = cancellable(opened)
+    with contextlib.ExitStack() as stack:
+        stream: Any = None
         offset = 0
         for item in ordered:
             note(fmt.item_label(item.index), url)
-            result = _write_item(checkpoint, settings, stream, name, offset, item, planner)
+            item_data = _Item(checkpoint, settings, item, planner)
+            referenced = item_data.reference()
+            if referenced is not None:
+                results.append(referenced)
+                continue
+            if stream is None:
+                refuse_linked_prefix(fs, attempt.path, name)
+                attempt.record(name)
+                opened = fs.create_stream_in(attempt.home, name, "wb", sync=settings.sync)
+                stream = cancellable(stack.enter_context(opened))
+            result = item_data.write(stream, name, offset)
             offset += result.storage_data.length
             results.append(result)
     return results
@@ -265,31 +207,49 @@ def item_info(url: str, item: WriteItem, tensor: torch.Tensor | None, save: str 
     )
 
 
-def _write_item(
-    url: str,
-    settings: FileSettings,
-    stream: Any,
-    name: str,
-    offset: int,
-    item: WriteItem,
-    planner: SavePlanner,
-) -> WriteResult:
-    data = savable.resolve(planner, item, url)
-    tensor: torch.Tensor | None = None
-    if item.type != WriteItemType.BYTE_IO:
-        tensor = plain_cpu_tensor(data)
-    content = settings.fingerprints.get(item.index)
-    start = fmt.StoredItem(
-        name,
-        offset,
-        0,
-        content=None if content is None else content.record(),
-        save=settings.save,
-    )
-    info = item_info(url, item, tensor, settings.save)
-    record = encode_item(stream, settings.transforms, info, data, tensor, start)
-    return WriteResult(
-        index=item.index,
-        size_in_bytes=record.length,
-        storage_data=fmt.new_storage_info(record),
-    )
+class _Item:
+    """One item of a file being written: its data as the planner resolves it, its
+    fingerprint when the save records them (taken here, on the writing thread, of the
+    very tensor :meth:`write` then encodes), and whether the base holds it."""
+
+    def __init__(
+        self, url: str, settings: FileSettings, item: WriteItem, planner: SavePlanner
+    ) -> None:
+        self.settings, self.item = settings, item
+        self.data = savable.resolve(planner, item, url)
+        self.tensor: torch.Tensor | None = None
+        if item.type != WriteItemType.BYTE_IO:
+            self.tensor = plain_cpu_tensor(self.data)
+        self.info = item_info(url, item, self.tensor, settings.save)
+        self.content = self._fingerprint() if settings.fingerprint else None
+
+    def _fingerprint(self) -> incremental.Fingerprint:
+        plain = self.tensor if self.tensor is not None else self.data.getbuffer()
+        return incremental.fingerprint(plain, self.settings.transforms)
+
+    def reference(self) -> WriteResult | None:
+        """The item as a reference to the base's bytes, when the base holds the same
+        content under the same transform chain; ``None``: it must be written."""
+        base = self.settings.base
+        if base is None or self.content is None:
+            return None
+        descriptors = chain_descriptors(self.settings.transforms, self.info)
+        info = base.reference(self.item.index, descriptors, self.content)
+        return None if info is None else WriteResult(self.item.index, 0, info)
+
+    def write(self, stream: Any, name: str, offset: int) -> WriteResult:
+        """Encode the item into ``stream`` (the file ``name``) at ``offset``. Its
+        fingerprint is taken again once it is written: an item that changed since its
+        fingerprint was taken (changed during the save) records none, so no later save
+        takes the bytes written for content they may not hold."""
+        start = fmt.StoredItem(name, offset, 0, save=self.settings.save)
+        record = encode_item(
+            stream, self.settings.transforms, self.info, self.data, self.tensor, start
+        )
+        if self.content is not None and self._fingerprint().digest == self.content.digest:
+            record = dataclasses.replace(record, content=self.content.record())
+        return WriteResult(
+            index=self.item.index,
+            size_in_bytes=record.length,
+            storage_data=fmt.new_storage_info(record),
+        )

@@ -15,8 +15,10 @@ the bytes and the longest chain is one hop.
 Fingerprints are xxHash3-128 (one core of the reference machine: ~24 GB/s when quiet,
 6-14 GB/s while other work shares it; BLAKE2b-128 when the ``xxhash`` package is
 missing, ~1 GB/s) of the tensor's dtype, shape and raw bytes, or of a non-tensor item's
-bytes; a save of many bytes spreads them over its share of the cores
-(``data_files.fingerprint_items``). When a transform of the chain returns a key from
+bytes. Each item's is taken on the thread that writes its data file, just before the
+item is written or referenced, so one thread's writes overlap the others' fingerprints,
+and taken again once the item is written: an item that changed during its save records
+none (``data_files``). When a transform of the chain returns a key from
 ``fingerprint_key()`` (part of the transform contract; AES-256-GCM does), the record is
 keyed and salted instead:
 ``HMAC-SHA256(key, salt || digest)``, so without the key nobody can compare two

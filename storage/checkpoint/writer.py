@@ -175,8 +175,6 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         self.base = base
         self.fingerprint = fingerprint or base is not None
         self._base: incremental.Base | None = None
-        #: This save's content fingerprints per item (``fingerprint=True``).
-        self.fingerprints: dict[Any, incremental.Fingerprint] = {}
         self._stager: DefaultStager | None = None  # kept between saves when caching
         self.rank = 0
         self.use_collectives = True
@@ -222,7 +220,6 @@ class CheckpointWriter(StorageWriter, WriterStaging):
         self.published = None
         self.unpublished = None
         self._base = None
-        self.fingerprints = {}
         self.budget.restart()
         self.attempt = SaveAttempt(self.fs, self.path, self.save_id, self.budget)
         self.is_coordinator = is_coordinator
@@ -275,19 +272,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _RankPlan) else self.rank
         items: list[WriteItem] = list(plan.items)
-        referenced: list[WriteResult] = []
-        lease = self._take_staged()  # its copies from a device done: fingerprints read it
-        if self.fingerprint:
-            items, referenced = data_files.fingerprint_items(
-                items,
-                planner,
-                self.transforms,
-                self.url,
-                self._base,
-                self.fingerprints,
-                data_files.recorded_save(self.transforms, self.attempt.save_id),
-                threads=min(self.thread_count, _persist.copy_threads()),
-            )
+        lease = self._take_staged()  # its copies from a device done: the writes read it
         files, threads = data_files.split_into_files(
             items,
             rank=rank,
@@ -297,7 +282,7 @@ class CheckpointWriter(StorageWriter, WriterStaging):
             key_prefixes=self.key_prefixes,
         )
         per_file = self._write_staged(lease, files, threads, planner)
-        results = list(referenced) + [result for rs in per_file for result in rs]
+        results = [result for rs in per_file for result in rs]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -312,7 +297,8 @@ class CheckpointWriter(StorageWriter, WriterStaging):
             self.transforms,
             self.rank,
             self.sync_files,
-            self.fingerprints,
+            self.fingerprint,
+            self._base,
             data_files.recorded_save(self.transforms, self.attempt.save_id),
         )
         return data_files.write_files(self.attempt, settings, files, threads, planner)

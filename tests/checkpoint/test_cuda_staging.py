@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import storage
-from storage.checkpoint import CheckpointWriter, data_files, persist
+from storage.checkpoint import CheckpointWriter, persist
 from storage.checkpoint.persist import _pool
 from storage.checkpoint.persist._cuda import InFlight, Pins, SideCopies
 from storage.checkpoint.persist._lease import Lease
@@ -174,7 +174,7 @@ def test_releasing_a_lease_waits_for_its_copies_first() -> None:
     ("module", "name", "options"),
     [
         (persist, "write_staged", {}),
-        (data_files, "fingerprint_items", {"fingerprint": True}),
+        (persist, "write_staged", {"fingerprint": True}),
     ],
     ids=["writes", "fingerprints"],
 )
@@ -187,9 +187,9 @@ def test_what_reads_the_staged_buffers_waits_for_the_copies(
 ) -> None:
     """Guards the order on the read side: with the copies still in flight when the
     save's data phase begins, what reads the staged buffers waits for them: the writes,
-    and an incremental save's fingerprints. Before, for the fingerprints: they were
-    taken of buffers still being copied into, and an item could be recorded as
-    unchanged from its base while its new values were on their way."""
+    and an incremental save's fingerprints, which the writes take. Before, for the
+    fingerprints: they were taken of buffers still being copied into, and an item could
+    be recorded as unchanged from its base while its new values were on their way."""
     log: list[str] = []
     event = _Event(log)
     real = getattr(module, name)

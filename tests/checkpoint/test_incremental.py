@@ -96,41 +96,6 @@ def test_a_drains_paced_bytes_are_the_items_stored_in_the_step_itself(tmp_path: 
     assert frozen <= stored_bytes(part) - written < frozen + 4096
 
 
-def _contents(path: Path) -> dict[str, str | None]:
-    meta = fmt.load_metadata((path / ".metadata").read_bytes(), str(path))
-    return {fmt.item_label(i): fmt.stored_item(s).content for i, s in meta.storage_data.items()}
-
-
-def test_fingerprints_spread_over_threads_are_those_of_one_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A large save spreads its fingerprints over threads: each item keeps its own
-    fingerprint, in item order (bytes items among tensors), and the references follow."""
-    import threading
-
-    from storage.checkpoint import data_files, incremental, persist
-
-    hashed_on: set[str] = set()
-    real = incremental.fingerprint
-
-    def fingerprint(data: Any, transforms: Any) -> incremental.Fingerprint:
-        hashed_on.add(threading.current_thread().name.rsplit("_", 1)[0])
-        return real(data, transforms)
-
-    monkeypatch.setattr(incremental, "fingerprint", fingerprint)
-    monkeypatch.setattr(persist, "copy_threads", lambda: 2)  # two cores or more
-    for spread, root in ((1 << 62, tmp_path / "one"), (0, tmp_path / "spread")):
-        monkeypatch.setattr(data_files, "SPREAD_FINGERPRINTS", spread)
-        storage.save(_state(1), root / "step-1", fingerprint=True, thread_count=4)
-        storage.save(_state(2), root / "step-2", base=str(root / "step-1"), thread_count=4)
-    assert hashed_on == {"MainThread", "dcp-storage-fingerprint"}
-    for step in ("step-1", "step-2"):
-        one, spread_out = _contents(tmp_path / "one" / step), _contents(tmp_path / "spread" / step)
-        assert one == spread_out and None not in one.values(), step
-    assert _refs(tmp_path / "spread" / "step-2") == _refs(tmp_path / "one" / "step-2")
-    assert_tree_equal(_load(str(tmp_path / "spread" / "step-2")), _state(2))
-
-
 def test_changed_items_are_rewritten(tmp_path: Path) -> None:
     storage.save(_state(1), tmp_path / "step-1", fingerprint=True)
     storage.save(_state(2), tmp_path / "step-2", base=str(tmp_path / "step-1"))
