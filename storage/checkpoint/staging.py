@@ -132,7 +132,7 @@ class WriterStaging(AsyncStager):
     def _take_staged(self) -> _persist.Lease | None:
         """The current save's hold on the buffers its state was staged into (``None``:
         none are held), once the copies into them from a device completed: nothing
-        reads the staged buffers before (fingerprinting reads them too)."""
+        reads the staged buffers before (the writes, which fingerprint them too)."""
         lease, self._lease = self._lease, None
         if lease is not None:
             try:
