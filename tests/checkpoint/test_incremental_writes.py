@@ -14,33 +14,17 @@ import torch
 import storage
 from storage.checkpoint import data_files, incremental
 from storage.checkpoint import storage_format as fmt
-from storage.ops.describe import describe
+from tests.checkpoint.test_incremental import _refs, _state
 from tests.support.trees import assert_tree_equal, zeros_like_tree
 
 #: Generous: a gate that opens at all opens within milliseconds.
 GATE = 60.0
 
 
-def _state(step: int) -> dict[str, Any]:
-    """A frozen base (same every step) and an adapter that changes each step."""
-    frozen = torch.Generator().manual_seed(0)
-    moving = torch.Generator().manual_seed(1000 + step)
-    return {
-        "base.w": torch.randn(256, 128, generator=frozen).to(torch.bfloat16),
-        "base.emb": torch.randn(512, 64, generator=frozen),
-        "lora.A": torch.randn(8, 128, generator=moving),
-        "opt": {"step": step},
-    }
-
-
 def _load(path: Path) -> dict[str, Any]:
     out = cast(dict[str, Any], zeros_like_tree(_state(0)))
     storage.load(out, path)
     return out
-
-
-def _refs(path: Path) -> dict[str, str | None]:
-    return {r.item: r.ref for r in describe(storage.LocalFileSystem(), str(path)).items}
 
 
 def _contents(path: Path) -> dict[str, str | None]:

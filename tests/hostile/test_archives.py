@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import struct
 import subprocess
 import sys
@@ -24,8 +23,8 @@ import torch
 
 import storage
 from extensions.errors import UnsafeCheckpointError
-from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.archives import check_archive
+from tests.support.planting import plant_item
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,22 +50,6 @@ def _bomb(nbytes: int) -> bytes:
     return _deflated(_archive({"t": torch.zeros(nbytes, dtype=torch.uint8)}))
 
 
-def _plant(ckpt: Path, fqn: str, stored: bytes, **extra_changes: Any) -> None:
-    """Append ``stored`` to the item's data file and point the item at it."""
-    metadata = pickle.loads((ckpt / ".metadata").read_bytes())  # the test's own file
-    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
-    path = ckpt / info.relative_path
-    info.offset = path.stat().st_size
-    info.length = len(stored)
-    with path.open("ab") as f:
-        f.write(stored)
-    extra = getattr(info, fmt.EXTRA)
-    extra.pop("crc32c", None)
-    for key, value in extra_changes.items():
-        extra.pop(key, None) if value is None else extra.__setitem__(key, value)
-    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
-
-
 def test_a_deflated_record_in_a_non_tensor_item_is_refused_before_torch_inflates_it(
     tmp_path: Path,
 ) -> None:
@@ -76,7 +59,7 @@ def test_a_deflated_record_in_a_non_tensor_item_is_refused_before_torch_inflates
     storage.save({"extra": "text", "t": torch.ones(4)}, tmp_path)
     bomb = _bomb(4 * MiB)
     assert len(bomb) < 16 << 10
-    _plant(tmp_path, "extra", bomb)
+    plant_item(tmp_path, "extra", bomb)
     with pytest.raises(UnsafeCheckpointError, match=r"'extra'.*compressed.*decompression bomb"):
         storage.load({"extra": "", "t": torch.zeros(4)}, tmp_path)
 
@@ -87,7 +70,7 @@ def test_a_deflated_record_in_a_stock_tensor_item_is_refused(tmp_path: Path) -> 
     # held (up to a thousand times the archive's bound) before its size was compared.
     storage.save({"t": torch.ones(16)}, tmp_path)
     archive = _deflated(_archive(torch.zeros(4 * MiB, dtype=torch.uint8)))
-    _plant(tmp_path, "t", archive, data_offset=None, nbytes=None)
+    plant_item(tmp_path, "t", archive, data_offset=None, nbytes=None)
     with pytest.raises(UnsafeCheckpointError, match=r"'t'.*compressed"):
         storage.load({"t": torch.zeros(16)}, tmp_path)
 
@@ -120,7 +103,7 @@ def test_a_second_central_directory_that_only_python_reads_is_refused(tmp_path: 
         assert {i.compress_type for i in seen_by_python.infolist()} == {zipfile.ZIP_STORED}
     assert torch.load(io.BytesIO(payload), weights_only=True)["t"].numel() == 4 * MiB
     storage.save({"extra": "text", "t": torch.ones(4)}, tmp_path)
-    _plant(tmp_path, "extra", payload)
+    plant_item(tmp_path, "extra", payload)
     with pytest.raises(UnsafeCheckpointError, match=r"'extra'.*central directory at byte"):
         storage.load({"extra": "", "t": torch.zeros(4)}, tmp_path)
 
@@ -156,7 +139,7 @@ def test_a_zip64_locator_naming_another_record_than_pythons_is_refused(tmp_path:
         assert {i.compress_type for i in seen_by_python.infolist()} == {zipfile.ZIP_STORED}
     assert torch.load(io.BytesIO(payload), weights_only=True)["t"].numel() == 4 * MiB
     storage.save({"extra": "text", "t": torch.ones(4)}, tmp_path)
-    _plant(tmp_path, "extra", payload)
+    plant_item(tmp_path, "extra", payload)
     with pytest.raises(UnsafeCheckpointError, match=r"'extra'.*no end record"):
         storage.load({"extra": "", "t": torch.zeros(4)}, tmp_path)
 
@@ -185,7 +168,7 @@ def test_the_refusal_allocates_nothing_near_the_claim(tmp_path: Path) -> None:
     # without the check the 64 KiB item cost twice the 64 MiB its record claims (the
     # inflated tensor and its re-pickled copy) and the caller got the tensor.
     storage.save({"extra": "text", "t": torch.ones(4)}, tmp_path)
-    _plant(tmp_path, "extra", _bomb(64 * MiB))
+    plant_item(tmp_path, "extra", _bomb(64 * MiB))
     code = textwrap.dedent(
         f"""
         import re, torch, storage

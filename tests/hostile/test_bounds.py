@@ -34,6 +34,7 @@ from storage.checkpoint import pickle_scan, validate
 from storage.checkpoint import storage_format as fmt
 from storage.checkpoint.items import ItemEncoder, StoredItemReader
 from storage.cli.main import main
+from tests.support.planting import plant_item
 from tests.support.sealing import resealed
 
 MiB = 1 << 20
@@ -85,25 +86,6 @@ def _zstd_bomb(size: int) -> bytes:
     return out.getvalue()
 
 
-def _plant(ckpt: Path, fqn: str, stored: bytes, **extra_changes: Any) -> None:
-    """Append ``stored`` to the item's data file and point the item at it."""
-    metadata = _meta(ckpt)
-    info = _info(metadata, fqn)
-    path = ckpt / info.relative_path
-    info.offset = path.stat().st_size
-    info.length = len(stored)
-    with path.open("ab") as f:
-        f.write(stored)
-    extra = getattr(info, fmt.EXTRA)
-    extra.pop("crc32c", None)
-    for key, value in extra_changes.items():
-        if value is None:
-            extra.pop(key, None)
-        else:
-            extra[key] = value
-    _write_meta(ckpt, metadata)
-
-
 # --- decoding bounded by the request and the stored size -------------------------
 
 
@@ -115,7 +97,7 @@ def test_zstd_bomb_in_a_non_tensor_item_is_refused_within_the_bound(
     storage.save({"blob": b"small", "t": torch.ones(4)}, tmp_path, transforms=[ZStandard()])
     bomb = _zstd_bomb(256 * MiB)
     assert len(bomb) < 16 << 10
-    _plant(tmp_path, "blob", bomb)
+    plant_item(tmp_path, "blob", bomb)
     peak.reset()  # the bomb's construction is not the reader's cost
     with pytest.raises(UnsafeCheckpointError, match="blob.*decodes to more than"):
         storage.load({"blob": b"", "t": torch.zeros(4)}, tmp_path)
@@ -131,7 +113,7 @@ def test_a_stored_length_the_file_does_not_hold_does_not_raise_the_bomb_bound(
     # 64 TiB and decoded whole (256 MiB here, +517 MB with the copies; 32 GiB a MiB of
     # stored bomb) before the read noticed the file was shorter.
     storage.save({"blob": b"small", "t": torch.ones(4)}, tmp_path, transforms=[ZStandard()])
-    _plant(tmp_path, "blob", _zstd_bomb(256 * MiB))
+    plant_item(tmp_path, "blob", _zstd_bomb(256 * MiB))
     metadata = _meta(tmp_path)
     _info(metadata, "blob").length = 1 << 40
     _write_meta(tmp_path, metadata)
@@ -149,7 +131,7 @@ def test_a_transcoding_copy_bounds_a_value_by_the_bytes_its_file_holds(tmp_path:
 
     src = tmp_path / "src"
     storage.save({"blob": b"small", "t": torch.ones(4)}, src, transforms=[ZStandard()])
-    _plant(src, "blob", _zstd_bomb(256 * MiB))
+    plant_item(src, "blob", _zstd_bomb(256 * MiB))
     metadata = _meta(src)
     _info(metadata, "blob").length = 1 << 40
     _write_meta(src, metadata)
@@ -165,7 +147,7 @@ def test_zstd_bomb_in_a_tensor_item_without_layout_facts_is_refused(
     # Without the bound a stock-style item (no data_offset) was read whole for
     # torch.load: 256 MiB for a 16-element tensor.
     storage.save({"t": torch.ones(16)}, tmp_path, transforms=[ZStandard()])
-    _plant(tmp_path, "t", _zstd_bomb(256 * MiB), data_offset=None, nbytes=None)
+    plant_item(tmp_path, "t", _zstd_bomb(256 * MiB), data_offset=None, nbytes=None)
     peak.reset()
     with pytest.raises(UnsafeCheckpointError, match="'t'.*decodes to more than"):
         storage.load({"t": torch.zeros(16)}, tmp_path)
@@ -214,7 +196,7 @@ def test_zstd_bomb_around_a_tensor_is_refused_not_decoded(tmp_path: Path, where:
     else:
         stored = bomb + compress(archive)
         changes = {"data_offset": offset + (4 << 30)}
-    _plant(tmp_path, "t", stored, **changes)
+    plant_item(tmp_path, "t", stored, **changes)
     target = {"t": torch.zeros(16)}
     with pytest.raises(UnsafeCheckpointError, match="'t'.*(more than its tensor|archive)"):
         storage.load(target, tmp_path)
@@ -233,7 +215,7 @@ def test_a_transcoding_copy_refuses_a_zstd_bomb_instead_of_writing_it_out(
     src = tmp_path / "src"
     storage.save({"t": torch.arange(16.0)}, src, transforms=[ZStandard()])
     compress = zstandard.ZstdCompressor(level=1).compress
-    _plant(src, "t", compress(_archive_of(src, "t")) + _rle_zeros(4 << 30))
+    plant_item(src, "t", compress(_archive_of(src, "t")) + _rle_zeros(4 << 30))
     fs = LocalFileSystem()
     with pytest.raises(UnsafeCheckpointError, match="'t'.*decodes to more than"):
         copy_checkpoint(fs, str(src), fs, str(tmp_path / "dst"), transforms=[ZStandard()])
@@ -272,7 +254,7 @@ def test_stored_tensor_of_another_size_than_its_chunk_is_refused(tmp_path: Path)
     storage.save({"t": torch.zeros(16)}, tmp_path)
     archive = io.BytesIO()
     torch.save(torch.arange(64.0), archive)
-    _plant(tmp_path, "t", archive.getvalue(), data_offset=None, nbytes=None)
+    plant_item(tmp_path, "t", archive.getvalue(), data_offset=None, nbytes=None)
     with pytest.raises(IntegrityError, match="does not have the chunk size"):
         storage.load({"t": torch.zeros(16)}, tmp_path)
 
@@ -462,7 +444,7 @@ def test_weights_item_declaring_a_huge_plane_fails_the_load_naming_it(tmp_path: 
     from extensions import _layout as layout
 
     storage.save({"w": torch.ones(4), "v": "value"}, tmp_path, transforms=[WeightCodec()])
-    _plant(tmp_path, "v", _weights_stream(layout.ZSTD, frame_declaring(1 << 35)))  # es=1
+    plant_item(tmp_path, "v", _weights_stream(layout.ZSTD, frame_declaring(1 << 35)))  # es=1
     with pytest.raises(IntegrityError, match=r"'v'.*declares 34359738368 bytes"):
         storage.load({"w": torch.zeros(4), "v": ""}, tmp_path)
 
@@ -475,7 +457,7 @@ def test_zstd_item_declaring_a_huge_size_decodes_only_what_it_holds(
     # under its bound): they decode into buffers sized by the target and the request,
     # never by the 32 GiB this 18-byte frame declares.
     storage.save({"t": torch.ones(16), "v": "value"}, tmp_path, transforms=[ZStandard()])
-    _plant(tmp_path, "t" if item == "tensor" else "v", frame_declaring(1 << 35))
+    plant_item(tmp_path, "t" if item == "tensor" else "v", frame_declaring(1 << 35))
     peak.reset()
     with pytest.raises((IntegrityError, UnsafeCheckpointError), match="'[tv]'"):
         storage.load({"t": torch.zeros(16), "v": ""}, tmp_path)

@@ -30,6 +30,7 @@ from storage.backends._local import LocalFileSystem
 from storage.checkpoint import storage_format as fmt
 from storage.cli import main
 from storage.ops.copy import copy_checkpoint
+from tests.support.planting import plant_item
 from tests.support.sealing import resealed
 
 SECRET = torch.full((256,), 1234.5)
@@ -422,13 +423,12 @@ def test_a_tensor_archive_that_would_run_code_is_refused_without_torchs_advice(
     """A tensor item without layout facts (torch.load's path) holding a payload: a raw
     pickle.UnpicklingError was reported as damage, torch's advice to load with
     weights_only=False in its message and its cause."""
-    from tests.hostile.test_bounds import _plant
 
     marker = tmp_path / "ran"
     storage.save({"t": torch.ones(2)}, tmp_path)
     archive = io.BytesIO()
     torch.save(_RunsCode(marker), archive)
-    _plant(tmp_path, "t", archive.getvalue(), data_offset=None, nbytes=None)
+    plant_item(tmp_path, "t", archive.getvalue(), data_offset=None, nbytes=None)
     with pytest.raises(UnsafeCheckpointError) as info:
         storage.load({"t": torch.zeros(2)}, tmp_path)
     assert_refused_quietly(info.value, str(tmp_path), "'t'")
