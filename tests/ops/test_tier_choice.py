@@ -189,8 +189,10 @@ def test_a_re_save_not_drained_yet_loads_locally(tmp_path: Path) -> None:
     step = mgr.load(target)
     assert (step, step.tier) == (5, "local")  # type: ignore[attr-defined]
     assert torch.equal(target["w"], step_state(55)["w"])
-    root.down = False
-    restarted = tiered(tmp_path, filesystem=root)  # after a crash: the durable copy wins
+    # After a crash: the durable copy wins. The first manager is left with its root down,
+    # as a crashed one would be: its drain, retried, would otherwise publish the new save
+    # over the copy the restarted manager reads.
+    restarted = tiered(tmp_path, filesystem=_Breakable())
     target = blank_state()
     step = restarted.load(target)
     assert (step, step.tier) == (5, "durable")  # type: ignore[attr-defined]
